@@ -1,0 +1,21 @@
+"""Shared test setup: the repo on sys.path, offline BPE and data from ../shared."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(REPO))
+
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+
+
+@pytest.fixture
+def shared_data():
+    path = SHARED / "data"
+    if not path.is_dir():
+        pytest.skip("../shared/data is not present")
+    return path
