@@ -1,0 +1,970 @@
+"""GPT-2 pretraining in one file.
+
+    python train_gpt2.py --data-dir edu_fineweb10B                    # one GPU or CPU
+    torchrun --nproc_per_node=8 train_gpt2.py --data-dir edu_fineweb10B
+
+The heart is token-normalized gradient accumulation: the gradient of one optimizer step
+equals the gradient of the mean loss over every non-ignored target token of the step, on
+every rank, whatever the split into micro-batch size x accumulation steps x world size.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+EOT = 50256  # <|endoftext|>: GPT-2's document separator
+IGNORE_INDEX = -1  # targets with this value carry no loss
+
+
+class UserError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2, no traceback."""
+
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence the position table covers
+    vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+MODEL_PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    "cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),  # trains on a laptop CPU
+}
+
+
+@dataclass
+class RunConfig:
+    # data and output
+    data_dir: str = "edu_fineweb10B"
+    out_dir: str = "out"
+    align_docs: bool = False
+    shuffle: bool = False
+    # batch: batch_size rows of seq_len tokens per rank per micro-step
+    batch_size: int = 64
+    seq_len: int = 1024
+    total_batch_size: int = 524288  # tokens per optimizer step over all ranks (2**19)
+    # optimization
+    max_steps: int = 19073  # 10B tokens / 2**19 tokens per step
+    warmup_steps: int = 715
+    max_lr: float = 6e-4
+    min_lr: float | None = None  # None: 10% of max_lr
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    # evaluation, sampling and checkpoints (0 disables each)
+    val_every: int = 250
+    val_steps: int = 20
+    sample_every: int = 250
+    hellaswag_every: int = 250
+    hellaswag_limit: int = 0  # 0: all 10042 examples
+    hellaswag_file: str | None = None
+    ckpt_every: int = 5000
+    keep_last: int = 0  # 0 keeps every checkpoint
+    resume: str | None = None  # "latest" or a checkpoint path
+    # failures
+    skip_nonfinite: int = 0
+    skip_spikes: float = 0.0
+    dist_timeout: float = 600.0
+    # runtime
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool | None = None  # None: on for CUDA, off for CPU
+    seed: int = 1337
+    debug: bool = False
+
+
+def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
+    """Check the run as a whole, before any work. Returns grad_accum_steps."""
+    positive = dict(batch_size=run.batch_size, seq_len=run.seq_len,
+                    total_batch_size=run.total_batch_size, n_layer=model.n_layer,
+                    n_head=model.n_head, n_embd=model.n_embd, block_size=model.block_size,
+                    vocab_size=model.vocab_size)
+    for name, value in positive.items():
+        if value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("max_steps", "warmup_steps", "val_every", "val_steps", "sample_every",
+                 "hellaswag_every", "hellaswag_limit", "ckpt_every", "keep_last", "skip_nonfinite"):
+        if getattr(run, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(run, name)}")
+    if model.n_embd % model.n_head:
+        raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")
+    if run.seq_len > model.block_size:
+        raise UserError(f"--seq-len {run.seq_len} is longer than the model's --block-size {model.block_size}")
+    micro_tokens = run.batch_size * run.seq_len * world_size
+    if run.total_batch_size % micro_tokens:
+        raise UserError(
+            f"--total-batch-size {run.total_batch_size} is not divisible by batch_size x seq_len x "
+            f"world_size = {run.batch_size} x {run.seq_len} x {world_size} = {micro_tokens}")
+    if run.max_lr <= 0 or (run.min_lr is not None and not 0 <= run.min_lr <= run.max_lr):
+        raise UserError(f"need 0 < --max-lr and 0 <= --min-lr <= --max-lr (got {run.max_lr}, {run.min_lr})")
+    if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
+        raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
+    return run.total_batch_size // micro_tokens
+
+
+# -----------------------------------------------------------------------------
+# model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention on CUDA
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if module in self._residual_projections():
+                # each block adds two residual contributions: keep the stream's variance flat
+                std *= (2 * self.config.n_layer) ** -0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def _residual_projections(self):
+        return {m for block in self.transformer.h for m in (block.attn.c_proj, block.mlp.c_proj)}
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1.
+
+        reduction="sum" returns the summed token loss, which token-normalized gradient
+        accumulation scales by the step's global token count."""
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction=reduction)
+        return logits, loss
+
+    def num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def configure_optimizers(self, weight_decay, learning_rate, device_type):
+        """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms."""
+        params = [p for p in self.parameters() if p.requires_grad]  # tied weight appears once
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [dict(params=decay, weight_decay=weight_decay),
+                  dict(params=no_decay, weight_decay=0.0)]
+        # the fused kernel does the whole update in one launch; CPU has one since torch 2.4
+        fused = device_type in ("cuda", "cpu")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, top_k=50, generator=None):
+        """Extend idx (B, T) by sampling max_new_tokens tokens from the top-k of each distribution."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            probs = F.softmax(logits[:, -1, :].float(), dim=-1)
+            topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
+            choice = torch.multinomial(topk_probs, 1, generator=generator)
+            idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
+        return idx
+
+
+# -----------------------------------------------------------------------------
+# data
+
+
+BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's token shard format
+
+
+def open_shard(path: str) -> np.ndarray:
+    """Memory-map a token shard: build-nanogpt's .npy (uint16) or llm.c's .bin."""
+    try:
+        if path.endswith(".bin"):
+            header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
+            if header.size < 3 or header[0] != BIN_MAGIC:
+                raise UserError(f"{path}: not an llm.c token shard (bad magic). "
+                                "HINT: are you passing the right file?")
+            if header[1] != BIN_VERSION:
+                raise UserError(f"{path}: unsupported llm.c shard version {header[1]} (expected {BIN_VERSION})")
+            n_tokens = int(header[2])
+            expected = 4 * BIN_HEADER_INTS + 2 * n_tokens
+            actual = os.path.getsize(path)
+            if actual != expected:
+                raise UserError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
+                                f"has {actual} bytes: truncated or corrupt, re-create it")
+            return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except UserError:
+        raise
+    except (ValueError, OSError, EOFError) as e:
+        raise UserError(f"{path}: cannot read token shard ({e}); truncated or corrupt? re-create it") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UserError(f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
+                        f"{tokens.shape}. HINT: are you passing the right file?")
+    return tokens
+
+
+def find_shards(data_dir: str, split: str) -> list[str]:
+    if not os.path.isdir(data_dir):
+        raise UserError(f"--data-dir {data_dir} does not exist; create shards with fineweb.py")
+    paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(data_dir, f"*_{split}_*.{ext}")))
+    if not paths:
+        raise UserError(f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; "
+                        "create them with fineweb.py")
+    return paths
+
+
+def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Row table of one shard for --align-docs: int64 (n_rows, 2) of (start, n_targets).
+
+    A row's inputs are tokens[start : start+n] and its targets tokens[start+1 : start+n+1].
+    Rows are filled with whole documents; the last target of a row is the <|endoftext|> that
+    opens the next document, which also opens the next row, so every token is a target once.
+    A document longer than a row fills whole rows and its remainder starts the next one."""
+    n = len(tokens)
+    starts = [np.flatnonzero(tokens[i:i + chunk] == EOT) + i for i in range(0, n, chunk)]
+    bounds = np.concatenate([[0], *starts, [n - 1]]).astype(np.int64)  # shard edges count as boundaries
+    rows = []
+    start = 0
+    while start < n - 1:
+        j = np.searchsorted(bounds, start + T, side="right") - 1  # last boundary within reach
+        end = int(bounds[j]) if bounds[j] > start else start + T
+        rows.append((start, end - start))
+        start = end
+    return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
+
+class TokenRows:
+    """The training (or validation) stream as a sequence of rows, with a pure row -> tokens map.
+
+    Global row g lives in epoch g // rows_per_epoch. Each epoch visits the shards in order
+    (or a seeded permutation with shuffle) and each shard's rows in order (or permuted).
+    Plain rows are T+1 consecutive tokens starting at multiples of T, so a shard of n tokens
+    holds (n - 1) // T rows; aligned rows come from aligned_rows()."""
+
+    def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None):
+        self.paths = find_shards(data_dir, split)
+        self.T, self.align_docs, self.shuffle, self.seed = T, align_docs, shuffle, seed
+        self.vocab_size = vocab_size
+        self.shards = [open_shard(p) for p in self.paths]
+        if align_docs:
+            self.tables = [aligned_rows(s, T) for s in self.shards]
+            counts = [len(t) for t in self.tables]
+        else:
+            counts = [(len(s) - 1) // T for s in self.shards]
+        self.shard_rows = np.array(counts, dtype=np.int64)
+        self.rows_per_epoch = int(self.shard_rows.sum())
+        if self.rows_per_epoch == 0:
+            raise UserError(f"'{split}' shards in {data_dir} hold fewer than {T + 1} tokens: "
+                            "nothing to train on")
+        self._epoch_cache = {}
+
+    def _epoch_layout(self, epoch):
+        """Shard order and cumulative row offsets of one epoch."""
+        if epoch not in self._epoch_cache:
+            order = np.arange(len(self.shards))
+            if self.shuffle:
+                order = np.random.default_rng((self.seed, epoch)).permutation(len(self.shards))
+            self._epoch_cache = {epoch: (order, np.cumsum(self.shard_rows[order]))}  # keep one epoch
+        return self._epoch_cache[epoch]
+
+    def locate(self, g):
+        """Global row -> (shard index, row index within that shard)."""
+        epoch, r = divmod(int(g), self.rows_per_epoch)
+        order, ends = self._epoch_layout(epoch)
+        pos = int(np.searchsorted(ends, r, side="right"))
+        shard = int(order[pos])
+        row = r - (int(ends[pos - 1]) if pos else 0)
+        if self.shuffle:
+            perm = np.random.default_rng((self.seed, epoch, shard)).permutation(int(self.shard_rows[shard]))
+            row = int(perm[row])
+        return shard, row
+
+    def row_span(self, g):
+        shard, row = self.locate(g)
+        if self.align_docs:
+            start, n = self.tables[shard][row]
+            return shard, int(start), int(n)
+        return shard, row * self.T, self.T
+
+    def count_targets(self, g0, n_rows):
+        """Number of non-ignored targets in rows [g0, g0 + n_rows): known without reading tokens."""
+        if not self.align_docs:
+            return n_rows * self.T
+        return sum(self.row_span(g)[2] for g in range(g0, g0 + n_rows))
+
+    def batch(self, g0, B):
+        """Rows [g0, g0 + B) as int64 arrays x, y of shape (B, T); padding targets are -1."""
+        x = np.full((B, self.T), EOT, dtype=np.int64)
+        y = np.full((B, self.T), IGNORE_INDEX, dtype=np.int64)
+        for b in range(B):
+            shard, start, n = self.row_span(g0 + b)
+            buf = self.shards[shard][start:start + n + 1]
+            x[b, :n] = buf[:-1]
+            y[b, :n] = buf[1:]
+        if self.vocab_size is not None:
+            top = int(x.max(initial=0)), int(y.max(initial=0))
+            if max(top) >= self.vocab_size:
+                shard, _, _ = self.row_span(g0)
+                raise UserError(f"{self.paths[shard]}: token id {max(top)} >= vocab size {self.vocab_size}; "
+                                "wrong tokenizer or --vocab-size too small")
+        return x, y
+
+
+class StepLoader:
+    """Which rows each rank reads at each micro-step of each optimizer step.
+
+    Step s consumes the rows_per_step consecutive global rows [s*R, (s+1)*R). Micro-step m of
+    rank r reads rows s*R + (m*W + r)*B + [0, B): any split B x accumulation x W of the same
+    R reads the same rows, so the loss curve does not depend on the GPU count."""
+
+    def __init__(self, rows: TokenRows, B, grad_accum_steps, rank, world_size):
+        self.rows, self.B, self.accum, self.rank, self.W = rows, B, grad_accum_steps, rank, world_size
+        self.rows_per_step = B * grad_accum_steps * world_size
+
+    def step_tokens(self, step):
+        """N: non-ignored target tokens of the whole step on all ranks."""
+        return self.rows.count_targets(step * self.rows_per_step, self.rows_per_step)
+
+    def micro_batch(self, step, micro_step):
+        g0 = step * self.rows_per_step + (micro_step * self.W + self.rank) * self.B
+        return self.rows.batch(g0, self.B)
+
+
+# -----------------------------------------------------------------------------
+# optimizer & schedule
+
+
+def get_lr(step: int, run: RunConfig) -> float:
+    min_lr = run.max_lr * 0.1 if run.min_lr is None else run.min_lr
+    # 1) linear warmup from max_lr / warmup_steps to max_lr
+    if step < run.warmup_steps:
+        return run.max_lr * (step + 1) / run.warmup_steps
+    # 2) after max_steps, hold min_lr
+    if step >= run.max_steps:
+        return min_lr
+    # 3) in between, cosine decay from max_lr down to min_lr
+    progress = (step - run.warmup_steps) / max(1, run.max_steps - run.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (run.max_lr - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# distributed
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def enabled(self):
+        return self.world_size > 1 or dist.is_initialized()
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def device_type(self):
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+
+def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Join the torchrun process group if launched by torchrun, else a single process.
+
+    NCCL on CUDA, gloo on CPU. device is "auto", "cpu", "cuda" or "cuda:N"."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but torch sees no CUDA device")
+    if "RANK" not in os.environ:
+        return Dist(device=device)
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    import datetime
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def cleanup_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (gloo has no AVG; callers divide themselves)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+# -----------------------------------------------------------------------------
+# evaluation & checkpoint
+
+
+def autocast_context(device_type: str, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int,
+                  device: str, dtype: torch.dtype) -> float:
+    """Token-weighted mean loss over the first n_batches x world x B rows of a stream."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, token count
+    for i in range(n_batches):
+        x, y = rows.batch((i * world + rank) * B, B)
+        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        with autocast_context(torch.device(device).type, dtype):
+            _, loss_sum = model(x, y, reduction="sum")
+        totals[0] += loss_sum.double()
+        totals[1] += (y != IGNORE_INDEX).sum()
+    model.train()
+    all_reduce_sum(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def sample_text(model: GPT, enc, device: str, prompt="Hello, I'm a language model,", n=4, length=32,
+                seed=42) -> list[str]:
+    model.eval()
+    idx = torch.tensor([enc.encode(prompt)] * n, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, length, top_k=50, generator=gen)
+    model.train()
+    vocab = enc.n_vocab  # padded ids beyond the tokenizer cannot be decoded
+    return [enc.decode([t for t in row if t < vocab]) for row in out.tolist()]
+
+
+def clean_state_dict(model: nn.Module) -> dict:
+    """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+    return model.state_dict()
+
+
+def checkpoint_path(out_dir: str, step: int) -> str:
+    return os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+
+
+def list_checkpoints(out_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
+
+
+def save_checkpoint(path: str, state: dict, keep_last: int = 0):
+    """Write to path.tmp then rename, so a crash mid-write leaves the previous checkpoint intact."""
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    if keep_last:
+        for old in list_checkpoints(os.path.dirname(path))[:-keep_last]:
+            os.remove(old)
+
+
+def load_checkpoint(path: str, map_location="cpu") -> dict:
+    """Load a checkpoint with weights_only=True: tensors and plain types, no pickled code."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises many types for a damaged zip or pickle
+        raise UserError(f"{path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        "corrupt or truncated? resume from an earlier one") from None
+
+
+def model_from_checkpoint(path: str, device="cpu") -> GPT:
+    """The GPT stored in one of our checkpoints, in eval mode on device."""
+    ckpt = load_checkpoint(path)
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+class RunLog:
+    """log.jsonl on rank 0: one JSON object per event. Other ranks write nothing."""
+
+    def __init__(self, out_dir: str, enabled: bool, truncate_at: int = 0):
+        self.file = None
+        if enabled:
+            path = os.path.join(out_dir, "log.jsonl")
+            with open(path, "a") as f:  # keep what a previous run logged up to its checkpoint
+                f.truncate(truncate_at)
+            self.file = open(path, "a")
+
+    def write(self, **record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def tell(self) -> int:
+        return self.file.tell() if self.file else 0
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+# -----------------------------------------------------------------------------
+# train loop
+
+# Keys that fix which rows each step reads and what the model is: resuming must keep them.
+RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed")
+
+# Dense bf16 tensor-core peak (not the 2:4-sparse figure), matched against the CUDA device name.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+def flops_per_token(cfg: GPTConfig, T: int, n_params: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward matmuls) plus attention's
+    QK^T and AV, 12 * n_layer * n_embd * T (PaLM appendix B; causal masking not discounted)."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask the run to finish its step, checkpoint and exit 0; a second SIGINT aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+class SpikeDetector:
+    """Flags a value more than z standard deviations above the mean of a recent window."""
+
+    def __init__(self, z: float, window: int = 50, warmup: int = 20):
+        self.z, self.window, self.warmup, self.values = z, window, warmup, []
+
+    def is_spike(self, value: float) -> bool:
+        spike = False
+        if self.z and len(self.values) >= self.warmup:
+            mean = sum(self.values) / len(self.values)
+            std = (sum((v - mean) ** 2 for v in self.values) / len(self.values)) ** 0.5
+            spike = value > mean + self.z * max(std, 1e-8)
+        if not spike:
+            self.values = (self.values + [value])[-self.window:]
+        return spike
+
+
+def get_tokenizer_or_fail(hint: str):
+    from fineweb import get_encoding
+    try:
+        return get_encoding()
+    except RuntimeError as e:
+        raise UserError(f"{e} (or {hint})") from None
+
+
+def find_resume_checkpoint(run: RunConfig) -> str | None:
+    if run.resume is None:
+        return None
+    if run.resume != "latest":
+        return run.resume
+    found = list_checkpoints(run.out_dir)
+    return found[-1] if found else None
+
+
+def check_resume_compatible(ckpt: dict, run: RunConfig, model_cfg: GPTConfig, path: str):
+    diffs = [f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
+             for k, v in ckpt["model_config"].items() if getattr(model_cfg, k) != v]
+    diffs += [f"{k}: checkpoint {ckpt['run_config'][k]} vs now {getattr(run, k)}"
+              for k in RESUME_KEYS if ckpt["run_config"][k] != getattr(run, k)]
+    if diffs:
+        raise UserError(f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model and "
+                        "batch flags (the number of GPUs may change)")
+
+
+def prepare_out_dir(run: RunConfig, resuming: bool):
+    try:
+        os.makedirs(run.out_dir, exist_ok=True)
+        probe = os.path.join(run.out_dir, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write to --out-dir {run.out_dir}: {e.strerror}") from None
+    if not resuming and list_checkpoints(run.out_dir):
+        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints: pass --resume to continue "
+                        "that run, or choose another --out-dir")
+
+
+def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
+    grad_accum_steps = validate_config(run, model_cfg, d.world_size)
+    device, device_type = d.device, d.device_type
+    dtype = resolve_dtype(run.dtype, device_type)
+    use_compile = run.compile if run.compile is not None else device_type == "cuda"
+    torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+
+    # data, tokenizer and evaluation inputs first: bad input fails before any model work
+    train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
+                           model_cfg.vocab_size)
+    loader = StepLoader(train_rows, run.batch_size, grad_accum_steps, d.rank, d.world_size)
+    val_rows = None
+    if run.val_every:
+        try:
+            val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
+        except UserError as e:
+            raise UserError(f"{e} (or pass --val-every 0)") from None
+    enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
+    if run.hellaswag_every:
+        import hellaswag
+
+    ckpt_path = find_resume_checkpoint(run)
+    prepare_out_dir(run, resuming=run.resume is not None)
+
+    model = GPT(model_cfg).to(device)
+    optimizer = model.configure_optimizers(run.weight_decay, run.max_lr, device_type)
+    start_step, log_offset = 0, 0
+    if ckpt_path:
+        ckpt = load_checkpoint(ckpt_path)
+        check_resume_compatible(ckpt, run, model_cfg, ckpt_path)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_step, log_offset = ckpt["step"], ckpt["log_offset"]
+        torch.set_rng_state(ckpt["rng_cpu"])
+        print0(f"resumed from {ckpt_path} at step {start_step}")
+        del ckpt
+    elif run.resume is not None:
+        print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
+    raw_model = model  # evaluation, sampling and checkpoints use the bare module
+    if use_compile:
+        model = torch.compile(model)
+    if d.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None)
+
+    log = RunLog(run.out_dir, d.is_main, truncate_at=log_offset)
+    n_params = raw_model.num_params()
+    tokens_per_step = loader.rows_per_step * run.seq_len  # processed, padding included
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" and dtype == torch.bfloat16 else None
+    flops_step = flops_per_token(model_cfg, run.seq_len, n_params) * tokens_per_step
+    print0(f"model: {n_params / 1e6:.2f}M non-embedding params | device {device} | dtype "
+           f"{str(dtype).removeprefix('torch.')} | compile {use_compile} | world {d.world_size}")
+    print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
+           f"{grad_accum_steps} accumulation steps x {d.world_size} ranks | {train_rows.rows_per_epoch} "
+           f"train rows per epoch")
+
+    single_micro_step = grad_accum_steps == 1 and d.world_size == 1
+    stop = StopSignal()
+    loss_spikes, norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
+    nonfinite_skipped = 0
+    last_ckpt = ckpt_path
+    t_start, tokens_seen, train_time = time.perf_counter(), 0, 0.0
+    stop_agreed = False
+
+    def save(step):
+        nonlocal last_ckpt
+        if d.is_main:
+            path = checkpoint_path(run.out_dir, step)
+            save_checkpoint(path, dict(
+                model=clean_state_dict(raw_model), optimizer=optimizer.state_dict(), step=step,
+                model_config=dataclasses.asdict(model_cfg), run_config=dataclasses.asdict(run),
+                rng_cpu=torch.get_rng_state(), log_offset=log.tell(), world_size=d.world_size,
+                next_row=step * loader.rows_per_step), run.keep_last)
+            last_ckpt = path
+        if d.enabled:
+            dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
+
+    try:
+        for step in range(start_step, run.max_steps + 1):
+            last_step = step == run.max_steps
+            if step > start_step or not ckpt_path:  # the resumed step was evaluated before saving
+                if val_rows and (step % run.val_every == 0 or last_step):
+                    val_loss = evaluate_loss(raw_model, val_rows, run.batch_size, run.val_steps, d.rank,
+                                             d.world_size, device, dtype)
+                    print0(f"step {step:5d} | val loss {val_loss:.4f}")
+                    log.write(step=step, val_loss=val_loss)
+                if run.hellaswag_every and (step % run.hellaswag_every == 0 or last_step):
+                    result = hellaswag.evaluate(raw_model, device, data_file=run.hellaswag_file,
+                                                limit=run.hellaswag_limit or None, rank=d.rank,
+                                                world_size=d.world_size, dtype=dtype)
+                    print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
+                    log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
+                if enc and d.is_main and step > 0 and (step % run.sample_every == 0 or last_step):
+                    for text in sample_text(raw_model, enc, device):
+                        print0(f"sample: {text!r}")
+                if step > start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
+                    save(step)
+            if stop_agreed:
+                if last_ckpt != checkpoint_path(run.out_dir, step):
+                    save(step)
+                print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
+                       f"Resume with the same command plus --resume")
+                break
+            if last_step:
+                break
+
+            # ---- one optimizer step ----
+            t0 = time.perf_counter()
+            n_tokens = loader.step_tokens(step)  # N, known before any backward
+            # each micro-batch backpropagates sum(token losses) * W / N; DDP's average over W
+            # then leaves d(sum of all token losses)/N. One micro-step on one rank: plain mean.
+            loss_scale = d.world_size / n_tokens
+            loss_total = torch.zeros((), dtype=torch.float64, device=device)
+            for micro_step in range(grad_accum_steps):
+                x, y = loader.micro_batch(step, micro_step)
+                x = torch.from_numpy(x).to(device, non_blocking=True)
+                y = torch.from_numpy(y).to(device, non_blocking=True)
+                sync = micro_step == grad_accum_steps - 1
+                # the no-sync state must cover the forward too: DDP arms its hooks there
+                no_sync = model.no_sync() if d.enabled and not sync else contextlib.nullcontext()
+                with no_sync:
+                    with autocast_context(device_type, dtype):
+                        _, loss = model(x, y, reduction="mean" if single_micro_step else "sum")
+                    (loss if single_micro_step else loss * loss_scale).backward()
+                loss_total += loss.detach()
+            # one collective: the step's summed loss and whether any rank was asked to stop
+            stats = torch.stack([loss_total, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
+            all_reduce_sum(stats)
+            params = [p for p in raw_model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if run.grad_clip:
+                torch.nn.utils.clip_grads_with_norm_(params, run.grad_clip, grad_norm)
+            loss_sum, stop_votes, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()  # one sync
+            step_loss = loss_sum if single_micro_step else loss_sum / n_tokens
+            stop_agreed = stop_votes > 0
+
+            lr = get_lr(step, run)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            skipped = None
+            if not (math.isfinite(step_loss) and math.isfinite(norm)):
+                if nonfinite_skipped >= run.skip_nonfinite:
+                    raise UserError(f"step {step}: non-finite loss {step_loss} or grad norm {norm}; stopped "
+                                    f"before the update. Last good checkpoint: {last_ckpt or 'none'}")
+                nonfinite_skipped += 1
+                skipped = "nonfinite"
+            elif any([loss_spikes.is_spike(step_loss), norm_spikes.is_spike(norm)]):  # both windows see the step
+                skipped = "spike"
+            if skipped:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tokens_seen += tokens_per_step
+            train_time += dt
+            tok_per_s = tokens_per_step / dt
+            mfu = f" | mfu {100 * flops_step / dt / peak:.1f}%" if peak else ""
+            print0(f"step {step:5d}/{run.max_steps} | loss {step_loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
+                   f"dt {1000 * dt:.1f}ms | tok/s {tok_per_s:,.0f}{mfu}" + (f" | skipped ({skipped})" if skipped else ""))
+            record = dict(step=step, loss=step_loss, lr=lr, grad_norm=norm, tokens=n_tokens,
+                          dt_ms=1000 * dt, tok_per_s=tok_per_s)
+            if skipped:
+                record["skipped"] = skipped
+            log.write(**record)
+    finally:
+        stop.restore()
+        log.close()
+
+    elapsed = time.perf_counter() - t_start
+    if device_type == "cuda":
+        peak_mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU"
+    else:
+        import resource
+        peak_mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+    print0(f"done: {tokens_seen:,} tokens in {elapsed:.1f}s | mean {tokens_seen / max(train_time, 1e-9):,.0f} "
+           f"tok/s while training | peak memory {peak_mem}")
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    defaults = RunConfig()
+    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data-dir", default=defaults.data_dir, help="folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
+    g.add_argument("--out-dir", default=defaults.out_dir, help="log.jsonl and checkpoints go here")
+    g.add_argument("--align-docs", action="store_true", help="start rows at document boundaries; pad row tails (targets -1)")
+    g.add_argument("--shuffle", action="store_true", help="seeded permutation of shard order and row order each epoch")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="gpt2", choices=sorted(MODEL_PRESETS), help="size preset; the flags below override it")
+    g.add_argument("--n-layer", type=int, help="transformer blocks")
+    g.add_argument("--n-head", type=int, help="attention heads")
+    g.add_argument("--n-embd", type=int, help="embedding width")
+    g.add_argument("--block-size", type=int, help="longest sequence the model handles")
+    g.add_argument("--vocab-size", type=int, help="vocabulary size (default 50304: GPT-2's 50257 padded)")
+    g = p.add_argument_group("batch")
+    g.add_argument("--batch-size", type=int, default=defaults.batch_size, help="rows per rank per micro-step (B)")
+    g.add_argument("--seq-len", type=int, help="tokens per row (T); default: the model's block size")
+    g.add_argument("--total-batch-size", type=int, default=defaults.total_batch_size,
+                   help="tokens per optimizer step over all ranks; a multiple of B x T x world size")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
+    g.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear LR warmup steps")
+    g.add_argument("--max-lr", type=float, default=defaults.max_lr, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=defaults.min_lr, help="final learning rate (default: 10%% of --max-lr)")
+    g.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW decay on matrices and embeddings")
+    g.add_argument("--grad-clip", type=float, default=defaults.grad_clip, help="clip the gradient norm to this (0: off)")
+    g = p.add_argument_group("evaluation and checkpoints (0 disables each)")
+    g.add_argument("--val-every", type=int, default=defaults.val_every, help="validation loss every N steps")
+    g.add_argument("--val-steps", type=int, default=defaults.val_steps, help="batches per validation")
+    g.add_argument("--sample-every", type=int, default=defaults.sample_every, help="print text samples every N steps")
+    g.add_argument("--hellaswag-every", type=int, default=defaults.hellaswag_every, help="HellaSwag accuracy every N steps")
+    g.add_argument("--hellaswag-limit", type=int, default=defaults.hellaswag_limit, help="examples per HellaSwag eval (0: all)")
+    g.add_argument("--hellaswag-file", default=defaults.hellaswag_file, help="local hellaswag_val.jsonl (default: download/cache)")
+    g.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--keep-last", type=int, default=defaults.keep_last, help="keep only the newest K checkpoints (0: all)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the newest checkpoint in --out-dir (or the given path)")
+    g = p.add_argument_group("failures")
+    g.add_argument("--skip-nonfinite", type=int, default=defaults.skip_nonfinite,
+                   help="skip up to N steps with a non-finite loss or grad norm instead of stopping")
+    g.add_argument("--skip-spikes", type=float, default=defaults.skip_spikes,
+                   help="skip updates whose loss is Z std devs above the recent window (0: off)")
+    g.add_argument("--dist-timeout", type=float, default=defaults.dist_timeout,
+                   help="seconds a collective may wait for a dead or stuck rank")
+    g.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
+                   help="autocast dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    g.add_argument("--seed", type=int, default=defaults.seed, help="seed for init and shuffling")
+    return p.parse_args(argv)
+
+
+def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
+    model_fields = dict(MODEL_PRESETS[args.model])
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        if getattr(args, name) is not None:
+            model_fields[name] = getattr(args, name)
+    model_cfg = GPTConfig(**model_fields)
+    run = RunConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
+                       if hasattr(args, f.name)})
+    if run.seq_len is None:
+        run.seq_len = min(model_cfg.block_size, RunConfig.seq_len)
+    return run, model_cfg
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run, model_cfg = build_configs(args)
+    try:
+        d = setup_distributed(run.device, run.dist_timeout)
+        try:
+            train(run, model_cfg, d)
+        finally:
+            cleanup_distributed()
+    except UserError as e:
+        if run.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
