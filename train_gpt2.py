@@ -692,6 +692,34 @@ def prepare_out_dir(run: RunConfig, resuming: bool):
                         "that run, or choose another --out-dir")
 
 
+def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Forward and backward over one optimizer step's micro-batches on this rank.
+
+    Each micro-batch backpropagates sum(token losses) * W / N, where N is the step's count of
+    non-ignored targets over all micro-batches and ranks; DDP's average over W ranks then
+    leaves exactly d(sum of all token losses) / N. With one micro-batch on one rank that is
+    the plain mean loss and no scaling op is added. Returns the summed token loss (float64)
+    of this rank. micro_batches yields (x, y) numpy arrays; model may be DDP-wrapped."""
+    micro_batches = list(micro_batches)
+    device_type = torch.device(device).type
+    is_ddp = hasattr(model, "no_sync")
+    single = len(micro_batches) == 1 and world_size == 1
+    loss_scale = world_size / n_tokens
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        x = torch.from_numpy(x).to(device, non_blocking=True)
+        y = torch.from_numpy(y).to(device, non_blocking=True)
+        last = i == len(micro_batches) - 1
+        # the no-sync state must cover the forward too: DDP prepares its reducer there
+        with model.no_sync() if is_ddp and not last else contextlib.nullcontext():
+            with autocast_context(device_type, dtype):
+                _, loss = model(x, y, reduction="mean" if single else "sum")
+            (loss if single else loss * loss_scale).backward()
+        loss_total += loss.detach() * n_tokens if single else loss.detach()
+    return loss_total
+
+
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     grad_accum_steps = validate_config(run, model_cfg, d.world_size)
     device, device_type = d.device, d.device_type
@@ -750,7 +778,6 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
            f"{grad_accum_steps} accumulation steps x {d.world_size} ranks | {train_rows.rows_per_epoch} "
            f"train rows per epoch")
 
-    single_micro_step = grad_accum_steps == 1 and d.world_size == 1
     stop = StopSignal()
     loss_spikes, norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
     nonfinite_skipped = 0
@@ -803,22 +830,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             # ---- one optimizer step ----
             t0 = time.perf_counter()
             n_tokens = loader.step_tokens(step)  # N, known before any backward
-            # each micro-batch backpropagates sum(token losses) * W / N; DDP's average over W
-            # then leaves d(sum of all token losses)/N. One micro-step on one rank: plain mean.
-            loss_scale = d.world_size / n_tokens
-            loss_total = torch.zeros((), dtype=torch.float64, device=device)
-            for micro_step in range(grad_accum_steps):
-                x, y = loader.micro_batch(step, micro_step)
-                x = torch.from_numpy(x).to(device, non_blocking=True)
-                y = torch.from_numpy(y).to(device, non_blocking=True)
-                sync = micro_step == grad_accum_steps - 1
-                # the no-sync state must cover the forward too: DDP arms its hooks there
-                no_sync = model.no_sync() if d.enabled and not sync else contextlib.nullcontext()
-                with no_sync:
-                    with autocast_context(device_type, dtype):
-                        _, loss = model(x, y, reduction="mean" if single_micro_step else "sum")
-                    (loss if single_micro_step else loss * loss_scale).backward()
-                loss_total += loss.detach()
+            batches = [loader.micro_batch(step, m) for m in range(grad_accum_steps)]
+            loss_total = accumulate_gradients(model, batches, n_tokens, d.world_size, device, dtype)
             # one collective: the step's summed loss and whether any rank was asked to stop
             stats = torch.stack([loss_total, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
             all_reduce_sum(stats)
@@ -827,7 +840,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             if run.grad_clip:
                 torch.nn.utils.clip_grads_with_norm_(params, run.grad_clip, grad_norm)
             loss_sum, stop_votes, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()  # one sync
-            step_loss = loss_sum if single_micro_step else loss_sum / n_tokens
+            step_loss = loss_sum / n_tokens
             stop_agreed = stop_votes > 0
 
             lr = get_lr(step, run)

@@ -1,0 +1,144 @@
+"""Token-normalized gradient accumulation equals one big batch, for every split (issue 2, tests 1-3)."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from train_gpt2 import GPT, GPTConfig, accumulate_gradients, all_reduce_sum
+
+TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_same_grads(a, b, atol=1e-6, rtol=1e-5):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=k)
+
+
+# --- 1. the toy from the accumulation lesson -------------------------------------------------
+
+def test_toy_mlp_accumulation_matches_one_batch():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    x, y = torch.randn(4, 16), torch.randn(4, 1)
+
+    def grad(fn):
+        net.zero_grad()
+        fn()
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    one_batch = grad(lambda: nn.functional.mse_loss(net(x), y).backward())
+    normalized = grad(lambda: [(nn.functional.mse_loss(net(x[i:i + 1]), y[i:i + 1]) / 4).backward()
+                               for i in range(4)])
+    unnormalized = grad(lambda: [nn.functional.mse_loss(net(x[i:i + 1]), y[i:i + 1]).backward()
+                                 for i in range(4)])
+    assert_same_grads(one_batch, normalized)
+    # without the 1/4 the accumulated gradient is 4x too large
+    assert_same_grads({k: 4 * v for k, v in one_batch.items()}, unnormalized)
+    assert max_diff(one_batch, unnormalized) > 1e-3
+
+
+# --- 2. a tiny GPT with ignored targets: every split gives the same gradient ------------------
+
+def make_batch(rows=8, T=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, TINY.vocab_size, (rows, T), generator=g)
+    y = torch.randint(0, TINY.vocab_size, (rows, T), generator=g)
+    for r in range(rows):  # a different number of ignored targets in every row
+        y[r, T - 2 * r:] = -1
+    return x, y
+
+
+def fresh_model():
+    torch.manual_seed(1)
+    return GPT(TINY)
+
+
+def reference_grads(x, y):
+    model = fresh_model()
+    _, loss = model(x, y)  # token mean over every non-ignored target of the 8 rows
+    loss.backward()
+    return grads_of(model), loss.item()
+
+
+def split_rows(x, y, B):
+    return [(x[i:i + B].numpy(), y[i:i + B].numpy()) for i in range(0, len(x), B)]
+
+
+@pytest.mark.parametrize("B", [8, 4, 2, 1])
+def test_tiny_gpt_accumulation_matches_one_batch(B):
+    x, y = make_batch()
+    n_tokens = int((y != -1).sum())
+    assert len({int((y[r] != -1).sum()) for r in range(8)}) == 8  # the counts really differ
+    ref, ref_loss = reference_grads(x, y)
+    model = fresh_model()
+    loss_sum = accumulate_gradients(model, split_rows(x, y, B), n_tokens, 1, "cpu", torch.float32)
+    assert_same_grads(ref, grads_of(model))
+    assert loss_sum.item() / n_tokens == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_single_micro_step_is_exactly_the_plain_mean_loss():
+    x, y = make_batch()
+    ref, _ = reference_grads(x, y)
+    model = fresh_model()
+    accumulate_gradients(model, split_rows(x, y, 8), int((y != -1).sum()), 1, "cpu", torch.float32)
+    for k, g in grads_of(model).items():
+        assert torch.equal(g, ref[k]), k  # bit-identical: no scaling op was added
+
+
+def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
+    x, y = make_batch()
+    ref, _ = reference_grads(x, y)
+    model = fresh_model()
+    for xb, yb in split_rows(x, y, 2):  # the reference loop: mean per micro-batch / steps
+        _, loss = model(torch.from_numpy(xb), torch.from_numpy(yb))
+        (loss / 4).backward()
+    assert max_diff(ref, grads_of(model)) > 1e-4
+
+
+# --- 3. DDP, 2 gloo processes x 2 accumulation steps == one batch -----------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ddp_worker(rank, world, port, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x, y = make_batch()
+        n_tokens = int((y != -1).sum())
+        B, accum = 2, 2
+        # the trainer's row assignment: micro-step m of rank r reads rows (m*W + r)*B + [0, B)
+        batches = [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
+                   for m in range(accum)]
+        model = nn.parallel.DistributedDataParallel(fresh_model())
+        loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
+        logged = all_reduce_sum(loss_sum.clone()).item() / n_tokens
+        if rank == 0:
+            torch.save({"grads": grads_of(model.module), "loss": logged}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):
+    out = tmp_path / "ddp.pt"
+    mp.spawn(ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    result = torch.load(out, weights_only=True)
+    x, y = make_batch()
+    ref, ref_loss = reference_grads(x, y)
+    assert_same_grads(ref, result["grads"])
+    assert result["loss"] == pytest.approx(ref_loss, rel=1e-6)

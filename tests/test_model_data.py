@@ -1,0 +1,188 @@
+"""Model, loader, optimizer and schedule against references and hand counts (issue 2)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt2 as tg
+from shards import EOT, make_docs, write_shards
+
+
+# --- model --------------------------------------------------------------------------------
+
+def test_gpt2_124m_parameter_names_shapes_and_count():
+    model = tg.GPT(tg.GPTConfig())
+    sd = model.state_dict()
+    assert sd["transformer.wte.weight"].shape == (50304, 768)
+    assert sd["transformer.wpe.weight"].shape == (1024, 768)
+    assert sd["transformer.h.11.attn.c_attn.weight"].shape == (2304, 768)
+    assert sd["transformer.h.0.mlp.c_fc.weight"].shape == (3072, 768)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    # 124,475,904 with the 50304 vocab (GPT-2's 124,439,808 + 47 padded rows x 768)
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808 + 47 * 768
+    names = {k.split(".", 3)[-1] for k in sd if k.startswith("transformer.h.0.")}
+    assert names == {f"{m}.{p}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+                     for p in ("weight", "bias")}
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(n_layer=8, n_head=4, n_embd=256, vocab_size=512, block_size=64))
+    std = lambda t: t.std().item()
+    assert std(model.transformer.h[0].mlp.c_fc.weight) == pytest.approx(0.02, rel=0.05)
+    assert std(model.transformer.h[0].mlp.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert std(model.transformer.h[3].attn.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert std(model.transformer.wte.weight) == pytest.approx(0.02, rel=0.05)
+    assert model.transformer.h[0].attn.c_attn.bias.abs().max().item() == 0
+
+
+def test_sdpa_attention_matches_explicit_masked_softmax():
+    torch.manual_seed(0)
+    cfg = tg.GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=16)
+    attn = tg.CausalSelfAttention(cfg)
+    x = torch.randn(3, 16, 32)
+    B, T, C = x.shape
+    q, k, v = attn.c_attn(x).split(C, dim=2)
+    q, k, v = (t.view(B, T, 4, 8).transpose(1, 2) for t in (q, k, v))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+    expected = attn.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(attn(x), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_loss_ignores_minus_one_targets_and_sum_reduction():
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64, block_size=8))
+    x = torch.randint(0, 64, (2, 8))
+    y = torch.randint(0, 64, (2, 8))
+    y[0, 5:] = -1
+    logits, loss = model(x, y)
+    valid = y != -1
+    expected = F.cross_entropy(logits[valid], y[valid])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    _, loss_sum = model(x, y, reduction="sum")
+    assert loss_sum.item() == pytest.approx(expected.item() * valid.sum().item(), rel=1e-6)
+
+
+# --- optimizer and schedule ---------------------------------------------------------------
+
+def test_adamw_decays_matrices_only():
+    cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
+    model = tg.GPT(cfg)
+    opt = model.configure_optimizers(0.1, 6e-4, "cpu")
+    decay, no_decay = opt.param_groups
+    # by hand: wte (tied with lm_head), wpe, and per block c_attn, attn c_proj, c_fc, mlp c_proj
+    assert len(decay["params"]) == 2 + 4 * cfg.n_layer
+    # per block 2 LayerNorms x (weight, bias) + 4 linear biases; plus ln_f weight and bias
+    assert len(no_decay["params"]) == 8 * cfg.n_layer + 2
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8 and opt.defaults["fused"]
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert n == sum(p.numel() for p in model.parameters())
+
+
+def test_lr_schedule_three_phases():
+    run = tg.RunConfig(max_lr=6e-4, warmup_steps=10, max_steps=110)
+    assert tg.get_lr(0, run) == pytest.approx(6e-5)
+    assert tg.get_lr(9, run) == pytest.approx(6e-4)
+    assert tg.get_lr(10, run) == pytest.approx(6e-4)
+    assert tg.get_lr(60, run) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
+    assert tg.get_lr(110, run) == pytest.approx(6e-5)
+    assert tg.get_lr(500, run) == pytest.approx(6e-5)  # held after max_steps
+    assert tg.get_lr(500, tg.RunConfig(max_lr=1e-3, min_lr=0.0, warmup_steps=1, max_steps=10)) == 0.0
+
+
+# --- data ---------------------------------------------------------------------------------
+
+def test_plain_rows_use_every_token(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16)
+    np.save(tmp_path / "t_train_000000.npy", tokens)
+    rows = tg.TokenRows(str(tmp_path), "train", T=9)
+    assert rows.rows_per_epoch == (100 - 1) // 9 == 11
+    x, y = rows.batch(10, 1)  # the last row ends on the shard's last token
+    assert x[0].tolist() == list(range(90, 99)) and y[0].tolist() == list(range(91, 100))
+    x, y = rows.batch(11, 1)  # wraps into epoch 1, row 0
+    assert x[0].tolist() == list(range(0, 9))
+
+
+def test_aligned_rows_hold_whole_documents_and_lose_no_token():
+    lengths = [5, 3, 20, 7, 2, 9, 4]  # one document (20) longer than a row
+    tokens = np.concatenate([np.r_[EOT, np.arange(1, n) + 100 * i] for i, n in enumerate(lengths)]).astype(np.uint16)
+    T = 8
+    table = tg.aligned_rows(tokens, T)
+    starts = set(np.flatnonzero(tokens == EOT))
+    targets = []
+    for start, n in table:
+        assert 1 <= n <= T
+        targets.extend(range(start + 1, start + n + 1))
+    assert targets == list(range(1, len(tokens)))  # every token after the first is a target once
+    for (start, n), (next_start, _) in zip(table, table[1:]):
+        assert next_start == start + n  # rows chain: the last target opens the next row
+        ends_on_doc = start + n in starts
+        assert ends_on_doc or n == T  # a row stops at a document boundary unless the document fills it
+    assert table.tolist() == [[0, 8], [8, 8], [16, 8], [24, 4], [28, 7], [35, 2], [37, 8], [45, 4]]
+
+
+def test_aligned_batch_pads_with_ignored_targets(tmp_path):
+    docs = [np.r_[EOT, [1, 2]], np.r_[EOT, [3, 4, 5]], np.r_[EOT, [6, 7, 8, 9, 10, 11]]]
+    np.save(tmp_path / "t_train_000000.npy", np.concatenate(docs).astype(np.uint16))
+    rows = tg.TokenRows(str(tmp_path), "train", T=8, align_docs=True)
+    x, y = rows.batch(0, 2)
+    assert x.tolist() == [[EOT, 1, 2, EOT, 3, 4, 5, EOT], [EOT, 6, 7, 8, 9, 10, EOT, EOT]]
+    assert y.tolist() == [[1, 2, EOT, 3, 4, 5, EOT, -1], [6, 7, 8, 9, 10, 11, -1, -1]]
+    assert rows.count_targets(0, 2) == 7 + 6
+
+
+def step_rows(loader, step):
+    """All rows of one step, as a sorted list of token tuples, gathered over every rank and micro-step."""
+    rows = []
+    for rank in range(loader.W):
+        per_rank = tg.StepLoader(loader.rows, loader.B, loader.accum, rank, loader.W)
+        for m in range(loader.accum):
+            x, y = per_rank.micro_batch(step, m)
+            rows += [tuple(r) + tuple(t) for r, t in zip(x.tolist(), y.tolist())]
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("align_docs,shuffle", [(False, False), (True, False), (False, True), (True, True)])
+def test_every_split_reads_the_same_rows_each_step(tmp_path, align_docs, shuffle):
+    write_shards(tmp_path, make_docs(300, seed=3), shard_size=1500)
+    rows = tg.TokenRows(str(tmp_path), "train", T=16, align_docs=align_docs, shuffle=shuffle, seed=7)
+    splits = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2)]  # B, accumulation, world: 8 rows
+    for step in (0, 1, 5, rows.rows_per_epoch // 8 + 1):  # the last one is in the second epoch
+        seen = [step_rows(tg.StepLoader(rows, B, a, 0, W), step) for B, a, W in splits]
+        assert all(s == seen[0] for s in seen[1:])
+        n = tg.StepLoader(rows, 8, 1, 0, 1).step_tokens(step)
+        assert n == sum(sum(t != -1 for t in r[16:]) for r in seen[0])
+
+
+def test_shuffle_permutes_rows_and_epochs_differ(tmp_path):
+    write_shards(tmp_path, make_docs(300, seed=3), shard_size=1500)
+    plain = tg.TokenRows(str(tmp_path), "train", T=16)
+    shuffled = tg.TokenRows(str(tmp_path), "train", T=16, shuffle=True, seed=7)
+    n = plain.rows_per_epoch
+    order = lambda r, epoch: [r.locate(epoch * n + g) for g in range(n)]
+    assert sorted(order(shuffled, 0)) == order(plain, 0)  # a permutation of the same rows
+    assert order(shuffled, 0) != order(plain, 0)
+    assert order(shuffled, 1) != order(shuffled, 0)
+    again = tg.TokenRows(str(tmp_path), "train", T=16, shuffle=True, seed=7)
+    assert order(again, 1) == order(shuffled, 1)  # seeded: reproducible
+
+
+def test_llmc_bin_shards_read_like_npy(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, len(tokens)]
+    with open(tmp_path / "x_train_000000.bin", "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+    assert np.array_equal(tg.open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
+    (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
+    with pytest.raises(tg.UserError, match="truncated or corrupt"):
+        tg.open_shard(str(tmp_path / "y_val_000000.bin"))
+    header[0] = 123
+    (tmp_path / "z_val_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
+    with pytest.raises(tg.UserError, match="HINT: are you passing the right file"):
+        tg.open_shard(str(tmp_path / "z_val_000000.bin"))

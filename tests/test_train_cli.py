@@ -1,0 +1,110 @@
+"""End to end through the command line: every split of a step logs the same loss (issue 2, test 4),
+and bad input is one clear line with a non-zero exit."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train_gpt2 as tg
+from conftest import REPO
+from shards import make_docs, write_shards
+
+T = 32
+TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64"]
+QUIET = ["--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shards")
+    # a small alphabet, so that the loss has somewhere to go in 10 steps
+    write_shards(path, make_docs(600, seed=1, vocab=64, max_len=60), shard_size=6000)
+    return str(path)
+
+
+def train_args(data_dir, out_dir, B, *extra, steps=10):
+    return ["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY_MODEL, "--seq-len", str(T),
+            "--batch-size", str(B), "--total-batch-size", str(8 * T), "--max-steps", str(steps),
+            "--warmup-steps", "2", "--max-lr", "3e-2", *QUIET, *extra]
+
+
+def read_log(out_dir, key="loss"):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [r[key] for r in map(json.loads, f) if key in r]
+
+
+def run_cli(args, nproc=1, env=None):
+    cmd = [sys.executable, "train_gpt2.py", *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *cmd[1:]]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
+def test_every_split_logs_the_same_loss(data_dir, tmp_path, align):
+    assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
+    assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
+    ddp = run_cli(train_args(data_dir, tmp_path / "ddp", 2, *align), nproc=2)  # 2 rows x 2 steps x 2 ranks
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "2 accumulation steps x 2 ranks" in ddp.stdout
+    one, accum, world = (read_log(tmp_path / d) for d in ("b8", "b2", "ddp"))
+    assert len(one) == 10
+    np.testing.assert_allclose(accum, one, rtol=2e-5)
+    np.testing.assert_allclose(world, one, rtol=2e-5)
+    tokens = read_log(tmp_path / "b8", "tokens")
+    if align:
+        assert len(set(tokens)) > 1 and max(tokens) < 8 * T  # padding makes the counts vary
+    else:
+        assert tokens == [8 * T] * 10
+    assert one[-1] < one[0] - 1.0  # it learns
+
+
+def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
+    args = train_args(data_dir, tmp_path, 4, steps=4)
+    args += ["--val-every", "2", "--val-steps", "2", "--ckpt-every", "2"]
+    assert tg.main(args) == 0
+    records = [json.loads(l) for l in open(tmp_path / "log.jsonl")]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
+    train = [r for r in records if "loss" in r]
+    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s"}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    model = tg.model_from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
+    assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
+    (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
+    (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
+    (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
+    (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
+    assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=1)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+def test_empty_data_dir_and_missing_val(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert tg.main(train_args(str(tmp_path / "empty"), tmp_path / "o", 4, steps=1)) == 2
+    assert "no 'train' shards" in capsys.readouterr().err
+    only_train = tmp_path / "only_train"
+    only_train.mkdir()
+    np.save(only_train / "x_train_000000.npy", np.arange(500, dtype=np.uint16))
+    args = train_args(str(only_train), tmp_path / "o", 4, steps=1) + ["--val-every", "5"]
+    assert tg.main(args) == 2
+    err = capsys.readouterr().err
+    assert "no 'val' shards" in err and "(or pass --val-every 0)" in err
+
+
+def test_cli_error_has_no_traceback(tmp_path):
+    result = run_cli(["--data-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"]
