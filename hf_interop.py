@@ -1,0 +1,234 @@
+"""Move GPT-2 weights between Hugging Face transformers and our train_gpt2.GPT.
+
+    python hf_interop.py export out/ckpt_0019073.pt gpt2_ours_hf   # our checkpoint -> HF directory
+
+and, from Python (train_gpt2.py's --init-from uses it):
+
+    model = gpt_from_hf("gpt2")            # Hub name (needs internet) or a local HF directory
+
+transformers is optional: it is imported only inside the functions that need it.
+
+Layout differences the conversion handles:
+- HF's GPT-2 keeps its projections in Conv1D modules whose weight is (in, out); our nn.Linear
+  weights are (out, in), so attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj are transposed.
+- HF's attention mask buffers (attn.bias, attn.masked_bias; gone in recent versions) are skipped.
+- Our vocabulary is padded (50257 -> 50304, a multiple of 64, for faster matmuls). On import
+  the padded rows of the tied wte/lm_head matrix are set to the MEAN of the real rows, not to
+  zero: GPT-2's real logits are large and negative (tens below zero), so zero rows would give
+  the padded ids logit 0, above every real token, and nearly all the probability. With the
+  mean row a padded logit is the mean of the real logits, and by Jensen's inequality all
+  padded ids together get at most n_padded / n_real of the probability (47 / 50257 < 0.1%
+  for GPT-2), so the loss starts within log(1 + 47/50257) < 0.001 nats of the original
+  model's and training pushes these never-seen targets down from there. Logits of the real
+  ids are unchanged. On export the padded rows are dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import train_gpt2
+from train_gpt2 import GPT, GPTConfig, UserError
+
+GPT2_VOCAB = 50257  # real GPT-2 BPE tokens; ids >= this are padding in our checkpoints
+PAD_MULTIPLE = 64
+# HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers
+TIED = ("transformer.wte.weight", "lm_head.weight")
+INSTALL_HINT = "Hugging Face transformers is not installed: pip install transformers"
+
+
+def _import_transformers():
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise UserError(INSTALL_HINT) from None
+    return GPT2Config, GPT2LMHeadModel
+
+
+def _looks_like_path(name: str) -> bool:
+    """A Hub id is 'name' or 'owner/name'; anything else is meant as a local directory."""
+    return (name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name))
+
+
+def _padded(n: int, multiple: int = PAD_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_hf_config(cfg, source: str):
+    """Refuse GPT-2 variants our GPT cannot reproduce exactly."""
+    problems = []
+    if cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation_function={cfg.activation_function!r} (ours is tanh-approximated GELU)")
+    if abs(cfg.layer_norm_epsilon - 1e-5) > 1e-12:
+        problems.append(f"layer_norm_epsilon={cfg.layer_norm_epsilon} (ours is 1e-5)")
+    if cfg.n_inner not in (None, 4 * cfg.n_embd):
+        problems.append(f"n_inner={cfg.n_inner} (ours is 4 * n_embd)")
+    if not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx:
+        problems.append("non-standard attention scaling")
+    if getattr(cfg, "add_cross_attention", False):
+        problems.append("cross-attention")
+    if problems:
+        raise UserError(f"{source}: not a GPT-2 our model can reproduce: {'; '.join(problems)}")
+
+
+def _load_hf_model(name_or_dir: str):
+    GPT2Config, GPT2LMHeadModel = _import_transformers()
+    local = os.path.isdir(name_or_dir)
+    hint = ("pass a local Hugging Face directory to --init-from (on a machine with internet: "
+            "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))")
+    if not local and _looks_like_path(name_or_dir):
+        raise UserError(f"--init-from {name_or_dir}: no such directory; {hint}")
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(name_or_dir, local_files_only=local)
+    except (OSError, ValueError) as e:  # missing files, Hub unreachable, bad repo id, wrong model type
+        where = "directory" if local else "Hugging Face Hub model"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"--init-from {name_or_dir}: cannot load the {where} ({first}); {hint}") from None
+    return hf
+
+
+def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
+                pad_init: str = "mean") -> GPT:
+    """Our GPT (fp32, CPU, eval mode) with the weights of a Hugging Face GPT2LMHeadModel.
+
+    name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
+    directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
+    the HF vocabulary rounded up to a multiple of 64, 50304 for GPT-2). block_size: at most
+    the HF n_positions (default: n_positions); a smaller one keeps the first positions.
+    pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows."""
+    if pad_init not in ("mean", "zero"):
+        raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
+    hf = _load_hf_model(name_or_dir)
+    cfg = hf.config
+    _check_hf_config(cfg, name_or_dir)
+    hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}
+    if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
+        raise UserError(f"{name_or_dir}: lm_head is not tied to the token embedding; our GPT ties them")
+    n_real = cfg.vocab_size
+    vocab_size = _padded(n_real) if vocab_size is None else vocab_size
+    if vocab_size < n_real:
+        raise UserError(f"vocab size {vocab_size} is smaller than {name_or_dir}'s vocabulary of {n_real}")
+    block_size = cfg.n_positions if block_size is None else block_size
+    if not 0 < block_size <= cfg.n_positions:
+        raise UserError(f"block size {block_size} must be in 1..{cfg.n_positions} ({name_or_dir}'s n_positions)")
+
+    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
+                       n_head=cfg.n_head, n_embd=cfg.n_embd)
+    sd = {}
+    for key, value in hf_sd.items():
+        if key.endswith(TRANSPOSED):
+            value = value.t()
+        sd[key] = value.contiguous()
+    wte = sd["transformer.wte.weight"]
+    pad_rows = (wte.mean(0, keepdim=True) if pad_init == "mean" else wte.new_zeros(1, wte.size(1)))
+    wte = torch.cat([wte, pad_rows.expand(vocab_size - n_real, -1)])
+    sd["transformer.wte.weight"] = sd["lm_head.weight"] = wte
+    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
+
+    model = GPT(config)
+    result = model.load_state_dict(sd, strict=False)
+    missing = [k for k in result.missing_keys if k not in TIED]
+    if missing or result.unexpected_keys:
+        raise UserError(f"{name_or_dir}: weights do not match a GPT-2 layout "
+                        f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
+    return model.eval()
+
+
+def _unwrap(model):
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP, torch.compile
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+    return model
+
+
+def _strip_prefixes(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        for prefix in ("module.", "_orig_mod."):
+            while k.startswith(prefix):
+                k = k[len(prefix):]
+        out[k] = v
+    return out
+
+
+def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
+    """Write a Hugging Face GPT-2 directory (config.json, model.safetensors,
+    generation_config.json) that GPT2LMHeadModel.from_pretrained(out_dir) loads.
+
+    source: the path of one of our checkpoints, or a GPT (DDP / torch.compile wrappers are
+    fine). vocab_size: rows to keep; default GPT-2's 50257 when ours is at least that (the
+    padded rows are dropped), else ours as it is. Returns out_dir."""
+    if isinstance(source, (str, os.PathLike)):
+        ckpt = train_gpt2.load_checkpoint(str(source))
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+            raise UserError(f"{source}: not a train_gpt2.py checkpoint (needs 'model' and 'model_config')")
+        config = GPTConfig(**ckpt["model_config"])
+        sd = _strip_prefixes(ckpt["model"])
+    else:
+        model = _unwrap(source)
+        config = model.config
+        sd = model.state_dict()
+    n_keep = (GPT2_VOCAB if config.vocab_size >= GPT2_VOCAB else config.vocab_size) if vocab_size is None else vocab_size
+    if not 0 < n_keep <= config.vocab_size:
+        raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir} exists and is not a directory")
+
+    GPT2Config, GPT2LMHeadModel = _import_transformers()
+    special = dict(bos_token_id=train_gpt2.EOT, eos_token_id=train_gpt2.EOT) if n_keep > train_gpt2.EOT \
+        else dict(bos_token_id=None, eos_token_id=None)
+    hf_config = GPT2Config(
+        vocab_size=n_keep, n_positions=config.block_size, n_ctx=config.block_size, n_embd=config.n_embd,
+        n_layer=config.n_layer, n_head=config.n_head, activation_function="gelu_new",
+        layer_norm_epsilon=1e-5, tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, architectures=["GPT2LMHeadModel"], **special)
+    hf_sd = {}
+    for key, value in sd.items():
+        value = value.detach().to("cpu", torch.float32)
+        if key in TIED:
+            value = value[:n_keep]
+        elif key.endswith(TRANSPOSED):
+            value = value.t()
+        hf_sd[key] = value.contiguous()
+    hf = GPT2LMHeadModel(hf_config)
+    result = hf.load_state_dict(hf_sd, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(HF_BUFFERS) and k not in TIED]
+    if missing or result.unexpected_keys:
+        raise UserError(f"checkpoint does not match GPT-2's layout (missing {missing[:3]}, "
+                        f"unexpected {result.unexpected_keys[:3]})")
+    hf.tie_weights()  # one shared matrix, as config.tie_word_embeddings says
+    os.makedirs(out_dir, exist_ok=True)
+    hf.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
+    e.add_argument("checkpoint", help="a ckpt_*.pt written by train_gpt2.py")
+    e.add_argument("out_dir", help="directory for config.json and model.safetensors")
+    e.add_argument("--vocab-size", type=int, help="rows to keep (default: 50257, dropping the padding)")
+    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "export":
+            out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
+            print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}); "
+                  "the tokenizer is GPT-2's: AutoTokenizer.from_pretrained('gpt2') or tiktoken 'gpt2')")
+    except UserError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models."""
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+import hf_interop  # noqa: E402
+import train_gpt2  # noqa: E402
+from train_gpt2 import GPT, GPTConfig, UserError  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
+                  bos_token_id=None, eos_token_id=None)
+    cfg = GPT2Config(**{**fields, **overrides})
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # random LayerNorm affine too, so a swapped weight/bias shows
+        for name, p in model.named_parameters():
+            if ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_hf(model, path):
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def tiny_ours(vocab_size=50304, block_size=32, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # biases and LayerNorms start at 0/1: make them random
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_ours(model, path, step=7):
+    train_gpt2.save_checkpoint(str(path), dict(model=model.state_dict(),
+                                               model_config=dataclasses.asdict(model.config), step=step))
+    return str(path)
+
+
+def logits_of(model, idx):
+    with torch.no_grad():
+        out = model(idx)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def test_import_matches_hf_logits(tmp_path):
+    hf = tiny_hf()
+    model = hf_interop.gpt_from_hf(save_hf(hf, tmp_path / "hf"))
+    assert model.config == GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
+    ours, theirs = logits_of(model, idx), logits_of(hf, idx)
+    assert ours.shape == (2, 32, 50304)
+    torch.testing.assert_close(ours[..., :50257], theirs, atol=1e-5, rtol=0)
+    wte = model.transformer.wte.weight
+    assert model.lm_head.weight is wte  # still tied
+    torch.testing.assert_close(wte[50257:], wte[:50257].mean(0).expand(47, -1))
+
+
+def test_import_small_vocab_crop_and_bad_sizes(tmp_path):
+    hf = tiny_hf(vocab_size=100)
+    path = save_hf(hf, tmp_path / "hf")
+    assert hf_interop.gpt_from_hf(path).config.vocab_size == 128  # padded to a multiple of 64
+    model = hf_interop.gpt_from_hf(path, vocab_size=100, block_size=16)
+    assert (model.config.vocab_size, model.config.block_size) == (100, 16)
+    idx = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(logits_of(model, idx), logits_of(hf, idx), atol=1e-5, rtol=0)
+    with pytest.raises(UserError, match="smaller than"):
+        hf_interop.gpt_from_hf(path, vocab_size=99)
+    with pytest.raises(UserError, match="n_positions"):
+        hf_interop.gpt_from_hf(path, block_size=33)
+
+
+def test_padded_rows_take_little_probability(tmp_path):
+    """Why padded rows are the mean row, not zero: GPT-2's real logits are large and negative.
+    Build a model like that (every output shares a direction opposite the mean embedding)."""
+    hf = tiny_hf(vocab_size=100)
+    with torch.no_grad():
+        shared = torch.randn(32)
+        hf.transformer.wte.weight.add_(shared)  # tied: lm_head too
+        hf.transformer.ln_f.weight.mul_(0.1)
+        hf.transformer.ln_f.bias.copy_(-shared)
+    path = save_hf(hf, tmp_path / "hf")
+    idx = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(4))
+    hf_logits = logits_of(hf, idx)
+    assert hf_logits.max() < -5  # every real logit well below zero, as in GPT-2
+    hf_loss = torch.nn.functional.cross_entropy(hf_logits.view(-1, 100), targets.view(-1))
+
+    model = hf_interop.gpt_from_hf(path)  # vocab 128: 28 padded rows
+    pad_mass = logits_of(model, idx).softmax(-1)[..., 100:].sum(-1)
+    assert pad_mass.max() <= 28 / 100 + 1e-6  # Jensen's bound
+    _, loss = model(idx, targets)
+    assert hf_loss <= loss <= hf_loss + math.log(1 + 28 / 100) + 1e-5
+
+    zero = hf_interop.gpt_from_hf(path, pad_init="zero")
+    assert logits_of(zero, idx).softmax(-1)[..., 100:].sum(-1).min() > 0.99  # padding takes it all
+
+
+def test_export_checkpoint_loads_in_transformers(tmp_path):
+    model = tiny_ours()
+    out = hf_interop.export_hf(save_ours(model, tmp_path / "ckpt_0000007.pt"), str(tmp_path / "hf"))
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    hf, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    cfg = hf.config
+    assert (cfg.vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head) == (50257, 32, 32, 2, 2)
+    assert cfg.n_ctx == 32 and cfg.tie_word_embeddings and cfg.activation_function == "gelu_new"
+    assert cfg.bos_token_id == cfg.eos_token_id == 50256
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(logits_of(hf.eval(), idx), logits_of(model, idx)[..., :50257], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("vocab_size, kept", [(50304, 50257), (100, 100)])
+def test_round_trip_is_exact(tmp_path, vocab_size, kept):
+    model = tiny_ours(vocab_size=vocab_size)
+    wrapped = types.SimpleNamespace(module=model)  # like DDP's .module
+    out = hf_interop.export_hf(wrapped, str(tmp_path / "hf"))
+    assert GPT2Config.from_pretrained(out).vocab_size == kept
+    back = hf_interop.gpt_from_hf(out, vocab_size=vocab_size)
+    assert back.config == model.config
+    a, b = model.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        n = kept if key in hf_interop.TIED else None
+        assert torch.equal(a[key][:n], b[key][:n]), key
+
+
+def test_cli_export_subprocess(tmp_path):
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "hf_interop.py"), "export", ckpt, str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert str(out) in proc.stdout and "wrote" in proc.stdout
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_cli_missing_checkpoint_is_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "nope.pt")
+    assert hf_interop.main(["export", missing, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError):
+        hf_interop.main(["export", missing, str(tmp_path / "out"), "--debug"])
+
+
+def test_cli_not_a_checkpoint(tmp_path, capsys):
+    path = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(1)}, path)
+    assert hf_interop.main(["export", str(path), str(tmp_path / "out")]) == 2
+    assert "not a train_gpt2.py checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["missing_dir", "./missing", "empty"])
+def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    arg = str(tmp_path / name) if name == "missing_dir" else name
+    with pytest.raises(UserError) as e:
+        hf_interop.gpt_from_hf(arg)
+    msg = str(e.value)
+    assert "--init-from" in msg and "local Hugging Face directory" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(activation_function="relu"), "activation_function"),
+    (dict(tie_word_embeddings=False), "not tied"),
+])
+def test_import_refuses_what_we_cannot_reproduce(tmp_path, overrides, match):
+    hf = tiny_hf(vocab_size=100, **overrides)
+    if not overrides.get("tie_word_embeddings", True):
+        with torch.no_grad():
+            hf.lm_head.weight.normal_()
+    with pytest.raises(UserError, match=match):
+        hf_interop.gpt_from_hf(save_hf(hf, tmp_path / "hf"))
+
+
+def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(UserError, match="pip install transformers"):
+        hf_interop.gpt_from_hf(str(tmp_path))
+    with pytest.raises(UserError, match="pip install transformers"):
+        hf_interop.export_hf(tiny_ours(vocab_size=100), str(tmp_path / "out"))
