@@ -269,6 +269,9 @@ def open_shard(path: str) -> np.ndarray:
                 raise UserError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
                                 f"has {actual} bytes: truncated or corrupt, re-create it")
             return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise UserError(f"{path}: not a .npy token shard (bad magic). HINT: are you passing the right file?")
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except UserError:
         raise
@@ -327,12 +330,13 @@ class TokenRows:
             self.tables = [aligned_rows(s, T) for s in self.shards]
             counts = [len(t) for t in self.tables]
         else:
-            counts = [(len(s) - 1) // T for s in self.shards]
+            counts = [max(0, len(s) - 1) // T for s in self.shards]
+        for path, shard, count in zip(self.paths, self.shards, counts):
+            if count == 0:
+                raise UserError(f"{path}: {len(shard)} tokens, fewer than one row of --seq-len {T} + 1; "
+                                "remove it or re-create the shards")
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
-        if self.rows_per_epoch == 0:
-            raise UserError(f"'{split}' shards in {data_dir} hold fewer than {T + 1} tokens: "
-                            "nothing to train on")
         self._epoch_cache = {}
 
     def _epoch_layout(self, epoch):
@@ -542,8 +546,15 @@ def list_checkpoints(out_dir: str) -> list[str]:
 def save_checkpoint(path: str, state: dict, keep_last: int = 0):
     """Write to path.tmp then rename, so a crash mid-write leaves the previous checkpoint intact."""
     tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # disk full, quota, permissions
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        previous = list_checkpoints(os.path.dirname(path))
+        raise UserError(f"could not write checkpoint {path} ({e}); the previous checkpoint "
+                        f"{previous[-1] if previous else '(none)'} is intact") from None
     if keep_last:
         for old in list_checkpoints(os.path.dirname(path))[:-keep_last]:
             os.remove(old)
@@ -575,9 +586,10 @@ class RunLog:
         self.file = None
         if enabled:
             path = os.path.join(out_dir, "log.jsonl")
-            with open(path, "a") as f:  # keep what a previous run logged up to its checkpoint
-                f.truncate(truncate_at)
             self.file = open(path, "a")
+            if self.file.tell() > truncate_at:  # drop what a resumed run logged after its checkpoint
+                self.file.truncate(truncate_at)
+                self.file.seek(truncate_at)
 
     def write(self, **record):
         if self.file:
@@ -733,12 +745,19 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
                            model_cfg.vocab_size)
     loader = StepLoader(train_rows, run.batch_size, grad_accum_steps, d.rank, d.world_size)
+    if train_rows.rows_per_epoch < loader.rows_per_step:
+        raise UserError(f"the train shards hold {train_rows.rows_per_epoch} rows of {run.seq_len} tokens, fewer "
+                        f"than one optimizer step ({loader.rows_per_step} rows): lower --total-batch-size")
     val_rows = None
     if run.val_every:
         try:
             val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
         except UserError as e:
             raise UserError(f"{e} (or pass --val-every 0)") from None
+        val_rows_needed = run.val_steps * run.batch_size * d.world_size
+        if val_rows.rows_per_epoch < val_rows_needed:
+            raise UserError(f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
+                            f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
     enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
     if run.hellaswag_every:
         import hellaswag
@@ -756,6 +775,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
         optimizer.load_state_dict(ckpt["optimizer"])
         start_step, log_offset = ckpt["step"], ckpt["log_offset"]
         torch.set_rng_state(ckpt["rng_cpu"])
+        if "rng_cuda" in ckpt and device_type == "cuda":
+            torch.cuda.set_rng_state(ckpt["rng_cuda"], device)
         print0(f"resumed from {ckpt_path} at step {start_step}")
         del ckpt
     elif run.resume is not None:
@@ -793,7 +814,9 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
                 model=clean_state_dict(raw_model), optimizer=optimizer.state_dict(), step=step,
                 model_config=dataclasses.asdict(model_cfg), run_config=dataclasses.asdict(run),
                 rng_cpu=torch.get_rng_state(), log_offset=log.tell(), world_size=d.world_size,
-                next_row=step * loader.rows_per_step), run.keep_last)
+                next_row=step * loader.rows_per_step, epoch=step * loader.rows_per_step // train_rows.rows_per_epoch,
+                **(dict(rng_cuda=torch.cuda.get_rng_state(device)) if device_type == "cuda" else {})),
+                run.keep_last)
             last_ckpt = path
         if d.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk

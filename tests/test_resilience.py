@@ -1,0 +1,305 @@
+"""Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node (issue 5)."""
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt2 as tg
+from conftest import REPO
+from shards import make_docs, write_shards
+
+T = 16
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shards")
+    write_shards(path, make_docs(500, seed=2, vocab=64, max_len=50), shard_size=4000)
+    return str(path)
+
+
+def args_for(data_dir, out_dir, *extra, steps=20, B=4, ckpt_every=10):
+    return ["--data-dir", data_dir, "--out-dir", str(out_dir), "--n-layer", "2", "--n-head", "2",
+            "--n-embd", "16", "--block-size", "32", "--seq-len", str(T), "--batch-size", str(B),
+            "--total-batch-size", str(8 * T), "--max-steps", str(steps), "--warmup-steps", "3",
+            "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
+            "--ckpt-every", str(ckpt_every), *extra]
+
+
+def log_records(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(out_dir):
+    return [(r["step"], r["loss"]) for r in log_records(out_dir) if "loss" in r]
+
+
+def final_weights(out_dir, step):
+    return tg.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))["model"]
+
+
+def resume_copy(src, dst, step):
+    """What a run killed after checkpoint `step` leaves: that checkpoint and a log that ran past it."""
+    os.makedirs(dst)
+    shutil.copy(os.path.join(src, f"ckpt_{step:07d}.pt"), dst)
+    shutil.copy(os.path.join(src, "log.jsonl"), dst)
+
+
+def torchrun(*args, nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *args]
+
+
+# --- exact resume -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
+def test_resume_is_bit_exact(data_dir, tmp_path, align):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert tg.main(args_for(data_dir, straight, *align)) == 0
+    resume_copy(straight, resumed, 10)
+    assert tg.main(args_for(data_dir, resumed, *align, "--resume")) == 0
+    assert losses(resumed) == losses(straight)  # bit-identical, and no step logged twice
+    a, b = final_weights(straight, 20), final_weights(resumed, 20)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_on_two_ranks_continues_on_the_same_rows(data_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert tg.main(args_for(data_dir, one, "--align-docs", B=4)) == 0  # 4 rows x 2 micro-steps
+    resume_copy(one, two, 10)
+    result = subprocess.run(torchrun("train_gpt2.py", *args_for(data_dir, two, "--align-docs", "--resume", B=2)),
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 accumulation steps x 2 ranks" in result.stdout
+    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(one)), zip(*losses(two))
+    assert steps_a == steps_b == tuple(range(20))
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
+
+
+def test_resume_with_another_model_is_refused(data_dir, tmp_path, capsys):
+    assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    args = args_for(data_dir, tmp_path, "--resume", steps=4)
+    args[args.index("--n-embd") + 1] = "32"
+    assert tg.main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and "n_embd: checkpoint 16 vs now 32" in err
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
+    assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    assert tg.main(args_for(data_dir, tmp_path, steps=2)) == 2
+    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
+
+
+def test_keep_last(data_dir, tmp_path):
+    assert tg.main(args_for(data_dir, tmp_path, "--keep-last", "2", steps=8, ckpt_every=2)) == 0
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000006.pt", "ckpt_0000008.pt"]
+
+
+# --- preemption -----------------------------------------------------------------------------
+
+def wait_for_steps(out_dir, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path):
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    args = args_for(data_dir, preempted, steps=60, ckpt_every=0)
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_steps(preempted, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    stop_line = [line for line in out.splitlines() if line.startswith("stopped by signal")]
+    assert len(stop_line) == 1 and "--resume" in stop_line[0]
+    stop_step = int(stop_line[0].split("at step ")[1].split(";")[0])
+    assert 3 <= stop_step < 60
+    assert sorted(os.listdir(preempted)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
+    assert tg.main(args_for(data_dir, preempted, "--resume", steps=60, ckpt_every=0)) == 0
+    assert tg.main(args_for(data_dir, straight, steps=60, ckpt_every=0)) == 0
+    assert losses(preempted) == losses(straight)
+    a, b = final_weights(straight, 60), final_weights(preempted, 60)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- bad numbers ----------------------------------------------------------------------------
+
+def inject(monkeypatch, at_call, how):
+    """Make the accumulate_gradients call number at_call (0-based) produce bad numbers."""
+    original, calls = tg.accumulate_gradients, []
+
+    def patched(model, *args, **kwargs):
+        loss = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) - 1 == at_call:
+            if how == "nan":
+                next(model.parameters()).grad.fill_(float("nan"))
+                return loss * float("nan")
+            return loss * 50  # a loss spike
+        return loss
+
+    monkeypatch.setattr(tg, "accumulate_gradients", patched)
+
+
+def all_finite(path):
+    return all(torch.isfinite(t).all() for t in tg.load_checkpoint(path)["model"].values())
+
+
+def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, capsys):
+    inject(monkeypatch, 5, "nan")
+    assert tg.main(args_for(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
+    err = capsys.readouterr().err
+    assert f"step 5: non-finite loss nan" in err and f"Last good checkpoint: {tmp_path / 'ckpt_0000004.pt'}" in err
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000004.pt"]
+    assert all_finite(tmp_path / "ckpt_0000004.pt")
+
+
+def test_skip_nonfinite_skips_the_update(data_dir, tmp_path, monkeypatch):
+    inject(monkeypatch, 5, "nan")
+    assert tg.main(args_for(data_dir, tmp_path, "--skip-nonfinite", "1", steps=10, ckpt_every=0)) == 0
+    skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
+    assert skipped == [5]
+    assert all_finite(tmp_path / "ckpt_0000010.pt")
+
+
+def test_skip_spikes_skips_an_outlier_update(data_dir, tmp_path, monkeypatch):
+    inject(monkeypatch, 30, "spike")
+    assert tg.main(args_for(data_dir, tmp_path, "--skip-spikes", "6", steps=35, ckpt_every=0)) == 0
+    records = [r for r in log_records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records if r.get("skipped")] == [30]
+    assert records[30]["skipped"] == "spike"
+
+
+# --- bad files --------------------------------------------------------------------------------
+
+def bad_shard_dir(tmp_path, name, data):
+    path = tmp_path / name
+    path.mkdir()
+    np.save(path / "good_train_000000.npy", np.arange(2000, dtype=np.uint16) % 64)
+    target = path / "bad_train_000001.npy"
+    if isinstance(data, bytes):
+        target.write_bytes(data)
+    else:
+        np.save(target, data)
+    return str(path), str(target)
+
+
+@pytest.mark.parametrize("name,data,message", [
+    ("truncated", None, "cannot read token shard (mmap length is greater than file size)"),
+    ("garbage", b"not a numpy file at all", "not a .npy token shard (bad magic)"),
+    ("int32", np.arange(1000, dtype=np.int32), "expected a 1-D uint16 token array, got int32"),
+    ("short", np.arange(5, dtype=np.uint16), "5 tokens, fewer than one row of --seq-len 16 + 1"),
+    ("big_ids", np.full(1000, 60000, dtype=np.uint16), "token id 60000 >= vocab size 50304"),
+])
+def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, message):
+    if data is None:  # a shard cut short while it was copied
+        full = tmp_path / "full.npy"
+        np.save(full, np.arange(1000, dtype=np.uint16))
+        data = full.read_bytes()[:500]
+    data_dir, bad = bad_shard_dir(tmp_path, name, data)
+    args = args_for(data_dir, tmp_path / "out", steps=300, ckpt_every=0)
+    assert tg.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}: ") and message in err and err.count("\n") == 1
+
+
+def test_unwritable_out_dir(data_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert tg.main(args_for(data_dir, tmp_path / "file" / "out", steps=1)) == 2
+    assert f"cannot write to --out-dir {tmp_path / 'file' / 'out'}" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint(data_dir, tmp_path, capsys):
+    (tmp_path / "ckpt_0000005.pt").write_bytes(b"\x00" * 100)
+    assert tg.main(args_for(data_dir, tmp_path, "--resume", steps=10)) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'ckpt_0000005.pt'}: cannot load checkpoint" in err and err.count("\n") == 1
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, capsys):
+    real_save, saves = torch.save, []
+
+    def failing_save(obj, path):
+        saves.append(path)
+        if len(saves) == 2:  # the second checkpoint: half written, then the disk fills up
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 partial")
+            raise OSError(28, "No space left on device")
+        real_save(obj, path)
+
+    monkeypatch.setattr(tg.torch, "save", failing_save)
+    assert tg.main(args_for(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
+    err = capsys.readouterr().err
+    assert "could not write checkpoint" in err and f"{tmp_path / 'ckpt_0000004.pt'} is intact" in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
+    assert tg.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))["step"] == 4
+
+
+# --- multi-node -------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_two_nodes(args, port):
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=test", "--max-restarts=0"]
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rdzv, "train_gpt2.py", *args],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+
+
+def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
+    assert tg.main(args_for(data_dir, tmp_path / "single", steps=6, ckpt_every=0)) == 0
+    nodes = start_two_nodes(args_for(data_dir, tmp_path / "nodes", steps=6, ckpt_every=0), free_port())
+    outputs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outputs]
+    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(tmp_path / "single")), zip(*losses(tmp_path / "nodes"))
+    assert steps_a == steps_b
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
+
+
+def child_pids(pid):
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+    return children
+
+
+def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
+    args = args_for(data_dir, tmp_path, "--dist-timeout", "20", steps=100000, ckpt_every=0)
+    nodes = start_two_nodes(args, free_port())
+    try:
+        wait_for_steps(tmp_path, 3, nodes[0])
+        for pid in child_pids(nodes[1].pid):  # the second node's training process dies
+            os.kill(pid, signal.SIGKILL)
+        start = time.time()
+        nodes[0].communicate(timeout=120)
+        assert nodes[0].returncode != 0
+        assert time.time() - start < 90
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                for pid in child_pids(p.pid) + [p.pid]:
+                    os.kill(pid, signal.SIGKILL)
