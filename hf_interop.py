@@ -140,12 +140,6 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     return model.eval()
 
 
-def _unwrap(model):
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):  # DDP, torch.compile
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
-    return model
-
-
 def _strip_prefixes(sd: dict) -> dict:
     out = {}
     for k, v in sd.items():
@@ -170,7 +164,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
         config = GPTConfig(**ckpt["model_config"])
         sd = _strip_prefixes(ckpt["model"])
     else:
-        model = _unwrap(source)
+        model = train_gpt2.unwrap_model(source)
         config = model.config
         sd = model.state_dict()
     n_keep = (GPT2_VOCAB if config.vocab_size >= GPT2_VOCAB else config.vocab_size) if vocab_size is None else vocab_size

@@ -59,6 +59,8 @@ MODEL_PRESETS = {
 
 @dataclass
 class RunConfig:
+    # initialization: None (random GPT-2 init) or a Hugging Face GPT-2 name or directory
+    init_from: str | None = None
     # data and output
     data_dir: str = "edu_fineweb10B"
     out_dir: str = "out"
@@ -66,7 +68,7 @@ class RunConfig:
     shuffle: bool = False
     # batch: batch_size rows of seq_len tokens per rank per micro-step
     batch_size: int = 64
-    seq_len: int = 1024
+    seq_len: int | None = None  # None: the model's block size, at most 1024
     total_batch_size: int = 524288  # tokens per optimizer step over all ranks (2**19)
     # optimization
     max_steps: int = 19073  # 10B tokens / 2**19 tokens per step
@@ -528,11 +530,16 @@ def sample_text(model: GPT, enc, device: str, prompt="Hello, I'm a language mode
     return [enc.decode([t for t in row if t < vocab]) for row in out.tolist()]
 
 
-def clean_state_dict(model: nn.Module) -> dict:
-    """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
         model = getattr(model, "module", None) or getattr(model, "_orig_mod")
-    return model.state_dict()
+    return model
+
+
+def clean_state_dict(model: nn.Module) -> dict:
+    """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
+    return unwrap_model(model).state_dict()
 
 
 def checkpoint_path(out_dir: str, step: int) -> str:
@@ -733,6 +740,14 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
 
 
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
+    pretrained = None
+    if run.init_from:  # the weights decide the model's shape
+        from hf_interop import gpt_from_hf
+        pretrained = gpt_from_hf(run.init_from, vocab_size=model_cfg.vocab_size, block_size=model_cfg.block_size)
+        model_cfg = pretrained.config
+        print0(f"--init-from {run.init_from}: {model_cfg}")
+    if run.seq_len is None:
+        run.seq_len = min(model_cfg.block_size, 1024)
     grad_accum_steps = validate_config(run, model_cfg, d.world_size)
     device, device_type = d.device, d.device_type
     dtype = resolve_dtype(run.dtype, device_type)
@@ -765,7 +780,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     ckpt_path = find_resume_checkpoint(run)
     prepare_out_dir(run, resuming=run.resume is not None)
 
-    model = GPT(model_cfg).to(device)
+    model = (pretrained or GPT(model_cfg)).to(device).train()
+    del pretrained
     optimizer = model.configure_optimizers(run.weight_decay, run.max_lr, device_type)
     start_step, log_offset = 0, 0
     if ckpt_path:
@@ -931,6 +947,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--n-embd", type=int, help="embedding width")
     g.add_argument("--block-size", type=int, help="longest sequence the model handles")
     g.add_argument("--vocab-size", type=int, help="vocabulary size (default 50304: GPT-2's 50257 padded)")
+    g.add_argument("--init-from", help="start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
+                   "gpt2-xl (Hub) or a local directory; sets the model shape")
     g = p.add_argument_group("batch")
     g.add_argument("--batch-size", type=int, default=defaults.batch_size, help="rows per rank per micro-step (B)")
     g.add_argument("--seq-len", type=int, help="tokens per row (T); default: the model's block size")
@@ -974,14 +992,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
     model_fields = dict(MODEL_PRESETS[args.model])
+    if args.init_from:  # the weights set the shape; block_size None: theirs
+        model_fields = dict(block_size=None)
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         if getattr(args, name) is not None:
             model_fields[name] = getattr(args, name)
     model_cfg = GPTConfig(**model_fields)
     run = RunConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
                        if hasattr(args, f.name)})
-    if run.seq_len is None:
-        run.seq_len = min(model_cfg.block_size, RunConfig.seq_len)
     return run, model_cfg
 
 

@@ -200,3 +200,23 @@ def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
         hf_interop.gpt_from_hf(str(tmp_path))
     with pytest.raises(UserError, match="pip install transformers"):
         hf_interop.export_hf(tiny_ours(vocab_size=100), str(tmp_path / "out"))
+
+
+def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
+    import json
+    import numpy as np
+    from shards import make_docs, write_shards
+    hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
+    write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)
+    args = ["--init-from", hf_dir, "--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "out"),
+            "--batch-size", "4", "--seq-len", "16", "--total-batch-size", "64", "--max-steps", "2",
+            "--val-every", "2", "--val-steps", "1", "--sample-every", "0", "--hellaswag-every", "0"]
+    assert train_gpt2.main(args) == 0
+    records = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl")]
+    # the step-0 validation loss is the pretrained model's loss on the first val rows
+    rows = train_gpt2.TokenRows(str(tmp_path / "data"), "val", 16)
+    x, y = (torch.from_numpy(a) for a in rows.batch(0, 4))
+    _, expected = hf_interop.gpt_from_hf(hf_dir)(x, y)
+    assert records[0] == {"step": 0, "val_loss": pytest.approx(expected.item(), rel=1e-5)}
+    ckpt = train_gpt2.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
+    assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
