@@ -95,6 +95,7 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool | None = None  # None: on for CUDA, off for CPU
+    loss_chunk: int | None = None  # rows per lm_head + loss chunk; 0: full logits; None: 256 on CPU, 0 on CUDA
     seed: int = 1337
     debug: bool = False
 
@@ -112,6 +113,8 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
                  "hellaswag_every", "hellaswag_limit", "ckpt_every", "keep_last", "skip_nonfinite"):
         if getattr(run, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(run, name)}")
+    if run.loss_chunk is not None and run.loss_chunk < 0:
+        raise UserError(f"--loss-chunk must be >= 0, got {run.loss_chunk}")
     if model.n_embd % model.n_head:
         raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")
     if run.seq_len > model.block_size:
@@ -172,6 +175,42 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """lm_head + cross-entropy over rows in chunks, never holding the (rows, vocab) logits.
+
+    The forward pass also computes, chunk by chunk, the gradients of the loss w.r.t. the
+    hidden states and the head weight (softmax - one-hot, as fused linear-cross-entropy
+    kernels do), so backward only scales them by the incoming gradient: the logits are
+    never stored nor recomputed. Returns sum(token losses) * scale over targets != -1."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, scale, chunk_rows):
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if want_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
+        for start in range(0, h.size(0), chunk_rows):
+            hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
+            logits = (hc @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
+            safe_t = tc.clamp(min=0).unsqueeze(1)
+            loss += ((lse - logits.gather(1, safe_t).squeeze(1)) * weights).sum()
+            if want_grad:
+                dlogits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+                dlogits.scatter_add_(1, safe_t, torch.full_like(lse, -1.0).unsqueeze(1))
+                dlogits.mul_(weights.unsqueeze(1))
+                grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
+                grad_w += (dlogits.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -201,11 +240,12 @@ class GPT(nn.Module):
     def _residual_projections(self):
         return {m for block in self.transformer.h for m in (block.attn.c_proj, block.mlp.c_proj)}
 
-    def forward(self, idx, targets=None, reduction="mean"):
+    def forward(self, idx, targets=None, reduction="mean", loss_chunk=0):
         """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1.
 
         reduction="sum" returns the summed token loss, which token-normalized gradient
-        accumulation scales by the step's global token count."""
+        accumulation scales by the step's global token count. loss_chunk > 0 computes the
+        loss with ChunkedLinearCrossEntropy in chunks of that many rows and returns no logits."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
@@ -213,11 +253,17 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction=reduction)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x), None
+        targets = targets.reshape(-1)
+        if loss_chunk:
+            scale = 1.0 if reduction == "sum" else 1.0 / (targets != IGNORE_INDEX).sum()
+            h = x.view(-1, x.size(-1))
+            return None, ChunkedLinearCrossEntropy.apply(h, self.lm_head.weight, targets, scale, loss_chunk)
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets,
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
         return logits, loss
 
     def num_params(self, non_embedding=True):
@@ -413,6 +459,33 @@ class StepLoader:
         return self.rows.batch(g0, self.B)
 
 
+class Prefetcher:
+    """Prepares step s+1's micro-batches (and its token count) on a background thread while
+    step s computes; on CUDA they are pinned so the host-to-device copies are asynchronous."""
+
+    def __init__(self, loader: StepLoader, pin_memory: bool):
+        from concurrent.futures import ThreadPoolExecutor
+        self.loader, self.pin_memory = loader, pin_memory
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending = {}
+
+    def _load(self, step):
+        batches = []
+        for m in range(self.loader.accum):
+            x, y = (torch.from_numpy(a) for a in self.loader.micro_batch(step, m))
+            batches.append((x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y))
+        return batches, self.loader.step_tokens(step)
+
+    def get(self, step):
+        """(micro_batches, n_tokens) of step; starts loading step + 1."""
+        future = self.pending.pop(step, None) or self.pool.submit(self._load, step)
+        self.pending = {step + 1: self.pool.submit(self._load, step + 1)}
+        return future.result()
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 # -----------------------------------------------------------------------------
 # optimizer & schedule
 
@@ -503,7 +576,7 @@ def autocast_context(device_type: str, dtype: torch.dtype):
 
 @torch.no_grad()
 def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int,
-                  device: str, dtype: torch.dtype) -> float:
+                  device: str, dtype: torch.dtype, loss_chunk: int = 0) -> float:
     """Token-weighted mean loss over the first n_batches x world x B rows of a stream."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, token count
@@ -511,7 +584,7 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
         x, y = rows.batch((i * world + rank) * B, B)
         x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
         with autocast_context(torch.device(device).type, dtype):
-            _, loss_sum = model(x, y, reduction="sum")
+            _, loss_sum = model(x, y, reduction="sum", loss_chunk=loss_chunk)
         totals[0] += loss_sum.double()
         totals[1] += (y != IGNORE_INDEX).sum()
     model.train()
@@ -712,14 +785,15 @@ def prepare_out_dir(run: RunConfig, resuming: bool):
 
 
 def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
-                         dtype: torch.dtype) -> torch.Tensor:
+                         dtype: torch.dtype, loss_chunk: int = 0) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches on this rank.
 
     Each micro-batch backpropagates sum(token losses) * W / N, where N is the step's count of
     non-ignored targets over all micro-batches and ranks; DDP's average over W ranks then
     leaves exactly d(sum of all token losses) / N. With one micro-batch on one rank that is
     the plain mean loss and no scaling op is added. Returns the summed token loss (float64)
-    of this rank. micro_batches yields (x, y) numpy arrays; model may be DDP-wrapped."""
+    of this rank. micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an
+    asynchronous copy to CUDA); model may be DDP-wrapped."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     is_ddp = hasattr(model, "no_sync")
@@ -727,13 +801,13 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
     loss_scale = world_size / n_tokens
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     for i, (x, y) in enumerate(micro_batches):
-        x = torch.from_numpy(x).to(device, non_blocking=True)
-        y = torch.from_numpy(y).to(device, non_blocking=True)
+        x = torch.as_tensor(x).to(device, non_blocking=True)
+        y = torch.as_tensor(y).to(device, non_blocking=True)
         last = i == len(micro_batches) - 1
         # the no-sync state must cover the forward too: DDP prepares its reducer there
         with model.no_sync() if is_ddp and not last else contextlib.nullcontext():
             with autocast_context(device_type, dtype):
-                _, loss = model(x, y, reduction="mean" if single else "sum")
+                _, loss = model(x, y, reduction="mean" if single else "sum", loss_chunk=loss_chunk)
             (loss if single else loss * loss_scale).backward()
         loss_total += loss.detach() * n_tokens if single else loss.detach()
     return loss_total
@@ -816,6 +890,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
            f"train rows per epoch")
 
     stop = StopSignal()
+    prefetcher = Prefetcher(loader, pin_memory=device_type == "cuda")
+    loss_chunk = run.loss_chunk if run.loss_chunk is not None else (256 if device_type == "cpu" else 0)
     loss_spikes, norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
     nonfinite_skipped = 0
     last_ckpt = ckpt_path
@@ -843,7 +919,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             if step > start_step or not ckpt_path:  # the resumed step was evaluated before saving
                 if val_rows and (step % run.val_every == 0 or last_step):
                     val_loss = evaluate_loss(raw_model, val_rows, run.batch_size, run.val_steps, d.rank,
-                                             d.world_size, device, dtype)
+                                             d.world_size, device, dtype, loss_chunk)
                     print0(f"step {step:5d} | val loss {val_loss:.4f}")
                     log.write(step=step, val_loss=val_loss)
                 if run.hellaswag_every and (step % run.hellaswag_every == 0 or last_step):
@@ -868,9 +944,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
 
             # ---- one optimizer step ----
             t0 = time.perf_counter()
-            n_tokens = loader.step_tokens(step)  # N, known before any backward
-            batches = [loader.micro_batch(step, m) for m in range(grad_accum_steps)]
-            loss_total = accumulate_gradients(model, batches, n_tokens, d.world_size, device, dtype)
+            batches, n_tokens = prefetcher.get(step)  # N is known before any backward
+            loss_total = accumulate_gradients(model, batches, n_tokens, d.world_size, device, dtype, loss_chunk)
             # one collective: the step's summed loss and whether any rank was asked to stop
             stats = torch.stack([loss_total, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
             all_reduce_sum(stats)
@@ -914,6 +989,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
                 record["skipped"] = skipped
             log.write(**record)
     finally:
+        prefetcher.close()
         stop.restore()
         log.close()
 
@@ -986,6 +1062,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="autocast dtype; auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
+    g.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk,
+                   help="compute lm_head + loss in chunks of N rows without materializing the logits "
+                        "(0: off; default 256 on CPU, off on CUDA)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed for init and shuffling")
     return p.parse_args(argv)
 

@@ -186,3 +186,27 @@ def test_llmc_bin_shards_read_like_npy(tmp_path):
     (tmp_path / "z_val_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
     with pytest.raises(tg.UserError, match="HINT: are you passing the right file"):
         tg.open_shard(str(tmp_path / "z_val_000000.bin"))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=300, block_size=32))
+    x = torch.randint(0, 300, (3, 32))
+    y = torch.randint(0, 300, (3, 32))
+    y[1, 7:] = -1
+
+    def loss_and_grads(**kwargs):
+        model.zero_grad()
+        _, loss = model(x, y, reduction=reduction, **kwargs)
+        (loss * 0.37).backward()  # an incoming gradient other than 1 must be applied too
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    full_loss, full = loss_and_grads()
+    chunked_loss, chunked = loss_and_grads(loss_chunk=20)  # 96 rows: 4 full chunks and one of 16
+    assert chunked_loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    for k in full:
+        torch.testing.assert_close(chunked[k], full[k], atol=1e-6, rtol=1e-5, msg=k)
+    with torch.no_grad():  # evaluation: no gradient work, same loss
+        logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
+    assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)

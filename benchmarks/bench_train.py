@@ -1,0 +1,201 @@
+"""Time this trainer's optimizer step against a straightforward reference loop, change by change.
+
+    python benchmarks/bench_train.py                 # CPU preset on CPU, GPT-2 124M on CUDA
+    python benchmarks/bench_train.py --loader        # data loader rows/s and RSS vs shard size
+
+Each variant runs in its own process (so peak memory is its own) on the same model, batch and
+data, and prints tokens/s, peak memory and the ratio to the reference. The variants add one
+change at a time:
+
+    reference  per-micro-step mean loss / steps, unfused AdamW, full logits, no compile,
+               batches loaded between micro-steps (the build-nanogpt loop)
+    +fused     fused AdamW (one kernel for the whole update)
+    +chunked   lm_head + cross-entropy in row chunks, logits never materialized
+    +prefetch  next step's batches prepared on a thread (pinned + non_blocking on CUDA)
+    +compile   torch.compile (compile time reported separately)
+
+"ours" is the trainer's own step (train_gpt2.accumulate_gradients + Prefetcher + fused AdamW +
+chunked loss), the same code path `python train_gpt2.py` runs.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = ["reference", "+fused", "+chunked", "+prefetch", "+compile"]
+
+
+def peak_memory_mb(device):
+    import torch
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_variant(variant, args):
+    import torch
+    import train_gpt2 as tg
+
+    torch.manual_seed(0)
+    device = args.device
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], "block_size": max(args.seq_len, 256)})
+    rows = tg.TokenRows(args.data_dir, "train", args.seq_len)
+    loader = tg.StepLoader(rows, args.batch_size, args.accum, 0, 1)
+    level = VARIANTS.index(variant) if variant != "ours" else len(VARIANTS) - (0 if args.compile_ours else 1)
+    model = tg.GPT(cfg).to(device)
+    rss_model = peak_memory_mb(device)
+    if level >= VARIANTS.index("+fused"):
+        optimizer = model.configure_optimizers(0.1, 6e-4, device_type)
+    else:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        other = [p for p in model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=other, weight_decay=0.0)],
+                                      lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=False)
+    chunked = level >= VARIANTS.index("+chunked") and (device_type == "cpu" or args.chunk_on_cuda)
+    loss_chunk = 256 if chunked else 0
+    train_model = model
+    if level >= VARIANTS.index("+compile"):
+        train_model = torch.compile(model)
+    prefetcher = tg.Prefetcher(loader, pin_memory=device_type == "cuda") if level >= VARIANTS.index("+prefetch") else None
+
+    def step(s):
+        if variant == "reference" or level < VARIANTS.index("+chunked"):
+            # the reference loop: each micro-batch's mean loss divided by the number of steps
+            loss_accum = torch.zeros((), device=device)
+            for m in range(args.accum):
+                x, y = (torch.from_numpy(a).to(device) for a in loader.micro_batch(s, m))
+                with tg.autocast_context(device_type, dtype):
+                    _, loss = train_model(x, y)
+                loss = loss / args.accum
+                loss_accum += loss.detach()
+                loss.backward()
+        else:
+            batches, n_tokens = prefetcher.get(s) if prefetcher else \
+                ([loader.micro_batch(s, m) for m in range(args.accum)], loader.step_tokens(s))
+            loss_accum = tg.accumulate_gradients(train_model, batches, n_tokens, 1, device, dtype, loss_chunk)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result = (loss_accum.item(), norm.item())
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        return result
+
+    t0 = time.perf_counter()
+    for s in range(args.warmup):
+        step(s)
+    compile_s = time.perf_counter() - t0 if level >= VARIANTS.index("+compile") else 0.0
+    times = []
+    for s in range(args.warmup, args.warmup + args.steps):
+        t = time.perf_counter()
+        step(s)
+        times.append(time.perf_counter() - t)
+    if prefetcher:
+        prefetcher.close()
+    tokens = args.batch_size * args.seq_len * args.accum
+    dt = float(np.median(times))
+    return dict(variant=variant, tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device),
+                model_mb=rss_model, compile_s=compile_s)
+
+
+def bench_loader(args):
+    """Rows/s and peak RSS of the memory-mapped loader, for two shard sizes."""
+    import train_gpt2 as tg
+    results = []
+    for n_tokens in (10_000_000, 100_000_000):
+        with tempfile.TemporaryDirectory() as d:
+            np.save(os.path.join(d, "x_train_000000.npy"),
+                    np.random.default_rng(0).integers(0, 50257, n_tokens, dtype=np.uint16))
+            out = subprocess.run([sys.executable, __file__, "--loader-worker", d], capture_output=True, text=True)
+            results.append(dict(shard_tokens=n_tokens, **json.loads(out.stdout.splitlines()[-1])))
+    for r in results:
+        print(f"shard {r['shard_tokens'] / 1e6:5.0f}M tokens | {r['rows_per_s']:10,.0f} rows/s (shuffled, B=64, "
+              f"T=1024) | peak RSS {r['peak_mb']:.0f} MB")
+
+
+def loader_worker(data_dir):
+    import train_gpt2 as tg
+    rows = tg.TokenRows(data_dir, "train", 1024, shuffle=True, seed=0)
+    t = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t < 3:
+        rows.batch(n, 64)
+        n += 64
+    print(json.dumps(dict(rows_per_s=n / (time.perf_counter() - t),
+                          peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--model", default=None, help="preset (default: cpu on CPU, gpt2 on CUDA)")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per micro-step (default 8 CPU, 16 CUDA)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 256 CPU, 1024 CUDA)")
+    p.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
+    p.add_argument("--variants", default=",".join(VARIANTS + ["ours"]), help="comma-separated subset")
+    p.add_argument("--chunk-on-cuda", action="store_true", help="also use the chunked loss on CUDA")
+    p.add_argument("--compile-ours", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile in 'ours' (default: as the trainer does, on CUDA only)")
+    p.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--loader-worker", help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.loader_worker:
+        return loader_worker(args.loader_worker)
+    if args.loader:
+        return bench_loader(args)
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    args.model = args.model or ("gpt2" if cuda else "cpu")
+    args.batch_size = args.batch_size or (16 if cuda else 8)
+    args.seq_len = args.seq_len or (1024 if cuda else 256)
+    if args.compile_ours is None:
+        args.compile_ours = cuda
+    if args.worker:
+        print(json.dumps(run_variant(args.worker, args)))
+        return
+    with tempfile.TemporaryDirectory() as data_dir:
+        tokens = args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2)
+        np.save(os.path.join(data_dir, "bench_train_000000.npy"),
+                np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16))
+        print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} "
+              f"accum={args.accum} | {torch.get_num_threads()} threads | median of {args.steps} steps")
+        results = []
+        for variant in args.variants.split(","):
+            cmd = [sys.executable, __file__, "--worker", variant, "--data-dir", data_dir, "--device", args.device,
+                   "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                   "--accum", str(args.accum), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--compile-ours" if args.compile_ours else "--no-compile-ours"]
+            if args.chunk_on_cuda:
+                cmd.append("--chunk-on-cuda")
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                print(f"{variant}: failed\n{out.stderr[-2000:]}")
+                continue
+            r = json.loads(out.stdout.splitlines()[-1])
+            results.append(r)
+            ref = results[0]
+            extra = f" | compile {r['compile_s']:.1f}s" if r["compile_s"] else ""
+            print(f"{variant:10s} | {r['tok_per_s']:10,.0f} tok/s ({r['tok_per_s'] / ref['tok_per_s']:.2f}x) | "
+                  f"step {r['step_ms']:8.1f} ms | peak mem {r['peak_mb']:7.0f} MB ({r['peak_mb'] / ref['peak_mb']:.2f}x, "
+                  f"above model {r['peak_mb'] - r['model_mb']:6.0f} MB){extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
