@@ -1,0 +1,576 @@
+"""Tokenize a text dataset into GPT-2 token shards for train_gpt2.py.
+
+Each document becomes [<|endoftext|>] + its GPT-2 BPE tokens; the token stream is cut into
+shards of --shard-size tokens (a document that does not fit continues in the next shard),
+the first shard is the validation split, and each shard is a 1-D uint16 array saved with
+np.save, like build-nanogpt's edu_fineweb10B shards (or llm.c's .bin with --format bin).
+
+    python fineweb.py                                   # FineWeb-Edu sample-10BT, 100M-token shards
+    python fineweb.py --max-tokens 20M --out-dir data/edu20M
+    python fineweb.py --files 'corpus/**/*.parquet' --out-dir data/mine
+    python fineweb.py --files "$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py" \
+        --doc-per-file --shard-size 256K --prefix stdlib --out-dir data/stdlib   # offline
+
+OUT/manifest.json records every finished shard; a run that was killed resumes where it
+stopped when started again with the same arguments, and the shards come out byte-identical.
+
+This module is imported by train_gpt2.py and hellaswag.py for get_encoding() and EOT, so at
+import it loads only the standard library, numpy and tiktoken, and runs nothing.
+"""
+import argparse
+import contextlib
+import glob
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from decimal import Decimal, InvalidOperation
+from itertools import chain, islice
+
+import numpy as np
+import tiktoken
+
+# --- errors and sizes ------------------------------------------------------------------------
+
+class FatalError(Exception):
+    """A problem the user can fix; main() prints it as one line, without a traceback."""
+
+
+def one_line(e: BaseException) -> str:
+    """Another library's exception as a short single line, to quote inside our message."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+_SIZE_SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'20M', '1.5K', '1e8', '100_000' -> a positive int (argparse type)."""
+    s = text.strip().upper().replace("_", "")
+    scale = _SIZE_SUFFIXES.get(s[-1:], 1)
+    try:  # Decimal, not float: 0.1K is exactly 100
+        value = Decimal(s[:-1] if scale > 1 else s) * scale
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20M, 1e8, 100000)") from None
+    if not value.is_finite() or value < 1 or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return int(value)
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+
+ENCODING_NAME = "r50k_base"  # GPT-2's BPE; tiktoken's "gpt2" is the same table but fetches extra files
+EOT = 50256  # <|endoftext|>
+EOT_TEXT = "<|endoftext|>"
+
+
+def get_encoding() -> tiktoken.Encoding:
+    """The GPT-2 tokenizer; RuntimeError with a one-line hint when it cannot be loaded."""
+    try:
+        return tiktoken.get_encoding(ENCODING_NAME)
+    except Exception as e:
+        raise RuntimeError(
+            f"could not load the GPT-2 tokenizer (tiktoken {ENCODING_NAME!r}: {one_line(e)}); "
+            "offline, set TIKTOKEN_CACHE_DIR to a folder that holds its cached rank file") from e
+
+
+def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
+    """Concatenation of [EOT] + enc.encode_ordinary(doc) for each doc, as uint16.
+
+    Documents are joined with <|endoftext|> and encoded in one call, which tiktoken splits
+    at each separator exactly as if every document were encoded alone, but with much less
+    per-call overhead. A document that itself contains the literal text <|endoftext|> is
+    encoded on its own, so that the text stays ordinary text.
+    """
+    parts, start = [], 0
+    for i, doc in enumerate(docs):
+        if EOT_TEXT in doc:
+            parts.append(_encode_joined(enc, docs[start:i]))
+            parts.append(np.array([EOT] + enc.encode_ordinary(doc), dtype=np.uint32))
+            start = i + 1
+    parts.append(_encode_joined(enc, docs[start:]))
+    tokens = np.concatenate(parts)
+    if tokens.size and tokens.max() > np.iinfo(np.uint16).max:
+        raise FatalError(f"token id {tokens.max()} does not fit in uint16; "
+                         f"the tokenizer is not GPT-2's {ENCODING_NAME}")
+    return tokens.astype("<u2")
+
+
+def _encode_joined(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
+    if not docs:
+        return np.empty(0, dtype=np.uint32)
+    return enc.encode_to_numpy(EOT_TEXT + EOT_TEXT.join(docs), allowed_special={EOT_TEXT})
+
+
+# --- document sources ------------------------------------------------------------------------
+# Each source is a deterministic stream of document strings: the same arguments always give the
+# same documents in the same order, which is what makes resuming by document count exact.
+
+def resolve_files(patterns: list) -> list:
+    """Files matching the globs, in a stable order (sorted per pattern, first match wins)."""
+    files = []
+    for pattern in patterns:
+        matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+                         if os.path.isfile(p))
+        if not matched:
+            raise FatalError(f"--files {pattern!r} matches no files")
+        files.extend(matched)
+    return list(dict.fromkeys(files))
+
+
+def iter_file_documents(files: list, text_field: str, doc_per_file: bool, utf8_errors: str):
+    for path in files:
+        try:
+            yield from _iter_one_file(path, text_field, doc_per_file, utf8_errors)
+        except UnicodeDecodeError as e:
+            raise FatalError(
+                f"{path} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} cannot be decoded); "
+                "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace") from e
+
+
+def _iter_one_file(path: str, text_field: str, doc_per_file: bool, utf8_errors: str):
+    kind = os.path.splitext(path[:-3] if path.endswith(".gz") else path)[1].lower()
+    if kind == ".parquet":
+        yield from _iter_parquet(path, text_field)
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    # newline="" keeps the text byte-exact: no \r\n -> \n translation
+    with opener(path, "rt", encoding="utf-8", errors=utf8_errors, newline="") as f:
+        if kind in (".jsonl", ".json"):
+            yield from _iter_json_lines(f, path, text_field)
+        elif doc_per_file:
+            yield f.read()
+        else:
+            for line in f:
+                if line.strip():  # one document per non-blank line
+                    yield line.rstrip("\r\n")
+
+
+def _iter_json_lines(f, path: str, text_field: str):
+    for number, line in enumerate(f, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FatalError(f"{path}:{number}: not JSON Lines ({e.msg}); "
+                             ".json/.jsonl files must hold one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise FatalError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
+        yield _text_of(row, text_field, f"{path}:{number}")
+
+
+def _iter_parquet(path: str, text_field: str):
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    if text_field not in names:
+        raise FatalError(_missing_field(path, text_field, names))
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            yield _checked_text(text, text_field, f"{path} row {row}")
+            row += 1
+
+
+def iter_hub_documents(dataset: str, name, split: str, text_field: str, debug: bool):
+    rows = _iter_hub_rows(dataset, name, split, debug)
+    for number, row in enumerate(rows):
+        yield _text_of(row, text_field, f"{dataset} row {number}")
+
+
+def _iter_hub_rows(dataset: str, name, split: str, debug: bool):
+    where = f"{dataset!r} (name {name!r}, split {split!r})"
+    try:
+        import datasets
+    except ImportError:
+        raise FatalError(f"reading {where} needs the 'datasets' package (pip install datasets); "
+                         "or tokenize local files with --files") from None
+    if not debug:  # the Hub client logs every retry; one final line is enough
+        for logger in ("huggingface_hub", "datasets", "fsspec"):
+            logging.getLogger(logger).setLevel(logging.ERROR)
+    try:
+        # streaming: rows arrive as they are read, so --max-tokens needs only the first part
+        yield from datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+    except Exception as e:
+        raise FatalError(f"could not read {where} from the Hugging Face Hub "
+                         f"({type(e).__name__}: {one_line(e)}); offline, tokenize local files "
+                         "instead with --files 'dir/**/*.parquet'") from e
+
+
+def _text_of(row: dict, text_field: str, where: str) -> str:
+    if text_field not in row:
+        raise FatalError(_missing_field(where, text_field, list(row)))
+    return _checked_text(row[text_field], text_field, where)
+
+
+def _missing_field(where: str, text_field: str, fields: list) -> str:
+    return (f"{where}: no field {text_field!r} (fields: {', '.join(map(str, fields))}); "
+            "choose one with --text-field")
+
+
+def _checked_text(text, text_field: str, where: str) -> str:
+    if not isinstance(text, str):
+        raise FatalError(f"{where}: field {text_field!r} holds {type(text).__name__}, not text")
+    return text
+
+
+# --- parallel tokenization -------------------------------------------------------------------
+
+CHUNK_CHARS = 1 << 20  # text per worker task: big enough that IPC is noise, small enough to stream
+
+_worker_encoding = None
+
+
+def _init_worker():
+    # the main process handles Ctrl-C and SIGTERM and stops the pool; a worker ignores Ctrl-C
+    # and ends quietly on the SIGTERM of pool.terminate() (not via the inherited handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    global _worker_encoding
+    _worker_encoding = get_encoding()
+
+
+def _tokenize_chunk(docs: list) -> np.ndarray:
+    return encode_documents(_worker_encoding, docs)
+
+
+def chunk_documents(docs, chunk_chars: int):
+    """Group the document stream into lists of about chunk_chars characters."""
+    chunk, size = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        size += len(doc) + 1
+        if size >= chunk_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def tokenize_in_order(chunks, pool, max_in_flight: int):
+    """Token arrays of the chunks, in order, with at most max_in_flight tasks in the pool
+    (with Pool.imap, finished results pile up without limit while the main process is busy)."""
+    if pool is None:
+        enc = get_encoding()
+        yield from (encode_documents(enc, chunk) for chunk in chunks)
+        return
+    pending = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_tokenize_chunk, (chunk,)))
+        if len(pending) >= max_in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# --- shards and manifest ---------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+BIN_MAGIC, BIN_VERSION = 20240520, 1  # llm.c's header for uint16 GPT-2 token shards
+
+
+def shard_header(tokens: np.ndarray, fmt: str) -> bytes:
+    if fmt == "bin":
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = BIN_MAGIC, BIN_VERSION, tokens.size
+        return header.tobytes()
+    buffer = io.BytesIO()  # exactly the header np.save writes
+    np.lib.format.write_array_header_1_0(buffer, np.lib.format.header_data_from_array_1_0(tokens))
+    return buffer.getvalue()
+
+
+def write_atomically(path: str, *blobs) -> None:
+    """Write to path.tmp, then rename: a killed process leaves path absent, old, or complete.
+    (No fsync: it guards against power loss, not kills, and cost seconds per shard on slow disks;
+    a resumed run checks the size of every shard it keeps.)"""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        for blob in blobs:
+            f.write(blob)
+    os.replace(tmp, path)
+
+
+def save_manifest(out_dir: str, manifest: dict) -> None:
+    write_atomically(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+
+
+def _stall_for_tests(shard_index: int) -> None:
+    # Test-only: FINEWEB_TEST_STALL_AFTER_SHARD=N parks the process once shard N's file is in
+    # place but before the manifest records it, so a test can kill it at that exact point.
+    if os.environ.get("FINEWEB_TEST_STALL_AFTER_SHARD") == str(shard_index):
+        print(f"stalled after shard {shard_index} (test hook)", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+class ShardWriter:
+    """Cuts the token stream into shards and records, per shard, where it ends in the
+    document stream: documents fully written so far, and tokens already written of the next
+    (split) document. Those two numbers are all a resumed run needs."""
+
+    def __init__(self, out_dir: str, manifest: dict):
+        self.out_dir, self.manifest = out_dir, manifest
+        config = manifest["config"]
+        self.prefix, self.fmt = config["prefix"], config["format"]
+        self.val_shards = config["val_shards"]
+        self.buffer = np.empty(config["shard_size"], dtype="<u2")
+        self.filled = 0
+        self.shard_documents = 0  # documents that start in the current shard
+        last = manifest["shards"][-1] if manifest["shards"] else {}
+        self.documents_done = last.get("documents_done", 0)
+        self.open_tokens = last.get("next_document_tokens_done", 0)  # of the last started document
+        self.tokens_written = sum(shard["tokens"] for shard in manifest["shards"])
+
+    @property
+    def tokens_total(self) -> int:
+        return self.tokens_written + self.filled
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append tokens of whole documents (the first may lack a prefix already written)."""
+        pos = 0
+        while pos < tokens.size:
+            segment = tokens[pos:pos + self.buffer.size - self.filled]
+            self.buffer[self.filled:self.filled + segment.size] = segment
+            self.filled += segment.size
+            pos += segment.size
+            starts = np.flatnonzero(segment == EOT)
+            self.shard_documents += starts.size
+            if starts.size:
+                # each <|endoftext|> completes the document before it, if there is one
+                self.documents_done += starts.size - (0 if self.open_tokens else 1)
+                self.open_tokens = segment.size - int(starts[-1])
+            else:
+                self.open_tokens += segment.size
+            if self.filled == self.buffer.size:
+                # chunks hold whole documents, so a chunk's end is a document's end too
+                self.finish_shard(ends_document=pos == tokens.size or tokens[pos] == EOT)
+
+    def finish_shard(self, ends_document: bool = True) -> None:
+        if not self.filled:
+            return
+        index = len(self.manifest["shards"])
+        split = "val" if index < self.val_shards else "train"
+        name = f"{self.prefix}_{split}_{index:06d}.{self.fmt}"
+        tokens = self.buffer[:self.filled]
+        header = shard_header(tokens, self.fmt)
+        write_atomically(os.path.join(self.out_dir, name), header, tokens.data)
+        digest = hashlib.sha256(header)
+        digest.update(tokens.data)
+        _stall_for_tests(index)
+        if ends_document and self.open_tokens:
+            self.documents_done += 1
+            self.open_tokens = 0
+        self.manifest["shards"].append({
+            "file": name, "split": split, "tokens": int(self.filled),
+            "bytes": len(header) + tokens.nbytes,
+            "documents": int(self.shard_documents),
+            "sha256": digest.hexdigest(),
+            "documents_done": self.documents_done,
+            "next_document_tokens_done": self.open_tokens,
+        })
+        save_manifest(self.out_dir, self.manifest)
+        self.tokens_written += self.filled
+        self.filled = self.shard_documents = 0
+
+
+def open_manifest(out_dir: str, config: dict, source: str) -> dict:
+    """The manifest of an earlier run with the same config, or a new one."""
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
+        strays = glob.glob(os.path.join(glob.escape(out_dir), pattern))
+        if strays:
+            raise FatalError(f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
+                             f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir")
+        return {"source": source, "tokenizer": f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})",
+                "dtype": "uint16", "config": config, "complete": False, "shards": []}
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise FatalError(f"{path} is not valid JSON ({e.msg}); use an empty --out-dir") from None
+    changed = [f"{key} {manifest['config'].get(key)!r} -> {value!r}"
+               for key, value in config.items() if manifest["config"].get(key) != value]
+    if changed:
+        raise FatalError(f"{path} was written with other arguments ({'; '.join(changed)}); "
+                         "rerun with the same arguments to resume, or use another --out-dir")
+    for shard in manifest["shards"]:
+        shard_path = os.path.join(out_dir, shard["file"])
+        if not os.path.isfile(shard_path) or os.path.getsize(shard_path) != shard["bytes"]:
+            raise FatalError(f"{shard_path}, listed in {path}, is missing or truncated; "
+                             "delete the folder and start over")
+    return manifest
+
+
+# --- command line ----------------------------------------------------------------------------
+
+DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Tokenize a text dataset into GPT-2 uint16 token shards (resumable).",
+        epilog="Sizes: 20M, 1.5K, 10B (= 10G), 1e8 or 100000. Run again with the same arguments "
+               "to resume an interrupted run.")
+    source = parser.add_argument_group("source (default: FineWeb-Edu sample-10BT, streamed from the Hub)")
+    source.add_argument("--dataset", help=f"Hub dataset to stream (default {DEFAULT_DATASET})")
+    source.add_argument("--name", help=f"its configuration (default {DEFAULT_NAME} for the default "
+                                       "dataset, none otherwise)")
+    source.add_argument("--split", help="its split (default train)")
+    source.add_argument("--files", nargs="+", action="extend", metavar="GLOB",
+                        help="local files instead of the Hub (quote globs; ** recurses): .parquet, "
+                             ".jsonl/.json(.gz), any other file is text")
+    source.add_argument("--text-field", default="text", metavar="FIELD",
+                        help="column or JSON key holding the text (default text)")
+    source.add_argument("--doc-per-file", action="store_true",
+                        help="text files: a whole file is one document (default: one per non-blank line)")
+    source.add_argument("--utf8-errors", choices=["strict", "replace"], default="strict",
+                        help="local bytes that are not UTF-8: stop with an error (default) or "
+                             "replace them with U+FFFD")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out-dir", default="edu_fineweb10B", help="folder for shards and "
+                        f"{MANIFEST} (default edu_fineweb10B)")
+    output.add_argument("--prefix", default="edufineweb",
+                        help="shard file names: PREFIX_{val,train}_NNNNNN (default edufineweb)")
+    output.add_argument("--shard-size", type=parse_size, default=10**8, metavar="TOKENS",
+                        help="tokens per shard (default 100M)")
+    output.add_argument("--val-shards", type=int, default=1, metavar="N",
+                        help="the first N shards are the val split (default 1)")
+    output.add_argument("--max-tokens", type=parse_size, metavar="TOKENS",
+                        help="stop after the first TOKENS tokens (default: the whole source)")
+    output.add_argument("--format", choices=["npy", "bin"], default="npy",
+                        help="npy: np.save of a uint16 array, as build-nanogpt (default); "
+                             "bin: llm.c's 1 KiB header + uint16 tokens")
+    run_group = parser.add_argument_group("run")
+    run_group.add_argument("--workers", type=int, default=os.cpu_count(),
+                           help="tokenizer processes (default: all cores; 1 = no pool)")
+    run_group.add_argument("--debug", action="store_true",
+                           help="show tracebacks and the Hub client's log")
+    args = parser.parse_args(argv)
+    if args.files:
+        if args.dataset or args.name or args.split:
+            parser.error("--files reads local files; leave out --dataset, --name and --split")
+    else:
+        if args.dataset is None:
+            args.dataset = DEFAULT_DATASET
+            args.name = args.name or DEFAULT_NAME
+        args.split = args.split or "train"
+    if args.workers < 1 or args.val_shards < 0:
+        parser.error("--workers must be at least 1 and --val-shards at least 0")
+    if args.format == "bin" and args.shard_size >= 2**31:
+        parser.error("--format bin stores the token count as int32: use --shard-size below 2G")
+    return args
+
+
+def files_digest(files: list) -> str:
+    """Fingerprint of the file list (names and sizes): a resumed run must see the same input."""
+    listing = "".join(f"{path}\0{os.path.getsize(path)}\n" for path in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
+    """Drop the first count tokens of the first document: the interrupted run wrote them."""
+    first_document_longer = tokens.size > count and not (tokens[1:count + 1] == EOT).any()
+    if tokens[0] != EOT or not first_document_longer:
+        raise FatalError("the input differs from the interrupted run's (a document split across "
+                         "shards is shorter now); delete the --out-dir folder and start over")
+    return tokens[count:]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        get_encoding()  # fail here, once, rather than in every worker
+    except RuntimeError as e:
+        raise FatalError(str(e)) from e
+    if args.files:
+        files = resolve_files(args.files)
+        source = f"--files {' '.join(args.files)} ({len(files)} matched)"
+        documents = iter_file_documents(files, args.text_field, args.doc_per_file, args.utf8_errors)
+        file_info = {"files": args.files, "file_count": len(files), "files_sha256": files_digest(files),
+                     "doc_per_file": args.doc_per_file, "utf8_errors": args.utf8_errors}
+    else:
+        source = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})"
+        documents = iter_hub_documents(args.dataset, args.name, args.split, args.text_field, args.debug)
+        file_info = {}
+    # everything that changes the output; a resumed run must match it exactly
+    config = {"dataset": args.dataset, "name": args.name, "split": args.split, **file_info,
+              "text_field": args.text_field, "tokenizer": ENCODING_NAME, "shard_size": args.shard_size,
+              "max_tokens": args.max_tokens, "val_shards": args.val_shards, "prefix": args.prefix,
+              "format": args.format}
+    os.makedirs(args.out_dir, exist_ok=True)
+    manifest = open_manifest(args.out_dir, config, source)
+    writer = ShardWriter(args.out_dir, manifest)
+    done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
+    if manifest["complete"]:
+        print(f"{args.out_dir} is already complete ({done}); nothing to do")
+        return 0
+    if manifest["shards"]:
+        print(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)",
+              file=sys.stderr)
+
+    import multiprocessing
+    from tqdm import tqdm
+
+    drop = writer.open_tokens
+    documents = islice(documents, writer.documents_done, None)
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if args.workers > 1:  # forked before the source starts any threads
+            pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=_init_worker))
+        # read the first document now, so that source errors come before the progress bar
+        first = next(documents, None)
+        if first is None and not manifest["shards"]:
+            raise FatalError(f"no documents in {source}")
+        chunks = chunk_documents(chain([first], documents) if first is not None else (), CHUNK_CHARS)
+        progress = stack.enter_context(tqdm(
+            total=args.max_tokens, initial=writer.tokens_total, unit="tok", unit_scale=True,
+            desc="tokenizing", dynamic_ncols=True))
+        for tokens in tokenize_in_order(chunks, pool, 2 * args.workers):
+            if drop:
+                tokens, drop = _drop_written_prefix(tokens, drop), 0
+            if args.max_tokens:
+                tokens = tokens[:args.max_tokens - writer.tokens_total]
+            writer.add(tokens)
+            progress.update(tokens.size)
+            if writer.tokens_total == args.max_tokens:
+                break
+        writer.finish_shard()
+    manifest["complete"] = True
+    save_manifest(args.out_dir, manifest)
+    documents_started = sum(shard["documents"] for shard in manifest["shards"])
+    print(f"wrote {len(manifest['shards'])} shards, {writer.tokens_written:,} tokens, "
+          f"{documents_started:,} documents to {args.out_dir}")
+    return 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM: unwind like Ctrl-C, so the pool is stopped
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return run(args)
+    except (FatalError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"fineweb.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fineweb.py: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

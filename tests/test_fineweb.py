@@ -1,0 +1,418 @@
+"""fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
+
+CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py).
+"""
+import gzip
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+
+import fineweb
+
+FINEWEB = str(Path(fineweb.__file__).resolve())
+EOT = 50256
+ENC = tiktoken.get_encoding("r50k_base")
+
+# --- helpers ---------------------------------------------------------------------------------
+
+WORDS = ["the", "quick", "brown", "fox", "naïve", "café", "日本語", "🙂", "x = 1;", "don't",
+         "it's", "123", "4.56", "def f():", "    return", "\t", "  ", "!!", "über", "—"]
+
+
+def make_docs(count=60, seed=0, newlines=True):
+    """Varied documents: unicode, code-like text, whitespace runs, a few that span shards."""
+    rng = random.Random(seed)
+    words = WORDS + (["\n", "\n\n", "\r\n"] if newlines else [])
+    docs = []
+    for i in range(count):
+        length = rng.choice([0, 3, 40, 200]) if i % 15 else 1500  # every 15th is long
+        docs.append(" ".join(rng.choice(words) for _ in range(length)))
+    return docs
+
+
+def reference_tokens(docs):
+    """What build-nanogpt's fineweb.py writes: [EOT] + encode_ordinary(doc), concatenated."""
+    out = []
+    for doc in docs:
+        out.append(EOT)
+        out.extend(ENC.encode_ordinary(doc))
+    return np.array(out, dtype=np.uint16)
+
+
+def load_shards(out_dir):
+    manifest = json.loads((Path(out_dir) / "manifest.json").read_text())
+    arrays = [np.load(Path(out_dir) / shard["file"]) for shard in manifest["shards"]]
+    return manifest, arrays
+
+
+def run_cli(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def only_line(result):
+    """The single line a failed run printed (errors come before any progress bar)."""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def write_jsonl(path, rows, opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def check_output(out_dir, docs, shard_size, val_shards=1, prefix="edufineweb"):
+    """Shards hold exactly the reference tokens; names, sizes, manifest and hashes are right."""
+    manifest, arrays = load_shards(out_dir)
+    expected = reference_tokens(docs)
+    assert np.array_equal(np.concatenate(arrays), expected)
+    assert manifest["complete"] is True
+    assert [a.size for a in arrays[:-1]] == [shard_size] * (len(arrays) - 1)
+    assert 0 < arrays[-1].size <= shard_size
+    # where each shard ends in the document stream, from the reference document lengths
+    doc_ends = np.cumsum([1 + len(ENC.encode_ordinary(doc)) for doc in docs])
+    end = 0
+    for index, (shard, tokens) in enumerate(zip(manifest["shards"], arrays)):
+        split = "val" if index < val_shards else "train"
+        assert shard["file"] == f"{prefix}_{split}_{index:06d}.npy"
+        assert shard["split"] == split
+        assert shard["tokens"] == tokens.size
+        assert shard["documents"] == int((tokens == EOT).sum())
+        data = (Path(out_dir) / shard["file"]).read_bytes()
+        assert shard["sha256"] == hashlib.sha256(data).hexdigest()
+        assert shard["bytes"] == len(data)
+        end += tokens.size
+        done = int(np.searchsorted(doc_ends, end, side="right"))
+        assert shard["documents_done"] == done
+        assert shard["next_document_tokens_done"] == end - (doc_ends[done - 1] if done else 0)
+    return manifest, arrays
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    # many worker tasks even for tiny inputs, so ordering and in-flight limits are exercised
+    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 2000)
+
+
+# --- tokenization ----------------------------------------------------------------------------
+
+def test_encode_documents_matches_encode_ordinary_per_document():
+    docs = make_docs(30) + ["", "a<|endoftext|>b", "<|endoftext|>", "tail   "]
+    tokens = fineweb.encode_documents(fineweb.get_encoding(), docs)
+    assert tokens.dtype == np.uint16
+    assert np.array_equal(tokens, reference_tokens(docs))
+
+
+def test_encode_documents_refuses_ids_beyond_uint16():
+    class WideEncoding:
+        def encode_to_numpy(self, text, allowed_special):
+            return np.array([EOT, 70000], dtype=np.uint32)
+
+    with pytest.raises(fineweb.FatalError, match="70000 does not fit in uint16"):
+        fineweb.encode_documents(WideEncoding(), ["x"])
+
+
+def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
+    import multiprocessing
+
+    pulled = []
+
+    def chunks():
+        for i in range(100):
+            pulled.append(i)
+            yield [f"document {i}"]
+
+    with multiprocessing.Pool(2, initializer=fineweb._init_worker) as pool:
+        results = fineweb.tokenize_in_order(chunks(), pool, max_in_flight=4)
+        first = next(results)
+        assert len(pulled) == 4
+        rest = list(results)
+    assert np.array_equal(np.concatenate([first] + rest),
+                          reference_tokens([f"document {i}" for i in range(100)]))
+
+
+@pytest.mark.parametrize("text, value", [("20M", 20_000_000), ("1e8", 100_000_000),
+                                         ("100000", 100_000), ("1.5K", 1500), ("0.1k", 100),
+                                         ("2_000", 2000), ("10B", 10**10)])
+def test_parse_size(text, value):
+    assert fineweb.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "1.5", "-3M", "M", "inf", "nan"])
+def test_parse_size_rejects(text):
+    with pytest.raises(Exception, match="not a"):
+        fineweb.parse_size(text)
+
+
+def test_import_is_light_and_silent():
+    code = ("import sys, fineweb; heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
+            "print(sorted(heavy), fineweb.EOT, fineweb.get_encoding().name)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(FINEWEB).parent, timeout=60)
+    assert (result.stdout, result.stderr) == ("[] 50256 r50k_base\n", "")
+
+
+# --- sources and shards ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["jsonl", "json.gz", "parquet"])
+def test_rows_to_shards(tmp_path, small_chunks, kind):
+    docs = make_docs() + ["text that quotes <|endoftext|> stays text", "last"]
+    rows = [{"id": i, "text": doc} for i, doc in enumerate(docs)]
+    path = tmp_path / f"docs.{kind}"
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
+    else:
+        write_jsonl(path, rows, gzip.open if kind.endswith(".gz") else open)
+    out = tmp_path / "out"
+    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "3000",
+                         "--workers", "2"]) == 0
+    _, arrays = check_output(out, docs, 3000)
+    assert len(arrays) == -(-reference_tokens(docs).size // 3000)
+
+
+def test_text_lines_and_files_to_shards(tmp_path, small_chunks):
+    lines = make_docs(40, seed=1, newlines=False)
+    (tmp_path / "a.txt").write_bytes("\r\n".join(lines[:20]).encode() + b"\r\n\n  \n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("\n".join(lines[20:]), encoding="utf-8")
+    out = tmp_path / "lines"
+    assert fineweb.main(["--files", str(tmp_path / "**" / "*.txt"), "--out-dir", str(out),
+                         "--shard-size", "2K", "--val-shards", "2", "--prefix", "t"]) == 0
+    check_output(out, [line for line in lines if line.strip()], 2000, val_shards=2, prefix="t")
+
+    files = {"x.py": "def f():\r\n    return 1\n", "y.md": "# Title\n\nbody\n", "z.txt": ""}
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text.encode())
+    out = tmp_path / "per_file"
+    assert fineweb.main(["--files", str(tmp_path / "*.py"), str(tmp_path / "*.[mt][dx]*"),
+                         "--doc-per-file", "--out-dir", str(out), "--shard-size", "300",
+                         "--workers", "1"]) == 0
+    # x.py first (first pattern), then a.txt, y.md, z.txt (second pattern, sorted)
+    a_txt = (tmp_path / "a.txt").read_bytes().decode()
+    check_output(out, [files["x.py"], a_txt, files["y.md"], files["z.txt"]], 300)
+
+
+def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
+    docs = make_docs()
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
+    out = tmp_path / "bin"
+    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "4000",
+                         "--max-tokens", "10.5K", "--format", "bin", "--workers", "2"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == [
+        "edufineweb_val_000000.bin", "edufineweb_train_000001.bin", "edufineweb_train_000002.bin"]
+    tokens = []
+    for shard in manifest["shards"]:
+        data = (out / shard["file"]).read_bytes()
+        header = np.frombuffer(data[:1024], dtype="<i4")
+        assert list(header[:3]) == [20240520, 1, shard["tokens"]] and not header[3:].any()
+        assert shard["sha256"] == hashlib.sha256(data).hexdigest()
+        tokens.append(np.frombuffer(data[1024:], dtype="<u2"))
+    assert [t.size for t in tokens] == [4000, 4000, 2500]
+    assert np.array_equal(np.concatenate(tokens), reference_tokens(docs)[:10500])
+
+
+def test_npy_shards_are_byte_identical_to_np_save(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
+    out = tmp_path / "out"
+    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "700",
+                         "--workers", "1"]) == 0
+    for shard in sorted(out.glob("*.npy")):
+        saved = tmp_path / "np_save.npy"
+        np.save(saved, np.load(shard))
+        assert shard.read_bytes() == saved.read_bytes()
+
+
+# --- resume ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def corpus(tmp_path):
+    docs = make_docs(90, seed=2)
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": doc} for doc in docs])
+    # an uninterrupted run to compare against
+    reference_out = tmp_path / "uninterrupted"
+    assert fineweb.main(["--files", str(path), "--out-dir", str(reference_out),
+                         "--shard-size", "2500", "--workers", "2"]) == 0
+    return docs, path, reference_out
+
+
+def assert_same_output(out, reference_out):
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference_out.iterdir())
+    for path in reference_out.iterdir():
+        if path.suffix == ".npy":
+            assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest == json.loads((reference_out / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("how", ["SIGKILL the process group", "SIGTERM the main process"])
+def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
+    docs, path, reference_out = corpus
+    out = tmp_path / "killed"
+    args = [sys.executable, FINEWEB, "--files", str(path), "--out-dir", str(out),
+            "--shard-size", "2500", "--workers", "2"]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(args, stderr=stderr, start_new_session=True,
+                                   env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "2"})
+    try:
+        deadline = time.monotonic() + 30
+        # the hook parks the run once shard 2 is in place, before the manifest records it
+        while not (out / "edufineweb_train_000002.npy").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "run did not stall"
+            time.sleep(0.05)
+        if how.startswith("SIGKILL"):
+            os.killpg(process.pid, signal.SIGKILL)
+            assert process.wait(timeout=30) == -signal.SIGKILL
+        else:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 130
+            said = (tmp_path / "stderr.txt").read_text()
+            assert "interrupted; run the same command again to resume" in said
+            assert "Traceback" not in said
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and len(manifest["shards"]) == 2
+    # the resume point splits a document, so the already-written prefix must be dropped
+    assert manifest["shards"][-1]["next_document_tokens_done"] > 0
+
+    result = run_cli(*args[2:])
+    assert result.returncode == 0, result.stderr
+    skipped = manifest["shards"][-1]["documents_done"]
+    assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
+    assert_same_output(out, reference_out)
+    check_output(out, docs, 2500)
+
+
+def test_resume_at_a_document_boundary(tmp_path, small_chunks, capsys):
+    docs = make_docs(30, seed=3)
+    lengths = [1 + len(ENC.encode_ordinary(doc)) for doc in docs]
+    shard_size = sum(lengths[:7])  # shard 0 ends exactly where document 7 starts
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
+    args = ["--files", str(path), "--shard-size", str(shard_size), "--workers", "2"]
+    assert fineweb.main(args + ["--out-dir", str(tmp_path / "full")]) == 0
+    manifest = json.loads((tmp_path / "full" / "manifest.json").read_text())
+    assert (manifest["shards"][0]["documents_done"], manifest["shards"][0]["next_document_tokens_done"]) == (7, 0)
+    # keep only what an interrupted run would have left: shard 0 and a manifest listing it
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    first = manifest["shards"][0]["file"]
+    shard_bytes = (tmp_path / "full" / first).read_bytes()
+    (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False,
+                                                   "shards": manifest["shards"][:1]}))
+    (cut / first).write_bytes(shard_bytes[:-2])  # a shard cut short is refused, not resumed
+    capsys.readouterr()
+    assert fineweb.main(args + ["--out-dir", str(cut)]) == 1
+    assert capsys.readouterr().err == (f"fineweb.py: error: {cut / first}, listed in {cut / 'manifest.json'}, "
+                                       "is missing or truncated; delete the folder and start over\n")
+    (cut / first).write_bytes(shard_bytes)
+    assert fineweb.main(args + ["--out-dir", str(cut)]) == 0
+    assert_same_output(cut, tmp_path / "full")
+
+
+def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, corpus):
+    docs, path, reference_out = corpus
+    stamps = {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()}
+    again = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "2500")
+    assert again.returncode == 0
+    total = reference_tokens(docs).size
+    assert again.stdout == (f"{reference_out} is already complete ({-(-total // 2500)} shards, "
+                            f"{total:,} tokens); nothing to do\n")
+    assert {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()} == stamps
+
+    other = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "3000")
+    assert other.returncode == 1
+    assert only_line(other) == (
+        f"fineweb.py: error: {reference_out / 'manifest.json'} was written with other arguments "
+        "(shard_size 2500 -> 3000); rerun with the same arguments to resume, or use another --out-dir")
+
+
+# --- errors: one line, no traceback, non-zero exit -------------------------------------------
+
+def test_no_matching_files(tmp_path):
+    result = run_cli("--files", tmp_path / "nothing*.jsonl", "--out-dir", tmp_path / "out")
+    assert result.returncode == 1
+    assert result.stderr == f"fineweb.py: error: --files '{tmp_path / 'nothing*.jsonl'}' matches no files\n"
+
+
+def test_no_documents(tmp_path):
+    (tmp_path / "blank.txt").write_text("\n   \n\n")
+    result = run_cli("--files", tmp_path / "blank.txt", "--out-dir", tmp_path / "out", "--workers", "1")
+    assert result.returncode == 1
+    assert only_line(result) == f"fineweb.py: error: no documents in --files {tmp_path / 'blank.txt'} (1 matched)"
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_missing_text_field(tmp_path, kind):
+    rows = [{"id": 1, "content": "hello"}]
+    path = tmp_path / f"rows.{kind}"
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        where = str(path)
+    else:
+        write_jsonl(path, rows)
+        where = f"{path}:1"
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert result.returncode == 1
+    assert only_line(result) == (f"fineweb.py: error: {where}: no field 'text' (fields: id, content); "
+                                 "choose one with --text-field")
+
+
+def test_undecodable_bytes(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café au lait\n".encode("latin-1"))
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert result.returncode == 1
+    assert only_line(result) == (
+        f"fineweb.py: error: {path} is not valid UTF-8 (byte 0xe9 cannot be decoded); "
+        "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace")
+
+    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1",
+                       "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
+
+
+def test_hub_unreachable_points_to_files(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    result = run_cli("--max-tokens", "1000", "--out-dir", tmp_path / "out", env=env)
+    assert result.returncode == 1
+    line = only_line(result)
+    assert line.startswith("fineweb.py: error: could not read 'HuggingFaceFW/fineweb-edu' "
+                           "(name 'sample-10BT', split 'train') from the Hugging Face Hub (")
+    assert line.endswith("offline, tokenize local files instead with --files 'dir/**/*.parquet'")
+
+
+def test_tokenizer_unreachable_points_to_tiktoken_cache_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    # a dead proxy makes the download fail at once instead of waiting on the network
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9",
+           "https_proxy": "http://127.0.0.1:9"}
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", env=env, timeout=30)
+    assert result.returncode == 1
+    line = only_line(result)
+    assert line.startswith("fineweb.py: error: could not load the GPT-2 tokenizer (tiktoken 'r50k_base': ")
+    assert line.endswith("offline, set TIKTOKEN_CACHE_DIR to a folder that holds its cached rank file")
+    assert not (tmp_path / "out").exists()
