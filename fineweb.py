@@ -275,12 +275,12 @@ def tokenize_in_order(chunks, pool, max_in_flight: int):
 # --- shards and manifest ---------------------------------------------------------------------
 
 MANIFEST = "manifest.json"
-BIN_MAGIC, BIN_VERSION = 20240520, 1  # llm.c's header for uint16 GPT-2 token shards
+BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's header for uint16 token shards
 
 
 def shard_header(tokens: np.ndarray, fmt: str) -> bytes:
     if fmt == "bin":
-        header = np.zeros(256, dtype="<i4")
+        header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
         header[:3] = BIN_MAGIC, BIN_VERSION, tokens.size
         return header.tobytes()
     buffer = io.BytesIO()  # exactly the header np.save writes

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-EOT = 50256  # <|endoftext|>: GPT-2's document separator
+from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
+
 IGNORE_INDEX = -1  # targets with this value carry no loss
 
 
@@ -295,9 +296,6 @@ class GPT(nn.Module):
 
 # -----------------------------------------------------------------------------
 # data
-
-
-BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's token shard format
 
 
 def open_shard(path: str) -> np.ndarray:
@@ -641,7 +639,13 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """Load a checkpoint with weights_only=True: tensors and plain types, no pickled code."""
+    """Load a checkpoint (a file, or a run's --out-dir for its newest one) with
+    weights_only=True: tensors and plain types, no pickled code."""
+    if os.path.isdir(path):
+        found = list_checkpoints(path)
+        if not found:
+            raise UserError(f"no checkpoint (ckpt_*.pt) in {path}")
+        path = found[-1]
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -745,7 +749,6 @@ class SpikeDetector:
 
 
 def get_tokenizer_or_fail(hint: str):
-    from fineweb import get_encoding
     try:
         return get_encoding()
     except RuntimeError as e:

@@ -53,7 +53,9 @@ def run_variant(variant, args):
     cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], "block_size": max(args.seq_len, 256)})
     rows = tg.TokenRows(args.data_dir, "train", args.seq_len)
     loader = tg.StepLoader(rows, args.batch_size, args.accum, 0, 1)
-    level = VARIANTS.index(variant) if variant != "ours" else len(VARIANTS) - (0 if args.compile_ours else 1)
+    if variant == "ours":  # everything the trainer does; compile only where the trainer compiles
+        variant = "+compile" if args.compile_ours else "+prefetch"
+    level = VARIANTS.index(variant)
     model = tg.GPT(cfg).to(device)
     rss_model = peak_memory_mb(device)
     if level >= VARIANTS.index("+fused"):
@@ -71,7 +73,7 @@ def run_variant(variant, args):
     prefetcher = tg.Prefetcher(loader, pin_memory=device_type == "cuda") if level >= VARIANTS.index("+prefetch") else None
 
     def step(s):
-        if variant == "reference" or level < VARIANTS.index("+chunked"):
+        if level < VARIANTS.index("+chunked"):
             # the reference loop: each micro-batch's mean loss divided by the number of steps
             loss_accum = torch.zeros((), device=device)
             for m in range(args.accum):
@@ -106,7 +108,7 @@ def run_variant(variant, args):
         prefetcher.close()
     tokens = args.batch_size * args.seq_len * args.accum
     dt = float(np.median(times))
-    return dict(variant=variant, tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device),
+    return dict(tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device),
                 model_mb=rss_model, compile_s=compile_s)
 
 
