@@ -1010,10 +1010,17 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
 # main
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the None/False ones whose help says what happens instead."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
     p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     g = p.add_argument_group("data and output")
     g.add_argument("--data-dir", default=defaults.data_dir, help="folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
     g.add_argument("--out-dir", default=defaults.out_dir, help="log.jsonl and checkpoints go here")
@@ -1055,7 +1062,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--skip-nonfinite", type=int, default=defaults.skip_nonfinite,
                    help="skip up to N steps with a non-finite loss or grad norm instead of stopping")
     g.add_argument("--skip-spikes", type=float, default=defaults.skip_spikes,
-                   help="skip updates whose loss is Z std devs above the recent window (0: off)")
+                   help="skip updates whose loss or grad norm is Z std devs above the recent window (0: off)")
     g.add_argument("--dist-timeout", type=float, default=defaults.dist_timeout,
                    help="seconds a collective may wait for a dead or stuck rank")
     g.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
@@ -1069,7 +1076,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compute lm_head + loss in chunks of N rows without materializing the logits "
                         "(0: off; default 256 on CPU, off on CUDA)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed for init and shuffling")
-    return p.parse_args(argv)
+    return p
 
 
 def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
@@ -1086,7 +1093,7 @@ def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     run, model_cfg = build_configs(args)
     try:
         d = setup_distributed(run.device, run.dist_timeout)
