@@ -853,6 +853,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
     if run.hellaswag_every:
         import hellaswag
+        run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file)  # download now, not at step 0
 
     ckpt_path = find_resume_checkpoint(run)
     prepare_out_dir(run, resuming=run.resume is not None)
