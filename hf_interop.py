@@ -211,17 +211,12 @@ def main(argv=None) -> int:
     e.add_argument("--vocab-size", type=int, help="rows to keep (default: 50257, dropping the padding)")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     args = p.parse_args(argv)
-    try:
-        if args.command == "export":
-            out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
-            print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}); "
-                  "the tokenizer is GPT-2's: AutoTokenizer.from_pretrained('gpt2') or tiktoken 'gpt2')")
-    except UserError as err:
-        if args.debug:
-            raise
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+
+    def export():
+        out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
+        print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}); "
+              "the tokenizer is GPT-2's: AutoTokenizer.from_pretrained('gpt2') or tiktoken 'gpt2')")
+    return train_gpt2.exit_code_of(export, args.debug)
 
 
 if __name__ == "__main__":

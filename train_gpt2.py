@@ -36,6 +36,18 @@ class UserError(Exception):
     """A problem with the user's input: printed as one line, exit code 2, no traceback."""
 
 
+def exit_code_of(action, debug: bool = False) -> int:
+    """Run a command-line action: 0, or 2 with one `error:` line for a UserError (a traceback with debug)."""
+    try:
+        action()
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 # -----------------------------------------------------------------------------
 # config
 
@@ -1096,18 +1108,14 @@ def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     run, model_cfg = build_configs(args)
-    try:
+
+    def setup_and_train():
         d = setup_distributed(run.device, run.dist_timeout)
         try:
             train(run, model_cfg, d)
         finally:
             cleanup_distributed()
-    except UserError as e:
-        if run.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return exit_code_of(setup_and_train, run.debug)
 
 
 if __name__ == "__main__":
