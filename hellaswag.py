@@ -1,0 +1,326 @@
+"""HellaSwag accuracy of a GPT-2 style model (validation split, 10042 examples).
+
+    python hellaswag.py --checkpoint out/ckpt_0019073.pt
+    python hellaswag.py --hf-model path/to/gpt2            # a local Hugging Face GPT-2 directory
+    torchrun --nproc_per_node=8 hellaswag.py --checkpoint out/ckpt_0019073.pt
+
+Completion scoring: each example is a context and four endings. Every ending is scored by the
+model's cross-entropy on the ending's tokens given the context; the prediction is the ending
+with the lowest mean token loss (acc_norm, the number usually quoted: about 0.2955 for GPT-2
+124M) or the lowest summed loss (acc). The trainer calls evaluate() during training.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import sys
+import urllib.request
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from train_gpt2 import (EOT, UserError, all_reduce_sum, autocast_context, cleanup_distributed,
+                        get_tokenizer_or_fail, model_from_checkpoint, print0, resolve_dtype,
+                        setup_distributed, unwrap_model)
+
+DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+DATA_NAME = "hellaswag_val.jsonl"
+DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+DOWNLOAD_TIMEOUT_S = 10
+
+
+# -----------------------------------------------------------------------------
+# data
+
+
+def default_data_dir() -> str:
+    return os.environ.get("HELLASWAG_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "gpt2-trainer", "hellaswag")
+
+
+def resolve_data_file(data_file: str | None = None, data_dir: str | None = None) -> str:
+    """Path of the validation jsonl: data_file as given, else data_dir (or the default cache
+    dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet."""
+    if data_file:
+        if not os.path.isfile(data_file):
+            raise UserError(f"--data-file {data_file} does not exist")
+        return data_file
+    path = os.path.join(data_dir or default_data_dir(), DATA_NAME)
+    if not os.path.isfile(path):
+        _download(path)
+    return path
+
+
+def _download(path: str):
+    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: torchrun ranks may download at once
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(DATA_URL, timeout=DOWNLOAD_TIMEOUT_S) as r, open(tmp, "wb") as f:
+            while chunk := r.read(1 << 20):
+                digest.update(chunk)
+                f.write(chunk)
+        if digest.hexdigest() != DATA_SHA256:
+            raise OSError("the downloaded file is not the expected one (sha256 mismatch)")
+        os.replace(tmp, path)
+    except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
+        reason = getattr(e, "reason", None) or e
+        raise UserError(f"cannot download HellaSwag from {DATA_URL} ({reason}); "
+                        f"pass a local copy of {DATA_NAME} with --data-file PATH") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class Example(NamedTuple):
+    """One rendered example: context token ids, the four endings' token ids, the label."""
+    ctx: list[int]
+    endings: list[list[int]]
+    label: int
+
+    def longest_row(self, block_size: int | None = None) -> int:
+        n = len(self.ctx) + max(len(e) for e in self.endings)
+        return n if block_size is None else min(n, block_size)
+
+
+def render_example(example: dict, enc) -> Example:
+    """Tokenize one HellaSwag record. Endings are encoded with a leading space, as they
+    follow the context's last word."""
+    ctx = enc.encode_ordinary(example["ctx"])
+    endings = [enc.encode_ordinary(" " + e) for e in example["endings"]]
+    label = int(example["label"])
+    if len(endings) != 4 or not 0 <= label < 4 or not ctx or not all(endings):
+        raise ValueError("need a non-empty ctx, 4 non-empty endings and a label in 0-3")
+    return Example(ctx, endings, label)
+
+
+class _Rendered:
+    """The lines of one data file, rendered on demand (the first n that a caller needs)."""
+
+    def __init__(self, path: str):
+        with open(path, encoding="utf-8") as f:
+            self.lines = [line for line in f if line.strip()]
+        if not self.lines:
+            raise UserError(f"{path}: no HellaSwag examples in the file")
+        self.path, self.examples = path, []
+
+    def first(self, n: int) -> list[Example]:
+        if len(self.examples) < n:
+            enc = get_tokenizer_or_fail("train without HellaSwag: --hellaswag-every 0")
+            for i in range(len(self.examples), min(n, len(self.lines))):
+                try:
+                    self.examples.append(render_example(json.loads(self.lines[i]), enc))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise UserError(f"{self.path}: record {i + 1} is not a HellaSwag example "
+                                    f"({type(e).__name__}: {e})") from None
+        return self.examples[:n]
+
+
+_CACHE: dict[tuple, _Rendered] = {}  # (real path, mtime, size) -> its rendered examples
+
+
+def load_examples(path: str, limit: int | None = None) -> list[Example]:
+    """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key not in _CACHE:
+        _CACHE[key] = _Rendered(path)
+    data = _CACHE[key]
+    return data.first(limit or len(data.lines))
+
+
+def collate(examples: list[Example], block_size: int | None = None):
+    """Rows of a batch: 4 per example (context + ending i), right-padded to the longest row.
+
+    Returns tokens (4B, T) int64, mask (4B, T) bool that is True on ending tokens (the
+    tokens that are scored), and labels (B,) int64. A row longer than block_size keeps its
+    whole ending and the end of its context (at least one context token; an ending longer
+    than that is cut at block_size)."""
+    rows = []
+    for ex in examples:
+        for end in ex.endings:
+            n_ctx = len(ex.ctx) if block_size is None else max(1, block_size - len(end))
+            ctx = ex.ctx[-n_ctx:]
+            end = end if block_size is None else end[:block_size - len(ctx)]
+            rows.append((ctx, end))
+    T = max(len(c) + len(e) for c, e in rows)
+    tokens = np.full((len(rows), T), EOT, dtype=np.int64)
+    mask = np.zeros((len(rows), T), dtype=bool)
+    for i, (ctx, end) in enumerate(rows):
+        tokens[i, :len(ctx) + len(end)] = ctx + end
+        mask[i, len(ctx):len(ctx) + len(end)] = True
+    labels = np.array([ex.label for ex in examples], dtype=np.int64)
+    return torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(labels)
+
+
+# -----------------------------------------------------------------------------
+# scoring
+
+
+def model_block_size(model: nn.Module) -> int | None:
+    """Longest sequence the model takes: our GPTConfig.block_size or HF's n_positions."""
+    config = getattr(unwrap_model(model), "config", None)
+    return getattr(config, "block_size", None) or getattr(config, "n_positions", None)
+
+
+@torch.no_grad()
+def score_batch(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
+                dtype: torch.dtype = torch.float32):
+    """Summed and mean cross-entropy of each row's masked tokens, each (rows,) float32.
+
+    The loss of token t comes from the logits at t - 1, over the model's whole (padded)
+    vocabulary, as in training. Only masked positions are turned into losses."""
+    with autocast_context(tokens.device.type, dtype):
+        out = model(tokens)
+    logits = out[0] if isinstance(out, (tuple, list)) else out  # (logits, loss) or bare logits
+    scored = mask[:, 1:]
+    token_loss = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")
+    row = scored.nonzero()[:, 0]
+    loss_sum = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row, token_loss)
+    return loss_sum, loss_sum / scored.sum(1)
+
+
+def score_examples(model: nn.Module, examples: list[Example], device: str, *,
+                   batch_size: int | None = None, dtype: torch.dtype = torch.float32,
+                   block_size: int | None = None, progress: bool = False):
+    """Per-ending (summed, mean) losses, each (n, 4) float32 on the CPU, in example order.
+
+    Examples are batched in order of their longest row, so little padding is scored.
+    batch_size None: 16 on CUDA; 1 on CPU, where bigger batches only add memory traffic (the
+    work per example is the same and the (rows, T, vocab) logits no longer fit in cache)."""
+    batch_size = batch_size or (16 if torch.device(device).type == "cuda" else 1)
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be positive, got {batch_size}")
+    block_size = block_size or model_block_size(model)
+    order = sorted(range(len(examples)), key=lambda i: examples[i].longest_row(block_size))
+    from tqdm import tqdm
+    bar = tqdm(total=len(examples), desc="hellaswag", unit="example", disable=not progress)
+    loss_sum = torch.zeros(len(examples), 4)
+    loss_mean = torch.zeros(len(examples), 4)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            tokens, mask, _ = collate([examples[i] for i in idx], block_size)
+            s, m = score_batch(model, tokens.to(device), mask.to(device), dtype)
+            loss_sum[idx] = s.view(-1, 4).cpu()
+            loss_mean[idx] = m.view(-1, 4).cpu()
+            bar.update(len(idx))
+    finally:
+        model.train(was_training)
+        bar.close()
+    return loss_sum, loss_mean
+
+
+def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_size: int | None = None,
+             data_file: str | None = None, data_dir: str | None = None, rank: int = 0,
+             world_size: int = 1, dtype: torch.dtype = torch.float32, progress: bool = False,
+             block_size: int | None = None) -> dict:
+    """HellaSwag accuracy of model on the first limit (None or 0: all) validation examples.
+
+    model maps token ids (B, T) to logits (B, T, V), bare or as the first item of a tuple.
+    With world_size > 1 every rank must call this (it ends in one all-reduce): rank r scores
+    examples r, r + W, r + 2W, ... and all ranks return the totals.
+    Returns {"acc": ..., "acc_norm": ..., "n": ...}."""
+    if limit is not None and limit < 0:
+        raise UserError(f"--limit must be >= 0, got {limit}")
+    if world_size > 1 and not torch.distributed.is_initialized():
+        raise ValueError("world_size > 1 needs an initialized process group")
+    examples = load_examples(resolve_data_file(data_file, data_dir), limit)
+    mine = examples[rank::world_size]
+    loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
+                                         block_size=block_size, progress=progress and rank == 0)
+    labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
+    counts = torch.tensor([int((loss_sum.argmin(1) == labels).sum()),
+                           int((loss_mean.argmin(1) == labels).sum()), len(mine)], device=device)
+    if world_size > 1:
+        all_reduce_sum(counts)
+    correct, correct_norm, n = counts.tolist()
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+class HFLogits(nn.Module):
+    """A Hugging Face GPT2LMHeadModel whose forward returns bare logits."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config  # n_positions gives the block size
+
+    def forward(self, idx):
+        return self.hf(input_ids=idx).logits
+
+
+def load_hf_model(path: str, device: str) -> nn.Module:
+    if not os.path.isdir(path):
+        raise UserError(f"--hf-model {path} is not a directory")
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        raise UserError("--hf-model needs the transformers package: pip install transformers") from None
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--hf-model {path}: cannot load a GPT-2 model ({str(e).splitlines()[0]})") from None
+    return HFLogits(hf).to(device).eval()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="HellaSwag (validation) accuracy of a GPT-2 model.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
+    src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory (needs transformers)")
+    p.add_argument("--data-file", help=f"local copy of {DATA_NAME} (default: download it)")
+    p.add_argument("--data-dir", help=f"where {DATA_NAME} is cached or downloaded to "
+                                      "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
+    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all 10042)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="examples per forward pass, 4 rows each (default: 16 on CUDA, 1 on CPU)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p.parse_args(argv)
+
+
+def run(args) -> dict:
+    d = setup_distributed(args.device)
+    dtype = resolve_dtype(args.dtype, d.device_type)
+    data_file = resolve_data_file(args.data_file, args.data_dir)  # fail before loading a model
+    if args.checkpoint:
+        model = model_from_checkpoint(args.checkpoint, d.device)
+    else:
+        model = load_hf_model(args.hf_model, d.device)
+    result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
+                      rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True)
+    print0(json.dumps(result))
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        cleanup_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

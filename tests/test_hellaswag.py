@@ -1,0 +1,267 @@
+"""hellaswag.py: rendering, batched = one-at-a-time scoring, 2-process totals, HF parity, errors."""
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hellaswag as hs
+from train_gpt2 import EOT, GPT, GPTConfig, UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
+CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+
+# The first two records of hellaswag_val.jsonl, tokenized once with tiktoken's GPT-2 BPE
+# and checked by decoding: 'A man is sitting on a roof. he' -> 'A', ' man', ... ' he';
+# every ending starts with a space token (' is', ' starts', ' swings', ' pulls', ' stands').
+CTX0 = [32, 582, 318, 5586, 319, 257, 9753, 13, 339]
+ENDINGS0 = [[318, 1262, 14441, 284, 14441, 257, 5166, 286, 1341, 271, 13],  # ' is using wrap to wrap a pair of sk is .'
+            [318, 34759, 1241, 19867, 572, 13],  # ' is ripping level tiles off .'
+            [318, 4769, 257, 6437, 1134, 338, 23441, 13],  # " is holding a rub ik 's cube ."
+            [4940, 10427, 510, 9753, 278, 319, 257, 9753, 13]]  # ' starts pulling up roof ing on a roof .'
+CTX1 = [32, 10846, 11114, 284, 257, 2318, 7923, 13, 1375, 44370, 866, 290, 22378, 262, 16825, 13, 262,
+        10846]  # 'A lady walks to a barbell. She bends down and grabs the pole. the lady'
+ENDINGS1 = [[26728, 290, 8604, 287, 607, 5101, 13],  # ' swings and lands in her arms.'
+            [16194, 262, 2318, 7923, 2651, 13],  # ' pulls the barbell forward.'
+            [16194, 257, 17182, 7223, 284, 262, 2318, 7923, 13],  # ' pulls a rope attached to the barbell.'
+            [6296, 290, 27103, 262, 3463, 625, 607, 1182, 13]]  # ' stands and lifts the weight over her head.'
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's many small forward passes run fastest on one thread, and a second
+    thread spinning at every op slows them down several times when the machine is busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def data_file(shared_data):
+    path = shared_data / "hellaswag" / "hellaswag_val.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is not present")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(1234)
+    m = GPT(CONFIG)
+    with torch.no_grad():  # GPT-2's init gives near-uniform logits: spread them so no two endings tie
+        m.transformer.wte.weight.normal_(0.0, 1.0)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(CONFIG)}, path)
+    return str(path)
+
+
+def reference_losses(model, ex, block_size):
+    """Summed and mean loss of each ending, one unpadded row per forward pass."""
+    sums, means = [], []
+    for end in ex.endings:
+        ctx = ex.ctx[max(0, len(ex.ctx) + len(end) - block_size):]  # drop the oldest context tokens
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ctx + end]))
+        nll = F.cross_entropy(logits[0, len(ctx) - 1:-1], torch.tensor(end), reduction="none")
+        sums.append(nll.sum().item())
+        means.append(nll.mean().item())
+    return torch.tensor(sums), torch.tensor(means)
+
+
+def run_cli(*args, env=None, launcher=(sys.executable,)):
+    return subprocess.run([*launcher, os.path.join(REPO, "hellaswag.py"), *args], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          timeout=240)
+
+
+def result_line(proc):
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout  # only rank 0 prints, and only the result
+    return json.loads(lines[0])
+
+
+# -----------------------------------------------------------------------------
+# rendering
+
+
+def test_render_first_two_examples(data_file):
+    ex0, ex1 = hs.load_examples(data_file, 2)
+    assert ex0 == hs.Example(CTX0, ENDINGS0, 3)
+    assert ex1 == hs.Example(CTX1, ENDINGS1, 3)
+
+    tokens, mask, labels = hs.collate([ex0, ex1])
+    T = len(CTX1) + 9  # the longest row: 18 context + 9 ending tokens
+    assert tokens.shape == mask.shape == (8, T) and tokens.dtype == torch.int64
+    rows = [(CTX0, e) for e in ENDINGS0] + [(CTX1, e) for e in ENDINGS1]
+    for i, (ctx, end) in enumerate(rows):
+        pad = T - len(ctx) - len(end)
+        assert tokens[i].tolist() == ctx + end + [EOT] * pad
+        assert mask[i].tolist() == [False] * len(ctx) + [True] * len(end) + [False] * pad
+    assert labels.tolist() == [3, 3]
+
+
+def test_collate_truncates_context_from_the_left(data_file):
+    ex1 = hs.load_examples(data_file, 2)[1]
+    tokens, mask, _ = hs.collate([ex1], block_size=12)
+    assert tokens.shape == (4, 12)
+    assert tokens[0].tolist() == [262, 16825, 13, 262, 10846] + ENDINGS1[0]  # 5 context + 7 ending
+    assert tokens[1].tolist() == [22378, 262, 16825, 13, 262, 10846] + ENDINGS1[1]  # 6 + 6
+    assert tokens[2].tolist() == [13, 262, 10846] + ENDINGS1[2]  # 3 + 9
+    assert mask[2].tolist() == [False] * 3 + [True] * 9
+    # an ending longer than the block keeps one context token and is cut at the block
+    tokens, mask, _ = hs.collate([ex1], block_size=5)
+    assert tokens[3].tolist() == [10846, 6296, 290, 27103, 262]
+    assert mask[3].tolist() == [False, True, True, True, True]
+
+
+def test_rendered_examples_are_cached(data_file):
+    first = hs.load_examples(data_file, 3)
+    again = hs.load_examples(data_file, 5)
+    assert len(again) == 5 and all(a is b for a, b in zip(first, again))
+
+
+# -----------------------------------------------------------------------------
+# scoring
+
+
+def test_batched_scores_equal_one_row_at_a_time(model, data_file):
+    examples = hs.load_examples(data_file, 100)
+    assert sum(ex.longest_row() > BLOCK for ex in examples) == 6  # truncation is exercised
+    ref = [reference_losses(model, ex, BLOCK) for ex in examples]
+    ref_sum = torch.stack([r[0] for r in ref])
+    ref_mean = torch.stack([r[1] for r in ref])
+    # the reference has no near-ties that rounding could flip
+    gaps = ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values
+    assert gaps.min() > 1e-4
+
+    loss_sum, loss_mean = hs.score_examples(model, examples, "cpu", batch_size=6)
+    assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1))
+    assert torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
+    torch.testing.assert_close(loss_mean, ref_mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-6, atol=1e-5)
+
+    labels = torch.tensor([ex.label for ex in examples])
+    expected = {"acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
+                "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100, "n": 100}
+    assert hs.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
+
+
+def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
+    class BareLogits(torch.nn.Module):
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx):
+            return self.gpt(idx)[0]
+
+    expected = hs.evaluate(model, "cpu", limit=12, data_file=data_file)
+    assert not model.training
+    wrapped = BareLogits(model).train()
+    try:
+        assert hs.evaluate(wrapped, "cpu", limit=12, data_file=data_file, block_size=BLOCK) == expected
+        assert wrapped.training and model.training
+    finally:
+        model.eval()
+
+
+# -----------------------------------------------------------------------------
+# command line, one process and two
+
+
+def test_cli_two_processes_match_one(model, checkpoint, data_file):
+    expected = hs.evaluate(model, "cpu", limit=31, data_file=data_file)  # one process
+    assert expected["n"] == 31
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
+                  "--device", "cpu", launcher=torchrun)
+    assert result_line(got) == expected
+
+
+def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
+    offline = {"HELLASWAG_DIR": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9",
+               "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+    proc = run_cli("--checkpoint", checkpoint, "--device", "cpu", env=offline)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hs.DATA_URL)} \(\[Errno \d+\] "
+                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH\n",
+                        proc.stderr), proc.stderr
+    assert os.listdir(tmp_path / "cache") == []  # no partial download left behind
+
+
+def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
+    missing = str(tmp_path / "nope.jsonl")
+    assert hs.main(["--checkpoint", checkpoint, "--data-file", missing]) == 2
+    assert capsys.readouterr().err == f"error: --data-file {missing} does not exist\n"
+    with pytest.raises(UserError):  # --debug shows the traceback
+        hs.main(["--checkpoint", checkpoint, "--data-file", missing, "--debug"])
+
+
+def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
+    with open(data_file, "rb") as f:
+        good = b"".join(next(f) for _ in range(3))
+    served = []
+
+    def fake_urlopen(url, timeout):
+        served.append((url, timeout))
+        return io.BytesIO(served_bytes)
+
+    monkeypatch.setattr(hs.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(hs, "DATA_SHA256", hashlib.sha256(good).hexdigest())
+    served_bytes = good[:-10]  # truncated: refused, nothing left behind
+    with pytest.raises(UserError, match="sha256 mismatch.*--data-file"):
+        hs.resolve_data_file(data_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    served_bytes = good
+    path = hs.resolve_data_file(data_dir=str(tmp_path))
+    assert path == str(tmp_path / "hellaswag_val.jsonl")
+    assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"] and open(path, "rb").read() == good
+    assert hs.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
+    assert served == [(hs.DATA_URL, hs.DOWNLOAD_TIMEOUT_S)] * 2
+    assert [ex.ctx for ex in hs.load_examples(path)] == [ex.ctx for ex in hs.load_examples(data_file, 3)]
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face GPT2LMHeadModel parity
+
+
+def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.GPT2Config(
+        n_positions=BLOCK, vocab_size=CONFIG.vocab_size, n_embd=CONFIG.n_embd, n_layer=CONFIG.n_layer,
+        n_head=CONFIG.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    ours = {k: v.t() if k.endswith(conv1d) else v for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(ours, strict=False)
+    assert missing == [] and unexpected == []
+
+    wrapped = hs.HFLogits(hf)
+    examples = hs.load_examples(data_file, 20)
+    ours_sum, ours_mean = hs.score_examples(model, examples, "cpu", batch_size=8)
+    hf_sum, hf_mean = hs.score_examples(wrapped, examples, "cpu", batch_size=8)
+    assert torch.equal(hf_mean.argmin(1), ours_mean.argmin(1))
+    assert torch.equal(hf_sum.argmin(1), ours_sum.argmin(1))
+    torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
+
+    hf.save_pretrained(tmp_path / "hf")
+    assert hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20",
+                    "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == hs.evaluate(model, "cpu", limit=20, data_file=data_file)
