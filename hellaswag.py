@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from train_gpt2 import (EOT, UserError, all_reduce_sum, autocast_context, cleanup_distributed,
-                        get_tokenizer_or_fail, model_from_checkpoint, print0, resolve_dtype,
-                        setup_distributed, unwrap_model)
+                        exit_code_of, get_tokenizer_or_fail, model_from_checkpoint, print0,
+                        resolve_dtype, setup_distributed, unwrap_model)
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DATA_NAME = "hellaswag_val.jsonl"
@@ -296,30 +296,24 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     d = setup_distributed(args.device)
-    dtype = resolve_dtype(args.dtype, d.device_type)
-    data_file = resolve_data_file(args.data_file, args.data_dir)  # fail before loading a model
-    if args.checkpoint:
-        model = model_from_checkpoint(args.checkpoint, d.device)
-    else:
-        model = load_hf_model(args.hf_model, d.device)
-    result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
-                      rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True)
-    print0(json.dumps(result))
-    return result
+    try:
+        dtype = resolve_dtype(args.dtype, d.device_type)
+        data_file = resolve_data_file(args.data_file, args.data_dir)  # fail before loading a model
+        if args.checkpoint:
+            model = model_from_checkpoint(args.checkpoint, d.device)
+        else:
+            model = load_hf_model(args.hf_model, d.device)
+        result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
+                          rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True)
+        print0(json.dumps(result))
+        return result
+    finally:
+        cleanup_distributed()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        run(args)
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        cleanup_distributed()
-    return 0
+    return exit_code_of(lambda: run(args), args.debug)
 
 
 if __name__ == "__main__":
