@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train_gpt2 import (EOT, UserError, all_reduce_sum, autocast_context, cleanup_distributed,
+from train_gpt2 import (EOT, GPT, IGNORE_INDEX, UserError, all_reduce_sum, autocast_context, cleanup_distributed,
                         exit_code_of, get_tokenizer_or_fail, model_from_checkpoint, print0,
                         resolve_dtype, setup_distributed, unwrap_model)
 
@@ -175,14 +175,21 @@ def score_batch(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
     """Summed and mean cross-entropy of each row's masked tokens, each (rows,) float32.
 
     The loss of token t comes from the logits at t - 1, over the model's whole (padded)
-    vocabulary, as in training. Only masked positions are turned into losses."""
-    with autocast_context(tokens.device.type, dtype):
-        out = model(tokens)
-    logits = out[0] if isinstance(out, (tuple, list)) else out  # (logits, loss) or bare logits
+    vocabulary, as in training. Only masked positions are turned into losses: our GPT runs
+    its lm_head on those positions alone (targets -1 elsewhere), which is most of the work
+    saved on a CPU; other models (HFLogits) return all logits and are masked here."""
     scored = mask[:, 1:]
-    token_loss = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")
-    row = scored.nonzero()[:, 0]
-    loss_sum = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row, token_loss)
+    with autocast_context(tokens.device.type, dtype):
+        if isinstance(unwrap_model(model), GPT):
+            targets = torch.full_like(tokens, IGNORE_INDEX)
+            targets[:, :-1][scored] = tokens[:, 1:][scored]
+            loss_sum = model(tokens, targets, reduction="none")[1].sum(1)
+        else:
+            out = model(tokens)
+            logits = out[0] if isinstance(out, (tuple, list)) else out  # (logits, loss) or bare logits
+            token_loss = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")
+            row = scored.nonzero()[:, 0]
+            loss_sum = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row, token_loss)
     return loss_sum, loss_sum / scored.sum(1)
 
 

@@ -257,7 +257,8 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1.
 
         reduction="sum" returns the summed token loss, which token-normalized gradient
-        accumulation scales by the step's global token count. loss_chunk > 0 computes the
+        accumulation scales by the step's global token count; "none" returns per-token losses
+        and runs the lm_head only where targets != -1 (scoring). loss_chunk > 0 computes the
         loss with ChunkedLinearCrossEntropy in chunks of that many rows and returns no logits."""
         B, T = idx.size()
         if T > self.config.block_size:
@@ -270,6 +271,12 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         targets = targets.reshape(-1)
+        if reduction == "none":  # per-token losses (B, T), 0 where ignored; ignored rows skip the lm_head
+            scored = targets != IGNORE_INDEX
+            losses = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+            logits = self.lm_head(x.view(-1, x.size(-1))[scored]).float()
+            losses[scored] = F.cross_entropy(logits, targets[scored], reduction="none")
+            return None, losses.view(B, T)
         if loss_chunk:
             scale = 1.0 if reduction == "sum" else 1.0 / (targets != IGNORE_INDEX).sum()
             h = x.view(-1, x.size(-1))
@@ -398,24 +405,25 @@ class TokenRows:
         self._epoch_cache = {}
 
     def _epoch_layout(self, epoch):
-        """Shard order and cumulative row offsets of one epoch."""
+        """Shard order, cumulative row offsets and (filled lazily) row permutations of one epoch."""
         if epoch not in self._epoch_cache:
             order = np.arange(len(self.shards))
             if self.shuffle:
                 order = np.random.default_rng((self.seed, epoch)).permutation(len(self.shards))
-            self._epoch_cache = {epoch: (order, np.cumsum(self.shard_rows[order]))}  # keep one epoch
+            self._epoch_cache = {epoch: (order, np.cumsum(self.shard_rows[order]), {})}  # keep one epoch
         return self._epoch_cache[epoch]
 
     def locate(self, g):
         """Global row -> (shard index, row index within that shard)."""
         epoch, r = divmod(int(g), self.rows_per_epoch)
-        order, ends = self._epoch_layout(epoch)
+        order, ends, perms = self._epoch_layout(epoch)
         pos = int(np.searchsorted(ends, r, side="right"))
         shard = int(order[pos])
         row = r - (int(ends[pos - 1]) if pos else 0)
         if self.shuffle:
-            perm = np.random.default_rng((self.seed, epoch, shard)).permutation(int(self.shard_rows[shard]))
-            row = int(perm[row])
+            if shard not in perms:
+                perms[shard] = np.random.default_rng((self.seed, epoch, shard)).permutation(int(self.shard_rows[shard]))
+            row = int(perms[shard][row])
         return shard, row
 
     def row_span(self, g):
