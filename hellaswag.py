@@ -112,7 +112,7 @@ class _Rendered:
 
     def first(self, n: int) -> list[Example]:
         if len(self.examples) < n:
-            enc = get_tokenizer_or_fail("train without HellaSwag: --hellaswag-every 0")
+            enc = get_tokenizer_or_fail()
             for i in range(len(self.examples), min(n, len(self.lines))):
                 try:
                     self.examples.append(render_example(json.loads(self.lines[i]), enc))
@@ -270,17 +270,8 @@ class HFLogits(nn.Module):
 
 
 def load_hf_model(path: str, device: str) -> nn.Module:
-    if not os.path.isdir(path):
-        raise UserError(f"--hf-model {path} is not a directory")
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError:
-        raise UserError("--hf-model needs the transformers package: pip install transformers") from None
-    try:
-        hf = GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--hf-model {path}: cannot load a GPT-2 model ({str(e).splitlines()[0]})") from None
-    return HFLogits(hf).to(device).eval()
+    from hf_interop import load_hf_model as load_gpt2lmheadmodel
+    return HFLogits(load_gpt2lmheadmodel(path, "--hf-model")).to(device).eval()
 
 
 def parse_args(argv=None):

@@ -77,19 +77,20 @@ def _check_hf_config(cfg, source: str):
         raise UserError(f"{source}: not a GPT-2 our model can reproduce: {'; '.join(problems)}")
 
 
-def _load_hf_model(name_or_dir: str):
+def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
+    """GPT2LMHeadModel from a Hub name or a local directory; errors name the user's flag."""
     GPT2Config, GPT2LMHeadModel = _import_transformers()
     local = os.path.isdir(name_or_dir)
-    hint = ("pass a local Hugging Face directory to --init-from (on a machine with internet: "
+    hint = (f"pass a local Hugging Face directory to {flag} (on a machine with internet: "
             "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))")
     if not local and _looks_like_path(name_or_dir):
-        raise UserError(f"--init-from {name_or_dir}: no such directory; {hint}")
+        raise UserError(f"{flag} {name_or_dir}: no such directory; {hint}")
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_dir, local_files_only=local)
     except (OSError, ValueError) as e:  # missing files, Hub unreachable, bad repo id, wrong model type
         where = "directory" if local else "Hugging Face Hub model"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"--init-from {name_or_dir}: cannot load the {where} ({first}); {hint}") from None
+        raise UserError(f"{flag} {name_or_dir}: cannot load the {where} ({first}); {hint}") from None
     return hf
 
 
@@ -104,7 +105,7 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows."""
     if pad_init not in ("mean", "zero"):
         raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
-    hf = _load_hf_model(name_or_dir)
+    hf = load_hf_model(name_or_dir)
     cfg = hf.config
     _check_hf_config(cfg, name_or_dir)
     hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}

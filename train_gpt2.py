@@ -768,11 +768,12 @@ class SpikeDetector:
         return spike
 
 
-def get_tokenizer_or_fail(hint: str):
+def get_tokenizer_or_fail(hint: str | None = None):
+    """The GPT-2 tokenizer, or a UserError saying how to get it (and `hint`, another way out)."""
     try:
         return get_encoding()
     except RuntimeError as e:
-        raise UserError(f"{e} (or {hint})") from None
+        raise UserError(f"{e} (or {hint})" if hint else str(e)) from None
 
 
 def find_resume_checkpoint(run: RunConfig) -> str | None:
@@ -871,6 +872,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             raise UserError(f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
                             f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
     enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
+    if run.hellaswag_every:
+        get_tokenizer_or_fail("pass --hellaswag-every 0")
     if run.hellaswag_every:
         import hellaswag
         run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file)  # download now, not at step 0
