@@ -205,16 +205,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.size(0), chunk_rows):
             hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
             logits = (hc @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
             weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
             safe_t = tc.clamp(min=0).unsqueeze(1)
-            loss += ((lse - logits.gather(1, safe_t).squeeze(1)) * weights).sum()
-            if want_grad:
-                dlogits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-                dlogits.scatter_add_(1, safe_t, torch.full_like(lse, -1.0).unsqueeze(1))
-                dlogits.mul_(weights.unsqueeze(1))
+            target_logit = logits.gather(1, safe_t).squeeze(1)
+            maxes = logits.amax(dim=-1, keepdim=True)
+            exps = logits.sub_(maxes).exp_()  # one exp pass, in place of the logits
+            sums = exps.sum(dim=-1)
+            lse = maxes.squeeze(1) + sums.log()
+            loss += ((lse - target_logit) * weights).sum()
+            if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
+                dlogits = exps.mul_((weights / sums).unsqueeze(1))
+                dlogits.scatter_add_(1, safe_t, -weights.unsqueeze(1))
                 grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
-                grad_w += (dlogits.t() @ hc).float()
+                grad_w.addmm_(dlogits.t(), hc.float())  # accumulate inside the matmul
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 

@@ -205,8 +205,9 @@ def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
     full_loss, full = loss_and_grads()
     chunked_loss, chunked = loss_and_grads(loss_chunk=20)  # 96 rows: 4 full chunks and one of 16
     assert chunked_loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
-    for k in full:
-        torch.testing.assert_close(chunked[k], full[k], atol=1e-6, rtol=1e-5, msg=k)
+    for k in full:  # fp32 rounding, relative to each gradient's scale (sums reach ~5 here)
+        scale = full[k].abs().max().item()
+        torch.testing.assert_close(chunked[k], full[k], atol=1e-6 * scale, rtol=1e-5, msg=k)
     with torch.no_grad():  # evaluation: no gradient work, same loss
         logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
     assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
