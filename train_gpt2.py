@@ -876,9 +876,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
                             f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
     enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
     if run.hellaswag_every:
-        get_tokenizer_or_fail("pass --hellaswag-every 0")
-    if run.hellaswag_every:
         import hellaswag
+        get_tokenizer_or_fail("pass --hellaswag-every 0")
         run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file)  # download now, not at step 0
 
     ckpt_path = find_resume_checkpoint(run)

@@ -108,3 +108,17 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: --data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"]
+
+
+def test_hellaswag_is_logged_during_training(data_dir, tmp_path, shared_data):
+    import hellaswag
+    hellaswag_file = str(shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    args = train_args(data_dir, tmp_path, 4, steps=2) + [
+        "--hellaswag-every", "2", "--hellaswag-limit", "8", "--hellaswag-file", hellaswag_file]
+    assert tg.main(args) == 0
+    records = [json.loads(l) for l in open(tmp_path / "log.jsonl") if "hellaswag_acc" in l]
+    assert [(r["step"], r["hellaswag_n"]) for r in records] == [(0, 8), (2, 8)]
+    # the logged accuracy is hellaswag.py's on the same weights
+    model = tg.model_from_checkpoint(str(tmp_path))
+    expected = hellaswag.evaluate(model, "cpu", limit=8, data_file=hellaswag_file)
+    assert records[-1]["hellaswag_acc"] == expected["acc_norm"]
