@@ -122,3 +122,15 @@ def test_hellaswag_is_logged_during_training(data_dir, tmp_path, shared_data):
     model = tg.model_from_checkpoint(str(tmp_path))
     expected = hellaswag.evaluate(model, "cpu", limit=8, data_file=hellaswag_file)
     assert records[-1]["hellaswag_acc"] == expected["acc_norm"]
+
+
+@pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
+def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(shared_data, tmp_path, align):
+    import fineweb
+    text = shared_data / "tinyshakespeare.txt"
+    for fmt in ("npy", "bin"):
+        assert fineweb.main(["--files", str(text), "--out-dir", str(tmp_path / fmt), "--shard-size", "20K",
+                             "--max-tokens", "100K", "--format", fmt, "--workers", "1"]) == 0
+        assert tg.main(train_args(str(tmp_path / fmt), tmp_path / f"out_{fmt}", 4, *align, steps=3)) == 0
+    assert sorted(os.listdir(tmp_path / "bin"))[:2] == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin"]
+    assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
