@@ -932,8 +932,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
 
     def save(step):
         nonlocal last_ckpt
+        path = checkpoint_path(run.out_dir, step)
         if d.is_main:
-            path = checkpoint_path(run.out_dir, step)
             save_checkpoint(path, dict(
                 model=clean_state_dict(raw_model), optimizer=optimizer.state_dict(), step=step,
                 model_config=dataclasses.asdict(model_cfg), run_config=dataclasses.asdict(run),
@@ -941,7 +941,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
                 next_row=step * loader.rows_per_step, epoch=step * loader.rows_per_step // train_rows.rows_per_epoch,
                 **(dict(rng_cuda=torch.cuda.get_rng_state(device)) if device_type == "cuda" else {})),
                 run.keep_last)
-            last_ckpt = path
+        last_ckpt = path  # on every rank: they decide together whether a stop needs another save
         if d.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
 

@@ -306,14 +306,20 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
 
 
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):
-    args = args_for(data_dir, tmp_path, steps=100000, ckpt_every=0, B=2)
+    # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
+    args = args_for(data_dir, tmp_path, "--keep-last", "1", steps=100000, ckpt_every=1, B=2)
     proc = subprocess.Popen(torchrun("train_gpt2.py", *args), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     wait_for_steps(tmp_path, 3, proc)
     workers = child_pids(proc.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGTERM)  # as if only one node were preempted
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        for pid in child_pids(proc.pid) + [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     stop_step = int(out.split("stopped by signal at step ")[1].split(";")[0])
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
