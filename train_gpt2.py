@@ -455,10 +455,11 @@ class TokenRows:
             x[b, :n] = buf[:-1]
             y[b, :n] = buf[1:]
         if self.vocab_size is not None:
-            top = int(x.max(initial=0)), int(y.max(initial=0))
-            if max(top) >= self.vocab_size:
-                shard, _, _ = self.row_span(g0)
-                raise UserError(f"{self.paths[shard]}: token id {max(top)} >= vocab size {self.vocab_size}; "
+            row_max = np.maximum(x.max(axis=1), y.max(axis=1))
+            if row_max.max() >= self.vocab_size:  # name the shard of the offending row, not of row g0
+                b = int(row_max.argmax())
+                shard, _, _ = self.row_span(g0 + b)
+                raise UserError(f"{self.paths[shard]}: token id {row_max[b]} >= vocab size {self.vocab_size}; "
                                 "wrong tokenizer or --vocab-size too small")
         return x, y
 
@@ -647,6 +648,11 @@ def list_checkpoints(out_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
 
 
+def latest_checkpoint(out_dir: str) -> str | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
 def save_checkpoint(path: str, state: dict, keep_last: int = 0):
     """Write to path.tmp then rename, so a crash mid-write leaves the previous checkpoint intact."""
     tmp = path + ".tmp"
@@ -656,9 +662,8 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
     except (OSError, RuntimeError) as e:  # disk full, quota, permissions
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        previous = list_checkpoints(os.path.dirname(path))
         raise UserError(f"could not write checkpoint {path} ({e}); the previous checkpoint "
-                        f"{previous[-1] if previous else '(none)'} is intact") from None
+                        f"{latest_checkpoint(os.path.dirname(path)) or '(none)'} is intact") from None
     if keep_last:
         for old in list_checkpoints(os.path.dirname(path))[:-keep_last]:
             os.remove(old)
@@ -668,10 +673,10 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     """Load a checkpoint (a file, or a run's --out-dir for its newest one) with
     weights_only=True: tensors and plain types, no pickled code."""
     if os.path.isdir(path):
-        found = list_checkpoints(path)
-        if not found:
+        newest = latest_checkpoint(path)
+        if newest is None:
             raise UserError(f"no checkpoint (ckpt_*.pt) in {path}")
-        path = found[-1]
+        path = newest
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -785,10 +790,7 @@ def get_tokenizer_or_fail(hint: str | None = None):
 def find_resume_checkpoint(run: RunConfig) -> str | None:
     if run.resume is None:
         return None
-    if run.resume != "latest":
-        return run.resume
-    found = list_checkpoints(run.out_dir)
-    return found[-1] if found else None
+    return run.resume if run.resume != "latest" else latest_checkpoint(run.out_dir)
 
 
 def check_resume_compatible(ckpt: dict, run: RunConfig, model_cfg: GPTConfig, path: str):
