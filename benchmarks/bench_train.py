@@ -115,7 +115,6 @@ def run_variant(variant, args):
 def bench_loader(args):
     """Rows/s and resident memory of the memory-mapped loader, for two shard sizes: anonymous
     memory (ours) must not grow with the shard; mapped file pages are reclaimable page cache."""
-    import train_gpt2 as tg
     results = []
     for n_tokens in (10_000_000, 100_000_000):
         with tempfile.TemporaryDirectory() as d:

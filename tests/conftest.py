@@ -1,5 +1,6 @@
 """Shared test setup: the repo on sys.path, offline BPE and data from ../shared."""
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,3 +20,14 @@ def shared_data():
     if not path.is_dir():
         pytest.skip("../shared/data is not present")
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*launch_args) -> list:
+    """The command prefix of a torchrun launch (as a module, so the test's Python runs it)."""
+    return [sys.executable, "-m", "torch.distributed.run", *launch_args]

@@ -1,6 +1,4 @@
 """Token-normalized gradient accumulation equals one big batch, for every split (issue 2, tests 1-3)."""
-import os
-import socket
 
 import pytest
 import torch
@@ -8,6 +6,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from conftest import free_port
 from train_gpt2 import GPT, GPTConfig, accumulate_gradients, all_reduce_sum
 
 TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
@@ -108,12 +107,6 @@ def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
 
 
 # --- 3. DDP, 2 gloo processes x 2 accumulation steps == one batch -----------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def ddp_worker(rank, world, port, out_path):
     torch.set_num_threads(1)

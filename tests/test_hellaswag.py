@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
+from conftest import REPO, torchrun
 from train_gpt2 import EOT, GPT, GPTConfig, UserError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
@@ -187,9 +187,8 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
 def test_cli_two_processes_match_one(model, checkpoint, data_file):
     expected = hs.evaluate(model, "cpu", limit=31, data_file=data_file)  # one process
     assert expected["n"] == 31
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
-                  "--device", "cpu", launcher=torchrun)
+                  "--device", "cpu", launcher=torchrun("--standalone", "--nproc_per_node=2"))
     assert result_line(got) == expected
 
 

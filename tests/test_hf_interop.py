@@ -13,10 +13,10 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
+from conftest import REPO  # noqa: E402
 import train_gpt2  # noqa: E402
 from train_gpt2 import GPT, GPTConfig, UserError  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
@@ -204,7 +204,6 @@ def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
 
 def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     import json
-    import numpy as np
     from shards import make_docs, write_shards
     hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
     write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)

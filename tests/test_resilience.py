@@ -1,11 +1,9 @@
 """Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node (issue 5)."""
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import REPO
+from conftest import REPO, free_port, torchrun
 from shards import make_docs, write_shards
 
 T = 16
@@ -56,10 +54,6 @@ def resume_copy(src, dst, step):
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
 
 
-def torchrun(*args, nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *args]
-
-
 # --- exact resume -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
@@ -77,7 +71,8 @@ def test_resume_on_two_ranks_continues_on_the_same_rows(data_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     assert tg.main(args_for(data_dir, one, "--align-docs", B=4)) == 0  # 4 rows x 2 micro-steps
     resume_copy(one, two, 10)
-    result = subprocess.run(torchrun("train_gpt2.py", *args_for(data_dir, two, "--align-docs", "--resume", B=2)),
+    args = args_for(data_dir, two, "--align-docs", "--resume", B=2)
+    result = subprocess.run([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 accumulation steps x 2 ranks" in result.stdout
@@ -166,7 +161,7 @@ def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, ca
     inject(monkeypatch, 5, "nan")
     assert tg.main(args_for(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
     err = capsys.readouterr().err
-    assert f"step 5: non-finite loss nan" in err and f"Last good checkpoint: {tmp_path / 'ckpt_0000004.pt'}" in err
+    assert "step 5: non-finite loss nan" in err and f"Last good checkpoint: {tmp_path / 'ckpt_0000004.pt'}" in err
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000004.pt"]
     assert all_finite(tmp_path / "ckpt_0000004.pt")
 
@@ -254,16 +249,10 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
 
 # --- multi-node -------------------------------------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_two_nodes(args, port):
     rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=test", "--max-restarts=0"]
-    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rdzv, "train_gpt2.py", *args],
+    return [subprocess.Popen([*torchrun(*rdzv), "train_gpt2.py", *args],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
 
 
@@ -308,8 +297,8 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):
     # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
     args = args_for(data_dir, tmp_path, "--keep-last", "1", steps=100000, ckpt_every=1, B=2)
-    proc = subprocess.Popen(torchrun("train_gpt2.py", *args), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(tmp_path, 3, proc)
     workers = child_pids(proc.pid)
     assert len(workers) == 2

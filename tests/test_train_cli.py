@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import train_gpt2 as tg
-from conftest import REPO
+from conftest import REPO, torchrun
 from shards import make_docs, write_shards
 
 T = 32
@@ -37,10 +37,8 @@ def read_log(out_dir, key="loss"):
 
 
 def run_cli(args, nproc=1, env=None):
-    cmd = [sys.executable, "train_gpt2.py", *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *cmd[1:]]
+    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
+    cmd = [*launcher, "train_gpt2.py", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
 
