@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train_gpt2 import (EOT, GPT, IGNORE_INDEX, UserError, all_reduce_sum, autocast_context, cleanup_distributed,
-                        exit_code_of, get_tokenizer_or_fail, model_from_checkpoint, print0,
+from train_gpt2 import (EOT, GPT, UserError, all_reduce_sum, autocast_context, cleanup_distributed, exit_code_of,
+                        exp_sums_, get_tokenizer_or_fail, model_from_checkpoint, print0,
                         resolve_dtype, setup_distributed, unwrap_model)
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -84,9 +84,15 @@ class Example(NamedTuple):
     endings: list[list[int]]
     label: int
 
-    def longest_row(self, block_size: int | None = None) -> int:
-        n = len(self.ctx) + max(len(e) for e in self.endings)
-        return n if block_size is None else min(n, block_size)
+    def fit(self, block_size: int | None = None) -> tuple[list[int], list[list[int]]]:
+        """Context and endings cut so that context + any ending fits in block_size: every
+        ending is scored given the same context, the newest n_ctx tokens of it, where n_ctx is
+        what the longest ending leaves (at least 1; an ending longer than that is cut)."""
+        longest = max(len(e) for e in self.endings)
+        if block_size is None or len(self.ctx) + longest <= block_size:
+            return self.ctx, self.endings
+        n_ctx = max(1, block_size - longest)
+        return self.ctx[-n_ctx:], [e[:block_size - n_ctx] for e in self.endings]
 
 
 def render_example(example: dict, enc) -> Example:
@@ -136,19 +142,15 @@ def load_examples(path: str, limit: int | None = None) -> list[Example]:
 
 
 def collate(examples: list[Example], block_size: int | None = None):
-    """Rows of a batch: 4 per example (context + ending i), right-padded to the longest row.
+    """Rows of a batch for a model that only takes token ids: 4 per example (context + ending
+    i, cut by Example.fit), right-padded to the longest row.
 
     Returns tokens (4B, T) int64, mask (4B, T) bool that is True on ending tokens (the
-    tokens that are scored), and labels (B,) int64. A row longer than block_size keeps its
-    whole ending and the end of its context (at least one context token; an ending longer
-    than that is cut at block_size)."""
+    tokens that are scored), and labels (B,) int64."""
     rows = []
     for ex in examples:
-        for end in ex.endings:
-            n_ctx = len(ex.ctx) if block_size is None else max(1, block_size - len(end))
-            ctx = ex.ctx[-n_ctx:]
-            end = end if block_size is None else end[:block_size - len(ctx)]
-            rows.append((ctx, end))
+        ctx, endings = ex.fit(block_size)
+        rows += [(ctx, end) for end in endings]
     T = max(len(c) + len(e) for c, e in rows)
     tokens = np.full((len(rows), T), EOT, dtype=np.int64)
     mask = np.zeros((len(rows), T), dtype=bool)
@@ -157,6 +159,54 @@ def collate(examples: list[Example], block_size: int | None = None):
         mask[i, len(ctx):len(ctx) + len(end)] = True
     labels = np.array([ex.label for ex in examples], dtype=np.int64)
     return torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(labels)
+
+
+class Packed(NamedTuple):
+    """A batch for our GPT, one row per example: the context once, then each ending but its
+    last token (which predicts nothing that is scored). Ending i attends to the context and
+    to itself only and restarts its positions after the context, so every ending token sees
+    exactly what it would see in its own row, but the context is run once, not 4 times.
+
+    tokens, positions (B, L) int64 and attn_mask (B, 1, L, L) bool are the model's inputs.
+    Scoring: the logits at the flat (b * L + t) indices `sources` predict `targets` for the
+    ending rows `rows` (4b + i); `lengths` (4B,) counts each ending's scored tokens."""
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    attn_mask: torch.Tensor
+    sources: torch.Tensor
+    targets: torch.Tensor
+    rows: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device) -> Packed:
+        return Packed(*(t.to(device) for t in self))
+
+
+def pack(examples: list[Example], block_size: int | None = None) -> Packed:
+    fitted = [ex.fit(block_size) for ex in examples]
+    L = max(len(ctx) + sum(len(e) - 1 for e in endings) for ctx, endings in fitted)
+    tokens = np.full((len(examples), L), EOT, dtype=np.int64)
+    positions = np.zeros((len(examples), L), dtype=np.int64)
+    segment = np.full((len(examples), L), 5, dtype=np.int64)  # 0: context, 1-4: ending i, 5: padding
+    sources, targets, rows, lengths = [], [], [], []
+    for b, (ctx, endings) in enumerate(fitted):
+        n = len(ctx)
+        tokens[b, :n], positions[b, :n], segment[b, :n] = ctx, np.arange(n), 0
+        t = n
+        for i, end in enumerate(endings):
+            k = len(end) - 1  # tokens of this ending in the row
+            tokens[b, t:t + k], positions[b, t:t + k], segment[b, t:t + k] = end[:-1], np.arange(n, n + k), i + 1
+            sources += [b * L + n - 1] + list(range(b * L + t, b * L + t + k))  # context's last token first
+            targets += end
+            rows += [4 * b + i] * len(end)
+            lengths.append(len(end))
+            t += k
+    seg = torch.from_numpy(segment)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # key in the context or my own sequence
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return Packed(torch.from_numpy(tokens), torch.from_numpy(positions), (same & causal).unsqueeze(1),
+                  as_long(sources), as_long(targets), as_long(rows), as_long(lengths))
 
 
 # -----------------------------------------------------------------------------
@@ -170,26 +220,37 @@ def model_block_size(model: nn.Module) -> int | None:
 
 
 @torch.no_grad()
-def score_batch(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
-                dtype: torch.dtype = torch.float32):
-    """Summed and mean cross-entropy of each row's masked tokens, each (rows,) float32.
+def score_packed(model: GPT, batch: Packed, dtype: torch.dtype = torch.float32):
+    """Summed and mean cross-entropy of each ending, each (4B,) float32, for our GPT.
 
-    The loss of token t comes from the logits at t - 1, over the model's whole (padded)
-    vocabulary, as in training. Only masked positions are turned into losses: our GPT runs
-    its lm_head on those positions alone (targets -1 elsewhere), which is most of the work
-    saved on a CPU; other models (HFLogits) return all logits and are masked here."""
+    The lm_head runs only at the positions that predict an ending token, once per position
+    (the context's last token predicts all four endings' first tokens), over the whole
+    padded vocabulary as in training."""
+    device = batch.tokens.device
+    sources, inverse = torch.unique(batch.sources, return_inverse=True)
+    with autocast_context(device.type, dtype):
+        h = model.hidden_states(batch.tokens, batch.positions, batch.attn_mask)
+        logits = model.lm_head(h.view(-1, h.size(-1))[sources]).float()
+    target_logits = logits[inverse, batch.targets]
+    maxes, _, sums = exp_sums_(logits)
+    token_loss = (maxes + sums.log())[inverse] - target_logits
+    loss_sum = torch.zeros(len(batch.lengths), device=device).index_add_(0, batch.rows, token_loss)
+    return loss_sum, loss_sum / batch.lengths
+
+
+@torch.no_grad()
+def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
+               dtype: torch.dtype = torch.float32):
+    """Summed and mean cross-entropy of each row's masked tokens, each (rows,) float32, for a
+    model that maps token ids to logits (collate's rows). The loss of token t comes from the
+    logits at t - 1."""
     scored = mask[:, 1:]
     with autocast_context(tokens.device.type, dtype):
-        if isinstance(unwrap_model(model), GPT):
-            targets = torch.full_like(tokens, IGNORE_INDEX)
-            targets[:, :-1][scored] = tokens[:, 1:][scored]
-            loss_sum = model(tokens, targets, reduction="none")[1].sum(1)
-        else:
-            out = model(tokens)
-            logits = out[0] if isinstance(out, (tuple, list)) else out  # (logits, loss) or bare logits
-            token_loss = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")
-            row = scored.nonzero()[:, 0]
-            loss_sum = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row, token_loss)
+        out = model(tokens)
+        logits = out[0] if isinstance(out, (tuple, list)) else out  # (logits, loss) or bare logits
+        token_loss = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")
+    row = scored.nonzero()[:, 0]
+    loss_sum = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row, token_loss)
     return loss_sum, loss_sum / scored.sum(1)
 
 
@@ -198,14 +259,21 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
                    block_size: int | None = None, progress: bool = False):
     """Per-ending (summed, mean) losses, each (n, 4) float32 on the CPU, in example order.
 
-    Examples are batched in order of their longest row, so little padding is scored.
-    batch_size None: 16 on CUDA; 1 on CPU, where bigger batches only add memory traffic (the
-    work per example is the same and the (rows, T, vocab) logits no longer fit in cache)."""
-    batch_size = batch_size or (16 if torch.device(device).type == "cuda" else 1)
+    Our GPT scores packed rows (pack, score_packed); any other model, collate's 4 rows per
+    example through its full logits (score_rows). Examples are batched in order of length,
+    so little padding is computed. batch_size None: 16 on CUDA; 4 on CPU, where bigger
+    batches save no more per-op overhead than they add in padding and memory traffic."""
+    batch_size = batch_size or (16 if torch.device(device).type == "cuda" else 4)
     if batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {batch_size}")
     block_size = block_size or model_block_size(model)
-    order = sorted(range(len(examples)), key=lambda i: examples[i].longest_row(block_size))
+    gpt = unwrap_model(model) if isinstance(unwrap_model(model), GPT) else None
+
+    def length(ex: Example) -> int:
+        ctx, endings = ex.fit(block_size)
+        return len(ctx) + sum(len(e) for e in endings)
+
+    order = sorted(range(len(examples)), key=lambda i: length(examples[i]))
     from tqdm import tqdm
     bar = tqdm(total=len(examples), desc="hellaswag", unit="example", disable=not progress)
     loss_sum = torch.zeros(len(examples), 4)
@@ -215,8 +283,12 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
-            tokens, mask, _ = collate([examples[i] for i in idx], block_size)
-            s, m = score_batch(model, tokens.to(device), mask.to(device), dtype)
+            batch = [examples[i] for i in idx]
+            if gpt is not None:
+                s, m = score_packed(gpt, pack(batch, block_size).to(device), dtype)
+            else:
+                tokens, mask, _ = collate(batch, block_size)
+                s, m = score_rows(model, tokens.to(device), mask.to(device), dtype)
             loss_sum[idx] = s.view(-1, 4).cpu()
             loss_mean[idx] = m.view(-1, 4).cpu()
             bar.update(len(idx))
@@ -284,7 +356,7 @@ def parse_args(argv=None):
                                       "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
     p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all 10042)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="examples per forward pass, 4 rows each (default: 16 on CUDA, 1 on CPU)")
+                   help="examples per forward pass (default: 16 on CUDA, 4 on CPU)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")

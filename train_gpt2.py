@@ -155,12 +155,13 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x):
+    def forward(self, x, attn_mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention on CUDA
+        # causal: flash attention on CUDA; an explicit mask only where sequences are packed (scoring)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -183,9 +184,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, attn_mask=None):
+        x = x + self.attn(self.ln_1(x), attn_mask)
         return x + self.mlp(self.ln_2(x))
+
+
+def exp_sums_(logits):
+    """The parts of a log-softmax over the last dim of 2-D logits in one exp pass, in place:
+    row maxes m, exps = exp(logits - m) written over the logits, and their row sums s.
+    logsumexp = m + log(s) and softmax = exps / s, with no new (rows, vocab) buffer."""
+    maxes = logits.amax(dim=-1, keepdim=True)
+    exps = logits.sub_(maxes).exp_()
+    return maxes.squeeze(1), exps, exps.sum(dim=-1)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -208,10 +218,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
             safe_t = tc.clamp(min=0).unsqueeze(1)
             target_logit = logits.gather(1, safe_t).squeeze(1)
-            maxes = logits.amax(dim=-1, keepdim=True)
-            exps = logits.sub_(maxes).exp_()  # one exp pass, in place of the logits
-            sums = exps.sum(dim=-1)
-            lse = maxes.squeeze(1) + sums.log()
+            maxes, exps, sums = exp_sums_(logits)
+            lse = maxes + sums.log()
             loss += ((lse - target_logit) * weights).sum()
             if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
                 dlogits = exps.mul_((weights / sums).unsqueeze(1))
@@ -256,30 +264,33 @@ class GPT(nn.Module):
     def _residual_projections(self):
         return {m for block in self.transformer.h for m in (block.attn.c_proj, block.mlp.c_proj)}
 
+    def hidden_states(self, idx, positions=None, attn_mask=None):
+        """The final LayerNorm's output (B, T, n_embd) for token ids idx (B, T).
+
+        By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
+        several sequences that share a prefix into one row (hellaswag.py): positions (B, T)
+        then gives each token's position in its own sequence and attn_mask (B, 1, T, T) bool
+        which earlier tokens it may attend to (True: attend)."""
+        B, T = idx.size()
+        if positions is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            positions = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)
+        for block in self.transformer.h:
+            x = block(x, attn_mask)
+        return self.transformer.ln_f(x)
+
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0):
         """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1.
 
         reduction="sum" returns the summed token loss, which token-normalized gradient
-        accumulation scales by the step's global token count; "none" returns per-token losses
-        and runs the lm_head only where targets != -1 (scoring). loss_chunk > 0 computes the
+        accumulation scales by the step's global token count. loss_chunk > 0 computes the
         loss with ChunkedLinearCrossEntropy in chunks of that many rows and returns no logits."""
-        B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        x = self.transformer.ln_f(x)
+        x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x), None
         targets = targets.reshape(-1)
-        if reduction == "none":  # per-token losses (B, T), 0 where ignored; ignored rows skip the lm_head
-            scored = targets != IGNORE_INDEX
-            losses = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
-            logits = self.lm_head(x.view(-1, x.size(-1))[scored]).float()
-            losses[scored] = F.cross_entropy(logits, targets[scored], reduction="none")
-            return None, losses.view(B, T)
         if loss_chunk:
             scale = 1.0 if reduction == "sum" else 1.0 / (targets != IGNORE_INDEX).sum()
             h = x.view(-1, x.size(-1))

@@ -70,10 +70,15 @@ def checkpoint(model, tmp_path_factory):
 
 
 def reference_losses(model, ex, block_size):
-    """Summed and mean loss of each ending, one unpadded row per forward pass."""
+    """Summed and mean loss of each ending, one unpadded row per forward pass. Where a row
+    would not fit, every ending keeps the same newest context tokens, as many as the longest
+    ending leaves."""
+    longest = max(len(end) for end in ex.endings)
+    keep = len(ex.ctx) if len(ex.ctx) + longest <= block_size else max(1, block_size - longest)
+    ctx = ex.ctx[len(ex.ctx) - keep:]
     sums, means = [], []
     for end in ex.endings:
-        ctx = ex.ctx[max(0, len(ex.ctx) + len(end) - block_size):]  # drop the oldest context tokens
+        end = end[:block_size - keep]
         with torch.no_grad():
             logits, _ = model(torch.tensor([ctx + end]))
         nll = F.cross_entropy(logits[0, len(ctx) - 1:-1], torch.tensor(end), reduction="none")
@@ -119,14 +124,32 @@ def test_collate_truncates_context_from_the_left(data_file):
     ex1 = hs.load_examples(data_file, 2)[1]
     tokens, mask, _ = hs.collate([ex1], block_size=12)
     assert tokens.shape == (4, 12)
-    assert tokens[0].tolist() == [262, 16825, 13, 262, 10846] + ENDINGS1[0]  # 5 context + 7 ending
-    assert tokens[1].tolist() == [22378, 262, 16825, 13, 262, 10846] + ENDINGS1[1]  # 6 + 6
-    assert tokens[2].tolist() == [13, 262, 10846] + ENDINGS1[2]  # 3 + 9
-    assert mask[2].tolist() == [False] * 3 + [True] * 9
-    # an ending longer than the block keeps one context token and is cut at the block
+    # the longest endings (9 tokens) leave 3 context tokens, the same 3 for every ending
+    for i, end in enumerate(ENDINGS1):
+        pad = 12 - 3 - len(end)
+        assert tokens[i].tolist() == [13, 262, 10846] + end + [EOT] * pad
+        assert mask[i].tolist() == [False] * 3 + [True] * len(end) + [False] * pad
+    # endings longer than the block keep one context token and are cut at the block
     tokens, mask, _ = hs.collate([ex1], block_size=5)
     assert tokens[3].tolist() == [10846, 6296, 290, 27103, 262]
     assert mask[3].tolist() == [False, True, True, True, True]
+
+
+def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
+    ex = hs.Example([1, 2, 3], [[4, 5], [6], [7, 8, 9], [10]], 0)
+    short = hs.Example([11], [[12], [13], [14], [15]], 1)
+    p = hs.pack([ex, short])
+    # the context, then every ending but its last token; positions restart after the context
+    assert p.tokens.tolist() == [[1, 2, 3, 4, 7, 8], [11, EOT, EOT, EOT, EOT, EOT]]
+    assert p.positions.tolist() == [[0, 1, 2, 3, 3, 4], [0, 0, 0, 0, 0, 0]]
+    allowed = [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 4, 5]]
+    assert [row.nonzero().flatten().tolist() for row in p.attn_mask[0, 0]] == allowed
+    assert p.attn_mask.shape == (2, 1, 6, 6)
+    # each ending token is predicted from the context's last token or its own previous token
+    assert p.sources.tolist() == [2, 3, 2, 2, 4, 5, 2] + [6, 6, 6, 6]
+    assert p.targets.tolist() == [4, 5, 6, 7, 8, 9, 10] + [12, 13, 14, 15]
+    assert p.rows.tolist() == [0, 0, 1, 2, 2, 2, 3] + [4, 5, 6, 7]
+    assert p.lengths.tolist() == [2, 1, 3, 1] + [1, 1, 1, 1]
 
 
 def test_rendered_examples_are_cached(data_file):
@@ -141,7 +164,7 @@ def test_rendered_examples_are_cached(data_file):
 
 def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     examples = hs.load_examples(data_file, 100)
-    assert sum(ex.longest_row() > BLOCK for ex in examples) == 6  # truncation is exercised
+    assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
     ref = [reference_losses(model, ex, BLOCK) for ex in examples]
     ref_sum = torch.stack([r[0] for r in ref])
     ref_mean = torch.stack([r[1] for r in ref])
