@@ -236,7 +236,8 @@ def _init_worker():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _worker_encoding
-    _worker_encoding = get_encoding()
+    if _worker_encoding is None:  # forked workers inherit the main process's (loading takes ~0.3 s)
+        _worker_encoding = get_encoding()
 
 
 def _tokenize_chunk(docs: list) -> np.ndarray:
@@ -486,8 +487,9 @@ def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    global _worker_encoding
     try:
-        get_encoding()  # fail here, once, rather than in every worker
+        _worker_encoding = get_encoding()  # fail here, once, rather than in every worker
     except RuntimeError as e:
         raise FatalError(str(e)) from e
     if args.files:

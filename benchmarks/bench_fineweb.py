@@ -9,11 +9,13 @@ Three corpora, each written once to a JSON Lines file that both pipelines read:
   stdlib      the Python standard library's .py files, one document per file (~8,500 tokens each)
   pages       tinyshakespeare repeated to 20 MB, in ~1,000-token documents (FineWeb-Edu's average)
   paragraphs  the same text, one paragraph per document (~45 tokens each)
+(BENCH_MB=100 makes pages and paragraphs 100 MB of text instead of 20.)
 
 Every run is a fresh subprocess that reports its wall time, CPU time (main process and
 workers) and peak RSS (main process, and the largest worker); runs alternate between the two
 pipelines and the fastest of each is kept. Tokens per CPU-second is the steadier figure on a
-machine that other jobs share. Usage:
+machine that other jobs share. Each round also times tiktoken alone on the same text: the floor
+that no pipeline around it can go below. Usage:
     python benchmarks/bench_fineweb.py [--workers N] [--repeats 3] [--corpus stdlib pages paragraphs]
 """
 import argparse
@@ -45,7 +47,7 @@ def stdlib_documents():
                 yield f.read()
 
 
-def shakespeare_paragraphs(target_bytes=20 * 10**6):
+def shakespeare_paragraphs(target_bytes=int(os.environ.get("BENCH_MB", 20)) * 10**6):
     text = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
     for _ in range(max(1, target_bytes // len(text))):
@@ -158,6 +160,20 @@ def measure(pipeline, corpus, workers):
     return result
 
 
+def tiktoken_cpu_seconds(corpus):
+    """CPU time of tiktoken alone on the corpus: one process, text already in memory, no I/O.
+    No pipeline around tiktoken can spend less, so reference CPU / this bounds any speedup."""
+    sys.path.insert(0, str(REPO))
+    import fineweb
+    with open(corpus, encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    enc = fineweb.get_encoding()
+    start = time.process_time()
+    for chunk in fineweb.chunk_documents(docs, fineweb.CHUNK_CHARS):
+        fineweb.encode_documents(enc, chunk)
+    return time.process_time() - start
+
+
 # --- main ------------------------------------------------------------------------------------
 
 def main():
@@ -178,12 +194,13 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         for name in args.corpus:
             corpus = write_corpus(name, folder)
-            best = {}
-            for _ in range(args.repeats):  # alternate, so both see the same machine load
+            best, floor = {}, float("inf")
+            for _ in range(args.repeats):  # alternate, so all see the same machine load
                 for pipeline in ("reference", "fineweb"):
                     result = measure(pipeline, corpus, args.workers)
                     if pipeline not in best or result["seconds"] < best[pipeline]["seconds"]:
                         best[pipeline] = result
+                floor = min(floor, tiktoken_cpu_seconds(corpus))
             ref, new = best["reference"], best["fineweb"]
             assert ref["digest"] == new["digest"], "the pipelines produced different tokens"
             docs = sum(1 for _ in open(corpus))
@@ -198,6 +215,9 @@ def main():
             cpu_ratio = (ref["cpu_main"] + ref["cpu_workers"]) / (new["cpu_main"] + new["cpu_workers"])
             print(f"  fineweb.py / reference: {ref['seconds'] / new['seconds']:.2f}x tokens/s, "
                   f"{cpu_ratio:.2f}x tokens per CPU-second")
+            print(f"  tiktoken alone (1 process, no I/O) {ref['tokens'] / floor / 1e6:5.2f} Mtok per CPU-s: "
+                  f"no pipeline around it can beat the reference by more than "
+                  f"{(ref['cpu_main'] + ref['cpu_workers']) / floor:.2f}x tokens per CPU-second")
 
 
 if __name__ == "__main__":
