@@ -219,6 +219,9 @@ def model_block_size(model: nn.Module) -> int | None:
     return getattr(config, "block_size", None) or getattr(config, "n_positions", None)
 
 
+LOGIT_ROWS = 256  # positions per lm_head call: more only adds memory traffic (50304 floats each)
+
+
 @torch.no_grad()
 def score_packed(model: GPT, batch: Packed, dtype: torch.dtype = torch.float32):
     """Summed and mean cross-entropy of each ending, each (4B,) float32, for our GPT.
@@ -228,12 +231,18 @@ def score_packed(model: GPT, batch: Packed, dtype: torch.dtype = torch.float32):
     padded vocabulary as in training."""
     device = batch.tokens.device
     sources, inverse = torch.unique(batch.sources, return_inverse=True)
+    lse = torch.empty(len(sources), device=device)  # log-sum-exp of each source position's logits
+    target_logits = torch.empty(len(inverse), device=device)
     with autocast_context(device.type, dtype):
         h = model.hidden_states(batch.tokens, batch.positions, batch.attn_mask)
-        logits = model.lm_head(h.view(-1, h.size(-1))[sources]).float()
-    target_logits = logits[inverse, batch.targets]
-    maxes, _, sums = exp_sums_(logits)
-    token_loss = (maxes + sums.log())[inverse] - target_logits
+        h = h.view(-1, h.size(-1))[sources]
+        for start in range(0, len(sources), LOGIT_ROWS):  # bounded (rows, vocab) logits
+            logits = model.lm_head(h[start:start + LOGIT_ROWS]).float()
+            here = (inverse >= start) & (inverse < start + LOGIT_ROWS)
+            target_logits[here] = logits[inverse[here] - start, batch.targets[here]]
+            maxes, _, sums = exp_sums_(logits)
+            lse[start:start + LOGIT_ROWS] = maxes + sums.log()
+    token_loss = lse[inverse] - target_logits
     loss_sum = torch.zeros(len(batch.lengths), device=device).index_add_(0, batch.rows, token_loss)
     return loss_sum, loss_sum / batch.lengths
 

@@ -184,6 +184,14 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     assert hs.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
 
 
+def test_logits_in_chunks_score_the_same(model, data_file, monkeypatch):
+    examples = hs.load_examples(data_file, 12)
+    whole = hs.score_examples(model, examples, "cpu", batch_size=12)
+    monkeypatch.setattr(hs, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
+    chunked = hs.score_examples(model, examples, "cpu", batch_size=12)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+
+
 def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
     class BareLogits(torch.nn.Module):
         def __init__(self, gpt):
