@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
 
 IGNORE_INDEX = -1  # targets with this value carry no loss
+CPU_LOSS_CHUNK = 256  # rows per chunk of the chunked loss on CPU (see benchmarks/bench_train.py)
 
 
 class UserError(Exception):
@@ -108,7 +109,7 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool | None = None  # None: on for CUDA, off for CPU
-    loss_chunk: int | None = None  # rows per lm_head + loss chunk; 0: full logits; None: 256 on CPU, 0 on CUDA
+    loss_chunk: int | None = None  # rows per lm_head + loss chunk; 0: full logits; None: CPU_LOSS_CHUNK on CPU, 0 on CUDA
     seed: int = 1337
     debug: bool = False
 
@@ -936,7 +937,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
 
     stop = StopSignal()
     prefetcher = Prefetcher(loader, pin_memory=device_type == "cuda")
-    loss_chunk = run.loss_chunk if run.loss_chunk is not None else (256 if device_type == "cpu" else 0)
+    loss_chunk = run.loss_chunk if run.loss_chunk is not None else (CPU_LOSS_CHUNK if device_type == "cpu" else 0)
     loss_spikes, norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
     nonfinite_skipped = 0
     last_ckpt = ckpt_path
@@ -1116,7 +1117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
     g.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk,
                    help="compute lm_head + loss in chunks of N rows without materializing the logits "
-                        "(0: off; default 256 on CPU, off on CUDA)")
+                        f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed for init and shuffling")
     return p
 

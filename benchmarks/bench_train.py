@@ -66,7 +66,7 @@ def run_variant(variant, args):
         optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=other, weight_decay=0.0)],
                                       lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=False)
     chunked = level >= VARIANTS.index("+chunked") and (device_type == "cpu" or args.chunk_on_cuda)
-    loss_chunk = 256 if chunked else 0
+    loss_chunk = args.loss_chunk if chunked else 0
     train_model = model
     if level >= VARIANTS.index("+compile"):
         train_model = torch.compile(model)
@@ -154,6 +154,8 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every variant; best counts")
     p.add_argument("--variants", default=",".join(VARIANTS + ["ours"]), help="comma-separated subset")
     p.add_argument("--chunk-on-cuda", action="store_true", help="also use the chunked loss on CUDA")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="rows per chunk of the chunked loss (default: the trainer's CPU default)")
     p.add_argument("--compile-ours", action=argparse.BooleanOptionalAction, default=None,
                    help="compile in 'ours' (default: as the trainer does, on CUDA only)")
     p.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
@@ -173,6 +175,9 @@ def main():
     args.seq_len = args.seq_len or (1024 if cuda else 256)
     if args.compile_ours is None:
         args.compile_ours = cuda
+    if args.loss_chunk is None:
+        import train_gpt2
+        args.loss_chunk = train_gpt2.CPU_LOSS_CHUNK
     if args.worker:
         print(json.dumps(run_variant(args.worker, args)))
         return
@@ -200,7 +205,7 @@ def run_worker(variant, data_dir, args):
     cmd = [sys.executable, __file__, "--worker", variant, "--data-dir", data_dir, "--device", args.device,
            "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
            "--accum", str(args.accum), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--compile-ours" if args.compile_ours else "--no-compile-ours"]
+           "--loss-chunk", str(args.loss_chunk), "--compile-ours" if args.compile_ours else "--no-compile-ours"]
     if args.chunk_on_cuda:
         cmd.append("--chunk-on-cuda")
     out = subprocess.run(cmd, capture_output=True, text=True)
