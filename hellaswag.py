@@ -277,7 +277,10 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
     batch_size = batch_size or (16 if torch.device(device).type == "cuda" else 4)
     if batch_size < 1:
         raise UserError(f"--batch-size must be positive, got {batch_size}")
-    block_size = block_size or model_block_size(model)
+    longest = model_block_size(model)
+    if block_size and longest and block_size > longest:
+        raise ValueError(f"block_size {block_size} is longer than the model's {longest}")
+    block_size = block_size or longest
     gpt = unwrap_model(model) if isinstance(unwrap_model(model), GPT) else None
 
     def length(ex: Example) -> int:

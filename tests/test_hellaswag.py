@@ -184,6 +184,12 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     assert hs.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
 
 
+def test_block_size_longer_than_the_model_is_refused(model, data_file):
+    examples = hs.load_examples(data_file, 2)
+    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
+        hs.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
+
+
 def test_logits_in_chunks_score_the_same(model, data_file, monkeypatch):
     examples = hs.load_examples(data_file, 12)
     whole = hs.score_examples(model, examples, "cpu", batch_size=12)
