@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # fineweb.py, imported where it is used (the child processes, the floor)
 SHARED_DATA = REPO.parent / "shared" / "data"
 SHARD_SIZE = 10**6
 
@@ -163,7 +164,6 @@ def measure(pipeline, corpus, workers):
 def tiktoken_cpu_seconds(corpus):
     """CPU time of tiktoken alone on the corpus: one process, text already in memory, no I/O.
     No pipeline around tiktoken can spend less, so reference CPU / this bounds any speedup."""
-    sys.path.insert(0, str(REPO))
     import fineweb
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]
@@ -185,7 +185,6 @@ def main():
     args = parser.parse_args()
     if args.child:
         pipeline, corpus, out_dir, workers = args.child
-        sys.path.insert(0, str(REPO))
         return child(pipeline, corpus, out_dir, int(workers))
 
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "tiktoken_cache"))

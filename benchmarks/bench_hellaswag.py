@@ -101,5 +101,6 @@ def main():
               f"{base['build-nanogpt'] / min(times[b]):15.2f}x  {base['all logits'] / min(times[b]):12.2f}x  "
               f"{diff:.1e}")
 
+
 if __name__ == "__main__":
     main()
