@@ -44,20 +44,21 @@ def default_data_dir() -> str:
         os.path.expanduser("~"), ".cache", "gpt2-trainer", "hellaswag")
 
 
-def resolve_data_file(data_file: str | None = None, data_dir: str | None = None) -> str:
+def resolve_data_file(data_file: str | None = None, data_dir: str | None = None, flag: str = "--data-file") -> str:
     """Path of the validation jsonl: data_file as given, else data_dir (or the default cache
-    dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet."""
+    dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet. flag names the
+    option that passes data_file in the command being run (for its error messages)."""
     if data_file:
         if not os.path.isfile(data_file):
-            raise UserError(f"--data-file {data_file} does not exist")
+            raise UserError(f"{flag} {data_file} does not exist")
         return data_file
     path = os.path.join(data_dir or default_data_dir(), DATA_NAME)
     if not os.path.isfile(path):
-        _download(path)
+        _download(path, flag)
     return path
 
 
-def _download(path: str):
+def _download(path: str, flag: str):
     tmp = f"{path}.{os.getpid()}.tmp"  # one per process: torchrun ranks may download at once
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -72,7 +73,7 @@ def _download(path: str):
     except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
         reason = getattr(e, "reason", None) or e
         raise UserError(f"cannot download HellaSwag from {DATA_URL} ({reason}); "
-                        f"pass a local copy of {DATA_NAME} with --data-file PATH") from None
+                        f"pass a local copy of {DATA_NAME} with {flag} PATH") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -29,6 +29,14 @@ import torch.nn.functional as F
 
 from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
 
+if __name__ == "__main__":
+    # Run as a script, this file is the module `__main__`. hellaswag.py and hf_interop.py then
+    # `import train_gpt2`, which would execute it a second time as another module with its own
+    # GPT, UserError, ... classes: their UserError would escape exit_code_of (a traceback, not
+    # one line) and isinstance(model, GPT) would be False. Registering this module under its
+    # import name makes every `import train_gpt2` return it: one class object per name.
+    sys.modules.setdefault("train_gpt2", sys.modules[__name__])
+
 IGNORE_INDEX = -1  # targets with this value carry no loss
 # rows per chunk of the chunked loss on CPU: 26 MB of fp32 logits, which malloc reuses; from
 # 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
@@ -830,6 +838,15 @@ def prepare_out_dir(run: RunConfig, resuming: bool):
                         "that run, or choose another --out-dir")
 
 
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context in which backward does (enabled) or does not reduce gradients across ranks.
+
+    DDP's no_sync() must cover the forward too: DDP prepares its reducer there."""
+    if enabled or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
 def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
                          dtype: torch.dtype, loss_chunk: int = 0) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches on this rank.
@@ -842,16 +859,13 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
     asynchronous copy to CUDA); model may be DDP-wrapped."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
-    is_ddp = hasattr(model, "no_sync")
     single = len(micro_batches) == 1 and world_size == 1
     loss_scale = world_size / n_tokens
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     for i, (x, y) in enumerate(micro_batches):
         x = torch.as_tensor(x).to(device, non_blocking=True)
         y = torch.as_tensor(y).to(device, non_blocking=True)
-        last = i == len(micro_batches) - 1
-        # the no-sync state must cover the forward too: DDP prepares its reducer there
-        with model.no_sync() if is_ddp and not last else contextlib.nullcontext():
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast_context(device_type, dtype):
                 _, loss = model(x, y, reduction="mean" if single else "sum", loss_chunk=loss_chunk)
             (loss if single else loss * loss_scale).backward()
@@ -859,196 +873,270 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
     return loss_total
 
 
-def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
-    pretrained = None
-    if run.init_from:  # the weights decide the model's shape
-        from hf_interop import gpt_from_hf
-        pretrained = gpt_from_hf(run.init_from, vocab_size=model_cfg.vocab_size, block_size=model_cfg.block_size)
-        model_cfg = pretrained.config
-        print0(f"--init-from {run.init_from}: {model_cfg}")
-    if run.seq_len is None:
-        run.seq_len = min(model_cfg.block_size, 1024)
-    grad_accum_steps = validate_config(run, model_cfg, d.world_size)
-    device, device_type = d.device, d.device_type
-    dtype = resolve_dtype(run.dtype, device_type)
-    use_compile = run.compile if run.compile is not None else device_type == "cuda"
-    torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+@dataclass
+class StepResult:
+    """What one optimizer step reports (loss = all-reduced token loss / N)."""
+    loss: float
+    grad_norm: float
+    lr: float
+    n_tokens: int
+    dt: float
+    stop_requested: bool  # some rank got SIGTERM/SIGINT: every rank stops after this step
+    skipped: str | None = None  # "nonfinite" or "spike": the update was not applied
 
-    # data, tokenizer and evaluation inputs first: bad input fails before any model work
-    train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
-                           model_cfg.vocab_size, progress=d.is_main)
-    loader = StepLoader(train_rows, run.batch_size, grad_accum_steps, d.rank, d.world_size)
-    if train_rows.rows_per_epoch < loader.rows_per_step:
-        raise UserError(f"the train shards hold {train_rows.rows_per_epoch} rows of {run.seq_len} tokens, fewer "
-                        f"than one optimizer step ({loader.rows_per_step} rows): lower --total-batch-size")
-    val_rows = None
-    if run.val_every:
-        try:
-            val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
-        except UserError as e:
-            raise UserError(f"{e} (or pass --val-every 0)") from None
-        val_rows_needed = run.val_steps * run.batch_size * d.world_size
-        if val_rows.rows_per_epoch < val_rows_needed:
-            raise UserError(f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
-                            f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
-    enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
-    if run.hellaswag_every:
-        import hellaswag
-        get_tokenizer_or_fail("pass --hellaswag-every 0")
-        run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file)  # download now, not at step 0
 
-    ckpt_path = find_resume_checkpoint(run)
-    prepare_out_dir(run, resuming=run.resume is not None)
+class Trainer:
+    """One training run. The constructor checks the input and builds data, model and optimizer
+    (resuming if asked); fit() runs the loop. One optimizer step is train_step():
+    forward_backward() on every micro-batch, reduce_and_clip(), then the guarded update."""
 
-    model = (pretrained or GPT(model_cfg)).to(device).train()
-    del pretrained
-    optimizer = model.configure_optimizers(run.weight_decay, run.max_lr, device_type)
-    start_step, log_offset = 0, 0
-    if ckpt_path:
-        ckpt = load_checkpoint(ckpt_path)
-        check_resume_compatible(ckpt, run, model_cfg, ckpt_path)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        start_step, log_offset = ckpt["step"], ckpt["log_offset"]
+    def __init__(self, run: RunConfig, model_cfg: GPTConfig, d: Dist):
+        self.d, self.device, self.device_type = d, d.device, d.device_type
+        pretrained = None
+        if run.init_from:  # the weights decide the model's shape
+            from hf_interop import gpt_from_hf
+            pretrained = gpt_from_hf(run.init_from, vocab_size=model_cfg.vocab_size, block_size=model_cfg.block_size)
+            model_cfg = pretrained.config
+            print0(f"--init-from {run.init_from}: {model_cfg}")
+        if run.seq_len is None:
+            run.seq_len = min(model_cfg.block_size, 1024)
+        self.run, self.model_cfg = run, model_cfg
+        self.grad_accum_steps = validate_config(run, model_cfg, d.world_size)
+        self.dtype = resolve_dtype(run.dtype, self.device_type)
+        self.use_compile = run.compile if run.compile is not None else self.device_type == "cuda"
+        self.loss_chunk = run.loss_chunk if run.loss_chunk is not None else (
+            CPU_LOSS_CHUNK if self.device_type == "cpu" else 0)
+        torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+        if self.device_type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls
+        self._build_data()  # bad input fails before any model work
+        self.ckpt_path = find_resume_checkpoint(run)
+        prepare_out_dir(run, resuming=run.resume is not None)
+        self._build_model(pretrained)
+        self.log = RunLog(run.out_dir, d.is_main, truncate_at=self.log_offset)
+        self.stop = StopSignal()
+        self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
+        self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
+        self.nonfinite_skipped = 0
+        self.last_ckpt = self.ckpt_path
+
+    # ---- set-up
+
+    def _build_data(self):
+        """Train and val rows, the step loader, the tokenizer and the HellaSwag file."""
+        run, d, vocab_size = self.run, self.d, self.model_cfg.vocab_size
+        self.train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
+                                    vocab_size, progress=d.is_main)
+        self.loader = StepLoader(self.train_rows, run.batch_size, self.grad_accum_steps, d.rank, d.world_size)
+        if self.train_rows.rows_per_epoch < self.loader.rows_per_step:
+            raise UserError(f"the train shards hold {self.train_rows.rows_per_epoch} rows of {run.seq_len} tokens, "
+                            f"fewer than one optimizer step ({self.loader.rows_per_step} rows): lower --total-batch-size")
+        self.val_rows = None
+        if run.val_every:
+            try:
+                self.val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=vocab_size)
+            except UserError as e:
+                raise UserError(f"{e} (or pass --val-every 0)") from None
+            val_rows_needed = run.val_steps * run.batch_size * d.world_size
+            if self.val_rows.rows_per_epoch < val_rows_needed:
+                raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
+                                f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
+        self.enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
+        if run.hellaswag_every:
+            import hellaswag
+            get_tokenizer_or_fail("pass --hellaswag-every 0")
+            # download now, not at step 0
+            run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+
+    def _build_model(self, pretrained: GPT | None):
+        """The bare model (self.raw_model, for evaluation and checkpoints), the optimizer, the
+        resumed state, and the model the step runs (compiled, DDP-wrapped)."""
+        run = self.run
+        self.raw_model = (pretrained or GPT(self.model_cfg)).to(self.device).train()
+        self.optimizer = self.raw_model.configure_optimizers(run.weight_decay, run.max_lr, self.device_type)
+        self.start_step, self.log_offset = 0, 0
+        if self.ckpt_path:
+            self._load_resume_state(self.ckpt_path)
+        elif run.resume is not None:
+            print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
+        self.model = self.raw_model
+        if self.use_compile:
+            self.model = torch.compile(self.model)
+        if self.d.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self.model = DDP(self.model, device_ids=[self.d.local_rank] if self.device_type == "cuda" else None)
+
+    def _load_resume_state(self, path: str):
+        ckpt = load_checkpoint(path)
+        check_resume_compatible(ckpt, self.run, self.model_cfg, path)
+        self.raw_model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.start_step, self.log_offset = ckpt["step"], ckpt["log_offset"]
         torch.set_rng_state(ckpt["rng_cpu"])
-        if "rng_cuda" in ckpt and device_type == "cuda":
-            torch.cuda.set_rng_state(ckpt["rng_cuda"], device)
-        print0(f"resumed from {ckpt_path} at step {start_step}")
-        del ckpt
-    elif run.resume is not None:
-        print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
-    raw_model = model  # evaluation, sampling and checkpoints use the bare module
-    if use_compile:
-        model = torch.compile(model)
-    if d.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None)
+        if "rng_cuda" in ckpt and self.device_type == "cuda":
+            torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
+        print0(f"resumed from {path} at step {self.start_step}")
 
-    log = RunLog(run.out_dir, d.is_main, truncate_at=log_offset)
-    n_params = raw_model.num_params()
-    tokens_per_step = loader.rows_per_step * run.seq_len  # processed, padding included
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" and dtype == torch.bfloat16 else None
-    flops_step = flops_per_token(model_cfg, run.seq_len, n_params) * tokens_per_step
-    print0(f"model: {n_params / 1e6:.2f}M non-embedding params | device {device} | dtype "
-           f"{str(dtype).removeprefix('torch.')} | compile {use_compile} | world {d.world_size}")
-    print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
-           f"{grad_accum_steps} accumulation steps x {d.world_size} ranks | {train_rows.rows_per_epoch} "
-           f"train rows per epoch")
+    def checkpoint_state(self, step: int) -> dict:
+        """Everything a resume needs (DESIGN.md: state that makes resume exact)."""
+        rows_per_step = self.loader.rows_per_step
+        state = dict(model=clean_state_dict(self.raw_model), optimizer=self.optimizer.state_dict(), step=step,
+                     model_config=dataclasses.asdict(self.model_cfg), run_config=dataclasses.asdict(self.run),
+                     rng_cpu=torch.get_rng_state(), log_offset=self.log.tell(), world_size=self.d.world_size,
+                     next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
+        if self.device_type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
 
-    stop = StopSignal()
-    prefetcher = Prefetcher(loader, pin_memory=device_type == "cuda")
-    loss_chunk = run.loss_chunk if run.loss_chunk is not None else (CPU_LOSS_CHUNK if device_type == "cpu" else 0)
-    loss_spikes, norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
-    nonfinite_skipped = 0
-    last_ckpt = ckpt_path
-    t_start, tokens_seen, train_time = time.perf_counter(), 0, 0.0
-    stop_agreed = False
-
-    def save(step):
-        nonlocal last_ckpt
-        path = checkpoint_path(run.out_dir, step)
-        if d.is_main:
-            save_checkpoint(path, dict(
-                model=clean_state_dict(raw_model), optimizer=optimizer.state_dict(), step=step,
-                model_config=dataclasses.asdict(model_cfg), run_config=dataclasses.asdict(run),
-                rng_cpu=torch.get_rng_state(), log_offset=log.tell(), world_size=d.world_size,
-                next_row=step * loader.rows_per_step, epoch=step * loader.rows_per_step // train_rows.rows_per_epoch,
-                **(dict(rng_cuda=torch.cuda.get_rng_state(device)) if device_type == "cuda" else {})),
-                run.keep_last)
-        last_ckpt = path  # on every rank: they decide together whether a stop needs another save
-        if d.enabled:
+    def save(self, step: int):
+        path = checkpoint_path(self.run.out_dir, step)
+        if self.d.is_main:
+            save_checkpoint(path, self.checkpoint_state(step), self.run.keep_last)
+        self.last_ckpt = path  # on every rank: they decide together whether a stop needs another save
+        if self.d.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
 
-    try:
-        for step in range(start_step, run.max_steps + 1):
-            last_step = step == run.max_steps
-            if step > start_step or not ckpt_path:  # the resumed step was evaluated before saving
-                if val_rows and (step % run.val_every == 0 or last_step):
-                    val_loss = evaluate_loss(raw_model, val_rows, run.batch_size, run.val_steps, d.rank,
-                                             d.world_size, device, dtype, loss_chunk)
-                    print0(f"step {step:5d} | val loss {val_loss:.4f}")
-                    log.write(step=step, val_loss=val_loss)
-                if run.hellaswag_every and (step % run.hellaswag_every == 0 or last_step):
-                    result = hellaswag.evaluate(raw_model, device, data_file=run.hellaswag_file,
-                                                limit=run.hellaswag_limit or None, rank=d.rank,
-                                                world_size=d.world_size, dtype=dtype)
-                    print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
-                    log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
-                if enc and d.is_main and step > 0 and (step % run.sample_every == 0 or last_step):
-                    for text in sample_text(raw_model, enc, device):
-                        print0(f"sample: {text!r}")
-                if step > start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
-                    save(step)
-            if stop_agreed:
-                if last_ckpt != checkpoint_path(run.out_dir, step):
-                    save(step)
-                print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
-                       f"Resume with the same command plus --resume")
-                break
-            if last_step:
-                break
+    # ---- one optimizer step
 
-            # ---- one optimizer step ----
-            t0 = time.perf_counter()
-            batches, n_tokens = prefetcher.get(step)  # N is known before any backward
-            loss_total = accumulate_gradients(model, batches, n_tokens, d.world_size, device, dtype, loss_chunk)
-            # one collective: the step's summed loss and whether any rank was asked to stop
-            stats = torch.stack([loss_total, torch.tensor(float(stop.requested), dtype=torch.float64, device=device)])
-            all_reduce_sum(stats)
-            params = [p for p in raw_model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            if run.grad_clip:
-                torch.nn.utils.clip_grads_with_norm_(params, run.grad_clip, grad_norm)
-            loss_sum, stop_votes, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()  # one sync
-            step_loss = loss_sum / n_tokens
-            stop_agreed = stop_votes > 0
+    def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
+        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
+        return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
+                                    self.dtype, self.loss_chunk)
 
-            lr = get_lr(step, run)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            skipped = None
-            if not (math.isfinite(step_loss) and math.isfinite(norm)):
-                if nonfinite_skipped >= run.skip_nonfinite:
-                    raise UserError(f"step {step}: non-finite loss {step_loss} or grad norm {norm}; stopped "
-                                    f"before the update. Last good checkpoint: {last_ckpt or 'none'}")
-                nonfinite_skipped += 1
-                skipped = "nonfinite"
-            elif any([loss_spikes.is_spike(step_loss), norm_spikes.is_spike(norm)]):  # both windows see the step
-                skipped = "spike"
-            if skipped:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if device_type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            tokens_seen += tokens_per_step
-            train_time += dt
-            tok_per_s = tokens_per_step / dt
-            mfu = f" | mfu {100 * flops_step / dt / peak:.1f}%" if peak else ""
-            print0(f"step {step:5d}/{run.max_steps} | loss {step_loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                   f"dt {1000 * dt:.1f}ms | tok/s {tok_per_s:,.0f}{mfu}" + (f" | skipped ({skipped})" if skipped else ""))
-            record = dict(step=step, loss=step_loss, lr=lr, grad_norm=norm, tokens=n_tokens,
-                          dt_ms=1000 * dt, tok_per_s=tok_per_s)
-            if skipped:
-                record["skipped"] = skipped
-            log.write(**record)
-    finally:
-        prefetcher.close()
-        stop.restore()
-        log.close()
+    def reduce_and_clip(self, loss_total: torch.Tensor) -> tuple[float, float, bool]:
+        """(summed loss of all ranks, grad norm before clipping, stop requested anywhere), with one
+        collective and one host sync; clips the gradients in place."""
+        stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=self.device)
+        stats = all_reduce_sum(torch.stack([loss_total, stop_flag]))
+        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.run.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(params, self.run.grad_clip, grad_norm)
+        loss_sum, stop_votes, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()
+        return loss_sum, norm, stop_votes > 0
 
-    elapsed = time.perf_counter() - t_start
-    if device_type == "cuda":
-        peak_mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU"
-    else:
-        import resource
-        peak_mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
-    print0(f"done: {tokens_seen:,} tokens in {elapsed:.1f}s | mean {tokens_seen / max(train_time, 1e-9):,.0f} "
-           f"tok/s while training | peak memory {peak_mem}")
+    def skip_reason(self, step: int, loss: float, norm: float) -> str | None:
+        """Why this step's update must not be applied (None: apply it); raises when out of skips."""
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if self.nonfinite_skipped >= self.run.skip_nonfinite:
+                raise UserError(f"step {step}: non-finite loss {loss} or grad norm {norm}; stopped "
+                                f"before the update. Last good checkpoint: {self.last_ckpt or 'none'}")
+            self.nonfinite_skipped += 1
+            return "nonfinite"
+        if any([self.loss_spikes.is_spike(loss), self.norm_spikes.is_spike(norm)]):  # both windows see the step
+            return "spike"
+        return None
+
+    def train_step(self, step: int) -> StepResult:
+        t0 = time.perf_counter()
+        micro_batches, n_tokens = self.prefetcher.get(step)  # N is known before any backward
+        loss_total = self.forward_backward(micro_batches, n_tokens)
+        loss_sum, norm, stop_requested = self.reduce_and_clip(loss_total)
+        loss = loss_sum / n_tokens
+        lr = get_lr(step, self.run)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        skipped = self.skip_reason(step, loss, norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult(loss, norm, lr, n_tokens, time.perf_counter() - t0, stop_requested, skipped)
+
+    # ---- evaluation and the loop
+
+    def evaluate(self, step: int, last_step: bool):
+        """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step)."""
+        run, d = self.run, self.d
+
+        def due(every):
+            return every and (step % every == 0 or last_step)
+        if self.val_rows and due(run.val_every):
+            val_loss = evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
+                                     d.world_size, self.device, self.dtype, self.loss_chunk)
+            print0(f"step {step:5d} | val loss {val_loss:.4f}")
+            self.log.write(step=step, val_loss=val_loss)
+        if due(run.hellaswag_every):
+            import hellaswag
+            result = hellaswag.evaluate(self.raw_model, self.device, data_file=run.hellaswag_file,
+                                        limit=run.hellaswag_limit or None, rank=d.rank,
+                                        world_size=d.world_size, dtype=self.dtype)
+            print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
+            self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
+        if self.enc and d.is_main and step > 0 and due(run.sample_every):
+            for text in sample_text(self.raw_model, self.enc, self.device):
+                print0(f"sample: {text!r}")
+
+    def log_step(self, step: int, r: StepResult):
+        tokens_per_step = self.loader.rows_per_step * self.run.seq_len  # processed, padding included
+        tok_per_s = tokens_per_step / r.dt
+        mfu = f" | mfu {100 * self.flops_step / r.dt / self.peak:.1f}%" if self.peak else ""
+        print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
+               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}{mfu}" + (f" | skipped ({r.skipped})" if r.skipped else ""))
+        record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens,
+                      dt_ms=1000 * r.dt, tok_per_s=tok_per_s)
+        if r.skipped:
+            record["skipped"] = r.skipped
+        self.log.write(**record)
+
+    def print_header(self):
+        run, d = self.run, self.d
+        n_params = self.raw_model.num_params()
+        tokens_per_step = self.loader.rows_per_step * run.seq_len
+        name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else ""
+        self.peak = peak_flops(name) if self.device_type == "cuda" and self.dtype == torch.bfloat16 else None
+        self.flops_step = flops_per_token(self.model_cfg, run.seq_len, n_params) * tokens_per_step
+        print0(f"model: {n_params / 1e6:.2f}M non-embedding params | device {self.device} | dtype "
+               f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}")
+        print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
+               f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "
+               f"{self.train_rows.rows_per_epoch} train rows per epoch")
+
+    def fit(self):
+        run = self.run
+        self.print_header()
+        t_start, tokens_seen, train_time = time.perf_counter(), 0, 0.0
+        stop_agreed = False
+        try:
+            for step in range(self.start_step, run.max_steps + 1):
+                last_step = step == run.max_steps
+                if step > self.start_step or not self.ckpt_path:  # the resumed step was evaluated before saving
+                    self.evaluate(step, last_step)
+                    if step > self.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
+                        self.save(step)
+                if stop_agreed:
+                    if self.last_ckpt != checkpoint_path(run.out_dir, step):
+                        self.save(step)
+                    print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
+                           f"Resume with the same command plus --resume")
+                    break
+                if last_step:
+                    break
+                result = self.train_step(step)
+                stop_agreed = result.stop_requested
+                tokens_seen += self.loader.rows_per_step * run.seq_len
+                train_time += result.dt
+                self.log_step(step, result)
+        finally:
+            self.prefetcher.close()
+            self.stop.restore()
+            self.log.close()
+        self.print_summary(time.perf_counter() - t_start, tokens_seen, train_time)
+
+    def print_summary(self, elapsed: float, tokens_seen: int, train_time: float):
+        if self.device_type == "cuda":
+            peak_mem = f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB GPU"
+        else:
+            import resource
+            peak_mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+        print0(f"done: {tokens_seen:,} tokens in {elapsed:.1f}s | mean {tokens_seen / max(train_time, 1e-9):,.0f} "
+               f"tok/s while training | peak memory {peak_mem}")
+
+
+def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
+    Trainer(run, model_cfg, d).fit()
+
 
 
 # -----------------------------------------------------------------------------

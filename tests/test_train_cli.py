@@ -132,3 +132,20 @@ def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(shared_data, tm
         assert tg.main(train_args(str(tmp_path / fmt), tmp_path / f"out_{fmt}", 4, *align, steps=3)) == 0
     assert sorted(os.listdir(tmp_path / "bin"))[:2] == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin"]
     assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
+
+
+def test_script_and_its_siblings_share_one_module(data_dir, tmp_path):
+    # run as `python train_gpt2.py`, a UserError raised inside hellaswag.py (which imports
+    # train_gpt2) must still be the one exit_code_of catches, naming the trainer's own flag
+    missing = str(tmp_path / "nonexistent.jsonl")
+    result = run_cli(train_args(data_dir, tmp_path / "o", 4, steps=1) + [
+        "--hellaswag-every", "1", "--hellaswag-file", missing])
+    assert (result.returncode, result.stderr) == (2, f"error: --hellaswag-file {missing} does not exist\n")
+    # and hellaswag.py sees the script's own GPT class (its fast packed scoring checks isinstance)
+    probe = ("import runpy, sys; sys.argv = ['train_gpt2.py', '--help']\n"
+             "try: runpy.run_path('train_gpt2.py', run_name='__main__')\n"
+             "except SystemExit: pass\n"
+             "import hellaswag, hf_interop; script = sys.modules['train_gpt2']\n"
+             "print(script.__name__, hellaswag.GPT is script.GPT, hf_interop.UserError is script.UserError)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == "__main__ True True", result.stderr[-2000:]
