@@ -175,7 +175,8 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     loss_sum, loss_mean = hs.score_examples(model, examples, "cpu", batch_size=6)
     assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1))
     assert torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
-    torch.testing.assert_close(loss_mean, ref_mean, rtol=0, atol=1e-5)
+    # fp32 rounding differs by CPU kernel: 1.1e-5 (3.4e-7 relative) seen at loss ~34
+    torch.testing.assert_close(loss_mean, ref_mean, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-6, atol=1e-5)
 
     labels = torch.tensor([ex.label for ex in examples])
