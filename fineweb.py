@@ -12,13 +12,15 @@ np.save, like build-nanogpt's edu_fineweb10B shards (or llm.c's .bin with --form
         --doc-per-file --shard-size 256K --prefix stdlib --out-dir data/stdlib   # offline
 
 OUT/manifest.json records every finished shard; a run that was killed resumes where it
-stopped when started again with the same arguments, and the shards come out byte-identical.
+stopped when started again with the same arguments and unchanged input, and the shards come
+out byte-identical.
 
 This module is imported by train_gpt2.py and hellaswag.py for get_encoding() and EOT, so at
 import it loads only the standard library, numpy and tiktoken, and runs nothing.
 """
 import argparse
 import contextlib
+import errno
 import glob
 import gzip
 import hashlib
@@ -29,6 +31,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from collections import deque
 from decimal import Decimal, InvalidOperation
 from itertools import chain, islice
@@ -46,6 +49,13 @@ def one_line(e: BaseException) -> str:
     """Another library's exception as a short single line, to quote inside our message."""
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def os_reason(e: OSError) -> str:
+    """'no space left on device', 'permission denied', ...: an OSError without the file name
+    (which a failed write() does not carry anyway), to follow the name in our message."""
+    reason = e.strerror or one_line(e)
+    return reason[:1].lower() + reason[1:]
 
 
 _SIZE_SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
@@ -133,6 +143,14 @@ def iter_file_documents(files: list, text_field: str, doc_per_file: bool, utf8_e
             raise FatalError(
                 f"{path} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} cannot be decoded); "
                 "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace") from e
+        except EOFError:  # gzip's only sign of a cut-off file
+            raise FatalError(f"{path} is truncated (the gzip data ends early); "
+                             "re-create it or leave it out of --files") from None
+        except (gzip.BadGzipFile, zlib.error) as e:  # before OSError: BadGzipFile is one
+            raise FatalError(f"{path} is not valid gzip data ({one_line(e)}); "
+                             "re-create it or leave it out of --files") from None
+        except OSError as e:  # a read() error carries no file name
+            raise FatalError(f"cannot read {path}: {os_reason(e)}") from None
 
 
 def _iter_one_file(path: str, text_field: str, doc_per_file: bool, utf8_errors: str):
@@ -168,42 +186,71 @@ def _iter_json_lines(f, path: str, text_field: str):
 
 
 def _iter_parquet(path: str, text_field: str):
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise FatalError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
+    try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        if text_field not in names:
+            raise FatalError(_missing_field(path, text_field, names))
+        row = 0
+        for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                yield _checked_text(text, text_field, f"{path} row {row}")
+                row += 1
+    except (pa.ArrowException, OSError) as e:  # a damaged footer, page or schema; pyarrow's I/O errors
+        raise FatalError(f"{path} is not a readable Parquet file ({one_line(e)}); "
+                         "re-create it or leave it out of --files") from None
 
-    parquet = pq.ParquetFile(path)
-    names = parquet.schema_arrow.names
-    if text_field not in names:
-        raise FatalError(_missing_field(path, text_field, names))
-    row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            yield _checked_text(text, text_field, f"{path} row {row}")
-            row += 1
+
+HUB_TIMEOUT_S = 10
+OFFLINE_HINT = "offline, tokenize local files instead with --files 'dir/**/*.parquet'"
+DATASETS_HINT = "streaming from the Hub needs the 'datasets' package (pip install datasets); " + OFFLINE_HINT
 
 
-def iter_hub_documents(dataset: str, name, split: str, text_field: str, debug: bool):
-    rows = _iter_hub_rows(dataset, name, split, debug)
+def hub_revision(dataset: str) -> str:
+    """The dataset's newest commit on the Hub, asked once without retries: offline this fails
+    at once, where the datasets client retries for ~25 s. The manifest keeps it, so that a
+    resumed run reads the same data even if the dataset has changed since."""
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import RepositoryNotFoundError
+    except ImportError:
+        raise FatalError(DATASETS_HINT) from None
+    try:
+        return HfApi().dataset_info(dataset, timeout=HUB_TIMEOUT_S).sha
+    except RepositoryNotFoundError:
+        raise FatalError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub (a private "
+                         "one needs `hf auth login`)") from None
+    except Exception as e:  # no network, DNS, proxy, timeout, server errors
+        raise FatalError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
+                         f"({type(e).__name__}: {one_line(e)}); {OFFLINE_HINT}") from None
+
+
+def iter_hub_documents(dataset: str, name, split: str, revision, text_field: str, debug: bool):
+    rows = _iter_hub_rows(dataset, name, split, revision, debug)
     for number, row in enumerate(rows):
         yield _text_of(row, text_field, f"{dataset} row {number}")
 
 
-def _iter_hub_rows(dataset: str, name, split: str, debug: bool):
-    where = f"{dataset!r} (name {name!r}, split {split!r})"
+def _iter_hub_rows(dataset: str, name, split: str, revision, debug: bool):
+    where = f"--dataset {dataset} (--name {name}, --split {split}, revision {revision})"
     try:
         import datasets
     except ImportError:
-        raise FatalError(f"reading {where} needs the 'datasets' package (pip install datasets); "
-                         "or tokenize local files with --files") from None
+        raise FatalError(DATASETS_HINT) from None
     if not debug:  # the Hub client logs every retry; one final line is enough
         for logger in ("huggingface_hub", "datasets", "fsspec"):
             logging.getLogger(logger).setLevel(logging.ERROR)
     try:
         # streaming: rows arrive as they are read, so --max-tokens needs only the first part
-        yield from datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+        yield from datasets.load_dataset(dataset, name=name, split=split, revision=revision, streaming=True)
     except Exception as e:
         raise FatalError(f"could not read {where} from the Hugging Face Hub "
-                         f"({type(e).__name__}: {one_line(e)}); offline, tokenize local files "
-                         "instead with --files 'dir/**/*.parquet'") from e
+                         f"({type(e).__name__}: {one_line(e)}); {OFFLINE_HINT}") from e
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
@@ -294,10 +341,16 @@ def write_atomically(path: str, *blobs) -> None:
     (No fsync: it guards against power loss, not kills, and cost seconds per shard on slow disks;
     a resumed run checks the size of every shard it keeps.)"""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        for blob in blobs:
-            f.write(blob)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for blob in blobs:
+                f.write(blob)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk, a quota, permissions
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise FatalError(f"cannot write {path}: {os_reason(e)}; the shards that {MANIFEST} lists are "
+                         "complete: fix this and run the same command again to resume") from None
 
 
 def save_manifest(out_dir: str, manifest: dict) -> None:
@@ -322,7 +375,12 @@ class ShardWriter:
         config = manifest["config"]
         self.prefix, self.fmt = config["prefix"], config["format"]
         self.val_shards = config["val_shards"]
-        self.buffer = np.empty(config["shard_size"], dtype="<u2")
+        try:
+            self.buffer = np.empty(config["shard_size"], dtype="<u2")
+        except MemoryError:
+            raise FatalError(f"--shard-size {config['shard_size']:,}: not enough memory for one shard's "
+                             f"buffer ({2 * config['shard_size'] / 1e9:.1f} GB); choose a smaller "
+                             "--shard-size") from None
         self.filled = 0
         self.shard_documents = 0  # documents that start in the current shard
         last = manifest["shards"][-1] if manifest["shards"] else {}
@@ -377,13 +435,19 @@ class ShardWriter:
             "documents_done": self.documents_done,
             "next_document_tokens_done": self.open_tokens,
         })
-        save_manifest(self.out_dir, self.manifest)
+        try:
+            save_manifest(self.out_dir, self.manifest)
+        except FatalError:  # the folder holds exactly what the manifest lists, so a rerun resumes
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.out_dir, name))
+            raise
         self.tokens_written += self.filled
         self.filled = self.shard_documents = 0
 
 
-def open_manifest(out_dir: str, config: dict, source: str) -> dict:
-    """The manifest of an earlier run with the same config, or a new one."""
+def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
+    """The manifest of an earlier run with the same config and inputs, or a new one (not yet
+    written: the folder is created only once there is something to write)."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
@@ -392,23 +456,90 @@ def open_manifest(out_dir: str, config: dict, source: str) -> dict:
             raise FatalError(f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
                              f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir")
         return {"source": source, "tokenizer": f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})",
-                "dtype": "uint16", "config": config, "complete": False, "shards": []}
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError as e:
-        raise FatalError(f"{path} is not valid JSON ({e.msg}); use an empty --out-dir") from None
+                "dtype": "uint16", "config": config, "inputs": inputs, "complete": False, "shards": []}
+    manifest = read_manifest(path)
     changed = [f"{key} {manifest['config'].get(key)!r} -> {value!r}"
                for key, value in config.items() if manifest["config"].get(key) != value]
     if changed:
         raise FatalError(f"{path} was written with other arguments ({'; '.join(changed)}); "
                          "rerun with the same arguments to resume, or use another --out-dir")
+    what = changed_input(manifest.get("inputs"), inputs)
+    if what:
+        raise FatalError(f"the --files input changed since {path} was written: {what}, so new shards "
+                         f"would not continue the old ones; restore it, or delete {out_dir} and start over")
     for shard in manifest["shards"]:
         shard_path = os.path.join(out_dir, shard["file"])
         if not os.path.isfile(shard_path) or os.path.getsize(shard_path) != shard["bytes"]:
             raise FatalError(f"{shard_path}, listed in {path}, is missing or truncated; "
                              "delete the folder and start over")
     return manifest
+
+
+def read_manifest(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+        if not (isinstance(manifest["config"], dict) and isinstance(manifest["complete"], bool)
+                and all(isinstance(shard["file"], str) and isinstance(shard["bytes"], int)
+                        for shard in manifest["shards"])):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):  # not JSON (or not UTF-8), or not our layout
+        raise FatalError(f"{path} is not a manifest written by fineweb.py; use an empty --out-dir") from None
+    return manifest
+
+
+def input_listing(files: list) -> list:
+    """[path, size, mtime_ns] of every input file: a file edited or replaced in place shows
+    in its size or modification time, without reading the data again."""
+    listing = []
+    for path in files:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise FatalError(f"cannot read {path}: {os_reason(e)}") from None
+        listing.append([path, st.st_size, st.st_mtime_ns])
+    return listing
+
+
+def changed_input(before, now) -> str | None:
+    """How the input listing now differs from the one an earlier run recorded (None: same)."""
+    if now and before is None:
+        return "its manifest lists no input files (an older fineweb.py wrote it)"
+    then = {path: stamp for path, *stamp in before or []}
+    current = {path: stamp for path, *stamp in now or []}
+    for path, stamp in current.items():
+        if path not in then:
+            return f"{path} is new"
+        if then[path] != stamp:
+            return f"{path} was modified (its size or modification time differs)"
+    gone = [path for path in then if path not in current]
+    return f"{gone[0]} is gone" if gone else None
+
+
+@contextlib.contextmanager
+def output_folder(out_dir: str):
+    """Creates out_dir (and missing parents) for the block. If the block fails or is
+    interrupted with the new folder still empty, removes what it created: a run that wrote
+    nothing leaves nothing behind."""
+    created, folder = [], os.path.abspath(out_dir)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        raise FatalError(f"cannot create shards in --out-dir {out_dir}: {os_reason(e)}") from None
+    try:
+        yield
+    except BaseException:
+        for folder in created:  # the deepest first; stop at the first that is not empty
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+        raise
 
 
 # --- command line ----------------------------------------------------------------------------
@@ -455,26 +586,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                            help="tokenizer processes (default: all cores; 1 = no pool)")
     run_group.add_argument("--debug", action="store_true",
                            help="show tracebacks and the Hub client's log")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """What argparse cannot check; fills in the Hub defaults. FatalError names the flag."""
     if args.files:
         if args.dataset or args.name or args.split:
-            parser.error("--files reads local files; leave out --dataset, --name and --split")
+            raise FatalError("--files reads local files; leave out --dataset, --name and --split")
     else:
         if args.dataset is None:
             args.dataset = DEFAULT_DATASET
             args.name = args.name or DEFAULT_NAME
         args.split = args.split or "train"
-    if args.workers < 1 or args.val_shards < 0:
-        parser.error("--workers must be at least 1 and --val-shards at least 0")
+    if args.workers < 1:
+        raise FatalError(f"--workers must be at least 1, got {args.workers}")
+    if args.val_shards < 0:
+        raise FatalError(f"--val-shards must be at least 0, got {args.val_shards}")
     if args.format == "bin" and args.shard_size >= 2**31:
-        parser.error("--format bin stores the token count as int32: use --shard-size below 2G")
-    return args
-
-
-def files_digest(files: list) -> str:
-    """Fingerprint of the file list (names and sizes): a resumed run must see the same input."""
-    listing = "".join(f"{path}\0{os.path.getsize(path)}\n" for path in files)
-    return hashlib.sha256(listing.encode()).hexdigest()
+        raise FatalError("--format bin stores the token count as int32: use --shard-size below 2G")
+    if not args.out_dir or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):
+        raise FatalError(f"--out-dir {args.out_dir!r} is not a folder")
+    if "/" in args.prefix or os.sep in args.prefix:
+        raise FatalError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
+    for split, other in (("val", "train"), ("train", "val")):
+        # train_gpt2.py finds a split's shards by the name pattern *_{split}_*
+        if f"_{other}_" in f"{args.prefix}_{split}_":
+            raise FatalError(f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
+                             f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
+                             "choose a prefix without '_train' or '_val'")
 
 
 def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
@@ -492,45 +632,73 @@ def run(args: argparse.Namespace) -> int:
         _worker_encoding = get_encoding()  # fail here, once, rather than in every worker
     except RuntimeError as e:
         raise FatalError(str(e)) from e
-    if args.files:
-        files = resolve_files(args.files)
-        source = f"--files {' '.join(args.files)} ({len(files)} matched)"
-        documents = iter_file_documents(files, args.text_field, args.doc_per_file, args.utf8_errors)
-        file_info = {"files": args.files, "file_count": len(files), "files_sha256": files_digest(files),
-                     "doc_per_file": args.doc_per_file, "utf8_errors": args.utf8_errors}
-    else:
-        source = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})"
-        documents = iter_hub_documents(args.dataset, args.name, args.split, args.text_field, args.debug)
-        file_info = {}
-    # everything that changes the output; a resumed run must match it exactly
-    config = {"dataset": args.dataset, "name": args.name, "split": args.split, **file_info,
-              "text_field": args.text_field, "tokenizer": ENCODING_NAME, "shard_size": args.shard_size,
-              "max_tokens": args.max_tokens, "val_shards": args.val_shards, "prefix": args.prefix,
-              "format": args.format}
-    os.makedirs(args.out_dir, exist_ok=True)
-    manifest = open_manifest(args.out_dir, config, source)
+    source, config, inputs = describe_input(args)
+    manifest = open_manifest(args.out_dir, config, source, inputs)
     writer = ShardWriter(args.out_dir, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
     if manifest["complete"]:
         print(f"{args.out_dir} is already complete ({done}); nothing to do")
         return 0
+    if args.files:
+        documents = iter_file_documents([path for path, *_ in inputs], args.text_field,
+                                        args.doc_per_file, args.utf8_errors)
+    else:  # a resumed run reads the commit that the interrupted one started with
+        revision = manifest.setdefault("hub_revision", hub_revision(args.dataset))
+        documents = iter_hub_documents(args.dataset, args.name, args.split, revision,
+                                       args.text_field, args.debug)
     if manifest["shards"]:
         print(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)",
               file=sys.stderr)
+    write_shards(args, writer, islice(documents, writer.documents_done, None), source)
+    manifest["complete"] = True
+    save_manifest(args.out_dir, manifest)
+    shards = manifest["shards"]
+    print(f"wrote {len(shards)} shards, {writer.tokens_written:,} tokens, "
+          f"{sum(shard['documents'] for shard in shards):,} documents to {args.out_dir}")
+    if len(shards) <= args.val_shards:
+        print(f"fineweb.py: warning: all {len(shards)} shards are val shards (--val-shards "
+              f"{args.val_shards}), so train_gpt2.py finds no train shards here", file=sys.stderr)
+    return 0
 
+
+def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
+    """The source in words, the config (everything that changes the output: a resumed run
+    must match it exactly), and the input files' listing (None for the Hub)."""
+    inputs, file_info = None, {}
+    if args.files:
+        files = resolve_files(args.files)
+        outside = os.path.realpath(args.out_dir) + os.sep
+        inside = [path for path in files if os.path.realpath(path).startswith(outside)]
+        if inside:
+            raise FatalError(f"--files matches {inside[0]}, inside --out-dir {args.out_dir}: "
+                             "the output would be read as input")
+        source = f"--files {' '.join(args.files)} ({len(files)} matched)"
+        inputs = input_listing(files)
+        file_info = {"files": args.files, "doc_per_file": args.doc_per_file, "utf8_errors": args.utf8_errors}
+    else:
+        source = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})"
+    config = {"dataset": args.dataset, "name": args.name, "split": args.split, **file_info,
+              "text_field": args.text_field, "tokenizer": ENCODING_NAME, "shard_size": args.shard_size,
+              "max_tokens": args.max_tokens, "val_shards": args.val_shards, "prefix": args.prefix,
+              "format": args.format}
+    return source, config, inputs
+
+
+def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, source: str) -> None:
+    """Tokenize the documents (those the shards so far do not hold) into the writer's shards."""
     import multiprocessing
     from tqdm import tqdm
 
     drop = writer.open_tokens
-    documents = islice(documents, writer.documents_done, None)
     with contextlib.ExitStack() as stack:
         pool = None
         if args.workers > 1:  # forked before the source starts any threads
             pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=_init_worker))
-        # read the first document now, so that source errors come before the progress bar
+        # read the first document now, so that source errors come before the folder and the progress bar
         first = next(documents, None)
-        if first is None and not manifest["shards"]:
+        if first is None and not writer.manifest["shards"]:
             raise FatalError(f"no documents in {source}")
+        stack.enter_context(output_folder(args.out_dir))
         chunks = chunk_documents(chain([first], documents) if first is not None else (), CHUNK_CHARS)
         progress = stack.enter_context(tqdm(
             total=args.max_tokens, initial=writer.tokens_total, unit="tok", unit_scale=True,
@@ -545,12 +713,6 @@ def run(args: argparse.Namespace) -> int:
             if writer.tokens_total == args.max_tokens:
                 break
         writer.finish_shard()
-    manifest["complete"] = True
-    save_manifest(args.out_dir, manifest)
-    documents_started = sum(shard["documents"] for shard in manifest["shards"])
-    print(f"wrote {len(manifest['shards'])} shards, {writer.tokens_written:,} tokens, "
-          f"{documents_started:,} documents to {args.out_dir}")
-    return 0
 
 
 def _raise_interrupt(signum, frame):
@@ -561,12 +723,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        validate_args(args)
         return run(args)
-    except (FatalError, OSError) as e:
+    except (FatalError, OSError) as e:  # exit code 2 and one line, like the other commands
         if args.debug:
             raise
-        print(f"fineweb.py: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("fineweb.py: interrupted; run the same command again to resume", file=sys.stderr)
         return 130

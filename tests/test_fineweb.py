@@ -67,6 +67,14 @@ def only_line(result):
     return lines[0]
 
 
+def error_line(result):
+    """The one error line of a run that failed mid-stream, after its progress bar (if any)."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    *progress, last = result.stderr.splitlines()  # the bar redraws itself after each \r
+    assert all(line.startswith("tokenizing: ") for line in progress if line), result.stderr
+    return last
+
+
 def write_jsonl(path, rows, opener=open):
     with opener(path, "wt", encoding="utf-8") as f:
         for row in rows:
@@ -319,8 +327,8 @@ def test_resume_at_a_document_boundary(tmp_path, small_chunks, capsys):
                                                    "shards": manifest["shards"][:1]}))
     (cut / first).write_bytes(shard_bytes[:-2])  # a shard cut short is refused, not resumed
     capsys.readouterr()
-    assert fineweb.main(args + ["--out-dir", str(cut)]) == 1
-    assert capsys.readouterr().err == (f"fineweb.py: error: {cut / first}, listed in {cut / 'manifest.json'}, "
+    assert fineweb.main(args + ["--out-dir", str(cut)]) == 2
+    assert capsys.readouterr().err == (f"error: {cut / first}, listed in {cut / 'manifest.json'}, "
                                        "is missing or truncated; delete the folder and start over\n")
     (cut / first).write_bytes(shard_bytes)
     assert fineweb.main(args + ["--out-dir", str(cut)]) == 0
@@ -338,9 +346,9 @@ def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, co
     assert {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()} == stamps
 
     other = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "3000")
-    assert other.returncode == 1
+    assert other.returncode == 2
     assert only_line(other) == (
-        f"fineweb.py: error: {reference_out / 'manifest.json'} was written with other arguments "
+        f"error: {reference_out / 'manifest.json'} was written with other arguments "
         "(shard_size 2500 -> 3000); rerun with the same arguments to resume, or use another --out-dir")
 
 
@@ -348,15 +356,15 @@ def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, co
 
 def test_no_matching_files(tmp_path):
     result = run_cli("--files", tmp_path / "nothing*.jsonl", "--out-dir", tmp_path / "out")
-    assert result.returncode == 1
-    assert result.stderr == f"fineweb.py: error: --files '{tmp_path / 'nothing*.jsonl'}' matches no files\n"
+    assert result.returncode == 2
+    assert result.stderr == f"error: --files '{tmp_path / 'nothing*.jsonl'}' matches no files\n"
 
 
 def test_no_documents(tmp_path):
     (tmp_path / "blank.txt").write_text("\n   \n\n")
     result = run_cli("--files", tmp_path / "blank.txt", "--out-dir", tmp_path / "out", "--workers", "1")
-    assert result.returncode == 1
-    assert only_line(result) == f"fineweb.py: error: no documents in --files {tmp_path / 'blank.txt'} (1 matched)"
+    assert result.returncode == 2
+    assert only_line(result) == f"error: no documents in --files {tmp_path / 'blank.txt'} (1 matched)"
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
@@ -372,8 +380,8 @@ def test_missing_text_field(tmp_path, kind):
         write_jsonl(path, rows)
         where = f"{path}:1"
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
-    assert result.returncode == 1
-    assert only_line(result) == (f"fineweb.py: error: {where}: no field 'text' (fields: id, content); "
+    assert result.returncode == 2
+    assert only_line(result) == (f"error: {where}: no field 'text' (fields: id, content); "
                                  "choose one with --text-field")
 
 
@@ -381,9 +389,9 @@ def test_undecodable_bytes(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes("café au lait\n".encode("latin-1"))
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert only_line(result) == (
-        f"fineweb.py: error: {path} is not valid UTF-8 (byte 0xe9 cannot be decoded); "
+        f"error: {path} is not valid UTF-8 (byte 0xe9 cannot be decoded); "
         "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace")
 
     replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1",
@@ -393,15 +401,205 @@ def test_undecodable_bytes(tmp_path):
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
 
 
-def test_hub_unreachable_points_to_files(tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
-    result = run_cli("--max-tokens", "1000", "--out-dir", tmp_path / "out", env=env)
-    assert result.returncode == 1
+@pytest.mark.parametrize("offline", ["dead proxy", "HF_HUB_OFFLINE"])
+def test_hub_unreachable_fails_at_once_and_leaves_no_folder(tmp_path, offline):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    if offline == "HF_HUB_OFFLINE":
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    out = tmp_path / "new" / "out"
+    # the datasets client alone retried for ~25 s before its error; one probe without retries
+    result = run_cli("--max-tokens", "1000", "--out-dir", out, env=env, timeout=15)
+    assert result.returncode == 2
     line = only_line(result)
-    assert line.startswith("fineweb.py: error: could not read 'HuggingFaceFW/fineweb-edu' "
-                           "(name 'sample-10BT', split 'train') from the Hugging Face Hub (")
-    assert line.endswith("offline, tokenize local files instead with --files 'dir/**/*.parquet'")
+    assert line.startswith("error: --dataset HuggingFaceFW/fineweb-edu: cannot reach the Hugging Face Hub (")
+    assert line.endswith("); offline, tokenize local files instead with --files 'dir/**/*.parquet'")
+    assert not (tmp_path / "new").exists()
+
+
+def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):
+    docs = make_docs(40, seed=4)
+    read_at = []
+
+    def load_dataset(dataset, name, split, revision, streaming):
+        assert (dataset, name, split, streaming) == ("me/corpus", None, "train", True)
+        read_at.append(revision)
+        return iter([{"text": doc} for doc in docs] if revision == "commit-1" else [{"text": "new"}])
+
+    monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
+    monkeypatch.setattr(sys.modules["datasets"], "load_dataset", load_dataset, raising=False)
+    monkeypatch.setattr(fineweb, "hub_revision", lambda dataset: "commit-1")
+    args = ["--dataset", "me/corpus", "--shard-size", "2000", "--workers", "1"]
+    assert fineweb.main(args + ["--out-dir", str(tmp_path / "full")]) == 0
+    manifest, _ = check_output(tmp_path / "full", docs, 2000)
+    assert manifest["hub_revision"] == "commit-1"
+    cut = tmp_path / "cut"  # what an interrupted run leaves: shard 0 and a manifest listing it
+    cut.mkdir()
+    (cut / manifest["shards"][0]["file"]).write_bytes((tmp_path / "full" / manifest["shards"][0]["file"]).read_bytes())
+    (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False, "shards": manifest["shards"][:1]}))
+    monkeypatch.setattr(fineweb, "hub_revision", lambda dataset: "commit-2")  # the dataset changed since
+    assert fineweb.main(args + ["--out-dir", str(cut)]) == 0
+    assert read_at == ["commit-1", "commit-1"]
+    assert_same_output(cut, tmp_path / "full")
+
+
+def gzip_corpus(tmp_path):
+    """A good .jsonl.gz and the bytes of a second one, to damage."""
+    good = write_jsonl(tmp_path / "a.jsonl.gz", [{"text": doc} for doc in make_docs(20)], gzip.open)
+    data = "".join(json.dumps({"text": doc}) + "\n" for doc in make_docs(40, seed=5)).encode()
+    return good, data
+
+
+@pytest.mark.parametrize("damage", ["truncated", "plain text", "flipped byte"])
+def test_damaged_gzip_is_one_line_naming_it_and_leaves_no_folder(tmp_path, damage):
+    good, data = gzip_corpus(tmp_path)
+    packed = gzip.compress(data, mtime=0)
+    path = tmp_path / "b.jsonl.gz"
+    if damage == "truncated":
+        path.write_bytes(packed[:len(packed) // 2])
+    elif damage == "plain text":
+        path.write_bytes(data)
+    else:
+        path.write_bytes(packed[:-8] + bytes([packed[-8] ^ 1]) + packed[-7:])  # the CRC
+    out = tmp_path / "new" / "out"  # the error comes after the folder was made, before any shard
+    result = run_cli("--files", good, path, "--out-dir", out, "--workers", "1")
+    reason = {"truncated": "is truncated (the gzip data ends early)",
+              "plain text": "is not valid gzip data (Not a gzipped file (b'{\"'))",
+              "flipped byte": "is not valid gzip data (CRC check failed "}[damage]
+    line = error_line(result)
+    assert line.startswith(f"error: {path} {reason}")
+    assert line.endswith("re-create it or leave it out of --files")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not parquet", "damaged page"])
+def test_damaged_parquet_is_one_line_naming_it(tmp_path, damage):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": doc} for doc in make_docs(200)]), path)
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif damage == "not parquet":
+        path.write_bytes(b"id,text\n1,hello\n")
+    else:  # the footer is intact, the compressed data is not
+        path.write_bytes(data[:100] + bytes(b ^ 0x55 for b in data[100:2000]) + data[2000:])
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert result.returncode == 2
+    line = error_line(result)
+    assert line.startswith(f"error: {path} is not a readable Parquet file (")
+    assert line.endswith("); re-create it or leave it out of --files")
+    assert not (tmp_path / "out").exists()
+
+
+def interrupted_copy(tmp_path, args):
+    """Run to completion in full/, then leave in cut/ what a run killed after shard 0 leaves."""
+    assert fineweb.main(args + ["--out-dir", str(tmp_path / "full")]) == 0
+    manifest = json.loads((tmp_path / "full" / "manifest.json").read_text())
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    first = manifest["shards"][0]["file"]
+    (cut / first).write_bytes((tmp_path / "full" / first).read_bytes())
+    (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False, "shards": manifest["shards"][:1]}))
+    return cut
+
+
+@pytest.mark.parametrize("change", ["edited in place, same size", "touched", "new file", "file gone"])
+def test_changed_input_is_not_resumed(tmp_path, change):
+    (tmp_path / "in").mkdir()
+    a = write_jsonl(tmp_path / "in" / "a.jsonl", [{"text": doc} for doc in make_docs(30, seed=6)])
+    b = write_jsonl(tmp_path / "in" / "b.jsonl", [{"text": doc} for doc in make_docs(30, seed=7)])
+    args = ["--files", str(tmp_path / "in" / "*.jsonl"), "--shard-size", "2000", "--workers", "1"]
+    cut = interrupted_copy(tmp_path, args)
+    stat = b.stat()
+    if change == "edited in place, same size":
+        b.write_bytes(b.read_bytes().replace(b"fox", b"cat"))
+        os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse clock may not show it
+        what = f"{b} was modified (its size or modification time differs)"
+    elif change == "touched":
+        os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+        what = f"{b} was modified (its size or modification time differs)"
+    elif change == "new file":
+        new = write_jsonl(tmp_path / "in" / "c.jsonl", [{"text": "more"}])
+        what = f"{new} is new"
+    else:
+        a.unlink()
+        what = f"{a} is gone"
+    message = (f"error: the --files input changed since {cut / 'manifest.json'} was written: {what}, so new "
+               f"shards would not continue the old ones; restore it, or delete {cut} and start over")
+    for out in (cut, tmp_path / "full"):  # interrupted, and complete: neither is up to date
+        before = sorted(p.name for p in out.iterdir())
+        result = run_cli(*args, "--out-dir", out)
+        assert (result.returncode, only_line(result)) == (2, message.replace(str(cut), str(out)))
+        assert sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.parametrize("prefix, split, other", [("a_train_b", "val", "train"), ("x_train", "val", "train"),
+                                                  ("x_val", "train", "val"), ("my_val_set", "train", "val")])
+def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, other):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--prefix", prefix)
+    assert (result.returncode, only_line(result)) == (2, (
+        f"error: --prefix {prefix!r} would name {split} shards {prefix}_{split}_NNNNNN, which train_gpt2.py "
+        f"would read as {other} shards too (*_{other}_*); choose a prefix without '_train' or '_val'"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefix", "sub/x"], "--prefix 'sub/x' is the start of a file name, not a path"),
+    (["--workers", "0"], "--workers must be at least 1, got 0"),
+    (["--val-shards", "-1"], "--val-shards must be at least 0, got -1"),
+    (["--format", "bin", "--shard-size", "3G"], "--format bin stores the token count as int32: use --shard-size below 2G"),
+    (["--dataset", "x/y"], "--files reads local files; leave out --dataset, --name and --split"),
+])
+def test_bad_flags_are_one_line(tmp_path, flags, message):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", *flags)
+    assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
+
+
+def test_out_dir_that_is_a_file_or_holds_the_input(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    result = run_cli("--files", path, "--out-dir", path)
+    assert (result.returncode, result.stderr) == (2, f"error: --out-dir '{path}' is not a folder\n")
+    result = run_cli("--files", tmp_path / "*.jsonl", "--out-dir", tmp_path)
+    assert (result.returncode, result.stderr) == (
+        2, f"error: --files matches {path}, inside --out-dir {tmp_path}: the output would be read as input\n")
+
+
+def test_manifest_that_is_not_ours(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    (tmp_path / "out").mkdir()
+    for text in (b"[]", b'{"config": {}}', b"\xff\xfe binary"):
+        (tmp_path / "out" / "manifest.json").write_bytes(text)
+        result = run_cli("--files", path, "--out-dir", tmp_path / "out")
+        assert (result.returncode, result.stderr) == (
+            2, f"error: {tmp_path / 'out' / 'manifest.json'} is not a manifest written by fineweb.py; "
+               "use an empty --out-dir\n")
+
+
+@pytest.mark.parametrize("file", ["edufineweb_val_000000.npy", "manifest.json"])
+def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink("/dev/full", out / f"{file}.tmp")  # every write there fails with ENOSPC
+    result = run_cli("--files", path, "--out-dir", out, "--workers", "1")
+    assert error_line(result) == (f"error: cannot write {out / file}: no space left on device; the shards "
+                                  "that manifest.json lists are complete: fix this and run the same command "
+                                  "again to resume")
+    assert not os.path.lexists(out / f"{file}.tmp")
+    assert list(out.iterdir()) == []  # no shard that the manifest does not list
+
+
+def test_all_val_shards_is_said(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M")
+    assert result.returncode == 0
+    assert result.stderr.splitlines()[-1] == ("fineweb.py: warning: all 1 shards are val shards (--val-shards 3), "
+                                              "so train_gpt2.py finds no train shards here")
 
 
 def test_tokenizer_unreachable_points_to_tiktoken_cache_dir(tmp_path):
@@ -411,8 +609,8 @@ def test_tokenizer_unreachable_points_to_tiktoken_cache_dir(tmp_path):
     env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9",
            "https_proxy": "http://127.0.0.1:9"}
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", env=env, timeout=30)
-    assert result.returncode == 1
+    assert result.returncode == 2
     line = only_line(result)
-    assert line.startswith("fineweb.py: error: could not load the GPT-2 tokenizer (tiktoken 'r50k_base': ")
+    assert line.startswith("error: could not load the GPT-2 tokenizer (tiktoken 'r50k_base': ")
     assert line.endswith("offline, set TIKTOKEN_CACHE_DIR to a folder that holds its cached rank file")
     assert not (tmp_path / "out").exists()
