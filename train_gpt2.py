@@ -16,6 +16,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -121,6 +122,7 @@ class RunConfig:
     compile: bool | None = None  # None: on for CUDA, off for CPU
     loss_chunk: int | None = None  # rows per lm_head + loss chunk; 0: full logits; None: CPU_LOSS_CHUNK on CPU, 0 on CUDA
     seed: int = 1337
+    peak_tflops: float | None = None  # dense peak of one device for MFU; None: looked up by GPU name
     debug: bool = False
 
 
@@ -150,6 +152,8 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
             f"world_size = {run.batch_size} x {run.seq_len} x {world_size} = {micro_tokens}")
     if run.max_lr <= 0 or (run.min_lr is not None and not 0 <= run.min_lr <= run.max_lr):
         raise UserError(f"need 0 < --max-lr and 0 <= --min-lr <= --max-lr (got {run.max_lr}, {run.min_lr})")
+    if run.peak_tflops is not None and run.peak_tflops <= 0:
+        raise UserError(f"--peak-tflops must be positive, got {run.peak_tflops}")
     if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
     return run.total_batch_size // micro_tokens
@@ -747,12 +751,39 @@ class RunLog:
 # Keys that fix which rows each step reads and what the model is: resuming must keep them.
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed")
 
-# Dense bf16 tensor-core peak (not the 2:4-sparse figure), matched against the CUDA device name.
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+# Dense (not 2:4-sparse) bf16/fp16 tensor-core peak of one GPU in TFLOP/s, matched against
+# torch.cuda.get_device_name() in order, most specific pattern first. Consumer cards use the
+# "FP16/BF16 with FP32 accumulate" figure, which is what autocast's matmuls do. A GPU that
+# matches nothing gets no MFU (pass --peak-tflops): a wrong peak is worse than none.
+PEAK_TFLOPS = (
+    (r"H100.*NVL", 835),  # H100 datasheet (NVL column): 1,671 with sparsity
+    (r"H100.*PCIe", 756),  # H100 datasheet (PCIe column): 1,513 with sparsity
+    (r"H100|GH200", 989),  # H100 SXM5 and Grace Hopper datasheets: 1,979 with sparsity
+    (r"H200.*NVL", 835),  # H200 datasheet (NVL column): 1,671 with sparsity
+    (r"H200", 989),  # H200 SXM datasheet: 1,979 with sparsity
+    (r"B200", 2250),  # HGX B200 datasheet, per GPU: 4.5 PFLOPS with sparsity
+    (r"A100", 312),  # A100 datasheet (SXM and PCIe): 624 with sparsity
+    (r"\bA10\b", 125),  # A10 datasheet: 250 with sparsity. Not the A10G: NVIDIA publishes no figure for it
+    (r"\bA30\b", 165),  # A30 datasheet: 330 with sparsity
+    (r"\bA40\b", 149.7),  # A40 datasheet: 299.4 with sparsity
+    (r"L40S", 362),  # L40S datasheet: 733 with sparsity
+    (r"\bL40\b", 181),  # L40 datasheet: 362 with sparsity
+    (r"\bL4\b", 121),  # L4 datasheet: 242 with sparsity
+    (r"RTX A6000", 154.8),  # RTX A6000 datasheet: 309.7 with sparsity
+    (r"RTX 6000 Ada", 364.2),  # RTX 6000 Ada datasheet: 728.5 with sparsity
+    (r"RTX 5090", 209.5),  # Blackwell GeForce whitepaper, FP16 with FP32 accumulate (419 sparse)
+    (r"RTX 4090(?! ?D)", 165.2),  # Ada whitepaper, FP16/BF16 with FP32 accumulate (330.4 sparse)
+    (r"RTX 3090(?! ?Ti)", 71),  # Ampere GA102 whitepaper, FP16/BF16 with FP32 accumulate (142 sparse)
+    (r"V100S", 130),  # V100S datasheet, fp16 (no bf16 on Volta)
+    (r"V100.*PCIe", 112),  # V100 datasheet (PCIe column), fp16
+    (r"V100", 125),  # V100 datasheet (SXM2 column), fp16
+    (r"\bT4\b", 65),  # T4 datasheet, fp16 mixed precision
+)
 
 
 def peak_flops(device_name: str) -> float | None:
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
+    """Dense bf16/fp16 peak FLOP/s of one GPU named device_name, or None if unknown."""
+    return next((tflops * 1e12 for pattern, tflops in PEAK_TFLOPS if re.search(pattern, device_name, re.I)), None)
 
 
 def flops_per_token(cfg: GPTConfig, T: int, n_params: int) -> float:
@@ -1006,8 +1037,10 @@ class Trainer:
     def reduce_and_clip(self, loss_total: torch.Tensor) -> tuple[float, float, bool]:
         """(summed loss of all ranks, grad norm before clipping, stop requested anywhere), with one
         collective and one host sync; clips the gradients in place."""
-        stop_flag = torch.tensor(float(self.stop.requested), dtype=torch.float64, device=self.device)
-        stats = all_reduce_sum(torch.stack([loss_total, stop_flag]))
+        # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
+        # device=...), no copy from pageable host memory, which would block until the backward ends
+        stop_flag = torch.full((1,), float(self.stop.requested), dtype=torch.float64, device=self.device)
+        stats = all_reduce_sum(torch.cat([loss_total.view(1), stop_flag]))
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.run.grad_clip:
@@ -1028,6 +1061,9 @@ class Trainer:
         return None
 
     def train_step(self, step: int) -> StepResult:
+        """One optimizer step. Its one host sync is in reduce_and_clip; the update is queued without
+        waiting, so dt runs from this step's start to the next sync and includes the GPU finishing the
+        previous step's update: in a steady run, the time per step."""
         t0 = time.perf_counter()
         micro_batches, n_tokens = self.prefetcher.get(step)  # N is known before any backward
         loss_total = self.forward_backward(micro_batches, n_tokens)
@@ -1040,8 +1076,6 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
         return StepResult(loss, norm, lr, n_tokens, time.perf_counter() - t0, stop_requested, skipped)
 
     # ---- evaluation and the loop
@@ -1068,14 +1102,24 @@ class Trainer:
             for text in sample_text(self.raw_model, self.enc, self.device):
                 print0(f"sample: {text!r}")
 
+    def throughput(self, dt: float) -> tuple[float, float, float | None]:
+        """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt.
+        Tokens processed count padding; MFU = FLOPs of all ranks / (dt x W x peak of one GPU)."""
+        W = self.d.world_size
+        tok_per_s = self.tokens_per_step / dt
+        mfu = self.flops_per_token * self.tokens_per_step / (dt * W * self.peak) if self.peak else None
+        return tok_per_s, tok_per_s / W, mfu
+
     def log_step(self, step: int, r: StepResult):
-        tokens_per_step = self.loader.rows_per_step * self.run.seq_len  # processed, padding included
-        tok_per_s = tokens_per_step / r.dt
-        mfu = f" | mfu {100 * self.flops_step / r.dt / self.peak:.1f}%" if self.peak else ""
+        tok_per_s, tok_per_gpu, mfu = self.throughput(r.dt)
         print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
-               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}{mfu}" + (f" | skipped ({r.skipped})" if r.skipped else ""))
+               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f} ({tok_per_gpu:,.0f}/gpu)"
+               + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+               + (f" | skipped ({r.skipped})" if r.skipped else ""))
         record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens,
-                      dt_ms=1000 * r.dt, tok_per_s=tok_per_s)
+                      dt_ms=1000 * r.dt, tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu)
+        if mfu is not None:
+            record["mfu"] = mfu
         if r.skipped:
             record["skipped"] = r.skipped
         self.log.write(**record)
@@ -1083,20 +1127,28 @@ class Trainer:
     def print_header(self):
         run, d = self.run, self.d
         n_params = self.raw_model.num_params()
-        tokens_per_step = self.loader.rows_per_step * run.seq_len
-        name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else ""
-        self.peak = peak_flops(name) if self.device_type == "cuda" and self.dtype == torch.bfloat16 else None
-        self.flops_step = flops_per_token(self.model_cfg, run.seq_len, n_params) * tokens_per_step
+        self.tokens_per_step = self.loader.rows_per_step * run.seq_len  # processed by all ranks, padding included
+        self.flops_per_token = flops_per_token(self.model_cfg, run.seq_len, n_params)
+        self.peak = self.peak_flops()
         print0(f"model: {n_params / 1e6:.2f}M non-embedding params | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}")
         print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
                f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of one device for MFU: --peak-tflops, else the table's figure for a CUDA GPU
+        running bf16/fp16 (the table holds tensor-core figures), else None (no MFU shown)."""
+        if self.run.peak_tflops:
+            return self.run.peak_tflops * 1e12
+        if self.device_type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+            return peak_flops(torch.cuda.get_device_name(self.device))
+        return None
+
     def fit(self):
         run = self.run
         self.print_header()
-        t_start, tokens_seen, train_time = time.perf_counter(), 0, 0.0
+        t_start, step_times = time.perf_counter(), []
         stop_agreed = False
         try:
             for step in range(self.start_step, run.max_steps + 1):
@@ -1115,23 +1167,29 @@ class Trainer:
                     break
                 result = self.train_step(step)
                 stop_agreed = result.stop_requested
-                tokens_seen += self.loader.rows_per_step * run.seq_len
-                train_time += result.dt
+                step_times.append(result.dt)
                 self.log_step(step, result)
         finally:
             self.prefetcher.close()
             self.stop.restore()
             self.log.close()
-        self.print_summary(time.perf_counter() - t_start, tokens_seen, train_time)
+        self.print_summary(time.perf_counter() - t_start, step_times)
 
-    def print_summary(self, elapsed: float, tokens_seen: int, train_time: float):
+    def print_summary(self, elapsed: float, step_times: list[float]):
+        """Totals, and the mean speed of the steps after this process's first (which compiles and warms up)."""
         if self.device_type == "cuda":
             peak_mem = f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB GPU"
         else:
             import resource
             peak_mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
-        print0(f"done: {tokens_seen:,} tokens in {elapsed:.1f}s | mean {tokens_seen / max(train_time, 1e-9):,.0f} "
-               f"tok/s while training | peak memory {peak_mem}")
+        timed = step_times[1:] or step_times
+        speed = ""
+        if timed:
+            tok_per_s, tok_per_gpu, mfu = self.throughput(sum(timed) / len(timed))
+            speed = (f" | mean {tok_per_s:,.0f} tok/s ({tok_per_gpu:,.0f}/gpu" + (f", mfu {100 * mfu:.1f}%" if mfu else "")
+                     + f") over {'steps after the first' if len(step_times) > 1 else 'the only step'}")
+        print0(f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | "
+               f"peak memory {peak_mem}")
 
 
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
@@ -1209,6 +1267,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute lm_head + loss in chunks of N rows without materializing the logits "
                         f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed for init and shuffling")
+    g.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops,
+                   help="dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; none on CPU)")
     return p
 
 

@@ -69,7 +69,7 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     records = [json.loads(l) for l in open(tmp_path / "log.jsonl")]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
     train = [r for r in records if "loss" in r]
-    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s"}
+    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu"}
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
     model = tg.model_from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
