@@ -100,6 +100,8 @@ class RunConfig:
     warmup_steps: int = 715
     max_lr: float = 6e-4
     min_lr: float | None = None  # None: 10% of max_lr
+    lr_schedule: str = "cosine"  # after warmup: cosine, linear, or wsd (warmup-stable-decay)
+    cooldown_frac: float = 0.2  # wsd: the last 20% of max_steps decay linearly to min_lr
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling and checkpoints (0 disables each)
@@ -154,6 +156,13 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
         raise UserError(f"need 0 < --max-lr and 0 <= --min-lr <= --max-lr (got {run.max_lr}, {run.min_lr})")
     if run.peak_tflops is not None and run.peak_tflops <= 0:
         raise UserError(f"--peak-tflops must be positive, got {run.peak_tflops}")
+    if run.lr_schedule not in LR_SCHEDULES:
+        raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {run.lr_schedule!r}")
+    if not 0 <= run.cooldown_frac <= 1:
+        raise UserError(f"--cooldown-frac must be in [0, 1], got {run.cooldown_frac}")
+    if run.lr_schedule == "wsd" and run.warmup_steps > cooldown_start(run):
+        raise UserError(f"--warmup-steps {run.warmup_steps} runs into the cooldown, which starts at step "
+                        f"{cooldown_start(run)} (--max-steps x (1 - --cooldown-frac)): lower one of them")
     if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
     return run.total_batch_size // micro_tokens
@@ -541,17 +550,44 @@ class Prefetcher:
 # optimizer & schedule
 
 
+LR_SCHEDULES = ("cosine", "wsd", "linear")
+# the fields get_lr reads: a resumed run whose values differ may find another LR at its step
+SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
+
+
+def cooldown_start(run: RunConfig) -> int:
+    """First step of WSD's linear cooldown: the last cooldown_frac of max_steps."""
+    return run.max_steps - round(run.cooldown_frac * run.max_steps)
+
+
 def get_lr(step: int, run: RunConfig) -> float:
+    """Linear warmup to max_lr, then the decay of run.lr_schedule down to min_lr at max_steps:
+    cosine, linear, or wsd (constant, then linear over the last cooldown_frac of the steps).
+    min_lr is held after max_steps."""
     min_lr = run.max_lr * 0.1 if run.min_lr is None else run.min_lr
-    # 1) linear warmup from max_lr / warmup_steps to max_lr
-    if step < run.warmup_steps:
+    if step < run.warmup_steps:  # from max_lr / warmup_steps up to max_lr
         return run.max_lr * (step + 1) / run.warmup_steps
-    # 2) after max_steps, hold min_lr
     if step >= run.max_steps:
         return min_lr
-    # 3) in between, cosine decay from max_lr down to min_lr
-    progress = (step - run.warmup_steps) / max(1, run.max_steps - run.warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (run.max_lr - min_lr)
+    decay_start = cooldown_start(run) if run.lr_schedule == "wsd" else run.warmup_steps
+    if step < decay_start:  # wsd's stable phase
+        return run.max_lr
+    progress = (step - decay_start) / max(1, run.max_steps - decay_start)
+    if run.lr_schedule == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (run.max_lr - min_lr)
+    return run.max_lr - progress * (run.max_lr - min_lr)
+
+
+def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str | None:
+    """One line when the schedule flags of a resumed run put another LR at the resumed step than
+    the checkpoint's run had there (e.g. a larger --max-steps stretches the cosine), else None."""
+    saved = dataclasses.replace(run, **{k: saved_run_config[k] for k in SCHEDULE_KEYS if k in saved_run_config})
+    old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
+    if old_lr == new_lr:
+        return None
+    changed = ", ".join(f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
+                        for k in SCHEDULE_KEYS if getattr(saved, k) != getattr(run, k))
+    return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
 
 
 # -----------------------------------------------------------------------------
@@ -1007,6 +1043,9 @@ class Trainer:
         if "rng_cuda" in ckpt and self.device_type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
         print0(f"resumed from {path} at step {self.start_step}")
+        notice = lr_change_notice(ckpt["run_config"], self.run, self.start_step)
+        if notice:
+            print0(notice)
 
     def checkpoint_state(self, step: int) -> dict:
         """Everything a resume needs (DESIGN.md: state that makes resume exact)."""
@@ -1236,6 +1275,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear LR warmup steps")
     g.add_argument("--max-lr", type=float, default=defaults.max_lr, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=defaults.min_lr, help="final learning rate (default: 10%% of --max-lr)")
+    g.add_argument("--lr-schedule", default=defaults.lr_schedule, choices=LR_SCHEDULES,
+                   help="decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds --max-lr, "
+                        "then decays linearly over the last --cooldown-frac of the steps")
+    g.add_argument("--cooldown-frac", type=float, default=defaults.cooldown_frac,
+                   help="wsd: fraction of --max-steps spent in the final linear decay")
     g.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW decay on matrices and embeddings")
     g.add_argument("--grad-clip", type=float, default=defaults.grad_clip, help="clip the gradient norm to this (0: off)")
     g = p.add_argument_group("evaluation and checkpoints (0 disables each)")
