@@ -114,6 +114,7 @@ class RunConfig:
     ckpt_every: int = 5000
     keep_last: int = 0  # 0 keeps every checkpoint
     resume: str | None = None  # "latest" or a checkpoint path
+    eval_only: bool = False  # evaluate the resumed (or --init-from) weights once, train nothing, write nothing
     # failures
     skip_nonfinite: int = 0
     skip_spikes: float = 0.0
@@ -163,6 +164,10 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
     if run.lr_schedule == "wsd" and run.warmup_steps > cooldown_start(run):
         raise UserError(f"--warmup-steps {run.warmup_steps} runs into the cooldown, which starts at step "
                         f"{cooldown_start(run)} (--max-steps x (1 - --cooldown-frac)): lower one of them")
+    if run.eval_only and run.resume is None and run.init_from is None:
+        raise UserError("--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR")
+    if run.eval_only and not (run.val_every or run.hellaswag_every or run.sample_every):
+        raise UserError("--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do")
     if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
     return run.total_batch_size // micro_tokens
@@ -978,9 +983,12 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
         self._build_data()  # bad input fails before any model work
         self.ckpt_path = find_resume_checkpoint(run)
-        prepare_out_dir(run, resuming=run.resume is not None)
+        if run.eval_only and run.resume is not None and not self.ckpt_path:
+            raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
+        if not run.eval_only:  # an evaluation writes nothing, so any --out-dir will do
+            prepare_out_dir(run, resuming=run.resume is not None)
         self._build_model(pretrained)
-        self.log = RunLog(run.out_dir, d.is_main, truncate_at=self.log_offset)
+        self.log = RunLog(run.out_dir, d.is_main and not run.eval_only, truncate_at=self.log_offset)
         self.stop = StopSignal()
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
         self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
@@ -1042,9 +1050,9 @@ class Trainer:
         torch.set_rng_state(ckpt["rng_cpu"])
         if "rng_cuda" in ckpt and self.device_type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
-        print0(f"resumed from {path} at step {self.start_step}")
+        print0(f"{'evaluating' if self.run.eval_only else 'resumed from'} {path} at step {self.start_step}")
         notice = lr_change_notice(ckpt["run_config"], self.run, self.start_step)
-        if notice:
+        if notice and not self.run.eval_only:
             print0(notice)
 
     def checkpoint_state(self, step: int) -> dict:
@@ -1119,9 +1127,11 @@ class Trainer:
 
     # ---- evaluation and the loop
 
-    def evaluate(self, step: int, last_step: bool):
-        """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step)."""
+    def evaluate(self, step: int, last_step: bool) -> dict:
+        """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
+        Returns what it logged."""
         run, d = self.run, self.d
+        results = {}
 
         def due(every):
             return every and (step % every == 0 or last_step)
@@ -1129,6 +1139,7 @@ class Trainer:
             val_loss = evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
                                      d.world_size, self.device, self.dtype, self.loss_chunk)
             print0(f"step {step:5d} | val loss {val_loss:.4f}")
+            results.update(val_loss=val_loss)
             self.log.write(step=step, val_loss=val_loss)
         if due(run.hellaswag_every):
             import hellaswag
@@ -1136,10 +1147,22 @@ class Trainer:
                                         limit=run.hellaswag_limit or None, rank=d.rank,
                                         world_size=d.world_size, dtype=self.dtype)
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
+            results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
         if self.enc and d.is_main and step > 0 and due(run.sample_every):
             for text in sample_text(self.raw_model, self.enc, self.device):
                 print0(f"sample: {text!r}")
+        return results
+
+    def evaluate_only(self):
+        """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
+        printed, then one JSON line. Nothing is written to --out-dir."""
+        try:
+            results = self.evaluate(self.start_step, last_step=True)
+        finally:
+            self.prefetcher.close()
+            self.stop.restore()
+        print0(json.dumps(dict(step=self.start_step, **results)))
 
     def throughput(self, dt: float) -> tuple[float, float, float | None]:
         """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt.
@@ -1232,7 +1255,11 @@ class Trainer:
 
 
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
-    Trainer(run, model_cfg, d).fit()
+    trainer = Trainer(run, model_cfg, d)
+    if run.eval_only:
+        trainer.evaluate_only()
+    else:
+        trainer.fit()
 
 
 
@@ -1293,6 +1320,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-last", type=int, default=defaults.keep_last, help="keep only the newest K checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from the newest checkpoint in --out-dir (or the given path)")
+    g.add_argument("--eval-only", action="store_true",
+                   help="with --resume [PATH] or --init-from: run the evaluations above once at that step "
+                        "(same numbers as in training), print them, train and write nothing")
     g = p.add_argument_group("failures")
     g.add_argument("--skip-nonfinite", type=int, default=defaults.skip_nonfinite,
                    help="skip up to N steps with a non-finite loss or grad norm instead of stopping")

@@ -1,0 +1,80 @@
+"""--eval-only: the validation loss and HellaSwag of a checkpoint without training, equal to
+what training logged at that checkpoint's step; the run's folder is left as it was."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SHARED
+from shards import make_docs, write_shards
+
+HELLASWAG = SHARED / "data" / "hellaswag" / "hellaswag_val.jsonl"
+# the model keeps GPT-2's vocabulary so that HellaSwag's tokens fit
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
+        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
+        "--val-every", "2", "--val-steps", "3", "--sample-every", "0", "--ckpt-every", "2"]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
+    data = tmp_path_factory.mktemp("shards")
+    write_shards(data, make_docs(400, seed=5, vocab=64, max_len=60), shard_size=4000)
+    hellaswag = (["--hellaswag-every", "2", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG)]
+                 if HELLASWAG.is_file() else ["--hellaswag-every", "0"])
+    out = tmp_path_factory.mktemp("run")
+    flags = ["--data-dir", str(data), "--out-dir", str(out), *TINY, *hellaswag]
+    result = run_cli(*flags, "--max-steps", "4")
+    assert result.returncode == 0, result.stderr
+    return flags, out
+
+
+def logged_at(out, step):
+    with open(out / "log.jsonl") as f:
+        records = [r for r in map(json.loads, f) if r["step"] == step and "loss" not in r]
+    return {k: v for r in records for k, v in r.items()}
+
+
+@pytest.mark.parametrize("which,step", [("ckpt_0000002.pt", 2), (None, 4)], ids=["path", "latest"])
+def test_eval_only_equals_what_training_logged(trained, which, step):
+    flags, out = trained
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    resume = ["--resume", str(out / which)] if which else ["--resume"]
+    result = run_cli(*flags, "--eval-only", *resume)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert f"evaluating {out / (which or 'ckpt_0000004.pt')} at step {step}" in lines
+    assert json.loads(lines[-1]) == logged_at(out, step)  # exact: the same weights, rows and kernels
+    assert set(json.loads(lines[-1])) >= {"step", "val_loss"}
+    assert f"step {step:5d} | val loss " in result.stdout and "| loss " not in result.stdout  # no training step
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # log and checkpoints untouched
+
+
+def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained):
+    # neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation
+    flags, out = trained
+    result = run_cli(*flags, "--eval-only", "--resume", "--max-steps", "100")
+    assert result.returncode == 0, result.stderr
+    assert "note:" not in result.stdout
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR"),
+    (["--resume", "--out-dir", "{empty}"], "--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {empty}"),
+    (["--resume", "--val-every", "0", "--hellaswag-every", "0"],
+     "--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do"),
+])
+def test_eval_only_errors_are_one_line(trained, tmp_path, extra, message):
+    flags, _ = trained
+    extra = [a.replace("{empty}", str(tmp_path)) for a in extra]
+    result = run_cli(*flags, "--eval-only", *extra)
+    assert (result.returncode, result.stderr) == (2, f"error: {message.replace('{empty}', str(tmp_path))}\n")
+    assert os.listdir(tmp_path) == []
