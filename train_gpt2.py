@@ -833,10 +833,14 @@ def flops_per_token(cfg: GPTConfig, T: int, n_params: int) -> float:
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T
 
 
-def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The autocast dtype. auto: bf16 on CUDA GPUs that have bf16 tensor cores (compute capability
+    8.0+, Ampere on), fp16 with a GradScaler on older ones (T4, V100, RTX 20xx), fp32 elsewhere."""
     if name == "auto":
-        name = "bfloat16" if device_type == "cuda" else "float32"
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+        name = "float32"
+        if device_type == "cuda":
+            name = "bfloat16" if capability is None or capability >= (8, 0) else "float16"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 class StopSignal:
@@ -920,7 +924,7 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
-                         dtype: torch.dtype, loss_chunk: int = 0) -> torch.Tensor:
+                         dtype: torch.dtype, loss_chunk: int = 0, scaler=None) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches on this rank.
 
     Each micro-batch backpropagates sum(token losses) * W / N, where N is the step's count of
@@ -928,7 +932,8 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
     leaves exactly d(sum of all token losses) / N. With one micro-batch on one rank that is
     the plain mean loss and no scaling op is added. Returns the summed token loss (float64)
     of this rank. micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an
-    asynchronous copy to CUDA); model may be DDP-wrapped."""
+    asynchronous copy to CUDA); model may be DDP-wrapped. With an fp16 GradScaler, each term is
+    scaled by it (the gradients come out times its scale; unscale_ before using them)."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     single = len(micro_batches) == 1 and world_size == 1
@@ -940,7 +945,8 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast_context(device_type, dtype):
                 _, loss = model(x, y, reduction="mean" if single else "sum", loss_chunk=loss_chunk)
-            (loss if single else loss * loss_scale).backward()
+            term = loss if single else loss * loss_scale
+            (scaler.scale(term) if scaler else term).backward()
         loss_total += loss.detach() * n_tokens if single else loss.detach()
     return loss_total
 
@@ -954,7 +960,7 @@ class StepResult:
     n_tokens: int
     dt: float
     stop_requested: bool  # some rank got SIGTERM/SIGINT: every rank stops after this step
-    skipped: str | None = None  # "nonfinite" or "spike": the update was not applied
+    skipped: str | None = None  # "nonfinite", "spike" or "overflow" (fp16): the update was not applied
 
 
 class Trainer:
@@ -974,7 +980,10 @@ class Trainer:
             run.seq_len = min(model_cfg.block_size, 1024)
         self.run, self.model_cfg = run, model_cfg
         self.grad_accum_steps = validate_config(run, model_cfg, d.world_size)
-        self.dtype = resolve_dtype(run.dtype, self.device_type)
+        capability = torch.cuda.get_device_capability(self.device) if self.device_type == "cuda" else None
+        self.dtype = resolve_dtype(run.dtype, self.device_type, capability)
+        # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it (DESIGN.md: fp16)
+        self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         self.use_compile = run.compile if run.compile is not None else self.device_type == "cuda"
         self.loss_chunk = run.loss_chunk if run.loss_chunk is not None else (
             CPU_LOSS_CHUNK if self.device_type == "cpu" else 0)
@@ -1048,6 +1057,8 @@ class Trainer:
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.start_step, self.log_offset = ckpt["step"], ckpt["log_offset"]
         torch.set_rng_state(ckpt["rng_cpu"])
+        if self.scaler and "scaler" in ckpt:
+            self.scaler.load_state_dict(ckpt["scaler"])
         if "rng_cuda" in ckpt and self.device_type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
         print0(f"{'evaluating' if self.run.eval_only else 'resumed from'} {path} at step {self.start_step}")
@@ -1064,6 +1075,8 @@ class Trainer:
                      next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
         if self.device_type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        if self.scaler:
+            state["scaler"] = self.scaler.state_dict()
         return state
 
     def save(self, step: int):
@@ -1079,7 +1092,7 @@ class Trainer:
     def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
         return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
-                                    self.dtype, self.loss_chunk)
+                                    self.dtype, self.loss_chunk, self.scaler)
 
     def reduce_and_clip(self, loss_total: torch.Tensor) -> tuple[float, float, bool]:
         """(summed loss of all ranks, grad norm before clipping, stop requested anywhere), with one
@@ -1088,6 +1101,8 @@ class Trainer:
         # device=...), no copy from pageable host memory, which would block until the backward ends
         stop_flag = torch.full((1,), float(self.stop.requested), dtype=torch.float64, device=self.device)
         stats = all_reduce_sum(torch.cat([loss_total.view(1), stop_flag]))
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # the norm and clipping see the true gradients
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.run.grad_clip:
@@ -1097,6 +1112,8 @@ class Trainer:
 
     def skip_reason(self, step: int, loss: float, norm: float) -> str | None:
         """Why this step's update must not be applied (None: apply it); raises when out of skips."""
+        if self.scaler and math.isfinite(loss) and not math.isfinite(norm):
+            return "overflow"  # fp16 gradients overflowed at this loss scale: the scaler lowers it, no failure
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if self.nonfinite_skipped >= self.run.skip_nonfinite:
                 raise UserError(f"step {step}: non-finite loss {loss} or grad norm {norm}; stopped "
@@ -1120,7 +1137,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         skipped = self.skip_reason(step, loss, norm)
-        if not skipped:
+        if self.scaler:  # fused AdamW takes the scaler's inf flag on the device: no sync
+            if not skipped:
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, norm, lr, n_tokens, time.perf_counter() - t0, stop_requested, skipped)
@@ -1333,8 +1354,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="autocast dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 "
+                        "(with a GradScaler) on older ones, float32 elsewhere")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
     g.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk,

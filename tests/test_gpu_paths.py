@@ -45,23 +45,31 @@ def run_cli(args, nproc=1, script="train_gpt2.py"):
 
 # --- MFU and throughput ------------------------------------------------------------------------
 
-def test_mfu_under_two_ranks_is_per_gpu(data_dir, tmp_path):
-    result = run_cli(args_for(data_dir, tmp_path, "--peak-tflops", "0.001", B=2), nproc=2)
+@pytest.fixture(scope="module")
+def two_ranks(data_dir, tmp_path_factory):
+    """One torchrun of 2 gloo ranks x 2 micro-steps of 2 rows, fp16, with --peak-tflops: (stdout, out dir)."""
+    out_dir = tmp_path_factory.mktemp("two_ranks")
+    result = run_cli(args_for(data_dir, out_dir, "--peak-tflops", "0.001", "--dtype", "float16", B=2), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, out_dir
+
+
+def test_mfu_under_two_ranks_is_per_gpu(two_ranks):
+    stdout, out_dir = two_ranks
     n_params = tg.GPT(tg.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=16)).num_params()
     flops_per_token = 6 * n_params + 12 * 2 * 16 * T
     tokens = 8 * T  # all ranks' tokens of one step
-    records = train_records(tmp_path)
+    records = train_records(out_dir)
     assert len(records) == 4
     for r in records:
         dt = r["dt_ms"] / 1000
         assert r["mfu"] == pytest.approx(flops_per_token * tokens / (dt * 2 * 1e9), rel=1e-9)
         assert r["tok_per_s"] == pytest.approx(tokens / dt, rel=1e-9)
         assert r["tok_per_s_per_gpu"] == pytest.approx(tokens / dt / 2, rel=1e-9)
-    step_line = next(l for l in result.stdout.splitlines() if l.startswith("step     1/"))
+    step_line = next(l for l in stdout.splitlines() if l.startswith("step     1/"))
     assert re.search(r"tok/s [\d,]+ \([\d,]+/gpu\) \| mfu [\d.]+%", step_line), step_line
     # the summary's mean leaves out step 0 (compile / warm-up)
-    summary = next(l for l in result.stdout.splitlines() if l.startswith("done:"))
+    summary = next(l for l in stdout.splitlines() if l.startswith("done:"))
     mean_dt = sum(r["dt_ms"] for r in records[1:]) / 3 / 1000
     shown = int(re.search(r"mean ([\d,]+) tok/s", summary).group(1).replace(",", ""))
     assert shown == round(tokens / mean_dt)
@@ -87,7 +95,8 @@ def test_peak_table_matches_names_carefully(name, tflops):
     assert tg.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
 
 
-def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch, dtype):
     """Steps after the first (which creates AdamW's state) read the device once (loss, norm and stop
     flag together) and copy no Python value to the device."""
     counts, inside = [], [False]
@@ -112,6 +121,127 @@ def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch):
         finally:
             inside[0] = False
     monkeypatch.setattr(tg.Trainer, "train_step", train_step)
-    assert tg.main(args_for(data_dir, tmp_path, "--grad-clip", "1.0", B=2)) == 0
+    assert tg.main(args_for(data_dir, tmp_path, "--grad-clip", "1.0", "--dtype", dtype, B=2)) == 0
     assert len(counts) == 4
     assert counts[1:] == [["tolist"]] * 3
+
+
+# --- fp16 with a GradScaler ---------------------------------------------------------------------
+
+SMALL = tg.GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
+
+
+def make_batch(rows=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, SMALL.vocab_size, (rows, T), generator=g)
+    y = torch.randint(0, SMALL.vocab_size, (rows, T), generator=g)
+    for r in range(rows):  # a different number of ignored targets in every row
+        y[r, T - 2 * r:] = -1
+    return x, y
+
+
+def fp16_grads(B, loss_chunk=0):
+    """Unscaled gradients of the 8-row batch split into micro-batches of B rows, fp16 autocast + GradScaler."""
+    torch.manual_seed(1)
+    model = tg.GPT(SMALL)
+    optimizer = model.configure_optimizers(0.0, 1e-3, "cpu")
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = make_batch()
+    batches = [(x[i:i + B], y[i:i + B]) for i in range(0, 8, B)]
+    loss_sum = tg.accumulate_gradients(model, batches, int((y != -1).sum()), 1, "cpu", torch.float16,
+                                       loss_chunk, scaler)
+    scaler.unscale_(optimizer)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / int((y != -1).sum())
+
+
+def fp32_reference():
+    torch.manual_seed(1)
+    model = tg.GPT(SMALL)
+    x, y = make_batch()
+    _, loss = model(x, y)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item()
+
+
+def worst_relative_error(grads, ref):
+    """max over parameters of |grad - ref| / |ref| (norms of the whole tensor)."""
+    return max(((grads[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref)
+
+
+@pytest.mark.parametrize("B,loss_chunk", [(4, 0), (2, 0), (1, 0), (2, 10)])
+def test_fp16_accumulation_equals_one_batch(B, loss_chunk):
+    one, one_loss = fp16_grads(8)
+    split, split_loss = fp16_grads(B, loss_chunk)
+    ref, ref_loss = fp32_reference()
+    # fp16 keeps 11 bits (2^-11 = 4.9e-4): measured 3.5e-4 to 4.2e-4 from one fp16 batch, 1.4e-3 from fp32
+    assert worst_relative_error(split, one) < 2e-3
+    assert worst_relative_error(split, ref) < 5e-3
+    assert split_loss == pytest.approx(one_loss, rel=2e-3) and one_loss == pytest.approx(ref_loss, rel=2e-3)
+
+
+def test_fp16_without_token_normalization_would_be_caught():
+    """The tolerance above is tight enough to see an accumulation mistake: the per-micro-batch mean / 4."""
+    ref, _ = fp32_reference()
+    torch.manual_seed(1)
+    model = tg.GPT(SMALL)
+    x, y = make_batch()
+    for i in range(0, 8, 2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            _, loss = model(x[i:i + 2], y[i:i + 2])
+        (loss / 4).backward()
+    wrong = {n: p.grad for n, p in model.named_parameters()}
+    assert worst_relative_error(wrong, ref) > 0.1  # measured 1.6
+
+
+def test_fp16_two_ranks_log_the_losses_of_one_batch(data_dir, tmp_path, two_ranks):
+    assert tg.main(args_for(data_dir, tmp_path, "--dtype", "float16", B=8)) == 0  # 8 rows x 1 micro-step
+    one, ddp = [r["loss"] for r in train_records(tmp_path)], [r["loss"] for r in train_records(two_ranks[1])]
+    assert len(one) == 4 and ddp == pytest.approx(one, rel=2e-3)
+    assert ddp != pytest.approx([one[0]] * 4, rel=2e-3)  # the losses move: the comparison is not vacuous
+
+
+def overflow_at(monkeypatch, at_call):
+    """Make accumulate_gradients call number at_call put an inf into a gradient (the loss stays finite)."""
+    original, calls = tg.accumulate_gradients, []
+
+    def patched(model, *args, **kwargs):
+        loss = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) - 1 == at_call:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        return loss
+    monkeypatch.setattr(tg, "accumulate_gradients", patched)
+
+
+def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, monkeypatch):
+    overflow_at(monkeypatch, 2)
+    assert tg.main(args_for(data_dir, tmp_path, "--dtype", "float16", steps=4)) == 0  # --skip-nonfinite 0
+    records = train_records(tmp_path)
+    assert [r.get("skipped") for r in records] == [None, None, "overflow", None]
+    assert all(map(lambda r: r["loss"] == r["loss"], records))
+    ckpt = tg.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
+    assert ckpt["scaler"]["scale"] == 2.0 ** 16 * 0.5  # the scaler backed off once
+
+
+def test_fp16_resume_is_bit_exact(data_dir, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    fp16 = ("--dtype", "float16", "--ckpt-every", "3")
+    result = run_cli(args_for(data_dir, straight, *fp16, steps=6))  # the flag, as users run it
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dtype float16" in result.stdout
+    os.makedirs(resumed)
+    for name in ("ckpt_0000003.pt", "log.jsonl"):
+        (resumed / name).write_bytes((straight / name).read_bytes())
+    assert tg.main(args_for(data_dir, resumed, *fp16, "--resume", steps=6)) == 0
+    assert [(r["step"], r["loss"]) for r in train_records(resumed)] == \
+        [(r["step"], r["loss"]) for r in train_records(straight)]
+    a, b = (tg.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["scaler"] == b["scaler"]
+
+
+@pytest.mark.parametrize("capability,dtype", [((7, 5), torch.float16), ((7, 0), torch.float16),
+                                              ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_dtype_is_fp16_below_ampere(capability, dtype):
+    assert tg.resolve_dtype("auto", "cuda", capability) == dtype
+    assert tg.resolve_dtype("auto", "cpu") == torch.float32
