@@ -114,6 +114,9 @@ class RunConfig:
     ckpt_every: int = 5000
     keep_last: int = 0  # 0 keeps every checkpoint
     resume: str | None = None  # "latest" or a checkpoint path
+    # run tracking, on rank 0: every log.jsonl record also goes to W&B / TensorBoard
+    wandb: str | None = None  # W&B project name
+    tensorboard: bool = False  # event files in out_dir
     eval_only: bool = False  # evaluate the resumed (or --init-from) weights once, train nothing, write nothing
     # failures
     skip_nonfinite: int = 0
@@ -166,6 +169,8 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
                         f"{cooldown_start(run)} (--max-steps x (1 - --cooldown-frac)): lower one of them")
     if run.eval_only and run.resume is None and run.init_from is None:
         raise UserError("--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR")
+    if run.eval_only and (run.wandb or run.tensorboard):
+        raise UserError("--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")
     if run.eval_only and not (run.val_every or run.hellaswag_every or run.sample_every):
         raise UserError("--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do")
     if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
@@ -764,6 +769,8 @@ def model_from_checkpoint(path: str, device="cpu") -> GPT:
 class RunLog:
     """log.jsonl on rank 0: one JSON object per event. Other ranks write nothing."""
 
+    sinks = ()  # run trackers that get every record too (open_sinks)
+
     def __init__(self, out_dir: str, enabled: bool, truncate_at: int = 0):
         self.file = None
         if enabled:
@@ -777,6 +784,8 @@ class RunLog:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        for sink in self.sinks:
+            sink.write(record)
 
     def tell(self) -> int:
         return self.file.tell() if self.file else 0
@@ -784,6 +793,75 @@ class RunLog:
     def close(self):
         if self.file:
             self.file.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def import_extra(module: str, flag: str, package: str):
+    """An optional package, imported only when a flag asks for it: a UserError with the pip line if missing."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{flag} needs the {package} package: pip install {package}") from None
+
+
+class TensorBoardSink:
+    """--tensorboard: each record's numbers as scalars and its strings as text, tagged with their
+    log.jsonl keys at the record's step, in event files in --out-dir. A resumed run hides what
+    earlier attempts logged from its step on (purge_step), as log.jsonl is cut back there."""
+
+    def __init__(self, out_dir: str, purge_step: int | None):
+        tensorboard = import_extra("torch.utils.tensorboard", "--tensorboard", "tensorboard")
+        self.writer = tensorboard.SummaryWriter(out_dir, purge_step=purge_step)
+
+    def write(self, record: dict):
+        for key, value in record.items():
+            if key != "step":
+                add = self.writer.add_text if isinstance(value, str) else self.writer.add_scalar
+                add(key, value, record["step"])
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbSink:
+    """--wandb PROJECT: each record as a wandb.log at its step (W&B merges the records of one step
+    into one row). WANDB_MODE=offline keeps the run in OUT/wandb for `wandb sync`. Each launch,
+    a resume too, is a new W&B run that starts at its first step."""
+
+    def __init__(self, project: str, out_dir: str, config: dict):
+        wandb = import_extra("wandb", "--wandb", "wandb")
+        try:
+            self.run = wandb.init(project=project, dir=out_dir, config=config)
+        except Exception as e:  # no API key, no network, a bad project name...
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {reason}); "
+                            "run `wandb login` or set WANDB_MODE=offline") from None
+
+    def write(self, record: dict):
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+def open_sinks(run: RunConfig, model_cfg: GPTConfig, resumed_at: int | None) -> list:
+    """The trackers the run asked for. A resumed run's step was evaluated before its checkpoint:
+    they get those records from log.jsonl first, so each holds what log.jsonl holds from its step."""
+    sinks = []
+    if run.tensorboard:
+        sinks.append(TensorBoardSink(run.out_dir, purge_step=resumed_at))
+    if run.wandb:
+        config = dict(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg))
+        sinks.append(WandbSink(run.wandb, run.out_dir, config))
+    if sinks and resumed_at is not None:
+        with open(os.path.join(run.out_dir, "log.jsonl")) as f:
+            for record in map(json.loads, f):
+                if record["step"] == resumed_at:
+                    for sink in sinks:
+                        sink.write(record)
+    return sinks
 
 
 # -----------------------------------------------------------------------------
@@ -998,6 +1076,8 @@ class Trainer:
             prepare_out_dir(run, resuming=run.resume is not None)
         self._build_model(pretrained)
         self.log = RunLog(run.out_dir, d.is_main and not run.eval_only, truncate_at=self.log_offset)
+        if d.is_main:
+            self.log.sinks = open_sinks(run, self.model_cfg, self.start_step if self.ckpt_path else None)
         self.stop = StopSignal()
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
         self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
@@ -1344,6 +1424,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-only", action="store_true",
                    help="with --resume [PATH] or --init-from: run the evaluations above once at that step "
                         "(same numbers as in training), print them, train and write nothing")
+    g = p.add_argument_group("run tracking (rank 0; each gets exactly the records of log.jsonl)")
+    g.add_argument("--wandb", metavar="PROJECT", help="log to this Weights & Biases project (pip install wandb; "
+                   "WANDB_MODE=offline keeps the run in OUT/wandb)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="write TensorBoard event files to --out-dir (pip install tensorboard)")
     g = p.add_argument_group("failures")
     g.add_argument("--skip-nonfinite", type=int, default=defaults.skip_nonfinite,
                    help="skip up to N steps with a non-finite loss or grad norm instead of stopping")

@@ -1,0 +1,129 @@
+"""--tensorboard and --wandb log exactly what log.jsonl logs: the offline files are read back
+and compared with the log, across a resume; a missing package is one line."""
+import json
+import os
+import struct
+import subprocess
+import sys
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from shards import make_docs, write_shards
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
+        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
+        "--val-every", "2", "--val-steps", "2", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "4"]
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+                                            "WANDB_SILENT": "true", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shards")
+    write_shards(path, make_docs(400, seed=7, vocab=64, max_len=60), shard_size=4000)
+    return str(path)
+
+
+def log_records(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def by_step(records):
+    """{step: {key: value}}: the records of one step merged, as W&B stores them."""
+    rows = defaultdict(dict)
+    for r in records:
+        rows[r["step"]].update({k: v for k, v in r.items() if k != "step"})
+    return dict(rows)
+
+
+def tensorboard_scalars(out_dir):
+    """{tag: [(step, value)]} of every event file in out_dir, after TensorBoard's purge of restarts."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def wandb_history(run_file):
+    """{step: {key: value}} of an offline run's .wandb file: W&B's LevelDB-log framing of
+    wandb_internal_pb2.Record protobufs (a 7-byte file header; 32 KiB blocks of chunks, each with
+    a 7-byte header: crc32c, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+    data, block = open(run_file, "rb").read(), 32768
+    assert data[:4] == b":W&B"
+    pos, pending, rows = 7, b"", {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}  # newer versions fill nested_key only
+                rows[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return rows
+
+
+def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    flags = ["--data-dir", data_dir, "--out-dir", str(out), *TINY, "--tensorboard", "--wandb", "tracking-test"]
+    first = run_cli(*flags, "--max-steps", "6")  # checkpoints at 4 and 6
+    assert first.returncode == 0, first.stderr
+    first_log = log_records(out)
+    # resume from step 4 (log.jsonl is cut back there) and go on to step 8
+    os.remove(out / "ckpt_0000006.pt")
+    resumed = run_cli(*flags, "--max-steps", "8", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    log = log_records(out)
+    assert [r["step"] for r in log if "val_loss" in r] == [0, 2, 4, 6, 8]
+
+    # TensorBoard: one scalar series per key, float32 as TensorBoard stores them, the first
+    # attempt's steps 4 and later replaced by the resumed run's
+    expected = defaultdict(list)
+    for r in log:
+        for key, value in r.items():
+            if key != "step":
+                expected[key].append((r["step"], float(np.float32(value))))
+    assert tensorboard_scalars(out) == dict(expected)
+
+    # W&B: one run per launch, each holding the log's records from its first step on
+    runs = sorted((wandb_history(p) for p in (out / "wandb").glob("offline-run-*/run-*.wandb")), key=min)
+    assert len(runs) == 2
+    assert runs[0] == by_step(first_log)
+    assert runs[1] == by_step(r for r in log if r["step"] >= 4)
+
+
+@pytest.mark.parametrize("flag,package", [(["--wandb", "p"], "wandb"), (["--tensorboard"], "tensorboard")])
+def test_missing_tracker_package_is_one_line(data_dir, tmp_path, flag, package):
+    shadow = tmp_path / "shadow"  # a module of that name that fails to import, as when it is not installed
+    shadow.mkdir()
+    (shadow / f"{package}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\")\n")
+    out = tmp_path / "out"
+    result = run_cli("--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2", *flag,
+                     env={"PYTHONPATH": str(shadow)})
+    assert (result.returncode, result.stderr) == (2, f"error: {flag[0]} needs the {package} package: "
+                                                     f"pip install {package}\n")
+    assert "| loss " not in result.stdout  # stopped before training
+
+
+def test_eval_only_refuses_trackers(data_dir, tmp_path):
+    result = run_cli("--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--eval-only", "--resume",
+                     "--tensorboard")
+    assert (result.returncode, result.stderr) == (
+        2, "error: --eval-only writes nothing, so it does not log to --wandb or --tensorboard either\n")
