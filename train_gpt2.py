@@ -232,6 +232,29 @@ def exp_sums_(logits):
     return maxes.squeeze(1), exps, exps.sum(dim=-1)
 
 
+def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad):
+    """sum(token losses) * scale of lm_head + cross-entropy over rows, chunk_rows rows at a time,
+    and, if want_grad, its gradients w.r.t. h and weight (else None, None)."""
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if want_grad else None
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
+    for start in range(0, h.size(0), chunk_rows):
+        hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
+        logits = (hc @ weight.t()).float()
+        weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
+        safe_t = tc.clamp(min=0).unsqueeze(1)
+        target_logit = logits.gather(1, safe_t).squeeze(1)
+        maxes, exps, sums = exp_sums_(logits)
+        lse = maxes + sums.log()
+        loss += ((lse - target_logit) * weights).sum()
+        if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
+            dlogits = exps.mul_((weights / sums).unsqueeze(1))
+            dlogits.scatter_add_(1, safe_t, -weights.unsqueeze(1))
+            grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
+            grad_w.addmm_(dlogits.t(), hc.float())  # accumulate inside the matmul
+    return loss, grad_h, grad_w
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """lm_head + cross-entropy over rows in chunks, never holding the (rows, vocab) logits.
 
@@ -242,24 +265,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, scale, chunk_rows):
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if want_grad else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
-        for start in range(0, h.size(0), chunk_rows):
-            hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
-            logits = (hc @ weight.t()).float()
-            weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
-            safe_t = tc.clamp(min=0).unsqueeze(1)
-            target_logit = logits.gather(1, safe_t).squeeze(1)
-            maxes, exps, sums = exp_sums_(logits)
-            lse = maxes + sums.log()
-            loss += ((lse - target_logit) * weights).sum()
-            if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
-                dlogits = exps.mul_((weights / sums).unsqueeze(1))
-                dlogits.scatter_add_(1, safe_t, -weights.unsqueeze(1))
-                grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
-                grad_w.addmm_(dlogits.t(), hc.float())  # accumulate inside the matmul
+        loss, grad_h, grad_w = chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=True)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
@@ -267,6 +273,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+
+
+# torch.compile would unroll the chunk loop into one graph (64 chunks: 105 s to compile on CPU;
+# 256 never finished): it runs eagerly, between the compiled model body and its backward
+@torch.compiler.disable
+def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
+    """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
+    alone. Inside autograd.Function.forward grad mode is always off and needs_input_grad is True
+    for a Parameter even under no_grad, so the choice is made here."""
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
+    return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
 
 
 class GPT(nn.Module):
@@ -328,7 +346,7 @@ class GPT(nn.Module):
         if loss_chunk:
             scale = 1.0 if reduction == "sum" else 1.0 / (targets != IGNORE_INDEX).sum()
             h = x.view(-1, x.size(-1))
-            return None, ChunkedLinearCrossEntropy.apply(h, self.lm_head.weight, targets, scale, loss_chunk)
+            return None, chunked_lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk)
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets,
                                ignore_index=IGNORE_INDEX, reduction=reduction)

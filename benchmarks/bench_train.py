@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py                 # CPU preset on CPU, GPT-2 124M on CUDA
     python benchmarks/bench_train.py --loader        # data loader rows/s and RSS vs shard size
+    python benchmarks/bench_train.py --eval          # validation loss: chunked vs full logits, no_grad
 
 Each variant runs in its own process (so peak memory is its own) on the same model, batch and
 data, and prints tokens/s, peak memory and the ratio to the reference. The variants add one
@@ -127,6 +128,34 @@ def bench_loader(args):
               f"T=1024) | RSS: anonymous {r['anon_mb']:.0f} MB, mapped shard pages {r['file_mb']:.0f} MB")
 
 
+def bench_eval(args):
+    """Validation's forward under no_grad: full logits, the chunked loss, and the chunked loss made
+    to do its gradient work as it did before it checked for no_grad (interleaved rounds, best of each)."""
+    import torch
+    import train_gpt2 as tg
+    torch.manual_seed(0)
+    cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])
+    model = tg.GPT(cfg).to(args.device).eval()
+    x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
+    grad_work = lambda h, w, t, scale, chunk: tg.ChunkedLinearCrossEntropy.apply(h, w, t, scale, chunk)
+    variants = dict(full=(0, tg.chunked_lm_loss), chunked=(args.loss_chunk, tg.chunked_lm_loss),
+                    chunked_grad_work=(args.loss_chunk, grad_work))
+    best, losses = {}, {}
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            for name, (chunk, loss_fn) in variants.items():
+                tg.chunked_lm_loss = loss_fn
+                t = time.perf_counter()
+                _, loss = model(x, x, reduction="sum", loss_chunk=chunk)
+                losses[name] = loss.item()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    tg.chunked_lm_loss = variants["chunked"][1]
+    print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} | no_grad forward "
+          f"+ loss, best of {args.rounds} | chunk {args.loss_chunk} rows")
+    for name, dt in best.items():
+        print(f"{name:18s} | {1000 * dt:8.1f} ms | {best['full'] / dt:.2f}x full logits | loss {losses[name]:.6f}")
+
+
 def loader_worker(data_dir):
     import train_gpt2 as tg
     rows = tg.TokenRows(data_dir, "train", 1024, shuffle=True, seed=0)
@@ -159,6 +188,7 @@ def main():
     p.add_argument("--compile-ours", action=argparse.BooleanOptionalAction, default=None,
                    help="compile in 'ours' (default: as the trainer does, on CUDA only)")
     p.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
+    p.add_argument("--eval", action="store_true", help="benchmark validation's no_grad loss instead")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--loader-worker", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -171,7 +201,7 @@ def main():
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device.startswith("cuda")
     args.model = args.model or ("gpt2" if cuda else "cpu")
-    args.batch_size = args.batch_size or (16 if cuda else 8)
+    args.batch_size = args.batch_size or (16 if cuda or args.eval else 8)
     args.seq_len = args.seq_len or (1024 if cuda else 256)
     if args.compile_ours is None:
         args.compile_ours = cuda
@@ -181,6 +211,8 @@ def main():
     if args.worker:
         print(json.dumps(run_variant(args.worker, args)))
         return
+    if args.eval:
+        return bench_eval(args)
     with tempfile.TemporaryDirectory() as data_dir:
         tokens = args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2)
         np.save(os.path.join(data_dir, "bench_train_000000.npy"),

@@ -245,3 +245,50 @@ def test_fp16_resume_is_bit_exact(data_dir, tmp_path):
 def test_auto_dtype_is_fp16_below_ampere(capability, dtype):
     assert tg.resolve_dtype("auto", "cuda", capability) == dtype
     assert tg.resolve_dtype("auto", "cpu") == torch.float32
+
+
+# --- the chunked loss in evaluation and under torch.compile ---------------------------------------
+
+def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
+    torch.manual_seed(1)
+    model = tg.GPT(SMALL).eval()
+    x, y = make_batch()
+    with torch.no_grad():
+        _, full = model(x, y, reduction="sum")
+        monkeypatch.setattr(tg.ChunkedLinearCrossEntropy, "forward", None)  # the gradient path would fail
+        _, chunked = model(x, y, reduction="sum", loss_chunk=10)
+    assert not chunked.requires_grad
+    torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
+    calls = []
+    monkeypatch.setattr(tg, "chunked_loss_and_grads",
+                        lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None))
+    with torch.no_grad():
+        model(x, y, loss_chunk=10)
+    assert calls == [False]
+    with pytest.raises(TypeError):  # with grad enabled the loss goes through the patched-out forward
+        model(x, y, loss_chunk=10)
+
+
+def graph_sizes(loss_chunk):
+    """Node counts of the FX graphs torch.compile traces for a forward + backward of the tiny GPT."""
+    import torch._dynamo
+    sizes = []
+
+    def counting_backend(gm, example_inputs):
+        sizes.append(sum(len(m.graph.nodes) for m in gm.modules() if hasattr(m, "graph")))  # with subgraphs
+        return gm.forward
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    model = torch.compile(tg.GPT(SMALL), backend=counting_backend)
+    x, y = make_batch()
+    _, loss = model(x, y, reduction="sum", loss_chunk=loss_chunk)
+    loss.backward()
+    torch._dynamo.reset()
+    return sizes, loss.item()
+
+
+def test_compile_keeps_the_chunk_loop_out_of_the_graph():
+    few, loss_few = graph_sizes(64)  # 2 chunks of the 128 rows
+    many, loss_many = graph_sizes(4)  # 32 chunks
+    assert few == many and few  # the traced graphs do not grow with the number of chunks
+    assert loss_many == pytest.approx(loss_few, rel=1e-6)
