@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     def export():
         out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
         print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}); "
-              "the tokenizer is GPT-2's: AutoTokenizer.from_pretrained('gpt2') or tiktoken 'gpt2')")
+              "the tokenizer is GPT-2's: AutoTokenizer.from_pretrained('gpt2') or tiktoken 'r50k_base')")
     return train_gpt2.exit_code_of(export, args.debug)
 
 

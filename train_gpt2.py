@@ -352,9 +352,18 @@ class GPT(nn.Module):
                                ignore_index=IGNORE_INDEX, reduction=reduction)
         return logits, loss
 
-    def num_params(self, non_embedding=True):
+    def num_params(self, without_positions=True):
+        """Parameters, the tied token embedding / lm_head once. By default without the position
+        table: what the matmuls use, the P of 6·P FLOPs per token (lm_head is a matmul, a lookup is not)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        return n - self.transformer.wpe.weight.numel() if without_positions else n
+
+    def param_summary(self) -> str:
+        """Parameter counts that add up to the total (the token embedding is also lm_head)."""
+        total = self.num_params(without_positions=False)
+        tokens, positions = self.transformer.wte.weight.numel(), self.transformer.wpe.weight.numel()
+        return (f"{total / 1e6:.2f}M params ({tokens / 1e6:.2f}M token embedding, shared with lm_head; "
+                f"{positions / 1e6:.2f}M position embedding; {(total - tokens - positions) / 1e6:.2f}M in the blocks and ln_f)")
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type):
         """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms."""
@@ -1311,7 +1320,7 @@ class Trainer:
         self.tokens_per_step = self.loader.rows_per_step * run.seq_len  # processed by all ranks, padding included
         self.flops_per_token = flops_per_token(self.model_cfg, run.seq_len, n_params)
         self.peak = self.peak_flops()
-        print0(f"model: {n_params / 1e6:.2f}M non-embedding params | device {self.device} | dtype "
+        print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}")
         print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
                f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "

@@ -211,3 +211,14 @@ def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
     with torch.no_grad():  # evaluation: no gradient work, same loss
         logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
     assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+
+
+def test_param_counts_add_up_and_count_the_tied_embedding_once():
+    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))
+    C, V, L = 128, 50304, 4
+    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
+    assert model.num_params(without_positions=False) == total == 7_265_024
+    assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
+    assert model.param_summary() == ("7.27M params (6.44M token embedding, shared with lm_head; "
+                                     "0.03M position embedding; 0.79M in the blocks and ln_f)")
