@@ -362,8 +362,8 @@ class GPT(nn.Module):
         """Parameter counts that add up to the total (the token embedding is also lm_head)."""
         total = self.num_params(without_positions=False)
         tokens, positions = self.transformer.wte.weight.numel(), self.transformer.wpe.weight.numel()
-        return (f"{total / 1e6:.2f}M params ({tokens / 1e6:.2f}M token embedding, shared with lm_head; "
-                f"{positions / 1e6:.2f}M position embedding; {(total - tokens - positions) / 1e6:.2f}M in the blocks and ln_f)")
+        return (f"{total / 1e6:.2f}M params ({tokens / 1e6:.2f}M token embedding = lm_head, "
+                f"{positions / 1e6:.2f}M positions, {(total - tokens - positions) / 1e6:.2f}M blocks + ln_f)")
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type):
         """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms."""

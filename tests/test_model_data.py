@@ -220,5 +220,4 @@ def test_param_counts_add_up_and_count_the_tied_embedding_once():
     total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
     assert model.num_params(without_positions=False) == total == 7_265_024
     assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
-    assert model.param_summary() == ("7.27M params (6.44M token embedding, shared with lm_head; "
-                                     "0.03M position embedding; 0.79M in the blocks and ln_f)")
+    assert model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
