@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
 
@@ -125,7 +126,8 @@ class RunConfig:
     # runtime
     device: str = "auto"
     dtype: str = "auto"
-    compile: bool | None = None  # None: on for CUDA, off for CPU
+    compile: bool | None = None  # None: on for CUDA (where Triton can run), off elsewhere
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
     loss_chunk: int | None = None  # rows per lm_head + loss chunk; 0: full logits; None: CPU_LOSS_CHUNK on CPU, 0 on CUDA
     seed: int = 1337
     peak_tflops: float | None = None  # dense peak of one device for MFU; None: looked up by GPU name
@@ -299,6 +301,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.activation_checkpointing = False  # a runtime choice, not part of the config (checkpoints)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -330,7 +333,11 @@ class GPT(nn.Module):
             positions = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for block in self.transformer.h:
-            x = block(x, attn_mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; backward recomputes its inside (same numbers, less memory)
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0):
@@ -372,8 +379,8 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2]
         groups = [dict(params=decay, weight_decay=weight_decay),
                   dict(params=no_decay, weight_decay=0.0)]
-        # the fused kernel does the whole update in one launch; CPU has one since torch 2.4
-        fused = device_type in ("cuda", "cpu")
+        # the fused kernel does the whole update in one launch (CUDA, CPU and MPS have one)
+        fused = device_type in ("cuda", "cpu", "mps")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
     @torch.no_grad()
@@ -648,17 +655,28 @@ class Dist:
 
     @property
     def device_type(self):
-        return "cuda" if self.device.startswith("cuda") else "cpu"
+        return torch.device(self.device).type  # cuda, mps or cpu
+
+
+def resolve_device(device: str) -> str:
+    """--device checked against what torch sees: auto picks CUDA, else Apple's MPS, else the CPU."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
+        raise UserError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
+    mps = torch.backends.mps.is_available()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but torch sees no CUDA device")
+    if device == "mps" and not mps:
+        raise UserError("--device mps asked for, but torch sees no MPS device (Apple silicon, macOS 12.3+)")
+    return device
 
 
 def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     """Join the torchrun process group if launched by torchrun, else a single process.
 
-    NCCL on CUDA, gloo on CPU. device is "auto", "cpu", "cuda" or "cuda:N"."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for, but torch sees no CUDA device")
+    NCCL on CUDA, gloo elsewhere. device is "auto", "cpu", "cuda", "cuda:N" or "mps"."""
+    device = resolve_device(device)
     if "RANK" not in os.environ:
         return Dist(device=device)
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -666,8 +684,10 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     import datetime
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    cuda = device.startswith("cuda")
+    # device_id binds NCCL's communicator to this rank's GPU (else barrier() warns and guesses it)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=torch.device(device) if cuda else None)
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
@@ -948,6 +968,22 @@ def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | Non
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
+                     platform: str, has_triton: bool) -> tuple[bool, str | None]:
+    """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot, why not.
+    Inductor's GPU kernels are Triton's, which needs compute capability 7.0+ and an install
+    (on Windows the separate triton-windows package)."""
+    if requested is False or (requested is None and device_type != "cuda"):
+        return False, None
+    if device_type == "cuda":
+        if capability is not None and capability < (7, 0):
+            return False, f"compute capability {capability[0]}.{capability[1]} < 7.0, which Triton needs"
+        if not has_triton:
+            hint = "pip install triton-windows" if platform == "win32" else "pip install triton"
+            return False, f"Triton is not installed ({hint})"
+    return True, None
+
+
 class StopSignal:
     """SIGTERM/SIGINT ask the run to finish its step, checkpoint and exit 0; a second SIGINT aborts."""
 
@@ -1017,6 +1053,11 @@ def prepare_out_dir(run: RunConfig, resuming: bool):
     if not resuming and list_checkpoints(run.out_dir):
         raise UserError(f"--out-dir {run.out_dir} already holds checkpoints: pass --resume to continue "
                         "that run, or choose another --out-dir")
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """torch.compile, in one place (tests make it fail here to exercise the eager fallback)."""
+    return torch.compile(model)
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
@@ -1089,7 +1130,11 @@ class Trainer:
         self.dtype = resolve_dtype(run.dtype, self.device_type, capability)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it (DESIGN.md: fp16)
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
-        self.use_compile = run.compile if run.compile is not None else self.device_type == "cuda"
+        import importlib.util
+        self.use_compile, why_not = compile_decision(run.compile, self.device_type, capability, sys.platform,
+                                                     importlib.util.find_spec("triton") is not None)
+        if why_not:
+            print0(f"compile off: {why_not}")
         self.loss_chunk = run.loss_chunk if run.loss_chunk is not None else (
             CPU_LOSS_CHUNK if self.device_type == "cpu" else 0)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -1109,6 +1154,7 @@ class Trainer:
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
         self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
         self.nonfinite_skipped = 0
+        self.compiled_once = False
         self.last_ckpt = self.ckpt_path
 
     # ---- set-up
@@ -1150,12 +1196,17 @@ class Trainer:
             self._load_resume_state(self.ckpt_path)
         elif run.resume is not None:
             print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
-        self.model = self.raw_model
-        if self.use_compile:
-            self.model = torch.compile(self.model)
+        self.raw_model.activation_checkpointing = run.activation_checkpointing
+        self._wrap_model()
+
+    def _wrap_model(self):
+        """self.model: raw_model compiled if use_compile, in DDP under torchrun."""
+        self.model = compile_model(self.raw_model) if self.use_compile else self.raw_model
         if self.d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            self.model = DDP(self.model, device_ids=[self.d.local_rank] if self.device_type == "cuda" else None)
+            # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
+            self.model = DDP(self.model, device_ids=[self.d.local_rank] if self.device_type == "cuda" else None,
+                             gradient_as_bucket_view=True)
 
     def _load_resume_state(self, path: str):
         ckpt = load_checkpoint(path)
@@ -1197,9 +1248,25 @@ class Trainer:
     # ---- one optimizer step
 
     def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
-        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
-        return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
-                                    self.dtype, self.loss_chunk, self.scaler)
+        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad.
+        Compilation happens in the first step: if it fails, the run goes on eagerly."""
+        def run():
+            return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
+                                        self.dtype, self.loss_chunk, self.scaler)
+        if not self.use_compile or self.compiled_once:
+            return run()
+        try:
+            loss_total = run()
+        except Exception as e:  # dynamo, inductor, Triton and the C++ toolchain fail in many types
+            while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
+                e = inner  # dynamo wraps the backend's error: name the root cause
+            print0(f"compile failed, continuing without it: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+            self.use_compile = False
+            self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
+            self._wrap_model()
+            return run()
+        self.compiled_once = True
+        return loss_total
 
     def reduce_and_clip(self, loss_total: torch.Tensor) -> tuple[float, float, bool]:
         """(summed loss of all ranks, grad norm before clipping, stop requested anywhere), with one
@@ -1465,12 +1532,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a collective may wait for a dead or stuck rank")
     g.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     g = p.add_argument_group("runtime")
-    g.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--device", default=defaults.device,
+                   help="auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)")
     g.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 "
                         "(with a GradScaler) on older ones, float32 elsewhere")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+                   help="torch.compile the model (default: on for CUDA where Triton can run, off elsewhere); "
+                        "a failure to compile falls back to eager with one line")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward: less memory, about 1/3 more compute")
     g.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk,
                    help="compute lm_head + loss in chunks of N rows without materializing the logits "
                         f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)")

@@ -292,3 +292,87 @@ def test_compile_keeps_the_chunk_loop_out_of_the_graph():
     many, loss_many = graph_sizes(4)  # 32 chunks
     assert few == many and few  # the traced graphs do not grow with the number of chunks
     assert loss_many == pytest.approx(loss_few, rel=1e-6)
+
+
+# --- compile that falls back, devices -------------------------------------------------------------
+
+@pytest.mark.parametrize("requested,device,capability,platform,triton,expected", [
+    (None, "cuda", (8, 0), "linux", True, (True, None)),
+    (None, "cuda", (7, 0), "linux", True, (True, None)),  # V100: Triton runs there
+    (None, "cuda", (6, 1), "linux", True, (False, "compute capability 6.1 < 7.0, which Triton needs")),
+    (True, "cuda", (6, 0), "linux", True, (False, "compute capability 6.0 < 7.0, which Triton needs")),
+    (None, "cuda", (8, 6), "win32", False, (False, "Triton is not installed (pip install triton-windows)")),
+    (None, "cuda", (9, 0), "linux", False, (False, "Triton is not installed (pip install triton)")),
+    (False, "cuda", (9, 0), "linux", True, (False, None)),
+    (None, "cpu", None, "linux", False, (False, None)),
+    (True, "cpu", None, "linux", False, (True, None)),  # inductor's CPU backend needs no Triton
+    (None, "mps", None, "darwin", False, (False, None)),
+])
+def test_compile_decision(requested, device, capability, platform, triton, expected):
+    assert tg.compile_decision(requested, device, capability, platform, triton) == expected
+
+
+def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("Cannot find a working triton installation\nmore detail")
+    monkeypatch.setattr(tg, "compile_model", lambda model: torch.compile(model, backend=failing_backend))
+    torch._dynamo.reset()
+    assert tg.main(args_for(data_dir, tmp_path / "fallback", "--compile", B=2)) == 0
+    out = capsys.readouterr().out
+    assert out.count("compile failed, continuing without it") == 1
+    assert "Cannot find a working triton installation" in out and "more detail" not in out
+    assert tg.main(args_for(data_dir, tmp_path / "eager", "--no-compile", B=2)) == 0
+    assert [r["loss"] for r in train_records(tmp_path / "fallback")] == \
+        [r["loss"] for r in train_records(tmp_path / "eager")]
+
+
+@pytest.mark.parametrize("device,message", [
+    ("foo", "error: --device foo: expected auto, cpu, cuda, cuda:N or mps"),
+    ("mps", "error: --device mps asked for, but torch sees no MPS device"),
+    ("cuda:x", "error: --device cuda:x: expected auto, cpu, cuda, cuda:N or mps"),
+])
+def test_unknown_or_missing_device_is_one_line(data_dir, tmp_path, device, message):
+    result = run_cli(args_for(data_dir, tmp_path, "--device", device))
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_auto_device_picks_mps_when_there_is_no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert tg.resolve_device("auto") == "mps"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert tg.resolve_device("auto") == "cpu"
+
+
+# --- activation checkpointing ----------------------------------------------------------------------
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    x, y = make_batch()
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(1)
+        model = tg.GPT(SMALL)
+        model.activation_checkpointing = checkpointing
+        _, loss = model(x, y)
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
+def test_activation_checkpointing_flag_trains_identically(data_dir, tmp_path):
+    result = run_cli(args_for(data_dir, tmp_path / "ckpt", "--activation-checkpointing", B=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert tg.main(args_for(data_dir, tmp_path / "plain", B=2)) == 0
+    assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == [r["loss"] for r in train_records(tmp_path / "plain")]
+
+
+# --- benchmarks/gpu_check.py ------------------------------------------------------------------------
+
+def test_gpu_check_runs_its_cpu_subset():
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--steps", "2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = [l for l in result.stdout.splitlines() if "| loss drift" in l]
+    assert len(lines) == 4 and all(" ok " in l and "tok/s" in l and "GiB RSS" in l for l in lines), result.stdout
+    assert any("x2" in l for l in lines) and any("--activation-checkpointing" in l for l in lines)

@@ -1,0 +1,142 @@
+"""The CUDA matrix in one command, for the day a GPU is there; a CPU subset everywhere else.
+
+    python benchmarks/gpu_check.py                   # CUDA: GPT-2 124M, B=64, T=1024; CPU: a tiny model
+    python benchmarks/gpu_check.py --steps 10 --batch-size 32
+
+Each variant is the real command (`python train_gpt2.py ...`, or torchrun over every visible GPU)
+on the same synthetic shards, for a few steps of one micro-batch per GPU. Per variant it prints:
+the largest relative difference of its losses from the eager fp32 reference (the same rows:
+the reference runs B/4 rows x 4 accumulation steps, which logs the same losses and fits in
+memory), tok/s in total and per GPU and MFU (mean over the steps after the first), peak memory
+and compile time (step 0's time minus the median of the others). Exit code 1 if a variant
+fails or its losses drift beyond the tolerance of its dtype.
+
+    CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, then bf16 and fp16
+          compiled on all visible GPUs (torchrun, NCCL)
+    CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
+          activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
+          per variant; --compile adds it)
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, over a few steps
+
+
+def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
+    """name, dtype, compile, loss chunk (0: full logits), processes, extra flags."""
+    if cuda:
+        out = [dict(dtype=dtype, compile=compile, chunk=chunk, nproc=1)
+               for dtype in ("bfloat16", "float16") for compile in (True, False) for chunk in (0, 8192)]
+        if n_gpus > 1:
+            out += [dict(dtype=dtype, compile=True, chunk=0, nproc=n_gpus) for dtype in ("bfloat16", "float16")]
+    else:
+        out = [dict(dtype="bfloat16", compile=False, chunk=64, nproc=1),
+               dict(dtype="float16", compile=False, chunk=0, nproc=1),
+               dict(dtype="float32", compile=False, chunk=64, nproc=1, extra=["--activation-checkpointing"]),
+               dict(dtype="float16", compile=False, chunk=64, nproc=2)]
+        if compile_on_cpu:
+            out.append(dict(dtype="float32", compile=True, chunk=64, nproc=1))
+    for v in out:
+        v["name"] = (f"{v['dtype']:8s} {'compile' if v['compile'] else 'eager':7s} "
+                     f"{'chunk ' + str(v['chunk']) if v['chunk'] else 'full logits':11s} x{v['nproc']}"
+                     + (" " + " ".join(v.get("extra", [])) if v.get("extra") else ""))
+    return out
+
+
+def run_variant(v: dict, args, data_dir: str, out_dir: str, batch_size: int, accum: int = 1) -> dict:
+    """Run one variant's command; its losses, speed and memory from log.jsonl and the summary line."""
+    launcher = [sys.executable]
+    if v["nproc"] > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={v['nproc']}"]
+    total = batch_size * accum * args.seq_len * v["nproc"]  # accum micro-steps per step
+    cmd = [*launcher, "train_gpt2.py", "--data-dir", data_dir, "--out-dir", out_dir, *args.model_flags,
+           "--seq-len", str(args.seq_len), "--batch-size", str(batch_size), "--total-batch-size", str(total),
+           "--max-steps", str(args.steps), "--warmup-steps", "2", "--val-every", "0", "--sample-every", "0",
+           "--hellaswag-every", "0", "--ckpt-every", "0", "--dtype", v["dtype"], "--loss-chunk", str(v["chunk"]),
+           "--compile" if v["compile"] else "--no-compile", *v.get("extra", [])]
+    if args.peak_tflops:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if result.returncode:
+        return dict(error=(result.stderr.strip().splitlines() or ["exit code %d" % result.returncode])[-1])
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    later = records[1:] or records
+    dts = [r["dt_ms"] / 1000 for r in later]
+    summary = next(line for line in result.stdout.splitlines() if line.startswith("done:"))
+    memory = re.search(r"peak memory ([\d.]+ GiB \w+)", summary).group(1)
+    mfu = [r["mfu"] for r in later if "mfu" in r]
+    return dict(losses=[r["loss"] for r in records], tok_per_s=statistics.mean(r["tok_per_s"] for r in later),
+                tok_per_s_per_gpu=statistics.mean(r["tok_per_s_per_gpu"] for r in later),
+                mfu=statistics.mean(mfu) if mfu else None, memory=memory,
+                compile_s=records[0]["dt_ms"] / 1000 - statistics.median(dts) if v["compile"] else None)
+
+
+def report(v: dict, r: dict, ref_losses: list[float]) -> bool:
+    """Print one variant's line; True if it ran and its losses agree with the reference."""
+    if "error" in r:
+        print(f"{v['name']:48s} | FAILED: {r['error']}", flush=True)
+        return False
+    drift = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
+    ok = drift <= TOLERANCE[v["dtype"]] and len(r["losses"]) == len(ref_losses)
+    mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "    -"
+    compile_s = f"{r['compile_s']:6.1f}s" if r["compile_s"] is not None else "      -"
+    print(f"{v['name']:48s} | loss drift {drift:.1e} {'ok  ' if ok else 'HIGH'} | {r['tok_per_s']:10,.0f} tok/s "
+          f"({r['tok_per_s_per_gpu']:9,.0f}/gpu) | mfu {mfu} | peak {r['memory']:14s} | compile {compile_s}", flush=True)
+    return ok
+
+
+def main(argv=None) -> int:
+    import torch
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6 if cuda else 4, help="optimizer steps per variant")
+    p.add_argument("--batch-size", type=int, default=64 if cuda else 4, help="rows per GPU (one micro-step)")
+    p.add_argument("--seq-len", type=int, default=1024 if cuda else 32)
+    p.add_argument("--peak-tflops", type=float, help="peak of one device for MFU (default: the trainer's table)")
+    p.add_argument("--compile", action="store_true", help="on CPU, add a compiled variant (20-40 s)")
+    args = p.parse_args(argv)
+    vocab = 50257 if cuda else 512
+    args.model_flags = ["--model", "gpt2"] if cuda else ["--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+                                                          "--block-size", str(args.seq_len), "--vocab-size", "512"]
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    matrix = variants(cuda, n_gpus, args.compile)
+    max_nproc = max(v["nproc"] for v in matrix)
+    if args.batch_size % 4:
+        p.error("--batch-size must be a multiple of 4 (the reference splits it in 4)")
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = os.path.join(tmp, "data")
+        os.makedirs(data_dir)
+        n_tokens = (args.steps + 1) * args.batch_size * max_nproc * args.seq_len + 1
+        for split in ("train", "val"):  # synthetic GPT-2 token ids: speed and agreement, not learning
+            np.save(os.path.join(data_dir, f"synth_{split}_000000.npy"),
+                    np.random.default_rng(0).integers(0, vocab, n_tokens, dtype=np.uint16))
+        print(f"{'CUDA: ' + torch.cuda.get_device_name() + f' x{n_gpus}' if cuda else 'CPU subset (no CUDA)'} | "
+              f"{' '.join(args.model_flags)} | B={args.batch_size} T={args.seq_len} | {args.steps} steps", flush=True)
+        ok, refs = True, {}
+        for i, v in enumerate(matrix):
+            if v["nproc"] not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
+                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1)
+                refs[v["nproc"]] = run_variant(ref_v, args, data_dir, os.path.join(tmp, f"ref{v['nproc']}"),
+                                               args.batch_size // 4, 4 * v["nproc"])
+            ref = refs[v["nproc"]]
+            if "error" in ref:
+                print(f"eager fp32 reference for x{v['nproc']}: FAILED: {ref['error']}")
+                return 1
+            ok &= report(v, run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size),
+                         ref["losses"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
