@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ if __name__ == "__main__":
     sys.modules.setdefault("train_gpt2", sys.modules[__name__])
 
 IGNORE_INDEX = -1  # targets with this value carry no loss
+GPT2_VOCAB = EOT + 1  # tokens of GPT-2's BPE: <|endoftext|> is the last
 # rows per chunk of the chunked loss on CPU: 26 MB of fp32 logits, which malloc reuses; from
 # 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
 CPU_LOSS_CHUNK = 128
@@ -58,6 +60,11 @@ def exit_code_of(action, debug: bool = False) -> int:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where no handler asks for a clean stop (start-up, a second Ctrl-C)
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports it
     return 0
 
 
@@ -134,6 +141,19 @@ class RunConfig:
     debug: bool = False
 
 
+def validate_flag_values(run: RunConfig):
+    """Checks of single flags that must pass before anything uses them (--dist-timeout is used
+    when joining the process group, before validate_config can run)."""
+    for f in dataclasses.fields(run):
+        value = getattr(run, f.name)
+        if isinstance(value, float) and not math.isfinite(value):  # argparse's float() takes nan and inf
+            raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+    if run.dist_timeout <= 0:
+        raise UserError(f"--dist-timeout must be positive, got {run.dist_timeout}")
+    if not 0 <= run.seed < 2**64:  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
+        raise UserError(f"--seed must be in 0..2**64-1, got {run.seed}")
+
+
 def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
     """Check the run as a whole, before any work. Returns grad_accum_steps."""
     positive = dict(batch_size=run.batch_size, seq_len=run.seq_len,
@@ -177,6 +197,13 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
         raise UserError("--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do")
     if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
+    if run.val_every and not run.val_steps:
+        raise UserError("--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or --val-every 0")
+    text_flags = [flag for flag, on in (("--sample-every 0", run.sample_every),
+                                        ("--hellaswag-every 0", run.hellaswag_every)) if on]
+    if model.vocab_size < GPT2_VOCAB and text_flags:
+        raise UserError(f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "
+                        f"sampling and HellaSwag feed the model: pass {' '.join(text_flags)}")
     return run.total_batch_size // micro_tokens
 
 
@@ -763,8 +790,16 @@ def checkpoint_path(out_dir: str, step: int) -> str:
     return os.path.join(out_dir, f"ckpt_{step:07d}.pt")
 
 
+# this trainer's checkpoint names (checkpoint_path's); anything else in --out-dir (a user's
+# ckpt_best.pt) is never picked by --resume nor deleted by --keep-last
+CKPT_NAME = re.compile(r"ckpt_(\d{7,})\.pt")
+
+
 def list_checkpoints(out_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
+    """Our checkpoints in out_dir, oldest step first."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    ours = sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, names) if m)
+    return [os.path.join(out_dir, name) for _, name in ours]
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
@@ -772,37 +807,144 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(path: str, state: dict, keep_last: int = 0):
-    """Write to path.tmp then rename, so a crash mid-write leaves the previous checkpoint intact."""
-    tmp = path + ".tmp"
+def earlier_checkpoint(path: str) -> str | None:
+    """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
+    found = list_checkpoints(os.path.dirname(path) or ".")
+    same = [p for p in found if os.path.samefile(p, path)] if os.path.exists(path) else []
+    if same:
+        found = found[:found.index(same[0])]
+    return found[-1] if found else None
+
+
+def state_digest(state: dict) -> str:
+    """sha256 of a checkpoint's contents (all but its "checksum"): every tensor's dtype, shape and
+    bytes and every plain value, in order. Detects bytes flipped anywhere in the payload."""
+    h = hashlib.sha256()
+
+    def visit(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().contiguous()
+            h.update(f"tensor {x.dtype} {tuple(x.shape)}:".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k, v in x.items():
+                visit(k)
+                visit(v)
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"(" if isinstance(x, tuple) else b"[")
+            for v in x:
+                visit(v)
+            h.update(b")")
+        else:
+            h.update(f"{type(x).__name__} {x!r};".encode())
+    visit({k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
+
+
+def os_error_reason(e: Exception) -> str:
+    """What went wrong, as the middle of a sentence: 'no space left on device', 'file too large'..."""
+    return (e.strerror or str(e)).lower() if isinstance(e, OSError) else str(e)
+
+
+class _WriteErrorKeeper:
+    """A file for torch.save that keeps the OSError of a failed write: torch re-raises it as a
+    RuntimeError that no longer says why (e.g. that the disk is full)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.file.flush()
+
+
+def fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
     try:
-        torch.save(state, tmp)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str, state: dict, keep_last: int = 0):
+    """Write path.tmp, fsync it, rename it to path, fsync the folder: a crash, a full disk or a
+    power loss leaves the new checkpoint whole or absent, and the previous one intact. The
+    sha256 of the contents goes inside (load_checkpoint checks it)."""
+    tmp, out_dir = path + ".tmp", os.path.dirname(path) or "."
+    try:
+        with open(tmp, "wb") as f:
+            writer = _WriteErrorKeeper(f)
+            try:
+                torch.save(dict(state, checksum=state_digest(state)), writer)
+            except RuntimeError as e:
+                raise writer.error or e from None
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # disk full, quota, permissions
+        fsync_dir(out_dir)
+    except BaseException as e:  # disk full, quota, permissions; a second Ctrl-C
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise UserError(f"could not write checkpoint {path} ({e}); the previous checkpoint "
-                        f"{latest_checkpoint(os.path.dirname(path)) or '(none)'} is intact") from None
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
+        raise UserError(f"could not write checkpoint {path}: {os_error_reason(e)}; the previous checkpoint "
+                        f"{latest_checkpoint(out_dir) or '(none)'} is intact") from None
     if keep_last:
-        for old in list_checkpoints(os.path.dirname(path))[:-keep_last]:
-            os.remove(old)
+        for old in list_checkpoints(out_dir)[:-keep_last]:
+            if old != path:
+                os.remove(old)
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """Load a checkpoint (a file, or a run's --out-dir for its newest one) with
-    weights_only=True: tensors and plain types, no pickled code."""
+    """Load one of our checkpoints (a file, or a run's --out-dir for its newest) with
+    weights_only=True (tensors and plain types, no pickled code), and check that it is ours
+    and whole; otherwise a UserError that names the earlier checkpoint to use."""
     if os.path.isdir(path):
         newest = latest_checkpoint(path)
         if newest is None:
-            raise UserError(f"no checkpoint (ckpt_*.pt) in {path}")
+            raise UserError(f"no checkpoint (ckpt_NNNNNNN.pt) in {path}")
         path = newest
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
+    earlier = earlier_checkpoint(path)
+    instead = f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for a damaged zip or pickle
-        raise UserError(f"{path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                        "corrupt or truncated? resume from an earlier one") from None
+        what = "empty file (0 bytes)" if os.path.getsize(path) == 0 else \
+            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead}") from None
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    if ckpt["checksum"] != state_digest(ckpt):
+        raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
+                        f"{instead}")
+    return ckpt
+
+
+def checkpoint_problem(ckpt) -> str | None:
+    """Why a loaded object is not a checkpoint written by this trainer (None: it looks like one)."""
+    if not isinstance(ckpt, dict):
+        return f"not a train_gpt2.py checkpoint (it holds a {type(ckpt).__name__}, not a dict)"
+    missing = [k for k in ("model", "model_config", "checksum") if k not in ckpt]
+    if missing:
+        keys = ", ".join(map(str, list(ckpt)[:8])) or "none"
+        return f"not a train_gpt2.py checkpoint (no {', '.join(missing)}; its keys: {keys})"
+    config = ckpt["model_config"]
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    if not isinstance(config, dict) or set(config) - known:
+        unknown = sorted(map(str, set(config) - known)) if isinstance(config, dict) else [type(config).__name__]
+        return f"not a train_gpt2.py checkpoint (unknown model_config {', '.join(unknown)})"
+    return None
 
 
 def model_from_checkpoint(path: str, device="cpu") -> GPT:
@@ -814,28 +956,67 @@ def model_from_checkpoint(path: str, device="cpu") -> GPT:
 
 
 class RunLog:
-    """log.jsonl on rank 0: one JSON object per event. Other ranks write nothing."""
+    """log.jsonl on rank 0: one JSON object per line. Other ranks write nothing.
+
+    Each record is one write, and a failed write (disk full) is cut back: the file always ends
+    with a whole record. A checkpoint stores the log's length and the sha256 of its contents up
+    to there (position()); resuming cuts the log back to that point only when the log here is
+    that run's log (an empty or missing log starts afresh), and refuses otherwise."""
 
     sinks = ()  # run trackers that get every record too (open_sinks)
 
-    def __init__(self, out_dir: str, enabled: bool, truncate_at: int = 0):
-        self.file = None
-        if enabled:
-            path = os.path.join(out_dir, "log.jsonl")
-            self.file = open(path, "a")
-            if self.file.tell() > truncate_at:  # drop what a resumed run logged after its checkpoint
-                self.file.truncate(truncate_at)
-                self.file.seek(truncate_at)
+    def __init__(self, out_dir: str, enabled: bool, resume_point: tuple | None = None, resumed_from: str = ""):
+        self.path, self.file = os.path.join(out_dir, "log.jsonl"), None
+        self.last_checkpoint = resumed_from or None  # named when a write fails
+        self.size, self.sha = 0, hashlib.sha256()
+        if not enabled:
+            return
+        self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
+        size = os.fstat(self.file.fileno()).st_size
+        with open(self.path, "rb") as f:
+            kept = f.read(min(resume_point[0], size) if resume_point else size)
+        if resume_point and size:
+            offset, digest = resume_point
+            if len(kept) != offset or hashlib.sha256(kept).hexdigest() != digest:
+                raise UserError(f"{self.path} is not the log of the run that wrote {resumed_from}: resuming would "
+                                "corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+            self.file.truncate(offset)  # drop what the run logged after its checkpoint
+        self.size = len(kept)
+        self.sha.update(kept)
 
     def write(self, **record):
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            self._append((json.dumps(record) + "\n").encode())
         for sink in self.sinks:
             sink.write(record)
 
-    def tell(self) -> int:
-        return self.file.tell() if self.file else 0
+    def _append(self, data: bytes):
+        try:
+            view = memoryview(data)
+            while view:  # a short write means the disk filled mid-record: the next write says why
+                view = view[self.file.write(view):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.file.truncate(self.size)  # back to the last whole record
+            self._fail(e)
+        self.size += len(data)
+        self.sha.update(data)
+
+    def sync(self):
+        """Make the log durable (before a checkpoint that points into it)."""
+        if self.file:
+            try:
+                os.fsync(self.file.fileno())
+            except OSError as e:
+                self._fail(e)
+
+    def _fail(self, e: OSError):
+        raise UserError(f"cannot write {self.path}: {os_error_reason(e)} (the log ends at its last whole record). "
+                        f"Last good checkpoint: {self.last_checkpoint or 'none'}") from None
+
+    def position(self) -> tuple[int, str]:
+        """(bytes written, sha256 of them): where a resume from a checkpoint taken now cuts the log."""
+        return self.size, self.sha.hexdigest()
 
     def close(self):
         if self.file:
@@ -1002,7 +1183,10 @@ class StopSignal:
 
 
 class SpikeDetector:
-    """Flags a value more than z standard deviations above the mean of a recent window."""
+    """Flags a value more than z standard deviations above the mean of a recent window.
+
+    Every value enters the window, flagged or not: after a lasting shift (new data) the window
+    moves to the new level within a few steps, instead of flagging every later value."""
 
     def __init__(self, z: float, window: int = 50, warmup: int = 20):
         self.z, self.window, self.warmup, self.values = z, window, warmup, []
@@ -1013,9 +1197,13 @@ class SpikeDetector:
             mean = sum(self.values) / len(self.values)
             std = (sum((v - mean) ** 2 for v in self.values) / len(self.values)) ** 0.5
             spike = value > mean + self.z * max(std, 1e-8)
-        if not spike:
-            self.values = (self.values + [value])[-self.window:]
+        self.values = (self.values + [value])[-self.window:]
         return spike
+
+
+# A level shift leaves the window flagging fewer than window/2 values in a row for any Z >= 1
+# (the new values soon dominate its mean and std); more in a row is a trend no skip can fix.
+MAX_SPIKES_IN_A_ROW = 25
 
 
 def get_tokenizer_or_fail(hint: str | None = None):
@@ -1146,14 +1334,14 @@ class Trainer:
             raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
         if not run.eval_only:  # an evaluation writes nothing, so any --out-dir will do
             prepare_out_dir(run, resuming=run.resume is not None)
+        self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
+        self.nonfinite_skipped = self.spikes_in_a_row = 0
         self._build_model(pretrained)
-        self.log = RunLog(run.out_dir, d.is_main and not run.eval_only, truncate_at=self.log_offset)
+        self.log = RunLog(run.out_dir, d.is_main and not run.eval_only, self.log_point, self.ckpt_path)
         if d.is_main:
             self.log.sinks = open_sinks(run, self.model_cfg, self.start_step if self.ckpt_path else None)
         self.stop = StopSignal()
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
-        self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
-        self.nonfinite_skipped = 0
         self.compiled_once = False
         self.last_ckpt = self.ckpt_path
 
@@ -1191,7 +1379,7 @@ class Trainer:
         run = self.run
         self.raw_model = (pretrained or GPT(self.model_cfg)).to(self.device).train()
         self.optimizer = self.raw_model.configure_optimizers(run.weight_decay, run.max_lr, self.device_type)
-        self.start_step, self.log_offset = 0, 0
+        self.start_step, self.log_point = 0, None
         if self.ckpt_path:
             self._load_resume_state(self.ckpt_path)
         elif run.resume is not None:
@@ -1213,7 +1401,11 @@ class Trainer:
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
         self.raw_model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.start_step, self.log_offset = ckpt["step"], ckpt["log_offset"]
+        self.start_step, self.log_point = ckpt["step"], (ckpt["log_offset"], ckpt["log_sha256"])
+        if self.start_step > self.run.max_steps and not self.run.eval_only:
+            raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "
+                            "pass a larger --max-steps to train on")
+        self.load_skip_state(ckpt["skip_state"])
         torch.set_rng_state(ckpt["rng_cpu"])
         if self.scaler and "scaler" in ckpt:
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -1229,19 +1421,46 @@ class Trainer:
         rows_per_step = self.loader.rows_per_step
         state = dict(model=clean_state_dict(self.raw_model), optimizer=self.optimizer.state_dict(), step=step,
                      model_config=dataclasses.asdict(self.model_cfg), run_config=dataclasses.asdict(self.run),
-                     rng_cpu=torch.get_rng_state(), log_offset=self.log.tell(), world_size=self.d.world_size,
+                     rng_cpu=torch.get_rng_state(), world_size=self.d.world_size,
                      next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
+        state["log_offset"], state["log_sha256"] = self.log.position()
+        state["skip_state"] = self.skip_state()
         if self.device_type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         if self.scaler:
             state["scaler"] = self.scaler.state_dict()
         return state
 
+    def skip_state(self) -> dict:
+        """The update guards' memory, so a resumed run skips exactly what an uninterrupted one would."""
+        return dict(loss_window=self.loss_spikes.values, norm_window=self.norm_spikes.values,
+                    spikes_in_a_row=self.spikes_in_a_row, nonfinite_skipped=self.nonfinite_skipped)
+
+    def load_skip_state(self, state: dict):
+        self.loss_spikes.values, self.norm_spikes.values = list(state["loss_window"]), list(state["norm_window"])
+        self.spikes_in_a_row, self.nonfinite_skipped = state["spikes_in_a_row"], state["nonfinite_skipped"]
+
+    def check_state_finite(self, step: int, path: str):
+        """Refuse to checkpoint NaN or inf weights or optimizer state, whatever put them there
+        (every rank checks its tensors; one all-reduce makes them agree)."""
+        params = dict(self.raw_model.named_parameters())
+        moments = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        finite = torch.stack([torch.isfinite(t).all() for t in [*params.values(), *moments]])
+        bad = torch.tensor(float(not finite.all()), device=self.device)
+        if all_reduce_sum(bad).item():
+            names = [n for n, ok in zip(params, finite.tolist()) if not ok]
+            where = f"model weights ({names[0]}, ...)" if names else "model weights or optimizer state"
+            raise UserError(f"step {step}: not writing {path}: the {where} hold non-finite values. "
+                            f"Last good checkpoint: {self.last_ckpt or 'none'}")
+
     def save(self, step: int):
         path = checkpoint_path(self.run.out_dir, step)
+        self.check_state_finite(step, path)
         if self.d.is_main:
+            self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
             save_checkpoint(path, self.checkpoint_state(step), self.run.keep_last)
-        self.last_ckpt = path  # on every rank: they decide together whether a stop needs another save
+        # on every rank: they decide together whether a stop needs another save
+        self.last_ckpt = self.log.last_checkpoint = path
         if self.d.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
 
@@ -1295,7 +1514,13 @@ class Trainer:
             self.nonfinite_skipped += 1
             return "nonfinite"
         if any([self.loss_spikes.is_spike(loss), self.norm_spikes.is_spike(norm)]):  # both windows see the step
+            self.spikes_in_a_row += 1
+            if self.spikes_in_a_row > MAX_SPIKES_IN_A_ROW:
+                raise UserError(f"step {step}: {self.spikes_in_a_row} updates in a row flagged by --skip-spikes "
+                                f"{self.run.skip_spikes}: the loss or grad norm keeps rising, which skipping cannot "
+                                f"fix; stopped before the update. Last good checkpoint: {self.last_ckpt or 'none'}")
             return "spike"
+        self.spikes_in_a_row = 0
         return None
 
     def train_step(self, step: int) -> StepResult:
@@ -1408,6 +1633,10 @@ class Trainer:
         t_start, step_times = time.perf_counter(), []
         stop_agreed = False
         try:
+            if self.ckpt_path and self.start_step == run.max_steps:  # e.g. a requeued job that had finished
+                print0(f"{self.ckpt_path} is already at --max-steps {run.max_steps}: nothing to train "
+                       "(raise --max-steps to go on)")
+                return
             for step in range(self.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
                 if step > self.start_step or not self.ckpt_path:  # the resumed step was evaluated before saving
@@ -1569,6 +1798,7 @@ def main(argv=None) -> int:
     run, model_cfg = build_configs(args)
 
     def setup_and_train():
+        validate_flag_values(run)
         d = setup_distributed(run.device, run.dist_timeout)
         try:
             train(run, model_cfg, d)

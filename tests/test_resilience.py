@@ -231,18 +231,18 @@ def test_corrupt_checkpoint(data_dir, tmp_path, capsys):
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, capsys):
     real_save, saves = torch.save, []
 
-    def failing_save(obj, path):
-        saves.append(path)
+    def failing_save(obj, file):
+        saves.append(file)
         if len(saves) == 2:  # the second checkpoint: half written, then the disk fills up
-            with open(path, "wb") as f:
-                f.write(b"PK\x03\x04 partial")
+            file.write(b"PK\x03\x04 partial")
             raise OSError(28, "No space left on device")
-        real_save(obj, path)
+        real_save(obj, file)
 
     monkeypatch.setattr(tg.torch, "save", failing_save)
     assert tg.main(args_for(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
     err = capsys.readouterr().err
-    assert "could not write checkpoint" in err and f"{tmp_path / 'ckpt_0000004.pt'} is intact" in err
+    assert f"could not write checkpoint {tmp_path / 'ckpt_0000008.pt'}: no space left on device; the previous " \
+           f"checkpoint {tmp_path / 'ckpt_0000004.pt'} is intact" in err
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
     assert tg.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))["step"] == 4
 
