@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import hellaswag as hs
 from conftest import REPO, torchrun
-from train_gpt2 import EOT, GPT, GPTConfig, UserError
+from train_gpt2 import EOT, GPT, GPTConfig, UserError, save_checkpoint
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -65,7 +65,7 @@ def model():
 @pytest.fixture(scope="module")
 def checkpoint(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(CONFIG)}, path)
+    save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(CONFIG)})
     return str(path)
 
 
