@@ -25,6 +25,7 @@ Layout differences the conversion handles:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -77,21 +78,67 @@ def _check_hf_config(cfg, source: str):
         raise UserError(f"{source}: not a GPT-2 our model can reproduce: {'; '.join(problems)}")
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Without transformers' loading report and progress bars: a refusal is our one line."""
+    from transformers.utils import logging as hf_logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
-    """GPT2LMHeadModel from a Hub name or a local directory; errors name the user's flag."""
+    """GPT2LMHeadModel from a Hub name or a local directory, refused unless it is a GPT-2 whose
+    every tensor came from there (transformers fills missing ones at random, so a BERT or LLaMA
+    folder would load as a random GPT-2). Errors name the user's flag."""
     GPT2Config, GPT2LMHeadModel = _import_transformers()
     local = os.path.isdir(name_or_dir)
+    source = f"{flag} {name_or_dir}"
     hint = (f"pass a local Hugging Face directory to {flag} (on a machine with internet: "
             "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))")
     if not local and _looks_like_path(name_or_dir):
-        raise UserError(f"{flag} {name_or_dir}: no such directory; {hint}")
-    try:
-        hf = GPT2LMHeadModel.from_pretrained(name_or_dir, local_files_only=local)
-    except (OSError, ValueError) as e:  # missing files, Hub unreachable, bad repo id, wrong model type
-        where = "directory" if local else "Hugging Face Hub model"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{flag} {name_or_dir}: cannot load the {where} ({first}); {hint}") from None
+        raise UserError(f"{source}: no such directory; {hint}")
+
+    def load(what):
+        try:
+            with _quiet_transformers():
+                return what()
+        except Exception as e:  # OSError (files, Hub), ValueError, RuntimeError, SafetensorError (damage)
+            where = "directory" if local else "Hugging Face Hub model"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{source}: cannot load the {where} ({first}); {hint}") from e
+
+    model_type = load(lambda: GPT2Config.get_config_dict(name_or_dir, local_files_only=local)[0]).get("model_type")
+    if model_type not in (None, "gpt2"):
+        raise UserError(f"{source}: its config.json describes a {model_type!r} model, not GPT-2")
+    hf, info = load(lambda: GPT2LMHeadModel.from_pretrained(
+        name_or_dir, local_files_only=local, output_loading_info=True, ignore_mismatched_sizes=True))
+    _check_every_tensor_loaded(hf.config, info, source)
     return hf
+
+
+def _check_every_tensor_loaded(cfg, info: dict, source: str):
+    """Refuse a model that transformers completed at random: a tensor missing from the files,
+    or of another shape than config.json gives (loaded with ignore_mismatched_sizes to list them)."""
+    tied = getattr(cfg, "tie_word_embeddings", True)
+    missing = sorted(k for k in info["missing_keys"]
+                     if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight"))
+    if missing:
+        raise UserError(f"{source}: tensors missing from its weights ({_some(missing)}) would be random; "
+                        "is it a complete GPT-2?")
+    mismatched = sorted(item[0] if isinstance(item, tuple) else item for item in info["mismatched_keys"])
+    if mismatched:
+        raise UserError(f"{source}: tensors of another shape than its config.json gives ({_some(mismatched)})")
+
+
+def _some(names: list) -> str:
+    return f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
 
 
 def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
@@ -105,19 +152,20 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows."""
     if pad_init not in ("mean", "zero"):
         raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
+    source = f"--init-from {name_or_dir}"  # train_gpt2.py's flag: the errors are the trainer's
     hf = load_hf_model(name_or_dir)
     cfg = hf.config
-    _check_hf_config(cfg, name_or_dir)
+    _check_hf_config(cfg, source)
     hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
-        raise UserError(f"{name_or_dir}: lm_head is not tied to the token embedding; our GPT ties them")
+        raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
     n_real = cfg.vocab_size
     vocab_size = _padded(n_real) if vocab_size is None else vocab_size
     if vocab_size < n_real:
-        raise UserError(f"vocab size {vocab_size} is smaller than {name_or_dir}'s vocabulary of {n_real}")
+        raise UserError(f"--vocab-size {vocab_size} is smaller than {source}'s vocabulary of {n_real}")
     block_size = cfg.n_positions if block_size is None else block_size
     if not 0 < block_size <= cfg.n_positions:
-        raise UserError(f"block size {block_size} must be in 1..{cfg.n_positions} ({name_or_dir}'s n_positions)")
+        raise UserError(f"--block-size {block_size} must be in 1..{cfg.n_positions} ({source}'s n_positions)")
 
     config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
                        n_head=cfg.n_head, n_embd=cfg.n_embd)
@@ -136,38 +184,23 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     result = model.load_state_dict(sd, strict=False)
     missing = [k for k in result.missing_keys if k not in TIED]
     if missing or result.unexpected_keys:
-        raise UserError(f"{name_or_dir}: weights do not match a GPT-2 layout "
+        raise UserError(f"{source}: weights do not match a GPT-2 layout "
                         f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
     return model.eval()
-
-
-def _strip_prefixes(sd: dict) -> dict:
-    out = {}
-    for k, v in sd.items():
-        for prefix in ("module.", "_orig_mod."):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
-        out[k] = v
-    return out
 
 
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     """Write a Hugging Face GPT-2 directory (config.json, model.safetensors,
     generation_config.json) that GPT2LMHeadModel.from_pretrained(out_dir) loads.
 
-    source: the path of one of our checkpoints, or a GPT (DDP / torch.compile wrappers are
-    fine). vocab_size: rows to keep; default GPT-2's 50257 when ours is at least that (the
-    padded rows are dropped), else ours as it is. Returns out_dir."""
+    source: one of our checkpoints (a ckpt file, or a run's folder for its newest), or a GPT
+    (DDP / torch.compile wrappers are fine). vocab_size: rows to keep; default GPT-2's 50257
+    when ours is at least that (the padded rows are dropped), else ours as it is. Returns out_dir."""
     if isinstance(source, (str, os.PathLike)):
-        ckpt = train_gpt2.load_checkpoint(str(source))
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-            raise UserError(f"{source}: not a train_gpt2.py checkpoint (needs 'model' and 'model_config')")
-        config = GPTConfig(**ckpt["model_config"])
-        sd = _strip_prefixes(ckpt["model"])
+        model = train_gpt2.model_from_checkpoint(str(source))
     else:
         model = train_gpt2.unwrap_model(source)
-        config = model.config
-        sd = model.state_dict()
+    config, sd = model.config, model.state_dict()
     n_keep = (GPT2_VOCAB if config.vocab_size >= GPT2_VOCAB else config.vocab_size) if vocab_size is None else vocab_size
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
@@ -197,9 +230,30 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
         raise UserError(f"checkpoint does not match GPT-2's layout (missing {missing[:3]}, "
                         f"unexpected {result.unexpected_keys[:3]})")
     hf.tie_weights()  # one shared matrix, as config.tie_word_embeddings says
-    os.makedirs(out_dir, exist_ok=True)
-    hf.save_pretrained(out_dir)
+    _save_pretrained(hf, out_dir)
     return out_dir
+
+
+def _save_pretrained(hf, out_dir: str):
+    """hf.save_pretrained(out_dir), with the files readable like any other the user writes:
+    safetensors writes through a private temporary file (mode 0600), so the mode the umask
+    gives a new file (0644 under the usual 022) is set afterwards on every file written."""
+    def stamps():
+        with os.scandir(out_dir) as entries:
+            return {e.name: (e.inode(), e.stat().st_mtime_ns) for e in entries if e.is_file()}
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        before = stamps()
+        with _quiet_transformers():
+            hf.save_pretrained(out_dir)
+        umask = os.umask(0)
+        os.umask(umask)
+        for name, stamp in stamps().items():
+            if before.get(name) != stamp:
+                os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
+    except Exception as e:  # OSError, or safetensors' own error for a failed write (a full disk)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason[:1].lower()}{reason[1:]}") from e
 
 
 def main(argv=None) -> int:
@@ -207,7 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
-    e.add_argument("checkpoint", help="a ckpt_*.pt written by train_gpt2.py")
+    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+                                      "--out-dir folder for its newest checkpoint")
     e.add_argument("out_dir", help="directory for config.json and model.safetensors")
     e.add_argument("--vocab-size", type=int, help="rows to keep (default: 50257, dropping the padding)")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")

@@ -143,14 +143,120 @@ def test_round_trip_is_exact(tmp_path, vocab_size, kept):
         assert torch.equal(a[key][:n], b[key][:n]), key
 
 
-def test_cli_export_subprocess(tmp_path):
-    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
+def run_cli(*args, cwd=None, umask=None):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          cwd=cwd or REPO, preexec_fn=None if umask is None else lambda: os.umask(umask))
+
+
+def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
+    umask = 0o027  # not the usual 022, so that the test tells honouring it from a fixed 0644
+    model = tiny_ours(vocab_size=100)
+    (tmp_path / "run").mkdir()
+    save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
+    save_ours(model, tmp_path / "run" / "ckpt_0000007.pt")
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "hf_interop.py"), "export", ckpt, str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "run", out, cwd=tmp_path, umask=umask)
     assert proc.returncode == 0, proc.stderr
     assert str(out) in proc.stdout and "wrote" in proc.stdout
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # safetensors writes through a private temporary file; the export gives it a normal file's mode
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == dict.fromkeys(["config.json", "generation_config.json", "model.safetensors"], 0o666 & ~umask)
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()  # the newest checkpoint's weights
+    idx = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(logits_of(hf, idx), logits_of(model, idx), atol=1e-5, rtol=0)
+
+
+def test_cli_export_help_names_both_sources(capsys):
+    with pytest.raises(SystemExit):
+        hf_interop.main(["export", "--help"])
+    assert ("a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's --out-dir folder for its "
+            "newest checkpoint") in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_export_refuses_torch_files_that_are_not_ours(tmp_path, capsys):
+    model = tiny_ours(vocab_size=100)
+    config = dataclasses.asdict(model.config)
+    files = {  # load_checkpoint's checks, seen through the export
+        "nanogpt.pt": ({"model": model.state_dict(), "model_args": config, "iter_num": 5},
+                       "no model_config, checksum; its keys: model, model_args, iter_num"),
+        "tensor.pt": (torch.zeros(3), "it holds a Tensor, not a dict"),
+        "unknown_key.pt": ({"model": model.state_dict(), "model_config": {**config, "bias": True}, "checksum": ""},
+                           "unknown model_config bias"),
+    }
+    for name, (obj, _) in files.items():
+        torch.save(obj, tmp_path / name)
+    nanogpt = tmp_path / "nanogpt.pt"
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", nanogpt, tmp_path / "out")
+    assert (proc.returncode, proc.stderr) == (
+        2, f"error: {nanogpt}: not a train_gpt2.py checkpoint ({files['nanogpt.pt'][1]})\n")
+    for name, (_, reason) in files.items():  # the other kinds in-process: the same code path
+        assert hf_interop.main(["export", str(tmp_path / name), str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"error: {tmp_path / name}: not a train_gpt2.py checkpoint ({reason})\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full_disk(self, out_dir, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full_disk)
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
+    assert hf_interop.main(["export", ckpt, str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: cannot write the Hugging Face model to {tmp_path / 'out'}: no space left on device\n"
+
+
+def not_gpt2_folder(path, kind):
+    """A folder that GPT2LMHeadModel.from_pretrained loads without an error, as random weights."""
+    from safetensors.torch import load_file, save_file
+    if kind == "bert":
+        from transformers import BertConfig, BertModel
+        BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64)).save_pretrained(path)
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64)).save_pretrained(path)
+    else:
+        save_hf(tiny_hf(vocab_size=100), path)
+        weights = load_file(path / "model.safetensors")
+        if kind == "gpt2 without layer 1":
+            weights = {k: v for k, v in weights.items() if ".h.1." not in k}
+        else:  # "gpt2 with a shorter position table"
+            weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:16].clone()
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+NOT_GPT2 = {
+    "bert": "its config.json describes a 'bert' model, not GPT-2",
+    "llama": "its config.json describes a 'llama' model, not GPT-2",
+    "gpt2 without layer 1": ("tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
+                             "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
+                             "is it a complete GPT-2?"),
+    "gpt2 with a shorter position table": ("tensors of another shape than its config.json gives "
+                                           "(transformer.wpe.weight; 1 in all)"),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2 with a shorter position table"])
+def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
+    folder = not_gpt2_folder(tmp_path / "hf", kind)
+    with pytest.raises(UserError) as e:
+        hf_interop.gpt_from_hf(str(folder))
+    assert str(e.value) == f"--init-from {folder}: {NOT_GPT2[kind]}"
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2 without layer 1"])
+def test_cli_init_from_a_folder_that_is_not_gpt2_is_refused(tmp_path, kind):
+    from shards import make_docs, write_shards
+    folder = not_gpt2_folder(tmp_path / "hf", kind)
+    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
+    proc = run_cli(os.path.join(REPO, "train_gpt2.py"), "--init-from", folder, "--data-dir", tmp_path / "data",
+                   "--out-dir", tmp_path / "out", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
+                   "--max-steps", "1", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0")
+    assert (proc.returncode, proc.stderr) == (2, f"error: --init-from {folder}: {NOT_GPT2[kind]}\n")
+    assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
 
 def test_cli_missing_checkpoint_is_one_line(tmp_path, capsys):
@@ -161,13 +267,6 @@ def test_cli_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError):
         hf_interop.main(["export", missing, str(tmp_path / "out"), "--debug"])
-
-
-def test_cli_not_a_checkpoint(tmp_path, capsys):
-    path = tmp_path / "other.pt"
-    torch.save({"weights": torch.zeros(1)}, path)
-    assert hf_interop.main(["export", str(path), str(tmp_path / "out")]) == 2
-    assert "not a train_gpt2.py checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["missing_dir", "./missing", "empty"])
