@@ -97,49 +97,78 @@ class Example(NamedTuple):
 
 
 def render_example(example: dict, enc) -> Example:
-    """Tokenize one HellaSwag record. Endings are encoded with a leading space, as they
-    follow the context's last word."""
-    ctx = enc.encode_ordinary(example["ctx"])
-    endings = [enc.encode_ordinary(" " + e) for e in example["endings"]]
-    label = int(example["label"])
-    if len(endings) != 4 or not 0 <= label < 4 or not ctx or not all(endings):
-        raise ValueError("need a non-empty ctx, 4 non-empty endings and a label in 0-3")
-    return Example(ctx, endings, label)
+    """Tokenize one HellaSwag record (ValueError saying what is wrong with it). Endings are
+    encoded with a leading space, as they follow the context's last word."""
+    text, endings, label = check_record(example)
+    return Example(enc.encode_ordinary(text), [enc.encode_ordinary(" " + e) for e in endings], label)
+
+
+LABELS = (0, 1, 2, 3)
+
+
+def check_record(example) -> tuple[str, list[str], int]:
+    """(ctx, endings, label) of a record that has a non-empty ctx, a list of 4 non-empty
+    endings and a label 0-3 (an int, or its digit as a string as some copies store it): a
+    label of 1.9 or true, or endings given as one string, would silently score the wrong thing."""
+    if not isinstance(example, dict):
+        raise ValueError(f"a JSON object is expected, not {type(example).__name__}")
+    missing = [key for key in ("ctx", "endings", "label") if key not in example]
+    if missing:
+        raise ValueError(f"no {missing[0]!r} field")
+    ctx, endings, label = example["ctx"], example["endings"], example["label"]
+    if not isinstance(ctx, str) or not ctx:
+        raise ValueError(f"'ctx' must be non-empty text, not {ctx!r:.40}")
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) and e for e in endings)):
+        raise ValueError(f"'endings' must be a list of 4 non-empty strings, not {endings!r:.60}")
+    if isinstance(label, str) and label in ("0", "1", "2", "3"):
+        label = int(label)
+    if type(label) is not int or label not in LABELS:  # not bool, float or another number
+        raise ValueError(f"'label' must be 0, 1, 2 or 3, not {label!r:.20}")
+    return ctx, endings, label
 
 
 class _Rendered:
-    """The lines of one data file, rendered on demand (the first n that a caller needs)."""
+    """The lines of one data file, rendered on demand (the first n that a caller needs).
+    Errors name the flag that gave the file (flag) and its line number."""
 
-    def __init__(self, path: str):
-        with open(path, encoding="utf-8") as f:
-            self.lines = [line for line in f if line.strip()]
+    def __init__(self, path: str, flag: str):
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise UserError(f"{flag} {path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x}), "
+                            f"so not {DATA_NAME}") from None
+        self.lines = [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
         if not self.lines:
-            raise UserError(f"{path}: no HellaSwag examples in the file")
+            raise UserError(f"{flag} {path}: no HellaSwag examples in the file")
         self.path, self.examples = path, []
 
-    def first(self, n: int) -> list[Example]:
+    def first(self, n: int, flag: str) -> list[Example]:
         if len(self.examples) < n:
             enc = get_tokenizer_or_fail()
-            for i in range(len(self.examples), min(n, len(self.lines))):
+            for number, line in self.lines[len(self.examples):n]:
                 try:
-                    self.examples.append(render_example(json.loads(self.lines[i]), enc))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise UserError(f"{self.path}: record {i + 1} is not a HellaSwag example "
-                                    f"({type(e).__name__}: {e})") from None
+                    self.examples.append(render_example(json.loads(line), enc))
+                except ValueError as e:  # json's errors are ValueErrors too
+                    raise UserError(f"{flag} {self.path} line {number}: not a HellaSwag example "
+                                    f"({e})") from None
         return self.examples[:n]
 
 
 _CACHE: dict[tuple, _Rendered] = {}  # (real path, mtime, size) -> its rendered examples
 
 
-def load_examples(path: str, limit: int | None = None) -> list[Example]:
-    """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process."""
+def load_examples(path: str, limit: int | None = None, flag: str = "--data-file") -> list[Example]:
+    """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process.
+    flag names the option that gave path in the command being run (for its error messages)."""
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
     if key not in _CACHE:
-        _CACHE[key] = _Rendered(path)
+        _CACHE[key] = _Rendered(path, flag)
     data = _CACHE[key]
-    return data.first(limit or len(data.lines))
+    return data.first(limit or len(data.lines), flag)
 
 
 def collate(examples: list[Example], block_size: int | None = None):
@@ -383,7 +412,8 @@ def run(args) -> dict:
     d = setup_distributed(args.device)
     try:
         dtype = resolve_dtype(args.dtype, d.device_type)
-        data_file = resolve_data_file(args.data_file, args.data_dir)  # fail before loading a model
+        data_file = resolve_data_file(args.data_file, args.data_dir)
+        load_examples(data_file, args.limit)  # a bad file fails before loading a model; evaluate reuses these
         if args.checkpoint:
             model = model_from_checkpoint(args.checkpoint, d.device)
         else:

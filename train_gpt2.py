@@ -1370,8 +1370,10 @@ class Trainer:
         if run.hellaswag_every:
             import hellaswag
             get_tokenizer_or_fail("pass --hellaswag-every 0")
-            # download now, not at step 0
+            # download and render now: a bad file fails here, not at the first evaluation (which
+            # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
             run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+            hellaswag.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     def _build_model(self, pretrained: GPT | None):
         """The bare model (self.raw_model, for evaluation and checkpoints), the optimizer, the

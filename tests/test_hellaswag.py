@@ -274,6 +274,91 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
 
 
 # -----------------------------------------------------------------------------
+# hostile input: one line naming the flag, the file and the line
+
+
+GOOD = {"ctx": "A man is sitting on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3}
+
+
+def write_records(path, *records, raw=b""):
+    """A jsonl file: a good record, then the given ones (dicts, or raw bytes after them)."""
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in (GOOD, *records)) + raw)
+    return str(path)
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({**GOOD, "label": 1.9}, "'label' must be 0, 1, 2 or 3, not 1.9"),
+    ({**GOOD, "endings": "abcd"}, "'endings' must be a list of 4 non-empty strings, not 'abcd'"),
+    ({"ctx": "x", "endings": GOOD["endings"]}, "no 'label' field"),
+])
+def test_cli_bad_record_names_file_and_line(checkpoint, tmp_path, record, reason):
+    path = write_records(tmp_path / "bad.jsonl", record)
+    proc = run_cli("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: --data-file {path} line 2: not a HellaSwag example ({reason})\n")
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({**GOOD, "label": True}, "'label' must be 0, 1, 2 or 3, not True"),
+    ({**GOOD, "label": "1.9"}, "'label' must be 0, 1, 2 or 3, not '1.9'"),
+    ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, not 4"),
+    ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c']"),
+    ({**GOOD, "endings": ["a", "b", "c", ""]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c', '']"),
+    ({**GOOD, "ctx": ["x"]}, "'ctx' must be non-empty text, not ['x']"),
+    ({"endings": GOOD["endings"], "label": 0}, "no 'ctx' field"),
+    ([GOOD], "a JSON object is expected, not list"),
+])
+def test_records_that_would_score_the_wrong_thing_are_refused(tmp_path, record, reason):
+    path = write_records(tmp_path / "bad.jsonl", record)
+    with pytest.raises(UserError) as e:
+        hs.load_examples(path, flag="--hellaswag-file")
+    assert str(e.value) == f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})"
+
+
+def test_label_as_a_digit_string_is_read(tmp_path):
+    path = write_records(tmp_path / "ok.jsonl", {**GOOD, "label": "2"})
+    assert [ex.label for ex in hs.load_examples(path)] == [3, 2]
+
+
+def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
+    path = write_records(tmp_path / "latin1.jsonl", raw=b"\n" + json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1"))
+    proc = run_cli("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
+    assert (proc.returncode, proc.stderr) == (
+        2, f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n")
+
+
+def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
+    path = tmp_path / "tensor.pt"
+    torch.save(torch.zeros(3), path)
+    data = write_records(tmp_path / "ok.jsonl")
+    proc = run_cli("--checkpoint", path, "--data-file", data, "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: {path}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)\n")
+
+
+def test_cli_hf_model_that_is_not_gpt2(tmp_path):
+    pytest.importorskip("transformers")
+    from test_hf_interop import NOT_GPT2, not_gpt2_folder
+    folder = not_gpt2_folder(tmp_path / "llama", "llama")
+    proc = run_cli("--hf-model", folder, "--data-file", write_records(tmp_path / "ok.jsonl"), "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: --hf-model {folder}: {NOT_GPT2['llama']}\n")
+
+
+def test_trainer_checks_its_hellaswag_file_at_start(tmp_path):
+    from shards import make_docs, write_shards
+    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
+    path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data-dir", str(tmp_path / "data"),
+                           "--out-dir", str(tmp_path / "out"), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                           "--block-size", "16", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
+                           "--max-steps", "1", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "1",
+                           "--hellaswag-file", path], capture_output=True, text=True, timeout=240)
+    assert (proc.returncode, proc.stderr) == (
+        2, f"error: --hellaswag-file {path} line 2: not a HellaSwag example ('label' must be 0, 1, 2 or 3, not 1.9)\n")
+    assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
+
+
+# -----------------------------------------------------------------------------
 # Hugging Face GPT2LMHeadModel parity
 
 
