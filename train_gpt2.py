@@ -130,6 +130,8 @@ class RunConfig:
     skip_nonfinite: int = 0
     skip_spikes: float = 0.0
     dist_timeout: float = 600.0
+    # FSDP2: each rank holds 1/W of the parameters, gradients and AdamW state (torchrun only)
+    fsdp: bool = False
     # runtime
     device: str = "auto"
     dtype: str = "auto"
@@ -204,6 +206,9 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
     if model.vocab_size < GPT2_VOCAB and text_flags:
         raise UserError(f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "
                         f"sampling and HellaSwag feed the model: pass {' '.join(text_flags)}")
+    if run.fsdp and world_size < 2:
+        raise UserError("--fsdp shards the model over the processes of a torchrun launch and needs at "
+                        "least 2; with one process drop --fsdp (it would hold the whole model anyway)")
     return run.total_batch_size // micro_tokens
 
 
@@ -373,7 +378,9 @@ class GPT(nn.Module):
         reduction="sum" returns the summed token loss, which token-normalized gradient
         accumulation scales by the step's global token count. loss_chunk > 0 computes the
         loss with ChunkedLinearCrossEntropy in chunks of that many rows and returns no logits."""
-        x = self.hidden_states(idx)
+        # the class's method: under --fsdp the instance's hidden_states also runs FSDP's
+        # forward hooks (for scoring), and forward has already run them
+        x = GPT.hidden_states(self, idx)
         if targets is None:
             return self.lm_head(x), None
         targets = targets.reshape(-1)
@@ -735,6 +742,55 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: GPT, d: Dist, dtype: torch.dtype, compile_block=None) -> GPT:
+    """FSDP2, in place: every block, then the root (embeddings, the tied wte/lm_head, ln_f),
+    sharded over the ranks, each rank keeping 1/W of every parameter, gradient and AdamW state.
+    The parameters move to d.device one fully_shard call at a time, so a model built on the
+    CPU is never whole on the GPU. With a low-precision dtype, forward and backward run on
+    gathered parameters cast to it and gradients are reduced in fp32. compile_block (e.g.
+    torch.compile) wraps each block before it is sharded: torch's advice is to compile the
+    module inside FSDP, and per block as torchtitan does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    mesh = init_device_mesh(d.device_type, (d.world_size,))
+    policy = MixedPrecisionPolicy() if dtype == torch.float32 else \
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    blocks = model.transformer.h
+    for i, block in enumerate(blocks):
+        if compile_block:
+            blocks[i] = block = compile_block(block)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    # The root keeps its parameters gathered after forward: backward needs them at once, and
+    # scoring (hellaswag.py) calls lm_head after hidden_states, which is registered as a
+    # forward so that it gathers them.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    register_fsdp_forward_method(model, "hidden_states")
+    return model
+
+
+def uncompile_blocks(model: GPT):
+    """Run the blocks that shard_model compiled eagerly (after a failed compile): FSDP's hooks
+    stay on the compiled wrappers, whose forward becomes the plain block."""
+    if hasattr(model, "reset_iter_state"):  # torch 2.13+: the failed step left FSDP mid-forward
+        model.reset_iter_state()
+    for block in model.transformer.h:
+        if hasattr(block, "_orig_mod"):
+            block.forward = block._orig_mod
+
+
+def grad_norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients as one vector. FSDP's gradients are shards (DTensors) whose
+    norm comes back as a partial one; full_tensor() sums it over the ranks, so every rank gets
+    the norm DDP computes and clips by it."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 # -----------------------------------------------------------------------------
 # evaluation & checkpoint
 
@@ -784,6 +840,46 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def clean_state_dict(model: nn.Module) -> dict:
     """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
     return unwrap_model(model).state_dict()
+
+
+def rekey_optimizer_state(state: dict, keys: list) -> dict:
+    """An optimizer state dict with its parameters renamed in order: the i-th parameter of its
+    param_groups becomes keys[i]. optimizer.state_dict() names parameters 0, 1, 2, ... and the
+    torch.distributed.checkpoint helpers by their names, in the same order."""
+    order = [p for group in state["param_groups"] for p in group["params"]]
+    new = dict(zip(order, keys, strict=True))
+    return dict(state={new[p]: s for p, s in state["state"].items()},
+                param_groups=[{**g, "params": [new[p] for p in g["params"]]} for g in state["param_groups"]])
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state dicts as a single process holds them: unsharded, unprefixed,
+    the optimizer's parameters numbered. Under FSDP every rank must call this: it gathers the
+    shards to rank 0, on the CPU; the other ranks get empty dicts."""
+    if not is_fsdp(model):
+        return clean_state_dict(model), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    return model_state, rekey_optimizer_state(optim_state, list(range(n_params))) if optim_state else {}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict):
+    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its shard)."""
+    if not is_fsdp(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    # the parameters' names in the optimizer's order, as the helpers list them
+    names = [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
+    set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
 
 
 def checkpoint_path(out_dir: str, step: int) -> str:
@@ -1251,10 +1347,22 @@ def compile_model(model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, enabled: bool):
     """Context in which backward does (enabled) or does not reduce gradients across ranks.
 
-    DDP's no_sync() must cover the forward too: DDP prepares its reducer there."""
-    if enabled or not hasattr(model, "no_sync"):
+    DDP's no_sync() must cover the forward too: DDP prepares its reducer there. FSDP2 keeps
+    the unsharded gradients of a backward without sync and adds them into the next one's."""
+    if enabled:
         return contextlib.nullcontext()
-    return model.no_sync()
+    if is_fsdp(model):
+        return fsdp_no_sync(model)
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
@@ -1266,8 +1374,9 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
     leaves exactly d(sum of all token losses) / N. With one micro-batch on one rank that is
     the plain mean loss and no scaling op is added. Returns the summed token loss (float64)
     of this rank. micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an
-    asynchronous copy to CUDA); model may be DDP-wrapped. With an fp16 GradScaler, each term is
-    scaled by it (the gradients come out times its scale; unscale_ before using them)."""
+    asynchronous copy to CUDA); model may be DDP-wrapped or FSDP-sharded (its reduce-scatter
+    averages over W like DDP). With an fp16 GradScaler, each term is scaled by it (the gradients
+    come out times its scale; unscale_ before using them)."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     single = len(micro_batches) == 1 and world_size == 1
@@ -1316,6 +1425,9 @@ class Trainer:
         self.grad_accum_steps = validate_config(run, model_cfg, d.world_size)
         capability = torch.cuda.get_device_capability(self.device) if self.device_type == "cuda" else None
         self.dtype = resolve_dtype(run.dtype, self.device_type, capability)
+        if run.fsdp and self.dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
+            raise UserError("--fsdp does not support float16 (its GradScaler needs every rank to agree on "
+                            "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp")
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it (DESIGN.md: fp16)
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         import importlib.util
@@ -1377,9 +1489,14 @@ class Trainer:
 
     def _build_model(self, pretrained: GPT | None):
         """The bare model (self.raw_model, for evaluation and checkpoints), the optimizer, the
-        resumed state, and the model the step runs (compiled, DDP-wrapped)."""
+        resumed state, and the model the step runs (compiled, DDP-wrapped). Under --fsdp both
+        are the same sharded module, on which every rank evaluates together."""
         run = self.run
-        self.raw_model = (pretrained or GPT(self.model_cfg)).to(self.device).train()
+        self.raw_model = (pretrained or GPT(self.model_cfg)).train()
+        if run.fsdp:
+            shard_model(self.raw_model, self.d, self.dtype, compile_model if self.use_compile else None)
+        else:
+            self.raw_model.to(self.device)
         self.optimizer = self.raw_model.configure_optimizers(run.weight_decay, run.max_lr, self.device_type)
         self.start_step, self.log_point = 0, None
         if self.ckpt_path:
@@ -1390,7 +1507,13 @@ class Trainer:
         self._wrap_model()
 
     def _wrap_model(self):
-        """self.model: raw_model compiled if use_compile, in DDP under torchrun."""
+        """self.model: raw_model compiled if use_compile, in DDP under torchrun. Under --fsdp,
+        raw_model itself (the sharded module; its blocks compiled, or eager after a failed compile)."""
+        if self.run.fsdp:
+            if not self.use_compile:
+                uncompile_blocks(self.raw_model)
+            self.model = self.raw_model
+            return
         self.model = compile_model(self.raw_model) if self.use_compile else self.raw_model
         if self.d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1401,8 +1524,7 @@ class Trainer:
     def _load_resume_state(self, path: str):
         ckpt = load_checkpoint(path)
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
-        self.raw_model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
         self.start_step, self.log_point = ckpt["step"], (ckpt["log_offset"], ckpt["log_sha256"])
         if self.start_step > self.run.max_steps and not self.run.eval_only:
             raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "
@@ -1421,7 +1543,8 @@ class Trainer:
     def checkpoint_state(self, step: int) -> dict:
         """Everything a resume needs (DESIGN.md: state that makes resume exact)."""
         rows_per_step = self.loader.rows_per_step
-        state = dict(model=clean_state_dict(self.raw_model), optimizer=self.optimizer.state_dict(), step=step,
+        model_state, optimizer_state = full_state(self.raw_model, self.optimizer)
+        state = dict(model=model_state, optimizer=optimizer_state, step=step,
                      model_config=dataclasses.asdict(self.model_cfg), run_config=dataclasses.asdict(self.run),
                      rng_cpu=torch.get_rng_state(), world_size=self.d.world_size,
                      next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
@@ -1458,9 +1581,11 @@ class Trainer:
     def save(self, step: int):
         path = checkpoint_path(self.run.out_dir, step)
         self.check_state_finite(step, path)
+        # under --fsdp every rank takes part in gathering the state to rank 0
+        state = self.checkpoint_state(step) if self.d.is_main or self.run.fsdp else None
         if self.d.is_main:
             self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
-            save_checkpoint(path, self.checkpoint_state(step), self.run.keep_last)
+            save_checkpoint(path, state, self.run.keep_last)
         # on every rank: they decide together whether a stop needs another save
         self.last_ckpt = self.log.last_checkpoint = path
         if self.d.enabled:
@@ -1499,7 +1624,7 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # the norm and clipping see the true gradients
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = grad_norm_of([p.grad for p in params])
         if self.run.grad_clip:
             torch.nn.utils.clip_grads_with_norm_(params, self.run.grad_clip, grad_norm)
         loss_sum, stop_votes, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()
@@ -1571,7 +1696,8 @@ class Trainer:
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
-        if self.enc and d.is_main and step > 0 and due(run.sample_every):
+        # a sharded model needs every rank in its forward; only rank 0 prints
+        if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
             for text in sample_text(self.raw_model, self.enc, self.device):
                 print0(f"sample: {text!r}")
         return results
@@ -1615,7 +1741,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_cfg, run.seq_len, n_params)
         self.peak = self.peak_flops()
         print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
-               f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}")
+               f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
+               + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
         print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
                f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
@@ -1762,6 +1889,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dist-timeout", type=float, default=defaults.dist_timeout,
                    help="seconds a collective may wait for a dead or stuck rank")
     g.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    g = p.add_argument_group("distributed")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
+                        "for models whose 16 bytes per parameter do not fit one GPU")
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default=defaults.device,
                    help="auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)")

@@ -1,0 +1,196 @@
+"""--fsdp (FSDP2): the exact token-normalized gradient with half the state per rank on 2 ranks,
+checkpoints any mode resumes, and evaluation that matches one process (issue 13).
+The loss of every split under --fsdp is checked with the others in test_train_cli.py, and
+SIGTERM with the others in test_resilience.py."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import train_gpt2 as tg
+from conftest import REPO, free_port, torchrun
+from shards import make_docs, write_shards
+from test_accumulation import fresh_model, make_batch, reference_grads
+
+# --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for the tensors (a DTensor's local shard)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
+def state_bytes(params, optimizer) -> dict:
+    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return dict(params=local_bytes(params), grads=local_bytes(p.grad for p in params),
+                optimizer=local_bytes(optimizer_state))
+
+
+def step_on_two_ranks(rank, world, port, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x, y = make_batch()
+        n_tokens = int((y != -1).sum())
+        B, accum = 2, 2  # the trainer's rows: micro-step m of rank r reads rows (m*W + r)*B + [0, B)
+        batches = [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
+                   for m in range(accum)]
+        d = tg.Dist(rank=rank, world_size=world, device="cpu")
+        results = {}
+        for mode, model in (("ddp", nn.parallel.DistributedDataParallel(fresh_model())),
+                            ("fsdp", tg.shard_model(fresh_model(), d, torch.float32))):
+            bare = tg.unwrap_model(model)
+            optimizer = bare.configure_optimizers(0.1, 1e-3, "cpu")
+            loss_sum = tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
+            params = list(bare.parameters())
+            norm = tg.grad_norm_of([p.grad for p in params])
+            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                     for n, p in bare.named_parameters()}
+            optimizer.step()
+            results[mode] = dict(grads=grads, norm=norm, loss=tg.all_reduce_sum(loss_sum).item() / n_tokens,
+                                 bytes=state_bytes(params, optimizer))
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_path):
+    out = tmp_path / "results.pt"
+    mp.spawn(step_on_two_ranks, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    results = torch.load(out, weights_only=True)
+    ref, ref_loss = reference_grads(*make_batch())
+    ref_norm = torch.nn.utils.get_total_norm(list(ref.values()))
+    for mode in ("ddp", "fsdp"):
+        assert results[mode]["grads"].keys() == ref.keys()
+        for name, grad in ref.items():
+            torch.testing.assert_close(results[mode]["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        assert results[mode]["norm"].item() == pytest.approx(ref_norm.item(), rel=1e-6)
+        assert results[mode]["loss"] == pytest.approx(ref_loss, rel=1e-6)
+    ddp, fsdp = results["ddp"]["bytes"], results["fsdp"]["bytes"]
+    print(f"per-rank bytes, 2 ranks: DDP {ddp}, FSDP {fsdp}")
+    assert ddp["grads"] == ddp["params"] and ddp["optimizer"] >= 2 * ddp["params"]  # AdamW: 2 moments
+    for kind in ddp:
+        assert 0.45 < fsdp[kind] / ddp[kind] < 0.55, kind
+    assert 0.45 < sum(fsdp.values()) / sum(ddp.values()) < 0.55
+
+
+# --- through the command line ----------------------------------------------------------------
+
+T = 16
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shards")
+    write_shards(path, make_docs(500, seed=3, vocab=64, max_len=50), shard_size=4000)
+    return str(path)
+
+
+def run_args(data_dir, out_dir, hellaswag_file, *extra, B=2, val_steps=1, steps=20):
+    """A tiny model with GPT-2's vocabulary (for HellaSwag and samples), evaluated every 10 steps."""
+    return ["--data-dir", data_dir, "--out-dir", str(out_dir), "--n-layer", "2", "--n-head", "2",
+            "--n-embd", "16", "--block-size", "32", "--seq-len", str(T), "--batch-size", str(B),
+            "--total-batch-size", str(8 * T), "--max-steps", str(steps), "--warmup-steps", "3",
+            "--max-lr", "1e-2", "--val-every", "10", "--val-steps", str(val_steps), "--sample-every", "10",
+            "--hellaswag-every", "10", "--hellaswag-limit", "4", "--hellaswag-file", hellaswag_file,
+            "--ckpt-every", "10", *extra]
+
+
+def log_of(out_dir, key):
+    import json
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+def samples(stdout):
+    return re.findall(r"^sample: .*$", stdout, flags=re.M)
+
+
+def fsdp_run(args):
+    result = subprocess.run([*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", "--fsdp", *args],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world 2 | fsdp" in result.stdout
+    return result.stdout
+
+
+def ckpt(out_dir, step):
+    return tg.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
+
+
+def assert_same_layout(a, b):
+    """Two checkpoints hold the same model and optimizer entries, tensor for tensor."""
+    assert a["model"].keys() == b["model"].keys()
+    for key, value in a["model"].items():
+        torch.testing.assert_close(value, b["model"][key], atol=1e-4, rtol=1e-3, msg=key)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for index, state in a["optimizer"]["state"].items():
+        assert state.keys() == b["optimizer"]["state"][index].keys()
+        for name, value in state.items():
+            other = b["optimizer"]["state"][index][name]
+            assert value.shape == other.shape and value.dtype == other.dtype and value.device == other.device
+
+
+def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
+        data_dir, tmp_path, shared_data, capsys):
+    hellaswag_file = str(shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    single, fsdp, fsdp_resumed, single_resumed = (tmp_path / d for d in ("single", "fsdp", "fsdp2", "single2"))
+    # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks
+    assert tg.main(run_args(data_dir, single, hellaswag_file, val_steps=2)) == 0
+    single_out = capsys.readouterr().out
+    fsdp_out = fsdp_run(run_args(data_dir, fsdp, hellaswag_file))
+
+    # every rank took part in evaluation: the same numbers and texts as one process
+    for key in ("loss", "val_loss", "hellaswag_acc"):
+        (steps_a, a), (steps_b, b) = zip(*log_of(single, key)), zip(*log_of(fsdp, key))
+        assert steps_a == steps_b
+        np.testing.assert_allclose(b, a, rtol=2e-5, err_msg=key)
+    assert [s for s, _ in log_of(fsdp, "val_loss")] == [0, 10, 20]
+    assert len(samples(fsdp_out)) == 8 and samples(fsdp_out) == samples(single_out)
+
+    # the checkpoint is the one a single process writes: full, unprefixed, numbered optimizer state
+    assert_same_layout(ckpt(fsdp, 10), ckpt(single, 10))
+
+    # FSDP resumes its own checkpoint exactly; one process continues it with the same losses
+    for resumed in (fsdp_resumed, single_resumed):
+        os.makedirs(resumed)
+        shutil.copy(os.path.join(fsdp, "ckpt_0000010.pt"), resumed)
+        shutil.copy(os.path.join(fsdp, "log.jsonl"), resumed)
+    fsdp_run(run_args(data_dir, fsdp_resumed, hellaswag_file, "--resume"))
+    assert log_of(fsdp_resumed, "loss") == log_of(fsdp, "loss")
+    a, b = ckpt(fsdp, 20)["model"], ckpt(fsdp_resumed, 20)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert tg.main(run_args(data_dir, single_resumed, hellaswag_file, "--resume", B=4, val_steps=1)) == 0
+    (steps_a, a), (steps_b, b) = zip(*log_of(fsdp, "loss")), zip(*log_of(single_resumed, "loss"))
+    assert steps_a == steps_b == tuple(range(20))
+    np.testing.assert_allclose(b, a, rtol=2e-5)
+
+    # the Hugging Face export of an FSDP checkpoint gives transformers the same logits
+    pytest.importorskip("transformers")
+    import hf_interop
+    from transformers import GPT2LMHeadModel
+    path = os.path.join(fsdp, "ckpt_0000020.pt")
+    hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(path, str(tmp_path / "hf"))).eval()
+    ours = tg.model_from_checkpoint(path)
+    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx)[0][..., :50257], atol=1e-5, rtol=0)
+
+
+def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
+    args = ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--fsdp"]
+    result = subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --fsdp shards the model over the processes of a torchrun launch")
+    assert result.stderr.count("\n") == 1
