@@ -294,9 +294,10 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
                     os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path, mode):
     # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
-    args = args_for(data_dir, tmp_path, "--keep-last", "1", steps=100000, ckpt_every=1, B=2)
+    args = args_for(data_dir, tmp_path, "--keep-last", "1", *mode, steps=100000, ckpt_every=1, B=2)
     proc = subprocess.Popen([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(tmp_path, 3, proc)
@@ -313,3 +314,4 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_pat
     stop_step = int(out.split("stopped by signal at step ")[1].split(";")[0])
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     assert [s for s, _ in losses(tmp_path)] == list(range(stop_step))
+    assert tg.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step

@@ -47,13 +47,21 @@ def run_cli(args, nproc=1, env=None):
 def test_every_split_logs_the_same_loss(data_dir, tmp_path, align):
     assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
     assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
-    ddp = run_cli(train_args(data_dir, tmp_path / "ddp", 2, *align), nproc=2)  # 2 rows x 2 steps x 2 ranks
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    assert "2 accumulation steps x 2 ranks" in ddp.stdout
-    one, accum, world = (read_log(tmp_path / d) for d in ("b8", "b2", "ddp"))
+    for name, B, mode in (("ddp", 2, []), ("fsdp2x2", 2, ["--fsdp"]), ("fsdp4x1", 4, ["--fsdp"])):
+        result = run_cli(train_args(data_dir, tmp_path / name, B, *align, *mode), nproc=2)  # B rows x 2 ranks
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in result.stdout
+    one, accum, world, *fsdp = (read_log(tmp_path / d) for d in ("b8", "b2", "ddp", "fsdp2x2", "fsdp4x1"))
     assert len(one) == 10
     np.testing.assert_allclose(accum, one, rtol=2e-5)
-    np.testing.assert_allclose(world, one, rtol=2e-5)
+    for losses in (world, *fsdp):
+        np.testing.assert_allclose(losses, one, rtol=2e-5)
+        np.testing.assert_allclose(losses, world, rtol=2e-5)
+    # the norm FSDP clips by is DDP's, up to fp32 rounding of the 1.6M-entry wte gradient's norm,
+    # which sums differently in two shards (step 0: DDP's 5.4e-6, FSDP's 2.7e-6 below float64's)
+    for name in ("fsdp2x2", "fsdp4x1"):
+        np.testing.assert_allclose(read_log(tmp_path / name, "grad_norm"), read_log(tmp_path / "ddp", "grad_norm"),
+                                   rtol=1e-3)
     tokens = read_log(tmp_path / "b8", "tokens")
     if align:
         assert len(set(tokens)) > 1 and max(tokens) < 8 * T  # padding makes the counts vary
