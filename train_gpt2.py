@@ -742,6 +742,11 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of t: its shard if t is sharded (a DTensor under --fsdp), else t."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
@@ -776,11 +781,11 @@ def shard_model(model: GPT, d: Dist, dtype: torch.dtype, compile_block=None) -> 
 def uncompile_blocks(model: GPT):
     """Run the blocks that shard_model compiled eagerly (after a failed compile): FSDP's hooks
     stay on the compiled wrappers, whose forward becomes the plain block."""
-    if hasattr(model, "reset_iter_state"):  # torch 2.13+: the failed step left FSDP mid-forward
+    compiled = [block for block in model.transformer.h if hasattr(block, "_orig_mod")]
+    if compiled and hasattr(model, "reset_iter_state"):  # torch 2.13+: the failed step left FSDP mid-forward
         model.reset_iter_state()
-    for block in model.transformer.h:
-        if hasattr(block, "_orig_mod"):
-            block.forward = block._orig_mod
+    for block in compiled:
+        block.forward = block._orig_mod.__call__  # a method, not a module: setattr would register a child
 
 
 def grad_norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -1570,7 +1575,7 @@ class Trainer:
         (every rank checks its tensors; one all-reduce makes them agree)."""
         params = dict(self.raw_model.named_parameters())
         moments = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        finite = torch.stack([torch.isfinite(t).all() for t in [*params.values(), *moments]])
+        finite = torch.stack([torch.isfinite(local_part(t)).all() for t in [*params.values(), *moments]])
         bad = torch.tensor(float(not finite.all()), device=self.device)
         if all_reduce_sum(bad).item():
             names = [n for n, ok in zip(params, finite.tolist()) if not ok]

@@ -25,13 +25,27 @@ from test_accumulation import fresh_model, make_batch, reference_grads
 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds for the tensors (a DTensor's local shard)."""
-    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+    return sum(tg.local_part(t).nbytes for t in tensors)
 
 
 def state_bytes(params, optimizer) -> dict:
     optimizer_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return dict(params=local_bytes(params), grads=local_bytes(p.grad for p in params),
                 optimizer=local_bytes(optimizer_state))
+
+
+def failing_backend(graph, example_inputs):
+    raise RuntimeError("no compiler here")
+
+
+def fsdp_after_failed_compile(d, batches, n_tokens, world):
+    """An FSDP model whose compiled blocks failed in the first step, back to eager as the trainer does."""
+    model = tg.shard_model(fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend=failing_backend))
+    with pytest.raises(Exception, match="no compiler here"):
+        tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
+    model.zero_grad(set_to_none=True)
+    tg.uncompile_blocks(model)
+    return model
 
 
 def step_on_two_ranks(rank, world, port, out_path):
@@ -45,18 +59,24 @@ def step_on_two_ranks(rank, world, port, out_path):
                    for m in range(accum)]
         d = tg.Dist(rank=rank, world_size=world, device="cpu")
         results = {}
-        for mode, model in (("ddp", nn.parallel.DistributedDataParallel(fresh_model())),
-                            ("fsdp", tg.shard_model(fresh_model(), d, torch.float32))):
+        models = dict(ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
+                      fsdp=lambda: tg.shard_model(fresh_model(), d, torch.float32),
+                      fsdp_compiled=lambda: tg.shard_model(fresh_model(), d, torch.float32,
+                                                           lambda block: torch.compile(block, backend="eager")),
+                      fsdp_eager_again=lambda: fsdp_after_failed_compile(d, batches, n_tokens, world))
+        for mode, make_model in models.items():
+            model = make_model()
             bare = tg.unwrap_model(model)
             optimizer = bare.configure_optimizers(0.1, 1e-3, "cpu")
             loss_sum = tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
             params = list(bare.parameters())
             norm = tg.grad_norm_of([p.grad for p in params])
-            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                     for n, p in bare.named_parameters()}
+            grads = {n.replace("._orig_mod", ""): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                     else p.grad.clone() for n, p in bare.named_parameters()}  # names without compile's wrapper
             optimizer.step()
             results[mode] = dict(grads=grads, norm=norm, loss=tg.all_reduce_sum(loss_sum).item() / n_tokens,
-                                 bytes=state_bytes(params, optimizer))
+                                 bytes=state_bytes(params, optimizer),
+                                 state_keys=list(tg.full_state(model, optimizer)[0]))
         if rank == 0:
             torch.save(results, out_path)
     finally:
@@ -64,15 +84,18 @@ def step_on_two_ranks(rank, world, port, out_path):
 
 
 def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_path):
+    """DDP, FSDP, FSDP with compiled blocks and FSDP back to eager after a failed compile, on 2
+    ranks x 2 micro-steps, each against the gradient of one batch of the same 8 rows."""
     out = tmp_path / "results.pt"
     mp.spawn(step_on_two_ranks, args=(2, free_port(), str(out)), nprocs=2, join=True)
     results = torch.load(out, weights_only=True)
     ref, ref_loss = reference_grads(*make_batch())
     ref_norm = torch.nn.utils.get_total_norm(list(ref.values()))
-    for mode in ("ddp", "fsdp"):
+    for mode in ("ddp", "fsdp", "fsdp_compiled", "fsdp_eager_again"):
+        assert sorted(results[mode]["state_keys"]) == sorted(fresh_model().state_dict())  # no _orig_mod.
         assert results[mode]["grads"].keys() == ref.keys()
         for name, grad in ref.items():
-            torch.testing.assert_close(results[mode]["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+            torch.testing.assert_close(results[mode]["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")
         assert results[mode]["norm"].item() == pytest.approx(ref_norm.item(), rel=1e-6)
         assert results[mode]["loss"] == pytest.approx(ref_loss, rel=1e-6)
     ddp, fsdp = results["ddp"]["bytes"], results["fsdp"]["bytes"]
