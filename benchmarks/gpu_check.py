@@ -12,7 +12,7 @@ and compile time (step 0's time minus the median of the others). Exit code 1 if 
 fails or its losses drift beyond the tolerance of its dtype.
 
     CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, then bf16 and fp16
-          compiled on all visible GPUs (torchrun, NCCL)
+          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
           activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
           per variant; --compile adds it)
@@ -39,6 +39,7 @@ def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
                for dtype in ("bfloat16", "float16") for compile in (True, False) for chunk in (0, 8192)]
         if n_gpus > 1:
             out += [dict(dtype=dtype, compile=True, chunk=0, nproc=n_gpus) for dtype in ("bfloat16", "float16")]
+            out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=["--fsdp"]))  # vs DDP
     else:
         out = [dict(dtype="bfloat16", compile=False, chunk=64, nproc=1),
                dict(dtype="float16", compile=False, chunk=0, nproc=1),
