@@ -1649,8 +1649,9 @@ class Trainer:
             self.spikes_in_a_row += 1
             if self.spikes_in_a_row > MAX_SPIKES_IN_A_ROW:
                 raise UserError(f"step {step}: {self.spikes_in_a_row} updates in a row flagged by --skip-spikes "
-                                f"{self.run.skip_spikes}: the loss or grad norm keeps rising, which skipping cannot "
-                                f"fix; stopped before the update. Last good checkpoint: {self.last_ckpt or 'none'}")
+                                f"{self.run.skip_spikes}: the loss or grad norm has moved for good (or Z is too low) "
+                                "and skipping cannot fix that; stopped before the update. Last good checkpoint: "
+                                f"{self.last_ckpt or 'none'}")
             return "spike"
         self.spikes_in_a_row = 0
         return None

@@ -1,16 +1,21 @@
 """Hostile input to the trainer, run as users run it (issue 11): one `error:` line, exit code 2,
 no traceback; never a checkpoint or log lost, corrupted or filled with non-finite numbers."""
+import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
 import train_gpt2 as tg
 from conftest import REPO, SHARED
-from test_resilience import args_for, log_records
+from test_resilience import args_for, log_records, resume_copy
 
 
 def run_command(script, *args, **kwargs):
@@ -133,3 +138,151 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000006.pt", "ckpt_best.pt", "log.jsonl"]
     assert (tmp_path / "ckpt_best.pt").read_bytes() == b"the user's own file"
     assert [r["step"] for r in log_records(tmp_path) if "loss" in r] == list(range(6))
+
+
+# --- resume edge cases ----------------------------------------------------------------------
+
+def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run, data_dir, tmp_path):
+    other = tmp_path / "other"
+    assert tg.main(args_for(data_dir, other, steps=2, ckpt_every=2)) == 0
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    given = finished_run / "ckpt_0000004.pt"
+    result = run_command("train_gpt2.py", *args_for(data_dir, other, "--resume", given, steps=6))
+    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given}: resuming "
+                                  "would corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    # into a folder without a log, the resumed run starts a log of its own
+    assert tg.main(args_for(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
+    assert [r["step"] for r in log_records(tmp_path / "new") if "loss" in r] == [4, 5]
+
+
+@pytest.mark.parametrize("max_steps", [3, 4])
+def test_resume_at_or_past_max_steps_says_so(finished_run, data_dir, tmp_path, max_steps):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    result = run_command("train_gpt2.py", *args_for(data_dir, run, "--resume", steps=max_steps))
+    if max_steps < 4:  # a mistake: the run is already past the requested end
+        assert_one_error_line(result, f"{run / 'ckpt_0000004.pt'} is at step 4, past --max-steps 3: pass a larger "
+                                      "--max-steps to train on")
+    else:  # a finished run started again (a requeued job): nothing to do
+        assert result.returncode == 0 and result.stderr == ""
+        assert f"{run / 'ckpt_0000004.pt'} is already at --max-steps 4: nothing to train" in result.stdout
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+# --- skip-spikes ----------------------------------------------------------------------------
+
+SHIFT_STEP = 25
+
+
+@pytest.fixture(scope="module")
+def shift_data(tmp_path_factory):
+    """Train rows that repeat one 16-token pattern for SHIFT_STEP steps, then random tokens: the
+    tiny model's loss moves for good from about 3.5 to 10.4 at step SHIFT_STEP."""
+    path = tmp_path_factory.mktemp("shift")
+    rows = SHIFT_STEP * 8  # args_for: 8 rows of 16 tokens per step
+    np.save(path / "s_train_000001.npy", np.tile(np.arange(16, dtype=np.uint16), rows + 1)[:rows * 16 + 1])
+    np.save(path / "s_train_000002.npy", np.random.default_rng(0).integers(0, 64, 200 * 128).astype(np.uint16))
+    return str(path)
+
+
+def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert tg.main(args_for(shift_data, straight, "--skip-spikes", "3", steps=60, ckpt_every=20)) == 0
+    records = [r for r in log_records(straight) if "loss" in r]
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    # a few updates skipped at the shift, then the window has moved and learning goes on
+    assert skipped == list(range(SHIFT_STEP, SHIFT_STEP + len(skipped))) and 0 < len(skipped) < 10
+    assert records[-1]["loss"] < records[SHIFT_STEP]["loss"] - 2
+    # resumed before the shift, the restored window skips exactly the same steps
+    resume_copy(straight, resumed, 20)
+    assert tg.main(args_for(shift_data, resumed, "--skip-spikes", "3", "--resume", steps=60, ckpt_every=20)) == 0
+    assert [(r["step"], r["loss"], r.get("skipped")) for r in log_records(resumed) if "loss" in r] == \
+        [(r["step"], r["loss"], r.get("skipped")) for r in records]
+    a, b = (tg.load_checkpoint(str(d / "ckpt_0000060.pt")) for d in (straight, resumed))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and a["skip_state"] == b["skip_state"]
+
+
+def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
+    # Z = 0.5 is too low to let the window catch up with the shift: the bound stops the run
+    result = run_command("train_gpt2.py", *args_for(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80,
+                                                    ckpt_every=10))
+    assert_one_error_line(result, f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
+                                  f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
+                                  f"update. Last good checkpoint: {tmp_path / 'ckpt_0000040.pt'}")
+    assert f"{tg.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
+    skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
+    assert skipped == list(range(skipped[0], skipped[0] + tg.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
+
+
+# --- full disk, signals ---------------------------------------------------------------------
+
+def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
+    tmp_path.joinpath("log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=4))
+    assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
+                                  "its last whole record). Last good checkpoint: none")
+
+
+def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path):
+    limit = 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it after a few steps
+    padding = json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n"
+    tmp_path.joinpath("log.jsonl").write_text(padding)
+
+    def file_size_limit():  # what a full disk does to one file: a short write, then EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=20, ckpt_every=2),
+                         preexec_fn=file_size_limit)
+    last = tg.latest_checkpoint(str(tmp_path))
+    assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
+                                  f"whole record). Last good checkpoint: {last}")
+    text = tmp_path.joinpath("log.jsonl").read_text()
+    assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+    assert tg.load_checkpoint(last)["step"] >= 2
+    assert tg.main(args_for(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2)) == 0  # space freed
+    assert [r["step"] for r in log_records(tmp_path)[1:] if "loss" in r] == list(range(20))
+
+
+def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    fifo = data / "zz_train_000009.npy"
+    os.mkfifo(fifo)  # the trainer blocks reading this "shard": start-up, for as long as the test likes
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args_for(str(data), tmp_path / "out")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = None
+    try:
+        deadline = time.time() + 120
+        while writer is None and time.time() < deadline:
+            try:  # succeeds once the trainer has the fifo open for reading
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if writer is not None:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, err) == (130, "error: interrupted\n")
+
+
+def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, capsys):
+    real_save, saves = torch.save, []
+
+    def interrupted_save(obj, file):
+        saves.append(file)
+        if len(saves) == 2:
+            file.write(b"PK\x03\x04 partial")
+            raise KeyboardInterrupt
+        real_save(obj, file)
+
+    monkeypatch.setattr(tg.torch, "save", interrupted_save)
+    assert tg.main(args_for(data_dir, tmp_path, steps=6, ckpt_every=2)) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "log.jsonl"]
+    assert tg.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))["step"] == 2
