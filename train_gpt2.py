@@ -150,8 +150,8 @@ def validate_flag_values(run: RunConfig):
         value = getattr(run, f.name)
         if isinstance(value, float) and not math.isfinite(value):  # argparse's float() takes nan and inf
             raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-    if run.dist_timeout <= 0:
-        raise UserError(f"--dist-timeout must be positive, got {run.dist_timeout}")
+    if not 0 < run.dist_timeout <= 1e9:  # a timedelta overflows far above that
+        raise UserError(f"--dist-timeout must be in (0, 1e9] seconds, got {run.dist_timeout}")
     if not 0 <= run.seed < 2**64:  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
         raise UserError(f"--seed must be in 0..2**64-1, got {run.seed}")
 
@@ -1037,6 +1037,8 @@ def checkpoint_problem(ckpt) -> str | None:
     if not isinstance(ckpt, dict):
         return f"not a train_gpt2.py checkpoint (it holds a {type(ckpt).__name__}, not a dict)"
     missing = [k for k in ("model", "model_config", "checksum") if k not in ckpt]
+    if missing == ["checksum"]:
+        return "no checksum: not written by this train_gpt2.py (an older version, or another program)"
     if missing:
         keys = ", ".join(map(str, list(ckpt)[:8])) or "none"
         return f"not a train_gpt2.py checkpoint (no {', '.join(missing)}; its keys: {keys})"
