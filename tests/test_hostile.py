@@ -250,8 +250,10 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
     shutil.copytree(data_dir, data)
     fifo = data / "zz_train_000009.npy"
     os.mkfifo(fifo)  # the trainer blocks reading this "shard": start-up, for as long as the test likes
+    # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
     proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args_for(str(data), tmp_path / "out")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     writer = None
     try:
         deadline = time.time() + 120
