@@ -217,3 +217,14 @@ def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: --fsdp shards the model over the processes of a torchrun launch")
     assert result.stderr.count("\n") == 1
+
+
+def test_fsdp_with_float16_is_refused_before_any_work(data_dir, tmp_path):
+    """Each rank's GradScaler would see only its own shard's overflows (the check runs before the
+    process group is needed, so a world size of 2 is enough here)."""
+    run, model_cfg = tg.build_configs(tg.build_parser().parse_args(
+        ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--batch-size", "4",
+         "--total-batch-size", "2048", "--fsdp", "--dtype", "float16", "--device", "cpu"]))
+    with pytest.raises(tg.UserError, match="--fsdp does not support float16"):
+        tg.Trainer(run, model_cfg, tg.Dist(rank=0, world_size=2))
+    assert not os.listdir(tmp_path)
