@@ -142,18 +142,19 @@ def _some(names: list) -> str:
 
 
 def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
-                pad_init: str = "mean") -> GPT:
+                pad_init: str = "mean", flag: str = "--init-from") -> GPT:
     """Our GPT (fp32, CPU, eval mode) with the weights of a Hugging Face GPT2LMHeadModel.
 
     name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
     directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
     the HF vocabulary rounded up to a multiple of 64, 50304 for GPT-2). block_size: at most
     the HF n_positions (default: n_positions); a smaller one keeps the first positions.
-    pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows."""
+    pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows.
+    flag: the command-line flag that named the model, for error messages."""
     if pad_init not in ("mean", "zero"):
         raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
-    source = f"--init-from {name_or_dir}"  # train_gpt2.py's flag: the errors are the trainer's
-    hf = load_hf_model(name_or_dir)
+    source = f"{flag} {name_or_dir}"  # the flag of the command being run
+    hf = load_hf_model(name_or_dir, flag)
     cfg = hf.config
     _check_hf_config(cfg, source)
     hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}

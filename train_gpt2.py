@@ -216,6 +216,25 @@ def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
 # model
 
 
+class LayerKVCache:
+    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so
+    far, so that decoding feeds each new token once instead of the whole sequence again."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.size(2)
+
+    def append(self, k, v):
+        """Add the new tokens' keys and values; returns all of them."""
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -223,13 +242,20 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, attn_mask=None):
+    def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        is_causal = attn_mask is None
+        if kv_cache is not None:  # decoding: attend to the cached tokens too
+            past = kv_cache.length
+            k, v = kv_cache.append(k, v)
+            if past and T > 1:  # new tokens see every cached token and the new ones before them
+                attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            is_causal = past == 0 and T > 1
         # causal: flash attention on CUDA; an explicit mask only where sequences are packed (scoring)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -252,8 +278,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, attn_mask=None):
-        x = x + self.attn(self.ln_1(x), attn_mask)
+    def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
+        x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -351,25 +377,27 @@ class GPT(nn.Module):
     def _residual_projections(self):
         return {m for block in self.transformer.h for m in (block.attn.c_proj, block.mlp.c_proj)}
 
-    def hidden_states(self, idx, positions=None, attn_mask=None):
+    def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
         """The final LayerNorm's output (B, T, n_embd) for token ids idx (B, T).
 
         By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
         several sequences that share a prefix into one row (hellaswag.py): positions (B, T)
         then gives each token's position in its own sequence and attn_mask (B, 1, T, T) bool
-        which earlier tokens it may attend to (True: attend)."""
+        which earlier tokens it may attend to (True: attend). Decoding passes kv_cache (from
+        new_kv_cache()): idx then continues the tokens cached there, and is added to it."""
         B, T = idx.size()
         if positions is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
-            positions = torch.arange(T, dtype=torch.long, device=idx.device)
+            start = kv_cache[0].length if kv_cache else 0
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
+            positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
-        for block in self.transformer.h:
+        for block, layer_cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; backward recomputes its inside (same numbers, less memory)
                 x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
             else:
-                x = block(x, attn_mask)
+                x = block(x, attn_mask, layer_cache)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0):
@@ -417,12 +445,28 @@ class GPT(nn.Module):
         fused = device_type in ("cuda", "cpu", "mps")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
+    def new_kv_cache(self) -> list[LayerKVCache]:
+        return [LayerKVCache() for _ in self.transformer.h]
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, top_k=50, generator=None):
-        """Extend idx (B, T) by sampling max_new_tokens tokens from the top-k of each distribution."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True):
+        """Extend idx (B, T) by max_new_tokens tokens, each drawn from the top_k most likely of
+        softmax(logits / temperature); the model sees the newest block_size tokens.
+
+        With kv_cache each step feeds only the new token. Once the sequence outgrows the block
+        the window slides, every position changes, and each step runs the whole window, as
+        without the cache: both ways draw the same tokens for the same generator."""
+        block_size = self.config.block_size
+        cache = None
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
-            probs = F.softmax(logits[:, -1, :].float(), dim=-1)
+            new_tokens = idx[:, -block_size:]
+            if kv_cache and cache is not None and idx.size(1) <= block_size:
+                new_tokens = idx[:, cache[0].length:]
+            elif kv_cache:
+                cache = self.new_kv_cache()  # the first step, or the window slid
+            x = self.hidden_states(new_tokens, kv_cache=cache)
+            logits = self.lm_head(x[:, -1, :]).float() / temperature
+            probs = F.softmax(logits, dim=-1)
             topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
             choice = torch.multinomial(topk_probs, 1, generator=generator)
             idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
@@ -824,15 +868,32 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
     return (totals[0] / totals[1]).item()
 
 
-def sample_text(model: GPT, enc, device: str, prompt="Hello, I'm a language model,", n=4, length=32,
-                seed=42) -> list[str]:
+SAMPLE_PROMPT = "Hello, I'm a language model,"
+
+
+def encode_prompt(enc, prompt: str, vocab_size: int) -> list[int]:
+    """Token ids of prompt (a literal <|endoftext|> is that token; an empty prompt is <|endoftext|>
+    alone, the start of a document), or a UserError if one lies beyond the model's vocabulary."""
+    ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
+    beyond = [t for t in ids if t >= vocab_size]
+    if beyond:
+        raise UserError(f"the prompt has token {beyond[0]} ({enc.decode([beyond[0]])!r}), beyond the model's "
+                        f"vocabulary of {vocab_size} ids")
+    return ids
+
+
+def sample_text(model: GPT, enc, device: str, prompt=SAMPLE_PROMPT, n=4, length=32, temperature=1.0,
+                top_k=50, seed=42) -> list[str]:
+    """n continuations of prompt, each the prompt followed by length sampled tokens, as text.
+    Padded vocabulary ids (beyond the tokenizer's) have no text and are left out."""
+    was_training = model.training
     model.eval()
-    idx = torch.tensor([enc.encode(prompt)] * n, dtype=torch.long, device=device)
+    ids = encode_prompt(enc, prompt, model.config.vocab_size)
+    idx = torch.tensor([ids] * n, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, length, top_k=50, generator=gen)
-    model.train()
-    vocab = enc.n_vocab  # padded ids beyond the tokenizer cannot be decoded
-    return [enc.decode([t for t in row if t < vocab]) for row in out.tolist()]
+    out = model.generate(idx, length, temperature=temperature, top_k=top_k, generator=gen)
+    model.train(was_training)
+    return [prompt + enc.decode([t for t in row if t < enc.n_vocab]) for row in out[:, len(ids):].tolist()]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -1707,7 +1768,7 @@ class Trainer:
         # a sharded model needs every rank in its forward; only rank 0 prints
         if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
             for text in sample_text(self.raw_model, self.enc, self.device):
-                print0(f"sample: {text!r}")
+                print0(f"sample: {text}")
         return results
 
     def evaluate_only(self):

@@ -1,0 +1,83 @@
+"""Sample text from a trained GPT-2: a train_gpt2.py checkpoint or a Hugging Face GPT-2 folder.
+
+    python sample.py --checkpoint out/cpu --prompt "def main(" --num-samples 2 --max-new-tokens 100
+    python sample.py --hf-model gpt2_hf --temperature 0.8 --top-k 40 --seed 7
+
+Each sample is the prompt and its continuation as plain text, after a `--- sample i/N ---`
+line; notes go to stderr. The same seed gives the same text on the same device and torch
+version. An empty prompt starts a new document (<|endoftext|>); a prompt longer than the
+model's block size keeps its newest tokens in view. Decoding uses the model's KV cache
+(train_gpt2.GPT.generate), the same sampling as the trainer's in-training samples.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from train_gpt2 import (SAMPLE_PROMPT, UserError, encode_prompt, exit_code_of, get_tokenizer_or_fail,
+                        model_from_checkpoint, resolve_device, sample_text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
+    src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue ('' starts a new document)")
+    p.add_argument("--num-samples", type=int, default=4, help="continuations to draw")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add to the prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="divides the logits: < 1 sharper, > 1 flatter")
+    p.add_argument("--top-k", type=int, default=50, help="draw from the K most likely tokens")
+    p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return p.parse_args(argv)
+
+
+def validate_args(args: argparse.Namespace):
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
+    if args.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise UserError(f"--seed must be in 0..2**63-1, got {args.seed}")
+
+
+def load_model(args: argparse.Namespace, device: str):
+    if args.checkpoint:
+        return model_from_checkpoint(args.checkpoint, device)
+    from hf_interop import gpt_from_hf
+    return gpt_from_hf(args.hf_model, flag="--hf-model").to(device)
+
+
+def run(args: argparse.Namespace):
+    validate_args(args)
+    device = resolve_device(args.device)
+    enc = get_tokenizer_or_fail()
+    model = load_model(args, device)
+    n_prompt = len(encode_prompt(enc, args.prompt, model.config.vocab_size))  # refuses ids the model lacks
+    if n_prompt >= model.config.block_size:
+        print(f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
+              file=sys.stderr)
+    texts = sample_text(model, enc, device, args.prompt, n=args.num_samples, length=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    for i, text in enumerate(texts, 1):
+        print(f"--- sample {i}/{len(texts)} ---")
+        print(text, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # generated text on a terminal that is not UTF-8
+        sys.stdout.reconfigure(errors="replace")
+    return exit_code_of(lambda: run(args), args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

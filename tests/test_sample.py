@@ -1,0 +1,238 @@
+"""Sampling: the KV cache against full forward passes, sample.py as users run it, and the
+trainer's in-training samples as plain text."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from shards import make_docs, write_shards
+from train_gpt2 import EOT, GPT, GPTConfig
+
+TINY = ["--model", "cpu", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "64",
+        "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "1",
+        "--max-lr", "1e-2", "--val-every", "0", "--hellaswag-every", "0"]
+PROMPT = "Hello, I'm a language model,"
+
+
+def random_gpt(block_size=32, vocab_size=96, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():  # sharper distributions than the init's, so that sampling has structure
+        for p in model.parameters():
+            p.mul_(4.0)
+    return model
+
+
+def run_py(*args, timeout=120):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run folder trained by the real command (GPT-2 vocabulary), with its stdout."""
+    root = tmp_path_factory.mktemp("sample")
+    write_shards(root / "data", make_docs(300, vocab=500), shard_size=2048)
+    proc = run_py("train_gpt2.py", *TINY, "--data-dir", root / "data", "--out-dir", root / "out",
+                  "--max-steps", "2", "--sample-every", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "out", proc.stdout
+
+
+@pytest.fixture(scope="module")
+def small_vocab_run(tmp_path_factory):
+    """A run trained with --vocab-size 128 on shards of ids below 128 (no <|endoftext|>)."""
+    root = tmp_path_factory.mktemp("small_vocab")
+    rng = np.random.default_rng(0)
+    write_shards(root / "data", [rng.integers(0, 128, 3000)], shard_size=1000)
+    proc = run_py("train_gpt2.py", *TINY, "--vocab-size", "128", "--data-dir", root / "data", "--out-dir",
+                  root / "out", "--max-steps", "1", "--sample-every", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "out"
+
+
+def samples_of(stdout):
+    """The texts of sample.py's output, split at its `--- sample i/N ---` lines."""
+    parts = stdout.split("--- sample ")[1:]
+    return [part.split(" ---\n", 1)[1].removesuffix("\n") for part in parts]
+
+
+# ---- the model's KV cache ----
+
+
+def test_cached_logits_equal_the_full_forward():
+    model = random_gpt()
+    seq = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = model(seq)
+        cache = model.new_kv_cache()
+        # a prefill, single tokens, then several new tokens at once after cached ones
+        pieces = [seq[:, :7], *(seq[:, t:t + 1] for t in range(7, 20)), seq[:, 20:]]
+        incremental = torch.cat([model.lm_head(model.hidden_states(p, kv_cache=cache)) for p in pieces], dim=1)
+    assert cache[0].length == 32 and cache[0].k.shape == (3, 2, 32, 16)
+    torch.testing.assert_close(incremental, full, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="longer than block_size"):
+        model.hidden_states(seq[:, :1], kv_cache=cache)
+
+
+@pytest.mark.parametrize("prompt_len, new_tokens", [(5, 20), (5, 60), (40, 10)],
+                         ids=["within-block", "window-slides", "prompt-longer-than-block"])
+def test_cached_generation_draws_the_same_tokens(prompt_len, new_tokens):
+    model = random_gpt()
+    idx = torch.randint(0, 96, (4, prompt_len), generator=torch.Generator().manual_seed(2))
+    runs = {kv: model.generate(idx, new_tokens, temperature=0.9, top_k=40,
+                               generator=torch.Generator().manual_seed(3), kv_cache=kv) for kv in (True, False)}
+    assert runs[True].shape == (4, prompt_len + new_tokens)
+    assert torch.equal(runs[True][:, :prompt_len], idx)
+    assert torch.equal(runs[True], runs[False])
+    assert len({tuple(row) for row in runs[True][:, prompt_len:].tolist()}) == 4  # the rows differ
+
+
+def test_top_k_1_is_greedy_decoding():
+    model = random_gpt()
+    idx = torch.randint(0, 96, (2, 4), generator=torch.Generator().manual_seed(4))
+    expected = idx
+    with torch.no_grad():
+        for _ in range(12):  # reference: argmax of a full forward pass over the whole sequence
+            logits, _ = model(expected)
+            expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    for temperature in (0.5, 1.0, 3.0):
+        assert torch.equal(model.generate(idx, 12, temperature=temperature, top_k=1), expected)
+
+
+def test_temperature_scales_the_logits():
+    """Each draw comes from softmax(logits / T) over the top k: checked against that distribution by
+    counting many one-token draws of the same context."""
+    model = random_gpt(seed=5)
+    idx = torch.zeros(20000, 3, dtype=torch.long)
+    with torch.no_grad():
+        logits = model(idx[:1])[0][0, -1]
+    for temperature in (0.5, 2.0):
+        drawn = model.generate(idx, 1, temperature=temperature, top_k=96,
+                               generator=torch.Generator().manual_seed(6))[:, -1]
+        freq = torch.bincount(drawn, minlength=96).double() / len(drawn)
+        expected = torch.softmax(logits.double() / temperature, dim=-1)
+        assert (freq - expected).abs().max() < 0.015
+
+
+# ---- sample.py ----
+
+
+def test_sample_cli_is_plain_deterministic_text(trained):
+    out, _ = trained
+    args = ["sample.py", "--checkpoint", out, "--num-samples", "3", "--max-new-tokens", "12", "--seed", "7"]
+    first, again, other = run_py(*args), run_py(*args), run_py(*args[:-1], "8")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == again.stdout and first.stdout != other.stdout
+    assert first.stdout.startswith("--- sample 1/3 ---\n" + PROMPT)
+    texts = samples_of(first.stdout)
+    assert len(texts) == 3 and all(t.startswith(PROMPT) and len(t) > len(PROMPT) for t in texts)
+    assert first.stderr == ""
+
+
+def test_sample_cli_equals_sample_text_in_process(trained):
+    """sample.py adds nothing to the trainer's sampling: same texts as train_gpt2.sample_text."""
+    import train_gpt2 as tg
+    out, _ = trained
+    proc = run_py("sample.py", "--checkpoint", out, "--prompt", "def f(x):", "--num-samples", "2",
+                  "--max-new-tokens", "10", "--temperature", "0.7", "--top-k", "5", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    model = tg.model_from_checkpoint(str(out))
+    expected = tg.sample_text(model, tg.get_encoding(), "cpu", "def f(x):", n=2, length=10, temperature=0.7,
+                              top_k=5, seed=3)
+    assert samples_of(proc.stdout) == expected
+
+
+def test_empty_and_long_prompts(trained):
+    out, _ = trained
+    empty = run_py("sample.py", "--checkpoint", out, "--prompt", "", "--num-samples", "1", "--max-new-tokens", "8")
+    assert empty.returncode == 0, empty.stderr
+    (text,) = samples_of(empty.stdout)
+    assert text and not text.startswith("<|endoftext|>")  # started from the token, which is not printed
+    long_prompt = " ".join(["word"] * 100)  # 100 tokens, block size 64
+    proc = run_py("sample.py", "--checkpoint", out, "--prompt", long_prompt, "--num-samples", "1",
+                  "--max-new-tokens", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "note: the prompt is 100 tokens; the model sees only the newest 64\n"
+    assert samples_of(proc.stdout)[0].startswith(long_prompt)
+
+
+BAD_FLAGS = [  # (flags, message, run as a subprocess: one per distinct check, the rest in-process)
+    (["--temperature", "nan"], "--temperature must be a finite number > 0, got nan", True),
+    (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0", False),
+    (["--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0", False),
+    (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf", False),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0", True),
+    (["--num-samples", "0"], "--num-samples must be >= 1, got 0", True),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", True),
+    (["--seed", "-1"], "--seed must be in 0..2**63-1, got -1", True),
+    (["--device", "gpu"], "--device gpu: expected auto, cpu, cuda, cuda:N or mps", True),
+]
+
+
+@pytest.mark.parametrize("flags, message, subprocess_run", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
+def test_bad_flags_are_one_line_errors(trained, capsys, flags, message, subprocess_run):
+    import sample
+    out, _ = trained
+    if subprocess_run:
+        proc = run_py("sample.py", "--checkpoint", out, *flags)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
+    else:
+        assert sample.main(["--checkpoint", str(out), *flags]) == 2
+        assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+def test_bad_sources_are_one_line_errors(tmp_path):
+    for flag, path, message in [("--checkpoint", tmp_path, f"no checkpoint (ckpt_NNNNNNN.pt) in {tmp_path}"),
+                                ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
+                                ("--hf-model", tmp_path / "nope", "--hf-model")]:
+        proc = run_py("sample.py", flag, path)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
+    proc = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "Hello")
+    assert (proc.returncode, proc.stderr) == (
+        2, "error: the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids\n")
+    empty = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "")
+    assert empty.returncode == 2 and f"token {EOT} ('<|endoftext|>')" in empty.stderr
+    ok = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "!#", "--num-samples", "1",
+                "--max-new-tokens", "4")  # ids 0 and 2
+    assert ok.returncode == 0, ok.stderr
+    assert samples_of(ok.stdout)[0].startswith("!#")
+
+
+def test_hf_model_greedy_equals_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    import train_gpt2 as tg
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                    activation_function="gelu_new")).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(5.0)  # clear argmaxes
+    hf.save_pretrained(str(tmp_path / "hf"))
+    proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", PROMPT, "--num-samples", "1",
+                  "--max-new-tokens", "12", "--top-k", "1")
+    assert proc.returncode == 0, proc.stderr
+    enc = tg.get_encoding()
+    ids = torch.tensor([enc.encode(PROMPT)])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          pad_token_id=0)
+    assert samples_of(proc.stdout) == [enc.decode(ref[0].tolist())]
+
+
+# ---- the trainer's samples ----
+
+
+def test_trainer_prints_samples_as_plain_text(trained):
+    _, stdout = trained
+    lines = [line for line in stdout.splitlines() if line.startswith("sample: ")]
+    assert len(lines) == 4 and all(line.startswith(f"sample: {PROMPT}") for line in lines)
