@@ -4,9 +4,12 @@
     python plot_log.py out/log.jsonl -o run.png --baseline-hellaswag 0.2955
 
 Panels: train and validation loss; HellaSwag accuracy (when the log has any or a baseline
-is given; the baseline is a horizontal line labelled "GPT-2 124M"); learning rate. The loss axis is linear
+is given; the baseline is a horizontal line labelled "GPT-2 124M"); learning rate. The train
+loss is drawn faint, step by step, under its exponential moving average (--smooth). A dotted
+vertical line marks each step where the run was resumed. The loss axis is linear
 and, by default, its top is set from the run after its first steps so that the initial
 loss (about 11 for GPT-2) does not flatten the rest of the curve (--no-clip shows it all).
+Records of other kinds in the log are ignored.
 
 matplotlib is optional: it is imported only when plotting, with the Agg backend (no display).
 """
@@ -19,6 +22,8 @@ import os
 import sys
 
 BASELINE_LABEL = "GPT-2 124M"
+NUMERIC_KEYS = ("step", "loss", "val_loss", "hellaswag_acc", "lr")  # what the plots read
+DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
 
 
 class UserError(Exception):
@@ -33,12 +38,17 @@ def find_log(path: str) -> str:
     return log
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def load_records(log: str) -> list[dict]:
     """The JSON objects of log.jsonl, in file order. Malformed lines (a write cut by a crash)
-    are skipped with a warning on stderr."""
+    are skipped with a warning on stderr; a record whose step or plotted value is not a
+    number is an error naming its line."""
     records, bad = [], 0
     with open(log) as f:
-        for line in f:
+        for line_no, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
@@ -47,10 +57,13 @@ def load_records(log: str) -> list[dict]:
             except json.JSONDecodeError:
                 bad += 1
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-                records.append(record)
-            else:
+            if not isinstance(record, dict) or "step" not in record:
                 bad += 1
+                continue
+            for key in NUMERIC_KEYS:
+                if record.get(key) is not None and not is_number(record[key]):
+                    raise UserError(f"{log} line {line_no}: {key} is {record[key]!r}, not a number")
+            records.append(record)
     if bad:
         print(f"warning: skipped {bad} malformed line(s) in {log}", file=sys.stderr)
     if not records:
@@ -68,6 +81,31 @@ def series(records: list[dict], key: str) -> tuple[list, list]:
     return steps, [by_step[s] for s in steps]
 
 
+def ema(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average, debiased so that the first points are not pulled toward 0
+    (as TensorBoard smooths); a non-finite value is left out and the average carries over it."""
+    out, avg, norm = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            avg = weight * avg + (1 - weight) * v
+            norm = weight * norm + (1 - weight)
+        out.append(avg / norm if norm else math.nan)
+    return out
+
+
+def resume_steps(records: list[dict]) -> list:
+    """Steps where the run was resumed: the trainer's {"event": "resume", "step": S} records,
+    and, in a log without them, each place where the training steps go back."""
+    steps = {r["step"] for r in records if r.get("event") == "resume"}
+    last = None
+    for r in records:
+        if "loss" in r:
+            if last is not None and r["step"] <= last:
+                steps.add(r["step"])
+            last = r["step"]
+    return sorted(steps)
+
+
 def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     """y-limits that ignore the first skip_frac of training steps (the initial drop from ~11),
     or None when the run is too short for that to matter."""
@@ -82,9 +120,11 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     return lo - pad, hi + pad
 
 
-def make_figure(records: list[dict], baseline: float | None = None, clip: bool = True, title: str | None = None):
+def make_figure(records: list[dict], baseline: float | None = None, clip: bool = True, title: str | None = None,
+                smooth: float = DEFAULT_SMOOTH):
     """A matplotlib Figure with a loss panel, a HellaSwag panel when records have any
-    hellaswag_acc, and a learning-rate panel. Axes are in that order; lines carry labels."""
+    hellaswag_acc, and a learning-rate panel. Axes are in that order; lines carry labels.
+    smooth: the EMA weight of the train-loss line (0: no EMA line)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -105,7 +145,11 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     axes = list(axes[:, 0])
     ax = axes[0]
     if train_steps:
-        ax.plot(train_steps, train_loss, lw=0.8, alpha=0.8, color="tab:blue", label="train loss")
+        faint = dict(lw=0.6, alpha=0.3) if smooth else dict(lw=0.8, alpha=0.8)
+        ax.plot(train_steps, train_loss, color="tab:blue", label="train loss", **faint)
+        if smooth:
+            ax.plot(train_steps, ema(train_loss, smooth), lw=1.5, color="tab:blue",
+                    label=f"train loss (EMA {smooth:g})")
     if val_steps:
         ax.plot(val_steps, val_loss, marker="o", ms=3, color="tab:orange", label="val loss")
     ylim = loss_ylim(train_loss, val_loss) if clip else None
@@ -133,6 +177,13 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 
+    resumes = resume_steps(records)
+    for n, step in enumerate(resumes):
+        for ax in axes:
+            ax.axvline(step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_")
+    if resumes:
+        axes[0].legend(loc="upper right")  # again, now with the resume line
+
     summary = []
     if train_steps:
         summary.append(f"step {train_steps[-1]}: loss {train_loss[-1]:.4f}")
@@ -145,13 +196,22 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     return fig
 
 
-def plot_log(path: str, out: str | None = None, baseline: float | None = None, clip: bool = True) -> str:
-    """Read path (out dir or log.jsonl), write the PNG (default: loss.png beside the log)."""
+def plot_log(path: str, out: str | None = None, baseline: float | None = None, clip: bool = True,
+             smooth: float = DEFAULT_SMOOTH) -> str:
+    """Read path (out dir or log.jsonl), write the image (default: loss.png beside the log; the
+    format follows the extension)."""
+    if not 0 <= smooth < 1:
+        raise UserError(f"--smooth must be in [0, 1), got {smooth}")
     log = find_log(path)
     records = load_records(log)
-    fig = make_figure(records, baseline=baseline, clip=clip, title=log)
+    fig = make_figure(records, baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
     try:
+        extension = os.path.splitext(out)[1].lower().lstrip(".")
+        formats = fig.canvas.get_supported_filetypes()
+        if extension and extension not in formats:  # no extension: PNG
+            raise UserError(f"cannot write {out}: unknown image type .{extension} "
+                            f"(use {', '.join('.' + f for f in sorted(formats))})")
         fig.savefig(out, dpi=120)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None
@@ -168,10 +228,13 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-hellaswag", type=float, metavar="ACC",
                    help=f"draw a horizontal line labelled '{BASELINE_LABEL}' at this accuracy (e.g. 0.2955)")
     p.add_argument("--no-clip", action="store_true", help="show the whole loss range, first steps included")
+    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH, metavar="W",
+                   help=f"EMA weight of the smoothed train-loss line, in [0, 1) (default {DEFAULT_SMOOTH}; 0: none)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     args = p.parse_args(argv)
     try:
-        out = plot_log(args.path, args.out, baseline=args.baseline_hellaswag, clip=not args.no_clip)
+        out = plot_log(args.path, args.out, baseline=args.baseline_hellaswag, clip=not args.no_clip,
+                       smooth=args.smooth)
     except UserError as e:
         if args.debug:
             raise

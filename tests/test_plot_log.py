@@ -47,9 +47,11 @@ def test_make_figure_panels_and_data_equal_the_log():
         val = [r for r in records if "val_loss" in r]
         hs = [r for r in records if "hellaswag_acc" in r]
         lines = lines_by_label(loss_ax)
-        assert set(lines) == {"train loss", "val loss"}
+        assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss"}
         assert list(lines["train loss"].get_xdata()) == [r["step"] for r in train]
         assert list(lines["train loss"].get_ydata()) == [r["loss"] for r in train]
+        assert lines["train loss"].get_alpha() == 0.3  # raw points faint under the EMA
+        assert list(lines["train loss (EMA 0.9)"].get_ydata()) == plot_log.ema([r["loss"] for r in train], 0.9)
         assert list(lines["val loss"].get_ydata()) == [r["val_loss"] for r in val]
         lo, hi = loss_ax.get_ylim()  # clipped: the first steps' ~11 is off the top
         assert hi < max(r["loss"] for r in train) and lo <= min(r["loss"] for r in train)
@@ -127,3 +129,85 @@ def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert plot_log.main([str(tmp_path)]) == 2
     assert capsys.readouterr().err == "error: matplotlib is not installed: pip install matplotlib\n"
+
+
+def test_ema_reference_values():
+    assert plot_log.ema([3.0, 3.0, 3.0], 0.9) == pytest.approx([3.0, 3.0, 3.0], abs=1e-12)  # no pull toward 0
+    assert plot_log.ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 5.0 / 0.75], abs=1e-12)
+    smoothed = plot_log.ema([float("nan"), 2.0, float("inf"), 4.0], 0.5)
+    assert math.isnan(smoothed[0])
+    assert smoothed[1:] == pytest.approx([2.0, 2.0, (0.5 + 2.0) / 0.75], abs=1e-12)  # carried over inf
+
+
+def test_smooth_0_draws_no_ema_line():
+    pytest.importorskip("matplotlib")
+    fig = plot_log.make_figure(fake_records(hellaswag=False), smooth=0)
+    try:
+        assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_resumes_are_marked_on_every_panel():
+    pytest.importorskip("matplotlib")
+    records = fake_records(n=40, hellaswag=False)
+    records.insert(25, dict(event="resume", step=12))  # the trainer's record
+    records += [dict(step=s, loss=3.0, lr=1e-4) for s in range(30, 45)]  # an older log: steps go back to 30
+    records.append(dict(step=44, event="something new", note="ignored"))
+    assert plot_log.resume_steps(records) == [12, 30]
+    fig = plot_log.make_figure(records)
+    try:
+        for ax in fig.axes:
+            marks = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+            assert [list(line.get_xdata()) for line in marks] == [[12, 12], [30, 30]]
+        labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert labels.count("resumed") == 1
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_trainer_logs_its_resumes_for_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    import train_gpt2 as tg
+    from shards import make_docs, write_shards
+    write_shards(tmp_path / "data", make_docs(200), shard_size=2048)
+    args = ["--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "out"), "--n-layer", "1",
+            "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "32", "--batch-size", "2",
+            "--total-batch-size", "64", "--warmup-steps", "1", "--val-every", "0", "--sample-every", "0",
+            "--hellaswag-every", "0", "--ckpt-every", "2"]
+    assert tg.main([*args, "--max-steps", "3"]) == 0
+    assert tg.main([*args, "--max-steps", "5", "--resume"]) == 0  # from step 3 (the last checkpoint)
+    records = plot_log.load_records(str(tmp_path / "out" / "log.jsonl"))
+    assert [r for r in records if "event" in r] == [dict(event="resume", step=3)]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3, 4]
+    assert plot_log.resume_steps(records) == [3]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"step": 2, "loss": "abc"}', "line 3: loss is 'abc', not a number"),
+    ('{"step": 2, "loss": 3.5, "lr": [1]}', "line 3: lr is [1], not a number"),
+    ('{"step": true, "loss": 3.5}', "line 3: step is True, not a number"),
+])
+def test_non_numeric_values_are_one_line_errors(tmp_path, line, message):
+    log = write_log(tmp_path / "run", fake_records(n=2, every=5, hellaswag=False)[:2], tail=line + "\n")
+    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {log} {message}\n")
+
+
+def test_bad_output_type_and_smoothing_are_one_line_errors(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = write_log(tmp_path / "run", fake_records(n=5, every=2))
+    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "plot.xyz")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: cannot write {tmp_path / 'plot.xyz'}: unknown image type .xyz (use ")
+    assert ".png" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "plot.xyz").exists()
+    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log), "--smooth", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "error: --smooth must be in [0, 1), got 1.0\n")
+    assert plot_log.main([str(log), "-o", str(tmp_path / "plot.svg")]) == 0  # the extension picks the format
+    assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
