@@ -132,8 +132,11 @@ class _Rendered:
     Errors name the flag that gave the file (flag) and its line number."""
 
     def __init__(self, path: str, flag: str):
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise UserError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:

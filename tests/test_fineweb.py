@@ -594,6 +594,14 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file):
     assert list(out.iterdir()) == []  # no shard that the manifest does not list
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_input_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    os.chmod(path, 0)
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert (result.returncode, only_line(result)) == (2, f"error: cannot read {path}: permission denied")
+
+
 def test_all_val_shards_is_said(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M")

@@ -327,6 +327,15 @@ def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
         2, f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n")
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file_is_one_line(tmp_path):
+    path = write_records(tmp_path / "locked.jsonl")
+    os.chmod(path, 0)
+    with pytest.raises(UserError) as e:
+        hs.load_examples(path)
+    assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
+
+
 def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
     path = tmp_path / "tensor.pt"
     torch.save(torch.zeros(3), path)
