@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# From a fresh clone to a trained GPT-2 with its loss curve, evaluation and samples:
+#
+#   bash quickstart.sh                    # everything, with the defaults below
+#   bash quickstart.sh --max-steps 300    # extra arguments go to train_gpt2.py and override them
+#
+# 1. a virtual environment (.venv) with torch (the CPU build where there is no NVIDIA GPU,
+#    else the CUDA build) and requirements.txt (+ matplotlib);
+# 2. the Python standard library's sources, which every machine has, tokenized by fineweb.py
+#    into data/stdlib (~2M tokens: 256K-token shards, the first one is validation);
+# 3. training: on a CPU the `cpu` preset (4 layers, 128 wide; 100 steps of 2048 tokens, a few
+#    minutes), on a GPU the GPT-2 124M shape on the same data (200 steps of 128K tokens), with
+#    the trainer's GPU defaults (bf16, torch.compile), into out/quickstart (out/quickstart-gpu);
+# 4. HellaSwag on its first 200 examples (skipped, in one line, when the data cannot be had);
+# 5. the loss curve (OUT/loss.png, plot_log.py) and a few samples (sample.py).
+#
+# Rerunning reuses what is done: the environment, the tokenized data, and the checkpoints
+# (training resumes with --resume; a finished run just evaluates again). Delete data/stdlib
+# or the out folder to start over.
+#
+# Environment variables:
+#   TIKTOKEN_CACHE_DIR       folder holding the GPT-2 BPE (r50k_base), needed without internet
+#   HELLASWAG_DIR            where hellaswag_val.jsonl is looked for / downloaded to
+#   QUICKSTART_VENV          the virtual environment to use or create (default: .venv)
+#   QUICKSTART_FINEWEB_ARGS  extra fineweb.py arguments, e.g. "--max-tokens 40K --shard-size 8K"
+set -euo pipefail
+cd "$(dirname "$0")"
+START=$SECONDS
+
+say() { echo "quickstart: $*"; }
+die() { echo "error: $*" >&2; exit 2; }
+
+# ---- 1. environment
+
+VENV=${QUICKSTART_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  command -v python3 >/dev/null || die "python3 not found: install Python 3.10 or newer"
+  python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || die "Python 3.10 or newer is needed, python3 is $(python3 -V 2>&1)"
+  say "creating the virtual environment $VENV"
+  python3 -m venv "$VENV" || die "python3 -m venv failed (on Debian/Ubuntu: apt install python3-venv)"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install -q)
+
+newest_cpu_torch() {
+  # the newest torch>=2.6 built for CPU ("+cpu") that pip's configured sources offer, if any
+  "$PY" -m pip index versions torch 2>/dev/null | "$PY" -c '
+import re, sys
+found = re.search(r"Available versions: (.*)", sys.stdin.read())
+versions = [v.strip() for v in found.group(1).split(",")] if found else []
+print(next((v for v in versions if v.endswith("+cpu") and tuple(map(int, v.split(".")[:2])) >= (2, 6)), ""))'
+}
+
+install_torch() {
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    say "installing torch (CUDA build: an NVIDIA GPU is present)"
+    "${PIP[@]}" "torch>=2.6"
+    return
+  fi
+  if [ "$(uname -s)" != Linux ]; then  # PyPI's torch for macOS and Windows is the CPU build
+    say "installing torch"
+    "${PIP[@]}" "torch>=2.6"
+    return
+  fi
+  local version
+  version=$(newest_cpu_torch)
+  if [ -n "$version" ]; then
+    say "installing torch $version (no NVIDIA GPU: the CPU build)"
+    "${PIP[@]}" "torch==$version"
+  elif "$PY" -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/", timeout=5)' \
+      >/dev/null 2>&1; then
+    say "installing torch from download.pytorch.org/whl/cpu (no NVIDIA GPU: the CPU build)"
+    "${PIP[@]}" "torch>=2.6" --index-url https://download.pytorch.org/whl/cpu
+  else
+    say "download.pytorch.org is unreachable: installing PyPI's torch (its Linux build carries CUDA" \
+        "libraries, larger, and runs on the CPU too)"
+    "${PIP[@]}" "torch>=2.6"
+  fi
+}
+
+"$PY" -c 'import torch' 2>/dev/null || install_torch
+"${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
+"$PY" -c 'import fineweb; fineweb.get_encoding()' 2>/dev/null \
+  || die "the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR" \
+         "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)"
+GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
+
+# ---- 2. data
+
+DATA=data/stdlib
+if [ "$GPU" = 1 ]; then
+  OUT=out/quickstart-gpu
+  TRAIN_ARGS=(--model gpt2 --seq-len 1024 --batch-size 16 --total-batch-size 131072 --max-steps 200
+              --warmup-steps 20 --max-lr 6e-4 --val-every 50 --val-steps 4 --sample-every 100
+              --ckpt-every 100 --hellaswag-every 0)
+else
+  OUT=out/quickstart
+  TRAIN_ARGS=(--model cpu --seq-len 128 --batch-size 16 --total-batch-size 2048 --max-steps 100
+              --warmup-steps 10 --max-lr 3e-3 --val-every 25 --val-steps 4 --sample-every 50
+              --ckpt-every 50 --hellaswag-every 0)
+fi
+prev=
+for arg in "$@"; do  # the later steps follow an --out-dir or --data-dir given to the trainer
+  case "$prev" in --out-dir) OUT=$arg ;; --data-dir) DATA=$arg ;; esac
+  case "$arg" in --out-dir=*) OUT=${arg#*=} ;; --data-dir=*) DATA=${arg#*=} ;; esac
+  prev=$arg
+done
+
+if [ "$DATA" = data/stdlib ]; then
+  if "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["complete"])' \
+      data/stdlib/manifest.json 2>/dev/null; then
+    say "reusing the tokenized standard library in data/stdlib"
+  else
+    STDLIB=$("$PY" -c 'import os; print(os.path.dirname(os.__file__))')
+    say "tokenizing the Python standard library ($STDLIB/*.py) into data/stdlib"
+    # shellcheck disable=SC2086  # QUICKSTART_FINEWEB_ARGS is a list of arguments
+    "$PY" fineweb.py --files "$STDLIB/*.py" --doc-per-file --shard-size 256K --prefix stdlib \
+      --out-dir data/stdlib ${QUICKSTART_FINEWEB_ARGS:-}
+  fi
+fi
+
+# ---- 3. training
+
+RESUME=  # before the user's arguments, so that their --resume PATH wins
+if compgen -G "$OUT/ckpt_[0-9]*.pt" >/dev/null; then
+  RESUME=--resume
+  say "resuming the run in $OUT"
+fi
+say "training: train_gpt2.py ${TRAIN_ARGS[*]} --data-dir $DATA --out-dir $OUT $RESUME $*"
+"$PY" train_gpt2.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" --out-dir "$OUT" $RESUME "$@"
+
+# ---- 4. evaluation
+
+say "HellaSwag, first 200 examples"
+if ! "$PY" hellaswag.py --checkpoint "$OUT" --limit 200 2>"$OUT/hellaswag.err" | tail -n 1; then
+  say "skipping HellaSwag: $(tail -n 1 "$OUT/hellaswag.err")"
+fi
+rm -f "$OUT/hellaswag.err"
+
+# ---- 5. loss curve and samples
+
+"$PY" plot_log.py "$OUT" -o "$OUT/loss.png"
+say "samples"
+"$PY" sample.py --checkpoint "$OUT" --prompt "def " --num-samples 3 --max-new-tokens 64
+say "done in $((SECONDS - START)) s: checkpoints, log.jsonl and loss.png in $OUT"

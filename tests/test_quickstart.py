@@ -1,0 +1,75 @@
+"""quickstart.sh in a fresh clone, as a user runs it (tiny overrides), then rerun: it resumes and
+reuses. It uses the test's own virtual environment (QUICKSTART_VENV) rather than building one."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SHARED
+
+TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
+TINY_TRAIN = ["--max-steps", "3", "--batch-size", "4", "--total-batch-size", "512", "--val-every", "2",
+              "--val-steps", "2", "--sample-every", "0", "--ckpt-every", "2"]
+
+
+HELLASWAG = SHARED / "data" / "hellaswag"
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and a git checkout of the repo")
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("needs the tests to run in a virtual environment, which quickstart.sh then uses")
+    path = tmp_path_factory.mktemp("quickstart") / "repo"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(path)], check=True, timeout=60)
+    return path
+
+
+def quickstart(clone, *args, **env):
+    hellaswag_dir = HELLASWAG if HELLASWAG.is_dir() else clone / "hellaswag"  # else: downloaded, or skipped
+    env = {**os.environ, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
+           "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(["bash", "quickstart.sh", *args], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_quickstart_runs_then_resumes_and_reuses(clone):
+    first = quickstart(clone, *TINY_TRAIN)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = first.stdout
+    assert "creating the virtual environment" not in out  # QUICKSTART_VENV is used as it is
+    assert "quickstart: tokenizing the Python standard library" in out
+    assert "step     2/3 | loss" in out and "step     3 | val loss" in out
+    if (HELLASWAG / "hellaswag_val.jsonl").is_file():
+        assert '"n": 200}' in out
+    else:  # downloaded, or skipped in one line
+        assert '"n": 200}' in out or "quickstart: skipping HellaSwag: error: " in out
+    run = clone / "out" / "quickstart"
+    assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    samples = out.split("quickstart: samples\n", 1)[1]
+    assert [line for line in samples.splitlines() if line.startswith("---")] == [
+        "--- sample 1/3 ---", "--- sample 2/3 ---", "--- sample 3/3 ---"]
+    assert samples.split("--- sample 1/3 ---\n", 1)[1].startswith("def ")
+    assert sorted(p.name for p in run.glob("ckpt_*.pt")) == ["ckpt_0000002.pt", "ckpt_0000003.pt"]
+
+    again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4")  # the later value wins, as in argparse
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "quickstart: reusing the tokenized standard library in data/stdlib" in again.stdout
+    assert "resumed from out/quickstart/ckpt_0000003.pt at step 3" in again.stdout
+    assert "step     3/4 | loss" in again.stdout and "step     2/4" not in again.stdout
+    assert (run / "ckpt_0000004.pt").is_file()
+
+
+def test_without_the_bpe_it_says_what_to_set(clone, tmp_path):
+    # an empty tiktoken cache and no way out (a proxy that refuses): the BPE cannot be had
+    proc = quickstart(clone, TIKTOKEN_CACHE_DIR=str(tmp_path), HTTPS_PROXY="http://127.0.0.1:9",
+                      https_proxy="http://127.0.0.1:9")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "error: the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR "
+        "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)")
+    assert "quickstart: tokenizing" not in proc.stdout
