@@ -264,6 +264,11 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
                 assert proc.poll() is None, proc.communicate()
                 time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
+        # another thread of the process may take the signal, leaving the main thread blocked in the
+        # fifo's read: end that read (empty) once the signal is pending, so the interrupt is seen
+        time.sleep(0.5)
+        os.close(writer)
+        writer = None
         out, err = proc.communicate(timeout=60)
     finally:
         if writer is not None:
