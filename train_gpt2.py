@@ -1520,7 +1520,7 @@ class Trainer:
         self.log = RunLog(run.out_dir, d.is_main and not run.eval_only, self.log_point, self.ckpt_path)
         if d.is_main:
             self.log.sinks = open_sinks(run, self.model_cfg, self.start_step if self.ckpt_path else None)
-        if self.ckpt_path and not run.eval_only:
+        if self.ckpt_path and not run.eval_only and self.start_step < run.max_steps:  # (else: nothing to train)
             self.log.write(event="resume", step=self.start_step)  # plot_log.py marks it on the curves
         self.stop = StopSignal()
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
