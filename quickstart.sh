@@ -91,7 +91,7 @@ GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
 DATA=data/stdlib
 if [ "$GPU" = 1 ]; then
   OUT=out/quickstart-gpu
-  TRAIN_ARGS=(--model gpt2 --seq-len 1024 --batch-size 16 --total-batch-size 131072 --max-steps 200
+  TRAIN_ARGS=(--model gpt2 --seq-len 1024 --batch-size 8 --total-batch-size 131072 --max-steps 200
               --warmup-steps 20 --max-lr 6e-4 --val-every 50 --val-steps 4 --sample-every 100
               --ckpt-every 100 --hellaswag-every 0)
 else
