@@ -41,8 +41,29 @@ import tiktoken
 
 # --- errors and sizes ------------------------------------------------------------------------
 
-class FatalError(Exception):
-    """A problem the user can fix; main() prints it as one line, without a traceback."""
+class UserError(Exception):
+    """A problem the user can fix: exit_code_of prints it as one `error:` line, exit code 2, no
+    traceback. train_gpt2.py and its sibling scripts raise this same class (they import it)."""
+
+
+def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
+                 interrupted: str = "error: interrupted") -> int:
+    """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
+    also_catch); or 130 (128 + SIGINT, as a shell reports it) and the `interrupted` line for a
+    Ctrl-C that no handler turned into a clean stop. With debug, the traceback instead."""
+    try:
+        action()
+    except (UserError, *also_catch) as e:
+        if debug:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(interrupted, file=sys.stderr, flush=True)
+        return 130
+    return 0
 
 
 def one_line(e: BaseException) -> str:
@@ -51,10 +72,11 @@ def one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def os_reason(e: OSError) -> str:
+def os_error_reason(e: Exception) -> str:
     """'no space left on device', 'permission denied', ...: an OSError without the file name
-    (which a failed write() does not carry anyway), to follow the name in our message."""
-    reason = e.strerror or one_line(e)
+    (which a failed write() does not carry anyway), to follow the name in our message; another
+    exception (torch.save's RuntimeError, safetensors' error) as its text on one line."""
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
     return reason[:1].lower() + reason[1:]
 
 
@@ -108,7 +130,7 @@ def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
     parts.append(_encode_joined(enc, docs[start:]))
     tokens = np.concatenate(parts)
     if tokens.size and tokens.max() > np.iinfo(np.uint16).max:
-        raise FatalError(f"token id {tokens.max()} does not fit in uint16; "
+        raise UserError(f"token id {tokens.max()} does not fit in uint16; "
                          f"the tokenizer is not GPT-2's {ENCODING_NAME}")
     return tokens.astype("<u2")
 
@@ -130,7 +152,7 @@ def resolve_files(patterns: list) -> list:
         matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
                          if os.path.isfile(p))
         if not matched:
-            raise FatalError(f"--files {pattern!r} matches no files")
+            raise UserError(f"--files {pattern!r} matches no files")
         files.extend(matched)
     return list(dict.fromkeys(files))
 
@@ -140,17 +162,17 @@ def iter_file_documents(files: list, text_field: str, doc_per_file: bool, utf8_e
         try:
             yield from _iter_one_file(path, text_field, doc_per_file, utf8_errors)
         except UnicodeDecodeError as e:
-            raise FatalError(
+            raise UserError(
                 f"{path} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} cannot be decoded); "
                 "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace") from e
         except EOFError:  # gzip's only sign of a cut-off file
-            raise FatalError(f"{path} is truncated (the gzip data ends early); "
+            raise UserError(f"{path} is truncated (the gzip data ends early); "
                              "re-create it or leave it out of --files") from None
         except (gzip.BadGzipFile, zlib.error) as e:  # before OSError: BadGzipFile is one
-            raise FatalError(f"{path} is not valid gzip data ({one_line(e)}); "
+            raise UserError(f"{path} is not valid gzip data ({one_line(e)}); "
                              "re-create it or leave it out of --files") from None
         except OSError as e:  # a read() error carries no file name
-            raise FatalError(f"cannot read {path}: {os_reason(e)}") from None
+            raise UserError(f"cannot read {path}: {os_error_reason(e)}") from None
 
 
 def _iter_one_file(path: str, text_field: str, doc_per_file: bool, utf8_errors: str):
@@ -178,10 +200,10 @@ def _iter_json_lines(f, path: str, text_field: str):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise FatalError(f"{path}:{number}: not JSON Lines ({e.msg}); "
+            raise UserError(f"{path}:{number}: not JSON Lines ({e.msg}); "
                              ".json/.jsonl files must hold one JSON object per line") from None
         if not isinstance(row, dict):
-            raise FatalError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
+            raise UserError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
         yield _text_of(row, text_field, f"{path}:{number}")
 
 
@@ -190,19 +212,19 @@ def _iter_parquet(path: str, text_field: str):
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise FatalError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
+        raise UserError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
     try:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
         if text_field not in names:
-            raise FatalError(_missing_field(path, text_field, names))
+            raise UserError(_missing_field(path, text_field, names))
         row = 0
         for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
             for text in batch.column(0).to_pylist():
                 yield _checked_text(text, text_field, f"{path} row {row}")
                 row += 1
     except (pa.ArrowException, OSError) as e:  # a damaged footer, page or schema; pyarrow's I/O errors
-        raise FatalError(f"{path} is not a readable Parquet file ({one_line(e)}); "
+        raise UserError(f"{path} is not a readable Parquet file ({one_line(e)}); "
                          "re-create it or leave it out of --files") from None
 
 
@@ -219,14 +241,14 @@ def hub_revision(dataset: str) -> str:
         from huggingface_hub import HfApi
         from huggingface_hub.utils import RepositoryNotFoundError
     except ImportError:
-        raise FatalError(DATASETS_HINT) from None
+        raise UserError(DATASETS_HINT) from None
     try:
         return HfApi().dataset_info(dataset, timeout=HUB_TIMEOUT_S).sha
     except RepositoryNotFoundError:
-        raise FatalError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub (a private "
+        raise UserError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub (a private "
                          "one needs `hf auth login`)") from None
     except Exception as e:  # no network, DNS, proxy, timeout, server errors
-        raise FatalError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
+        raise UserError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
                          f"({type(e).__name__}: {one_line(e)}); {OFFLINE_HINT}") from None
 
 
@@ -241,7 +263,7 @@ def _iter_hub_rows(dataset: str, name, split: str, revision, debug: bool):
     try:
         import datasets
     except ImportError:
-        raise FatalError(DATASETS_HINT) from None
+        raise UserError(DATASETS_HINT) from None
     if not debug:  # the Hub client logs every retry; one final line is enough
         for logger in ("huggingface_hub", "datasets", "fsspec"):
             logging.getLogger(logger).setLevel(logging.ERROR)
@@ -249,13 +271,13 @@ def _iter_hub_rows(dataset: str, name, split: str, revision, debug: bool):
         # streaming: rows arrive as they are read, so --max-tokens needs only the first part
         yield from datasets.load_dataset(dataset, name=name, split=split, revision=revision, streaming=True)
     except Exception as e:
-        raise FatalError(f"could not read {where} from the Hugging Face Hub "
+        raise UserError(f"could not read {where} from the Hugging Face Hub "
                          f"({type(e).__name__}: {one_line(e)}); {OFFLINE_HINT}") from e
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
     if text_field not in row:
-        raise FatalError(_missing_field(where, text_field, list(row)))
+        raise UserError(_missing_field(where, text_field, list(row)))
     return _checked_text(row[text_field], text_field, where)
 
 
@@ -266,7 +288,7 @@ def _missing_field(where: str, text_field: str, fields: list) -> str:
 
 def _checked_text(text, text_field: str, where: str) -> str:
     if not isinstance(text, str):
-        raise FatalError(f"{where}: field {text_field!r} holds {type(text).__name__}, not text")
+        raise UserError(f"{where}: field {text_field!r} holds {type(text).__name__}, not text")
     return text
 
 
@@ -349,7 +371,7 @@ def write_atomically(path: str, *blobs) -> None:
     except OSError as e:  # a full disk, a quota, permissions
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise FatalError(f"cannot write {path}: {os_reason(e)}; the shards that {MANIFEST} lists are "
+        raise UserError(f"cannot write {path}: {os_error_reason(e)}; the shards that {MANIFEST} lists are "
                          "complete: fix this and run the same command again to resume") from None
 
 
@@ -378,7 +400,7 @@ class ShardWriter:
         try:
             self.buffer = np.empty(config["shard_size"], dtype="<u2")
         except MemoryError:
-            raise FatalError(f"--shard-size {config['shard_size']:,}: not enough memory for one shard's "
+            raise UserError(f"--shard-size {config['shard_size']:,}: not enough memory for one shard's "
                              f"buffer ({2 * config['shard_size'] / 1e9:.1f} GB); choose a smaller "
                              "--shard-size") from None
         self.filled = 0
@@ -437,7 +459,7 @@ class ShardWriter:
         })
         try:
             save_manifest(self.out_dir, self.manifest)
-        except FatalError:  # the folder holds exactly what the manifest lists, so a rerun resumes
+        except UserError:  # the folder holds exactly what the manifest lists, so a rerun resumes
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(self.out_dir, name))
             raise
@@ -453,7 +475,7 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
         pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
         strays = glob.glob(os.path.join(glob.escape(out_dir), pattern))
         if strays:
-            raise FatalError(f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
+            raise UserError(f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
                              f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir")
         return {"source": source, "tokenizer": f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})",
                 "dtype": "uint16", "config": config, "inputs": inputs, "complete": False, "shards": []}
@@ -461,16 +483,16 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
     changed = [f"{key} {manifest['config'].get(key)!r} -> {value!r}"
                for key, value in config.items() if manifest["config"].get(key) != value]
     if changed:
-        raise FatalError(f"{path} was written with other arguments ({'; '.join(changed)}); "
+        raise UserError(f"{path} was written with other arguments ({'; '.join(changed)}); "
                          "rerun with the same arguments to resume, or use another --out-dir")
     what = changed_input(manifest.get("inputs"), inputs)
     if what:
-        raise FatalError(f"the --files input changed since {path} was written: {what}, so new shards "
+        raise UserError(f"the --files input changed since {path} was written: {what}, so new shards "
                          f"would not continue the old ones; restore it, or delete {out_dir} and start over")
     for shard in manifest["shards"]:
         shard_path = os.path.join(out_dir, shard["file"])
         if not os.path.isfile(shard_path) or os.path.getsize(shard_path) != shard["bytes"]:
-            raise FatalError(f"{shard_path}, listed in {path}, is missing or truncated; "
+            raise UserError(f"{shard_path}, listed in {path}, is missing or truncated; "
                              "delete the folder and start over")
     return manifest
 
@@ -484,7 +506,7 @@ def read_manifest(path: str) -> dict:
                         for shard in manifest["shards"])):
             raise TypeError
     except (ValueError, KeyError, TypeError):  # not JSON (or not UTF-8), or not our layout
-        raise FatalError(f"{path} is not a manifest written by fineweb.py; use an empty --out-dir") from None
+        raise UserError(f"{path} is not a manifest written by fineweb.py; use an empty --out-dir") from None
     return manifest
 
 
@@ -496,7 +518,7 @@ def input_listing(files: list) -> list:
         try:
             st = os.stat(path)
         except OSError as e:
-            raise FatalError(f"cannot read {path}: {os_reason(e)}") from None
+            raise UserError(f"cannot read {path}: {os_error_reason(e)}") from None
         listing.append([path, st.st_size, st.st_mtime_ns])
     return listing
 
@@ -530,7 +552,7 @@ def output_folder(out_dir: str):
         if not os.access(out_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as e:
-        raise FatalError(f"cannot create shards in --out-dir {out_dir}: {os_reason(e)}") from None
+        raise UserError(f"cannot create shards in --out-dir {out_dir}: {os_error_reason(e)}") from None
     try:
         yield
     except BaseException:
@@ -590,29 +612,29 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """What argparse cannot check; fills in the Hub defaults. FatalError names the flag."""
+    """What argparse cannot check; fills in the Hub defaults. UserError names the flag."""
     if args.files:
         if args.dataset or args.name or args.split:
-            raise FatalError("--files reads local files; leave out --dataset, --name and --split")
+            raise UserError("--files reads local files; leave out --dataset, --name and --split")
     else:
         if args.dataset is None:
             args.dataset = DEFAULT_DATASET
             args.name = args.name or DEFAULT_NAME
         args.split = args.split or "train"
     if args.workers < 1:
-        raise FatalError(f"--workers must be at least 1, got {args.workers}")
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
     if args.val_shards < 0:
-        raise FatalError(f"--val-shards must be at least 0, got {args.val_shards}")
+        raise UserError(f"--val-shards must be at least 0, got {args.val_shards}")
     if args.format == "bin" and args.shard_size >= 2**31:
-        raise FatalError("--format bin stores the token count as int32: use --shard-size below 2G")
+        raise UserError("--format bin stores the token count as int32: use --shard-size below 2G")
     if not args.out_dir or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):
-        raise FatalError(f"--out-dir {args.out_dir!r} is not a folder")
+        raise UserError(f"--out-dir {args.out_dir!r} is not a folder")
     if "/" in args.prefix or os.sep in args.prefix:
-        raise FatalError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
+        raise UserError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
     for split, other in (("val", "train"), ("train", "val")):
         # train_gpt2.py finds a split's shards by the name pattern *_{split}_*
         if f"_{other}_" in f"{args.prefix}_{split}_":
-            raise FatalError(f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
+            raise UserError(f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
                              f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
                              "choose a prefix without '_train' or '_val'")
 
@@ -621,24 +643,24 @@ def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
     """Drop the first count tokens of the first document: the interrupted run wrote them."""
     first_document_longer = tokens.size > count and not (tokens[1:count + 1] == EOT).any()
     if tokens[0] != EOT or not first_document_longer:
-        raise FatalError("the input differs from the interrupted run's (a document split across "
+        raise UserError("the input differs from the interrupted run's (a document split across "
                          "shards is shorter now); delete the --out-dir folder and start over")
     return tokens[count:]
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     global _worker_encoding
     try:
         _worker_encoding = get_encoding()  # fail here, once, rather than in every worker
     except RuntimeError as e:
-        raise FatalError(str(e)) from e
+        raise UserError(str(e)) from e
     source, config, inputs = describe_input(args)
     manifest = open_manifest(args.out_dir, config, source, inputs)
     writer = ShardWriter(args.out_dir, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
     if manifest["complete"]:
         print(f"{args.out_dir} is already complete ({done}); nothing to do")
-        return 0
+        return
     if args.files:
         documents = iter_file_documents([path for path, *_ in inputs], args.text_field,
                                         args.doc_per_file, args.utf8_errors)
@@ -658,7 +680,6 @@ def run(args: argparse.Namespace) -> int:
     if len(shards) <= args.val_shards:
         print(f"fineweb.py: warning: all {len(shards)} shards are val shards (--val-shards "
               f"{args.val_shards}), so train_gpt2.py finds no train shards here", file=sys.stderr)
-    return 0
 
 
 def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
@@ -670,7 +691,7 @@ def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
         outside = os.path.realpath(args.out_dir) + os.sep
         inside = [path for path in files if os.path.realpath(path).startswith(outside)]
         if inside:
-            raise FatalError(f"--files matches {inside[0]}, inside --out-dir {args.out_dir}: "
+            raise UserError(f"--files matches {inside[0]}, inside --out-dir {args.out_dir}: "
                              "the output would be read as input")
         source = f"--files {' '.join(args.files)} ({len(files)} matched)"
         inputs = input_listing(files)
@@ -697,7 +718,7 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
         # read the first document now, so that source errors come before the folder and the progress bar
         first = next(documents, None)
         if first is None and not writer.manifest["shards"]:
-            raise FatalError(f"no documents in {source}")
+            raise UserError(f"no documents in {source}")
         stack.enter_context(output_folder(args.out_dir))
         chunks = chunk_documents(chain([first], documents) if first is not None else (), CHUNK_CHARS)
         progress = stack.enter_context(tqdm(
@@ -723,16 +744,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        validate_args(args)
-        return run(args)
-    except (FatalError, OSError) as e:  # exit code 2 and one line, like the other commands
-        if args.debug:
-            raise
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fineweb.py: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
+        return exit_code_of(lambda: (validate_args(args), run(args)), args.debug, also_catch=(OSError,),
+                            interrupted="fineweb.py: interrupted; run the same command again to resume")
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
 

@@ -31,12 +31,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
+from fineweb import UserError, exit_code_of, os_error_reason  # error contract shared by every script
 
 if __name__ == "__main__":
     # Run as a script, this file is the module `__main__`. hellaswag.py and hf_interop.py then
     # `import train_gpt2`, which would execute it a second time as another module with its own
-    # GPT, UserError, ... classes: their UserError would escape exit_code_of (a traceback, not
-    # one line) and isinstance(model, GPT) would be False. Registering this module under its
+    # GPT, ... classes: isinstance(model, GPT) would be False. Registering this module under its
     # import name makes every `import train_gpt2` return it: one class object per name.
     sys.modules.setdefault("train_gpt2", sys.modules[__name__])
 
@@ -45,27 +45,6 @@ GPT2_VOCAB = EOT + 1  # tokens of GPT-2's BPE: <|endoftext|> is the last
 # rows per chunk of the chunked loss on CPU: 26 MB of fp32 logits, which malloc reuses; from
 # 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
 CPU_LOSS_CHUNK = 128
-
-
-class UserError(Exception):
-    """A problem with the user's input: printed as one line, exit code 2, no traceback."""
-
-
-def exit_code_of(action, debug: bool = False) -> int:
-    """Run a command-line action: 0, or 2 with one `error:` line for a UserError (a traceback with debug)."""
-    try:
-        action()
-    except UserError as e:
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C where no handler asks for a clean stop (start-up, a second Ctrl-C)
-        if debug:
-            raise
-        print("error: interrupted", file=sys.stderr, flush=True)
-        return 130  # 128 + SIGINT, as a shell reports it
-    return 0
 
 
 # -----------------------------------------------------------------------------
@@ -1003,11 +982,6 @@ def state_digest(state: dict) -> str:
             h.update(f"{type(x).__name__} {x!r};".encode())
     visit({k: v for k, v in state.items() if k != "checksum"})
     return h.hexdigest()
-
-
-def os_error_reason(e: Exception) -> str:
-    """What went wrong, as the middle of a sentence: 'no space left on device', 'file too large'..."""
-    return (e.strerror or str(e)).lower() if isinstance(e, OSError) else str(e)
 
 
 class _WriteErrorKeeper:

@@ -129,7 +129,7 @@ def test_encode_documents_refuses_ids_beyond_uint16():
         def encode_to_numpy(self, text, allowed_special):
             return np.array([EOT, 70000], dtype=np.uint32)
 
-    with pytest.raises(fineweb.FatalError, match="70000 does not fit in uint16"):
+    with pytest.raises(fineweb.UserError, match="70000 does not fit in uint16"):
         fineweb.encode_documents(WideEncoding(), ["x"])
 
 
