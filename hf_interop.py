@@ -32,9 +32,8 @@ import sys
 import torch
 
 import train_gpt2
-from train_gpt2 import GPT, GPTConfig, UserError
+from train_gpt2 import GPT2_VOCAB, GPT, GPTConfig, UserError, os_error_reason
 
-GPT2_VOCAB = 50257  # real GPT-2 BPE tokens; ids >= this are padding in our checkpoints
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -253,8 +252,7 @@ def _save_pretrained(hf, out_dir: str):
             if before.get(name) != stamp:
                 os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
     except Exception as e:  # OSError, or safetensors' own error for a failed write (a full disk)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason[:1].lower()}{reason[1:]}") from e
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
 
 
 def main(argv=None) -> int:
