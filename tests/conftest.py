@@ -1,6 +1,7 @@
 """Shared test setup: the repo on sys.path, offline BPE and data from ../shared."""
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,3 +32,11 @@ def free_port() -> int:
 def torchrun(*launch_args) -> list:
     """The command prefix of a torchrun launch (as a module, so the test's Python runs it)."""
     return [sys.executable, "-m", "torch.distributed.run", *launch_args]
+
+
+def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
+    """`python script args`, or a torchrun of nproc processes, in the repo: the completed process
+    with its output as text. env: variables to set on top of this process's environment."""
+    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
+    return subprocess.run([*launcher, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})

@@ -1,7 +1,9 @@
-"""Synthetic token shards in build-nanogpt's format, for tests that don't need real text."""
+"""Synthetic token shards in build-nanogpt's format, and synthetic batches, for tests that don't
+need real text."""
 import os
 
 import numpy as np
+import torch
 
 EOT = 50256
 
@@ -23,3 +25,28 @@ def write_shards(data_dir, docs, shard_size, prefix="synth"):
         np.save(path, stream[start:start + shard_size])
         paths.append(path)
     return paths
+
+
+def shard_dir(tmp_path_factory, n_docs, seed, vocab=64, max_len=50, shard_size=4000) -> str:
+    """A fresh folder of shards of n_docs random documents (a module's data_dir fixture)."""
+    path = tmp_path_factory.mktemp("shards")
+    write_shards(path, make_docs(n_docs, seed=seed, vocab=vocab, max_len=max_len), shard_size=shard_size)
+    return str(path)
+
+
+def make_batch(rows=8, T=16, seed=0, vocab=128):
+    """(x, y) of random tokens below vocab (the tests' tiny GPTConfig has 128), with a different
+    number of ignored targets (-1) in every row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (rows, T), generator=g)
+    y = torch.randint(0, vocab, (rows, T), generator=g)
+    for r in range(rows):
+        y[r, T - 2 * r:] = -1
+    return x, y
+
+
+def rank_batches(x, y, rank, world, B, accum):
+    """The micro-batches of one rank as numpy (x, y) pairs, with the trainer's row assignment:
+    micro-step m of rank r reads rows (m*W + r)*B + [0, B)."""
+    return [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
+            for m in range(accum)]

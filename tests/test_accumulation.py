@@ -7,6 +7,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from conftest import free_port
+from shards import make_batch, rank_batches
 from train_gpt2 import GPT, GPTConfig, accumulate_gradients, all_reduce_sum
 
 TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
@@ -49,15 +50,6 @@ def test_toy_mlp_accumulation_matches_one_batch():
 
 
 # --- 2. a tiny GPT with ignored targets: every split gives the same gradient ------------------
-
-def make_batch(rows=8, T=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, TINY.vocab_size, (rows, T), generator=g)
-    y = torch.randint(0, TINY.vocab_size, (rows, T), generator=g)
-    for r in range(rows):  # a different number of ignored targets in every row
-        y[r, T - 2 * r:] = -1
-    return x, y
-
 
 def fresh_model():
     torch.manual_seed(1)
@@ -114,10 +106,7 @@ def ddp_worker(rank, world, port, out_path):
     try:
         x, y = make_batch()
         n_tokens = int((y != -1).sum())
-        B, accum = 2, 2
-        # the trainer's row assignment: micro-step m of rank r reads rows (m*W + r)*B + [0, B)
-        batches = [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
-                   for m in range(accum)]
+        batches = rank_batches(x, y, rank, world, B=2, accum=2)
         model = nn.parallel.DistributedDataParallel(fresh_model())
         loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
         logged = all_reduce_sum(loss_sum.clone()).item() / n_tokens

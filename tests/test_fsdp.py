@@ -17,8 +17,8 @@ import torch.nn as nn
 
 import train_gpt2 as tg
 from conftest import REPO, free_port, torchrun
-from shards import make_docs, write_shards
-from test_accumulation import fresh_model, make_batch, reference_grads
+from shards import make_batch, rank_batches, shard_dir
+from test_accumulation import fresh_model, reference_grads
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
 
@@ -54,9 +54,7 @@ def step_on_two_ranks(rank, world, port, out_path):
     try:
         x, y = make_batch()
         n_tokens = int((y != -1).sum())
-        B, accum = 2, 2  # the trainer's rows: micro-step m of rank r reads rows (m*W + r)*B + [0, B)
-        batches = [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
-                   for m in range(accum)]
+        batches = rank_batches(x, y, rank, world, B=2, accum=2)
         d = tg.Dist(rank=rank, world_size=world, device="cpu")
         results = {}
         models = dict(ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
@@ -113,9 +111,7 @@ T = 16
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("shards")
-    write_shards(path, make_docs(500, seed=3, vocab=64, max_len=50), shard_size=4000)
-    return str(path)
+    return shard_dir(tmp_path_factory, 500, seed=3)
 
 
 def run_args(data_dir, out_dir, hellaswag_file, *extra, B=2, val_steps=1, steps=20):

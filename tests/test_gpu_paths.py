@@ -1,6 +1,7 @@
 """The CUDA-side choices, tested on CPU (issue 12): MFU per GPU, the peak table, one host sync
 per step, fp16 with a GradScaler, the chunked loss in evaluation and under compile, the compile
 fallback, activation checkpointing, device validation and benchmarks/gpu_check.py."""
+import functools
 import json
 import os
 import re
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import REPO, torchrun
-from shards import make_docs, write_shards
+import conftest
+from conftest import REPO
+from shards import make_batch, shard_dir
 
 T = 16
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "32"]
@@ -20,9 +22,7 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "32
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("shards")
-    write_shards(path, make_docs(400, seed=3, vocab=100, max_len=50), shard_size=4000)
-    return str(path)
+    return shard_dir(tmp_path_factory, 400, seed=3, vocab=100)
 
 
 def args_for(data_dir, out_dir, *extra, steps=4, B=4):
@@ -37,10 +37,7 @@ def train_records(out_dir):
         return [r for r in map(json.loads, f) if "loss" in r]
 
 
-def run_cli(args, nproc=1, script="train_gpt2.py"):
-    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    return subprocess.run([*launcher, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+run_cli = functools.partial(conftest.run_cli, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- MFU and throughput ------------------------------------------------------------------------
@@ -129,15 +126,6 @@ def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch, dtype):
 # --- fp16 with a GradScaler ---------------------------------------------------------------------
 
 SMALL = tg.GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
-
-
-def make_batch(rows=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, SMALL.vocab_size, (rows, T), generator=g)
-    y = torch.randint(0, SMALL.vocab_size, (rows, T), generator=g)
-    for r in range(rows):  # a different number of ignored targets in every row
-        y[r, T - 2 * r:] = -1
-    return x, y
 
 
 def fp16_grads(B, loss_chunk=0):

@@ -32,10 +32,8 @@ def assert_one_error_line(result, *fragments):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from shards import make_docs, write_shards
-    path = tmp_path_factory.mktemp("shards")
-    write_shards(path, make_docs(300, seed=3, vocab=64, max_len=50), shard_size=4000)
-    return str(path)
+    from shards import shard_dir
+    return shard_dir(tmp_path_factory, 300, seed=3)
 
 
 @pytest.fixture(scope="module")

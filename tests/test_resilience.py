@@ -14,16 +14,14 @@ import torch
 
 import train_gpt2 as tg
 from conftest import REPO, free_port, torchrun
-from shards import make_docs, write_shards
+from shards import shard_dir
 
 T = 16
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("shards")
-    write_shards(path, make_docs(500, seed=2, vocab=64, max_len=50), shard_size=4000)
-    return str(path)
+    return shard_dir(tmp_path_factory, 500, seed=2)
 
 
 def args_for(data_dir, out_dir, *extra, steps=20, B=4, ckpt_every=10):

@@ -10,7 +10,7 @@ import pytest
 
 import train_gpt2 as tg
 from conftest import REPO
-from shards import make_docs, write_shards
+from shards import shard_dir
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
         "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
@@ -67,9 +67,7 @@ def test_validate_config_names_an_unknown_schedule():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("shards")
-    write_shards(path, make_docs(400, seed=3, vocab=64, max_len=60), shard_size=4000)
-    return str(path)
+    return shard_dir(tmp_path_factory, 400, seed=3, max_len=60)
 
 
 def run_cli(args):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import train_gpt2 as tg
-from conftest import REPO, torchrun
-from shards import make_docs, write_shards
+from conftest import REPO, run_cli
+from shards import shard_dir
 
 T = 32
 TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64"]
@@ -19,10 +19,8 @@ QUIET = ["--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0", "-
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("shards")
     # a small alphabet, so that the loss has somewhere to go in 10 steps
-    write_shards(path, make_docs(600, seed=1, vocab=64, max_len=60), shard_size=6000)
-    return str(path)
+    return shard_dir(tmp_path_factory, 600, seed=1, max_len=60, shard_size=6000)
 
 
 def train_args(data_dir, out_dir, B, *extra, steps=10):
@@ -34,13 +32,6 @@ def train_args(data_dir, out_dir, B, *extra, steps=10):
 def read_log(out_dir, key="loss"):
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         return [r[key] for r in map(json.loads, f) if key in r]
-
-
-def run_cli(args, nproc=1, env=None):
-    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    cmd = [*launcher, "train_gpt2.py", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
