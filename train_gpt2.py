@@ -1860,7 +1860,6 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
         trainer.fit()
 
 
-
 # -----------------------------------------------------------------------------
 # main
 
