@@ -1881,7 +1881,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--align-docs", action="store_true", help="start rows at document boundaries; pad row tails (targets -1)")
     g.add_argument("--shuffle", action="store_true", help="seeded permutation of shard order and row order each epoch")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="gpt2", choices=sorted(MODEL_PRESETS), help="size preset; the flags below override it")
+    g.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size preset (default gpt2); the flags below override it")
     g.add_argument("--n-layer", type=int, help="transformer blocks")
     g.add_argument("--n-head", type=int, help="attention heads")
     g.add_argument("--n-embd", type=int, help="embedding width")
@@ -1958,8 +1958,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
-    model_fields = dict(MODEL_PRESETS[args.model])
+    model_fields = dict(MODEL_PRESETS[args.model or "gpt2"])
     if args.init_from:  # the weights set the shape; block_size None: theirs
+        shape_flags = [flag for flag, value in (("--model", args.model), ("--n-layer", args.n_layer),
+                                                ("--n-head", args.n_head), ("--n-embd", args.n_embd)) if value]
+        if shape_flags:
+            raise UserError(f"--init-from {args.init_from} takes the model's shape from its weights: drop "
+                            f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)")
         model_fields = dict(block_size=None)
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         if getattr(args, name) is not None:
@@ -1972,16 +1977,16 @@ def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    run, model_cfg = build_configs(args)
 
     def setup_and_train():
+        run, model_cfg = build_configs(args)
         validate_flag_values(run)
         d = setup_distributed(run.device, run.dist_timeout)
         try:
             train(run, model_cfg, d)
         finally:
             cleanup_distributed()
-    return exit_code_of(setup_and_train, run.debug)
+    return exit_code_of(setup_and_train, args.debug)
 
 
 if __name__ == "__main__":

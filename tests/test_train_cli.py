@@ -148,3 +148,11 @@ def test_script_and_its_siblings_share_one_module(data_dir, tmp_path):
              "print(script.__name__, hellaswag.GPT is script.GPT, hf_interop.UserError is script.UserError)")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines()[-1] == "__main__ True True", result.stderr[-2000:]
+
+
+def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):
+    # the weights decide the shape: --n-layer and friends would be silently dropped
+    result = run_cli(["--init-from", "gpt2", "--model", "gpt2-xl", "--n-layer", "4", "--out-dir", str(tmp_path)])
+    assert (result.returncode, result.stderr) == (2, "error: --init-from gpt2 takes the model's shape from its "
+                                                     "weights: drop --model, --n-layer (--block-size and "
+                                                     "--vocab-size may still shrink or pad it)\n")
