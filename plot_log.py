@@ -57,7 +57,7 @@ def load_records(log: str) -> list[dict]:
             except json.JSONDecodeError:
                 bad += 1
                 continue
-            if not isinstance(record, dict) or "step" not in record:
+            if not isinstance(record, dict) or record.get("step") is None:
                 bad += 1
                 continue
             for key in NUMERIC_KEYS:

@@ -85,12 +85,13 @@ def test_resumed_step_keeps_last_value():
 
 def test_cli_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    log = write_log(tmp_path / "run", fake_records(), tail='{"step": 60, "loss": 3.')  # cut last line
+    # a record without a step, and a cut last line
+    log = write_log(tmp_path / "run", fake_records(), tail='{"step": null, "loss": 2.0}\n{"step": 60, "loss": 3.')
     proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log.parent),
                            "--baseline-hellaswag", "0.2955"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     png = log.parent / "loss.png"
-    assert f"wrote {png}" in proc.stdout and "skipped 1 malformed line" in proc.stderr
+    assert f"wrote {png}" in proc.stdout and "skipped 2 malformed line" in proc.stderr
     data = png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
 
