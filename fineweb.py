@@ -665,7 +665,9 @@ def run(args: argparse.Namespace) -> None:
         documents = iter_file_documents([path for path, *_ in inputs], args.text_field,
                                         args.doc_per_file, args.utf8_errors)
     else:  # a resumed run reads the commit that the interrupted one started with
-        revision = manifest.setdefault("hub_revision", hub_revision(args.dataset))
+        # asked of the Hub only by a new run: a resume must not depend on reaching it again
+        revision = manifest.get("hub_revision") or hub_revision(args.dataset)
+        manifest["hub_revision"] = revision
         documents = iter_hub_documents(args.dataset, args.name, args.split, revision,
                                        args.text_field, args.debug)
     if manifest["shards"]:

@@ -436,9 +436,10 @@ def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):
     cut.mkdir()
     (cut / manifest["shards"][0]["file"]).write_bytes((tmp_path / "full" / manifest["shards"][0]["file"]).read_bytes())
     (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False, "shards": manifest["shards"][:1]}))
-    monkeypatch.setattr(fineweb, "hub_revision", lambda dataset: "commit-2")  # the dataset changed since
+    asked = []  # the dataset changed since; the resume must neither read nor need to ask the Hub
+    monkeypatch.setattr(fineweb, "hub_revision", lambda dataset: asked.append(dataset) or "commit-2")
     assert fineweb.main(args + ["--out-dir", str(cut)]) == 0
-    assert read_at == ["commit-1", "commit-1"]
+    assert read_at == ["commit-1", "commit-1"] and asked == []
     assert_same_output(cut, tmp_path / "full")
 
 
