@@ -146,16 +146,16 @@ class _Rendered:
         self.lines = [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
         if not self.lines:
             raise UserError(f"{flag} {path}: no HellaSwag examples in the file")
-        self.path, self.examples = path, []
+        self.path, self.flag, self.examples = path, flag, []
 
-    def first(self, n: int, flag: str) -> list[Example]:
+    def first(self, n: int) -> list[Example]:
         if len(self.examples) < n:
             enc = get_tokenizer_or_fail()
             for number, line in self.lines[len(self.examples):n]:
                 try:
                     self.examples.append(render_example(json.loads(line), enc))
                 except ValueError as e:  # json's errors are ValueErrors too
-                    raise UserError(f"{flag} {self.path} line {number}: not a HellaSwag example "
+                    raise UserError(f"{self.flag} {self.path} line {number}: not a HellaSwag example "
                                     f"({e})") from None
         return self.examples[:n]
 
@@ -171,7 +171,7 @@ def load_examples(path: str, limit: int | None = None, flag: str = "--data-file"
     if key not in _CACHE:
         _CACHE[key] = _Rendered(path, flag)
     data = _CACHE[key]
-    return data.first(limit or len(data.lines), flag)
+    return data.first(limit or len(data.lines))
 
 
 def collate(examples: list[Example], block_size: int | None = None):
@@ -348,18 +348,19 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
 def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_size: int | None = None,
              data_file: str | None = None, data_dir: str | None = None, rank: int = 0,
              world_size: int = 1, dtype: torch.dtype = torch.float32, progress: bool = False,
-             block_size: int | None = None) -> dict:
+             block_size: int | None = None, flag: str = "--data-file") -> dict:
     """HellaSwag accuracy of model on the first limit (None or 0: all) validation examples.
 
     model maps token ids (B, T) to logits (B, T, V), bare or as the first item of a tuple.
     With world_size > 1 every rank must call this (it ends in one all-reduce): rank r scores
     examples r, r + W, r + 2W, ... and all ranks return the totals.
+    flag names the option that gave data_file in the command being run (for its errors).
     Returns {"acc": ..., "acc_norm": ..., "n": ...}."""
     if limit is not None and limit < 0:
         raise UserError(f"--limit must be >= 0, got {limit}")
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
-    examples = load_examples(resolve_data_file(data_file, data_dir), limit)
+    examples = load_examples(resolve_data_file(data_file, data_dir, flag), limit, flag)
     mine = examples[rank::world_size]
     loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
                                          block_size=block_size, progress=progress and rank == 0)

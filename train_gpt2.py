@@ -1737,7 +1737,7 @@ class Trainer:
             import hellaswag
             result = hellaswag.evaluate(self.raw_model, self.device, data_file=run.hellaswag_file,
                                         limit=run.hellaswag_limit or None, rank=d.rank,
-                                        world_size=d.world_size, dtype=self.dtype)
+                                        world_size=d.world_size, dtype=self.dtype, flag="--hellaswag-file")
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
