@@ -1,5 +1,7 @@
 """Token-normalized gradient accumulation equals one big batch, for every split (issue 2, tests 1-3)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,20 +102,26 @@ def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
 
 # --- 3. DDP, 2 gloo processes x 2 accumulation steps == one batch -----------------------------
 
-def ddp_worker(rank, world, port, out_path):
+@contextlib.contextmanager
+def gloo_rank_of_one_batch(rank, world, port):
+    """In a gloo group of world processes, this rank's micro-batches (2 rows x 2 micro-steps) of
+    make_batch()'s 8 rows and the step's token count N: (batches, n_tokens)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         x, y = make_batch()
-        n_tokens = int((y != -1).sum())
-        batches = rank_batches(x, y, rank, world, B=2, accum=2)
+        yield rank_batches(x, y, rank, world, B=2, accum=2), int((y != -1).sum())
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_worker(rank, world, port, out_path):
+    with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
         model = nn.parallel.DistributedDataParallel(fresh_model())
         loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
         logged = all_reduce_sum(loss_sum.clone()).item() / n_tokens
         if rank == 0:
             torch.save({"grads": grads_of(model.module), "loss": logged}, out_path)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):

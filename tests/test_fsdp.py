@@ -11,14 +11,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
 import train_gpt2 as tg
 from conftest import REPO, free_port, torchrun
-from shards import make_batch, rank_batches, shard_dir
-from test_accumulation import fresh_model, reference_grads
+from shards import make_batch, shard_dir
+from test_accumulation import fresh_model, gloo_rank_of_one_batch, reference_grads
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
 
@@ -49,12 +48,7 @@ def fsdp_after_failed_compile(d, batches, n_tokens, world):
 
 
 def step_on_two_ranks(rank, world, port, out_path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        x, y = make_batch()
-        n_tokens = int((y != -1).sum())
-        batches = rank_batches(x, y, rank, world, B=2, accum=2)
+    with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
         d = tg.Dist(rank=rank, world_size=world, device="cpu")
         results = {}
         models = dict(ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
@@ -77,8 +71,6 @@ def step_on_two_ranks(rank, world, port, out_path):
                                  state_keys=list(tg.full_state(model, optimizer)[0]))
         if rank == 0:
             torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_path):
