@@ -14,11 +14,14 @@ import contextlib
 import dataclasses
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
 import signal
+import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -133,6 +136,9 @@ def validate_flag_values(run: RunConfig):
         raise UserError(f"--dist-timeout must be in (0, 1e9] seconds, got {run.dist_timeout}")
     if not 0 <= run.seed < 2**64:  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
         raise UserError(f"--seed must be in 0..2**64-1, got {run.seed}")
+    if run.resume is not None and not run.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset
+        raise UserError(f"--resume got an empty path ({run.resume!r}; an unset variable in the job script?): "
+                        "pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
 
 
 def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
@@ -765,6 +771,22 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def decided_on_rank0(d: Dist, decide):
+    """decide() run on rank 0 only (the rank that writes --out-dir), its result sent to every rank;
+    a UserError there is raised on every rank, so that none waits in a collective for one that stopped."""
+    answer = [None, None]  # (result, refusal)
+    if d.is_main:
+        try:
+            answer[0] = decide()
+        except UserError as e:
+            answer[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise UserError(answer[1])
+    return answer[0]
+
+
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of t: its shard if t is sharded (a DTensor under --fsdp), else t."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -948,6 +970,11 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
+def checkpoint_step(path: str) -> int:
+    """The step in one of our checkpoint names (CKPT_NAME)."""
+    return int(CKPT_NAME.fullmatch(os.path.basename(path))[1])
+
+
 def earlier_checkpoint(path: str) -> str | None:
     """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
     found = list_checkpoints(os.path.dirname(path) or ".")
@@ -1109,16 +1136,10 @@ class RunLog:
         self.size, self.sha = 0, hashlib.sha256()
         if not enabled:
             return
+        kept = read_log_up_to(self.path, resume_point, resumed_from)
         self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
-        size = os.fstat(self.file.fileno()).st_size
-        with open(self.path, "rb") as f:
-            kept = f.read(min(resume_point[0], size) if resume_point else size)
-        if resume_point and size:
-            offset, digest = resume_point
-            if len(kept) != offset or hashlib.sha256(kept).hexdigest() != digest:
-                raise UserError(f"{self.path} is not the log of the run that wrote {resumed_from}: resuming would "
-                                "corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
-            self.file.truncate(offset)  # drop what the run logged after its checkpoint
+        if resume_point:
+            self.file.truncate(len(kept))  # drop what the run logged after its checkpoint
         self.size = len(kept)
         self.sha.update(kept)
 
@@ -1161,6 +1182,99 @@ class RunLog:
             self.file.close()
         for sink in self.sinks:
             sink.close()
+
+
+def read_log_up_to(path: str, resume_point: tuple | None, resumed_from: str) -> bytes:
+    """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
+    checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
+    empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
+    try:
+        with open(path, "rb") as f:
+            kept = f.read(resume_point[0] if resume_point else -1)
+    except FileNotFoundError:
+        return b""
+    if resume_point and kept and (len(kept) != resume_point[0] or hashlib.sha256(kept).hexdigest() != resume_point[1]):
+        raise UserError(f"{path} is not the log of the run that wrote {resumed_from}: resuming would "
+                        "corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+    return kept
+
+
+def set_aside_later_branch(out_dir: str, step: int, resume_point: tuple | None, resumed_from: str):
+    """Resuming at `step` abandons what the run in out_dir did after it. Its later checkpoints move,
+    with a copy of its log.jsonl, into a new out_dir/branch_NNNNNNN (the step that branch reached),
+    a run folder of its own (--resume works on it): nothing is deleted or overwritten, --keep-last
+    no longer counts them, and a plain --resume in out_dir continues the new branch."""
+    later = [p for p in list_checkpoints(out_dir) if checkpoint_step(p) > step]
+    if not later:
+        return
+    log = os.path.join(out_dir, "log.jsonl")
+    read_log_up_to(log, resume_point, resumed_from)  # a log that is not this run's: refused before anything moves
+    reached = checkpoint_step(later[-1])
+    branch = os.path.join(out_dir, f"branch_{reached:07d}")
+    for n in itertools.count(2):  # a name no earlier branch took
+        try:
+            os.mkdir(branch)
+            break
+        except FileExistsError:
+            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+    try:
+        if os.path.isfile(log):
+            shutil.copyfile(log, os.path.join(branch, "log.jsonl"))
+            with open(os.path.join(branch, "log.jsonl"), "rb+") as f:
+                os.fsync(f.fileno())
+        for path in later:
+            os.rename(path, os.path.join(branch, os.path.basename(path)))
+        fsync_dir(branch)
+        fsync_dir(out_dir)
+    except OSError as e:
+        raise UserError(f"could not move the later checkpoints of {out_dir} into {branch}: {os_error_reason(e)} "
+                        "(nothing was deleted)") from None
+    names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
+    print0(f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
+           f"{'s' * (len(later) > 1)}, {names}) with a copy of its log.jsonl to {branch}; nothing was deleted")
+
+
+class OutDirLock:
+    """One live run per --out-dir: rank 0 holds an exclusive flock on OUT/.lock, which names its pid
+    and host for the refusal of a second run. The kernel drops the lock when the process ends, however
+    it ends, so the file a killed run leaves blocks nothing; a run that ends normally removes it."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, ".lock"), None
+
+    def acquire(self):
+        import fcntl
+        while True:
+            f = open(self.path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                owner = f.read().strip() or "owner not yet recorded"
+                f.close()
+                raise UserError(f"--out-dir {self.out_dir} is in use by another training run ({owner}; it holds "
+                                f"{self.path}): wait for it to end (then --resume continues it), or choose "
+                                "another --out-dir") from None
+            except OSError as e:  # a file system without locks (Lustre without -o flock)
+                f.close()
+                print0(f"note: cannot lock {self.path} ({os_error_reason(e)}): a second run on this --out-dir "
+                       "would not be stopped")
+                return
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            f.close()  # a run that just ended removed this file after we opened it: lock the new one
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self):
+        if self.file:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)  # while still locked: whoever opens it next locks a new file
+            self.file.close()
+            self.file = None
 
 
 def import_extra(module: str, flag: str, package: str):
@@ -1353,9 +1467,32 @@ def get_tokenizer_or_fail(hint: str | None = None):
 
 
 def find_resume_checkpoint(run: RunConfig) -> str | None:
+    """The checkpoint --resume names: the newest in --out-dir ("latest") or in a given folder, or a file."""
     if run.resume is None:
         return None
-    return run.resume if run.resume != "latest" else latest_checkpoint(run.out_dir)
+    if run.resume == "latest":
+        return latest_checkpoint(run.out_dir)
+    if os.path.isdir(run.resume):
+        return latest_checkpoint(run.resume) or run.resume  # (load_checkpoint says there is none)
+    return run.resume
+
+
+def choose_resume_checkpoint(run: RunConfig) -> str | None:
+    """On rank 0, holding --out-dir's lock: the checkpoint to resume (None: start from scratch), or
+    a UserError where starting from scratch would mix a new run into an earlier one's files."""
+    path = find_resume_checkpoint(run)
+    if path:
+        return path
+    if run.resume is None and list_checkpoints(run.out_dir):
+        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints: pass --resume to continue "
+                        "that run, or choose another --out-dir")
+    log = os.path.join(run.out_dir, "log.jsonl")
+    if os.path.isfile(log) and os.path.getsize(log):
+        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of an earlier run but no checkpoint "
+                        "to resume: move the log aside to start a new run there, or choose another --out-dir")
+    if run.resume is not None:
+        print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
+    return None
 
 
 def check_resume_compatible(ckpt: dict, run: RunConfig, model_cfg: GPTConfig, path: str):
@@ -1368,17 +1505,14 @@ def check_resume_compatible(ckpt: dict, run: RunConfig, model_cfg: GPTConfig, pa
                         "batch flags (the number of GPUs may change)")
 
 
-def prepare_out_dir(run: RunConfig, resuming: bool):
+def prepare_out_dir(out_dir: str):
     try:
-        os.makedirs(run.out_dir, exist_ok=True)
-        probe = os.path.join(run.out_dir, f".write_test_{os.getpid()}")
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"cannot write to --out-dir {run.out_dir}: {e.strerror}") from None
-    if not resuming and list_checkpoints(run.out_dir):
-        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints: pass --resume to continue "
-                        "that run, or choose another --out-dir")
+        raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
 
 
 def compile_model(model: nn.Module) -> nn.Module:
@@ -1453,8 +1587,9 @@ class Trainer:
     (resuming if asked); fit() runs the loop. One optimizer step is train_step():
     forward_backward() on every micro-batch, reduce_and_clip(), then the guarded update."""
 
-    def __init__(self, run: RunConfig, model_cfg: GPTConfig, d: Dist):
+    def __init__(self, run: RunConfig, model_cfg: GPTConfig, d: Dist, out_dir_lock: OutDirLock | None = None):
         self.d, self.device, self.device_type = d, d.device, d.device_type
+        self.out_dir_lock = out_dir_lock or OutDirLock(run.out_dir)  # taken below; the caller releases it
         pretrained = None
         if run.init_from:  # the weights decide the model's shape
             from hf_interop import gpt_from_hf
@@ -1483,15 +1618,17 @@ class Trainer:
         if self.device_type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
         self._build_data()  # bad input fails before any model work
-        self.ckpt_path = find_resume_checkpoint(run)
-        if run.eval_only and run.resume is not None and not self.ckpt_path:
-            raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
-        if not run.eval_only:  # an evaluation writes nothing, so any --out-dir will do
-            prepare_out_dir(run, resuming=run.resume is not None)
+        if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
+            self.ckpt_path = find_resume_checkpoint(run)
+            if run.resume is not None and not self.ckpt_path:
+                raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
+        else:
+            self.ckpt_path = decided_on_rank0(d, self._claim_out_dir)
         self.loss_spikes, self.norm_spikes = SpikeDetector(run.skip_spikes), SpikeDetector(run.skip_spikes)
         self.nonfinite_skipped = self.spikes_in_a_row = 0
         self._build_model(pretrained)
-        self.log = RunLog(run.out_dir, d.is_main and not run.eval_only, self.log_point, self.ckpt_path)
+        self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
+        decided_on_rank0(d, self._open_log)
         if d.is_main:
             self.log.sinks = open_sinks(run, self.model_cfg, self.start_step if self.ckpt_path else None)
         if self.ckpt_path and not run.eval_only and self.start_step < run.max_steps:  # (else: nothing to train)
@@ -1502,6 +1639,21 @@ class Trainer:
         self.last_ckpt = self.ckpt_path
 
     # ---- set-up
+
+    def _claim_out_dir(self) -> str | None:
+        """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
+        prepare_out_dir(self.run.out_dir)
+        self.out_dir_lock.acquire()
+        return choose_resume_checkpoint(self.run)
+
+    def _open_log(self):
+        """Rank 0: log.jsonl, cut back to the resumed checkpoint after its later branch is set aside.
+        A run with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
+        run = self.run
+        writes = not run.eval_only and not (self.ckpt_path and self.start_step >= run.max_steps)
+        if writes and self.ckpt_path:
+            set_aside_later_branch(run.out_dir, self.start_step, self.log_point, self.ckpt_path)
+        self.log = RunLog(run.out_dir, writes, self.log_point, self.ckpt_path)
 
     def _build_data(self):
         """Train and val rows, the step loader, the tokenizer and the HellaSwag file."""
@@ -1545,8 +1697,6 @@ class Trainer:
         self.start_step, self.log_point = 0, None
         if self.ckpt_path:
             self._load_resume_state(self.ckpt_path)
-        elif run.resume is not None:
-            print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
         self.raw_model.activation_checkpointing = run.activation_checkpointing
         self._wrap_model()
 
@@ -1853,11 +2003,15 @@ class Trainer:
 
 
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
-    trainer = Trainer(run, model_cfg, d)
-    if run.eval_only:
-        trainer.evaluate_only()
-    else:
-        trainer.fit()
+    out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in Trainer(), once the input checks out
+    try:
+        trainer = Trainer(run, model_cfg, d, out_dir_lock)
+        if run.eval_only:
+            trainer.evaluate_only()
+        else:
+            trainer.fit()
+    finally:
+        out_dir_lock.release()
 
 
 # -----------------------------------------------------------------------------
