@@ -1190,7 +1190,8 @@ def read_log_up_to(path: str, resume_point: tuple | None, resumed_from: str) -> 
     empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
     try:
         with open(path, "rb") as f:
-            kept = f.read(resume_point[0] if resume_point else -1)
+            size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
+            kept = f.read(min(resume_point[0], size) if resume_point else size)
     except FileNotFoundError:
         return b""
     if resume_point and kept and (len(kept) != resume_point[0] or hashlib.sha256(kept).hexdigest() != resume_point[1]):

@@ -1,5 +1,6 @@
 """Hostile input to the trainer, run as users run it (issue 11): one `error:` line, exit code 2,
 no traceback; never a checkpoint or log lost, corrupted or filled with non-finite numbers."""
+import hashlib
 import json
 import os
 import resource
@@ -225,13 +226,19 @@ def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
 
 def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path):
     limit = 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it after a few steps
-    padding = json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n"
-    tmp_path.joinpath("log.jsonl").write_text(padding)
+    padding = (json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n").encode()
+    # a run whose log is that long at its step-2 checkpoint (a fresh run refuses a folder holding a log)
+    assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    log = padding + tmp_path.joinpath("log.jsonl").read_bytes()
+    tmp_path.joinpath("log.jsonl").write_bytes(log)
+    ckpt = tg.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))
+    ckpt.update(log_offset=len(log), log_sha256=hashlib.sha256(log).hexdigest())
+    torch.save(dict(ckpt, checksum=tg.state_digest(ckpt)), tmp_path / "ckpt_0000002.pt")
 
     def file_size_limit():  # what a full disk does to one file: a short write, then EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=20, ckpt_every=2),
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
                          preexec_fn=file_size_limit)
     last = tg.latest_checkpoint(str(tmp_path))
     assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
