@@ -1244,7 +1244,10 @@ class OutDirLock:
         self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, ".lock"), None
 
     def acquire(self):
-        import fcntl
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._cannot_lock("no flock on this system")
         while True:
             f = open(self.path, "a+")
             try:
@@ -1258,9 +1261,7 @@ class OutDirLock:
                                 "another --out-dir") from None
             except OSError as e:  # a file system without locks (Lustre without -o flock)
                 f.close()
-                print0(f"note: cannot lock {self.path} ({os_error_reason(e)}): a second run on this --out-dir "
-                       "would not be stopped")
-                return
+                return self._cannot_lock(os_error_reason(e))
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
                     break
@@ -1269,6 +1270,9 @@ class OutDirLock:
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         self.file = f
+
+    def _cannot_lock(self, why: str):
+        print0(f"note: cannot lock {self.path} ({why}): a second run on this --out-dir would not be stopped")
 
     def release(self):
         if self.file:

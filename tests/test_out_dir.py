@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -15,8 +14,11 @@ import time
 import pytest
 
 import train_gpt2 as tg
-from conftest import REPO, torchrun
+from conftest import REPO, run_cli
 from shards import shard_dir
+from test_resilience import args_for
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -24,26 +26,13 @@ def data_dir(tmp_path_factory):
     return shard_dir(tmp_path_factory, 300, seed=7)
 
 
-def args_for(data_dir, out_dir, *extra, steps=8, ckpt_every=2, B=4):
-    return ["--data-dir", data_dir, "--out-dir", str(out_dir), "--n-layer", "1", "--n-head", "2",
-            "--n-embd", "16", "--block-size", "16", "--seq-len", "16", "--batch-size", str(B),
-            "--total-batch-size", "64", "--max-steps", str(steps), "--warmup-steps", "2", "--max-lr", "1e-2",
-            "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", str(ckpt_every),
-            "--device", "cpu", *map(str, extra)]
-
-
-def command(args, launcher=(sys.executable,)):
-    return [*launcher, "train_gpt2.py", *args]
-
-
 def start(args):
-    return subprocess.Popen(command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
 
 
-def run(args, launcher=(sys.executable,)):
-    return subprocess.run(command(args, launcher), cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run(args, nproc=1):
+    return run_cli(args, nproc, env=ONE_THREAD)
 
 
 def assert_refused(returncode, stderr, message):
@@ -74,11 +63,18 @@ def in_use(out_dir, owner):
             "wait for it to end (then --resume continues it), or choose another --out-dir")
 
 
+@pytest.fixture(scope="module")
+def finished_once(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert tg.main(args_for(data_dir, out, steps=8, ckpt_every=2)) == 0
+    return out
+
+
 @pytest.fixture
-def finished_run(data_dir, tmp_path):
-    """An 8-step run with checkpoints at 2, 4, 6, 8, and their sha256s."""
+def finished_run(finished_once, tmp_path):
+    """A copy of an 8-step run with checkpoints at 2, 4, 6, 8, and their sha256s."""
     out = tmp_path / "run"
-    assert tg.main(args_for(data_dir, out)) == 0
+    shutil.copytree(finished_once, out)
     return out, checkpoint_hashes(out)
 
 
@@ -94,10 +90,11 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
             time.sleep(0.05)
         refused, = [p for p in trainers if p.poll() is not None]
         owner, = [p for p in trainers if p is not refused]
-        assert_refused(refused.returncode, refused.communicate()[1], in_use(out, f"pid {owner.pid} on {socket.gethostname()}"))
+        owned_by = f"pid {owner.pid} on {socket.gethostname()}"
+        assert_refused(refused.returncode, refused.communicate()[1], in_use(out, owned_by))
         # so is a --resume while the owner runs
         result = run(args_for(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
-        assert_refused(result.returncode, result.stderr, in_use(out, f"pid {owner.pid} on {socket.gethostname()}"))
+        assert_refused(result.returncode, result.stderr, in_use(out, owned_by))
         while len(tg.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
@@ -106,7 +103,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
             if p.poll() is None:
                 p.kill()  # a killed run leaves its lock file: it must block nothing
             p.communicate()
-    assert (out / ".lock").read_text() == f"pid {owner.pid} on {socket.gethostname()}\n"
+    assert (out / ".lock").read_text() == f"{owned_by}\n"
     before = checkpoint_hashes(out)
     last = tg.checkpoint_step(tg.latest_checkpoint(out))
     result = run(args_for(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
@@ -125,12 +122,12 @@ def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
         held.write("pid 4242 on node-7\n")
         held.flush()
         start_time = time.time()
-        result = run(args_for(data_dir, out, "--resume", "--dist-timeout", 600, steps=10, B=2),
-                     torchrun("--standalone", "--nproc_per_node=2"))
+        result = run(args_for(data_dir, out, "--resume", steps=10, B=2), nproc=2)
         elapsed = time.time() - start_time
     assert result.returncode != 0 and elapsed < 60  # not a rank left waiting in a collective
     message = f"error: {in_use(out, 'pid 4242 on node-7')}"
-    assert message in result.stderr and 'train_gpt2.py", line' not in result.stderr  # (torchrun's own report follows)
+    assert message in result.stderr  # then torchrun's own report of the failed workers
+    assert 'train_gpt2.py", line' not in result.stderr  # no traceback of ours
     assert checkpoint_hashes(out) == hashes and train_steps(out / "log.jsonl") == list(range(8))
 
 
@@ -140,7 +137,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     out, hashes = finished_run
     log = (out / "log.jsonl").read_bytes()
     # an unset $CKPT in a job script
-    result = run(args_for(data_dir, out, "--resume", "", steps=10))
+    result = run(args_for(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, "--resume got an empty path (''; an unset variable in the job "
                    "script?): pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
@@ -151,9 +148,9 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     shutil.copy(out / "log.jsonl", only_log)
     refusal = (f"--out-dir {only_log} holds the log.jsonl of an earlier run but no checkpoint to resume: move the "
                "log aside to start a new run there, or choose another --out-dir")
-    result = run(args_for(data_dir, only_log, steps=10))
+    result = run(args_for(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, refusal)
-    assert tg.main(args_for(data_dir, only_log, "--resume", steps=10)) == 2
+    assert tg.main(args_for(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == f"error: {refusal}\n"
     assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_bytes() == log
 
@@ -164,7 +161,8 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     out, hashes = finished_run
     log = (out / "log.jsonl").read_bytes()
     # a new branch from step 2, with another learning rate
-    result = run(args_for(data_dir, out, "--resume", out / "ckpt_0000002.pt", "--max-lr", "5e-3"))
+    result = run(args_for(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8,
+                          ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     branch = out / "branch_0000008"
     assert (f"resuming at step 2: moved the later branch of this run (3 checkpoints, ckpt_0000004.pt ... "
@@ -172,7 +170,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     assert (branch / "log.jsonl").read_bytes() == log  # the old branch's whole log, beside its checkpoints
     assert sorted(os.listdir(branch)) == ["ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "log.jsonl"]
     # the trainer's own advice, a plain --resume, continues the new branch
-    result = run(args_for(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10))
+    result = run(args_for(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
     assert train_steps(out / "log.jsonl") == list(range(10)) and train_steps(branch / "log.jsonl") == list(range(8))
