@@ -182,3 +182,6 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     assert {path: now.get(path) for path in kept} == kept
     new = {f"ckpt_{step:07d}.pt" for step in (4, 6, 8, 10)}
     assert set(now) == set(kept) | new and all(now[name] != hashes.get(name) for name in new)
+    # the branch folder is a run folder of its own: the old branch goes on there
+    assert tg.main(args_for(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
+    assert train_steps(branch / "log.jsonl") == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
