@@ -36,35 +36,16 @@ from collections import deque
 from decimal import Decimal, InvalidOperation
 from itertools import chain, islice
 
+import cli  # the error contract shared by every script; standard library only, so it comes first
+from cli import UserError, exit_code_of
+
+if __name__ == "__main__":
+    cli.exit_on_ctrl_c_while_starting()
+
 import numpy as np
 import tiktoken
 
 # --- errors and sizes ------------------------------------------------------------------------
-
-class UserError(Exception):
-    """A problem the user can fix: exit_code_of prints it as one `error:` line, exit code 2, no
-    traceback. train_gpt2.py and its sibling scripts raise this same class (they import it)."""
-
-
-def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
-                 interrupted: str = "error: interrupted") -> int:
-    """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
-    also_catch); or 130 (128 + SIGINT, as a shell reports it) and the `interrupted` line for a
-    Ctrl-C that no handler turned into a clean stop. With debug, the traceback instead."""
-    try:
-        action()
-    except (UserError, *also_catch) as e:
-        if debug:
-            raise
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(interrupted, file=sys.stderr, flush=True)
-        return 130
-    return 0
-
 
 def one_line(e: BaseException) -> str:
     """Another library's exception as a short single line, to quote inside our message."""
@@ -570,7 +551,7 @@ DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         description="Tokenize a text dataset into GPT-2 uint16 token shards (resumable).",
         epilog="Sizes: 20M, 1.5K, 10B (= 10G), 1e8 or 100000. Run again with the same arguments "
                "to resume an interrupted run.")

@@ -11,7 +11,6 @@ with the lowest mean token loss (acc_norm, the number usually quoted: about 0.29
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import http.client
 import json
@@ -19,6 +18,11 @@ import os
 import sys
 import urllib.request
 from typing import NamedTuple
+
+import cli  # the error contract shared by every script; standard library only, so it comes first
+
+if __name__ == "__main__":
+    cli.exit_on_ctrl_c_while_starting()
 
 import numpy as np
 import torch
@@ -395,7 +399,7 @@ def load_hf_model(path: str, device: str) -> nn.Module:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="HellaSwag (validation) accuracy of a GPT-2 model.")
+    p = cli.ArgumentParser(description="HellaSwag (validation) accuracy of a GPT-2 model.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
     src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory (needs transformers)")

@@ -29,6 +29,11 @@ import contextlib
 import os
 import sys
 
+import cli  # the error contract shared by every script; standard library only, so it comes first
+
+if __name__ == "__main__":
+    cli.exit_on_ctrl_c_while_starting()
+
 import torch
 
 import train_gpt2
@@ -256,7 +261,7 @@ def _save_pretrained(hf, out_dir: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
+    p = cli.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")

@@ -15,19 +15,21 @@ matplotlib is optional: it is imported only when plotting, with the Agg backend 
 """
 from __future__ import annotations
 
-import argparse
+import cli  # the error contract shared by every script: first, so that it covers the imports
+
+if __name__ == "__main__":
+    cli.exit_on_ctrl_c_while_starting()
+
 import json
 import math
 import os
 import sys
 
+from cli import UserError
+
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "hellaswag_acc", "lr")  # what the plots read
 DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
-
-
-class UserError(Exception):
-    """A problem with the user's input: printed as one line, exit code 2."""
 
 
 def find_log(path: str) -> str:
@@ -222,7 +224,7 @@ def plot_log(path: str, out: str | None = None, baseline: float | None = None, c
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Plot loss, HellaSwag accuracy and learning rate from a run's log.jsonl.")
+    p = cli.ArgumentParser(description="Plot loss, HellaSwag accuracy and learning rate from a run's log.jsonl.")
     p.add_argument("path", help="the run's --out-dir, or its log.jsonl")
     p.add_argument("-o", "--out", help="PNG to write (default: loss.png beside the log)")
     p.add_argument("--baseline-hellaswag", type=float, metavar="ACC",
@@ -232,16 +234,12 @@ def main(argv=None) -> int:
                    help=f"EMA weight of the smoothed train-loss line, in [0, 1) (default {DEFAULT_SMOOTH}; 0: none)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     args = p.parse_args(argv)
-    try:
+
+    def plot():
         out = plot_log(args.path, args.out, baseline=args.baseline_hellaswag, clip=not args.no_clip,
                        smooth=args.smooth)
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(f"wrote {out}")
-    return 0
+        print(f"wrote {out}")
+    return cli.exit_code_of(plot, args.debug)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,18 @@ import argparse
 import math
 import sys
 
+import cli  # the error contract shared by every script; standard library only, so it comes first
+
+if __name__ == "__main__":
+    cli.exit_on_ctrl_c_while_starting()
+
 from train_gpt2 import (SAMPLE_PROMPT, UserError, encode_prompt, exit_code_of, get_tokenizer_or_fail,
                         model_from_checkpoint, resolve_device, sample_text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
     src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")

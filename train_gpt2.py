@@ -26,6 +26,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+import cli  # the error contract shared by every script; standard library only, so it comes first
+from cli import UserError, exit_code_of
+
+if __name__ == "__main__":
+    cli.exit_on_ctrl_c_while_starting()
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -34,7 +40,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
-from fineweb import UserError, exit_code_of, os_error_reason  # error contract shared by every script
+from fineweb import os_error_reason
 
 if __name__ == "__main__":
     # Run as a script, this file is the module `__main__`. hellaswag.py and hf_interop.py then
@@ -2032,8 +2038,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
-    p = argparse.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
-                                formatter_class=HelpFormatter)
+    p = cli.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
+                           formatter_class=HelpFormatter)
     g = p.add_argument_group("data and output")
     g.add_argument("--data-dir", default=defaults.data_dir, help="folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
     g.add_argument("--out-dir", default=defaults.out_dir, help="log.jsonl and checkpoints go here")

@@ -34,6 +34,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # fineweb.py, imported where it is used (the child processes, the floor)
+import cli  # noqa: E402
 SHARED_DATA = REPO.parent / "shared" / "data"
 SHARD_SIZE = 10**6
 
@@ -177,7 +178,7 @@ def tiktoken_cpu_seconds(corpus):
 # --- main ------------------------------------------------------------------------------------
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=3, help="runs per pipeline; the best is kept")
     parser.add_argument("--corpus", nargs="+", choices=list(CORPORA), default=list(CORPORA))

@@ -13,7 +13,6 @@ A randomly initialized GPT (the scores are meaningless, the work is the same). E
 runs --repeats times, interleaved with the others so that load from other processes falls on
 all of them alike; the best run counts (the median is printed beside it).
 """
-import argparse
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 import hellaswag as hs  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
@@ -31,7 +31,7 @@ SHARED_COPY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=200)
     p.add_argument("--batch-sizes", default="1,2,4,16", help="comma-separated batch sizes for hellaswag.py")
     p.add_argument("--repeats", type=int, default=3)

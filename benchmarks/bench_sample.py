@@ -16,7 +16,6 @@ interleaved, --rounds times, so that load from other processes falls on all of t
 best round counts. The prompt plus the new tokens stay within the block size (beyond it the
 window slides and the cache is rebuilt every step: no gain there).
 """
-import argparse
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 from train_gpt2 import GPT, GPTConfig, MODEL_PRESETS  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def reference_generate(model, idx, max_new_tokens, top_k, generator):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="cpu", choices=sorted(MODEL_PRESETS), help="size preset")
     p.add_argument("--samples", type=int, default=4, help="sequences decoded together (batch)")
     p.add_argument("--prompt-tokens", type=int, default=10)

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 
 VARIANTS = ["reference", "+fused", "+chunked", "+prefetch", "+compile"]
 
@@ -172,7 +173,7 @@ def loader_worker(data_dir):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--model", default=None, help="preset (default: cpu on CPU, gpt2 on CUDA)")
     p.add_argument("--batch-size", type=int, default=None, help="rows per micro-step (default 8 CPU, 16 CUDA)")

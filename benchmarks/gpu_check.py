@@ -17,7 +17,6 @@ fails or its losses drift beyond the tolerance of its dtype.
           activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
           per variant; --compile adds it)
 """
-import argparse
 import json
 import os
 import re
@@ -29,6 +28,8 @@ import tempfile
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import cli  # noqa: E402
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, over a few steps
 
 
@@ -100,7 +101,7 @@ def report(v: dict, r: dict, ref_losses: list[float]) -> bool:
 def main(argv=None) -> int:
     import torch
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6 if cuda else 4, help="optimizer steps per variant")
     p.add_argument("--batch-size", type=int, default=64 if cuda else 4, help="rows per GPU (one micro-step)")
     p.add_argument("--seq-len", type=int, default=1024 if cuda else 32)

@@ -1,0 +1,80 @@
+"""The command-line contract every script here keeps (train_gpt2.py, fineweb.py, hellaswag.py,
+hf_interop.py, sample.py, plot_log.py):
+
+- bad input (a UserError, or a flag argparse refuses) is one `error:` line on stderr and exit
+  code 2, no traceback unless --debug; -h/--help prints the full help and exits 0;
+- flags are whole words: `--max-step` is refused, not taken for `--max-steps`;
+- Ctrl-C is `error: interrupted` and exit code 130 (128 + SIGINT, as a shell reports it), also
+  while the script is still importing torch;
+- under torchrun every rank exits with that code, but only rank 0 prints the line: the ranks run
+  the same command on the same input, and eight copies of one error would hide it.
+
+Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
+"""
+import argparse
+import os
+import signal
+import sys
+
+
+class UserError(Exception):
+    """A problem the user can fix: exit_code_of prints it as one `error:` line, exit code 2, no
+    traceback. Every script raises this same class (they import it from here)."""
+
+
+def print_line0(line: str) -> None:
+    """One line on stderr, written by rank 0 only under torchrun (RANK unset or 0)."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print(line, file=sys.stderr, flush=True)
+
+
+def print_error(message) -> None:
+    print_line0(f"error: {' '.join(str(message).split())}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with whole flag names only (allow_abbrev=False) and a usage error as one `error:`
+    line and exit code 2 (argparse prints the usage and `prog: error: ...`); -h/--help prints
+    the full help. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def error(self, message: str):
+        print_error(f"{message} (see {self.prog} --help)")
+        sys.exit(2)
+
+
+def _interrupted_while_starting(signum, frame):
+    print_line0("error: interrupted")
+    os._exit(130)  # mid-import: nothing to clean up, and unwinding it would be a traceback
+
+
+def exit_on_ctrl_c_while_starting() -> None:
+    """For a script run as a program, before its slow imports (torch takes seconds): Ctrl-C from
+    now until exit_code_of runs the action is `error: interrupted` and exit code 130. A SIGINT
+    that the parent left ignored (a background job) stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
+                 interrupted: str = "error: interrupted") -> int:
+    """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
+    also_catch); or 130 and the `interrupted` line for a Ctrl-C that no handler turned into a
+    clean stop. With debug, the traceback instead."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # Ctrl-C unwinds the action again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        action()
+    except (UserError, *also_catch) as e:
+        if debug:
+            raise
+        print_error(e)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print_line0(interrupted)
+        return 130
+    return 0

@@ -1,0 +1,137 @@
+"""The command-line contract of every script (cli.py): whole flag names only, a usage error as one
+`error:` line and exit code 2, -h/--help the full help, one line under torchrun (rank 0's), and
+Ctrl-C while torch imports as `error: interrupted`, exit code 130."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_cli
+
+# Each script runs as a program (`python SCRIPT ARGS` is runpy with run_name "__main__"), all in one
+# process so that torch is imported once: its exit code, stderr and stdout per command line.
+RUN_AS_PROGRAMS = """
+import contextlib, io, json, os, runpy, sys
+results = []
+for env, argv in json.loads(sys.argv[1]):
+    os.environ.update(env)
+    sys.argv, err, out, code = argv, io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    os.environ.pop("RANK", None)
+    results.append([code, err.getvalue(), out.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_as_programs(cases):
+    proc = subprocess.run([sys.executable, "-c", RUN_AS_PROGRAMS, json.dumps(cases)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(result) for result in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def unrecognized(script, args):
+    return 2, f"error: unrecognized arguments: {args} (see {script} --help)\n", ""
+
+
+def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
+    cases = {  # command line -> (exit code, stderr, stdout)
+        "train_gpt2.py --max-step 5": unrecognized("train_gpt2.py", "--max-step 5"),  # was --max-steps 5
+        "train_gpt2.py --warm 3": unrecognized("train_gpt2.py", "--warm 3"),  # was --warmup-steps 3
+        "train_gpt2.py --max-steps x": (2, "error: argument --max-steps: invalid int value: 'x' "
+                                           "(see train_gpt2.py --help)\n", ""),
+        "fineweb.py --max-tok 5": unrecognized("fineweb.py", "--max-tok 5"),
+        "hellaswag.py --checkpoint c.pt --lim 3": unrecognized("hellaswag.py", "--lim 3"),
+        "hf_interop.py export c.pt hf --vocab 5": unrecognized("hf_interop.py", "--vocab 5"),
+        "hf_interop.py": (2, "error: the following arguments are required: command (see hf_interop.py --help)\n",
+                          ""),
+        "hf_interop.py export c.pt": (2, "error: the following arguments are required: out_dir "
+                                         "(see hf_interop.py export --help)\n", ""),
+        "sample.py --checkpoint c.pt --temp 0.5": unrecognized("sample.py", "--temp 0.5"),
+        "plot_log.py out --smo 0.5": unrecognized("plot_log.py", "--smo 0.5"),
+        "benchmarks/bench_train.py --work x": unrecognized("bench_train.py", "--work x"),  # hidden --worker
+        "benchmarks/bench_sample.py --step 3": unrecognized("bench_sample.py", "--step 3"),
+    }
+    helps = ["train_gpt2.py --help", "fineweb.py -h", "hellaswag.py --help", "hf_interop.py export --help",
+             "sample.py --help", "plot_log.py --help", "benchmarks/bench_sample.py --help"]
+    # under torchrun only rank 0 prints: the other ranks run the same command on the same input
+    on_rank_1 = {"train_gpt2.py --max-step 5": (2, "", ""), "train_gpt2.py --max-lr nan": (2, "", "")}
+    results = run_as_programs([[{}, line.split()] for line in [*cases, *helps]]
+                              + [[{"RANK": "1"}, line.split()] for line in on_rank_1]
+                              + [[{"RANK": "0"}, "train_gpt2.py --max-lr nan".split()]])
+    assert dict(zip(cases, results[:len(cases)])) == cases
+    for line, (code, err, out) in zip(helps, results[len(cases):len(cases) + len(helps)]):
+        script = os.path.basename(line.split()[0])
+        assert (code, err) == (0, "") and out.startswith(f"usage: {script}"), (line, err)
+        assert "show this help message and exit" in out
+    assert dict(zip(on_rank_1, results[len(cases) + len(helps):-1])) == on_rank_1
+    assert results[-1] == (2, "error: --max-lr must be a finite number, got nan\n", "")
+
+
+def test_a_bad_flag_under_torchrun_is_one_line(tmp_path):
+    result = run_cli(["--max-step", "5", "--out-dir", str(tmp_path)], nproc=2)
+    output = result.stdout + result.stderr
+    assert [line for line in output.splitlines() if "error:" in line] == [
+        "error: unrecognized arguments: --max-step 5 (see train_gpt2.py --help)"], output[-3000:]
+    assert result.returncode != 0 and "exitcode  : 2" in output  # the rank torchrun names first
+    assert not tmp_path.exists() or not os.listdir(tmp_path)
+
+
+# --- Ctrl-C while the script imports ----------------------------------------------------------
+
+BLOCKING_MODULE = """import os
+with open(os.environ["BLOCKING_FIFO"], "rb") as fifo:  # blocks until the test lets go
+    fifo.read()
+raise SystemExit("the import was not interrupted")
+"""
+
+
+@pytest.mark.parametrize("script, args, blocked", [
+    ("train_gpt2.py", ["--max-steps", "1"], "torch"),
+    ("hellaswag.py", ["--checkpoint", "c.pt"], "torch"),
+    ("hf_interop.py", ["export", "c.pt", "hf"], "torch"),
+    ("sample.py", ["--checkpoint", "c.pt"], "torch"),
+    ("fineweb.py", ["--files", "x.txt"], "tiktoken"),
+    ("plot_log.py", ["{log}"], "matplotlib"),  # imported while it runs, not at start-up
+])
+def test_ctrl_c_while_importing_is_one_line(tmp_path, script, args, blocked):
+    # a module of that name earlier on the path blocks in its import, for as long as the test likes
+    (tmp_path / blocked).mkdir()
+    (tmp_path / blocked / "__init__.py").write_text(BLOCKING_MODULE)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "loss": 5.0}\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "BLOCKING_FIFO": str(fifo), "OMP_NUM_THREADS": "1"}
+    # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
+    proc = subprocess.Popen([sys.executable, script, *(a.format(log=log) for a in args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    writer = None
+    try:
+        deadline = time.time() + 120
+        while writer is None and time.time() < deadline:
+            try:  # succeeds once the import has the fifo open for reading
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # should another thread take the signal, end the read once it is pending
+        os.close(writer)
+        writer = None
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if writer is not None:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, err, out) == (130, "error: interrupted\n", "")
