@@ -30,6 +30,9 @@ from cli import UserError
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "hellaswag_acc", "lr")  # what the plots read
 DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
+# the trainer computes in float32 (or narrower): a value beyond its range is drawn as a gap, like inf,
+# since an axis reaching float64's 1e308 overflows matplotlib's tick arithmetic
+LARGEST_DRAWN = 3.4e38
 
 
 def find_log(path: str) -> str:
@@ -44,32 +47,57 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_drawn(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= LARGEST_DRAWN
+
+
+def parse_record(line: bytes):
+    """A line's JSON value, or None where it is not JSON text: a write cut by a crash, bytes that
+    are not UTF-8, nesting deeper than the parser's recursion."""
+    try:
+        return json.loads(line.decode("utf-8"))  # accepts the NaN/Infinity that json.dumps writes
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+
+
+def check_numbers(record: dict, where: str) -> None:
+    """A UserError unless the step and each plotted value is a number that a float holds."""
+    for key in NUMERIC_KEYS:
+        value = record.get(key)
+        if value is None:
+            continue
+        if not is_number(value):
+            raise UserError(f"{where}: {key} is {value!r}, not a number")
+        try:
+            value = float(value)
+        except OverflowError:  # a JSON integer of hundreds of digits
+            raise UserError(f"{where}: {key} is too large a number to plot") from None
+        if key == "step" and not is_drawn(value):
+            raise UserError(f"{where}: step is {value}, not a step number")
+
+
 def load_records(log: str) -> list[dict]:
     """The JSON objects of log.jsonl, in file order. Malformed lines (a write cut by a crash)
     are skipped with a warning on stderr; a record whose step or plotted value is not a
     number is an error naming its line."""
     records, bad = [], 0
-    with open(log) as f:
+    with open(log, "rb") as f:
         for line_no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
+            if not line.strip():
                 continue
-            try:
-                record = json.loads(line)  # accepts the NaN/Infinity that json.dumps writes
-            except json.JSONDecodeError:
-                bad += 1
-                continue
+            record = parse_record(line)
             if not isinstance(record, dict) or record.get("step") is None:
                 bad += 1
                 continue
-            for key in NUMERIC_KEYS:
-                if record.get(key) is not None and not is_number(record[key]):
-                    raise UserError(f"{log} line {line_no}: {key} is {record[key]!r}, not a number")
+            check_numbers(record, f"{log} line {line_no}")
             records.append(record)
-    if bad:
-        print(f"warning: skipped {bad} malformed line(s) in {log}", file=sys.stderr)
+    if not records and bad:  # e.g. a checkpoint passed for its log
+        raise UserError(f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; "
+                        "pass a run's --out-dir or its log.jsonl")
     if not records:
         raise UserError(f"{log} has no records yet (is the run just starting?)")
+    if bad:
+        print(f"warning: skipped {bad} malformed line(s) in {log}", file=sys.stderr)
     return records
 
 
@@ -83,12 +111,18 @@ def series(records: list[dict], key: str) -> tuple[list, list]:
     return steps, [by_step[s] for s in steps]
 
 
+def drawn(values: list[float]) -> list[float]:
+    """values as a line draws them: those not drawn are nan, a gap."""
+    return [v if is_drawn(v) else math.nan for v in values]
+
+
 def ema(values: list[float], weight: float) -> list[float]:
     """Exponential moving average, debiased so that the first points are not pulled toward 0
-    (as TensorBoard smooths); a non-finite value is left out and the average carries over it."""
+    (as TensorBoard smooths); a value not drawn (inf, nan, beyond LARGEST_DRAWN) is left out and
+    the average carries over it."""
     out, avg, norm = [], 0.0, 0.0
     for v in values:
-        if math.isfinite(v):
+        if is_drawn(v):
             avg = weight * avg + (1 - weight) * v
             norm = weight * norm + (1 - weight)
         out.append(avg / norm if norm else math.nan)
@@ -113,8 +147,8 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     or None when the run is too short for that to matter."""
     if len(train) < 20:
         return None
-    rest = [v for v in train[max(1, int(len(train) * skip_frac)):] + val[1:] if math.isfinite(v)]
-    finite = [v for v in train + val if math.isfinite(v)]
+    rest = [v for v in train[max(1, int(len(train) * skip_frac)):] + val[1:] if is_drawn(v)]
+    finite = [v for v in train + val if is_drawn(v)]
     if not rest or not finite:
         return None
     lo, hi = min(finite), max(rest)
@@ -148,12 +182,12 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     ax = axes[0]
     if train_steps:
         faint = dict(lw=0.6, alpha=0.3) if smooth else dict(lw=0.8, alpha=0.8)
-        ax.plot(train_steps, train_loss, color="tab:blue", label="train loss", **faint)
+        ax.plot(train_steps, drawn(train_loss), color="tab:blue", label="train loss", **faint)
         if smooth:
             ax.plot(train_steps, ema(train_loss, smooth), lw=1.5, color="tab:blue",
                     label=f"train loss (EMA {smooth:g})")
     if val_steps:
-        ax.plot(val_steps, val_loss, marker="o", ms=3, color="tab:orange", label="val loss")
+        ax.plot(val_steps, drawn(val_loss), marker="o", ms=3, color="tab:orange", label="val loss")
     ylim = loss_ylim(train_loss, val_loss) if clip else None
     if ylim:
         ax.set_ylim(*ylim)
@@ -164,7 +198,7 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     if show_hs:
         ax = axes[1]
         if hs_steps:
-            ax.plot(hs_steps, hs_acc, marker="o", ms=3, color="tab:green", label="HellaSwag acc")
+            ax.plot(hs_steps, drawn(hs_acc), marker="o", ms=3, color="tab:green", label="HellaSwag acc")
         if baseline is not None:
             ax.axhline(baseline, ls="--", color="tab:red", label=f"{BASELINE_LABEL} ({baseline:.4f})")
         ax.set_ylabel("HellaSwag acc_norm")
@@ -173,7 +207,7 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
 
     ax = axes[-1]
     if lr_steps:
-        ax.plot(lr_steps, lr, color="tab:purple", label="learning rate")
+        ax.plot(lr_steps, drawn(lr), color="tab:purple", label="learning rate")
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax.set_ylabel("learning rate")
     ax.set_xlabel("step")
@@ -204,14 +238,18 @@ def plot_log(path: str, out: str | None = None, baseline: float | None = None, c
     format follows the extension)."""
     if not 0 <= smooth < 1:
         raise UserError(f"--smooth must be in [0, 1), got {smooth}")
+    if baseline is not None and not is_drawn(baseline):
+        raise UserError(f"--baseline-hellaswag must be a finite number, got {baseline}")
     log = find_log(path)
     records = load_records(log)
     fig = make_figure(records, baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
+    extension = os.path.splitext(out)[1].lower().lstrip(".")
+    if not extension:  # a PNG, named as savefig would name it, so that we print the name it has
+        out, extension = out.rstrip(".") + ".png", "png"
     try:
-        extension = os.path.splitext(out)[1].lower().lstrip(".")
         formats = fig.canvas.get_supported_filetypes()
-        if extension and extension not in formats:  # no extension: PNG
+        if extension not in formats:
             raise UserError(f"cannot write {out}: unknown image type .{extension} "
                             f"(use {', '.join('.' + f for f in sorted(formats))})")
         fig.savefig(out, dpi=120)
@@ -226,7 +264,8 @@ def plot_log(path: str, out: str | None = None, baseline: float | None = None, c
 def main(argv=None) -> int:
     p = cli.ArgumentParser(description="Plot loss, HellaSwag accuracy and learning rate from a run's log.jsonl.")
     p.add_argument("path", help="the run's --out-dir, or its log.jsonl")
-    p.add_argument("-o", "--out", help="PNG to write (default: loss.png beside the log)")
+    p.add_argument("-o", "--out", help="image to write: its extension picks the type (.png, .svg, .pdf, ...), none "
+                   "adds .png (default: loss.png beside the log)")
     p.add_argument("--baseline-hellaswag", type=float, metavar="ACC",
                    help=f"draw a horizontal line labelled '{BASELINE_LABEL}' at this accuracy (e.g. 0.2955)")
     p.add_argument("--no-clip", action="store_true", help="show the whole loss range, first steps included")

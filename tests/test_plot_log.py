@@ -1,6 +1,7 @@
 """plot_log.py: a PNG from log.jsonl, figure contents equal the log, one-line errors."""
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -212,3 +213,42 @@ def test_bad_output_type_and_smoothing_are_one_line_errors(tmp_path):
     assert (proc.returncode, proc.stderr) == (2, "error: --smooth must be in [0, 1), got 1.0\n")
     assert plot_log.main([str(log), "-o", str(tmp_path / "plot.svg")]) == 0  # the extension picks the format
     assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = fake_records(n=30, hellaswag=False)
+    train = [r for r in records if "loss" in r]
+    for step, value in [(10, 1e308), (11, 1.7e308), (12, math.inf), (13, math.nan)]:
+        train[step]["loss"] = value  # json.dumps writes Infinity and NaN
+    deep = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser's recursion
+    log = write_log(tmp_path / "run", records, tail=deep + "\n")
+    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "curve")],
+                          capture_output=True, text=True, timeout=120)  # no extension: a PNG, named so
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        0, f"wrote {tmp_path / 'curve.png'}\n", f"warning: skipped 1 malformed line(s) in {log}\n")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC and sorted(os.listdir(tmp_path)) == ["curve.png", "run"]
+    fig = plot_log.make_figure(plot_log.load_records(str(log)))
+    try:
+        lines = lines_by_label(fig.axes[0])
+        drawn = list(lines["train loss"].get_ydata())
+        assert [math.isnan(v) for v in drawn[10:14]] == [True] * 4 and drawn[14] == train[14]["loss"]
+        assert fig.axes[0].get_ylim()[1] < 12  # the axis holds the finite curve
+        assert lines["train loss (EMA 0.9)"].get_ydata()[14] < 12  # the EMA carries over the gap
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"PK\x03\x04\x80\x81\xfe\xff binary\n\x00\x9c\n", "{log} is not a run's log: none of its 2 line(s) is a JSON "
+                                                     "record; pass a run's --out-dir or its log.jsonl"),
+    (b'{"step": 0, "loss": 1' + b"0" * 400 + b"}\n", "{log} line 1: loss is too large a number to plot"),
+    (b'{"step": Infinity, "loss": 3.0}\n', "{log} line 1: step is inf, not a step number"),
+], ids=["checkpoint", "huge-integer", "infinite-step"])
+def test_files_that_are_not_logs_are_one_line_errors(tmp_path, content, message):
+    log = tmp_path / "ckpt_0000004.pt"
+    log.write_bytes(content)
+    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(log=log)}\n")
