@@ -3,6 +3,7 @@
 #
 #   bash quickstart.sh                    # everything, with the defaults below
 #   bash quickstart.sh --max-steps 300    # extra arguments go to train_gpt2.py and override them
+#                                         # (python train_gpt2.py --help lists them)
 #
 # 1. a virtual environment (.venv) with torch (the CPU build where there is no NVIDIA GPU,
 #    else the CUDA build) and requirements.txt (+ matplotlib);
@@ -24,11 +25,19 @@
 #   QUICKSTART_VENV          the virtual environment to use or create (default: .venv)
 #   QUICKSTART_FINEWEB_ARGS  extra fineweb.py arguments, e.g. "--max-tokens 40K --shard-size 8K"
 set -euo pipefail
+for arg in "$@"; do
+  case "$arg" in -h|--help) sed -n '2,/^set -euo/{/^set -euo/d; s/^# \{0,1\}//; p}' "$0"; exit 0 ;; esac
+done
 cd "$(dirname "$0")"
 START=$SECONDS
 
 say() { echo "quickstart: $*"; }
 die() { echo "error: $*" >&2; exit 2; }
+
+# Ctrl-C reaches the running step too (the trainer then checkpoints and exits 0): stop here as well
+trap 'echo "quickstart: interrupted; run it again to resume" >&2; exit 130' INT
+HELLASWAG_ERR=$(mktemp "${TMPDIR:-/tmp}/quickstart-hellaswag.XXXXXX")
+trap 'rm -f "$HELLASWAG_ERR"' EXIT
 
 # ---- 1. environment
 
@@ -123,7 +132,10 @@ fi
 # ---- 3. training
 
 RESUME=  # before the user's arguments, so that their --resume PATH wins
-if compgen -G "$OUT/ckpt_[0-9]*.pt" >/dev/null; then
+shopt -s nullglob
+CHECKPOINTS=("$OUT"/ckpt_[0-9]*.pt)  # "$OUT" quoted: a folder named like a pattern (out[1]) is itself
+shopt -u nullglob
+if [ ${#CHECKPOINTS[@]} -gt 0 ]; then
   RESUME=--resume
   say "resuming the run in $OUT"
 fi
@@ -133,10 +145,9 @@ say "training: train_gpt2.py ${TRAIN_ARGS[*]} --data-dir $DATA --out-dir $OUT $R
 # ---- 4. evaluation
 
 say "HellaSwag, first 200 examples"
-if ! "$PY" hellaswag.py --checkpoint "$OUT" --limit 200 2>"$OUT/hellaswag.err" | tail -n 1; then
-  say "skipping HellaSwag: $(tail -n 1 "$OUT/hellaswag.err")"
+if ! "$PY" hellaswag.py --checkpoint "$OUT" --limit 200 2>"$HELLASWAG_ERR" | tail -n 1; then
+  say "skipping HellaSwag: $(tail -n 1 "$HELLASWAG_ERR")"
 fi
-rm -f "$OUT/hellaswag.err"
 
 # ---- 5. loss curve and samples
 

@@ -502,7 +502,8 @@ def open_shard(path: str) -> np.ndarray:
 def find_shards(data_dir: str, split: str) -> list[str]:
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir} does not exist; create shards with fineweb.py")
-    paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(data_dir, f"*_{split}_*.{ext}")))
+    folder = glob.escape(data_dir)  # a folder named like a pattern (data[1]) is still that folder
+    paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(folder, f"*_{split}_*.{ext}")))
     if not paths:
         raise UserError(f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; "
                         "create them with fineweb.py")

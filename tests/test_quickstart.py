@@ -2,15 +2,18 @@
 reuses. It uses the test's own virtual environment (QUICKSTART_VENV) rather than building one."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import REPO, SHARED
 
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
-TINY_TRAIN = ["--max-steps", "3", "--batch-size", "4", "--total-batch-size", "512", "--val-every", "2",
+OUT = "out/quick[1]*"  # an out dir named like a glob pattern is still that folder
+TINY_TRAIN = ["--out-dir", OUT, "--max-steps", "3", "--batch-size", "4", "--total-batch-size", "512", "--val-every", "2",
               "--val-steps", "2", "--sample-every", "0", "--ckpt-every", "2"]
 
 
@@ -28,16 +31,28 @@ def clone(tmp_path_factory):
     return path
 
 
-def quickstart(clone, *args, **env):
+def quickstart_env(clone, **env):
     hellaswag_dir = HELLASWAG if HELLASWAG.is_dir() else clone / "hellaswag"  # else: downloaded, or skipped
-    env = {**os.environ, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
-           "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.run(["bash", "quickstart.sh", *args], cwd=clone, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return {**os.environ, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
+            "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1", **env}
 
 
-def test_quickstart_runs_then_resumes_and_reuses(clone):
-    first = quickstart(clone, *TINY_TRAIN)
+def quickstart(clone, *args, **env):
+    return subprocess.run(["bash", "quickstart.sh", *args], cwd=clone, env=quickstart_env(clone, **env),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_help_prints_the_usage_and_does_nothing(clone):
+    proc = subprocess.run(["bash", "quickstart.sh", "--max-steps", "5", "--help"], cwd=clone, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "QUICKSTART_VENV": str(clone / "no-venv")})
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.startswith("From a fresh clone to a trained GPT-2")
+    assert "(python train_gpt2.py --help lists them)" in proc.stdout and "QUICKSTART_VENV" in proc.stdout
+    assert not (clone / "no-venv").exists()
+
+
+def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
+    first = quickstart(clone, *TINY_TRAIN, TMPDIR=str(tmp_path))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
     assert "creating the virtual environment" not in out  # QUICKSTART_VENV is used as it is
@@ -47,19 +62,21 @@ def test_quickstart_runs_then_resumes_and_reuses(clone):
         assert '"n": 200}' in out
     else:  # downloaded, or skipped in one line
         assert '"n": 200}' in out or "quickstart: skipping HellaSwag: error: " in out
-    run = clone / "out" / "quickstart"
+    run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     samples = out.split("quickstart: samples\n", 1)[1]
     assert [line for line in samples.splitlines() if line.startswith("---")] == [
         "--- sample 1/3 ---", "--- sample 2/3 ---", "--- sample 3/3 ---"]
     assert samples.split("--- sample 1/3 ---\n", 1)[1].startswith("def ")
-    assert sorted(p.name for p in run.glob("ckpt_*.pt")) == ["ckpt_0000002.pt", "ckpt_0000003.pt"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt",
+                                                                                    "ckpt_0000003.pt"]
+    assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
 
     again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4")  # the later value wins, as in argparse
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "quickstart: reusing the tokenized standard library in data/stdlib" in again.stdout
-    assert "resumed from out/quickstart/ckpt_0000003.pt at step 3" in again.stdout
+    assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in again.stdout
     assert "step     3/4 | loss" in again.stdout and "step     2/4" not in again.stdout
     assert (run / "ckpt_0000004.pt").is_file()
 
@@ -73,3 +90,27 @@ def test_without_the_bpe_it_says_what_to_set(clone, tmp_path):
         "error: the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR "
         "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)")
     assert "quickstart: tokenizing" not in proc.stdout
+
+
+def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
+    out = clone / "out" / "interrupted"
+    # as a terminal's Ctrl-C: SIGINT to the whole process group, which does not ignore it
+    proc = subprocess.Popen(["bash", "quickstart.sh", *TINY_TRAIN, "--max-steps", "100000", "--out-dir", str(out)],
+                            cwd=clone, env=quickstart_env(clone, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 300
+        while not ((out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert stderr.splitlines()[-1] == "quickstart: interrupted; run it again to resume"
+    assert "stopped by signal at step" in stdout  # the trainer checkpointed on the way out
+    assert "HellaSwag" not in stdout and "done in" not in stdout
+    assert not list(tmp_path.glob("quickstart-*"))
