@@ -1,8 +1,10 @@
 """Shared test setup: the repo on sys.path, offline BPE and data from ../shared."""
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,28 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
     launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
     return subprocess.run([*launcher, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
+
+
+def interrupt_when_blocked(proc, fifo, timeout=120):
+    """Ctrl-C for proc once it blocks reading the fifo (our open for writing succeeds once it has
+    the fifo open for reading), then (stdout, stderr). After the signal the read is ended (empty):
+    another thread of the process may have taken the signal, leaving the main thread in the read."""
+    writer = None
+    try:
+        deadline = time.time() + timeout
+        while writer is None and time.time() < deadline:
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        os.close(writer)
+        writer = None
+        return proc.communicate(timeout=60)
+    finally:
+        if writer is not None:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()

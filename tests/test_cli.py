@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, interrupt_when_blocked, run_cli
 
 # Each script runs as a program (`python SCRIPT ARGS` is runpy with run_name "__main__"), all in one
 # process so that torch is imported once: its exit code, stderr and stdout per command line.
@@ -115,23 +114,5 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path, script, args, blocked):
     proc = subprocess.Popen([sys.executable, script, *(a.format(log=log) for a in args)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    writer = None
-    try:
-        deadline = time.time() + 120
-        while writer is None and time.time() < deadline:
-            try:  # succeeds once the import has the fifo open for reading
-                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                assert proc.poll() is None, proc.communicate()
-                time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # should another thread take the signal, end the read once it is pending
-        os.close(writer)
-        writer = None
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if writer is not None:
-            os.close(writer)
-        if proc.poll() is None:
-            proc.kill()
+    out, err = interrupt_when_blocked(proc, fifo)
     assert (proc.returncode, err, out) == (130, "error: interrupted\n", "")

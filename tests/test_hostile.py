@@ -8,14 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import REPO, SHARED
+from conftest import REPO, SHARED, interrupt_when_blocked
 from test_resilience import args_for, log_records, resume_copy
 
 
@@ -259,27 +258,7 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
     proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args_for(str(data), tmp_path / "out")], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    writer = None
-    try:
-        deadline = time.time() + 120
-        while writer is None and time.time() < deadline:
-            try:  # succeeds once the trainer has the fifo open for reading
-                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                assert proc.poll() is None, proc.communicate()
-                time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        # another thread of the process may take the signal, leaving the main thread blocked in the
-        # fifo's read: end that read (empty) once the signal is pending, so the interrupt is seen
-        time.sleep(0.5)
-        os.close(writer)
-        writer = None
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if writer is not None:
-            os.close(writer)
-        if proc.poll() is None:
-            proc.kill()
+    out, err = interrupt_when_blocked(proc, fifo)
     assert (proc.returncode, err) == (130, "error: interrupted\n")
 
 
