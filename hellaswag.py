@@ -6,8 +6,15 @@
 
 Completion scoring: each example is a context and four endings. Every ending is scored by the
 model's cross-entropy on the ending's tokens given the context; the prediction is the ending
-with the lowest mean token loss (acc_norm, the number usually quoted: about 0.2955 for GPT-2
-124M) or the lowest summed loss (acc). The trainer calls evaluate() during training.
+with the lowest mean token loss (acc_norm, as build-nanogpt and llm.c compute it: about 0.2955
+for GPT-2 124M) or the lowest summed loss (acc). The trainer calls evaluate() during training.
+
+lm-evaluation-harness scores the same examples differently: its hellaswag task rewrites the
+text ("<activity_label>: <ctx_a> <Ctx_b>", WikiHow's bracketed tags removed) and normalizes the
+summed log-likelihood by the ending's length in characters, not tokens. The command line also
+reports those two numbers, lm_eval_acc and lm_eval_acc_norm; they equal lm-eval's acc and
+acc_norm on its hellaswag task whenever context + ending fits the model's positions (all of
+HellaSwag fits GPT-2's 1024; a shorter model cuts long contexts differently from lm-eval).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import sys
 import urllib.request
 from typing import NamedTuple
@@ -84,10 +92,12 @@ def _download(path: str, flag: str):
 
 
 class Example(NamedTuple):
-    """One rendered example: context token ids, the four endings' token ids, the label."""
+    """One rendered example: context token ids, the four endings' token ids, the label, and
+    (lm-eval's rendering only) the endings' lengths in characters, its normalizer."""
     ctx: list[int]
     endings: list[list[int]]
     label: int
+    ending_chars: tuple[int, ...] = ()
 
     def fit(self, block_size: int | None = None) -> tuple[list[int], list[list[int]]]:
         """Context and endings cut so that context + any ending fits in block_size: every
@@ -106,6 +116,40 @@ def render_example(example: dict, enc) -> Example:
     text, endings, label = check_record(example)
     return Example(enc.encode_ordinary(text), [enc.encode_ordinary(" " + e) for e in endings], label)
 
+
+def lm_eval_clean(text: str) -> str:
+    """lm-eval's hellaswag text clean-up: WikiHow's ' [title]' becomes '. ', other bracketed
+    tags ([header], [step], ...) go, one double space becomes single, the ends are stripped."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def lm_eval_text(example: dict) -> tuple[str, list[str], int]:
+    """(query, choices, label) of a record as lm-eval's hellaswag task shows it to the model:
+    '<activity_label>: <ctx_a> <ctx_b capitalized>' and the four endings, each cleaned."""
+    _, endings, label = check_record(example)
+    fields = [example.get(key) for key in ("activity_label", "ctx_a", "ctx_b")]
+    for key, value in zip(("activity_label", "ctx_a", "ctx_b"), fields):
+        if not isinstance(value, str):
+            raise ValueError(f"{key!r} must be text for lm-eval's rendering, not {value!r:.40}")
+    activity, ctx_a, ctx_b = fields
+    query = lm_eval_clean(f"{activity}: {ctx_a} {ctx_b.capitalize()}")
+    return query, [lm_eval_clean(e) for e in endings], label
+
+
+def render_lm_eval(example: dict, enc) -> Example:
+    """Tokenize one record as lm-eval does: the query alone, and query + ' ' + choice whole,
+    whose tokens after the query's are the ending (so a merge across the join, if any, is
+    split the same way)."""
+    query, choices, label = lm_eval_text(example)
+    ctx = enc.encode_ordinary(query)
+    endings = [enc.encode_ordinary(f"{query} {choice}")[len(ctx):] for choice in choices]
+    if not ctx or not all(endings):
+        raise ValueError("empty query or choice after lm-eval's clean-up")
+    return Example(ctx, endings, label, tuple(len(choice) for choice in choices))
+
+
+RENDERERS = {"nanogpt": render_example, "lm_eval": render_lm_eval}  # how a record becomes tokens
 
 LABELS = (0, 1, 2, 3)
 
@@ -150,32 +194,37 @@ class _Rendered:
         self.lines = [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
         if not self.lines:
             raise UserError(f"{flag} {path}: no HellaSwag examples in the file")
-        self.path, self.flag, self.examples = path, flag, []
+        self.path, self.flag = path, flag
+        self.examples: dict[str, list[Example]] = {style: [] for style in RENDERERS}
 
-    def first(self, n: int) -> list[Example]:
-        if len(self.examples) < n:
+    def first(self, n: int, style: str = "nanogpt") -> list[Example]:
+        examples, render = self.examples[style], RENDERERS[style]
+        if len(examples) < n:
             enc = get_tokenizer_or_fail()
-            for number, line in self.lines[len(self.examples):n]:
+            for number, line in self.lines[len(examples):n]:
                 try:
-                    self.examples.append(render_example(json.loads(line), enc))
+                    examples.append(render(json.loads(line), enc))
                 except ValueError as e:  # json's errors are ValueErrors too
                     raise UserError(f"{self.flag} {self.path} line {number}: not a HellaSwag example "
                                     f"({e})") from None
-        return self.examples[:n]
+        return examples[:n]
 
 
 _CACHE: dict[tuple, _Rendered] = {}  # (real path, mtime, size) -> its rendered examples
 
 
-def load_examples(path: str, limit: int | None = None, flag: str = "--data-file") -> list[Example]:
+def load_examples(path: str, limit: int | None = None, flag: str = "--data-file",
+                  style: str = "nanogpt") -> list[Example]:
     """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process.
-    flag names the option that gave path in the command being run (for its error messages)."""
+    flag names the option that gave path in the command being run (for its error messages).
+    style: "nanogpt" (the record's ctx and endings, as build-nanogpt renders them) or
+    "lm_eval" (lm-eval's hellaswag text, see render_lm_eval)."""
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
     if key not in _CACHE:
         _CACHE[key] = _Rendered(path, flag)
     data = _CACHE[key]
-    return data.first(limit or len(data.lines))
+    return data.first(limit or len(data.lines), style)
 
 
 def collate(examples: list[Example], block_size: int | None = None):
@@ -352,29 +401,39 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
 def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_size: int | None = None,
              data_file: str | None = None, data_dir: str | None = None, rank: int = 0,
              world_size: int = 1, dtype: torch.dtype = torch.float32, progress: bool = False,
-             block_size: int | None = None, flag: str = "--data-file") -> dict:
+             block_size: int | None = None, flag: str = "--data-file", lm_eval: bool = False) -> dict:
     """HellaSwag accuracy of model on the first limit (None or 0: all) validation examples.
 
     model maps token ids (B, T) to logits (B, T, V), bare or as the first item of a tuple.
     With world_size > 1 every rank must call this (it ends in one all-reduce): rank r scores
     examples r, r + W, r + 2W, ... and all ranks return the totals.
     flag names the option that gave data_file in the command being run (for its errors).
-    Returns {"acc": ..., "acc_norm": ..., "n": ...}."""
+    Returns {"acc": ..., "acc_norm": ..., "n": ...}: the summed and the per-token loss picks on
+    the record's own text; with lm_eval also "lm_eval_acc" and "lm_eval_acc_norm": the summed
+    and the per-character picks on lm-eval's text (its hellaswag task's acc and acc_norm)."""
     if limit is not None and limit < 0:
         raise UserError(f"--limit must be >= 0, got {limit}")
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
-    examples = load_examples(resolve_data_file(data_file, data_dir, flag), limit, flag)
-    mine = examples[rank::world_size]
-    loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
-                                         block_size=block_size, progress=progress and rank == 0)
+    path = resolve_data_file(data_file, data_dir, flag)
+    styles = ("nanogpt", "lm_eval") if lm_eval else ("nanogpt",)
+    picks = []  # (n, 4) losses whose argmin is a prediction, one per reported accuracy
+    for style in styles:
+        mine = load_examples(path, limit, flag, style)[rank::world_size]
+        loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
+                                             block_size=block_size, progress=progress and rank == 0)
+        if style == "nanogpt":
+            picks += [loss_sum, loss_mean]
+        else:
+            picks += [loss_sum, loss_sum / torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32)]
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
-    counts = torch.tensor([int((loss_sum.argmin(1) == labels).sum()),
-                           int((loss_mean.argmin(1) == labels).sum()), len(mine)], device=device)
+    counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)],
+                          device=device)
     if world_size > 1:
         all_reduce_sum(counts)
-    correct, correct_norm, n = counts.tolist()
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n}
+    *correct, n = counts.tolist()
+    names = ("acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm")
+    return {**{name: c / n for name, c in zip(names, correct)}, "n": n}
 
 
 # -----------------------------------------------------------------------------
@@ -421,13 +480,14 @@ def run(args) -> dict:
     try:
         dtype = resolve_dtype(args.dtype, d.device_type)
         data_file = resolve_data_file(args.data_file, args.data_dir)
-        load_examples(data_file, args.limit)  # a bad file fails before loading a model; evaluate reuses these
+        for style in RENDERERS:  # a bad file fails before loading a model; evaluate reuses these
+            load_examples(data_file, args.limit, style=style)
         if args.checkpoint:
             model = model_from_checkpoint(args.checkpoint, d.device)
         else:
             model = load_hf_model(args.hf_model, d.device)
         result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
-                          rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True)
+                          rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=True)
         print0(json.dumps(result))
         return result
     finally:

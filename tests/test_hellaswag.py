@@ -223,7 +223,7 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
 
 
 def test_cli_two_processes_match_one(model, checkpoint, data_file):
-    expected = hs.evaluate(model, "cpu", limit=31, data_file=data_file)  # one process
+    expected = hs.evaluate(model, "cpu", limit=31, data_file=data_file, lm_eval=True)  # one process
     assert expected["n"] == 31
     got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
                   "--device", "cpu", launcher=torchrun("--standalone", "--nproc_per_node=2"))
@@ -277,7 +277,8 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
 # hostile input: one line naming the flag, the file and the line
 
 
-GOOD = {"ctx": "A man is sitting on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3}
+GOOD = {"ctx": "A man is sitting on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3,
+        "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he"}
 
 
 def write_records(path, *records, raw=b""):
@@ -313,6 +314,17 @@ def test_records_that_would_score_the_wrong_thing_are_refused(tmp_path, record, 
     with pytest.raises(UserError) as e:
         hs.load_examples(path, flag="--hellaswag-file")
     assert str(e.value) == f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})"
+
+
+def test_lm_eval_rendering_needs_its_fields(tmp_path):
+    """lm-eval's text is built from activity_label, ctx_a and ctx_b: a record without one is
+    refused for that rendering (the other still reads it)."""
+    path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None})
+    assert len(hs.load_examples(path)) == 2
+    with pytest.raises(UserError) as e:
+        hs.load_examples(path, style="lm_eval")
+    assert str(e.value) == (f"--data-file {path} line 2: not a HellaSwag example "
+                            "('ctx_b' must be text for lm-eval's rendering, not None)")
 
 
 def test_label_as_a_digit_string_is_read(tmp_path):
@@ -395,4 +407,5 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     assert hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20",
                     "--device", "cpu"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got == hs.evaluate(model, "cpu", limit=20, data_file=data_file)
+    assert got == hs.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
+    assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
