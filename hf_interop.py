@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 
@@ -127,6 +128,18 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
     return hf
 
 
+def _weights_file(folder: str, key: str) -> str | None:
+    """The file of a local Hugging Face folder that holds tensor key (a shard's, through its index)."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        with contextlib.suppress(OSError, ValueError, LookupError, TypeError):
+            with open(os.path.join(folder, index)) as f:
+                return os.path.join(folder, json.load(f)["weight_map"][key])
+    return None
+
+
 def _check_every_tensor_loaded(cfg, info: dict, source: str):
     """Refuse a model that transformers completed at random: a tensor missing from the files,
     or of another shape than config.json gives (loaded with ignore_mismatched_sizes to list them)."""
@@ -162,6 +175,9 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     cfg = hf.config
     _check_hf_config(cfg, source)
     hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}
+    bad = train_gpt2.first_nonfinite(hf_sd)
+    if bad:
+        raise UserError(f"{_weights_file(name_or_dir, bad) or source}: the weights hold NaN or inf ({bad})")
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
         raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
     n_real = cfg.vocab_size

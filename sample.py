@@ -4,15 +4,18 @@
     python sample.py --hf-model gpt2_hf --temperature 0.8 --top-k 40 --seed 7
 
 Each sample is the prompt and its continuation as plain text, after a `--- sample i/N ---`
-line; notes go to stderr. The same seed gives the same text on the same device and torch
-version. An empty prompt starts a new document (<|endoftext|>); a prompt longer than the
-model's block size keeps its newest tokens in view. Decoding uses the model's KV cache
-(train_gpt2.GPT.generate), the same sampling as the trainer's in-training samples.
+line; notes go to stderr. A sample ends with its first <|endoftext|>, as Hugging Face's generate
+stops at the eos token (--continue-past-eot: it runs on). The same seed gives the same text on
+the same device and torch version, whatever --batch-size. An empty prompt starts a new document
+(<|endoftext|>); a prompt longer than the model's block size keeps its newest tokens in view.
+Decoding uses the model's KV cache (train_gpt2.GPT.generate), the same sampling as the
+trainer's in-training samples.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import cli  # the error contract shared by every script; standard library only, so it comes first
@@ -33,9 +36,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue ('' starts a new document)")
     p.add_argument("--num-samples", type=int, default=4, help="continuations to draw")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add to the prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="divides the logits: < 1 sharper, > 1 flatter")
+    p.add_argument("--continue-past-eot", action="store_true",
+                   help="go on after <|endoftext|> to --max-new-tokens (by default a sample ends there, as Hugging "
+                        "Face's generate stops at eos_token_id; generate(eos_token_id=None) goes on the same way)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="divides the logits: < 1 sharper, > 1 flatter; a tiny one (1e-40) is greedy")
     p.add_argument("--top-k", type=int, default=50, help="draw from the K most likely tokens")
-    p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
+    p.add_argument("--seed", type=int, default=42, help="seed of the sampling: sample i draws from its own "
+                                                            "generator (seed, i)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
+                        "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return p.parse_args(argv)
@@ -48,6 +59,8 @@ def validate_args(args: argparse.Namespace):
         raise UserError(f"--top-k must be >= 1, got {args.top_k}")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not 0 <= args.seed < 2 ** 63:
@@ -71,10 +84,15 @@ def run(args: argparse.Namespace):
         print(f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
               file=sys.stderr)
     texts = sample_text(model, enc, device, args.prompt, n=args.num_samples, length=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    for i, text in enumerate(texts, 1):
-        print(f"--- sample {i}/{len(texts)} ---")
-        print(text, flush=True)
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                        end_at_eot=not args.continue_past_eot, batch_rows=args.batch_size)
+    try:
+        for i, text in enumerate(texts, 1):  # a batch at a time: a huge --num-samples never holds them all
+            print(f"--- sample {i}/{args.num_samples} ---")
+            print(text, flush=True)
+    except BrokenPipeError:  # `sample.py ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the flush at exit cannot fail
+        sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a filter stopped so; no message
 
 
 def main(argv=None) -> int:

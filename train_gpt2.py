@@ -440,15 +440,27 @@ class GPT(nn.Module):
         return [LayerKVCache() for _ in self.transformer.h]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True):
-        """Extend idx (B, T) by max_new_tokens tokens, each drawn from the top_k most likely of
-        softmax(logits / temperature); the model sees the newest block_size tokens.
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True,
+                 stop_token=None):
+        """Extend idx (B, T) by up to max_new_tokens tokens, each drawn from the top_k most likely
+        of softmax(logits / temperature); the model sees the newest block_size tokens.
+
+        generator: one torch.Generator for the whole batch, or a list of one per row: then each
+        row's draws do not depend on the other rows, and a row gets the same tokens in a batch of
+        any size. As temperature goes to 0 the draw becomes the argmax (greedy); a temperature too
+        small for the logits' float type behaves as that limit (no inf or NaN). stop_token: stop
+        once every row has drawn it (rows that drew it earlier go on drawing, so each row's tokens
+        are those of a run without stop_token up to there; cut them there).
 
         With kv_cache each step feeds only the new token. Once the sequence outgrows the block
         the window slides, every position changes, and each step runs the whole window, as
         without the cache: both ways draw the same tokens for the same generator."""
         block_size = self.config.block_size
         cache = None
+        # the smallest positive float32: dividing by it keeps every nonzero gap below the max
+        # logit far enough down that exp() gives 0, which is what any smaller temperature does
+        temperature = max(temperature, torch.finfo(torch.float32).tiny)
+        stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             new_tokens = idx[:, -block_size:]
             if kv_cache and cache is not None and idx.size(1) <= block_size:
@@ -456,12 +468,26 @@ class GPT(nn.Module):
             elif kv_cache:
                 cache = self.new_kv_cache()  # the first step, or the window slid
             x = self.hidden_states(new_tokens, kv_cache=cache)
-            logits = self.lm_head(x[:, -1, :]).float() / temperature
+            logits = self.lm_head(x[:, -1, :]).float()
+            # the max first: (logits - max) / T is in [-inf, 0], so a tiny T cannot overflow to NaN
+            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
             probs = F.softmax(logits, dim=-1)
             topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
-            choice = torch.multinomial(topk_probs, 1, generator=generator)
+            choice = draw(topk_probs, generator)
             idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
+            if stop_token is not None:
+                stopped |= idx[:, -1] == stop_token
+                if stopped.all():
+                    break
         return idx
+
+
+def draw(probs, generator):
+    """One index per row of probs (B, K), drawn with the row's weights: from one generator for the
+    batch, or from a list of one generator per row."""
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 # -----------------------------------------------------------------------------
@@ -890,18 +916,54 @@ def encode_prompt(enc, prompt: str, vocab_size: int) -> list[int]:
     return ids
 
 
+SAMPLE_BATCH_BYTES = 2 << 30  # default rows drawn at once: as many as fit in this much memory,
+SAMPLE_BATCH_ROWS = 64  # and at most this many, so that the first texts come soon
+
+
+def sample_batch_rows(config: GPTConfig, tokens: int, element_size: int = 4) -> int:
+    """Rows of tokens positions (at most a block) whose sampling fits in SAMPLE_BATCH_BYTES, in
+    1..SAMPLE_BATCH_ROWS: per row, the KV cache of every layer, one layer's activations (x, qkv,
+    MLP) and attention scores of a forward over the whole window, and the logits and probabilities."""
+    T, C = min(tokens, config.block_size), config.n_embd
+    per_row = 2 * config.n_layer * T * C + 8 * T * C + config.n_head * T * T + 4 * config.vocab_size
+    return max(1, min(SAMPLE_BATCH_ROWS, SAMPLE_BATCH_BYTES // (per_row * element_size)))
+
+
+def sample_generator(seed: int, i: int, device: str) -> torch.Generator:
+    """The generator of sample i (0, 1, ...) for seed: its own stream, whatever batch it is drawn in."""
+    state = np.random.SeedSequence([seed, i]).generate_state(2, np.uint32)
+    return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
 def sample_text(model: GPT, enc, device: str, prompt=SAMPLE_PROMPT, n=4, length=32, temperature=1.0,
-                top_k=50, seed=42) -> list[str]:
-    """n continuations of prompt, each the prompt followed by length sampled tokens, as text.
-    Padded vocabulary ids (beyond the tokenizer's) have no text and are left out."""
+                top_k=50, seed=42, end_at_eot=True, batch_rows=None, stop_early=True):
+    """Yields n continuations of prompt, each the prompt followed by up to length sampled tokens,
+    as text; with end_at_eot a continuation ends with its first <|endoftext|> (as Hugging Face's
+    generate stops at the eos token), otherwise it runs on past it.
+
+    Sample i draws from its own generator (seed, i), so the texts do not depend on batch_rows, the
+    rows drawn at once (default: sample_batch_rows; a huge n never holds more). stop_early: stop a
+    batch once all its samples have ended (a sharded model passes False: every rank must run the
+    same forwards). Padded vocabulary ids (beyond the tokenizer's) have no text and are left out."""
     was_training = model.training
     model.eval()
     ids = encode_prompt(enc, prompt, model.config.vocab_size)
-    idx = torch.tensor([ids] * n, dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, length, temperature=temperature, top_k=top_k, generator=gen)
-    model.train(was_training)
-    return [prompt + enc.decode([t for t in row if t < enc.n_vocab]) for row in out[:, len(ids):].tolist()]
+    batch_rows = batch_rows or sample_batch_rows(model.config, len(ids) + length,
+                                                 next(model.parameters()).element_size())
+    stop_token = EOT if end_at_eot and stop_early else None
+    try:
+        for first in range(0, n, batch_rows):
+            rows = range(first, min(n, first + batch_rows))
+            idx = torch.tensor([ids] * len(rows), dtype=torch.long, device=device)
+            generators = [sample_generator(seed, i, device) for i in rows]
+            out = model.generate(idx, length, temperature=temperature, top_k=top_k, generator=generators,
+                                 stop_token=stop_token)
+            for row in out[:, len(ids):].tolist():
+                if end_at_eot and EOT in row:
+                    row = row[:row.index(EOT) + 1]
+                yield prompt + enc.decode([t for t in row if t < enc.n_vocab])
+    finally:
+        model.train(was_training)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -1098,7 +1160,16 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     if ckpt["checksum"] != state_digest(ckpt):
         raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
                         f"{instead}")
+    bad = first_nonfinite(ckpt["model"])
+    if bad:  # the trainer never writes one (check_state_finite): another program did
+        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead}")
     return ckpt
+
+
+def first_nonfinite(state: dict) -> str | None:
+    """The name of the first floating-point tensor in state that holds a NaN or inf (None: none does)."""
+    return next((name for name, t in state.items()
+                 if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()), None)
 
 
 def checkpoint_problem(ckpt) -> str | None:
@@ -1905,7 +1976,7 @@ class Trainer:
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
         # a sharded model needs every rank in its forward; only rank 0 prints
         if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
-            for text in sample_text(self.raw_model, self.enc, self.device):
+            for text in sample_text(self.raw_model, self.enc, self.device, stop_early=not run.fsdp):
                 print0(f"sample: {text}")
         return results
 

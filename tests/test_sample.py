@@ -102,6 +102,9 @@ def test_top_k_1_is_greedy_decoding():
             expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     for temperature in (0.5, 1.0, 3.0):
         assert torch.equal(model.generate(idx, 12, temperature=temperature, top_k=1), expected)
+    for temperature in (1e-40, 1e-300):  # the limit T -> 0, below float32's range: greedy, not NaN
+        assert torch.equal(model.generate(idx, 12, temperature=temperature, top_k=96,
+                                          generator=torch.Generator().manual_seed(0)), expected)
 
 
 def test_temperature_scales_the_logits():
@@ -138,13 +141,14 @@ def test_sample_cli_equals_sample_text_in_process(trained):
     """sample.py adds nothing to the trainer's sampling: same texts as train_gpt2.sample_text."""
     import train_gpt2 as tg
     out, _ = trained
-    proc = run_py("sample.py", "--checkpoint", out, "--prompt", "def f(x):", "--num-samples", "2",
-                  "--max-new-tokens", "10", "--temperature", "0.7", "--top-k", "5", "--seed", "3")
+    proc = run_py("sample.py", "--checkpoint", out, "--prompt", "def f(x):", "--num-samples", "3",
+                  "--max-new-tokens", "10", "--temperature", "0.7", "--top-k", "5", "--seed", "3", "--batch-size", "2")
     assert proc.returncode == 0, proc.stderr
     model = tg.model_from_checkpoint(str(out))
-    expected = tg.sample_text(model, tg.get_encoding(), "cpu", "def f(x):", n=2, length=10, temperature=0.7,
-                              top_k=5, seed=3)
-    assert samples_of(proc.stdout) == expected
+    # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
+    expected = list(tg.sample_text(model, tg.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7,
+                                   top_k=5, seed=3))
+    assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
 
 def test_empty_and_long_prompts(trained):
@@ -168,6 +172,7 @@ BAD_FLAGS = [  # (flags, message, run as a subprocess: one per distinct check, t
     (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf", False),
     (["--top-k", "0"], "--top-k must be >= 1, got 0", True),
     (["--num-samples", "0"], "--num-samples must be >= 1, got 0", True),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0", False),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", True),
     (["--seed", "-1"], "--seed must be in 0..2**63-1, got -1", True),
     (["--device", "gpu"], "--device gpu: expected auto, cpu, cuda, cuda:N or mps", True),
@@ -227,6 +232,95 @@ def test_hf_model_greedy_equals_transformers(tmp_path):
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                           pad_token_id=0)
     assert samples_of(proc.stdout) == [enc.decode(ref[0].tolist())]
+
+
+def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
+    """A model trained on documents `<|endoftext|>!"#$` (ids 50256, 0, 1, 2, 3), exported to Hugging
+    Face: sample.py's greedy text ends at <|endoftext|> as GPT2LMHeadModel.generate stops at the eos
+    token of its generation_config, and with --continue-past-eot runs on as generate(eos_token_id=None)."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+    import train_gpt2 as tg
+    write_shards(tmp_path / "data", [np.array([EOT, 0, 1, 2, 3])] * 400, shard_size=1000)
+    proc = run_py("train_gpt2.py", *TINY, "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
+                  "--max-steps", "80", "--sample-every", "0")  # past the plateau of the 5-token unigram
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    export = run_py("hf_interop.py", "export", tmp_path / "out", tmp_path / "hf")
+    assert export.returncode == 0, export.stderr
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    enc, ids = tg.get_encoding(), torch.tensor([[0]])  # the prompt "!"
+    texts = {}
+    for flags, eos in [((), {}), (("--continue-past-eot",), {"eos_token_id": None})]:
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              pad_token_id=EOT, **eos)
+        proc = run_py("sample.py", "--checkpoint", tmp_path / "out", "--prompt", "!", "--num-samples", "1",
+                      "--max-new-tokens", "12", "--top-k", "1", *flags)
+        assert proc.returncode == 0, proc.stderr
+        texts[flags] = samples_of(proc.stdout)
+        assert texts[flags] == [enc.decode(ref[0].tolist())]
+    (stopped,), (went_on,) = texts.values()
+    assert stopped.endswith("<|endoftext|>") and went_on.startswith(stopped) and len(went_on) > len(stopped)
+
+
+def test_tiny_temperature_is_greedy(trained):
+    """--temperature 1e-40 divides the logits beyond float32's range: the draws are the limit, the
+    argmax, for every sample (it was a NaN traceback from torch.multinomial)."""
+    import train_gpt2 as tg
+    out, _ = trained
+    proc = run_py("sample.py", "--checkpoint", out, "--temperature", "1e-40", "--num-samples", "2",
+                  "--max-new-tokens", "12", "--continue-past-eot")
+    assert proc.returncode == 0, proc.stderr
+    model = tg.model_from_checkpoint(str(out))
+    greedy = list(tg.sample_text(model, tg.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False))
+    drawn = list(tg.sample_text(model, tg.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
+    assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
+
+
+def test_nan_weights_are_one_line_errors(trained, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    import train_gpt2 as tg
+    out, _ = trained
+    ckpt = torch.load(tg.latest_checkpoint(str(out)), weights_only=True)
+    ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
+    del ckpt["checksum"]
+    (tmp_path / "run").mkdir()
+    torch.save(dict(ckpt, checksum=tg.state_digest(ckpt)), tmp_path / "run" / "ckpt_0000002.pt")
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                    activation_function="gelu_new"))
+    with torch.no_grad():
+        hf.transformer.h[0].attn.c_proj.weight[0, 0] = float("inf")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    for flag, source, message in [
+            ("--checkpoint", tmp_path / "run", f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: the model weights hold NaN "
+             "or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it"),
+            ("--hf-model", tmp_path / "hf", f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf "
+             "(transformer.h.0.attn.c_proj.weight)")]:
+        proc = run_py("sample.py", flag, source)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
+
+
+def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
+    """--num-samples 10**12: printed a batch at a time (one tensor of all rows was a MemoryError
+    before anything was printed), the first ones those of --num-samples 3 with the same seed."""
+    import train_gpt2 as tg
+    out, _ = trained
+    proc = subprocess.Popen([sys.executable, "sample.py", "--checkpoint", str(out), "--num-samples", str(10 ** 12),
+                             "--max-new-tokens", "4", "--seed", "5"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("--- sample 4/"):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], proc.communicate()  # the output ended: print why
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert lines[0] == f"--- sample 1/{10 ** 12} ---\n"
+    model = tg.model_from_checkpoint(str(out))
+    expected = list(tg.sample_text(model, tg.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
+    assert samples_of("".join(lines))[:3] == expected
 
 
 # ---- the trainer's samples ----
