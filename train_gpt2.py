@@ -820,6 +820,70 @@ def decided_on_rank0(d: Dist, decide):
     return answer[0]
 
 
+class RankLost(Exception):
+    """Another rank of the launch died (or stopped answering) and a collective here failed: every
+    surviving rank prints this as its one `error:` line and exits 1 (not a UserError: the input
+    was fine, and rank 0 may be the rank that died)."""
+
+
+def is_lost_rank(e: BaseException) -> bool:
+    """A collective failed because a peer is gone: gloo raises a RuntimeError naming its socket
+    (connection closed or reset, timed out), NCCL a DistBackendError."""
+    return isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and re.search(r"gloo|nccl|connection (closed|reset)|timed out", str(e), re.I))
+
+
+def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None) -> RankLost:
+    # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:14728. This is typically ..."
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]
+    return RankLost(f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
+                    f"stopped too; torchrun's report below names the rank that failed first. Last good checkpoint: "
+                    f"{last_ckpt or 'none'}" + (" (resume with the same command plus --resume)" if last_ckpt else ""))
+
+
+def launch_fingerprint(run: RunConfig, model_cfg: GPTConfig) -> list[tuple[str, object]]:
+    """What every rank of a launch must share, in flag order: each run and model flag, then the
+    shards of --data-dir (names and sizes; a missing folder or split is left to the loader to refuse)."""
+    items = [(f"--{name.replace('_', '-')}", value) for cfg in (run, model_cfg)
+             for name, value in dataclasses.asdict(cfg).items()]
+    for split in ("train", "val"):
+        try:
+            files = [(os.path.basename(p), os.path.getsize(p)) for p in find_shards(run.data_dir, split)]
+        except (UserError, OSError):
+            files = []
+        items.append((f"{split} shards in --data-dir", files))
+    return items
+
+
+def first_difference(rank: int, mine: list, theirs: list) -> str | None:
+    """The first item where rank's launch fingerprint (mine) differs from rank 0's (theirs), in words."""
+    for (what, a), (_, b) in zip(theirs, mine):
+        if a == b:
+            continue
+        if what.startswith("--"):
+            return f"{what} {a} on rank 0 but {what} {b} on rank {rank}"
+        a_files, b_files = dict(a), dict(b)
+        name = next(n for n in sorted({*a_files, *b_files}) if a_files.get(n) != b_files.get(n))
+        size = lambda files: f"{files[name]} bytes" if name in files else "missing"  # noqa: E731
+        return f"{what}: {name} is {size(a_files)} on rank 0 but {size(b_files)} on rank {rank}"
+    return None
+
+
+def check_ranks_agree(run: RunConfig, model_cfg: GPTConfig):
+    """Under torchrun, refuse a launch whose ranks got different flags or data (a different
+    --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
+    replicas that silently drift apart). One all-gather; every rank raises the same error."""
+    if not dist.is_initialized():
+        return
+    fingerprints = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, launch_fingerprint(run, model_cfg))
+    for rank, fingerprint in enumerate(fingerprints[1:], start=1):
+        difference = first_difference(rank, fingerprint, fingerprints[0])
+        if difference:
+            raise UserError(f"the ranks of this launch were started differently: {difference}; "
+                            "every rank needs the same command and the same --data-dir files")
+
+
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of t: its shard if t is sharded (a DTensor under --fsdp), else t."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -1516,6 +1580,10 @@ class StopSignal:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
+    def ignore_sigterm_from_now(self):
+        """After another rank died torchrun SIGTERMs the survivors: this one still prints its line."""
+        self.previous[signal.SIGTERM] = signal.SIG_IGN
+
 
 class SpikeDetector:
     """Flags a value more than z standard deviations above the mean of a recent window.
@@ -1985,10 +2053,20 @@ class Trainer:
         printed, then one JSON line. Nothing is written to --out-dir."""
         try:
             results = self.evaluate(self.start_step, last_step=True)
+        except Exception as e:
+            self.raise_if_lost_rank(e)
+            raise
         finally:
             self.prefetcher.close()
             self.stop.restore()
         print0(json.dumps(dict(step=self.start_step, **results)))
+
+    def raise_if_lost_rank(self, e: Exception):
+        """A collective that failed because another rank died becomes this rank's one line; no
+        checkpoint is written after it (the state may be half-updated, and saving needs the peers)."""
+        if self.d.enabled and is_lost_rank(e):
+            self.stop.ignore_sigterm_from_now()
+            raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
 
     def throughput(self, dt: float) -> tuple[float, float, float | None]:
         """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt.
@@ -2062,6 +2140,9 @@ class Trainer:
                 stop_agreed = result.stop_requested
                 step_times.append(result.dt)
                 self.log_step(step, result)
+        except Exception as e:
+            self.raise_if_lost_rank(e)
+            raise
         finally:
             self.prefetcher.close()
             self.stop.restore()
@@ -2088,11 +2169,17 @@ class Trainer:
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in Trainer(), once the input checks out
     try:
+        check_ranks_agree(run, model_cfg)
         trainer = Trainer(run, model_cfg, d, out_dir_lock)
         if run.eval_only:
             trainer.evaluate_only()
         else:
             trainer.fit()
+    except Exception as e:
+        if d.enabled and is_lost_rank(e):  # another rank died while this one set up
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
+            raise lost_rank_error(e, d.rank, latest_checkpoint(run.out_dir)) from None
+        raise
     finally:
         out_dir_lock.release()
 
@@ -2223,7 +2310,13 @@ def main(argv=None) -> int:
             train(run, model_cfg, d)
         finally:
             cleanup_distributed()
-    return exit_code_of(setup_and_train, args.debug)
+    try:
+        return exit_code_of(setup_and_train, args.debug)
+    except RankLost as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)  # on every surviving rank: rank 0 may be the one lost
+        return 1
 
 
 if __name__ == "__main__":
