@@ -1931,10 +1931,11 @@ class Trainer:
         if self.d.is_main:
             self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
             save_checkpoint(path, state, self.run.keep_last)
-        # on every rank: they decide together whether a stop needs another save
-        self.last_ckpt = self.log.last_checkpoint = path
+            self.last_ckpt = path  # on disk: named if a peer dies in the barrier below
         if self.d.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
+        # on every rank, once rank 0 has written it: they decide together whether a stop needs another save
+        self.last_ckpt = self.log.last_checkpoint = path
 
     # ---- one optimizer step
 

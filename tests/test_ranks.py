@@ -1,0 +1,156 @@
+"""No rank can hurt another (issue 17): ranks started differently are refused with one line, and
+a rank that dies leaves the survivors one line naming the last good checkpoint. Every case is a
+real torchrun launch of 2 gloo ranks on the CPU; the checkpoints already in --out-dir must still
+load, byte for byte the same."""
+import contextlib
+import glob
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import train_gpt2 as tg
+from conftest import REPO, torchrun
+from shards import shard_dir
+
+T = 16
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return shard_dir(tmp_path_factory, 500, seed=4)
+
+
+def args_for(data_dir, out_dir, *extra, steps=2, ckpt_every=2):
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), "--n-layer", "1", "--n-head", "2",
+            "--n-embd", "16", "--block-size", "16", "--seq-len", str(T), "--batch-size", "2",
+            "--total-batch-size", str(4 * T), "--max-steps", str(steps), "--warmup-steps", "1",
+            "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
+            "--ckpt-every", str(ckpt_every), *extra]
+
+
+def checkpoint_hashes(out_dir) -> dict:
+    hashes = {}
+    for path in sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt"))):
+        with open(path, "rb") as f:
+            hashes[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
+    return hashes
+
+
+def assert_checkpoints_intact(out_dir, before: dict):
+    """Each checkpoint there before is unchanged and loads; any other one loads too."""
+    after = checkpoint_hashes(out_dir)
+    assert {name: after.get(name) for name in before} == before
+    for name in after:
+        assert tg.load_checkpoint(os.path.join(out_dir, name))["step"] == int(name[5:12])
+
+
+def error_lines(stderr) -> list:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def launch_per_rank(shell, args, env=None, **popen):
+    """torchrun of 2 ranks running `bash -c shell _ python train_gpt2.py args`: the shell can give
+    each rank ($RANK) its own flags or folder, as a job script on each node might."""
+    command = [*torchrun("--standalone", "--nproc_per_node=2", "--no-python"), "bash", "-c", shell, "_",
+               sys.executable, str(REPO / "train_gpt2.py"), *args]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, **popen)
+
+
+@pytest.fixture
+def trained(data_dir, tmp_path):
+    """An out dir holding one checkpoint (step 2), and its hashes."""
+    out = tmp_path / "out"
+    assert tg.main(args_for(data_dir, out)) == 0
+    return out, checkpoint_hashes(out)
+
+
+# --- ranks that agree --------------------------------------------------------------------------
+
+def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, trained):
+    # before: a different --max-steps ended in a gloo SIGABRT (83 lines); a different --max-lr trained on
+    out, hashes = trained
+    proc = launch_per_rank('exec "$@" --max-steps $((4 + RANK)) --max-lr 1e-$((2 + RANK))',
+                           args_for(data_dir, out, "--resume"))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1  # torchrun's own code whenever a worker fails; the workers' are in its report
+    assert error_lines(err) == ["error: the ranks of this launch were started differently: --max-steps 4 on rank 0 "
+                                "but --max-steps 5 on rank 1; every rank needs the same command and the same "
+                                "--data-dir files"], err[-3000:]
+    assert err.count("exitcode  : 2") == 2 and "[rank" not in err and "terminate called" not in err
+    assert_checkpoints_intact(out, hashes)
+    assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
+
+
+def test_ranks_with_different_data_files_are_refused(data_dir, trained, tmp_path):
+    # the same --data-dir names different files on each rank, as two nodes' local copies might
+    out, hashes = trained
+    for rank in (0, 1):
+        shutil.copytree(data_dir, tmp_path / f"rank{rank}" / "data")
+    shard = sorted(glob.glob(str(tmp_path / "rank1" / "data" / "*_train_*.npy")))[-1]
+    np.save(shard, np.load(shard)[:-10])
+    proc = launch_per_rank('cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, "--resume"),
+                           env={"BASE": str(tmp_path)})
+    _, err = proc.communicate(timeout=120)
+    name = os.path.basename(shard)
+    size = os.path.getsize(tmp_path / "rank0" / "data" / name)
+    assert proc.returncode == 1
+    assert error_lines(err) == [f"error: the ranks of this launch were started differently: train shards in "
+                                f"--data-dir: {name} is {size} bytes on rank 0 but {size - 20} bytes on rank 1; "
+                                "every rank needs the same command and the same --data-dir files"], err[-3000:]
+    assert_checkpoints_intact(out, hashes)
+
+
+# --- a rank that dies ----------------------------------------------------------------------------
+
+def child_pids(pid):
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+    return children
+
+
+@pytest.mark.parametrize("victim, mode", [(1, []), (0, ["--fsdp"])], ids=["rank1-ddp", "rank0-fsdp"])
+def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir, tmp_path, victim, mode):
+    out = tmp_path / "out"
+    # a checkpoint every step, and the default --dist-timeout (600 s): the survivor must not wait for it
+    proc = launch_per_rank('exec "$@"', args_for(data_dir, out, *mode, steps=100000, ckpt_every=1),
+                           start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while len(glob.glob(str(out / "ckpt_*.pt"))) < 3:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        workers = child_pids(proc.pid)
+        assert len(workers) == 2
+        rank_of = {pid: int(open(f"/proc/{pid}/environ").read().split("RANK=")[1].split("\0")[0])
+                   for pid in workers}  # (LOCAL_RANK= also ends in RANK=: both give the same number)
+        hashes = {name: h for name, h in checkpoint_hashes(out).items()}
+        killed = time.time()
+        os.kill(next(pid for pid, rank in rank_of.items() if rank == victim), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert time.time() - killed < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    survivor = 1 - victim
+    assert lines[0].startswith(f"error: rank {survivor}: another rank of this launch died or stopped answering (")
+    named = lines[0].split("Last good checkpoint: ")[1].split(" (resume with")[0]
+    assert os.path.basename(named) in checkpoint_hashes(out)
+    assert int(named[-10:-3]) >= max(int(name[5:12]) for name in hashes)
+    assert "[rank" not in err and "terminate called" not in err  # no worker traceback, no C++ abort
+    assert "exitcode  : 1" in err and "exitcode  : -9" in err  # the survivor's 1, the victim's SIGKILL
+    assert_checkpoints_intact(out, hashes)
