@@ -1,6 +1,7 @@
 """Move GPT-2 weights between Hugging Face transformers and our train_gpt2.GPT.
 
     python hf_interop.py export out/ckpt_0019073.pt gpt2_ours_hf   # our checkpoint -> HF directory
+    python hf_interop.py eval out/gpt2-124M --tasks hellaswag,arc_easy  # lm-evaluation-harness on it
 
 and, from Python (train_gpt2.py's --init-from uses it):
 
@@ -29,6 +30,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 
 import cli  # the error contract shared by every script; standard library only, so it comes first
 
@@ -276,6 +278,144 @@ def _save_pretrained(hf, out_dir: str):
         raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
 
 
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness on an exported checkpoint
+
+EVALS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "evals")  # our lm-eval task YAMLs
+LM_EVAL_HINT = "lm-evaluation-harness is not installed: pip install lm_eval accelerate"
+LOCAL_TASKS = {"hellaswag": "hellaswag_local"}  # lm-eval task -> ours in evals/ that reads a local file
+
+
+def _import_lm_eval():
+    try:
+        import accelerate  # noqa: F401  (lm-eval's hf model needs it and does not install it)
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError(LM_EVAL_HINT) from None
+    return lm_eval, HFLM, TaskManager
+
+
+def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
+    """(task manager, lm-eval's tasks and groups by name, their data loaded): hellaswag from
+    hellaswag_file through evals/hellaswag_local.yaml when it is given. A task that cannot be had
+    is one line saying what to set."""
+    if hellaswag_file and not os.path.isfile(hellaswag_file):
+        raise UserError(f"--hellaswag-file {hellaswag_file} does not exist")
+    metadata = {"data_file": os.path.abspath(hellaswag_file)} if hellaswag_file else None
+    names = [LOCAL_TASKS.get(name, name) if hellaswag_file else name for name in names]
+    # lm-eval's own thousands of task YAMLs take ~15 s to index: only when a task needs them
+    manager = TaskManager(include_path=EVALS_DIR, metadata=metadata,
+                          include_defaults=not set(names) <= set(LOCAL_TASKS.values()))
+    known = set(manager.all_tasks)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise UserError(f"--tasks: lm-eval has no task {unknown[0]!r} (`lm_eval ls tasks` lists them)")
+    loaded = {}
+    for name in names:
+        try:
+            with _quiet_datasets():
+                loaded[name] = manager.load(name)
+        except Exception as e:  # the Hub unreachable, a damaged file, a dataset lm-eval cannot build
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            fix = ("pass --hellaswag-file PATH (a local hellaswag_val.jsonl; evals/hellaswag_local.yaml reads it)"
+                   if name in LOCAL_TASKS else
+                   "with no internet, point HF_HOME at a Hugging Face cache that holds its dataset "
+                   "and set HF_DATASETS_OFFLINE=1")
+            raise UserError(f"--tasks {name}: cannot load its data ({type(e).__name__}: {first:.200}); {fix}") from e
+    return manager, [obj for result in loaded.values() for obj in _top_level(result)]
+
+
+def _top_level(loaded: dict) -> list:
+    """The groups and tasks of a TaskManager.load result that are no group's member."""
+    members = {child for children in loaded.get("group_map", {}).values() for child in children}
+    return [obj for kind in ("groups", "tasks") for name, obj in loaded[kind].items() if name not in members]
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    import datasets
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = None, limit: int | None = None,
+                    batch_size: int = 8, device: str = "cpu", num_fewshot: int | None = None) -> dict:
+    """lm-evaluation-harness's simple_evaluate on our checkpoint (a ckpt file or a run's folder),
+    exported to a temporary Hugging Face directory: its results dict, with the per-example
+    records under "samples"."""
+    lm_eval, HFLM, TaskManager = _import_lm_eval()
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be positive, got {limit}")
+    manager, loaded = _load_tasks(TaskManager, tasks, hellaswag_file)
+    with tempfile.TemporaryDirectory(prefix="hf_export_") as hf_dir:
+        export_hf(source, hf_dir)
+        try:
+            with _quiet_transformers():
+                lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype="float32")
+        except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or device it cannot have
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"lm-eval cannot load the exported model ({type(e).__name__}: {first:.200})") from e
+        return lm_eval.simple_evaluate(model=lm, tasks=loaded, limit=limit, num_fewshot=num_fewshot,
+                                       log_samples=True, bootstrap_iters=0, task_manager=manager)
+
+
+def _sample_record(sample: dict) -> dict:
+    """One example of lm-eval's log: its id, gold answer, log-likelihoods and metric values."""
+    record = {"doc_id": sample["doc_id"], "target": sample["target"]}
+    record["loglikelihoods"] = [float(resp[0]) for resp in sample["filtered_resps"]] \
+        if all(isinstance(r, (list, tuple)) for r in sample["filtered_resps"]) else sample["filtered_resps"]
+    for metric in sample.get("metrics", []):
+        record[metric] = sample[metric]
+    return record
+
+
+def run_lm_eval(args):
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not tasks:
+        raise UserError("--tasks names no task")
+    out = lm_eval_results(args.checkpoint, tasks, hellaswag_file=args.hellaswag_file, limit=args.limit,
+                          batch_size=args.batch_size, device=args.device, num_fewshot=args.num_fewshot)
+    if args.samples_dir:
+        os.makedirs(args.samples_dir, exist_ok=True)
+        for task, samples in out["samples"].items():
+            with open(os.path.join(args.samples_dir, f"{task}.jsonl"), "w") as f:
+                f.writelines(json.dumps(_sample_record(s)) + "\n" for s in samples)
+    from lm_eval.utils import make_table
+    print(make_table(out), file=sys.stderr)
+    print(json.dumps({task: _metrics(results) for task, results in out["results"].items()}))
+
+
+def _metrics(results: dict) -> dict:
+    """A task's numbers: acc, acc_norm, ... ('acc,none' for lm-eval's default filter) and n."""
+    numbers = {key.removesuffix(",none"): value for key, value in results.items()
+               if "," in key and "_stderr," not in key}
+    return {**numbers, **({"n": results["sample_len"]} if "sample_len" in results else {})}
+
+
+def add_eval_parser(sub):
+    e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a checkpoint (exported to a temporary "
+                                    "Hugging Face directory)")
+    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+                                      "--out-dir folder for its newest checkpoint")
+    e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
+    e.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl: hellaswag runs from it through "
+                                            "evals/hellaswag_local.yaml, without the Hub")
+    e.add_argument("--limit", type=int, help="examples per task (default: all)")
+    e.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own, 0 for hellaswag)")
+    e.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (default 8)")
+    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda if available)")
+    e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
+    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+
+
 def main(argv=None) -> int:
     p = cli.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -286,7 +426,10 @@ def main(argv=None) -> int:
     e.add_argument("out_dir", help="directory for config.json and model.safetensors")
     e.add_argument("--vocab-size", type=int, help="rows to keep (default: 50257, dropping the padding)")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    add_eval_parser(sub)
     args = p.parse_args(argv)
+    if args.command == "eval":
+        return train_gpt2.exit_code_of(lambda: run_lm_eval(args), args.debug)
 
     def export():
         out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)

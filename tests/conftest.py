@@ -67,3 +67,23 @@ def interrupt_when_blocked(proc, fifo, timeout=120):
             os.close(writer)
         if proc.poll() is None:
             proc.kill()
+
+
+def spread_gpt(config, seed: int):
+    """Our GPT in eval mode with an N(0, 1) token embedding: GPT-2's init gives near-uniform
+    logits, and spread ones keep the endings of a multiple-choice example from nearly tying."""
+    import torch
+    from train_gpt2 import GPT
+    torch.manual_seed(seed)
+    model = GPT(config)
+    with torch.no_grad():
+        model.transformer.wte.weight.normal_(0.0, 1.0)
+    return model.eval()
+
+
+def write_checkpoint(model, path) -> str:
+    """model as a train_gpt2.py checkpoint (weights and config only) at path."""
+    import dataclasses
+    from train_gpt2 import save_checkpoint
+    save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
+    return str(path)

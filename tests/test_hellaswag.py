@@ -1,5 +1,4 @@
 """hellaswag.py: rendering, batched = one-at-a-time scoring, 2-process totals, HF parity, errors."""
-import dataclasses
 import hashlib
 import io
 import json
@@ -13,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import REPO, torchrun
-from train_gpt2 import EOT, GPT, GPTConfig, UserError, save_checkpoint
+from conftest import REPO, spread_gpt, torchrun, write_checkpoint
+from train_gpt2 import EOT, GPTConfig, UserError
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -55,18 +54,12 @@ def data_file(shared_data):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(1234)
-    m = GPT(CONFIG)
-    with torch.no_grad():  # GPT-2's init gives near-uniform logits: spread them so no two endings tie
-        m.transformer.wte.weight.normal_(0.0, 1.0)
-    return m.eval()
+    return spread_gpt(CONFIG, seed=1234)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
-    save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(CONFIG)})
-    return str(path)
+    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
 
 
 def reference_losses(model, ex, block_size):

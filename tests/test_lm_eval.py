@@ -1,0 +1,107 @@
+"""lm-evaluation-harness on our export (hf_interop.py eval, evals/hellaswag_local.yaml), offline:
+its HellaSwag acc and acc_norm equal hellaswag.py's lm_eval_acc and lm_eval_acc_norm, example
+by example."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")
+
+import hellaswag as hs  # noqa: E402
+import hf_interop  # noqa: E402
+from conftest import REPO, spread_gpt, write_checkpoint  # noqa: E402
+from train_gpt2 import GPTConfig  # noqa: E402
+
+# 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in
+# lm-eval's rendering), so lm-eval and we cut nothing
+CONFIG = GPTConfig(block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)  # unpadded: the export keeps every row
+N = 40
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return spread_gpt(CONFIG, seed=7)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
+    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """The first N validation records: lm-eval maps its process_docs over the whole file more than once."""
+    source = REPO.parent / "shared" / "data" / "hellaswag" / "hellaswag_val.jsonl"
+    if not source.is_file():
+        pytest.skip(f"{source} is not present")
+    path = tmp_path_factory.mktemp("hellaswag") / "hellaswag_val.jsonl"
+    with open(source) as f:
+        path.write_text("".join(next(f) for _ in range(N)))
+    return str(path)
+
+
+def run_eval(*args):
+    return subprocess.run([sys.executable, "hf_interop.py", "eval", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **OFFLINE})
+
+
+def test_our_text_is_lm_evals(shared_data):
+    """hellaswag.py's own rendering of lm-eval's text equals lm-eval's process_docs on all 10042 records."""
+    import datasets
+    from lm_eval.tasks.hellaswag.utils import process_docs
+    with open(shared_data / "hellaswag" / "hellaswag_val.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    theirs = process_docs(datasets.Dataset.from_list(records))
+    assert len(records) == len(theirs) == 10042
+    mismatched = [i for i, (record, doc) in enumerate(zip(records, theirs))
+                  if hs.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])]
+    assert mismatched == []
+
+
+def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_file, tmp_path):
+    proc = run_eval(checkpoint, "--tasks", "hellaswag", "--hellaswag-file", data_file, "--device", "cpu",
+                    "--samples-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])["hellaswag_local"]
+    with open(tmp_path / "hellaswag_local.jsonl") as f:
+        samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+    assert [s["doc_id"] for s in samples] == list(range(N)) and result["n"] == N
+
+    examples = hs.load_examples(data_file, style="lm_eval")
+    loss_sum, _ = hs.score_examples(model, examples, "cpu")
+    per_char = loss_sum / torch.tensor([ex.ending_chars for ex in examples], dtype=torch.float32)
+    theirs = torch.tensor([s["loglikelihoods"] for s in samples])
+    torch.testing.assert_close(theirs, -loss_sum, rtol=0, atol=1e-3)
+    labels = [ex.label for ex in examples]
+    assert [s["target"] for s in samples] == labels
+    assert [s["acc"] for s in samples] == [float(p == y) for p, y in zip(loss_sum.argmin(1).tolist(), labels)]
+    assert [s["acc_norm"] for s in samples] == [float(p == y) for p, y in zip(per_char.argmin(1).tolist(), labels)]
+
+    ours = hs.evaluate(model, "cpu", data_file=data_file, lm_eval=True)
+    assert (ours["lm_eval_acc"], ours["lm_eval_acc_norm"]) == (result["acc"], result["acc_norm"])
+    assert ours["acc_norm"] != ours["lm_eval_acc_norm"]  # two metrics, on this tiny set too
+
+
+def test_hub_unreachable_names_the_flag_to_set(checkpoint):
+    proc = run_eval(checkpoint, "--tasks", "hellaswag", "--device", "cpu")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks hellaswag: cannot load its data (")
+    assert "pass --hellaswag-file PATH" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    cases = [(["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path / "missing.jsonl")],
+              f"error: --hellaswag-file {tmp_path / 'missing.jsonl'} does not exist"),
+             (["--tasks", " , "], "error: --tasks names no task")]
+    for args, message in cases:
+        assert hf_interop.main(["eval", checkpoint, *args]) == 2
+        assert capsys.readouterr().err.strip() == message
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    assert hf_interop.main(["eval", checkpoint, "--tasks", "hellaswag"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {hf_interop.LM_EVAL_HINT}"
