@@ -356,6 +356,8 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
     manager, loaded = _load_tasks(TaskManager, tasks, hellaswag_file)
     with tempfile.TemporaryDirectory(prefix="hf_export_") as hf_dir:
         export_hf(source, hf_dir)
+        if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):  # transformers would make an empty one
+            raise UserError(f"the export of {source} has no tokenizer.json for lm-eval to encode text with")
         try:
             with _quiet_transformers():
                 lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype="float32")
