@@ -353,6 +353,8 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
     lm_eval, HFLM, TaskManager = _import_lm_eval()
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be positive, got {limit}")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be positive, got {batch_size}")
     manager, loaded = _load_tasks(TaskManager, tasks, hellaswag_file)
     with tempfile.TemporaryDirectory(prefix="hf_export_") as hf_dir:
         export_hf(source, hf_dir)
@@ -382,13 +384,20 @@ def run_lm_eval(args):
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not tasks:
         raise UserError("--tasks names no task")
+    if args.samples_dir:  # a folder we cannot write fails now, not after the evaluation
+        try:
+            os.makedirs(args.samples_dir, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--samples-dir {args.samples_dir}: {os_error_reason(e)}") from None
     out = lm_eval_results(args.checkpoint, tasks, hellaswag_file=args.hellaswag_file, limit=args.limit,
                           batch_size=args.batch_size, device=args.device, num_fewshot=args.num_fewshot)
-    if args.samples_dir:
-        os.makedirs(args.samples_dir, exist_ok=True)
-        for task, samples in out["samples"].items():
-            with open(os.path.join(args.samples_dir, f"{task}.jsonl"), "w") as f:
+    for task, samples in out["samples"].items() if args.samples_dir else ():
+        path = os.path.join(args.samples_dir, f"{task}.jsonl")
+        try:
+            with open(path, "w") as f:
                 f.writelines(json.dumps(_sample_record(s)) + "\n" for s in samples)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {os_error_reason(e)}") from None
     from lm_eval.utils import make_table
     print(make_table(out), file=sys.stderr)
     print(json.dumps({task: _metrics(results) for task, results in out["results"].items()}))

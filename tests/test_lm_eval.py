@@ -98,7 +98,11 @@ def test_hub_unreachable_names_the_flag_to_set(checkpoint):
 def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch, capsys):
     cases = [(["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path / "missing.jsonl")],
               f"error: --hellaswag-file {tmp_path / 'missing.jsonl'} does not exist"),
-             (["--tasks", " , "], "error: --tasks names no task")]
+             (["--tasks", " , "], "error: --tasks names no task"),
+             (["--tasks", "hellaswag", "--batch-size", "0"], "error: --batch-size must be positive, got 0"),
+             (["--tasks", "hellaswag", "--samples-dir", str(tmp_path / "a_file" / "samples")],
+              f"error: --samples-dir {tmp_path / 'a_file' / 'samples'}: not a directory")]
+    (tmp_path / "a_file").write_text("")
     for args, message in cases:
         assert hf_interop.main(["eval", checkpoint, *args]) == 2
         assert capsys.readouterr().err.strip() == message
