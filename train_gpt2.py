@@ -2176,8 +2176,10 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             trainer.evaluate_only()
         else:
             trainer.fit()
+        if d.enabled:  # every rank done before any tears its process group down (as training's last save
+            dist.barrier()  # does): --fsdp --eval-only ranks left at different times, and some aborted at exit
     except Exception as e:
-        if d.enabled and is_lost_rank(e):  # another rank died while this one set up
+        if d.enabled and is_lost_rank(e):  # another rank died during set-up or the final barrier
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
             raise lost_rank_error(e, d.rank, latest_checkpoint(run.out_dir)) from None
         raise
