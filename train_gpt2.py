@@ -880,6 +880,10 @@ def check_ranks_agree(run: RunConfig, model_cfg: GPTConfig):
     for rank, fingerprint in enumerate(fingerprints[1:], start=1):
         difference = first_difference(rank, fingerprint, fingerprints[0])
         if difference:
+            # torchrun SIGTERMs the other ranks once one has exited: none exits before every rank
+            # ignores it, so that rank 0 lives to print the line
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            dist.barrier()
             raise UserError(f"the ranks of this launch were started differently: {difference}; "
                             "every rank needs the same command and the same --data-dir files")
 
@@ -2311,6 +2315,10 @@ def main(argv=None) -> int:
         d = setup_distributed(run.device, run.dist_timeout)
         try:
             train(run, model_cfg, d)
+        except UserError:
+            if d.enabled:  # the ranks refuse together, and torchrun SIGTERMs the rest once one has
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exited: rank 0 still prints the line
+            raise
         finally:
             cleanup_distributed()
     try:

@@ -84,7 +84,7 @@ def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, train
     assert error_lines(err) == ["error: the ranks of this launch were started differently: --max-steps 4 on rank 0 "
                                 "but --max-steps 5 on rank 1; every rank needs the same command and the same "
                                 "--data-dir files"], err[-3000:]
-    assert err.count("exitcode  : 2") == 2 and "[rank" not in err and "terminate called" not in err
+    assert err.count("exitcode  : 2") == 2 and "[rank" not in err and "terminate called" not in err, err[-3000:]
     assert_checkpoints_intact(out, hashes)
     assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
 
