@@ -1,4 +1,5 @@
 """Shared test setup: the repo on sys.path, offline BPE and data from ../shared."""
+import contextlib
 import os
 import signal
 import socket
@@ -34,6 +35,17 @@ def free_port() -> int:
 def torchrun(*launch_args) -> list:
     """The command prefix of a torchrun launch (as a module, so the test's Python runs it)."""
     return [sys.executable, "-m", "torch.distributed.run", *launch_args]
+
+
+def child_pids(pid) -> list:
+    """The processes whose parent is pid (a torchrun's workers), from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+    return children
 
 
 def run_cli(args, nproc=1, script="train_gpt2.py", env=None):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import REPO, free_port, torchrun
+from conftest import REPO, child_pids, free_port, torchrun
 from shards import shard_dir
 
 T = 16
@@ -262,16 +262,6 @@ def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
     (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(tmp_path / "single")), zip(*losses(tmp_path / "nodes"))
     assert steps_a == steps_b
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
-
-
-def child_pids(pid):
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    children.append(int(entry))
-    return children
 
 
 def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
