@@ -254,7 +254,40 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
                         f"unexpected {result.unexpected_keys[:3]})")
     hf.tie_weights()  # one shared matrix, as config.tie_word_embeddings says
     _save_pretrained(hf, out_dir)
+    if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
+        _save_tokenizer(out_dir)
     return out_dir
+
+
+EOT_TEXT = "<|endoftext|>"
+
+
+def gpt2_tokenizer():
+    """GPT-2's tokenizer as a transformers fast tokenizer, built offline from the r50k_base BPE the
+    trainer encodes with (transformers' own TikTokenConverter): its 50257 ids, <|endoftext|> as
+    bos/eos/unk, and <|endoftext|> in text encoded as the special id 50256 (tiktoken's
+    encode_prompt's allowed_special; HF tokenizers always match added tokens in text)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    try:
+        enc = train_gpt2.get_encoding()
+    except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint
+        raise UserError(str(e)) from None
+    converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=[EOT_TEXT])
+    converter.load_tiktoken_bpe = lambda _url: enc._mergeable_ranks  # the ranks tiktoken already loaded
+    return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), bos_token=EOT_TEXT, eos_token=EOT_TEXT,
+                                   unk_token=EOT_TEXT, model_max_length=1024, clean_up_tokenization_spaces=False)
+
+
+def _save_tokenizer(out_dir: str):
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    try:
+        with _quiet_transformers():
+            gpt2_tokenizer().save_pretrained(out_dir)
+        with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+            json.dump({"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}, f, indent=2)
+    except Exception as e:
+        raise UserError(f"cannot write the tokenizer to {out_dir}: {os_error_reason(e)}") from e
 
 
 def _save_pretrained(hf, out_dir: str):
@@ -444,8 +477,8 @@ def main(argv=None) -> int:
 
     def export():
         out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
-        print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}); "
-              "the tokenizer is GPT-2's: AutoTokenizer.from_pretrained('gpt2') or tiktoken 'r50k_base')")
+        print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}) "
+              f"and AutoTokenizer.from_pretrained({out!r}))")
     return train_gpt2.exit_code_of(export, args.debug)
 
 

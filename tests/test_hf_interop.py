@@ -318,3 +318,48 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     assert records[0] == {"step": 0, "val_loss": pytest.approx(expected.item(), rel=1e-5)}
     ckpt = train_gpt2.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+
+
+CLIENT_SCRIPT = r'''
+import glob, json, sys, tiktoken
+from transformers import AutoTokenizer, pipeline
+export, data, repo = sys.argv[1:4]
+enc = tiktoken.get_encoding("r50k_base")
+tok = AutoTokenizer.from_pretrained(export)
+texts = open(f"{data}/tinyshakespeare.txt", encoding="utf-8").read().splitlines()[:8000]
+with open(f"{data}/hellaswag/hellaswag_val.jsonl", encoding="utf-8") as f:
+    for line in list(f)[:1000]:
+        ex = json.loads(line)
+        texts += [ex["ctx"], *ex["endings"]]
+for path in sorted(glob.glob(f"{repo}/*.py")):
+    texts += open(path, encoding="utf-8").read().splitlines()
+texts += ["Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
+          "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
+          "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
+          "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢", open(f"{repo}/README.md", encoding="utf-8").read()]
+diff = [t for t in texts if tok.encode(t) != enc.encode(t, allowed_special={"<|endoftext|>"})]
+gen = pipeline("text-generation", model=export, device="cpu")
+out = gen("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+print(json.dumps(dict(n=len(texts), chars=sum(map(len, texts)), diff=diff[:3], ndiff=len(diff), vocab=len(tok),
+                      eos=tok.eos_token_id, bos=tok.bos_token_id, unk=tok.unk_token_id, generated=out)))
+'''
+
+
+def test_export_tokenizes_like_tiktoken_in_transformers_clients(tmp_path):
+    """AutoTokenizer and pipeline('text-generation') on the export folder alone, offline, as a user runs them."""
+    from conftest import SHARED
+    save_ours(tiny_ours(vocab_size=50304), tmp_path / "ckpt_0000007.pt")
+    out = tmp_path / "hf"
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "ckpt_0000007.pt", out)
+    assert proc.returncode == 0, proc.stderr
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= {p.name for p in out.iterdir()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, str(out), str(SHARED / "data"), REPO],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    r = __import__("json").loads(proc.stdout.splitlines()[-1])
+    print("tokenizer parity:", r["n"], "strings,", r["chars"], "chars,", r["ndiff"], "differences")
+    assert r["n"] > 10000 and r["chars"] > 300_000
+    assert (r["ndiff"], r["diff"]) == (0, [])
+    assert (r["vocab"], r["eos"], r["bos"], r["unk"]) == (50257, 50256, 50256, 50256)
+    assert r["generated"].startswith("Hello world") and len(r["generated"]) > len("Hello world")
