@@ -67,8 +67,6 @@ def test_our_text_is_lm_evals(shared_data):
 def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_file, tmp_path):
     proc = run_eval(checkpoint, "--tasks", "hellaswag", "--hellaswag-file", data_file, "--device", "cpu",
                     "--samples-dir", str(tmp_path))
-    if "has no tokenizer.json" in proc.stderr:  # until hf_interop.py export writes GPT-2's tokenizer (issue 18)
-        pytest.skip("hf_interop.py export writes no tokenizer yet")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])["hellaswag_local"]
     with open(tmp_path / "hellaswag_local.jsonl") as f:
