@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -253,10 +254,56 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
         raise UserError(f"checkpoint does not match GPT-2's layout (missing {missing[:3]}, "
                         f"unexpected {result.unexpected_keys[:3]})")
     hf.tie_weights()  # one shared matrix, as config.tie_word_embeddings says
-    _save_pretrained(hf, out_dir)
-    if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
-        _save_tokenizer(out_dir)
+    with _replacing_folder(out_dir) as new_dir:
+        _save_pretrained(hf, new_dir, shown=out_dir)
+        if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
+            _save_tokenizer(new_dir, shown=out_dir)
     return out_dir
+
+
+EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
+
+
+@contextlib.contextmanager
+def _replacing_folder(out_dir: str):
+    """A new temporary folder beside out_dir to write the export into, swapped in for out_dir only
+    once every file is written: a failed write leaves an earlier export as it was (a new config.json
+    beside old weights loads silently with random layers), and no temporary folder behind. A folder
+    holding other files than an export's is refused rather than replaced, so no user file is lost."""
+    if os.path.isdir(out_dir):
+        others = sorted(set(os.listdir(out_dir)) - EXPORT_FILES)
+        if others:
+            raise UserError(f"{out_dir} holds files that are not a Hugging Face export ({', '.join(others[:3])}); "
+                            "export into a new or empty folder")
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    try:
+        new_dir = tempfile.mkdtemp(prefix=f".{name}.export-", dir=parent)
+    except OSError as e:
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
+    old_dir = None
+    try:
+        yield new_dir
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
+        if os.path.isdir(out_dir):
+            old_dir = new_dir + ".old"
+            os.rename(out_dir, old_dir)
+        try:
+            os.rename(new_dir, out_dir)
+        except OSError:
+            if old_dir:
+                os.rename(old_dir, out_dir)
+                old_dir = None
+            raise
+        new_dir = None
+    except OSError as e:
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
+    finally:
+        for leftover in (new_dir, old_dir):
+            if leftover:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 EOT_TEXT = "<|endoftext|>"
@@ -279,7 +326,7 @@ def gpt2_tokenizer():
                                    unk_token=EOT_TEXT, model_max_length=1024, clean_up_tokenization_spaces=False)
 
 
-def _save_tokenizer(out_dir: str):
+def _save_tokenizer(out_dir: str, shown: str | None = None):
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
     try:
         with _quiet_transformers():
@@ -287,10 +334,10 @@ def _save_tokenizer(out_dir: str):
         with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
             json.dump({"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}, f, indent=2)
     except Exception as e:
-        raise UserError(f"cannot write the tokenizer to {out_dir}: {os_error_reason(e)}") from e
+        raise UserError(f"cannot write the tokenizer to {shown or out_dir}: {os_error_reason(e)}") from e
 
 
-def _save_pretrained(hf, out_dir: str):
+def _save_pretrained(hf, out_dir: str, shown: str | None = None):
     """hf.save_pretrained(out_dir), with the files readable like any other the user writes:
     safetensors writes through a private temporary file (mode 0600), so the mode the umask
     gives a new file (0644 under the usual 022) is set afterwards on every file written."""
@@ -308,7 +355,7 @@ def _save_pretrained(hf, out_dir: str):
             if before.get(name) != stamp:
                 os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
     except Exception as e:  # OSError, or safetensors' own error for a failed write (a full disk)
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
+        raise UserError(f"cannot write the Hugging Face model to {shown or out_dir}: {os_error_reason(e)}") from e
 
 
 # -----------------------------------------------------------------------------

@@ -363,3 +363,43 @@ def test_export_tokenizes_like_tiktoken_in_transformers_clients(tmp_path):
     assert (r["ndiff"], r["diff"]) == (0, [])
     assert (r["vocab"], r["eos"], r["bos"], r["unk"]) == (50257, 50256, 50256, 50256)
     assert r["generated"].startswith("Hello world") and len(r["generated"]) > len("Hello world")
+
+
+def folder_bytes(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
+    import resource
+    import signal
+
+    def small_files():  # a write error mid-way: model.safetensors (~100 KB) over the file size limit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    export = [os.path.join(REPO, "hf_interop.py"), "export"]
+    first, second = (save_ours(tiny_ours(vocab_size=200, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    out = tmp_path / "hf"
+    assert run_cli(*export, first, out).returncode == 0
+    before = folder_bytes(out)
+    proc = subprocess.run([sys.executable, *export, second, out], capture_output=True, text=True, timeout=300,
+                          preexec_fn=small_files)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert folder_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the earlier export whole, no temporary folder left
+    idx = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(3))
+    want = logits_of(tiny_ours(vocab_size=200, seed=1), idx)
+    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx), want, atol=1e-5, rtol=0)
+
+    proc = run_cli(*export, second, out)  # a successful one replaces it whole
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    want = logits_of(tiny_ours(vocab_size=200, seed=2), idx)
+    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx), want, atol=1e-5, rtol=0)
+
+    (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
+    before = folder_bytes(out)
+    proc = run_cli(*export, first, out)
+    assert proc.returncode == 2 and "notes.txt" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert folder_bytes(out) == before
