@@ -239,8 +239,7 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     Face: sample.py's greedy text ends at <|endoftext|> as GPT2LMHeadModel.generate stops at the eos
     token of its generation_config, and with --continue-past-eot runs on as generate(eos_token_id=None)."""
     pytest.importorskip("transformers")
-    from transformers import GPT2LMHeadModel
-    import train_gpt2 as tg
+    from transformers import AutoTokenizer, GPT2LMHeadModel
     write_shards(tmp_path / "data", [np.array([EOT, 0, 1, 2, 3])] * 400, shard_size=1000)
     proc = run_py("train_gpt2.py", *TINY, "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
                   "--max-steps", "80", "--sample-every", "0")  # past the plateau of the 5-token unigram
@@ -248,7 +247,9 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     export = run_py("hf_interop.py", "export", tmp_path / "out", tmp_path / "hf")
     assert export.returncode == 0, export.stderr
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
-    enc, ids = tg.get_encoding(), torch.tensor([[0]])  # the prompt "!"
+    enc = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))  # the export's own tokenizer, as a user runs it
+    ids = torch.tensor([enc.encode("!")])
+    assert ids.tolist() == [[0]]
     texts = {}
     for flags, eos in [((), {}), (("--continue-past-eot",), {"eos_token_id": None})]:
         with torch.no_grad():
