@@ -7,7 +7,11 @@ hf_interop.py, sample.py, plot_log.py):
 - Ctrl-C is `error: interrupted` and exit code 130 (128 + SIGINT, as a shell reports it), also
   while the script is still importing torch;
 - under torchrun every rank exits with that code, but only rank 0 prints the line: the ranks run
-  the same command on the same input, and eight copies of one error would hide it.
+  the same command on the same input, and eight copies of one error would hide it. An error only
+  one rank can see (RankLocalError: a bad row of data it read, its own out-of-memory) is printed
+  by that rank, named;
+- a warning (something accepted that the user may not have meant) is one `warning:` line on
+  stderr, from rank 0.
 
 Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
 """
@@ -22,6 +26,24 @@ class UserError(Exception):
     traceback. Every script raises this same class (they import it from here)."""
 
 
+class RankLocalError(UserError):
+    """A UserError that only the rank raising it knows of (the others stop when it leaves): that
+    rank prints it, with its rank number under a launch of several processes."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal (SIGTERM, SIGHUP) that ends a command at once, as Ctrl-C does: exit code 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def flat(message) -> str:
+    """message on one line (a wrapped f-string, a multi-line library error)."""
+    return " ".join(str(message).split())
+
+
 def print_line0(line: str) -> None:
     """One line on stderr, written by rank 0 only under torchrun (RANK unset or 0)."""
     if os.environ.get("RANK", "0") in ("", "0"):
@@ -29,7 +51,14 @@ def print_line0(line: str) -> None:
 
 
 def print_error(message) -> None:
-    print_line0(f"error: {' '.join(str(message).split())}")
+    if isinstance(message, RankLocalError) and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        print(f"error: rank {os.environ.get('RANK')}: {flat(message)}", file=sys.stderr, flush=True)
+    else:
+        print_line0(f"error: {flat(message)}")
+
+
+def print_warning(message) -> None:
+    print_line0(f"warning: {flat(message)}")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -62,7 +91,7 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
                  interrupted: str = "error: interrupted") -> int:
     """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
     also_catch); or 130 and the `interrupted` line for a Ctrl-C that no handler turned into a
-    clean stop. With debug, the traceback instead."""
+    clean stop (128 + signum for another Interrupted signal). With debug, the traceback instead."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # Ctrl-C unwinds the action again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -72,9 +101,10 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
             raise
         print_error(e)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        print_line0(interrupted)
-        return 130
+        signum = getattr(e, "signum", signal.SIGINT)
+        print_line0(interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}")
+        return 128 + signum
     return 0
