@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fineweb import BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, get_encoding  # shard format, tokenizer
-from fineweb import os_error_reason
+from fineweb import one_line, os_error_reason
 
 if __name__ == "__main__":
     # Run as a script, this file is the module `__main__`. hellaswag.py and hf_interop.py then
@@ -131,15 +131,23 @@ class RunConfig:
     debug: bool = False
 
 
-def validate_flag_values(run: RunConfig):
+MAX_INT_FLAG = 2**62  # integer flags: step and row arithmetic stays inside int64
+MIN_DIST_TIMEOUT = 30.0  # seconds
+
+
+def validate_flag_values(run: RunConfig, model: GPTConfig):
     """Checks of single flags that must pass before anything uses them (--dist-timeout is used
     when joining the process group, before validate_config can run)."""
-    for f in dataclasses.fields(run):
-        value = getattr(run, f.name)
+    for name, value in [*dataclasses.asdict(run).items(), *dataclasses.asdict(model).items()]:
+        flag = f"--{name.replace('_', '-')}"
         if isinstance(value, float) and not math.isfinite(value):  # argparse's float() takes nan and inf
-            raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-    if not 0 < run.dist_timeout <= 1e9:  # a timedelta overflows far above that
-        raise UserError(f"--dist-timeout must be in (0, 1e9] seconds, got {run.dist_timeout}")
+            raise UserError(f"{flag} must be a finite number, got {value}")
+        if type(value) is int and name != "seed" and abs(value) > MAX_INT_FLAG:  # torch and numpy take int64
+            raise UserError(f"{flag} {value} is out of range: at most 2**62 = {MAX_INT_FLAG}")
+    if not MIN_DIST_TIMEOUT <= run.dist_timeout <= 1e9:  # a timedelta overflows far above that
+        raise UserError(f"--dist-timeout must be in [{MIN_DIST_TIMEOUT}, 1e9] seconds, got {run.dist_timeout}: "
+                        "healthy ranks wait this long for each other (rank 0 writing a checkpoint or samples, "
+                        "the first step compiling), and a shorter wait reports them as dead")
     if not 0 <= run.seed < 2**64:  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
         raise UserError(f"--seed must be in 0..2**64-1, got {run.seed}")
     if run.resume is not None and not run.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset
@@ -336,6 +344,13 @@ def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
     return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """The parameters of GPT(cfg), counted without building it: the tied token embedding once,
+    positions, and per block two LayerNorms (4C), attention (4C^2 + 4C) and MLP (8C^2 + 5C); ln_f."""
+    C = cfg.n_embd
+    return (cfg.vocab_size + cfg.block_size) * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
 
 
 class GPT(nn.Module):
@@ -556,6 +571,22 @@ def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray
     return np.array(rows, dtype=np.int64).reshape(-1, 2)
 
 
+def shard_files(paths: list[str]) -> list[tuple[str, int]]:
+    """(file name, size in bytes) of each shard: what tells one set of shards from another."""
+    return [(os.path.basename(p), os.path.getsize(p)) for p in paths]
+
+
+def differing_file(a: list[tuple[str, int]], b: list[tuple[str, int]]) -> tuple[str, str, str] | None:
+    """The first file name (in order) whose size differs between two shard_files() lists, with its
+    size in each ("N bytes" or "missing"); None if they are the same."""
+    a_files, b_files = dict(a), dict(b)
+    name = next((n for n in sorted({*a_files, *b_files}) if a_files.get(n) != b_files.get(n)), None)
+    if name is None:
+        return None
+    size = lambda files: f"{files[name]} bytes" if name in files else "missing"  # noqa: E731
+    return name, size(a_files), size(b_files)
+
+
 class TokenRows:
     """The training (or validation) stream as a sequence of rows, with a pure row -> tokens map.
 
@@ -634,8 +665,8 @@ class TokenRows:
             if row_max.max() >= self.vocab_size:  # name the shard of the offending row, not of row g0
                 b = int(row_max.argmax())
                 shard, _, _ = self.row_span(g0 + b)
-                raise UserError(f"{self.paths[shard]}: token id {row_max[b]} >= vocab size {self.vocab_size}; "
-                                "wrong tokenizer or --vocab-size too small")
+                raise cli.RankLocalError(f"{self.paths[shard]}: token id {row_max[b]} >= vocab size {self.vocab_size}; "
+                                         "wrong tokenizer or --vocab-size too small")
         return x, y
 
 
@@ -848,7 +879,7 @@ def launch_fingerprint(run: RunConfig, model_cfg: GPTConfig) -> list[tuple[str, 
              for name, value in dataclasses.asdict(cfg).items()]
     for split in ("train", "val"):
         try:
-            files = [(os.path.basename(p), os.path.getsize(p)) for p in find_shards(run.data_dir, split)]
+            files = shard_files(find_shards(run.data_dir, split))
         except (UserError, OSError):
             files = []
         items.append((f"{split} shards in --data-dir", files))
@@ -862,10 +893,8 @@ def first_difference(rank: int, mine: list, theirs: list) -> str | None:
             continue
         if what.startswith("--"):
             return f"{what} {a} on rank 0 but {what} {b} on rank {rank}"
-        a_files, b_files = dict(a), dict(b)
-        name = next(n for n in sorted({*a_files, *b_files}) if a_files.get(n) != b_files.get(n))
-        size = lambda files: f"{files[name]} bytes" if name in files else "missing"  # noqa: E731
-        return f"{what}: {name} is {size(a_files)} on rank 0 but {size(b_files)} on rank {rank}"
+        name, size_a, size_b = differing_file(a, b)
+        return f"{what}: {name} is {size_a} on rank 0 but {size_b} on rank {rank}"
     return None
 
 
@@ -1282,18 +1311,48 @@ class RunLog:
         self.size, self.sha = 0, hashlib.sha256()
         if not enabled:
             return
-        kept = read_log_up_to(self.path, resume_point, resumed_from)
-        self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
-        if resume_point:
-            self.file.truncate(len(kept))  # drop what the run logged after its checkpoint
+        if os.path.islink(self.path) and not os.path.exists(self.path):  # open() would create its target
+            raise UserError(f"cannot open {self.path}: it is a symbolic link to {os.readlink(self.path)}, which "
+                            "does not exist; remove the link or point it at a file")
+        try:
+            kept = read_log_up_to(self.path, resume_point, resumed_from)
+            self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
+            if resume_point:
+                self.file.truncate(len(kept))  # drop what the run logged after its checkpoint
+        except OSError as e:
+            raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
+                            "another --out-dir") from None
         self.size = len(kept)
         self.sha.update(kept)
 
     def write(self, **record):
         if self.file:
-            self._append((json.dumps(record) + "\n").encode())
-        for sink in self.sinks:
-            sink.write(record)
+            self._append((json.dumps(strict_json_record(record), allow_nan=False) + "\n").encode())
+        for sink in list(self.sinks):
+            self._to_sink(sink, f"at step {record['step']}", sink.write, record)
+
+    def resend_step(self, step: int):
+        """The sinks get the records of step that the log holds: a resumed run's step was evaluated
+        before its checkpoint, so each tracker then holds what log.jsonl holds from that step on."""
+        if not self.file:
+            return
+        with open(self.path, "rb") as f:
+            for line in f.read(self.size).splitlines():
+                record = json.loads(line)
+                record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})  # strict_json_record undone
+                if record["step"] == step:
+                    for sink in list(self.sinks):
+                        self._to_sink(sink, f"at step {step}", sink.write, record)
+
+    def _to_sink(self, sink, when: str, call, *args):
+        """A run tracker that fails (W&B's service gone, a full disk) gets no more records, with a
+        warning: the training and log.jsonl go on, and log.jsonl holds every record."""
+        try:
+            call(*args)
+        except Exception as e:
+            self.sinks = [s for s in self.sinks if s is not sink]
+            cli.print_warning(f"{sink.flag} failed {when} ({type(e).__name__}: {one_line(e)}) and gets no more "
+                              f"records; {self.path} has them all")
 
     def _append(self, data: bytes):
         try:
@@ -1326,8 +1385,15 @@ class RunLog:
     def close(self):
         if self.file:
             self.file.close()
-        for sink in self.sinks:
-            sink.close()
+        for sink in list(self.sinks):
+            self._to_sink(sink, "at the end", sink.close)
+
+
+def strict_json_record(record: dict) -> dict:
+    """record with its NaN and infinite numbers as null, listed by name and value under "nonfinite":
+    JSON has no NaN or Infinity, and strict readers (jq, JavaScript, pandas' default) reject them."""
+    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
 
 
 def read_log_up_to(path: str, resume_point: tuple | None, resumed_from: str) -> bytes:
@@ -1442,6 +1508,8 @@ class TensorBoardSink:
     log.jsonl keys at the record's step, in event files in --out-dir. A resumed run hides what
     earlier attempts logged from its step on (purge_step), as log.jsonl is cut back there."""
 
+    flag = "--tensorboard"
+
     def __init__(self, out_dir: str, purge_step: int | None):
         tensorboard = import_extra("torch.utils.tensorboard", "--tensorboard", "tensorboard")
         self.writer = tensorboard.SummaryWriter(out_dir, purge_step=purge_step)
@@ -1461,6 +1529,8 @@ class WandbSink:
     into one row). WANDB_MODE=offline keeps the run in OUT/wandb for `wandb sync`. Each launch,
     a resume too, is a new W&B run that starts at its first step."""
 
+    flag = "--wandb"
+
     def __init__(self, project: str, out_dir: str, config: dict):
         wandb = import_extra("wandb", "--wandb", "wandb")
         try:
@@ -1469,6 +1539,9 @@ class WandbSink:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {reason}); "
                             "run `wandb login` or set WANDB_MODE=offline") from None
+        if getattr(self.run, "disabled", False):
+            cli.print_warning("--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "
+                              "run stays empty; log.jsonl gets every record")
 
     def write(self, record: dict):
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -1478,20 +1551,13 @@ class WandbSink:
 
 
 def open_sinks(run: RunConfig, model_cfg: GPTConfig, resumed_at: int | None) -> list:
-    """The trackers the run asked for. A resumed run's step was evaluated before its checkpoint:
-    they get those records from log.jsonl first, so each holds what log.jsonl holds from its step."""
+    """The trackers the run asked for (a resumed one's from its step on: RunLog.resend_step)."""
     sinks = []
     if run.tensorboard:
         sinks.append(TensorBoardSink(run.out_dir, purge_step=resumed_at))
     if run.wandb:
         config = dict(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg))
         sinks.append(WandbSink(run.wandb, run.out_dir, config))
-    if sinks and resumed_at is not None:
-        with open(os.path.join(run.out_dir, "log.jsonl")) as f:
-            for record in map(json.loads, f):
-                if record["step"] == resumed_at:
-                    for sink in sinks:
-                        sink.write(record)
     return sinks
 
 
@@ -1568,17 +1634,79 @@ def compile_decision(requested: bool | None, device_type: str, capability: tuple
     return True, None
 
 
-class StopSignal:
-    """SIGTERM/SIGINT ask the run to finish its step, checkpoint and exit 0; a second SIGINT aborts."""
+def device_memory(device: str, device_type: str) -> tuple[int, str] | None:
+    """(bytes, what they are) of the memory the model lives in, None where unknown (MPS)."""
+    if device_type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the {props.name}'s memory"
+    if device_type == "cpu" and hasattr(os, "sysconf"):
+        with contextlib.suppress(ValueError, OSError):
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    return None
 
-    def __init__(self):
-        self.requested = False
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+def check_model_fits(cfg: GPTConfig, d: Dist, fsdp: bool, training: bool):
+    """Refuse a model whose weights (evaluation) or weights, gradients and AdamW moments (training,
+    16 bytes per parameter) exceed the device's memory before any of it is allocated: a huge
+    allocation fails with a traceback, and many smaller ones end in the kernel's OOM killer."""
+    memory = device_memory(d.device, d.device_type)
+    if memory is None:
+        return
+    n, bytes_per_param = param_count(cfg), 16 if training else 4
+    need = n * bytes_per_param / (d.world_size if fsdp else 1)
+    if d.device_type == "cpu":  # the ranks of this node share its RAM
+        need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if need > memory[0]:
+        what = "weights, gradients and AdamW state" if training else "weights"
+        raise UserError(f"the model has {n / 1e9:.3g}B parameters: its {what} ({bytes_per_param} bytes per parameter"
+                        f"{', sharded by --fsdp' if fsdp else ''}) need {need / 2**30:.3g} GiB, more than "
+                        f"{memory[1]} ({memory[0] / 2**30:.3g} GiB): choose a smaller --model or --n-layer, "
+                        "--n-embd, --vocab-size, --block-size" + ("" if fsdp or d.world_size < 2 else ", or --fsdp"))
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))  # the CPU allocator's message
+
+
+def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None) -> cli.RankLocalError:
+    # CUDA: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."; CPU: "[enforce fail at
+    # alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 411041792 bytes. ..."
+    tried = re.search(r"tried to allocate [^.]*(\.\d+ \w+)?", one_line(e), re.I)
+    return cli.RankLocalError(
+        f"out of memory on {device} ({tried[0] if tried else one_line(e)}): lower --batch-size (--total-batch-size stays "
+        "the same through more accumulation steps) or pass --activation-checkpointing. Last good checkpoint: "
+        f"{last_ckpt or 'none'}")
+
+
+# a stop as requested: preemption, Ctrl-C, and a closed terminal or ssh session (no SIGHUP on Windows)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+class StopSignal:
+    """SIGTERM, SIGINT and SIGHUP ask the run to finish its step, checkpoint and exit 0; a second
+    SIGINT aborts. at_once (an evaluation, which has nothing to save): every one ends it there,
+    as cli.Interrupted (exit code 128 + signum)."""
+
+    def __init__(self, at_once: bool = False):
+        self.requested, self.at_once = False, at_once
+        self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]  # a hung-up terminal no longer says it is one
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if signum == getattr(signal, "SIGHUP", None):
+            self.leave_terminal()
+        if self.at_once or (self.requested and signum == signal.SIGINT):
+            raise cli.Interrupted(signum)
         self.requested = True
+
+    def leave_terminal(self):
+        """After SIGHUP the terminal is gone and writing to it fails (EIO), which would end the run
+        before its checkpoint: what went to the terminal goes to /dev/null (files and pipes still get theirs)."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in self.terminal_fds:
+            os.dup2(devnull, fd)
+        os.close(devnull)
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -1647,6 +1775,21 @@ def choose_resume_checkpoint(run: RunConfig) -> str | None:
                         "to resume: move the log aside to start a new run there, or choose another --out-dir")
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
+    return None
+
+
+def data_change(saved: dict | None, now: dict) -> str | None:
+    """How the shards of a checkpoint's run (Trainer.data_files; None in older checkpoints) and
+    this run's differ, in words; None when they match."""
+    if not saved:
+        return None
+    for split in ("train", "val"):
+        difference = saved[split] is not None and now[split] is not None and differing_file(saved[split], now[split])
+        if difference:
+            name, then, today = difference
+            return f"{split} shard {name}: {then} then, {today} now"
+    if saved["manifest_sha256"] != now["manifest_sha256"]:
+        return "its manifest.json differs"
     return None
 
 
@@ -1755,6 +1898,7 @@ class Trainer:
             run.seq_len = min(model_cfg.block_size, 1024)
         self.run, self.model_cfg = run, model_cfg
         self.grad_accum_steps = validate_config(run, model_cfg, d.world_size)
+        check_model_fits(model_cfg, d, run.fsdp, training=not run.eval_only)
         capability = torch.cuda.get_device_capability(self.device) if self.device_type == "cuda" else None
         self.dtype = resolve_dtype(run.dtype, self.device_type, capability)
         if run.fsdp and self.dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
@@ -1784,14 +1928,16 @@ class Trainer:
         self._build_model(pretrained)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
         decided_on_rank0(d, self._open_log)
-        if d.is_main:
-            self.log.sinks = open_sinks(run, self.model_cfg, self.start_step if self.ckpt_path else None)
         if self.ckpt_path and not run.eval_only and self.start_step < run.max_steps:  # (else: nothing to train)
             self.log.write(event="resume", step=self.start_step)  # plot_log.py marks it on the curves
-        self.stop = StopSignal()
+        self.stop = StopSignal(at_once=run.eval_only)
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
         self.compiled_once = False
         self.last_ckpt = self.ckpt_path
+        if not run.eval_only and 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
+            cli.print_warning(f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
+                              f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
+                              f"and never reaches --max-lr {run.max_lr}")
 
     # ---- set-up
 
@@ -1808,7 +1954,12 @@ class Trainer:
         writes = not run.eval_only and not (self.ckpt_path and self.start_step >= run.max_steps)
         if writes and self.ckpt_path:
             set_aside_later_branch(run.out_dir, self.start_step, self.log_point, self.ckpt_path)
-        self.log = RunLog(run.out_dir, writes, self.log_point, self.ckpt_path)
+        resumed_at = self.start_step if self.ckpt_path else None
+        sinks = open_sinks(run, self.model_cfg, resumed_at) if writes else []
+        self.log = RunLog(run.out_dir, writes, self.log_point, self.ckpt_path)  # (after the sinks: a W&B that
+        self.log.sinks = sinks  # cannot start leaves no empty log.jsonl behind)
+        if resumed_at is not None:
+            self.log.resend_step(resumed_at)
 
     def _build_data(self):
         """Train and val rows, the step loader, the tokenizer and the HellaSwag file."""
@@ -1885,6 +2036,10 @@ class Trainer:
         if "rng_cuda" in ckpt and self.device_type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
         print0(f"{'evaluating' if self.run.eval_only else 'resumed from'} {path} at step {self.start_step}")
+        change = data_change(ckpt.get("data_files"), self.data_files())  # (checkpoints before data_files: None)
+        if change and not self.run.eval_only:
+            cli.print_warning(f"--data-dir {self.run.data_dir} changed since {path} was written ({change}): from step "
+                              f"{self.start_step} on this run reads other rows than the run it continues would have")
         notice = lr_change_notice(ckpt["run_config"], self.run, self.start_step)
         if notice and not self.run.eval_only:
             print0(notice)
@@ -1898,12 +2053,23 @@ class Trainer:
                      rng_cpu=torch.get_rng_state(), world_size=self.d.world_size,
                      next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
         state["log_offset"], state["log_sha256"] = self.log.position()
+        state["data_files"] = self.data_files()
         state["skip_state"] = self.skip_state()
         if self.device_type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         if self.scaler:
             state["scaler"] = self.scaler.state_dict()
         return state
+
+    def data_files(self) -> dict:
+        """The shards this run reads, and the sha256 of fineweb.py's manifest.json beside them
+        (None without one): a resume compares them with the checkpoint's (data_change)."""
+        manifest = os.path.join(self.run.data_dir, "manifest.json")
+        digest = None
+        with contextlib.suppress(OSError), open(manifest, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        return dict(train=shard_files(self.train_rows.paths),
+                    val=shard_files(self.val_rows.paths) if self.val_rows else None, manifest_sha256=digest)
 
     def skip_state(self) -> dict:
         """The update guards' memory, so a resumed run skips exactly what an uninterrupted one would."""
@@ -2186,6 +2352,8 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
         if d.enabled and is_lost_rank(e):  # another rank died during set-up or the final barrier
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
             raise lost_rank_error(e, d.rank, latest_checkpoint(run.out_dir)) from None
+        if is_out_of_memory(e):
+            raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir)) from None
         raise
     finally:
         out_dir_lock.release()
@@ -2311,7 +2479,7 @@ def main(argv=None) -> int:
 
     def setup_and_train():
         run, model_cfg = build_configs(args)
-        validate_flag_values(run)
+        validate_flag_values(run, model_cfg)
         d = setup_distributed(run.device, run.dist_timeout)
         try:
             train(run, model_cfg, d)

@@ -1,0 +1,295 @@
+"""train_gpt2.py run as users run it, where something around the run goes wrong: a log.jsonl it
+cannot open, non-finite numbers, a closed terminal, signals during --eval-only, memory, a rank
+that alone sees bad data, changed shards, a run tracker that fails. Each case is the real script
+in a subprocess: its exit code, its one error or warning line, and what it left on disk."""
+import contextlib
+import json
+import os
+import pty
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import train_gpt2 as tg
+from conftest import REPO, run_cli, torchrun
+from test_hostile import assert_one_error_line, run_command
+from test_resilience import args_for, log_records, losses, wait_for_steps
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from shards import shard_dir
+    return shard_dir(tmp_path_factory, 300, seed=5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_run(data_dir, tmp_path_factory):
+    """A 2-step run with its checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("run")
+    assert tg.main(args_for(data_dir, out, steps=2, ckpt_every=2)) == 0
+    return out
+
+
+def strict_json(line: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+# --- log.jsonl ------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def read_only(path):
+    """path made unwritable, for root too (chattr +i; root ignores file modes)."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o444)
+        yield
+        return
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("running as root, and chattr +i is not allowed here")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)])
+
+
+def test_log_that_is_a_directory_is_one_line(data_dir, tmp_path):
+    (tmp_path / "log.jsonl").mkdir()
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=2))
+    assert_one_error_line(result, f"cannot open {tmp_path}/log.jsonl: is a directory; make it a writable file, or "
+                                  "choose another --out-dir")
+    assert not list(tmp_path.glob("ckpt_*"))
+
+
+@pytest.mark.parametrize("what", ["dangling symlink", "read-only"])
+def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys):
+    log = tmp_path / "log.jsonl"
+    if what == "dangling symlink":  # opening it for appending would create the file it points to
+        log.symlink_to(tmp_path / "gone" / "log.jsonl")
+        expected = (f"cannot open {log}: it is a symbolic link to {tmp_path}/gone/log.jsonl, which does not exist; "
+                    "remove the link or point it at a file")
+    else:
+        log.write_bytes(b"")
+        expected = f"cannot open {log}: {'operation not permitted' if os.geteuid() == 0 else 'permission denied'}; " \
+                   "make it a writable file, or choose another --out-dir"
+    with read_only(log) if what == "read-only" else contextlib.nullcontext():
+        assert tg.main(args_for(data_dir, tmp_path, steps=2)) == 2
+    assert capsys.readouterr().err == f"error: {expected}\n"
+    assert not list(tmp_path.glob("ckpt_*")) and not (tmp_path / "gone").exists()
+
+
+def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_path, capsys):
+    # the first update overflows the weights: every later loss is NaN and its update skipped, until
+    # the last step's checkpoint is refused (non-finite weights are never saved)
+    assert tg.main(args_for(data_dir, tmp_path, "--max-lr", "1e38", "--warmup-steps", "0", "--skip-nonfinite", "5",
+                            "--val-every", "1", "--val-steps", "1", steps=3, ckpt_every=0)) == 2
+    assert capsys.readouterr().err.startswith("error: step 3: not writing")
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    records = [strict_json(line) for line in lines]  # no NaN or Infinity anywhere
+    assert "NaN" not in "".join(lines) and "Infinity" not in "".join(lines)
+    skipped = [r for r in records if "skipped" in r]
+    assert [r["step"] for r in skipped] == [1, 2]
+    for r in skipped:
+        assert (r["loss"], r["grad_norm"], r["skipped"]) == (None, None, "nonfinite")
+        assert r["nonfinite"] == {"loss": "nan", "grad_norm": "nan"}
+    assert [(r["step"], r["val_loss"], r.get("nonfinite")) for r in records if "val_loss" in r][1:] == [
+        (step, None, {"val_loss": "nan"}) for step in (1, 2, 3)]
+    assert np.isfinite(records[1]["loss"]) and "nonfinite" not in records[1]  # step 0 trained normally
+
+
+# --- signals --------------------------------------------------------------------------------
+
+def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_path):
+    """ssh drops: the terminal the run writes to is gone (writes fail with EIO) and SIGHUP arrives."""
+    master, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args_for(data_dir, tmp_path, steps=100000,
+                                                                        ckpt_every=0)],
+                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    try:
+        wait_for_steps(tmp_path, 3, proc)
+        while select.select([master], [], [], 0)[0]:  # what the terminal showed so far
+            os.read(master, 65536)
+        os.close(master)  # the terminal closes
+        master = None
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if master is not None:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    ckpts = list(tmp_path.glob("ckpt_*.pt"))
+    assert len(ckpts) == 1
+    step = tg.load_checkpoint(str(ckpts[0]))["step"]
+    assert step >= 3 and [s for s, _ in losses(tmp_path)] == list(range(step))
+
+
+@pytest.fixture(scope="module")
+def long_val_data(data_dir, tmp_path_factory):
+    """data_dir with a val split of 200k rows: --eval-only --val-steps 100000 evaluates for minutes."""
+    path = tmp_path_factory.mktemp("long_val")
+    for name in os.listdir(data_dir):
+        if "_train_" in name:
+            shutil.copy(os.path.join(data_dir, name), path)
+    rng = np.random.default_rng(0)
+    np.save(path / "synth_val_000000.npy", rng.integers(0, 1000, 200_000 * 16 + 1).astype(np.uint16))
+    return str(path)
+
+
+@pytest.mark.parametrize("signum,code,line", [(signal.SIGINT, 130, "error: interrupted"),
+                                              (signal.SIGTERM, 143, "error: stopped by SIGTERM")],
+                         ids=["ctrl-c", "sigterm"])
+def test_eval_only_stops_at_once_on_a_signal(checkpoint_run, long_val_data, signum, code, line):
+    args = args_for(long_val_data, checkpoint_run, "--eval-only", "--resume", "--val-every", "1",
+                    "--val-steps", "100000", B=1)
+    before = sorted(os.listdir(checkpoint_run))
+    # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline().startswith("evaluating ")  # loaded; evaluating from now on
+        time.sleep(1.0)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)  # (uninterrupted, the evaluation takes minutes)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, err) == (code, line + "\n")
+    assert sorted(os.listdir(checkpoint_run)) == before
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
+    """134M parameters fit this machine's RAM (the check before building passes), but the process
+    may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit."""
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+    args = args_for(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
+    result = run_command("train_gpt2.py", *args, preexec_fn=limit_address_space,
+                         env={**os.environ, "MALLOC_ARENA_MAX": "2"})  # (fewer address-space reservations)
+    assert_one_error_line(result, "out of memory on cpu (tried to allocate ", " bytes): lower --batch-size "
+                                  "(--total-batch-size stays the same through more accumulation steps) or pass "
+                                  "--activation-checkpointing. Last good checkpoint: none")
+
+
+# --- ranks ----------------------------------------------------------------------------------
+
+def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
+    """Row 1 of the train shard holds a token beyond --vocab-size: rank 1 reads it at step 0, and
+    only rank 1 knows why it stops. It prints its line; rank 0 names the lost rank."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        tokens = rng.integers(0, 64, 4000).astype(np.uint16)
+        if split == "train":
+            tokens[20] = 600  # in row 1 (tokens 16..32), not in row 0 (tokens 0..16)
+        np.save(data / f"synth_{split}_000000.npy", tokens)
+    args = args_for(str(data), tmp_path / "out", "--vocab-size", "512", "--batch-size", "1",
+                    "--total-batch-size", "32", steps=4)
+    result = run_cli(args, nproc=2)
+    errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    assert len(errors) == 2, result.stderr[-3000:]
+    assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
+    assert errors[0].endswith(". Last good checkpoint: none")
+    assert errors[1] == (f"error: rank 1: {data}/synth_train_000000.npy: token id 600 >= vocab size 512; wrong "
+                         "tokenizer or --vocab-size too small")
+    assert result.returncode != 0
+
+
+# --- warnings -------------------------------------------------------------------------------
+
+def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
+    assert (result.returncode, result.stderr) == (0, "warning: --warmup-steps 10 is longer than --max-steps 4: the "
+                                                     "learning rate only rises, to 0.004 at the last step, and never "
+                                                     "reaches --max-lr 0.01\n")
+
+
+def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(data_dir, data)
+    shutil.copytree(checkpoint_run, out)
+    train = sorted(data.glob("*_train_*.npy"))
+    np.save(train[-1], np.load(train[-1])[:-100])  # the last shard re-made shorter
+    size = train[-1].stat().st_size
+    result = run_command("train_gpt2.py", *args_for(str(data), out, "--resume", steps=4, ckpt_every=2))
+    was = dict(tg.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"])[train[-1].name]
+    assert (result.returncode, result.stderr) == (0, (
+        f"warning: --data-dir {data} changed since {out}/ckpt_0000002.pt was written (train shard {train[-1].name}: "
+        f"{was} bytes then, {size} bytes now): from step 2 on this run reads other rows than the run it continues "
+        "would have\n"))
+    assert [s for s, _ in losses(out)] == [0, 1, 2, 3]
+
+
+def test_checkpoint_without_the_shard_record_still_resumes(checkpoint_run, data_dir, tmp_path, capsys):
+    """Checkpoints written before the shards were recorded load and resume, with no warning."""
+    out = tmp_path / "out"
+    shutil.copytree(checkpoint_run, out)
+    path = str(out / "ckpt_0000002.pt")
+    ckpt = tg.load_checkpoint(path)
+    del ckpt["data_files"], ckpt["checksum"]
+    tg.save_checkpoint(path, ckpt)
+    assert tg.main(args_for(data_dir, out, "--resume", steps=4, ckpt_every=2)) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert [s for s, _ in losses(out)] == [0, 1, 2, 3]
+
+
+FAKE_WANDB = '''
+class Run:
+    disabled = False
+    calls = 0
+    def log(self, row, step):
+        Run.calls += 1
+        if Run.calls == 3:
+            raise ConnectionError("wandb service process exited")
+    def finish(self):
+        pass
+def init(project, dir, config):
+    if project == "no-such-entity":
+        raise RuntimeError("permission denied for entity")
+    return Run()
+'''
+
+
+@pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
+def test_wandb_failures(data_dir, tmp_path, case):
+    fake = tmp_path / "fake"  # a W&B whose service fails the way a network or a crash would
+    fake.mkdir()
+    (fake / "wandb.py").write_text(FAKE_WANDB)
+    project = "no-such-entity" if case == "cannot start" else "p"
+    out = tmp_path / "out"
+    result = run_cli(args_for(data_dir, out, "--wandb", project, steps=4, ckpt_every=0), env={"PYTHONPATH": str(fake)})
+    if case == "cannot start":  # refused before log.jsonl is created
+        assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
+        assert not (out / "log.jsonl").exists()
+        return
+    assert (result.returncode, result.stderr) == (0, (
+        f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more "
+        f"records; {out}/log.jsonl has them all\n"))
+    assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
+
+
+def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert tg.main(args_for(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
+    assert capsys.readouterr().err == ("warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), "
+                                       "so the W&B run stays empty; log.jsonl gets every record\n")
+
+
+@pytest.mark.parametrize("shape", [dict(n_layer=3, n_head=4, n_embd=48, block_size=40, vocab_size=300),
+                                   dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=50304)])
+def test_param_count_counts_what_the_model_builds(shape):
+    model = tg.GPT(tg.GPTConfig(**shape))
+    assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
