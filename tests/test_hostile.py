@@ -54,6 +54,11 @@ def finished_run(data_dir, tmp_path_factory):
     (["--dist-timeout", "nan"], "--dist-timeout must be a finite number, got nan"),
     (["--val-every", "5", "--val-steps", "0"], "--val-steps 0 with --val-every > 0 evaluates nothing"),
     (["--seed", "-1", "--shuffle"], "--seed must be in 0..2**64-1, got -1"),
+    (["--batch-size", str(10**20)], f"--batch-size {10**20} is out of range: at most 2**62 = {2**62}"),
+    (["--dist-timeout", "1"], "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait"),
+    (["--n-layer", "100000", "--n-embd", "8192"],
+     "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "
+     "1.2e+06 GiB, more than this machine's RAM ("),
     (["--vocab-size", "100", "--sample-every", "5", "--hellaswag-every", "5"],
      "--vocab-size 100 is smaller than GPT-2's 50257 tokens, which sampling and HellaSwag feed the model: "
      "pass --sample-every 0 --hellaswag-every 0"),

@@ -27,7 +27,7 @@ def data_dir(tmp_path_factory):
 def args_for(data_dir, out_dir, *extra, steps=20, B=4, ckpt_every=10):
     return ["--data-dir", data_dir, "--out-dir", str(out_dir), "--n-layer", "2", "--n-head", "2",
             "--n-embd", "16", "--block-size", "32", "--seq-len", str(T), "--batch-size", str(B),
-            "--total-batch-size", str(8 * T), "--max-steps", str(steps), "--warmup-steps", "3",
+            "--total-batch-size", str(8 * T), "--max-steps", str(steps), "--warmup-steps", str(min(3, steps)),
             "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
             "--ckpt-every", str(ckpt_every), *extra]
 
@@ -265,7 +265,7 @@ def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
 
 
 def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
-    args = args_for(data_dir, tmp_path, "--dist-timeout", "20", steps=100000, ckpt_every=0)
+    args = args_for(data_dir, tmp_path, "--dist-timeout", "30", steps=100000, ckpt_every=0)
     nodes = start_two_nodes(args, free_port())
     try:
         wait_for_steps(tmp_path, 3, nodes[0])

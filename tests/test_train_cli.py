@@ -82,7 +82,7 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
-    assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=1)) == 2
+    assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=2)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
 
