@@ -334,9 +334,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_loss, grad_w * grad_loss, None, None, None
 
 
-# torch.compile would unroll the chunk loop into one graph (64 chunks: 105 s to compile on CPU;
-# 256 never finished): it runs eagerly, between the compiled model body and its backward
-@torch.compiler.disable
 def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
     """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
     alone. Inside autograd.Function.forward grad mode is always off and needs_input_grad is True
@@ -354,6 +351,8 @@ def param_count(cfg: GPTConfig) -> int:
 
 
 class GPT(nn.Module):
+    lm_loss = staticmethod(chunked_lm_loss)  # compile_model gives a compiled GPT an eager-only one
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -421,7 +420,7 @@ class GPT(nn.Module):
         if loss_chunk:
             scale = 1.0 if reduction == "sum" else 1.0 / (targets != IGNORE_INDEX).sum()
             h = x.view(-1, x.size(-1))
-            return None, chunked_lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk)
+            return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk)
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets,
                                ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -1813,9 +1812,15 @@ def prepare_out_dir(out_dir: str):
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
 
 
-def compile_model(model: nn.Module) -> nn.Module:
-    """torch.compile, in one place (tests make it fail here to exercise the eager fallback)."""
-    return torch.compile(model)
+def compile_model(model: nn.Module, **options) -> nn.Module:
+    """torch.compile, in one place (tests make it fail here to exercise the eager fallback).
+    A GPT's chunked loss stays out of the graph, which would unroll its chunk loop (64 chunks:
+    105 s to compile on CPU; 256 never finished): it runs eagerly between the compiled body and
+    its backward. torch.compiler.disable imports torch._dynamo, 2 s that every command would pay
+    at start-up as a decorator: it is applied here, where compiling imports it anyway."""
+    if isinstance(model, GPT):
+        model.lm_loss = torch.compiler.disable(chunked_lm_loss)
+    return torch.compile(model, **options)
 
 
 def gradient_sync(model: nn.Module, enabled: bool):

@@ -71,7 +71,7 @@ def run_variant(variant, args):
     loss_chunk = args.loss_chunk if chunked else 0
     train_model = model
     if level >= VARIANTS.index("+compile"):
-        train_model = torch.compile(model)
+        train_model = tg.compile_model(model)  # the trainer's compile (the chunked loss eager)
     prefetcher = tg.Prefetcher(loader, pin_memory=device_type == "cuda") if level >= VARIANTS.index("+prefetch") else None
 
     def step(s):

@@ -267,7 +267,7 @@ def graph_sizes(loss_chunk):
         return gm.forward
     torch._dynamo.reset()
     torch.manual_seed(1)
-    model = torch.compile(tg.GPT(SMALL), backend=counting_backend)
+    model = tg.compile_model(tg.GPT(SMALL), backend=counting_backend)
     x, y = make_batch()
     _, loss = model(x, y, reduction="sum", loss_chunk=loss_chunk)
     loss.backward()
