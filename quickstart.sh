@@ -24,6 +24,7 @@
 #   HELLASWAG_DIR            where hellaswag_val.jsonl is looked for / downloaded to
 #   QUICKSTART_VENV          the virtual environment to use or create (default: .venv)
 #   QUICKSTART_FINEWEB_ARGS  extra fineweb.py arguments, e.g. "--max-tokens 40K --shard-size 8K"
+#   QUICKSTART_HELLASWAG_ARGS  extra hellaswag.py arguments, e.g. "--limit 20"
 set -euo pipefail
 for arg in "$@"; do
   case "$arg" in -h|--help) sed -n '2,/^set -euo/{/^set -euo/d; s/^# \{0,1\}//; p}' "$0"; exit 0 ;; esac
@@ -145,7 +146,8 @@ say "training: train_gpt2.py ${TRAIN_ARGS[*]} --data-dir $DATA --out-dir $OUT $R
 # ---- 4. evaluation
 
 say "HellaSwag, first 200 examples"
-if ! "$PY" hellaswag.py --checkpoint "$OUT" --limit 200 2>"$HELLASWAG_ERR" | tail -n 1; then
+# shellcheck disable=SC2086  # QUICKSTART_HELLASWAG_ARGS is a list of arguments
+if ! "$PY" hellaswag.py --checkpoint "$OUT" --limit 200 ${QUICKSTART_HELLASWAG_ARGS:-} 2>"$HELLASWAG_ERR" | tail -n 1; then
   say "skipping HellaSwag: $(tail -n 1 "$HELLASWAG_ERR")"
 fi
 

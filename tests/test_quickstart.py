@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO, SHARED
 
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
+FEW_EXAMPLES = "--limit 8"  # of HellaSwag (200 take 20 s on a CPU)
 OUT = "out/quick[1]*"  # an out dir named like a glob pattern is still that folder
 TINY_TRAIN = ["--out-dir", OUT, "--max-steps", "3", "--batch-size", "4", "--total-batch-size", "512", "--val-every", "2",
               "--val-steps", "2", "--sample-every", "0", "--ckpt-every", "2"]
@@ -34,6 +35,7 @@ def clone(tmp_path_factory):
 def quickstart_env(clone, **env):
     hellaswag_dir = HELLASWAG if HELLASWAG.is_dir() else clone / "hellaswag"  # else: downloaded, or skipped
     return {**os.environ, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
+            "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES,
             "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1", **env}
 
 
@@ -59,9 +61,9 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
     if (HELLASWAG / "hellaswag_val.jsonl").is_file():
-        assert '"n": 200}' in out
+        assert '"n": 8}' in out
     else:  # downloaded, or skipped in one line
-        assert '"n": 200}' in out or "quickstart: skipping HellaSwag: error: " in out
+        assert '"n": 8}' in out or "quickstart: skipping HellaSwag: error: " in out
     run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,8 +14,10 @@ README = (REPO / "README.md").read_text()
 # Appended to each quickstart command (argparse keeps the last value): same commands, tiny sizes.
 SMALLER = {
     "fineweb.py": "--max-tokens 40K --shard-size 8K",
-    "train_gpt2.py": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2",
-    "train_gpt2.py --resume": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --max-steps 4",
+    "train_gpt2.py": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
+                     "--total-batch-size 512 --warmup-steps 2",
+    "train_gpt2.py --resume": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
+                              "--total-batch-size 512 --warmup-steps 2 --max-steps 4",
     "hellaswag.py": "--limit 8",
 }
 
