@@ -37,9 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train_gpt2 import (EOT, GPT, UserError, all_reduce_sum, autocast_context, cleanup_distributed, exit_code_of,
-                        exp_sums_, get_tokenizer_or_fail, model_from_checkpoint, print0,
-                        resolve_dtype, setup_distributed, unwrap_model)
+from train_gpt2 import (EOT, GPT, UserError, all_reduce_sum, autocast_context, checked_on_every_rank,
+                        exit_code_on_every_rank, exp_sums_, get_tokenizer_or_fail, model_from_checkpoint, print0,
+                        process_group, resolve_dtype, unwrap_model)
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DATA_NAME = "hellaswag_val.jsonl"
@@ -476,27 +476,27 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict:
-    d = setup_distributed(args.device)
-    try:
-        dtype = resolve_dtype(args.dtype, d.device_type)
+    def load_data_and_model(device: str):
         data_file = resolve_data_file(args.data_file, args.data_dir)
         for style in RENDERERS:  # a bad file fails before loading a model; evaluate reuses these
             load_examples(data_file, args.limit, style=style)
         if args.checkpoint:
-            model = model_from_checkpoint(args.checkpoint, d.device)
-        else:
-            model = load_hf_model(args.hf_model, d.device)
+            return data_file, model_from_checkpoint(args.checkpoint, device)
+        return data_file, load_hf_model(args.hf_model, device)
+
+    with process_group(args.device) as d:
+        dtype = resolve_dtype(args.dtype, d.device_type)
+        # each rank reads its node's files: one with a file missing or bad is named, by rank 0
+        data_file, model = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
         result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
                           rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=True)
         print0(json.dumps(result))
         return result
-    finally:
-        cleanup_distributed()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return exit_code_of(lambda: run(args), args.debug)
+    return exit_code_on_every_rank(lambda: run(args), args.debug)
 
 
 if __name__ == "__main__":

@@ -850,6 +850,26 @@ def decided_on_rank0(d: Dist, decide):
     return answer[0]
 
 
+def checked_on_every_rank(d: Dist, action):
+    """action() on every rank, where each may fail on what only it sees (a file on its node's disk):
+    the ranks compare outcomes (one all-gather) and, if any raised a UserError, every rank raises
+    the lowest rank's, named by rank unless it is rank 0's, so that rank 0 prints it once and none
+    waits in a collective for one that stopped. Returns this rank's action()."""
+    result, refusal = None, None
+    try:
+        result = action()
+    except UserError as e:
+        refusal = str(e)
+    if dist.is_initialized():
+        refusals = [None] * dist.get_world_size()
+        dist.all_gather_object(refusals, refusal)
+        rank, refusal = next(((r, m) for r, m in enumerate(refusals) if m is not None), (0, None))
+        refusal = f"rank {rank}: {refusal}" if refusal is not None and rank else refusal
+    if refusal is not None:
+        raise UserError(refusal)
+    return result
+
+
 class RankLost(Exception):
     """Another rank of the launch died (or stopped answering) and a collective here failed: every
     surviving rank prints this as its one `error:` line and exits 1 (not a UserError: the input
@@ -863,12 +883,53 @@ def is_lost_rank(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and re.search(r"gloo|nccl|connection (closed|reset)|timed out", str(e), re.I))
 
 
-def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None) -> RankLost:
+def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: bool = True) -> RankLost:
+    """The line for a failed collective; saves: the command writes checkpoints (so name the last)."""
     # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:14728. This is typically ..."
     reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]
+    checkpoint = (f". Last good checkpoint: {last_ckpt or 'none'}"
+                  + (" (resume with the same command plus --resume)" if last_ckpt else "")) if saves else ""
     return RankLost(f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
-                    f"stopped too; torchrun's report below names the rank that failed first. Last good checkpoint: "
-                    f"{last_ckpt or 'none'}" + (" (resume with the same command plus --resume)" if last_ckpt else ""))
+                    f"stopped too; torchrun's report below names the rank that failed first{checkpoint}")
+
+
+@contextlib.contextmanager
+def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoint=None):
+    """setup_distributed and cleanup_distributed around one command's work on every rank, with the
+    faults of a launch as one line each: the ranks wait for each other before any tears the group
+    down (ranks that left at different times aborted at exit); a collective that failed because
+    another rank died is a RankLost (naming last_checkpoint(), for a command that saves them); and
+    after a UserError torchrun's SIGTERM, sent once one rank has exited, no longer cuts rank 0
+    short of printing its line."""
+    d = setup_distributed(device, timeout_s)
+    try:
+        yield d
+        if d.enabled:
+            dist.barrier()
+    except UserError:
+        if d.enabled:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
+    except Exception as e:
+        if d.enabled and is_lost_rank(e):  # another rank died during set-up, evaluation or the last barrier
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
+            raise lost_rank_error(e, d.rank, last_checkpoint and last_checkpoint(), saves=bool(last_checkpoint)) \
+                from None
+        raise
+    finally:
+        cleanup_distributed()
+
+
+def exit_code_on_every_rank(action, debug: bool = False) -> int:
+    """exit_code_of(action) for a command torchrun may launch: a RankLost is printed by every
+    surviving rank (rank 0 may be the one lost), exit code 1 (the input was fine)."""
+    try:
+        return exit_code_of(action, debug)
+    except RankLost as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def launch_fingerprint(run: RunConfig, model_cfg: GPTConfig) -> list[tuple[str, object]]:
@@ -2351,12 +2412,7 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             trainer.evaluate_only()
         else:
             trainer.fit()
-        if d.enabled:  # every rank done before any tears its process group down (as training's last save
-            dist.barrier()  # does): --fsdp --eval-only ranks left at different times, and some aborted at exit
     except Exception as e:
-        if d.enabled and is_lost_rank(e):  # another rank died during set-up or the final barrier
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
-            raise lost_rank_error(e, d.rank, latest_checkpoint(run.out_dir)) from None
         if is_out_of_memory(e):
             raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir)) from None
         raise
@@ -2485,22 +2541,9 @@ def main(argv=None) -> int:
     def setup_and_train():
         run, model_cfg = build_configs(args)
         validate_flag_values(run, model_cfg)
-        d = setup_distributed(run.device, run.dist_timeout)
-        try:
+        with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
             train(run, model_cfg, d)
-        except UserError:
-            if d.enabled:  # the ranks refuse together, and torchrun SIGTERMs the rest once one has
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exited: rank 0 still prints the line
-            raise
-        finally:
-            cleanup_distributed()
-    try:
-        return exit_code_of(setup_and_train, args.debug)
-    except RankLost as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)  # on every surviving rank: rank 0 may be the one lost
-        return 1
+    return exit_code_on_every_rank(setup_and_train, args.debug)
 
 
 if __name__ == "__main__":
