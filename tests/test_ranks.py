@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import train_gpt2 as tg
-from conftest import REPO, child_pids, torchrun
+from conftest import REPO, SHARED, child_pids, torchrun
 from shards import shard_dir
 
 T = 16
+HELLASWAG_FILE = SHARED / "data" / "hellaswag" / "hellaswag_val.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +56,13 @@ def error_lines(stderr) -> list:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def launch_per_rank(shell, args, env=None, **popen):
-    """torchrun of 2 ranks running `bash -c shell _ python train_gpt2.py args`: the shell can give
-    each rank ($RANK) its own flags or folder, as a job script on each node might."""
+def launch_per_rank(shell, args, env=None, script="train_gpt2.py", **popen):
+    """torchrun of 2 ranks running `bash -c shell _ python script args`: the shell can give each
+    rank ($RANK) its own flags or folder, as a job script on each node might."""
     command = [*torchrun("--standalone", "--nproc_per_node=2", "--no-python"), "bash", "-c", shell, "_",
-               sys.executable, str(REPO / "train_gpt2.py"), *args]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, **popen)
+               sys.executable, str(REPO / script), *args]
+    return subprocess.Popen(command, cwd=REPO, text=True, env={**os.environ, **(env or {})},
+                            **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen})
 
 
 @pytest.fixture
@@ -147,6 +148,50 @@ def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir,
     assert "[rank" not in err and "terminate called" not in err  # no worker traceback, no C++ abort
     assert "exitcode  : 1" in err and "exitcode  : -9" in err  # the survivor's 1, the victim's SIGKILL
     assert_checkpoints_intact(out, hashes)
+
+
+def hellaswag_per_rank(out, rank1_args, **popen):
+    """hellaswag.py under torchrun on 2 ranks, on out's checkpoint: rank 1 gets rank1_args on top."""
+    shell = 'if [ "$RANK" = 1 ]; then exec "$@" $RANK1_ARGS; else exec "$@"; fi'
+    return launch_per_rank(shell, ["--checkpoint", str(out), "--data-file", str(HELLASWAG_FILE), "--limit", "6"],
+                           env={"RANK1_ARGS": rank1_args}, script="hellaswag.py", **popen)
+
+
+def test_a_file_that_only_one_rank_lacks_is_named_once(trained, tmp_path):
+    # each node reads its own disk: rank 1's missing copy is printed by rank 0, once (before: no line)
+    if not HELLASWAG_FILE.is_file():
+        pytest.skip("../shared/data/hellaswag is not present")
+    missing = tmp_path / "missing.jsonl"
+    out, err = hellaswag_per_rank(trained[0], f"--data-file {missing}").communicate(timeout=120)
+    assert out == "" and error_lines(err) == [f"error: rank 1: --data-file {missing} does not exist"], err[-3000:]
+    assert "exitcode  : 2" in err and "exitcode  : 1" not in err  # both ranks refused, as for a bad flag
+
+
+def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):
+    # rank 1 has 100 times the examples to score: rank 0 scores its share and waits for rank 1 in
+    # the final all-reduce, where rank 1's death fails it (before: a gloo traceback)
+    if not HELLASWAG_FILE.is_file():
+        pytest.skip("../shared/data/hellaswag is not present")
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = hellaswag_per_rank(trained[0], "--limit 600", stderr=stderr, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while (tmp_path / "stderr").read_text().count("100%") < 2:  # rank 0's two scoring passes done
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)  # (a few tensor operations from there to the all-reduce)
+        os.kill(next(pid for pid in child_pids(proc.pid) if rank_of(pid) == 1), signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = (tmp_path / "stderr").read_text()
+    assert (proc.returncode, stdout) == (1, "")
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: another rank of this launch died or stopped "
+                                                   "answering ("), err[-3000:]
+    assert lines[0].endswith("so this rank stopped too; torchrun's report below names the rank that failed first")
+    assert "RuntimeError" not in err and "pair.cc" not in err and "terminate called" not in err  # no gloo traceback
 
 
 # --- teardown --------------------------------------------------------------------------------
