@@ -89,12 +89,12 @@ install_torch() {
   fi
 }
 
-"$PY" -c 'import torch' 2>/dev/null || install_torch
+cuda_available() { "$PY" -c 'import torch; print(int(torch.cuda.is_available()))'; }
+GPU=$(cuda_available 2>/dev/null) || { install_torch; GPU=$(cuda_available); }  # (importing torch takes seconds: once)
 "${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
 "$PY" -c 'import fineweb; fineweb.get_encoding()' 2>/dev/null \
   || die "the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR" \
          "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)"
-GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
 
 # ---- 2. data
 
