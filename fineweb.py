@@ -37,7 +37,7 @@ from decimal import Decimal, InvalidOperation
 from itertools import chain, islice
 
 import cli  # the error contract shared by every script; standard library only, so it comes first
-from cli import UserError, exit_code_of
+from cli import UserError, exit_code_of, flat
 
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
@@ -49,7 +49,7 @@ import tiktoken
 
 def one_line(e: BaseException) -> str:
     """Another library's exception as a short single line, to quote inside our message."""
-    text = " ".join(str(e).split()) or type(e).__name__
+    text = flat(e) or type(e).__name__
     return text if len(text) <= 300 else text[:297] + "..."
 
 
