@@ -81,6 +81,7 @@ def parse_size(text: str) -> int:
 
 ENCODING_NAME = "r50k_base"  # GPT-2's BPE; tiktoken's "gpt2" is the same table but fetches extra files
 EOT = 50256  # <|endoftext|>
+GPT2_VOCAB = EOT + 1  # tokens of GPT-2's BPE: <|endoftext|> is the last
 EOT_TEXT = "<|endoftext|>"
 
 
@@ -517,6 +518,32 @@ def changed_input(before, now) -> str | None:
             return f"{path} was modified (its size or modification time differs)"
     gone = [path for path in then if path not in current]
     return f"{gone[0]} is gone" if gone else None
+
+
+
+def get_tokenizer_or_fail(hint: str | None = None):
+    """get_encoding() for a command: a UserError saying how to get the tokenizer (and `hint`,
+    another way out) instead of a RuntimeError."""
+    try:
+        return get_encoding()
+    except RuntimeError as e:
+        raise UserError(f"{e} (or {hint})" if hint else str(e)) from None
+
+
+def shard_files(paths: list[str]) -> list[tuple[str, int]]:
+    """(file name, size in bytes) of each shard: what tells one set of shards from another."""
+    return [(os.path.basename(p), os.path.getsize(p)) for p in paths]
+
+
+def differing_file(a: list[tuple[str, int]], b: list[tuple[str, int]]) -> tuple[str, str, str] | None:
+    """The first file name (in order) whose size differs between two shard_files() lists, with its
+    size in each ("N bytes" or "missing"); None if they are the same."""
+    a_files, b_files = dict(a), dict(b)
+    name = next((n for n in sorted({*a_files, *b_files}) if a_files.get(n) != b_files.get(n)), None)
+    if name is None:
+        return None
+    size = lambda files: f"{files[name]} bytes" if name in files else "missing"  # noqa: E731
+    return name, size(a_files), size(b_files)
 
 
 @contextlib.contextmanager

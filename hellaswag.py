@@ -37,9 +37,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train_gpt2 import (EOT, GPT, UserError, all_reduce_sum, autocast_context, checked_on_every_rank,
-                        exit_code_on_every_rank, exp_sums_, get_tokenizer_or_fail, model_from_checkpoint, print0,
-                        process_group, resolve_dtype, unwrap_model)
+from checkpoints import unwrap_model
+from chunked_loss import exp_sums_
+from cli import UserError
+from fineweb import EOT, get_tokenizer_or_fail
+from launch import (all_reduce_sum, autocast_context, checked_on_every_rank, exit_code_on_every_rank, print0,
+                    process_group, resolve_dtype)
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DATA_NAME = "hellaswag_val.jsonl"
@@ -311,8 +314,9 @@ LOGIT_ROWS = 128
 
 
 @torch.no_grad()
-def score_packed(model: GPT, batch: Packed, dtype: torch.dtype = torch.float32):
-    """Summed and mean cross-entropy of each ending, each (4B,) float32, for our GPT.
+def score_packed(model: nn.Module, batch: Packed, dtype: torch.dtype = torch.float32):
+    """Summed and mean cross-entropy of each ending, each (4B,) float32, for our GPT (a model with
+    hidden_states and lm_head).
 
     The lm_head runs only at the positions that predict an ending token, once per position
     (the context's last token predicts all four endings' first tokens), over the whole
@@ -367,7 +371,7 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
     if block_size and longest and block_size > longest:
         raise ValueError(f"block_size {block_size} is longer than the model's {longest}")
     block_size = block_size or longest
-    gpt = unwrap_model(model) if isinstance(unwrap_model(model), GPT) else None
+    gpt = unwrap_model(model) if hasattr(unwrap_model(model), "hidden_states") else None  # our GPT
 
     def length(ex: Example) -> int:
         ctx, endings = ex.fit(block_size)
@@ -481,7 +485,8 @@ def run(args) -> dict:
         for style in RENDERERS:  # a bad file fails before loading a model; evaluate reuses these
             load_examples(data_file, args.limit, style=style)
         if args.checkpoint:
-            return data_file, model_from_checkpoint(args.checkpoint, device)
+            from train_gpt2 import GPT  # the model class of our checkpoints: only this command imports the trainer
+            return data_file, GPT.from_checkpoint(args.checkpoint, device)
         return data_file, load_hf_model(args.hf_model, device)
 
     with process_group(args.device) as d:

@@ -3,9 +3,10 @@
     python hf_interop.py export out/ckpt_0019073.pt gpt2_ours_hf   # our checkpoint -> HF directory
     python hf_interop.py eval out/gpt2-124M --tasks hellaswag,arc_easy  # lm-evaluation-harness on it
 
-and, from Python (train_gpt2.py's --init-from uses it):
+This module reads and writes tensors and configs; it never imports the trainer. The model builds
+itself from what it returns (train_gpt2.GPT.from_hf, which --init-from and sample.py use):
 
-    model = gpt_from_hf("gpt2")            # Hub name (needs internet) or a local HF directory
+    config, state = gpt2_state_from_hf("gpt2")   # Hub name (needs internet) or a local HF directory
 
 transformers is optional: it is imported only inside the functions that need it.
 
@@ -40,14 +41,16 @@ if __name__ == "__main__":
 
 import torch
 
-import train_gpt2
-from train_gpt2 import GPT2_VOCAB, GPT, GPTConfig, UserError, os_error_reason
+from checkpoints import first_nonfinite, load_checkpoint, unwrap_model
+from cli import UserError, exit_code_of
+from fineweb import EOT, GPT2_VOCAB, get_encoding, os_error_reason
 
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers
 TIED = ("transformer.wte.weight", "lm_head.weight")
+EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours
 INSTALL_HINT = "Hugging Face transformers is not installed: pip install transformers"
 
 
@@ -161,9 +164,10 @@ def _some(names: list) -> str:
     return f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
 
 
-def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
-                pad_init: str = "mean", flag: str = "--init-from") -> GPT:
-    """Our GPT (fp32, CPU, eval mode) with the weights of a Hugging Face GPT2LMHeadModel.
+def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
+                       pad_init: str = "mean", flag: str = "--init-from") -> tuple[dict, dict]:
+    """(model config, state dict) of our GPT (fp32, CPU) holding the weights of a Hugging Face
+    GPT2LMHeadModel: the config's keys are GPTConfig's, the state dict's our parameter names.
 
     name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
     directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
@@ -178,7 +182,7 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     cfg = hf.config
     _check_hf_config(cfg, source)
     hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}
-    bad = train_gpt2.first_nonfinite(hf_sd)
+    bad = first_nonfinite(hf_sd)
     if bad:
         raise UserError(f"{_weights_file(name_or_dir, bad) or source}: the weights hold NaN or inf ({bad})")
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
@@ -191,8 +195,8 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     if not 0 < block_size <= cfg.n_positions:
         raise UserError(f"--block-size {block_size} must be in 1..{cfg.n_positions} ({source}'s n_positions)")
 
-    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer,
-                       n_head=cfg.n_head, n_embd=cfg.n_embd)
+    config = dict(block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                  n_embd=cfg.n_embd)
     sd = {}
     for key, value in hf_sd.items():
         if key.endswith(TRANSPOSED):
@@ -203,14 +207,7 @@ def gpt_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int
     wte = torch.cat([wte, pad_rows.expand(vocab_size - n_real, -1)])
     sd["transformer.wte.weight"] = sd["lm_head.weight"] = wte
     sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
-
-    model = GPT(config)
-    result = model.load_state_dict(sd, strict=False)
-    missing = [k for k in result.missing_keys if k not in TIED]
-    if missing or result.unexpected_keys:
-        raise UserError(f"{source}: weights do not match a GPT-2 layout "
-                        f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
-    return model.eval()
+    return config, sd
 
 
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
@@ -221,10 +218,11 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     (DDP / torch.compile wrappers are fine). vocab_size: rows to keep; default GPT-2's 50257
     when ours is at least that (the padded rows are dropped), else ours as it is. Returns out_dir."""
     if isinstance(source, (str, os.PathLike)):
-        model = train_gpt2.model_from_checkpoint(str(source))
+        ckpt = load_checkpoint(str(source), model_fields=EXPORTED_CONFIG)  # a field GPT-2 lacks is refused
+        config, sd = argparse.Namespace(**ckpt["model_config"]), ckpt["model"]
     else:
-        model = train_gpt2.unwrap_model(source)
-    config, sd = model.config, model.state_dict()
+        model = unwrap_model(source)
+        config, sd = model.config, model.state_dict()
     n_keep = (GPT2_VOCAB if config.vocab_size >= GPT2_VOCAB else config.vocab_size) if vocab_size is None else vocab_size
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
@@ -232,7 +230,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
         raise UserError(f"{out_dir} exists and is not a directory")
 
     GPT2Config, GPT2LMHeadModel = _import_transformers()
-    special = dict(bos_token_id=train_gpt2.EOT, eos_token_id=train_gpt2.EOT) if n_keep > train_gpt2.EOT \
+    special = dict(bos_token_id=EOT, eos_token_id=EOT) if n_keep > EOT \
         else dict(bos_token_id=None, eos_token_id=None)
     hf_config = GPT2Config(
         vocab_size=n_keep, n_positions=config.block_size, n_ctx=config.block_size, n_embd=config.n_embd,
@@ -317,7 +315,7 @@ def gpt2_tokenizer():
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
     try:
-        enc = train_gpt2.get_encoding()
+        enc = get_encoding()
     except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint
         raise UserError(str(e)) from None
     converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=[EOT_TEXT])
@@ -520,13 +518,13 @@ def main(argv=None) -> int:
     add_eval_parser(sub)
     args = p.parse_args(argv)
     if args.command == "eval":
-        return train_gpt2.exit_code_of(lambda: run_lm_eval(args), args.debug)
+        return exit_code_of(lambda: run_lm_eval(args), args.debug)
 
     def export():
         out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
         print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}) "
               f"and AutoTokenizer.from_pretrained({out!r}))")
-    return train_gpt2.exit_code_of(export, args.debug)
+    return exit_code_of(export, args.debug)
 
 
 if __name__ == "__main__":

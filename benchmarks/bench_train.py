@@ -44,6 +44,7 @@ def peak_memory_mb(device):
 
 def run_variant(variant, args):
     import torch
+    import launch
     import train_gpt2 as tg
 
     torch.manual_seed(0)
@@ -61,7 +62,7 @@ def run_variant(variant, args):
     model = tg.GPT(cfg).to(device)
     rss_model = peak_memory_mb(device)
     if level >= VARIANTS.index("+fused"):
-        optimizer = model.configure_optimizers(0.1, 6e-4, device_type)
+        optimizer = tg.build_optimizer(model, 0.1, 6e-4, device_type)
     else:
         decay = [p for p in model.parameters() if p.dim() >= 2]
         other = [p for p in model.parameters() if p.dim() < 2]
@@ -80,7 +81,7 @@ def run_variant(variant, args):
             loss_accum = torch.zeros((), device=device)
             for m in range(args.accum):
                 x, y = (torch.from_numpy(a).to(device) for a in loader.micro_batch(s, m))
-                with tg.autocast_context(device_type, dtype):
+                with launch.autocast_context(device_type, dtype):
                     _, loss = train_model(x, y)
                 loss = loss / args.accum
                 loss_accum += loss.detach()
@@ -133,24 +134,24 @@ def bench_eval(args):
     """Validation's forward under no_grad: full logits, the chunked loss, and the chunked loss made
     to do its gradient work as it did before it checked for no_grad (interleaved rounds, best of each)."""
     import torch
+    import chunked_loss
     import train_gpt2 as tg
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])
     model = tg.GPT(cfg).to(args.device).eval()
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
-    grad_work = lambda h, w, t, scale, chunk: tg.ChunkedLinearCrossEntropy.apply(h, w, t, scale, chunk)
-    variants = dict(full=(0, tg.chunked_lm_loss), chunked=(args.loss_chunk, tg.chunked_lm_loss),
+    grad_work = lambda h, w, t, scale, chunk: chunked_loss.ChunkedLinearCrossEntropy.apply(h, w, t, scale, chunk)
+    variants = dict(full=(0, chunked_loss.chunked_lm_loss), chunked=(args.loss_chunk, chunked_loss.chunked_lm_loss),
                     chunked_grad_work=(args.loss_chunk, grad_work))
     best, losses = {}, {}
     with torch.no_grad():
         for _ in range(args.rounds):
             for name, (chunk, loss_fn) in variants.items():
-                tg.chunked_lm_loss = loss_fn
+                model.lm_loss = loss_fn  # the instance's loss function, as compile_model sets it
                 t = time.perf_counter()
                 _, loss = model(x, x, reduction="sum", loss_chunk=chunk)
                 losses[name] = loss.item()
                 best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
-    tg.chunked_lm_loss = variants["chunked"][1]
     print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} | no_grad forward "
           f"+ loss, best of {args.rounds} | chunk {args.loss_chunk} rows")
     for name, dt in best.items():

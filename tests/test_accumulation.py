@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from conftest import free_port
 from shards import make_batch, rank_batches
-from train_gpt2 import GPT, GPTConfig, accumulate_gradients, all_reduce_sum
+from launch import all_reduce_sum
+from train_gpt2 import GPT, GPTConfig, accumulate_gradients
 
 TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
 

@@ -14,6 +14,10 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+import checkpoints
+import cli
+import fsdp
+import launch
 import train_gpt2 as tg
 from conftest import REPO, free_port, torchrun
 from shards import make_batch, shard_dir
@@ -24,7 +28,7 @@ from test_accumulation import fresh_model, gloo_rank_of_one_batch, reference_gra
 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds for the tensors (a DTensor's local shard)."""
-    return sum(tg.local_part(t).nbytes for t in tensors)
+    return sum(fsdp.local_part(t).nbytes for t in tensors)
 
 
 def state_bytes(params, optimizer) -> dict:
@@ -39,36 +43,36 @@ def failing_backend(graph, example_inputs):
 
 def fsdp_after_failed_compile(d, batches, n_tokens, world):
     """An FSDP model whose compiled blocks failed in the first step, back to eager as the trainer does."""
-    model = tg.shard_model(fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend=failing_backend))
+    model = fsdp.shard_model(fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend=failing_backend))
     with pytest.raises(Exception, match="no compiler here"):
         tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
     model.zero_grad(set_to_none=True)
-    tg.uncompile_blocks(model)
+    fsdp.uncompile_blocks(model)
     return model
 
 
 def step_on_two_ranks(rank, world, port, out_path):
     with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
-        d = tg.Dist(rank=rank, world_size=world, device="cpu")
+        d = launch.Dist(rank=rank, world_size=world, device="cpu")
         results = {}
         models = dict(ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
-                      fsdp=lambda: tg.shard_model(fresh_model(), d, torch.float32),
-                      fsdp_compiled=lambda: tg.shard_model(fresh_model(), d, torch.float32,
+                      fsdp=lambda: fsdp.shard_model(fresh_model(), d, torch.float32),
+                      fsdp_compiled=lambda: fsdp.shard_model(fresh_model(), d, torch.float32,
                                                            lambda block: torch.compile(block, backend="eager")),
                       fsdp_eager_again=lambda: fsdp_after_failed_compile(d, batches, n_tokens, world))
         for mode, make_model in models.items():
             model = make_model()
-            bare = tg.unwrap_model(model)
-            optimizer = bare.configure_optimizers(0.1, 1e-3, "cpu")
+            bare = checkpoints.unwrap_model(model)
+            optimizer = tg.build_optimizer(bare, 0.1, 1e-3, "cpu")
             loss_sum = tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
             params = list(bare.parameters())
-            norm = tg.grad_norm_of([p.grad for p in params])
+            norm = fsdp.grad_norm_of([p.grad for p in params])
             grads = {n.replace("._orig_mod", ""): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
                      else p.grad.clone() for n, p in bare.named_parameters()}  # names without compile's wrapper
             optimizer.step()
-            results[mode] = dict(grads=grads, norm=norm, loss=tg.all_reduce_sum(loss_sum).item() / n_tokens,
+            results[mode] = dict(grads=grads, norm=norm, loss=launch.all_reduce_sum(loss_sum).item() / n_tokens,
                                  bytes=state_bytes(params, optimizer),
-                                 state_keys=list(tg.full_state(model, optimizer)[0]))
+                                 state_keys=list(checkpoints.full_state(model, optimizer)[0]))
         if rank == 0:
             torch.save(results, out_path)
 
@@ -135,7 +139,7 @@ def fsdp_run(args):
 
 
 def ckpt(out_dir, step):
-    return tg.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
+    return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
 
 
 def assert_same_layout(a, b):
@@ -192,7 +196,7 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     from transformers import GPT2LMHeadModel
     path = os.path.join(fsdp, "ckpt_0000020.pt")
     hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(path, str(tmp_path / "hf"))).eval()
-    ours = tg.model_from_checkpoint(path)
+    ours = tg.GPT.from_checkpoint(path)
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx)[0][..., :50257], atol=1e-5, rtol=0)
@@ -213,6 +217,6 @@ def test_fsdp_with_float16_is_refused_before_any_work(data_dir, tmp_path):
     run, model_cfg = tg.build_configs(tg.build_parser().parse_args(
         ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--batch-size", "4",
          "--total-batch-size", "2048", "--fsdp", "--dtype", "float16", "--device", "cpu"]))
-    with pytest.raises(tg.UserError, match="--fsdp does not support float16"):
-        tg.Trainer(run, model_cfg, tg.Dist(rank=0, world_size=2))
+    with pytest.raises(cli.UserError, match="--fsdp does not support float16"):
+        tg.Trainer(run, model_cfg, launch.Dist(rank=0, world_size=2))
     assert not os.listdir(tmp_path)

@@ -11,6 +11,10 @@ import sys
 import pytest
 import torch
 
+import checkpoints
+import chunked_loss
+import guards
+import launch
 import train_gpt2 as tg
 import conftest
 from conftest import REPO
@@ -89,7 +93,7 @@ def test_no_mfu_on_cpu_without_peak(data_dir, tmp_path):
     ("NVIDIA GeForce GTX 1080 Ti", None), ("Tesla P100-PCIE-16GB", None),
 ])
 def test_peak_table_matches_names_carefully(name, tflops):
-    assert tg.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
+    assert guards.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -132,7 +136,7 @@ def fp16_grads(B, loss_chunk=0):
     """Unscaled gradients of the 8-row batch split into micro-batches of B rows, fp16 autocast + GradScaler."""
     torch.manual_seed(1)
     model = tg.GPT(SMALL)
-    optimizer = model.configure_optimizers(0.0, 1e-3, "cpu")
+    optimizer = tg.build_optimizer(model, 0.0, 1e-3, "cpu")
     scaler = torch.amp.GradScaler("cpu")
     x, y = make_batch()
     batches = [(x[i:i + B], y[i:i + B]) for i in range(0, 8, B)]
@@ -207,7 +211,7 @@ def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, m
     records = train_records(tmp_path)
     assert [r.get("skipped") for r in records] == [None, None, "overflow", None]
     assert all(map(lambda r: r["loss"] == r["loss"], records))
-    ckpt = tg.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
+    ckpt = checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
     assert ckpt["scaler"]["scale"] == 2.0 ** 16 * 0.5  # the scaler backed off once
 
 
@@ -223,7 +227,7 @@ def test_fp16_resume_is_bit_exact(data_dir, tmp_path):
     assert tg.main(args_for(data_dir, resumed, *fp16, "--resume", steps=6)) == 0
     assert [(r["step"], r["loss"]) for r in train_records(resumed)] == \
         [(r["step"], r["loss"]) for r in train_records(straight)]
-    a, b = (tg.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
+    a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["scaler"] == b["scaler"]
 
@@ -231,8 +235,8 @@ def test_fp16_resume_is_bit_exact(data_dir, tmp_path):
 @pytest.mark.parametrize("capability,dtype", [((7, 5), torch.float16), ((7, 0), torch.float16),
                                               ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_auto_dtype_is_fp16_below_ampere(capability, dtype):
-    assert tg.resolve_dtype("auto", "cuda", capability) == dtype
-    assert tg.resolve_dtype("auto", "cpu") == torch.float32
+    assert launch.resolve_dtype("auto", "cuda", capability) == dtype
+    assert launch.resolve_dtype("auto", "cpu") == torch.float32
 
 
 # --- the chunked loss in evaluation and under torch.compile ---------------------------------------
@@ -243,12 +247,12 @@ def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
     x, y = make_batch()
     with torch.no_grad():
         _, full = model(x, y, reduction="sum")
-        monkeypatch.setattr(tg.ChunkedLinearCrossEntropy, "forward", None)  # the gradient path would fail
+        monkeypatch.setattr(chunked_loss.ChunkedLinearCrossEntropy, "forward", None)  # the gradient path would fail
         _, chunked = model(x, y, reduction="sum", loss_chunk=10)
     assert not chunked.requires_grad
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     calls = []
-    monkeypatch.setattr(tg, "chunked_loss_and_grads",
+    monkeypatch.setattr(chunked_loss, "chunked_loss_and_grads",
                         lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None))
     with torch.no_grad():
         model(x, y, loss_chunk=10)
@@ -328,9 +332,9 @@ def test_unknown_or_missing_device_is_one_line(data_dir, tmp_path, device, messa
 def test_auto_device_picks_mps_when_there_is_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert tg.resolve_device("auto") == "mps"
+    assert launch.resolve_device("auto") == "mps"
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    assert tg.resolve_device("auto") == "cpu"
+    assert launch.resolve_device("auto") == "cpu"
 
 
 # --- activation checkpointing ----------------------------------------------------------------------

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 import hellaswag as hs
 from conftest import REPO, spread_gpt, torchrun, write_checkpoint
-from train_gpt2 import EOT, GPTConfig, UserError
+from cli import UserError
+from fineweb import EOT
+from train_gpt2 import GPTConfig
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)

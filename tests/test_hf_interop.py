@@ -14,8 +14,10 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 from conftest import REPO  # noqa: E402
+import checkpoints  # noqa: E402
 import train_gpt2  # noqa: E402
-from train_gpt2 import GPT, GPTConfig, UserError  # noqa: E402
+from cli import UserError  # noqa: E402
+from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
 
@@ -49,7 +51,7 @@ def tiny_ours(vocab_size=50304, block_size=32, seed=0):
 
 
 def save_ours(model, path, step=7):
-    train_gpt2.save_checkpoint(str(path), dict(model=model.state_dict(),
+    checkpoints.save_checkpoint(str(path), dict(model=model.state_dict(),
                                                model_config=dataclasses.asdict(model.config), step=step))
     return str(path)
 
@@ -62,7 +64,7 @@ def logits_of(model, idx):
 
 def test_import_matches_hf_logits(tmp_path):
     hf = tiny_hf()
-    model = hf_interop.gpt_from_hf(save_hf(hf, tmp_path / "hf"))
+    model = GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     assert model.config == GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     ours, theirs = logits_of(model, idx), logits_of(hf, idx)
@@ -76,15 +78,15 @@ def test_import_matches_hf_logits(tmp_path):
 def test_import_small_vocab_crop_and_bad_sizes(tmp_path):
     hf = tiny_hf(vocab_size=100)
     path = save_hf(hf, tmp_path / "hf")
-    assert hf_interop.gpt_from_hf(path).config.vocab_size == 128  # padded to a multiple of 64
-    model = hf_interop.gpt_from_hf(path, vocab_size=100, block_size=16)
+    assert GPT.from_hf(path).config.vocab_size == 128  # padded to a multiple of 64
+    model = GPT.from_hf(path, vocab_size=100, block_size=16)
     assert (model.config.vocab_size, model.config.block_size) == (100, 16)
     idx = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(logits_of(model, idx), logits_of(hf, idx), atol=1e-5, rtol=0)
     with pytest.raises(UserError, match="smaller than"):
-        hf_interop.gpt_from_hf(path, vocab_size=99)
+        GPT.from_hf(path, vocab_size=99)
     with pytest.raises(UserError, match="n_positions"):
-        hf_interop.gpt_from_hf(path, block_size=33)
+        GPT.from_hf(path, block_size=33)
 
 
 def test_padded_rows_take_little_probability(tmp_path):
@@ -103,13 +105,13 @@ def test_padded_rows_take_little_probability(tmp_path):
     assert hf_logits.max() < -5  # every real logit well below zero, as in GPT-2
     hf_loss = torch.nn.functional.cross_entropy(hf_logits.view(-1, 100), targets.view(-1))
 
-    model = hf_interop.gpt_from_hf(path)  # vocab 128: 28 padded rows
+    model = GPT.from_hf(path)  # vocab 128: 28 padded rows
     pad_mass = logits_of(model, idx).softmax(-1)[..., 100:].sum(-1)
     assert pad_mass.max() <= 28 / 100 + 1e-6  # Jensen's bound
     _, loss = model(idx, targets)
     assert hf_loss <= loss <= hf_loss + math.log(1 + 28 / 100) + 1e-5
 
-    zero = hf_interop.gpt_from_hf(path, pad_init="zero")
+    zero = GPT.from_hf(path, pad_init="zero")
     assert logits_of(zero, idx).softmax(-1)[..., 100:].sum(-1).min() > 0.99  # padding takes it all
 
 
@@ -134,7 +136,7 @@ def test_round_trip_is_exact(tmp_path, vocab_size, kept):
     wrapped = types.SimpleNamespace(module=model)  # like DDP's .module
     out = hf_interop.export_hf(wrapped, str(tmp_path / "hf"))
     assert GPT2Config.from_pretrained(out).vocab_size == kept
-    back = hf_interop.gpt_from_hf(out, vocab_size=vocab_size)
+    back = GPT.from_hf(out, vocab_size=vocab_size)
     assert back.config == model.config
     a, b = model.state_dict(), back.state_dict()
     assert a.keys() == b.keys()
@@ -243,7 +245,7 @@ NOT_GPT2 = {
 def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
     folder = not_gpt2_folder(tmp_path / "hf", kind)
     with pytest.raises(UserError) as e:
-        hf_interop.gpt_from_hf(str(folder))
+        GPT.from_hf(str(folder))
     assert str(e.value) == f"--init-from {folder}: {NOT_GPT2[kind]}"
 
 
@@ -275,7 +277,7 @@ def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
     (tmp_path / "empty").mkdir()
     arg = str(tmp_path / name) if name == "missing_dir" else name
     with pytest.raises(UserError) as e:
-        hf_interop.gpt_from_hf(arg)
+        GPT.from_hf(arg)
     msg = str(e.value)
     assert "--init-from" in msg and "local Hugging Face directory" in msg and "\n" not in msg
 
@@ -290,13 +292,13 @@ def test_import_refuses_what_we_cannot_reproduce(tmp_path, overrides, match):
         with torch.no_grad():
             hf.lm_head.weight.normal_()
     with pytest.raises(UserError, match=match):
-        hf_interop.gpt_from_hf(save_hf(hf, tmp_path / "hf"))
+        GPT.from_hf(save_hf(hf, tmp_path / "hf"))
 
 
 def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(UserError, match="pip install transformers"):
-        hf_interop.gpt_from_hf(str(tmp_path))
+        GPT.from_hf(str(tmp_path))
     with pytest.raises(UserError, match="pip install transformers"):
         hf_interop.export_hf(tiny_ours(vocab_size=100), str(tmp_path / "out"))
 
@@ -314,9 +316,9 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     # the step-0 validation loss is the pretrained model's loss on the first val rows
     rows = train_gpt2.TokenRows(str(tmp_path / "data"), "val", 16)
     x, y = (torch.from_numpy(a) for a in rows.batch(0, 4))
-    _, expected = hf_interop.gpt_from_hf(hf_dir)(x, y)
+    _, expected = GPT.from_hf(hf_dir)(x, y)
     assert records[0] == {"step": 0, "val_loss": pytest.approx(expected.item(), rel=1e-5)}
-    ckpt = train_gpt2.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
+    ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoints
+import guards
 import train_gpt2 as tg
 from conftest import REPO, SHARED, interrupt_when_blocked
 from test_resilience import args_for, log_records, resume_copy
@@ -94,9 +96,9 @@ def foreign(path, what):
     elif what == "tensor":
         torch.save(torch.zeros(3), path)
     elif what == "unknown-key":  # ours, re-checksummed, with a config key this trainer does not know
-        ckpt = tg.load_checkpoint(str(path))
+        ckpt = checkpoints.load_checkpoint(str(path))
         ckpt["model_config"]["rotary"] = True
-        torch.save(dict(ckpt, checksum=tg.state_digest(ckpt)), path)
+        torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), path)
 
 
 @pytest.mark.parametrize("how,message", [
@@ -206,7 +208,7 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
     assert tg.main(args_for(shift_data, resumed, "--skip-spikes", "3", "--resume", steps=60, ckpt_every=20)) == 0
     assert [(r["step"], r["loss"], r.get("skipped")) for r in log_records(resumed) if "loss" in r] == \
         [(r["step"], r["loss"], r.get("skipped")) for r in records]
-    a, b = (tg.load_checkpoint(str(d / "ckpt_0000060.pt")) for d in (straight, resumed))
+    a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000060.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and a["skip_state"] == b["skip_state"]
 
 
@@ -217,9 +219,9 @@ def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     assert_one_error_line(result, f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
                                   f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
                                   f"update. Last good checkpoint: {tmp_path / 'ckpt_0000040.pt'}")
-    assert f"{tg.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
+    assert f"{guards.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
-    assert skipped == list(range(skipped[0], skipped[0] + tg.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
+    assert skipped == list(range(skipped[0], skipped[0] + guards.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
 
 
 # --- full disk, signals ---------------------------------------------------------------------
@@ -238,21 +240,21 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
     assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
     log = padding + tmp_path.joinpath("log.jsonl").read_bytes()
     tmp_path.joinpath("log.jsonl").write_bytes(log)
-    ckpt = tg.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))
+    ckpt = checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))
     ckpt.update(log_offset=len(log), log_sha256=hashlib.sha256(log).hexdigest())
-    torch.save(dict(ckpt, checksum=tg.state_digest(ckpt)), tmp_path / "ckpt_0000002.pt")
+    torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), tmp_path / "ckpt_0000002.pt")
 
     def file_size_limit():  # what a full disk does to one file: a short write, then EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
                          preexec_fn=file_size_limit)
-    last = tg.latest_checkpoint(str(tmp_path))
+    last = checkpoints.latest_checkpoint(str(tmp_path))
     assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
                                   f"whole record). Last good checkpoint: {last}")
     text = tmp_path.joinpath("log.jsonl").read_text()
     assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
-    assert tg.load_checkpoint(last)["step"] >= 2
+    assert checkpoints.load_checkpoint(last)["step"] >= 2
     assert tg.main(args_for(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2)) == 0  # space freed
     assert [r["step"] for r in log_records(tmp_path)[1:] if "loss" in r] == list(range(20))
 
@@ -284,4 +286,4 @@ def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir
     assert tg.main(args_for(data_dir, tmp_path, steps=6, ckpt_every=2)) == 130
     assert capsys.readouterr().err == "error: interrupted\n"
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "log.jsonl"]
-    assert tg.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))["step"] == 2
+    assert checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))["step"] == 2

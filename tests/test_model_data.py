@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli
 import train_gpt2 as tg
 from shards import EOT, make_docs, write_shards
 
@@ -71,7 +72,7 @@ def test_loss_ignores_minus_one_targets_and_sum_reduction():
 def test_adamw_decays_matrices_only():
     cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
     model = tg.GPT(cfg)
-    opt = model.configure_optimizers(0.1, 6e-4, "cpu")
+    opt = tg.build_optimizer(model, 0.1, 6e-4, "cpu")
     decay, no_decay = opt.param_groups
     # by hand: wte (tied with lm_head), wpe, and per block c_attn, attn c_proj, c_fc, mlp c_proj
     assert len(decay["params"]) == 2 + 4 * cfg.n_layer
@@ -180,11 +181,11 @@ def test_llmc_bin_shards_read_like_npy(tmp_path):
         f.write(tokens.tobytes())
     assert np.array_equal(tg.open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
     (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
-    with pytest.raises(tg.UserError, match="truncated or corrupt"):
+    with pytest.raises(cli.UserError, match="truncated or corrupt"):
         tg.open_shard(str(tmp_path / "y_val_000000.bin"))
     header[0] = 123
     (tmp_path / "z_val_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
-    with pytest.raises(tg.UserError, match="HINT: are you passing the right file"):
+    with pytest.raises(cli.UserError, match="HINT: are you passing the right file"):
         tg.open_shard(str(tmp_path / "z_val_000000.bin"))
 
 

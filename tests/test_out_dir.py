@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, run_cli
 from shards import shard_dir
@@ -46,9 +47,9 @@ def checkpoint_hashes(out_dir):
     found = {}
     for folder, _, names in os.walk(out_dir):
         for name in names:
-            if tg.CKPT_NAME.fullmatch(name):
+            if checkpoints.CKPT_NAME.fullmatch(name):
                 path = os.path.join(folder, name)
-                tg.load_checkpoint(path)
+                checkpoints.load_checkpoint(path)
                 found[os.path.relpath(path, out_dir)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     return found
 
@@ -95,7 +96,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         # so is a --resume while the owner runs
         result = run(args_for(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
         assert_refused(result.returncode, result.stderr, in_use(out, owned_by))
-        while len(tg.list_checkpoints(out)) < 2:
+        while len(checkpoints.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
     finally:
@@ -105,7 +106,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
             p.communicate()
     assert (out / ".lock").read_text() == f"{owned_by}\n"
     before = checkpoint_hashes(out)
-    last = tg.checkpoint_step(tg.latest_checkpoint(out))
+    last = checkpoints.checkpoint_step(checkpoints.latest_checkpoint(out))
     result = run(args_for(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / f'ckpt_{last:07d}.pt'} at step {last}" in result.stdout

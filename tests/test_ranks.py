@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, SHARED, child_pids, torchrun
 from shards import shard_dir
@@ -49,7 +50,7 @@ def assert_checkpoints_intact(out_dir, before: dict):
     after = checkpoint_hashes(out_dir)
     assert {name: after.get(name) for name in before} == before
     for name in after:
-        assert tg.load_checkpoint(os.path.join(out_dir, name))["step"] == int(name[5:12])
+        assert checkpoints.load_checkpoint(os.path.join(out_dir, name))["step"] == int(name[5:12])
 
 
 def error_lines(stderr) -> list:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, child_pids, free_port, torchrun
 from shards import shard_dir
@@ -42,7 +43,7 @@ def losses(out_dir):
 
 
 def final_weights(out_dir, step):
-    return tg.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))["model"]
+    return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))["model"]
 
 
 def resume_copy(src, dst, step):
@@ -152,7 +153,7 @@ def inject(monkeypatch, at_call, how):
 
 
 def all_finite(path):
-    return all(torch.isfinite(t).all() for t in tg.load_checkpoint(path)["model"].values())
+    return all(torch.isfinite(t).all() for t in checkpoints.load_checkpoint(path)["model"].values())
 
 
 def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, capsys):
@@ -242,7 +243,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
     assert f"could not write checkpoint {tmp_path / 'ckpt_0000008.pt'}: no space left on device; the previous " \
            f"checkpoint {tmp_path / 'ckpt_0000004.pt'} is intact" in err
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
-    assert tg.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))["step"] == 4
+    assert checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))["step"] == 4
 
 
 # --- multi-node -------------------------------------------------------------------------------
@@ -302,4 +303,4 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_pat
     stop_step = int(out.split("stopped by signal at step ")[1].split(";")[0])
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     assert [s for s, _ in losses(tmp_path)] == list(range(stop_step))
-    assert tg.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step
+    assert checkpoints.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step

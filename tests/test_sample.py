@@ -10,7 +10,11 @@ import torch
 
 from conftest import REPO
 from shards import make_docs, write_shards
-from train_gpt2 import EOT, GPT, GPTConfig
+import checkpoints
+import fineweb
+import sample
+from fineweb import EOT
+from train_gpt2 import GPT, GPTConfig
 
 TINY = ["--model", "cpu", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "64",
         "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "1",
@@ -138,15 +142,15 @@ def test_sample_cli_is_plain_deterministic_text(trained):
 
 
 def test_sample_cli_equals_sample_text_in_process(trained):
-    """sample.py adds nothing to the trainer's sampling: same texts as train_gpt2.sample_text."""
+    """sample.py adds nothing to the trainer's sampling: same texts as sample.sample_text."""
     import train_gpt2 as tg
     out, _ = trained
     proc = run_py("sample.py", "--checkpoint", out, "--prompt", "def f(x):", "--num-samples", "3",
                   "--max-new-tokens", "10", "--temperature", "0.7", "--top-k", "5", "--seed", "3", "--batch-size", "2")
     assert proc.returncode == 0, proc.stderr
-    model = tg.model_from_checkpoint(str(out))
+    model = tg.GPT.from_checkpoint(str(out))
     # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
-    expected = list(tg.sample_text(model, tg.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7,
+    expected = list(sample.sample_text(model, fineweb.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7,
                                    top_k=5, seed=3))
     assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
@@ -226,7 +230,7 @@ def test_hf_model_greedy_equals_transformers(tmp_path):
     proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", PROMPT, "--num-samples", "1",
                   "--max-new-tokens", "12", "--top-k", "1")
     assert proc.returncode == 0, proc.stderr
-    enc = tg.get_encoding()
+    enc = fineweb.get_encoding()
     ids = torch.tensor([enc.encode(PROMPT)])
     with torch.no_grad():
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
@@ -272,9 +276,9 @@ def test_tiny_temperature_is_greedy(trained):
     proc = run_py("sample.py", "--checkpoint", out, "--temperature", "1e-40", "--num-samples", "2",
                   "--max-new-tokens", "12", "--continue-past-eot")
     assert proc.returncode == 0, proc.stderr
-    model = tg.model_from_checkpoint(str(out))
-    greedy = list(tg.sample_text(model, tg.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False))
-    drawn = list(tg.sample_text(model, tg.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
+    model = tg.GPT.from_checkpoint(str(out))
+    greedy = list(sample.sample_text(model, fineweb.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False))
+    drawn = list(sample.sample_text(model, fineweb.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
@@ -283,11 +287,11 @@ def test_nan_weights_are_one_line_errors(trained, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     import train_gpt2 as tg
     out, _ = trained
-    ckpt = torch.load(tg.latest_checkpoint(str(out)), weights_only=True)
+    ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
     ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
     del ckpt["checksum"]
     (tmp_path / "run").mkdir()
-    torch.save(dict(ckpt, checksum=tg.state_digest(ckpt)), tmp_path / "run" / "ckpt_0000002.pt")
+    torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), tmp_path / "run" / "ckpt_0000002.pt")
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                     activation_function="gelu_new"))
     with torch.no_grad():
@@ -322,8 +326,8 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
         proc.kill()
         proc.wait()
     assert lines[0] == f"--- sample 1/{10 ** 12} ---\n"
-    model = tg.model_from_checkpoint(str(out))
-    expected = list(tg.sample_text(model, tg.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
+    model = tg.GPT.from_checkpoint(str(out))
+    expected = list(sample.sample_text(model, fineweb.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
     assert samples_of("".join(lines))[:3] == expected
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import cli
 import train_gpt2 as tg
 from conftest import REPO
 from shards import shard_dir
@@ -61,7 +62,7 @@ def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args, message):
 
 def test_validate_config_names_an_unknown_schedule():
     run = tg.RunConfig(lr_schedule="step", seq_len=64)
-    with pytest.raises(tg.UserError, match="--lr-schedule must be one of cosine, wsd, linear, got 'step'"):
+    with pytest.raises(cli.UserError, match="--lr-schedule must be one of cosine, wsd, linear, got 'step'"):
         tg.validate_config(run, tg.GPTConfig(block_size=64), 1)
 
 

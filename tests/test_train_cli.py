@@ -70,7 +70,7 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     train = [r for r in records if "loss" in r]
     assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu"}
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
-    model = tg.model_from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
+    model = tg.GPT.from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
 
 
@@ -116,7 +116,7 @@ def test_hellaswag_is_logged_during_training(data_dir, tmp_path, shared_data):
     records = [json.loads(l) for l in open(tmp_path / "log.jsonl") if "hellaswag_acc" in l]
     assert [(r["step"], r["hellaswag_n"]) for r in records] == [(0, 8), (2, 8)]
     # the logged accuracy is hellaswag.py's on the same weights
-    model = tg.model_from_checkpoint(str(tmp_path))
+    model = tg.GPT.from_checkpoint(str(tmp_path))
     expected = hellaswag.evaluate(model, "cpu", limit=8, data_file=hellaswag_file)
     assert records[-1]["hellaswag_acc"] == expected["acc_norm"]
 
@@ -133,24 +133,62 @@ def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(shared_data, tm
     assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
 
 
-def test_script_and_its_siblings_share_one_module(data_dir, tmp_path):
-    # run as `python train_gpt2.py`, a UserError raised inside hellaswag.py (which imports
-    # train_gpt2) must still be the one exit_code_of catches, naming the trainer's own flag
+def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_dir, tmp_path):
+    # run as `python train_gpt2.py`, a UserError raised inside hellaswag.py must still be the one
+    # exit_code_of catches (one cli.UserError for every module), naming the trainer's own flag
     missing = str(tmp_path / "nonexistent.jsonl")
     result = run_cli(train_args(data_dir, tmp_path / "o", 4, steps=1) + [
         "--hellaswag-every", "1", "--hellaswag-file", missing])
     assert (result.returncode, result.stderr) == (2, f"error: --hellaswag-file {missing} does not exist\n")
-    # and hellaswag.py sees the script's own GPT class (its fast packed scoring checks isinstance);
-    # none of the scripts imports what only some commands use: torch._dynamo (2 s at every start of
-    # every rank; compile_model imports it) or the optional extras
-    probe = ("import runpy, sys; sys.argv = ['train_gpt2.py', '--help']\n"
-             "try: runpy.run_path('train_gpt2.py', run_name='__main__')\n"
-             "except SystemExit: pass\n"
-             "import hellaswag, hf_interop, sample; script = sys.modules['train_gpt2']\n"
-             "print(script.__name__, hellaswag.GPT is script.GPT, hf_interop.UserError is script.UserError)\n"
+
+
+LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "checkpoints", "out_dir", "guards",
+                   "sample", "hellaswag", "hf_interop", "plot_log"]
+
+
+def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
+    # dependencies point one way: importing any library module (in a fresh interpreter, each checked
+    # right after its import) loads no train_gpt2; and no script, the trainer included, imports what
+    # only some commands use: torch._dynamo (2 s at every start of every rank; compile_model imports
+    # it) or the optional extras
+    probe = ("import importlib, sys\n"
+             f"for m in {LIBRARY_MODULES!r}:\n"
+             "    importlib.import_module(m)\n"
+             "    print(m, 'train_gpt2' in sys.modules)\n"
+             "import train_gpt2\n"
              "print(*[m for m in ('torch._dynamo', 'transformers', 'datasets', 'matplotlib') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.stdout.splitlines()[-2:] == ["__main__ True True", ""], result.stderr[-2000:]
+    assert result.stdout.splitlines() == [f"{m} False" for m in LIBRARY_MODULES] + [""], result.stderr[-2000:]
+
+
+def module_level_imports(path) -> set:
+    """The repo modules a file imports when it is imported: top-level statements (and the bodies of
+    top-level if/try), not the imports inside functions, which run only when called."""
+    import ast
+    ours = {p.stem for p in REPO.glob("*.py")}
+    found, todo = set(), list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + \
+                [n for h in getattr(node, "handlers", []) for n in h.body]
+    return found & ours
+
+
+def test_module_level_imports_have_no_cycle_and_only_main_imports_the_trainer():
+    graph = {p.stem: module_level_imports(p) for p in REPO.glob("*.py")}
+    assert graph["train_gpt2"] >= {"launch", "checkpoints", "out_dir", "guards", "fsdp", "chunked_loss"}
+    assert [m for m, deps in graph.items() if "train_gpt2" in deps] == []
+    order = []  # a topological order exists exactly when there is no cycle
+    while len(order) < len(graph):
+        ready = sorted(m for m, deps in graph.items() if m not in order and deps <= set(order) | {m})
+        assert ready, f"import cycle among {sorted(set(graph) - set(order))}"
+        order += ready
+    assert order.index("cli") < order.index("launch") < order.index("checkpoints") < order.index("train_gpt2")
 
 
 def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, run_cli, torchrun
 from test_hostile import assert_one_error_line, run_command
@@ -128,7 +129,7 @@ def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_pat
             proc.kill()
     ckpts = list(tmp_path.glob("ckpt_*.pt"))
     assert len(ckpts) == 1
-    step = tg.load_checkpoint(str(ckpts[0]))["step"]
+    step = checkpoints.load_checkpoint(str(ckpts[0]))["step"]
     assert step >= 3 and [s for s, _ in losses(tmp_path)] == list(range(step))
 
 
@@ -224,7 +225,7 @@ def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, 
     np.save(train[-1], np.load(train[-1])[:-100])  # the last shard re-made shorter
     size = train[-1].stat().st_size
     result = run_command("train_gpt2.py", *args_for(str(data), out, "--resume", steps=4, ckpt_every=2))
-    was = dict(tg.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"])[train[-1].name]
+    was = dict(checkpoints.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"])[train[-1].name]
     assert (result.returncode, result.stderr) == (0, (
         f"warning: --data-dir {data} changed since {out}/ckpt_0000002.pt was written (train shard {train[-1].name}: "
         f"{was} bytes then, {size} bytes now): from step 2 on this run reads other rows than the run it continues "
@@ -237,9 +238,9 @@ def test_checkpoint_without_the_shard_record_still_resumes(checkpoint_run, data_
     out = tmp_path / "out"
     shutil.copytree(checkpoint_run, out)
     path = str(out / "ckpt_0000002.pt")
-    ckpt = tg.load_checkpoint(path)
+    ckpt = checkpoints.load_checkpoint(path)
     del ckpt["data_files"], ckpt["checksum"]
-    tg.save_checkpoint(path, ckpt)
+    checkpoints.save_checkpoint(path, ckpt)
     assert tg.main(args_for(data_dir, out, "--resume", steps=4, ckpt_every=2)) == 0
     assert "warning" not in capsys.readouterr().err
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3]

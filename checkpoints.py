@@ -1,0 +1,306 @@
+"""Checkpoint files: atomic save, verified load, and the choice of what --resume continues.
+
+A checkpoint is a plain dict of tensors and plain values (model and optimizer state dicts
+without wrapper prefixes, the configs as dicts, the step, the RNG states, the log position):
+written to NAME.tmp, fsynced and renamed, with the sha256 of its contents inside, and loaded
+with weights_only=True. Under FSDP the state is gathered whole (full_state), so a checkpoint
+of any mode resumes in any other.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+
+import torch
+import torch.nn as nn
+
+from cli import UserError
+from fineweb import differing_file, os_error_reason
+from fsdp import is_fsdp
+from launch import print0
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+    return model
+
+
+def clean_state_dict(model: nn.Module) -> dict:
+    """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
+    return unwrap_model(model).state_dict()
+
+
+def rekey_optimizer_state(state: dict, keys: list) -> dict:
+    """An optimizer state dict with its parameters renamed in order: the i-th parameter of its
+    param_groups becomes keys[i]. optimizer.state_dict() names parameters 0, 1, 2, ... and the
+    torch.distributed.checkpoint helpers by their names, in the same order."""
+    order = [p for group in state["param_groups"] for p in group["params"]]
+    new = dict(zip(order, keys, strict=True))
+    return dict(state={new[p]: s for p, s in state["state"].items()},
+                param_groups=[{**g, "params": [new[p] for p in g["params"]]} for g in state["param_groups"]])
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state dicts as a single process holds them: unsharded, unprefixed,
+    the optimizer's parameters numbered. Under FSDP every rank must call this: it gathers the
+    shards to rank 0, on the CPU; the other ranks get empty dicts."""
+    if not is_fsdp(model):
+        return clean_state_dict(model), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    return model_state, rekey_optimizer_state(optim_state, list(range(n_params))) if optim_state else {}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict):
+    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its shard)."""
+    if not is_fsdp(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    # the parameters' names in the optimizer's order, as the helpers list them
+    names = [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
+    set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
+
+
+def checkpoint_path(out_dir: str, step: int) -> str:
+    return os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+
+
+# this trainer's checkpoint names (checkpoint_path's); anything else in --out-dir (a user's
+# ckpt_best.pt) is never picked by --resume nor deleted by --keep-last
+CKPT_NAME = re.compile(r"ckpt_(\d{7,})\.pt")
+
+
+def list_checkpoints(out_dir: str) -> list[str]:
+    """Our checkpoints in out_dir, oldest step first."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    ours = sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, names) if m)
+    return [os.path.join(out_dir, name) for _, name in ours]
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_step(path: str) -> int:
+    """The step in one of our checkpoint names (CKPT_NAME)."""
+    return int(CKPT_NAME.fullmatch(os.path.basename(path))[1])
+
+
+def earlier_checkpoint(path: str) -> str | None:
+    """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
+    found = list_checkpoints(os.path.dirname(path) or ".")
+    same = [p for p in found if os.path.samefile(p, path)] if os.path.exists(path) else []
+    if same:
+        found = found[:found.index(same[0])]
+    return found[-1] if found else None
+
+
+def state_digest(state: dict) -> str:
+    """sha256 of a checkpoint's contents (all but its "checksum"): every tensor's dtype, shape and
+    bytes and every plain value, in order. Detects bytes flipped anywhere in the payload."""
+    h = hashlib.sha256()
+
+    def visit(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().contiguous()
+            h.update(f"tensor {x.dtype} {tuple(x.shape)}:".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k, v in x.items():
+                visit(k)
+                visit(v)
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"(" if isinstance(x, tuple) else b"[")
+            for v in x:
+                visit(v)
+            h.update(b")")
+        else:
+            h.update(f"{type(x).__name__} {x!r};".encode())
+    visit({k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
+
+
+class _WriteErrorKeeper:
+    """A file for torch.save that keeps the OSError of a failed write: torch re-raises it as a
+    RuntimeError that no longer says why (e.g. that the disk is full)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.file.flush()
+
+
+def fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str, state: dict, keep_last: int = 0):
+    """Write path.tmp, fsync it, rename it to path, fsync the folder: a crash, a full disk or a
+    power loss leaves the new checkpoint whole or absent, and the previous one intact. The
+    sha256 of the contents goes inside (load_checkpoint checks it)."""
+    tmp, out_dir = path + ".tmp", os.path.dirname(path) or "."
+    try:
+        with open(tmp, "wb") as f:
+            writer = _WriteErrorKeeper(f)
+            try:
+                torch.save(dict(state, checksum=state_digest(state)), writer)
+            except RuntimeError as e:
+                raise writer.error or e from None
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(out_dir)
+    except BaseException as e:  # disk full, quota, permissions; a second Ctrl-C
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
+        raise UserError(f"could not write checkpoint {path}: {os_error_reason(e)}; the previous checkpoint "
+                        f"{latest_checkpoint(out_dir) or '(none)'} is intact") from None
+    if keep_last:
+        for old in list_checkpoints(out_dir)[:-keep_last]:
+            if old != path:
+                os.remove(old)
+
+
+def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
+    """Load one of our checkpoints (a file, or a run's --out-dir for its newest) with
+    weights_only=True (tensors and plain types, no pickled code), and check that it is ours
+    and whole; otherwise a UserError that names the earlier checkpoint to use. model_fields:
+    the model_config keys the reader understands (GPTConfig's fields; an exporter's subset);
+    a checkpoint with any other is refused rather than read wrongly."""
+    if os.path.isdir(path):
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise UserError(f"no checkpoint (ckpt_NNNNNNN.pt) in {path}")
+        path = newest
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+    earlier = earlier_checkpoint(path)
+    instead = f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises many types for a damaged zip or pickle
+        what = "empty file (0 bytes)" if os.path.getsize(path) == 0 else \
+            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead}") from None
+    problem = checkpoint_problem(ckpt, model_fields)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    if ckpt["checksum"] != state_digest(ckpt):
+        raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
+                        f"{instead}")
+    bad = first_nonfinite(ckpt["model"])
+    if bad:  # the trainer never writes one (check_state_finite): another program did
+        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead}")
+    return ckpt
+
+
+def first_nonfinite(state: dict) -> str | None:
+    """The name of the first floating-point tensor in state that holds a NaN or inf (None: none does)."""
+    return next((name for name, t in state.items()
+                 if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()), None)
+
+
+def checkpoint_problem(ckpt, model_fields=None) -> str | None:
+    """Why a loaded object is not a checkpoint written by this trainer (None: it looks like one)."""
+    if not isinstance(ckpt, dict):
+        return f"not a train_gpt2.py checkpoint (it holds a {type(ckpt).__name__}, not a dict)"
+    missing = [k for k in ("model", "model_config", "checksum") if k not in ckpt]
+    if missing == ["checksum"]:
+        return "no checksum: not written by this train_gpt2.py (an older version, or another program)"
+    if missing:
+        keys = ", ".join(map(str, list(ckpt)[:8])) or "none"
+        return f"not a train_gpt2.py checkpoint (no {', '.join(missing)}; its keys: {keys})"
+    config = ckpt["model_config"]
+    known = set(model_fields) if model_fields is not None else set(config) if isinstance(config, dict) else set()
+    if not isinstance(config, dict) or set(config) - known:
+        unknown = sorted(map(str, set(config) - known)) if isinstance(config, dict) else [type(config).__name__]
+        return f"not a train_gpt2.py checkpoint (unknown model_config {', '.join(unknown)})"
+    return None
+
+
+
+# run_config keys that fix which rows each step reads: resuming must keep them (and the model_config)
+RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed")
+
+def find_resume_checkpoint(run) -> str | None:
+    """The checkpoint --resume names: the newest in --out-dir ("latest") or in a given folder, or a file."""
+    if run.resume is None:
+        return None
+    if run.resume == "latest":
+        return latest_checkpoint(run.out_dir)
+    if os.path.isdir(run.resume):
+        return latest_checkpoint(run.resume) or run.resume  # (load_checkpoint says there is none)
+    return run.resume
+
+
+def choose_resume_checkpoint(run) -> str | None:
+    """On rank 0, holding --out-dir's lock: the checkpoint to resume (None: start from scratch), or
+    a UserError where starting from scratch would mix a new run into an earlier one's files."""
+    path = find_resume_checkpoint(run)
+    if path:
+        return path
+    if run.resume is None and list_checkpoints(run.out_dir):
+        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints: pass --resume to continue "
+                        "that run, or choose another --out-dir")
+    log = os.path.join(run.out_dir, "log.jsonl")
+    if os.path.isfile(log) and os.path.getsize(log):
+        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of an earlier run but no checkpoint "
+                        "to resume: move the log aside to start a new run there, or choose another --out-dir")
+    if run.resume is not None:
+        print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
+    return None
+
+
+def data_change(saved: dict | None, now: dict) -> str | None:
+    """How the shards of a checkpoint's run (Trainer.data_files; None in older checkpoints) and
+    this run's differ, in words; None when they match."""
+    if not saved:
+        return None
+    for split in ("train", "val"):
+        difference = saved[split] is not None and now[split] is not None and differing_file(saved[split], now[split])
+        if difference:
+            name, then, today = difference
+            return f"{split} shard {name}: {then} then, {today} now"
+    if saved["manifest_sha256"] != now["manifest_sha256"]:
+        return "its manifest.json differs"
+    return None
+
+
+def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
+    diffs = [f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
+             for k, v in ckpt["model_config"].items() if getattr(model_cfg, k) != v]
+    diffs += [f"{k}: checkpoint {ckpt['run_config'][k]} vs now {getattr(run, k)}"
+              for k in RESUME_KEYS if ckpt["run_config"][k] != getattr(run, k)]
+    if diffs:
+        raise UserError(f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model and "
+                        "batch flags (the number of GPUs may change)")
+

@@ -1,0 +1,71 @@
+"""lm_head + cross-entropy in chunks of rows, never holding the (rows, vocab) logits.
+
+With GPT-2's 50304-token vocabulary the logits of one micro-batch dwarf every activation
+(B=64, T=1024: 13 GB in fp32). On CPU the trainer computes the loss chunk by chunk, and the
+forward pass also computes the gradients of each chunk (softmax - one-hot, as fused
+linear-cross-entropy kernels do), so backward only scales them: the logits are never stored
+nor recomputed. Returns sum(token losses) * scale over targets != IGNORE_INDEX.
+"""
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-docs rows)
+
+
+def exp_sums_(logits):
+    """The parts of a log-softmax over the last dim of 2-D logits in one exp pass, in place:
+    row maxes m, exps = exp(logits - m) written over the logits, and their row sums s.
+    logsumexp = m + log(s) and softmax = exps / s, with no new (rows, vocab) buffer."""
+    maxes = logits.amax(dim=-1, keepdim=True)
+    exps = logits.sub_(maxes).exp_()
+    return maxes.squeeze(1), exps, exps.sum(dim=-1)
+
+
+def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad):
+    """sum(token losses) * scale of lm_head + cross-entropy over rows, chunk_rows rows at a time,
+    and, if want_grad, its gradients w.r.t. h and weight (else None, None)."""
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if want_grad else None
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
+    for start in range(0, h.size(0), chunk_rows):
+        hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
+        logits = (hc @ weight.t()).float()
+        weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
+        safe_t = tc.clamp(min=0).unsqueeze(1)
+        target_logit = logits.gather(1, safe_t).squeeze(1)
+        maxes, exps, sums = exp_sums_(logits)
+        lse = maxes + sums.log()
+        loss += ((lse - target_logit) * weights).sum()
+        if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
+            dlogits = exps.mul_((weights / sums).unsqueeze(1))
+            dlogits.scatter_add_(1, safe_t, -weights.unsqueeze(1))
+            grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
+            grad_w.addmm_(dlogits.t(), hc.float())  # accumulate inside the matmul
+    return loss, grad_h, grad_w
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The autograd wrapper: forward keeps the gradients chunked_loss_and_grads computed,
+    backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, scale, chunk_rows):
+        loss, grad_h, grad_w = chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=True)
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+
+
+def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
+    """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
+    alone. Inside autograd.Function.forward grad mode is always off and needs_input_grad is True
+    for a Parameter even under no_grad, so the choice is made here."""
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
+    return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
+

@@ -1,0 +1,241 @@
+"""One launch on one or many processes: the device, its dtype and autocast, the torchrun process
+group, what rank 0 decides for all, the ranks' agreement on flags and data, and one line per
+rank failure (a rank that died is a RankLost on the survivors, not a gloo traceback).
+
+The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cli import UserError, exit_code_of
+from fineweb import differing_file
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def enabled(self):
+        return self.world_size > 1 or dist.is_initialized()
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def device_type(self):
+        return torch.device(self.device).type  # cuda, mps or cpu
+
+
+def resolve_device(device: str) -> str:
+    """--device checked against what torch sees: auto picks CUDA, else Apple's MPS, else the CPU."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
+        raise UserError(f"--device {device}: expected auto, cpu, cuda, cuda:N or mps")
+    mps = torch.backends.mps.is_available()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but torch sees no CUDA device")
+    if device == "mps" and not mps:
+        raise UserError("--device mps asked for, but torch sees no MPS device (Apple silicon, macOS 12.3+)")
+    return device
+
+
+def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Join the torchrun process group if launched by torchrun, else a single process.
+
+    NCCL on CUDA, gloo elsewhere. device is "auto", "cpu", "cuda", "cuda:N" or "mps"."""
+    device = resolve_device(device)
+    if "RANK" not in os.environ:
+        return Dist(device=device)
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    import datetime
+    cuda = device.startswith("cuda")
+    # device_id binds NCCL's communicator to this rank's GPU (else barrier() warns and guesses it)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=torch.device(device) if cuda else None)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def cleanup_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (gloo has no AVG; callers divide themselves)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def decided_on_rank0(d: Dist, decide):
+    """decide() run on rank 0 only (the rank that writes --out-dir), its result sent to every rank;
+    a UserError there is raised on every rank, so that none waits in a collective for one that stopped."""
+    answer = [None, None]  # (result, refusal)
+    if d.is_main:
+        try:
+            answer[0] = decide()
+        except UserError as e:
+            answer[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise UserError(answer[1])
+    return answer[0]
+
+
+def checked_on_every_rank(d: Dist, action):
+    """action() on every rank, where each may fail on what only it sees (a file on its node's disk):
+    the ranks compare outcomes (one all-gather) and, if any raised a UserError, every rank raises
+    the lowest rank's, named by rank unless it is rank 0's, so that rank 0 prints it once and none
+    waits in a collective for one that stopped. Returns this rank's action()."""
+    result, refusal = None, None
+    try:
+        result = action()
+    except UserError as e:
+        refusal = str(e)
+    if dist.is_initialized():
+        refusals = [None] * dist.get_world_size()
+        dist.all_gather_object(refusals, refusal)
+        rank, refusal = next(((r, m) for r, m in enumerate(refusals) if m is not None), (0, None))
+        refusal = f"rank {rank}: {refusal}" if refusal is not None and rank else refusal
+    if refusal is not None:
+        raise UserError(refusal)
+    return result
+
+
+class RankLost(Exception):
+    """Another rank of the launch died (or stopped answering) and a collective here failed: every
+    surviving rank prints this as its one `error:` line and exits 1 (not a UserError: the input
+    was fine, and rank 0 may be the rank that died)."""
+
+
+def is_lost_rank(e: BaseException) -> bool:
+    """A collective failed because a peer is gone: gloo raises a RuntimeError naming its socket
+    (connection closed or reset, timed out), NCCL a DistBackendError."""
+    return isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and re.search(r"gloo|nccl|connection (closed|reset)|timed out", str(e), re.I))
+
+
+def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: bool = True) -> RankLost:
+    """The line for a failed collective; saves: the command writes checkpoints (so name the last)."""
+    # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:14728. This is typically ..."
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]
+    checkpoint = (f". Last good checkpoint: {last_ckpt or 'none'}"
+                  + (" (resume with the same command plus --resume)" if last_ckpt else "")) if saves else ""
+    return RankLost(f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
+                    f"stopped too; torchrun's report below names the rank that failed first{checkpoint}")
+
+
+@contextlib.contextmanager
+def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoint=None):
+    """setup_distributed and cleanup_distributed around one command's work on every rank, with the
+    faults of a launch as one line each: the ranks wait for each other before any tears the group
+    down (ranks that left at different times aborted at exit); a collective that failed because
+    another rank died is a RankLost (naming last_checkpoint(), for a command that saves them); and
+    after a UserError torchrun's SIGTERM, sent once one rank has exited, no longer cuts rank 0
+    short of printing its line."""
+    d = setup_distributed(device, timeout_s)
+    try:
+        yield d
+        if d.enabled:
+            dist.barrier()
+    except UserError:
+        if d.enabled:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
+    except Exception as e:
+        if d.enabled and is_lost_rank(e):  # another rank died during set-up, evaluation or the last barrier
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
+            raise lost_rank_error(e, d.rank, last_checkpoint and last_checkpoint(), saves=bool(last_checkpoint)) \
+                from None
+        raise
+    finally:
+        cleanup_distributed()
+
+
+def exit_code_on_every_rank(action, debug: bool = False) -> int:
+    """exit_code_of(action) for a command torchrun may launch: a RankLost is printed by every
+    surviving rank (rank 0 may be the one lost), exit code 1 (the input was fine)."""
+    try:
+        return exit_code_of(action, debug)
+    except RankLost as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def first_difference(rank: int, mine: list, theirs: list) -> str | None:
+    """The first item where rank's launch fingerprint (mine) differs from rank 0's (theirs), in words."""
+    for (what, a), (_, b) in zip(theirs, mine):
+        if a == b:
+            continue
+        if what.startswith("--"):
+            return f"{what} {a} on rank 0 but {what} {b} on rank {rank}"
+        name, size_a, size_b = differing_file(a, b)
+        return f"{what}: {name} is {size_a} on rank 0 but {size_b} on rank {rank}"
+    return None
+
+
+def check_ranks_agree(fingerprint: list[tuple[str, object]]):
+    """Under torchrun, refuse a launch whose ranks got different flags or data (a different
+    --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
+    replicas that silently drift apart). fingerprint: (what, value) pairs in order, "--flag"s and
+    shard lists (fineweb.shard_files). One all-gather; every rank raises the same error."""
+    if not dist.is_initialized():
+        return
+    fingerprints = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, fingerprint)
+    for rank, fingerprint in enumerate(fingerprints[1:], start=1):
+        difference = first_difference(rank, fingerprint, fingerprints[0])
+        if difference:
+            # torchrun SIGTERMs the other ranks once one has exited: none exits before every rank
+            # ignores it, so that rank 0 lives to print the line
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            dist.barrier()
+            raise UserError(f"the ranks of this launch were started differently: {difference}; "
+                            "every rank needs the same command and the same --data-dir files")
+
+
+
+
+def autocast_context(device_type: str, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+
+def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The autocast dtype. auto: bf16 on CUDA GPUs that have bf16 tensor cores (compute capability
+    8.0+, Ampere on), fp16 with a GradScaler on older ones (T4, V100, RTX 20xx), fp32 elsewhere."""
+    if name == "auto":
+        name = "float32"
+        if device_type == "cuda":
+            name = "bfloat16" if capability is None or capability >= (8, 0) else "float16"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
