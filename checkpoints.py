@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from cli import UserError
-from fineweb import differing_file, os_error_reason
+from fineweb import differing_file, os_error_reason, shard_files
 from fsdp import is_fsdp
 from launch import print0
 
@@ -247,7 +247,6 @@ def checkpoint_problem(ckpt, model_fields=None) -> str | None:
     return None
 
 
-
 # run_config keys that fix which rows each step reads: resuming must keep them (and the model_config)
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed")
 
@@ -293,6 +292,16 @@ def data_change(saved: dict | None, now: dict) -> str | None:
     if saved["manifest_sha256"] != now["manifest_sha256"]:
         return "its manifest.json differs"
     return None
+
+
+def data_files(data_dir: str, train_paths: list[str], val_paths: list[str] | None) -> dict:
+    """The shards a run reads (fineweb.shard_files), and the sha256 of fineweb.py's manifest.json in
+    data_dir (None without one): a checkpoint keeps them, and a resume compares them (data_change)."""
+    digest = None
+    with contextlib.suppress(OSError), open(os.path.join(data_dir, "manifest.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return dict(train=shard_files(train_paths), val=shard_files(val_paths) if val_paths else None,
+                manifest_sha256=digest)
 
 
 def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):

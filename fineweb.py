@@ -520,6 +520,36 @@ def changed_input(before, now) -> str | None:
     return f"{gone[0]} is gone" if gone else None
 
 
+def open_shard(path: str) -> np.ndarray:
+    """Memory-map a token shard: build-nanogpt's .npy (uint16) or llm.c's .bin."""
+    try:
+        if path.endswith(".bin"):
+            header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
+            if header.size < 3 or header[0] != BIN_MAGIC:
+                raise UserError(f"{path}: not an llm.c token shard (bad magic). "
+                                "HINT: are you passing the right file?")
+            if header[1] != BIN_VERSION:
+                raise UserError(f"{path}: unsupported llm.c shard version {header[1]} (expected {BIN_VERSION})")
+            n_tokens = int(header[2])
+            expected = 4 * BIN_HEADER_INTS + 2 * n_tokens
+            actual = os.path.getsize(path)
+            if actual != expected:
+                raise UserError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
+                                f"has {actual} bytes: truncated or corrupt, re-create it")
+            return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise UserError(f"{path}: not a .npy token shard (bad magic). HINT: are you passing the right file?")
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except UserError:
+        raise
+    except (ValueError, OSError, EOFError) as e:
+        raise UserError(f"{path}: cannot read token shard ({e}); truncated or corrupt? re-create it") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UserError(f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
+                        f"{tokens.shape}. HINT: are you passing the right file?")
+    return tokens
+
 
 def get_tokenizer_or_fail(hint: str | None = None):
     """get_encoding() for a command: a UserError saying how to get the tokenizer (and `hint`,

@@ -16,6 +16,8 @@ import torch
 import cli
 from cli import UserError
 from fineweb import one_line
+from fsdp import local_part
+from launch import all_reduce_sum
 
 # Dense (not 2:4-sparse) bf16/fp16 tensor-core peak of one GPU in TFLOP/s, matched against
 # torch.cuda.get_device_name() in order, most specific pattern first. Consumer cards use the
@@ -56,6 +58,40 @@ def flops_per_token(cfg, T: int, n_params: int) -> float:
     """Training FLOPs per token: 6 per parameter (forward + backward matmuls) plus attention's
     QK^T and AV, 12 * n_layer * n_embd * T (PaLM appendix B; causal masking not discounted)."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T
+
+
+def mfu_peak(peak_tflops: float | None, device: str, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of one device for MFU: --peak-tflops, else the table's figure for a CUDA GPU
+    running bf16/fp16 (the table holds tensor-core figures), else None (no MFU shown)."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return peak_flops(torch.cuda.get_device_name(device))
+    return None
+
+
+class Throughput:
+    """Speed of steps that each process tokens_per_step tokens on all ranks (padding included):
+    tok/s of all ranks, per GPU, and MFU per GPU = FLOPs of all ranks / (dt x W x peak of one GPU)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int):
+        self.tokens_per_step, self.flops_per_token, self.peak, self.W = tokens_per_step, flops_per_token, peak, world_size
+
+    def of(self, dt: float) -> tuple[float, float, float | None]:
+        """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt."""
+        tok_per_s = self.tokens_per_step / dt
+        mfu = self.flops_per_token * self.tokens_per_step / (dt * self.W * self.peak) if self.peak else None
+        return tok_per_s, tok_per_s / self.W, mfu
+
+    def summary(self, step_times: list[float], elapsed: float, peak_mem: str) -> str:
+        """Totals, and the mean speed of the steps after this process's first (which compiles and warms up)."""
+        timed = step_times[1:] or step_times
+        speed = ""
+        if timed:
+            tok_per_s, tok_per_gpu, mfu = self.of(sum(timed) / len(timed))
+            speed = (f" | mean {tok_per_s:,.0f} tok/s ({tok_per_gpu:,.0f}/gpu" + (f", mfu {100 * mfu:.1f}%" if mfu else "")
+                     + f") over {'steps after the first' if len(step_times) > 1 else 'the only step'}")
+        return f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | peak memory {peak_mem}"
 
 
 def device_memory(device: str, device_type: str) -> tuple[int, str] | None:
@@ -205,3 +241,23 @@ class UpdateGuard:
     def load_state_dict(self, state: dict):
         self.loss_spikes.values, self.norm_spikes.values = list(state["loss_window"]), list(state["norm_window"])
         self.spikes_in_a_row, self.nonfinite_skipped = state["spikes_in_a_row"], state["nonfinite_skipped"]
+
+
+def nonfinite_state(model, optimizer, device) -> str | None:
+    """Which of the weights or optimizer state hold NaN or inf, in words (None: all finite). Every
+    rank checks what it holds (its shards under FSDP); one all-reduce makes them agree."""
+    params = dict(model.named_parameters())
+    moments = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    finite = torch.stack([torch.isfinite(local_part(t)).all() for t in [*params.values(), *moments]])
+    if not all_reduce_sum(torch.tensor(float(not finite.all()), device=device)).item():
+        return None
+    names = [n for n, ok in zip(params, finite.tolist()) if not ok]
+    return f"model weights ({names[0]}, ...)" if names else "model weights or optimizer state"
+
+
+def peak_memory(device: str) -> str:
+    """The most memory this process held: CUDA's allocated peak, else the process's peak RSS."""
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU"
+    import resource
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"

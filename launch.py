@@ -220,13 +220,10 @@ def check_ranks_agree(fingerprint: list[tuple[str, object]]):
                             "every rank needs the same command and the same --data-dir files")
 
 
-
-
 def autocast_context(device_type: str, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
-
 
 
 def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:

@@ -100,10 +100,8 @@ def sample_text(model: nn.Module, enc, device: str, prompt=SAMPLE_PROMPT, n=4, l
         model.train(was_training)
 
 
-
 # -----------------------------------------------------------------------------
 # command line
-
 
 
 def parse_args(argv=None) -> argparse.Namespace:

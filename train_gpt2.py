@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
+import glob
 import math
 import os
-import glob
 import sys
 import time
 from dataclasses import dataclass
 
 import cli  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
+import train_flags  # defines: the flags with their help, and the checks of a run's values (validate_config)
 from cli import UserError
 
 if __name__ == "__main__":
@@ -34,7 +34,6 @@ if __name__ == "__main__":
 
 CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32 logits, which malloc
 # reuses; from 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
-LR_SCHEDULES = ("cosine", "wsd", "linear")
 
 
 # -----------------------------------------------------------------------------
@@ -111,183 +110,21 @@ class RunConfig:
     peak_tflops: float | None = None  # dense peak of one device for MFU; None: looked up by GPU name
     debug: bool = False
 
-
-MAX_INT_FLAG = 2**62  # integer flags: step and row arithmetic stays inside int64
-MIN_DIST_TIMEOUT = 30.0  # seconds
-
-
-def validate_flag_values(run: RunConfig, model: GPTConfig):
-    """Checks of single flags that must pass before anything uses them (--dist-timeout is used
-    when joining the process group, before validate_config can run)."""
-    for name, value in [*dataclasses.asdict(run).items(), *dataclasses.asdict(model).items()]:
-        flag = f"--{name.replace('_', '-')}"
-        if isinstance(value, float) and not math.isfinite(value):  # argparse's float() takes nan and inf
-            raise UserError(f"{flag} must be a finite number, got {value}")
-        if type(value) is int and name != "seed" and abs(value) > MAX_INT_FLAG:  # torch and numpy take int64
-            raise UserError(f"{flag} {value} is out of range: at most 2**62 = {MAX_INT_FLAG}")
-    if not MIN_DIST_TIMEOUT <= run.dist_timeout <= 1e9:  # a timedelta overflows far above that
-        raise UserError(f"--dist-timeout must be in [{MIN_DIST_TIMEOUT}, 1e9] seconds, got {run.dist_timeout}: "
-                        "healthy ranks wait this long for each other (rank 0 writing a checkpoint or samples, "
-                        "the first step compiling), and a shorter wait reports them as dead")
-    if not 0 <= run.seed < 2**64:  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
-        raise UserError(f"--seed must be in 0..2**64-1, got {run.seed}")
-    if run.resume is not None and not run.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset
-        raise UserError(f"--resume got an empty path ({run.resume!r}; an unset variable in the job script?): "
-                        "pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
-
-
-def validate_config(run: RunConfig, model: GPTConfig, world_size: int) -> int:
-    """Check the run as a whole, before any work. Returns grad_accum_steps."""
-    positive = dict(batch_size=run.batch_size, seq_len=run.seq_len,
-                    total_batch_size=run.total_batch_size, n_layer=model.n_layer,
-                    n_head=model.n_head, n_embd=model.n_embd, block_size=model.block_size,
-                    vocab_size=model.vocab_size)
-    for name, value in positive.items():
-        if value <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("max_steps", "warmup_steps", "val_every", "val_steps", "sample_every",
-                 "hellaswag_every", "hellaswag_limit", "ckpt_every", "keep_last", "skip_nonfinite"):
-        if getattr(run, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(run, name)}")
-    if run.loss_chunk is not None and run.loss_chunk < 0:
-        raise UserError(f"--loss-chunk must be >= 0, got {run.loss_chunk}")
-    if model.n_embd % model.n_head:
-        raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")
-    if run.seq_len > model.block_size:
-        raise UserError(f"--seq-len {run.seq_len} is longer than the model's --block-size {model.block_size}")
-    micro_tokens = run.batch_size * run.seq_len * world_size
-    if run.total_batch_size % micro_tokens:
-        raise UserError(
-            f"--total-batch-size {run.total_batch_size} is not divisible by batch_size x seq_len x "
-            f"world_size = {run.batch_size} x {run.seq_len} x {world_size} = {micro_tokens}")
-    if run.max_lr <= 0 or (run.min_lr is not None and not 0 <= run.min_lr <= run.max_lr):
-        raise UserError(f"need 0 < --max-lr and 0 <= --min-lr <= --max-lr (got {run.max_lr}, {run.min_lr})")
-    if run.peak_tflops is not None and run.peak_tflops <= 0:
-        raise UserError(f"--peak-tflops must be positive, got {run.peak_tflops}")
-    if run.lr_schedule not in LR_SCHEDULES:
-        raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {run.lr_schedule!r}")
-    if not 0 <= run.cooldown_frac <= 1:
-        raise UserError(f"--cooldown-frac must be in [0, 1], got {run.cooldown_frac}")
-    if run.lr_schedule == "wsd" and run.warmup_steps > cooldown_start(run):
-        raise UserError(f"--warmup-steps {run.warmup_steps} runs into the cooldown, which starts at step "
-                        f"{cooldown_start(run)} (--max-steps x (1 - --cooldown-frac)): lower one of them")
-    if run.eval_only and run.resume is None and run.init_from is None:
-        raise UserError("--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR")
-    if run.eval_only and (run.wandb or run.tensorboard):
-        raise UserError("--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")
-    if run.eval_only and not (run.val_every or run.hellaswag_every or run.sample_every):
-        raise UserError("--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do")
-    if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
-        raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
-    if run.val_every and not run.val_steps:
-        raise UserError("--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or --val-every 0")
-    text_flags = [flag for flag, on in (("--sample-every 0", run.sample_every),
-                                        ("--hellaswag-every 0", run.hellaswag_every)) if on]
-    if model.vocab_size < GPT2_VOCAB and text_flags:
-        raise UserError(f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "
-                        f"sampling and HellaSwag feed the model: pass {' '.join(text_flags)}")
-    if run.fsdp and world_size < 2:
-        raise UserError("--fsdp shards the model over the processes of a torchrun launch and needs at "
-                        "least 2; with one process drop --fsdp (it would hold the whole model anyway)")
-    return run.total_batch_size // micro_tokens
-
+    @property
+    def cooldown_start(self) -> int:
+        """First step of WSD's linear cooldown: the last cooldown_frac of max_steps."""
+        return self.max_steps - round(self.cooldown_frac * self.max_steps)
 
 
 # -----------------------------------------------------------------------------
-# flags: grouped as llm.c groups them, parsed before torch is imported
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the None/False ones whose help says what happens instead."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default in (None, False) else super()._get_help_string(action)
+# flags (train_flags.py), parsed before torch is imported
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = RunConfig()
-    p = cli.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
-                           formatter_class=HelpFormatter)
-    g = p.add_argument_group("data and output")
-    g.add_argument("--data-dir", default=defaults.data_dir, help="folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
-    g.add_argument("--out-dir", default=defaults.out_dir, help="log.jsonl and checkpoints go here")
-    g.add_argument("--align-docs", action="store_true", help="start rows at document boundaries; pad row tails (targets -1)")
-    g.add_argument("--shuffle", action="store_true", help="seeded permutation of shard order and row order each epoch")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(MODEL_PRESETS), help="size preset (default gpt2); the flags below override it")
-    g.add_argument("--n-layer", type=int, help="transformer blocks")
-    g.add_argument("--n-head", type=int, help="attention heads")
-    g.add_argument("--n-embd", type=int, help="embedding width")
-    g.add_argument("--block-size", type=int, help="longest sequence the model handles")
-    g.add_argument("--vocab-size", type=int, help="vocabulary size (default 50304: GPT-2's 50257 padded)")
-    g.add_argument("--init-from", help="start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
-                   "gpt2-xl (Hub) or a local directory; sets the model shape")
-    g = p.add_argument_group("batch")
-    g.add_argument("--batch-size", type=int, default=defaults.batch_size, help="rows per rank per micro-step (B)")
-    g.add_argument("--seq-len", type=int, help="tokens per row (T); default: the model's block size")
-    g.add_argument("--total-batch-size", type=int, default=defaults.total_batch_size,
-                   help="tokens per optimizer step over all ranks; a multiple of B x T x world size")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
-    g.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear LR warmup steps")
-    g.add_argument("--max-lr", type=float, default=defaults.max_lr, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=defaults.min_lr, help="final learning rate (default: 10%% of --max-lr)")
-    g.add_argument("--lr-schedule", default=defaults.lr_schedule, choices=LR_SCHEDULES,
-                   help="decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds --max-lr, "
-                        "then decays linearly over the last --cooldown-frac of the steps")
-    g.add_argument("--cooldown-frac", type=float, default=defaults.cooldown_frac,
-                   help="wsd: fraction of --max-steps spent in the final linear decay")
-    g.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW decay on matrices and embeddings")
-    g.add_argument("--grad-clip", type=float, default=defaults.grad_clip, help="clip the gradient norm to this (0: off)")
-    g = p.add_argument_group("evaluation and checkpoints (0 disables each)")
-    g.add_argument("--val-every", type=int, default=defaults.val_every, help="validation loss every N steps")
-    g.add_argument("--val-steps", type=int, default=defaults.val_steps, help="batches per validation")
-    g.add_argument("--sample-every", type=int, default=defaults.sample_every, help="print text samples every N steps")
-    g.add_argument("--hellaswag-every", type=int, default=defaults.hellaswag_every, help="HellaSwag accuracy every N steps")
-    g.add_argument("--hellaswag-limit", type=int, default=defaults.hellaswag_limit, help="examples per HellaSwag eval (0: all)")
-    g.add_argument("--hellaswag-file", default=defaults.hellaswag_file, help="local hellaswag_val.jsonl (default: download/cache)")
-    g.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--keep-last", type=int, default=defaults.keep_last, help="keep only the newest K checkpoints (0: all)")
-    g.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from the newest checkpoint in --out-dir (or the given path)")
-    g.add_argument("--eval-only", action="store_true",
-                   help="with --resume [PATH] or --init-from: run the evaluations above once at that step "
-                        "(same numbers as in training), print them, train and write nothing")
-    g = p.add_argument_group("run tracking (rank 0; each gets exactly the records of log.jsonl)")
-    g.add_argument("--wandb", metavar="PROJECT", help="log to this Weights & Biases project (pip install wandb; "
-                   "WANDB_MODE=offline keeps the run in OUT/wandb)")
-    g.add_argument("--tensorboard", action="store_true",
-                   help="write TensorBoard event files to --out-dir (pip install tensorboard)")
-    g = p.add_argument_group("failures")
-    g.add_argument("--skip-nonfinite", type=int, default=defaults.skip_nonfinite,
-                   help="skip up to N steps with a non-finite loss or grad norm instead of stopping")
-    g.add_argument("--skip-spikes", type=float, default=defaults.skip_spikes,
-                   help="skip updates whose loss or grad norm is Z std devs above the recent window (0: off)")
-    g.add_argument("--dist-timeout", type=float, default=defaults.dist_timeout,
-                   help="seconds a collective may wait for a dead or stuck rank")
-    g.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    g = p.add_argument_group("distributed")
-    g.add_argument("--fsdp", action="store_true",
-                   help="shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
-                        "for models whose 16 bytes per parameter do not fit one GPU")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--device", default=defaults.device,
-                   help="auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)")
-    g.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 "
-                        "(with a GradScaler) on older ones, float32 elsewhere")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA where Triton can run, off elsewhere); "
-                        "a failure to compile falls back to eager with one line")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block's activations in backward: less memory, about 1/3 more compute")
-    g.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk,
-                   help="compute lm_head + loss in chunks of N rows without materializing the logits "
-                        f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)")
-    g.add_argument("--seed", type=int, default=defaults.seed, help="seed for init and shuffling")
-    g.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops,
-                   help="dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; none on CPU)")
-    return p
+    """The command line (train_flags.py), its defaults those of RunConfig."""
+    parser = train_flags.build_parser(MODEL_PRESETS, CPU_LOSS_CHUNK)
+    parser.set_defaults(**dataclasses.asdict(RunConfig()))
+    return parser
 
 
 def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
@@ -308,9 +145,12 @@ def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
     return run, model_cfg
 
 
-
 if __name__ == "__main__":
     build_parser().parse_args()  # --help, or a usage error: answered now, not after importing torch
+
+
+# -----------------------------------------------------------------------------
+# imports: torch, and the modules that keep long runs alive (none of them imports this file)
 
 import numpy as np
 import torch
@@ -322,14 +162,15 @@ import torch.utils.checkpoint
 import hellaswag  # defines: evaluate (HellaSwag accuracy of the model it is given), resolve_data_file, load_examples
 import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our config and state dict)
 from checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
-    check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change,
+    check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss  # defines: lm_head + loss in chunks, without the logits
-from fineweb import (  # defines: the shard format, GPT-2's tokenizer, shard identity
-    BIN_HEADER_INTS, BIN_MAGIC, BIN_VERSION, EOT, GPT2_VOCAB, get_tokenizer_or_fail, shard_files)
-from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, local_part, shard_model, uncompile_blocks  # defines: FSDP2
+from fineweb import (  # defines: GPT-2's tokenizer, the shard reader (open_shard), shard identity
+    EOT, get_tokenizer_or_fail, open_shard, shard_files)
+from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
-    StopSignal, UpdateGuard, check_model_fits, flops_per_token, is_out_of_memory, out_of_memory_error, peak_flops)
+    StopSignal, Throughput, UpdateGuard, check_model_fits, flops_per_token, is_out_of_memory, mfu_peak,
+    nonfinite_state, out_of_memory_error, peak_memory)
 from launch import (  # defines: device and dtype, the process group, rank-0 decisions, rank agreement and faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, decided_on_rank0, exit_code_on_every_rank,
     is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
@@ -406,7 +247,6 @@ class Block(nn.Module):
     def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
-
 
 
 def param_count(cfg: GPTConfig) -> int:
@@ -531,16 +371,11 @@ class GPT(nn.Module):
         """Extend idx (B, T) by up to max_new_tokens tokens, each drawn from the top_k most likely
         of softmax(logits / temperature); the model sees the newest block_size tokens.
 
-        generator: one torch.Generator for the whole batch, or a list of one per row: then each
-        row's draws do not depend on the other rows, and a row gets the same tokens in a batch of
-        any size. As temperature goes to 0 the draw becomes the argmax (greedy); a temperature too
-        small for the logits' float type behaves as that limit (no inf or NaN). stop_token: stop
-        once every row has drawn it (rows that drew it earlier go on drawing, so each row's tokens
-        are those of a run without stop_token up to there; cut them there).
-
-        With kv_cache each step feeds only the new token. Once the sequence outgrows the block
-        the window slides, every position changes, and each step runs the whole window, as
-        without the cache: both ways draw the same tokens for the same generator."""
+        generator: one torch.Generator for the batch, or one per row (a row's tokens then do not
+        depend on the batch). A temperature too small for float32 is greedy, not NaN. stop_token:
+        stop once every row has drawn it (rows go on drawing after theirs: cut them there). With
+        kv_cache each step feeds only the new token, until the window slides past block_size and
+        each step runs the whole window again: both ways draw the same tokens."""
         block_size = self.config.block_size
         cache = None
         # the smallest positive float32: dividing by it keeps every nonzero gap below the max
@@ -578,37 +413,6 @@ def draw(probs, generator):
 
 # -----------------------------------------------------------------------------
 # data
-
-
-def open_shard(path: str) -> np.ndarray:
-    """Memory-map a token shard: build-nanogpt's .npy (uint16) or llm.c's .bin."""
-    try:
-        if path.endswith(".bin"):
-            header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
-            if header.size < 3 or header[0] != BIN_MAGIC:
-                raise UserError(f"{path}: not an llm.c token shard (bad magic). "
-                                "HINT: are you passing the right file?")
-            if header[1] != BIN_VERSION:
-                raise UserError(f"{path}: unsupported llm.c shard version {header[1]} (expected {BIN_VERSION})")
-            n_tokens = int(header[2])
-            expected = 4 * BIN_HEADER_INTS + 2 * n_tokens
-            actual = os.path.getsize(path)
-            if actual != expected:
-                raise UserError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
-                                f"has {actual} bytes: truncated or corrupt, re-create it")
-            return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
-        with open(path, "rb") as f:
-            if f.read(6) != b"\x93NUMPY":
-                raise UserError(f"{path}: not a .npy token shard (bad magic). HINT: are you passing the right file?")
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except UserError:
-        raise
-    except (ValueError, OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read token shard ({e}); truncated or corrupt? re-create it") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UserError(f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
-                        f"{tokens.shape}. HINT: are you passing the right file?")
-    return tokens
 
 
 def find_shards(data_dir: str, split: str) -> list[str]:
@@ -772,7 +576,6 @@ class Prefetcher:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-
 def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
     """The shards of data_dir (names and sizes) that every rank of a launch must share (a missing
     folder or split is left to TokenRows to refuse)."""
@@ -794,11 +597,6 @@ def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
 SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
 
 
-def cooldown_start(run: RunConfig) -> int:
-    """First step of WSD's linear cooldown: the last cooldown_frac of max_steps."""
-    return run.max_steps - round(run.cooldown_frac * run.max_steps)
-
-
 def get_lr(step: int, run: RunConfig) -> float:
     """Linear warmup to max_lr, then the decay of run.lr_schedule down to min_lr at max_steps:
     cosine, linear, or wsd (constant, then linear over the last cooldown_frac of the steps).
@@ -808,7 +606,7 @@ def get_lr(step: int, run: RunConfig) -> float:
         return run.max_lr * (step + 1) / run.warmup_steps
     if step >= run.max_steps:
         return min_lr
-    decay_start = cooldown_start(run) if run.lr_schedule == "wsd" else run.warmup_steps
+    decay_start = run.cooldown_start if run.lr_schedule == "wsd" else run.warmup_steps
     if step < decay_start:  # wsd's stable phase
         return run.max_lr
     progress = (step - decay_start) / max(1, run.max_steps - decay_start)
@@ -827,7 +625,6 @@ def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str |
     changed = ", ".join(f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
                         for k in SCHEDULE_KEYS if getattr(saved, k) != getattr(run, k))
     return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
-
 
 
 def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, device_type: str):
@@ -871,16 +668,11 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
                          dtype: torch.dtype, loss_chunk: int = 0, scaler=None) -> torch.Tensor:
-    """Forward and backward over one optimizer step's micro-batches on this rank.
-
-    Each micro-batch backpropagates sum(token losses) * W / N, where N is the step's count of
-    non-ignored targets over all micro-batches and ranks; DDP's average over W ranks then
-    leaves exactly d(sum of all token losses) / N. With one micro-batch on one rank that is
-    the plain mean loss and no scaling op is added. Returns the summed token loss (float64)
-    of this rank. micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an
-    asynchronous copy to CUDA); model may be DDP-wrapped or FSDP-sharded (its reduce-scatter
-    averages over W like DDP). With an fp16 GradScaler, each term is scaled by it (the gradients
-    come out times its scale; unscale_ before using them)."""
+    """Forward and backward over one optimizer step's micro-batches on this rank, each term
+    sum(token losses) * W / N (see above); returns this rank's summed token loss (float64).
+    micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an asynchronous copy to
+    CUDA); model may be bare, DDP-wrapped or FSDP-sharded. With an fp16 GradScaler each term is
+    scaled by it (the gradients come out times its scale; unscale_ before using them)."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     single = len(micro_batches) == 1 and world_size == 1
@@ -896,7 +688,6 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
             (scaler.scale(term) if scaler else term).backward()
         loss_total += loss.detach() * n_tokens if single else loss.detach()
     return loss_total
-
 
 
 @torch.no_grad()
@@ -917,7 +708,6 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
     return (totals[0] / totals[1]).item()
 
 
-
 def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
                      platform: str, has_triton: bool) -> tuple[bool, str | None]:
     """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot, why not.
@@ -934,7 +724,6 @@ def compile_decision(requested: bool | None, device_type: str, capability: tuple
     return True, None
 
 
-
 def compile_model(model: nn.Module, **options) -> nn.Module:
     """torch.compile, in one place (tests make it fail here to exercise the eager fallback).
     A GPT's chunked loss stays out of the graph, which would unroll its chunk loop (64 chunks:
@@ -944,7 +733,6 @@ def compile_model(model: nn.Module, **options) -> nn.Module:
     if isinstance(model, GPT):
         model.lm_loss = torch.compiler.disable(chunked_lm_loss)
     return torch.compile(model, **options)
-
 
 
 # -----------------------------------------------------------------------------
@@ -975,7 +763,7 @@ class Trainer:
             print0(f"--init-from {run.init_from}: {model_cfg}")
         run.seq_len = run.seq_len or min(model_cfg.block_size, 1024)
         self.model_cfg = model_cfg
-        self.grad_accum_steps = validate_config(run, model_cfg, d.world_size)
+        self.grad_accum_steps = train_flags.validate_config(run, model_cfg, d.world_size)
         check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
         self._choose_precision_and_compile()
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -1152,25 +940,14 @@ class Trainer:
         return state
 
     def data_files(self) -> dict:
-        """The shards this run reads, and the sha256 of fineweb.py's manifest.json beside them
-        (None without one): a resume compares them with the checkpoint's (data_change)."""
-        manifest = os.path.join(self.run.data_dir, "manifest.json")
-        digest = None
-        with contextlib.suppress(OSError), open(manifest, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        return dict(train=shard_files(self.train_rows.paths),
-                    val=shard_files(self.val_rows.paths) if self.val_rows else None, manifest_sha256=digest)
+        return data_files(self.run.data_dir, self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
 
     def save(self, step: int):
         """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
         its tensors; one all-reduce makes them agree)."""
         path = checkpoint_path(self.run.out_dir, step)
-        params = dict(self.raw_model.named_parameters())
-        moments = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        finite = torch.stack([torch.isfinite(local_part(t)).all() for t in [*params.values(), *moments]])
-        if all_reduce_sum(torch.tensor(float(not finite.all()), device=self.device)).item():
-            names = [n for n, ok in zip(params, finite.tolist()) if not ok]
-            where = f"model weights ({names[0]}, ...)" if names else "model weights or optimizer state"
+        where = nonfinite_state(self.raw_model, self.optimizer, self.device)
+        if where:
             raise UserError(f"step {step}: not writing {path}: the {where} hold non-finite values. "
                             f"Last good checkpoint: {self.last_ckpt or 'none'}")
         # under --fsdp every rank takes part in gathering the state to rank 0
@@ -1281,7 +1058,7 @@ class Trainer:
             self.prefetcher.close()
             self.stop.restore()
             self.log.close()
-        self.print_summary(time.perf_counter() - t_start, step_times)
+        print0(self.speed.summary(step_times, time.perf_counter() - t_start, peak_memory(self.device)))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
         """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
@@ -1334,11 +1111,9 @@ class Trainer:
 
     def print_header(self):
         run, d = self.run, self.d
-        self.tokens_per_step = self.loader.rows_per_step * run.seq_len  # processed by all ranks, padding included
-        self.flops_per_token = flops_per_token(self.model_cfg, run.seq_len, self.raw_model.num_params())
-        self.peak = run.peak_tflops * 1e12 if run.peak_tflops else (  # the table holds tensor-core figures
-            peak_flops(torch.cuda.get_device_name(self.device))
-            if self.device_type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) else None)
+        self.speed = Throughput(self.loader.rows_per_step * run.seq_len,  # processed by all ranks, padding included
+                                flops_per_token(self.model_cfg, run.seq_len, self.raw_model.num_params()),
+                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size)
         print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
                + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
@@ -1346,16 +1121,8 @@ class Trainer:
                f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
-    def throughput(self, dt: float) -> tuple[float, float, float | None]:
-        """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt.
-        Tokens processed count padding; MFU = FLOPs of all ranks / (dt x W x peak of one GPU)."""
-        W = self.d.world_size
-        tok_per_s = self.tokens_per_step / dt
-        mfu = self.flops_per_token * self.tokens_per_step / (dt * W * self.peak) if self.peak else None
-        return tok_per_s, tok_per_s / W, mfu
-
     def log_step(self, step: int, r: StepResult):
-        tok_per_s, tok_per_gpu, mfu = self.throughput(r.dt)
+        tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
         print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
                f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f} ({tok_per_gpu:,.0f}/gpu)"
                + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
@@ -1367,22 +1134,6 @@ class Trainer:
         if r.skipped:
             record["skipped"] = r.skipped
         self.log.write(**record)
-
-    def print_summary(self, elapsed: float, step_times: list[float]):
-        """Totals, and the mean speed of the steps after this process's first (which compiles and warms up)."""
-        if self.device_type == "cuda":
-            peak_mem = f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB GPU"
-        else:
-            import resource
-            peak_mem = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
-        timed = step_times[1:] or step_times
-        speed = ""
-        if timed:
-            tok_per_s, tok_per_gpu, mfu = self.throughput(sum(timed) / len(timed))
-            speed = (f" | mean {tok_per_s:,.0f} tok/s ({tok_per_gpu:,.0f}/gpu" + (f", mfu {100 * mfu:.1f}%" if mfu else "")
-                     + f") over {'steps after the first' if len(step_times) > 1 else 'the only step'}")
-        print0(f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | "
-               f"peak memory {peak_mem}")
 
 
 # -----------------------------------------------------------------------------
@@ -1418,7 +1169,7 @@ def main(argv=None) -> int:
 
     def setup_and_train():
         run, model_cfg = build_configs(args)
-        validate_flag_values(run, model_cfg)
+        train_flags.validate_flag_values(run, model_cfg)
         with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
             train(run, model_cfg, d)
     return exit_code_on_every_rank(setup_and_train, args.debug)

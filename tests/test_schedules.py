@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import cli
+import train_flags
 import train_gpt2 as tg
 from conftest import REPO
 from shards import shard_dir
@@ -29,7 +30,7 @@ def test_linear_and_wsd_values_at_key_steps():
         0.125, 0.5, 1.0, 1.0, 0.75, 0.625, 0.5, 0.5]
     # wsd: warmup 8, constant to step 96, then 1.0 -> 0.5 over the last 32 steps (a quarter of 128)
     run = schedule(lr_schedule="wsd", max_steps=128, warmup_steps=8, cooldown_frac=0.25)
-    assert tg.cooldown_start(run) == 96
+    assert run.cooldown_start == 96
     assert [tg.get_lr(s, run) for s in (0, 7, 8, 50, 95, 96, 104, 112, 120, 127, 128)] == [
         0.125, 1.0, 1.0, 1.0, 1.0, 1.0, 0.875, 0.75, 0.625, 1.0 - 31 / 32 * 0.5, 0.5]
     # cooldown_frac 0: constant to the end; 1: the decay starts right after warmup (that is linear)
@@ -63,7 +64,7 @@ def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args, message):
 def test_validate_config_names_an_unknown_schedule():
     run = tg.RunConfig(lr_schedule="step", seq_len=64)
     with pytest.raises(cli.UserError, match="--lr-schedule must be one of cosine, wsd, linear, got 'step'"):
-        tg.validate_config(run, tg.GPTConfig(block_size=64), 1)
+        train_flags.validate_config(run, tg.GPTConfig(block_size=64), 1)
 
 
 @pytest.fixture(scope="module")
