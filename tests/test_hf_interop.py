@@ -338,7 +338,8 @@ for path in sorted(glob.glob(f"{repo}/*.py")):
 texts += ["Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
           "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
           "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
-          "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢", open(f"{repo}/README.md", encoding="utf-8").read()]
+          "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
+texts += [open(p, encoding="utf-8").read() for p in [f"{repo}/README.md", *sorted(glob.glob(f"{repo}/docs/*.md"))]]
 diff = [t for t in texts if tok.encode(t) != enc.encode(t, allowed_special={"<|endoftext|>"})]
 gen = pipeline("text-generation", model=export, device="cpu")
 out = gen("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]

@@ -1,4 +1,5 @@
-"""The README's quickstart runs as written (with fewer steps), and its flags table is the CLI's."""
+"""The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's,
+and every link between README.md and docs/*.md leads somewhere."""
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import train_gpt2 as tg
 from conftest import REPO, SHARED
 
 README = (REPO / "README.md").read_text()
+FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here from the README
 
 # Appended to each quickstart command (argparse keeps the last value): same commands, tiny sizes.
 SMALLER = {
@@ -19,11 +21,20 @@ SMALLER = {
     "train_gpt2.py --resume": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
                               "--total-batch-size 512 --warmup-steps 2 --max-steps 4",
     "hellaswag.py": "--limit 8",
+    "sample.py": "--num-samples 2 --max-new-tokens 8",
 }
 
 
-def section(start, end):
-    return README[README.index(start):README.index(end)]
+def section(start, end, text=README):
+    return text[text.index(start):text.index(end)]
+
+
+def section_from(heading, text):
+    """From `heading` to the next heading of its level, or to the end of the text."""
+    start = text.index(heading)
+    level = heading.split(" ")[0] + " "
+    following = re.search(rf"(?m)^{re.escape(level)}", text[start + len(heading):])
+    return text[start:start + len(heading) + following.start()] if following else text[start:]
 
 
 def quickstart_commands():
@@ -32,7 +43,7 @@ def quickstart_commands():
 
 
 def test_readme_flags_table_matches_the_cli():
-    table = section("## Flags", "## Output")
+    table = section_from("## Flags", FLAGS_DOC.read_text())
     documented = set(re.findall(r"`(--[a-z-]+)", table))
     parser_flags = {opt for action in tg.build_parser()._actions for opt in action.option_strings
                     if opt.startswith("--") and opt != "--help"}
@@ -44,14 +55,14 @@ def test_quickstart_runs_as_written(tmp_path):
         pytest.skip("../shared/data is not present")
     work = tmp_path / "repo"
     work.mkdir()
-    for script in ("train_gpt2.py", "fineweb.py", "hellaswag.py", "hf_interop.py", "plot_log.py"):
+    for script in ("train_gpt2.py", "fineweb.py", "hellaswag.py", "hf_interop.py", "plot_log.py", "sample.py"):
         (work / script).symlink_to(REPO / script)
     (tmp_path / "shared").symlink_to(SHARED)  # the README's ../shared paths
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")}
     commands = quickstart_commands()
     assert [c.split()[1] for c in commands] == ["fineweb.py", "train_gpt2.py", "plot_log.py", "hellaswag.py",
-                                                "hf_interop.py", "train_gpt2.py"]
+                                                "sample.py", "hf_interop.py", "train_gpt2.py"]
     for command in commands:
         script = command.split()[1] + (" --resume" if command.endswith("--resume") else "")
         result = subprocess.run(f"{command} {SMALLER.get(script, '')}", shell=True, cwd=work, env=env,
@@ -59,9 +70,38 @@ def test_quickstart_runs_as_written(tmp_path):
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         if script == "hellaswag.py":
             assert '"n": 8' in result.stdout
+        if script == "sample.py":
+            assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
         if script == "train_gpt2.py --resume":
             assert "resumed from out/cpu/ckpt_0000003.pt at step 3" in result.stdout
     assert (work / "out" / "cpu" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "out" / "cpu_hf" / "config.json").is_file()
     assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [
         "ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"]
+
+
+def heading_anchor(heading):
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_readme_and_docs_resolve():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) > 10  # the reference lives in docs/
+    anchors = {}
+    for page in pages:
+        text = re.sub(r"(?ms)^```.*?^```", "", page.read_text())  # headings and links outside code blocks
+        anchors[page.resolve()] = {heading_anchor(h) for h in re.findall(r"(?m)^#+ (.+)$", text)}
+    broken, linked = [], set()
+    for page in pages:
+        text = re.sub(r"(?ms)^```.*?^```", "", page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page.resolve()
+            linked.add(dest)
+            if not dest.exists() or (anchor and anchor not in anchors.get(dest, set())):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert broken == []
+    assert {p.resolve() for p in pages[1:]} <= linked  # every doc is reachable from a link
