@@ -4,7 +4,9 @@ With GPT-2's 50304-token vocabulary the logits of one micro-batch dwarf every ac
 (B=64, T=1024: 13 GB in fp32). On CPU the trainer computes the loss chunk by chunk, and the
 forward pass also computes the gradients of each chunk (softmax - one-hot, as fused
 linear-cross-entropy kernels do), so backward only scales them: the logits are never stored
-nor recomputed. Returns sum(token losses) * scale over targets != IGNORE_INDEX.
+nor recomputed. Returns sum(token losses) * scale over targets != IGNORE_INDEX, or with scale
+None (evaluation) each target's loss, 0 where ignored. The softmax runs over the rows of the
+weight it is given: the trainer hands it the real vocabulary's (fineweb.real_vocab_size).
 """
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ def exp_sums_(logits):
 
 def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad):
     """sum(token losses) * scale of lm_head + cross-entropy over rows, chunk_rows rows at a time,
-    and, if want_grad, its gradients w.r.t. h and weight (else None, None)."""
+    and, if want_grad, its gradients w.r.t. h and weight (else None, None). scale None: no
+    gradients, and the token losses (rows,) instead of their sum."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    token_losses = torch.empty(h.size(0), dtype=torch.float32, device=h.device) if scale is None else None
+    scale = 1.0 if scale is None else scale
     grad_h = torch.empty_like(h) if want_grad else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
     for start in range(0, h.size(0), chunk_rows):
@@ -36,13 +41,16 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad):
         target_logit = logits.gather(1, safe_t).squeeze(1)
         maxes, exps, sums = exp_sums_(logits)
         lse = maxes + sums.log()
-        loss += ((lse - target_logit) * weights).sum()
+        token_loss = (lse - target_logit) * weights
+        if token_losses is not None:
+            token_losses[start:start + chunk_rows] = token_loss
+        loss += token_loss.sum()
         if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
             dlogits = exps.mul_((weights / sums).unsqueeze(1))
             dlogits.scatter_add_(1, safe_t, -weights.unsqueeze(1))
             grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
             grad_w.addmm_(dlogits.t(), hc.float())  # accumulate inside the matmul
-    return loss, grad_h, grad_w
+    return loss if token_losses is None else token_losses, grad_h, grad_w
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -63,9 +71,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
     """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
-    alone. Inside autograd.Function.forward grad mode is always off and needs_input_grad is True
-    for a Parameter even under no_grad, so the choice is made here."""
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+    alone (scale None: each target's). Inside autograd.Function.forward grad mode is always off and
+    needs_input_grad is True for a Parameter even under no_grad, so the choice is made here."""
+    if scale is not None and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
     return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
 

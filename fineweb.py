@@ -85,6 +85,27 @@ GPT2_VOCAB = EOT + 1  # tokens of GPT-2's BPE: <|endoftext|> is the last
 EOT_TEXT = "<|endoftext|>"
 
 
+def real_vocab_size(vocab_size: int) -> int:
+    """The ids of a model with vocab_size rows that are tokens: GPT-2's 50257 when the vocabulary is
+    padded beyond them (50304 by default, for faster matmuls), all of a smaller one. Softmaxes in
+    training, evaluation, scoring and sampling run over these only, and an export keeps these rows,
+    so the padded ids carry no probability and our loss is the exported model's."""
+    return min(vocab_size, GPT2_VOCAB)
+
+
+def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
+    """UTF-8 bytes of the text of each of a model's vocab_size token ids (int64), the denominator of
+    bits per byte. <|endoftext|> and the padded ids have 0: a target with no bytes counts in neither
+    the loss nor the bytes of bits per byte (nanochat's definition). A model with fewer ids than
+    GPT-2's does not read GPT-2's tokens (their ids go up to 50256), so its ids get 0 bytes too, and
+    no bits per byte. hint: another way out if the tokenizer cannot be loaded."""
+    lengths = np.zeros(vocab_size, dtype=np.int64)
+    if vocab_size >= GPT2_VOCAB:
+        enc = get_tokenizer_or_fail(hint)
+        lengths[:EOT] = [len(enc.decode_single_token_bytes(t)) for t in range(EOT)]
+    return lengths
+
+
 def get_encoding() -> tiktoken.Encoding:
     """The GPT-2 tokenizer; RuntimeError with a one-line hint when it cannot be loaded."""
     try:

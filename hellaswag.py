@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from checkpoints import unwrap_model
 from chunked_loss import exp_sums_
 from cli import UserError
-from fineweb import EOT, get_tokenizer_or_fail
+from fineweb import EOT, get_tokenizer_or_fail, real_vocab_size
 from launch import (all_reduce_sum, autocast_context, checked_on_every_rank, exit_code_on_every_rank, print0,
                     process_group, resolve_dtype)
 
@@ -319,17 +319,18 @@ def score_packed(model: nn.Module, batch: Packed, dtype: torch.dtype = torch.flo
     hidden_states and lm_head).
 
     The lm_head runs only at the positions that predict an ending token, once per position
-    (the context's last token predicts all four endings' first tokens), over the whole
-    padded vocabulary as in training."""
+    (the context's last token predicts all four endings' first tokens), its softmax over the real
+    vocabulary as in training (the padded ids carry no probability)."""
     device = batch.tokens.device
     sources, inverse = torch.unique(batch.sources, return_inverse=True)
     lse = torch.empty(len(sources), device=device)  # log-sum-exp of each source position's logits
     target_logits = torch.empty(len(inverse), device=device)
+    n_real = real_vocab_size(model.config.vocab_size)
     with autocast_context(device.type, dtype):
         h = model.hidden_states(batch.tokens, batch.positions, batch.attn_mask)
         h = h.view(-1, h.size(-1))[sources]
         for start in range(0, len(sources), LOGIT_ROWS):  # bounded (rows, vocab) logits
-            logits = model.lm_head(h[start:start + LOGIT_ROWS]).float()
+            logits = model.lm_head(h[start:start + LOGIT_ROWS])[:, :n_real].float()
             here = (inverse >= start) & (inverse < start + LOGIT_ROWS)
             target_logits[here] = logits[inverse[here] - start, batch.targets[here]]
             maxes, _, sums = exp_sums_(logits)

@@ -14,15 +14,17 @@ Layout differences the conversion handles:
 - HF's GPT-2 keeps its projections in Conv1D modules whose weight is (in, out); our nn.Linear
   weights are (out, in), so attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj are transposed.
 - HF's attention mask buffers (attn.bias, attn.masked_bias; gone in recent versions) are skipped.
-- Our vocabulary is padded (50257 -> 50304, a multiple of 64, for faster matmuls). On import
-  the padded rows of the tied wte/lm_head matrix are set to the MEAN of the real rows, not to
-  zero: GPT-2's real logits are large and negative (tens below zero), so zero rows would give
-  the padded ids logit 0, above every real token, and nearly all the probability. With the
-  mean row a padded logit is the mean of the real logits, and by Jensen's inequality all
-  padded ids together get at most n_padded / n_real of the probability (47 / 50257 < 0.1%
-  for GPT-2), so the loss starts within log(1 + 47/50257) < 0.001 nats of the original
-  model's and training pushes these never-seen targets down from there. Logits of the real
-  ids are unchanged. On export the padded rows are dropped.
+- Our vocabulary is padded (50257 -> 50304, a multiple of 64, for faster matmuls). The padded
+  ids carry no probability: every softmax of ours runs over GPT-2's 50257 ids only
+  (fineweb.real_vocab_size), so an imported GPT-2 has the original's loss exactly, and on export
+  the padded rows are dropped. Only a model with fewer ids than GPT-2's (a test's vocabulary of
+  100, padded to 128) counts every id as real; for it matters that on import the padded rows of
+  the tied wte/lm_head matrix are set to the MEAN of the real rows, not to zero: GPT-2-like logits are
+  large and negative (tens below zero), so zero rows would give the padded ids logit 0, above
+  every real token, and nearly all the probability. With the mean row a padded logit is the mean
+  of the real logits, and by Jensen's inequality all padded ids together get at most
+  n_padded / n_real of the probability, so the loss starts within log(1 + n_padded / n_real)
+  nats of the original model's. Logits of the real ids are unchanged.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import torch
 
 from checkpoints import first_nonfinite, load_checkpoint, unwrap_model
 from cli import UserError, exit_code_of
-from fineweb import EOT, GPT2_VOCAB, get_encoding, os_error_reason
+from fineweb import EOT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
 
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
@@ -223,7 +225,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     else:
         model = unwrap_model(source)
         config, sd = model.config, model.state_dict()
-    n_keep = (GPT2_VOCAB if config.vocab_size >= GPT2_VOCAB else config.vocab_size) if vocab_size is None else vocab_size
+    n_keep = real_vocab_size(config.vocab_size) if vocab_size is None else vocab_size
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

@@ -32,6 +32,9 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--out-dir", help="log.jsonl and checkpoints go here")
     g.add_argument("--align-docs", action="store_true", help="start rows at document boundaries; pad row tails (targets -1)")
     g.add_argument("--shuffle", action="store_true", help="seeded permutation of shard order and row order each epoch")
+    g.add_argument("--doc-mask", action="store_true",
+                   help="each token attends only to its own document of the row (split at <|endoftext|>), positions "
+                        "from the document's start: packed documents train as if alone; validation too (doc_mask.py)")
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(model_presets), help="size preset (default gpt2); the flags below override it")
     g.add_argument("--n-layer", type=int, help="transformer blocks")

@@ -67,6 +67,7 @@ class RunConfig:
     out_dir: str = "out"
     align_docs: bool = False
     shuffle: bool = False
+    doc_mask: bool = False  # attention and positions inside each document of a row (doc_mask.py)
     # batch: batch_size rows of seq_len tokens per rank per micro-step
     batch_size: int = 64
     seq_len: int | None = None  # None: the model's block size, at most 1024
@@ -165,8 +166,9 @@ from checkpoints import (  # defines: checkpoint files (atomic save, verified lo
     check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss  # defines: lm_head + loss in chunks, without the logits
-from fineweb import (  # defines: GPT-2's tokenizer, the shard reader (open_shard), shard identity
-    EOT, get_tokenizer_or_fail, open_shard, shard_files)
+from doc_mask import BlockMask, document_attention, flex_attention  # defines: --doc-mask's positions and masks
+from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader, shard identity
+    EOT, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
 from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
     StopSignal, Throughput, UpdateGuard, check_model_fits, flops_per_token, is_out_of_memory, mfu_peak,
@@ -220,8 +222,9 @@ class CausalSelfAttention(nn.Module):
             if past and T > 1:  # new tokens see every cached token and the new ones before them
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             is_causal = past == 0 and T > 1
-        # causal: flash attention on CUDA; an explicit mask only where sequences are packed (scoring)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: doc_mask.py)
+        y = (flex_attention(q, k, v, block_mask=attn_mask) if isinstance(attn_mask, BlockMask)
+             else F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -285,23 +288,23 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, reduction="mean", loss_chunk=0):
-        """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1.
+    def forward(self, idx, targets=None, reduction="mean", loss_chunk=0, doc_mask=False):
+        """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1, its softmax
+        over the real vocabulary (the padded ids carry no probability).
 
         reduction="sum" returns the summed token loss, which token-normalized gradient
-        accumulation scales by the step's global token count. loss_chunk > 0 computes the
-        loss with chunked_loss in chunks of that many rows and returns no logits."""
-        positions = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(positions)
-        x = self.transformer.ln_f(self.blocks(x))
+        accumulation scales by the step's global token count; "none" each target's (0 if ignored).
+        loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows and returns
+        no logits. doc_mask: each document of a row attends to itself only, from position 0."""
+        x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
         if targets is None:
             return self.lm_head(x), None
-        targets = targets.reshape(-1)
+        targets, n_real = targets.reshape(-1), real_vocab_size(self.config.vocab_size)
         if loss_chunk:
-            scale = 1.0 if reduction == "sum" else 1.0 / (targets != IGNORE_INDEX).sum()
-            return None, self.lm_loss(x.view(-1, x.size(-1)), self.lm_head.weight, targets, scale, loss_chunk)
+            scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
+            return None, self.lm_loss(x.view(-1, x.size(-1)), self.lm_head.weight[:n_real], targets, scale, loss_chunk)
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets,
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1))[:, :n_real].float(), targets,
                                ignore_index=IGNORE_INDEX, reduction=reduction)
         return logits, loss
 
@@ -389,7 +392,7 @@ class GPT(nn.Module):
             elif kv_cache:
                 cache = self.new_kv_cache()  # the first step, or the window slid
             x = self.hidden_states(new_tokens, kv_cache=cache)
-            logits = self.lm_head(x[:, -1, :]).float()
+            logits = self.lm_head(x[:, -1, :])[:, :real_vocab_size(self.config.vocab_size)].float()  # no padded id
             # the max first: (logits - max) / T is in [-inf, 0], so a tiny T cannot overflow to NaN
             logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
             probs = F.softmax(logits, dim=-1)
@@ -667,12 +670,12 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
-                         dtype: torch.dtype, loss_chunk: int = 0, scaler=None) -> torch.Tensor:
+                         dtype: torch.dtype, loss_chunk: int = 0, scaler=None, doc_mask=False) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches on this rank, each term
     sum(token losses) * W / N (see above); returns this rank's summed token loss (float64).
     micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an asynchronous copy to
     CUDA); model may be bare, DDP-wrapped or FSDP-sharded. With an fp16 GradScaler each term is
-    scaled by it (the gradients come out times its scale; unscale_ before using them)."""
+    scaled by it (the gradients come out times its scale; unscale_ before using them). doc_mask: --doc-mask."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     single = len(micro_batches) == 1 and world_size == 1
@@ -683,7 +686,7 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
         y = torch.as_tensor(y).to(device, non_blocking=True)
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast_context(device_type, dtype):
-                _, loss = model(x, y, reduction="mean" if single else "sum", loss_chunk=loss_chunk)
+                _, loss = model(x, y, reduction="mean" if single else "sum", loss_chunk=loss_chunk, doc_mask=doc_mask)
             term = loss if single else loss * loss_scale
             (scaler.scale(term) if scaler else term).backward()
         loss_total += loss.detach() * n_tokens if single else loss.detach()
@@ -691,21 +694,24 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
 
 
 @torch.no_grad()
-def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int,
-                  device: str, dtype: torch.dtype, loss_chunk: int = 0) -> float:
-    """Token-weighted mean loss over the first n_batches x world x B rows of a stream."""
+def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int, device: str,
+                  dtype: torch.dtype, token_bytes, loss_chunk: int = 0, doc_mask=False) -> tuple[float, float | None]:
+    """Token-weighted mean loss over the first n_batches x world x B rows of a stream, and its bits per
+    byte: the summed loss of the targets with text, in bits, over their UTF-8 bytes (token_bytes: of
+    each id, fineweb.token_byte_lengths); None if no target has any."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, token count
+    token_bytes = torch.as_tensor(token_bytes, device=device)
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
     for i in range(n_batches):
-        x, y = rows.batch((i * world + rank) * B, B)
-        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        x, y = (torch.from_numpy(a).to(device) for a in rows.batch((i * world + rank) * B, B))
         with autocast_context(torch.device(device).type, dtype):
-            _, loss_sum = model(x, y, reduction="sum", loss_chunk=loss_chunk)
-        totals[0] += loss_sum.double()
-        totals[1] += (y != IGNORE_INDEX).sum()
+            _, losses = model(x, y, reduction="none", loss_chunk=loss_chunk, doc_mask=doc_mask)
+        y = y.view(-1)
+        n_bytes = token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)
+        totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
     model.train()
-    all_reduce_sum(totals)
-    return (totals[0] / totals[1]).item()
+    loss_sum, n_targets, text_loss, n_bytes = all_reduce_sum(totals).tolist()
+    return loss_sum / n_targets, text_loss / (math.log(2) * n_bytes) if n_bytes else None
 
 
 def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
@@ -825,6 +831,7 @@ class Trainer:
                 raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
                                 f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
         self.enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
+        self.token_bytes = token_byte_lengths(vocab_size, "pass --val-every 0") if self.val_rows else None
         if run.hellaswag_every:
             get_tokenizer_or_fail("pass --hellaswag-every 0")
             # download and render now: a bad file fails here, not at the first evaluation (which
@@ -989,7 +996,7 @@ class Trainer:
         Compilation happens in the first step: if it fails, the run goes on eagerly."""
         def run():
             return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
-                                        self.dtype, self.loss_chunk, self.scaler)
+                                        self.dtype, self.loss_chunk, self.scaler, self.run.doc_mask)
         if not self.use_compile or self.compiled_once:
             return run()
         try:
@@ -1069,11 +1076,12 @@ class Trainer:
         def due(every):
             return every and (step % every == 0 or last_step)
         if self.val_rows and due(run.val_every):
-            val_loss = evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
-                                     d.world_size, self.device, self.dtype, self.loss_chunk)
-            print0(f"step {step:5d} | val loss {val_loss:.4f}")
-            results.update(val_loss=val_loss)
-            self.log.write(step=step, val_loss=val_loss)
+            val_loss, val_bpb = evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
+                                              d.world_size, self.device, self.dtype, self.token_bytes,
+                                              self.loss_chunk, run.doc_mask)
+            results.update(val_loss=val_loss, **({} if val_bpb is None else dict(val_bpb=val_bpb)))
+            print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
+            self.log.write(step=step, **results)
         if due(run.hellaswag_every):
             result = hellaswag.evaluate(self.raw_model, self.device, data_file=run.hellaswag_file,
                                         limit=run.hellaswag_limit or None, rank=d.rank,
