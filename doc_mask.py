@@ -22,6 +22,8 @@ Only how rows are fed changes: the model is a plain GPT-2, exported as one.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention  # noqa: F401 (the model's)
 
@@ -55,7 +57,8 @@ def flex_document_mask(docs: torch.Tensor):
 
 def document_attention(idx: torch.Tensor) -> tuple[torch.Tensor, object]:
     """(positions, attn_mask) of packed rows idx (B, T) for GPT.hidden_states: FlexAttention's
-    BlockMask inside a model compiled on CUDA, else SDPA's bool mask."""
+    BlockMask inside a model compiled on CUDA, else SDPA's bool mask. DOC_MASK_KERNEL=sdpa in the
+    environment keeps SDPA there too (benchmarks/gpu_check.py times one against the other)."""
     docs = document_ids(idx)
-    use_flex = idx.is_cuda and torch.compiler.is_compiling()
+    use_flex = idx.is_cuda and torch.compiler.is_compiling() and os.environ.get("DOC_MASK_KERNEL") != "sdpa"
     return document_positions(idx), flex_document_mask(docs) if use_flex else sdpa_document_mask(docs)

@@ -3,7 +3,9 @@
     python plot_log.py out                                   # writes out/loss.png
     python plot_log.py out/log.jsonl -o run.png --baseline-hellaswag 0.2955
 
-Panels: train and validation loss; HellaSwag accuracy (when the log has any or a baseline
+Panels: train and validation loss, with the validation's bits per byte on a right-hand axis when
+the log has them (val_bpb; that axis is the loss axis times the last val_bpb / val_loss, so the two
+validation curves overlay where bytes per token stay put); HellaSwag accuracy (when the log has any or a baseline
 is given; the baseline is a horizontal line labelled "GPT-2 124M"); learning rate. The train
 loss is drawn faint, step by step, under its exponential moving average (--smooth). A dotted
 vertical line marks each step where the run was resumed. The loss axis is linear
@@ -28,7 +30,7 @@ import sys
 from cli import UserError
 
 BASELINE_LABEL = "GPT-2 124M"
-NUMERIC_KEYS = ("step", "loss", "val_loss", "hellaswag_acc", "lr")  # what the plots read
+NUMERIC_KEYS = ("step", "loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")  # what the plots read
 DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
 # the trainer computes in float32 (or narrower): a value beyond its range is drawn as a gap, like inf,
 # since an axis reaching float64's 1e308 overflows matplotlib's tick arithmetic
@@ -170,6 +172,7 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
 
     train_steps, train_loss = series(records, "loss")
     val_steps, val_loss = series(records, "val_loss")
+    bpb_steps, val_bpb = series(records, "val_bpb")
     hs_steps, hs_acc = series(records, "hellaswag_acc")
     lr_steps, lr = series(records, "lr")
     if not (train_steps or val_steps or hs_steps):
@@ -194,6 +197,14 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
+    if bpb_steps:
+        bpb_ax = ax.twinx()
+        bpb_ax.plot(bpb_steps, drawn(val_bpb), marker="s", ms=3, ls="--", color="tab:red", label="val bits per byte")
+        bpb_ax.set_ylabel("val bits per byte")
+        bpb_ax.legend(loc="upper center")
+        if ylim and val_steps and is_drawn(val_loss[-1]) and is_drawn(val_bpb[-1]) and val_loss[-1] > 0:
+            ratio = val_bpb[-1] / val_loss[-1]  # the last evaluation sits at the same height on both axes
+            bpb_ax.set_ylim(ylim[0] * ratio, ylim[1] * ratio)
 
     if show_hs:
         ax = axes[1]
@@ -224,7 +235,7 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     if train_steps:
         summary.append(f"step {train_steps[-1]}: loss {train_loss[-1]:.4f}")
     if val_steps:
-        summary.append(f"val {val_loss[-1]:.4f}")
+        summary.append(f"val {val_loss[-1]:.4f}" + (f" ({val_bpb[-1]:.4f} bits/byte)" if bpb_steps else ""))
     if hs_steps:
         summary.append(f"HellaSwag {hs_acc[-1]:.4f}")
     fig.suptitle((title + "\n" if title else "") + " | ".join(summary), fontsize=10)

@@ -289,24 +289,25 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0, doc_mask=False):
-        """Logits (B, T, vocab) and, with targets, the cross-entropy over targets != -1, its softmax
-        over the real vocabulary (the padded ids carry no probability).
+        """Logits (B, T, real vocabulary: fineweb.real_vocab_size; the padded ids carry no probability)
+        and, with targets, the cross-entropy over targets != -1.
 
         reduction="sum" returns the summed token loss, which token-normalized gradient
         accumulation scales by the step's global token count; "none" each target's (0 if ignored).
         loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows and returns
         no logits. doc_mask: each document of a row attends to itself only, from position 0."""
         x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
+        n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, not used
         if targets is None:
-            return self.lm_head(x), None
-        targets, n_real = targets.reshape(-1), real_vocab_size(self.config.vocab_size)
+            return self.lm_head(x)[..., :n_real], None
+        targets = targets.reshape(-1)
         if loss_chunk:
             scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
             return None, self.lm_loss(x.view(-1, x.size(-1)), self.lm_head.weight[:n_real], targets, scale, loss_chunk)
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1))[:, :n_real].float(), targets,
                                ignore_index=IGNORE_INDEX, reduction=reduction)
-        return logits, loss
+        return logits[..., :n_real], loss
 
     def blocks(self, x, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
         """The residual stream through every block."""

@@ -12,7 +12,10 @@ and compile time (step 0's time minus the median of the others). Exit code 1 if 
 fails or its losses drift beyond the tolerance of its dtype.
 
     CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, then bf16 and fp16
-          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp
+          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp; --doc-mask
+          (bf16, full logits) with FlexAttention (compiled), SDPA's mask compiled
+          (DOC_MASK_KERNEL=sdpa) and SDPA's mask eager, against an eager fp32 --doc-mask reference,
+          and their tok/s as ratios to plain causal attention compiled
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
           activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
           per variant; --compile adds it)
@@ -33,11 +36,18 @@ import cli  # noqa: E402
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, over a few steps
 
 
+DOC_MASK = ["--doc-mask"]  # a flag that changes the losses: its variants have a reference of their own
+
+
 def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
-    """name, dtype, compile, loss chunk (0: full logits), processes, extra flags."""
+    """name, dtype, compile, loss chunk (0: full logits), processes, extra flags, environment."""
     if cuda:
         out = [dict(dtype=dtype, compile=compile, chunk=chunk, nproc=1)
                for dtype in ("bfloat16", "float16") for compile in (True, False) for chunk in (0, 8192)]
+        out += [dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=DOC_MASK, kernel="flex"),
+                dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=DOC_MASK, kernel="sdpa",
+                     env={"DOC_MASK_KERNEL": "sdpa"}),
+                dict(dtype="bfloat16", compile=False, chunk=0, nproc=1, extra=DOC_MASK, kernel="sdpa")]
         if n_gpus > 1:
             out += [dict(dtype=dtype, compile=True, chunk=0, nproc=n_gpus) for dtype in ("bfloat16", "float16")]
             out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=["--fsdp"]))  # vs DDP
@@ -51,7 +61,8 @@ def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
     for v in out:
         v["name"] = (f"{v['dtype']:8s} {'compile' if v['compile'] else 'eager':7s} "
                      f"{'chunk ' + str(v['chunk']) if v['chunk'] else 'full logits':11s} x{v['nproc']}"
-                     + (" " + " ".join(v.get("extra", [])) if v.get("extra") else ""))
+                     + (" " + " ".join(v.get("extra", [])) if v.get("extra") else "")
+                     + (f" ({v['kernel']})" if v.get("kernel") else ""))
     return out
 
 
@@ -68,7 +79,7 @@ def run_variant(v: dict, args, data_dir: str, out_dir: str, batch_size: int, acc
            "--compile" if v["compile"] else "--no-compile", *v.get("extra", [])]
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **v.get("env", {})})
     if result.returncode:
         return dict(error=(result.stderr.strip().splitlines() or ["exit code %d" % result.returncode])[-1])
     with open(os.path.join(out_dir, "log.jsonl")) as f:
@@ -121,23 +132,38 @@ def main(argv=None) -> int:
         os.makedirs(data_dir)
         n_tokens = (args.steps + 1) * args.batch_size * max_nproc * args.seq_len + 1
         for split in ("train", "val"):  # synthetic GPT-2 token ids: speed and agreement, not learning
-            np.save(os.path.join(data_dir, f"synth_{split}_000000.npy"),
-                    np.random.default_rng(0).integers(0, vocab, n_tokens, dtype=np.uint16))
+            tokens = np.random.default_rng(0).integers(0, vocab, n_tokens, dtype=np.uint16)
+            if cuda:  # documents of ~300 tokens on average (FineWeb-Edu's are longer): --doc-mask's case
+                tokens[np.random.default_rng(1).random(n_tokens) < 1 / 300] = 50256
+            np.save(os.path.join(data_dir, f"synth_{split}_000000.npy"), tokens)
         print(f"{'CUDA: ' + torch.cuda.get_device_name() + f' x{n_gpus}' if cuda else 'CPU subset (no CUDA)'} | "
               f"{' '.join(args.model_flags)} | B={args.batch_size} T={args.seq_len} | {args.steps} steps", flush=True)
-        ok, refs = True, {}
+        ok, refs, results = True, {}, {}
         for i, v in enumerate(matrix):
-            if v["nproc"] not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
-                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1)
-                refs[v["nproc"]] = run_variant(ref_v, args, data_dir, os.path.join(tmp, f"ref{v['nproc']}"),
-                                               args.batch_size // 4, 4 * v["nproc"])
-            ref = refs[v["nproc"]]
+            key = (v["nproc"], v.get("extra") == DOC_MASK)
+            if key not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
+                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1, extra=DOC_MASK if key[1] else [])
+                refs[key] = run_variant(ref_v, args, data_dir, os.path.join(tmp, f"ref{i}"),
+                                        args.batch_size // 4, 4 * v["nproc"])
+            ref = refs[key]
             if "error" in ref:
-                print(f"eager fp32 reference for x{v['nproc']}: FAILED: {ref['error']}")
+                print(f"eager fp32 reference for x{v['nproc']}{' --doc-mask' if key[1] else ''}: FAILED: {ref['error']}")
                 return 1
-            ok &= report(v, run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size),
-                         ref["losses"])
+            results[v["name"]] = run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size)
+            ok &= report(v, results[v["name"]], ref["losses"])
+        print_doc_mask_ratios(matrix, results)
     return 0 if ok else 1
+
+
+def print_doc_mask_ratios(matrix: list[dict], results: dict):
+    """tok/s of each --doc-mask kernel over plain causal attention's (bf16, compiled, full logits)."""
+    plain = next((results[v["name"]] for v in matrix if v["dtype"] == "bfloat16" and v["compile"]
+                  and not v["chunk"] and v["nproc"] == 1 and not v.get("extra")), None)
+    for v in matrix:
+        r = results.get(v["name"], {})
+        if v.get("extra") == DOC_MASK and plain and "error" not in plain and "error" not in r:
+            print(f"--doc-mask {v['kernel']:4s} {'compiled' if v['compile'] else 'eager':8s}: "
+                  f"{r['tok_per_s'] / plain['tok_per_s']:.2f}x the tok/s of causal attention compiled", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Token-normalized gradient accumulation equals one big batch, for every split (issue 2, tests 1-3)."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -9,11 +10,12 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from conftest import free_port
-from shards import make_batch, rank_batches
+from shards import EOT, make_batch, rank_batches
 from launch import all_reduce_sum
 from train_gpt2 import GPT, GPTConfig, accumulate_gradients
 
 TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
+DOC_TINY = dataclasses.replace(TINY, vocab_size=50304)  # GPT-2's ids, <|endoftext|> among them (--doc-mask)
 
 
 def grads_of(model):
@@ -54,14 +56,23 @@ def test_toy_mlp_accumulation_matches_one_batch():
 
 # --- 2. a tiny GPT with ignored targets: every split gives the same gradient ------------------
 
-def fresh_model():
+def fresh_model(doc_mask=False):
     torch.manual_seed(1)
-    return GPT(TINY)
+    return GPT(DOC_TINY if doc_mask else TINY)
 
 
-def reference_grads(x, y):
-    model = fresh_model()
-    _, loss = model(x, y)  # token mean over every non-ignored target of the 8 rows
+def batch(doc_mask=False):
+    """make_batch()'s rows; for --doc-mask with an <|endoftext|> input in every fifth place or so,
+    so that each row holds several documents."""
+    x, y = make_batch()
+    if doc_mask:
+        x[x % 5 == 0] = EOT
+    return x, y
+
+
+def reference_grads(x, y, doc_mask=False):
+    model = fresh_model(doc_mask)
+    _, loss = model(x, y, doc_mask=doc_mask)  # token mean over every non-ignored target of the 8 rows
     loss.backward()
     return grads_of(model), loss.item()
 
@@ -70,14 +81,15 @@ def split_rows(x, y, B):
     return [(x[i:i + B].numpy(), y[i:i + B].numpy()) for i in range(0, len(x), B)]
 
 
+@pytest.mark.parametrize("doc_mask", [False, True], ids=["plain", "doc-mask"])
 @pytest.mark.parametrize("B", [8, 4, 2, 1])
-def test_tiny_gpt_accumulation_matches_one_batch(B):
-    x, y = make_batch()
+def test_tiny_gpt_accumulation_matches_one_batch(B, doc_mask):
+    x, y = batch(doc_mask)
     n_tokens = int((y != -1).sum())
     assert len({int((y[r] != -1).sum()) for r in range(8)}) == 8  # the counts really differ
-    ref, ref_loss = reference_grads(x, y)
-    model = fresh_model()
-    loss_sum = accumulate_gradients(model, split_rows(x, y, B), n_tokens, 1, "cpu", torch.float32)
+    ref, ref_loss = reference_grads(x, y, doc_mask)
+    model = fresh_model(doc_mask)
+    loss_sum = accumulate_gradients(model, split_rows(x, y, B), n_tokens, 1, "cpu", torch.float32, doc_mask=doc_mask)
     assert_same_grads(ref, grads_of(model))
     assert loss_sum.item() / n_tokens == pytest.approx(ref_loss, rel=1e-6)
 
@@ -117,19 +129,22 @@ def gloo_rank_of_one_batch(rank, world, port):
 
 
 def ddp_worker(rank, world, port, out_path):
-    with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
-        model = nn.parallel.DistributedDataParallel(fresh_model())
-        loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
-        logged = all_reduce_sum(loss_sum.clone()).item() / n_tokens
-        if rank == 0:
-            torch.save({"grads": grads_of(model.module), "loss": logged}, out_path)
+    results = {}
+    with gloo_rank_of_one_batch(rank, world, port) as (_, n_tokens):
+        for doc_mask in (False, True):  # one process group for both: each spawn costs seconds
+            batches = rank_batches(*batch(doc_mask), rank, world, B=2, accum=2)
+            model = nn.parallel.DistributedDataParallel(fresh_model(doc_mask))
+            loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32, doc_mask=doc_mask)
+            results[doc_mask] = dict(grads=grads_of(model.module), loss=all_reduce_sum(loss_sum).item() / n_tokens)
+    if rank == 0:
+        torch.save(results, out_path)
 
 
 def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):
     out = tmp_path / "ddp.pt"
     mp.spawn(ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    result = torch.load(out, weights_only=True)
-    x, y = make_batch()
-    ref, ref_loss = reference_grads(x, y)
-    assert_same_grads(ref, result["grads"])
-    assert result["loss"] == pytest.approx(ref_loss, rel=1e-6)
+    results = torch.load(out, weights_only=True)
+    for doc_mask in (False, True):
+        ref, ref_loss = reference_grads(*batch(doc_mask), doc_mask)
+        assert_same_grads(ref, results[doc_mask]["grads"])
+        assert results[doc_mask]["loss"] == pytest.approx(ref_loss, rel=1e-6)

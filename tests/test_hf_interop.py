@@ -17,6 +17,7 @@ from conftest import REPO  # noqa: E402
 import checkpoints  # noqa: E402
 import train_gpt2  # noqa: E402
 from cli import UserError  # noqa: E402
+from fineweb import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def test_import_matches_hf_logits(tmp_path):
     assert model.config == GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     ours, theirs = logits_of(model, idx), logits_of(hf, idx)
-    assert ours.shape == (2, 32, 50304)
+    assert ours.shape == (2, 32, 50257)  # the logits of the real ids: the padded ones carry no probability
     torch.testing.assert_close(ours[..., :50257], theirs, atol=1e-5, rtol=0)
     wte = model.transformer.wte.weight
     assert model.lm_head.weight is wte  # still tied
@@ -128,6 +129,30 @@ def test_export_checkpoint_loads_in_transformers(tmp_path):
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(logits_of(hf.eval(), idx), logits_of(model, idx)[..., :50257], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 24])
+def test_our_loss_is_the_exported_models(tmp_path, loss_chunk):
+    """The padded ids carry no probability: with full logits and in chunks, our loss equals that of
+    the Hugging Face export (50257 logits) on the same rows, to fp32 precision."""
+    model = tiny_ours()
+    with torch.no_grad():  # padded rows that would take most of the probability if they were in the softmax
+        model.transformer.wte.weight[50257:] = 100 * model.transformer.wte.weight[:47]
+    hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(model, str(tmp_path / "hf"))).eval()
+    g = torch.Generator().manual_seed(2)
+    idx, targets = torch.randint(0, 50257, (3, 32), generator=g), torch.randint(0, 50257, (3, 32), generator=g)
+    targets[2, 20:] = -1
+    with torch.no_grad():
+        theirs = torch.nn.functional.cross_entropy(hf(idx).logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        _, ours = model(idx, targets, loss_chunk=loss_chunk)
+        _, token_losses = model(idx, targets, reduction="none", loss_chunk=loss_chunk)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    assert token_losses.sum().item() / 84 == pytest.approx(theirs.item(), rel=1e-6)  # what validation sums
+    assert (token_losses[targets.flatten() == -1] == 0).all()
+    with torch.no_grad():
+        padded = model.lm_head(model.hidden_states(idx)).softmax(-1)[..., 50257:].sum(-1)
+    assert padded.min() > 0.9  # in a softmax over all 50304 logits they would take nearly everything
+    torch.testing.assert_close(logits_of(model, idx), logits_of(hf, idx), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab_size, kept", [(50304, 50257), (100, 100)])
@@ -313,11 +338,17 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
             "--val-every", "2", "--val-steps", "1", "--sample-every", "0", "--hellaswag-every", "0"]
     assert train_gpt2.main(args) == 0
     records = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl")]
-    # the step-0 validation loss is the pretrained model's loss on the first val rows
+    # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
+    # 47 padded ids carry no probability), and its bits per byte come from that model's token losses
     rows = train_gpt2.TokenRows(str(tmp_path / "data"), "val", 16)
     x, y = (torch.from_numpy(a) for a in rows.batch(0, 4))
-    _, expected = GPT.from_hf(hf_dir)(x, y)
-    assert records[0] == {"step": 0, "val_loss": pytest.approx(expected.item(), rel=1e-5)}
+    with torch.no_grad():
+        hf_losses = torch.nn.functional.cross_entropy(GPT2LMHeadModel.from_pretrained(hf_dir)(x).logits.flatten(0, 1),
+                                                      y.flatten(), reduction="none")
+    n_bytes = torch.from_numpy(token_byte_lengths(50304))[y.flatten()]
+    assert records[0] == {"step": 0, "val_loss": pytest.approx(hf_losses.mean().item(), rel=1e-6),
+                          "val_bpb": pytest.approx((hf_losses * (n_bytes > 0)).sum().item()
+                                                   / (math.log(2) * n_bytes.sum().item()), rel=1e-6)}
     ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 

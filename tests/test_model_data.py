@@ -222,3 +222,26 @@ def test_param_counts_add_up_and_count_the_tied_embedding_once():
     assert model.num_params(without_positions=False) == total == 7_265_024
     assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
     assert model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 3])
+def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chunk):
+    """Logits all equal: every target costs ln(50257) nats, as the 47 padded ids take no probability.
+    Bits per byte counts the targets with text only (not <|endoftext|>) over their UTF-8 bytes."""
+    import fineweb
+    # <|endoftext|> "Hello" " world" "!" <|endoftext|> " café" " au" " l" "ait": 2 rows of 4 tokens
+    np.save(tmp_path / "t_val_000000.npy", np.array([EOT, 15496, 995, 0, EOT, 40304, 35851, 300, 4548], np.uint16))
+    rows = tg.TokenRows(str(tmp_path), "val", 4)
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    loss, bpb = tg.evaluate_loss(model, rows, 2, 1, 0, 1, "cpu", torch.float32, fineweb.token_byte_lengths(50304),
+                                 loss_chunk)
+    assert loss == pytest.approx(math.log(50257), rel=1e-7)  # not ln(50304)
+    # 7 text targets (the 8th is <|endoftext|>) of 5 + 6 + 1 + 6 + 3 + 2 + 3 = 26 bytes (é is 2)
+    assert bpb == pytest.approx(7 * math.log2(50257) / 26, rel=1e-7)
+    (tmp_path / "small").mkdir()  # a model with fewer ids than GPT-2's reads no GPT-2 text: no bits per byte
+    np.save(tmp_path / "small" / "t_val_000000.npy", np.arange(9, dtype=np.uint16))
+    small = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4, vocab_size=64))
+    assert tg.evaluate_loss(small, tg.TokenRows(str(tmp_path / "small"), "val", 4), 2, 1, 0, 1, "cpu", torch.float32,
+                            fineweb.token_byte_lengths(64), loss_chunk)[1] is None

@@ -252,3 +252,24 @@ def test_files_that_are_not_logs_are_one_line_errors(tmp_path, content, message)
     proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True,
                           timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(log=log)}\n")
+
+
+def test_bits_per_byte_on_a_right_hand_axis_scaled_to_the_loss():
+    pytest.importorskip("matplotlib")
+    records = fake_records(hellaswag=False)
+    for r in records:
+        if "val_loss" in r:
+            r["val_bpb"] = r["val_loss"] / (4 * math.log(2)) + 0.01 * r["step"]  # ~4 bytes per token, drifting
+    fig = plot_log.make_figure(records)
+    try:
+        loss_ax, lr_ax, bpb_ax = fig.axes  # the twin axis comes last
+        val = [r for r in records if "val_bpb" in r]
+        (line,) = bpb_ax.get_lines()
+        assert (line.get_label(), list(line.get_ydata())) == ("val bits per byte", [r["val_bpb"] for r in val])
+        assert bpb_ax.get_ylabel() == "val bits per byte"
+        ratio = val[-1]["val_bpb"] / val[-1]["val_loss"]
+        assert bpb_ax.get_ylim() == pytest.approx(tuple(v * ratio for v in loss_ax.get_ylim()))
+        assert fig._suptitle.get_text().endswith(f"val {val[-1]['val_loss']:.4f} ({val[-1]['val_bpb']:.4f} bits/byte)")
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)

@@ -55,7 +55,7 @@ def resume_copy(src, dst, step):
 
 # --- exact resume -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
+@pytest.mark.parametrize("align", [[], ["--align-docs"], ["--doc-mask"]], ids=["plain", "align-docs", "doc-mask"])
 def test_resume_is_bit_exact(data_dir, tmp_path, align):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert tg.main(args_for(data_dir, straight, *align)) == 0

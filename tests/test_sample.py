@@ -126,6 +126,17 @@ def test_temperature_scales_the_logits():
         assert (freq - expected).abs().max() < 0.015
 
 
+def test_padded_ids_are_never_drawn():
+    # GPT-2's 50257 ids padded to 50304: padded rows that would take nearly all the probability
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight[50257:] = 100 * model.transformer.wte.weight[:47]
+        assert model.lm_head(model.hidden_states(torch.zeros(1, 1, dtype=torch.long))).softmax(-1)[..., 50257:].sum() > 0.9
+    drawn = model.generate(torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=torch.Generator().manual_seed(0))
+    assert drawn.max() < 50257
+
+
 # ---- sample.py ----
 
 

@@ -35,8 +35,10 @@ def read_log(out_dir, key="loss"):
 
 
 # Each variant runs FSDP in one of its two splits (4 rows x 1 step on each of 2 ranks, or 2 rows x
-# 2 steps): together they cover both, and every torchrun launch costs ~10 s of the suite.
-@pytest.mark.parametrize("align,fsdp_rows", [([], 4), (["--align-docs"], 2)], ids=["plain", "align-docs"])
+# 2 steps): together they cover both, and every torchrun launch costs ~10 s of the suite. The second
+# also masks attention to each document of its rows (--doc-mask), as modded-nanogpt pairs them.
+@pytest.mark.parametrize("align,fsdp_rows", [([], 4), (["--align-docs", "--doc-mask"], 2)],
+                         ids=["plain", "align-docs+doc-mask"])
 def test_every_split_logs_the_same_loss(data_dir, tmp_path, align, fsdp_rows):
     assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
     assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
@@ -44,6 +46,9 @@ def test_every_split_logs_the_same_loss(data_dir, tmp_path, align, fsdp_rows):
         result = run_cli(train_args(data_dir, tmp_path / name, B, *align, *mode), nproc=2)  # B rows x 2 ranks
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in result.stdout
+    if align:  # the mask changes what is computed: step 0's loss is not --align-docs' alone
+        assert tg.main(train_args(data_dir, tmp_path / "unmasked", 8, "--align-docs", steps=1)) == 0
+        assert abs(read_log(tmp_path / "unmasked")[0] - read_log(tmp_path / "b8")[0]) > 1e-4  # 9.5e-4 at init
     one, accum, world, fsdp = (read_log(tmp_path / d) for d in ("b8", "b2", "ddp", "fsdp"))
     assert len(one) == 10
     for losses in (accum, world, fsdp):
@@ -142,7 +147,7 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
     assert (result.returncode, result.stderr) == (2, f"error: --hellaswag-file {missing} does not exist\n")
 
 
-LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "checkpoints", "out_dir", "guards",
+LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "doc_mask", "checkpoints", "out_dir", "guards",
                    "sample", "hellaswag", "hf_interop", "plot_log"]
 
 

@@ -100,8 +100,8 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
     for r in skipped:
         assert (r["loss"], r["grad_norm"], r["skipped"]) == (None, None, "nonfinite")
         assert r["nonfinite"] == {"loss": "nan", "grad_norm": "nan"}
-    assert [(r["step"], r["val_loss"], r.get("nonfinite")) for r in records if "val_loss" in r][1:] == [
-        (step, None, {"val_loss": "nan"}) for step in (1, 2, 3)]
+    assert [(r["step"], r["val_loss"], r["val_bpb"], r.get("nonfinite")) for r in records if "val_loss" in r][1:] == [
+        (step, None, None, {"val_loss": "nan", "val_bpb": "nan"}) for step in (1, 2, 3)]
     assert np.isfinite(records[1]["loss"]) and "nonfinite" not in records[1]  # step 0 trained normally
 
 
