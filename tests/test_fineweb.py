@@ -141,7 +141,7 @@ def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
     def chunks():
         for i in range(100):
             pulled.append(i)
-            yield [f"document {i}"]
+            yield [f"document {i}"], [f"where {i}"]
 
     with multiprocessing.Pool(2, initializer=fineweb._init_worker) as pool:
         results = fineweb.tokenize_in_order(chunks(), pool, max_in_flight=4)
@@ -399,6 +399,86 @@ def test_undecodable_bytes(tmp_path):
     assert replaced.returncode == 0, replaced.stderr
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
+
+
+LONE_SURROGATE_LINE = '{"text": "abc \\ud800 def"}\n'  # as web dumps hold: JSON's escape without its pair
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # in the main process, and across the worker pool
+def test_lone_surrogate_is_one_line_or_replaced(tmp_path, workers):
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "hello"}\n\n' + LONE_SURROGATE_LINE + '{"text": "after"}\n')
+    out = tmp_path / "new" / "out"
+    result = run_cli("--files", path, "--out-dir", out, "--workers", workers)
+    assert error_line(result) == (
+        f"error: {path}:3: the text holds a lone surrogate U+D800 (half of a UTF-16 pair, as JSON's \\ud800 "
+        "without its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass "
+        "--utf8-errors replace to tokenize U+FFFD in its place")
+    assert not (tmp_path / "new").exists()
+
+    replaced = run_cli("--files", path, "--out-dir", out, "--workers", workers, "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(out)
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["hello", "abc \ufffd def", "after"]))
+
+
+def test_lone_surrogate_in_a_document_that_quotes_endoftext(tmp_path):
+    # such a document is encoded on its own: tiktoken's encode_ordinary would replace the surrogate silently
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "<|endoftext|> \\udfff"}\n')
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert error_line(result).startswith(f"error: {path}:1: the text holds a lone surrogate U+DFFF (")
+    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["<|endoftext|> \ufffd"]))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_text_tiktoken_cannot_tokenize_is_one_line_naming_it(tmp_path, workers):
+    # tiktoken's regex gives up on ~1M characters of whitespace before a word (a ValueError; its
+    # encode_ordinary panics instead, a BaseException that would have ended a worker)
+    path = tmp_path / "padded.txt"
+    path.write_text("first line\n" + "a" + " " * 1_000_000 + "b\nlast line\n")
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", workers)
+    assert error_line(result) == (
+        f"error: {path}:2: tiktoken cannot tokenize this document (ValueError: Regex error while tokenizing: Error "
+        "executing regex: Max stack size exceeded for backtracking); fix it or leave it out (--debug shows the "
+        "traceback)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch):
+    import multiprocessing
+
+    class PanicException(BaseException):  # as tiktoken's Rust panics arrive: not an Exception
+        pass
+
+    class Panicking:
+        def encode_to_numpy(self, text, **kwargs):
+            if "bad" in text:
+                raise PanicException("called `Result::unwrap()`\non an `Err` value")
+            return np.array([1, 2], dtype=np.uint32)
+
+    monkeypatch.setattr(fineweb, "_worker_encoding", Panicking())  # forked workers inherit it
+    chunks = [(["ok"], ["x.jsonl:1"]), (["fine", "bad", "bad too"], ["x.jsonl:2", "x.jsonl:3", "x.jsonl:4"])]
+    with multiprocessing.Pool(1, initializer=fineweb._init_worker) as pool:  # the panic used to end the worker
+        results = fineweb.tokenize_in_order(iter(chunks), pool, max_in_flight=2)
+        assert next(results).tolist() == [1, 2]
+        with pytest.raises(fineweb.UserError) as raised:
+            next(results)
+    assert str(raised.value) == ("x.jsonl:3: tiktoken cannot tokenize this document (PanicException: called "
+                                 "`Result::unwrap()` on an `Err` value); fix it or leave it out (--debug shows the "
+                                 "traceback)")
+    # the worker's own traceback comes along, for --debug
+    assert "in encode_to_numpy" in str(raised.value.__cause__.__cause__)
+
+    chunk = ["a" * 10, "b" * 30, "c"]
+    monkeypatch.setattr(fineweb, "encode_documents", lambda enc, docs: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(fineweb.ChunkError) as raised:
+        fineweb.tokenize_chunk(None, chunk, "strict")
+    assert str(raised.value.located(["d:1", "d:2", "d:3"])) == (
+        "cannot tokenize the 3 documents from d:1 to d:3: not enough memory (the longest is 30 characters)")
 
 
 @pytest.mark.parametrize("offline", ["dead proxy", "HF_HUB_OFFLINE"])
