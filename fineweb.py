@@ -19,6 +19,7 @@ This module is imported by train_gpt2.py and hellaswag.py for get_encoding() and
 import it loads only the standard library, numpy and tiktoken, and runs nothing.
 """
 import argparse
+import base64
 import contextlib
 import errno
 import glob
@@ -83,16 +84,65 @@ def parse_size(text: str) -> int:
 ENCODING_NAME = "r50k_base"  # GPT-2's BPE; tiktoken's "gpt2" is the same table but fetches extra files
 EOT = 50256  # <|endoftext|>
 EOT_TEXT = "<|endoftext|>"
+BPE_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # where tiktoken fetches it
+BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # what tiktoken requires of it
+# the copy this repository ships (bpe/README.md: where it came from); beside the real file when
+# a script is reached through a symbolic link
+SHIPPED_BPE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "bpe", "r50k_base.tiktoken")
+_BPE_HINT = "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
+
+_encoding = None
 
 
 def get_encoding() -> tiktoken.Encoding:
-    """The GPT-2 tokenizer; RuntimeError with a one-line hint when it cannot be loaded."""
+    """The GPT-2 tokenizer (loaded once per process), from the first of: tiktoken's cache, when
+    TIKTOKEN_CACHE_DIR (or DATA_GYM_CACHE_DIR) is set and holds the rank file; the copy shipped
+    in bpe/, once its sha256 is checked; tiktoken's download, only when that copy is missing. All
+    three are the same bytes (tiktoken checks the same sha256), so no run needs the network.
+    RuntimeError with a one-line hint when it cannot be loaded."""
+    global _encoding
+    if _encoding is None:
+        _encoding = _load_encoding()
+    return _encoding
+
+
+def _load_encoding() -> tiktoken.Encoding:
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
+    if cache_dir and os.path.isfile(os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest())):
+        with contextlib.suppress(Exception):  # a damaged cached copy that tiktoken could not fetch again
+            return tiktoken.get_encoding(ENCODING_NAME)
+    if os.path.exists(SHIPPED_BPE):
+        return shipped_encoding()
     try:
         return tiktoken.get_encoding(ENCODING_NAME)
     except Exception as e:
         raise RuntimeError(
-            f"could not load the GPT-2 tokenizer (tiktoken {ENCODING_NAME!r}: {one_line(e)}); "
-            "offline, set TIKTOKEN_CACHE_DIR to a folder that holds its cached rank file") from e
+            f"could not load the GPT-2 tokenizer: {SHIPPED_BPE} is missing and tiktoken could not fetch "
+            f"{ENCODING_NAME!r} ({one_line(e)}); restore the file (git checkout -- bpe), {_BPE_HINT}") from e
+
+
+def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
+    """tiktoken's r50k_base built from the rank file at path: the same ranks, split pattern and
+    special token as tiktoken_ext.openai_public.r50k_base, without its download or cache."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise RuntimeError(f"could not load the GPT-2 tokenizer: cannot read {path}: {os_error_reason(e)}; "
+                           f"{_BPE_HINT}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != BPE_SHA256:
+        raise RuntimeError(
+            f"could not load the GPT-2 tokenizer: {path} is damaged (sha256 {digest[:16]}..., expected "
+            f"{BPE_SHA256[:16]}...); restore it (git checkout -- bpe), {_BPE_HINT}")
+    ranks = {}
+    for line in data.splitlines():  # "base64(token bytes) rank", as tiktoken.load.load_tiktoken_bpe reads it
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return tiktoken.Encoding(ENCODING_NAME, pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={EOT_TEXT: EOT}, explicit_n_vocab=EOT + 1)
 
 
 def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:

@@ -20,7 +20,8 @@
 # or the out folder to start over.
 #
 # Environment variables:
-#   TIKTOKEN_CACHE_DIR       folder holding the GPT-2 BPE (r50k_base), needed without internet
+#   TIKTOKEN_CACHE_DIR       optional: a tiktoken cache holding the GPT-2 BPE (r50k_base), used first;
+#                            without it the copy this repository ships in bpe/ is used (no download)
 #   HELLASWAG_DIR            where hellaswag_val.jsonl is looked for / downloaded to
 #   QUICKSTART_VENV          the virtual environment to use or create (default: .venv)
 #   QUICKSTART_FINEWEB_ARGS  extra fineweb.py arguments, e.g. "--max-tokens 40K --shard-size 8K"
@@ -92,9 +93,15 @@ install_torch() {
 cuda_available() { "$PY" -c 'import torch; print(int(torch.cuda.is_available()))'; }
 GPU=$(cuda_available 2>/dev/null) || { install_torch; GPU=$(cuda_available); }  # (importing torch takes seconds: once)
 "${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
-"$PY" -c 'import fineweb; fineweb.get_encoding()' 2>/dev/null \
-  || die "the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR" \
-         "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)"
+# the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it): if it cannot be loaded, why, in one line
+if ! BPE_ERROR=$("$PY" -c '
+import sys, fineweb
+try:
+    fineweb.get_encoding()
+except RuntimeError as e:
+    sys.exit(str(e))' 2>&1 | tail -n 1); then
+  die "${BPE_ERROR:-could not load the GPT-2 BPE}"
+fi
 
 # ---- 2. data
 
