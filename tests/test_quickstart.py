@@ -69,6 +69,7 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert "creating the virtual environment" not in out  # QUICKSTART_VENV is used as it is
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
+    assert "quickstart: HellaSwag, first 8 examples\n" in out  # the --limit of QUICKSTART_HELLASWAG_ARGS
     if (HELLASWAG / "hellaswag_val.jsonl").is_file():
         assert '"n": 8}' in out
     else:  # downloaded, or skipped in one line
@@ -84,8 +85,15 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
                                                                                     "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
 
-    again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4")  # the later value wins, as in argparse
+    # the later value wins, as in argparse; offline, HellaSwag's data is not in HELLASWAG_DIR and cannot be had
+    again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4", HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
+                       QUICKSTART_HELLASWAG_ARGS="--limit 8 --limit=3")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "quickstart: HellaSwag, first 3 examples\n" in again.stdout
+    assert [line for line in again.stdout.splitlines() if "skipping HellaSwag" in line] == [
+        "quickstart: skipping HellaSwag: error: cannot download HellaSwag from https://raw.githubusercontent.com/rowanz/"
+        "hellaswag/master/data/hellaswag_val.jsonl ([Errno 111] Connection refused); set HELLASWAG_DIR to a folder "
+        "that holds hellaswag_val.jsonl"]
     assert "quickstart: reusing the tokenized standard library in data/stdlib" in again.stdout
     assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in again.stdout
     assert "step     3/4 | loss" in again.stdout and "step     2/4" not in again.stdout
