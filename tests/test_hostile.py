@@ -153,11 +153,14 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
 def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run, data_dir, tmp_path):
     other = tmp_path / "other"
     assert tg.main(args_for(data_dir, other, steps=2, ckpt_every=2)) == 0
-    before = {p.name: p.read_bytes() for p in other.iterdir()}
     given = finished_run / "ckpt_0000004.pt"
+    theirs, mine = (checkpoints.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
+    os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
     result = run_command("train_gpt2.py", *args_for(data_dir, other, "--resume", given, steps=6))
-    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given}: resuming "
-                                  "would corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
+                                  f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
+                                  "into the --out-dir of the checkpoint's own run, or a new one")
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     # into a folder without a log, the resumed run starts a log of its own
     assert tg.main(args_for(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
