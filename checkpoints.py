@@ -1,7 +1,9 @@
-"""Checkpoint files: atomic save, verified load, and the choice of what --resume continues.
+"""Checkpoint files: atomic save, verified load, the choice of what --resume continues, and the
+run identity each checkpoint carries (whose it is, and for a branch, whose branch).
 
 A checkpoint is a plain dict of tensors and plain values (model and optimizer state dicts
-without wrapper prefixes, the configs as dicts, the step, the RNG states, the log position):
+without wrapper prefixes, the configs as dicts, the step, the RNG states, the log position,
+the run identity):
 written to NAME.tmp, fsynced and renamed, with the sha256 of its contents inside, and loaded
 with weights_only=True. Under FSDP the state is gathered whole (full_state), so a checkpoint
 of any mode resumes in any other.
@@ -213,29 +215,33 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
         path = newest
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
-    earlier = earlier_checkpoint(path)
-    instead = f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
+
+    def instead() -> str:
+        earlier = earlier_checkpoint(path)
+        return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
     try:  # one open file from here on: a run's --keep-last may delete the name meanwhile
         f = open(path, "rb")
     except FileNotFoundError:
-        raise UserError(f"checkpoint {path} was removed while loading (by its run's --keep-last?): "
-                        f"{instead}") from None
+        newest = latest_checkpoint(os.path.dirname(path) or ".")
+        raise UserError(f"checkpoint {path} was removed while loading (by its run's --keep-last?); "
+                        + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")) \
+            from None
     with f:
         try:
             ckpt = torch.load(f, map_location=map_location, weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
             what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else \
                 f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-            raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead}") from None
+            raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:
         raise UserError(f"{path}: {problem}")
     if ckpt["checksum"] != state_digest(ckpt):
         raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
-                        f"{instead}")
+                        f"{instead()}")
     bad = first_nonfinite(ckpt["model"])
     if bad:  # the trainer never writes one (check_state_finite): another program did
-        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead}")
+        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
     return ckpt
 
 

@@ -1,7 +1,9 @@
 """What a run writes into its --out-dir besides checkpoints, and who may write there: the lock
-(one live run per folder), log.jsonl (one JSON record per line, cut back exactly on resume),
-branch folders (a resume from an earlier step sets the later checkpoints aside instead of
-overwriting them), and the W&B / TensorBoard sinks that get every record of the log.
+(one live run per folder, a flock on the folder itself), whose the folder is (claim_run: its
+checkpoints must be of the resumed run's history, by run id), log.jsonl (one JSON record per
+line, each naming its run, cut back exactly on resume), branch folders (a resume from an
+earlier step sets the later checkpoints aside instead of overwriting them), and the W&B /
+TensorBoard sinks that get every record of the log.
 """
 from __future__ import annotations
 
