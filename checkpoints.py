@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import re
@@ -299,6 +300,18 @@ def read_run(path: str) -> dict | None:
     return run_of(ckpt) if isinstance(ckpt, dict) else None
 
 
+def last_record_run(path: str) -> str | None:
+    """The "run" of the last record of the log at path (None: none, or a run from before run ids)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            return record.get("run") if isinstance(record, dict) else None
+    return None
+
+
 @dataclass
 class ResumePoint:
     """Where a resumed run takes up the run of its checkpoint: the file, its step, the length and
@@ -355,8 +368,9 @@ def choose_resume_checkpoint(run) -> str | None:
                         "that run, or choose another --out-dir")
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
-        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of an earlier run but no checkpoint "
-                        "to resume: move the log aside to start a new run there, or choose another --out-dir")
+        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of {run_name(last_record_run(log))} but no "
+                        "checkpoint to resume: move the log aside to start a new run there, or choose another "
+                        "--out-dir")
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None

@@ -18,8 +18,8 @@ import shutil
 import socket
 
 import cli
-from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, new_run, read_run,
-                         run_name, same_file)
+from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
+                         new_run, read_run, run_name, same_file)
 from cli import UserError
 from fineweb import one_line, os_error_reason
 from launch import print0
@@ -136,18 +136,6 @@ def strict_json_record(record: dict) -> dict:
     return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
 
 
-def last_record_run(path: str) -> str | None:
-    """The "run" of the last record of the log at path (None: none, or a run from before run ids)."""
-    with open(path, "rb") as f:
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
-        lines = f.read().splitlines()
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            return record.get("run") if isinstance(record, dict) else None
-    return None
-
-
 def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
     """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
     checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
@@ -162,7 +150,8 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
                              hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
         raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of "
                         f"{run_name(last_record_run(path))}, the checkpoint of {run_name(resumed.run['id'])}): "
-                        "resuming would corrupt it; resume into the --out-dir of the checkpoint's own run, or a new one")
+                        "resuming would corrupt it; resume into the --out-dir of the checkpoint's own run, or a new "
+                        "one")
     return kept
 
 
@@ -185,7 +174,8 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
                            else in_history(mine["id"], resumed.step, theirs, step)):
             raise UserError(f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
                             f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
-                            "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a new one")
+                            "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
+                            "new one")
     continues = not later and same_file(os.path.dirname(resumed.path) or ".", out_dir)
     return mine if continues else new_run(mine, resumed.step)
 

@@ -178,7 +178,9 @@ def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, c
     assert (tmp_path / ".lock").read_text() == "the user's own note\n"
     # a file system without locks: a note, and nothing written
     os.remove(tmp_path / ".lock")
-    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks available")))
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
     unlocked = out_dir.OutDirLock(str(tmp_path))
     unlocked.acquire()
     unlocked.release()
@@ -298,7 +300,8 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     only_log = tmp_path / "only_log"
     only_log.mkdir()
     shutil.copy(out / "log.jsonl", only_log)
-    refusal = (f"--out-dir {only_log} holds the log.jsonl of an earlier run but no checkpoint to resume: move the "
+    owner = json.loads(log.splitlines()[-1])["run"]
+    refusal = (f"--out-dir {only_log} holds the log.jsonl of run {owner} but no checkpoint to resume: move the "
                "log aside to start a new run there, or choose another --out-dir")
     result = run(args_for(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, refusal)
