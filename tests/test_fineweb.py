@@ -1,7 +1,7 @@
 """fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
 
-CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py), or from the copy
-in bpe/ where a test unsets it.
+CPU only, offline: the commands read the GPT-2 BPE from the copy in bpe/ (or a TIKTOKEN_CACHE_DIR a
+test sets); the reference encoding is tiktoken's own, from its cached download in ../shared.
 """
 import gzip
 import hashlib
@@ -19,10 +19,27 @@ import pytest
 import tiktoken
 
 import fineweb
+from conftest import SHARED
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
-ENC = tiktoken.get_encoding("r50k_base")
+
+
+def reference_encoding() -> tiktoken.Encoding:
+    """tiktoken's own r50k_base, from its cached download in ../shared (not fineweb's copy in bpe/),
+    loaded without leaving TIKTOKEN_CACHE_DIR set for the commands the tests run."""
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+
+
+ENC = reference_encoding()
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -784,7 +801,7 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
     # a tiktoken cache still comes first
     cached = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
                             capture_output=True, text=True, timeout=60,
-                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": os.environ["TIKTOKEN_CACHE_DIR"]})
+                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")})
     assert cached.returncode == 0, cached.stderr
 
 

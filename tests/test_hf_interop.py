@@ -356,7 +356,9 @@ def test_export_tokenizes_like_tiktoken_in_transformers_clients(tmp_path):
     proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "ckpt_0000007.pt", out)
     assert proc.returncode == 0, proc.stderr
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= {p.name for p in out.iterdir()}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # the reference is tiktoken's own r50k_base (its cached download in ../shared), not our copy in bpe/
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")}
     proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, str(out), str(SHARED / "data"), REPO],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
