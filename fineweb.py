@@ -65,16 +65,16 @@ _SIZE_SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
 
 
 def parse_size(text: str) -> int:
-    """'20M', '1.5K', '1e8', '100_000' -> a positive int (argparse type)."""
+    """'20M', '1.5K', '1e8', '100_000' -> a count in 1..2**62 (argparse type, the range cli's)."""
     s = text.strip().upper().replace("_", "")
     scale = _SIZE_SUFFIXES.get(s[-1:], 1)
     try:  # Decimal, not float: 0.1K is exactly 100
         value = Decimal(s[:-1] if scale > 1 else s) * scale
     except InvalidOperation:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20M, 1e8, 100000)") from None
-    if not value.is_finite() or value < 1 or value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
-    return int(value)
+    if not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return cli.check_count(int(value), 1)
 
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -634,7 +634,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shard file names: PREFIX_{val,train}_NNNNNN (default edufineweb)")
     output.add_argument("--shard-size", type=parse_size, default=10**8, metavar="TOKENS",
                         help="tokens per shard (default 100M)")
-    output.add_argument("--val-shards", type=int, default=1, metavar="N",
+    output.add_argument("--val-shards", type=cli.non_negative_int, default=1, metavar="N",
                         help="the first N shards are the val split (default 1)")
     output.add_argument("--max-tokens", type=parse_size, metavar="TOKENS",
                         help="stop after the first TOKENS tokens (default: the whole source)")
@@ -642,7 +642,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="npy: np.save of a uint16 array, as build-nanogpt (default); "
                              "bin: llm.c's 1 KiB header + uint16 tokens")
     run_group = parser.add_argument_group("run")
-    run_group.add_argument("--workers", type=int, default=os.cpu_count(),
+    run_group.add_argument("--workers", type=cli.positive_int, default=os.cpu_count(),
                            help="tokenizer processes (default: all cores; 1 = no pool)")
     run_group.add_argument("--debug", action="store_true",
                            help="show tracebacks and the Hub client's log")
@@ -659,10 +659,6 @@ def validate_args(args: argparse.Namespace) -> None:
             args.dataset = DEFAULT_DATASET
             args.name = args.name or DEFAULT_NAME
         args.split = args.split or "train"
-    if args.workers < 1:
-        raise UserError(f"--workers must be at least 1, got {args.workers}")
-    if args.val_shards < 0:
-        raise UserError(f"--val-shards must be at least 0, got {args.val_shards}")
     if args.format == "bin" and args.shard_size >= 2**31:
         raise UserError("--format bin stores the token count as int32: use --shard-size below 2G")
     if not args.out_dir or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):

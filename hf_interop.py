@@ -165,13 +165,15 @@ def _some(names: list) -> str:
 
 
 def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
-                       pad_init: str = "mean", flag: str = "--init-from") -> tuple[dict, dict]:
+                       pad_init: str = "mean", flag: str = "--init-from",
+                       pad_multiple: int = PAD_MULTIPLE) -> tuple[dict, dict]:
     """(model config, state dict) of our GPT (fp32, CPU) holding the weights of a Hugging Face
     GPT2LMHeadModel: the config's keys are GPTConfig's, the state dict's our parameter names.
 
     name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
     directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
-    the HF vocabulary rounded up to a multiple of 64, 50304 for GPT-2). block_size: at most
+    the HF vocabulary rounded up to a multiple of pad_multiple, 64: 50304 for GPT-2; sampling
+    passes 1, the HF vocabulary itself, so that no padded id is drawn). block_size: at most
     the HF n_positions (default: n_positions); a smaller one keeps the first positions.
     pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows.
     flag: the command-line flag that named the model, for error messages."""
@@ -188,7 +190,7 @@ def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_si
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
         raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
     n_real = cfg.vocab_size
-    vocab_size = _padded(n_real) if vocab_size is None else vocab_size
+    vocab_size = _padded(n_real, pad_multiple) if vocab_size is None else vocab_size
     if vocab_size < n_real:
         raise UserError(f"--vocab-size {vocab_size} is smaller than {source}'s vocabulary of {n_real}")
     block_size = cfg.n_positions if block_size is None else block_size
@@ -429,10 +431,6 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
     exported to a temporary Hugging Face directory: its results dict, with the per-example
     records under "samples"."""
     lm_eval, HFLM, TaskManager = _import_lm_eval()
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit must be positive, got {limit}")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {batch_size}")
     manager, loaded = _load_tasks(TaskManager, tasks, hellaswag_file)
     with tempfile.TemporaryDirectory(prefix="hf_export_") as hf_dir:
         export_hf(source, hf_dir)
@@ -496,9 +494,10 @@ def add_eval_parser(sub):
     e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
     e.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl: hellaswag runs from it through "
                                             "evals/hellaswag_local.yaml, without the Hub")
-    e.add_argument("--limit", type=int, help="examples per task (default: all)")
-    e.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own, 0 for hellaswag)")
-    e.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (default 8)")
+    e.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
+    e.add_argument("--num-fewshot", type=cli.non_negative_int,
+                   help="few-shot examples (default: each task's own, 0 for hellaswag)")
+    e.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda if available)")
     e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
@@ -513,7 +512,7 @@ def main(argv=None) -> int:
     e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
                                       "--out-dir folder for its newest checkpoint")
     e.add_argument("out_dir", help="directory for config.json and model.safetensors")
-    e.add_argument("--vocab-size", type=int, help="rows to keep (default: 50257, dropping the padding)")
+    e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     add_eval_parser(sub)
     args = p.parse_args(argv)

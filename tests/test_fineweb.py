@@ -2,6 +2,7 @@
 
 CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py).
 """
+import argparse
 import gzip
 import hashlib
 import json
@@ -159,10 +160,15 @@ def test_parse_size(text, value):
     assert fineweb.parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "1.5", "-3M", "M", "inf", "nan"])
-def test_parse_size_rejects(text):
-    with pytest.raises(Exception, match="not a"):
+@pytest.mark.parametrize("text, message", [
+    ("abc", "not a size: 'abc' (examples: 20M, 1e8, 100000)"), ("M", "not a size: 'M' (examples: 20M, 1e8, 100000)"),
+    ("1.5", "not a whole number: '1.5'"), ("inf", "not a whole number: 'inf'"), ("nan", "not a whole number: 'nan'"),
+    ("0", "must be in 1..2**62, got 0"), ("-3M", "must be in 1..2**62, got -3000000"),
+    ("1e19", f"must be in 1..2**62, got {10**19}")])
+def test_parse_size_rejects(text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as e:
         fineweb.parse_size(text)
+    assert str(e.value) == message
 
 
 def test_import_is_light_and_silent():
@@ -548,8 +554,7 @@ def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, ot
 
 @pytest.mark.parametrize("flags, message", [
     (["--prefix", "sub/x"], "--prefix 'sub/x' is the start of a file name, not a path"),
-    (["--workers", "0"], "--workers must be at least 1, got 0"),
-    (["--val-shards", "-1"], "--val-shards must be at least 0, got -1"),
+    (["--val-shards", "-1"], "argument --val-shards: must be in 0..2**62, got -1 (see fineweb.py --help)"),
     (["--format", "bin", "--shard-size", "3G"], "--format bin stores the token count as int32: use --shard-size below 2G"),
     (["--dataset", "x/y"], "--files reads local files; leave out --dataset, --name and --split"),
 ])
