@@ -577,7 +577,7 @@ class Prefetcher:
 
 
 def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
-    """The shards of data_dir (names and sizes) that every rank of a launch must share (a missing
+    """The shards of data_dir (names, sizes, contents) that every rank of a launch must share (a missing
     folder or split is left to TokenRows to refuse)."""
     items = []
     for split in ("train", "val"):
