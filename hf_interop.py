@@ -332,15 +332,14 @@ def _exchange(a: str, b: str) -> bool:
 def _replacing_folder(out_dir: str):
     """A new temporary folder beside out_dir to write the export into, swapped in for out_dir only
     once every file is written: a failed write leaves an earlier export as it was (a new config.json
-    beside old weights loads silently with random layers), and no temporary folder behind. Only a
-    missing or empty out_dir, or an earlier export, is replaced (_check_replaceable).
+    beside old weights loads silently with random layers), and no temporary folder behind. out_dir
+    has passed _check_replaceable: it is missing, empty, or an earlier export.
 
     The swap: over a missing or empty folder one rename; over an earlier export one exchange of the
     two folders (renameat2), so that out_dir always names a whole export, old or new, for a reader
     loading it meanwhile; the old one is then deleted under the temporary name. Without the exchange,
     two renames (the old export aside, the new one in) leave out_dir missing for that moment. A
-    symbolic link is followed: the folder it points to is replaced, the link stays. out_dir has passed
-    _check_replaceable."""
+    symbolic link is followed: the folder it points to is replaced, the link stays."""
     target = os.path.realpath(out_dir)
     parent, name = os.path.split(target)
     try:
