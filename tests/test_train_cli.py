@@ -143,7 +143,7 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
 
 
 LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "checkpoints", "out_dir", "guards",
-                   "sample", "hellaswag", "hf_interop", "plot_log"]
+                   "sample", "hellaswag", "hf_interop", "plot_log", "fit_batch"]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
