@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from fsdp import local_part
 from cli import UserError
+from fsdp import local_part
 from guards import is_out_of_memory, out_of_memory_reason
 from launch import all_reduce_sum, print0
 
@@ -134,7 +134,8 @@ def choose_micro_batch(forward_backward, model, optimizer, rows_per_rank: int, r
     with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), \
             cpu_search_limit(device_type), static_shapes(compiled):
         held = [torch.empty_like(local_part(p)) for group in optimizer.param_groups for p in group["params"]
-                if p not in optimizer.state for _ in range(2)]  # AdamW's moments, as the first update allocates them
+                if p not in optimizer.state and not run.eval_only for _ in range(2)]  # AdamW's moments, as the first
+        # update allocates them (--eval-only updates nothing: its micro-batch is the one validation uses)
         held.append(torch.empty(margin_bytes(device), dtype=torch.uint8, device=device))
         best, fail = (len(choices) - 1, None) if fits(len(choices) - 1) else (-1, len(choices) - 1)
         while fail is not None and fail - best > 1:  # choices[best] fits (-1: none yet), choices[fail] does not

@@ -21,18 +21,14 @@ import cli  # noqa: E402
 held = []  # the CUDA tensors that take the memory, alive until the end
 
 
-def proc_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return 1024 * int(next(line.split()[1] for line in f if line.startswith(key + ":")))
-
-
 def squeeze(amount: str):
     """Leave amount ("600MiB" or "60%" of a step's need so far) free on the trainer's device."""
     import torch
+    from fit_batch import proc_kib
     cuda = torch.cuda.is_available()
     if amount.endswith("%"):  # a step's need: its peak above what the process holds between steps
         need = (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if cuda
-                else proc_bytes("VmPeak") - proc_bytes("VmSize"))
+                else proc_kib("/proc/self/status", "VmPeak") - proc_kib("/proc/self/status", "VmSize"))
         leave = int(need * float(amount[:-1]) / 100)
     else:
         leave = int(float(amount.removesuffix("MiB")) * 2**20)
@@ -41,7 +37,8 @@ def squeeze(amount: str):
         held.append(torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda"))
     else:
         import resource
-        resource.setrlimit(resource.RLIMIT_AS, (proc_bytes("VmSize") + leave, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        limit = proc_kib("/proc/self/status", "VmSize") + leave
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     print(f"squeeze_memory: {leave / 2**20:.0f} MiB left free on {'cuda' if cuda else 'cpu'}", flush=True)
 
 
