@@ -167,7 +167,7 @@ from checkpoints import (  # defines: checkpoint files (atomic save, verified lo
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss  # defines: lm_head + loss in chunks, without the logits
 from fineweb import (  # defines: GPT-2's tokenizer, the shard reader (open_shard), shard identity
     EOT, get_tokenizer_or_fail, open_shard, shard_files)
-from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto, a step redone after out-of-memory
+from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
 from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
     StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
@@ -778,7 +778,6 @@ class Trainer:
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
         self.compiled_once, self.last_ckpt = False, self.ckpt_path
-        # --batch-size, or with auto the largest micro-batch that fits, found by trying it (fit_batch.py)
         run.batch_size = choose_micro_batch(self.forward_backward, self.model, self.optimizer, self.rows_per_rank, run,
                                             self.val_rows, d, self.use_compile, self.log, self.start_step)
         self.use_micro_batch(run.batch_size)

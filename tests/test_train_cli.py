@@ -78,7 +78,6 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
     (["--batch-size", "auto", "--total-batch-size", "1000"],
      "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32"),
-    (["--batch-size", "x"], "argument --batch-size: expected a number of rows or auto, got 'x'"),
     (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
     (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
     (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
