@@ -57,14 +57,15 @@ def proc_kib(path: str, key: str) -> int:
 def cpu_search_limit(device_type: str):
     """On CPU a trial too big for the RAM does not fail: the kernel's OOM killer ends this process,
     or another one. While the search runs, the address space may grow only by CPU_SEARCH_SHARE of
-    the memory the machine has available (or less, under a limit set before), so that a trial too
-    big fails as an allocation error, which the search catches."""
+    the memory the machine has available, shared by the node's ranks (or less, under a limit set
+    before), so that a trial too big fails as an allocation error, which the search catches."""
     if device_type != "cpu" or not os.path.exists("/proc/meminfo"):  # (Linux: /proc and RLIMIT_AS)
         yield
         return
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = proc_kib("/proc/self/status", "VmSize") + int(CPU_SEARCH_SHARE * proc_kib("/proc/meminfo", "MemAvailable"))
+    share = CPU_SEARCH_SHARE / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of this node search at once
+    cap = proc_kib("/proc/self/status", "VmSize") + int(share * proc_kib("/proc/meminfo", "MemAvailable"))
     resource.setrlimit(resource.RLIMIT_AS, (cap if soft == resource.RLIM_INFINITY else min(cap, soft), hard))
     try:
         yield
