@@ -11,11 +11,14 @@ memory), tok/s in total and per GPU and MFU (mean over the steps after the first
 and compile time (step 0's time minus the median of the others). Exit code 1 if a variant
 fails or its losses drift beyond the tolerance of its dtype.
 
-    CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, then bf16 and fp16
-          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp
+    CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, bf16 compiled and fp16
+          eager with --optimizer muon; then bf16 and fp16 compiled on all visible GPUs (torchrun,
+          NCCL), bf16 compiled with --fsdp, and bf16 compiled with --optimizer muon
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
-          activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
-          per variant; --compile adds it)
+          activation checkpointing, fp16 on 2 gloo ranks, fp16 with --optimizer muon; no compile
+          (inductor on CPU takes 20-40 s per variant; --compile adds it)
+
+A variant with --optimizer muon is compared with an eager fp32 reference that runs Muon too.
 """
 import json
 import os
@@ -31,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import cli  # noqa: E402
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, over a few steps
+MUON = ["--optimizer", "muon"]
 
 
 def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
@@ -38,14 +42,18 @@ def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
     if cuda:
         out = [dict(dtype=dtype, compile=compile, chunk=chunk, nproc=1)
                for dtype in ("bfloat16", "float16") for compile in (True, False) for chunk in (0, 8192)]
+        out += [dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=MUON),  # Muon's step time and memory
+                dict(dtype="float16", compile=False, chunk=0, nproc=1, extra=MUON)]  # with the GradScaler
         if n_gpus > 1:
             out += [dict(dtype=dtype, compile=True, chunk=0, nproc=n_gpus) for dtype in ("bfloat16", "float16")]
             out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=["--fsdp"]))  # vs DDP
+            out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=MUON))
     else:
         out = [dict(dtype="bfloat16", compile=False, chunk=64, nproc=1),
                dict(dtype="float16", compile=False, chunk=0, nproc=1),
                dict(dtype="float32", compile=False, chunk=64, nproc=1, extra=["--activation-checkpointing"]),
-               dict(dtype="float16", compile=False, chunk=64, nproc=2)]
+               dict(dtype="float16", compile=False, chunk=64, nproc=2),
+               dict(dtype="float16", compile=False, chunk=64, nproc=1, extra=MUON)]
         if compile_on_cpu:
             out.append(dict(dtype="float32", compile=True, chunk=64, nproc=1))
     for v in out:
@@ -127,13 +135,15 @@ def main(argv=None) -> int:
               f"{' '.join(args.model_flags)} | B={args.batch_size} T={args.seq_len} | {args.steps} steps", flush=True)
         ok, refs = True, {}
         for i, v in enumerate(matrix):
-            if v["nproc"] not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
-                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1)
-                refs[v["nproc"]] = run_variant(ref_v, args, data_dir, os.path.join(tmp, f"ref{v['nproc']}"),
-                                               args.batch_size // 4, 4 * v["nproc"])
-            ref = refs[v["nproc"]]
+            optimizer = MUON if MUON[-1] in v.get("extra", []) else []
+            key = (v["nproc"], *optimizer)
+            if key not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
+                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1, extra=optimizer)
+                refs[key] = run_variant(ref_v, args, data_dir, os.path.join(tmp, "ref" + "_".join(map(str, key))),
+                                        args.batch_size // 4, 4 * v["nproc"])
+            ref = refs[key]
             if "error" in ref:
-                print(f"eager fp32 reference for x{v['nproc']}: FAILED: {ref['error']}")
+                print(f"eager fp32 reference for x{v['nproc']} {' '.join(optimizer)}: FAILED: {ref['error']}")
                 return 1
             ok &= report(v, run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size),
                          ref["losses"])

@@ -80,6 +80,7 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
     (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
     (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
+    (["--optimizer", "muon", "--muon-momentum", "1"], "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
     assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=2)) == 2
