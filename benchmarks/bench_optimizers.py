@@ -10,9 +10,10 @@ final validation loss, as a fraction of AdamW's.
 Every run is the real command (`python train_gpt2.py --model cpu ...`) on the same shards (by default
 the Python standard library's sources, tokenized by fineweb.py as quickstart.sh does), with the same
 schedule (warmup, cosine to 10%), batch and seed set. First each LR of the sweep trains with the first
-seed; the LR with the lowest final validation loss is each optimizer's best, and it trains again with
-the other seeds. Muon's runs keep AdamW (on the embeddings, LayerNorms and biases) at --max-lr.
-The validation loss is read every --val-every steps from each run's log.jsonl; "tokens to reach"
+seed (Muon's runs with AdamW, on the embeddings, LayerNorms and biases, at --max-lr); the LR with the
+lowest final validation loss is each optimizer's best. Then AdamW's best trains with the other seeds,
+and Muon's best with every seed, its AdamW part at AdamW's best LR (in the CPU preset the embedding
+is 6.4M of the 7.3M parameters: Muon's runs must not lose on it). The validation loss is read every --val-every steps from each run's log.jsonl; "tokens to reach"
 interpolates linearly between those points of the seed-mean curve.
 """
 import argparse
@@ -20,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,19 +41,26 @@ def ensure_data(data_dir: str):
                     "256K", "--prefix", "stdlib", "--out-dir", data_dir], cwd=REPO, check=True)
 
 
-def train(args, out_dir: str, optimizer: str, lr: float, seed: int) -> list[tuple[int, float]]:
-    """One run; its (tokens seen, val loss) points."""
+def train(args, out_dir: str, optimizer: str, lr: float, seed: int, adamw_lr: float) -> list[tuple[int, float]]:
+    """One run (or a finished one found in out_dir); its (tokens seen, val loss) points."""
+    log = os.path.join(out_dir, "log.jsonl")
+    if os.path.isfile(log):
+        with open(log) as f:
+            points = [(r["step"] * args.total_batch_size, r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
+        if points and points[-1][0] == args.steps * args.total_batch_size:
+            return points
+        shutil.rmtree(out_dir)
     cmd = [sys.executable, "train_gpt2.py", "--model", "cpu", "--data-dir", args.data_dir, "--out-dir", out_dir,
            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
            "--total-batch-size", str(args.total_batch_size), "--max-steps", str(args.steps),
            "--warmup-steps", str(args.warmup_steps), "--val-every", str(args.val_every), "--val-steps",
            str(args.val_steps), "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "0",
            "--seed", str(seed), "--optimizer", optimizer, *args.train_args.split()]
-    cmd += ["--max-lr", str(lr)] if optimizer == "adamw" else ["--max-lr", str(args.max_lr), "--muon-lr", str(lr)]
+    cmd += ["--max-lr", str(lr)] if optimizer == "adamw" else ["--max-lr", str(adamw_lr), "--muon-lr", str(lr)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"{' '.join(cmd)} failed: {result.stderr.strip().splitlines()[-1:]}")
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
+    with open(log) as f:
         return [(r["step"] * args.total_batch_size, r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
 
 
@@ -113,6 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
     p.add_argument("--train-args", default="", help="more trainer flags for every run, e.g. --train-args=--doc-mask")
     p.add_argument("--json", help="also write every curve here")
+    p.add_argument("--runs-dir", help="keep the runs here (default: a temporary folder); finished ones are reused")
     p.add_argument("--step-cost", action="store_true", help="only time one optimizer step of each (no training)")
     p.add_argument("--model", default="cpu", help="--step-cost: the preset whose shape to time")
     p.add_argument("--rounds", type=int, default=5, help="--step-cost: steps of each, interleaved")
@@ -122,28 +132,34 @@ def main(argv=None) -> int:
         return step_cost(args.model, args.rounds)
     ensure_data(args.data_dir)
     sweeps = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
-    curves = {}  # (optimizer, lr, seed) -> [(tokens, val loss)]
+    curves = {}  # (optimizer, lr, seed, AdamW's lr) -> [(tokens, val loss)]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
         def run_all(keys):
-            futures = {key: pool.submit(train, args, os.path.join(tmp, "_".join(map(str, key))), *key) for key in keys}
+            futures = {key: pool.submit(train, args, os.path.join(args.runs_dir or tmp, "_".join(map(str, key))), *key)
+                       for key in keys}
             curves.update({key: f.result() for key, f in futures.items()})
-        run_all([(opt, lr, args.seeds[0]) for opt, lrs in sweeps.items() for lr in lrs])
-        best = {opt: min(lrs, key=lambda lr: curves[(opt, lr, args.seeds[0])][-1][1]) for opt, lrs in sweeps.items()}
-        run_all([(opt, best[opt], seed) for opt in sweeps for seed in args.seeds[1:]])
+        run_all([(opt, lr, args.seeds[0], lr if opt == "adamw" else args.max_lr) for opt, lrs in sweeps.items()
+                 for lr in lrs])
+        best = {opt: min(lrs, key=lambda lr: curves[(opt, lr, args.seeds[0], lr if opt == "adamw" else args.max_lr)][-1][1])
+                for opt, lrs in sweeps.items()}
+        finals = {opt: [(opt, best[opt], seed, best["adamw"]) for seed in args.seeds] for opt in sweeps}
+        run_all([key for keys in finals.values() for key in keys if key not in curves])
 
     tokens = args.steps * args.total_batch_size
     print(f"--model cpu | {args.steps} steps x {args.total_batch_size} tokens = {tokens:,} tokens | "
           f"T={args.seq_len} | seeds {args.seeds} | {args.data_dir} {args.train_args}")
-    print("\nsweep (first seed): final val loss")
+    print(f"\nsweep (seed {args.seeds[0]}; Muon's AdamW part at {args.max_lr:g}): final val loss")
     for opt, lrs in sweeps.items():
-        print(f"  {opt:5s} " + " | ".join(f"lr {lr:g}: {curves[(opt, lr, args.seeds[0])][-1][1]:.4f}"
-                                         + (" *" if lr == best[opt] else "") for lr in lrs))
-    mean = {opt: mean_curve([curves[(opt, best[opt], s)] for s in args.seeds]) for opt in sweeps}
-    print(f"\nval loss at equal tokens (best LR, mean of {len(args.seeds)} seeds; per seed in brackets)")
+        print(f"  {opt:5s} " + " | ".join(
+            f"lr {lr:g}: {curves[(opt, lr, args.seeds[0], lr if opt == 'adamw' else args.max_lr)][-1][1]:.4f}"
+            + (" *" if lr == best[opt] else "") for lr in lrs))
+    mean = {opt: mean_curve([curves[key] for key in finals[opt]]) for opt in sweeps}
+    print(f"\nval loss at equal tokens (best LRs, Muon's AdamW part at {best['adamw']:g}; mean of {len(args.seeds)} "
+          "seeds, each seed in brackets)")
     print(f"  {'tokens':>9s} | {'adamw lr ' + format(best['adamw'], 'g'):>26s} | {'muon lr ' + format(best['muon'], 'g'):>26s}")
     for i, (t, _) in enumerate(mean["adamw"]):
-        cells = [f"{mean[opt][i][1]:.4f} [" + " ".join(f"{curves[(opt, best[opt], s)][i][1]:.3f}"
-                                                      for s in args.seeds) + "]" for opt in sweeps]
+        cells = [f"{mean[opt][i][1]:.4f} [" + " ".join(f"{curves[key][i][1]:.3f}" for key in finals[opt]) + "]"
+                 for opt in sweeps]
         print(f"  {t:9,d} | {cells[0]:>26s} | {cells[1]:>26s}")
     target = mean["adamw"][-1][1]
     reached = tokens_to_reach(mean["muon"], target)
