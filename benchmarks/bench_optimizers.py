@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--val-steps", type=int, default=8)
     p.add_argument("--adamw-lrs", type=floats, default=floats("1.5e-3,3e-3,6e-3"), help="AdamW's --max-lr sweep")
     p.add_argument("--muon-lrs", type=floats, default=floats("0.01,0.02,0.04"), help="Muon's --muon-lr sweep")
-    p.add_argument("--max-lr", type=float, default=3e-3, help="AdamW's LR inside the Muon runs (quickstart's)")
+    p.add_argument("--max-lr", type=float, default=3e-3, help="AdamW's LR inside Muon's sweep runs (quickstart's; the final runs use AdamW's best)")
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[1337, 1338])
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
     p.add_argument("--train-args", default="", help="more trainer flags for every run, e.g. --train-args=--doc-mask")
