@@ -1,6 +1,7 @@
 """fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
 
-CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py).
+CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py), or from the copy
+in bpe/ where a test unsets it.
 """
 import gzip
 import hashlib
@@ -141,7 +142,7 @@ def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
     def chunks():
         for i in range(100):
             pulled.append(i)
-            yield [f"document {i}"]
+            yield [f"document {i}"], [f"where {i}"]
 
     with multiprocessing.Pool(2, initializer=fineweb._init_worker) as pool:
         results = fineweb.tokenize_in_order(chunks(), pool, max_in_flight=4)
@@ -401,6 +402,86 @@ def test_undecodable_bytes(tmp_path):
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
 
 
+LONE_SURROGATE_LINE = '{"text": "abc \\ud800 def"}\n'  # as web dumps hold: JSON's escape without its pair
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # in the main process, and across the worker pool
+def test_lone_surrogate_is_one_line_or_replaced(tmp_path, workers):
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "hello"}\n\n' + LONE_SURROGATE_LINE + '{"text": "after"}\n')
+    out = tmp_path / "new" / "out"
+    result = run_cli("--files", path, "--out-dir", out, "--workers", workers)
+    assert error_line(result) == (
+        f"error: {path}:3: the text holds a lone surrogate U+D800 (half of a UTF-16 pair, as JSON's \\ud800 "
+        "without its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass "
+        "--utf8-errors replace to tokenize U+FFFD in its place")
+    assert not (tmp_path / "new").exists()
+
+    replaced = run_cli("--files", path, "--out-dir", out, "--workers", workers, "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(out)
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["hello", "abc \ufffd def", "after"]))
+
+
+def test_lone_surrogate_in_a_document_that_quotes_endoftext(tmp_path):
+    # such a document is encoded on its own: tiktoken's encode_ordinary would replace the surrogate silently
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "<|endoftext|> \\udfff"}\n')
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert error_line(result).startswith(f"error: {path}:1: the text holds a lone surrogate U+DFFF (")
+    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["<|endoftext|> \ufffd"]))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_text_tiktoken_cannot_tokenize_is_one_line_naming_it(tmp_path, workers):
+    # tiktoken's regex gives up on ~1M characters of whitespace before a word (a ValueError; its
+    # encode_ordinary panics instead, a BaseException that would have ended a worker)
+    path = tmp_path / "padded.txt"
+    path.write_text("first line\n" + "a" + " " * 1_000_000 + "b\nlast line\n")
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", workers)
+    assert error_line(result) == (
+        f"error: {path}:2: tiktoken cannot tokenize this document (ValueError: Regex error while tokenizing: Error "
+        "executing regex: Max stack size exceeded for backtracking); fix it or leave it out (--debug shows the "
+        "traceback)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch):
+    import multiprocessing
+
+    class PanicException(BaseException):  # as tiktoken's Rust panics arrive: not an Exception
+        pass
+
+    class Panicking:
+        def encode_to_numpy(self, text, **kwargs):
+            if "bad" in text:
+                raise PanicException("called `Result::unwrap()`\non an `Err` value")
+            return np.array([1, 2], dtype=np.uint32)
+
+    monkeypatch.setattr(fineweb, "_worker_encoding", Panicking())  # forked workers inherit it
+    chunks = [(["ok"], ["x.jsonl:1"]), (["fine", "bad", "bad too"], ["x.jsonl:2", "x.jsonl:3", "x.jsonl:4"])]
+    with multiprocessing.Pool(1, initializer=fineweb._init_worker) as pool:  # the panic used to end the worker
+        results = fineweb.tokenize_in_order(iter(chunks), pool, max_in_flight=2)
+        assert next(results).tolist() == [1, 2]
+        with pytest.raises(fineweb.UserError) as raised:
+            next(results)
+    assert str(raised.value) == ("x.jsonl:3: tiktoken cannot tokenize this document (PanicException: called "
+                                 "`Result::unwrap()` on an `Err` value); fix it or leave it out (--debug shows the "
+                                 "traceback)")
+    # the worker's own traceback comes along, for --debug
+    assert "in encode_to_numpy" in str(raised.value.__cause__.__cause__)
+
+    chunk = ["a" * 10, "b" * 30, "c"]
+    monkeypatch.setattr(fineweb, "encode_documents", lambda enc, docs: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(fineweb.ChunkError) as raised:
+        fineweb.tokenize_chunk(None, chunk, "strict")
+    assert str(raised.value.located(["d:1", "d:2", "d:3"])) == (
+        "cannot tokenize the 3 documents from d:1 to d:3: not enough memory (the longest is 30 characters)")
+
+
 @pytest.mark.parametrize("offline", ["dead proxy", "HF_HUB_OFFLINE"])
 def test_hub_unreachable_fails_at_once_and_leaves_no_folder(tmp_path, offline):
     env = {"HF_HOME": str(tmp_path / "hf"), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
@@ -611,15 +692,111 @@ def test_all_val_shards_is_said(tmp_path):
                                               "so train_gpt2.py finds no train shards here")
 
 
-def test_tokenizer_unreachable_points_to_tiktoken_cache_dir(tmp_path):
+# --- the GPT-2 BPE shipped in bpe/ ----------------------------------------------------------------
+
+UNICODE_SAMPLES = ["naïve café — 日本語のテキスト 🙂👍🏽 ﷽", "x = {'a': 1}\r\n\tif x:\n        return None  ",
+                   "  leading and trailing   ", "'s 've 're 'll 'd 'm 't", "Ünïcödé İ ß ǅ Ω ℵ 𝔘𝔫𝔦", "\u200b\u00a0\u3000",
+                   "12,345.67e-8 0x1F", "", "a<|endoftext|>b<|endoftext|>"]
+
+
+def test_shipped_bpe_tokenizes_exactly_as_tiktoken(shared_data):
+    shipped = fineweb.shipped_encoding()
+    assert Path(fineweb.SHIPPED_BPE) == Path(FINEWEB).parent / "bpe" / "r50k_base.tiktoken"
+    assert (shipped.name, shipped.n_vocab, shipped.eot_token, shipped.max_token_value) == ("r50k_base", 50257, EOT, EOT)
+    assert shipped._mergeable_ranks == ENC._mergeable_ranks and shipped._pat_str == ENC._pat_str
+    assert shipped._special_tokens == ENC._special_tokens == {"<|endoftext|>": EOT}
+
+    text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tokens = shipped.encode_ordinary(text)
+    assert len(tokens) == 338_025 and tokens == ENC.encode_ordinary(text) and shipped.decode(tokens) == text
+    for sample in UNICODE_SAMPLES:
+        assert shipped.encode_ordinary(sample) == ENC.encode_ordinary(sample), sample
+        assert shipped.encode(sample, allowed_special="all") == ENC.encode(sample, allowed_special="all"), sample
+        assert shipped.decode(shipped.encode_ordinary(sample)) == sample
+    # <|endoftext|>: the special id when allowed, ordinary text otherwise, refused by default
+    assert shipped.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"}) == [64, EOT, 65]
+    assert shipped.encode_ordinary("<|endoftext|>") == ENC.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    with pytest.raises(ValueError, match="disallowed special token"):
+        shipped.encode("<|endoftext|>")
+
+
+def offline_env(tmp_path):
+    """A machine without internet that has never cached the BPE: no TIKTOKEN_CACHE_DIR, an empty
+    home, XDG cache and temporary folder (tiktoken's default cache is TMPDIR/data-gym-cache), and
+    proxies that refuse every connection."""
+    env = {key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    for name in ("home", "cache", "tmp"):
+        (tmp_path / name).mkdir(parents=True)
+    dead = "http://127.0.0.1:9"
+    env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"),
+               HTTPS_PROXY=dead, HTTP_PROXY=dead, https_proxy=dead, http_proxy=dead)
+    return env
+
+
+def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
+    env = offline_env(tmp_path)
+    docs = ["hello world", "naïve café 🙂", "text that quotes <|endoftext|>"]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
+    result = subprocess.run([sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out", "--workers", "2"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(docs))
+
+    round_trip = ("import fineweb; enc = fineweb.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
+                  "allowed_special={'<|endoftext|>'}); print(tokens, enc.decode(tokens) == 'naïve <|endoftext|> 🙂')")
     (tmp_path / "empty").mkdir()
+    for cache in ({}, {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}):  # unset, or set to a folder without it
+        result = subprocess.run([sys.executable, "-c", round_trip], capture_output=True, text=True, env={**env, **cache},
+                                cwd=Path(FINEWEB).parent, timeout=60)
+        assert (result.stdout, result.stderr) == (f"{ENC.encode('naïve <|endoftext|> 🙂', allowed_special='all')} True\n", "")
+    assert list((tmp_path / "empty").iterdir()) == []
+    assert [p for name in ("home", "cache", "tmp") for p in (tmp_path / name).rglob("*")] == []  # nothing cached
+
+
+def copy_of_fineweb(tmp_path, bpe: bytes | None):
+    """fineweb.py and cli.py in a folder of their own, with bpe/r50k_base.tiktoken holding bpe (None: no file)."""
+    folder = tmp_path / "repo"
+    (folder / "bpe").mkdir(parents=True)
+    for name in ("fineweb.py", "cli.py"):
+        (folder / name).write_bytes((Path(FINEWEB).parent / name).read_bytes())
+    if bpe is not None:
+        (folder / "bpe" / "r50k_base.tiktoken").write_bytes(bpe)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["one rank changed", "cut short"])
+def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
+    data = Path(fineweb.SHIPPED_BPE).read_bytes()
+    bad = data.replace(b" 1000\n", b" 1001\n") if damage == "one rank changed" else data[:-100]
+    folder = copy_of_fineweb(tmp_path, bad)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    # a dead proxy makes the download fail at once instead of waiting on the network
-    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9",
-           "https_proxy": "http://127.0.0.1:9"}
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", env=env, timeout=30)
+    result = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, env=offline_env(tmp_path), timeout=60)
+    shipped = (folder / "bpe" / "r50k_base.tiktoken").resolve()
+    digest = hashlib.sha256(bad).hexdigest()
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: could not load the GPT-2 tokenizer: {shipped} is damaged (sha256 {digest[:16]}..., expected "
+        "306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that "
+        "holds tiktoken's cached r50k_base file\n"))
+    assert not (tmp_path / "out").exists()
+
+    # a tiktoken cache still comes first
+    cached = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": os.environ["TIKTOKEN_CACHE_DIR"]})
+    assert cached.returncode == 0, cached.stderr
+
+
+def test_missing_shipped_bpe_offline_is_one_line(tmp_path):
+    folder = copy_of_fineweb(tmp_path, None)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    result = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, env=offline_env(tmp_path), timeout=60)
     assert result.returncode == 2
     line = only_line(result)
-    assert line.startswith("error: could not load the GPT-2 tokenizer (tiktoken 'r50k_base': ")
-    assert line.endswith("offline, set TIKTOKEN_CACHE_DIR to a folder that holds its cached rank file")
+    assert line.startswith(f"error: could not load the GPT-2 tokenizer: {(folder / 'bpe').resolve()}/r50k_base.tiktoken "
+                           "is missing and tiktoken could not fetch 'r50k_base' (")
+    assert line.endswith("); restore the file (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                         "tiktoken's cached r50k_base file")
     assert not (tmp_path / "out").exists()
