@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from cli import UserError
+
 
 class MuonWithAdamW:
     """Muon on some parameters, AdamW on the others. Muon's LR follows the LR schedule: at every
@@ -16,6 +18,9 @@ class MuonWithAdamW:
     The ratio comes from the flags of this run, not from a checkpoint."""
 
     def __init__(self, adamw: torch.optim.AdamW, matrices: list, muon_lr: float, muon_momentum: float, max_lr: float):
+        if not hasattr(torch.optim, "Muon"):  # requirements.txt asks for 2.6, which AdamW runs need
+            raise UserError(f"--optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is torch "
+                            f"{torch.__version__}: pip install -U torch, or use --optimizer adamw")
         # Nesterov momentum, 5 Newton-Schulz steps, LR x sqrt(max(1, rows / cols)) (torch's defaults, Keller
         # Jordan's Muon); no weight decay, as in modded-nanogpt and nanochat (torch's 0.1 at LR 0.02 would
         # shrink every matrix by 0.2% a step, 30x AdamW's decay at GPT-2's LR)

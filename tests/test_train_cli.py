@@ -88,6 +88,14 @@ def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, mess
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
 
 
+def test_muon_on_a_torch_without_it_is_one_line(data_dir, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.delattr(torch.optim, "Muon")  # torch before 2.9
+    assert tg.main(train_args(data_dir, tmp_path, 4, "--optimizer", "muon", steps=1)) == 2
+    assert capsys.readouterr().err == (f"error: --optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is "
+                                       f"torch {torch.__version__}: pip install -U torch, or use --optimizer adamw\n")
+
+
 def test_empty_data_dir_and_missing_val(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert tg.main(train_args(str(tmp_path / "empty"), tmp_path / "o", 4, steps=1)) == 2
