@@ -66,10 +66,10 @@ class RunConfig:
     data_dir: str = "edu_fineweb10B"
     out_dir: str = "out"
     align_docs: bool = False
-    shuffle: bool = False
+    shuffle: bool | None = None  # None: shuffled, or a resumed run's order (runs before this default read in order)
     doc_mask: bool = False  # attention and positions inside each document of a row (doc_mask.py)
-    # batch: batch_size rows of seq_len tokens per rank per micro-step
-    batch_size: int = 64
+    # batch: batch_size rows of seq_len tokens per rank per micro-step; "auto": the largest that fits
+    batch_size: int | str | None = None  # None: auto on CUDA, 64 elsewhere
     seq_len: int | None = None  # None: the model's block size, at most 1024
     total_batch_size: int = 524288  # tokens per optimizer step over all ranks (2**19)
     # optimization
@@ -80,6 +80,9 @@ class RunConfig:
     lr_schedule: str = "cosine"  # after warmup: cosine, linear, or wsd (warmup-stable-decay)
     cooldown_frac: float = 0.2  # wsd: the last 20% of max_steps decay linearly to min_lr
     weight_decay: float = 0.1
+    optimizer: str = "adamw"  # or "muon": Muon on the blocks' matrices (lr, momentum: modded-nanogpt's, nanochat's)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling and checkpoints (0 disables each)
     val_every: int = 250
@@ -163,20 +166,22 @@ import torch.utils.checkpoint
 import hellaswag  # defines: evaluate (HellaSwag accuracy of the model it is given), resolve_data_file, load_examples
 import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our config and state dict)
 from checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
-    check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
+    ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss  # defines: lm_head + loss in chunks, without the logits
 from doc_mask import BlockMask, document_attention, flex_attention  # defines: --doc-mask's positions and masks
 from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader, shard identity
     EOT, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
+from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
 from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
-    StopSignal, Throughput, UpdateGuard, check_model_fits, flops_per_token, is_out_of_memory, mfu_peak,
-    nonfinite_state, out_of_memory_error, peak_memory)
+    StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
+    mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
 from launch import (  # defines: device and dtype, the process group, rank-0 decisions, rank agreement and faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, decided_on_rank0, exit_code_on_every_rank,
     is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
-from out_dir import OutDirLock, RunLog, open_sinks, prepare_out_dir, set_aside_later_branch  # defines: the run folder
+from optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
+from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from sample import sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
 
 
@@ -289,13 +294,11 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0, doc_mask=False):
-        """Logits (B, T, real vocabulary: fineweb.real_vocab_size; the padded ids carry no probability)
-        and, with targets, the cross-entropy over targets != -1.
-
-        reduction="sum" returns the summed token loss, which token-normalized gradient
-        accumulation scales by the step's global token count; "none" each target's (0 if ignored).
-        loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows and returns
-        no logits. doc_mask: each document of a row attends to itself only, from position 0."""
+        """Logits (B, T, real vocabulary: the padded ids carry no probability) and, with targets, the
+        cross-entropy over targets != -1: summed with reduction="sum" (token-normalized gradient
+        accumulation scales it by the step's global token count), each target's with "none" (0 if
+        ignored). loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows
+        and returns no logits. doc_mask: each document of a row attends to itself only (doc_mask.py)."""
         x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
         n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, not used
         if targets is None:
@@ -359,9 +362,9 @@ class GPT(nn.Module):
         return model.to(device).eval()
 
     @classmethod
-    def from_hf(cls, name_or_dir: str, vocab_size=None, block_size=None, pad_init="mean", flag="--init-from") -> GPT:
-        """The GPT holding a Hugging Face GPT-2's weights (hf_interop.gpt2_state_from_hf), fp32 on the CPU."""
-        config, state = hf_interop.gpt2_state_from_hf(name_or_dir, vocab_size, block_size, pad_init, flag)
+    def from_hf(cls, name_or_dir: str, vocab_size=None, block_size=None, **options) -> GPT:
+        """The GPT holding a Hugging Face GPT-2's weights (hf_interop.gpt2_state_from_hf's), fp32 on the CPU."""
+        config, state = hf_interop.gpt2_state_from_hf(name_or_dir, vocab_size, block_size, **options)
         model = cls(GPTConfig(**config))
         model.load_state_dict(state)
         return model.eval()
@@ -581,7 +584,7 @@ class Prefetcher:
 
 
 def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
-    """The shards of data_dir (names and sizes) that every rank of a launch must share (a missing
+    """The shards of data_dir (names, sizes, contents) that every rank of a launch must share (a missing
     folder or split is left to TokenRows to refuse)."""
     items = []
     for split in ("train", "val"):
@@ -631,14 +634,21 @@ def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str |
     return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
 
 
-def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, device_type: str):
-    """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms."""
+def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, device_type: str,
+                    muon_lr: float | None = None, muon_momentum: float = 0.95):
+    """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms. With muon_lr,
+    Muon takes the blocks' weight matrices, as modded-nanogpt and nanochat split them, and AdamW the
+    rest: the tied token embedding / lm_head, the positions, LayerNorms and biases."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied weight appears once
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+    matrices = {p for p in model.transformer.h.parameters() if p.dim() == 2} if muon_lr else set()
+    groups = [dict(params=[p for p in params if p.dim() >= 2 and p not in matrices], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
     # the fused kernel does the whole update in one launch (CUDA, CPU and MPS have one)
     fused = device_type in ("cuda", "cpu", "mps")
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    if not muon_lr:
+        return adamw
+    return MuonWithAdamW(adamw, [p for p in params if p in matrices], muon_lr, muon_momentum, learning_rate)
 
 
 # -----------------------------------------------------------------------------
@@ -696,10 +706,10 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
 
 @torch.no_grad()
 def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int, device: str,
-                  dtype: torch.dtype, token_bytes, loss_chunk: int = 0, doc_mask=False) -> tuple[float, float | None]:
-    """Token-weighted mean loss over the first n_batches x world x B rows of a stream, and its bits per
-    byte: the summed loss of the targets with text, in bits, over their UTF-8 bytes (token_bytes: of
-    each id, fineweb.token_byte_lengths); None if no target has any."""
+                  dtype: torch.dtype, token_bytes, loss_chunk: int = 0, doc_mask=False) -> dict:
+    """{val_loss: token-weighted mean loss over the first n_batches x world x B rows of a stream,
+    val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
+    bytes (token_bytes: of each id, fineweb.token_byte_lengths); left out if no target has any}."""
     model.eval()
     token_bytes = torch.as_tensor(token_bytes, device=device)
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
@@ -707,12 +717,11 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
         x, y = (torch.from_numpy(a).to(device) for a in rows.batch((i * world + rank) * B, B))
         with autocast_context(torch.device(device).type, dtype):
             _, losses = model(x, y, reduction="none", loss_chunk=loss_chunk, doc_mask=doc_mask)
-        y = y.view(-1)
-        n_bytes = token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)
+        n_bytes = (token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)).flatten()
         totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
     model.train()
     loss_sum, n_targets, text_loss, n_bytes = all_reduce_sum(totals).tolist()
-    return loss_sum / n_targets, text_loss / (math.log(2) * n_bytes) if n_bytes else None
+    return dict(val_loss=loss_sum / n_targets, **(dict(val_bpb=text_loss / (math.log(2) * n_bytes)) if n_bytes else {}))
 
 
 def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
@@ -770,7 +779,7 @@ class Trainer:
             print0(f"--init-from {run.init_from}: {model_cfg}")
         run.seq_len = run.seq_len or min(model_cfg.block_size, 1024)
         self.model_cfg = model_cfg
-        self.grad_accum_steps = train_flags.validate_config(run, model_cfg, d.world_size)
+        self.rows_per_rank = train_flags.validate_config(run, model_cfg, d.world_size, d.device_type)  # per step
         check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
         self._choose_precision_and_compile()
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -783,8 +792,10 @@ class Trainer:
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
-        self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
         self.compiled_once, self.last_ckpt = False, self.ckpt_path
+        run.batch_size = choose_micro_batch(self.forward_backward, self.model, self.optimizer, self.rows_per_rank, run,
+                                            self.val_rows, d, self.use_compile, self.log, self.start_step)
+        self.use_micro_batch(run.batch_size)
         if not run.eval_only and 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
             cli.print_warning(f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
                               f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
@@ -813,21 +824,20 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
 
     def _build_data(self):
-        """Train and val rows, the step loader, the tokenizer and the HellaSwag file."""
+        """Train and val rows, the tokenizer and the HellaSwag file."""
         run, d, vocab_size = self.run, self.d, self.model_cfg.vocab_size
         self.train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
                                     vocab_size, progress=d.is_main)
-        self.loader = StepLoader(self.train_rows, run.batch_size, self.grad_accum_steps, d.rank, d.world_size)
-        if self.train_rows.rows_per_epoch < self.loader.rows_per_step:
-            raise UserError(f"the train shards hold {self.train_rows.rows_per_epoch} rows of {run.seq_len} tokens, "
-                            f"fewer than one optimizer step ({self.loader.rows_per_step} rows): lower --total-batch-size")
+        if self.train_rows.rows_per_epoch < self.rows_per_rank * d.world_size:
+            raise UserError(f"the train shards hold {self.train_rows.rows_per_epoch} rows of {run.seq_len} tokens, fewer "
+                            f"than one optimizer step ({self.rows_per_rank * d.world_size} rows): lower --total-batch-size")
         self.val_rows = None
         if run.val_every:
             try:
                 self.val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=vocab_size)
             except UserError as e:
                 raise UserError(f"{e} (or pass --val-every 0)") from None
-            val_rows_needed = run.val_steps * run.batch_size * d.world_size
+            val_rows_needed = run.val_steps * (1 if run.batch_size == "auto" else run.batch_size) * d.world_size
             if self.val_rows.rows_per_epoch < val_rows_needed:
                 raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
                                 f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
@@ -839,6 +849,12 @@ class Trainer:
             # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
             run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
             hellaswag.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
+
+    def use_micro_batch(self, B: int):
+        if hasattr(self, "prefetcher"):  # after an out-of-memory: it holds micro-batches of the old size
+            self.prefetcher.close()
+        self.loader = StepLoader(self.train_rows, B, self.rows_per_rank // B, self.d.rank, self.d.world_size)
+        self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
 
     def _resume_checkpoint(self) -> str | None:
         """The checkpoint to start from (None: from scratch). Training claims --out-dir first (rank 0
@@ -866,10 +882,12 @@ class Trainer:
             shard_model(self.raw_model, self.d, self.dtype, compile_model if self.use_compile else None)
         else:
             self.raw_model.to(self.device)
-        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type)
-        self.start_step, self.log_point = 0, None
+        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type,
+                                         run.muon_lr if run.optimizer == "muon" else None, run.muon_momentum)
+        self.start_step, self.resumed = 0, None
         if self.ckpt_path:
-            self._load_resume_state(self.ckpt_path)
+            self._load_resume_state(self.ckpt_path)  # (a resume without --[no-]shuffle takes its order)
+        self.train_rows.shuffle = run.shuffle = run.shuffle is not False
         self.raw_model.activation_checkpointing = run.activation_checkpointing
 
     def _wrap_model(self):
@@ -888,20 +906,13 @@ class Trainer:
                              gradient_as_bucket_view=True)
 
     def _open_log(self):
-        """Rank 0: log.jsonl, cut back to the resumed checkpoint after its later branch is set aside.
-        A run with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
+        """Rank 0: the run's identity (a resume of an earlier step is a branch: a new id naming its parent),
+        its log.jsonl and trackers, each record stamped with the id; every check of the folder comes before
+        its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). A run
+        with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
         run = self.run
         writes = not run.eval_only and not (self.ckpt_path and self.start_step >= run.max_steps)
-        if writes and self.ckpt_path:
-            set_aside_later_branch(run.out_dir, self.start_step, self.log_point, self.ckpt_path)
-        resumed_at = self.start_step if self.ckpt_path else None
-        sinks = open_sinks(run, self.model_cfg, resumed_at) if writes else []
-        self.log = RunLog(run.out_dir, writes, self.log_point, self.ckpt_path)  # (after the sinks: a W&B that
-        self.log.sinks = sinks  # cannot start leaves no empty log.jsonl behind)
-        if resumed_at is not None:
-            self.log.resend_step(resumed_at)
-        if writes and self.ckpt_path:
-            self.log.write(event="resume", step=self.start_step)  # plot_log.py marks it on the curves
+        self.log = open_run_log(run, self.model_cfg, self.resumed) if writes else RunLog(run.out_dir, enabled=False)
 
     # ---- checkpoints
 
@@ -909,7 +920,7 @@ class Trainer:
         ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)])
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
         load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
-        self.start_step, self.log_point = ckpt["step"], (ckpt["log_offset"], ckpt["log_sha256"])
+        self.start_step, self.resumed = ckpt["step"], ResumePoint.of(path, ckpt)
         if self.start_step > self.run.max_steps and not self.run.eval_only:
             raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "
                             "pass a larger --max-steps to train on")
@@ -938,7 +949,7 @@ class Trainer:
                      model_config=dataclasses.asdict(self.model_cfg), run_config=dataclasses.asdict(self.run),
                      rng_cpu=torch.get_rng_state(), world_size=self.d.world_size,
                      next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
-        state["log_offset"], state["log_sha256"] = self.log.position()
+        state.update(self.log.position())  # the log's length and sha256 at this step, and the run's identity
         state["data_files"] = self.data_files()
         state["skip_state"] = self.guard.state_dict()
         if self.device_type == "cuda":
@@ -976,12 +987,12 @@ class Trainer:
         queued without waiting, so dt runs from this step's start to the next sync and includes the
         GPU finishing the previous step's update: in a steady run, the time per step."""
         t0 = time.perf_counter()
-        micro_batches, n_tokens = self.prefetcher.get(step)  # 1. the step's rows, and N: known before any backward
-        loss_total = self.forward_backward(micro_batches, n_tokens)  # 2. each micro-batch: backward of sum * W / N
+        # 1. the step's rows, and N: known before any backward; 2. each micro-batch: backward of sum * W / N
+        loss_total, n_tokens = retry_on_oom(lambda: self.forward_backward(*self.prefetcher.get(step)), step, self.loader.B,
+                                            self.rows_per_rank, self.d, self.optimizer, self.use_micro_batch, self.log)
         loss_sum, norm, stop_requested = self.reduce_and_clip(loss_total)  # 3. one all-reduce, the norm, the clip
-        lr = get_lr(step, self.run)  # 4. the LR of this step
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = get_lr(step, self.run)  # 4. the LR of this step (Muon's follows it: optimizers.py)
+        set_lr(self.optimizer, lr)
         skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 5. the guard
         if self.scaler:  # 6. the update (fused AdamW takes fp16's inf flag on the device: no sync)
             if not skipped:
@@ -992,19 +1003,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_requested, skipped)
 
-    def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
-        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad.
+    def forward_backward(self, micro_batches, n_tokens: int) -> tuple[torch.Tensor, int]:
+        """This rank's summed token loss, and N; leaves d(step token-mean loss)/d(param) in .grad.
         Compilation happens in the first step: if it fails, the run goes on eagerly."""
         def run():
             return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
-                                        self.dtype, self.loss_chunk, self.scaler, self.run.doc_mask)
+                                        self.dtype, self.loss_chunk, self.scaler, self.run.doc_mask), n_tokens
         if not self.use_compile or self.compiled_once:
             return run()
         try:
             loss_total = run()
         except Exception as e:  # dynamo, inductor, Triton and the C++ toolchain fail in many types
-            while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
-                e = inner  # dynamo wraps the backend's error: name the root cause
+            e = compile_failure_cause(e)  # (an out-of-memory is no compile failure: raised, for retry_on_oom)
             print0(f"compile failed, continuing without it: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
             self.use_compile = False
             self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
@@ -1077,10 +1087,9 @@ class Trainer:
         def due(every):
             return every and (step % every == 0 or last_step)
         if self.val_rows and due(run.val_every):
-            val_loss, val_bpb = evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
-                                              d.world_size, self.device, self.dtype, self.token_bytes,
-                                              self.loss_chunk, run.doc_mask)
-            results.update(val_loss=val_loss, **({} if val_bpb is None else dict(val_bpb=val_bpb)))
+            results.update(evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
+                                         d.world_size, self.device, self.dtype, self.token_bytes, self.loss_chunk,
+                                         run.doc_mask))
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
@@ -1126,8 +1135,8 @@ class Trainer:
         print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
                + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
-        print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
-               f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "
+        print0(f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {run.seq_len} tokens x "
+               f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
     def log_step(self, step: int, r: StepResult):

@@ -1,8 +1,9 @@
 """fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
 
-CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py), or from the copy
-in bpe/ where a test unsets it.
+CPU only, offline: the commands read the GPT-2 BPE from the copy in bpe/ (or a TIKTOKEN_CACHE_DIR a
+test sets); the reference encoding is tiktoken's own, from its cached download in ../shared.
 """
+import argparse
 import gzip
 import hashlib
 import json
@@ -19,10 +20,27 @@ import pytest
 import tiktoken
 
 import fineweb
+from conftest import SHARED
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
-ENC = tiktoken.get_encoding("r50k_base")
+
+
+def reference_encoding() -> tiktoken.Encoding:
+    """tiktoken's own r50k_base, from its cached download in ../shared (not fineweb's copy in bpe/),
+    loaded without leaving TIKTOKEN_CACHE_DIR set for the commands the tests run."""
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+
+
+ENC = reference_encoding()
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -160,10 +178,15 @@ def test_parse_size(text, value):
     assert fineweb.parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "1.5", "-3M", "M", "inf", "nan"])
-def test_parse_size_rejects(text):
-    with pytest.raises(Exception, match="not a"):
+@pytest.mark.parametrize("text, message", [
+    ("abc", "not a size: 'abc' (examples: 20M, 1e8, 100000)"), ("M", "not a size: 'M' (examples: 20M, 1e8, 100000)"),
+    ("1.5", "not a whole number: '1.5'"), ("inf", "not a whole number: 'inf'"), ("nan", "not a whole number: 'nan'"),
+    ("0", "must be in 1..2**62, got 0"), ("-3M", "must be in 1..2**62, got -3000000"),
+    ("1e19", f"must be in 1..2**62, got {10**19}")])
+def test_parse_size_rejects(text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as e:
         fineweb.parse_size(text)
+    assert str(e.value) == message
 
 
 def test_import_is_light_and_silent():
@@ -629,8 +652,7 @@ def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, ot
 
 @pytest.mark.parametrize("flags, message", [
     (["--prefix", "sub/x"], "--prefix 'sub/x' is the start of a file name, not a path"),
-    (["--workers", "0"], "--workers must be at least 1, got 0"),
-    (["--val-shards", "-1"], "--val-shards must be at least 0, got -1"),
+    (["--val-shards", "-1"], "argument --val-shards: must be in 0..2**62, got -1 (see fineweb.py --help)"),
     (["--format", "bin", "--shard-size", "3G"], "--format bin stores the token count as int32: use --shard-size below 2G"),
     (["--dataset", "x/y"], "--files reads local files; leave out --dataset, --name and --split"),
 ])
@@ -784,7 +806,7 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
     # a tiktoken cache still comes first
     cached = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
                             capture_output=True, text=True, timeout=60,
-                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": os.environ["TIKTOKEN_CACHE_DIR"]})
+                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")})
     assert cached.returncode == 0, cached.stderr
 
 
@@ -800,3 +822,53 @@ def test_missing_shipped_bpe_offline_is_one_line(tmp_path):
     assert line.endswith("); restore the file (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds "
                          "tiktoken's cached r50k_base file")
     assert not (tmp_path / "out").exists()
+
+
+def test_shard_files_tell_contents_apart(tmp_path):
+    """The ranks' start-up check and a resume compare shards by content: the sha256 fineweb.py's
+    manifest records and a sampled sha256 (the whole file when it is small), not only names and sizes."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs()])
+    assert fineweb.main(["--files", str(path), "--out-dir", str(tmp_path / "a"), "--shard-size", "4000",
+                         "--workers", "1"]) == 0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
+    a = fineweb.shard_files(paths)
+    whole = [hashlib.sha256(b"%d" % shard["bytes"] + open(p, "rb").read()).hexdigest()  # small files: all of it
+             for shard, p in zip(manifest["shards"], paths)]
+    assert a == [(shard["file"], shard["bytes"], digest, shard["sha256"]) for shard, digest in zip(manifest["shards"], whole)]
+    (tmp_path / "b").mkdir()  # the same shards without the manifest, then one with other tokens of its size
+    copies = [str(tmp_path / "b" / os.path.basename(p)) for p in paths]
+    for p, copy in zip(paths, copies):
+        np.save(copy, np.load(p))
+    b = fineweb.shard_files(copies)
+    assert [entry[:3] for entry in b] == [entry[:3] for entry in a] and {entry[3] for entry in b} == {None}
+    assert fineweb.differing_file(a, b) is None
+    name, n = a[1][0], a[1][1]
+    np.save(copies[1], (np.load(copies[1]) + 1) % 50257)
+    b = fineweb.shard_files(copies)
+    assert fineweb.differing_file(a, b) == (
+        name, f"{n} bytes of sampled content {a[1][2][:12]}", f"{n} bytes of sampled content {b[1][2][:12]}")
+    b[1] = (*b[1][:3], "f" * 64)  # both manifests list it: theirs is the sha256 compared first
+    assert fineweb.differing_file(a, b) == (name, f"{n} bytes of sha256 {a[1][3][:12]}", f"{n} bytes of sha256 ffffffffffff")
+    assert fineweb.differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
+    old = [(entry[0], entry[1]) for entry in a]  # a checkpoint written before contents were recorded
+    assert fineweb.differing_file(old, b) is None and fineweb.differing_file(b, old) is None
+    assert fineweb.differing_file(old, [(name, n - 2)]) == (name, f"{n} bytes", f"{n - 2} bytes")  # sorted: train first
+
+
+def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
+    """Above 16 x 64 KiB only the slices count: the header and the last byte do, a byte between two
+    slices does not (what a content change of a whole corpus cannot avoid, a single edit may)."""
+    path = tmp_path / "big.npy"
+    np.save(path, np.zeros(2_000_000, dtype=np.uint16))
+    size = path.stat().st_size
+    digests = {"as written": fineweb.sampled_sha256(str(path), size)}
+    stride = (size - fineweb.SAMPLE_BYTES) // (fineweb.SAMPLES - 1)
+    for what, offset in [("first byte", 0), ("last byte", size - 1), ("between slices", fineweb.SAMPLE_BYTES + 10)]:
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 1
+        (tmp_path / what).write_bytes(bytes(data))
+        digests[what] = fineweb.sampled_sha256(str(tmp_path / what), size)
+    assert stride > fineweb.SAMPLE_BYTES + 10  # that byte is in no slice
+    assert len({digests["as written"], digests["first byte"], digests["last byte"]}) == 3
+    assert digests["between slices"] == digests["as written"]

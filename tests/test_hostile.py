@@ -16,6 +16,7 @@ import torch
 import checkpoints
 import guards
 import train_gpt2 as tg
+from cli import UserError
 from conftest import REPO, SHARED, interrupt_when_blocked
 from test_resilience import args_for, log_records, resume_copy
 
@@ -51,8 +52,10 @@ def finished_run(data_dir, tmp_path_factory):
 @pytest.mark.parametrize("extra,message", [
     (["--max-lr", "inf"], "--max-lr must be a finite number, got inf"),
     (["--val-every", "5", "--val-steps", "0"], "--val-steps 0 with --val-every > 0 evaluates nothing"),
-    (["--seed", "-1", "--shuffle"], "--seed must be in 0..2**64-1, got -1"),
-    (["--batch-size", str(10**20)], f"--batch-size {10**20} is out of range: at most 2**62 = {2**62}"),
+    (["--seed", "-1", "--shuffle"], "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)"),
+    (["--batch-size", str(10**20)], f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py"),
+    (["--optimizer", "muon", "--fsdp"], "--optimizer muon does not run under --fsdp (Muon needs each whole weight "
+     "matrix, which FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw"),
     (["--dist-timeout", "1"], "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait"),
     (["--n-layer", "100000", "--n-embd", "8192"],
      "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "
@@ -72,7 +75,7 @@ def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
     assert not [f for f in os.listdir(out) if f.endswith(".pt")] if out.exists() else True
 
 
-@pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout"])
+@pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout", "--muon-lr"])
 def test_every_float_flag_must_be_finite(data_dir, tmp_path, capsys, flag):
     # the same check as --max-lr inf above, which runs as a subprocess: here in-process
     assert tg.main(args_for(data_dir, tmp_path, flag, "nan")) == 2
@@ -139,6 +142,53 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     assert_one_error_line(result, f"{path}: {message}")
 
 
+def test_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch):
+    """--keep-last of a live run may delete the checkpoint that export, sample.py or hellaswag.py is
+    loading: gone before it is opened, one line; gone once open, the open file loads whole."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    found = os.path.isfile
+
+    def found_then_removed(path):  # there when looked for, gone when opened
+        there = found(path)
+        if there and os.path.basename(path) == "ckpt_0000004.pt":
+            os.remove(path)
+        return there
+    monkeypatch.setattr(os.path, "isfile", found_then_removed)
+    with pytest.raises(UserError) as removed:
+        checkpoints.load_checkpoint(str(run))
+    assert str(removed.value) == (f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
+                                  f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}")
+    monkeypatch.undo()
+    loaded = torch.load
+
+    def removed_once_open(f, *args, **kwargs):
+        os.remove(run / "ckpt_0000002.pt")
+        return loaded(f, *args, **kwargs)
+    monkeypatch.setattr(torch, "load", removed_once_open)
+    assert checkpoints.load_checkpoint(str(run / "ckpt_0000002.pt"))["step"] == 2
+    assert os.listdir(run) == ["log.jsonl"]
+
+
+def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    # sample.py as users run it, with the newest checkpoint removed between finding and opening it
+    script = ("import os, runpy, sys\n"
+              "found = os.path.isfile\n"
+              "def found_then_removed(path):\n"
+              "    there = found(path)\n"
+              "    if there and os.path.basename(path) == 'ckpt_0000004.pt':\n"
+              "        os.remove(path)\n"
+              "    return there\n"
+              "os.path.isfile = found_then_removed\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path('sample.py', run_name='__main__')\n")
+    result = run_command("-c", script, "sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
+    assert_one_error_line(result, f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
+                                  f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}")
+
+
 def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"the user's own file")
     assert tg.main(args_for(data_dir, tmp_path, "--keep-last", "1", steps=4, ckpt_every=2)) == 0
@@ -153,11 +203,14 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
 def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run, data_dir, tmp_path):
     other = tmp_path / "other"
     assert tg.main(args_for(data_dir, other, steps=2, ckpt_every=2)) == 0
-    before = {p.name: p.read_bytes() for p in other.iterdir()}
     given = finished_run / "ckpt_0000004.pt"
+    theirs, mine = (checkpoints.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
+    os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
     result = run_command("train_gpt2.py", *args_for(data_dir, other, "--resume", given, steps=6))
-    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given}: resuming "
-                                  "would corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
+                                  f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
+                                  "into the --out-dir of the checkpoint's own run, or a new one")
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     # into a folder without a log, the resumed run starts a log of its own
     assert tg.main(args_for(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0

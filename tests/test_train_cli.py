@@ -2,12 +2,14 @@
 and bad input is one clear line with a non-zero exit."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, run_cli
 from shards import shard_dir
@@ -73,23 +75,39 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     records = [json.loads(l) for l in open(tmp_path / "log.jsonl")]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
     train = [r for r in records if "loss" in r]
-    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu"}
+    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu",
+                             "run"}
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    # every record and checkpoint names the run: one random 128-bit id
+    run = checkpoints.read_run(str(tmp_path / "ckpt_0000004.pt"))
+    assert {r["run"] for r in records} == {run["id"]} and re.fullmatch("[0-9a-f]{32}", run["id"])
+    assert run == checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt")) and run["parent"] is None
     model = tg.GPT.from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
 
 
 @pytest.mark.parametrize("args,message", [
     (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
+    (["--batch-size", "auto", "--total-batch-size", "1000"],
+     "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32"),
     (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
     (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
     (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
     (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
+    (["--optimizer", "muon", "--muon-momentum", "1"], "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
     assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=2)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+def test_muon_on_a_torch_without_it_is_one_line(data_dir, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.delattr(torch.optim, "Muon")  # torch before 2.9
+    assert tg.main(train_args(data_dir, tmp_path, 4, "--optimizer", "muon", steps=1)) == 2
+    assert capsys.readouterr().err == (f"error: --optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is "
+                                       f"torch {torch.__version__}: pip install -U torch, or use --optimizer adamw\n")
 
 
 def test_empty_data_dir_and_missing_val(tmp_path, capsys):
@@ -148,7 +166,7 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
 
 
 LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "doc_mask", "checkpoints", "out_dir", "guards",
-                   "sample", "hellaswag", "hf_interop", "plot_log"]
+                   "sample", "hellaswag", "hf_interop", "plot_log", "fit_batch"]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
