@@ -51,9 +51,11 @@ def weights_after_one_step(model) -> dict:
 def assert_same_updates(stepped, ref_stepped, start):
     """The same weights after the step: measured at most 8.2e-8 apart for either optimizer (Muon
     orthogonalizes in bfloat16, where a gradient that differs in fp32's last bits may round to another
-    value), while the naive mean of micro-batch means moves them 2e-2 away."""
+    value), and 1.2e-6 with --doc-mask's batch, where one LayerNorm bias gradient is 2.1e-8, near
+    AdamW's eps of 1e-8: its first update lr * g / (|g| + eps) turns the 1.1e-11 by which fp32 sums
+    differ into 1.2e-6. The naive mean of micro-batch means moves the weights 2e-2 away."""
     for name in OPTIMIZERS:
-        assert_same_grads(ref_stepped[name], stepped[name], atol=1e-6, rtol=0)
+        assert_same_grads(ref_stepped[name], stepped[name], atol=2e-6, rtol=0)
         moved = max((stepped[name][k] - start[k]).abs().max().item() for k in start)
         assert moved > 5e-3, name  # the step moved the weights: the comparison is not vacuous
 
