@@ -1,4 +1,4 @@
-"""lm_head + cross-entropy in chunks of rows, never holding the (rows, vocab) logits.
+"""lm_head + cross-entropy: in chunks of rows, never holding the (rows, vocab) logits, or whole.
 
 With GPT-2's 50304-token vocabulary the logits of one micro-batch dwarf every activation
 (B=64, T=1024: 13 GB in fp32). On CPU the trainer computes the loss chunk by chunk, and the
@@ -9,6 +9,7 @@ nor recomputed. Returns sum(token losses) * scale over targets != IGNORE_INDEX.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-docs rows)
 
@@ -69,3 +70,13 @@ def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
         return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
     return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
 
+
+
+def full_lm_loss(h, weight, targets, reduction):
+    """Logits (B, T, vocab) of lm_head over h (B, T, C) and their cross-entropy over targets
+    != IGNORE_INDEX, in fp32. Compiled (launch.compile_model), the softmax fuses into one pass
+    over the logits instead of a full fp32 copy of them."""
+    logits = F.linear(h, weight)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets, ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+    return logits, loss
