@@ -295,8 +295,9 @@ def data_change(saved: dict | None, now: dict) -> str | None:
 
 
 def data_files(data_dir: str, train_paths: list[str], val_paths: list[str] | None) -> dict:
-    """The shards a run reads (fineweb.shard_files), and the sha256 of fineweb.py's manifest.json in
-    data_dir (None without one): a checkpoint keeps them, and a resume compares them (data_change)."""
+    """The shards a run reads (fineweb.shard_files: names, sizes, contents), and the sha256 of
+    fineweb.py's manifest.json in data_dir (None without one): a checkpoint keeps them, and a resume
+    compares them (data_change)."""
     digest = None
     with contextlib.suppress(OSError), open(os.path.join(data_dir, "manifest.json"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()

@@ -11,7 +11,9 @@ hf_interop.py, sample.py, plot_log.py):
   one rank can see (RankLocalError: a bad row of data it read, its own out-of-memory) is printed
   by that rank, named;
 - a warning (something accepted that the user may not have meant) is one `warning:` line on
-  stderr, from rank 0.
+  stderr, from rank 0;
+- every integer flag of every script is parsed by int_in (positive_int, non_negative_int): a
+  count out of its range is a usage error naming the flag, never a default taken instead.
 
 Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
 """
@@ -59,6 +61,42 @@ def print_error(message) -> None:
 
 def print_warning(message) -> None:
     print_line0(f"warning: {flat(message)}")
+
+
+MAX_COUNT = 2**62  # the largest count a flag takes: step, row and token arithmetic stays inside int64
+
+
+def _bound_text(n: int) -> str:
+    """2**62 as '2**62', 2**64-1 as '2**64-1', small numbers as they are."""
+    if n > 2**16 and n & (n - 1) == 0:
+        return f"2**{n.bit_length() - 1}"
+    if n > 2**16 and n & (n + 1) == 0:
+        return f"2**{n.bit_length()}-1"
+    return str(n)
+
+
+def check_count(value: int, low: int, high: int = MAX_COUNT) -> int:
+    """value, or argparse.ArgumentTypeError unless low <= value <= high (argparse prints it after
+    the flag's name: `error: argument --batch-size: must be in 1..2**62, got 0`)."""
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be in {low}..{_bound_text(high)}, got {value}")
+    return value
+
+
+def int_in(low: int, high: int = MAX_COUNT):
+    """The argparse type of an integer flag in low..high: a whole number in decimal ('1_000' too)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        return check_count(value, low, high)
+    parse.__name__ = f"int in {low}..{_bound_text(high)}"
+    return parse
+
+
+positive_int = int_in(1)  # sizes and counts that cannot be zero: --batch-size, --workers, --top-k
+non_negative_int = int_in(0)  # counts where 0 means none or off: --max-steps, --val-every, --limit
 
 
 class ArgumentParser(argparse.ArgumentParser):

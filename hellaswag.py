@@ -47,8 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--data-file", help=f"local copy of {DATA_NAME} (default: download it)")
     p.add_argument("--data-dir", help=f"where {DATA_NAME} is cached or downloaded to "
                                       "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
-    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all 10042)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--limit", type=cli.non_negative_int, default=0, help="score only the first N examples (0: all 10042)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None,
                    help="examples per forward pass (default: 16 on CUDA, 4 on CPU)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -388,9 +388,8 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
     example through its full logits (score_rows). Examples are batched in order of length,
     so little padding is computed. batch_size None: 16 on CUDA; 4 on CPU, where bigger
     batches save no more per-op overhead than they add in padding and memory traffic."""
-    batch_size = batch_size or (16 if torch.device(device).type == "cuda" else 4)
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {batch_size}")
+    if batch_size is None:
+        batch_size = 16 if torch.device(device).type == "cuda" else 4
     longest = model_block_size(model)
     if block_size and longest and block_size > longest:
         raise ValueError(f"block_size {block_size} is longer than the model's {longest}")
@@ -439,8 +438,6 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
     Returns {"acc": ..., "acc_norm": ..., "n": ...}: the summed and the per-token loss picks on
     the record's own text; with lm_eval also "lm_eval_acc" and "lm_eval_acc_norm": the summed
     and the per-character picks on lm-eval's text (its hellaswag task's acc and acc_norm)."""
-    if limit is not None and limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
     path = resolve_data_file(data_file, data_dir, flag)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
                                       "--out-dir folder for its newest checkpoint")
     e.add_argument("out_dir", help="directory for config.json and model.safetensors")
-    e.add_argument("--vocab-size", type=int, help="rows to keep (default: 50257, dropping the padding)")
+    e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     add_eval_parser(sub)
     return p.parse_args(argv)
@@ -62,9 +64,10 @@ def add_eval_parser(sub):
     e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
     e.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl: hellaswag runs from it through "
                                             "evals/hellaswag_local.yaml, without the Hub")
-    e.add_argument("--limit", type=int, help="examples per task (default: all)")
-    e.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own, 0 for hellaswag)")
-    e.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (default 8)")
+    e.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
+    e.add_argument("--num-fewshot", type=cli.non_negative_int,
+                   help="few-shot examples (default: each task's own, 0 for hellaswag)")
+    e.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
     e.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
@@ -76,7 +79,7 @@ if __name__ == "__main__":
 
 import torch
 
-from checkpoints import first_nonfinite, load_checkpoint, unwrap_model
+from checkpoints import first_nonfinite, latest_checkpoint, load_checkpoint, unwrap_model
 from cli import UserError, exit_code_of
 from fineweb import EOT, GPT2_VOCAB, get_encoding, os_error_reason
 
@@ -200,13 +203,15 @@ def _some(names: list) -> str:
 
 
 def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
-                       pad_init: str = "mean", flag: str = "--init-from") -> tuple[dict, dict]:
+                       pad_init: str = "mean", flag: str = "--init-from",
+                       pad_multiple: int = PAD_MULTIPLE) -> tuple[dict, dict]:
     """(model config, state dict) of our GPT (fp32, CPU) holding the weights of a Hugging Face
     GPT2LMHeadModel: the config's keys are GPTConfig's, the state dict's our parameter names.
 
     name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
     directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
-    the HF vocabulary rounded up to a multiple of 64, 50304 for GPT-2). block_size: at most
+    the HF vocabulary rounded up to a multiple of pad_multiple, 64: 50304 for GPT-2; sampling
+    passes 1, the HF vocabulary itself, so that no padded id is drawn). block_size: at most
     the HF n_positions (default: n_positions); a smaller one keeps the first positions.
     pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows.
     flag: the command-line flag that named the model, for error messages."""
@@ -223,7 +228,7 @@ def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_si
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
         raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
     n_real = cfg.vocab_size
-    vocab_size = _padded(n_real) if vocab_size is None else vocab_size
+    vocab_size = _padded(n_real, pad_multiple) if vocab_size is None else vocab_size
     if vocab_size < n_real:
         raise UserError(f"--vocab-size {vocab_size} is smaller than {source}'s vocabulary of {n_real}")
     block_size = cfg.n_positions if block_size is None else block_size
@@ -251,19 +256,22 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
 
     source: one of our checkpoints (a ckpt file, or a run's folder for its newest), or a GPT
     (DDP / torch.compile wrappers are fine). vocab_size: rows to keep; default GPT-2's 50257
-    when ours is at least that (the padded rows are dropped), else ours as it is. Returns out_dir."""
+    when ours is at least that (the padded rows are dropped), else ours as it is. Beside the model
+    goes EXPORT_MARK (the source checkpoint, its step and checksum): only a folder holding it, or an
+    empty one, is replaced by a later export. Returns out_dir."""
+    _check_replaceable(out_dir)  # before any work: a refusal changes nothing
+    mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)
     if isinstance(source, (str, os.PathLike)):
         ckpt = load_checkpoint(str(source), model_fields=EXPORTED_CONFIG)  # a field GPT-2 lacks is refused
         config, sd = argparse.Namespace(**ckpt["model_config"]), ckpt["model"]
+        path = latest_checkpoint(str(source)) if os.path.isdir(source) else str(source)
+        mark.update(checkpoint=os.path.abspath(path), step=ckpt.get("step"), checksum=ckpt["checksum"])
     else:
         model = unwrap_model(source)
         config, sd = model.config, model.state_dict()
     n_keep = (GPT2_VOCAB if config.vocab_size >= GPT2_VOCAB else config.vocab_size) if vocab_size is None else vocab_size
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"{out_dir} exists and is not a directory")
-
     GPT2Config, GPT2LMHeadModel = _import_transformers()
     special = dict(bos_token_id=EOT, eos_token_id=EOT) if n_keep > EOT \
         else dict(bos_token_id=None, eos_token_id=None)
@@ -291,25 +299,85 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
         _save_pretrained(hf, new_dir, shown=out_dir)
         if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
             _save_tokenizer(new_dir, shown=out_dir)
+        _write_json(os.path.join(new_dir, EXPORT_MARK), dict(mark, vocab_size=n_keep), shown=out_dir)
     return out_dir
 
 
+# The mark of an export: a folder that holds it (and only an export's files) was written by this
+# command and may be replaced by the next export; any other non-empty folder (a save_pretrained of
+# the user's own model looks the same otherwise) is left as it is. transformers, AutoTokenizer,
+# pipeline and lm-eval read only the files they know, so one more JSON file goes unnoticed.
+EXPORT_MARK = "gpt2_trainer_export.json"
+MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 1
 EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
+                "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", EXPORT_MARK}
+
+
+def _write_json(path: str, value: dict, shown: str):
+    try:
+        with open(path, "w") as f:
+            json.dump(value, f, indent=2)
+    except OSError as e:
+        raise UserError(f"cannot write the Hugging Face model to {shown}: {os_error_reason(e)}") from e
+
+
+def _is_marked_export(folder: str) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(folder, EXPORT_MARK)) as f:
+            mark = json.load(f)
+        return isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER
+    return False
+
+
+def _check_replaceable(out_dir: str):
+    """Refuse an out_dir that an export may not replace: a file, or a folder that is neither empty
+    nor an export this command marked (with nothing of the user's added to it)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir} exists and is not a directory")
+    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    if names and not _is_marked_export(out_dir):
+        raise UserError(f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
+                        "so it may hold a model of your own and is left as it is: export into a new or empty folder")
+    others = sorted(names - EXPORT_FILES)
+    if others:
+        raise UserError(f"{out_dir} holds files that are not a Hugging Face export ({', '.join(others[:3])}); "
+                        "export into a new or empty folder")
+
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the directory entries a and b in one step (Linux's renameat2 with RENAME_EXCHANGE): True,
+    or False where the C library or the file system lacks it (macOS, older glibc, some network file
+    systems); another failure is an OSError."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 @contextlib.contextmanager
 def _replacing_folder(out_dir: str):
     """A new temporary folder beside out_dir to write the export into, swapped in for out_dir only
     once every file is written: a failed write leaves an earlier export as it was (a new config.json
-    beside old weights loads silently with random layers), and no temporary folder behind. A folder
-    holding other files than an export's is refused rather than replaced, so no user file is lost."""
-    if os.path.isdir(out_dir):
-        others = sorted(set(os.listdir(out_dir)) - EXPORT_FILES)
-        if others:
-            raise UserError(f"{out_dir} holds files that are not a Hugging Face export ({', '.join(others[:3])}); "
-                            "export into a new or empty folder")
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    beside old weights loads silently with random layers), and no temporary folder behind. out_dir
+    has passed _check_replaceable: it is missing, empty, or an earlier export.
+
+    The swap: over a missing or empty folder one rename; over an earlier export one exchange of the
+    two folders (renameat2), so that out_dir always names a whole export, old or new, for a reader
+    loading it meanwhile; the old one is then deleted under the temporary name. Without the exchange,
+    two renames (the old export aside, the new one in) leave out_dir missing for that moment. A
+    symbolic link is followed: the folder it points to is replaced, the link stays."""
+    target = os.path.realpath(out_dir)
+    parent, name = os.path.split(target)
     try:
         new_dir = tempfile.mkdtemp(prefix=f".{name}.export-", dir=parent)
     except OSError as e:
@@ -320,16 +388,20 @@ def _replacing_folder(out_dir: str):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
-        if os.path.isdir(out_dir):
-            old_dir = new_dir + ".old"
-            os.rename(out_dir, old_dir)
-        try:
-            os.rename(new_dir, out_dir)
-        except OSError:
-            if old_dir:
-                os.rename(old_dir, out_dir)
-                old_dir = None
-            raise
+        if os.path.isdir(target) and os.listdir(target):
+            if _exchange(new_dir, target):
+                new_dir, old_dir = None, new_dir  # which now holds the earlier export
+            else:
+                old_dir = new_dir + ".old"
+                os.rename(target, old_dir)
+        if new_dir:
+            try:
+                os.replace(new_dir, target)  # over an empty folder too
+            except OSError:
+                if old_dir:
+                    os.rename(old_dir, target)
+                    old_dir = None
+                raise
         new_dir = None
     except OSError as e:
         raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
@@ -464,10 +536,6 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
     exported to a temporary Hugging Face directory: its results dict, with the per-example
     records under "samples"."""
     lm_eval, HFLM, TaskManager = _import_lm_eval()
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit must be positive, got {limit}")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be positive, got {batch_size}")
     manager, loaded = _load_tasks(TaskManager, tasks, hellaswag_file)
     with tempfile.TemporaryDirectory(prefix="hf_export_") as hf_dir:
         export_hf(source, hf_dir)

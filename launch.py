@@ -198,8 +198,8 @@ def first_difference(rank: int, mine: list, theirs: list) -> str | None:
             continue
         if what.startswith("--"):
             return f"{what} {a} on rank 0 but {what} {b} on rank {rank}"
-        name, size_a, size_b = differing_file(a, b)
-        return f"{what}: {name} is {size_a} on rank 0 but {size_b} on rank {rank}"
+        name, on_0, on_rank = differing_file(a, b)
+        return f"{what}: {name} is {on_0} on rank 0 but {on_rank} on rank {rank}"
     return None
 
 
@@ -207,7 +207,8 @@ def check_ranks_agree(fingerprint: list[tuple[str, object]]):
     """Under torchrun, refuse a launch whose ranks got different flags or data (a different
     --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
     replicas that silently drift apart). fingerprint: (what, value) pairs in order, "--flag"s and
-    shard lists (fineweb.shard_files). One all-gather; every rank raises the same error."""
+    shard lists (fineweb.shard_files: names, sizes and contents). One all-gather; every rank raises
+    the same error."""
     if not dist.is_initialized():
         return
     fingerprints = [None] * dist.get_world_size()

@@ -12,7 +12,8 @@
 # 3. training: on a CPU the `cpu` preset (4 layers, 128 wide; 100 steps of 2048 tokens, a few
 #    minutes), on a GPU the GPT-2 124M shape on the same data (200 steps of 128K tokens), with
 #    the trainer's GPU defaults (bf16, torch.compile), into out/quickstart (out/quickstart-gpu);
-# 4. HellaSwag on its first 200 examples (skipped, in one line, when the data cannot be had);
+# 4. HellaSwag on its first 200 examples (QUICKSTART_HELLASWAG_ARGS may ask for another number;
+#    skipped, in one line, when the data cannot be had);
 # 5. the loss curve (OUT/loss.png, plot_log.py) and a few samples (sample.py).
 #
 # Rerunning reuses what is done: the environment, the tokenized data, and the checkpoints
@@ -20,7 +21,8 @@
 # or the out folder to start over.
 #
 # Environment variables:
-#   TIKTOKEN_CACHE_DIR       folder holding the GPT-2 BPE (r50k_base), needed without internet
+#   TIKTOKEN_CACHE_DIR       optional: a tiktoken cache holding the GPT-2 BPE (r50k_base), used first;
+#                            without it the copy this repository ships in bpe/ is used (no download)
 #   HELLASWAG_DIR            where hellaswag_val.jsonl is looked for / downloaded to
 #   QUICKSTART_VENV          the virtual environment to use or create (default: .venv)
 #   QUICKSTART_FINEWEB_ARGS  extra fineweb.py arguments, e.g. "--max-tokens 40K --shard-size 8K"
@@ -92,9 +94,15 @@ install_torch() {
 cuda_available() { "$PY" -c 'import torch; print(int(torch.cuda.is_available()))'; }
 GPU=$(cuda_available 2>/dev/null) || { install_torch; GPU=$(cuda_available); }  # (importing torch takes seconds: once)
 "${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
-"$PY" -c 'import fineweb; fineweb.get_encoding()' 2>/dev/null \
-  || die "the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR" \
-         "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)"
+# the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it): if it cannot be loaded, why, in one line
+if ! BPE_ERROR=$("$PY" -c '
+import sys, fineweb
+try:
+    fineweb.get_encoding()
+except RuntimeError as e:
+    sys.exit(str(e))' 2>&1 | tail -n 1); then
+  die "${BPE_ERROR:-could not load the GPT-2 BPE}"
+fi
 
 # ---- 2. data
 
@@ -145,10 +153,27 @@ say "training: train_gpt2.py ${TRAIN_ARGS[*]} --data-dir $DATA --out-dir $OUT $R
 
 # ---- 4. evaluation
 
-say "HellaSwag, first 200 examples"
+LIMIT=200
+prev=
 # shellcheck disable=SC2086  # QUICKSTART_HELLASWAG_ARGS is a list of arguments
+for arg in ${QUICKSTART_HELLASWAG_ARGS:-}; do  # the number it evaluates: the last --limit, as in argparse
+  case "$prev" in --limit) LIMIT=$arg ;; esac
+  case "$arg" in --limit=*) LIMIT=${arg#*=} ;; esac
+  prev=$arg
+done
+case "$LIMIT" in
+  0) say "HellaSwag, all examples" ;;
+  *[!0-9]*|'') say "HellaSwag" ;;  # not a count: hellaswag.py says what is wrong with it
+  *) say "HellaSwag, first $((10#$LIMIT)) examples" ;;
+esac
+# shellcheck disable=SC2086
 if ! "$PY" hellaswag.py --checkpoint "$OUT" --limit 200 ${QUICKSTART_HELLASWAG_ARGS:-} 2>"$HELLASWAG_ERR" | tail -n 1; then
-  say "skipping HellaSwag: $(tail -n 1 "$HELLASWAG_ERR")"
+  reason=$(tail -n 1 "$HELLASWAG_ERR")
+  case "$reason" in  # no copy of the data and no download: hellaswag.py's way out is its own flag, ours is a variable
+    *"; pass a local copy of hellaswag_val.jsonl with --data-file PATH")
+      reason="${reason%"; pass a local copy of hellaswag_val.jsonl with --data-file PATH"}; set HELLASWAG_DIR to a folder that holds hellaswag_val.jsonl" ;;
+  esac
+  say "skipping HellaSwag: $reason"
 fi
 
 # ---- 5. loss curve and samples

@@ -34,17 +34,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
     src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")
     p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue ('' starts a new document)")
-    p.add_argument("--num-samples", type=int, default=4, help="continuations to draw")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add to the prompt")
+    p.add_argument("--num-samples", type=cli.positive_int, default=4, help="continuations to draw")
+    p.add_argument("--max-new-tokens", type=cli.non_negative_int, default=100, help="tokens to add to the prompt")
     p.add_argument("--continue-past-eot", action="store_true",
                    help="go on after <|endoftext|> to --max-new-tokens (by default a sample ends there, as Hugging "
                         "Face's generate stops at eos_token_id; generate(eos_token_id=None) goes on the same way)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="divides the logits: < 1 sharper, > 1 flatter; a tiny one (1e-40) is greedy")
-    p.add_argument("--top-k", type=int, default=50, help="draw from the K most likely tokens")
-    p.add_argument("--seed", type=int, default=42, help="seed of the sampling: sample i draws from its own "
-                                                            "generator (seed, i)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--top-k", type=cli.positive_int, default=50, help="draw from the K most likely tokens")
+    p.add_argument("--seed", type=cli.int_in(0, 2**63 - 1), default=42,
+                   help="seed of the sampling: sample i draws from its own generator (seed, i)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None,
                    help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
                         "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)")
@@ -133,16 +133,6 @@ def sample_text(model: nn.Module, enc, device: str, prompt=SAMPLE_PROMPT, n=4, l
 def validate_args(args: argparse.Namespace):
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
-    if args.top_k < 1:
-        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.num_samples < 1:
-        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not 0 <= args.seed < 2 ** 63:
-        raise UserError(f"--seed must be in 0..2**63-1, got {args.seed}")
 
 
 def load_model(args: argparse.Namespace, device: str):
@@ -150,7 +140,8 @@ def load_model(args: argparse.Namespace, device: str):
     from train_gpt2 import GPT  # import` gets this module, not a second copy; GPT: the model class of our checkpoints
     if args.checkpoint:
         return GPT.from_checkpoint(args.checkpoint, device)
-    return GPT.from_hf(args.hf_model, flag="--hf-model").to(device)
+    # its own vocabulary, unpadded: a padded id has no token, and the prompt check needs the real size
+    return GPT.from_hf(args.hf_model, flag="--hf-model", pad_multiple=1).to(device)
 
 
 def run(args: argparse.Namespace):

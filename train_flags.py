@@ -14,6 +14,7 @@ import cli
 from cli import UserError
 
 LR_SCHEDULES = ("cosine", "wsd", "linear")  # the decays train_gpt2.get_lr knows
+SEED = cli.int_in(0, 2**64 - 1)  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -34,21 +35,21 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--shuffle", action="store_true", help="seeded permutation of shard order and row order each epoch")
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(model_presets), help="size preset (default gpt2); the flags below override it")
-    g.add_argument("--n-layer", type=int, help="transformer blocks")
-    g.add_argument("--n-head", type=int, help="attention heads")
-    g.add_argument("--n-embd", type=int, help="embedding width")
-    g.add_argument("--block-size", type=int, help="longest sequence the model handles")
-    g.add_argument("--vocab-size", type=int, help="vocabulary size (default 50304: GPT-2's 50257 padded)")
+    g.add_argument("--n-layer", type=cli.positive_int, help="transformer blocks")
+    g.add_argument("--n-head", type=cli.positive_int, help="attention heads")
+    g.add_argument("--n-embd", type=cli.positive_int, help="embedding width")
+    g.add_argument("--block-size", type=cli.positive_int, help="longest sequence the model handles")
+    g.add_argument("--vocab-size", type=cli.positive_int, help="vocabulary size (default 50304: GPT-2's 50257 padded)")
     g.add_argument("--init-from", help="start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
                    "gpt2-xl (Hub) or a local directory; sets the model shape")
     g = p.add_argument_group("batch")
-    g.add_argument("--batch-size", type=int, help="rows per rank per micro-step (B)")
-    g.add_argument("--seq-len", type=int, help="tokens per row (T); default: the model's block size")
-    g.add_argument("--total-batch-size", type=int,
+    g.add_argument("--batch-size", type=cli.positive_int, help="rows per rank per micro-step (B)")
+    g.add_argument("--seq-len", type=cli.positive_int, help="tokens per row (T); default: the model's block size")
+    g.add_argument("--total-batch-size", type=cli.positive_int,
                    help="tokens per optimizer step over all ranks; a multiple of B x T x world size")
     g = p.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=int, help="optimizer steps")
-    g.add_argument("--warmup-steps", type=int, help="linear LR warmup steps")
+    g.add_argument("--max-steps", type=cli.non_negative_int, help="optimizer steps")
+    g.add_argument("--warmup-steps", type=cli.non_negative_int, help="linear LR warmup steps")
     g.add_argument("--max-lr", type=float, help="peak learning rate")
     g.add_argument("--min-lr", type=float, help="final learning rate (default: 10%% of --max-lr)")
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES,
@@ -59,14 +60,14 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, help="AdamW decay on matrices and embeddings")
     g.add_argument("--grad-clip", type=float, help="clip the gradient norm to this (0: off)")
     g = p.add_argument_group("evaluation and checkpoints (0 disables each)")
-    g.add_argument("--val-every", type=int, help="validation loss every N steps")
-    g.add_argument("--val-steps", type=int, help="batches per validation")
-    g.add_argument("--sample-every", type=int, help="print text samples every N steps")
-    g.add_argument("--hellaswag-every", type=int, help="HellaSwag accuracy every N steps")
-    g.add_argument("--hellaswag-limit", type=int, help="examples per HellaSwag eval (0: all)")
+    g.add_argument("--val-every", type=cli.non_negative_int, help="validation loss every N steps")
+    g.add_argument("--val-steps", type=cli.non_negative_int, help="batches per validation")
+    g.add_argument("--sample-every", type=cli.non_negative_int, help="print text samples every N steps")
+    g.add_argument("--hellaswag-every", type=cli.non_negative_int, help="HellaSwag accuracy every N steps")
+    g.add_argument("--hellaswag-limit", type=cli.non_negative_int, help="examples per HellaSwag eval (0: all)")
     g.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl (default: download/cache)")
-    g.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--keep-last", type=int, help="keep only the newest K checkpoints (0: all)")
+    g.add_argument("--ckpt-every", type=cli.non_negative_int, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--keep-last", type=cli.non_negative_int, help="keep only the newest K checkpoints (0: all)")
     g.add_argument("--resume", nargs="?", const="latest",
                    help="continue from the newest checkpoint in --out-dir (or the given path)")
     g.add_argument("--eval-only", action="store_true",
@@ -78,7 +79,7 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--tensorboard", action="store_true",
                    help="write TensorBoard event files to --out-dir (pip install tensorboard)")
     g = p.add_argument_group("failures")
-    g.add_argument("--skip-nonfinite", type=int,
+    g.add_argument("--skip-nonfinite", type=cli.non_negative_int,
                    help="skip up to N steps with a non-finite loss or grad norm instead of stopping")
     g.add_argument("--skip-spikes", type=float,
                    help="skip updates whose loss or grad norm is Z std devs above the recent window (0: off)")
@@ -100,34 +101,30 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
                         "a failure to compile falls back to eager with one line")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward: less memory, about 1/3 more compute")
-    g.add_argument("--loss-chunk", type=int,
+    g.add_argument("--loss-chunk", type=cli.non_negative_int,
                    help="compute lm_head + loss in chunks of N rows without materializing the logits "
                         f"(0: off; default {cpu_loss_chunk} on CPU, off on CUDA)")
-    g.add_argument("--seed", type=int, help="seed for init and shuffling")
+    g.add_argument("--seed", type=SEED, help="seed for init and shuffling")
     g.add_argument("--peak-tflops", type=float,
                    help="dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; none on CPU)")
     return p
 
 
-MAX_INT_FLAG = 2**62  # integer flags: step and row arithmetic stays inside int64
 MIN_DIST_TIMEOUT = 30.0  # seconds
 
 
 def validate_flag_values(run, model):
     """Checks of single flags that must pass before anything uses them (--dist-timeout is used
-    when joining the process group, before validate_config can run)."""
+    when joining the process group, before validate_config can run). Integer flags are checked
+    as they are parsed (cli.int_in)."""
     for name, value in [*dataclasses.asdict(run).items(), *dataclasses.asdict(model).items()]:
         flag = f"--{name.replace('_', '-')}"
         if isinstance(value, float) and not math.isfinite(value):  # argparse's float() takes nan and inf
             raise UserError(f"{flag} must be a finite number, got {value}")
-        if type(value) is int and name != "seed" and abs(value) > MAX_INT_FLAG:  # torch and numpy take int64
-            raise UserError(f"{flag} {value} is out of range: at most 2**62 = {MAX_INT_FLAG}")
     if not MIN_DIST_TIMEOUT <= run.dist_timeout <= 1e9:  # a timedelta overflows far above that
         raise UserError(f"--dist-timeout must be in [{MIN_DIST_TIMEOUT}, 1e9] seconds, got {run.dist_timeout}: "
                         "healthy ranks wait this long for each other (rank 0 writing a checkpoint or samples, "
                         "the first step compiling), and a shorter wait reports them as dead")
-    if not 0 <= run.seed < 2**64:  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
-        raise UserError(f"--seed must be in 0..2**64-1, got {run.seed}")
     if run.resume is not None and not run.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset
         raise UserError(f"--resume got an empty path ({run.resume!r}; an unset variable in the job script?): "
                         "pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
@@ -137,19 +134,6 @@ def validate_config(run, model, world_size: int) -> int:
     """Check the run (a RunConfig) and its model (a GPTConfig) as a whole, before any work. Returns
     grad_accum_steps."""
     from fineweb import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
-    positive = dict(batch_size=run.batch_size, seq_len=run.seq_len,
-                    total_batch_size=run.total_batch_size, n_layer=model.n_layer,
-                    n_head=model.n_head, n_embd=model.n_embd, block_size=model.block_size,
-                    vocab_size=model.vocab_size)
-    for name, value in positive.items():
-        if value <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("max_steps", "warmup_steps", "val_every", "val_steps", "sample_every",
-                 "hellaswag_every", "hellaswag_limit", "ckpt_every", "keep_last", "skip_nonfinite"):
-        if getattr(run, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(run, name)}")
-    if run.loss_chunk is not None and run.loss_chunk < 0:
-        raise UserError(f"--loss-chunk must be >= 0, got {run.loss_chunk}")
     if model.n_embd % model.n_head:
         raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")
     if run.seq_len > model.block_size:

@@ -353,9 +353,9 @@ class GPT(nn.Module):
         return model.to(device).eval()
 
     @classmethod
-    def from_hf(cls, name_or_dir: str, vocab_size=None, block_size=None, pad_init="mean", flag="--init-from") -> GPT:
-        """The GPT holding a Hugging Face GPT-2's weights (hf_interop.gpt2_state_from_hf), fp32 on the CPU."""
-        config, state = hf_interop.gpt2_state_from_hf(name_or_dir, vocab_size, block_size, pad_init, flag)
+    def from_hf(cls, name_or_dir: str, vocab_size=None, block_size=None, **options) -> GPT:
+        """The GPT holding a Hugging Face GPT-2's weights (hf_interop.gpt2_state_from_hf's), fp32 on the CPU."""
+        config, state = hf_interop.gpt2_state_from_hf(name_or_dir, vocab_size, block_size, **options)
         model = cls(GPTConfig(**config))
         model.load_state_dict(state)
         return model.eval()
@@ -575,7 +575,7 @@ class Prefetcher:
 
 
 def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
-    """The shards of data_dir (names and sizes) that every rank of a launch must share (a missing
+    """The shards of data_dir (names, sizes, contents) that every rank of a launch must share (a missing
     folder or split is left to TokenRows to refuse)."""
     items = []
     for split in ("train", "val"):

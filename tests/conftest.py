@@ -1,4 +1,4 @@
-"""Shared test setup: the repo on sys.path, offline BPE and data from ../shared."""
+"""Shared test setup: the repo on sys.path, data from ../shared (the GPT-2 BPE ships in bpe/)."""
 import contextlib
 import os
 import signal
@@ -19,8 +19,6 @@ sys.path.insert(0, str(REPO))
 # only contend (measured on test_sample + test_hostile: 17% more CPU time, 14% longer)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
 
 
 @pytest.fixture

@@ -41,6 +41,10 @@ def unrecognized(script, args):
     return 2, f"error: unrecognized arguments: {args} (see {script} --help)\n", ""
 
 
+def bad_count(script, flag, values, value):
+    return 2, f"error: argument {flag}: must be in {values}, got {value} (see {script} --help)\n", ""
+
+
 def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
     cases = {  # command line -> (exit code, stderr, stdout)
         "train_gpt2.py --max-step 5": unrecognized("train_gpt2.py", "--max-step 5"),  # was --max-steps 5
@@ -55,6 +59,19 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
         "hf_interop.py export c.pt": (2, "error: the following arguments are required: out_dir "
                                          "(see hf_interop.py export --help)\n", ""),
         "sample.py --checkpoint c.pt --temp 0.5": unrecognized("sample.py", "--temp 0.5"),
+        # every script's integer flags go through cli.int_in: a bad count is refused, never replaced
+        "train_gpt2.py --keep-last -1": bad_count("train_gpt2.py", "--keep-last", "0..2**62", -1),
+        f"train_gpt2.py --max-steps {2**62 + 1}": bad_count("train_gpt2.py", "--max-steps", "0..2**62", 2**62 + 1),
+        "train_gpt2.py --seed -1": bad_count("train_gpt2.py", "--seed", "0..2**64-1", -1),
+        "fineweb.py --workers 0": bad_count("fineweb.py", "--workers", "1..2**62", 0),
+        "fineweb.py --max-tokens 1e30": bad_count("fineweb.py", "--max-tokens", "1..2**62", 10**30),
+        "hellaswag.py --checkpoint c.pt --batch-size 0": bad_count("hellaswag.py", "--batch-size", "1..2**62", 0),
+        "hf_interop.py eval c.pt --tasks hellaswag --num-fewshot -1": bad_count("hf_interop.py eval", "--num-fewshot",
+                                                                                 "0..2**62", -1),
+        "hf_interop.py eval c.pt --tasks hellaswag --batch-size 0": bad_count("hf_interop.py eval", "--batch-size",
+                                                                               "1..2**62", 0),
+        "hf_interop.py export c.pt hf --vocab-size 0": bad_count("hf_interop.py export", "--vocab-size", "1..2**62", 0),
+        "sample.py --checkpoint c.pt --top-k 0": bad_count("sample.py", "--top-k", "1..2**62", 0),
         "plot_log.py out --smo 0.5": unrecognized("plot_log.py", "--smo 0.5"),
         "benchmarks/bench_train.py --work x": unrecognized("bench_train.py", "--work x"),  # hidden --worker
         "benchmarks/bench_sample.py --step 3": unrecognized("bench_sample.py", "--step 3"),

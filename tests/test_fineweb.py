@@ -1,7 +1,9 @@
 """fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
 
-CPU only, offline: the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR (see conftest.py).
+CPU only, offline: the commands read the GPT-2 BPE from the copy in bpe/ (or a TIKTOKEN_CACHE_DIR a
+test sets); the reference encoding is tiktoken's own, from its cached download in ../shared.
 """
+import argparse
 import gzip
 import hashlib
 import json
@@ -18,10 +20,27 @@ import pytest
 import tiktoken
 
 import fineweb
+from conftest import SHARED
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
-ENC = tiktoken.get_encoding("r50k_base")
+
+
+def reference_encoding() -> tiktoken.Encoding:
+    """tiktoken's own r50k_base, from its cached download in ../shared (not fineweb's copy in bpe/),
+    loaded without leaving TIKTOKEN_CACHE_DIR set for the commands the tests run."""
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+
+
+ENC = reference_encoding()
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -141,7 +160,7 @@ def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
     def chunks():
         for i in range(100):
             pulled.append(i)
-            yield [f"document {i}"]
+            yield [f"document {i}"], [f"where {i}"]
 
     with multiprocessing.Pool(2, initializer=fineweb._init_worker) as pool:
         results = fineweb.tokenize_in_order(chunks(), pool, max_in_flight=4)
@@ -159,10 +178,15 @@ def test_parse_size(text, value):
     assert fineweb.parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "1.5", "-3M", "M", "inf", "nan"])
-def test_parse_size_rejects(text):
-    with pytest.raises(Exception, match="not a"):
+@pytest.mark.parametrize("text, message", [
+    ("abc", "not a size: 'abc' (examples: 20M, 1e8, 100000)"), ("M", "not a size: 'M' (examples: 20M, 1e8, 100000)"),
+    ("1.5", "not a whole number: '1.5'"), ("inf", "not a whole number: 'inf'"), ("nan", "not a whole number: 'nan'"),
+    ("0", "must be in 1..2**62, got 0"), ("-3M", "must be in 1..2**62, got -3000000"),
+    ("1e19", f"must be in 1..2**62, got {10**19}")])
+def test_parse_size_rejects(text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as e:
         fineweb.parse_size(text)
+    assert str(e.value) == message
 
 
 def test_import_is_light_and_silent():
@@ -401,6 +425,86 @@ def test_undecodable_bytes(tmp_path):
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
 
 
+LONE_SURROGATE_LINE = '{"text": "abc \\ud800 def"}\n'  # as web dumps hold: JSON's escape without its pair
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # in the main process, and across the worker pool
+def test_lone_surrogate_is_one_line_or_replaced(tmp_path, workers):
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "hello"}\n\n' + LONE_SURROGATE_LINE + '{"text": "after"}\n')
+    out = tmp_path / "new" / "out"
+    result = run_cli("--files", path, "--out-dir", out, "--workers", workers)
+    assert error_line(result) == (
+        f"error: {path}:3: the text holds a lone surrogate U+D800 (half of a UTF-16 pair, as JSON's \\ud800 "
+        "without its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass "
+        "--utf8-errors replace to tokenize U+FFFD in its place")
+    assert not (tmp_path / "new").exists()
+
+    replaced = run_cli("--files", path, "--out-dir", out, "--workers", workers, "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(out)
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["hello", "abc \ufffd def", "after"]))
+
+
+def test_lone_surrogate_in_a_document_that_quotes_endoftext(tmp_path):
+    # such a document is encoded on its own: tiktoken's encode_ordinary would replace the surrogate silently
+    path = tmp_path / "web.jsonl"
+    path.write_text('{"text": "<|endoftext|> \\udfff"}\n')
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    assert error_line(result).startswith(f"error: {path}:1: the text holds a lone surrogate U+DFFF (")
+    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["<|endoftext|> \ufffd"]))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_text_tiktoken_cannot_tokenize_is_one_line_naming_it(tmp_path, workers):
+    # tiktoken's regex gives up on ~1M characters of whitespace before a word (a ValueError; its
+    # encode_ordinary panics instead, a BaseException that would have ended a worker)
+    path = tmp_path / "padded.txt"
+    path.write_text("first line\n" + "a" + " " * 1_000_000 + "b\nlast line\n")
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", workers)
+    assert error_line(result) == (
+        f"error: {path}:2: tiktoken cannot tokenize this document (ValueError: Regex error while tokenizing: Error "
+        "executing regex: Max stack size exceeded for backtracking); fix it or leave it out (--debug shows the "
+        "traceback)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch):
+    import multiprocessing
+
+    class PanicException(BaseException):  # as tiktoken's Rust panics arrive: not an Exception
+        pass
+
+    class Panicking:
+        def encode_to_numpy(self, text, **kwargs):
+            if "bad" in text:
+                raise PanicException("called `Result::unwrap()`\non an `Err` value")
+            return np.array([1, 2], dtype=np.uint32)
+
+    monkeypatch.setattr(fineweb, "_worker_encoding", Panicking())  # forked workers inherit it
+    chunks = [(["ok"], ["x.jsonl:1"]), (["fine", "bad", "bad too"], ["x.jsonl:2", "x.jsonl:3", "x.jsonl:4"])]
+    with multiprocessing.Pool(1, initializer=fineweb._init_worker) as pool:  # the panic used to end the worker
+        results = fineweb.tokenize_in_order(iter(chunks), pool, max_in_flight=2)
+        assert next(results).tolist() == [1, 2]
+        with pytest.raises(fineweb.UserError) as raised:
+            next(results)
+    assert str(raised.value) == ("x.jsonl:3: tiktoken cannot tokenize this document (PanicException: called "
+                                 "`Result::unwrap()` on an `Err` value); fix it or leave it out (--debug shows the "
+                                 "traceback)")
+    # the worker's own traceback comes along, for --debug
+    assert "in encode_to_numpy" in str(raised.value.__cause__.__cause__)
+
+    chunk = ["a" * 10, "b" * 30, "c"]
+    monkeypatch.setattr(fineweb, "encode_documents", lambda enc, docs: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(fineweb.ChunkError) as raised:
+        fineweb.tokenize_chunk(None, chunk, "strict")
+    assert str(raised.value.located(["d:1", "d:2", "d:3"])) == (
+        "cannot tokenize the 3 documents from d:1 to d:3: not enough memory (the longest is 30 characters)")
+
+
 @pytest.mark.parametrize("offline", ["dead proxy", "HF_HUB_OFFLINE"])
 def test_hub_unreachable_fails_at_once_and_leaves_no_folder(tmp_path, offline):
     env = {"HF_HOME": str(tmp_path / "hf"), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
@@ -548,8 +652,7 @@ def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, ot
 
 @pytest.mark.parametrize("flags, message", [
     (["--prefix", "sub/x"], "--prefix 'sub/x' is the start of a file name, not a path"),
-    (["--workers", "0"], "--workers must be at least 1, got 0"),
-    (["--val-shards", "-1"], "--val-shards must be at least 0, got -1"),
+    (["--val-shards", "-1"], "argument --val-shards: must be in 0..2**62, got -1 (see fineweb.py --help)"),
     (["--format", "bin", "--shard-size", "3G"], "--format bin stores the token count as int32: use --shard-size below 2G"),
     (["--dataset", "x/y"], "--files reads local files; leave out --dataset, --name and --split"),
 ])
@@ -611,15 +714,161 @@ def test_all_val_shards_is_said(tmp_path):
                                               "so train_gpt2.py finds no train shards here")
 
 
-def test_tokenizer_unreachable_points_to_tiktoken_cache_dir(tmp_path):
+# --- the GPT-2 BPE shipped in bpe/ ----------------------------------------------------------------
+
+UNICODE_SAMPLES = ["naïve café — 日本語のテキスト 🙂👍🏽 ﷽", "x = {'a': 1}\r\n\tif x:\n        return None  ",
+                   "  leading and trailing   ", "'s 've 're 'll 'd 'm 't", "Ünïcödé İ ß ǅ Ω ℵ 𝔘𝔫𝔦", "\u200b\u00a0\u3000",
+                   "12,345.67e-8 0x1F", "", "a<|endoftext|>b<|endoftext|>"]
+
+
+def test_shipped_bpe_tokenizes_exactly_as_tiktoken(shared_data):
+    shipped = fineweb.shipped_encoding()
+    assert Path(fineweb.SHIPPED_BPE) == Path(FINEWEB).parent / "bpe" / "r50k_base.tiktoken"
+    assert (shipped.name, shipped.n_vocab, shipped.eot_token, shipped.max_token_value) == ("r50k_base", 50257, EOT, EOT)
+    assert shipped._mergeable_ranks == ENC._mergeable_ranks and shipped._pat_str == ENC._pat_str
+    assert shipped._special_tokens == ENC._special_tokens == {"<|endoftext|>": EOT}
+
+    text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tokens = shipped.encode_ordinary(text)
+    assert len(tokens) == 338_025 and tokens == ENC.encode_ordinary(text) and shipped.decode(tokens) == text
+    for sample in UNICODE_SAMPLES:
+        assert shipped.encode_ordinary(sample) == ENC.encode_ordinary(sample), sample
+        assert shipped.encode(sample, allowed_special="all") == ENC.encode(sample, allowed_special="all"), sample
+        assert shipped.decode(shipped.encode_ordinary(sample)) == sample
+    # <|endoftext|>: the special id when allowed, ordinary text otherwise, refused by default
+    assert shipped.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"}) == [64, EOT, 65]
+    assert shipped.encode_ordinary("<|endoftext|>") == ENC.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    with pytest.raises(ValueError, match="disallowed special token"):
+        shipped.encode("<|endoftext|>")
+
+
+def offline_env(tmp_path):
+    """A machine without internet that has never cached the BPE: no TIKTOKEN_CACHE_DIR, an empty
+    home, XDG cache and temporary folder (tiktoken's default cache is TMPDIR/data-gym-cache), and
+    proxies that refuse every connection."""
+    env = {key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    for name in ("home", "cache", "tmp"):
+        (tmp_path / name).mkdir(parents=True)
+    dead = "http://127.0.0.1:9"
+    env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"),
+               HTTPS_PROXY=dead, HTTP_PROXY=dead, https_proxy=dead, http_proxy=dead)
+    return env
+
+
+def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
+    env = offline_env(tmp_path)
+    docs = ["hello world", "naïve café 🙂", "text that quotes <|endoftext|>"]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
+    result = subprocess.run([sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out", "--workers", "2"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(docs))
+
+    round_trip = ("import fineweb; enc = fineweb.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
+                  "allowed_special={'<|endoftext|>'}); print(tokens, enc.decode(tokens) == 'naïve <|endoftext|> 🙂')")
     (tmp_path / "empty").mkdir()
+    for cache in ({}, {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}):  # unset, or set to a folder without it
+        result = subprocess.run([sys.executable, "-c", round_trip], capture_output=True, text=True, env={**env, **cache},
+                                cwd=Path(FINEWEB).parent, timeout=60)
+        assert (result.stdout, result.stderr) == (f"{ENC.encode('naïve <|endoftext|> 🙂', allowed_special='all')} True\n", "")
+    assert list((tmp_path / "empty").iterdir()) == []
+    assert [p for name in ("home", "cache", "tmp") for p in (tmp_path / name).rglob("*")] == []  # nothing cached
+
+
+def copy_of_fineweb(tmp_path, bpe: bytes | None):
+    """fineweb.py and cli.py in a folder of their own, with bpe/r50k_base.tiktoken holding bpe (None: no file)."""
+    folder = tmp_path / "repo"
+    (folder / "bpe").mkdir(parents=True)
+    for name in ("fineweb.py", "cli.py"):
+        (folder / name).write_bytes((Path(FINEWEB).parent / name).read_bytes())
+    if bpe is not None:
+        (folder / "bpe" / "r50k_base.tiktoken").write_bytes(bpe)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["one rank changed", "cut short"])
+def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
+    data = Path(fineweb.SHIPPED_BPE).read_bytes()
+    bad = data.replace(b" 1000\n", b" 1001\n") if damage == "one rank changed" else data[:-100]
+    folder = copy_of_fineweb(tmp_path, bad)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    # a dead proxy makes the download fail at once instead of waiting on the network
-    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9",
-           "https_proxy": "http://127.0.0.1:9"}
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", env=env, timeout=30)
+    result = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, env=offline_env(tmp_path), timeout=60)
+    shipped = (folder / "bpe" / "r50k_base.tiktoken").resolve()
+    digest = hashlib.sha256(bad).hexdigest()
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: could not load the GPT-2 tokenizer: {shipped} is damaged (sha256 {digest[:16]}..., expected "
+        "306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that "
+        "holds tiktoken's cached r50k_base file\n"))
+    assert not (tmp_path / "out").exists()
+
+    # a tiktoken cache still comes first
+    cached = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")})
+    assert cached.returncode == 0, cached.stderr
+
+
+def test_missing_shipped_bpe_offline_is_one_line(tmp_path):
+    folder = copy_of_fineweb(tmp_path, None)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    result = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, env=offline_env(tmp_path), timeout=60)
     assert result.returncode == 2
     line = only_line(result)
-    assert line.startswith("error: could not load the GPT-2 tokenizer (tiktoken 'r50k_base': ")
-    assert line.endswith("offline, set TIKTOKEN_CACHE_DIR to a folder that holds its cached rank file")
+    assert line.startswith(f"error: could not load the GPT-2 tokenizer: {(folder / 'bpe').resolve()}/r50k_base.tiktoken "
+                           "is missing and tiktoken could not fetch 'r50k_base' (")
+    assert line.endswith("); restore the file (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                         "tiktoken's cached r50k_base file")
     assert not (tmp_path / "out").exists()
+
+
+def test_shard_files_tell_contents_apart(tmp_path):
+    """The ranks' start-up check and a resume compare shards by content: the sha256 fineweb.py's
+    manifest records and a sampled sha256 (the whole file when it is small), not only names and sizes."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs()])
+    assert fineweb.main(["--files", str(path), "--out-dir", str(tmp_path / "a"), "--shard-size", "4000",
+                         "--workers", "1"]) == 0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
+    a = fineweb.shard_files(paths)
+    whole = [hashlib.sha256(b"%d" % shard["bytes"] + open(p, "rb").read()).hexdigest()  # small files: all of it
+             for shard, p in zip(manifest["shards"], paths)]
+    assert a == [(shard["file"], shard["bytes"], digest, shard["sha256"]) for shard, digest in zip(manifest["shards"], whole)]
+    (tmp_path / "b").mkdir()  # the same shards without the manifest, then one with other tokens of its size
+    copies = [str(tmp_path / "b" / os.path.basename(p)) for p in paths]
+    for p, copy in zip(paths, copies):
+        np.save(copy, np.load(p))
+    b = fineweb.shard_files(copies)
+    assert [entry[:3] for entry in b] == [entry[:3] for entry in a] and {entry[3] for entry in b} == {None}
+    assert fineweb.differing_file(a, b) is None
+    name, n = a[1][0], a[1][1]
+    np.save(copies[1], (np.load(copies[1]) + 1) % 50257)
+    b = fineweb.shard_files(copies)
+    assert fineweb.differing_file(a, b) == (
+        name, f"{n} bytes of sampled content {a[1][2][:12]}", f"{n} bytes of sampled content {b[1][2][:12]}")
+    b[1] = (*b[1][:3], "f" * 64)  # both manifests list it: theirs is the sha256 compared first
+    assert fineweb.differing_file(a, b) == (name, f"{n} bytes of sha256 {a[1][3][:12]}", f"{n} bytes of sha256 ffffffffffff")
+    assert fineweb.differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
+    old = [(entry[0], entry[1]) for entry in a]  # a checkpoint written before contents were recorded
+    assert fineweb.differing_file(old, b) is None and fineweb.differing_file(b, old) is None
+    assert fineweb.differing_file(old, [(name, n - 2)]) == (name, f"{n} bytes", f"{n - 2} bytes")  # sorted: train first
+
+
+def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
+    """Above 16 x 64 KiB only the slices count: the header and the last byte do, a byte between two
+    slices does not (what a content change of a whole corpus cannot avoid, a single edit may)."""
+    path = tmp_path / "big.npy"
+    np.save(path, np.zeros(2_000_000, dtype=np.uint16))
+    size = path.stat().st_size
+    digests = {"as written": fineweb.sampled_sha256(str(path), size)}
+    stride = (size - fineweb.SAMPLE_BYTES) // (fineweb.SAMPLES - 1)
+    for what, offset in [("first byte", 0), ("last byte", size - 1), ("between slices", fineweb.SAMPLE_BYTES + 10)]:
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 1
+        (tmp_path / what).write_bytes(bytes(data))
+        digests[what] = fineweb.sampled_sha256(str(tmp_path / what), size)
+    assert stride > fineweb.SAMPLE_BYTES + 10  # that byte is in no slice
+    assert len({digests["as written"], digests["first byte"], digests["last byte"]}) == 3
+    assert digests["between slices"] == digests["as written"]

@@ -162,7 +162,8 @@ def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
     assert str(out) in proc.stdout and "wrote" in proc.stdout
     # safetensors writes through a private temporary file; the export gives it a normal file's mode
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
-    assert modes == dict.fromkeys(["config.json", "generation_config.json", "model.safetensors"], 0o666 & ~umask)
+    assert modes == dict.fromkeys(["config.json", "generation_config.json", "model.safetensors",
+                                   hf_interop.EXPORT_MARK], 0o666 & ~umask)
     hf = GPT2LMHeadModel.from_pretrained(out).eval()  # the newest checkpoint's weights
     idx = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(logits_of(hf, idx), logits_of(model, idx), atol=1e-5, rtol=0)
@@ -355,8 +356,11 @@ def test_export_tokenizes_like_tiktoken_in_transformers_clients(tmp_path):
     out = tmp_path / "hf"
     proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "ckpt_0000007.pt", out)
     assert proc.returncode == 0, proc.stderr
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= {p.name for p in out.iterdir()}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", hf_interop.EXPORT_MARK} == (
+        {p.name for p in out.iterdir()} - {"config.json", "generation_config.json", "model.safetensors"})
+    # the reference is tiktoken's own r50k_base (its cached download in ../shared), not our copy in bpe/
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")}
     proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, str(out), str(SHARED / "data"), REPO],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -406,3 +410,59 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
     proc = run_cli(*export, first, out)
     assert proc.returncode == 2 and "notes.txt" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert folder_bytes(out) == before
+
+
+def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
+    """A save_pretrained folder of the user's own GPT-2 holds only file names an export writes: the
+    export leaves it byte for byte (it replaced it, exit 0); it replaces only a folder holding its
+    mark, and writes into an empty or missing one."""
+    import json
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
+    mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
+    before = folder_bytes(tmp_path / "mine")
+    assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", ckpt, mine)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", (
+        f"error: {mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
+        "so it may hold a model of your own and is left as it is: export into a new or empty folder\n"))
+    assert folder_bytes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
+
+    (tmp_path / "empty").mkdir()
+    for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
+        assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
+        mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
+        assert mark == dict(written_by="gpt2-trainer hf_interop.py export", mark_version=1, checkpoint=ckpt, step=7,
+                            checksum=checkpoints.load_checkpoint(ckpt)["checksum"], vocab_size=100)
+    capsys.readouterr()
+    (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
+    before = folder_bytes(tmp_path / "missing")
+    assert hf_interop.main(["export", ckpt, str(tmp_path / "missing")]) == 2
+    assert "is not an export of hf_interop.py" in capsys.readouterr().err
+    assert folder_bytes(tmp_path / "missing") == before
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch, exchange):
+    """Over an earlier export, the swap is one renameat2(RENAME_EXCHANGE): after every rename the
+    export's path names a whole export. Where the exchange is missing (macOS, some network file
+    systems) two renames leave the path missing for a moment: the fallback shows that this test sees it."""
+    out = tmp_path / "hf"
+    first, second = (save_ours(tiny_ours(vocab_size=100, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    assert hf_interop.main(["export", first, str(out)]) == 0
+    whole = []  # after each rename or exchange: does out hold a whole export?
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole(out)))[0])
+    real_exchange = hf_interop._exchange
+    monkeypatch.setattr(hf_interop, "_exchange", lambda a, b: exchange and (real_exchange(a, b),
+                                                                           whole.append(is_whole(out)))[0])
+    assert hf_interop.main(["export", second, str(out)]) == 0
+    assert whole == ([True] if exchange else [False, True])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
+    idx = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
+                               logits_of(tiny_ours(vocab_size=100, seed=2), idx), atol=1e-5, rtol=0)
+
+
+def is_whole(folder) -> bool:
+    return folder.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(folder))

@@ -51,8 +51,8 @@ def finished_run(data_dir, tmp_path_factory):
 @pytest.mark.parametrize("extra,message", [
     (["--max-lr", "inf"], "--max-lr must be a finite number, got inf"),
     (["--val-every", "5", "--val-steps", "0"], "--val-steps 0 with --val-every > 0 evaluates nothing"),
-    (["--seed", "-1", "--shuffle"], "--seed must be in 0..2**64-1, got -1"),
-    (["--batch-size", str(10**20)], f"--batch-size {10**20} is out of range: at most 2**62 = {2**62}"),
+    (["--seed", "-1", "--shuffle"], "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)"),
+    (["--batch-size", str(10**20)], f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py"),
     (["--dist-timeout", "1"], "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait"),
     (["--n-layer", "100000", "--n-embd", "8192"],
      "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "

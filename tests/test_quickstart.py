@@ -1,5 +1,7 @@
 """quickstart.sh in a fresh clone, as a user runs it (tiny overrides), then rerun: it resumes and
-reuses. It uses the test's own virtual environment (QUICKSTART_VENV) rather than building one."""
+reuses. It uses the test's own virtual environment (QUICKSTART_VENV) rather than building one, and
+runs as on a machine without internet and without TIKTOKEN_CACHE_DIR (quickstart_env)."""
+import hashlib
 import os
 import shutil
 import signal
@@ -32,11 +34,18 @@ def clone(tmp_path_factory):
     return path
 
 
+DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a machine without internet
+
+
 def quickstart_env(clone, **env):
+    """As on a machine without internet (the packages are installed already): no TIKTOKEN_CACHE_DIR,
+    so the GPT-2 BPE comes from the clone's bpe/, and proxies that refuse every connection."""
     hellaswag_dir = HELLASWAG if HELLASWAG.is_dir() else clone / "hellaswag"  # else: downloaded, or skipped
-    return {**os.environ, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
-            "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES,
-            "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1", **env}
+    offline = {key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    return {**offline, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
+            "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES, "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1",
+            "HTTPS_PROXY": DEAD_PROXY, "HTTP_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY, "http_proxy": DEAD_PROXY,
+            **env}
 
 
 def quickstart(clone, *args, **env):
@@ -60,6 +69,7 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert "creating the virtual environment" not in out  # QUICKSTART_VENV is used as it is
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
+    assert "quickstart: HellaSwag, first 8 examples\n" in out  # the --limit of QUICKSTART_HELLASWAG_ARGS
     if (HELLASWAG / "hellaswag_val.jsonl").is_file():
         assert '"n": 8}' in out
     else:  # downloaded, or skipped in one line
@@ -75,22 +85,36 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
                                                                                     "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
 
-    again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4")  # the later value wins, as in argparse
+    # the later value wins, as in argparse; offline, HellaSwag's data is not in HELLASWAG_DIR and cannot be had
+    again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4", HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
+                       QUICKSTART_HELLASWAG_ARGS="--limit 8 --limit=3")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "quickstart: HellaSwag, first 3 examples\n" in again.stdout
+    assert [line for line in again.stdout.splitlines() if "skipping HellaSwag" in line] == [
+        "quickstart: skipping HellaSwag: error: cannot download HellaSwag from https://raw.githubusercontent.com/rowanz/"
+        "hellaswag/master/data/hellaswag_val.jsonl ([Errno 111] Connection refused); set HELLASWAG_DIR to a folder "
+        "that holds hellaswag_val.jsonl"]
     assert "quickstart: reusing the tokenized standard library in data/stdlib" in again.stdout
     assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in again.stdout
     assert "step     3/4 | loss" in again.stdout and "step     2/4" not in again.stdout
     assert (run / "ckpt_0000004.pt").is_file()
 
 
-def test_without_the_bpe_it_says_what_to_set(clone, tmp_path):
-    # an empty tiktoken cache and no way out (a proxy that refuses): the BPE cannot be had
-    proc = quickstart(clone, TIKTOKEN_CACHE_DIR=str(tmp_path), HTTPS_PROXY="http://127.0.0.1:9",
-                      https_proxy="http://127.0.0.1:9")
+def test_damaged_bpe_is_one_line(clone, tmp_path):
+    # offline, without TIKTOKEN_CACHE_DIR, with the shipped BPE damaged: nothing to tokenize with
+    bpe = clone / "bpe" / "r50k_base.tiktoken"
+    good = bpe.read_bytes()
+    bad = good.replace(b" 1000\n", b" 1001\n")
+    try:
+        bpe.write_bytes(bad)
+        proc = quickstart(clone, TMPDIR=str(tmp_path))
+    finally:
+        bpe.write_bytes(good)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == (
-        "error: the GPT-2 BPE (tiktoken r50k_base) is not cached and cannot be downloaded: set TIKTOKEN_CACHE_DIR "
-        "to a folder holding tiktoken's cached r50k_base file (copied from a machine with internet)")
+        f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 "
+        f"{hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), "
+        "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file")
     assert "quickstart: tokenizing" not in proc.stdout
 
 

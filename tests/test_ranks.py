@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import checkpoints
+import fineweb
 import train_gpt2 as tg
 from conftest import REPO, SHARED, child_pids, torchrun
 from shards import shard_dir
@@ -91,22 +92,25 @@ def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, train
     assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
 
 
-def test_ranks_with_different_data_files_are_refused(data_dir, trained, tmp_path):
-    # the same --data-dir names different files on each rank, as two nodes' local copies might
+def test_ranks_with_different_data_of_the_same_sizes_are_refused(data_dir, trained, tmp_path):
+    # the same --data-dir holds another corpus on each rank, cut into shards of the same names and
+    # sizes, as two nodes' local copies might: it trained on (the ranks compared names and sizes)
     out, hashes = trained
     for rank in (0, 1):
         shutil.copytree(data_dir, tmp_path / f"rank{rank}" / "data")
     shard = sorted(glob.glob(str(tmp_path / "rank1" / "data" / "*_train_*.npy")))[-1]
-    np.save(shard, np.load(shard)[:-10])
+    np.save(shard, np.load(shard)[::-1])  # the same tokens in another order: same size
     proc = launch_per_rank('cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, "--resume"),
                            env={"BASE": str(tmp_path)})
     _, err = proc.communicate(timeout=120)
     name = os.path.basename(shard)
-    size = os.path.getsize(tmp_path / "rank0" / "data" / name)
+    size = os.path.getsize(shard)
+    sampled = [fineweb.shard_files([str(tmp_path / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
     assert proc.returncode == 1
     assert error_lines(err) == [f"error: the ranks of this launch were started differently: train shards in "
-                                f"--data-dir: {name} is {size} bytes on rank 0 but {size - 20} bytes on rank 1; "
-                                "every rank needs the same command and the same --data-dir files"], err[-3000:]
+                                f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
+                                f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
+                                "command and the same --data-dir files"], err[-3000:]
     assert_checkpoints_intact(out, hashes)
 
 

@@ -174,11 +174,12 @@ BAD_FLAGS = [  # (flags, message, run as a subprocess: one per distinct check, t
     (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0", False),
     (["--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0", False),
     (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf", False),
-    (["--top-k", "0"], "--top-k must be >= 1, got 0", True),
-    (["--num-samples", "0"], "--num-samples must be >= 1, got 0", True),
-    (["--batch-size", "0"], "--batch-size must be >= 1, got 0", False),
-    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", True),
-    (["--seed", "-1"], "--seed must be in 0..2**63-1, got -1", True),
+    # the counts: cli.int_in, as every script's (tests/test_cli.py runs --top-k 0 as a program)
+    (["--num-samples", "0"], "argument --num-samples: must be in 1..2**62, got 0 (see {prog} --help)", True),
+    (["--top-k", "0"], "argument --top-k: must be in 1..2**62, got 0 (see {prog} --help)", False),
+    (["--batch-size", "0"], "argument --batch-size: must be in 1..2**62, got 0 (see {prog} --help)", False),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be in 0..2**62, got -1 (see {prog} --help)", False),
+    (["--seed", str(2**63)], f"argument --seed: must be in 0..2**63-1, got {2**63} (see {{prog}} --help)", False),
     (["--device", "gpu"], "--device gpu: expected auto, cpu, cuda, cuda:N or mps", True),
 ]
 
@@ -189,10 +190,15 @@ def test_bad_flags_are_one_line_errors(trained, capsys, flags, message, subproce
     out, _ = trained
     if subprocess_run:
         proc = run_py("sample.py", "--checkpoint", out, *flags)
-        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(prog='sample.py')}\n")
     else:
-        assert sample.main(["--checkpoint", str(out), *flags]) == 2
-        assert capsys.readouterr() == ("", f"error: {message}\n")
+        try:
+            code = sample.main(["--checkpoint", str(out), *flags])
+        except SystemExit as e:  # a usage error: argparse's exit, as in the program
+            code = e.code
+        assert code == 2
+        prog = os.path.basename(sys.argv[0])
+        assert capsys.readouterr() == ("", f"error: {message.format(prog=prog)}\n")
 
 
 def test_bad_sources_are_one_line_errors(tmp_path):
@@ -214,6 +220,20 @@ def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
                 "--max-new-tokens", "4")  # ids 0 and 2
     assert ok.returncode == 0, ok.stderr
     assert samples_of(ok.stdout)[0].startswith("!#")
+
+
+def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path, capsys):
+    """An export with --vocab-size 100 is a model of 100 ids, not the 128 that padding to a multiple of
+    64 would give: '¡' is ids 126, 94, beyond it (it was accepted, and padded ids could be drawn)."""
+    pytest.importorskip("transformers")
+    import hf_interop
+    assert hf_interop.main(["export", str(small_vocab_run), str(tmp_path / "hf"), "--vocab-size", "100"]) == 0
+    capsys.readouterr()
+    model = sample.load_model(sample.parse_args(["--hf-model", str(tmp_path / "hf")]), "cpu")
+    assert model.config.vocab_size == model.transformer.wte.weight.shape[0] == 100
+    proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", "¡")
+    assert (proc.returncode, proc.stderr) == (
+        2, "error: the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids\n")
 
 
 def test_hf_model_greedy_equals_transformers(tmp_path):
