@@ -38,7 +38,7 @@ def build(variant, args):
     import chunked_loss
     import train_gpt2 as tg
     torch.manual_seed(0)
-    cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])
+    cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], **({"n_layer": args.n_layer} if args.n_layer else {})})
     model = tg.GPT(cfg).to(args.device)
     if variant == "graph":  # as the trainer compiled before: the whole GPT, the chunked loss left eager
         model.lm_loss = torch.compiler.disable(chunked_loss.chunked_lm_loss)
@@ -93,7 +93,8 @@ def bench(args):
             b = best.setdefault(variant, run)
             b.update(first_s=min(b["first_s"], run["first_s"]), compile_s=min(b["compile_s"], run["compile_s"]),
                      tok_per_s=max(b["tok_per_s"], run["tok_per_s"]))
-    print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} | loss chunk "
+    depth = f" with {args.n_layer} blocks" if args.n_layer else ""
+    print(f"device {args.device} | model {args.model}{depth} | B={args.batch_size} T={args.seq_len} | loss chunk "
           f"{args.loss_chunk} | {args.steps} steps | backend {args.backend} | best of {args.rounds} rounds, "
           f"empty inductor cache")
     ref = best.get("eager")
@@ -106,6 +107,7 @@ def bench(args):
         print(f"{variant:6s} | first step {b['first_s']:6.1f} s | compile {b['compile_s']:6.1f} s | "
               f"{b['tok_per_s']:9,.0f} tok/s ({b['tok_per_s'] / ref['tok_per_s'] if ref else float('nan'):.2f}x eager) "
               f"| loss drift from eager {drift:.1e}{ratios}")
+        b["drift"] = drift
     return best
 
 
@@ -153,13 +155,15 @@ def overlap_worker(rank, world, port, args):
     dist.destroy_process_group()
 
 
-def main(argv=None):
+def main(argv=None) -> dict | None:
+    """The benchmark's best figures per variant (None for --overlap and --worker)."""
     p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--overlap", action="store_true", help="DDP on 2 gloo ranks: all-reduce starts vs the blocks")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--model", default=None, help="a train_gpt2.py preset (default: cpu on CPU, gpt2 on CUDA)")
+    p.add_argument("--n-layer", type=int, help="blocks (default: the preset's); the graph's compile grows with it")
     p.add_argument("--batch-size", type=int, default=None, help="default: 8 on CPU, 16 on CUDA")
     p.add_argument("--seq-len", type=int, default=None, help="default: 256 on CPU, 1024 on CUDA")
     p.add_argument("--loss-chunk", type=int, default=None, help="default: the trainer's (128 on CPU, 0 on CUDA)")
@@ -178,9 +182,9 @@ def main(argv=None):
     args.variants = args.variants.split(",")
     if set(args.variants) - set(VARIANTS):
         p.error(f"--variants: expected some of {', '.join(VARIANTS)}")
-    args.passthrough = [f"--device={args.device}", f"--model={args.model}", f"--batch-size={args.batch_size}",
-                        f"--seq-len={args.seq_len}", f"--loss-chunk={args.loss_chunk}", f"--steps={args.steps}",
-                        f"--backend={args.backend}"]
+    args.passthrough = [f"--device={args.device}", f"--model={args.model}", f"--n-layer={args.n_layer or 0}",
+                        f"--batch-size={args.batch_size}", f"--seq-len={args.seq_len}",
+                        f"--loss-chunk={args.loss_chunk}", f"--steps={args.steps}", f"--backend={args.backend}"]
     if args.worker:
         return run_variant(args.worker, args)
     if args.overlap:
@@ -189,10 +193,11 @@ def main(argv=None):
         with socket.socket() as s:  # a free port for the process group
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        print(f"DDP on 2 gloo ranks | model {args.model} | B={args.batch_size} T={args.seq_len} | backend {args.backend}")
+        print(f"DDP on 2 gloo ranks | model {args.model} | B={args.batch_size} T={args.seq_len} | "
+              f"backend {args.backend}")
         mp.spawn(overlap_worker, args=(2, port, args), nprocs=2, join=True)
         return
-    bench(args)
+    return bench(args)
 
 
 if __name__ == "__main__":

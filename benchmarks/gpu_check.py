@@ -12,7 +12,10 @@ and compile time (step 0's time minus the median of the others). Exit code 1 if 
 fails or its losses drift beyond the tolerance of its dtype.
 
     CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, then bf16 and fp16
-          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp
+          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp; then
+          benchmarks/bench_compile.py: the trainer's compile (one block at a time) against the
+          whole GPT compiled as one graph and eager, at B=16, from an empty inductor cache
+          (compile seconds, tok/s, loss drift; a drift beyond bf16's tolerance fails)
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
           activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
           per variant; --compile adds it)
@@ -137,6 +140,10 @@ def main(argv=None) -> int:
                 return 1
             ok &= report(v, run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size),
                          ref["losses"])
+    if cuda:  # per-block compile vs the whole graph: seconds to compile and tok/s
+        import bench_compile  # (beside this file, on sys.path as the script's folder)
+        best = bench_compile.main(["--rounds", "2", "--steps", str(args.steps)])
+        ok &= all(b["drift"] <= TOLERANCE["bfloat16"] for b in best.values())
     return 0 if ok else 1
 
 
