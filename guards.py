@@ -129,12 +129,27 @@ def is_out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))  # the CPU allocator's message
 
 
-def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None) -> cli.RankLocalError:
+def compile_failure_cause(e: BaseException) -> BaseException:
+    """The root cause of a failed first compiled step (dynamo wraps the backend's error). An
+    out-of-memory is no failure of the compiler: it is raised (fit_batch.retry_on_oom's business)."""
+    while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
+        e = inner
+    if is_out_of_memory(e):
+        raise e from None
+    return e
+
+
+def out_of_memory_reason(e: BaseException) -> str:
+    """'tried to allocate 2.00 GiB' out of an allocator's long message, else the message."""
     # CUDA: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."; CPU: "[enforce fail at
     # alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 411041792 bytes. ..."
     tried = re.search(r"tried to allocate [^.]*(\.\d+ \w+)?", one_line(e), re.I)
+    return tried[0] if tried else one_line(e)
+
+
+def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None) -> cli.RankLocalError:
     return cli.RankLocalError(
-        f"out of memory on {device} ({tried[0] if tried else one_line(e)}): lower --batch-size (--total-batch-size stays "
+        f"out of memory on {device} ({out_of_memory_reason(e)}): lower --batch-size (--total-batch-size stays "
         "the same through more accumulation steps) or pass --activation-checkpointing. Last good checkpoint: "
         f"{last_ckpt or 'none'}")
 

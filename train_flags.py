@@ -24,6 +24,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default in (None, False) else super()._get_help_string(action)
 
 
+def batch_size_flag(text: str) -> int | str:
+    """--batch-size: a number of rows, or auto."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows or auto, got {text!r}") from None
+    return cli.check_count(value, 1)
+
+
 def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     """The flags, without defaults: the trainer sets them from its RunConfig (set_defaults)."""
     p = cli.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
@@ -43,7 +54,9 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--init-from", help="start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
                    "gpt2-xl (Hub) or a local directory; sets the model shape")
     g = p.add_argument_group("batch")
-    g.add_argument("--batch-size", type=cli.positive_int, help="rows per rank per micro-step (B)")
+    g.add_argument("--batch-size", type=batch_size_flag,
+                   help="rows per rank per micro-step (B), or auto: the largest that fits the device, found by "
+                        "trying before the first step (default: auto on CUDA, 64 elsewhere)")
     g.add_argument("--seq-len", type=cli.positive_int, help="tokens per row (T); default: the model's block size")
     g.add_argument("--total-batch-size", type=cli.positive_int,
                    help="tokens per optimizer step over all ranks; a multiple of B x T x world size")
@@ -130,19 +143,23 @@ def validate_flag_values(run, model):
                         "pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
 
 
-def validate_config(run, model, world_size: int) -> int:
-    """Check the run (a RunConfig) and its model (a GPTConfig) as a whole, before any work. Returns
-    grad_accum_steps."""
+def validate_config(run, model, world_size: int, device_type: str) -> int:
+    """Check the run (a RunConfig) and its model (a GPTConfig) as a whole, before any work, and set
+    --batch-size's default for the device. Returns the rows each rank reads per optimizer step, which
+    --batch-size (a number) divides; auto chooses a divisor later (fit_batch.py)."""
     from fineweb import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
+    if run.batch_size is None:
+        run.batch_size = "auto" if device_type == "cuda" else 64
+    B = 1 if run.batch_size == "auto" else run.batch_size
     if model.n_embd % model.n_head:
         raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")
     if run.seq_len > model.block_size:
         raise UserError(f"--seq-len {run.seq_len} is longer than the model's --block-size {model.block_size}")
-    micro_tokens = run.batch_size * run.seq_len * world_size
+    micro_tokens = B * run.seq_len * world_size
     if run.total_batch_size % micro_tokens:
-        raise UserError(
-            f"--total-batch-size {run.total_batch_size} is not divisible by batch_size x seq_len x "
-            f"world_size = {run.batch_size} x {run.seq_len} x {world_size} = {micro_tokens}")
+        batch_size = ("", "") if run.batch_size == "auto" else ("batch_size x ", f"{B} x ")
+        raise UserError(f"--total-batch-size {run.total_batch_size} is not divisible by {batch_size[0]}seq_len x "
+                        f"world_size = {batch_size[1]}{run.seq_len} x {world_size} = {micro_tokens}")
     if run.max_lr <= 0 or (run.min_lr is not None and not 0 <= run.min_lr <= run.max_lr):
         raise UserError(f"need 0 < --max-lr and 0 <= --min-lr <= --max-lr (got {run.max_lr}, {run.min_lr})")
     if run.peak_tflops is not None and run.peak_tflops <= 0:
@@ -172,4 +189,4 @@ def validate_config(run, model, world_size: int) -> int:
     if run.fsdp and world_size < 2:
         raise UserError("--fsdp shards the model over the processes of a torchrun launch and needs at "
                         "least 2; with one process drop --fsdp (it would hold the whole model anyway)")
-    return run.total_batch_size // micro_tokens
+    return run.total_batch_size // (run.seq_len * world_size)

@@ -67,8 +67,8 @@ class RunConfig:
     out_dir: str = "out"
     align_docs: bool = False
     shuffle: bool = False
-    # batch: batch_size rows of seq_len tokens per rank per micro-step
-    batch_size: int = 64
+    # batch: batch_size rows of seq_len tokens per rank per micro-step; "auto": the largest that fits
+    batch_size: int | str | None = None  # None: auto on CUDA, 64 elsewhere
     seq_len: int | None = None  # None: the model's block size, at most 1024
     total_batch_size: int = 524288  # tokens per optimizer step over all ranks (2**19)
     # optimization
@@ -167,10 +167,11 @@ from checkpoints import (  # defines: checkpoint files (atomic save, verified lo
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
 from fineweb import (  # defines: GPT-2's tokenizer, the shard reader (open_shard), shard identity
     EOT, get_tokenizer_or_fail, open_shard, shard_files)
+from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
 from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
-    StopSignal, Throughput, UpdateGuard, check_model_fits, flops_per_token, is_out_of_memory, mfu_peak,
-    nonfinite_state, out_of_memory_error, peak_memory)
+    StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
+    mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
 from launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, compile_decision, compile_model, decided_on_rank0,
     exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
@@ -734,7 +735,7 @@ class Trainer:
             print0(f"--init-from {run.init_from}: {model_cfg}")
         run.seq_len = run.seq_len or min(model_cfg.block_size, 1024)
         self.model_cfg = model_cfg
-        self.grad_accum_steps = train_flags.validate_config(run, model_cfg, d.world_size)
+        self.rows_per_rank = train_flags.validate_config(run, model_cfg, d.world_size, d.device_type)  # per step
         check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
         self._choose_precision_and_compile()
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -747,8 +748,10 @@ class Trainer:
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
-        self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
         self.compiled_once, self.last_ckpt = False, self.ckpt_path
+        run.batch_size = choose_micro_batch(self.forward_backward, self.model, self.optimizer, self.rows_per_rank, run,
+                                            self.val_rows, d, self.use_compile, self.log, self.start_step)
+        self.use_micro_batch(run.batch_size)
         if not run.eval_only and 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
             cli.print_warning(f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
                               f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
@@ -777,21 +780,20 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
 
     def _build_data(self):
-        """Train and val rows, the step loader, the tokenizer and the HellaSwag file."""
+        """Train and val rows, the tokenizer and the HellaSwag file."""
         run, d, vocab_size = self.run, self.d, self.model_cfg.vocab_size
         self.train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
                                     vocab_size, progress=d.is_main)
-        self.loader = StepLoader(self.train_rows, run.batch_size, self.grad_accum_steps, d.rank, d.world_size)
-        if self.train_rows.rows_per_epoch < self.loader.rows_per_step:
-            raise UserError(f"the train shards hold {self.train_rows.rows_per_epoch} rows of {run.seq_len} tokens, "
-                            f"fewer than one optimizer step ({self.loader.rows_per_step} rows): lower --total-batch-size")
+        if self.train_rows.rows_per_epoch < self.rows_per_rank * d.world_size:
+            raise UserError(f"the train shards hold {self.train_rows.rows_per_epoch} rows of {run.seq_len} tokens, fewer "
+                            f"than one optimizer step ({self.rows_per_rank * d.world_size} rows): lower --total-batch-size")
         self.val_rows = None
         if run.val_every:
             try:
                 self.val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=vocab_size)
             except UserError as e:
                 raise UserError(f"{e} (or pass --val-every 0)") from None
-            val_rows_needed = run.val_steps * run.batch_size * d.world_size
+            val_rows_needed = run.val_steps * (1 if run.batch_size == "auto" else run.batch_size) * d.world_size
             if self.val_rows.rows_per_epoch < val_rows_needed:
                 raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
                                 f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
@@ -802,6 +804,12 @@ class Trainer:
             # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
             run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
             hellaswag.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
+
+    def use_micro_batch(self, B: int):
+        if hasattr(self, "prefetcher"):  # after an out-of-memory: it holds micro-batches of the old size
+            self.prefetcher.close()
+        self.loader = StepLoader(self.train_rows, B, self.rows_per_rank // B, self.d.rank, self.d.world_size)
+        self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
 
     def _resume_checkpoint(self) -> str | None:
         """The checkpoint to start from (None: from scratch). Training claims --out-dir first (rank 0
@@ -939,8 +947,9 @@ class Trainer:
         queued without waiting, so dt runs from this step's start to the next sync and includes the
         GPU finishing the previous step's update: in a steady run, the time per step."""
         t0 = time.perf_counter()
-        micro_batches, n_tokens = self.prefetcher.get(step)  # 1. the step's rows, and N: known before any backward
-        loss_total = self.forward_backward(micro_batches, n_tokens)  # 2. each micro-batch: backward of sum * W / N
+        # 1. the step's rows, and N: known before any backward; 2. each micro-batch: backward of sum * W / N
+        loss_total, n_tokens = retry_on_oom(lambda: self.forward_backward(*self.prefetcher.get(step)), step, self.loader.B,
+                                            self.rows_per_rank, self.d, self.optimizer, self.use_micro_batch, self.log)
         loss_sum, norm, stop_requested = self.reduce_and_clip(loss_total)  # 3. one all-reduce, the norm, the clip
         lr = get_lr(step, self.run)  # 4. the LR of this step
         for group in self.optimizer.param_groups:
@@ -955,19 +964,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_requested, skipped)
 
-    def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
-        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad.
+    def forward_backward(self, micro_batches, n_tokens: int) -> tuple[torch.Tensor, int]:
+        """This rank's summed token loss, and N; leaves d(step token-mean loss)/d(param) in .grad.
         Compilation happens in the first step: if it fails, the run goes on eagerly."""
         def run():
             return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
-                                        self.dtype, self.loss_chunk, self.scaler)
+                                        self.dtype, self.loss_chunk, self.scaler), n_tokens
         if not self.use_compile or self.compiled_once:
             return run()
         try:
             loss_total = run()
         except Exception as e:  # dynamo, inductor, Triton and the C++ toolchain fail in many types
-            while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
-                e = inner  # dynamo wraps the backend's error: name the root cause
+            e = compile_failure_cause(e)  # (an out-of-memory is no compile failure: raised, for retry_on_oom)
             print0(f"compile failed, continuing without it: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
             self.use_compile = False
             self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
@@ -1088,8 +1096,8 @@ class Trainer:
         print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
                + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
-        print0(f"batch: {run.total_batch_size} tokens/step = {run.batch_size} rows x {run.seq_len} tokens x "
-               f"{self.grad_accum_steps} accumulation steps x {d.world_size} ranks | "
+        print0(f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {run.seq_len} tokens x "
+               f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
     def log_step(self, step: int, r: StepResult):

@@ -11,15 +11,22 @@ memory), tok/s in total and per GPU and MFU (mean over the steps after the first
 and compile time (step 0's time minus the median of the others). Exit code 1 if a variant
 fails or its losses drift beyond the tolerance of its dtype.
 
-    CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU, then bf16 and fp16
-          compiled on all visible GPUs (torchrun, NCCL), and bf16 compiled with --fsdp; then
-          benchmarks/bench_compile.py: the trainer's compile (one block at a time) against the
-          whole GPT compiled as one graph and eager, at B=16, from an empty inductor cache
-          (compile seconds, tok/s, loss drift; a drift beyond bf16's tolerance fails)
+    CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU; bf16 compiled with
+          --batch-size auto, and with a step that runs out of memory (benchmarks/squeeze_memory.py
+          leaves 60% of a step's need free before step 2: the step is redone at half the
+          micro-batch); then bf16 and fp16 compiled on all visible GPUs (torchrun, NCCL), and bf16
+          compiled with --fsdp. Then the micro-batch --batch-size auto finds for the model at the
+          recipe's 524,288 tokens per step, on the whole GPU and on 24 GiB of it (a consumer card).
+          Last, benchmarks/bench_compile.py: the trainer's compile (one block at a time) against
+          the whole GPT compiled as one graph and eager, at B=16, from an empty inductor cache
+          (compile seconds, tok/s, loss drift; a drift beyond bf16's tolerance fails).
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
-          activation checkpointing, fp16 on 2 gloo ranks; no compile (inductor on CPU takes 20-40 s
-          per variant; --compile adds it)
+          activation checkpointing, bf16 with --batch-size auto, fp16 on 2 gloo ranks; no compile
+          (inductor on CPU takes 20-40 s per variant; --compile adds it)
+Each line ends with the micro-batch the run trained at (auto: what it chose; after an
+out-of-memory: the size it went on with).
 """
+import argparse
 import json
 import os
 import re
@@ -33,6 +40,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import cli  # noqa: E402
+RECIPE_TOKENS = 524288  # GPT-2 124M's tokens per step (the trainer's default --total-batch-size)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, over a few steps
 
 
@@ -41,6 +49,8 @@ def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
     if cuda:
         out = [dict(dtype=dtype, compile=compile, chunk=chunk, nproc=1)
                for dtype in ("bfloat16", "float16") for compile in (True, False) for chunk in (0, 8192)]
+        out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=["--batch-size", "auto"]))
+        out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, squeeze=["--squeeze", "2:60%"]))
         if n_gpus > 1:
             out += [dict(dtype=dtype, compile=True, chunk=0, nproc=n_gpus) for dtype in ("bfloat16", "float16")]
             out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=["--fsdp"]))  # vs DDP
@@ -48,13 +58,15 @@ def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
         out = [dict(dtype="bfloat16", compile=False, chunk=64, nproc=1),
                dict(dtype="float16", compile=False, chunk=0, nproc=1),
                dict(dtype="float32", compile=False, chunk=64, nproc=1, extra=["--activation-checkpointing"]),
+               dict(dtype="bfloat16", compile=False, chunk=64, nproc=1, extra=["--batch-size", "auto"]),
                dict(dtype="float16", compile=False, chunk=64, nproc=2)]
         if compile_on_cpu:
             out.append(dict(dtype="float32", compile=True, chunk=64, nproc=1))
     for v in out:
         v["name"] = (f"{v['dtype']:8s} {'compile' if v['compile'] else 'eager':7s} "
                      f"{'chunk ' + str(v['chunk']) if v['chunk'] else 'full logits':11s} x{v['nproc']}"
-                     + (" " + " ".join(v.get("extra", [])) if v.get("extra") else ""))
+                     + (" " + " ".join(v.get("extra", [])) if v.get("extra") else "")
+                     + (" out of memory at step 2" if v.get("squeeze") else ""))
     return out
 
 
@@ -63,8 +75,10 @@ def run_variant(v: dict, args, data_dir: str, out_dir: str, batch_size: int, acc
     launcher = [sys.executable]
     if v["nproc"] > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={v['nproc']}"]
-    total = batch_size * accum * args.seq_len * v["nproc"]  # accum micro-steps per step
-    cmd = [*launcher, "train_gpt2.py", "--data-dir", data_dir, "--out-dir", out_dir, *args.model_flags,
+    # squeeze_memory.py runs the trainer in its process and takes the GPU's free memory away before a step
+    script = ["benchmarks/squeeze_memory.py", *v["squeeze"], "--"] if "squeeze" in v else ["train_gpt2.py"]
+    total = v.get("total", batch_size * accum * args.seq_len * v["nproc"])  # accum micro-steps per step
+    cmd = [*launcher, *script, "--data-dir", data_dir, "--out-dir", out_dir, *args.model_flags,
            "--seq-len", str(args.seq_len), "--batch-size", str(batch_size), "--total-batch-size", str(total),
            "--max-steps", str(args.steps), "--warmup-steps", "2", "--val-every", "0", "--sample-every", "0",
            "--hellaswag-every", "0", "--ckpt-every", "0", "--dtype", v["dtype"], "--loss-chunk", str(v["chunk"]),
@@ -75,13 +89,17 @@ def run_variant(v: dict, args, data_dir: str, out_dir: str, batch_size: int, acc
     if result.returncode:
         return dict(error=(result.stderr.strip().splitlines() or ["exit code %d" % result.returncode])[-1])
     with open(os.path.join(out_dir, "log.jsonl")) as f:
-        records = [r for r in map(json.loads, f) if "loss" in r]
+        logged = [json.loads(line) for line in f]
+    records = [r for r in logged if "loss" in r]
     later = records[1:] or records
     dts = [r["dt_ms"] / 1000 for r in later]
     summary = next(line for line in result.stdout.splitlines() if line.startswith("done:"))
     memory = re.search(r"peak memory ([\d.]+ GiB \w+)", summary).group(1)
     mfu = [r["mfu"] for r in later if "mfu" in r]
-    return dict(losses=[r["loss"] for r in records], tok_per_s=statistics.mean(r["tok_per_s"] for r in later),
+    sizes = [r["batch_size"] for r in logged if r.get("event") == "batch_size"]  # auto's choice, out-of-memory's
+    return dict(micro_batch="B=" + "->".join(str(b) for b in [batch_size] * ("squeeze" in v) + sizes) if sizes else "",
+                auto_line=next((line for line in result.stdout.splitlines() if line.startswith("--batch-size auto")), ""),
+                losses=[r["loss"] for r in records], tok_per_s=statistics.mean(r["tok_per_s"] for r in later),
                 tok_per_s_per_gpu=statistics.mean(r["tok_per_s_per_gpu"] for r in later),
                 mfu=statistics.mean(mfu) if mfu else None, memory=memory,
                 compile_s=records[0]["dt_ms"] / 1000 - statistics.median(dts) if v["compile"] else None)
@@ -94,10 +112,13 @@ def report(v: dict, r: dict, ref_losses: list[float]) -> bool:
         return False
     drift = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
     ok = drift <= TOLERANCE[v["dtype"]] and len(r["losses"]) == len(ref_losses)
+    if v.get("squeeze") and "->" not in r["micro_batch"]:
+        r["micro_batch"], ok = "no out-of-memory happened", False
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "    -"
     compile_s = f"{r['compile_s']:6.1f}s" if r["compile_s"] is not None else "      -"
     print(f"{v['name']:48s} | loss drift {drift:.1e} {'ok  ' if ok else 'HIGH'} | {r['tok_per_s']:10,.0f} tok/s "
-          f"({r['tok_per_s_per_gpu']:9,.0f}/gpu) | mfu {mfu} | peak {r['memory']:14s} | compile {compile_s}", flush=True)
+          f"({r['tok_per_s_per_gpu']:9,.0f}/gpu) | mfu {mfu} | peak {r['memory']:14s} | compile {compile_s}"
+          + (f" | {r['micro_batch']}" if r["micro_batch"] else ""), flush=True)
     return ok
 
 
@@ -122,7 +143,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = os.path.join(tmp, "data")
         os.makedirs(data_dir)
-        n_tokens = (args.steps + 1) * args.batch_size * max_nproc * args.seq_len + 1
+        n_tokens = max((args.steps + 1) * args.batch_size * max_nproc * args.seq_len, 2 * RECIPE_TOKENS * cuda) + 1
         for split in ("train", "val"):  # synthetic GPT-2 token ids: speed and agreement, not learning
             np.save(os.path.join(data_dir, f"synth_{split}_000000.npy"),
                     np.random.default_rng(0).integers(0, vocab, n_tokens, dtype=np.uint16))
@@ -140,6 +161,15 @@ def main(argv=None) -> int:
                 return 1
             ok &= report(v, run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size),
                          ref["losses"])
+        if cuda:  # what --batch-size auto finds for the model at the recipe's batch, on all and on 24 GiB of the GPU
+            for name, squeeze in (("the whole GPU", None), ("24 GiB of it", ["--squeeze", f"{24 * 1024}MiB"])):
+                v = dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=["--batch-size", "auto"],
+                         total=RECIPE_TOKENS, **(dict(squeeze=squeeze) if squeeze else {}))
+                r = run_variant(v, argparse.Namespace(**{**vars(args), "steps": 1}), data_dir,
+                                os.path.join(tmp, f"recipe_{len(name)}"), args.batch_size)
+                print(f"{' '.join(args.model_flags)} at {RECIPE_TOKENS:,} tokens/step on {name}: "
+                      f"{r.get('auto_line') or 'FAILED: ' + r.get('error', '?')}", flush=True)
+                ok &= "error" not in r
     if cuda:  # per-block compile vs the whole graph: seconds to compile and tok/s
         import bench_compile  # (beside this file, on sys.path as the script's folder)
         best = bench_compile.main(["--rounds", "2", "--steps", str(args.steps)])

@@ -51,6 +51,8 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
         "train_gpt2.py --warm 3": unrecognized("train_gpt2.py", "--warm 3"),  # was --warmup-steps 3
         "train_gpt2.py --max-steps x": (2, "error: argument --max-steps: invalid int value: 'x' "
                                            "(see train_gpt2.py --help)\n", ""),
+        "train_gpt2.py --batch-size x": (2, "error: argument --batch-size: expected a number of rows or auto, got "
+                                            "'x' (see train_gpt2.py --help)\n", ""),
         "fineweb.py --max-tok 5": unrecognized("fineweb.py", "--max-tok 5"),
         "hellaswag.py --checkpoint c.pt --lim 3": unrecognized("hellaswag.py", "--lim 3"),
         "hf_interop.py export c.pt hf --vocab 5": unrecognized("hf_interop.py", "--vocab 5"),

@@ -64,7 +64,7 @@ def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args, message):
 def test_validate_config_names_an_unknown_schedule():
     run = tg.RunConfig(lr_schedule="step", seq_len=64)
     with pytest.raises(cli.UserError, match="--lr-schedule must be one of cosine, wsd, linear, got 'step'"):
-        train_flags.validate_config(run, tg.GPTConfig(block_size=64), 1)
+        train_flags.validate_config(run, tg.GPTConfig(block_size=64), 1, "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,8 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
+    (["--batch-size", "auto", "--total-batch-size", "1000"],
+     "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32"),
     (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
     (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
     (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
@@ -143,7 +145,7 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
 
 
 LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "checkpoints", "out_dir", "guards",
-                   "sample", "hellaswag", "hf_interop", "plot_log"]
+                   "sample", "hellaswag", "hf_interop", "plot_log", "fit_batch"]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():

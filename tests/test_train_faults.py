@@ -184,6 +184,70 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
                                   "--activation-checkpointing. Last good checkpoint: none")
 
 
+# --- the micro-batch that fits (fit_batch.py), on a real allocation failure -----------------------
+
+# Full logits (64 x 50304 fp32 per row): a trial of B rows needs about 50 MiB per row above what the
+# process holds (measured: 8 rows 397 MiB, 4 rows 200, 2 rows 101), plus fit_batch's 64 MiB margin
+FULL_LOGITS = ["--block-size", "64", "--seq-len", "64", "--total-batch-size", str(8 * 64), "--loss-chunk", "0",
+               "--warmup-steps", "3"]
+# glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, which an
+# address-space limit counts as used: a fixed threshold makes the limit track what is allocated
+FIXED_MMAP = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def squeezed(*squeeze_and_train_args, nproc=1):
+    """train_gpt2.py run by benchmarks/squeeze_memory.py, which lowers the process memory limit."""
+    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
+    return subprocess.run([*launcher, "benchmarks/squeeze_memory.py", *squeeze_and_train_args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=FIXED_MMAP)
+
+
+def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
+    """With 420 MiB left, --batch-size auto finds that 8 rows do not fit and 4 do (trials 8, 2, 4). Before
+    step 2 only 150 MiB are left: the step runs out of memory at 4 rows and is redone at 2, from the
+    rows the prefetcher had loaded at 4. The losses are those of --batch-size 4, resumed at step 2
+    with --batch-size 2, bit for bit: nothing of the trials or of the failed step leaked."""
+    out = tmp_path / "squeezed"
+    result = squeezed("--squeeze", "420MiB", "--squeeze", "2:150MiB", "--",
+                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
+    assert lines[0].startswith("--batch-size auto: 4 rows per micro-step fit cpu, 2 accumulation steps (tried 8: "
+                               "out of memory, 2: fits, 4: fits; 3 trials, ")
+    assert lines[1] == ("step     2 | out of memory at 4 rows per micro-step (tried to allocate 51511296 bytes): the "
+                        "step again at 2 rows (4 accumulation steps), the same rows and numbers")
+    assert len(lines) == 2 and "batch: 512 tokens/step = 4 rows x 64 tokens x 2 accumulation steps" in result.stdout
+    events = [{k: v for k, v in r.items() if k != "search_s"} for r in log_records(out) if "event" in r]
+    assert events == [dict(step=0, event="batch_size", batch_size=4, tried="8: out of memory, 2: fits, 4: fits"),
+                      dict(step=2, event="batch_size", batch_size=2, reason="out of memory")]
+    ref = tmp_path / "hand_picked"
+    assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=2)) == 0
+    assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, "--resume", steps=4, B=2)) == 0
+    assert losses(out) == losses(ref) and len(losses(out)) == 4
+
+
+def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(data_dir, tmp_path):
+    """Only rank 1 is squeezed: 540 MiB (gloo and DDP take ~200) fit 2 of its 4 rows per step, and rank 0
+    takes 2 too. An
+    out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the backward's
+    all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
+    out = tmp_path / "ddp"
+    result = squeezed("--rank", "1", "--squeeze", "540MiB", "--squeeze", "2:60MiB", "--",
+                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0), nproc=2)
+    assert result.returncode != 0
+    assert "--batch-size auto: 2 rows per micro-step fit cpu, 2 accumulation steps (tried 4: out of memory, 1: fits, 2: fits" \
+        in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "batch: 512 tokens/step = 2 rows x 64 tokens x 2 accumulation steps x 2 ranks" in result.stdout
+    errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
+    assert errors[1].startswith("error: rank 1: out of memory on cpu (tried to allocate ")
+    assert errors[1].endswith(" bytes): lower --batch-size (--total-batch-size stays the same through more accumulation "
+                              "steps) or pass --activation-checkpointing. Last good checkpoint: none")
+    ref = tmp_path / "one_process"
+    assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=0)) == 0
+    np.testing.assert_allclose([loss for _, loss in losses(out)], [loss for _, loss in losses(ref)], rtol=2e-5)
+
+
 # --- ranks ----------------------------------------------------------------------------------
 
 def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):

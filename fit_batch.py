@@ -1,0 +1,178 @@
+"""The micro-batch that fits the device. `--batch-size auto` tries a step's forward and backward at
+the run's real shapes (compile, dtype, activation checkpointing, FSDP, with AdamW's moments
+counted) and keeps the largest number of rows per micro-step that does not run out of memory;
+an out-of-memory during training (one process) redoes the step from the same rows at half the
+micro-batch. Neither changes the numbers: a step reads the same rows and the same token count N
+whatever the split B x accumulation x W (the trainer's token-normalized accumulation), so the
+loss curve is the one a hand-picked --batch-size gives.
+
+Under torchrun every trial is agreed by all ranks (one all-reduce of a flag), so they all keep
+the same micro-batch. A trial under DDP runs without gradient sync (no collective a failing rank
+could leave half-done); under FSDP its forward and backward gather and reduce-scatter, so an
+out-of-memory on one rank alone ends the launch as a lost rank. An out-of-memory *during
+training* under torchrun cannot be recovered safely: the other ranks are already inside the
+backward's all-reduce, which the failed rank will never join. There it stays one error line
+naming --batch-size (guards.out_of_memory_error).
+"""
+# defines: choose_micro_batch (--batch-size auto), retry_on_oom (the step again at a smaller micro-batch)
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from cli import UserError
+from fsdp import local_part
+from guards import is_out_of_memory, out_of_memory_reason
+from launch import all_reduce_sum, print0
+
+CPU_SEARCH_SHARE = 0.8  # on CPU a trial may take this much of the RAM the machine has available
+# What a trial leaves free for what a real step adds to it: the prefetcher's thread (8 MiB of stack on
+# Linux), the all-reduce's buffers (a trial under DDP runs without sync), the CUDA allocator's
+# fragmentation. Measured on CPU: the first steps peak 10 MiB above the trial of their micro-batch.
+MARGIN_CPU = 64 * 2**20
+MARGIN_CUDA_SHARE = 0.03  # of the GPU's memory: 2.4 GB of an 80 GB H100, 0.7 GB of a 24 GB card
+
+
+def divisors(n: int) -> list[int]:
+    """The micro-batches that split n rows per rank exactly, ascending."""
+    small = [b for b in range(1, int(n ** 0.5) + 1) if n % b == 0]
+    return sorted(set(small + [n // b for b in small]))
+
+
+def smaller_micro_batch(B: int, rows_per_rank: int) -> int | None:
+    """Half of B, or the largest divisor of rows_per_rank below that; None below one row."""
+    return max((b for b in divisors(rows_per_rank) if b <= B // 2), default=None)
+
+
+def proc_kib(path: str, key: str) -> int:
+    """A `key:  N kB` line of a /proc file, in bytes."""
+    with open(path) as f:
+        return 1024 * int(next(line.split()[1] for line in f if line.startswith(key + ":")))
+
+
+@contextlib.contextmanager
+def cpu_search_limit(device_type: str):
+    """On CPU a trial too big for the RAM does not fail: the kernel's OOM killer ends this process,
+    or another one. While the search runs, the address space may grow only by CPU_SEARCH_SHARE of
+    the memory the machine has available, shared by the node's ranks (or less, under a limit set
+    before), so that a trial too big fails as an allocation error, which the search catches."""
+    if device_type != "cpu" or not os.path.exists("/proc/meminfo"):  # (Linux: /proc and RLIMIT_AS)
+        yield
+        return
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    share = CPU_SEARCH_SHARE / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of this node search at once
+    cap = proc_kib("/proc/self/status", "VmSize") + int(share * proc_kib("/proc/meminfo", "MemAvailable"))
+    resource.setrlimit(resource.RLIMIT_AS, (cap if soft == resource.RLIM_INFINITY else min(cap, soft), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def static_shapes(compiled: bool):
+    """Each trial compiles for its own B, as a run with that --batch-size would: the graph training
+    then runs at the chosen B is the one a hand-picked run compiles (after a second shape dynamo
+    would otherwise recompile for any batch size)."""
+    if not compiled:
+        return contextlib.nullcontext()
+    import torch._dynamo
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+
+def margin_bytes(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        return int(MARGIN_CUDA_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    return MARGIN_CPU
+
+
+def release_cached(device: str):
+    """What a failed attempt left in the CUDA allocator's cache goes back to the device: the next try
+    gets unfragmented memory."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def fits_everywhere(forward_backward, B: int, T: int, model, optimizer, device: str) -> bool:
+    """One micro-batch of B rows of T tokens (zeros: the values do not change the memory) ran through
+    forward_backward without running out of memory on any rank. Its gradients are dropped; any
+    other error is raised."""
+    x, failed = torch.zeros(B, T, dtype=torch.long), False
+    # under DDP without gradient sync: no collective inside, which a rank that fails would leave half-done
+    with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+        try:
+            forward_backward([(x, x)], B * T)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            failed = True
+    optimizer.zero_grad(set_to_none=True)  # (out of the except block: the failed trial's tensors are gone)
+    release_cached(device)
+    return not all_reduce_sum(torch.tensor([float(failed)], device=device)).item()
+
+
+def choose_micro_batch(forward_backward, model, optimizer, rows_per_rank: int, run, val_rows, d, compiled: bool,
+                       log, step: int) -> int:
+    """run.batch_size if it is a number. With auto, the largest divisor of rows_per_rank whose
+    micro-batch of run.seq_len-token rows fits on d (a launch.Dist), and with which --val-steps
+    evaluation batches fit in val_rows (the val TokenRows, or None): the largest first (it often
+    does), then a binary search of the others, a handful of trials. AdamW's moments do not exist
+    before the first update: tensors of their size are held during the trials, with a margin. Nothing
+    of a trial stays: gradients dropped, RNG state restored, no update. Printed in one line, logged."""
+    if run.batch_size != "auto":
+        return run.batch_size
+    t0, tried, T, device = time.perf_counter(), [], run.seq_len, d.device
+    most = val_rows.rows_per_epoch // (run.val_steps * d.world_size) if val_rows else rows_per_rank
+    choices = [b for b in divisors(rows_per_rank) if b <= most]
+    device_type = torch.device(device).type
+
+    def fits(i):
+        tried.append((choices[i], fits_everywhere(forward_backward, choices[i], T, model, optimizer, device)))
+        return tried[-1][1]
+    with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), \
+            cpu_search_limit(device_type), static_shapes(compiled):
+        held = [torch.empty_like(local_part(p)) for group in optimizer.param_groups for p in group["params"]
+                if p not in optimizer.state and not run.eval_only for _ in range(2)]  # AdamW's moments, as the first
+        # update allocates them (--eval-only updates nothing: its micro-batch is the one validation uses)
+        held.append(torch.empty(margin_bytes(device), dtype=torch.uint8, device=device))
+        best, fail = (len(choices) - 1, None) if fits(len(choices) - 1) else (-1, len(choices) - 1)
+        while fail is not None and fail - best > 1:  # choices[best] fits (-1: none yet), choices[fail] does not
+            mid = (best + fail) // 2
+            best, fail = (mid, fail) if fits(mid) else (best, mid)
+        del held
+    seconds = time.perf_counter() - t0
+    summary = ", ".join(f"{b}: {'fits' if ok else 'out of memory'}" for b, ok in tried)
+    if best < 0:
+        raise UserError(f"--batch-size auto: not even one row of --seq-len {T} fits {device} with the model's weights, "
+                        "gradients and AdamW state: pass --activation-checkpointing, a shorter --seq-len or a smaller "
+                        f"model (tried {summary})")
+    B = choices[best]
+    print0(f"--batch-size auto: {B} rows per micro-step fit {device}, {rows_per_rank // B} accumulation steps "
+           f"(tried {summary}; {len(tried)} trials, {seconds:.1f}s)")
+    log.write(step=step, event="batch_size", batch_size=B, tried=summary, search_s=round(seconds, 3))
+    return B
+
+
+def retry_on_oom(attempt, step: int, B: int, rows_per_rank: int, d, optimizer, use_micro_batch, log):
+    """attempt(), one step's forward and backward at micro-batch B, until it does not run out of
+    memory: on one process the gradients of the failed try are dropped, use_micro_batch(smaller B)
+    reloads the step's rows at half the micro-batch, and the step runs again, said in one line and
+    a log record. Under torchrun (d.world_size > 1), or below one row, the out-of-memory is raised."""
+    while True:
+        try:
+            return attempt()
+        except Exception as e:
+            smaller = smaller_micro_batch(B, rows_per_rank)
+            if not is_out_of_memory(e) or d.world_size > 1 or smaller is None:
+                raise
+            reason = out_of_memory_reason(e)
+        optimizer.zero_grad(set_to_none=True)  # (out of the except block: the failed try's tensors are gone)
+        release_cached(d.device)
+        print0(f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at {smaller} "
+               f"rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers")
+        log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
+        use_micro_batch(smaller)
+        B = smaller
