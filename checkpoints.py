@@ -1,7 +1,9 @@
-"""Checkpoint files: atomic save, verified load, and the choice of what --resume continues.
+"""Checkpoint files: atomic save, verified load, the choice of what --resume continues, and the
+run identity each checkpoint carries (whose it is, and for a branch, whose branch).
 
 A checkpoint is a plain dict of tensors and plain values (model and optimizer state dicts
-without wrapper prefixes, the configs as dicts, the step, the RNG states, the log position):
+without wrapper prefixes, the configs as dicts, the step, the RNG states, the log position,
+the run identity):
 written to NAME.tmp, fsynced and renamed, with the sha256 of its contents inside, and loaded
 with weights_only=True. Under FSDP the state is gathered whole (full_state), so a checkpoint
 of any mode resumes in any other.
@@ -10,8 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import re
+import uuid
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -99,13 +105,20 @@ def checkpoint_step(path: str) -> int:
     return int(CKPT_NAME.fullmatch(os.path.basename(path))[1])
 
 
+def same_file(a: str, b: str) -> bool:
+    """Whether a and b name one file (False when either is gone: --keep-last may delete one meanwhile)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def earlier_checkpoint(path: str) -> str | None:
     """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
     found = list_checkpoints(os.path.dirname(path) or ".")
-    same = [p for p in found if os.path.samefile(p, path)] if os.path.exists(path) else []
-    if same:
-        found = found[:found.index(same[0])]
-    return found[-1] if found else None
+    same = [i for i, p in enumerate(found) if same_file(p, path)]
+    earlier = found[:same[0]] if same else found
+    return earlier[-1] if earlier else None
 
 
 def state_digest(state: dict) -> str:
@@ -203,23 +216,33 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
         path = newest
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
-    earlier = earlier_checkpoint(path)
-    instead = f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises many types for a damaged zip or pickle
-        what = "empty file (0 bytes)" if os.path.getsize(path) == 0 else \
-            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead}") from None
+
+    def instead() -> str:
+        earlier = earlier_checkpoint(path)
+        return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
+    try:  # one open file from here on: a run's --keep-last may delete the name meanwhile
+        f = open(path, "rb")
+    except FileNotFoundError:
+        newest = latest_checkpoint(os.path.dirname(path) or ".")
+        raise UserError(f"checkpoint {path} was removed while loading (by its run's --keep-last?); "
+                        + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")) \
+            from None
+    with f:
+        try:
+            ckpt = torch.load(f, map_location=map_location, weights_only=True)
+        except Exception as e:  # torch raises many types for a damaged zip or pickle
+            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else \
+                f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:
         raise UserError(f"{path}: {problem}")
     if ckpt["checksum"] != state_digest(ckpt):
         raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
-                        f"{instead}")
+                        f"{instead()}")
     bad = first_nonfinite(ckpt["model"])
     if bad:  # the trainer never writes one (check_state_finite): another program did
-        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead}")
+        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
     return ckpt
 
 
@@ -247,6 +270,76 @@ def checkpoint_problem(ckpt, model_fields=None) -> str | None:
     return None
 
 
+# ---- run identity: whose a checkpoint (and a log record) is, decided by an id, never by names or sizes
+
+def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
+    """A run's identity: a random 128-bit id, and for a branch its parent run's identity and the
+    step it branched at (parent: {**parent's identity, "step": step}), back to the first run."""
+    parent = dict(branched_from, step=step) if branched_from else None
+    return dict(id=uuid.uuid4().hex, parent=parent)
+
+
+LEGACY_RUN = dict(id=None, parent=None)  # a checkpoint written before run ids: its folder's one legacy run
+
+
+def run_of(ckpt: dict) -> dict:
+    return ckpt.get("run") or LEGACY_RUN
+
+
+def run_name(run_id: str | None) -> str:
+    return f"run {run_id}" if run_id else "a run from before run ids"
+
+
+def read_run(path: str) -> dict | None:
+    """The run identity in checkpoint path, read without loading its tensors (they stay memory-mapped);
+    None where it cannot be read (damaged, removed meanwhile, not ours: loading it says why)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return run_of(ckpt) if isinstance(ckpt, dict) else None
+
+
+def last_record_run(path: str) -> str | None:
+    """The "run" of the last record of the log at path (None: none, or a run from before run ids)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            return record.get("run") if isinstance(record, dict) else None
+    return None
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run takes up the run of its checkpoint: the file, its step, the length and
+    sha256 of that run's log.jsonl when it was written, and that run's identity."""
+    path: str
+    step: int
+    log_offset: int
+    log_sha256: str
+    run: dict
+
+    @classmethod
+    def of(cls, path: str, ckpt: dict) -> ResumePoint:
+        return cls(path, ckpt["step"], ckpt["log_offset"], ckpt["log_sha256"], run_of(ckpt))
+
+
+def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
+    """Whether the state of run_id at step is a state that `run` went through on its way to at_step:
+    its own, or its parent's up to the step it branched at, and so on back."""
+    until = at_step
+    while run is not None:
+        if run["id"] == run_id and step <= until:
+            return True
+        parent = run["parent"]
+        until = min(until, parent["step"]) if parent else -math.inf
+        run = parent
+    return False
+
+
 # run_config keys that fix which rows each step reads: resuming must keep them (and the model_config)
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed")
 
@@ -267,13 +360,17 @@ def choose_resume_checkpoint(run) -> str | None:
     path = find_resume_checkpoint(run)
     if path:
         return path
-    if run.resume is None and list_checkpoints(run.out_dir):
-        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints: pass --resume to continue "
+    found = list_checkpoints(run.out_dir)
+    if run.resume is None and found:
+        owner = read_run(found[-1])
+        of_run = f" of {run_name(owner['id'])}" if owner else ""
+        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints{of_run}: pass --resume to continue "
                         "that run, or choose another --out-dir")
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
-        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of an earlier run but no checkpoint "
-                        "to resume: move the log aside to start a new run there, or choose another --out-dir")
+        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of {run_name(last_record_run(log))} but no "
+                        "checkpoint to resume: move the log aside to start a new run there, or choose another "
+                        "--out-dir")
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None

@@ -1,7 +1,9 @@
 """What a run writes into its --out-dir besides checkpoints, and who may write there: the lock
-(one live run per folder), log.jsonl (one JSON record per line, cut back exactly on resume),
-branch folders (a resume from an earlier step sets the later checkpoints aside instead of
-overwriting them), and the W&B / TensorBoard sinks that get every record of the log.
+(one live run per folder, a flock on the folder itself), whose the folder is (claim_run: its
+checkpoints must be of the resumed run's history, by run id), log.jsonl (one JSON record per
+line, each naming its run, cut back exactly on resume), branch folders (a resume from an
+earlier step sets the later checkpoints aside instead of overwriting them), and the W&B /
+TensorBoard sinks that get every record of the log.
 """
 from __future__ import annotations
 
@@ -16,24 +18,27 @@ import shutil
 import socket
 
 import cli
-from checkpoints import checkpoint_step, fsync_dir, list_checkpoints
+from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
+                         new_run, read_run, run_name, same_file)
 from cli import UserError
 from fineweb import one_line, os_error_reason
 from launch import print0
 
 class RunLog:
-    """log.jsonl on rank 0: one JSON object per line. Other ranks write nothing.
+    """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
+    it (none for a run begun before run ids). Other ranks write nothing.
 
     Each record is one write, and a failed write (disk full) is cut back: the file always ends
     with a whole record. A checkpoint stores the log's length and the sha256 of its contents up
-    to there (position()); resuming cuts the log back to that point only when the log here is
-    that run's log (an empty or missing log starts afresh), and refuses otherwise."""
+    to there (position()); resuming cuts the log back to that point (cut_back(), once a later
+    branch has its copy) only when the log here is that run's log (an empty or missing log starts
+    afresh), and refuses otherwise."""
 
     sinks = ()  # run trackers that get every record too (open_sinks)
 
-    def __init__(self, out_dir: str, enabled: bool, resume_point: tuple | None = None, resumed_from: str = ""):
-        self.path, self.file = os.path.join(out_dir, "log.jsonl"), None
-        self.last_checkpoint = resumed_from or None  # named when a write fails
+    def __init__(self, out_dir: str, enabled: bool, resumed: ResumePoint | None = None, run: dict | None = None):
+        self.path, self.file, self.run, self.resumed = os.path.join(out_dir, "log.jsonl"), None, run, resumed
+        self.last_checkpoint = resumed.path if resumed else None  # named when a write fails
         self.size, self.sha = 0, hashlib.sha256()
         if not enabled:
             return
@@ -41,19 +46,26 @@ class RunLog:
             raise UserError(f"cannot open {self.path}: it is a symbolic link to {os.readlink(self.path)}, which "
                             "does not exist; remove the link or point it at a file")
         try:
-            kept = read_log_up_to(self.path, resume_point, resumed_from)
+            kept = read_log_up_to(self.path, resumed)
             self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
-            if resume_point:
-                self.file.truncate(len(kept))  # drop what the run logged after its checkpoint
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
         self.size = len(kept)
         self.sha.update(kept)
 
+    def cut_back(self):
+        """Resuming: drop what the run logged after its checkpoint."""
+        if self.file and self.resumed:
+            try:
+                self.file.truncate(self.size)
+            except OSError as e:
+                raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {os_error_reason(e)}") from None
+
     def write(self, **record):
         if self.file:
-            self._append((json.dumps(strict_json_record(record), allow_nan=False) + "\n").encode())
+            mine = dict(record, run=self.run["id"]) if self.run and self.run["id"] else record
+            self._append((json.dumps(strict_json_record(mine), allow_nan=False) + "\n").encode())
         for sink in list(self.sinks):
             self._to_sink(sink, f"at step {record['step']}", sink.write, record)
 
@@ -66,6 +78,7 @@ class RunLog:
             for line in f.read(self.size).splitlines():
                 record = json.loads(line)
                 record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})  # strict_json_record undone
+                record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
                     for sink in list(self.sinks):
                         self._to_sink(sink, f"at step {step}", sink.write, record)
@@ -104,9 +117,10 @@ class RunLog:
         raise UserError(f"cannot write {self.path}: {os_error_reason(e)} (the log ends at its last whole record). "
                         f"Last good checkpoint: {self.last_checkpoint or 'none'}") from None
 
-    def position(self) -> tuple[int, str]:
-        """(bytes written, sha256 of them): where a resume from a checkpoint taken now cuts the log."""
-        return self.size, self.sha.hexdigest()
+    def position(self) -> dict:
+        """What a checkpoint taken now records of its run: the bytes of the log written so far and
+        their sha256 (where a resume cuts the log back), and the run's identity."""
+        return dict(log_offset=self.size, log_sha256=self.sha.hexdigest(), run=self.run)
 
     def close(self):
         if self.file:
@@ -122,32 +136,60 @@ def strict_json_record(record: dict) -> dict:
     return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
 
 
-def read_log_up_to(path: str, resume_point: tuple | None, resumed_from: str) -> bytes:
+def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
     """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
     checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
     empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
-            kept = f.read(min(resume_point[0], size) if resume_point else size)
+            kept = f.read(min(resumed.log_offset, size) if resumed else size)
     except FileNotFoundError:
         return b""
-    if resume_point and kept and (len(kept) != resume_point[0] or hashlib.sha256(kept).hexdigest() != resume_point[1]):
-        raise UserError(f"{path} is not the log of the run that wrote {resumed_from}: resuming would "
-                        "corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+    if resumed and kept and (len(kept) != resumed.log_offset or
+                             hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
+        raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of "
+                        f"{run_name(last_record_run(path))}, the checkpoint of {run_name(resumed.run['id'])}): "
+                        "resuming would corrupt it; resume into the --out-dir of the checkpoint's own run, or a new "
+                        "one")
     return kept
 
 
-def set_aside_later_branch(out_dir: str, step: int, resume_point: tuple | None, resumed_from: str):
+def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
+    """Rank 0, before anything in out_dir changes: the identity of the run about to write there. A
+    fresh run gets a new one; a resume of out_dir's newest checkpoint (a requeued job) keeps its run's;
+    any other resume is a branch, with a new id naming the checkpoint's run and step as its parent.
+    Every checkpoint in out_dir must belong to that history: up to the resumed step, a state the
+    resumed checkpoint went through; past it, a later branch that went through it (set aside next).
+    Any other is another run's: a UserError naming both runs, whether or not a log.jsonl is there."""
+    if resumed is None:
+        return new_run()
+    mine, later = resumed.run, False
+    for path in list_checkpoints(out_dir):
+        if same_file(path, resumed.path):
+            continue
+        theirs, step = read_run(path), checkpoint_step(path)
+        later |= step > resumed.step
+        if theirs and not (in_history(theirs["id"], step, mine, resumed.step) if step <= resumed.step
+                           else in_history(mine["id"], resumed.step, theirs, step)):
+            raise UserError(f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
+                            f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
+                            "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
+                            "new one")
+    continues = not later and same_file(os.path.dirname(resumed.path) or ".", out_dir)
+    return mine if continues else new_run(mine, resumed.step)
+
+
+def set_aside_later_branch(out_dir: str, step: int):
     """Resuming at `step` abandons what the run in out_dir did after it. Its later checkpoints move,
-    with a copy of its log.jsonl, into a new out_dir/branch_NNNNNNN (the step that branch reached),
-    a run folder of its own (--resume works on it): nothing is deleted or overwritten, --keep-last
-    no longer counts them, and a plain --resume in out_dir continues the new branch."""
+    with a copy of its log.jsonl if there is one, into a new out_dir/branch_NNNNNNN (the step that
+    branch reached), a run folder of its own (--resume works on it): nothing is deleted or
+    overwritten, --keep-last no longer counts them, and a plain --resume in out_dir continues the
+    new branch. (claim_run and RunLog have checked that they and the log are this run's.)"""
     later = [p for p in list_checkpoints(out_dir) if checkpoint_step(p) > step]
     if not later:
         return
     log = os.path.join(out_dir, "log.jsonl")
-    read_log_up_to(log, resume_point, resumed_from)  # a log that is not this run's: refused before anything moves
     reached = checkpoint_step(later[-1])
     branch = os.path.join(out_dir, f"branch_{reached:07d}")
     for n in itertools.count(2):  # a name no earlier branch took
@@ -156,8 +198,9 @@ def set_aside_later_branch(out_dir: str, step: int, resume_point: tuple | None, 
             break
         except FileExistsError:
             branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+    copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
     try:
-        if os.path.isfile(log):
+        if copied:
             shutil.copyfile(log, os.path.join(branch, "log.jsonl"))
             with open(os.path.join(branch, "log.jsonl"), "rb+") as f:
                 os.fsync(f.fileno())
@@ -170,54 +213,103 @@ def set_aside_later_branch(out_dir: str, step: int, resume_point: tuple | None, 
                         "(nothing was deleted)") from None
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
-           f"{'s' * (len(later) > 1)}, {names}) with a copy of its log.jsonl to {branch}; nothing was deleted")
+           f"{'s' * (len(later) > 1)}, {names}){' with a copy of its log.jsonl' * copied} to {branch}; "
+           "nothing was deleted")
+
+
+def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
+    """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
+    the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
+    without a login), the log (whose it is, whether it opens); only then does the later branch move
+    aside and the log get cut back to the checkpoint."""
+    identity = claim_run(run.out_dir, resumed)
+    sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
+    log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
+    log.sinks = sinks  # no empty log.jsonl behind)
+    try:
+        if resumed:
+            set_aside_later_branch(run.out_dir, resumed.step)
+        log.cut_back()
+    except UserError:
+        log.close()
+        raise
+    if resumed:
+        log.resend_step(resumed.step)
+        log.write(event="resume", step=resumed.step)  # plot_log.py marks it on the curves
+    return log
 
 
 class OutDirLock:
-    """One live run per --out-dir: rank 0 holds an exclusive flock on OUT/.lock, which names its pid
-    and host for the refusal of a second run. The kernel drops the lock when the process ends, however
-    it ends, so the file a killed run leaves blocks nothing; a run that ends normally removes it."""
+    """One live run per --out-dir: rank 0 holds an exclusive flock on the folder itself (on a descriptor
+    of the directory), which no file in it, deleted or rewritten, can undo. OUT/.lock names the holder's
+    pid and host, only for the refusal of a second run. The kernel drops the lock when the process
+    ends, however it ends, so what a killed run leaves blocks nothing; a run that ends removes the
+    .lock it wrote (not one that replaced it)."""
 
     def __init__(self, out_dir: str):
-        self.out_dir, self.path, self.file = out_dir, os.path.join(out_dir, ".lock"), None
+        self.out_dir, self.path, self.fd, self.written = out_dir, os.path.join(out_dir, ".lock"), None, None
 
     def acquire(self):
         try:
             import fcntl
         except ImportError:  # Windows
             return self._cannot_lock("no flock on this system")
-        while True:
-            f = open(self.path, "a+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                owner = f.read().strip() or "owner not yet recorded"
-                f.close()
-                raise UserError(f"--out-dir {self.out_dir} is in use by another training run ({owner}; it holds "
-                                f"{self.path}): wait for it to end (then --resume continues it), or choose "
-                                "another --out-dir") from None
-            except OSError as e:  # a file system without locks (Lustre without -o flock)
-                f.close()
-                return self._cannot_lock(os_error_reason(e))
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
-                    break
-            f.close()  # a run that just ended removed this file after we opened it: lock the new one
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        self.file = f
+        fd = os.open(self.out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"--out-dir {self.out_dir} is in use by another training run ({self._holder()}; it "
+                            "holds a lock on the folder): wait for it to end (then --resume continues it), or "
+                            "choose another --out-dir") from None
+        except OSError as e:  # a file system without locks (Lustre without -o flock)
+            os.close(fd)
+            return self._cannot_lock(os_error_reason(e))
+        self.fd = fd
+        try:
+            self._write_holder()
+        except UserError:
+            self.release()
+            raise
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its .lock says."""
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        except OSError:
+            return f"holder not recorded in {self.path}"
+
+    def _write_holder(self):
+        """OUT/.lock: a new file, replacing the one a run that ended or was killed left there."""
+        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+            what = (f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else
+                    "a directory" if os.path.isdir(self.path) else "not a regular file")
+            raise UserError(f"{self.path} is {what}, not the lock note this trainer writes: remove it, or choose "
+                            "another --out-dir")
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            os.replace(tmp, self.path)
+            self.written = os.stat(self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
 
     def _cannot_lock(self, why: str):
-        print0(f"note: cannot lock {self.path} ({why}): a second run on this --out-dir would not be stopped")
+        print0(f"note: cannot lock --out-dir {self.out_dir} ({why}): a second run on it would not be stopped")
 
     def release(self):
-        if self.file:
+        if self.fd is None:
+            return
+        if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
             with contextlib.suppress(OSError):
-                os.remove(self.path)  # while still locked: whoever opens it next locks a new file
-            self.file.close()
-            self.file = None
+                if os.path.samestat(os.stat(self.path), self.written):
+                    os.remove(self.path)
+        os.close(self.fd)
+        self.fd = self.written = None
 
 
 def import_extra(module: str, flag: str, package: str):

@@ -162,7 +162,7 @@ import torch.utils.checkpoint
 import hellaswag  # defines: evaluate (HellaSwag accuracy of the model it is given), resolve_data_file, load_examples
 import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our config and state dict)
 from checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
-    check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
+    ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
 from fineweb import (  # defines: GPT-2's tokenizer, the shard reader (open_shard), shard identity
@@ -175,7 +175,7 @@ from guards import (  # defines: stop signals, the update guard, memory checks, 
 from launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, compile_decision, compile_model, decided_on_rank0,
     exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
-from out_dir import OutDirLock, RunLog, open_sinks, prepare_out_dir, set_aside_later_branch  # defines: the run folder
+from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from sample import sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
 
 
@@ -838,7 +838,7 @@ class Trainer:
         else:
             self.raw_model.to(self.device)
         self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type)
-        self.start_step, self.log_point = 0, None
+        self.start_step, self.resumed = 0, None
         if self.ckpt_path:
             self._load_resume_state(self.ckpt_path)
         self.raw_model.activation_checkpointing = run.activation_checkpointing
@@ -859,20 +859,13 @@ class Trainer:
                              gradient_as_bucket_view=True)
 
     def _open_log(self):
-        """Rank 0: log.jsonl, cut back to the resumed checkpoint after its later branch is set aside.
-        A run with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
+        """Rank 0: the run's identity (a resume of an earlier step is a branch: a new id naming its parent),
+        its log.jsonl and trackers, each record stamped with the id; every check of the folder comes before
+        its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). A run
+        with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
         run = self.run
         writes = not run.eval_only and not (self.ckpt_path and self.start_step >= run.max_steps)
-        if writes and self.ckpt_path:
-            set_aside_later_branch(run.out_dir, self.start_step, self.log_point, self.ckpt_path)
-        resumed_at = self.start_step if self.ckpt_path else None
-        sinks = open_sinks(run, self.model_cfg, resumed_at) if writes else []
-        self.log = RunLog(run.out_dir, writes, self.log_point, self.ckpt_path)  # (after the sinks: a W&B that
-        self.log.sinks = sinks  # cannot start leaves no empty log.jsonl behind)
-        if resumed_at is not None:
-            self.log.resend_step(resumed_at)
-        if writes and self.ckpt_path:
-            self.log.write(event="resume", step=self.start_step)  # plot_log.py marks it on the curves
+        self.log = open_run_log(run, self.model_cfg, self.resumed) if writes else RunLog(run.out_dir, enabled=False)
 
     # ---- checkpoints
 
@@ -880,7 +873,7 @@ class Trainer:
         ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)])
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
         load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
-        self.start_step, self.log_point = ckpt["step"], (ckpt["log_offset"], ckpt["log_sha256"])
+        self.start_step, self.resumed = ckpt["step"], ResumePoint.of(path, ckpt)
         if self.start_step > self.run.max_steps and not self.run.eval_only:
             raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "
                             "pass a larger --max-steps to train on")
@@ -909,7 +902,7 @@ class Trainer:
                      model_config=dataclasses.asdict(self.model_cfg), run_config=dataclasses.asdict(self.run),
                      rng_cpu=torch.get_rng_state(), world_size=self.d.world_size,
                      next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
-        state["log_offset"], state["log_sha256"] = self.log.position()
+        state.update(self.log.position())  # the log's length and sha256 at this step, and the run's identity
         state["data_files"] = self.data_files()
         state["skip_state"] = self.guard.state_dict()
         if self.device_type == "cuda":

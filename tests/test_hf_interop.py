@@ -318,8 +318,8 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     rows = train_gpt2.TokenRows(str(tmp_path / "data"), "val", 16)
     x, y = (torch.from_numpy(a) for a in rows.batch(0, 4))
     _, expected = GPT.from_hf(hf_dir)(x, y)
-    assert records[0] == {"step": 0, "val_loss": pytest.approx(expected.item(), rel=1e-5)}
     ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
+    assert records[0] == {"step": 0, "val_loss": pytest.approx(expected.item(), rel=1e-5), "run": ckpt["run"]["id"]}
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
 

@@ -16,6 +16,7 @@ import torch
 import checkpoints
 import guards
 import train_gpt2 as tg
+from cli import UserError
 from conftest import REPO, SHARED, interrupt_when_blocked
 from test_resilience import args_for, log_records, resume_copy
 
@@ -139,6 +140,53 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     assert_one_error_line(result, f"{path}: {message}")
 
 
+def test_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch):
+    """--keep-last of a live run may delete the checkpoint that export, sample.py or hellaswag.py is
+    loading: gone before it is opened, one line; gone once open, the open file loads whole."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    found = os.path.isfile
+
+    def found_then_removed(path):  # there when looked for, gone when opened
+        there = found(path)
+        if there and os.path.basename(path) == "ckpt_0000004.pt":
+            os.remove(path)
+        return there
+    monkeypatch.setattr(os.path, "isfile", found_then_removed)
+    with pytest.raises(UserError) as removed:
+        checkpoints.load_checkpoint(str(run))
+    assert str(removed.value) == (f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
+                                  f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}")
+    monkeypatch.undo()
+    loaded = torch.load
+
+    def removed_once_open(f, *args, **kwargs):
+        os.remove(run / "ckpt_0000002.pt")
+        return loaded(f, *args, **kwargs)
+    monkeypatch.setattr(torch, "load", removed_once_open)
+    assert checkpoints.load_checkpoint(str(run / "ckpt_0000002.pt"))["step"] == 2
+    assert os.listdir(run) == ["log.jsonl"]
+
+
+def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    # sample.py as users run it, with the newest checkpoint removed between finding and opening it
+    script = ("import os, runpy, sys\n"
+              "found = os.path.isfile\n"
+              "def found_then_removed(path):\n"
+              "    there = found(path)\n"
+              "    if there and os.path.basename(path) == 'ckpt_0000004.pt':\n"
+              "        os.remove(path)\n"
+              "    return there\n"
+              "os.path.isfile = found_then_removed\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path('sample.py', run_name='__main__')\n")
+    result = run_command("-c", script, "sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
+    assert_one_error_line(result, f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
+                                  f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}")
+
+
 def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"the user's own file")
     assert tg.main(args_for(data_dir, tmp_path, "--keep-last", "1", steps=4, ckpt_every=2)) == 0
@@ -153,11 +201,14 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
 def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run, data_dir, tmp_path):
     other = tmp_path / "other"
     assert tg.main(args_for(data_dir, other, steps=2, ckpt_every=2)) == 0
-    before = {p.name: p.read_bytes() for p in other.iterdir()}
     given = finished_run / "ckpt_0000004.pt"
+    theirs, mine = (checkpoints.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
+    os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
     result = run_command("train_gpt2.py", *args_for(data_dir, other, "--resume", given, steps=6))
-    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given}: resuming "
-                                  "would corrupt it; move it aside or resume into an --out-dir without a log.jsonl")
+    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
+                                  f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
+                                  "into the --out-dir of the checkpoint's own run, or a new one")
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     # into a folder without a log, the resumed run starts a log of its own
     assert tg.main(args_for(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0

@@ -1,10 +1,12 @@
 """No run can hurt another (issue 17): one live trainer per --out-dir, --resume means resume, and
 an abandoned branch is kept. The real script, run as users run it; every checkpoint written
 before a refusal or a branch still loads with its sha256 unchanged."""
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -14,10 +16,13 @@ import time
 import pytest
 
 import checkpoints
+import out_dir
 import train_gpt2 as tg
+from cli import UserError
 from conftest import REPO, run_cli
 from shards import shard_dir
 from test_resilience import args_for
+from test_train_faults import FAKE_WANDB
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -54,13 +59,26 @@ def checkpoint_hashes(out_dir):
     return found
 
 
+def tree_hashes(folder):
+    """{path: sha256} of every file under folder (symbolic links as where they point): what a refused
+    run must leave byte-identical."""
+    found = {}
+    for parent, dirs, names in os.walk(folder):
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
+            path = os.path.join(parent, name)
+            key = os.path.relpath(path, folder)
+            found[key] = ("-> " + os.readlink(path)) if os.path.islink(path) else \
+                hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return found
+
+
 def train_steps(log_path):
     with open(log_path) as f:
         return [r["step"] for r in map(json.loads, f) if "loss" in r]
 
 
 def in_use(out_dir, owner):
-    return (f"--out-dir {out_dir} is in use by another training run ({owner}; it holds {out_dir / '.lock'}): "
+    return (f"--out-dir {out_dir} is in use by another training run ({owner}; it holds a lock on the folder): "
             "wait for it to end (then --resume continues it), or choose another --out-dir")
 
 
@@ -93,9 +111,16 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         owner, = [p for p in trainers if p is not refused]
         owned_by = f"pid {owner.pid} on {socket.gethostname()}"
         assert_refused(refused.returncode, refused.communicate()[1], in_use(out, owned_by))
-        # so is a --resume while the owner runs
+        while len(checkpoints.list_checkpoints(out)) < 1:
+            assert owner.poll() is None, owner.communicate()
+            time.sleep(0.05)
+        # so is a --resume while the owner runs, even once .lock is rewritten (sed -i on its host field
+        # writes a new file): the lock is on the folder, and .lock only names its holder
+        edited = out / ".lock.sed"
+        edited.write_text(f"pid {owner.pid} on another-host\n")
+        os.replace(edited, out / ".lock")
         result = run(args_for(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
-        assert_refused(result.returncode, result.stderr, in_use(out, owned_by))
+        assert_refused(result.returncode, result.stderr, in_use(out, f"pid {owner.pid} on another-host"))
         while len(checkpoints.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
@@ -104,7 +129,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
             if p.poll() is None:
                 p.kill()  # a killed run leaves its lock file: it must block nothing
             p.communicate()
-    assert (out / ".lock").read_text() == f"{owned_by}\n"
+    assert (out / ".lock").read_text() == f"pid {owner.pid} on another-host\n"
     before = checkpoint_hashes(out)
     last = checkpoints.checkpoint_step(checkpoints.latest_checkpoint(out))
     result = run(args_for(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
@@ -118,18 +143,146 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
 
 def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
     out, hashes = finished_run
-    with open(out / ".lock", "a+") as held:  # a live owner elsewhere
+    held = os.open(out, os.O_RDONLY)  # a live owner elsewhere: its lock on the folder, its name in .lock
+    try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.write("pid 4242 on node-7\n")
-        held.flush()
+        (out / ".lock").write_text("pid 4242 on node-7\n")
         start_time = time.time()
         result = run(args_for(data_dir, out, "--resume", steps=10, B=2), nproc=2)
         elapsed = time.time() - start_time
+    finally:
+        os.close(held)
     assert result.returncode != 0 and elapsed < 60  # not a rank left waiting in a collective
     message = f"error: {in_use(out, 'pid 4242 on node-7')}"
     assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
     assert 'train_gpt2.py", line' not in result.stderr  # no traceback of ours
     assert checkpoint_hashes(out) == hashes and train_steps(out / "log.jsonl") == list(range(8))
+
+
+def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, capsys):
+    holder = out_dir.OutDirLock(str(tmp_path))
+    holder.acquire()
+    me = f"pid {os.getpid()} on {socket.gethostname()}"
+    assert os.listdir(tmp_path) == [".lock"] and (tmp_path / ".lock").read_text() == f"{me}\n"
+    os.remove(tmp_path / ".lock")  # a user who thinks it stale: the folder stays locked
+    with pytest.raises(UserError) as refused:
+        out_dir.OutDirLock(str(tmp_path)).acquire()
+    assert str(refused.value) == in_use(tmp_path, f"holder not recorded in {tmp_path / '.lock'}")
+    assert os.listdir(tmp_path) == []  # the refused one wrote nothing
+    holder.release()
+    # release removes only the .lock this run wrote: not one that replaced it
+    holder.acquire()
+    (tmp_path / "note").write_text("the user's own note\n")
+    os.replace(tmp_path / "note", tmp_path / ".lock")
+    holder.release()
+    assert (tmp_path / ".lock").read_text() == "the user's own note\n"
+    # a file system without locks: a note, and nothing written
+    os.remove(tmp_path / ".lock")
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    unlocked = out_dir.OutDirLock(str(tmp_path))
+    unlocked.acquire()
+    unlocked.release()
+    assert capsys.readouterr().out == (f"note: cannot lock --out-dir {tmp_path} (no locks available): a second run on "
+                                       "it would not be stopped\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
+    out, _ = finished_run
+    lock = out / ".lock"
+    lock.mkdir()
+    before = tree_hashes(out)
+    result = run(args_for(data_dir, out, "--resume", steps=10, ckpt_every=2))
+    assert_refused(result.returncode, result.stderr, f"{lock} is a directory, not the lock note this trainer "
+                   "writes: remove it, or choose another --out-dir")
+    assert tree_hashes(out) == before and lock.is_dir()
+    lock.rmdir()
+    lock.symlink_to(tmp_path / "gone" / "lock")  # into a missing folder
+    before = tree_hashes(out)
+    assert tg.main(args_for(data_dir, out, "--resume", steps=10, ckpt_every=2)) == 2
+    assert capsys.readouterr().err == (f"error: {lock} is a symbolic link to {tmp_path / 'gone' / 'lock'}, not the "
+                                       "lock note this trainer writes: remove it, or choose another --out-dir\n")
+    assert tree_hashes(out) == before and not (tmp_path / "gone").exists()
+
+
+# --- whose a folder is: run ids ---------------------------------------------------------------
+
+def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, data_dir, tmp_path):
+    """Issue 23, item 1: run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
+    (what the old refusal advised) used to let B write its checkpoints beside A's; A's checkpoints
+    carry A's run id, so every rank stops with one line naming both runs, and nothing changes."""
+    out, _ = finished_run
+    other = tmp_path / "other"
+    assert tg.main(args_for(data_dir, other, "--seed", "5", steps=6, ckpt_every=6)) == 0
+    given = other / "ckpt_0000006.pt"
+    os.rename(out / "log.jsonl", tmp_path / "a_log.jsonl")
+    before = tree_hashes(out)
+    a, b = (checkpoints.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
+    result = run(args_for(data_dir, out, "--resume", str(given), "--seed", "5", steps=10, B=2), nproc=2)
+    message = (f"error: cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
+               f"run's (run {a}), and one folder holds one run; resume into the --out-dir of the checkpoint's own "
+               "run, or a new one")
+    assert result.returncode != 0
+    assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
+    assert 'train_gpt2.py", line' not in result.stderr
+    assert tree_hashes(out) == before
+
+
+def test_whose_checkpoints_a_folder_may_hold(tmp_path):
+    """claim_run's rule on made-up histories, with folders written before run ids (no id: the
+    folder's one legacy run, which two such runs cannot be told apart by)."""
+    def checkpoint(folder, step, run):
+        folder.mkdir(exist_ok=True)
+        state = dict(model={}, model_config={}, step=step, log_offset=0, log_sha256="", run=run)
+        path = checkpoints.checkpoint_path(str(folder), step)
+        checkpoints.save_checkpoint(path, {k: v for k, v in state.items() if v is not None})
+        return checkpoints.ResumePoint.of(path, state)
+
+    def refusal(resumed, folder, name, theirs):
+        return re.escape(f"cannot resume {resumed.path} ({checkpoints.run_name(resumed.run['id'])}, step "
+                         f"{resumed.step}) in --out-dir {folder}: its {name} is another run's "
+                         f"({checkpoints.run_name(theirs)}), and one folder holds one run")
+
+    legacy = tmp_path / "legacy"
+    at_2, at_4 = checkpoint(legacy, 2, None), checkpoint(legacy, 4, None)
+    assert out_dir.claim_run(str(legacy), at_4) == checkpoints.LEGACY_RUN  # a requeued legacy run stays one
+    branch = out_dir.claim_run(str(legacy), at_2)  # a branch of it gets an id, naming it and the step
+    assert branch["parent"] == dict(checkpoints.LEGACY_RUN, step=2) and len(branch["id"]) == 32
+    at_6 = checkpoint(tmp_path / "branch", 6, branch)
+    with pytest.raises(UserError, match=refusal(at_6, legacy, "ckpt_0000004.pt", None)):
+        out_dir.claim_run(str(legacy), at_6)  # step 4 of the legacy run is not in the branch's past
+    os.remove(at_4.path)
+    again = out_dir.claim_run(str(legacy), at_6)  # step 2 is: the branch may go on there, as a branch again
+    assert again["parent"] == dict(branch, step=6) and again["id"] != branch["id"]
+    assert checkpoints.in_history(None, 2, again, 8) and not checkpoints.in_history(None, 3, again, 8)
+    # a run with an id and a legacy one never share a folder
+    fresh = checkpoint(tmp_path / "fresh", 6, checkpoints.new_run())
+    with pytest.raises(UserError, match=refusal(fresh, legacy, "ckpt_0000002.pt", None)):
+        out_dir.claim_run(str(legacy), fresh)
+    with pytest.raises(UserError, match=refusal(at_2, tmp_path / "fresh", "ckpt_0000006.pt", fresh.run["id"])):
+        out_dir.claim_run(str(tmp_path / "fresh"), at_2)
+
+
+def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys):
+    """Issue 23, items 6 and 7: every check, W&B's login too, comes before the later branch moves."""
+    out, _ = finished_run
+    fake = tmp_path / "fake"  # a W&B that cannot start (no login)
+    fake.mkdir()
+    (fake / "wandb.py").write_text(FAKE_WANDB)
+    before = tree_hashes(out)
+    result = run_cli(args_for(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--wandb", "no-such-entity",
+                              steps=8, ckpt_every=2), env={"PYTHONPATH": str(fake), **ONE_THREAD})
+    assert_refused(result.returncode, result.stderr, "--wandb: could not start a W&B run (RuntimeError: permission "
+                   "denied for entity); run `wandb login` or set WANDB_MODE=offline")
+    assert tree_hashes(out) == before
+    # without a log.jsonl, a branch moves its checkpoints and says no more
+    os.remove(out / "log.jsonl")
+    assert tg.main(args_for(data_dir, out, "--resume", str(out / "ckpt_0000006.pt"), steps=8, ckpt_every=2)) == 0
+    assert (f"resuming at step 6: moved the later branch of this run (1 checkpoint, ckpt_0000008.pt) to "
+            f"{out / 'branch_0000008'}; nothing was deleted\n") in capsys.readouterr().out
+    assert os.listdir(out / "branch_0000008") == ["ckpt_0000008.pt"]
 
 
 # --- resume means resume --------------------------------------------------------------------
@@ -147,7 +300,8 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     only_log = tmp_path / "only_log"
     only_log.mkdir()
     shutil.copy(out / "log.jsonl", only_log)
-    refusal = (f"--out-dir {only_log} holds the log.jsonl of an earlier run but no checkpoint to resume: move the "
+    owner = json.loads(log.splitlines()[-1])["run"]
+    refusal = (f"--out-dir {only_log} holds the log.jsonl of run {owner} but no checkpoint to resume: move the "
                "log aside to start a new run there, or choose another --out-dir")
     result = run(args_for(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, refusal)
@@ -170,11 +324,20 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
             f"ckpt_0000008.pt) with a copy of its log.jsonl to {branch}; nothing was deleted") in result.stdout
     assert (branch / "log.jsonl").read_bytes() == log  # the old branch's whole log, beside its checkpoints
     assert sorted(os.listdir(branch)) == ["ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "log.jsonl"]
+    # the new branch is a run of its own, which names its parent run and the step it branched at; each
+    # log record names the run that wrote it
+    first, new = (checkpoints.read_run(str(path)) for path in (out / "ckpt_0000002.pt", out / "ckpt_0000004.pt"))
+    assert new == dict(id=new["id"], parent=dict(first, step=2)) and first["parent"] is None
+    assert checkpoints.read_run(str(branch / "ckpt_0000008.pt")) == first
+    runs = [r["run"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
+    cut = runs.index(new["id"])
+    assert runs == [first["id"]] * cut + [new["id"]] * (len(runs) - cut) and cut == 2  # steps 0, 1: the first run's
     # the trainer's own advice, a plain --resume, continues the new branch
     result = run(args_for(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
     assert train_steps(out / "log.jsonl") == list(range(10)) and train_steps(branch / "log.jsonl") == list(range(8))
+    assert checkpoints.read_run(str(out / "ckpt_0000010.pt")) == new  # a plain --resume goes on as the same run
     # every checkpoint ever written is still under the folder, unchanged: the first run's step 2 in
     # place, its later ones in the branch folder, the new branch's beside step 2
     now = checkpoint_hashes(out)
@@ -186,3 +349,4 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     # the branch folder is a run folder of its own: the old branch goes on there
     assert tg.main(args_for(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
     assert train_steps(branch / "log.jsonl") == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
+    assert checkpoints.read_run(str(branch / "ckpt_0000010.pt")) == first

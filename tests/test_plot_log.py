@@ -182,7 +182,7 @@ def test_trainer_logs_its_resumes_for_the_plot(tmp_path):
     assert tg.main([*args, "--max-steps", "3"]) == 0
     assert tg.main([*args, "--max-steps", "5", "--resume"]) == 0  # from step 3 (the last checkpoint)
     records = plot_log.load_records(str(tmp_path / "out" / "log.jsonl"))
-    assert [r for r in records if "event" in r] == [dict(event="resume", step=3)]
+    assert [r for r in records if "event" in r] == [dict(event="resume", step=3, run=records[0]["run"])]
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3, 4]
     assert plot_log.resume_steps(records) == [3]
 

@@ -91,8 +91,11 @@ def test_resume_with_another_model_is_refused(data_dir, tmp_path, capsys):
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
     assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    run_id = checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt"))["id"]
+    capsys.readouterr()
     assert tg.main(args_for(data_dir, tmp_path, steps=2)) == 2
-    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
+                                       "--resume to continue that run, or choose another --out-dir\n")
 
 
 def test_keep_last(data_dir, tmp_path):

@@ -35,10 +35,11 @@ def log_records(out_dir):
 
 
 def by_step(records):
-    """{step: {key: value}}: the records of one step merged, as W&B stores them."""
+    """{step: {key: value}}: the records of one step merged, as W&B stores them (without the log's run
+    id: a W&B run has its own)."""
     rows = defaultdict(dict)
     for r in records:
-        rows[r["step"]].update({k: v for k, v in r.items() if k != "step"})
+        rows[r["step"]].update({k: v for k, v in r.items() if k not in ("step", "run")})
     return dict(rows)
 
 
@@ -94,11 +95,11 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
     # TensorBoard: one scalar series per numeric key, float32 as TensorBoard stores them, the
     # first attempt's steps 4 and later replaced by the resumed run's (strings, such as the
     # {"event": "resume"} record, are text there)
-    assert {"event": "resume", "step": 4} in log
+    assert {"event": "resume", "step": 4, "run": first_log[0]["run"]} in log  # the same run, resumed
     expected = defaultdict(list)
     for r in log:
         for key, value in r.items():
-            if key != "step" and not isinstance(value, str):
+            if key != "step" and not isinstance(value, str):  # (the run id is a string too)
                 expected[key].append((r["step"], float(np.float32(value))))
     assert tensorboard_scalars(out) == dict(expected)
 

@@ -2,12 +2,14 @@
 and bad input is one clear line with a non-zero exit."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, run_cli
 from shards import shard_dir
@@ -68,8 +70,13 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     records = [json.loads(l) for l in open(tmp_path / "log.jsonl")]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
     train = [r for r in records if "loss" in r]
-    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu"}
+    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu",
+                             "run"}
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
+    # every record and checkpoint names the run: one random 128-bit id
+    run = checkpoints.read_run(str(tmp_path / "ckpt_0000004.pt"))
+    assert {r["run"] for r in records} == {run["id"]} and re.fullmatch("[0-9a-f]{32}", run["id"])
+    assert run == checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt")) and run["parent"] is None
     model = tg.GPT.from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
 
