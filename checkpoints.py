@@ -403,11 +403,18 @@ def data_files(data_dir: str, train_paths: list[str], val_paths: list[str] | Non
 
 
 def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
+    """Refuse a resume whose model, rows or optimizer differ from the checkpoint's. A run that does
+    not say --shuffle or --no-shuffle (run.shuffle None) takes the checkpoint's order: a run begun
+    when reading in order was the default goes on as it began."""
+    saved = dict(ckpt["run_config"])
+    saved.setdefault("optimizer", "adamw")  # checkpoints from before --optimizer
+    if run.shuffle is None:
+        run.shuffle = saved["shuffle"]
     diffs = [f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
              for k, v in ckpt["model_config"].items() if getattr(model_cfg, k) != v]
-    diffs += [f"{k}: checkpoint {ckpt['run_config'][k]} vs now {getattr(run, k)}"
-              for k in RESUME_KEYS if ckpt["run_config"][k] != getattr(run, k)]
+    diffs += [f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}"
+              for k in (*RESUME_KEYS, "optimizer") if saved[k] != getattr(run, k)]
     if diffs:
-        raise UserError(f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model and "
-                        "batch flags (the number of GPUs may change)")
+        raise UserError(f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model, batch and "
+                        "optimizer flags (the number of GPUs may change)")
 

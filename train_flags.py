@@ -15,6 +15,7 @@ from cli import UserError
 
 LR_SCHEDULES = ("cosine", "wsd", "linear")  # the decays train_gpt2.get_lr knows
 SEED = cli.int_in(0, 2**64 - 1)  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
+OPTIMIZERS = ("adamw", "muon")  # train_gpt2.build_optimizer's
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -43,7 +44,9 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--data-dir", help="folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
     g.add_argument("--out-dir", help="log.jsonl and checkpoints go here")
     g.add_argument("--align-docs", action="store_true", help="start rows at document boundaries; pad row tails (targets -1)")
-    g.add_argument("--shuffle", action="store_true", help="seeded permutation of shard order and row order each epoch")
+    g.add_argument("--shuffle", action=argparse.BooleanOptionalAction,
+                   help="seeded permutation of shard order and row order each epoch (default: on; a resumed run "
+                        "keeps its checkpoint's order); --no-shuffle reads shards and rows front to back")
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(model_presets), help="size preset (default gpt2); the flags below override it")
     g.add_argument("--n-layer", type=cli.positive_int, help="transformer blocks")
@@ -71,6 +74,11 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--cooldown-frac", type=float,
                    help="wsd: fraction of --max-steps spent in the final linear decay")
     g.add_argument("--weight-decay", type=float, help="AdamW decay on matrices and embeddings")
+    g.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="adamw: AdamW on every parameter (GPT-2's recipe); muon: Muon on the blocks' weight "
+                        "matrices, AdamW at --max-lr on embeddings, LayerNorms and biases (docs/optimizers.md)")
+    g.add_argument("--muon-lr", type=float, help="Muon's peak LR; the LR schedule scales it as it scales --max-lr")
+    g.add_argument("--muon-momentum", type=float, help="Muon's (Nesterov) momentum")
     g.add_argument("--grad-clip", type=float, help="clip the gradient norm to this (0: off)")
     g = p.add_argument_group("evaluation and checkpoints (0 disables each)")
     g.add_argument("--val-every", type=cli.non_negative_int, help="validation loss every N steps")
@@ -186,6 +194,13 @@ def validate_config(run, model, world_size: int, device_type: str) -> int:
     if model.vocab_size < GPT2_VOCAB and text_flags:
         raise UserError(f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "
                         f"sampling and HellaSwag feed the model: pass {' '.join(text_flags)}")
+    if run.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {run.optimizer!r}")
+    if run.muon_lr <= 0 or not 0 <= run.muon_momentum < 1:
+        raise UserError(f"need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got {run.muon_lr}, {run.muon_momentum})")
+    if run.fsdp and run.optimizer == "muon":  # Newton-Schulz orthogonalizes whole matrices; FSDP holds 1/W of each
+        raise UserError("--optimizer muon does not run under --fsdp (Muon needs each whole weight matrix, which "
+                        "FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw")
     if run.fsdp and world_size < 2:
         raise UserError("--fsdp shards the model over the processes of a torchrun launch and needs at "
                         "least 2; with one process drop --fsdp (it would hold the whole model anyway)")

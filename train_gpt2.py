@@ -66,7 +66,7 @@ class RunConfig:
     data_dir: str = "edu_fineweb10B"
     out_dir: str = "out"
     align_docs: bool = False
-    shuffle: bool = False
+    shuffle: bool | None = None  # None: shuffled, or a resumed run's order (runs before this default read in order)
     # batch: batch_size rows of seq_len tokens per rank per micro-step; "auto": the largest that fits
     batch_size: int | str | None = None  # None: auto on CUDA, 64 elsewhere
     seq_len: int | None = None  # None: the model's block size, at most 1024
@@ -79,6 +79,9 @@ class RunConfig:
     lr_schedule: str = "cosine"  # after warmup: cosine, linear, or wsd (warmup-stable-decay)
     cooldown_frac: float = 0.2  # wsd: the last 20% of max_steps decay linearly to min_lr
     weight_decay: float = 0.1
+    optimizer: str = "adamw"  # or "muon": Muon on the blocks' matrices (lr, momentum: modded-nanogpt's, nanochat's)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     # evaluation, sampling and checkpoints (0 disables each)
     val_every: int = 250
@@ -175,6 +178,7 @@ from guards import (  # defines: stop signals, the update guard, memory checks, 
 from launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, compile_decision, compile_model, decided_on_rank0,
     exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
+from optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from sample import sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
 
@@ -626,14 +630,21 @@ def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str |
     return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
 
 
-def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, device_type: str):
-    """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms."""
+def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, device_type: str,
+                    muon_lr: float | None = None, muon_momentum: float = 0.95):
+    """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms. With muon_lr,
+    Muon takes the blocks' weight matrices, as modded-nanogpt and nanochat split them, and AdamW the
+    rest: the tied token embedding / lm_head, the positions, LayerNorms and biases."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied weight appears once
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+    matrices = {p for p in model.transformer.h.parameters() if p.dim() == 2} if muon_lr else set()
+    groups = [dict(params=[p for p in params if p.dim() >= 2 and p not in matrices], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
     # the fused kernel does the whole update in one launch (CUDA, CPU and MPS have one)
     fused = device_type in ("cuda", "cpu", "mps")
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    if not muon_lr:
+        return adamw
+    return MuonWithAdamW(adamw, [p for p in params if p in matrices], muon_lr, muon_momentum, learning_rate)
 
 
 # -----------------------------------------------------------------------------
@@ -837,10 +848,12 @@ class Trainer:
             shard_model(self.raw_model, self.d, self.dtype, torch.compile if self.use_compile else None)
         else:
             self.raw_model.to(self.device)
-        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type)
+        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type,
+                                         run.muon_lr if run.optimizer == "muon" else None, run.muon_momentum)
         self.start_step, self.resumed = 0, None
         if self.ckpt_path:
-            self._load_resume_state(self.ckpt_path)
+            self._load_resume_state(self.ckpt_path)  # (a resume without --[no-]shuffle takes its order)
+        self.train_rows.shuffle = run.shuffle = run.shuffle is not False
         self.raw_model.activation_checkpointing = run.activation_checkpointing
 
     def _wrap_model(self):
@@ -944,9 +957,8 @@ class Trainer:
         loss_total, n_tokens = retry_on_oom(lambda: self.forward_backward(*self.prefetcher.get(step)), step, self.loader.B,
                                             self.rows_per_rank, self.d, self.optimizer, self.use_micro_batch, self.log)
         loss_sum, norm, stop_requested = self.reduce_and_clip(loss_total)  # 3. one all-reduce, the norm, the clip
-        lr = get_lr(step, self.run)  # 4. the LR of this step
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = get_lr(step, self.run)  # 4. the LR of this step (Muon's follows it: optimizers.py)
+        set_lr(self.optimizer, lr)
         skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 5. the guard
         if self.scaler:  # 6. the update (fused AdamW takes fp16's inf flag on the device: no sync)
             if not skipped:

@@ -14,17 +14,19 @@ fails or its losses drift beyond the tolerance of its dtype.
     CUDA: bf16 and fp16 x compile on/off x chunked/full loss on one GPU; bf16 compiled with
           --batch-size auto, and with a step that runs out of memory (benchmarks/squeeze_memory.py
           leaves 60% of a step's need free before step 2: the step is redone at half the
-          micro-batch); then bf16 and fp16 compiled on all visible GPUs (torchrun, NCCL), and bf16
-          compiled with --fsdp. Then the micro-batch --batch-size auto finds for the model at the
-          recipe's 524,288 tokens per step, on the whole GPU and on 24 GiB of it (a consumer card).
+          micro-batch); bf16 compiled and fp16 eager with --optimizer muon; then bf16 and fp16
+          compiled on all visible GPUs (torchrun, NCCL), bf16 compiled with --fsdp, and bf16
+          compiled with --optimizer muon. Then the micro-batch --batch-size auto finds for the model
+          at the recipe's 524,288 tokens per step, on the whole GPU and on 24 GiB of it (a consumer card).
           Last, benchmarks/bench_compile.py: the trainer's compile (one block at a time) against
           the whole GPT compiled as one graph and eager, at B=16, from an empty inductor cache
           (compile seconds, tok/s, loss drift; a drift beyond bf16's tolerance fails).
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
-          activation checkpointing, bf16 with --batch-size auto, fp16 on 2 gloo ranks; no compile
-          (inductor on CPU takes 20-40 s per variant; --compile adds it)
+          activation checkpointing, bf16 with --batch-size auto, fp16 on 2 gloo ranks, fp16 with
+          --optimizer muon; no compile (inductor on CPU takes 20-40 s per variant; --compile adds it)
 Each line ends with the micro-batch the run trained at (auto: what it chose; after an
-out-of-memory: the size it went on with).
+out-of-memory: the size it went on with). A variant with --optimizer muon is compared with an
+eager fp32 reference that runs Muon too.
 """
 import argparse
 import json
@@ -42,6 +44,7 @@ sys.path.insert(0, REPO)
 import cli  # noqa: E402
 RECIPE_TOKENS = 524288  # GPT-2 124M's tokens per step (the trainer's default --total-batch-size)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, over a few steps
+MUON = ["--optimizer", "muon"]
 
 
 def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
@@ -51,15 +54,19 @@ def variants(cuda: bool, n_gpus: int, compile_on_cpu: bool) -> list[dict]:
                for dtype in ("bfloat16", "float16") for compile in (True, False) for chunk in (0, 8192)]
         out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=["--batch-size", "auto"]))
         out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, squeeze=["--squeeze", "2:60%"]))
+        out += [dict(dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=MUON),  # Muon's step time and memory
+                dict(dtype="float16", compile=False, chunk=0, nproc=1, extra=MUON)]  # with the GradScaler
         if n_gpus > 1:
             out += [dict(dtype=dtype, compile=True, chunk=0, nproc=n_gpus) for dtype in ("bfloat16", "float16")]
             out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=["--fsdp"]))  # vs DDP
+            out.append(dict(dtype="bfloat16", compile=True, chunk=0, nproc=n_gpus, extra=MUON))
     else:
         out = [dict(dtype="bfloat16", compile=False, chunk=64, nproc=1),
                dict(dtype="float16", compile=False, chunk=0, nproc=1),
                dict(dtype="float32", compile=False, chunk=64, nproc=1, extra=["--activation-checkpointing"]),
                dict(dtype="bfloat16", compile=False, chunk=64, nproc=1, extra=["--batch-size", "auto"]),
-               dict(dtype="float16", compile=False, chunk=64, nproc=2)]
+               dict(dtype="float16", compile=False, chunk=64, nproc=2),
+               dict(dtype="float16", compile=False, chunk=64, nproc=1, extra=MUON)]
         if compile_on_cpu:
             out.append(dict(dtype="float32", compile=True, chunk=64, nproc=1))
     for v in out:
@@ -151,13 +158,15 @@ def main(argv=None) -> int:
               f"{' '.join(args.model_flags)} | B={args.batch_size} T={args.seq_len} | {args.steps} steps", flush=True)
         ok, refs = True, {}
         for i, v in enumerate(matrix):
-            if v["nproc"] not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
-                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1)
-                refs[v["nproc"]] = run_variant(ref_v, args, data_dir, os.path.join(tmp, f"ref{v['nproc']}"),
-                                               args.batch_size // 4, 4 * v["nproc"])
-            ref = refs[v["nproc"]]
+            optimizer = MUON if MUON[-1] in v.get("extra", []) else []
+            key = (v["nproc"], *optimizer)
+            if key not in refs:  # one process, B/4 rows x 4·nproc micro-steps: the same rows
+                ref_v = dict(dtype="float32", compile=False, chunk=0, nproc=1, extra=optimizer)
+                refs[key] = run_variant(ref_v, args, data_dir, os.path.join(tmp, "ref" + "_".join(map(str, key))),
+                                        args.batch_size // 4, 4 * v["nproc"])
+            ref = refs[key]
             if "error" in ref:
-                print(f"eager fp32 reference for x{v['nproc']}: FAILED: {ref['error']}")
+                print(f"eager fp32 reference for x{v['nproc']} {' '.join(optimizer)}: FAILED: {ref['error']}")
                 return 1
             ok &= report(v, run_variant(v, args, data_dir, os.path.join(tmp, f"run{i}"), args.batch_size),
                          ref["losses"])

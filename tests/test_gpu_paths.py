@@ -206,9 +206,11 @@ def overflow_at(monkeypatch, at_call):
     monkeypatch.setattr(tg, "accumulate_gradients", patched)
 
 
-def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, monkeypatch, optimizer):
     overflow_at(monkeypatch, 2)
-    assert tg.main(args_for(data_dir, tmp_path, "--dtype", "float16", steps=4)) == 0  # --skip-nonfinite 0
+    args = args_for(data_dir, tmp_path, "--dtype", "float16", "--optimizer", optimizer, steps=4)
+    assert tg.main(args) == 0  # --skip-nonfinite 0
     records = train_records(tmp_path)
     assert [r.get("skipped") for r in records] == [None, None, "overflow", None]
     assert all(map(lambda r: r["loss"] == r["loss"], records))
@@ -216,9 +218,10 @@ def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, m
     assert ckpt["scaler"]["scale"] == 2.0 ** 16 * 0.5  # the scaler backed off once
 
 
-def test_fp16_resume_is_bit_exact(data_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fp16_resume_is_bit_exact(data_dir, tmp_path, optimizer):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    fp16 = ("--dtype", "float16", "--ckpt-every", "3")
+    fp16 = ("--dtype", "float16", "--ckpt-every", "3", "--optimizer", optimizer)
     result = run_cli(args_for(data_dir, straight, *fp16, steps=6))  # the flag, as users run it
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dtype float16" in result.stdout
@@ -231,6 +234,7 @@ def test_fp16_resume_is_bit_exact(data_dir, tmp_path):
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["scaler"] == b["scaler"]
+    assert set(a["optimizer"]) == ({"adamw", "muon"} if optimizer == "muon" else {"state", "param_groups"})
 
 
 @pytest.mark.parametrize("capability,dtype", [((7, 5), torch.float16), ((7, 0), torch.float16),
@@ -381,3 +385,4 @@ def test_gpu_check_runs_its_cpu_subset():
     assert len(lines) == 5 and all(" ok " in l and "tok/s" in l and "GiB RSS" in l for l in lines), result.stdout
     assert any("--batch-size auto" in l and l.endswith("| B=4") for l in lines), result.stdout  # a step's 4 rows fit
     assert any("x2" in l for l in lines) and any("--activation-checkpointing" in l for l in lines)
+    assert any("--optimizer muon" in l for l in lines)

@@ -323,6 +323,24 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
 
+def test_export_of_a_muon_trained_run_has_our_logits(tmp_path):
+    from shards import make_docs, write_shards
+    write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)
+    out = tmp_path / "out"
+    args = ["--data-dir", str(tmp_path / "data"), "--out-dir", str(out), "--n-layer", "2", "--n-head", "2",
+            "--n-embd", "32", "--block-size", "32", "--batch-size", "4", "--seq-len", "16", "--total-batch-size", "64",
+            "--max-steps", "3", "--warmup-steps", "1", "--optimizer", "muon", "--val-every", "0", "--sample-every", "0",
+            "--hellaswag-every", "0"]
+    assert train_gpt2.main(args) == 0
+    ours = GPT.from_checkpoint(str(out))
+    torch.manual_seed(1337)  # the run's initial weights: Muon moved every block matrix away from them
+    initial = GPT(ours.config).state_dict()
+    assert all(not torch.equal(initial[k], v) for k, v in ours.state_dict().items() if ".h." in k and v.dim() == 2)
+    hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(str(out), str(tmp_path / "hf"))).eval()
+    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :50257], atol=1e-5, rtol=0)
+
+
 CLIENT_SCRIPT = r'''
 import glob, json, sys, tiktoken
 from transformers import AutoTokenizer, pipeline

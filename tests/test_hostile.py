@@ -54,6 +54,8 @@ def finished_run(data_dir, tmp_path_factory):
     (["--val-every", "5", "--val-steps", "0"], "--val-steps 0 with --val-every > 0 evaluates nothing"),
     (["--seed", "-1", "--shuffle"], "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)"),
     (["--batch-size", str(10**20)], f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py"),
+    (["--optimizer", "muon", "--fsdp"], "--optimizer muon does not run under --fsdp (Muon needs each whole weight "
+     "matrix, which FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw"),
     (["--dist-timeout", "1"], "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait"),
     (["--n-layer", "100000", "--n-embd", "8192"],
      "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "
@@ -73,7 +75,7 @@ def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
     assert not [f for f in os.listdir(out) if f.endswith(".pt")] if out.exists() else True
 
 
-@pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout"])
+@pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout", "--muon-lr"])
 def test_every_float_flag_must_be_finite(data_dir, tmp_path, capsys, flag):
     # the same check as --max-lr inf above, which runs as a subprocess: here in-process
     assert tg.main(args_for(data_dir, tmp_path, flag, "nan")) == 2

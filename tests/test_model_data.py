@@ -84,6 +84,24 @@ def test_adamw_decays_matrices_only():
     assert n == sum(p.numel() for p in model.parameters())
 
 
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
+    model = tg.GPT(cfg)
+    opt = tg.build_optimizer(model, 0.1, 6e-4, "cpu", muon_lr=0.02, muon_momentum=0.9)
+    names = {p: n for n, p in model.named_parameters()}  # the tied lm_head is transformer.wte.weight
+    assert sorted(names[p] for p in opt.muon.param_groups[0]["params"]) == sorted(
+        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    decay, no_decay = opt.adamw.param_groups
+    assert [names[p] for p in decay["params"]] == ["transformer.wte.weight", "transformer.wpe.weight"]
+    assert all(p.dim() == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 8 * cfg.n_layer + 2
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    muon = opt.muon.param_groups[0]
+    assert (muon["lr"], muon["momentum"], muon["nesterov"], muon["weight_decay"], muon["ns_steps"]) == (0.02, 0.9, True, 0.0, 5)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
+    tg.set_lr(opt, 3e-4)  # half of --max-lr: Muon's LR follows the schedule
+    assert [g["lr"] for g in opt.param_groups] == [3e-4, 3e-4, 0.01]
+
+
 def test_lr_schedule_three_phases():
     run = tg.RunConfig(max_lr=6e-4, warmup_steps=10, max_steps=110)
     assert tg.get_lr(0, run) == pytest.approx(6e-5)

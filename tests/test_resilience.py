@@ -55,7 +55,7 @@ def resume_copy(src, dst, step):
 
 # --- exact resume -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
+@pytest.mark.parametrize("align", [[], ["--align-docs"], ["--optimizer", "muon"]], ids=["plain", "align-docs", "muon"])
 def test_resume_is_bit_exact(data_dir, tmp_path, align):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert tg.main(args_for(data_dir, straight, *align)) == 0
@@ -87,6 +87,29 @@ def test_resume_with_another_model_is_refused(data_dir, tmp_path, capsys):
     assert tg.main(args) == 2
     err = capsys.readouterr().err
     assert "cannot resume from" in err and "n_embd: checkpoint 16 vs now 32" in err
+
+
+def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(data_dir, tmp_path, capsys):
+    runs = {"default": [], "shuffle": ["--shuffle"], "no-shuffle": ["--no-shuffle"]}
+    for name, flags in runs.items():
+        assert tg.main(args_for(data_dir, tmp_path / name, *flags, steps=1, ckpt_every=1)) == 0
+    torch.manual_seed(1337)  # the trainer's init: --seed's default
+    model = tg.GPT(tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32))
+    for name, shuffle in (("default", True), ("shuffle", True), ("no-shuffle", False)):
+        x, y = tg.TokenRows(data_dir, "train", T, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
+        assert losses(tmp_path / name)[0][1] == pytest.approx(model(torch.from_numpy(x), torch.from_numpy(y))[1].item(),
+                                                             rel=1e-6), name
+        assert checkpoints.load_checkpoint(str(tmp_path / name))["run_config"]["shuffle"] == shuffle
+    assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
+    # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
+    assert tg.main(args_for(data_dir, tmp_path / "no-shuffle", "--resume", steps=2, ckpt_every=1)) == 0
+    assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["run_config"]["shuffle"] is False
+    for name, flags, saved, now in (("default", ["--no-shuffle"], True, False), ("no-shuffle", ["--shuffle"], False, True),
+                                    ("default", ["--optimizer", "muon"], "adamw", "muon")):
+        assert tg.main(args_for(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
+        key = flags[0].strip("-").replace("no-", "")
+        assert f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags" in \
+            capsys.readouterr().err
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
@@ -168,17 +191,21 @@ def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, ca
     assert all_finite(tmp_path / "ckpt_0000004.pt")
 
 
-def test_skip_nonfinite_skips_the_update(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_skip_nonfinite_skips_the_update(data_dir, tmp_path, monkeypatch, optimizer):
     inject(monkeypatch, 5, "nan")
-    assert tg.main(args_for(data_dir, tmp_path, "--skip-nonfinite", "1", steps=10, ckpt_every=0)) == 0
+    args = args_for(data_dir, tmp_path, "--skip-nonfinite", "1", "--optimizer", optimizer, steps=10, ckpt_every=0)
+    assert tg.main(args) == 0
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
     assert skipped == [5]
     assert all_finite(tmp_path / "ckpt_0000010.pt")
 
 
-def test_skip_spikes_skips_an_outlier_update(data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_skip_spikes_skips_an_outlier_update(data_dir, tmp_path, monkeypatch, optimizer):
     inject(monkeypatch, 30, "spike")
-    assert tg.main(args_for(data_dir, tmp_path, "--skip-spikes", "6", steps=35, ckpt_every=0)) == 0
+    args = args_for(data_dir, tmp_path, "--skip-spikes", "6", "--optimizer", optimizer, steps=35, ckpt_every=0)
+    assert tg.main(args) == 0
     records = [r for r in log_records(tmp_path) if "loss" in r]
     assert [r["step"] for r in records if r.get("skipped")] == [30]
     assert records[30]["skipped"] == "spike"

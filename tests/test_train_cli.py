@@ -89,11 +89,20 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
     (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
     (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
+    (["--optimizer", "muon", "--muon-momentum", "1"], "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
     assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=2)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+def test_muon_on_a_torch_without_it_is_one_line(data_dir, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.delattr(torch.optim, "Muon")  # torch before 2.9
+    assert tg.main(train_args(data_dir, tmp_path, 4, "--optimizer", "muon", steps=1)) == 2
+    assert capsys.readouterr().err == (f"error: --optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is "
+                                       f"torch {torch.__version__}: pip install -U torch, or use --optimizer adamw\n")
 
 
 def test_empty_data_dir_and_missing_val(tmp_path, capsys):

@@ -1,0 +1,66 @@
+"""--optimizer muon: torch.optim.Muon and AdamW on two parts of one model, stepped as one optimizer.
+
+train_gpt2.build_optimizer says which parameters each takes; this module makes the pair look like
+one torch optimizer to everything else the step touches: the trainer (step, zero_grad, the LR of
+each step), fp16's GradScaler (unscale_ and step read param_groups and call step), the non-finite
+guard (state) and the checkpoints (one state dict holding both, under the checkpoint's "optimizer").
+"""
+from __future__ import annotations
+
+import torch
+
+from cli import UserError
+
+
+class MuonWithAdamW:
+    """Muon on some parameters, AdamW on the others. Muon's LR follows the LR schedule: at every
+    step it is the step's AdamW LR times --muon-lr / --max-lr, so both warm up and decay together.
+    The ratio comes from the flags of this run, not from a checkpoint."""
+
+    def __init__(self, adamw: torch.optim.AdamW, matrices: list, muon_lr: float, muon_momentum: float, max_lr: float):
+        if not hasattr(torch.optim, "Muon"):  # requirements.txt asks for 2.6, which AdamW runs need
+            raise UserError(f"--optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is torch "
+                            f"{torch.__version__}: pip install -U torch, or use --optimizer adamw")
+        # Nesterov momentum, 5 Newton-Schulz steps, LR x sqrt(max(1, rows / cols)) (torch's defaults, Keller
+        # Jordan's Muon); no weight decay, as in modded-nanogpt and nanochat (torch's 0.1 at LR 0.02 would
+        # shrink every matrix by 0.2% a step, 30x AdamW's decay at GPT-2's LR)
+        self.muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0)
+        self.adamw, self.lr_ratio = adamw, muon_lr / max_lr
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups + self.muon.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.adamw.state, **self.muon.state}
+
+    def set_lr(self, lr: float):
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        for group in self.muon.param_groups:
+            group["lr"] = lr * self.lr_ratio
+
+    def step(self):
+        self.adamw.step()
+        self.muon.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.muon.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return dict(adamw=self.adamw.state_dict(), muon=self.muon.state_dict())
+
+    def load_state_dict(self, state: dict):
+        self.adamw.load_state_dict(state["adamw"])
+        self.muon.load_state_dict(state["muon"])
+
+
+def set_lr(optimizer, lr: float):
+    """The LR of this step on every parameter group (a MuonWithAdamW scales Muon's by its ratio)."""
+    if isinstance(optimizer, MuonWithAdamW):
+        optimizer.set_lr(lr)
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = lr
