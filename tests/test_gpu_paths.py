@@ -370,7 +370,7 @@ def test_gpu_check_runs_its_cpu_subset():
                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = [l for l in result.stdout.splitlines() if "| loss drift" in l]
-    assert len(lines) == 5 and all(" ok " in l and "tok/s" in l and "GiB RSS" in l for l in lines), result.stdout
+    assert len(lines) == 6 and all(" ok " in l and "tok/s" in l and "GiB RSS" in l for l in lines), result.stdout
     assert any("--batch-size auto" in l and l.endswith("| B=4") for l in lines), result.stdout  # a step's 4 rows fit
     assert any("x2" in l for l in lines) and any("--activation-checkpointing" in l for l in lines)
     assert any("--optimizer muon" in l for l in lines)
