@@ -1,4 +1,4 @@
-"""lm_head + cross-entropy in chunks of rows, never holding the (rows, vocab) logits.
+"""lm_head + cross-entropy: in chunks of rows, never holding the (rows, vocab) logits, or whole.
 
 With GPT-2's 50304-token vocabulary the logits of one micro-batch dwarf every activation
 (B=64, T=1024: 13 GB in fp32). On CPU the trainer computes the loss chunk by chunk, and the
@@ -11,6 +11,7 @@ weight it is given: the trainer hands it the real vocabulary's (fineweb.real_voc
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-docs rows)
 
@@ -77,3 +78,15 @@ def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
         return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
     return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
 
+
+
+def full_lm_loss(h, weight, targets, reduction, n_real):
+    """Logits (B, T, n_real) of lm_head over h (B, T, C) and their cross-entropy over targets
+    != IGNORE_INDEX, in fp32. The matmul runs over all of weight's rows (a padded vocabulary's
+    faster shape); the first n_real, the real tokens, are the logits and the softmax. Compiled
+    (launch.compile_model), the softmax fuses into one pass over the logits instead of a full
+    fp32 copy of them."""
+    logits = F.linear(h, weight)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1))[:, :n_real].float(), targets,
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+    return logits[..., :n_real], loss

@@ -41,8 +41,73 @@ from itertools import chain, islice
 import cli  # the error contract shared by every script; standard library only, so it comes first
 from cli import UserError, exit_code_of, flat
 
+# --- command line (standard library only: --help and usage errors answer before numpy and tiktoken)
+
+DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+MANIFEST = "manifest.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = cli.ArgumentParser(
+        description="Tokenize a text dataset into GPT-2 uint16 token shards (resumable).",
+        epilog="Sizes: 20M, 1.5K, 10B (= 10G), 1e8 or 100000. Run again with the same arguments "
+               "to resume an interrupted run.")
+    source = parser.add_argument_group("source (default: FineWeb-Edu sample-10BT, streamed from the Hub)")
+    source.add_argument("--dataset", help=f"Hub dataset to stream (default {DEFAULT_DATASET})")
+    source.add_argument("--name", help=f"its configuration (default {DEFAULT_NAME} for the default "
+                                       "dataset, none otherwise)")
+    source.add_argument("--split", help="its split (default train)")
+    source.add_argument("--files", nargs="+", action="extend", metavar="GLOB",
+                        help="local files instead of the Hub (quote globs; ** recurses): .parquet, "
+                             ".jsonl/.json(.gz), any other file is text")
+    source.add_argument("--text-field", default="text", metavar="FIELD",
+                        help="column or JSON key holding the text (default text)")
+    source.add_argument("--doc-per-file", action="store_true",
+                        help="text files: a whole file is one document (default: one per non-blank line)")
+    source.add_argument("--utf8-errors", choices=["strict", "replace"], default="strict",
+                        help="bytes that are not UTF-8, and lone surrogates (JSON's \\ud800 without "
+                             "its pair): stop with an error (default) or replace them with U+FFFD")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out-dir", default="edu_fineweb10B", help="folder for shards and "
+                        f"{MANIFEST} (default edu_fineweb10B)")
+    output.add_argument("--prefix", default="edufineweb",
+                        help="shard file names: PREFIX_{val,train}_NNNNNN (default edufineweb)")
+    output.add_argument("--shard-size", type=parse_size, default=10**8, metavar="TOKENS",
+                        help="tokens per shard (default 100M)")
+    output.add_argument("--val-shards", type=cli.non_negative_int, default=1, metavar="N",
+                        help="the first N shards are the val split (default 1)")
+    output.add_argument("--max-tokens", type=parse_size, metavar="TOKENS",
+                        help="stop after the first TOKENS tokens (default: the whole source)")
+    output.add_argument("--format", choices=["npy", "bin"], default="npy",
+                        help="npy: np.save of a uint16 array, as build-nanogpt (default); "
+                             "bin: llm.c's 1 KiB header + uint16 tokens")
+    run_group = parser.add_argument_group("run")
+    run_group.add_argument("--workers", type=cli.positive_int, default=os.cpu_count(),
+                           help="tokenizer processes (default: all cores; 1 = no pool)")
+    run_group.add_argument("--debug", action="store_true",
+                           help="show tracebacks and the Hub client's log")
+    return parser.parse_args(argv)
+
+
+_SIZE_SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'20M', '1.5K', '1e8', '100_000' -> a count in 1..2**62 (argparse type, the range cli's)."""
+    s = text.strip().upper().replace("_", "")
+    scale = _SIZE_SUFFIXES.get(s[-1:], 1)
+    try:  # Decimal, not float: 0.1K is exactly 100
+        value = Decimal(s[:-1] if scale > 1 else s) * scale
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20M, 1e8, 100000)") from None
+    if not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return cli.check_count(int(value), 1)
+
+
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
+    parse_args()  # --help, or a usage error: answered now, before the slow imports
 
 import numpy as np
 import tiktoken
@@ -61,22 +126,6 @@ def os_error_reason(e: Exception) -> str:
     exception (torch.save's RuntimeError, safetensors' error) as its text on one line."""
     reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
     return reason[:1].lower() + reason[1:]
-
-
-_SIZE_SUFFIXES = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
-
-
-def parse_size(text: str) -> int:
-    """'20M', '1.5K', '1e8', '100_000' -> a count in 1..2**62 (argparse type, the range cli's)."""
-    s = text.strip().upper().replace("_", "")
-    scale = _SIZE_SUFFIXES.get(s[-1:], 1)
-    try:  # Decimal, not float: 0.1K is exactly 100
-        value = Decimal(s[:-1] if scale > 1 else s) * scale
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 20M, 1e8, 100000)") from None
-    if not value.is_finite() or value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    return cli.check_count(int(value), 1)
 
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -496,7 +545,6 @@ def tokenize_in_order(chunks, pool, max_in_flight: int, utf8_errors: str = "stri
 
 # --- shards and manifest ---------------------------------------------------------------------
 
-MANIFEST = "manifest.json"
 BIN_MAGIC, BIN_VERSION, BIN_HEADER_INTS = 20240520, 1, 256  # llm.c's header for uint16 token shards
 
 
@@ -813,53 +861,6 @@ def output_folder(out_dir: str):
             except OSError:
                 break
         raise
-
-
-# --- command line ----------------------------------------------------------------------------
-
-DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = cli.ArgumentParser(
-        description="Tokenize a text dataset into GPT-2 uint16 token shards (resumable).",
-        epilog="Sizes: 20M, 1.5K, 10B (= 10G), 1e8 or 100000. Run again with the same arguments "
-               "to resume an interrupted run.")
-    source = parser.add_argument_group("source (default: FineWeb-Edu sample-10BT, streamed from the Hub)")
-    source.add_argument("--dataset", help=f"Hub dataset to stream (default {DEFAULT_DATASET})")
-    source.add_argument("--name", help=f"its configuration (default {DEFAULT_NAME} for the default "
-                                       "dataset, none otherwise)")
-    source.add_argument("--split", help="its split (default train)")
-    source.add_argument("--files", nargs="+", action="extend", metavar="GLOB",
-                        help="local files instead of the Hub (quote globs; ** recurses): .parquet, "
-                             ".jsonl/.json(.gz), any other file is text")
-    source.add_argument("--text-field", default="text", metavar="FIELD",
-                        help="column or JSON key holding the text (default text)")
-    source.add_argument("--doc-per-file", action="store_true",
-                        help="text files: a whole file is one document (default: one per non-blank line)")
-    source.add_argument("--utf8-errors", choices=["strict", "replace"], default="strict",
-                        help="bytes that are not UTF-8, and lone surrogates (JSON's \\ud800 without "
-                             "its pair): stop with an error (default) or replace them with U+FFFD")
-    output = parser.add_argument_group("output")
-    output.add_argument("--out-dir", default="edu_fineweb10B", help="folder for shards and "
-                        f"{MANIFEST} (default edu_fineweb10B)")
-    output.add_argument("--prefix", default="edufineweb",
-                        help="shard file names: PREFIX_{val,train}_NNNNNN (default edufineweb)")
-    output.add_argument("--shard-size", type=parse_size, default=10**8, metavar="TOKENS",
-                        help="tokens per shard (default 100M)")
-    output.add_argument("--val-shards", type=cli.non_negative_int, default=1, metavar="N",
-                        help="the first N shards are the val split (default 1)")
-    output.add_argument("--max-tokens", type=parse_size, metavar="TOKENS",
-                        help="stop after the first TOKENS tokens (default: the whole source)")
-    output.add_argument("--format", choices=["npy", "bin"], default="npy",
-                        help="npy: np.save of a uint16 array, as build-nanogpt (default); "
-                             "bin: llm.c's 1 KiB header + uint16 tokens")
-    run_group = parser.add_argument_group("run")
-    run_group.add_argument("--workers", type=cli.positive_int, default=os.cpu_count(),
-                           help="tokenizer processes (default: all cores; 1 = no pool)")
-    run_group.add_argument("--debug", action="store_true",
-                           help="show tracebacks and the Hub client's log")
-    return parser.parse_args(argv)
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -29,8 +29,37 @@ from typing import NamedTuple
 
 import cli  # the error contract shared by every script; standard library only, so it comes first
 
+DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+DATA_NAME = "hellaswag_val.jsonl"
+DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+DOWNLOAD_TIMEOUT_S = 10
+
+
+# -----------------------------------------------------------------------------
+# command line (standard library only: --help and usage errors answer before torch is imported)
+
+
+def parse_args(argv=None):
+    p = cli.ArgumentParser(description="HellaSwag (validation) accuracy of a GPT-2 model.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
+    src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory (needs transformers)")
+    p.add_argument("--data-file", help=f"local copy of {DATA_NAME} (default: download it)")
+    p.add_argument("--data-dir", help=f"where {DATA_NAME} is cached or downloaded to "
+                                      "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
+    p.add_argument("--limit", type=cli.non_negative_int, default=0, help="score only the first N examples (0: all 10042)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None,
+                   help="examples per forward pass (default: 16 on CUDA, 4 on CPU)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
+    parse_args()  # --help, or a usage error: answered now, before the slow imports
 
 import numpy as np
 import torch
@@ -43,11 +72,6 @@ from cli import UserError
 from fineweb import EOT, get_tokenizer_or_fail, real_vocab_size
 from launch import (all_reduce_sum, autocast_context, checked_on_every_rank, exit_code_on_every_rank, print0,
                     process_group, resolve_dtype)
-
-DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-DATA_NAME = "hellaswag_val.jsonl"
-DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
-DOWNLOAD_TIMEOUT_S = 10
 
 
 # -----------------------------------------------------------------------------
@@ -459,31 +483,15 @@ def load_hf_model(path: str, device: str) -> nn.Module:
     return HFLogits(load_gpt2lmheadmodel(path, "--hf-model")).to(device).eval()
 
 
-def parse_args(argv=None):
-    p = cli.ArgumentParser(description="HellaSwag (validation) accuracy of a GPT-2 model.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
-    src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory (needs transformers)")
-    p.add_argument("--data-file", help=f"local copy of {DATA_NAME} (default: download it)")
-    p.add_argument("--data-dir", help=f"where {DATA_NAME} is cached or downloaded to "
-                                      "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
-    p.add_argument("--limit", type=cli.non_negative_int, default=0, help="score only the first N examples (0: all 10042)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=None,
-                   help="examples per forward pass (default: 16 on CUDA, 4 on CPU)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return p.parse_args(argv)
-
-
 def run(args) -> dict:
     def load_data_and_model(device: str):
         data_file = resolve_data_file(args.data_file, args.data_dir)
         for style in RENDERERS:  # a bad file fails before loading a model; evaluate reuses these
             load_examples(data_file, args.limit, style=style)
         if args.checkpoint:
-            from train_gpt2 import GPT  # the model class of our checkpoints: only this command imports the trainer
+            sys.modules.setdefault("hellaswag", sys.modules[__name__])  # run as a program: the trainer's
+            from train_gpt2 import GPT  # `import hellaswag` gets this module, not a second copy (only this command
+            # imports the trainer, for the model class of our checkpoints)
             return data_file, GPT.from_checkpoint(args.checkpoint, device)
         return data_file, load_hf_model(args.hf_model, device)
 

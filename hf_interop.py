@@ -40,8 +40,44 @@ import tempfile
 
 import cli  # the error contract shared by every script; standard library only, so it comes first
 
+# -----------------------------------------------------------------------------
+# command line (standard library only: --help and usage errors answer before torch is imported)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = cli.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
+    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+                                      "--out-dir folder for its newest checkpoint")
+    e.add_argument("out_dir", help="directory for config.json and model.safetensors")
+    e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
+    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    add_eval_parser(sub)
+    return p.parse_args(argv)
+
+
+def add_eval_parser(sub):
+    e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a checkpoint (exported to a temporary "
+                                    "Hugging Face directory)")
+    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+                                      "--out-dir folder for its newest checkpoint")
+    e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
+    e.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl: hellaswag runs from it through "
+                                            "evals/hellaswag_local.yaml, without the Hub")
+    e.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
+    e.add_argument("--num-fewshot", type=cli.non_negative_int,
+                   help="few-shot examples (default: each task's own, 0 for hellaswag)")
+    e.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
+    e.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
+    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+
+
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
+    parse_args()  # --help, or a usage error: answered now, before the slow imports
 
 import torch
 
@@ -537,7 +573,8 @@ def run_lm_eval(args):
         except OSError as e:
             raise UserError(f"--samples-dir {args.samples_dir}: {os_error_reason(e)}") from None
     out = lm_eval_results(args.checkpoint, tasks, hellaswag_file=args.hellaswag_file, limit=args.limit,
-                          batch_size=args.batch_size, device=args.device, num_fewshot=args.num_fewshot)
+                          batch_size=args.batch_size, num_fewshot=args.num_fewshot,
+                          device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for task, samples in out["samples"].items() if args.samples_dir else ():
         path = os.path.join(args.samples_dir, f"{task}.jsonl")
         try:
@@ -557,36 +594,8 @@ def _metrics(results: dict) -> dict:
     return {**numbers, **({"n": results["sample_len"]} if "sample_len" in results else {})}
 
 
-def add_eval_parser(sub):
-    e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a checkpoint (exported to a temporary "
-                                    "Hugging Face directory)")
-    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
-                                      "--out-dir folder for its newest checkpoint")
-    e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
-    e.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl: hellaswag runs from it through "
-                                            "evals/hellaswag_local.yaml, without the Hub")
-    e.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
-    e.add_argument("--num-fewshot", type=cli.non_negative_int,
-                   help="few-shot examples (default: each task's own, 0 for hellaswag)")
-    e.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
-    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda or cuda:N (default: cuda if available)")
-    e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
-    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
-
-
 def main(argv=None) -> int:
-    p = cli.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
-    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
-                                      "--out-dir folder for its newest checkpoint")
-    e.add_argument("out_dir", help="directory for config.json and model.safetensors")
-    e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
-    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
-    add_eval_parser(sub)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     if args.command == "eval":
         return exit_code_of(lambda: run_lm_eval(args), args.debug)
 

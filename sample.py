@@ -20,8 +20,41 @@ import sys
 
 import cli  # the error contract shared by every script; standard library only, so it comes first
 
+SAMPLE_PROMPT = "Hello, I'm a language model,"
+
+
+# -----------------------------------------------------------------------------
+# command line (standard library only: --help and usage errors answer before torch is imported)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = cli.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
+    src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue ('' starts a new document)")
+    p.add_argument("--num-samples", type=cli.positive_int, default=4, help="continuations to draw")
+    p.add_argument("--max-new-tokens", type=cli.non_negative_int, default=100, help="tokens to add to the prompt")
+    p.add_argument("--continue-past-eot", action="store_true",
+                   help="go on after <|endoftext|> to --max-new-tokens (by default a sample ends there, as Hugging "
+                        "Face's generate stops at eos_token_id; generate(eos_token_id=None) goes on the same way)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="divides the logits: < 1 sharper, > 1 flatter; a tiny one (1e-40) is greedy")
+    p.add_argument("--top-k", type=cli.positive_int, default=50, help="draw from the K most likely tokens")
+    p.add_argument("--seed", type=cli.int_in(0, 2**63 - 1), default=42,
+                   help="seed of the sampling: sample i draws from its own generator (seed, i)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None,
+                   help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
+                        "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
+    parse_args()  # --help, or a usage error: answered now, before the slow imports
 
 import numpy as np
 import torch
@@ -34,9 +67,6 @@ from launch import resolve_device
 
 # -----------------------------------------------------------------------------
 # sampling: what the trainer's in-training samples and this command share
-
-
-SAMPLE_PROMPT = "Hello, I'm a language model,"
 
 
 def encode_prompt(enc, prompt: str, vocab_size: int) -> list[int]:
@@ -100,42 +130,14 @@ def sample_text(model: nn.Module, enc, device: str, prompt=SAMPLE_PROMPT, n=4, l
         model.train(was_training)
 
 
-# -----------------------------------------------------------------------------
-# command line
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
-    src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")
-    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue ('' starts a new document)")
-    p.add_argument("--num-samples", type=cli.positive_int, default=4, help="continuations to draw")
-    p.add_argument("--max-new-tokens", type=cli.non_negative_int, default=100, help="tokens to add to the prompt")
-    p.add_argument("--continue-past-eot", action="store_true",
-                   help="go on after <|endoftext|> to --max-new-tokens (by default a sample ends there, as Hugging "
-                        "Face's generate stops at eos_token_id; generate(eos_token_id=None) goes on the same way)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="divides the logits: < 1 sharper, > 1 flatter; a tiny one (1e-40) is greedy")
-    p.add_argument("--top-k", type=cli.positive_int, default=50, help="draw from the K most likely tokens")
-    p.add_argument("--seed", type=cli.int_in(0, 2**63 - 1), default=42,
-                   help="seed of the sampling: sample i draws from its own generator (seed, i)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=None,
-                   help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
-                        "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    return p.parse_args(argv)
-
-
 def validate_args(args: argparse.Namespace):
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
 
 
 def load_model(args: argparse.Namespace, device: str):
-    from train_gpt2 import GPT  # the model class of our checkpoints and of Hugging Face GPT-2 folders
+    sys.modules.setdefault("sample", sys.modules[__name__])  # run as a program: the trainer's `from sample
+    from train_gpt2 import GPT  # import` gets this module, not a second copy; GPT: the model class of our checkpoints
     if args.checkpoint:
         return GPT.from_checkpoint(args.checkpoint, device)
     # its own vocabulary, unpadded: a padded id has no token, and the prompt check needs the real size

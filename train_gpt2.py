@@ -168,7 +168,7 @@ import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our co
 from checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
     ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
-from chunked_loss import IGNORE_INDEX, chunked_lm_loss  # defines: lm_head + loss in chunks, without the logits
+from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
 from doc_mask import BlockMask, document_attention, flex_attention  # defines: --doc-mask's positions and masks
 from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader, shard identity
     EOT, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
@@ -177,9 +177,9 @@ from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blo
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
     StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
     mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
-from launch import (  # defines: device and dtype, the process group, rank-0 decisions, rank agreement and faults
-    Dist, all_reduce_sum, autocast_context, check_ranks_agree, decided_on_rank0, exit_code_on_every_rank,
-    is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
+from launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
+    Dist, all_reduce_sum, autocast_context, check_ranks_agree, compile_decision, compile_model, decided_on_rank0,
+    exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
 from optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from sample import sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
@@ -265,7 +265,8 @@ def param_count(cfg: GPTConfig) -> int:
 
 
 class GPT(nn.Module):
-    lm_loss = staticmethod(chunked_lm_loss)  # compile_model gives a compiled GPT an eager-only one
+    lm_loss = staticmethod(chunked_lm_loss)  # eager even in compile_model's GPT: traced, its chunk loop unrolls
+    full_loss = staticmethod(full_lm_loss)  # compiled in compile_model's GPT (the softmax fused into the logits)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -307,10 +308,7 @@ class GPT(nn.Module):
         if loss_chunk:
             scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
             return None, self.lm_loss(x.view(-1, x.size(-1)), self.lm_head.weight[:n_real], targets, scale, loss_chunk)
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1))[:, :n_real].float(), targets,
-                               ignore_index=IGNORE_INDEX, reduction=reduction)
-        return logits[..., :n_real], loss
+        return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
     def blocks(self, x, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
         """The residual stream through every block."""
@@ -724,33 +722,6 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
     return dict(val_loss=loss_sum / n_targets, **(dict(val_bpb=text_loss / (math.log(2) * n_bytes)) if n_bytes else {}))
 
 
-def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
-                     platform: str, has_triton: bool) -> tuple[bool, str | None]:
-    """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot, why not.
-    Inductor's GPU kernels are Triton's, which needs compute capability 7.0+ and an install
-    (on Windows the separate triton-windows package)."""
-    if requested is False or (requested is None and device_type != "cuda"):
-        return False, None
-    if device_type == "cuda":
-        if capability is not None and capability < (7, 0):
-            return False, f"compute capability {capability[0]}.{capability[1]} < 7.0, which Triton needs"
-        if not has_triton:
-            hint = "pip install triton-windows" if platform == "win32" else "pip install triton"
-            return False, f"Triton is not installed ({hint})"
-    return True, None
-
-
-def compile_model(model: nn.Module, **options) -> nn.Module:
-    """torch.compile, in one place (tests make it fail here to exercise the eager fallback).
-    A GPT's chunked loss stays out of the graph, which would unroll its chunk loop (64 chunks:
-    105 s to compile on CPU; 256 never finished): it runs eagerly between the compiled body and
-    its backward. torch.compiler.disable imports torch._dynamo, 2 s that every command would pay
-    at start-up as a decorator: it is applied here, where compiling imports it anyway."""
-    if isinstance(model, GPT):
-        model.lm_loss = torch.compiler.disable(chunked_lm_loss)
-    return torch.compile(model, **options)
-
-
 # -----------------------------------------------------------------------------
 # the Trainer
 
@@ -879,7 +850,7 @@ class Trainer:
         run = self.run
         self.raw_model = (pretrained or GPT(self.model_cfg)).train()
         if run.fsdp:
-            shard_model(self.raw_model, self.d, self.dtype, compile_model if self.use_compile else None)
+            shard_model(self.raw_model, self.d, self.dtype, torch.compile if self.use_compile else None)
         else:
             self.raw_model.to(self.device)
         self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type,

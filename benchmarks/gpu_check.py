@@ -18,9 +18,12 @@ fails or its losses drift beyond the tolerance of its dtype.
           compiled on all visible GPUs (torchrun, NCCL), bf16 compiled with --fsdp, and bf16
           compiled with --optimizer muon; --doc-mask (bf16, full logits) with FlexAttention
           (compiled), SDPA's mask compiled (DOC_MASK_KERNEL=sdpa) and SDPA's mask eager, with their
-          tok/s as ratios to plain causal attention compiled. Last, the micro-batch --batch-size auto
+          tok/s as ratios to plain causal attention compiled. Then the micro-batch --batch-size auto
           finds for the model at the recipe's 524,288 tokens per step, on the whole GPU and on 24 GiB
           of it (a consumer card).
+          Last, benchmarks/bench_compile.py: the trainer's compile (one block at a time) against
+          the whole GPT compiled as one graph and eager, at B=16, from an empty inductor cache
+          (compile seconds, tok/s, loss drift; a drift beyond bf16's tolerance fails).
     CPU:  a 2-layer model with a 512-token vocabulary: bf16 chunked, fp16 full logits, fp32 with
           activation checkpointing, bf16 with --batch-size auto, fp16 on 2 gloo ranks, fp16 with
           --optimizer muon; no compile (inductor on CPU takes 20-40 s per variant; --compile adds it)
@@ -190,6 +193,10 @@ def main(argv=None) -> int:
                 print(f"{' '.join(args.model_flags)} at {RECIPE_TOKENS:,} tokens/step on {name}: "
                       f"{r.get('auto_line') or 'FAILED: ' + r.get('error', '?')}", flush=True)
                 ok &= "error" not in r
+    if cuda:  # per-block compile vs the whole graph: seconds to compile and tok/s
+        import bench_compile  # (beside this file, on sys.path as the script's folder)
+        best = bench_compile.main(["--rounds", "2", "--steps", str(args.steps)])
+        ok &= all(b["drift"] <= TOLERANCE["bfloat16"] for b in best.values())
     return 0 if ok else 1
 
 

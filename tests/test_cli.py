@@ -77,6 +77,7 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
         "plot_log.py out --smo 0.5": unrecognized("plot_log.py", "--smo 0.5"),
         "benchmarks/bench_train.py --work x": unrecognized("bench_train.py", "--work x"),  # hidden --worker
         "benchmarks/bench_sample.py --step 3": unrecognized("bench_sample.py", "--step 3"),
+        "benchmarks/bench_compile.py --round 3": unrecognized("bench_compile.py", "--round 3"),  # was --rounds 3
     }
     helps = ["train_gpt2.py --help", "fineweb.py -h", "hellaswag.py --help", "hf_interop.py export --help",
              "sample.py --help", "plot_log.py --help", "benchmarks/bench_sample.py --help"]
@@ -92,6 +93,50 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
         assert "show this help message and exit" in out
     assert dict(zip(on_rank_1, results[len(cases) + len(helps):-1])) == on_rank_1
     assert results[-1] == (2, "error: --max-lr must be a finite number, got nan\n", "")
+
+
+# Each command line as a program in one fresh interpreter, in turn: its exit code, the heavy modules
+# loaded so far (each takes seconds to import under load), and which module the script's own name
+# gives (None; "__main__", the program itself; or its name: a second copy, run again on import).
+HEAVY = ("torch", "numpy", "tiktoken", "matplotlib")
+LOADED_AFTER_RUNNING = """
+import contextlib, glob, io, json, os, runpy, sys
+ours = {os.path.basename(path).removesuffix(".py") for path in glob.glob("*.py")}
+results = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, code = argv, None
+    for name in ours & set(sys.modules):  # each command imports this repo's modules afresh
+        del sys.modules[name]
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    own = sys.modules.get(os.path.basename(argv[0]).removesuffix(".py"))
+    results.append([code, sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in %r}),
+                    own and own.__name__])
+print(json.dumps(results))
+""" % (HEAVY,)
+
+
+def test_help_and_usage_errors_answer_before_torch_numpy_tiktoken_and_matplotlib(tmp_path):
+    scripts = ["train_gpt2.py", "fineweb.py", "hellaswag.py", "sample.py", "hf_interop.py", "plot_log.py"]
+    lines = [[script, *flags] for script in scripts for flags in (["--help"], ["--no-such-flag"])]
+    lines += [["hf_interop.py", "eval", "--help"], ["hf_interop.py", "export", "c.pt", "hf", "--no-such-flag"]]
+    expected = {" ".join(line): [0 if "--help" in line else 2, [], None] for line in lines}
+    # then two commands that import the trainer, which imports them: they stay one module each
+    examples = tmp_path / "hellaswag_val.jsonl"
+    examples.write_text(json.dumps({"ctx": "A man is on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3,
+                                    "activity_label": "Roofing", "ctx_a": "A man is on a roof.", "ctx_b": "he"}))
+    missing = str(tmp_path / "missing.pt")
+    runs = [["sample.py", "--checkpoint", missing], ["hellaswag.py", "--checkpoint", missing, "--data-file",
+                                                      str(examples), "--device", "cpu"]]
+    expected.update({" ".join(line): [2, ["numpy", "tiktoken", "torch"], "__main__"] for line in runs})
+    proc = subprocess.run([sys.executable, "-c", LOADED_AFTER_RUNNING, json.dumps(lines + runs)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert {" ".join(line): result for line, result in zip(lines + runs, results)} == expected
 
 
 def test_a_bad_flag_under_torchrun_is_one_line(tmp_path):

@@ -51,11 +51,29 @@ def fsdp_after_failed_compile(d, batches, n_tokens, world):
     return model
 
 
+def ddp_with_compiled_blocks(events: list):
+    """DDP around compile_model's GPT with one-parameter buckets; events gets, in order, "all-reduce"
+    when a bucket's all-reduce starts and "block i" when a gradient of block i lands."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = fresh_model()
+    ddp = nn.parallel.DistributedDataParallel(tg.compile_model(model, backend="aot_eager"), bucket_cap_mb=1e-6)
+    ddp.register_comm_hook(None, lambda state, bucket: events.append("all-reduce") or
+                           default_hooks.allreduce_hook(state, bucket))
+    for i, block in enumerate(model.transformer.h):
+        for p in block.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, i=i: events.append(f"block {i}"))
+    ddp(*make_batch())[1].backward()  # DDP's first synced backward reduces one bucket, then rebuilds them
+    model.zero_grad(set_to_none=True)
+    events.clear()
+    return ddp
+
+
 def step_on_two_ranks(rank, world, port, out_path):
     with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
         d = launch.Dist(rank=rank, world_size=world, device="cpu")
-        results = {}
+        results, events = {}, []
         models = dict(ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
+                      ddp_compiled=lambda: ddp_with_compiled_blocks(events),
                       fsdp=lambda: fsdp.shard_model(fresh_model(), d, torch.float32),
                       fsdp_compiled=lambda: fsdp.shard_model(fresh_model(), d, torch.float32,
                                                            lambda block: torch.compile(block, backend="eager")),
@@ -73,25 +91,34 @@ def step_on_two_ranks(rank, world, port, out_path):
             results[mode] = dict(grads=grads, norm=norm, loss=launch.all_reduce_sum(loss_sum).item() / n_tokens,
                                  bytes=state_bytes(params, optimizer),
                                  state_keys=list(checkpoints.full_state(model, optimizer)[0]))
+        results["ddp_compiled"]["events"] = events
         if rank == 0:
             torch.save(results, out_path)
 
 
 def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_path):
-    """DDP, FSDP, FSDP with compiled blocks and FSDP back to eager after a failed compile, on 2
-    ranks x 2 micro-steps, each against the gradient of one batch of the same 8 rows."""
+    """DDP, DDP around compiled blocks, FSDP, FSDP with compiled blocks and FSDP back to eager after
+    a failed compile, on 2 ranks x 2 micro-steps, each against the gradient of one batch of the
+    same 8 rows."""
     out = tmp_path / "results.pt"
     mp.spawn(step_on_two_ranks, args=(2, free_port(), str(out)), nprocs=2, join=True)
     results = torch.load(out, weights_only=True)
     ref, ref_loss = reference_grads(*make_batch())
     ref_norm = torch.nn.utils.get_total_norm(list(ref.values()))
-    for mode in ("ddp", "fsdp", "fsdp_compiled", "fsdp_eager_again"):
+    for mode in ("ddp", "ddp_compiled", "fsdp", "fsdp_compiled", "fsdp_eager_again"):
         assert sorted(results[mode]["state_keys"]) == sorted(fresh_model().state_dict())  # no _orig_mod.
         assert results[mode]["grads"].keys() == ref.keys()
         for name, grad in ref.items():
             torch.testing.assert_close(results[mode]["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")
         assert results[mode]["norm"].item() == pytest.approx(ref_norm.item(), rel=1e-6)
         assert results[mode]["loss"] == pytest.approx(ref_loss, rel=1e-6)
+    # with compiled blocks DDP still overlaps: the backward runs block 1 then block 0, and block 1's
+    # gradients start their all-reduce before block 0's land (none in the first micro-step: no_sync)
+    events = results["ddp_compiled"]["events"]
+    per_backward = sum(1 for _ in fresh_model().transformer.h.parameters())
+    assert "all-reduce" not in events[:per_backward]
+    last = events[per_backward:]
+    assert "all-reduce" in last[last.index("block 1"):last.index("block 0")], last
     ddp, fsdp = results["ddp"]["bytes"], results["fsdp"]["bytes"]
     print(f"per-rank bytes, 2 ranks: DDP {ddp}, FSDP {fsdp}")
     assert ddp["grads"] == ddp["params"] and ddp["optimizer"] >= 2 * ddp["params"]  # AdamW: 2 moments

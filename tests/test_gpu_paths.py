@@ -1,6 +1,7 @@
 """The CUDA-side choices, tested on CPU (issue 12): MFU per GPU, the peak table, one host sync
 per step, fp16 with a GradScaler, the chunked loss in evaluation and under compile, the compile
 fallback, activation checkpointing, device validation and benchmarks/gpu_check.py."""
+import dataclasses
 import functools
 import json
 import os
@@ -265,8 +266,9 @@ def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
         model(x, y, loss_chunk=10)
 
 
-def graph_sizes(loss_chunk):
-    """Node counts of the FX graphs torch.compile traces for a forward + backward of the tiny GPT."""
+def compiled_graphs(n_layer, loss_chunk):
+    """Node counts of the FX graphs torch.compile traces for a forward + backward of the tiny GPT
+    (compile_model: one block at a time), and its loss."""
     import torch._dynamo
     sizes = []
 
@@ -275,7 +277,7 @@ def graph_sizes(loss_chunk):
         return gm.forward
     torch._dynamo.reset()
     torch.manual_seed(1)
-    model = tg.compile_model(tg.GPT(SMALL), backend=counting_backend)
+    model = tg.compile_model(tg.GPT(dataclasses.replace(SMALL, n_layer=n_layer)), backend=counting_backend)
     x, y = make_batch()
     _, loss = model(x, y, reduction="sum", loss_chunk=loss_chunk)
     loss.backward()
@@ -283,11 +285,21 @@ def graph_sizes(loss_chunk):
     return sizes, loss.item()
 
 
-def test_compile_keeps_the_chunk_loop_out_of_the_graph():
-    few, loss_few = graph_sizes(64)  # 2 chunks of the 128 rows
-    many, loss_many = graph_sizes(4)  # 32 chunks
-    assert few == many and few  # the traced graphs do not grow with the number of chunks
-    assert loss_many == pytest.approx(loss_few, rel=1e-6)
+def eager_loss(n_layer, loss_chunk):
+    torch.manual_seed(1)
+    _, loss = tg.GPT(dataclasses.replace(SMALL, n_layer=n_layer))(*make_batch(), reduction="sum", loss_chunk=loss_chunk)
+    return loss.item()
+
+
+def test_compile_traces_one_block_for_every_block_and_keeps_the_chunk_loop_out():
+    block_graph, loss = compiled_graphs(2, 64)  # 2 chunks of the 128 rows
+    assert len(block_graph) == 1  # the second block reuses the first one's code: no recompile
+    assert compiled_graphs(4, 64)[0] == block_graph  # nor a third and a fourth
+    assert compiled_graphs(2, 4)[0] == block_graph  # 32 chunks: the chunk loop is not in a graph
+    with_full_loss, full_loss = compiled_graphs(4, 0)  # full logits: lm_head + cross-entropy compiled after the blocks
+    assert len(with_full_loss) == 2 and with_full_loss[0] == block_graph[0]
+    assert loss == pytest.approx(eager_loss(2, 64), rel=1e-6)
+    assert full_loss == pytest.approx(eager_loss(4, 0), rel=1e-6)
 
 
 # --- compile that falls back, devices -------------------------------------------------------------

@@ -218,7 +218,9 @@ def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, 
     assert lines[1] == ("step     2 | out of memory at 4 rows per micro-step (tried to allocate 51463168 bytes): the "
                         "step again at 2 rows (4 accumulation steps), the same rows and numbers")
     assert len(lines) == 2 and "batch: 512 tokens/step = 4 rows x 64 tokens x 2 accumulation steps" in result.stdout
-    events = [{k: v for k, v in r.items() if k not in ("search_s", "run")} for r in log_records(out) if "event" in r]
+    records = log_records(out)
+    assert len({r["run"] for r in records}) == 1  # one run throughout (the step redone is not a new one)
+    events = [{k: v for k, v in r.items() if k not in ("search_s", "run")} for r in records if "event" in r]
     assert events == [dict(step=0, event="batch_size", batch_size=4, tried="8: out of memory, 2: fits, 4: fits"),
                       dict(step=2, event="batch_size", batch_size=2, reason="out of memory")]
     ref = tmp_path / "hand_picked"
@@ -263,7 +265,7 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
             tokens[20] = 600  # in row 1 (tokens 16..32), not in row 0 (tokens 0..16)
         np.save(data / f"synth_{split}_000000.npy", tokens)
     args = args_for(str(data), tmp_path / "out", "--vocab-size", "512", "--batch-size", "1",
-                    "--total-batch-size", "32", steps=4)
+                    "--total-batch-size", "32", "--no-shuffle", steps=4)  # rows in order: row 1 is rank 1's
     result = run_cli(args, nproc=2)
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert len(errors) == 2, result.stderr[-3000:]
