@@ -48,14 +48,14 @@ def weights_after_one_step(model) -> dict:
     return stepped
 
 
-def assert_same_updates(stepped, ref_stepped, start):
+def assert_same_updates(stepped, ref_stepped, start, doc_mask):
     """The same weights after the step: measured at most 8.2e-8 apart for either optimizer (Muon
     orthogonalizes in bfloat16, where a gradient that differs in fp32's last bits may round to another
     value), and 1.2e-6 with --doc-mask's batch, where one LayerNorm bias gradient is 2.1e-8, near
     AdamW's eps of 1e-8: its first update lr * g / (|g| + eps) turns the 1.1e-11 by which fp32 sums
     differ into 1.2e-6. The naive mean of micro-batch means moves the weights 2e-2 away."""
     for name in OPTIMIZERS:
-        assert_same_grads(ref_stepped[name], stepped[name], atol=2e-6, rtol=0)
+        assert_same_grads(ref_stepped[name], stepped[name], atol=2e-6 if doc_mask else 1e-6, rtol=0)
         moved = max((stepped[name][k] - start[k]).abs().max().item() for k in start)
         assert moved > 5e-3, name  # the step moved the weights: the comparison is not vacuous
 
@@ -132,7 +132,8 @@ def test_tiny_gpt_accumulation_matches_one_batch(B, doc_mask):
     loss_sum = accumulate_gradients(model, split_rows(x, y, B), n_tokens, 1, "cpu", torch.float32, doc_mask=doc_mask)
     assert_same_grads(ref, grads_of(model))
     assert loss_sum.item() / n_tokens == pytest.approx(ref_loss, rel=1e-6)
-    assert_same_updates(weights_after_one_step(model), reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)))
+    assert_same_updates(weights_after_one_step(model), reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)),
+                        doc_mask)
 
 
 def test_single_micro_step_is_exactly_the_plain_mean_loss():
@@ -191,7 +192,8 @@ def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):
         ref, ref_loss = reference_grads(x, y, doc_mask)
         assert_same_grads(ref, result["grads"])
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-6)
-        assert_same_updates(result["stepped"], reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)))
+        assert_same_updates(result["stepped"], reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)),
+                            doc_mask)
         for name in OPTIMIZERS:  # the replicas stay identical, bit for bit
             assert all(torch.equal(result["stepped"][name][k], other_rank[doc_mask]["stepped"][name][k])
                        for k in ref), (doc_mask, name)
