@@ -1017,7 +1017,7 @@ class Trainer:
         run, step_times, stop_agreed = self.run, [], False
         self.print_header()
         t_start = time.perf_counter()
-        try:
+        with self.running():
             if self.ckpt_path and self.start_step == run.max_steps:  # e.g. a requeued job that had finished
                 print0(f"{self.ckpt_path} is already at --max-steps {run.max_steps}: nothing to train "
                        "(raise --max-steps to go on)")
@@ -1040,13 +1040,6 @@ class Trainer:
                 stop_agreed = result.stop_requested
                 step_times.append(result.dt)
                 self.log_step(step, result)
-        except Exception as e:
-            self.raise_if_lost_rank(e)
-            raise
-        finally:
-            self.prefetcher.close()
-            self.stop.restore()
-            self.log.close()
         print0(self.speed.summary(step_times, time.perf_counter() - t_start, peak_memory(self.device)))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
@@ -1079,22 +1072,27 @@ class Trainer:
     def evaluate_only(self):
         """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
         printed, then one JSON line. Nothing is written to --out-dir."""
-        try:
+        with self.running():
             results = self.evaluate(self.start_step, last_step=True)
+        print0(json.dumps(dict(step=self.start_step, **results)))
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around the loop or an evaluation: a collective that failed because another rank died becomes
+        this rank's one line, and no checkpoint is written after it (the state may be half-updated, and
+        saving needs the peers); the prefetch thread, the signal handlers and the log are released
+        however it ends."""
+        try:
+            yield
         except Exception as e:
-            self.raise_if_lost_rank(e)
+            if self.d.enabled and is_lost_rank(e):
+                self.stop.ignore_sigterm_from_now()
+                raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
             raise
         finally:
             self.prefetcher.close()
             self.stop.restore()
-        print0(json.dumps(dict(step=self.start_step, **results)))
-
-    def raise_if_lost_rank(self, e: Exception):
-        """A collective that failed because another rank died becomes this rank's one line; no
-        checkpoint is written after it (the state may be half-updated, and saving needs the peers)."""
-        if self.d.enabled and is_lost_rank(e):
-            self.stop.ignore_sigterm_from_now()
-            raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
+            self.log.close()
 
     # ---- what a step prints
 
