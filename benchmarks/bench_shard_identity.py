@@ -9,7 +9,6 @@ the cost that counts is a cold read: the shard's pages are dropped from the page
 (posix_fadvise DONTNEED) before each cold round. The variants run interleaved, --rounds times;
 the best round counts.
 """
-import argparse
 import hashlib
 import os
 import sys
