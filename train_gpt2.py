@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import glob
+import importlib.util
+import json
 import math
 import os
 import sys
@@ -784,7 +785,6 @@ class Trainer:
                             "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp")
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it (DESIGN.md: fp16)
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
-        import importlib.util
         self.use_compile, why_not = compile_decision(run.compile, self.device_type, capability, sys.platform,
                                                      importlib.util.find_spec("triton") is not None)
         if why_not:
