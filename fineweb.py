@@ -807,6 +807,19 @@ def manifest_digests(folder: str) -> dict[str, tuple[int, str]]:
     return {}
 
 
+def check_finished(folder: str):
+    """Refuse the shards of a fineweb.py run that has not finished (killed, or stopped at a document
+    it could not read): its manifest.json says so, and its shards hold only the data before that point."""
+    manifest = None
+    with contextlib.suppress(OSError, ValueError, LookupError, TypeError):
+        with open(os.path.join(folder, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+    if isinstance(manifest, dict) and manifest.get("complete") is False:
+        written = len(manifest.get("shards") or ())
+        raise UserError(f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
+                        "complete: false); finish it by running fineweb.py again as it was run")
+
+
 def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
     """What tells one set of shards from another, per shard: (file name, size in bytes, its
     sampled_sha256, the sha256 its folder's manifest.json records for a file of that size or None)."""

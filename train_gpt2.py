@@ -171,8 +171,8 @@ from checkpoints import (  # defines: checkpoint files (atomic save, verified lo
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
 from doc_mask import BlockMask, document_attention, flex_attention  # defines: --doc-mask's positions and masks
-from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader, shard identity
-    EOT, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
+from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader and its checks, shard identity
+    EOT, check_finished, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
 from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
 from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
@@ -424,6 +424,7 @@ def draw(probs, generator):
 def find_shards(data_dir: str, split: str) -> list[str]:
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir} does not exist; create shards with fineweb.py")
+    check_finished(data_dir)
     folder = glob.escape(data_dir)  # a folder named like a pattern (data[1]) is still that folder
     paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(folder, f"*_{split}_*.{ext}")))
     if not paths:

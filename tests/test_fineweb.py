@@ -322,6 +322,14 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and len(manifest["shards"]) == 2
+    # the trainer refuses the half-made folder rather than train on its first shards
+    trained = subprocess.run([sys.executable, os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"), "--model",
+                              "cpu", "--data-dir", str(out), "--out-dir", str(tmp_path / "run")],
+                             capture_output=True, text=True, timeout=120)
+    assert (trained.returncode, trained.stderr) == (2, f"error: {out} holds an unfinished fineweb.py run (2 shards "
+                                                       "written, manifest.json says complete: false); finish it by "
+                                                       "running fineweb.py again as it was run\n")
+    assert not (tmp_path / "run").exists()
     # the resume point splits a document, so the already-written prefix must be dropped
     assert manifest["shards"][-1]["next_document_tokens_done"] > 0
 
