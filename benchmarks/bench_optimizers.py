@@ -17,8 +17,11 @@ is 6.4M of the 7.3M parameters: Muon's runs must not lose on it). The validation
 interpolates linearly between those points of the seed-mean curve.
 """
 import argparse
+import glob
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 import shutil
@@ -32,45 +35,66 @@ def floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",")]
 
 
-def ensure_data(data_dir: str):
-    """The quickstart's shards: the standard library's *.py files, one document each."""
+def ensure_data(data_dir: str, corpus: str):
+    """Token shards of the standard library's sources, made once. quickstart: its top-level *.py files,
+    one document each (the quickstart's data, 2.1M tokens). defs: every *.py file of the library and its
+    packages, cut before each top-level def/class into 13,605 documents (median 525 bytes, mean 2.3 KB,
+    about FineWeb-Edu's ~1,000 tokens per document against T=1024 scaled to T=256) written in a seeded
+    random order, so that the documents packed into a row are unrelated, as FineWeb-Edu's are."""
     if os.path.isdir(data_dir):
         return
     stdlib = os.path.dirname(os.__file__)
-    subprocess.run([sys.executable, "fineweb.py", "--files", f"{stdlib}/*.py", "--doc-per-file", "--shard-size",
-                    "256K", "--prefix", "stdlib", "--out-dir", data_dir], cwd=REPO, check=True)
+    if corpus == "quickstart":
+        source = ["--files", f"{stdlib}/*.py", "--doc-per-file", "--shard-size", "256K", "--prefix", "stdlib"]
+    else:
+        files = sorted(f for f in glob.glob(f"{stdlib}/**/*.py", recursive=True) if "site-packages" not in f)
+        docs = []
+        for path in files:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                docs += [d for d in re.split(r"\n\n(?=@|def |class |async def )", f.read()) if d.strip()]
+        random.Random(0).shuffle(docs)
+        jsonl = data_dir.rstrip("/") + ".jsonl"
+        with open(jsonl, "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+        source = ["--files", jsonl, "--shard-size", "1M", "--prefix", "defs"]
+    subprocess.run([sys.executable, "fineweb.py", *source, "--out-dir", data_dir], cwd=REPO, check=True)
 
 
-def train(args, out_dir: str, optimizer: str, lr: float, seed: int, adamw_lr: float) -> list[tuple[int, float]]:
-    """One run (or a finished one found in out_dir); its (tokens seen, val loss) points."""
+def train(args, out_dir: str, variant: str, steps: int, optimizer: str, lr: float, seed: int,
+          adamw_lr: float) -> list[tuple[int, float, float]]:
+    """One run (or a finished one found in out_dir); its (tokens seen, val loss, val bpb) points."""
     log = os.path.join(out_dir, "log.jsonl")
-    if os.path.isfile(log):
+
+    def points():
         with open(log) as f:
-            points = [(r["step"] * args.total_batch_size, r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
-        if points and points[-1][0] == args.steps * args.total_batch_size:
-            return points
+            return [(r["step"] * args.total_batch_size, r["val_loss"], r.get("val_bpb", float("nan")))
+                    for r in map(json.loads, f) if "val_loss" in r]
+    if os.path.isfile(log):
+        if points() and points()[-1][0] == steps * args.total_batch_size:
+            return points()
         shutil.rmtree(out_dir)
     cmd = [sys.executable, "train_gpt2.py", "--model", "cpu", "--data-dir", args.data_dir, "--out-dir", out_dir,
            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-           "--total-batch-size", str(args.total_batch_size), "--max-steps", str(args.steps),
+           "--total-batch-size", str(args.total_batch_size), "--max-steps", str(steps),
            "--warmup-steps", str(args.warmup_steps), "--val-every", str(args.val_every), "--val-steps",
            str(args.val_steps), "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "0",
-           "--seed", str(seed), "--optimizer", optimizer, *args.train_args.split()]
+           "--seed", str(seed), "--optimizer", optimizer, *args.train_args.split(), *variant.split()]
     cmd += ["--max-lr", str(lr)] if optimizer == "adamw" else ["--max-lr", str(adamw_lr), "--muon-lr", str(lr)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"{' '.join(cmd)} failed: {result.stderr.strip().splitlines()[-1:]}")
-    with open(log) as f:
-        return [(r["step"] * args.total_batch_size, r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
+    return points()
 
 
-def mean_curve(curves: list) -> list[tuple[int, float]]:
-    return [(points[0][0], sum(v for _, v in points) / len(points)) for points in zip(*curves)]
+def mean_curve(curves: list) -> list[tuple[int, float, float]]:
+    """The seed-mean of several runs' (tokens, val loss, val bpb) points."""
+    return [(points[0][0], *(sum(column) / len(points) for column in list(zip(*points))[1:]))
+            for points in zip(*curves)]
 
 
-def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
-    """The first token count at which the curve (linear between its points) is at or below target."""
-    for (t0, v0), (t1, v1) in zip(curve, curve[1:]):
+def tokens_to_reach(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    """The first token count at which the curve's val loss (linear between its points) is at or below target."""
+    for (t0, v0, _), (t1, v1, _) in zip(curve, curve[1:]):
         if v1 <= target:
             return t1 if v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
     return None
@@ -106,9 +130,11 @@ def step_cost(model_name: str, rounds: int) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data-dir", default=os.path.join(REPO, "data", "stdlib"),
-                   help="token shards (default: the quickstart's, made if missing)")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--corpus", choices=["quickstart", "defs"], default="quickstart",
+                   help="the data made when --data-dir is missing (see ensure_data)")
+    p.add_argument("--data-dir", help="token shards (default: data/stdlib for quickstart, data/stdlib_defs for defs)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps of the final runs")
+    p.add_argument("--sweep-steps", type=int, help="optimizer steps of the LR sweep's runs (default: --steps)")
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
@@ -121,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[1337, 1338])
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
     p.add_argument("--train-args", default="", help="more trainer flags for every run, e.g. --train-args=--doc-mask")
+    p.add_argument("--also-with", default="", help="repeat the final runs with these trainer flags added, at the "
+                   "sweep's best LRs (the sweep runs without them), e.g. --also-with=--doc-mask")
     p.add_argument("--json", help="also write every curve here")
     p.add_argument("--runs-dir", help="keep the runs here (default: a temporary folder); finished ones are reused")
     p.add_argument("--step-cost", action="store_true", help="only time one optimizer step of each (no training)")
@@ -130,48 +158,60 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.step_cost:
         return step_cost(args.model, args.rounds)
-    ensure_data(args.data_dir)
+    args.data_dir = args.data_dir or os.path.join(REPO, "data", "stdlib" if args.corpus == "quickstart" else "stdlib_defs")
+    ensure_data(args.data_dir, args.corpus)
+    sweep_steps = args.sweep_steps or args.steps
+    variants = ["", args.also_with] if args.also_with else [""]
     sweeps = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
-    curves = {}  # (optimizer, lr, seed, AdamW's lr) -> [(tokens, val loss)]
+    curves = {}  # (variant, steps, optimizer, lr, seed, AdamW's lr) -> [(tokens, val loss, val bpb)]
+
+    def sweep_key(opt, lr):
+        return "", sweep_steps, opt, lr, args.seeds[0], lr if opt == "adamw" else args.max_lr
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
         def run_all(keys):
-            futures = {key: pool.submit(train, args, os.path.join(args.runs_dir or tmp, "_".join(map(str, key))), *key)
-                       for key in keys}
+            futures = {key: pool.submit(train, args, os.path.join(args.runs_dir or tmp, run_name(key)), *key)
+                       for key in keys if key not in curves}
             curves.update({key: f.result() for key, f in futures.items()})
-        run_all([(opt, lr, args.seeds[0], lr if opt == "adamw" else args.max_lr) for opt, lrs in sweeps.items()
-                 for lr in lrs])
-        best = {opt: min(lrs, key=lambda lr: curves[(opt, lr, args.seeds[0], lr if opt == "adamw" else args.max_lr)][-1][1])
-                for opt, lrs in sweeps.items()}
-        finals = {opt: [(opt, best[opt], seed, best["adamw"]) for seed in args.seeds] for opt in sweeps}
-        run_all([key for keys in finals.values() for key in keys if key not in curves])
+        run_all([sweep_key(opt, lr) for opt, lrs in sweeps.items() for lr in lrs])
+        best = {opt: min(lrs, key=lambda lr: curves[sweep_key(opt, lr)][-1][1]) for opt, lrs in sweeps.items()}
+        finals = {(variant, opt): [(variant, args.steps, opt, best[opt], seed, best["adamw"]) for seed in args.seeds]
+                  for variant in variants for opt in sweeps}
+        run_all([key for keys in finals.values() for key in keys])
 
     tokens = args.steps * args.total_batch_size
     print(f"--model cpu | {args.steps} steps x {args.total_batch_size} tokens = {tokens:,} tokens | "
           f"T={args.seq_len} | seeds {args.seeds} | {args.data_dir} {args.train_args}")
-    print(f"\nsweep (seed {args.seeds[0]}; Muon's AdamW part at {args.max_lr:g}): final val loss")
+    print(f"\nsweep ({sweep_steps} steps, seed {args.seeds[0]}; Muon's AdamW part at {args.max_lr:g}): final val loss")
     for opt, lrs in sweeps.items():
-        print(f"  {opt:5s} " + " | ".join(
-            f"lr {lr:g}: {curves[(opt, lr, args.seeds[0], lr if opt == 'adamw' else args.max_lr)][-1][1]:.4f}"
-            + (" *" if lr == best[opt] else "") for lr in lrs))
-    mean = {opt: mean_curve([curves[key] for key in finals[opt]]) for opt in sweeps}
-    print(f"\nval loss at equal tokens (best LRs, Muon's AdamW part at {best['adamw']:g}; mean of {len(args.seeds)} "
-          "seeds, each seed in brackets)")
-    print(f"  {'tokens':>9s} | {'adamw lr ' + format(best['adamw'], 'g'):>26s} | {'muon lr ' + format(best['muon'], 'g'):>26s}")
-    for i, (t, _) in enumerate(mean["adamw"]):
-        cells = [f"{mean[opt][i][1]:.4f} [" + " ".join(f"{curves[key][i][1]:.3f}" for key in finals[opt]) + "]"
-                 for opt in sweeps]
-        print(f"  {t:9,d} | {cells[0]:>26s} | {cells[1]:>26s}")
-    target = mean["adamw"][-1][1]
-    reached = tokens_to_reach(mean["muon"], target)
-    if reached is None:
-        print(f"\nMuon does not reach AdamW's final val loss {target:.4f} within {tokens:,} tokens")
-    else:
-        print(f"\nMuon reaches AdamW's final val loss {target:.4f} at {reached:,.0f} tokens: "
-              f"{reached / tokens:.2f}x AdamW's {tokens:,}")
+        print(f"  {opt:5s} " + " | ".join(f"lr {lr:g}: {curves[sweep_key(opt, lr)][-1][1]:.4f}"
+                                          + (" *" if lr == best[opt] else "") for lr in lrs))
+    mean = {final: mean_curve([curves[key] for key in keys]) for final, keys in finals.items()}
+    for variant in variants:
+        print(f"\n{variant or 'as given'}: val loss at equal tokens (best LRs, Muon's AdamW part at "
+              f"{best['adamw']:g}; mean of {len(args.seeds)} seeds, each seed in brackets; val bpb of the mean)")
+        print(f"  {'tokens':>9s} | " + " | ".join(f"{opt + ' lr ' + format(best[opt], 'g'):>37s}" for opt in sweeps))
+        for i, (t, *_) in enumerate(mean[(variant, "adamw")]):
+            cells = [f"{mean[(variant, opt)][i][1]:.4f} [" + " ".join(
+                f"{curves[key][i][1]:.3f}" for key in finals[(variant, opt)]) + f"] bpb {mean[(variant, opt)][i][2]:.4f}"
+                for opt in sweeps]
+            print(f"  {t:9,d} | " + " | ".join(f"{cell:>37s}" for cell in cells))
+    target = mean[("", "adamw")][-1][1]
+    print(f"\ntokens to reach AdamW's final val loss {target:.4f} (its {tokens:,} tokens, {variants[0] or 'as given'})")
+    for final, curve in mean.items():
+        reached = tokens_to_reach(curve, target)
+        print(f"  {' '.join(final[0].split() + [final[1]]):>20s}: final val loss {curve[-1][1]:.4f}, bpb {curve[-1][2]:.4f}; "
+              + (f"reaches it at {reached:,.0f} tokens ({reached / tokens:.2f}x)" if reached is not None
+                 else "does not reach it"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(best=best, curves={"_".join(map(str, k)): v for k, v in curves.items()}), f)
+            json.dump(dict(best=best, curves={run_name(k): v for k, v in curves.items()}), f)
     return 0
+
+
+def run_name(key) -> str:
+    """A run's folder name: its variant's flags without dashes, steps, optimizer, LR, seed, AdamW's LR."""
+    variant, *rest = key
+    return "_".join(variant.replace("-", "").split() + [str(v) for v in rest])
 
 
 if __name__ == "__main__":
