@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention  # noqa: F401 (the model's)
+from torch.nn.attention.flex_attention import create_block_mask
 
 from fineweb import EOT
 

@@ -163,6 +163,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import hellaswag  # defines: evaluate (HellaSwag accuracy of the model it is given), resolve_data_file, load_examples
 import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our config and state dict)
@@ -170,7 +171,7 @@ from checkpoints import (  # defines: checkpoint files (atomic save, verified lo
     ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
-from doc_mask import BlockMask, document_attention, flex_attention  # defines: --doc-mask's positions and masks
+from doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader and its checks, shard identity
     EOT, check_finished, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
 from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
