@@ -128,6 +128,19 @@ def step_cost(model_name: str, rounds: int) -> int:
     return 0
 
 
+def add_run_flags(p: argparse.ArgumentParser, val_every: int):
+    """The flags train() reads besides the data: the shape of every run, the seeds, runs at a time."""
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--total-batch-size", type=int, default=2048)
+    p.add_argument("--val-every", type=int, default=val_every)
+    p.add_argument("--val-steps", type=int, default=8)
+    p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[1337, 1338])
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
+    p.add_argument("--train-args", default="", help="more trainer flags for every run, e.g. --train-args=--doc-mask")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--corpus", choices=["quickstart", "defs"], default="quickstart",
@@ -135,18 +148,10 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", help="token shards (default: data/stdlib for quickstart, data/stdlib_defs for defs)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of the final runs")
     p.add_argument("--sweep-steps", type=int, help="optimizer steps of the LR sweep's runs (default: --steps)")
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--total-batch-size", type=int, default=2048)
-    p.add_argument("--val-every", type=int, default=10)
-    p.add_argument("--val-steps", type=int, default=8)
+    add_run_flags(p, val_every=10)
     p.add_argument("--adamw-lrs", type=floats, default=floats("1.5e-3,3e-3,6e-3"), help="AdamW's --max-lr sweep")
     p.add_argument("--muon-lrs", type=floats, default=floats("0.01,0.02,0.04"), help="Muon's --muon-lr sweep")
     p.add_argument("--max-lr", type=float, default=3e-3, help="AdamW's LR inside Muon's sweep runs (quickstart's; the final runs use AdamW's best)")
-    p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[1337, 1338])
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
-    p.add_argument("--train-args", default="", help="more trainer flags for every run, e.g. --train-args=--doc-mask")
     p.add_argument("--also-with", default="", help="repeat the final runs with these trainer flags added, at the "
                    "sweep's best LRs (the sweep runs without them), e.g. --also-with=--doc-mask")
     p.add_argument("--json", help="also write every curve here")

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from bench_optimizers import REPO, mean_curve, train
+from bench_optimizers import REPO, add_run_flags, mean_curve, train
 
 sys.path.insert(0, REPO)
 
@@ -73,16 +73,8 @@ def shard_jump(out_dir: str, data_dir: str, seed: int, args) -> tuple[float, flo
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--total-batch-size", type=int, default=2048)
-    p.add_argument("--val-every", type=int, default=50)
-    p.add_argument("--val-steps", type=int, default=8)
+    add_run_flags(p, val_every=50)
     p.add_argument("--lr", type=float, default=3e-3, help="--max-lr (the quickstart's)")
-    p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[1337, 1338])
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
-    p.add_argument("--train-args", default="", help="more trainer flags for every run")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     shard_tokens = 256 * 1024
