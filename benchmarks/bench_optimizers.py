@@ -5,6 +5,7 @@ final validation loss, as a fraction of AdamW's.
     python benchmarks/bench_optimizers.py                         # quickstart's CPU run: 100 steps x 2,048 tokens
     python benchmarks/bench_optimizers.py --steps 400 --jobs 1    # a longer budget, one run at a time
     python benchmarks/bench_optimizers.py --train-args="--doc-mask"  # any trainer flags, given to every run
+    python benchmarks/bench_optimizers.py --corpus defs --steps 1000 --sweep-steps 100 ...  # docs/optimizers.md's 2M tokens
     python benchmarks/bench_optimizers.py --step-cost --model gpt2    # what one optimizer step costs, time and state
 
 Every run is the real command (`python train_gpt2.py --model cpu ...`) on the same shards (by default
@@ -38,8 +39,9 @@ def floats(text: str) -> list[float]:
 def ensure_data(data_dir: str, corpus: str):
     """Token shards of the standard library's sources, made once. quickstart: its top-level *.py files,
     one document each (the quickstart's data, 2.1M tokens). defs: every *.py file of the library and its
-    packages, cut before each top-level def/class into 13,605 documents (median 525 bytes, mean 2.3 KB,
-    about FineWeb-Edu's ~1,000 tokens per document against T=1024 scaled to T=256) written in a seeded
+    packages, cut before each top-level def/class into 13,605 documents (15.3M tokens; median 525 bytes,
+    mean 1,126 tokens, so rows of T=256 hold document boundaries, as FineWeb-Edu's ~1,000-token
+    documents do in rows of T=1024) written in a seeded
     random order, so that the documents packed into a row are unrelated, as FineWeb-Edu's are."""
     if os.path.isdir(data_dir):
         return
