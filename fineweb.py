@@ -798,23 +798,29 @@ def sampled_sha256(path: str, size: int) -> str:
     return digest.hexdigest()
 
 
+def folder_manifest(folder: str) -> dict | None:
+    """fineweb.py's manifest.json in a folder of shards, or None where there is no readable one (shards
+    may come from other tools): what the trainer's checks of a data folder read."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(folder, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+        return manifest if isinstance(manifest, dict) else None
+    return None
+
+
 def manifest_digests(folder: str) -> dict[str, tuple[int, str]]:
     """{file: (bytes, sha256)} of the shards that fineweb.py's manifest.json in folder lists ({}
     without a readable one)."""
-    with contextlib.suppress(OSError, ValueError, LookupError, TypeError):
-        with open(os.path.join(folder, MANIFEST), "rb") as f:
-            return {shard["file"]: (shard["bytes"], shard["sha256"]) for shard in json.loads(f.read())["shards"]}
+    with contextlib.suppress(LookupError, TypeError):
+        return {shard["file"]: (shard["bytes"], shard["sha256"]) for shard in folder_manifest(folder)["shards"]}
     return {}
 
 
 def check_finished(folder: str):
     """Refuse the shards of a fineweb.py run that has not finished (killed, or stopped at a document
     it could not read): its manifest.json says so, and its shards hold only the data before that point."""
-    manifest = None
-    with contextlib.suppress(OSError, ValueError, LookupError, TypeError):
-        with open(os.path.join(folder, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-    if isinstance(manifest, dict) and manifest.get("complete") is False:
+    manifest = folder_manifest(folder)
+    if manifest is not None and manifest.get("complete") is False:
         written = len(manifest.get("shards") or ())
         raise UserError(f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
                         "complete: false); finish it by running fineweb.py again as it was run")

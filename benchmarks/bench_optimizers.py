@@ -41,8 +41,8 @@ def ensure_data(data_dir: str, corpus: str):
     one document each (the quickstart's data, 2.1M tokens). defs: every *.py file of the library and its
     packages, cut before each top-level def/class into 13,605 documents (15.3M tokens; median 525 bytes,
     mean 1,126 tokens, so rows of T=256 hold document boundaries, as FineWeb-Edu's ~1,000-token
-    documents do in rows of T=1024) written in a seeded
-    random order, so that the documents packed into a row are unrelated, as FineWeb-Edu's are."""
+    documents do in rows of T=1024), written in a seeded random order so that the documents packed
+    into a row are unrelated, as FineWeb-Edu's are."""
     if os.path.isdir(data_dir):
         return
     stdlib = os.path.dirname(os.__file__)
@@ -72,8 +72,9 @@ def train(args, out_dir: str, variant: str, steps: int, optimizer: str, lr: floa
             return [(r["step"] * args.total_batch_size, r["val_loss"], r.get("val_bpb", float("nan")))
                     for r in map(json.loads, f) if "val_loss" in r]
     if os.path.isfile(log):
-        if points() and points()[-1][0] == steps * args.total_batch_size:
-            return points()
+        finished = points()
+        if finished and finished[-1][0] == steps * args.total_batch_size:
+            return finished
         shutil.rmtree(out_dir)
     cmd = [sys.executable, "train_gpt2.py", "--model", "cpu", "--data-dir", args.data_dir, "--out-dir", out_dir,
            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
