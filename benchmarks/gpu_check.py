@@ -225,6 +225,16 @@ def parse_run(stdout: str, out_dir: str, compiled: bool) -> dict:
                 auto_line=next((line for line in stdout.splitlines() if line.startswith("--batch-size auto")), None))
 
 
+def read_run(returncode: int | None, stdout: str, stderr: str, out_dir: str, compiled: bool) -> dict:
+    """parse_run of a run that ended well, else {error: its first error line}."""
+    if returncode != 0:
+        return dict(error=first_error(returncode, stderr))
+    try:
+        return parse_run(stdout, out_dir, compiled)
+    except (OSError, StopIteration, ValueError, AttributeError) as e:
+        return dict(error=f"its log or summary line is not as expected: {e!r}")
+
+
 def first_error(returncode, stderr: str) -> str:
     if returncode is None:
         return "stopped at the time limit"
@@ -277,27 +287,22 @@ class Check:
         if key not in self.refs:
             out_dir = os.path.join(self.tmp, "ref_" + "_".join(map(str, key)).replace("-", ""))
             cmd = train_command(v, self.args, self.data_dir, out_dir, B, ref=True)
-            returncode, out, err = self.run_logged("reference " + " ".join(map(str, key)), cmd, {})
-            self.refs[key] = (parse_run(out, out_dir, False) if returncode == 0
-                              else dict(error="reference: " + first_error(returncode, err)), cmd)
+            self.refs[key] = (read_run(*self.run_logged("reference " + " ".join(map(str, key)), cmd, {}), out_dir,
+                                       False), cmd)
         return self.refs[key]
 
     def run_train(self, v: dict, index: int) -> dict:
         B = self.B
         ref, ref_cmd = self.reference(v, B)
-        row = dict(group=v["group"], name=v["name"], commands=[shlex.join(ref_cmd)])
+        row = dict(group=v["group"], name=v["name"], flags=v["extra"], nproc=v["nproc"], commands=[shlex.join(ref_cmd)])
         if "error" in ref:
-            return dict(row, status="FAILED", error=ref["error"])
+            return dict(row, status="FAILED", error="reference: " + ref["error"])
         out_dir = os.path.join(self.tmp, f"run{index}")
         cmd = train_command(v, self.args, self.data_dir, out_dir, B)
         row["commands"].append(shlex.join(cmd))
-        returncode, out, err = self.run_logged(v["name"], cmd, v.get("env", {}))
-        if returncode != 0:
-            return dict(row, status="FAILED", error=first_error(returncode, err))
-        try:
-            r = parse_run(out, out_dir, v["compile"] is not False)
-        except (OSError, StopIteration, ValueError, AttributeError) as e:
-            return dict(row, status="FAILED", error=f"its log or summary line is not as expected: {e!r}")
+        r = read_run(*self.run_logged(v["name"], cmd, v.get("env", {})), out_dir, v["compile"] is not False)
+        if "error" in r:
+            return dict(row, status="FAILED", error=r["error"])
         drift = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
         dtype = r["dtype"] or v["dtype"]
         steps = steps_of(v, self.args)  # (a reference may run more steps than the variant: the same rows first)
@@ -343,6 +348,7 @@ class Check:
                 self.report.update(skipped=[s["name"] for s in skipped], skipped_command=
                                    f"python benchmarks/gpu_check.py --groups {groups}")
                 break
+            self.report.update(running=v["name"])
             t = time.monotonic()
             new_rows = self.run_bench_compile(v) if v["kind"] == "bench_compile" else [self.run_train(v, i)]
             took = time.monotonic() - t
@@ -354,7 +360,7 @@ class Check:
             add_ratios(self.rows, matrix)
             self.report.update(rows=self.rows, skipped=[s["name"] for s in matrix[i + 1:]],
                                elapsed_s=round(self.budget.elapsed(), 1))
-        self.report.update(finished=True, elapsed_s=round(self.budget.elapsed(), 1))
+        self.report.update(running=None, finished=True, elapsed_s=round(self.budget.elapsed(), 1))
         print(f"{self.budget.elapsed():.0f} s in all" + (f"; report in {self.args.report}" if self.args.report else ""),
               flush=True)
         return all(row["status"] == "ok" for row in self.rows)
@@ -365,12 +371,12 @@ def add_ratios(rows: list[dict], matrix: list[dict]):
     baseline_name = next((v["name"] for v in matrix if v.get("baseline")), None)
     base = next((r for r in rows if r["name"] == baseline_name and "tok_per_s" in r), None)
     for row in rows:
-        if base is None or row is base or "tok_per_s" not in row or row.get("group") not in (2, 3, 7):
+        if base is None or row is base or "tok_per_s" not in row or row.get("nproc") != 1:
             continue
-        if "muon" in row["name"] and "fp16" not in row["name"] and "torchrun" not in row["name"]:
+        if MUON[-1] in row["flags"] and (row["dtype"], row["compiled"]) == (base["dtype"], base["compiled"]):
             row["vs_adamw"] = (f"step {row['step_ms']:.0f} ms vs AdamW's {base['step_ms']:.0f} ms "
                                f"({row['step_ms'] / base['step_ms']:.2f}x)")
-        if "--doc-mask" in row["name"]:
+        if DOC_MASK[0] in row["flags"]:
             row["vs_causal"] = f"{row['tok_per_s'] / base['tok_per_s']:.2f}x the tok/s of causal attention"
 
 
@@ -439,6 +445,8 @@ def markdown(d: dict) -> str:
              for note in [*r.get("notes", []), r.get("vs_adamw"), r.get("vs_causal")] if note]
     if notes:
         lines += ["", *notes]
+    if d.get("running"):
+        lines += ["", f"Running when this was written: {d['running']}"]
     if d["skipped"]:
         lines += ["", "Not run (the time budget, or the lease ended first): " + "; ".join(d["skipped"])
                   + (f". On another lease: `{d['skipped_command']}`" if d.get("skipped_command") else "")]
