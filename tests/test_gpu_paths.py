@@ -420,8 +420,9 @@ def without_datasets(tmp_path_factory):
 
 
 def gpu_check_run(*args, env):
-    return subprocess.run([sys.executable, "benchmarks/gpu_check.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    """gpu_check.py's CPU subset, a GPU or not (CUDA hidden)."""
+    return subprocess.run([sys.executable, "benchmarks/gpu_check.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env})
 
 
 def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
