@@ -169,6 +169,7 @@ def main(argv=None) -> dict | None:
     p.add_argument("--loss-chunk", type=int, default=None, help="default: the trainer's (128 on CPU, 0 on CUDA)")
     p.add_argument("--steps", type=int, default=5, help="steps per variant; the first compiles")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--json", metavar="PATH", help="also write the best figures per variant to PATH (gpu_check.py reads it)")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
@@ -197,7 +198,11 @@ def main(argv=None) -> dict | None:
               f"backend {args.backend}")
         mp.spawn(overlap_worker, args=(2, port, args), nprocs=2, join=True)
         return
-    return bench(args)
+    best = bench(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(best, f)
+    return best
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -377,12 +378,90 @@ def test_activation_checkpointing_flag_trains_identically(data_dir, tmp_path):
 
 # --- benchmarks/gpu_check.py ------------------------------------------------------------------------
 
-def test_gpu_check_runs_its_cpu_subset():
-    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--steps", "2"], cwd=REPO,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def gpu_check():
+    """benchmarks/gpu_check.py as a module, for its plan."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_in_the_lease_order(gpu_check):
+    """On one GPU: the default path as users run it first, then the groups in the issue's order, the
+    multi-GPU variants last; on estimates, groups 1-5 fit the default budget."""
+    matrix = gpu_check.plan(cuda=True, n_gpus=1)
+    assert [v["group"] for v in matrix] == sorted(v["group"] for v in matrix)
+    assert [v["name"] for v in matrix[:7]] == [
+        "default path: --model gpt2, 524,288 tok/step", "AdamW bf16 compiled (the yardstick)",
+        "--optimizer muon bf16 compiled", "--doc-mask FlexAttention compiled", "fp16 + GradScaler eager",
+        "out of memory before step 2 (bf16 compiled)", "bench_compile.py: blocks vs graph vs eager"]
+    args = types.SimpleNamespace(
+        steps=5, recipe_steps=3, seq_len=1024, model_flags=["--model", "gpt2"], peak_tflops=None, cuda=True)
+    default = gpu_check.train_command(matrix[0], args, "D", "O", 64)
+    assert default[1:] == ["train_gpt2.py", "--data-dir", "D", "--out-dir", "O", "--model", "gpt2", "--max-steps", "3",
+                           "--warmup-steps", "2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
+                           "--ckpt-every", "0"]  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
+    assert gpu_check.train_command(matrix[0], args, "D", "O", 64, ref=True)[-7:] == [
+        "--batch-size", "16", "--dtype", "float32", "--no-compile", "--loss-chunk", "0"]  # 32 micro-steps, same rows
+    assert sum(v["est_s"] for v in matrix if v["group"] <= 5) <= 400
+    on_two = gpu_check.plan(cuda=True, n_gpus=2)
+    assert on_two[:len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix):]} == {2}
+
+
+@pytest.fixture(scope="module")
+def without_datasets(tmp_path_factory):
+    """A PYTHONPATH on which `import datasets` fails, as on the lent GPU machine."""
+    path = tmp_path_factory.mktemp("no_datasets")
+    (path / "datasets").mkdir()
+    (path / "datasets" / "__init__.py").write_text("raise ImportError('no datasets here')\n")
+    return str(path)
+
+
+def gpu_check_run(*args, env):
+    """gpu_check.py's CPU subset, a GPU or not (CUDA hidden)."""
+    return subprocess.run([sys.executable, "benchmarks/gpu_check.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env})
+
+
+def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
+    """The CPU subset, in the lease's order, without `datasets`; the report in $OUT."""
+    result = gpu_check_run("--steps", "2", env={"OUT": str(tmp_path), "PYTHONPATH": without_datasets})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = [l for l in result.stdout.splitlines() if "| loss drift" in l]
-    assert len(lines) == 6 and all(" ok " in l and "tok/s" in l and "GiB RSS" in l for l in lines), result.stdout
-    assert any("--batch-size auto" in l and l.endswith("| B=4") for l in lines), result.stdout  # a step's 4 rows fit
-    assert any("x2" in l for l in lines) and any("--activation-checkpointing" in l for l in lines)
-    assert any("--optimizer muon" in l for l in lines)
+    assert [l[:4] for l in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], result.stdout
+    assert all(" ok " in l and "tok/s" in l and "GiB RSS" in l for l in lines), result.stdout
+    assert "--batch-size auto" in lines[0] and "| B=4 |" in lines[0]  # a step's 4 rows fit
+    assert "--optimizer muon" in lines[1] and "--doc-mask" in lines[2] and "--activation-checkpointing" in lines[4]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["finished"] and report["skipped"] == []
+    assert [r["group"] for r in report["rows"]] == [1, 2, 3, 4, 7] and {r["status"] for r in report["rows"]} == {"ok"}
+    assert report["rows"][1]["vs_adamw"].startswith("step ") and "causal attention" in report["rows"][2]["vs_causal"]
+    assert all(c.startswith(sys.executable + " train_gpt2.py --data-dir ") for r in report["rows"] for c in r["commands"])
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    table = [l for l in markdown.splitlines() if re.match(r"\| \d \|", l)]
+    assert [l.split(" | ")[1] for l in table] == [r["name"] for r in report["rows"]]
+    assert f"torch {torch.__version__}" in markdown and "--steps 2" in markdown
+    assert len(os.listdir(tmp_path / "logs")) == 8  # 5 variants, 3 references (AdamW's, Muon's, --doc-mask's)
+
+
+def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
+    result = gpu_check_run("--steps", "2", "--budget-s", "0", "--report", str(tmp_path), env={})
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert [l[:4] for l in result.stdout.splitlines() if "| loss drift" in l] == ["[1] "]
+    assert "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing" \
+        in result.stdout
+    assert "run them on another lease: python benchmarks/gpu_check.py --groups 2,3,4,7" in result.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["group"] for r in report["rows"]] == [1] and len(report["skipped"]) == 4 and report["finished"]
+    assert "Not run (the time budget, or the lease ended first): --optimizer muon;" in \
+        (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_names_a_missing_package_first(tmp_path):
+    (tmp_path / "tiktoken").mkdir()
+    (tmp_path / "tiktoken" / "__init__.py").write_text("raise ImportError('no tiktoken here')\n")
+    result = gpu_check_run(env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2
+    assert result.stdout.splitlines()[0] == "gpu_check: missing tiktoken: pip install tiktoken"
