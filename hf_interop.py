@@ -83,7 +83,7 @@ import torch
 
 from checkpoints import first_nonfinite, latest_checkpoint, load_checkpoint, unwrap_model
 from cli import UserError, exit_code_of
-from fineweb import EOT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
+from fineweb import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
 
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
@@ -300,7 +300,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     with _replacing_folder(out_dir) as new_dir:
         _save_pretrained(hf, new_dir, shown=out_dir)
         if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
-            _save_tokenizer(new_dir, shown=out_dir)
+            _save_tokenizer(new_dir, config.block_size, shown=out_dir)
         _write_json(os.path.join(new_dir, EXPORT_MARK), dict(mark, vocab_size=n_keep), shown=out_dir)
     return out_dir
 
@@ -317,8 +317,8 @@ EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "t
 
 def _write_json(path: str, value: dict, shown: str):
     try:
-        with open(path, "w") as f:
-            json.dump(value, f, indent=2)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=2, ensure_ascii=False)
     except OSError as e:
         raise UserError(f"cannot write the Hugging Face model to {shown}: {os_error_reason(e)}") from e
 
@@ -413,35 +413,68 @@ def _replacing_folder(out_dir: str):
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-EOT_TEXT = "<|endoftext|>"
+# The tokenizer an export carries, written as files rather than through transformers: the same
+# bytes whatever transformers and tokenizers do the export, and loaded by every transformers that
+# requirements-dev.txt allows. Each file in the form the oldest reads: tokenizers 0.20+ writes BPE
+# merges as pairs, which tokenizers 0.19 (transformers 4.40) cannot read, and transformers 5 names
+# the class TokenizersBackend, which 4.x does not have. PreTrainedTokenizerFast exists in both and
+# takes tokenizer.json as it is (5.x's GPT2Tokenizer would rebuild its pre-tokenizer).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
-def gpt2_tokenizer():
-    """GPT-2's tokenizer as a transformers fast tokenizer, built offline from the r50k_base BPE the
-    trainer encodes with (transformers' own TikTokenConverter): its 50257 ids, <|endoftext|> as
-    bos/eos/unk, and <|endoftext|> in text encoded as the special id 50256 (tiktoken's
-    encode_prompt's allowed_special; HF tokenizers always match added tokens in text)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+def _byte_chars() -> list[str]:
+    """Byte-level BPE's printable stand-in for each byte value (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chars[b] for b in range(256)]
+
+
+def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
+    """GPT-2's tokenizer as a transformers fast tokenizer's files (name -> JSON value), built offline
+    from the r50k_base BPE the trainer encodes with: its 50257 ids, tiktoken's split pattern, the
+    merges that give each token from two others (transformers' TikTokenConverter's rule), and
+    <|endoftext|> as bos/eos/unk, matched in text as the special id 50256 (tiktoken's
+    encode_prompt's allowed_special; HF tokenizers always match added tokens in text).
+    model_max_length: the model's block size, which pipeline('text-generation') truncates to."""
     try:
         enc = get_encoding()
     except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint
         raise UserError(str(e)) from None
-    converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=[EOT_TEXT])
-    converter.load_tiktoken_bpe = lambda _url: enc._mergeable_ranks  # the ranks tiktoken already loaded
-    return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), bos_token=EOT_TEXT, eos_token=EOT_TEXT,
-                                   unk_token=EOT_TEXT, model_max_length=1024, clean_up_tokenization_spaces=False)
+    ranks, chars = enc._mergeable_ranks, _byte_chars()
+
+    def text(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+    merges = sorted((rank, ranks[token[:i]], ranks[token[i:]], text(token[:i]), text(token[i:]))
+                    for token, rank in ranks.items() for i in range(1, len(token))
+                    if token[:i] in ranks and token[i:] in ranks)
+    byte_level = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [dict(id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False,
+                              normalized=False, special=True)],
+        "normalizer": None,
+        "pre_tokenizer": dict(type="Sequence", pretokenizers=[
+            dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False),
+            dict(byte_level, add_prefix_space=False, use_regex=False)]),
+        "post_processor": dict(byte_level, trim_offsets=False),
+        "decoder": byte_level,
+        "model": dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
+                      end_of_word_suffix=None, fuse_unk=False, byte_fallback=False, ignore_merges=True,
+                      vocab={text(token): rank for token, rank in ranks.items()},
+                      merges=[f"{left} {right}" for *_, left, right in merges]),  # no token holds a space
+    }
+    specials = dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
+    config = dict(tokenizer_class=TOKENIZER_CLASS, **specials, model_max_length=model_max_length,
+                  clean_up_tokenization_spaces=False)
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": specials}
 
 
-def _save_tokenizer(out_dir: str, shown: str | None = None):
+def _save_tokenizer(out_dir: str, model_max_length: int, shown: str):
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
-    try:
-        with _quiet_transformers():
-            gpt2_tokenizer().save_pretrained(out_dir)
-        with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
-            json.dump({"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}, f, indent=2)
-    except Exception as e:
-        raise UserError(f"cannot write the tokenizer to {shown or out_dir}: {os_error_reason(e)}") from e
+    for name, value in gpt2_tokenizer_files(model_max_length).items():
+        _write_json(os.path.join(out_dir, name), value, shown)
 
 
 def _save_pretrained(hf, out_dir: str, shown: str | None = None):

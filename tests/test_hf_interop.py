@@ -373,53 +373,120 @@ def test_export_of_a_muon_trained_run_has_our_logits(tmp_path):
     torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :50257], atol=1e-5, rtol=0)
 
 
-CLIENT_SCRIPT = r'''
-import glob, json, sys, tiktoken
-from transformers import AutoTokenizer, pipeline
-export, data, repo = sys.argv[1:4]
-enc = tiktoken.get_encoding("r50k_base")
+TRANSFORMERS_CLIENT = r"""
+import json, sys, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+export, texts_file, long_prompt = sys.argv[1:4]
 tok = AutoTokenizer.from_pretrained(export)
-texts = open(f"{data}/tinyshakespeare.txt", encoding="utf-8").read().splitlines()[:8000]
-with open(f"{data}/hellaswag/hellaswag_val.jsonl", encoding="utf-8") as f:
-    for line in list(f)[:1000]:
-        ex = json.loads(line)
-        texts += [ex["ctx"], *ex["endings"]]
-for path in sorted(glob.glob(f"{repo}/*.py")):
-    texts += open(path, encoding="utf-8").read().splitlines()
-texts += ["Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
-          "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
-          "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
-          "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
-texts += [open(p, encoding="utf-8").read() for p in [f"{repo}/README.md", *sorted(glob.glob(f"{repo}/docs/*.md"))]]
-diff = [t for t in texts if tok.encode(t) != enc.encode(t, allowed_special={"<|endoftext|>"})]
+model = AutoModelForCausalLM.from_pretrained(export)
 gen = pipeline("text-generation", model=export, device="cpu")
-out = gen("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]
-print(json.dumps(dict(n=len(texts), chars=sum(map(len, texts)), diff=diff[:3], ndiff=len(diff), vocab=len(tok),
-                      eos=tok.eos_token_id, bos=tok.bos_token_id, unk=tok.unk_token_id, generated=out)))
-'''
+short = gen("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+# a prompt longer than the model's positions: "hole" keeps its end, with room for the new tokens
+long = gen(long_prompt, max_new_tokens=5, do_sample=False, handle_long_generation="hole",
+           return_full_text=False)[0]["generated_text"]
+print(json.dumps(dict(version=transformers.__version__, ids=[tok.encode(t) for t in json.load(open(texts_file))],
+                      vocab=len(tok), special=[tok.bos_token_id, tok.eos_token_id, tok.unk_token_id],
+                      max_length=tok.model_max_length, model=type(model).__name__,
+                      n_positions=model.config.n_positions, short=short, long=long)))
+"""
 
 
-def test_export_tokenizes_like_tiktoken_in_transformers_clients(tmp_path):
-    """AutoTokenizer and pipeline('text-generation') on the export folder alone, offline, as a user runs them."""
-    from conftest import SHARED
-    save_ours(tiny_ours(vocab_size=50304), tmp_path / "ckpt_0000007.pt")
-    out = tmp_path / "hf"
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "ckpt_0000007.pt", out)
+def reference_encoding():
+    """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not fineweb's
+    parser of it), with tiktoken's r50k pattern and <|endoftext|> = 50256; never the network."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str
+    from fineweb import BPE_SHA256
+    ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
+    return tiktoken.Encoding("r50k_base_reference", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def parity_texts():
+    """Lines and whole files of the repository's sources and docs, with unicode, whitespace runs
+    and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
+    import glob
+    files = sorted(glob.glob(f"{REPO}/*.py") + glob.glob(f"{REPO}/tests/*.py") + glob.glob(f"{REPO}/benchmarks/*.py")
+                   + glob.glob(f"{REPO}/docs/*.md") + [f"{REPO}/README.md"])
+    whole = [open(path, encoding="utf-8").read() for path in files]
+    return [line for text in whole for line in text.splitlines()] + whole + [
+        "Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
+        "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
+        "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
+        "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
+
+
+def greedy(model, ids, n):
+    """Our model's n greedy tokens after ids (over the 50257 real ids), up to <|endoftext|>."""
+    ids = list(ids)
+    for _ in range(n):
+        token = int(logits_of(model, torch.tensor([ids]))[0, -1, :50257].argmax())
+        if token == 50256:
+            break
+        ids.append(token)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def exported_for_clients(tmp_path_factory):
+    """A tiny model of ours (32 positions) exported by the real command, with the texts to encode."""
+    tmp = tmp_path_factory.mktemp("clients")
+    save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt")
+    out = tmp / "hf"
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp / "ckpt_0000007.pt", out)
     assert proc.returncode == 0, proc.stderr
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", hf_interop.EXPORT_MARK} == (
-        {p.name for p in out.iterdir()} - {"config.json", "generation_config.json", "model.safetensors"})
-    # the reference is tiktoken's own r50k_base (its cached download in ../shared), not our copy in bpe/
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")}
-    proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, str(out), str(SHARED / "data"), REPO],
+    texts = parity_texts()
+    (tmp / "texts.json").write_text(__import__("json").dumps(texts))
+    return out, tmp / "texts.json", texts
+
+
+def oldest_transformers() -> str:
+    """The oldest transformers requirements-dev.txt allows (its `transformers>=X`)."""
+    import re
+    return re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
+
+
+@pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
+def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(exported_for_clients, transformers_release):
+    """AutoTokenizer, AutoModelForCausalLM and pipeline('text-generation') on the export folder
+    alone, offline, as a user runs them: with the transformers installed (the newest 5.x in CI)
+    and with the oldest requirements-dev.txt allows, which .ci/run installs into the folder
+    OLDEST_TRANSFORMERS_DIR (put first on PYTHONPATH; torch and the rest are this environment's)."""
+    import json
+    from packaging.version import Version
+    out, texts_file, texts = exported_for_clients
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if transformers_release == "oldest allowed":
+        oldest_dir = os.environ.get("OLDEST_TRANSFORMERS_DIR")
+        if not oldest_dir or not os.path.isdir(oldest_dir):
+            pytest.skip("OLDEST_TRANSFORMERS_DIR is not set to a folder holding the oldest transformers "
+                        "(.ci/run installs it)")
+        env["PYTHONPATH"] = os.pathsep.join([oldest_dir, *filter(None, [env.get("PYTHONPATH")])])
+    long_prompt = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()[:400]
+    proc = subprocess.run([sys.executable, "-c", TRANSFORMERS_CLIENT, str(out), str(texts_file), long_prompt],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
-    r = __import__("json").loads(proc.stdout.splitlines()[-1])
-    print("tokenizer parity:", r["n"], "strings,", r["chars"], "chars,", r["ndiff"], "differences")
-    assert r["n"] > 10000 and r["chars"] > 300_000
-    assert (r["ndiff"], r["diff"]) == (0, [])
-    assert (r["vocab"], r["eos"], r["bos"], r["unk"]) == (50257, 50256, 50256, 50256)
-    assert r["generated"].startswith("Hello world") and len(r["generated"]) > len("Hello world")
+    r = json.loads(proc.stdout.splitlines()[-1])
+    import transformers
+    assert Version(r["version"]) == Version(transformers.__version__ if transformers_release == "installed"
+                                            else oldest_transformers())
+    enc = reference_encoding()
+    want = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]
+    diff = [t for t, a, b in zip(texts, want, r["ids"]) if a != b]
+    print(f"transformers {r['version']}: tokenizer parity on {len(texts)} strings, {sum(map(len, texts))} chars, "
+          f"{len(diff)} differences")
+    assert len(texts) > 10000 and sum(map(len, texts)) > 300_000
+    assert (len(diff), diff[:3]) == (0, [])
+    assert (r["vocab"], r["special"], r["model"]) == (50257, [50256] * 3, "GPT2LMHeadModel")
+    assert r["max_length"] == r["n_positions"] == 32  # the model's block size
+    ours = tiny_ours(vocab_size=50304)
+    hello = enc.encode("Hello world")
+    assert r["short"] == "Hello world" + enc.decode(greedy(ours, hello, 5)[len(hello):])
+    prompt = enc.encode(long_prompt)
+    assert len(prompt) > 32
+    kept = prompt[-(32 - 5):]  # the end of the prompt, with room for 5 new tokens in 32 positions
+    assert r["long"] == enc.decode(greedy(ours, kept, 5)[len(kept):])
 
 
 def folder_bytes(path):
