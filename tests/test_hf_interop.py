@@ -548,8 +548,9 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
     for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
         assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
         mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
-        assert mark == dict(written_by="gpt2-trainer hf_interop.py export", mark_version=1, checkpoint=ckpt, step=7,
-                            checksum=checkpoints.load_checkpoint(ckpt)["checksum"], vocab_size=100)
+        assert mark == dict(written_by="gpt2-trainer hf_interop.py export", mark_version=2, checkpoint=ckpt, step=7,
+                            checksum=checkpoints.load_checkpoint(ckpt)["checksum"], vocab_size=100,
+                            files=mark["files"])
     capsys.readouterr()
     (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
     before = folder_bytes(tmp_path / "missing")
@@ -583,3 +584,121 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
 
 def is_whole(folder) -> bool:
     return folder.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(folder))
+
+
+EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]
+
+
+def changed_since(out, changes):
+    return (f"error: {out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
+            f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
+            "into a new or empty folder\n")
+
+
+def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, capsys):
+    """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
+    user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
+    import json
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
+    out = tmp_path / "hf"
+    assert run_cli(*EXPORT, ckpt, out).returncode == 0
+    mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
+    assert mark["files"] == {p.name: __import__("hashlib").sha256(p.read_bytes()).hexdigest()
+                             for p in out.iterdir() if p.name != hf_interop.EXPORT_MARK}
+    assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
+    tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
+    before = folder_bytes(out)
+    proc = run_cli(*EXPORT, ckpt, out)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", changed_since(out, "config.json changed, model.safetensors changed"))
+    assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
+
+    # the other ways a folder differs from its mark, in-process (the same code path)
+    shutil_rmtree = __import__("shutil").rmtree
+    for change, expected in [("missing", "generation_config.json missing"),
+                             ("older mark", "its mark lists no files: an older hf_interop.py wrote it")]:
+        shutil_rmtree(out)
+        assert hf_interop.main(["export", ckpt, str(out)]) == 0
+        if change == "missing":
+            (out / "generation_config.json").unlink()
+        else:
+            (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
+        before = folder_bytes(out)
+        capsys.readouterr()
+        assert hf_interop.main(["export", ckpt, str(out)]) == 2
+        assert capsys.readouterr().err == changed_since(out, expected)
+        assert folder_bytes(out) == before
+
+
+def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
+    """kill -9 while an export writes leaves its hidden partial folder (and the earlier export
+    whole); the next export to the same folder removes it, as no live process holds its lock, and
+    leaves one that a live process holds."""
+    import fcntl
+    import time
+    first, second = (save_ours(tiny_ours(vocab_size=50304, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    out = tmp_path / "hf"
+    assert run_cli(*EXPORT, first, out).returncode == 0
+    before = folder_bytes(out)
+    killed = None
+    for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
+        proc = subprocess.Popen([sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while proc.poll() is None and killed is None:
+            killed = next((p for p in tmp_path.iterdir() if p.name.startswith(".hf.export-")), None)
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait()
+        if killed:
+            break
+    assert killed is not None and killed.is_dir()
+    assert folder_bytes(out) == before  # the earlier export, whole
+    live = tmp_path / ".hf.export-live0000"  # a partial folder of an export still running
+    live.mkdir()
+    (live / "config.json").write_text("{}")
+    lock = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_cli(*EXPORT, second, out)
+    finally:
+        os.close(lock)
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {killed}, the partial folder of an export that was killed\n" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.export-live0000", "ckpt_0000001.pt",
+                                                          "ckpt_0000002.pt", "hf"]
+    assert (live / "config.json").read_text() == "{}"
+    idx = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
+                               logits_of(tiny_ours(vocab_size=50304, seed=2), idx)[..., :50257], atol=1e-5, rtol=0)
+
+
+def in_mount_namespace(folder, *command):
+    """command in a mount namespace of its own where folder is a mount point (a bind mount onto
+    itself: rename and renameat2 refuse it with EBUSY, as a docker or Kubernetes volume)."""
+    return subprocess.run(["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && exec "$@"', str(folder),
+                           *map(str, command)], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
+    """A mount point cannot be renamed over (EBUSY): the export is written inside it and its files
+    are moved in one by one; over an earlier export there too, and a changed one is refused."""
+    import shutil
+    if shutil.which("unshare") is None or in_mount_namespace(tmp_path, "true").returncode != 0:
+        pytest.skip("needs unshare --mount and mount --bind (root)")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    first, second = (save_ours(tiny_ours(vocab_size=100, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    idx = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(3))
+    for ckpt, seed in ((first, 1), (second, 2)):  # into the empty mount point, then over the export there
+        proc = in_mount_namespace(volume, sys.executable, *EXPORT, ckpt, volume)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(os.listdir(volume)) == ["config.json", "generation_config.json", hf_interop.EXPORT_MARK,
+                                              "model.safetensors"]
+        torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(volume).eval(), idx),
+                                   logits_of(tiny_ours(vocab_size=100, seed=seed), idx), atol=1e-5, rtol=0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "volume"]
+    tiny_hf(vocab_size=100).save_pretrained(volume)
+    before = folder_bytes(volume)
+    proc = in_mount_namespace(volume, sys.executable, *EXPORT, first, volume)
+    assert (proc.returncode, proc.stderr) == (2, changed_since(volume, "config.json changed, model.safetensors changed"))
+    assert folder_bytes(volume) == before
