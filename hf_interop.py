@@ -32,8 +32,11 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -83,7 +86,7 @@ import torch
 
 from checkpoints import first_nonfinite, latest_checkpoint, load_checkpoint, unwrap_model
 from cli import UserError, exit_code_of
-from fineweb import EOT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
+from fineweb import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
 
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
@@ -259,8 +262,10 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     source: one of our checkpoints (a ckpt file, or a run's folder for its newest), or a GPT
     (DDP / torch.compile wrappers are fine). vocab_size: rows to keep; default GPT-2's 50257
     when ours is at least that (the padded rows are dropped), else ours as it is. Beside the model
-    goes EXPORT_MARK (the source checkpoint, its step and checksum): only a folder holding it, or an
-    empty one, is replaced by a later export. Returns out_dir."""
+    goes EXPORT_MARK (the source checkpoint, its step and checksum, and each file's sha256): only a
+    folder that is still exactly what an export wrote, or an empty one, is replaced by a later
+    export. Returns out_dir."""
+    _remove_dead_partials(out_dir)
     _check_replaceable(out_dir)  # before any work: a refusal changes nothing
     mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)
     if isinstance(source, (str, os.PathLike)):
@@ -300,50 +305,169 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     with _replacing_folder(out_dir) as new_dir:
         _save_pretrained(hf, new_dir, shown=out_dir)
         if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
-            _save_tokenizer(new_dir, shown=out_dir)
-        _write_json(os.path.join(new_dir, EXPORT_MARK), dict(mark, vocab_size=n_keep), shown=out_dir)
+            _save_tokenizer(new_dir, config.block_size, shown=out_dir)
+        files = {name: _file_sha256(os.path.join(new_dir, name)) for name in sorted(os.listdir(new_dir))}
+        _write_json(os.path.join(new_dir, EXPORT_MARK), dict(mark, vocab_size=n_keep, files=files), shown=out_dir)
+        _check_replaceable(out_dir)  # again, for what changed there while this export was written
     return out_dir
 
 
-# The mark of an export: a folder that holds it (and only an export's files) was written by this
-# command and may be replaced by the next export; any other non-empty folder (a save_pretrained of
-# the user's own model looks the same otherwise) is left as it is. transformers, AutoTokenizer,
-# pipeline and lm-eval read only the files they know, so one more JSON file goes unnoticed.
+# The mark of an export: a folder that holds it, with each file it lists unchanged and nothing
+# added, was written by this command and may be replaced by the next export; any other non-empty
+# folder is left as it is: a save_pretrained of the user's own model looks like an export (the same
+# file names), also one saved over an earlier export, where the mark survives, but its files are no
+# longer the ones the mark lists. transformers, AutoTokenizer, pipeline and lm-eval read only the
+# files they know, so one more JSON file goes unnoticed.
 EXPORT_MARK = "gpt2_trainer_export.json"
-MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 1
-EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", EXPORT_MARK}
+MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 2
 
 
 def _write_json(path: str, value: dict, shown: str):
     try:
-        with open(path, "w") as f:
-            json.dump(value, f, indent=2)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=2, ensure_ascii=False)
     except OSError as e:
         raise UserError(f"cannot write the Hugging Face model to {shown}: {os_error_reason(e)}") from e
 
 
-def _is_marked_export(folder: str) -> bool:
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_mark(folder: str) -> dict | None:
     with contextlib.suppress(OSError, ValueError):
         with open(os.path.join(folder, EXPORT_MARK)) as f:
             mark = json.load(f)
-        return isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER
-    return False
+        if isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER:
+            return mark
+    return None
+
+
+def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
+    """What differs in folder from the files its mark lists ('model.safetensors changed, notes.txt
+    added'), or None when it is as the export wrote it."""
+    files = mark.get("files")
+    if not isinstance(files, dict):
+        return "its mark lists no files: an older hf_interop.py wrote it"
+    names = names - {EXPORT_MARK}
+    changes = [f"{name} added" for name in sorted(names - files.keys())]
+    changes += [f"{name} missing" for name in sorted(files.keys() - names)]
+    for name in sorted(names & files.keys()):
+        try:
+            same = os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
+        except OSError as e:
+            raise UserError(f"cannot read {os.path.join(folder, name)}: {os_error_reason(e)}") from e
+        if not same:
+            changes.append(f"{name} changed")
+    return ", ".join(changes[:3]) + (f", ... ({len(changes)} in all)" if len(changes) > 3 else "") or None
 
 
 def _check_replaceable(out_dir: str):
     """Refuse an out_dir that an export may not replace: a file, or a folder that is neither empty
-    nor an export this command marked (with nothing of the user's added to it)."""
+    nor, file for file, an export this command wrote."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} exists and is not a directory")
-    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    if names and not _is_marked_export(out_dir):
+    target = os.path.realpath(out_dir)  # a mount point's holds the partial folders of exports to it
+    names = {name for name in os.listdir(out_dir) if not _is_partial(target, name)} if os.path.isdir(out_dir) else set()
+    if not names:
+        return
+    mark = _read_mark(out_dir)
+    if mark is None:
         raise UserError(f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
                         "so it may hold a model of your own and is left as it is: export into a new or empty folder")
-    others = sorted(names - EXPORT_FILES)
-    if others:
-        raise UserError(f"{out_dir} holds files that are not a Hugging Face export ({', '.join(others[:3])}); "
-                        "export into a new or empty folder")
+    changes = _changes_since_export(out_dir, names, mark)
+    if changes:
+        raise UserError(f"{out_dir} has changed since hf_interop.py exported it ({changes}), so it may hold a model "
+                        "of your own and is left as it is: to replace it on purpose, delete what it holds first "
+                        f"(rm -r {out_dir}), or export into a new or empty folder")
+
+
+# A partial export: the folder an export writes before it is swapped in, beside the target (inside
+# it for a mount point), named .NAME.export-XXXXXXXX (mkdtemp's 8 characters), and locked (flock)
+# by the writing process while it lives. kill -9 or a power cut leaves it, with up to gigabytes of
+# weights; the next export to NAME removes each one whose lock it can take: its writer is dead.
+# Where the file system has no flock, no lock can be taken, and partial folders are left as they are.
+def _partial_prefix(target: str) -> str:
+    return f".{os.path.basename(target)}.export-"
+
+
+def _is_partial(target: str, name: str) -> bool:
+    """Whether name is that of a partial folder of an export to target (or of an earlier export
+    set aside there by the swap without renameat2)."""
+    return re.fullmatch(re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name) is not None
+
+
+def _partial_folders(target: str) -> list[str]:
+    """The partial folders of exports to target, beside it and inside it."""
+    found = []
+    for folder in (os.path.dirname(target), target):
+        with contextlib.suppress(OSError):
+            found += [os.path.join(folder, name) for name in os.listdir(folder) if _is_partial(target, name)]
+    return [path for path in found if os.path.isdir(path) and not os.path.islink(path)]
+
+
+def _lock(folder: str) -> int | None:
+    """An open descriptor of folder holding its exclusive flock (released when this process dies);
+    None where another process holds it, or the folder or the file system does not allow it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def _remove_dead_partials(out_dir: str):
+    for path in _partial_folders(os.path.realpath(out_dir)):
+        fd = _lock(path)
+        if fd is not None:
+            try:
+                shutil.rmtree(path)
+                print(f"removed {path}, the partial folder of an export that was killed", file=sys.stderr)
+            except OSError:
+                pass  # another export removing it too, or a folder we may not delete: left as it is
+            finally:
+                os.close(fd)
+
+
+def _new_partial(folder: str, target: str) -> tuple[str, int | None]:
+    """A new partial folder in folder for an export to target, and the descriptor holding its lock
+    (None where the file system has no flock). Another export's _remove_dead_partials may take a
+    folder in the instant between its mkdtemp and its lock: then it is made anew."""
+    for _ in range(10):
+        path = tempfile.mkdtemp(prefix=_partial_prefix(target), dir=folder)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return path, fd
+        except (BlockingIOError, FileNotFoundError):  # taken by another export's cleaning
+            pass
+        except OSError:  # no flock here: nothing can take it either
+            return path, fd
+        os.close(fd)
+    raise OSError(errno.EBUSY, "other exports to the same folder keep removing this one's partial folder")
+
+
+def _is_mount_point(path: str) -> bool:
+    """Whether path is a mount point, which rename and renameat2 refuse (EBUSY): also a bind mount
+    within one file system (a docker or Kubernetes volume), which os.path.ismount misses, from
+    /proc/self/mountinfo (Linux; its fifth field, with octal escapes such as \\040 for a space)."""
+    if os.path.ismount(path):
+        return True
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mountinfo", "rb") as f:
+            points = {re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split()[4]) for line in f}
+        return os.fsencode(path) in points
+    return False
 
 
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
@@ -368,32 +492,40 @@ def _exchange(a: str, b: str) -> bool:
 
 @contextlib.contextmanager
 def _replacing_folder(out_dir: str):
-    """A new temporary folder beside out_dir to write the export into, swapped in for out_dir only
-    once every file is written: a failed write leaves an earlier export as it was (a new config.json
-    beside old weights loads silently with random layers), and no temporary folder behind. out_dir
-    has passed _check_replaceable: it is missing, empty, or an earlier export.
+    """A new partial folder to write the export into, swapped in for out_dir only once every file
+    is written: a failed write leaves an earlier export as it was (a new config.json beside old
+    weights loads silently with random layers), and no partial folder behind. out_dir has passed
+    _check_replaceable: it is missing, empty, or an earlier export.
 
     The swap: over a missing or empty folder one rename; over an earlier export one exchange of the
     two folders (renameat2), so that out_dir always names a whole export, old or new, for a reader
-    loading it meanwhile; the old one is then deleted under the temporary name. Without the exchange,
-    two renames (the old export aside, the new one in) leave out_dir missing for that moment. A
-    symbolic link is followed: the folder it points to is replaced, the link stays."""
+    loading it meanwhile; the old one is then deleted under the partial folder's name. Without the
+    exchange, two renames (the old export aside, the new one in) leave out_dir missing for that
+    moment. A symbolic link is followed: the folder it points to is replaced, the link stays.
+    A mount point cannot be renamed (EBUSY): the export is written in a partial folder inside it
+    and its files are moved in one by one (_move_files_in)."""
     target = os.path.realpath(out_dir)
-    parent, name = os.path.split(target)
+    in_place = os.path.isdir(target) and _is_mount_point(target)
+    locks = []
     try:
-        new_dir = tempfile.mkdtemp(prefix=f".{name}.export-", dir=parent)
+        new_dir, lock = _new_partial(target if in_place else os.path.dirname(target), target)
     except OSError as e:
         raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
+    locks.append(lock)
     old_dir = None
     try:
         yield new_dir
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
-        if os.path.isdir(target) and os.listdir(target):
+        if in_place:
+            _move_files_in(new_dir, target)
+            new_dir = None
+        elif os.path.isdir(target) and os.listdir(target):
             if _exchange(new_dir, target):
                 new_dir, old_dir = None, new_dir  # which now holds the earlier export
             else:
+                locks.append(_lock(target))  # the earlier export, aside for a moment: no one else's to remove
                 old_dir = new_dir + ".old"
                 os.rename(target, old_dir)
         if new_dir:
@@ -404,44 +536,98 @@ def _replacing_folder(out_dir: str):
                     os.rename(old_dir, target)
                     old_dir = None
                 raise
-        new_dir = None
+            new_dir = None
     except OSError as e:
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
+        busy = " (a mount point cannot be renamed: export into a folder inside it)" if e.errno == errno.EBUSY else ""
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}{busy}") from e
     finally:
         for leftover in (new_dir, old_dir):
             if leftover:
                 shutil.rmtree(leftover, ignore_errors=True)
+        for fd in locks:
+            if fd is not None:
+                os.close(fd)
 
 
-EOT_TEXT = "<|endoftext|>"
+def _move_files_in(new_dir: str, target: str):
+    """Move the export in new_dir into target (a mount point, holding nothing or an earlier export)
+    file by file, each one whole (a rename within target's file system). The earlier mark goes
+    first and the new one last: a process killed in between leaves a folder that no later export
+    takes for its own (one line asks to empty it), never a mark over files it did not write."""
+    earlier = {name for name in os.listdir(target) if not _is_partial(target, name)}
+    if EXPORT_MARK in earlier:
+        os.remove(os.path.join(target, EXPORT_MARK))
+    names = sorted(set(os.listdir(new_dir)) - {EXPORT_MARK})
+    for name in names:
+        os.replace(os.path.join(new_dir, name), os.path.join(target, name))
+    for name in earlier - set(names) - {EXPORT_MARK}:  # an earlier export's file this one lacks (its tokenizer)
+        os.remove(os.path.join(target, name))
+    os.replace(os.path.join(new_dir, EXPORT_MARK), os.path.join(target, EXPORT_MARK))
+    os.rmdir(new_dir)
 
 
-def gpt2_tokenizer():
-    """GPT-2's tokenizer as a transformers fast tokenizer, built offline from the r50k_base BPE the
-    trainer encodes with (transformers' own TikTokenConverter): its 50257 ids, <|endoftext|> as
-    bos/eos/unk, and <|endoftext|> in text encoded as the special id 50256 (tiktoken's
-    encode_prompt's allowed_special; HF tokenizers always match added tokens in text)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+# The tokenizer an export carries, written as files rather than through transformers: the same
+# bytes whatever transformers and tokenizers do the export, and loaded by every transformers that
+# requirements-dev.txt allows. Each file in the form the oldest reads: tokenizers 0.20+ writes BPE
+# merges as pairs, which tokenizers 0.19 (transformers 4.40) cannot read, and transformers 5 names
+# the class TokenizersBackend, which 4.x does not have. PreTrainedTokenizerFast exists in both and
+# takes tokenizer.json as it is (5.x's GPT2Tokenizer would rebuild its pre-tokenizer).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def _byte_chars() -> list[str]:
+    """Byte-level BPE's printable stand-in for each byte value (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chars[b] for b in range(256)]
+
+
+def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
+    """GPT-2's tokenizer as a transformers fast tokenizer's files (name -> JSON value), built offline
+    from the r50k_base BPE the trainer encodes with: its 50257 ids, tiktoken's split pattern, the
+    merges that give each token from two others (transformers' TikTokenConverter's rule), and
+    <|endoftext|> as bos/eos/unk, matched in text as the special id 50256 (tiktoken's
+    encode_prompt's allowed_special; HF tokenizers always match added tokens in text).
+    model_max_length: the model's block size, which pipeline('text-generation') truncates to."""
     try:
         enc = get_encoding()
     except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint
         raise UserError(str(e)) from None
-    converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=[EOT_TEXT])
-    converter.load_tiktoken_bpe = lambda _url: enc._mergeable_ranks  # the ranks tiktoken already loaded
-    return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), bos_token=EOT_TEXT, eos_token=EOT_TEXT,
-                                   unk_token=EOT_TEXT, model_max_length=1024, clean_up_tokenization_spaces=False)
+    ranks, chars = enc._mergeable_ranks, _byte_chars()
+
+    def text(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+    merges = sorted((rank, ranks[token[:i]], ranks[token[i:]], text(token[:i]), text(token[i:]))
+                    for token, rank in ranks.items() for i in range(1, len(token))
+                    if token[:i] in ranks and token[i:] in ranks)
+    byte_level = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [dict(id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False,
+                              normalized=False, special=True)],
+        "normalizer": None,
+        "pre_tokenizer": dict(type="Sequence", pretokenizers=[
+            dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False),
+            dict(byte_level, add_prefix_space=False, use_regex=False)]),
+        "post_processor": dict(byte_level, trim_offsets=False),
+        "decoder": byte_level,
+        "model": dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
+                      end_of_word_suffix=None, fuse_unk=False, byte_fallback=False, ignore_merges=True,
+                      vocab={text(token): rank for token, rank in ranks.items()},
+                      merges=[f"{left} {right}" for *_, left, right in merges]),  # no token holds a space
+    }
+    specials = dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
+    config = dict(tokenizer_class=TOKENIZER_CLASS, **specials, model_max_length=model_max_length,
+                  clean_up_tokenization_spaces=False)
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": specials}
 
 
-def _save_tokenizer(out_dir: str, shown: str | None = None):
+def _save_tokenizer(out_dir: str, model_max_length: int, shown: str):
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
-    try:
-        with _quiet_transformers():
-            gpt2_tokenizer().save_pretrained(out_dir)
-        with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
-            json.dump({"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}, f, indent=2)
-    except Exception as e:
-        raise UserError(f"cannot write the tokenizer to {shown or out_dir}: {os_error_reason(e)}") from e
+    for name, value in gpt2_tokenizer_files(model_max_length).items():
+        _write_json(os.path.join(out_dir, name), value, shown)
 
 
 def _save_pretrained(hf, out_dir: str, shown: str | None = None):

@@ -373,53 +373,120 @@ def test_export_of_a_muon_trained_run_has_our_logits(tmp_path):
     torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :50257], atol=1e-5, rtol=0)
 
 
-CLIENT_SCRIPT = r'''
-import glob, json, sys, tiktoken
-from transformers import AutoTokenizer, pipeline
-export, data, repo = sys.argv[1:4]
-enc = tiktoken.get_encoding("r50k_base")
+TRANSFORMERS_CLIENT = r"""
+import json, sys, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+export, texts_file, long_prompt = sys.argv[1:4]
 tok = AutoTokenizer.from_pretrained(export)
-texts = open(f"{data}/tinyshakespeare.txt", encoding="utf-8").read().splitlines()[:8000]
-with open(f"{data}/hellaswag/hellaswag_val.jsonl", encoding="utf-8") as f:
-    for line in list(f)[:1000]:
-        ex = json.loads(line)
-        texts += [ex["ctx"], *ex["endings"]]
-for path in sorted(glob.glob(f"{repo}/*.py")):
-    texts += open(path, encoding="utf-8").read().splitlines()
-texts += ["Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
-          "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
-          "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
-          "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
-texts += [open(p, encoding="utf-8").read() for p in [f"{repo}/README.md", *sorted(glob.glob(f"{repo}/docs/*.md"))]]
-diff = [t for t in texts if tok.encode(t) != enc.encode(t, allowed_special={"<|endoftext|>"})]
+model = AutoModelForCausalLM.from_pretrained(export)
 gen = pipeline("text-generation", model=export, device="cpu")
-out = gen("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]
-print(json.dumps(dict(n=len(texts), chars=sum(map(len, texts)), diff=diff[:3], ndiff=len(diff), vocab=len(tok),
-                      eos=tok.eos_token_id, bos=tok.bos_token_id, unk=tok.unk_token_id, generated=out)))
-'''
+short = gen("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+# a prompt longer than the model's positions: "hole" keeps its end, with room for the new tokens
+long = gen(long_prompt, max_new_tokens=5, do_sample=False, handle_long_generation="hole",
+           return_full_text=False)[0]["generated_text"]
+print(json.dumps(dict(version=transformers.__version__, ids=[tok.encode(t) for t in json.load(open(texts_file))],
+                      vocab=len(tok), special=[tok.bos_token_id, tok.eos_token_id, tok.unk_token_id],
+                      max_length=tok.model_max_length, model=type(model).__name__,
+                      n_positions=model.config.n_positions, short=short, long=long)))
+"""
 
 
-def test_export_tokenizes_like_tiktoken_in_transformers_clients(tmp_path):
-    """AutoTokenizer and pipeline('text-generation') on the export folder alone, offline, as a user runs them."""
-    from conftest import SHARED
-    save_ours(tiny_ours(vocab_size=50304), tmp_path / "ckpt_0000007.pt")
-    out = tmp_path / "hf"
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "ckpt_0000007.pt", out)
+def reference_encoding():
+    """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not fineweb's
+    parser of it), with tiktoken's r50k pattern and <|endoftext|> = 50256; never the network."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str
+    from fineweb import BPE_SHA256
+    ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
+    return tiktoken.Encoding("r50k_base_reference", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def parity_texts():
+    """Lines and whole files of the repository's sources and docs, with unicode, whitespace runs
+    and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
+    import glob
+    files = sorted(glob.glob(f"{REPO}/*.py") + glob.glob(f"{REPO}/tests/*.py") + glob.glob(f"{REPO}/benchmarks/*.py")
+                   + glob.glob(f"{REPO}/docs/*.md") + [f"{REPO}/README.md"])
+    whole = [open(path, encoding="utf-8").read() for path in files]
+    return [line for text in whole for line in text.splitlines()] + whole + [
+        "Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
+        "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
+        "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
+        "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
+
+
+def greedy(model, ids, n):
+    """Our model's n greedy tokens after ids (over the 50257 real ids), up to <|endoftext|>."""
+    ids = list(ids)
+    for _ in range(n):
+        token = int(logits_of(model, torch.tensor([ids]))[0, -1, :50257].argmax())
+        if token == 50256:
+            break
+        ids.append(token)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def exported_for_clients(tmp_path_factory):
+    """A tiny model of ours (32 positions) exported by the real command, with the texts to encode."""
+    tmp = tmp_path_factory.mktemp("clients")
+    save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt")
+    out = tmp / "hf"
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp / "ckpt_0000007.pt", out)
     assert proc.returncode == 0, proc.stderr
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", hf_interop.EXPORT_MARK} == (
-        {p.name for p in out.iterdir()} - {"config.json", "generation_config.json", "model.safetensors"})
-    # the reference is tiktoken's own r50k_base (its cached download in ../shared), not our copy in bpe/
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")}
-    proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, str(out), str(SHARED / "data"), REPO],
+    texts = parity_texts()
+    (tmp / "texts.json").write_text(__import__("json").dumps(texts))
+    return out, tmp / "texts.json", texts
+
+
+def oldest_transformers() -> str:
+    """The oldest transformers requirements-dev.txt allows (its `transformers>=X`)."""
+    import re
+    return re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
+
+
+@pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
+def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(exported_for_clients, transformers_release):
+    """AutoTokenizer, AutoModelForCausalLM and pipeline('text-generation') on the export folder
+    alone, offline, as a user runs them: with the transformers installed (the newest 5.x in CI)
+    and with the oldest requirements-dev.txt allows, which .ci/run installs into the folder
+    OLDEST_TRANSFORMERS_DIR (put first on PYTHONPATH; torch and the rest are this environment's)."""
+    import json
+    from packaging.version import Version
+    out, texts_file, texts = exported_for_clients
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if transformers_release == "oldest allowed":
+        oldest_dir = os.environ.get("OLDEST_TRANSFORMERS_DIR")
+        if not oldest_dir or not os.path.isdir(oldest_dir):
+            pytest.skip("OLDEST_TRANSFORMERS_DIR is not set to a folder holding the oldest transformers "
+                        "(.ci/run installs it)")
+        env["PYTHONPATH"] = os.pathsep.join([oldest_dir, *filter(None, [env.get("PYTHONPATH")])])
+    long_prompt = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()[:400]
+    proc = subprocess.run([sys.executable, "-c", TRANSFORMERS_CLIENT, str(out), str(texts_file), long_prompt],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
-    r = __import__("json").loads(proc.stdout.splitlines()[-1])
-    print("tokenizer parity:", r["n"], "strings,", r["chars"], "chars,", r["ndiff"], "differences")
-    assert r["n"] > 10000 and r["chars"] > 300_000
-    assert (r["ndiff"], r["diff"]) == (0, [])
-    assert (r["vocab"], r["eos"], r["bos"], r["unk"]) == (50257, 50256, 50256, 50256)
-    assert r["generated"].startswith("Hello world") and len(r["generated"]) > len("Hello world")
+    r = json.loads(proc.stdout.splitlines()[-1])
+    import transformers
+    assert Version(r["version"]) == Version(transformers.__version__ if transformers_release == "installed"
+                                            else oldest_transformers())
+    enc = reference_encoding()
+    want = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]
+    diff = [t for t, a, b in zip(texts, want, r["ids"]) if a != b]
+    print(f"transformers {r['version']}: tokenizer parity on {len(texts)} strings, {sum(map(len, texts))} chars, "
+          f"{len(diff)} differences")
+    assert len(texts) > 10000 and sum(map(len, texts)) > 300_000
+    assert (len(diff), diff[:3]) == (0, [])
+    assert (r["vocab"], r["special"], r["model"]) == (50257, [50256] * 3, "GPT2LMHeadModel")
+    assert r["max_length"] == r["n_positions"] == 32  # the model's block size
+    ours = tiny_ours(vocab_size=50304)
+    hello = enc.encode("Hello world")
+    assert r["short"] == "Hello world" + enc.decode(greedy(ours, hello, 5)[len(hello):])
+    prompt = enc.encode(long_prompt)
+    assert len(prompt) > 32
+    kept = prompt[-(32 - 5):]  # the end of the prompt, with room for 5 new tokens in 32 positions
+    assert r["long"] == enc.decode(greedy(ours, kept, 5)[len(kept):])
 
 
 def folder_bytes(path):
@@ -481,8 +548,9 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
     for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
         assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
         mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
-        assert mark == dict(written_by="gpt2-trainer hf_interop.py export", mark_version=1, checkpoint=ckpt, step=7,
-                            checksum=checkpoints.load_checkpoint(ckpt)["checksum"], vocab_size=100)
+        assert mark == dict(written_by="gpt2-trainer hf_interop.py export", mark_version=2, checkpoint=ckpt, step=7,
+                            checksum=checkpoints.load_checkpoint(ckpt)["checksum"], vocab_size=100,
+                            files=mark["files"])
     capsys.readouterr()
     (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
     before = folder_bytes(tmp_path / "missing")
@@ -516,3 +584,121 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
 
 def is_whole(folder) -> bool:
     return folder.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(folder))
+
+
+EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]
+
+
+def changed_since(out, changes):
+    return (f"error: {out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
+            f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
+            "into a new or empty folder\n")
+
+
+def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, capsys):
+    """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
+    user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
+    import json
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
+    out = tmp_path / "hf"
+    assert run_cli(*EXPORT, ckpt, out).returncode == 0
+    mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
+    assert mark["files"] == {p.name: __import__("hashlib").sha256(p.read_bytes()).hexdigest()
+                             for p in out.iterdir() if p.name != hf_interop.EXPORT_MARK}
+    assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
+    tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
+    before = folder_bytes(out)
+    proc = run_cli(*EXPORT, ckpt, out)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", changed_since(out, "config.json changed, model.safetensors changed"))
+    assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
+
+    # the other ways a folder differs from its mark, in-process (the same code path)
+    shutil_rmtree = __import__("shutil").rmtree
+    for change, expected in [("missing", "generation_config.json missing"),
+                             ("older mark", "its mark lists no files: an older hf_interop.py wrote it")]:
+        shutil_rmtree(out)
+        assert hf_interop.main(["export", ckpt, str(out)]) == 0
+        if change == "missing":
+            (out / "generation_config.json").unlink()
+        else:
+            (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
+        before = folder_bytes(out)
+        capsys.readouterr()
+        assert hf_interop.main(["export", ckpt, str(out)]) == 2
+        assert capsys.readouterr().err == changed_since(out, expected)
+        assert folder_bytes(out) == before
+
+
+def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
+    """kill -9 while an export writes leaves its hidden partial folder (and the earlier export
+    whole); the next export to the same folder removes it, as no live process holds its lock, and
+    leaves one that a live process holds."""
+    import fcntl
+    import time
+    first, second = (save_ours(tiny_ours(vocab_size=50304, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    out = tmp_path / "hf"
+    assert run_cli(*EXPORT, first, out).returncode == 0
+    before = folder_bytes(out)
+    killed = None
+    for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
+        proc = subprocess.Popen([sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while proc.poll() is None and killed is None:
+            killed = next((p for p in tmp_path.iterdir() if p.name.startswith(".hf.export-")), None)
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait()
+        if killed:
+            break
+    assert killed is not None and killed.is_dir()
+    assert folder_bytes(out) == before  # the earlier export, whole
+    live = tmp_path / ".hf.export-live0000"  # a partial folder of an export still running
+    live.mkdir()
+    (live / "config.json").write_text("{}")
+    lock = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_cli(*EXPORT, second, out)
+    finally:
+        os.close(lock)
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {killed}, the partial folder of an export that was killed\n" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.export-live0000", "ckpt_0000001.pt",
+                                                          "ckpt_0000002.pt", "hf"]
+    assert (live / "config.json").read_text() == "{}"
+    idx = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
+                               logits_of(tiny_ours(vocab_size=50304, seed=2), idx)[..., :50257], atol=1e-5, rtol=0)
+
+
+def in_mount_namespace(folder, *command):
+    """command in a mount namespace of its own where folder is a mount point (a bind mount onto
+    itself: rename and renameat2 refuse it with EBUSY, as a docker or Kubernetes volume)."""
+    return subprocess.run(["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && exec "$@"', str(folder),
+                           *map(str, command)], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
+    """A mount point cannot be renamed over (EBUSY): the export is written inside it and its files
+    are moved in one by one; over an earlier export there too, and a changed one is refused."""
+    import shutil
+    if shutil.which("unshare") is None or in_mount_namespace(tmp_path, "true").returncode != 0:
+        pytest.skip("needs unshare --mount and mount --bind (root)")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    first, second = (save_ours(tiny_ours(vocab_size=100, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    idx = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(3))
+    for ckpt, seed in ((first, 1), (second, 2)):  # into the empty mount point, then over the export there
+        proc = in_mount_namespace(volume, sys.executable, *EXPORT, ckpt, volume)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(os.listdir(volume)) == ["config.json", "generation_config.json", hf_interop.EXPORT_MARK,
+                                              "model.safetensors"]
+        torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(volume).eval(), idx),
+                                   logits_of(tiny_ours(vocab_size=100, seed=seed), idx), atol=1e-5, rtol=0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "volume"]
+    tiny_hf(vocab_size=100).save_pretrained(volume)
+    before = folder_bytes(volume)
+    proc = in_mount_namespace(volume, sys.executable, *EXPORT, first, volume)
+    assert (proc.returncode, proc.stderr) == (2, changed_since(volume, "config.json changed, model.safetensors changed"))
+    assert folder_bytes(volume) == before
