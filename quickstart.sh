@@ -114,12 +114,12 @@ if [ "$GPU" = 1 ]; then
   OUT=out/quickstart-gpu
   TRAIN_ARGS=(--model gpt2 --seq-len 1024 --batch-size 8 --total-batch-size 131072 --max-steps 200
               --warmup-steps 20 --max-lr 6e-4 --val-every 50 --val-steps 4 --sample-every 100
-              --ckpt-every 100 --hellaswag-every 0)
+              --ckpt-every 100 --hellaswag-every 0 --sample-prompt "def ")
 else
   OUT=out/quickstart
   TRAIN_ARGS=(--model cpu --seq-len 128 --batch-size 16 --total-batch-size 2048 --max-steps 100
               --warmup-steps 10 --max-lr 3e-3 --val-every 25 --val-steps 4 --sample-every 50
-              --ckpt-every 50 --hellaswag-every 0)
+              --ckpt-every 50 --hellaswag-every 0 --sample-prompt "def ")
 fi
 prev=
 for arg in "$@"; do  # the later steps follow an --out-dir or --data-dir given to the trainer
@@ -151,7 +151,8 @@ if [ ${#CHECKPOINTS[@]} -gt 0 ]; then
   RESUME=--resume
   say "resuming the run in $OUT"
 fi
-say "training: train_gpt2.py ${TRAIN_ARGS[*]} --data-dir $DATA --out-dir $OUT $RESUME $*"
+printf -v SHOWN_ARGS '%q ' "${TRAIN_ARGS[@]}"  # quoted as a shell would need them (--sample-prompt 'def ')
+say "training: train_gpt2.py ${SHOWN_ARGS}--data-dir $DATA --out-dir $OUT $RESUME $*"
 "$PY" train_gpt2.py "${TRAIN_ARGS[@]}" --data-dir "$DATA" --out-dir "$OUT" $RESUME "$@"
 
 # ---- 4. evaluation
