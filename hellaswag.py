@@ -519,9 +519,9 @@ def run(args) -> dict:
         dtype = resolve_dtype(args.dtype, d.device_type)
         # each rank reads its node's files: one with a file missing or bad is named, by rank 0
         data_file, model = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
-        print0(describe_data(data_file, args.limit))
         result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
                           rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=True)
+        print0(describe_data(data_file, args.limit))  # stdout only once there is a result
         print0(json.dumps(result))
         return result
 
