@@ -1,10 +1,11 @@
 """The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's,
-and every link between README.md and docs/*.md leads somewhere."""
+every link between README.md and docs/*.md leads somewhere, and fixtures/README.md describes the
+files beside it."""
+import hashlib
 import os
 import re
 import subprocess
 import sys
-
 
 import train_gpt2 as tg
 from conftest import REPO
@@ -105,3 +106,13 @@ def test_links_between_readme_and_docs_resolve():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert broken == []
     assert {p.resolve() for p in pages[1:]} <= linked  # every doc is reachable from a link
+
+
+def test_fixtures_are_the_files_their_readme_describes():
+    text = (REPO / "fixtures" / "README.md").read_text()
+    sections = dict(re.findall(r"(?ms)^## (\S+)\n(.*?)(?=^## |\Z)", text))
+    assert sorted(sections) == sorted(p.name for p in (REPO / "fixtures").iterdir() if p.name != "README.md")
+    for name, body in sections.items():
+        data = (REPO / "fixtures" / name).read_bytes()
+        assert re.search(r"\*\*sha256:\*\* `([0-9a-f]{64})`", body)[1] == hashlib.sha256(data).hexdigest(), name
+        assert f"{len(data):,} bytes" in body, name
