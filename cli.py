@@ -99,6 +99,16 @@ positive_int = int_in(1)  # sizes and counts that cannot be zero: --batch-size, 
 non_negative_int = int_in(0)  # counts where 0 means none or off: --max-steps, --val-every, --limit
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None and False (whose help says what happens instead) and
+    where the help already says its default."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with whole flag names only (allow_abbrev=False) and a usage error as one `error:`
     line and exit code 2 (argparse prints the usage and `prog: error: ...`); -h/--help prints

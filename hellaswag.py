@@ -3,6 +3,7 @@
     python hellaswag.py --checkpoint out/ckpt_0019073.pt
     python hellaswag.py --hf-model path/to/gpt2            # a local Hugging Face GPT-2 directory
     torchrun --nproc_per_node=8 hellaswag.py --checkpoint out/ckpt_0019073.pt
+    python hellaswag.py --checkpoint out --data-file fixtures/hellaswag_val_subset.jsonl  # offline: the shipped subset
 
 Completion scoring: each example is a context and four endings. Every ending is scored by the
 model's cross-entropy on the ending's tokens given the context; the prediction is the ending
@@ -32,7 +33,10 @@ import cli  # the error contract shared by every script; standard library only, 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DATA_NAME = "hellaswag_val.jsonl"
 DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+DATA_EXAMPLES = 10042
 DOWNLOAD_TIMEOUT_S = 10
+# 446 examples of the validation set shipped with the repository, for scoring offline (fixtures/README.md)
+SUBSET_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hellaswag_val_subset.jsonl")
 
 
 # -----------------------------------------------------------------------------
@@ -112,7 +116,8 @@ def _download(path: str, flag: str):
     except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
         reason = getattr(e, "reason", None) or e
         raise UserError(f"cannot download HellaSwag from {DATA_URL} ({reason}); "
-                        f"pass a local copy of {DATA_NAME} with {flag} PATH") from None
+                        f"pass a local copy of {DATA_NAME} with {flag} PATH (the repository ships a subset: "
+                        f"{os.path.relpath(SUBSET_FILE)})") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -240,18 +245,33 @@ class _Rendered:
 _CACHE: dict[tuple, _Rendered] = {}  # (real path, mtime, size) -> its rendered examples
 
 
+def _rendered(path: str, flag: str) -> _Rendered:
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key not in _CACHE:
+        _CACHE[key] = _Rendered(path, flag)
+    return _CACHE[key]
+
+
 def load_examples(path: str, limit: int | None = None, flag: str = "--data-file",
                   style: str = "nanogpt") -> list[Example]:
     """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process.
     flag names the option that gave path in the command being run (for its error messages).
     style: "nanogpt" (the record's ctx and endings, as build-nanogpt renders them) or
     "lm_eval" (lm-eval's hellaswag text, see render_lm_eval)."""
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
-    if key not in _CACHE:
-        _CACHE[key] = _Rendered(path, flag)
-    data = _CACHE[key]
+    data = _rendered(path, flag)
     return data.first(limit or len(data.lines), style)
+
+
+def describe_data(path: str, limit: int | None = None) -> str:
+    """One line that says which examples of which file are scored, and what chance scores: the
+    shipped subset is named as such, so that its score is never taken for the full set's."""
+    total = len(_rendered(path, "--data-file").lines)
+    n = min(limit or total, total)
+    which = f"all {total} examples" if n == total else f"the first {n} of {total} examples"
+    subset = os.path.exists(SUBSET_FILE) and os.path.samefile(path, SUBSET_FILE)
+    kind = f" (the subset the repository ships, not the full {DATA_EXAMPLES}-example set)" if subset else ""
+    return f"hellaswag: {which} in {path}{kind}; chance is 0.25"
 
 
 def collate(examples: list[Example], block_size: int | None = None):
@@ -501,6 +521,7 @@ def run(args) -> dict:
         data_file, model = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
         result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
                           rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=True)
+        print0(describe_data(data_file, args.limit))  # stdout only once there is a result
         print0(json.dumps(result))
         return result
 

@@ -3,9 +3,10 @@
     python plot_log.py out                                   # writes out/loss.png
     python plot_log.py out/log.jsonl -o run.png --baseline-hellaswag 0.2955
 
-Panels: train and validation loss, with the validation's bits per byte on a right-hand axis when
-the log has them (val_bpb; that axis is the loss axis times the last val_bpb / val_loss, so the two
-validation curves overlay where bytes per token stay put); HellaSwag accuracy (when the log has any or a baseline
+Panels: train and validation loss, with a right-hand axis that reads the validation curve in bits
+per byte when the log has them (val_bpb: the same validation tokens each time make it the loss times
+one factor; where the factor changed, e.g. a resume with other --val-steps, val_bpb gets its own
+line and axis instead); HellaSwag accuracy (when the log has any or a baseline
 is given; the baseline is a horizontal line labelled "GPT-2 124M"); learning rate. The train
 loss is drawn faint, step by step, under its exponential moving average (--smooth). A dotted
 vertical line marks each step where the run was resumed. The loss axis is linear
@@ -144,6 +145,18 @@ def resume_steps(records: list[dict]) -> list:
     return sorted(steps)
 
 
+def bits_per_byte_factor(val_steps: list, val_loss: list[float], bpb_steps: list, val_bpb: list[float]):
+    """val_bpb / val_loss when every evaluation logged the same ratio (to 0.1%, the log's rounding
+    aside), else None. The ratio is bytes per token's inverse (over ln 2), fixed by the validation
+    tokens, which are the same at every evaluation of a run."""
+    bpb = dict(zip(bpb_steps, val_bpb))
+    ratios = [bpb[s] / v for s, v in zip(val_steps, val_loss)
+              if s in bpb and is_drawn(v) and is_drawn(bpb[s]) and v > 0 and bpb[s] > 0]
+    if ratios and max(ratios) - min(ratios) <= 1e-3 * min(ratios):
+        return ratios[-1]
+    return None
+
+
 def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     """y-limits that ignore the first skip_frac of training steps (the initial drop from ~11),
     or None when the run is too short for that to matter."""
@@ -189,22 +202,24 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
         if smooth:
             ax.plot(train_steps, ema(train_loss, smooth), lw=1.5, color="tab:blue",
                     label=f"train loss (EMA {smooth:g})")
+    factor = bits_per_byte_factor(val_steps, val_loss, bpb_steps, val_bpb) if bpb_steps else None
     if val_steps:
-        ax.plot(val_steps, drawn(val_loss), marker="o", ms=3, color="tab:orange", label="val loss")
+        ax.plot(val_steps, drawn(val_loss), marker="o", ms=3, color="tab:orange",
+                label="val loss (right axis: bits per byte)" if factor else "val loss")
     ylim = loss_ylim(train_loss, val_loss) if clip else None
     if ylim:
         ax.set_ylim(*ylim)
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
-    if bpb_steps:
+    legend_lines = list(ax.get_lines())
+    if factor:  # one curve, read on either axis
+        bpb_axis = ax.secondary_yaxis("right", functions=(lambda y: y * factor, lambda y: y / factor))
+        bpb_axis.set_ylabel("val bits per byte")
+    elif bpb_steps:  # not a multiple of the loss: a line of its own, on its own scale
         bpb_ax = ax.twinx()
-        bpb_ax.plot(bpb_steps, drawn(val_bpb), marker="s", ms=3, ls="--", color="tab:red", label="val bits per byte")
+        legend_lines += bpb_ax.plot(bpb_steps, drawn(val_bpb), marker="s", ms=3, ls="--", color="tab:red",
+                                    label="val bits per byte")
         bpb_ax.set_ylabel("val bits per byte")
-        bpb_ax.legend(loc="upper center")
-        if ylim and val_steps and is_drawn(val_loss[-1]) and is_drawn(val_bpb[-1]) and val_loss[-1] > 0:
-            ratio = val_bpb[-1] / val_loss[-1]  # the last evaluation sits at the same height on both axes
-            bpb_ax.set_ylim(ylim[0] * ratio, ylim[1] * ratio)
 
     if show_hs:
         ax = axes[1]
@@ -224,20 +239,22 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 
-    resumes = resume_steps(records)
-    for n, step in enumerate(resumes):
+    for n, step in enumerate(resume_steps(records)):
         for ax in axes:
-            ax.axvline(step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_")
-    if resumes:
-        axes[0].legend(loc="upper right")  # again, now with the resume line
+            line = ax.axvline(step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_")
+            if line.get_label() == "resumed":
+                legend_lines.append(line)
+    axes[0].legend(handles=legend_lines, loc="upper right")  # one legend for both of the panel's axes
 
-    summary = []
+    summary = []  # each value with the step it was logged at (the last train step is one before an evaluation)
     if train_steps:
-        summary.append(f"step {train_steps[-1]}: loss {train_loss[-1]:.4f}")
+        summary.append(f"train loss {train_loss[-1]:.4f} (step {train_steps[-1]})")
     if val_steps:
-        summary.append(f"val {val_loss[-1]:.4f}" + (f" ({val_bpb[-1]:.4f} bits/byte)" if bpb_steps else ""))
+        bpb = dict(zip(bpb_steps, val_bpb)).get(val_steps[-1])
+        summary.append(f"val loss {val_loss[-1]:.4f}" + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
+                       + f" (step {val_steps[-1]})")
     if hs_steps:
-        summary.append(f"HellaSwag {hs_acc[-1]:.4f}")
+        summary.append(f"HellaSwag {hs_acc[-1]:.4f} (step {hs_steps[-1]})")
     fig.suptitle((title + "\n" if title else "") + " | ".join(summary), fontsize=10)
     fig.tight_layout()
     return fig

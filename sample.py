@@ -29,7 +29,7 @@ SAMPLE_PROMPT = "Hello, I'm a language model,"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = cli.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=cli.HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
     src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")

@@ -18,13 +18,6 @@ SEED = cli.int_in(0, 2**64 - 1)  # numpy's generators (--shuffle) refuse negativ
 OPTIMIZERS = ("adamw", "muon")  # train_gpt2.build_optimizer's
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the None/False ones whose help says what happens instead."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default in (None, False) else super()._get_help_string(action)
-
-
 def batch_size_flag(text: str) -> int | str:
     """--batch-size: a number of rows, or auto."""
     if text == "auto":
@@ -39,7 +32,7 @@ def batch_size_flag(text: str) -> int | str:
 def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     """The flags, without defaults: the trainer sets them from its RunConfig (set_defaults)."""
     p = cli.ArgumentParser(description="Pretrain GPT-2 on token shards (torchrun for several GPUs).",
-                           formatter_class=HelpFormatter)
+                           formatter_class=cli.HelpFormatter)
     g = p.add_argument_group("data and output")
     g.add_argument("--data-dir", help="folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
     g.add_argument("--out-dir", help="log.jsonl and checkpoints go here")
@@ -87,6 +80,8 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--val-every", type=cli.non_negative_int, help="validation loss every N steps")
     g.add_argument("--val-steps", type=cli.non_negative_int, help="batches per validation")
     g.add_argument("--sample-every", type=cli.non_negative_int, help="print text samples every N steps")
+    g.add_argument("--sample-prompt", help="the text those samples continue; fit it to the data, e.g. 'def ' for "
+                                           "Python ('' starts a new document; default: \"Hello, I'm a language model,\")")
     g.add_argument("--hellaswag-every", type=cli.non_negative_int, help="HellaSwag accuracy every N steps")
     g.add_argument("--hellaswag-limit", type=cli.non_negative_int, help="examples per HellaSwag eval (0: all)")
     g.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl (default: download/cache)")

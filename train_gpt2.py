@@ -89,6 +89,7 @@ class RunConfig:
     val_every: int = 250
     val_steps: int = 20
     sample_every: int = 250
+    sample_prompt: str | None = None  # None: sample.py's SAMPLE_PROMPT, which suits English text like FineWeb-Edu
     hellaswag_every: int = 250
     hellaswag_limit: int = 0  # 0: all 10042 examples
     hellaswag_file: str | None = None
@@ -184,7 +185,7 @@ from launch import (  # defines: device, dtype, compile, the process group, rank
     exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
 from optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
-from sample import sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
+from sample import SAMPLE_PROMPT, sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
 
 
 # -----------------------------------------------------------------------------
@@ -1067,7 +1068,8 @@ class Trainer:
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
         # a sharded model needs every rank in its forward; only rank 0 prints
         if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
-            for text in sample_text(self.raw_model, self.enc, self.device, stop_early=not run.fsdp):
+            prompt = SAMPLE_PROMPT if run.sample_prompt is None else run.sample_prompt
+            for text in sample_text(self.raw_model, self.enc, self.device, prompt, stop_early=not run.fsdp):
                 print0(f"sample: {text}")
         return results
 

@@ -7,7 +7,7 @@ preallocated shard buffer written with np.save.
 
 Three corpora, each written once to a JSON Lines file that both pipelines read:
   stdlib      the Python standard library's .py files, one document per file (~8,500 tokens each)
-  pages       tinyshakespeare repeated to 20 MB, in ~1,000-token documents (FineWeb-Edu's average)
+  pages       the tiny Shakespeare excerpt in fixtures/ repeated to 20 MB, in ~1,000-token documents (FineWeb-Edu's average)
   paragraphs  the same text, one paragraph per document (~45 tokens each)
 (BENCH_MB=100 makes pages and paragraphs 100 MB of text instead of 20.)
 
@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # fineweb.py, imported where it is used (the child processes, the floor)
 import cli  # noqa: E402
-SHARED_DATA = REPO.parent / "shared" / "data"
+TEXT_FILE = REPO / "fixtures" / "tinyshakespeare_first4000lines.txt"
 SHARD_SIZE = 10**6
 
 # --- corpora ---------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def stdlib_documents():
 
 
 def shakespeare_paragraphs(target_bytes=int(os.environ.get("BENCH_MB", 20)) * 10**6):
-    text = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    text = TEXT_FILE.read_text(encoding="utf-8")
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
     for _ in range(max(1, target_bytes // len(text))):
         yield from paragraphs
@@ -188,7 +188,6 @@ def main():
         pipeline, corpus, out_dir, workers = args.child
         return child(pipeline, corpus, out_dir, int(workers))
 
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "tiktoken_cache"))
     print(f"{args.workers} workers, {os.cpu_count()} cores, best of {args.repeats}, "
           f"shards of {SHARD_SIZE:,} tokens")
     with tempfile.TemporaryDirectory() as folder:

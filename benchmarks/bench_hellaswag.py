@@ -26,8 +26,6 @@ import cli  # noqa: E402
 import hellaswag as hs  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
-SHARED_COPY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "shared",
-                           "data", "hellaswag", "hellaswag_val.jsonl")
 
 
 def main():
@@ -41,7 +39,8 @@ def main():
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--data-file", default=SHARED_COPY if os.path.isfile(SHARED_COPY) else None)
+    p.add_argument("--data-file", default=hs.SUBSET_FILE,
+                   help="HellaSwag jsonl (default: the subset in fixtures/, whose first 200 are the full set's)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

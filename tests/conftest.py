@@ -1,4 +1,4 @@
-"""Shared test setup: the repo on sys.path, data from ../shared (the GPT-2 BPE ships in bpe/)."""
+"""Shared test setup: the repo on sys.path, the data the repository ships in fixtures/ (the GPT-2 BPE in bpe/)."""
 import contextlib
 import os
 import signal
@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+TEXT_FILE = REPO / "fixtures" / "tinyshakespeare_first4000lines.txt"  # plain text (fixtures/README.md)
+HELLASWAG_FILE = REPO / "fixtures" / "hellaswag_val_subset.jsonl"  # 446 validation examples, the first 200 first
 sys.path.insert(0, str(REPO))
 
 # One thread per process, in the test workers and every command they start: the suite runs two
@@ -20,13 +19,15 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-
-@pytest.fixture
-def shared_data():
-    path = SHARED / "data"
-    if not path.is_dir():
-        pytest.skip("../shared/data is not present")
-    return path
+def tiktoken_cache(folder) -> str:
+    """folder made a tiktoken cache that holds r50k_base: bpe/'s file under the name tiktoken gives
+    its download (the sha1 of the URL), so tiktoken's own loader reads it and never the network."""
+    import hashlib
+    import shutil
+    from fineweb import BPE_URL
+    os.makedirs(folder, exist_ok=True)
+    shutil.copyfile(REPO / "bpe" / "r50k_base.tiktoken", os.path.join(folder, hashlib.sha1(BPE_URL.encode()).hexdigest()))
+    return str(folder)
 
 
 def free_port() -> int:

@@ -91,6 +91,8 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
         script = os.path.basename(line.split()[0])
         assert (code, err) == (0, "") and out.startswith(f"usage: {script}"), (line, err)
         assert "show this help message and exit" in out
+        text = " ".join(out.split())  # as one line: argparse wraps the help
+        assert "(default: None)" not in text and "(default: False)" not in text, line  # defaults that say nothing
     assert dict(zip(on_rank_1, results[len(cases) + len(helps):-1])) == on_rank_1
     assert results[-1] == (2, "error: --max-lr must be a finite number, got nan\n", "")
 

@@ -7,10 +7,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHARED
+from conftest import HELLASWAG_FILE, REPO
 from shards import make_docs, write_shards
 
-HELLASWAG = SHARED / "data" / "hellaswag" / "hellaswag_val.jsonl"
 # the model keeps GPT-2's vocabulary so that HellaSwag's tokens fit
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
         "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
@@ -27,8 +26,7 @@ def trained(tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
     data = tmp_path_factory.mktemp("shards")
     write_shards(data, make_docs(400, seed=5, vocab=64, max_len=60), shard_size=4000)
-    hellaswag = (["--hellaswag-every", "2", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG)]
-                 if HELLASWAG.is_file() else ["--hellaswag-every", "0"])
+    hellaswag = ["--hellaswag-every", "2", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
     out = tmp_path_factory.mktemp("run")
     flags = ["--data-dir", str(data), "--out-dir", str(out), *TINY, *hellaswag]
     result = run_cli(*flags, "--max-steps", "4")

@@ -1,7 +1,8 @@
 """fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
 
 CPU only, offline: the commands read the GPT-2 BPE from the copy in bpe/ (or a TIKTOKEN_CACHE_DIR a
-test sets); the reference encoding is tiktoken's own, from its cached download in ../shared.
+test sets); the reference encoding is tiktoken's own r50k_base, read from a tiktoken cache that holds the
+shipped file (tiktoken's loader and definition, not fineweb's).
 """
 import argparse
 import gzip
@@ -12,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,19 +22,21 @@ import pytest
 import tiktoken
 
 import fineweb
-from conftest import SHARED
+from conftest import TEXT_FILE, tiktoken_cache
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
 
 
 def reference_encoding() -> tiktoken.Encoding:
-    """tiktoken's own r50k_base, from its cached download in ../shared (not fineweb's copy in bpe/),
-    loaded without leaving TIKTOKEN_CACHE_DIR set for the commands the tests run."""
+    """tiktoken's own r50k_base (tiktoken_ext.openai_public's split pattern, special token and
+    sha256 check) from a cache that holds bpe/'s file, not fineweb's loader; loaded without leaving
+    TIKTOKEN_CACHE_DIR set for the commands the tests run."""
     saved = os.environ.get("TIKTOKEN_CACHE_DIR")
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
     try:
-        return tiktoken.get_encoding("r50k_base")
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["TIKTOKEN_CACHE_DIR"] = tiktoken_cache(cache)
+            return tiktoken.get_encoding("r50k_base")
     finally:
         if saved is None:
             del os.environ["TIKTOKEN_CACHE_DIR"]
@@ -729,16 +733,16 @@ UNICODE_SAMPLES = ["naïve café — 日本語のテキスト 🙂👍🏽 ﷽",
                    "12,345.67e-8 0x1F", "", "a<|endoftext|>b<|endoftext|>"]
 
 
-def test_shipped_bpe_tokenizes_exactly_as_tiktoken(shared_data):
+def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
     shipped = fineweb.shipped_encoding()
     assert Path(fineweb.SHIPPED_BPE) == Path(FINEWEB).parent / "bpe" / "r50k_base.tiktoken"
     assert (shipped.name, shipped.n_vocab, shipped.eot_token, shipped.max_token_value) == ("r50k_base", 50257, EOT, EOT)
     assert shipped._mergeable_ranks == ENC._mergeable_ranks and shipped._pat_str == ENC._pat_str
     assert shipped._special_tokens == ENC._special_tokens == {"<|endoftext|>": EOT}
 
-    text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    text = TEXT_FILE.read_text(encoding="utf-8")
     tokens = shipped.encode_ordinary(text)
-    assert len(tokens) == 338_025 and tokens == ENC.encode_ordinary(text) and shipped.decode(tokens) == text
+    assert len(tokens) == 31_195 and tokens == ENC.encode_ordinary(text) and shipped.decode(tokens) == text
     for sample in UNICODE_SAMPLES:
         assert shipped.encode_ordinary(sample) == ENC.encode_ordinary(sample), sample
         assert shipped.encode(sample, allowed_special="all") == ENC.encode(sample, allowed_special="all"), sample
@@ -814,7 +818,7 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
     # a tiktoken cache still comes first
     cached = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
                             capture_output=True, text=True, timeout=60,
-                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": str(SHARED / "tiktoken_cache")})
+                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": tiktoken_cache(tmp_path / "cache")})
     assert cached.returncode == 0, cached.stderr
 
 

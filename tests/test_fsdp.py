@@ -19,7 +19,7 @@ import cli
 import fsdp
 import launch
 import train_gpt2 as tg
-from conftest import REPO, free_port, torchrun
+from conftest import HELLASWAG_FILE, REPO, free_port, torchrun
 from shards import make_batch, shard_dir
 from test_accumulation import fresh_model, gloo_rank_of_one_batch, reference_grads
 
@@ -184,8 +184,8 @@ def assert_same_layout(a, b):
 
 
 def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
-        data_dir, tmp_path, shared_data, capsys):
-    hellaswag_file = str(shared_data / "hellaswag" / "hellaswag_val.jsonl")
+        data_dir, tmp_path, capsys):
+    hellaswag_file = str(HELLASWAG_FILE)
     single, fsdp, fsdp_resumed, single_resumed = (tmp_path / d for d in ("single", "fsdp", "fsdp2", "single2"))
     # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks
     assert tg.main(run_args(data_dir, single, hellaswag_file, val_steps=2)) == 0

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import REPO, spread_gpt, torchrun, write_checkpoint
+from conftest import HELLASWAG_FILE, REPO, spread_gpt, torchrun, write_checkpoint
 from cli import UserError
 from fineweb import EOT
 from train_gpt2 import GPTConfig
@@ -20,7 +20,7 @@ from train_gpt2 import GPTConfig
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
-# The first two records of hellaswag_val.jsonl, tokenized once with tiktoken's GPT-2 BPE
+# The first two records of hellaswag_val.jsonl (and of its subset in fixtures/), tokenized once with tiktoken's GPT-2 BPE
 # and checked by decoding: 'A man is sitting on a roof. he' -> 'A', ' man', ... ' he';
 # every ending starts with a space token (' is', ' starts', ' swings', ' pulls', ' stands').
 CTX0 = [32, 582, 318, 5586, 319, 257, 9753, 13, 339]
@@ -47,11 +47,8 @@ def one_thread():
 
 
 @pytest.fixture
-def data_file(shared_data):
-    path = shared_data / "hellaswag" / "hellaswag_val.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
-    return str(path)
+def data_file():
+    return str(HELLASWAG_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +85,14 @@ def run_cli(*args, env=None, launcher=(sys.executable,)):
                           timeout=240)
 
 
-def result_line(proc):
+SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
+
+
+def result_line(proc, data_line):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, proc.stdout  # only rank 0 prints, and only the result
-    return json.loads(lines[0])
+    assert lines[:-1] == [data_line], proc.stdout  # only rank 0 prints: what it scores, then the result
+    return json.loads(lines[-1])
 
 
 # -----------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def test_cli_two_processes_match_one(model, checkpoint, data_file):
     assert expected["n"] == 31
     got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
                   "--device", "cpu", launcher=torchrun("--standalone", "--nproc_per_node=2"))
-    assert result_line(got) == expected
+    assert result_line(got, f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}") == expected
 
 
 def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
@@ -231,9 +231,19 @@ def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
     proc = run_cli("--checkpoint", checkpoint, "--device", "cpu", env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
     assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hs.DATA_URL)} \(\[Errno \d+\] "
-                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH\n",
+                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH "
+                        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\)\n",
                         proc.stderr), proc.stderr
     assert os.listdir(tmp_path / "cache") == []  # no partial download left behind
+
+
+def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
+    copy = tmp_path / "hellaswag_val.jsonl"  # the first 3 records, elsewhere: not the subset
+    copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
+    for limit in (0, 3, 50):
+        assert hs.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
+    assert hs.describe_data(str(copy), 2) == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
+    assert hs.describe_data(str(HELLASWAG_FILE), 0) == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
 
 
 def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
@@ -402,6 +412,8 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     hf.save_pretrained(tmp_path / "hf")
     assert hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20",
                     "--device", "cpu"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    data_line, result = capsys.readouterr().out.splitlines()
+    assert data_line == f"hellaswag: the first 20 of 446 examples in {data_file}{SUBSET_NAMED}"
+    got = json.loads(result)
     assert got == hs.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]

@@ -17,7 +17,7 @@ import checkpoints
 import guards
 import train_gpt2 as tg
 from cli import UserError
-from conftest import REPO, SHARED, interrupt_when_blocked
+from conftest import HELLASWAG_FILE, REPO, interrupt_when_blocked
 from test_resilience import args_for, log_records, resume_copy
 
 
@@ -135,10 +135,7 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     elif command == "export":
         result = run_command("hf_interop.py", "export", path, tmp_path / "hf")
     else:
-        hellaswag_file = SHARED / "data" / "hellaswag" / "hellaswag_val.jsonl"
-        if not hellaswag_file.is_file():
-            pytest.skip("../shared/data is not present")
-        result = run_command("hellaswag.py", "--checkpoint", path, "--data-file", hellaswag_file, "--limit", 2)
+        result = run_command("hellaswag.py", "--checkpoint", path, "--data-file", HELLASWAG_FILE, "--limit", 2)
     assert_one_error_line(result, f"{path}: {message}")
 
 

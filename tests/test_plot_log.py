@@ -254,22 +254,54 @@ def test_files_that_are_not_logs_are_one_line_errors(tmp_path, content, message)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(log=log)}\n")
 
 
-def test_bits_per_byte_on_a_right_hand_axis_scaled_to_the_loss():
+def legend_labels(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve():
     pytest.importorskip("matplotlib")
     records = fake_records(hellaswag=False)
     for r in records:
         if "val_loss" in r:
-            r["val_bpb"] = r["val_loss"] / (4 * math.log(2)) + 0.01 * r["step"]  # ~4 bytes per token, drifting
+            r["val_bpb"] = round(r["val_loss"] / (4 * math.log(2)), 4)  # the same tokens each time, as logged
+    records.append(dict(step=60, val_loss=3.1, val_bpb=round(3.1 / (4 * math.log(2)), 4)))  # after train step 59
+    fig = plot_log.make_figure(records)
+    try:
+        loss_ax, lr_ax = fig.axes  # no twin axis: a secondary axis of the loss panel
+        lines = lines_by_label(loss_ax)
+        assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"}
+        (bpb_axis,) = loss_ax.child_axes
+        assert bpb_axis.get_ylabel() == "val bits per byte"
+        factor = 1 / (4 * math.log(2))
+        assert bpb_axis.get_ylim() == pytest.approx(tuple(v * factor for v in loss_ax.get_ylim()), rel=1e-3)
+        assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"]
+        assert len([a for a in fig.axes + loss_ax.child_axes if a.get_legend()]) == 1  # one legend on the panel
+        assert fig._suptitle.get_text().endswith(  # each number with its own step
+            f"train loss {records[-3]['loss']:.4f} (step 59) | val loss 3.1000, {records[-1]['val_bpb']:.4f} bits/byte "
+            "(step 60)")
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line():
+    pytest.importorskip("matplotlib")
+    records = fake_records(hellaswag=False)
+    for r in records:
+        if "val_loss" in r:
+            r["val_bpb"] = r["val_loss"] / (4 * math.log(2)) + 0.01 * r["step"]  # bytes per token drifting
     fig = plot_log.make_figure(records)
     try:
         loss_ax, lr_ax, bpb_ax = fig.axes  # the twin axis comes last
         val = [r for r in records if "val_bpb" in r]
+        assert "val loss" in lines_by_label(loss_ax) and not loss_ax.child_axes
         (line,) = bpb_ax.get_lines()
         assert (line.get_label(), list(line.get_ydata())) == ("val bits per byte", [r["val_bpb"] for r in val])
         assert bpb_ax.get_ylabel() == "val bits per byte"
-        ratio = val[-1]["val_bpb"] / val[-1]["val_loss"]
-        assert bpb_ax.get_ylim() == pytest.approx(tuple(v * ratio for v in loss_ax.get_ylim()))
-        assert fig._suptitle.get_text().endswith(f"val {val[-1]['val_loss']:.4f} ({val[-1]['val_bpb']:.4f} bits/byte)")
+        lo, hi = bpb_ax.get_ylim()  # its own scale, around its own values
+        assert lo <= min(r["val_bpb"] for r in val) and hi >= max(r["val_bpb"] for r in val)
+        assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss", "val bits per byte"]
+        assert bpb_ax.get_legend() is None
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)

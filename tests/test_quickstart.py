@@ -11,16 +11,14 @@ import time
 
 import pytest
 
-from conftest import REPO, SHARED
+from conftest import REPO
+from hellaswag import DATA_URL
 
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
 FEW_EXAMPLES = "--limit 8"  # of HellaSwag (200 take 20 s on a CPU)
 OUT = "out/quick[1]*"  # an out dir named like a glob pattern is still that folder
 TINY_TRAIN = ["--out-dir", OUT, "--max-steps", "3", "--batch-size", "4", "--total-batch-size", "512", "--val-every", "2",
               "--val-steps", "2", "--sample-every", "0", "--ckpt-every", "2"]
-
-
-HELLASWAG = SHARED / "data" / "hellaswag"
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +38,9 @@ DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a machine without
 def quickstart_env(clone, **env):
     """As on a machine without internet (the packages are installed already): no TIKTOKEN_CACHE_DIR,
     so the GPT-2 BPE comes from the clone's bpe/, and proxies that refuse every connection."""
-    hellaswag_dir = HELLASWAG if HELLASWAG.is_dir() else clone / "hellaswag"  # else: downloaded, or skipped
     offline = {key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
     return {**offline, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
-            "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES, "HELLASWAG_DIR": str(hellaswag_dir), "OMP_NUM_THREADS": "1",
+            "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES, "HELLASWAG_DIR": str(clone / "hellaswag"), "OMP_NUM_THREADS": "1",
             "HTTPS_PROXY": DEAD_PROXY, "HTTP_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY, "http_proxy": DEAD_PROXY,
             **env}
 
@@ -69,11 +66,14 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert "creating the virtual environment" not in out  # QUICKSTART_VENV is used as it is
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
-    assert "quickstart: HellaSwag, first 8 examples\n" in out  # the --limit of QUICKSTART_HELLASWAG_ARGS
-    if (HELLASWAG / "hellaswag_val.jsonl").is_file():
-        assert '"n": 8}' in out
-    else:  # downloaded, or skipped in one line
-        assert '"n": 8}' in out or "quickstart: skipping HellaSwag: error: " in out
+    # the --limit of QUICKSTART_HELLASWAG_ARGS; offline, of the subset the repository ships, said so
+    hellaswag = out.split("quickstart: HellaSwag, first 8 examples\n", 1)[1].splitlines()[:3]
+    assert hellaswag[:2] == [
+        f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset "
+        "shipped in fixtures/ instead",
+        "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
+        "ships, not the full 10042-example set); chance is 0.25"]
+    assert hellaswag[2].startswith('{"acc": ') and hellaswag[2].endswith(', "n": 8}')
     run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -85,15 +85,13 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
                                                                                     "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
 
-    # the later value wins, as in argparse; offline, HellaSwag's data is not in HELLASWAG_DIR and cannot be had
+    # the later value wins, as in argparse
     again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4", HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
                        QUICKSTART_HELLASWAG_ARGS="--limit 8 --limit=3")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "quickstart: HellaSwag, first 3 examples\n" in again.stdout
-    assert [line for line in again.stdout.splitlines() if "skipping HellaSwag" in line] == [
-        "quickstart: skipping HellaSwag: error: cannot download HellaSwag from https://raw.githubusercontent.com/rowanz/"
-        "hellaswag/master/data/hellaswag_val.jsonl ([Errno 111] Connection refused); set HELLASWAG_DIR to a folder "
-        "that holds hellaswag_val.jsonl"]
+    assert "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl" in again.stdout
+    assert "skipping HellaSwag" not in again.stdout and "UserWarning" not in again.stdout + again.stderr
     assert "quickstart: reusing the tokenized standard library in data/stdlib" in again.stdout
     assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in again.stdout
     assert "step     3/4 | loss" in again.stdout and "step     2/4" not in again.stdout

@@ -18,11 +18,10 @@ import pytest
 import checkpoints
 import fineweb
 import train_gpt2 as tg
-from conftest import REPO, SHARED, child_pids, torchrun
+from conftest import HELLASWAG_FILE, REPO, child_pids, torchrun
 from shards import shard_dir
 
 T = 16
-HELLASWAG_FILE = SHARED / "data" / "hellaswag" / "hellaswag_val.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +163,6 @@ def hellaswag_per_rank(out, rank1_args, **popen):
 
 def test_a_file_that_only_one_rank_lacks_is_named_once(trained, tmp_path):
     # each node reads its own disk: rank 1's missing copy is printed by rank 0, once (before: no line)
-    if not HELLASWAG_FILE.is_file():
-        pytest.skip("../shared/data/hellaswag is not present")
     missing = tmp_path / "missing.jsonl"
     out, err = hellaswag_per_rank(trained[0], f"--data-file {missing}").communicate(timeout=120)
     assert out == "" and error_lines(err) == [f"error: rank 1: --data-file {missing} does not exist"], err[-3000:]
@@ -173,12 +170,10 @@ def test_a_file_that_only_one_rank_lacks_is_named_once(trained, tmp_path):
 
 
 def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):
-    # rank 1 has 100 times the examples to score: rank 0 scores its share and waits for rank 1 in
-    # the final all-reduce, where rank 1's death fails it (before: a gloo traceback)
-    if not HELLASWAG_FILE.is_file():
-        pytest.skip("../shared/data/hellaswag is not present")
+    # rank 1 has all 446 examples to score (rank 0: 6): rank 0 scores its share and waits for rank 1
+    # in the final all-reduce, where rank 1's death fails it (before: a gloo traceback)
     with open(tmp_path / "stderr", "w") as stderr:
-        proc = hellaswag_per_rank(trained[0], "--limit 600", stderr=stderr, start_new_session=True)
+        proc = hellaswag_per_rank(trained[0], "--limit 0", stderr=stderr, start_new_session=True)
     try:
         deadline = time.time() + 120
         while (tmp_path / "stderr").read_text().count("100%") < 2:  # rank 0's two scoring passes done

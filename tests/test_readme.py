@@ -1,14 +1,14 @@
 """The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's,
-and every link between README.md and docs/*.md leads somewhere."""
+every link between README.md and docs/*.md leads somewhere, and fixtures/README.md describes the
+files beside it."""
+import hashlib
 import os
 import re
 import subprocess
 import sys
 
-import pytest
-
 import train_gpt2 as tg
-from conftest import REPO, SHARED
+from conftest import REPO
 
 README = (REPO / "README.md").read_text()
 FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here from the README
@@ -51,13 +51,10 @@ def test_readme_flags_table_matches_the_cli():
 
 
 def test_quickstart_runs_as_written(tmp_path):
-    if not (SHARED / "data" / "hellaswag").is_dir():
-        pytest.skip("../shared/data is not present")
     work = tmp_path / "repo"
     work.mkdir()
-    for script in ("train_gpt2.py", "fineweb.py", "hellaswag.py", "hf_interop.py", "plot_log.py", "sample.py"):
-        (work / script).symlink_to(REPO / script)
-    (tmp_path / "shared").symlink_to(SHARED)  # the README's ../shared paths
+    for name in ("train_gpt2.py", "fineweb.py", "hellaswag.py", "hf_interop.py", "plot_log.py", "sample.py", "fixtures"):
+        (work / name).symlink_to(REPO / name)
     # as a user runs them: no TIKTOKEN_CACHE_DIR (the BPE ships in bpe/)
     env = {**{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
@@ -69,8 +66,11 @@ def test_quickstart_runs_as_written(tmp_path):
         result = subprocess.run(f"{command} {SMALLER.get(script, '')}", shell=True, cwd=work, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-        if script == "hellaswag.py":
-            assert '"n": 8' in result.stdout
+        if script == "hellaswag.py":  # offline: the subset the repository ships, said so
+            assert result.stdout.splitlines()[0] == (
+                "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
+                "repository ships, not the full 10042-example set); chance is 0.25")
+            assert result.stdout.splitlines()[1].endswith('"n": 8}')
         if script == "sample.py":
             assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
         if script == "train_gpt2.py --resume":
@@ -106,3 +106,13 @@ def test_links_between_readme_and_docs_resolve():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert broken == []
     assert {p.resolve() for p in pages[1:]} <= linked  # every doc is reachable from a link
+
+
+def test_fixtures_are_the_files_their_readme_describes():
+    text = (REPO / "fixtures" / "README.md").read_text()
+    sections = dict(re.findall(r"(?ms)^## (\S+)\n(.*?)(?=^## |\Z)", text))
+    assert sorted(sections) == sorted(p.name for p in (REPO / "fixtures").iterdir() if p.name != "README.md")
+    for name, body in sections.items():
+        data = (REPO / "fixtures" / name).read_bytes()
+        assert re.search(r"\*\*sha256:\*\* `([0-9a-f]{64})`", body)[1] == hashlib.sha256(data).hexdigest(), name
+        assert f"{len(data):,} bytes" in body, name

@@ -369,3 +369,14 @@ def test_trainer_prints_samples_as_plain_text(trained):
     _, stdout = trained
     lines = [line for line in stdout.splitlines() if line.startswith("sample: ")]
     assert len(lines) == 4 and all(line.startswith(f"sample: {PROMPT}") for line in lines)
+
+
+def test_trainer_samples_continue_sample_prompt(trained):
+    # the prompt fits the data (the quickstart's Python gets "def "); the texts are sample_text's for it
+    out, _ = trained
+    proc = run_py("train_gpt2.py", *TINY, "--data-dir", out.parent / "data", "--out-dir", out, "--resume",
+                  "--eval-only", "--sample-every", "1", "--sample-prompt", "def ")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = list(sample.sample_text(GPT.from_checkpoint(str(out)), fineweb.get_encoding(), "cpu", "def "))
+    assert len(expected) == 4 and all(text.startswith("def ") for text in expected)
+    assert proc.stdout.count("sample: ") == 4 and all(f"sample: {text}\n" in proc.stdout for text in expected)

@@ -11,7 +11,7 @@ import pytest
 
 import checkpoints
 import train_gpt2 as tg
-from conftest import REPO, run_cli
+from conftest import HELLASWAG_FILE, REPO, TEXT_FILE, run_cli
 from shards import shard_dir
 
 T = 32
@@ -130,9 +130,9 @@ def test_cli_error_has_no_traceback(tmp_path):
         f"error: --data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"]
 
 
-def test_hellaswag_is_logged_during_training(data_dir, tmp_path, shared_data):
+def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
     import hellaswag
-    hellaswag_file = str(shared_data / "hellaswag" / "hellaswag_val.jsonl")
+    hellaswag_file = str(HELLASWAG_FILE)
     args = train_args(data_dir, tmp_path, 4, steps=2) + [
         "--hellaswag-every", "2", "--hellaswag-limit", "8", "--hellaswag-file", hellaswag_file]
     assert tg.main(args) == 0
@@ -145,12 +145,11 @@ def test_hellaswag_is_logged_during_training(data_dir, tmp_path, shared_data):
 
 
 @pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
-def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(shared_data, tmp_path, align):
+def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(tmp_path, align):
     import fineweb
-    text = shared_data / "tinyshakespeare.txt"
-    for fmt in ("npy", "bin"):
-        assert fineweb.main(["--files", str(text), "--out-dir", str(tmp_path / fmt), "--shard-size", "20K",
-                             "--max-tokens", "100K", "--format", fmt, "--workers", "1"]) == 0
+    for fmt in ("npy", "bin"):  # the text's 31K tokens, cut to 3 shards
+        assert fineweb.main(["--files", str(TEXT_FILE), "--out-dir", str(tmp_path / fmt), "--shard-size", "8K",
+                             "--max-tokens", "20K", "--format", fmt, "--workers", "1"]) == 0
         assert tg.main(train_args(str(tmp_path / fmt), tmp_path / f"out_{fmt}", 4, *align, steps=3)) == 0
     assert sorted(os.listdir(tmp_path / "bin"))[:2] == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin"]
     assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
