@@ -3,6 +3,7 @@
     python benchmarks/bench_train.py                 # CPU preset on CPU, GPT-2 124M on CUDA
     python benchmarks/bench_train.py --loader        # data loader rows/s and RSS vs shard size
     python benchmarks/bench_train.py --eval          # validation loss: chunked vs full logits, no_grad
+    python benchmarks/bench_train.py --lm-head       # one loss chunk's lm_head matmuls: padded vs real rows
 
 Each variant runs in its own process (so peak memory is its own) on the same model, batch and
 data, and prints tokens/s, peak memory and the ratio to the reference. The variants add one
@@ -158,6 +159,33 @@ def bench_eval(args):
         print(f"{name:18s} | {1000 * dt:8.1f} ms | {best['full'] / dt:.2f}x full logits | loss {losses[name]:.6f}")
 
 
+def bench_lm_head(args):
+    """One loss chunk's three lm_head matmuls (logits, input gradient, weight gradient, as
+    chunked_loss does them) against the padded weight's 50304 rows and its first 50257, in fp32:
+    interleaved rounds, the best of each."""
+    import torch
+    import train_gpt2 as tg
+    torch.manual_seed(0)
+    C = tg.MODEL_PRESETS[args.model]["n_embd"]
+    weight, h = torch.randn(50304, C) * 0.02, torch.randn(args.loss_chunk, C)
+    grad_w = torch.zeros(50304, C)
+    variants = {"50304 rows (padded)": (weight, grad_w), "50257 rows (real)": (weight[:50257], grad_w[:50257])}
+    best = {}
+    for _ in range(args.rounds):
+        for name, (w, gw) in variants.items():
+            for _ in range(5):
+                t = time.perf_counter()
+                logits = h @ w.t()
+                logits @ w
+                gw.addmm_(logits.t(), h)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    print(f"lm_head of one {args.loss_chunk}-row chunk, n_embd {C} ({args.model}), {torch.get_num_threads()} threads, "
+          f"best of {args.rounds} rounds x 5 | load {os.getloadavg()[0]:.1f}")
+    padded = best["50304 rows (padded)"]
+    for name, dt in best.items():
+        print(f"{name:20s} | {1000 * dt:7.2f} ms | {dt / padded:.3f}x the padded shape's time")
+
+
 def loader_worker(data_dir):
     import train_gpt2 as tg
     rows = tg.TokenRows(data_dir, "train", 1024, shuffle=True, seed=0)
@@ -191,6 +219,7 @@ def main():
                    help="compile in 'ours' (default: as the trainer does, on CUDA only)")
     p.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
     p.add_argument("--eval", action="store_true", help="benchmark validation's no_grad loss instead")
+    p.add_argument("--lm-head", action="store_true", help="benchmark one loss chunk's lm_head matmuls instead")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--loader-worker", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -215,6 +244,8 @@ def main():
         return
     if args.eval:
         return bench_eval(args)
+    if args.lm_head:
+        return bench_lm_head(args)
     with tempfile.TemporaryDirectory() as data_dir:
         tokens = args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2)
         np.save(os.path.join(data_dir, "bench_train_000000.npy"),
