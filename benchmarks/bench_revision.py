@@ -196,8 +196,8 @@ def main():
         write_shards(data_dir, args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2))
         print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} accum={args.accum} "
               f"| compile {args.compile} | OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} | "
-              f"median of {args.steps} steps after {args.warmup} | best of {args.rounds} rounds | load {os.getloadavg()[0]:.1f}",
-              flush=True)
+              f"median of {args.steps} steps after {args.warmup} | best of {args.rounds} rounds | "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
         best = {}
         for _ in range(args.rounds):
             for label, tree in trees.items():

@@ -6,8 +6,9 @@
     python benchmarks/bench_train.py --lm-head       # one loss chunk's lm_head matmuls: padded vs real rows
 
 Each variant runs in its own process (so peak memory is its own) on the same model, batch and
-data, and prints tokens/s, peak memory and the ratio to the reference. The variants add one
-change at a time:
+data, and prints tokens/s, peak memory and the ratio to the reference, and on CPU the model's
+FLOP/s (6 per parameter per token plus attention) as a share of this machine's fp32 matmul
+(sgemm, 2048^3, measured between the rounds). The variants add one change at a time:
 
     reference  per-micro-step mean loss / steps, unfused AdamW, full logits, no compile,
                batches loaded between micro-steps (the build-nanogpt loop)
@@ -112,8 +113,21 @@ def run_variant(variant, args):
         prefetcher.close()
     tokens = args.batch_size * args.seq_len * args.accum
     dt = float(np.median(times))
-    return dict(tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device),
-                model_mb=rss_model, compile_s=compile_s)
+    return dict(tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device), model_mb=rss_model,
+                compile_s=compile_s, flops_per_token=tg.flops_per_token(cfg, args.seq_len, model.num_params()))
+
+
+def sgemm_flops(n=2048, repeats=5):
+    """FLOP/s of this machine's fp32 matmul (n x n by n x n, best of repeats), in this process's threads:
+    the ceiling a CPU step's model FLOP/s is measured against."""
+    import torch
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
 
 
 def bench_loader(args):
@@ -252,8 +266,9 @@ def main():
                 np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16))
         print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} "
               f"accum={args.accum} | {torch.get_num_threads()} threads | median of {args.steps} steps")
-        best = {}
+        best, sgemm = {}, 0.0
         for _ in range(args.rounds):  # interleaved rounds, best of each: load from elsewhere hits all alike
+            sgemm = max(sgemm, sgemm_flops()) if not cuda else sgemm
             for variant in args.variants.split(","):
                 r = run_worker(variant, data_dir, args)
                 if r and (variant not in best or r["tok_per_s"] > best[variant]["tok_per_s"]):
@@ -261,9 +276,14 @@ def main():
         ref = best.get("reference") or next(iter(best.values()))
         for variant, r in best.items():
             extra = f" | compile {r['compile_s']:.1f}s" if r["compile_s"] else ""
+            if sgemm:  # model FLOPs (6 per parameter per token + attention) per second, against the matmul's
+                extra += f" | {100 * r['flops_per_token'] * r['tok_per_s'] / sgemm:.0f}% of sgemm"
             print(f"{variant:10s} | {r['tok_per_s']:10,.0f} tok/s ({r['tok_per_s'] / ref['tok_per_s']:.2f}x) | "
                   f"step {r['step_ms']:8.1f} ms | peak mem {r['peak_mb']:7.0f} MB ({r['peak_mb'] / ref['peak_mb']:.2f}x, "
                   f"above model {r['peak_mb'] - r['model_mb']:6.0f} MB){extra}", flush=True)
+        if sgemm:
+            print(f"sgemm (fp32 2048^3 matmul, best of {5 * args.rounds}): {sgemm / 1e9:.1f} GFLOP/s | load "
+                  f"{os.getloadavg()[0]:.1f}")
 
 
 def run_worker(variant, data_dir, args):
