@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,7 @@ def main():
         return
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped, it still removes its worktrees
     with revision_trees(args.refs) as trees, tempfile.TemporaryDirectory() as data_dir:
         write_shards(data_dir, args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2))
         print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} accum={args.accum} "
@@ -199,7 +201,7 @@ def main():
               f"median of {args.steps} steps after {args.warmup} | best of {args.rounds} rounds | "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         best = {}
-        for _ in range(args.rounds):
+        for i in range(args.rounds):
             for label, tree in trees.items():
                 if args.parts:
                     out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--parts-worker", tree,
@@ -211,6 +213,9 @@ def main():
                     best[label] = {k: min(v, best.get(label, r)[k]) for k, v in r.items()}
                     continue
                 r = run_trainer(tree, data_dir, args)
+                if r:  # each run as it ends: a long benchmark on a busy machine shows its spread
+                    print(f"round {i + 1}: {label:10s} {r['tok_per_s']:8,.0f} tok/s | load {os.getloadavg()[0]:.1f}",
+                          flush=True)
                 if r and (label not in best or r["tok_per_s"] > best[label]["tok_per_s"]):
                     best[label] = r
         print(f"load {os.getloadavg()[0]:.1f} at the end")
