@@ -191,6 +191,10 @@ def main():
         sys.modules.pop("cli")
         print(json.dumps(step_parts(args)))
         return
+    for ref in args.refs:
+        if subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
+                          capture_output=True).returncode:
+            p.error(f"{ref} is not a commit of the git repository at {REPO}")
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped, it still removes its worktrees
