@@ -8,8 +8,9 @@
 
 Each revision is checked out with `git worktree add --detach` into a temporary folder, removed
 afterwards; "this" is the working tree the script runs from, uncommitted changes included. Every
-round runs `python train_gpt2.py` of each tree as a whole process, one after another (interleaved:
-load from elsewhere hits all alike), on the same synthetic shards and flags. A run's figure is the
+round runs `python train_gpt2.py` of each tree as a whole process, one after another (interleaved,
+every other round in reverse order: load from elsewhere hits all alike), on the same synthetic
+shards and flags. A run's figure is the
 median of its steps after the first --warmup (log.jsonl's dt_ms) and the peak memory the trainer
 prints (peak RSS on CPU, CUDA's allocated peak); each tree keeps its best round. Run it before
 closing a change to the model, the loss, the loader or the step: the reference loops of
@@ -206,7 +207,8 @@ def main():
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         best = {}
         for i in range(args.rounds):
-            for label, tree in trees.items():
+            # every other round in reverse order: a load that rises or falls during a round favours no tree
+            for label, tree in list(trees.items())[::-1 if i % 2 else 1]:
                 if args.parts:
                     out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--parts-worker", tree,
                                           "--data-dir", data_dir], capture_output=True, text=True, cwd=tree)
