@@ -5,8 +5,12 @@ With GPT-2's 50304-token vocabulary the logits of one micro-batch dwarf every ac
 forward pass also computes the gradients of each chunk (softmax - one-hot, as fused
 linear-cross-entropy kernels do), so backward only scales them: the logits are never stored
 nor recomputed. Returns sum(token losses) * scale over targets != IGNORE_INDEX, or with scale
-None (evaluation) each target's loss, 0 where ignored. The softmax runs over the rows of the
-weight it is given: the trainer hands it the real vocabulary's (fineweb.real_vocab_size).
+None (evaluation) each target's loss, 0 where ignored.
+
+The matmuls run over all of the weight's rows (GPT-2's 50257 ids padded to 50304, a shape the
+matmul runs faster on: against the first 50257 rows a chunk's three matmuls took 20% longer),
+and the softmax over the first n_real only: the padded ids' logits are set to -inf before it, so
+their probabilities, and the gradients of their rows, are exactly 0.
 """
 from __future__ import annotations
 
@@ -25,10 +29,11 @@ def exp_sums_(logits):
     return maxes.squeeze(1), exps, exps.sum(dim=-1)
 
 
-def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad):
+def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad):
     """sum(token losses) * scale of lm_head + cross-entropy over rows, chunk_rows rows at a time,
-    and, if want_grad, its gradients w.r.t. h and weight (else None, None). scale None: no
-    gradients, and the token losses (rows,) instead of their sum."""
+    the softmax over the first n_real of weight's rows, and, if want_grad, its gradients w.r.t. h
+    and weight (else None, None). scale None: no gradients, and the token losses (rows,) instead
+    of their sum."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     token_losses = torch.empty(h.size(0), dtype=torch.float32, device=h.device) if scale is None else None
     scale = 1.0 if scale is None else scale
@@ -37,6 +42,7 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad):
     for start in range(0, h.size(0), chunk_rows):
         hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
         logits = (hc @ weight.t()).float()
+        logits[:, n_real:] = float("-inf")  # exp gives 0: no probability, no gradient
         weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
         safe_t = tc.clamp(min=0).unsqueeze(1)
         target_logit = logits.gather(1, safe_t).squeeze(1)
@@ -59,25 +65,24 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     backward scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, scale, chunk_rows):
-        loss, grad_h, grad_w = chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=True)
+    def forward(ctx, h, weight, targets, scale, chunk_rows, n_real):
+        loss, grad_h, grad_w = chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad=True)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
 
 
-def chunked_lm_loss(h, weight, targets, scale, chunk_rows):
+def chunked_lm_loss(h, weight, targets, scale, chunk_rows, n_real):
     """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
     alone (scale None: each target's). Inside autograd.Function.forward grad mode is always off and
     needs_input_grad is True for a Parameter even under no_grad, so the choice is made here."""
     if scale is not None and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows)
-    return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, want_grad=False)[0]
-
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows, n_real)
+    return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad=False)[0]
 
 
 def full_lm_loss(h, weight, targets, reduction, n_real):

@@ -304,13 +304,14 @@ class GPT(nn.Module):
         ignored). loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows
         and returns no logits. doc_mask: each document of a row attends to itself only (doc_mask.py)."""
         x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
-        n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, not used
+        n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, never softmaxed
         if targets is None:
             return self.lm_head(x)[..., :n_real], None
         targets = targets.reshape(-1)
         if loss_chunk:
             scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
-            return None, self.lm_loss(x.view(-1, x.size(-1)), self.lm_head.weight[:n_real], targets, scale, loss_chunk)
+            h = x.view(-1, x.size(-1))  # every matmul on the padded rows, their faster shape
+            return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
     def blocks(self, x, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):

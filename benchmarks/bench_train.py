@@ -3,10 +3,12 @@
     python benchmarks/bench_train.py                 # CPU preset on CPU, GPT-2 124M on CUDA
     python benchmarks/bench_train.py --loader        # data loader rows/s and RSS vs shard size
     python benchmarks/bench_train.py --eval          # validation loss: chunked vs full logits, no_grad
+    python benchmarks/bench_train.py --lm-head       # one loss chunk's lm_head matmuls: padded vs real rows
 
 Each variant runs in its own process (so peak memory is its own) on the same model, batch and
-data, and prints tokens/s, peak memory and the ratio to the reference. The variants add one
-change at a time:
+data, and prints tokens/s, peak memory and the ratio to the reference, and on CPU the model's
+FLOP/s (6 per parameter per token plus attention) as a share of this machine's fp32 matmul
+(sgemm, 2048^3, measured between the rounds). The variants add one change at a time:
 
     reference  per-micro-step mean loss / steps, unfused AdamW, full logits, no compile,
                batches loaded between micro-steps (the build-nanogpt loop)
@@ -111,8 +113,21 @@ def run_variant(variant, args):
         prefetcher.close()
     tokens = args.batch_size * args.seq_len * args.accum
     dt = float(np.median(times))
-    return dict(tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device),
-                model_mb=rss_model, compile_s=compile_s)
+    return dict(tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device), model_mb=rss_model,
+                compile_s=compile_s, flops_per_token=tg.flops_per_token(cfg, args.seq_len, model.num_params()))
+
+
+def sgemm_flops(n=2048, repeats=5):
+    """FLOP/s of this machine's fp32 matmul (n x n by n x n, best of repeats), in this process's threads:
+    the ceiling a CPU step's model FLOP/s is measured against."""
+    import torch
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
 
 
 def bench_loader(args):
@@ -140,7 +155,7 @@ def bench_eval(args):
     cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])
     model = tg.GPT(cfg).to(args.device).eval()
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
-    grad_work = lambda h, w, t, scale, chunk: chunked_loss.ChunkedLinearCrossEntropy.apply(h, w, t, scale, chunk)
+    grad_work = chunked_loss.ChunkedLinearCrossEntropy.apply  # the gradient path, whatever the grad mode
     variants = dict(full=(0, chunked_loss.chunked_lm_loss), chunked=(args.loss_chunk, chunked_loss.chunked_lm_loss),
                     chunked_grad_work=(args.loss_chunk, grad_work))
     best, losses = {}, {}
@@ -156,6 +171,33 @@ def bench_eval(args):
           f"+ loss, best of {args.rounds} | chunk {args.loss_chunk} rows")
     for name, dt in best.items():
         print(f"{name:18s} | {1000 * dt:8.1f} ms | {best['full'] / dt:.2f}x full logits | loss {losses[name]:.6f}")
+
+
+def bench_lm_head(args):
+    """One loss chunk's three lm_head matmuls (logits, input gradient, weight gradient, as
+    chunked_loss does them) against the padded weight's 50304 rows and its first 50257, in fp32:
+    interleaved rounds, the best of each."""
+    import torch
+    import train_gpt2 as tg
+    torch.manual_seed(0)
+    C = tg.MODEL_PRESETS[args.model]["n_embd"]
+    weight, h = torch.randn(50304, C) * 0.02, torch.randn(args.loss_chunk, C)
+    grad_w = torch.zeros(50304, C)
+    variants = {"50304 rows (padded)": (weight, grad_w), "50257 rows (real)": (weight[:50257], grad_w[:50257])}
+    best = {}
+    for _ in range(args.rounds):
+        for name, (w, gw) in variants.items():
+            for _ in range(5):
+                t = time.perf_counter()
+                logits = h @ w.t()
+                logits @ w
+                gw.addmm_(logits.t(), h)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    print(f"lm_head of one {args.loss_chunk}-row chunk, n_embd {C} ({args.model}), {torch.get_num_threads()} threads, "
+          f"best of {args.rounds} rounds x 5 | load {os.getloadavg()[0]:.1f}")
+    padded = best["50304 rows (padded)"]
+    for name, dt in best.items():
+        print(f"{name:20s} | {1000 * dt:7.2f} ms | {dt / padded:.3f}x the padded shape's time")
 
 
 def loader_worker(data_dir):
@@ -191,6 +233,7 @@ def main():
                    help="compile in 'ours' (default: as the trainer does, on CUDA only)")
     p.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
     p.add_argument("--eval", action="store_true", help="benchmark validation's no_grad loss instead")
+    p.add_argument("--lm-head", action="store_true", help="benchmark one loss chunk's lm_head matmuls instead")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--loader-worker", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -215,14 +258,17 @@ def main():
         return
     if args.eval:
         return bench_eval(args)
+    if args.lm_head:
+        return bench_lm_head(args)
     with tempfile.TemporaryDirectory() as data_dir:
         tokens = args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2)
         np.save(os.path.join(data_dir, "bench_train_000000.npy"),
                 np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16))
         print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} "
               f"accum={args.accum} | {torch.get_num_threads()} threads | median of {args.steps} steps")
-        best = {}
+        best, sgemm = {}, 0.0
         for _ in range(args.rounds):  # interleaved rounds, best of each: load from elsewhere hits all alike
+            sgemm = max(sgemm, sgemm_flops()) if not cuda else sgemm
             for variant in args.variants.split(","):
                 r = run_worker(variant, data_dir, args)
                 if r and (variant not in best or r["tok_per_s"] > best[variant]["tok_per_s"]):
@@ -230,9 +276,14 @@ def main():
         ref = best.get("reference") or next(iter(best.values()))
         for variant, r in best.items():
             extra = f" | compile {r['compile_s']:.1f}s" if r["compile_s"] else ""
+            if sgemm:  # model FLOPs (6 per parameter per token + attention) per second, against the matmul's
+                extra += f" | {100 * r['flops_per_token'] * r['tok_per_s'] / sgemm:.0f}% of sgemm"
             print(f"{variant:10s} | {r['tok_per_s']:10,.0f} tok/s ({r['tok_per_s'] / ref['tok_per_s']:.2f}x) | "
                   f"step {r['step_ms']:8.1f} ms | peak mem {r['peak_mb']:7.0f} MB ({r['peak_mb'] / ref['peak_mb']:.2f}x, "
                   f"above model {r['peak_mb'] - r['model_mb']:6.0f} MB){extra}", flush=True)
+        if sgemm:
+            print(f"sgemm (fp32 2048^3 matmul, best of {5 * args.rounds}): {sgemm / 1e9:.1f} GFLOP/s | load "
+                  f"{os.getloadavg()[0]:.1f}")
 
 
 def run_worker(variant, data_dir, args):

@@ -78,6 +78,8 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
         "benchmarks/bench_train.py --work x": unrecognized("bench_train.py", "--work x"),  # hidden --worker
         "benchmarks/bench_sample.py --step 3": unrecognized("bench_sample.py", "--step 3"),
         "benchmarks/bench_compile.py --round 3": unrecognized("bench_compile.py", "--round 3"),  # was --rounds 3
+        "benchmarks/bench_revision.py no-such-rev": (2, f"error: no-such-rev is not a commit of the git repository "
+                                                        f"at {REPO} (see bench_revision.py --help)\n", ""),
     }
     helps = ["train_gpt2.py --help", "fineweb.py -h", "hellaswag.py --help", "hf_interop.py export --help",
              "sample.py --help", "plot_log.py --help", "benchmarks/bench_sample.py --help"]

@@ -232,6 +232,39 @@ def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
     assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("loss_chunk", [0, 20])
+def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
+    """Both losses multiply by all 50304 rows of lm_head (the padded shape, faster), the softmax
+    covering GPT-2's 50257 ids only: loss and gradients are a real-vocabulary softmax's, and the 47
+    padded rows of the tied wte / lm_head get exactly 0 (no embedding lookup reaches them either)."""
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=16))  # vocab 50304
+    with torch.no_grad():  # padded logits far above the real ones: any probability they kept would show
+        model.lm_head.weight[50257:] = 3 * torch.randn(47, 8)
+    x, y = torch.randint(0, 50257, (2, 3, 16))
+    y[1, 5:] = -1
+
+    def loss_and_grads(loss_fn):
+        model.zero_grad()
+        loss = loss_fn()
+        (loss * 0.37).backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def real_vocabulary_loss(reduction="sum"):
+        logits = model.hidden_states(x) @ model.lm_head.weight[:50257].t()
+        return F.cross_entropy(logits.view(-1, 50257), y.view(-1), ignore_index=-1, reduction=reduction)
+
+    ref_loss, ref = loss_and_grads(real_vocabulary_loss)
+    loss, grads = loss_and_grads(lambda: model(x, y, reduction="sum", loss_chunk=loss_chunk)[1])
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for k in ref:  # fp32 rounding: the chunked softmax's gradient reaches 1.2e-5 of the largest, as before padding
+        torch.testing.assert_close(grads[k], ref[k], atol=2e-5 * ref[k].abs().max().item(), rtol=1e-5, msg=k)
+    assert torch.equal(grads["transformer.wte.weight"][50257:], torch.zeros(47, 8))
+    with torch.no_grad():  # evaluation: each target's loss
+        _, token_losses = model(x, y, reduction="none", loss_chunk=loss_chunk)
+        torch.testing.assert_close(token_losses, real_vocabulary_loss("none"), rtol=1e-5, atol=1e-6)
+
+
 def test_param_counts_add_up_and_count_the_tied_embedding_once():
     model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))
     C, V, L = 128, 50304, 4
