@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import zlib
@@ -669,7 +670,7 @@ class ShardWriter:
 
 def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
     """The manifest of an earlier run with the same config and inputs, or a new one (not yet
-    written: the folder is created only once there is something to write)."""
+    written: a run that fails before its first shard leaves the folder as it found it)."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
@@ -858,9 +859,9 @@ def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | Non
 
 @contextlib.contextmanager
 def output_folder(out_dir: str):
-    """Creates out_dir (and missing parents) for the block. If the block fails or is
-    interrupted with the new folder still empty, removes what it created: a run that wrote
-    nothing leaves nothing behind."""
+    """Creates out_dir (and missing parents) and holds it (FolderLock) for the block: a second run on
+    it is refused before it reads or writes anything there. If the block fails or is interrupted with
+    the new folder still empty, removes what it created: a run that wrote nothing leaves nothing behind."""
     created, folder = [], os.path.abspath(out_dir)
     while not os.path.exists(folder):
         created.append(folder)
@@ -871,15 +872,102 @@ def output_folder(out_dir: str):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as e:
         raise UserError(f"cannot create shards in --out-dir {out_dir}: {os_error_reason(e)}") from None
+    lock = FolderLock(out_dir)
+    lock.acquire()  # refused: the folder is the other run's, left as it is
     try:
         yield
     except BaseException:
+        lock.release()  # (its .lock note goes: the folder is empty again if nothing was written)
         for folder in created:  # the deepest first; stop at the first that is not empty
             try:
                 os.rmdir(folder)
             except OSError:
                 break
         raise
+    finally:
+        lock.release()
+
+
+class FolderLock:
+    """One live writer per folder: an exclusive flock on the folder itself (on a descriptor of the
+    directory), which no file in it, deleted or rewritten, can undo. FOLDER/.lock names the holder's pid
+    and host, only for the refusal of a second writer. The kernel drops the lock when the process ends,
+    however it ends, so what a killed writer leaves blocks nothing; a writer that ends removes the .lock
+    it wrote (not one that replaced it). fineweb.py holds its --out-dir with it, a training run its own
+    (out_dir.OutDirLock, which words the refusal for a run)."""
+
+    writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
+
+    def __init__(self, folder: str):
+        self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
+
+    def in_use(self, holder: str) -> str:
+        """The refusal of a second writer (holder: as the .lock note names it)."""
+        return (f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
+                "folder): wait for it to end, or choose another --out-dir")
+
+    def note(self, line: str):
+        print(line, file=sys.stderr, flush=True)
+
+    def acquire(self):
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._cannot_lock("no flock on this system")
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(self.in_use(self._holder())) from None
+        except OSError as e:  # a file system without locks (Lustre without -o flock)
+            os.close(fd)
+            return self._cannot_lock(os_error_reason(e))
+        self.fd = fd
+        try:
+            self._write_holder()
+        except UserError:
+            self.release()
+            raise
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its .lock says."""
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        except OSError:
+            return f"holder not recorded in {self.path}"
+
+    def _write_holder(self):
+        """FOLDER/.lock: a new file, replacing the one a writer that ended or was killed left there."""
+        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+            what = (f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else
+                    "a directory" if os.path.isdir(self.path) else "not a regular file")
+            raise UserError(f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose "
+                            "another --out-dir")
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            os.replace(tmp, self.path)
+            self.written = os.stat(self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
+
+    def _cannot_lock(self, why: str):
+        self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")
+
+    def release(self):
+        if self.fd is None:
+            return
+        if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(self.path), self.written):
+                    os.remove(self.path)
+        os.close(self.fd)
+        self.fd = self.written = None
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -922,6 +1010,13 @@ def run(args: argparse.Namespace) -> None:
     except RuntimeError as e:
         raise UserError(str(e)) from e
     source, config, inputs = describe_input(args)
+    with output_folder(args.out_dir):
+        write_data_set(args, source, config, inputs)
+
+
+def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) -> None:
+    """The shards of the source in args.out_dir (held by this run): a new data set, the rest of an
+    interrupted one, or nothing when it is complete."""
     manifest = open_manifest(args.out_dir, config, source, inputs)
     writer = ShardWriter(args.out_dir, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
@@ -984,11 +1079,10 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
         pool = None
         if args.workers > 1:  # forked before the source starts any threads
             pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=_init_worker))
-        # read the first document now, so that source errors come before the folder and the progress bar
+        # read the first document now, so that source errors come before the progress bar
         first = next(documents, None)
         if first is None and not writer.manifest["shards"]:
             raise UserError(f"no documents in {source}")
-        stack.enter_context(output_folder(args.out_dir))
         chunks = chunk_located(chain([first], documents) if first is not None else (), CHUNK_CHARS)
         progress = stack.enter_context(tqdm(
             total=args.max_tokens, initial=writer.tokens_total, unit="tok", unit_scale=True,
