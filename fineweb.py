@@ -33,6 +33,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections import deque
@@ -655,6 +656,7 @@ class ShardWriter:
             "bytes": len(header) + tokens.nbytes,
             "documents": int(self.shard_documents),
             "sha256": digest.hexdigest(),
+            "max_id": int(tokens.max()),  # the trainer refuses ids its model has no output for
             "documents_done": self.documents_done,
             "next_document_tokens_done": self.open_tokens,
         })
@@ -809,34 +811,121 @@ def folder_manifest(folder: str) -> dict | None:
     return None
 
 
-def manifest_digests(folder: str) -> dict[str, tuple[int, str]]:
-    """{file: (bytes, sha256)} of the shards that fineweb.py's manifest.json in folder lists ({}
-    without a readable one)."""
+def manifest_shards(folder: str) -> dict[str, dict] | None:
+    """{file: its entry} of the shards that fineweb.py's manifest.json in folder lists (None without a
+    readable one)."""
     with contextlib.suppress(LookupError, TypeError):
-        return {shard["file"]: (shard["bytes"], shard["sha256"]) for shard in folder_manifest(folder)["shards"]}
-    return {}
+        return {shard["file"]: shard for shard in folder_manifest(folder)["shards"]}
+    return None
 
 
-def check_finished(folder: str):
-    """Refuse the shards of a fineweb.py run that has not finished (killed, or stopped at a document
-    it could not read): its manifest.json says so, and its shards hold only the data before that point."""
-    manifest = folder_manifest(folder)
+def recorded(entry: dict | None, key: str, size: int):
+    """What a manifest's entry records under key (sha256, max_id) for a file of size bytes, or None: an
+    entry for a file of another size is not this file's."""
+    return entry.get(key) if isinstance(entry, dict) and entry.get("bytes") == size else None
+
+
+def check_against_manifest(folder: str, split: str, paths: list[str]):
+    """Where fineweb.py's manifest.json is, it is the list of the folder's shards: refuse the shards of an
+    unfinished run (killed, or stopped at a document it could not read: they hold only the data before
+    that point), a shard file of the split (paths: those the trainer found by name) that it does not
+    list (another data set's file, a copy in another format), and one it lists that is missing or of
+    another size."""
+    manifest, where = folder_manifest(folder), os.path.join(folder, MANIFEST)
     if manifest is not None and manifest.get("complete") is False:
         written = len(manifest.get("shards") or ())
         raise UserError(f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
                         "complete: false); finish it by running fineweb.py again as it was run")
+    listed = manifest_shards(folder)
+    if listed is None:  # shards from another tool
+        return
+    for path in paths:
+        if os.path.basename(path) not in listed:
+            raise UserError(f"{path} is not one of the shards that {where} lists: move it out of the folder (where "
+                            "a manifest is, the trainer reads the shards it lists and no others)")
+    for name, entry in sorted(listed.items()):
+        path = os.path.join(folder, name)
+        if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry.get("bytes")):
+            continue
+        what = f"is {os.path.getsize(path)} bytes, not" if os.path.isfile(path) else "is missing; it had"
+        raise UserError(f"{path}, listed in {where}, {what} the {entry.get('bytes')} bytes listed there; restore it, "
+                        "or re-create the data set with fineweb.py")
+
+
+def no_output_for(path: str, token_id: int, vocab_size: int) -> str:
+    """Why the model (of vocab_size rows) cannot train on a shard holding token_id: as a target, no
+    output of its softmax (real_vocab_size) is that id."""
+    if vocab_size >= GPT2_VOCAB:
+        return (f"{path} holds token id {token_id}, which the model has no output for: its softmax covers GPT-2's "
+                f"{GPT2_VOCAB} tokens (ids 0..{EOT}), whatever --vocab-size pads; the shards come from another "
+                "tokenizer (one with added tokens?): re-create them with fineweb.py")
+    return (f"{path} holds token id {token_id}, which the model has no output for (--vocab-size {vocab_size}: ids "
+            f"0..{vocab_size - 1}); wrong tokenizer or --vocab-size too small")
+
+
+def check_token_ids(paths: list[str], shards: list[np.ndarray], vocab_size: int):
+    """Refuse, before any step, shards holding an id the model has no output for (no_output_for), which
+    would fail the loss when its row is first read. A shard's largest id is its manifest's max_id, else
+    a pass over the memory-mapped tokens (a 100M-token shard: 0.05 s from the page cache)."""
+    listed = {folder: manifest_shards(folder) or {} for folder in {os.path.dirname(p) for p in paths}}
+    for path, tokens in zip(paths, shards):
+        largest = recorded(listed[os.path.dirname(path)].get(os.path.basename(path)), "max_id", os.path.getsize(path))
+        if not isinstance(largest, int):
+            largest = int(tokens.max()) if tokens.size else 0
+        if largest >= real_vocab_size(vocab_size):
+            raise UserError(no_output_for(path, largest, vocab_size))
+
+
+class ShardDigestCheck:
+    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a daemon
+    thread started at start-up (hashlib lets go of the GIL: it runs beside the steps, about 0.8 s per
+    100M-token shard). A shard without a recorded sha256 is not checked. The run asks failed() (free)
+    at each step and result() (which waits for it) where it must know."""
+
+    def __init__(self, paths: list[str]):
+        self.error = None
+        self.thread = threading.Thread(target=self._check, args=(paths,), name="shard sha256", daemon=True)
+        self.thread.start()
+
+    def _check(self, paths: list[str]):
+        listed = {folder: manifest_shards(folder) or {} for folder in {os.path.dirname(p) for p in paths}}
+        for path in paths:
+            try:
+                size = os.path.getsize(path)
+                expected = recorded(listed[os.path.dirname(path)].get(os.path.basename(path)), "sha256", size)
+                if expected is None:
+                    continue
+                with open(path, "rb") as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as e:
+                self.error = UserError(f"cannot read {path}: {os_error_reason(e)}")
+                return
+            if digest != expected:
+                self.error = UserError(
+                    f"{path} has sha256 {digest[:16]}..., not the {expected[:16]}... that "
+                    f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
+                    "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py")
+                return
+
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def result(self):
+        """Once every shard is checked: a UserError naming the first that differs."""
+        self.thread.join()
+        if self.error:
+            raise self.error
 
 
 def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
     """What tells one set of shards from another, per shard: (file name, size in bytes, its
     sampled_sha256, the sha256 its folder's manifest.json records for a file of that size or None)."""
-    listed = {folder: manifest_digests(folder) for folder in {os.path.dirname(p) for p in paths}}
+    listed = {folder: manifest_shards(folder) or {} for folder in {os.path.dirname(p) for p in paths}}
     files = []
     for path in paths:
         name, size = os.path.basename(path), os.path.getsize(path)
-        recorded_bytes, sha256 = listed[os.path.dirname(path)].get(name, (None, None))
-        # a manifest's entry for a file of another size is not this file's
-        files.append((name, size, sampled_sha256(path, size), sha256 if recorded_bytes == size else None))
+        files.append((name, size, sampled_sha256(path, size), recorded(listed[os.path.dirname(path)].get(name),
+                                                                       "sha256", size)))
     return files
 
 
