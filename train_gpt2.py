@@ -938,11 +938,13 @@ class Trainer:
     def data_files(self) -> dict:
         return data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
 
-    def save(self, step: int):
+    def save(self, step: int, stopping: bool = False):
         """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
-        its tensors; one all-reduce makes them agree)."""
+        its tensors; one all-reduce makes them agree), or a rank's shards are not what their manifest
+        records (no checkpoint of steps on them; the save waits for that check to end, except a stop
+        signal's: a job's grace time is short, and a checkpoint in it is worth more)."""
         path = checkpoint_path(self.run.out_dir, step)
-        checked_on_every_rank(self.d, self.shard_check.result)  # no checkpoint of steps on shards that differ
+        checked_on_every_rank(self.d, lambda: self.shard_check.result(wait=not stopping))
         where = nonfinite_state(self.raw_model, self.optimizer, self.device)
         if where:
             raise UserError(f"step {step}: not writing {path}: the {where} hold non-finite values. "
@@ -1041,7 +1043,7 @@ class Trainer:
                         self.save(step)
                 if stop_agreed:
                     if self.last_ckpt != checkpoint_path(run.out_dir, step):
-                        self.save(step)
+                        self.save(step, stopping=True)
                     print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
                            f"Resume with the same command plus --resume")
                     break

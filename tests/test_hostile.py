@@ -317,12 +317,11 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
                    "of the folder (where a manifest is, the trainer reads the shards it lists and no others)")
     elif case == "a listed shard missing":
         shard.unlink()
-        message = (f"{shard}, listed in {manifest}, is missing; it had the {size} bytes listed there; restore it, "
-                   "or re-create the data set with fineweb.py")
+        message = f"{shard} is missing, yet {manifest} lists it; restore it, or re-create the data set with fineweb.py"
     else:
         np.save(shard, np.load(shard)[:-3])
-        message = (f"{shard}, listed in {manifest}, is {size - 6} bytes, not the {size} bytes listed there; "
-                   "restore it, or re-create the data set with fineweb.py")
+        message = (f"{shard} is {size - 6} bytes, not the {size} that {manifest} lists; restore it, or re-create the "
+                   "data set with fineweb.py")
     before = tree_hashes(data)
     result = run_command("train_gpt2.py", *args_for(str(data), out, steps=2))
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
