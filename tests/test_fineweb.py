@@ -122,6 +122,7 @@ def check_output(out_dir, docs, shard_size, val_shards=1, prefix="edufineweb"):
         data = (Path(out_dir) / shard["file"]).read_bytes()
         assert shard["sha256"] == hashlib.sha256(data).hexdigest()
         assert shard["bytes"] == len(data)
+        assert shard["max_id"] == tokens.max()  # what the trainer's start-up check of token ids reads
         end += tokens.size
         done = int(np.searchsorted(doc_ends, end, side="right"))
         assert shard["documents_done"] == done
