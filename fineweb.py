@@ -31,7 +31,9 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
+import threading
 import time
 import zlib
 from collections import deque
@@ -654,6 +656,7 @@ class ShardWriter:
             "bytes": len(header) + tokens.nbytes,
             "documents": int(self.shard_documents),
             "sha256": digest.hexdigest(),
+            "max_id": int(tokens.max()),  # the trainer refuses ids its model has no output for
             "documents_done": self.documents_done,
             "next_document_tokens_done": self.open_tokens,
         })
@@ -669,7 +672,7 @@ class ShardWriter:
 
 def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
     """The manifest of an earlier run with the same config and inputs, or a new one (not yet
-    written: the folder is created only once there is something to write)."""
+    written: a run that fails before its first shard leaves the folder as it found it)."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
@@ -808,34 +811,123 @@ def folder_manifest(folder: str) -> dict | None:
     return None
 
 
-def manifest_digests(folder: str) -> dict[str, tuple[int, str]]:
-    """{file: (bytes, sha256)} of the shards that fineweb.py's manifest.json in folder lists ({}
-    without a readable one)."""
+def manifest_shards(folder: str) -> dict[str, dict] | None:
+    """{file: its entry} of the shards that fineweb.py's manifest.json in folder lists (None without a
+    readable one)."""
     with contextlib.suppress(LookupError, TypeError):
-        return {shard["file"]: (shard["bytes"], shard["sha256"]) for shard in folder_manifest(folder)["shards"]}
-    return {}
+        return {shard["file"]: shard for shard in folder_manifest(folder)["shards"]}
+    return None
 
 
-def check_finished(folder: str):
-    """Refuse the shards of a fineweb.py run that has not finished (killed, or stopped at a document
-    it could not read): its manifest.json says so, and its shards hold only the data before that point."""
-    manifest = folder_manifest(folder)
+def recorded(paths: list[str], key: str) -> list:
+    """What the manifest.json of each path's folder records for it under key (sha256, max_id), or None:
+    without a manifest, or where its entry is for a file of another size (not this file)."""
+    listed = {folder: manifest_shards(folder) or {} for folder in {os.path.dirname(p) for p in paths}}
+    values = []
+    for path in paths:
+        entry = listed[os.path.dirname(path)].get(os.path.basename(path))
+        same_size = isinstance(entry, dict) and entry.get("bytes") == os.path.getsize(path)
+        values.append(entry.get(key) if same_size else None)
+    return values
+
+
+def check_against_manifest(folder: str, split: str, paths: list[str]):
+    """Where fineweb.py's manifest.json is, it is the list of the folder's shards: refuse the shards of an
+    unfinished run (killed, or stopped at a document it could not read: they hold only the data before
+    that point), a shard file of the split (paths: those the trainer found by name) that it does not
+    list (another data set's file, a copy in another format), and one it lists that is missing or of
+    another size."""
+    manifest, where = folder_manifest(folder), os.path.join(folder, MANIFEST)
     if manifest is not None and manifest.get("complete") is False:
         written = len(manifest.get("shards") or ())
         raise UserError(f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
                         "complete: false); finish it by running fineweb.py again as it was run")
+    listed = manifest_shards(folder)
+    if listed is None:  # shards from another tool
+        return
+    for path in paths:
+        if os.path.basename(path) not in listed:
+            raise UserError(f"{path} is not one of the shards that {where} lists: move it out of the folder (where "
+                            "a manifest is, the trainer reads the shards it lists and no others)")
+    for name, entry in sorted(listed.items()):
+        path = os.path.join(folder, name)
+        if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry.get("bytes")):
+            continue
+        what = (f"is {os.path.getsize(path)} bytes, not the {entry.get('bytes')} that {where} lists"
+                if os.path.isfile(path) else f"is missing, yet {where} lists it")
+        raise UserError(f"{path} {what}; restore it, or re-create the data set with fineweb.py")
+
+
+def no_output_for(path: str, token_id: int, vocab_size: int) -> str:
+    """Why the model (of vocab_size rows) cannot train on a shard holding token_id: as a target, no
+    output of its softmax (real_vocab_size) is that id."""
+    if vocab_size >= GPT2_VOCAB:
+        return (f"{path} holds token id {token_id}, which the model has no output for: its softmax covers GPT-2's "
+                f"{GPT2_VOCAB} tokens (ids 0..{EOT}), whatever --vocab-size pads; the shards come from another "
+                "tokenizer (one with added tokens?): re-create them with fineweb.py")
+    return (f"{path} holds token id {token_id}, which the model has no output for (--vocab-size {vocab_size}: ids "
+            f"0..{vocab_size - 1}); wrong tokenizer or --vocab-size too small")
+
+
+def check_token_ids(paths: list[str], shards: list[np.ndarray], vocab_size: int):
+    """Refuse, before any step, shards holding an id the model has no output for (no_output_for), which
+    would fail the loss when its row is first read. A shard's largest id is its manifest's max_id, else
+    a pass over the memory-mapped tokens (a 100M-token shard: 0.02 s from the page cache, 2 s for 10B tokens)."""
+    for path, tokens, largest in zip(paths, shards, recorded(paths, "max_id")):
+        if not isinstance(largest, int):
+            largest = int(tokens.max()) if tokens.size else 0
+        if largest >= real_vocab_size(vocab_size):
+            raise UserError(no_output_for(path, largest, vocab_size))
+
+
+class ShardDigestCheck:
+    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a daemon
+    thread started at start-up (hashlib lets go of the GIL: it runs beside the steps, 0.4 to 0.8 s per
+    100M-token shard). A shard without a recorded sha256 is not checked. The run asks failed() (free)
+    at each step and result() (which waits for it) where it must know."""
+
+    def __init__(self, paths: list[str]):
+        self.error = None
+        self.thread = threading.Thread(target=self._check, args=(paths, recorded(paths, "sha256")),
+                                       name="shard sha256", daemon=True)
+        self.thread.start()
+
+    def _check(self, paths: list[str], digests: list[str | None]):
+        for path, expected in zip(paths, digests):
+            if expected is None:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as e:
+                self.error = UserError(f"cannot read {path}: {os_error_reason(e)}")
+                return
+            if digest != expected:
+                self.error = UserError(
+                    f"{path} has sha256 {digest[:16]}..., not the {expected[:16]}... that "
+                    f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
+                    "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py")
+                return
+
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def result(self, wait: bool = True):
+        """A UserError naming the first shard that differs: once every shard is checked, or (not wait)
+        among those checked so far."""
+        if wait:
+            self.thread.join()
+        if self.error:
+            raise self.error
 
 
 def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
     """What tells one set of shards from another, per shard: (file name, size in bytes, its
     sampled_sha256, the sha256 its folder's manifest.json records for a file of that size or None)."""
-    listed = {folder: manifest_digests(folder) for folder in {os.path.dirname(p) for p in paths}}
     files = []
-    for path in paths:
-        name, size = os.path.basename(path), os.path.getsize(path)
-        recorded_bytes, sha256 = listed[os.path.dirname(path)].get(name, (None, None))
-        # a manifest's entry for a file of another size is not this file's
-        files.append((name, size, sampled_sha256(path, size), sha256 if recorded_bytes == size else None))
+    for path, sha256 in zip(paths, recorded(paths, "sha256")):
+        size = os.path.getsize(path)
+        files.append((os.path.basename(path), size, sampled_sha256(path, size), sha256))
     return files
 
 
@@ -858,9 +950,9 @@ def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | Non
 
 @contextlib.contextmanager
 def output_folder(out_dir: str):
-    """Creates out_dir (and missing parents) for the block. If the block fails or is
-    interrupted with the new folder still empty, removes what it created: a run that wrote
-    nothing leaves nothing behind."""
+    """Creates out_dir (and missing parents) and holds it (FolderLock) for the block: a second run on
+    it is refused before it reads or writes anything there. If the block fails or is interrupted with
+    the new folder still empty, removes what it created: a run that wrote nothing leaves nothing behind."""
     created, folder = [], os.path.abspath(out_dir)
     while not os.path.exists(folder):
         created.append(folder)
@@ -871,15 +963,102 @@ def output_folder(out_dir: str):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as e:
         raise UserError(f"cannot create shards in --out-dir {out_dir}: {os_error_reason(e)}") from None
+    lock = FolderLock(out_dir)
+    lock.acquire()  # refused: the folder is the other run's, left as it is
     try:
         yield
     except BaseException:
+        lock.release()  # (its .lock note goes: the folder is empty again if nothing was written)
         for folder in created:  # the deepest first; stop at the first that is not empty
             try:
                 os.rmdir(folder)
             except OSError:
                 break
         raise
+    finally:
+        lock.release()
+
+
+class FolderLock:
+    """One live writer per folder: an exclusive flock on the folder itself (on a descriptor of the
+    directory), which no file in it, deleted or rewritten, can undo. FOLDER/.lock names the holder's pid
+    and host, only for the refusal of a second writer. The kernel drops the lock when the process ends,
+    however it ends, so what a killed writer leaves blocks nothing; a writer that ends removes the .lock
+    it wrote (not one that replaced it). fineweb.py holds its --out-dir with it, a training run its own
+    (out_dir.OutDirLock, which words the refusal for a run)."""
+
+    writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
+
+    def __init__(self, folder: str):
+        self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
+
+    def in_use(self, holder: str) -> str:
+        """The refusal of a second writer (holder: as the .lock note names it)."""
+        return (f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
+                "folder): wait for it to end, or choose another --out-dir")
+
+    def note(self, line: str):
+        print(line, file=sys.stderr, flush=True)
+
+    def acquire(self):
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._cannot_lock("no flock on this system")
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(self.in_use(self._holder())) from None
+        except OSError as e:  # a file system without locks (Lustre without -o flock)
+            os.close(fd)
+            return self._cannot_lock(os_error_reason(e))
+        self.fd = fd
+        try:
+            self._write_holder()
+        except UserError:
+            self.release()
+            raise
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its .lock says."""
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        except OSError:
+            return f"holder not recorded in {self.path}"
+
+    def _write_holder(self):
+        """FOLDER/.lock: a new file, replacing the one a writer that ended or was killed left there."""
+        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+            what = (f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else
+                    "a directory" if os.path.isdir(self.path) else "not a regular file")
+            raise UserError(f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose "
+                            "another --out-dir")
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            os.replace(tmp, self.path)
+            self.written = os.stat(self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
+
+    def _cannot_lock(self, why: str):
+        self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")
+
+    def release(self):
+        if self.fd is None:
+            return
+        if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(self.path), self.written):
+                    os.remove(self.path)
+        os.close(self.fd)
+        self.fd = self.written = None
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -922,6 +1101,13 @@ def run(args: argparse.Namespace) -> None:
     except RuntimeError as e:
         raise UserError(str(e)) from e
     source, config, inputs = describe_input(args)
+    with output_folder(args.out_dir):
+        write_data_set(args, source, config, inputs)
+
+
+def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) -> None:
+    """The shards of the source in args.out_dir (held by this run): a new data set, the rest of an
+    interrupted one, or nothing when it is complete."""
     manifest = open_manifest(args.out_dir, config, source, inputs)
     writer = ShardWriter(args.out_dir, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
@@ -984,11 +1170,10 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
         pool = None
         if args.workers > 1:  # forked before the source starts any threads
             pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=_init_worker))
-        # read the first document now, so that source errors come before the folder and the progress bar
+        # read the first document now, so that source errors come before the progress bar
         first = next(documents, None)
         if first is None and not writer.manifest["shards"]:
             raise UserError(f"no documents in {source}")
-        stack.enter_context(output_folder(args.out_dir))
         chunks = chunk_located(chain([first], documents) if first is not None else (), CHUNK_CHARS)
         progress = stack.enter_context(tqdm(
             total=args.max_tokens, initial=writer.tokens_total, unit="tok", unit_scale=True,

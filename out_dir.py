@@ -15,13 +15,12 @@ import json
 import math
 import os
 import shutil
-import socket
 
 import cli
 from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
                          new_run, read_run, run_name, same_file)
 from cli import UserError
-from fineweb import one_line, os_error_reason
+from fineweb import FolderLock, one_line, os_error_reason
 from launch import print0
 
 class RunLog:
@@ -239,77 +238,18 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     return log
 
 
-class OutDirLock:
-    """One live run per --out-dir: rank 0 holds an exclusive flock on the folder itself (on a descriptor
-    of the directory), which no file in it, deleted or rewritten, can undo. OUT/.lock names the holder's
-    pid and host, only for the refusal of a second run. The kernel drops the lock when the process
-    ends, however it ends, so what a killed run leaves blocks nothing; a run that ends removes the
-    .lock it wrote (not one that replaced it)."""
+class OutDirLock(FolderLock):
+    """One live run per --out-dir (fineweb.FolderLock, as fineweb.py holds its own --out-dir): rank 0
+    takes it once the input checks out, and the refusal of a second run says how to continue the first."""
 
-    def __init__(self, out_dir: str):
-        self.out_dir, self.path, self.fd, self.written = out_dir, os.path.join(out_dir, ".lock"), None, None
+    writer = "this trainer"
 
-    def acquire(self):
-        try:
-            import fcntl
-        except ImportError:  # Windows
-            return self._cannot_lock("no flock on this system")
-        fd = os.open(self.out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise UserError(f"--out-dir {self.out_dir} is in use by another training run ({self._holder()}; it "
-                            "holds a lock on the folder): wait for it to end (then --resume continues it), or "
-                            "choose another --out-dir") from None
-        except OSError as e:  # a file system without locks (Lustre without -o flock)
-            os.close(fd)
-            return self._cannot_lock(os_error_reason(e))
-        self.fd = fd
-        try:
-            self._write_holder()
-        except UserError:
-            self.release()
-            raise
+    def in_use(self, holder: str) -> str:
+        return (f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
+                "folder): wait for it to end (then --resume continues it), or choose another --out-dir")
 
-    def _holder(self) -> str:
-        """Who holds the lock, as its .lock says."""
-        try:
-            with open(self.path, errors="replace") as f:
-                return f.readline(200).strip() or f"holder not recorded in {self.path}"
-        except OSError:
-            return f"holder not recorded in {self.path}"
-
-    def _write_holder(self):
-        """OUT/.lock: a new file, replacing the one a run that ended or was killed left there."""
-        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
-            what = (f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else
-                    "a directory" if os.path.isdir(self.path) else "not a regular file")
-            raise UserError(f"{self.path} is {what}, not the lock note this trainer writes: remove it, or choose "
-                            "another --out-dir")
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            os.replace(tmp, self.path)
-            self.written = os.stat(self.path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
-
-    def _cannot_lock(self, why: str):
-        print0(f"note: cannot lock --out-dir {self.out_dir} ({why}): a second run on it would not be stopped")
-
-    def release(self):
-        if self.fd is None:
-            return
-        if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
-            with contextlib.suppress(OSError):
-                if os.path.samestat(os.stat(self.path), self.written):
-                    os.remove(self.path)
-        os.close(self.fd)
-        self.fd = self.written = None
+    def note(self, line: str):
+        print0(line)
 
 
 def import_extra(module: str, flag: str, package: str):

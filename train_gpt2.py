@@ -174,15 +174,16 @@ from checkpoints import (  # defines: checkpoint files (atomic save, verified lo
 from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
 from doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader and its checks, shard identity
-    EOT, check_finished, get_tokenizer_or_fail, open_shard, real_vocab_size, shard_files, token_byte_lengths)
+    EOT, ShardDigestCheck, check_against_manifest, check_token_ids, get_tokenizer_or_fail, no_output_for, open_shard,
+    real_vocab_size, shard_files, token_byte_lengths)
 from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
 from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
     StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
     mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
 from launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
-    Dist, all_reduce_sum, autocast_context, check_ranks_agree, compile_decision, compile_model, decided_on_rank0,
-    exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
+    Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
+    decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
 from optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from sample import SAMPLE_PROMPT, sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
@@ -427,9 +428,9 @@ def draw(probs, generator):
 def find_shards(data_dir: str, split: str) -> list[str]:
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir} does not exist; create shards with fineweb.py")
-    check_finished(data_dir)
     folder = glob.escape(data_dir)  # a folder named like a pattern (data[1]) is still that folder
     paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(folder, f"*_{split}_*.{ext}")))
+    check_against_manifest(data_dir, split, paths)
     if not paths:
         raise UserError(f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; "
                         "create them with fineweb.py")
@@ -470,6 +471,8 @@ class TokenRows:
         self.T, self.align_docs, self.shuffle, self.seed = T, align_docs, shuffle, seed
         self.vocab_size = vocab_size
         self.shards = [open_shard(p) for p in self.paths]
+        if vocab_size is not None:
+            check_token_ids(self.paths, self.shards, vocab_size)
         if align_docs:  # about 0.5 s per 100M-token shard
             from tqdm import tqdm
             shards = tqdm(self.shards, desc=f"{split} row tables", unit="shard", disable=not progress, delay=2)
@@ -529,13 +532,12 @@ class TokenRows:
             buf = self.shards[shard][start:start + n + 1]
             x[b, :n] = buf[:-1]
             y[b, :n] = buf[1:]
-        if self.vocab_size is not None:
+        if self.vocab_size is not None:  # (a shard changed since start-up, where check_token_ids read its max_id)
             row_max = np.maximum(x.max(axis=1), y.max(axis=1))
-            if row_max.max() >= self.vocab_size:  # name the shard of the offending row, not of row g0
+            if row_max.max() >= real_vocab_size(self.vocab_size):  # name the shard of the offending row, not of row g0
                 b = int(row_max.argmax())
                 shard, _, _ = self.row_span(g0 + b)
-                raise cli.RankLocalError(f"{self.paths[shard]}: token id {row_max[b]} >= vocab size {self.vocab_size}; "
-                                         "wrong tokenizer or --vocab-size too small")
+                raise cli.RankLocalError(no_output_for(self.paths[shard], int(row_max[b]), self.vocab_size))
         return x, y
 
 
@@ -816,6 +818,8 @@ class Trainer:
             if self.val_rows.rows_per_epoch < val_rows_needed:
                 raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
                                 f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
+        # every shard's sha256 against its manifest's, beside the steps; a step or a save that finds it failed stops
+        self.shard_check = ShardDigestCheck(self.train_rows.paths + (self.val_rows.paths if self.val_rows else []))
         self.enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
         self.token_bytes = token_byte_lengths(vocab_size, "pass --val-every 0") if self.val_rows else None
         if run.hellaswag_every:
@@ -934,12 +938,15 @@ class Trainer:
         return state
 
     def data_files(self) -> dict:
-        return data_files(self.run.data_dir, self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
+        return data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
 
-    def save(self, step: int):
+    def save(self, step: int, stopping: bool = False):
         """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
-        its tensors; one all-reduce makes them agree)."""
+        its tensors; one all-reduce makes them agree), or a rank's shards are not what their manifest
+        records (no checkpoint of steps on them; the save waits for that check to end, except a stop
+        signal's: a job's grace time is short, and a checkpoint in it is worth more)."""
         path = checkpoint_path(self.run.out_dir, step)
+        checked_on_every_rank(self.d, lambda: self.shard_check.result(wait=not stopping))
         where = nonfinite_state(self.raw_model, self.optimizer, self.device)
         if where:
             raise UserError(f"step {step}: not writing {path}: the {where} hold non-finite values. "
@@ -1000,18 +1007,22 @@ class Trainer:
 
     def reduce_and_clip(self, loss_total: torch.Tensor) -> tuple[float, float, bool]:
         """(summed loss of all ranks, grad norm before clipping, stop requested anywhere), with one
-        collective and one host sync; clips the gradients in place."""
+        collective and one host sync; clips the gradients in place. A failed shard check on any rank
+        (ShardDigestCheck) stops every rank here, before the update."""
         # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
         # device=...), no copy from pageable host memory, which would block until the backward ends
-        stop_flag = torch.full((1,), float(self.stop.requested), dtype=torch.float64, device=self.device)
-        stats = all_reduce_sum(torch.cat([loss_total.view(1), stop_flag]))
+        flags = [torch.full((1,), float(flag), dtype=torch.float64, device=self.device)
+                 for flag in (self.stop.requested, self.shard_check.failed())]
+        stats = all_reduce_sum(torch.cat([loss_total.view(1), *flags]))
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # the norm and clipping see the true gradients
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         grad_norm = grad_norm_of([p.grad for p in params])
         if self.run.grad_clip:
             torch.nn.utils.clip_grads_with_norm_(params, self.run.grad_clip, grad_norm)
-        loss_sum, stop_votes, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()
+        loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()
+        if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
+            checked_on_every_rank(self.d, self.shard_check.result)
         return loss_sum, norm, stop_votes > 0
 
     # ---- the loop
@@ -1034,7 +1045,7 @@ class Trainer:
                         self.save(step)
                 if stop_agreed:
                     if self.last_ckpt != checkpoint_path(run.out_dir, step):
-                        self.save(step)
+                        self.save(step, stopping=True)
                     print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
                            f"Resume with the same command plus --resume")
                     break
@@ -1079,6 +1090,7 @@ class Trainer:
         printed, then one JSON line. Nothing is written to --out-dir."""
         with self.running():
             results = self.evaluate(self.start_step, last_step=True)
+            checked_on_every_rank(self.d, self.shard_check.result)
         print0(json.dumps(dict(step=self.start_step, **results)))
 
     @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Shared test setup: the repo on sys.path, the data the repository ships in fixtures/ (the GPT-2 BPE in bpe/)."""
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -58,6 +59,19 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
     launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
     return subprocess.run([*launcher, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
+
+
+def tree_hashes(folder):
+    """{path: sha256} of every file under folder (symbolic links as where they point): what a refused
+    run must leave byte-identical."""
+    found = {}
+    for parent, dirs, names in os.walk(folder):
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
+            path = os.path.join(parent, name)
+            key = os.path.relpath(path, folder)
+            found[key] = ("-> " + os.readlink(path)) if os.path.islink(path) else \
+                hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return found
 
 
 def interrupt_when_blocked(proc, fifo, timeout=120):

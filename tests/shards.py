@@ -50,3 +50,21 @@ def rank_batches(x, y, rank, world, B, accum):
     micro-step m of rank r reads rows (m*W + r)*B + [0, B)."""
     return [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
             for m in range(accum)]
+
+
+def write_manifest(data_dir, **recorded) -> dict:
+    """A fineweb.py manifest.json listing every shard in data_dir with its size and sha256 (complete),
+    as fineweb.py would write for them; recorded: {file: {key: value}} to add to or change an entry."""
+    import hashlib
+    import json
+    shards = []
+    for name in sorted(os.listdir(data_dir)):
+        if name.endswith(".npy"):
+            with open(os.path.join(data_dir, name), "rb") as f:
+                data = f.read()
+            shards.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                           **recorded.get(name, {})})
+    manifest = {"complete": True, "shards": shards}
+    with open(os.path.join(data_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return manifest

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import pytest
 import tiktoken
 
 import fineweb
-from conftest import TEXT_FILE, tiktoken_cache
+from conftest import TEXT_FILE, tiktoken_cache, tree_hashes
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
@@ -125,6 +126,7 @@ def check_output(out_dir, docs, shard_size, val_shards=1, prefix="edufineweb"):
         data = (Path(out_dir) / shard["file"]).read_bytes()
         assert shard["sha256"] == hashlib.sha256(data).hexdigest()
         assert shard["bytes"] == len(data)
+        assert shard["max_id"] == tokens.max()  # what the trainer's start-up check of token ids reads
         end += tokens.size
         done = int(np.searchsorted(doc_ends, end, side="right"))
         assert shard["documents_done"] == done
@@ -343,6 +345,38 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
     assert_same_output(out, reference_out)
     check_output(out, docs, 2500)
+
+
+def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
+    """Two runs on one --out-dir (issue 31: both wrote, one over the other's shards, and the trainer read
+    the mix): the second is refused in one line before it reads or writes anything there; once the first
+    is killed, what it left blocks nothing and the same command resumes it."""
+    docs, path, reference_out = corpus
+    other = write_jsonl(tmp_path / "other.jsonl", [{"text": doc} for doc in make_docs(40, seed=5)])
+    out = tmp_path / "out"
+    args = ["--files", str(path), "--out-dir", str(out), "--shard-size", "2500", "--workers", "2"]
+    first = subprocess.Popen([sys.executable, FINEWEB, *args], stderr=subprocess.DEVNULL, start_new_session=True,
+                             env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "2"})
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "edufineweb_train_000002.npy").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "run did not stall"
+            time.sleep(0.05)
+        before = tree_hashes(out)
+        for second in (["--files", str(other), "--out-dir", str(out), "--max-tokens", "1M"], args):
+            result = run_cli(*second)
+            assert (result.returncode, result.stderr) == (2, (
+                f"error: --out-dir {out} is being written by another process (pid {first.pid} on "
+                f"{socket.gethostname()}; it holds a lock on the folder): wait for it to end, or choose another "
+                "--out-dir\n"))
+            assert tree_hashes(out) == before
+        os.kill(first.pid, signal.SIGKILL)  # (its workers end once their task pipe closes)
+        assert first.wait(timeout=30) == -signal.SIGKILL
+        result = run_cli(*args)
+        assert result.returncode == 0, result.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+    assert_same_output(out, reference_out)
 
 
 def test_resume_at_a_document_boundary(tmp_path, small_chunks, capsys):

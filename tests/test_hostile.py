@@ -17,7 +17,7 @@ import checkpoints
 import guards
 import train_gpt2 as tg
 from cli import UserError
-from conftest import HELLASWAG_FILE, REPO, interrupt_when_blocked
+from conftest import HELLASWAG_FILE, REPO, interrupt_when_blocked, tree_hashes
 from test_resilience import args_for, log_records, resume_copy
 
 
@@ -272,6 +272,127 @@ def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     assert f"{guards.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
     assert skipped == list(range(skipped[0], skipped[0] + guards.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
+
+
+# --- data sets (issue 31) -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def made_data(tmp_path_factory):
+    """A data set fineweb.py made (its manifest.json lists 5 shards: val_000000, train_000001..4), and its input."""
+    import fineweb
+    folder = tmp_path_factory.mktemp("made")
+    words = "the quick brown fox jumps over a lazy dog while some more words of text follow it".split()
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words, rng.integers(5, 80))) for _ in range(400)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    assert fineweb.main(["--files", str(folder / "docs.jsonl"), "--out-dir", str(folder / "data"),
+                         "--shard-size", "4000", "--workers", "1"]) == 0
+    return folder / "data"
+
+
+def llmc_bin(tokens) -> bytes:
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = 20240520, 1, len(tokens)
+    return header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("case", ["another data set's shard", "a .bin copy beside its .npy", "a listed shard missing",
+                                  "a listed shard of another size"])
+def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
+    # before: the trainer read every *_train_* file and mixed these in (8,333 rows per epoch became 12,331)
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(made_data, data)
+    shard, manifest = data / "edufineweb_train_000002.npy", data / "manifest.json"
+    size = shard.stat().st_size
+    if case == "another data set's shard":
+        shutil.copy(shard, data / "other_train_000001.npy")
+        message = (f"{data}/other_train_000001.npy is not one of the shards that {manifest} lists: move it out of "
+                   "the folder (where a manifest is, the trainer reads the shards it lists and no others)")
+    elif case == "a .bin copy beside its .npy":
+        (data / "edufineweb_train_000002.bin").write_bytes(llmc_bin(np.load(shard)))
+        message = (f"{data}/edufineweb_train_000002.bin is not one of the shards that {manifest} lists: move it out "
+                   "of the folder (where a manifest is, the trainer reads the shards it lists and no others)")
+    elif case == "a listed shard missing":
+        shard.unlink()
+        message = f"{shard} is missing, yet {manifest} lists it; restore it, or re-create the data set with fineweb.py"
+    else:
+        np.save(shard, np.load(shard)[:-3])
+        message = (f"{shard} is {size - 6} bytes, not the {size} that {manifest} lists; restore it, or re-create the "
+                   "data set with fineweb.py")
+    before = tree_hashes(data)
+    result = run_command("train_gpt2.py", *args_for(str(data), out, steps=2))
+    assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
+    assert tree_hashes(data) == before and not out.exists()
+
+
+def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_path):
+    # before: "warning: ... changed since ... (its manifest.json differs): from step 2 on this run reads other
+    # rows than the run it continues would have": the manifests differ only in the input's path and mtime
+    import fineweb
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(made_data, data)
+    result = run_command("train_gpt2.py", *args_for(str(data), out, steps=2, ckpt_every=2))
+    assert result.returncode == 0, result.stderr
+    shutil.copy(made_data.parent / "docs.jsonl", tmp_path / "copy.jsonl")  # the same text, another path and mtime
+    assert fineweb.main(["--files", str(tmp_path / "copy.jsonl"), "--out-dir", str(tmp_path / "again"),
+                         "--shard-size", "4000", "--workers", "1"]) == 0
+    shutil.rmtree(data)
+    os.rename(tmp_path / "again", data)
+    assert (data / "manifest.json").read_bytes() != (made_data / "manifest.json").read_bytes()
+    assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == \
+        {k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")}
+    result = run_command("train_gpt2.py", *args_for(str(data), out, "--resume", steps=4, ckpt_every=2))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
+
+
+def test_a_shard_that_is_not_what_its_manifest_records_stops_the_run(made_data, tmp_path):
+    """One byte differs (sizes equal): the full sha256 that the manifest records, checked beside the steps."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(made_data, data)
+    shard = data / "edufineweb_train_000003.npy"
+    tokens = np.load(shard)
+    tokens[int(np.flatnonzero(tokens < 50000)[100])] ^= 1  # another real token
+    np.save(shard, tokens)
+    before = tree_hashes(data)
+    expected = json.loads((data / "manifest.json").read_text())["shards"][3]["sha256"]
+    result = run_command("train_gpt2.py", *args_for(str(data), out, steps=4, ckpt_every=2))
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: {shard} has sha256 {hashlib.sha256(shard.read_bytes()).hexdigest()[:16]}..., not the "
+        f"{expected[:16]}... that {data}/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
+        "copy?); restore it, or re-create the data set with fineweb.py\n"))
+    assert tree_hashes(data) == before and not list(out.glob("ckpt_*.pt"))
+
+
+@pytest.mark.parametrize("case", ["--vocab-size 60000", "--eval-only", "the manifest's max_id"])
+def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data, finished_run, tmp_path, case):
+    # before: the vocabulary check passed ids 50257..50303 (below the padded 50304 or --vocab-size 60000), and the
+    # run died when that row was first read: RuntimeError in chunked_loss.py, IndexError with --loss-chunk 0
+    from shards import make_docs, write_shards
+    data, out = tmp_path / "data", tmp_path / "out"
+    if case == "the manifest's max_id":  # fineweb.py records each shard's largest id: the trainer reads that
+        shutil.copytree(made_data, data)
+        manifest = json.loads((data / "manifest.json").read_text())
+        manifest["shards"][2]["max_id"] = 50290
+        (data / "manifest.json").write_text(json.dumps(manifest))
+    else:  # shards of another tool, no manifest: the trainer finds the largest id itself
+        paths = write_shards(data, make_docs(300, seed=3, vocab=64), shard_size=1500)
+        tokens = np.load(paths[2])
+        tokens[1234] = 50290  # a pad token that a GPT-2 tokenizer with an added token wrote
+        np.save(paths[2], tokens)
+    shard = sorted(data.glob("*_train_*.npy"))[1]
+    flags = case.split() if case.startswith("--vocab") else []
+    if case == "--eval-only":
+        shutil.copytree(finished_run, out)
+        flags = ["--eval-only", "--resume", "--val-every", "1", "--val-steps", "1"]
+    before = {folder: tree_hashes(folder) for folder in (data, out) if folder.exists()}
+    result = run_command("train_gpt2.py", *args_for(str(data), out, *flags, steps=4))
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: {shard} holds token id 50290, which the model has no output for: its softmax covers GPT-2's 50257 "
+        "tokens (ids 0..50256), whatever --vocab-size pads; the shards come from another tokenizer (one with added "
+        "tokens?): re-create them with fineweb.py\n"))
+    assert {folder: tree_hashes(folder) for folder in (data, out) if folder.exists()} == before
+    assert out.exists() == (case == "--eval-only")
 
 
 # --- full disk, signals ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ import checkpoints
 import out_dir
 import train_gpt2 as tg
 from cli import UserError
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, tree_hashes
 from shards import shard_dir
 from test_resilience import args_for
 from test_train_faults import FAKE_WANDB
@@ -56,19 +56,6 @@ def checkpoint_hashes(out_dir):
                 path = os.path.join(folder, name)
                 checkpoints.load_checkpoint(path)
                 found[os.path.relpath(path, out_dir)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return found
-
-
-def tree_hashes(folder):
-    """{path: sha256} of every file under folder (symbolic links as where they point): what a refused
-    run must leave byte-identical."""
-    found = {}
-    for parent, dirs, names in os.walk(folder):
-        for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
-            path = os.path.join(parent, name)
-            key = os.path.relpath(path, folder)
-            found[key] = ("-> " + os.readlink(path)) if os.path.islink(path) else \
-                hashlib.sha256(open(path, "rb").read()).hexdigest()
     return found
 
 

@@ -18,8 +18,8 @@ import pytest
 import checkpoints
 import fineweb
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, child_pids, torchrun
-from shards import shard_dir
+from conftest import HELLASWAG_FILE, REPO, child_pids, torchrun, tree_hashes
+from shards import shard_dir, write_manifest
 
 T = 16
 
@@ -111,6 +111,36 @@ def test_ranks_with_different_data_of_the_same_sizes_are_refused(data_dir, train
                                 f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
                                 "command and the same --data-dir files"], err[-3000:]
     assert_checkpoints_intact(out, hashes)
+
+
+def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(data_dir, tmp_path):
+    """One byte differs between two nodes' copies of a shard, outside the 16 slices the ranks compare at
+    start-up (before: trained on, the manifest's sha256 never checked): rank 1's full check of its copy,
+    beside the steps, stops every rank before a checkpoint, in one line naming the shard and the rank."""
+    rng = np.random.default_rng(5)
+    copies = [tmp_path / f"rank{rank}" / "data" for rank in (0, 1)]
+    copies[0].mkdir(parents=True)
+    np.save(copies[0] / "synth_val_000000.npy", rng.integers(0, 64, 2000).astype(np.uint16))
+    np.save(copies[0] / "synth_train_000001.npy", rng.integers(0, 64, 600_000).astype(np.uint16))  # 1.2 MB
+    recorded, = [s["sha256"] for s in write_manifest(copies[0])["shards"] if s["file"] == "synth_train_000001.npy"]
+    shutil.copytree(copies[0], copies[1])
+    shard = copies[1] / "synth_train_000001.npy"
+    damaged = bytearray(shard.read_bytes())
+    damaged[fineweb.SAMPLE_BYTES + 10] ^= 1  # a token's low byte, between the first two slices
+    shard.write_bytes(bytes(damaged))
+    assert len({fineweb.shard_files([str(copy / shard.name)])[0][2] for copy in copies}) == 1  # sampled: the same
+    before = [tree_hashes(copy) for copy in copies]
+    out = tmp_path / "out"
+    proc = launch_per_rank('cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, steps=4),
+                           env={"BASE": str(tmp_path)})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert error_lines(err) == [
+        f"error: rank 1: data/{shard.name} has sha256 {hashlib.sha256(damaged).hexdigest()[:16]}..., not the "
+        f"{recorded[:16]}... that data/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
+        "copy?); restore it, or re-create the data set with fineweb.py"], err[-3000:]
+    assert err.count("exitcode  : 2") == 2 and "[rank" not in err, err[-3000:]  # both ranks stopped, no traceback
+    assert [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*.pt"))
 
 
 # --- a rank that dies ----------------------------------------------------------------------------

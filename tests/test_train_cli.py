@@ -92,7 +92,7 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
      "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32"),
     (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
     (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
-    (["--vocab-size", "100"], "token id 50256 >= vocab size 100"),
+    (["--vocab-size", "100"], "holds token id 50256, which the model has no output for (--vocab-size 100: ids 0..99)"),
     (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
     (["--optimizer", "muon", "--muon-momentum", "1"], "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
 ])

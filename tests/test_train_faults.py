@@ -21,6 +21,7 @@ import checkpoints
 import fineweb
 import train_gpt2 as tg
 from conftest import REPO, run_cli, torchrun
+from shards import write_manifest
 from test_hostile import assert_one_error_line, run_command
 from test_resilience import args_for, log_records, losses, wait_for_steps
 
@@ -254,8 +255,9 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
 # --- ranks ----------------------------------------------------------------------------------
 
 def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
-    """Row 1 of the train shard holds a token beyond --vocab-size: rank 1 reads it at step 0, and
-    only rank 1 knows why it stops. It prints its line; rank 0 names the lost rank."""
+    """Row 1 of the train shard holds a token beyond --vocab-size that the start-up check did not see (its
+    manifest records a smaller max_id, as for a shard changed since): rank 1 reads it at step 0, and only
+    rank 1 knows why it stops. It prints its line; rank 0 names the lost rank."""
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(0)
@@ -264,6 +266,7 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
         if split == "train":
             tokens[20] = 600  # in row 1 (tokens 16..32), not in row 0 (tokens 0..16)
         np.save(data / f"synth_{split}_000000.npy", tokens)
+    write_manifest(data, **{name: {"max_id": 63, "sha256": None} for name in os.listdir(data)})
     args = args_for(str(data), tmp_path / "out", "--vocab-size", "512", "--batch-size", "1",
                     "--total-batch-size", "32", "--no-shuffle", steps=4)  # rows in order: row 1 is rank 1's
     result = run_cli(args, nproc=2)
@@ -271,9 +274,24 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
     assert len(errors) == 2, result.stderr[-3000:]
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[0].endswith(". Last good checkpoint: none")
-    assert errors[1] == (f"error: rank 1: {data}/synth_train_000000.npy: token id 600 >= vocab size 512; wrong "
-                         "tokenizer or --vocab-size too small")
+    assert errors[1] == (f"error: rank 1: {data}/synth_train_000000.npy holds token id 600, which the model has no "
+                         "output for (--vocab-size 512: ids 0..511); wrong tokenizer or --vocab-size too small")
     assert result.returncode != 0
+
+
+def test_bad_data_is_refused_at_start_up(tmp_path):
+    """The same shard without a manifest: every rank finds its largest id before any step, one line."""
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16)
+    np.save(data / "synth_val_000000.npy", tokens)
+    tokens[3000] = 600
+    np.save(data / "synth_train_000000.npy", tokens)
+    result = run_cli(args_for(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: {data}/synth_train_000000.npy holds token id 600, which the model has no output for (--vocab-size "
+        "512: ids 0..511); wrong tokenizer or --vocab-size too small\n"))
+    assert not (tmp_path / "out").exists()
 
 
 # --- warnings -------------------------------------------------------------------------------
