@@ -40,8 +40,8 @@ from collections import deque
 from decimal import Decimal, InvalidOperation
 from itertools import chain, islice
 
-import cli  # the error contract shared by every script; standard library only, so it comes first
-from cli import UserError, exit_code_of, flat
+from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
+from trainkit.cli import UserError, exit_code_of, flat
 
 # --- command line (standard library only: --help and usage errors answer before numpy and tiktoken)
 

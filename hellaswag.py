@@ -28,7 +28,7 @@ import sys
 import urllib.request
 from typing import NamedTuple
 
-import cli  # the error contract shared by every script; standard library only, so it comes first
+from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DATA_NAME = "hellaswag_val.jsonl"
@@ -70,11 +70,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoints import unwrap_model
-from chunked_loss import exp_sums_
-from cli import UserError
+from trainkit.checkpoints import unwrap_model
+from trainkit.chunked_loss import exp_sums_
+from trainkit.cli import UserError
 from fineweb import EOT, get_tokenizer_or_fail, real_vocab_size
-from launch import (all_reduce_sum, autocast_context, checked_on_every_rank, exit_code_on_every_rank, print0,
+from trainkit.launch import (all_reduce_sum, autocast_context, checked_on_every_rank, exit_code_on_every_rank, print0,
                     process_group, resolve_dtype)
 
 

@@ -41,7 +41,7 @@ import shutil
 import sys
 import tempfile
 
-import cli  # the error contract shared by every script; standard library only, so it comes first
+from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
 
 # -----------------------------------------------------------------------------
 # command line (standard library only: --help and usage errors answer before torch is imported)
@@ -84,8 +84,8 @@ if __name__ == "__main__":
 
 import torch
 
-from checkpoints import first_nonfinite, latest_checkpoint, load_checkpoint, unwrap_model
-from cli import UserError, exit_code_of
+from trainkit.checkpoints import first_nonfinite, latest_checkpoint, load_checkpoint, unwrap_model
+from trainkit.cli import UserError, exit_code_of
 from fineweb import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
 
 PAD_MULTIPLE = 64

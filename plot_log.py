@@ -18,7 +18,7 @@ matplotlib is optional: it is imported only when plotting, with the Agg backend 
 """
 from __future__ import annotations
 
-import cli  # the error contract shared by every script: first, so that it covers the imports
+from trainkit import cli  # the error contract shared by every script: first, so that it covers the imports
 
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
@@ -28,7 +28,7 @@ import math
 import os
 import sys
 
-from cli import UserError
+from trainkit.cli import UserError
 
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")  # what the plots read

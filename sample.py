@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-import cli  # the error contract shared by every script; standard library only, so it comes first
+from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 
@@ -60,9 +60,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from cli import UserError, exit_code_of
+from trainkit.cli import UserError, exit_code_of
 from fineweb import EOT, get_tokenizer_or_fail
-from launch import resolve_device
+from trainkit.launch import resolve_device
 
 
 # -----------------------------------------------------------------------------

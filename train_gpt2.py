@@ -26,9 +26,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-import cli  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
-import train_flags  # defines: the flags with their help, and the checks of a run's values (validate_config)
-from cli import UserError
+from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
+from trainkit import train_flags  # defines: the flags with their help, and the checks of a run's values (validate_config)
+from trainkit.cli import UserError
 
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
@@ -68,7 +68,7 @@ class RunConfig:
     out_dir: str = "out"
     align_docs: bool = False
     shuffle: bool | None = None  # None: shuffled, or a resumed run's order (runs before this default read in order)
-    doc_mask: bool = False  # attention and positions inside each document of a row (doc_mask.py)
+    doc_mask: bool = False  # attention and positions inside each document of a row (trainkit/doc_mask.py)
     # batch: batch_size rows of seq_len tokens per rank per micro-step; "auto": the largest that fits
     batch_size: int | str | None = None  # None: auto on CUDA, 64 elsewhere
     seq_len: int | None = None  # None: the model's block size, at most 1024
@@ -123,11 +123,11 @@ class RunConfig:
 
 
 # -----------------------------------------------------------------------------
-# flags (train_flags.py), parsed before torch is imported
+# flags (trainkit/train_flags.py), parsed before torch is imported
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line (train_flags.py), its defaults those of RunConfig."""
+    """The command line (trainkit/train_flags.py), its defaults those of RunConfig."""
     parser = train_flags.build_parser(MODEL_PRESETS, CPU_LOSS_CHUNK)
     parser.set_defaults(**dataclasses.asdict(RunConfig()))
     return parser
@@ -168,24 +168,24 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import hellaswag  # defines: evaluate (HellaSwag accuracy of the model it is given), resolve_data_file, load_examples
 import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our config and state dict)
-from checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
+from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
     ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
-from chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
-from doc_mask import document_attention  # defines: --doc-mask's positions and masks
+from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
+from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader and its checks, shard identity
     EOT, ShardDigestCheck, check_against_manifest, check_token_ids, get_tokenizer_or_fail, no_output_for, open_shard,
     real_vocab_size, shard_files, token_byte_lengths)
-from fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
-from fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
-from guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
+from trainkit.fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
+from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
+from trainkit.guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
     StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
     mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
-from launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
+from trainkit.launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
     decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
-from optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
-from out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
+from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
+from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from sample import SAMPLE_PROMPT, sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
 
 
@@ -231,7 +231,7 @@ class CausalSelfAttention(nn.Module):
             if past and T > 1:  # new tokens see every cached token and the new ones before them
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             is_causal = past == 0 and T > 1
-        # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: doc_mask.py)
+        # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: trainkit/doc_mask.py)
         y = (flex_attention(q, k, v, block_mask=attn_mask) if isinstance(attn_mask, BlockMask)
              else F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
@@ -303,7 +303,7 @@ class GPT(nn.Module):
         cross-entropy over targets != -1: summed with reduction="sum" (token-normalized gradient
         accumulation scales it by the step's global token count), each target's with "none" (0 if
         ignored). loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows
-        and returns no logits. doc_mask: each document of a row attends to itself only (doc_mask.py)."""
+        and returns no logits. doc_mask: each document of a row attends to itself only (trainkit/doc_mask.py)."""
         x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
         n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, never softmaxed
         if targets is None:
@@ -973,7 +973,7 @@ class Trainer:
         loss_total, n_tokens = retry_on_oom(lambda: self.forward_backward(*self.prefetcher.get(step)), step, self.loader.B,
                                             self.rows_per_rank, self.d, self.optimizer, self.use_micro_batch, self.log)
         loss_sum, norm, stop_requested = self.reduce_and_clip(loss_total)  # 3. one all-reduce, the norm, the clip
-        lr = get_lr(step, self.run)  # 4. the LR of this step (Muon's follows it: optimizers.py)
+        lr = get_lr(step, self.run)  # 4. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
         skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 5. the guard
         if self.scaler:  # 6. the update (fused AdamW takes fp16's inf flag on the device: no sync)

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 
 VARIANTS = ["eager", "graph", "blocks"]  # graph: the whole GPT as one torch.compile graph
 NO_CACHE = dict(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
@@ -35,7 +35,7 @@ NO_CACHE = dict(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="
 def build(variant, args):
     """(bare GPT, what the step runs) for a variant, on args.device."""
     import torch
-    import chunked_loss
+    from trainkit import chunked_loss
     import train_gpt2 as tg
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], **({"n_layer": args.n_layer} if args.n_layer else {})})
@@ -49,7 +49,7 @@ def build(variant, args):
 def run_variant(variant, args):
     """Train args.steps steps on fixed random batches; prints one JSON line of step times and losses."""
     import torch
-    import launch
+    from trainkit import launch
     import train_gpt2 as tg
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
     dtype = launch.resolve_dtype("auto", device_type, torch.cuda.get_device_capability() if device_type == "cuda"

@@ -34,7 +34,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # fineweb.py, imported where it is used (the child processes, the floor)
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 TEXT_FILE = REPO / "fixtures" / "tinyshakespeare_first4000lines.txt"
 SHARD_SIZE = 10**6
 

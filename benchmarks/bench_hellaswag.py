@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 import hellaswag as hs  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 

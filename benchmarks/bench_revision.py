@@ -37,7 +37,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 
 PARTS = ["data", "forward", "lm_head + loss", "backward", "optimizer"]
 
@@ -187,9 +187,10 @@ def main():
     p.add_argument("--parts-worker", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.parts_worker:  # the tree's own modules, cli included, not this checkout's
+    if args.parts_worker:  # the tree's own modules, trainkit's cli included, not this checkout's
         sys.path[:] = [args.parts_worker] + [path for path in sys.path if path != REPO]
-        sys.modules.pop("cli")
+        for name in [name for name in sys.modules if name == "trainkit" or name.startswith("trainkit.")]:
+            sys.modules.pop(name)
         print(json.dumps(step_parts(args)))
         return
     for ref in args.refs:

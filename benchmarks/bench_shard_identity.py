@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 from fineweb import parse_size, sampled_sha256  # noqa: E402
 
 

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 
 VARIANTS = ["reference", "+fused", "+chunked", "+prefetch", "+compile"]
 
@@ -46,7 +46,7 @@ def peak_memory_mb(device):
 
 def run_variant(variant, args):
     import torch
-    import launch
+    from trainkit import launch
     import train_gpt2 as tg
 
     torch.manual_seed(0)
@@ -149,7 +149,7 @@ def bench_eval(args):
     """Validation's forward under no_grad: full logits, the chunked loss, and the chunked loss made
     to do its gradient work as it did before it checked for no_grad (interleaved rounds, best of each)."""
     import torch
-    import chunked_loss
+    from trainkit import chunked_loss
     import train_gpt2 as tg
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])

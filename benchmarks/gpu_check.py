@@ -59,7 +59,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 
 NEEDED = ("numpy", "torch", "tiktoken")  # what the trainer imports beyond the standard library (not `datasets`)
 RECIPE_TOKENS = 524288  # GPT-2 124M's tokens per step (the trainer's default --total-batch-size)

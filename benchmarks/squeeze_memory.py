@@ -1,5 +1,5 @@
 """train_gpt2.py on a device with less free memory than it has, from the start or from a step on:
-the out-of-memory paths of fit_batch.py (--batch-size auto, a step redone at a smaller micro-batch)
+the out-of-memory paths of trainkit/fit_batch.py (--batch-size auto, a step redone at a smaller micro-batch)
 on a real allocation failure, on CPU in the tests and on a GPU in gpu_check.py.
 
     python benchmarks/squeeze_memory.py --squeeze 600MiB -- --batch-size auto ...   # from the start
@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
+from trainkit import cli  # noqa: E402
 
 held = []  # the CUDA tensors that take the memory, alive until the end
 
@@ -24,7 +24,7 @@ held = []  # the CUDA tensors that take the memory, alive until the end
 def squeeze(amount: str):
     """Leave amount ("600MiB" or "60%" of a step's need so far) free on the trainer's device."""
     import torch
-    from fit_batch import proc_kib
+    from trainkit.fit_batch import proc_kib
     cuda = torch.cuda.is_available()
     if amount.endswith("%"):  # a step's need: its peak above what the process holds between steps
         need = (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if cuda

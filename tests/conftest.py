@@ -114,6 +114,6 @@ def spread_gpt(config, seed: int):
 def write_checkpoint(model, path) -> str:
     """model as a train_gpt2.py checkpoint (weights and config only) at path."""
     import dataclasses
-    from checkpoints import save_checkpoint
+    from trainkit.checkpoints import save_checkpoint
     save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
     return str(path)

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from conftest import free_port
 from shards import EOT, make_batch, rank_batches
-from launch import all_reduce_sum
+from trainkit.launch import all_reduce_sum
 from train_gpt2 import GPT, GPTConfig, accumulate_gradients, build_optimizer
 
 TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)

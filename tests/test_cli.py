@@ -1,4 +1,4 @@
-"""The command-line contract of every script (cli.py): whole flag names only, a usage error as one
+"""The command-line contract of every script (trainkit/cli.py): whole flag names only, a usage error as one
 `error:` line and exit code 2, -h/--help the full help, one line under torchrun (rank 0's), and
 Ctrl-C while torch imports as `error: interrupted`, exit code 130."""
 import json
@@ -105,11 +105,11 @@ def test_usage_errors_are_one_line_and_flags_are_never_abbreviated():
 HEAVY = ("torch", "numpy", "tiktoken", "matplotlib")
 LOADED_AFTER_RUNNING = """
 import contextlib, glob, io, json, os, runpy, sys
-ours = {os.path.basename(path).removesuffix(".py") for path in glob.glob("*.py")}
+ours = {os.path.basename(path).removesuffix(".py") for path in glob.glob("*.py")} | {"trainkit"}
 results = []
 for argv in json.loads(sys.argv[1]):
     sys.argv, code = argv, None
-    for name in ours & set(sys.modules):  # each command imports this repo's modules afresh
+    for name in [m for m in sys.modules if m.split(".")[0] in ours]:  # each command imports this repo's modules afresh
         del sys.modules[name]
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         try:

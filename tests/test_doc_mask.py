@@ -1,4 +1,4 @@
-"""--doc-mask (doc_mask.py): a packed row computes exactly what each of its documents computes
+"""--doc-mask (trainkit/doc_mask.py): a packed row computes exactly what each of its documents computes
 alone, in the model, through the command line, in validation and in --eval-only; FlexAttention's
 document mask agrees with SDPA's; a doc-mask-trained model exports as a plain GPT-2."""
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import doc_mask
+from trainkit import doc_mask
 import train_gpt2 as tg
 from conftest import run_cli
 from fineweb import token_byte_lengths

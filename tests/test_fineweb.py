@@ -823,10 +823,11 @@ def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
 
 
 def copy_of_fineweb(tmp_path, bpe: bytes | None):
-    """fineweb.py and cli.py in a folder of their own, with bpe/r50k_base.tiktoken holding bpe (None: no file)."""
+    """fineweb.py and trainkit/ in a folder of their own, with bpe/r50k_base.tiktoken holding bpe (None: no file)."""
     folder = tmp_path / "repo"
     (folder / "bpe").mkdir(parents=True)
-    for name in ("fineweb.py", "cli.py"):
+    (folder / "trainkit").mkdir()
+    for name in ("fineweb.py", *(f"trainkit/{p.name}" for p in (Path(FINEWEB).parent / "trainkit").glob("*.py"))):
         (folder / name).write_bytes((Path(FINEWEB).parent / name).read_bytes())
     if bpe is not None:
         (folder / "bpe" / "r50k_base.tiktoken").write_bytes(bpe)

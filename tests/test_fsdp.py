@@ -14,10 +14,10 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-import checkpoints
-import cli
-import fsdp
-import launch
+from trainkit import checkpoints
+from trainkit import cli
+from trainkit import fsdp
+from trainkit import launch
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, free_port, torchrun
 from shards import make_batch, shard_dir

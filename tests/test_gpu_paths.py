@@ -13,10 +13,10 @@ import types
 import pytest
 import torch
 
-import checkpoints
-import chunked_loss
-import guards
-import launch
+from trainkit import checkpoints
+from trainkit import chunked_loss
+from trainkit import guards
+from trainkit import launch
 import train_gpt2 as tg
 import conftest
 from conftest import REPO

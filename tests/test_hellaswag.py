@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import hellaswag as hs
 from conftest import HELLASWAG_FILE, REPO, spread_gpt, torchrun, write_checkpoint
-from cli import UserError
+from trainkit.cli import UserError
 from fineweb import EOT
 from train_gpt2 import GPTConfig
 

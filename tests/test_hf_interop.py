@@ -14,9 +14,9 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 from conftest import REPO  # noqa: E402
-import checkpoints  # noqa: E402
+from trainkit import checkpoints  # noqa: E402
 import train_gpt2  # noqa: E402
-from cli import UserError  # noqa: E402
+from trainkit.cli import UserError  # noqa: E402
 from fineweb import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
@@ -407,8 +407,8 @@ def parity_texts():
     """Lines and whole files of the repository's sources and docs, with unicode, whitespace runs
     and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
     import glob
-    files = sorted(glob.glob(f"{REPO}/*.py") + glob.glob(f"{REPO}/tests/*.py") + glob.glob(f"{REPO}/benchmarks/*.py")
-                   + glob.glob(f"{REPO}/docs/*.md") + [f"{REPO}/README.md"])
+    files = sorted(glob.glob(f"{REPO}/*.py") + glob.glob(f"{REPO}/trainkit/*.py") + glob.glob(f"{REPO}/tests/*.py")
+                   + glob.glob(f"{REPO}/benchmarks/*.py") + glob.glob(f"{REPO}/docs/*.md") + [f"{REPO}/README.md"])
     whole = [open(path, encoding="utf-8").read() for path in files]
     return [line for text in whole for line in text.splitlines()] + whole + [
         "Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints
-import guards
+from trainkit import checkpoints
+from trainkit import guards
 import train_gpt2 as tg
-from cli import UserError
+from trainkit.cli import UserError
 from conftest import HELLASWAG_FILE, REPO, interrupt_when_blocked, tree_hashes
 from test_resilience import args_for, log_records, resume_copy
 

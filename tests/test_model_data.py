@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cli
+from trainkit import cli
 import train_gpt2 as tg
 from shards import EOT, make_docs, write_shards
 

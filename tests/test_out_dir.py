@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-import checkpoints
-import out_dir
+from trainkit import checkpoints
+from trainkit import out_dir
 import train_gpt2 as tg
-from cli import UserError
+from trainkit.cli import UserError
 from conftest import REPO, run_cli, tree_hashes
 from shards import shard_dir
 from test_resilience import args_for

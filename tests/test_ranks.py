@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-import checkpoints
+from trainkit import checkpoints
 import fineweb
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, child_pids, torchrun, tree_hashes

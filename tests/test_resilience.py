@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints
+from trainkit import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, child_pids, free_port, torchrun
 from shards import shard_dir

@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO
 from shards import make_docs, write_shards
-import checkpoints
+from trainkit import checkpoints
 import fineweb
 import sample
 from fineweb import EOT

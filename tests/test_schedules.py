@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import cli
-import train_flags
+from trainkit import cli
+from trainkit import train_flags
 import train_gpt2 as tg
 from conftest import REPO
 from shards import shard_dir

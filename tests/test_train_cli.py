@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-import checkpoints
+from trainkit import checkpoints
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, TEXT_FILE, run_cli
 from shards import shard_dir
@@ -164,8 +164,9 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
     assert (result.returncode, result.stderr) == (2, f"error: --hellaswag-file {missing} does not exist\n")
 
 
-LIBRARY_MODULES = ["cli", "fineweb", "launch", "fsdp", "chunked_loss", "doc_mask", "checkpoints", "out_dir", "guards",
-                   "sample", "hellaswag", "hf_interop", "plot_log", "fit_batch"]
+LIBRARY_MODULES = ["trainkit.cli", "fineweb", "trainkit.launch", "trainkit.fsdp", "trainkit.chunked_loss",
+                   "trainkit.doc_mask", "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards", "sample",
+                   "hellaswag", "hf_interop", "plot_log", "trainkit.fit_batch"]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
@@ -183,18 +184,23 @@ def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
     assert result.stdout.splitlines() == [f"{m} False" for m in LIBRARY_MODULES] + [""], result.stderr[-2000:]
 
 
-def module_level_imports(path) -> set:
+def repo_modules() -> dict:
+    """Every module of the repo by its import name (train_gpt2, trainkit.cli) -> its file."""
+    return {".".join(p.relative_to(REPO).with_suffix("").parts): p
+            for p in [*REPO.glob("*.py"), *REPO.glob("trainkit/*.py")] if p.name != "__init__.py"}
+
+
+def module_level_imports(path, ours) -> set:
     """The repo modules a file imports when it is imported: top-level statements (and the bodies of
     top-level if/try), not the imports inside functions, which run only when called."""
     import ast
-    ours = {p.stem for p in REPO.glob("*.py")}
     found, todo = set(), list(ast.parse(path.read_text()).body)
     while todo:
         node = todo.pop()
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module.split(".")[0])
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, (ast.If, ast.Try)):
             todo += node.body + node.orelse + getattr(node, "finalbody", []) + \
                 [n for h in getattr(node, "handlers", []) for n in h.body]
@@ -202,15 +208,18 @@ def module_level_imports(path) -> set:
 
 
 def test_module_level_imports_have_no_cycle_and_only_main_imports_the_trainer():
-    graph = {p.stem: module_level_imports(p) for p in REPO.glob("*.py")}
-    assert graph["train_gpt2"] >= {"launch", "checkpoints", "out_dir", "guards", "fsdp", "chunked_loss"}
+    modules = repo_modules()
+    graph = {name: module_level_imports(path, set(modules)) for name, path in modules.items()}
+    assert graph["train_gpt2"] >= {"trainkit.launch", "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards",
+                                   "trainkit.fsdp", "trainkit.chunked_loss"}
     assert [m for m, deps in graph.items() if "train_gpt2" in deps] == []
     order = []  # a topological order exists exactly when there is no cycle
     while len(order) < len(graph):
         ready = sorted(m for m, deps in graph.items() if m not in order and deps <= set(order) | {m})
         assert ready, f"import cycle among {sorted(set(graph) - set(order))}"
         order += ready
-    assert order.index("cli") < order.index("launch") < order.index("checkpoints") < order.index("train_gpt2")
+    assert order.index("trainkit.cli") < order.index("trainkit.launch") < order.index("trainkit.checkpoints") \
+        < order.index("train_gpt2")
 
 
 def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):

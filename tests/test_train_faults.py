@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-import checkpoints
+from trainkit import checkpoints
 import fineweb
 import train_gpt2 as tg
 from conftest import REPO, run_cli, torchrun
@@ -185,7 +185,7 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
                                   "--activation-checkpointing. Last good checkpoint: none")
 
 
-# --- the micro-batch that fits (fit_batch.py), on a real allocation failure -----------------------
+# --- the micro-batch that fits (trainkit/fit_batch.py), on a real allocation failure -----------------------
 
 # Full logits (64 x 50304 fp32 per row): a trial of B rows needs about 50 MiB per row above what the
 # process holds (measured: 8 rows 397 MiB, 4 rows 200, 2 rows 101), plus fit_batch's 64 MiB margin

@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 import math
 
-import cli
-from cli import UserError
+from trainkit import cli
+from trainkit.cli import UserError
 
 LR_SCHEDULES = ("cosine", "wsd", "linear")  # the decays train_gpt2.get_lr knows
 SEED = cli.int_in(0, 2**64 - 1)  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from cli import UserError
+from trainkit.cli import UserError
 from fineweb import differing_file, os_error_reason, shard_files
-from fsdp import is_fsdp
-from launch import print0
+from trainkit.fsdp import is_fsdp
+from trainkit.launch import print0
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The bare module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""

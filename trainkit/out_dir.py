@@ -16,12 +16,12 @@ import math
 import os
 import shutil
 
-import cli
-from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
+from trainkit import cli
+from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
                          new_run, read_run, run_name, same_file)
-from cli import UserError
+from trainkit.cli import UserError
 from fineweb import FolderLock, one_line, os_error_reason
-from launch import print0
+from trainkit.launch import print0
 
 class RunLog:
     """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote

@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from cli import UserError
-from fsdp import local_part
-from guards import is_out_of_memory, out_of_memory_reason
-from launch import all_reduce_sum, print0
+from trainkit.cli import UserError
+from trainkit.fsdp import local_part
+from trainkit.guards import is_out_of_memory, out_of_memory_reason
+from trainkit.launch import all_reduce_sum, print0
 
 CPU_SEARCH_SHARE = 0.8  # on CPU a trial may take this much of the RAM the machine has available
 # What a trial leaves free for what a real step adds to it: the prefetcher's thread (8 MiB of stack on

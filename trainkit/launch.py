@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cli import UserError, exit_code_of
+from trainkit.cli import UserError, exit_code_of
 from fineweb import differing_file
 
 

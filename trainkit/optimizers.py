@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cli import UserError
+from trainkit.cli import UserError
 
 
 class MuonWithAdamW:

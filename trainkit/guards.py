@@ -13,11 +13,11 @@ import signal
 
 import torch
 
-import cli
-from cli import UserError
+from trainkit import cli
+from trainkit.cli import UserError
 from fineweb import one_line
-from fsdp import local_part
-from launch import all_reduce_sum
+from trainkit.fsdp import local_part
+from trainkit.launch import all_reduce_sum
 
 # Dense (not 2:4-sparse) bf16/fp16 tensor-core peak of one GPU in TFLOP/s, matched against
 # torch.cuda.get_device_name() in order, most specific pattern first. Consumer cards use the
