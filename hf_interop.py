@@ -3,28 +3,14 @@
     python hf_interop.py export out/ckpt_0019073.pt gpt2_ours_hf   # our checkpoint -> HF directory
     python hf_interop.py eval out/gpt2-124M --tasks hellaswag,arc_easy  # lm-evaluation-harness on it
 
-This module reads and writes tensors and configs; it never imports the trainer. The model builds
-itself from what it returns (train_gpt2.GPT.from_hf, which --init-from and sample.py use):
+This script reads and writes tensors and configs; it never imports the trainer. The other
+direction, a Hugging Face GPT-2 as our config and state dict (train_gpt2.GPT.from_hf, which
+--init-from and sample.py use), is trainkit/hf_weights.py, with the layout differences (transposed
+projections, the padded vocabulary) that both directions handle:
 
     config, state = gpt2_state_from_hf("gpt2")   # Hub name (needs internet) or a local HF directory
 
 transformers is optional: it is imported only inside the functions that need it.
-
-Layout differences the conversion handles:
-- HF's GPT-2 keeps its projections in Conv1D modules whose weight is (in, out); our nn.Linear
-  weights are (out, in), so attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj are transposed.
-- HF's attention mask buffers (attn.bias, attn.masked_bias; gone in recent versions) are skipped.
-- Our vocabulary is padded (50257 -> 50304, a multiple of 64, for faster matmuls). The padded
-  ids carry no probability: every softmax of ours runs over GPT-2's 50257 ids only
-  (fineweb.real_vocab_size), so an imported GPT-2 has the original's loss exactly, and on export
-  the padded rows are dropped. Only a model with fewer ids than GPT-2's (a test's vocabulary of
-  100, padded to 128) counts every id as real; for it matters that on import the padded rows of
-  the tied wte/lm_head matrix are set to the MEAN of the real rows, not to zero: GPT-2-like logits are
-  large and negative (tens below zero), so zero rows would give the padded ids logit 0, above
-  every real token, and nearly all the probability. With the mean row a padded logit is the mean
-  of the real logits, and by Jensen's inequality all padded ids together get at most
-  n_padded / n_real of the probability, so the loss starts within log(1 + n_padded / n_real)
-  nats of the original model's. Logits of the real ids are unchanged.
 """
 from __future__ import annotations
 
@@ -84,175 +70,13 @@ if __name__ == "__main__":
 
 import torch
 
-from trainkit.checkpoints import first_nonfinite, latest_checkpoint, load_checkpoint, unwrap_model
+from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
 from trainkit.cli import UserError, exit_code_of
 from fineweb import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
+from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
 
-PAD_MULTIPLE = 64
-# HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
-TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers
 TIED = ("transformer.wte.weight", "lm_head.weight")
 EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours
-INSTALL_HINT = "Hugging Face transformers is not installed: pip install transformers"
-
-
-def _import_transformers():
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        raise UserError(INSTALL_HINT) from None
-    return GPT2Config, GPT2LMHeadModel
-
-
-def _looks_like_path(name: str) -> bool:
-    """A Hub id is 'name' or 'owner/name'; anything else is meant as a local directory."""
-    return (name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1
-            or (os.sep != "/" and os.sep in name))
-
-
-def _padded(n: int, multiple: int = PAD_MULTIPLE) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _check_hf_config(cfg, source: str):
-    """Refuse GPT-2 variants our GPT cannot reproduce exactly."""
-    problems = []
-    if cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-        problems.append(f"activation_function={cfg.activation_function!r} (ours is tanh-approximated GELU)")
-    if abs(cfg.layer_norm_epsilon - 1e-5) > 1e-12:
-        problems.append(f"layer_norm_epsilon={cfg.layer_norm_epsilon} (ours is 1e-5)")
-    if cfg.n_inner not in (None, 4 * cfg.n_embd):
-        problems.append(f"n_inner={cfg.n_inner} (ours is 4 * n_embd)")
-    if not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx:
-        problems.append("non-standard attention scaling")
-    if getattr(cfg, "add_cross_attention", False):
-        problems.append("cross-attention")
-    if problems:
-        raise UserError(f"{source}: not a GPT-2 our model can reproduce: {'; '.join(problems)}")
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Without transformers' loading report and progress bars: a refusal is our one line."""
-    from transformers.utils import logging as hf_logging
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
-    """GPT2LMHeadModel from a Hub name or a local directory, refused unless it is a GPT-2 whose
-    every tensor came from there (transformers fills missing ones at random, so a BERT or LLaMA
-    folder would load as a random GPT-2). Errors name the user's flag."""
-    GPT2Config, GPT2LMHeadModel = _import_transformers()
-    local = os.path.isdir(name_or_dir)
-    source = f"{flag} {name_or_dir}"
-    hint = (f"pass a local Hugging Face directory to {flag} (on a machine with internet: "
-            "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))")
-    if not local and _looks_like_path(name_or_dir):
-        raise UserError(f"{source}: no such directory; {hint}")
-
-    def load(what):
-        try:
-            with _quiet_transformers():
-                return what()
-        except Exception as e:  # OSError (files, Hub), ValueError, RuntimeError, SafetensorError (damage)
-            where = "directory" if local else "Hugging Face Hub model"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"{source}: cannot load the {where} ({first}); {hint}") from e
-
-    model_type = load(lambda: GPT2Config.get_config_dict(name_or_dir, local_files_only=local)[0]).get("model_type")
-    if model_type not in (None, "gpt2"):
-        raise UserError(f"{source}: its config.json describes a {model_type!r} model, not GPT-2")
-    hf, info = load(lambda: GPT2LMHeadModel.from_pretrained(
-        name_or_dir, local_files_only=local, output_loading_info=True, ignore_mismatched_sizes=True))
-    _check_every_tensor_loaded(hf.config, info, source)
-    return hf
-
-
-def _weights_file(folder: str, key: str) -> str | None:
-    """The file of a local Hugging Face folder that holds tensor key (a shard's, through its index)."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        with contextlib.suppress(OSError, ValueError, LookupError, TypeError):
-            with open(os.path.join(folder, index)) as f:
-                return os.path.join(folder, json.load(f)["weight_map"][key])
-    return None
-
-
-def _check_every_tensor_loaded(cfg, info: dict, source: str):
-    """Refuse a model that transformers completed at random: a tensor missing from the files,
-    or of another shape than config.json gives (loaded with ignore_mismatched_sizes to list them)."""
-    tied = getattr(cfg, "tie_word_embeddings", True)
-    missing = sorted(k for k in info["missing_keys"]
-                     if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight"))
-    if missing:
-        raise UserError(f"{source}: tensors missing from its weights ({_some(missing)}) would be random; "
-                        "is it a complete GPT-2?")
-    mismatched = sorted(item[0] if isinstance(item, tuple) else item for item in info["mismatched_keys"])
-    if mismatched:
-        raise UserError(f"{source}: tensors of another shape than its config.json gives ({_some(mismatched)})")
-
-
-def _some(names: list) -> str:
-    return f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
-
-
-def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
-                       pad_init: str = "mean", flag: str = "--init-from",
-                       pad_multiple: int = PAD_MULTIPLE) -> tuple[dict, dict]:
-    """(model config, state dict) of our GPT (fp32, CPU) holding the weights of a Hugging Face
-    GPT2LMHeadModel: the config's keys are GPTConfig's, the state dict's our parameter names.
-
-    name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
-    directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
-    the HF vocabulary rounded up to a multiple of pad_multiple, 64: 50304 for GPT-2; sampling
-    passes 1, the HF vocabulary itself, so that no padded id is drawn). block_size: at most
-    the HF n_positions (default: n_positions); a smaller one keeps the first positions.
-    pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows.
-    flag: the command-line flag that named the model, for error messages."""
-    if pad_init not in ("mean", "zero"):
-        raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
-    source = f"{flag} {name_or_dir}"  # the flag of the command being run
-    hf = load_hf_model(name_or_dir, flag)
-    cfg = hf.config
-    _check_hf_config(cfg, source)
-    hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}
-    bad = first_nonfinite(hf_sd)
-    if bad:
-        raise UserError(f"{_weights_file(name_or_dir, bad) or source}: the weights hold NaN or inf ({bad})")
-    if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
-        raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
-    n_real = cfg.vocab_size
-    vocab_size = _padded(n_real, pad_multiple) if vocab_size is None else vocab_size
-    if vocab_size < n_real:
-        raise UserError(f"--vocab-size {vocab_size} is smaller than {source}'s vocabulary of {n_real}")
-    block_size = cfg.n_positions if block_size is None else block_size
-    if not 0 < block_size <= cfg.n_positions:
-        raise UserError(f"--block-size {block_size} must be in 1..{cfg.n_positions} ({source}'s n_positions)")
-
-    config = dict(block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                  n_embd=cfg.n_embd)
-    sd = {}
-    for key, value in hf_sd.items():
-        if key.endswith(TRANSPOSED):
-            value = value.t()
-        sd[key] = value.contiguous()
-    wte = sd["transformer.wte.weight"]
-    pad_rows = (wte.mean(0, keepdim=True) if pad_init == "mean" else wte.new_zeros(1, wte.size(1)))
-    wte = torch.cat([wte, pad_rows.expand(vocab_size - n_real, -1)])
-    sd["transformer.wte.weight"] = sd["lm_head.weight"] = wte
-    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
-    return config, sd
 
 
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
@@ -279,7 +103,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     n_keep = real_vocab_size(config.vocab_size) if vocab_size is None else vocab_size
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
-    GPT2Config, GPT2LMHeadModel = _import_transformers()
+    GPT2Config, GPT2LMHeadModel = import_transformers()
     special = dict(bos_token_id=EOT, eos_token_id=EOT) if n_keep > EOT \
         else dict(bos_token_id=None, eos_token_id=None)
     hf_config = GPT2Config(
@@ -640,7 +464,7 @@ def _save_pretrained(hf, out_dir: str, shown: str | None = None):
     try:
         os.makedirs(out_dir, exist_ok=True)
         before = stamps()
-        with _quiet_transformers():
+        with quiet_transformers():
             hf.save_pretrained(out_dir)
         umask = os.umask(0)
         os.umask(umask)
@@ -730,7 +554,7 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
         if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):  # transformers would make an empty one
             raise UserError(f"the export of {source} has no tokenizer.json for lm-eval to encode text with")
         try:
-            with _quiet_transformers():
+            with quiet_transformers():
                 lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype="float32")
         except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or device it cannot have
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

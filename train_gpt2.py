@@ -89,7 +89,7 @@ class RunConfig:
     val_every: int = 250
     val_steps: int = 20
     sample_every: int = 250
-    sample_prompt: str | None = None  # None: sample.py's SAMPLE_PROMPT, which suits English text like FineWeb-Edu
+    sample_prompt: str | None = None  # None: train_flags.SAMPLE_PROMPT, which suits English text like FineWeb-Edu
     hellaswag_every: int = 250
     hellaswag_limit: int = 0  # 0: all 10042 examples
     hellaswag_file: str | None = None
@@ -166,8 +166,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-import hellaswag  # defines: evaluate (HellaSwag accuracy of the model it is given), resolve_data_file, load_examples
-import hf_interop  # defines: gpt2_state_from_hf (a Hugging Face GPT-2 as our config and state dict)
 from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
     ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
@@ -181,12 +179,15 @@ from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, unco
 from trainkit.guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
     StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
     mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
+from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of the model it is given), load_examples
+from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
+from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
 from trainkit.launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
     decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
 from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
-from sample import SAMPLE_PROMPT, sample_text  # defines: sample_text, the in-training samples (sample.py's own sampling)
+from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 
 
 # -----------------------------------------------------------------------------
@@ -329,7 +330,7 @@ class GPT(nn.Module):
         """The final LayerNorm's output (B, T, n_embd) for scoring and decoding (forward's first half).
 
         By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
-        several sequences that share a prefix into one row (hellaswag.py): positions (B, T)
+        several sequences that share a prefix into one row (trainkit/hellaswag_eval.py): positions (B, T)
         then gives each token's position in its own sequence and attn_mask (B, 1, T, T) bool
         which earlier tokens it may attend to (True: attend). Decoding passes kv_cache (from
         new_kv_cache()): idx then continues the tokens cached there, and is added to it. Under
@@ -366,8 +367,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, name_or_dir: str, vocab_size=None, block_size=None, **options) -> GPT:
-        """The GPT holding a Hugging Face GPT-2's weights (hf_interop.gpt2_state_from_hf's), fp32 on the CPU."""
-        config, state = hf_interop.gpt2_state_from_hf(name_or_dir, vocab_size, block_size, **options)
+        """The GPT holding a Hugging Face GPT-2's weights (trainkit/hf_weights.py's gpt2_state_from_hf), fp32 on the CPU."""
+        config, state = gpt2_state_from_hf(name_or_dir, vocab_size, block_size, **options)
         model = cls(GPTConfig(**config))
         model.load_state_dict(state)
         return model.eval()
@@ -826,8 +827,8 @@ class Trainer:
             get_tokenizer_or_fail("pass --hellaswag-every 0")
             # download and render now: a bad file fails here, not at the first evaluation (which
             # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
-            run.hellaswag_file = hellaswag.resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
-            hellaswag.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
+            run.hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+            hellaswag_eval.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     def use_micro_batch(self, B: int):
         if hasattr(self, "prefetcher"):  # after an out-of-memory: it holds micro-batches of the old size
@@ -1072,7 +1073,7 @@ class Trainer:
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
-            result = hellaswag.evaluate(self.raw_model, self.device, data_file=run.hellaswag_file,
+            result = hellaswag_eval.evaluate(self.raw_model, self.device, data_file=run.hellaswag_file,
                                         limit=run.hellaswag_limit or None, rank=d.rank,
                                         world_size=d.world_size, dtype=self.dtype, flag="--hellaswag-file")
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
@@ -1080,7 +1081,7 @@ class Trainer:
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
         # a sharded model needs every rank in its forward; only rank 0 prints
         if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
-            prompt = SAMPLE_PROMPT if run.sample_prompt is None else run.sample_prompt
+            prompt = train_flags.SAMPLE_PROMPT if run.sample_prompt is None else run.sample_prompt
             for text in sample_text(self.raw_model, self.enc, self.device, prompt, stop_early=not run.fsdp):
                 print0(f"sample: {text}")
         return results

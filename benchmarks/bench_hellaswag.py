@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainkit import cli  # noqa: E402
-import hellaswag as hs  # noqa: E402
+from trainkit import hellaswag_data, hellaswag_eval  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def main():
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--data-file", default=hs.SUBSET_FILE,
+    p.add_argument("--data-file", default=hellaswag_data.SUBSET_FILE,
                    help="HellaSwag jsonl (default: the subset in fixtures/, whose first 200 are the full set's)")
     args = p.parse_args()
     if args.threads:
@@ -49,8 +49,8 @@ def main():
     torch.manual_seed(0)
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(args.device).eval()
-    examples = hs.load_examples(hs.resolve_data_file(args.data_file), args.examples)  # tokenized untimed
-    hs.score_examples(model, examples[:8], args.device, batch_size=4)  # warm-up
+    examples = hellaswag_eval.load_examples(hellaswag_data.resolve_data_file(args.data_file), args.examples)  # tokenized untimed
+    hellaswag_eval.score_examples(model, examples[:8], args.device, batch_size=4)  # warm-up
 
     class AllLogits(torch.nn.Module):  # hides our GPT's type: scored through the full logits
         def __init__(self, gpt):
@@ -64,7 +64,7 @@ def main():
     def build_nanogpt():
         means = []
         for ex in examples:
-            tokens, mask, _ = hs.collate([ex], args.block_size)
+            tokens, mask, _ = hellaswag_eval.collate([ex], args.block_size)
             tokens, mask = tokens.to(args.device), mask.to(args.device)
             logits = model(tokens)[0]
             losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
@@ -73,8 +73,8 @@ def main():
         return torch.stack(means).cpu()
 
     runs = {"build-nanogpt": build_nanogpt,
-            "all logits": lambda: hs.score_examples(AllLogits(model), examples, args.device, batch_size=1)[1]}
-    runs.update({b: (lambda b=b: hs.score_examples(model, examples, args.device, batch_size=b)[1]) for b in sizes})
+            "all logits": lambda: hellaswag_eval.score_examples(AllLogits(model), examples, args.device, batch_size=1)[1]}
+    runs.update({b: (lambda b=b: hellaswag_eval.score_examples(model, examples, args.device, batch_size=b)[1]) for b in sizes})
     times = {b: [] for b in runs}
     losses = {}
     for _ in range(args.repeats):

@@ -128,14 +128,15 @@ def test_help_and_usage_errors_answer_before_torch_numpy_tiktoken_and_matplotlib
     lines = [[script, *flags] for script in scripts for flags in (["--help"], ["--no-such-flag"])]
     lines += [["hf_interop.py", "eval", "--help"], ["hf_interop.py", "export", "c.pt", "hf", "--no-such-flag"]]
     expected = {" ".join(line): [0 if "--help" in line else 2, [], None] for line in lines}
-    # then two commands that import the trainer, which imports them: they stay one module each
+    # then two commands that import the trainer: nothing imports them back, so no second copy of the
+    # script is loaded under its own name (the trainer imports trainkit, never a script)
     examples = tmp_path / "hellaswag_val.jsonl"
     examples.write_text(json.dumps({"ctx": "A man is on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3,
                                     "activity_label": "Roofing", "ctx_a": "A man is on a roof.", "ctx_b": "he"}))
     missing = str(tmp_path / "missing.pt")
     runs = [["sample.py", "--checkpoint", missing], ["hellaswag.py", "--checkpoint", missing, "--data-file",
                                                       str(examples), "--device", "cpu"]]
-    expected.update({" ".join(line): [2, ["numpy", "tiktoken", "torch"], "__main__"] for line in runs})
+    expected.update({" ".join(line): [2, ["numpy", "tiktoken", "torch"], None] for line in runs})
     proc = subprocess.run([sys.executable, "-c", LOADED_AFTER_RUNNING, json.dumps(lines + runs)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

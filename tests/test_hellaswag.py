@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import hellaswag as hs
 from conftest import HELLASWAG_FILE, REPO, spread_gpt, torchrun, write_checkpoint
+from trainkit import hellaswag_data, hellaswag_eval
 from trainkit.cli import UserError
 from fineweb import EOT
 from train_gpt2 import GPTConfig
@@ -100,11 +101,11 @@ def result_line(proc, data_line):
 
 
 def test_render_first_two_examples(data_file):
-    ex0, ex1 = hs.load_examples(data_file, 2)
-    assert ex0 == hs.Example(CTX0, ENDINGS0, 3)
-    assert ex1 == hs.Example(CTX1, ENDINGS1, 3)
+    ex0, ex1 = hellaswag_eval.load_examples(data_file, 2)
+    assert ex0 == hellaswag_eval.Example(CTX0, ENDINGS0, 3)
+    assert ex1 == hellaswag_eval.Example(CTX1, ENDINGS1, 3)
 
-    tokens, mask, labels = hs.collate([ex0, ex1])
+    tokens, mask, labels = hellaswag_eval.collate([ex0, ex1])
     T = len(CTX1) + 9  # the longest row: 18 context + 9 ending tokens
     assert tokens.shape == mask.shape == (8, T) and tokens.dtype == torch.int64
     rows = [(CTX0, e) for e in ENDINGS0] + [(CTX1, e) for e in ENDINGS1]
@@ -116,8 +117,8 @@ def test_render_first_two_examples(data_file):
 
 
 def test_collate_truncates_context_from_the_left(data_file):
-    ex1 = hs.load_examples(data_file, 2)[1]
-    tokens, mask, _ = hs.collate([ex1], block_size=12)
+    ex1 = hellaswag_eval.load_examples(data_file, 2)[1]
+    tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)
     assert tokens.shape == (4, 12)
     # the longest endings (9 tokens) leave 3 context tokens, the same 3 for every ending
     for i, end in enumerate(ENDINGS1):
@@ -125,15 +126,15 @@ def test_collate_truncates_context_from_the_left(data_file):
         assert tokens[i].tolist() == [13, 262, 10846] + end + [EOT] * pad
         assert mask[i].tolist() == [False] * 3 + [True] * len(end) + [False] * pad
     # endings longer than the block keep one context token and are cut at the block
-    tokens, mask, _ = hs.collate([ex1], block_size=5)
+    tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=5)
     assert tokens[3].tolist() == [10846, 6296, 290, 27103, 262]
     assert mask[3].tolist() == [False, True, True, True, True]
 
 
 def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
-    ex = hs.Example([1, 2, 3], [[4, 5], [6], [7, 8, 9], [10]], 0)
-    short = hs.Example([11], [[12], [13], [14], [15]], 1)
-    p = hs.pack([ex, short])
+    ex = hellaswag_eval.Example([1, 2, 3], [[4, 5], [6], [7, 8, 9], [10]], 0)
+    short = hellaswag_eval.Example([11], [[12], [13], [14], [15]], 1)
+    p = hellaswag_eval.pack([ex, short])
     # the context, then every ending but its last token; positions restart after the context
     assert p.tokens.tolist() == [[1, 2, 3, 4, 7, 8], [11, EOT, EOT, EOT, EOT, EOT]]
     assert p.positions.tolist() == [[0, 1, 2, 3, 3, 4], [0, 0, 0, 0, 0, 0]]
@@ -148,8 +149,8 @@ def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
 
 
 def test_rendered_examples_are_cached(data_file):
-    first = hs.load_examples(data_file, 3)
-    again = hs.load_examples(data_file, 5)
+    first = hellaswag_eval.load_examples(data_file, 3)
+    again = hellaswag_eval.load_examples(data_file, 5)
     assert len(again) == 5 and all(a is b for a, b in zip(first, again))
 
 
@@ -158,7 +159,7 @@ def test_rendered_examples_are_cached(data_file):
 
 
 def test_batched_scores_equal_one_row_at_a_time(model, data_file):
-    examples = hs.load_examples(data_file, 100)
+    examples = hellaswag_eval.load_examples(data_file, 100)
     assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
     ref = [reference_losses(model, ex, BLOCK) for ex in examples]
     ref_sum = torch.stack([r[0] for r in ref])
@@ -167,7 +168,7 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     gaps = ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values
     assert gaps.min() > 1e-4
 
-    loss_sum, loss_mean = hs.score_examples(model, examples, "cpu", batch_size=6)
+    loss_sum, loss_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=6)
     assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1))
     assert torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
     # fp32 rounding differs by CPU kernel: 1.1e-5 (3.4e-7 relative) seen at loss ~34
@@ -177,20 +178,20 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     labels = torch.tensor([ex.label for ex in examples])
     expected = {"acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
                 "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100, "n": 100}
-    assert hs.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
+    assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
 
 
 def test_block_size_longer_than_the_model_is_refused(model, data_file):
-    examples = hs.load_examples(data_file, 2)
+    examples = hellaswag_eval.load_examples(data_file, 2)
     with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
-        hs.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
+        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
 
 
 def test_logits_in_chunks_score_the_same(model, data_file, monkeypatch):
-    examples = hs.load_examples(data_file, 12)
-    whole = hs.score_examples(model, examples, "cpu", batch_size=12)
-    monkeypatch.setattr(hs, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
-    chunked = hs.score_examples(model, examples, "cpu", batch_size=12)
+    examples = hellaswag_eval.load_examples(data_file, 12)
+    whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
+    monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
+    chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
 
 
@@ -203,11 +204,11 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
         def forward(self, idx):
             return self.gpt(idx)[0]
 
-    expected = hs.evaluate(model, "cpu", limit=12, data_file=data_file)
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=12, data_file=data_file)
     assert not model.training
     wrapped = BareLogits(model).train()
     try:
-        assert hs.evaluate(wrapped, "cpu", limit=12, data_file=data_file, block_size=BLOCK) == expected
+        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=12, data_file=data_file, block_size=BLOCK) == expected
         assert wrapped.training and model.training
     finally:
         model.eval()
@@ -218,7 +219,7 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
 
 
 def test_cli_two_processes_match_one(model, checkpoint, data_file):
-    expected = hs.evaluate(model, "cpu", limit=31, data_file=data_file, lm_eval=True)  # one process
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=31, data_file=data_file, lm_eval=True)  # one process
     assert expected["n"] == 31
     got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
                   "--device", "cpu", launcher=torchrun("--standalone", "--nproc_per_node=2"))
@@ -230,7 +231,7 @@ def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
                "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
     proc = run_cli("--checkpoint", checkpoint, "--device", "cpu", env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hs.DATA_URL)} \(\[Errno \d+\] "
+    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
                         r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH "
                         r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\)\n",
                         proc.stderr), proc.stderr
@@ -241,9 +242,9 @@ def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
     copy = tmp_path / "hellaswag_val.jsonl"  # the first 3 records, elsewhere: not the subset
     copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
     for limit in (0, 3, 50):
-        assert hs.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
-    assert hs.describe_data(str(copy), 2) == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
-    assert hs.describe_data(str(HELLASWAG_FILE), 0) == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
+        assert hellaswag_eval.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
+    assert hellaswag_eval.describe_data(str(copy), 2) == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
+    assert hellaswag_eval.describe_data(str(HELLASWAG_FILE), 0) == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
 
 
 def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
@@ -263,19 +264,19 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
         served.append((url, timeout))
         return io.BytesIO(served_bytes)
 
-    monkeypatch.setattr(hs.urllib.request, "urlopen", fake_urlopen)
-    monkeypatch.setattr(hs, "DATA_SHA256", hashlib.sha256(good).hexdigest())
+    monkeypatch.setattr(hellaswag_data.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(hellaswag_data, "DATA_SHA256", hashlib.sha256(good).hexdigest())
     served_bytes = good[:-10]  # truncated: refused, nothing left behind
     with pytest.raises(UserError, match="sha256 mismatch.*--data-file"):
-        hs.resolve_data_file(data_dir=str(tmp_path))
+        hellaswag_data.resolve_data_file(data_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
     served_bytes = good
-    path = hs.resolve_data_file(data_dir=str(tmp_path))
+    path = hellaswag_data.resolve_data_file(data_dir=str(tmp_path))
     assert path == str(tmp_path / "hellaswag_val.jsonl")
     assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"] and open(path, "rb").read() == good
-    assert hs.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
-    assert served == [(hs.DATA_URL, hs.DOWNLOAD_TIMEOUT_S)] * 2
-    assert [ex.ctx for ex in hs.load_examples(path)] == [ex.ctx for ex in hs.load_examples(data_file, 3)]
+    assert hellaswag_data.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
+    assert served == [(hellaswag_data.DATA_URL, hellaswag_data.DOWNLOAD_TIMEOUT_S)] * 2
+    assert [ex.ctx for ex in hellaswag_eval.load_examples(path)] == [ex.ctx for ex in hellaswag_eval.load_examples(data_file, 3)]
 
 
 # -----------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def test_cli_bad_record_names_file_and_line(checkpoint, tmp_path, record, reason
 def test_records_that_would_score_the_wrong_thing_are_refused(tmp_path, record, reason):
     path = write_records(tmp_path / "bad.jsonl", record)
     with pytest.raises(UserError) as e:
-        hs.load_examples(path, flag="--hellaswag-file")
+        hellaswag_eval.load_examples(path, flag="--hellaswag-file")
     assert str(e.value) == f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})"
 
 
@@ -325,16 +326,16 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     """lm-eval's text is built from activity_label, ctx_a and ctx_b: a record without one is
     refused for that rendering (the other still reads it)."""
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None})
-    assert len(hs.load_examples(path)) == 2
+    assert len(hellaswag_eval.load_examples(path)) == 2
     with pytest.raises(UserError) as e:
-        hs.load_examples(path, style="lm_eval")
+        hellaswag_eval.load_examples(path, style="lm_eval")
     assert str(e.value) == (f"--data-file {path} line 2: not a HellaSwag example "
                             "('ctx_b' must be text for lm-eval's rendering, not None)")
 
 
 def test_label_as_a_digit_string_is_read(tmp_path):
     path = write_records(tmp_path / "ok.jsonl", {**GOOD, "label": "2"})
-    assert [ex.label for ex in hs.load_examples(path)] == [3, 2]
+    assert [ex.label for ex in hellaswag_eval.load_examples(path)] == [3, 2]
 
 
 def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
@@ -349,7 +350,7 @@ def test_unreadable_file_is_one_line(tmp_path):
     path = write_records(tmp_path / "locked.jsonl")
     os.chmod(path, 0)
     with pytest.raises(UserError) as e:
-        hs.load_examples(path)
+        hellaswag_eval.load_examples(path)
     assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
 
 
@@ -402,9 +403,9 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     assert missing == [] and unexpected == []
 
     wrapped = hs.HFLogits(hf)
-    examples = hs.load_examples(data_file, 20)
-    ours_sum, ours_mean = hs.score_examples(model, examples, "cpu", batch_size=8)
-    hf_sum, hf_mean = hs.score_examples(wrapped, examples, "cpu", batch_size=8)
+    examples = hellaswag_eval.load_examples(data_file, 20)
+    ours_sum, ours_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=8)
+    hf_sum, hf_mean = hellaswag_eval.score_examples(wrapped, examples, "cpu", batch_size=8)
     assert torch.equal(hf_mean.argmin(1), ours_mean.argmin(1))
     assert torch.equal(hf_sum.argmin(1), ours_sum.argmin(1))
     torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
@@ -415,5 +416,5 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     data_line, result = capsys.readouterr().out.splitlines()
     assert data_line == f"hellaswag: the first 20 of 446 examples in {data_file}{SUBSET_NAMED}"
     got = json.loads(result)
-    assert got == hs.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
+    assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]

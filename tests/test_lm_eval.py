@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
-import hellaswag as hs  # noqa: E402
 import hf_interop  # noqa: E402
 from conftest import HELLASWAG_FILE, REPO, spread_gpt, write_checkpoint  # noqa: E402
+from trainkit import hellaswag_eval  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
 # 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in
@@ -59,7 +59,7 @@ def test_our_text_is_lm_evals():
     assert len(records) == len(theirs) == 446
     assert sum("[title]" in record["ctx"] for record in records) > 0  # WikiHow's tags are covered
     mismatched = [i for i, (record, doc) in enumerate(zip(records, theirs))
-                  if hs.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])]
+                  if hellaswag_eval.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])]
     assert mismatched == []
 
 
@@ -72,8 +72,8 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_fi
         samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
     assert [s["doc_id"] for s in samples] == list(range(N)) and result["n"] == N
 
-    examples = hs.load_examples(data_file, style="lm_eval")
-    loss_sum, _ = hs.score_examples(model, examples, "cpu")
+    examples = hellaswag_eval.load_examples(data_file, style="lm_eval")
+    loss_sum, _ = hellaswag_eval.score_examples(model, examples, "cpu")
     per_char = loss_sum / torch.tensor([ex.ending_chars for ex in examples], dtype=torch.float32)
     theirs = torch.tensor([s["loglikelihoods"] for s in samples])
     torch.testing.assert_close(theirs, -loss_sum, rtol=0, atol=1e-3)
@@ -82,7 +82,7 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_fi
     assert [s["acc"] for s in samples] == [float(p == y) for p, y in zip(loss_sum.argmin(1).tolist(), labels)]
     assert [s["acc_norm"] for s in samples] == [float(p == y) for p, y in zip(per_char.argmin(1).tolist(), labels)]
 
-    ours = hs.evaluate(model, "cpu", data_file=data_file, lm_eval=True)
+    ours = hellaswag_eval.evaluate(model, "cpu", data_file=data_file, lm_eval=True)
     assert (ours["lm_eval_acc"], ours["lm_eval_acc_norm"]) == (result["acc"], result["acc_norm"])
     assert ours["acc_norm"] != ours["lm_eval_acc_norm"]  # two metrics, on this tiny set too
 

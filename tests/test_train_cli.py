@@ -131,7 +131,7 @@ def test_cli_error_has_no_traceback(tmp_path):
 
 
 def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
-    import hellaswag
+    from trainkit import hellaswag_eval
     hellaswag_file = str(HELLASWAG_FILE)
     args = train_args(data_dir, tmp_path, 4, steps=2) + [
         "--hellaswag-every", "2", "--hellaswag-limit", "8", "--hellaswag-file", hellaswag_file]
@@ -140,7 +140,7 @@ def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
     assert [(r["step"], r["hellaswag_n"]) for r in records] == [(0, 8), (2, 8)]
     # the logged accuracy is hellaswag.py's on the same weights
     model = tg.GPT.from_checkpoint(str(tmp_path))
-    expected = hellaswag.evaluate(model, "cpu", limit=8, data_file=hellaswag_file)
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=8, data_file=hellaswag_file)
     assert records[-1]["hellaswag_acc"] == expected["acc_norm"]
 
 
@@ -166,7 +166,8 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
 
 LIBRARY_MODULES = ["trainkit.cli", "fineweb", "trainkit.launch", "trainkit.fsdp", "trainkit.chunked_loss",
                    "trainkit.doc_mask", "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards", "sample",
-                   "hellaswag", "hf_interop", "plot_log", "trainkit.fit_batch"]
+                   "hellaswag", "hf_interop", "plot_log", "trainkit.fit_batch", "trainkit.hellaswag_data",
+                   "trainkit.hellaswag_eval", "trainkit.hf_weights", "trainkit.sampling"]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():

@@ -16,6 +16,7 @@ from trainkit.cli import UserError
 LR_SCHEDULES = ("cosine", "wsd", "linear")  # the decays train_gpt2.get_lr knows
 SEED = cli.int_in(0, 2**64 - 1)  # numpy's generators (--shuffle) refuse negative seeds, torch larger ones
 OPTIMIZERS = ("adamw", "muon")  # train_gpt2.build_optimizer's
+SAMPLE_PROMPT = "Hello, I'm a language model,"  # what --sample-every's samples continue (sample.py's default)
 
 
 def batch_size_flag(text: str) -> int | str:

@@ -1,0 +1,62 @@
+"""Where HellaSwag's validation file comes from: a path given on the command line, or the cache
+folder, downloaded there once and checked against its sha256. Standard library only, so that a
+script's --help can name the file before torch is imported."""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import urllib.request
+
+from trainkit.cli import UserError
+
+DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+DATA_NAME = "hellaswag_val.jsonl"
+DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+DATA_EXAMPLES = 10042
+DOWNLOAD_TIMEOUT_S = 10
+# 446 examples of the validation set shipped with the repository, for scoring offline (fixtures/README.md)
+SUBSET_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
+                           "hellaswag_val_subset.jsonl")
+
+
+def default_data_dir() -> str:
+    return os.environ.get("HELLASWAG_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "gpt2-trainer", "hellaswag")
+
+
+def resolve_data_file(data_file: str | None = None, data_dir: str | None = None, flag: str = "--data-file") -> str:
+    """Path of the validation jsonl: data_file as given, else data_dir (or the default cache
+    dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet. flag names the
+    option that passes data_file in the command being run (for its error messages)."""
+    if data_file:
+        if not os.path.isfile(data_file):
+            raise UserError(f"{flag} {data_file} does not exist")
+        return data_file
+    path = os.path.join(data_dir or default_data_dir(), DATA_NAME)
+    if not os.path.isfile(path):
+        _download(path, flag)
+    return path
+
+
+def _download(path: str, flag: str):
+    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: torchrun ranks may download at once
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(DATA_URL, timeout=DOWNLOAD_TIMEOUT_S) as r, open(tmp, "wb") as f:
+            while chunk := r.read(1 << 20):
+                digest.update(chunk)
+                f.write(chunk)
+        if digest.hexdigest() != DATA_SHA256:
+            raise OSError("the downloaded file is not the expected one (sha256 mismatch)")
+        os.replace(tmp, path)
+    except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
+        reason = getattr(e, "reason", None) or e
+        raise UserError(f"cannot download HellaSwag from {DATA_URL} ({reason}); "
+                        f"pass a local copy of {DATA_NAME} with {flag} PATH (the repository ships a subset: "
+                        f"{os.path.relpath(SUBSET_FILE)})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
