@@ -71,9 +71,9 @@ if __name__ == "__main__":
 import torch
 
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
-from trainkit.cli import UserError, exit_code_of
-from fineweb import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, os_error_reason, real_vocab_size
+from trainkit.cli import UserError, exit_code_of, os_error_reason
 from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
+from trainkit.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, real_vocab_size
 
 TIED = ("transformer.wte.weight", "lm_head.weight")
 EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours

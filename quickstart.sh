@@ -99,9 +99,10 @@ install_torch() {
 GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
 # the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it): if it cannot be loaded, why, in one line
 if ! BPE_ERROR=$("$PY" -c '
-import sys, fineweb
+import sys
+from trainkit import tokenizer
 try:
-    fineweb.get_encoding()
+    tokenizer.get_encoding()
 except RuntimeError as e:
     sys.exit(str(e))' 2>&1 | tail -n 1); then
   die "${BPE_ERROR:-could not load the GPT-2 BPE}"

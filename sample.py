@@ -57,9 +57,9 @@ if __name__ == "__main__":
     parse_args()  # --help, or a usage error: answered now, before the slow imports
 
 from trainkit.cli import UserError, exit_code_of
-from fineweb import get_tokenizer_or_fail
 from trainkit.launch import resolve_device
 from trainkit.sampling import encode_prompt, sample_text  # what the trainer's --sample-every prints too
+from trainkit.tokenizer import get_tokenizer_or_fail
 
 
 # -----------------------------------------------------------------------------

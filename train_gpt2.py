@@ -171,9 +171,6 @@ from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, ve
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
 from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
-from fineweb import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes, the shard reader and its checks, shard identity
-    EOT, ShardDigestCheck, check_against_manifest, check_token_ids, get_tokenizer_or_fail, no_output_for, open_shard,
-    real_vocab_size, shard_files, token_byte_lengths)
 from trainkit.fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
 from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from trainkit.guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
@@ -188,6 +185,10 @@ from trainkit.launch import (  # defines: device, dtype, compile, the process gr
 from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
+from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
+    ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, shard_files)
+from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes
+    EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths)
 
 
 # -----------------------------------------------------------------------------
@@ -715,7 +716,7 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
                   dtype: torch.dtype, token_bytes, loss_chunk: int = 0, doc_mask=False) -> dict:
     """{val_loss: token-weighted mean loss over the first n_batches x world x B rows of a stream,
     val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
-    bytes (token_bytes: of each id, fineweb.token_byte_lengths); left out if no target has any}."""
+    bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
     model.eval()
     token_bytes = torch.as_tensor(token_bytes, device=device)
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes

@@ -83,8 +83,8 @@ def write_corpus(name, folder):
 
 def _reference_init():
     global _enc
-    import fineweb
-    _enc = fineweb.get_encoding()
+    from trainkit import tokenizer
+    _enc = tokenizer.get_encoding()
 
 
 def _reference_tokenize(doc):
@@ -165,13 +165,13 @@ def measure(pipeline, corpus, workers):
 def tiktoken_cpu_seconds(corpus):
     """CPU time of tiktoken alone on the corpus: one process, text already in memory, no I/O.
     No pipeline around tiktoken can spend less, so reference CPU / this bounds any speedup."""
-    import fineweb
+    from trainkit import documents, tokenizer
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]
-    enc = fineweb.get_encoding()
+    enc = tokenizer.get_encoding()
     start = time.process_time()
-    for chunk in fineweb.chunk_documents(docs, fineweb.CHUNK_CHARS):
-        fineweb.encode_documents(enc, chunk)
+    for chunk in documents.chunk_documents(docs, documents.CHUNK_CHARS):
+        tokenizer.encode_documents(enc, chunk)
     return time.process_time() - start
 
 

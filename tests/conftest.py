@@ -25,7 +25,7 @@ def tiktoken_cache(folder) -> str:
     its download (the sha1 of the URL), so tiktoken's own loader reads it and never the network."""
     import hashlib
     import shutil
-    from fineweb import BPE_URL
+    from trainkit.tokenizer import BPE_URL
     os.makedirs(folder, exist_ok=True)
     shutil.copyfile(REPO / "bpe" / "r50k_base.tiktoken", os.path.join(folder, hashlib.sha1(BPE_URL.encode()).hexdigest()))
     return str(folder)

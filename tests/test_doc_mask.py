@@ -11,7 +11,7 @@ import torch
 from trainkit import doc_mask
 import train_gpt2 as tg
 from conftest import run_cli
-from fineweb import token_byte_lengths
+from trainkit.tokenizer import token_byte_lengths
 from shards import EOT, make_docs, write_shards
 
 CONFIG = tg.GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)

@@ -24,6 +24,7 @@ import tiktoken
 
 import fineweb
 from conftest import TEXT_FILE, tiktoken_cache, tree_hashes
+from trainkit import cli, documents, shards, tokenizer
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
@@ -144,7 +145,7 @@ def small_chunks(monkeypatch):
 
 def test_encode_documents_matches_encode_ordinary_per_document():
     docs = make_docs(30) + ["", "a<|endoftext|>b", "<|endoftext|>", "tail   "]
-    tokens = fineweb.encode_documents(fineweb.get_encoding(), docs)
+    tokens = tokenizer.encode_documents(tokenizer.get_encoding(), docs)
     assert tokens.dtype == np.uint16
     assert np.array_equal(tokens, reference_tokens(docs))
 
@@ -154,8 +155,8 @@ def test_encode_documents_refuses_ids_beyond_uint16():
         def encode_to_numpy(self, text, allowed_special):
             return np.array([EOT, 70000], dtype=np.uint32)
 
-    with pytest.raises(fineweb.UserError, match="70000 does not fit in uint16"):
-        fineweb.encode_documents(WideEncoding(), ["x"])
+    with pytest.raises(cli.UserError, match="70000 does not fit in uint16"):
+        tokenizer.encode_documents(WideEncoding(), ["x"])
 
 
 def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
@@ -168,8 +169,8 @@ def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
             pulled.append(i)
             yield [f"document {i}"], [f"where {i}"]
 
-    with multiprocessing.Pool(2, initializer=fineweb._init_worker) as pool:
-        results = fineweb.tokenize_in_order(chunks(), pool, max_in_flight=4)
+    with multiprocessing.Pool(2, initializer=documents.init_worker) as pool:
+        results = documents.tokenize_in_order(chunks(), pool, max_in_flight=4)
         first = next(results)
         assert len(pulled) == 4
         rest = list(results)
@@ -196,8 +197,9 @@ def test_parse_size_rejects(text, message):
 
 
 def test_import_is_light_and_silent():
-    code = ("import sys, fineweb; heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
-            "print(sorted(heavy), fineweb.EOT, fineweb.get_encoding().name)")
+    code = ("import sys, fineweb; from trainkit import tokenizer; "
+            "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
+            "print(sorted(heavy), fineweb.EOT, tokenizer.get_encoding().name)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=Path(FINEWEB).parent, timeout=60)
     assert (result.stdout, result.stderr) == ("[] 50256 r50k_base\n", "")
@@ -530,12 +532,12 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
                 raise PanicException("called `Result::unwrap()`\non an `Err` value")
             return np.array([1, 2], dtype=np.uint32)
 
-    monkeypatch.setattr(fineweb, "_worker_encoding", Panicking())  # forked workers inherit it
+    monkeypatch.setattr(documents, "_worker_encoding", Panicking())  # forked workers inherit it
     chunks = [(["ok"], ["x.jsonl:1"]), (["fine", "bad", "bad too"], ["x.jsonl:2", "x.jsonl:3", "x.jsonl:4"])]
-    with multiprocessing.Pool(1, initializer=fineweb._init_worker) as pool:  # the panic used to end the worker
-        results = fineweb.tokenize_in_order(iter(chunks), pool, max_in_flight=2)
+    with multiprocessing.Pool(1, initializer=documents.init_worker) as pool:  # the panic used to end the worker
+        results = documents.tokenize_in_order(iter(chunks), pool, max_in_flight=2)
         assert next(results).tolist() == [1, 2]
-        with pytest.raises(fineweb.UserError) as raised:
+        with pytest.raises(cli.UserError) as raised:
             next(results)
     assert str(raised.value) == ("x.jsonl:3: tiktoken cannot tokenize this document (PanicException: called "
                                  "`Result::unwrap()` on an `Err` value); fix it or leave it out (--debug shows the "
@@ -544,9 +546,9 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
     assert "in encode_to_numpy" in str(raised.value.__cause__.__cause__)
 
     chunk = ["a" * 10, "b" * 30, "c"]
-    monkeypatch.setattr(fineweb, "encode_documents", lambda enc, docs: (_ for _ in ()).throw(MemoryError()))
-    with pytest.raises(fineweb.ChunkError) as raised:
-        fineweb.tokenize_chunk(None, chunk, "strict")
+    monkeypatch.setattr(documents, "encode_documents", lambda enc, docs: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(documents.ChunkError) as raised:
+        documents.tokenize_chunk(None, chunk, "strict")
     assert str(raised.value.located(["d:1", "d:2", "d:3"])) == (
         "cannot tokenize the 3 documents from d:1 to d:3: not enough memory (the longest is 30 characters)")
 
@@ -768,8 +770,8 @@ UNICODE_SAMPLES = ["naïve café — 日本語のテキスト 🙂👍🏽 ﷽",
 
 
 def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
-    shipped = fineweb.shipped_encoding()
-    assert Path(fineweb.SHIPPED_BPE) == Path(FINEWEB).parent / "bpe" / "r50k_base.tiktoken"
+    shipped = tokenizer.shipped_encoding()
+    assert Path(tokenizer.SHIPPED_BPE) == Path(FINEWEB).parent / "bpe" / "r50k_base.tiktoken"
     assert (shipped.name, shipped.n_vocab, shipped.eot_token, shipped.max_token_value) == ("r50k_base", 50257, EOT, EOT)
     assert shipped._mergeable_ranks == ENC._mergeable_ranks and shipped._pat_str == ENC._pat_str
     assert shipped._special_tokens == ENC._special_tokens == {"<|endoftext|>": EOT}
@@ -811,7 +813,7 @@ def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(docs))
 
-    round_trip = ("import fineweb; enc = fineweb.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
+    round_trip = ("from trainkit import tokenizer; enc = tokenizer.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
                   "allowed_special={'<|endoftext|>'}); print(tokens, enc.decode(tokens) == 'naïve <|endoftext|> 🙂')")
     (tmp_path / "empty").mkdir()
     for cache in ({}, {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}):  # unset, or set to a folder without it
@@ -836,7 +838,7 @@ def copy_of_fineweb(tmp_path, bpe: bytes | None):
 
 @pytest.mark.parametrize("damage", ["one rank changed", "cut short"])
 def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
-    data = Path(fineweb.SHIPPED_BPE).read_bytes()
+    data = Path(tokenizer.SHIPPED_BPE).read_bytes()
     bad = data.replace(b" 1000\n", b" 1001\n") if damage == "one rank changed" else data[:-100]
     folder = copy_of_fineweb(tmp_path, bad)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
@@ -879,7 +881,7 @@ def test_shard_files_tell_contents_apart(tmp_path):
                          "--workers", "1"]) == 0
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
-    a = fineweb.shard_files(paths)
+    a = shards.shard_files(paths)
     whole = [hashlib.sha256(b"%d" % shard["bytes"] + open(p, "rb").read()).hexdigest()  # small files: all of it
              for shard, p in zip(manifest["shards"], paths)]
     assert a == [(shard["file"], shard["bytes"], digest, shard["sha256"]) for shard, digest in zip(manifest["shards"], whole)]
@@ -887,20 +889,20 @@ def test_shard_files_tell_contents_apart(tmp_path):
     copies = [str(tmp_path / "b" / os.path.basename(p)) for p in paths]
     for p, copy in zip(paths, copies):
         np.save(copy, np.load(p))
-    b = fineweb.shard_files(copies)
+    b = shards.shard_files(copies)
     assert [entry[:3] for entry in b] == [entry[:3] for entry in a] and {entry[3] for entry in b} == {None}
-    assert fineweb.differing_file(a, b) is None
+    assert shards.differing_file(a, b) is None
     name, n = a[1][0], a[1][1]
     np.save(copies[1], (np.load(copies[1]) + 1) % 50257)
-    b = fineweb.shard_files(copies)
-    assert fineweb.differing_file(a, b) == (
+    b = shards.shard_files(copies)
+    assert shards.differing_file(a, b) == (
         name, f"{n} bytes of sampled content {a[1][2][:12]}", f"{n} bytes of sampled content {b[1][2][:12]}")
     b[1] = (*b[1][:3], "f" * 64)  # both manifests list it: theirs is the sha256 compared first
-    assert fineweb.differing_file(a, b) == (name, f"{n} bytes of sha256 {a[1][3][:12]}", f"{n} bytes of sha256 ffffffffffff")
-    assert fineweb.differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
+    assert shards.differing_file(a, b) == (name, f"{n} bytes of sha256 {a[1][3][:12]}", f"{n} bytes of sha256 ffffffffffff")
+    assert shards.differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
     old = [(entry[0], entry[1]) for entry in a]  # a checkpoint written before contents were recorded
-    assert fineweb.differing_file(old, b) is None and fineweb.differing_file(b, old) is None
-    assert fineweb.differing_file(old, [(name, n - 2)]) == (name, f"{n} bytes", f"{n - 2} bytes")  # sorted: train first
+    assert shards.differing_file(old, b) is None and shards.differing_file(b, old) is None
+    assert shards.differing_file(old, [(name, n - 2)]) == (name, f"{n} bytes", f"{n - 2} bytes")  # sorted: train first
 
 
 def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
@@ -909,13 +911,13 @@ def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
     path = tmp_path / "big.npy"
     np.save(path, np.zeros(2_000_000, dtype=np.uint16))
     size = path.stat().st_size
-    digests = {"as written": fineweb.sampled_sha256(str(path), size)}
-    stride = (size - fineweb.SAMPLE_BYTES) // (fineweb.SAMPLES - 1)
-    for what, offset in [("first byte", 0), ("last byte", size - 1), ("between slices", fineweb.SAMPLE_BYTES + 10)]:
+    digests = {"as written": shards.sampled_sha256(str(path), size)}
+    stride = (size - shards.SAMPLE_BYTES) // (shards.SAMPLES - 1)
+    for what, offset in [("first byte", 0), ("last byte", size - 1), ("between slices", shards.SAMPLE_BYTES + 10)]:
         data = bytearray(path.read_bytes())
         data[offset] ^= 1
         (tmp_path / what).write_bytes(bytes(data))
-        digests[what] = fineweb.sampled_sha256(str(tmp_path / what), size)
-    assert stride > fineweb.SAMPLE_BYTES + 10  # that byte is in no slice
+        digests[what] = shards.sampled_sha256(str(tmp_path / what), size)
+    assert stride > shards.SAMPLE_BYTES + 10  # that byte is in no slice
     assert len({digests["as written"], digests["first byte"], digests["last byte"]}) == 3
     assert digests["between slices"] == digests["as written"]

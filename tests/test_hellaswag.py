@@ -15,7 +15,7 @@ import hellaswag as hs
 from conftest import HELLASWAG_FILE, REPO, spread_gpt, torchrun, write_checkpoint
 from trainkit import hellaswag_data, hellaswag_eval
 from trainkit.cli import UserError
-from fineweb import EOT
+from trainkit.tokenizer import EOT
 from train_gpt2 import GPTConfig
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate

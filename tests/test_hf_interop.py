@@ -17,7 +17,7 @@ from conftest import REPO  # noqa: E402
 from trainkit import checkpoints  # noqa: E402
 import train_gpt2  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
-from fineweb import token_byte_lengths  # noqa: E402
+from trainkit.tokenizer import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
@@ -392,12 +392,12 @@ print(json.dumps(dict(version=transformers.__version__, ids=[tok.encode(t) for t
 
 
 def reference_encoding():
-    """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not fineweb's
+    """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not trainkit.tokenizer's
     parser of it), with tiktoken's r50k pattern and <|endoftext|> = 50256; never the network."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext.openai_public import r50k_pat_str
-    from fineweb import BPE_SHA256
+    from trainkit.tokenizer import BPE_SHA256
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
     return tiktoken.Encoding("r50k_base_reference", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)

@@ -279,14 +279,14 @@ def test_param_counts_add_up_and_count_the_tied_embedding_once():
 def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chunk):
     """Logits all equal: every target costs ln(50257) nats, as the 47 padded ids take no probability.
     Bits per byte counts the targets with text only (not <|endoftext|>) over their UTF-8 bytes."""
-    import fineweb
+    from trainkit import tokenizer
     # <|endoftext|> "Hello" " world" "!" <|endoftext|> " café" " au" " l" "ait": 2 rows of 4 tokens
     np.save(tmp_path / "t_val_000000.npy", np.array([EOT, 15496, 995, 0, EOT, 40304, 35851, 300, 4548], np.uint16))
     rows = tg.TokenRows(str(tmp_path), "val", 4)
     model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4))
     with torch.no_grad():
         model.lm_head.weight.zero_()
-    logged = tg.evaluate_loss(model, rows, 2, 1, 0, 1, "cpu", torch.float32, fineweb.token_byte_lengths(50304),
+    logged = tg.evaluate_loss(model, rows, 2, 1, 0, 1, "cpu", torch.float32, tokenizer.token_byte_lengths(50304),
                               loss_chunk)
     # every target costs ln(50257), not ln(50304); 7 text targets (the 8th is <|endoftext|>) of
     # 5 + 6 + 1 + 6 + 3 + 2 + 3 = 26 bytes (é is 2)
@@ -295,4 +295,4 @@ def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chu
     np.save(tmp_path / "small" / "t_val_000000.npy", np.arange(9, dtype=np.uint16))
     small = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4, vocab_size=64))
     assert set(tg.evaluate_loss(small, tg.TokenRows(str(tmp_path / "small"), "val", 4), 2, 1, 0, 1, "cpu",
-                                torch.float32, fineweb.token_byte_lengths(64), loss_chunk)) == {"val_loss"}
+                                torch.float32, tokenizer.token_byte_lengths(64), loss_chunk)) == {"val_loss"}

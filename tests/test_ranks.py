@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from trainkit import checkpoints
-import fineweb
+from trainkit.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, child_pids, torchrun, tree_hashes
 from shards import shard_dir, write_manifest
@@ -104,7 +104,7 @@ def test_ranks_with_different_data_of_the_same_sizes_are_refused(data_dir, train
     _, err = proc.communicate(timeout=120)
     name = os.path.basename(shard)
     size = os.path.getsize(shard)
-    sampled = [fineweb.shard_files([str(tmp_path / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
+    sampled = [shard_files([str(tmp_path / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
     assert proc.returncode == 1
     assert error_lines(err) == [f"error: the ranks of this launch were started differently: train shards in "
                                 f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
@@ -126,9 +126,9 @@ def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(data_di
     shutil.copytree(copies[0], copies[1])
     shard = copies[1] / "synth_train_000001.npy"
     damaged = bytearray(shard.read_bytes())
-    damaged[fineweb.SAMPLE_BYTES + 10] ^= 1  # a token's low byte, between the first two slices
+    damaged[SAMPLE_BYTES + 10] ^= 1  # a token's low byte, between the first two slices
     shard.write_bytes(bytes(damaged))
-    assert len({fineweb.shard_files([str(copy / shard.name)])[0][2] for copy in copies}) == 1  # sampled: the same
+    assert len({shard_files([str(copy / shard.name)])[0][2] for copy in copies}) == 1  # sampled: the same
     before = [tree_hashes(copy) for copy in copies]
     out = tmp_path / "out"
     proc = launch_per_rank('cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, steps=4),

@@ -11,10 +11,10 @@ import torch
 from conftest import REPO
 from shards import make_docs, write_shards
 from trainkit import checkpoints
-import fineweb
+from trainkit import tokenizer
 import sample
 from trainkit import sampling
-from fineweb import EOT
+from trainkit.tokenizer import EOT
 from train_gpt2 import GPT, GPTConfig
 
 TINY = ["--model", "cpu", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "64",
@@ -162,7 +162,7 @@ def test_sample_cli_equals_sample_text_in_process(trained):
     assert proc.returncode == 0, proc.stderr
     model = tg.GPT.from_checkpoint(str(out))
     # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
-    expected = list(sampling.sample_text(model, fineweb.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7,
+    expected = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7,
                                    top_k=5, seed=3))
     assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
@@ -262,7 +262,7 @@ def test_hf_model_greedy_equals_transformers(tmp_path):
     proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", PROMPT, "--num-samples", "1",
                   "--max-new-tokens", "12", "--top-k", "1")
     assert proc.returncode == 0, proc.stderr
-    enc = fineweb.get_encoding()
+    enc = tokenizer.get_encoding()
     ids = torch.tensor([enc.encode(PROMPT)])
     with torch.no_grad():
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
@@ -309,8 +309,8 @@ def test_tiny_temperature_is_greedy(trained):
                   "--max-new-tokens", "12", "--continue-past-eot")
     assert proc.returncode == 0, proc.stderr
     model = tg.GPT.from_checkpoint(str(out))
-    greedy = list(sampling.sample_text(model, fineweb.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False))
-    drawn = list(sampling.sample_text(model, fineweb.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
+    greedy = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False))
+    drawn = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
@@ -359,7 +359,7 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
         proc.wait()
     assert lines[0] == f"--- sample 1/{10 ** 12} ---\n"
     model = tg.GPT.from_checkpoint(str(out))
-    expected = list(sampling.sample_text(model, fineweb.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
+    expected = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
     assert samples_of("".join(lines))[:3] == expected
 
 
@@ -378,6 +378,6 @@ def test_trainer_samples_continue_sample_prompt(trained):
     proc = run_py("train_gpt2.py", *TINY, "--data-dir", out.parent / "data", "--out-dir", out, "--resume",
                   "--eval-only", "--sample-every", "1", "--sample-prompt", "def ")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), fineweb.get_encoding(), "cpu", "def "))
+    expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))
     assert len(expected) == 4 and all(text.startswith("def ") for text in expected)
     assert proc.stdout.count("sample: ") == 4 and all(f"sample: {text}\n" in proc.stdout for text in expected)

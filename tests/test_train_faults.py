@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from trainkit import checkpoints
-import fineweb
+from trainkit.shards import shard_files
 import train_gpt2 as tg
 from conftest import REPO, run_cli, torchrun
 from shards import write_manifest
@@ -313,7 +313,7 @@ def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, 
     result = run_command("train_gpt2.py", *args_for(str(data), out, "--resume", steps=4, ckpt_every=2))
     saved = checkpoints.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
-    now = fineweb.shard_files([str(train[-1])])[0][2][:12]
+    now = shard_files([str(train[-1])])[0][2][:12]
     assert (result.returncode, result.stderr) == (0, (
         f"warning: --data-dir {data} changed since {out}/ckpt_0000002.pt was written (train shard {train[-1].name}: "
         f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 2 on this "

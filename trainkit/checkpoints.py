@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from trainkit.cli import UserError
-from fineweb import differing_file, os_error_reason, shard_files
+from trainkit.cli import UserError, os_error_reason
 from trainkit.fsdp import is_fsdp
 from trainkit.launch import print0
+from trainkit.shards import differing_file, shard_files
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The bare module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
@@ -390,7 +390,7 @@ def data_change(saved: dict | None, now: dict) -> str | None:
 
 
 def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
-    """The shards a run reads (fineweb.shard_files: names, sizes, contents, in order): a checkpoint keeps
+    """The shards a run reads (shards.shard_files: names, sizes, contents, in order): a checkpoint keeps
     them, and a resume compares them (data_change). What the rows are made of, not how a manifest describes
     its inputs: shards made again, byte for byte, from a copy of the input read the same rows. (Checkpoints
     written before kept the manifest's sha256 too; it is not compared.)"""

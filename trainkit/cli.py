@@ -156,3 +156,17 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
         print_line0(interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}")
         return 128 + signum
     return 0
+
+
+def one_line(e: BaseException) -> str:
+    """Another library's exception as a short single line, to quote inside our message."""
+    text = flat(e) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def os_error_reason(e: Exception) -> str:
+    """'no space left on device', 'permission denied', ...: an OSError without the file name
+    (which a failed write() does not carry anyway), to follow the name in our message; another
+    exception (torch.save's RuntimeError, safetensors' error) as its text on one line."""
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+    return reason[:1].lower() + reason[1:]

@@ -27,7 +27,7 @@ import os
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from fineweb import EOT
+from trainkit.tokenizer import EOT
 
 
 def document_ids(idx: torch.Tensor) -> torch.Tensor:

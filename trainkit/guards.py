@@ -14,8 +14,7 @@ import signal
 import torch
 
 from trainkit import cli
-from trainkit.cli import UserError
-from fineweb import one_line
+from trainkit.cli import UserError, one_line
 from trainkit.fsdp import local_part
 from trainkit.launch import all_reduce_sum
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from trainkit.checkpoints import unwrap_model
 from trainkit.chunked_loss import exp_sums_
 from trainkit.cli import UserError
-from fineweb import EOT, get_tokenizer_or_fail, real_vocab_size
 from trainkit.hellaswag_data import DATA_EXAMPLES, DATA_NAME, SUBSET_FILE, resolve_data_file
 from trainkit.launch import all_reduce_sum, autocast_context
+from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size
 
 
 class Example(NamedTuple):

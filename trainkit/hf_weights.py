@@ -10,7 +10,7 @@ Layout differences the conversion handles:
 - HF's attention mask buffers (attn.bias, attn.masked_bias; gone in recent versions) are skipped.
 - Our vocabulary is padded (50257 -> 50304, a multiple of 64, for faster matmuls). The padded
   ids carry no probability: every softmax of ours runs over GPT-2's 50257 ids only
-  (fineweb.real_vocab_size), so an imported GPT-2 has the original's loss exactly, and on export
+  (tokenizer.real_vocab_size), so an imported GPT-2 has the original's loss exactly, and on export
   the padded rows are dropped. Only a model with fewer ids than GPT-2's (a test's vocabulary of
   100, padded to 128) counts every id as real; for it matters that on import the padded rows of
   the tied wte/lm_head matrix are set to the MEAN of the real rows, not to zero: GPT-2-like logits are

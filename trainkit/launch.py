@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainkit.cli import UserError, exit_code_of
-from fineweb import differing_file
+from trainkit.shards import differing_file
 
 
 @dataclass
@@ -207,7 +207,7 @@ def check_ranks_agree(fingerprint: list[tuple[str, object]]):
     """Under torchrun, refuse a launch whose ranks got different flags or data (a different
     --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
     replicas that silently drift apart). fingerprint: (what, value) pairs in order, "--flag"s and
-    shard lists (fineweb.shard_files: names, sizes and contents). One all-gather; every rank raises
+    shard lists (shards.shard_files: names, sizes and contents). One all-gather; every rank raises
     the same error."""
     if not dist.is_initialized():
         return

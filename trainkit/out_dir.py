@@ -19,8 +19,8 @@ import shutil
 from trainkit import cli
 from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
                          new_run, read_run, run_name, same_file)
-from trainkit.cli import UserError
-from fineweb import FolderLock, one_line, os_error_reason
+from trainkit.cli import UserError, one_line, os_error_reason
+from trainkit.folder_lock import FolderLock
 from trainkit.launch import print0
 
 class RunLog:
@@ -239,7 +239,7 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
 
 
 class OutDirLock(FolderLock):
-    """One live run per --out-dir (fineweb.FolderLock, as fineweb.py holds its own --out-dir): rank 0
+    """One live run per --out-dir (trainkit/folder_lock.py's FolderLock, as fineweb.py holds its own --out-dir): rank 0
     takes it once the input checks out, and the refusal of a second run says how to continue the first."""
 
     writer = "this trainer"

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from trainkit.cli import UserError
-from fineweb import EOT
+from trainkit.tokenizer import EOT
 from trainkit.train_flags import SAMPLE_PROMPT
 
 

@@ -154,7 +154,7 @@ def validate_config(run, model, world_size: int, device_type: str) -> int:
     """Check the run (a RunConfig) and its model (a GPTConfig) as a whole, before any work, and set
     --batch-size's default for the device. Returns the rows each rank reads per optimizer step, which
     --batch-size (a number) divides; auto chooses a divisor later (fit_batch.py)."""
-    from fineweb import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
+    from trainkit.tokenizer import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
     if run.batch_size is None:
         run.batch_size = "auto" if device_type == "cuda" else 64
     B = 1 if run.batch_size == "auto" else run.batch_size

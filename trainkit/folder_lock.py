@@ -1,0 +1,95 @@
+"""The lock on a folder that one process writes: fineweb.py's --out-dir, and a training run's
+(trainkit/out_dir.py's OutDirLock words the refusal for a run). Standard library only, so that
+fineweb.py takes it without torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+
+from trainkit.cli import UserError, os_error_reason
+
+
+class FolderLock:
+    """One live writer per folder: an exclusive flock on the folder itself (on a descriptor of the
+    directory), which no file in it, deleted or rewritten, can undo. FOLDER/.lock names the holder's pid
+    and host, only for the refusal of a second writer. The kernel drops the lock when the process ends,
+    however it ends, so what a killed writer leaves blocks nothing; a writer that ends removes the .lock
+    it wrote (not one that replaced it). fineweb.py holds its --out-dir with it, a training run its own
+    (out_dir.OutDirLock, which words the refusal for a run)."""
+
+    writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
+
+    def __init__(self, folder: str):
+        self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
+
+    def in_use(self, holder: str) -> str:
+        """The refusal of a second writer (holder: as the .lock note names it)."""
+        return (f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
+                "folder): wait for it to end, or choose another --out-dir")
+
+    def note(self, line: str):
+        print(line, file=sys.stderr, flush=True)
+
+    def acquire(self):
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._cannot_lock("no flock on this system")
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(self.in_use(self._holder())) from None
+        except OSError as e:  # a file system without locks (Lustre without -o flock)
+            os.close(fd)
+            return self._cannot_lock(os_error_reason(e))
+        self.fd = fd
+        try:
+            self._write_holder()
+        except UserError:
+            self.release()
+            raise
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its .lock says."""
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        except OSError:
+            return f"holder not recorded in {self.path}"
+
+    def _write_holder(self):
+        """FOLDER/.lock: a new file, replacing the one a writer that ended or was killed left there."""
+        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+            what = (f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else
+                    "a directory" if os.path.isdir(self.path) else "not a regular file")
+            raise UserError(f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose "
+                            "another --out-dir")
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            os.replace(tmp, self.path)
+            self.written = os.stat(self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
+
+    def _cannot_lock(self, why: str):
+        self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")
+
+    def release(self):
+        if self.fd is None:
+            return
+        if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(self.path), self.written):
+                    os.remove(self.path)
+        os.close(self.fd)
+        self.fd = self.written = None
+
