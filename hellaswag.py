@@ -8,8 +8,9 @@
 Completion scoring: each example is a context and four endings. Every ending is scored by the
 model's cross-entropy on the ending's tokens given the context; the prediction is the ending
 with the lowest mean token loss (acc_norm, as build-nanogpt and llm.c compute it: about 0.2955
-for GPT-2 124M) or the lowest summed loss (acc). The scoring is trainkit/hellaswag_eval.py, which the
-trainer's --hellaswag-every calls too; this script adds its command line and --hf-model.
+for GPT-2 124M) or the lowest summed loss (acc). That scoring is trainkit/hellaswag_eval.py, which
+the trainer's --hellaswag-every calls too; the file it reads (given, or downloaded once and
+checked) is found by trainkit/hellaswag_data.py; this script adds its command line and --hf-model.
 
 lm-evaluation-harness scores the same examples differently: its hellaswag task rewrites the
 text ("<activity_label>: <ctx_a> <Ctx_b>", WikiHow's bracketed tags removed) and normalizes the

@@ -10,7 +10,11 @@ projections, the padded vocabulary) that both directions handle:
 
     config, state = gpt2_state_from_hf("gpt2")   # Hub name (needs internet) or a local HF directory
 
-transformers is optional: it is imported only inside the functions that need it.
+What is where: the command line (answered before torch loads); export_hf, the export itself
+(our tensors as GPT2LMHeadModel's, the folder written whole or not at all, the mark that lets
+only an export be replaced, GPT-2's tokenizer beside it); then `eval`, lm-evaluation-harness on
+a temporary export; main at the end. transformers is optional: it is imported only inside the
+functions that need it.
 """
 from __future__ import annotations
 
@@ -74,6 +78,10 @@ from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_mode
 from trainkit.cli import UserError, exit_code_of, os_error_reason
 from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
 from trainkit.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, real_vocab_size
+
+
+# -----------------------------------------------------------------------------
+# export: our checkpoint as a Hugging Face GPT-2 folder
 
 TIED = ("transformer.wte.weight", "lm_head.weight")
 EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours

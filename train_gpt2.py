@@ -9,8 +9,9 @@ the gradient of the mean loss over every non-ignored target token of the step, o
 whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
 & the step" below). Sections, in the order a step needs them: config and flags -> the GPT-2
 model -> data -> optimizer & schedule -> accumulation & the step -> the Trainer -> main().
-What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) lives
-in the modules imported below, each with a line on what it brings; none of them imports this file.
+What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
+the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
+trainkit/, imported below, each with a line on what it brings; no trainkit module imports a script.
 """
 from __future__ import annotations
 
