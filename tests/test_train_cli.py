@@ -164,10 +164,11 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
     assert (result.returncode, result.stderr) == (2, f"error: --hellaswag-file {missing} does not exist\n")
 
 
-LIBRARY_MODULES = ["trainkit.cli", "fineweb", "trainkit.launch", "trainkit.fsdp", "trainkit.chunked_loss",
-                   "trainkit.doc_mask", "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards", "sample",
-                   "hellaswag", "hf_interop", "plot_log", "trainkit.fit_batch", "trainkit.hellaswag_data",
-                   "trainkit.hellaswag_eval", "trainkit.hf_weights", "trainkit.sampling"]
+LIBRARY_MODULES = ["trainkit.cli", "trainkit.tokenizer", "trainkit.shards", "trainkit.documents", "fineweb",
+                   "trainkit.launch", "trainkit.fsdp", "trainkit.chunked_loss", "trainkit.doc_mask",
+                   "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards", "trainkit.fit_batch",
+                   "trainkit.optimizers", "trainkit.train_flags", "trainkit.hellaswag_data", "trainkit.hellaswag_eval",
+                   "trainkit.hf_weights", "trainkit.sampling", "sample", "hellaswag", "hf_interop", "plot_log"]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
@@ -183,44 +184,6 @@ def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
              "print(*[m for m in ('torch._dynamo', 'transformers', 'datasets', 'matplotlib') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines() == [f"{m} False" for m in LIBRARY_MODULES] + [""], result.stderr[-2000:]
-
-
-def repo_modules() -> dict:
-    """Every module of the repo by its import name (train_gpt2, trainkit.cli) -> its file."""
-    return {".".join(p.relative_to(REPO).with_suffix("").parts): p
-            for p in [*REPO.glob("*.py"), *REPO.glob("trainkit/*.py")] if p.name != "__init__.py"}
-
-
-def module_level_imports(path, ours) -> set:
-    """The repo modules a file imports when it is imported: top-level statements (and the bodies of
-    top-level if/try), not the imports inside functions, which run only when called."""
-    import ast
-    found, todo = set(), list(ast.parse(path.read_text()).body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        elif isinstance(node, (ast.If, ast.Try)):
-            todo += node.body + node.orelse + getattr(node, "finalbody", []) + \
-                [n for h in getattr(node, "handlers", []) for n in h.body]
-    return found & ours
-
-
-def test_module_level_imports_have_no_cycle_and_only_main_imports_the_trainer():
-    modules = repo_modules()
-    graph = {name: module_level_imports(path, set(modules)) for name, path in modules.items()}
-    assert graph["train_gpt2"] >= {"trainkit.launch", "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards",
-                                   "trainkit.fsdp", "trainkit.chunked_loss"}
-    assert [m for m, deps in graph.items() if "train_gpt2" in deps] == []
-    order = []  # a topological order exists exactly when there is no cycle
-    while len(order) < len(graph):
-        ready = sorted(m for m, deps in graph.items() if m not in order and deps <= set(order) | {m})
-        assert ready, f"import cycle among {sorted(set(graph) - set(order))}"
-        order += ready
-    assert order.index("trainkit.cli") < order.index("trainkit.launch") < order.index("trainkit.checkpoints") \
-        < order.index("train_gpt2")
 
 
 def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):
