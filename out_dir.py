@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import socket
+import stat
 
 import cli
 from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
@@ -47,7 +48,7 @@ class RunLog:
                             "does not exist; remove the link or point it at a file")
         try:
             kept = read_log_up_to(self.path, resumed)
-            self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
+            self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
@@ -136,12 +137,28 @@ def strict_json_record(record: dict) -> dict:
     return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
 
 
+def open_run_file(path: str, mode: str, **options):
+    """open(path, mode) for a file a run folder holds (log.jsonl), where another program may have put
+    a named pipe, a socket or a disk's block device: a UserError naming what it is, never a wait
+    forever for a pipe's other end (the open does not block: O_NONBLOCK) nor writes onto a disk.
+    A character device answers at once and stays allowed (/dev/null, /dev/full)."""
+    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK), **options)
+    kind = os.fstat(f.fileno()).st_mode
+    what = "a named pipe (FIFO)" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else \
+        "a block device" if stat.S_ISBLK(kind) else None
+    if what:
+        f.close()
+        raise UserError(f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
+                        "(the run makes its own), or choose another --out-dir")
+    return f
+
+
 def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
     """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
     checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
     empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
     try:
-        with open(path, "rb") as f:
+        with open_run_file(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
             kept = f.read(min(resumed.log_offset, size) if resumed else size)
     except FileNotFoundError:

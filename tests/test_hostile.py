@@ -21,9 +21,9 @@ from conftest import REPO, SHARED, interrupt_when_blocked
 from test_resilience import args_for, log_records, resume_copy
 
 
-def run_command(script, *args, **kwargs):
+def run_command(script, *args, timeout=300, **kwargs):
     return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, **kwargs)
+                          timeout=timeout, **kwargs)
 
 
 def assert_one_error_line(result, *fragments):
@@ -340,3 +340,74 @@ def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir
     assert capsys.readouterr().err == "error: interrupted\n"
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "log.jsonl"]
     assert checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))["step"] == 2
+
+
+# --- processes and environments (issue 31) -------------------------------------------------
+
+def snapshot(folder) -> dict:
+    """Every file under folder (relative name -> its bytes' sha256): what must stay byte-identical."""
+    def digest(path):  # (a named pipe is never opened: that would wait for a writer)
+        return hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else "not a file"
+    return {os.path.relpath(os.path.join(root, name), folder): digest(os.path.join(root, name))
+            for root, _, names in os.walk(folder) for name in names}
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+     "MASTER_ADDR is not set, but RANK=0, LOCAL_RANK=0, WORLD_SIZE=1 are: launch with torchrun, which sets them "
+     "all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process"),
+    ({"RANK": "0"}, "LOCAL_RANK is not set, but RANK=0 is: launch with torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+     "WORLD_SIZE='two' is not a whole number: launch with torchrun"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+     "RANK=2 with WORLD_SIZE=2: the ranks are 0..WORLD_SIZE-1; launch with torchrun"),
+], ids=["no MASTER_ADDR", "RANK alone", "WORLD_SIZE=two", "RANK past WORLD_SIZE"])
+def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, env, message):
+    before = snapshot(finished_run)
+    for script, args in [("train_gpt2.py", args_for(data_dir, finished_run, "--resume", steps=6)),
+                         ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"])]:
+        result = run_command(script, *args, env={**os.environ, **env})
+        assert_one_error_line(result, message)
+    assert snapshot(finished_run) == before
+
+
+def test_ranks_that_never_gather_are_one_line(tmp_path):
+    # launch.process_group, which every script's ranks join through, with a second rank that never
+    # comes: the store's timeout (a few seconds here; --dist-timeout in the trainer)
+    from conftest import free_port
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    result = subprocess.run([sys.executable, "-c", "import sys, launch\n"
+                             "def join():\n    with launch.process_group('cpu', 2): pass\n"
+                             "sys.exit(launch.exit_code_on_every_rank(join))"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert_one_error_line(result, f"error: rank 0: could not gather the WORLD_SIZE=2 ranks of this launch at "
+                                  f"127.0.0.1:{env['MASTER_PORT']} within 2 s (DistStoreError: ",
+                          "start all 2 ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE")
+
+
+def test_libraries_that_cannot_load_under_a_memory_limit_are_one_line(data_dir, tmp_path):
+    def limit_memory():  # ulimit -v 300000: too little to map torch's shared libraries
+        resource.setrlimit(resource.RLIMIT_AS, (300_000 * 1024,) * 2)
+    for script, args in [("train_gpt2.py", args_for(data_dir, tmp_path / "out", steps=2)),
+                         ("sample.py", ["--checkpoint", tmp_path / "c.pt"])]:
+        result = run_command(script, *args, preexec_fn=limit_memory)
+        assert_one_error_line(result, "error: cannot import the libraries this script needs (ImportError: ",
+                              "under a memory limit (ulimit -v) raise it, otherwise reinstall them")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_log_that_is_a_named_pipe_is_refused_not_waited_on(finished_run, data_dir, tmp_path):
+    for out, extra in [(tmp_path / "new", ()), (tmp_path / "resumed", ("--resume",))]:
+        if extra:
+            shutil.copytree(finished_run, out)
+            os.remove(out / "log.jsonl")
+        else:
+            out.mkdir()
+        os.mkfifo(out / "log.jsonl")
+        before = snapshot(out)
+        result = run_command("train_gpt2.py", *args_for(data_dir, out, *extra, steps=6), timeout=120)
+        assert_one_error_line(result, f"error: {out}/log.jsonl is a named pipe (FIFO), not a regular file: a run "
+                                      "would wait on it or write over it; remove it (the run makes its own), or "
+                                      "choose another --out-dir")
+        assert snapshot(out) == before
