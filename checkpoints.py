@@ -64,8 +64,32 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     return model_state, rekey_optimizer_state(optim_state, list(range(n_params))) if optim_state else {}
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict):
-    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its shard)."""
+def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups,
+    another number of parameters in one, or a state tensor (AdamW's moments, Muon's momentum) of
+    another shape than its parameter. torch's load_state_dict would raise a traceback, or take it."""
+    groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
+    if not isinstance(groups, list) or not isinstance(optim_state.get("state"), dict):
+        return "its optimizer state is not an optimizer's state dict"
+    sizes, ours = [len(g.get("params", ())) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
+        return f"its optimizer has parameter groups of {sizes} tensors, this one of {ours}"
+    shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    for i, key in enumerate(p for g in groups for p in g["params"]):
+        for name, value in optim_state["state"].get(key, {}).items():
+            if torch.is_tensor(value) and value.dim() and tuple(value.shape) != shapes[i]:
+                return (f"its optimizer's {name} of parameter {i} is {'x'.join(map(str, value.shape))}, where the "
+                        f"parameter is {'x'.join(map(str, shapes[i]))}")
+    return None
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                    source: str = "the checkpoint"):
+    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its
+    shard), once optimizer_state_problem finds it fits (else a UserError naming source)."""
+    problem = optimizer_state_problem(optim_state, optimizer)
+    if problem:
+        raise UserError(f"{source}: {problem}: written by another program or edited, it cannot be resumed")
     if not is_fsdp(model):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
@@ -203,12 +227,14 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
                 os.remove(old)
 
 
-def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
+def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bool = False) -> dict:
     """Load one of our checkpoints (a file, or a run's --out-dir for its newest) with
     weights_only=True (tensors and plain types, no pickled code), and check that it is ours
-    and whole; otherwise a UserError that names the earlier checkpoint to use. model_fields:
-    the model_config keys the reader understands (GPTConfig's fields; an exporter's subset);
-    a checkpoint with any other is refused rather than read wrongly."""
+    and whole, that its weights are the shapes its model_config makes (gpt_state_shapes) and,
+    to resume, that it holds the state a resume reads (RESUME_STATE); otherwise a UserError that
+    names the earlier checkpoint to use. model_fields: the model_config keys the reader
+    understands (GPTConfig's fields; an exporter's subset); a checkpoint with any other is
+    refused rather than read wrongly."""
     if os.path.isdir(path):
         newest = latest_checkpoint(path)
         if newest is None:
@@ -240,10 +266,54 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
     if ckpt["checksum"] != state_digest(ckpt):
         raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
                         f"{instead()}")
+    problem = state_shape_problem(ckpt["model"], ckpt["model_config"]) or resume and missing_resume_state(ckpt)
+    if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
+        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
     bad = first_nonfinite(ckpt["model"])
     if bad:  # the trainer never writes one (check_state_finite): another program did
         raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
     return ckpt
+
+
+# what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
+RESUME_STATE = ("optimizer", "step", "run_config", "rng_cpu", "log_offset", "log_sha256", "skip_state")
+
+
+def missing_resume_state(ckpt: dict) -> str | None:
+    missing = [k for k in RESUME_STATE if k not in ckpt]
+    return f"it holds no {', '.join(missing)} to resume from (weights only)" if missing else None
+
+
+def gpt_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of our GPT's state dict (GPT-2's layout) under a checkpoint's
+    model_config, which a checkpoint's weights must match (tests check it against GPT's own)."""
+    V, T, C, L = (config[k] for k in ("vocab_size", "block_size", "n_embd", "n_layer"))
+    block = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (3 * C, C), "attn.c_attn.bias": (3 * C,),
+             "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
+             "mlp.c_fc.weight": (4 * C, C), "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (C, 4 * C),
+             "mlp.c_proj.bias": (C,)}
+    return {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
+            **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
+            "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,), "lm_head.weight": (V, C)}
+
+
+def state_shape_problem(state, config: dict) -> str | None:
+    """How a checkpoint's model weights differ from the names and shapes its config makes (None: they match)."""
+    sizes = [config.get(k) for k in ("vocab_size", "block_size", "n_embd", "n_layer", "n_head")]
+    if not all(type(n) is int and n > 0 for n in sizes) or sizes[2] % sizes[4]:
+        return f"its model_config is not a model's ({', '.join(f'{k} {v!r}' for k, v in config.items())})"
+    if not isinstance(state, dict):
+        return f"its model weights are a {type(state).__name__}, not a state dict"
+    expected = gpt_state_shapes(config)
+    for name, shape in expected.items():
+        if name not in state:
+            return f"its model weights lack {name}"
+        got = tuple(state[name].shape) if torch.is_tensor(state[name]) else None
+        if got != shape:
+            return (f"its {name} is {'x'.join(map(str, got)) if got else type(state[name]).__name__}, where its "
+                    f"model_config makes it {'x'.join(map(str, shape))}")
+    extra = [name for name in state if name not in expected]
+    return f"its model weights hold {extra[0]}, which its model_config has no place for" if extra else None
 
 
 def first_nonfinite(state: dict) -> str | None:

@@ -890,9 +890,9 @@ class Trainer:
     # ---- checkpoints
 
     def _load_resume_state(self, path: str):
-        ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)])
+        ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)], resume=True)
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
-        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
+        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"], path)
         self.start_step, self.resumed = ckpt["step"], ResumePoint.of(path, ckpt)
         if self.start_step > self.run.max_steps and not self.run.eval_only:
             raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "

@@ -411,3 +411,48 @@ def test_a_log_that_is_a_named_pipe_is_refused_not_waited_on(finished_run, data_
                                       "would wait on it or write over it; remove it (the run makes its own), or "
                                       "choose another --out-dir")
         assert snapshot(out) == before
+
+
+def test_gpt_state_shapes_are_the_models():
+    for shape in [dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=100),
+                  dict(n_layer=3, n_head=4, n_embd=8, block_size=7, vocab_size=64)]:
+        state = tg.GPT(tg.GPTConfig(**shape)).state_dict()
+        assert checkpoints.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
+
+
+def re_summed(src, dst, edit):
+    """A copy of checkpoint src edited by edit(ckpt) and saved with a valid checksum (another program)."""
+    ckpt = torch.load(src, weights_only=True)
+    edit(ckpt)
+    checkpoints.save_checkpoint(str(dst), {k: v for k, v in ckpt.items() if k != "checksum"})
+
+
+@pytest.mark.parametrize("edit,what,commands", [
+    (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only): not as train_gpt2.py "
+     "writes them", ["train"]),
+    (lambda c: c["model"].__setitem__("transformer.h.0.attn.c_attn.weight", torch.zeros(48, 15)),
+     "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16: not as train_gpt2.py "
+     "writes them", ["train", "sample", "hellaswag", "export"]),
+    (lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)),
+     "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
+     "edited, it cannot be resumed", ["train"]),
+], ids=["no optimizer", "model tensor shape", "optimizer tensor shape"])
+def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(finished_run, data_dir, tmp_path, edit, what,
+                                                                    commands):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(finished_run / "log.jsonl", out)
+    re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", edit)
+    examples = tmp_path / "hellaswag.jsonl"
+    examples.write_text(json.dumps(dict(ctx="A man is on a roof. he", ctx_a="A man is on a roof.", ctx_b="he",
+                                        activity_label="Roofing", endings=["a", "b", "c", "d"], label=0)) + "\n")
+    before = snapshot(tmp_path)
+    ckpt = out / "ckpt_0000004.pt"
+    lines = {"train": ("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6)),
+             "sample": ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "2"),
+             "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", examples),
+             "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf")}
+    for command in commands:
+        result = run_command(*lines[command])
+        assert_one_error_line(result, f"error: {ckpt}: {what}")
+    assert snapshot(tmp_path) == before
