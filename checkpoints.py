@@ -370,16 +370,20 @@ def read_run(path: str) -> dict | None:
     return run_of(ckpt) if isinstance(ckpt, dict) else None
 
 
-def last_record_run(path: str) -> str | None:
-    """The "run" of the last record of the log at path (None: none, or a run from before run ids)."""
+def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
+    """What the log.jsonl at path holds: the "run" of its last record, whose it is in words (a run, a
+    run from before run ids, or not a log: no JSON record), whether it holds any record, and whether
+    a trained step (a record with a loss). Read a line at a time: a log of a long run is big."""
+    last, trained, any_record = None, False, False
     with open(path, "rb") as f:
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
-        lines = f.read().splitlines()
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            return record.get("run") if isinstance(record, dict) else None
-    return None
+        for line in f:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    any_record, last = True, record.get("run")
+                    trained |= "loss" in record
+    words = run_name(last) if any_record else "no run (no line of it is a JSON record: not a log this trainer wrote)"
+    return last, words, any_record, trained
 
 
 @dataclass
@@ -438,9 +442,16 @@ def choose_resume_checkpoint(run) -> str | None:
                         "that run, or choose another --out-dir")
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
-        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of {run_name(last_record_run(log))} but no "
-                        "checkpoint to resume: move the log aside to start a new run there, or choose another "
-                        "--out-dir")
+        _, whose, is_log, trained = log_summary(log)
+        if trained or not is_log:  # a run's curve (its only record) or a file of the user's: never cut
+            what = f"the log.jsonl of {whose}" if is_log else f"a log.jsonl of {whose}"
+            raise UserError(f"--out-dir {run.out_dir} holds {what} but no checkpoint to resume: move the log aside "
+                            "to start a new run there, or choose another --out-dir")
+        # a run that stopped before its first step (out of memory at step 0): nothing of it to keep
+        print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+               "this run starts it afresh")
+        with open(log, "r+b") as f:
+            f.truncate(0)
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None

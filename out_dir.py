@@ -19,7 +19,7 @@ import socket
 import stat
 
 import cli
-from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
+from checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, log_summary,
                          new_run, read_run, run_name, same_file)
 from cli import UserError
 from fineweb import one_line, os_error_reason
@@ -165,10 +165,16 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
         return b""
     if resumed and kept and (len(kept) != resumed.log_offset or
                              hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
-        raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of "
-                        f"{run_name(last_record_run(path))}, the checkpoint of {run_name(resumed.run['id'])}): "
-                        "resuming would corrupt it; resume into the --out-dir of the checkpoint's own run, or a new "
-                        "one")
+        last, whose, _, _ = log_summary(path)
+        if last != resumed.run["id"]:
+            raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of {whose}, the "
+                            f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
+                            "the --out-dir of the checkpoint's own run, or a new one")
+        change = (f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then" if len(kept) < resumed.log_offset
+                  else f"its first {resumed.log_offset} bytes differ from what they were then")
+        raise UserError(f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
+                        "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
+                        "or move it aside (the resume then starts a new log.jsonl)")
     return kept
 
 

@@ -824,6 +824,7 @@ class Trainer:
             hellaswag.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     def use_micro_batch(self, B: int):
+        self.run.batch_size = B  # (an out-of-memory that ends the run names it)
         if hasattr(self, "prefetcher"):  # after an out-of-memory: it holds micro-batches of the old size
             self.prefetcher.close()
         self.loader = StepLoader(self.train_rows, B, self.rows_per_rank // B, self.d.rank, self.d.world_size)
@@ -1131,6 +1132,7 @@ class Trainer:
 
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in Trainer(), once the input checks out
+    auto = run.batch_size == "auto"  # (Trainer() sets run.batch_size to the micro-batch it chose)
     try:
         check_ranks_agree(launch_fingerprint(run, model_cfg))
         trainer = Trainer(run, model_cfg, d, out_dir_lock)
@@ -1140,7 +1142,9 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             trainer.fit()
     except Exception as e:
         if is_out_of_memory(e):
-            raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir)) from None
+            micro_batch = run.batch_size if run.batch_size != "auto" else None
+            raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir),
+                                      micro_batch, auto) from None
         raise
     finally:
         out_dir_lock.release()

@@ -456,3 +456,27 @@ def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(finished_run
         result = run_command(*lines[command])
         assert_one_error_line(result, f"error: {ckpt}: {what}")
     assert snapshot(tmp_path) == before
+
+
+def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    lines = out.joinpath("log.jsonl").read_bytes().splitlines(keepends=True)
+    out.joinpath("log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
+    before = snapshot(out)
+    result = run_command("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6))
+    run_id = json.loads(lines[0])["run"]
+    assert_one_error_line(result, f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
+                                  f"{out}/ckpt_0000004.pt was written (it holds ",
+                          "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
+                          "it, or move it aside (the resume then starts a new log.jsonl)")
+    assert snapshot(out) == before
+
+
+def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
+    tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
+    before = snapshot(tmp_path)
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=2))
+    assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a JSON "
+                                  "record: not a log this trainer wrote) but no checkpoint to resume: move the log aside")
+    assert snapshot(tmp_path) == before
