@@ -245,6 +245,8 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
 
     def instead() -> str:
         earlier = earlier_checkpoint(path)
+        if CKPT_NAME.fullmatch(os.path.basename(path)) is None:  # not one of ours: the newest beside it, if any
+            return f"the newest checkpoint beside it is {earlier}" if earlier else "there is no checkpoint beside it"
         return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
     try:  # one open file from here on: a run's --keep-last may delete the name meanwhile
         f = open(path, "rb")
@@ -254,11 +256,18 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
                         + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")) \
             from None
     with f:
+        kind = other_file_kind(f.read(512))
+        f.seek(0)
+        if kind:
+            raise UserError(f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir "
+                            f"({instead()})")
         try:
             ckpt = torch.load(f, map_location=map_location, weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
             what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else \
                 f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
+                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:
@@ -314,6 +323,21 @@ def state_shape_problem(state, config: dict) -> str | None:
                     f"model_config makes it {'x'.join(map(str, shape))}")
     extra = [name for name in state if name not in expected]
     return f"its model weights hold {extra[0]}, which its model_config has no place for" if extra else None
+
+
+def other_file_kind(head: bytes) -> str | None:
+    """What a file that begins with head is, where it is plainly not a checkpoint (torch.save's zip
+    archive): a token shard, a log, another text file. None: it may be one (loading says)."""
+    if not head or head.startswith(b"PK\x03\x04"):
+        return None
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy array (a token shard?)"
+    if head.lstrip().startswith(b"{"):
+        return "a JSON text file (a log.jsonl?)"
+    with contextlib.suppress(UnicodeDecodeError):
+        head.decode()
+        return "a text file"
+    return None
 
 
 def first_nonfinite(state: dict) -> str | None:

@@ -271,6 +271,7 @@ class OutDirLock:
 
     def __init__(self, out_dir: str):
         self.out_dir, self.path, self.fd, self.written = out_dir, os.path.join(out_dir, ".lock"), None, None
+        self.made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
 
     def acquire(self):
         try:
@@ -333,6 +334,9 @@ class OutDirLock:
                     os.remove(self.path)
         os.close(self.fd)
         self.fd = self.written = None
+        if self.made:
+            with contextlib.suppress(OSError):  # (fails unless empty)
+                os.rmdir(self.out_dir)
 
 
 def import_extra(module: str, flag: str, package: str):
@@ -401,7 +405,13 @@ def open_sinks(run, model_cfg, resumed_at: int | None) -> list:
         sinks.append(WandbSink(run.wandb, run.out_dir, config))
     return sinks
 
-def prepare_out_dir(out_dir: str):
+def prepare_out_dir(out_dir: str) -> bool:
+    """Make --out-dir if needed and check it is writable: whether it was made now (OutDirLock.release
+    removes it again if the run wrote nothing there)."""
+    made = not os.path.lexists(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out-dir {out_dir} is a file, not a folder: a run writes its checkpoints and log.jsonl "
+                        "into a folder; choose another --out-dir")
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
@@ -409,4 +419,5 @@ def prepare_out_dir(out_dir: str):
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
+    return made
 

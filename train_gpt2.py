@@ -843,7 +843,7 @@ class Trainer:
 
     def _claim_out_dir(self) -> str | None:
         """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
-        prepare_out_dir(self.run.out_dir)
+        self.out_dir_lock.made = prepare_out_dir(self.run.out_dir)
         self.out_dir_lock.acquire()
         return choose_resume_checkpoint(self.run)
 

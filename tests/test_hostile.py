@@ -480,3 +480,29 @@ def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
     assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a JSON "
                                   "record: not a log this trainer wrote) but no checkpoint to resume: move the log aside")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("source,kind", [("log.jsonl", "a JSON text file (a log.jsonl?)"),
+                                         ("shard", "a NumPy array (a token shard?)")])
+def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_dir, tmp_path, source, kind):
+    path = finished_run / "log.jsonl" if source == "log.jsonl" else \
+        os.path.join(data_dir, sorted(p for p in os.listdir(data_dir) if "_train_" in p)[0])
+    beside = (f"the newest checkpoint beside it is {finished_run / 'ckpt_0000004.pt'}" if source == "log.jsonl"
+              else "there is no checkpoint beside it")
+    before = snapshot(finished_run)
+    for command in [("train_gpt2.py", *args_for(data_dir, tmp_path / "new", "--resume", path, steps=6)),
+                    ("hf_interop.py", "export", path, tmp_path / "hf")]:
+        result = run_command(*command)
+        assert_one_error_line(result, f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a "
+                                      f"run's --out-dir ({beside})")
+        assert "weights_only" not in result.stderr
+    assert os.listdir(tmp_path) == []  # the refused resume left no empty --out-dir behind
+    assert snapshot(finished_run) == before
+
+
+def test_out_dir_that_is_a_file(data_dir, tmp_path):
+    tmp_path.joinpath("notes.txt").write_text("mine")
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path / "notes.txt", steps=2))
+    assert_one_error_line(result, f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
+                                  "checkpoints and log.jsonl into a folder; choose another --out-dir")
+    assert tmp_path.joinpath("notes.txt").read_text() == "mine"
