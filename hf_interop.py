@@ -488,8 +488,10 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
     """(task manager, lm-eval's tasks and groups by name, their data loaded): hellaswag from
     hellaswag_file through evals/hellaswag_local.yaml when it is given. A task that cannot be had
     is one line saying what to set."""
-    if hellaswag_file and not os.path.isfile(hellaswag_file):
-        raise UserError(f"--hellaswag-file {hellaswag_file} does not exist")
+    if hellaswag_file:  # a missing file, or a bad line, named as hellaswag.py names them (not as a failed download)
+        from hellaswag import load_examples, resolve_data_file
+        flag = "--hellaswag-file"
+        load_examples(resolve_data_file(hellaswag_file, flag=flag), flag=flag, style="lm_eval")
     metadata = {"data_file": os.path.abspath(hellaswag_file)} if hellaswag_file else None
     names = [LOCAL_TASKS.get(name, name) if hellaswag_file else name for name in names]
     # lm-eval's own thousands of task YAMLs take ~15 s to index: only when a task needs them

@@ -170,8 +170,8 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
             raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of {whose}, the "
                             f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
                             "the --out-dir of the checkpoint's own run, or a new one")
-        change = (f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then" if len(kept) < resumed.log_offset
-                  else f"its first {resumed.log_offset} bytes differ from what they were then")
+        change = (f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
+                  if len(kept) < resumed.log_offset else f"its first {resumed.log_offset} bytes differ from then")
         raise UserError(f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
                         "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
                         "or move it aside (the resume then starts a new log.jsonl)")

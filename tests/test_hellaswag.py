@@ -253,6 +253,12 @@ def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
         hs.main(["--checkpoint", checkpoint, "--data-file", missing, "--debug"])
 
 
+def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
+    proc = run_cli("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n")
+
+
 def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
     with open(data_file, "rb") as f:
         good = b"".join(next(f) for _ in range(3))

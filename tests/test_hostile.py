@@ -477,8 +477,9 @@ def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
     before = snapshot(tmp_path)
     result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=2))
-    assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a JSON "
-                                  "record: not a log this trainer wrote) but no checkpoint to resume: move the log aside")
+    assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
+                                  "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
+                                  "log aside")
     assert snapshot(tmp_path) == before
 
 
