@@ -281,6 +281,11 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
     bad = first_nonfinite(ckpt["model"])
     if bad:  # the trainer never writes one (check_state_finite): another program did
         raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
+    optimizer_state = ckpt["optimizer"].get("state") if resume and isinstance(ckpt["optimizer"], dict) else None
+    bad = next((f"{name} of parameter {i}" for i, state in (optimizer_state or {}).items()
+                for name in [first_nonfinite(state) if isinstance(state, dict) else None] if name), None)
+    if bad:  # as the weights: resumed, it would only fail at the next checkpoint, naming this one as good
+        raise UserError(f"{path}: the optimizer state holds NaN or inf ({bad}): {instead()}")
     return ckpt
 
 

@@ -507,3 +507,30 @@ def test_out_dir_that_is_a_file(data_dir, tmp_path):
     assert_one_error_line(result, f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
                                   "checkpoints and log.jsonl into a folder; choose another --out-dir")
     assert tmp_path.joinpath("notes.txt").read_text() == "mine"
+
+
+def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+
+    def plant_nan(ckpt):
+        ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
+    re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
+    before = snapshot(out)
+    result = run_command("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6))
+    assert_one_error_line(result, f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
+                                  f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt")
+    assert snapshot(out) == before
+
+
+def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, data_dir, tmp_path):
+    ckpt = finished_run / "ckpt_0000004.pt"
+    args = args_for(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
+    for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
+        del args[args.index(flag):args.index(flag) + 2]
+    result = run_command("train_gpt2.py", *args)
+    assert_one_error_line(result, f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
+                                  "a Hub name (gpt2, ...) or a folder written by save_pretrained; --resume PATH "
+                                  "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
+                                  "export it (hf_interop.py export PATH DIR) and pass --init-from DIR")
+    assert os.listdir(tmp_path) == []
