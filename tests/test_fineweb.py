@@ -899,3 +899,13 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
     assert damaged.read_bytes() == Path(fineweb.SHIPPED_BPE).read_bytes()[:-100]  # not deleted by tiktoken
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["hello world"]))
+
+
+def test_files_that_is_a_folder_says_so(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
+    result = subprocess.run([sys.executable, FINEWEB, "--files", tmp_path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: --files '{tmp_path}' is a folder: --files takes files or globs, e.g. '{tmp_path}/*.jsonl' (or "
+        "'**/*.jsonl' inside it for its subfolders)\n"))
+    assert os.listdir(tmp_path) == ["d.jsonl"]
