@@ -258,6 +258,15 @@ def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_si
     return config, sd
 
 
+def _check_parent(out_dir: str):
+    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
+                        f"{'is a file' if os.path.exists(parent) else 'does not exist'}; create it, or choose "
+                        "another output folder")
+
+
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     """Write a Hugging Face GPT-2 directory (config.json, model.safetensors,
     generation_config.json) that GPT2LMHeadModel.from_pretrained(out_dir) loads.
@@ -267,6 +276,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     when ours is at least that (the padded rows are dropped), else ours as it is. Beside the model
     goes EXPORT_MARK (the source checkpoint, its step and checksum): only a folder holding it, or an
     empty one, is replaced by a later export. Returns out_dir."""
+    _check_parent(out_dir)
     _check_replaceable(out_dir)  # before any work: a refusal changes nothing
     mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)
     if isinstance(source, (str, os.PathLike)):

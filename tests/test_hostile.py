@@ -534,3 +534,12 @@ def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, dat
                                   "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
                                   "export it (hf_interop.py export PATH DIR) and pass --init-from DIR")
     assert os.listdir(tmp_path) == []
+
+
+def test_an_export_into_a_missing_folder_names_that_folder(finished_run, tmp_path):
+    before = snapshot(finished_run)
+    result = run_command("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
+    assert_one_error_line(result, f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "
+                                  f"it goes into, {tmp_path}/missing, does not exist; create it, or choose another "
+                                  "output folder")
+    assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
