@@ -281,9 +281,7 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
     bad = first_nonfinite(ckpt["model"])
     if bad:  # the trainer never writes one (check_state_finite): another program did
         raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
-    optimizer_state = ckpt["optimizer"].get("state") if resume and isinstance(ckpt["optimizer"], dict) else None
-    bad = next((f"{name} of parameter {i}" for i, state in (optimizer_state or {}).items()
-                for name in [first_nonfinite(state) if isinstance(state, dict) else None] if name), None)
+    bad = resume and first_nonfinite_optimizer_state(ckpt["optimizer"])
     if bad:  # as the weights: resumed, it would only fail at the next checkpoint, naming this one as good
         raise UserError(f"{path}: the optimizer state holds NaN or inf ({bad}): {instead()}")
     return ckpt
@@ -349,6 +347,16 @@ def first_nonfinite(state: dict) -> str | None:
     """The name of the first floating-point tensor in state that holds a NaN or inf (None: none does)."""
     return next((name for name, t in state.items()
                  if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()), None)
+
+
+def first_nonfinite_optimizer_state(optim_state) -> str | None:
+    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none does)."""
+    states = optim_state.get("state") if isinstance(optim_state, dict) else None
+    for i, state in (states if isinstance(states, dict) else {}).items():
+        name = first_nonfinite(state) if isinstance(state, dict) else None
+        if name:
+            return f"{name} of parameter {i}"
+    return None
 
 
 def checkpoint_problem(ckpt, model_fields=None) -> str | None:
