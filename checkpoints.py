@@ -67,7 +67,15 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
     """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups,
     another number of parameters in one, or a state tensor (AdamW's moments, Muon's momentum) of
-    another shape than its parameter. torch's load_state_dict would raise a traceback, or take it."""
+    another shape than its parameter. torch's load_state_dict would raise a traceback, or take it.
+    An optimizer made of parts (MuonWithAdamW) keeps one state dict per part, named as the part."""
+    parts = sorted(optimizer.state_dict().keys() - {"state", "param_groups"})
+    if parts:
+        if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
+            keys = sorted(map(str, optim_state)) if isinstance(optim_state, dict) else type(optim_state).__name__
+            return f"its optimizer state holds {keys}, this optimizer's {parts}"
+        return next(filter(None, (optimizer_state_problem(optim_state[part], getattr(optimizer, part))
+                                  for part in parts)), None)
     groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
     if not isinstance(groups, list) or not isinstance(optim_state.get("state"), dict):
         return "its optimizer state is not an optimizer's state dict"
@@ -256,7 +264,7 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
                         + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")) \
             from None
     with f:
-        kind = other_file_kind(f.read(512))
+        kind = None if CKPT_NAME.fullmatch(os.path.basename(path)) else other_file_kind(f.read(512))
         f.seek(0)
         if kind:
             raise UserError(f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir "
@@ -331,10 +339,10 @@ def state_shape_problem(state, config: dict) -> str | None:
 def other_file_kind(head: bytes) -> str | None:
     """What a file that begins with head is, where it is plainly not a checkpoint (torch.save's zip
     archive): a token shard, a log, another text file. None: it may be one (loading says)."""
-    if not head or head.startswith(b"PK\x03\x04"):
-        return None
     if head.startswith(b"\x93NUMPY"):
         return "a NumPy array (a token shard?)"
+    if not head or head.startswith(b"PK\x03\x04") or b"\x00" in head:  # (zeros: a damaged file, loading says)
+        return None
     if head.lstrip().startswith(b"{"):
         return "a JSON text file (a log.jsonl?)"
     with contextlib.suppress(UnicodeDecodeError):
@@ -350,7 +358,10 @@ def first_nonfinite(state: dict) -> str | None:
 
 
 def first_nonfinite_optimizer_state(optim_state) -> str | None:
-    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none does)."""
+    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none
+    does), in each part of an optimizer made of parts (MuonWithAdamW: {"adamw": ..., "muon": ...})."""
+    if isinstance(optim_state, dict) and "state" not in optim_state:
+        return next(filter(None, map(first_nonfinite_optimizer_state, optim_state.values())), None)
     states = optim_state.get("state") if isinstance(optim_state, dict) else None
     for i, state in (states if isinstance(states, dict) else {}).items():
         name = first_nonfinite(state) if isinstance(state, dict) else None
