@@ -181,9 +181,18 @@ def get_encoding() -> tiktoken.Encoding:
 
 def _load_encoding() -> tiktoken.Encoding:
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
-    if cache_dir and os.path.isfile(os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest())):
-        with contextlib.suppress(Exception):  # a damaged cached copy that tiktoken could not fetch again
-            return tiktoken.get_encoding(ENCODING_NAME)
+    cached = os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest()) if cache_dir else None
+    if cached and os.path.isfile(cached):
+        # checked here: tiktoken deletes a damaged copy (to fetch it again) and says nothing of it
+        damaged = True  # (or unreadable)
+        with contextlib.suppress(OSError), open(cached, "rb") as f:
+            damaged = hashlib.sha256(f.read()).hexdigest() != BPE_SHA256
+        if not damaged:
+            with contextlib.suppress(Exception):
+                return tiktoken.get_encoding(ENCODING_NAME)
+        elif os.path.exists(SHIPPED_BPE):
+            cli.print_line0(f"note: the GPT-2 tokenizer file {cached} in TIKTOKEN_CACHE_DIR is damaged (another "
+                            f"sha256); using {SHIPPED_BPE} instead (delete the damaged file to silence this)")
     if os.path.exists(SHIPPED_BPE):
         return shipped_encoding()
     try:
@@ -259,6 +268,9 @@ def resolve_files(patterns: list) -> list:
     for pattern in patterns:
         matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
                          if os.path.isfile(p))
+        if not matched and os.path.isdir(os.path.expanduser(pattern)):
+            raise UserError(f"--files {pattern!r} is a folder: --files takes files or globs, e.g. "
+                            f"{os.path.join(pattern, '*.jsonl')!r} (or '**/*.jsonl' inside it for its subfolders)")
         if not matched:
             raise UserError(f"--files {pattern!r} matches no files")
         files.extend(matched)

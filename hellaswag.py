@@ -92,6 +92,9 @@ def resolve_data_file(data_file: str | None = None, data_dir: str | None = None,
     dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet. flag names the
     option that passes data_file in the command being run (for its error messages)."""
     if data_file:
+        if os.path.isdir(data_file):
+            raise UserError(f"{flag} {data_file} is a folder: pass the file, e.g. "
+                            f"{os.path.join(data_file, 'hellaswag_val.jsonl')}")
         if not os.path.isfile(data_file):
             raise UserError(f"{flag} {data_file} does not exist")
         return data_file
@@ -471,7 +474,9 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
         if style == "nanogpt":
             picks += [loss_sum, loss_mean]
         else:
-            picks += [loss_sum, loss_sum / torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32)]
+            # (n, 4) also where n is 0: a rank of a launch with more ranks than examples gets none
+            chars = torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
+            picks += [loss_sum, loss_sum / chars]
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)],
                           device=device)
