@@ -87,6 +87,15 @@ TIED = ("transformer.wte.weight", "lm_head.weight")
 EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours
 
 
+def _check_parent(out_dir: str):
+    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
+                        f"{'is a file' if os.path.exists(parent) else 'does not exist'}; create it, or choose "
+                        "another output folder")
+
+
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     """Write a Hugging Face GPT-2 directory (config.json, model.safetensors,
     generation_config.json) that GPT2LMHeadModel.from_pretrained(out_dir) loads.
@@ -97,6 +106,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     goes EXPORT_MARK (the source checkpoint, its step and checksum, and each file's sha256): only a
     folder that is still exactly what an export wrote, or an empty one, is replaced by a later
     export. Returns out_dir."""
+    _check_parent(out_dir)
     _remove_dead_partials(out_dir)
     _check_replaceable(out_dir)  # before any work: a refusal changes nothing
     mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)
@@ -506,8 +516,11 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
     """(task manager, lm-eval's tasks and groups by name, their data loaded): hellaswag from
     hellaswag_file through evals/hellaswag_local.yaml when it is given. A task that cannot be had
     is one line saying what to set."""
-    if hellaswag_file and not os.path.isfile(hellaswag_file):
-        raise UserError(f"--hellaswag-file {hellaswag_file} does not exist")
+    if hellaswag_file:  # a missing file, or a bad line, named as hellaswag.py names them (not as a failed download)
+        from trainkit.hellaswag_data import resolve_data_file
+        from trainkit.hellaswag_eval import load_examples
+        flag = "--hellaswag-file"
+        load_examples(resolve_data_file(hellaswag_file, flag=flag), flag=flag, style="lm_eval")
     metadata = {"data_file": os.path.abspath(hellaswag_file)} if hellaswag_file else None
     names = [LOCAL_TASKS.get(name, name) if hellaswag_file else name for name in names]
     # lm-eval's own thousands of task YAMLs take ~15 s to index: only when a task needs them

@@ -833,6 +833,7 @@ class Trainer:
             hellaswag_eval.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     def use_micro_batch(self, B: int):
+        self.run.batch_size = B  # (an out-of-memory that ends the run names it)
         if hasattr(self, "prefetcher"):  # after an out-of-memory: it holds micro-batches of the old size
             self.prefetcher.close()
         self.loader = StepLoader(self.train_rows, B, self.rows_per_rank // B, self.d.rank, self.d.world_size)
@@ -851,7 +852,7 @@ class Trainer:
 
     def _claim_out_dir(self) -> str | None:
         """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
-        prepare_out_dir(self.run.out_dir)
+        self.out_dir_lock.made = prepare_out_dir(self.run.out_dir)
         self.out_dir_lock.acquire()
         return choose_resume_checkpoint(self.run)
 
@@ -899,9 +900,9 @@ class Trainer:
     # ---- checkpoints
 
     def _load_resume_state(self, path: str):
-        ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)])
+        ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)], resume=True)
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
-        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
+        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"], path)
         self.start_step, self.resumed = ckpt["step"], ResumePoint.of(path, ckpt)
         if self.start_step > self.run.max_steps and not self.run.eval_only:
             raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "
@@ -1149,6 +1150,7 @@ class Trainer:
 
 def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
     out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in Trainer(), once the input checks out
+    auto = run.batch_size == "auto"  # (Trainer() sets run.batch_size to the micro-batch it chose)
     try:
         check_ranks_agree(launch_fingerprint(run, model_cfg))
         trainer = Trainer(run, model_cfg, d, out_dir_lock)
@@ -1158,7 +1160,9 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
             trainer.fit()
     except Exception as e:
         if is_out_of_memory(e):
-            raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir)) from None
+            micro_batch = run.batch_size if run.batch_size != "auto" else None
+            raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir),
+                                      micro_batch, auto) from None
         raise
     finally:
         out_dir_lock.release()

@@ -921,3 +921,32 @@ def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
     assert stride > shards.SAMPLE_BYTES + 10  # that byte is in no slice
     assert len({digests["as written"], digests["first byte"], digests["last byte"]}) == 3
     assert digests["between slices"] == digests["as written"]
+
+
+def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
+    cache = tmp_path / "tiktoken_cache"
+    cache.mkdir()
+    damaged = cache / hashlib.sha1(tokenizer.BPE_URL.encode()).hexdigest()
+    damaged.write_bytes(Path(tokenizer.SHIPPED_BPE).read_bytes()[:-100])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
+    result = subprocess.run([sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**offline_env(tmp_path / "offline"), "TIKTOKEN_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(
+        f"note: the GPT-2 tokenizer file {damaged} in TIKTOKEN_CACHE_DIR is damaged (another sha256); using "
+        f"{tokenizer.SHIPPED_BPE} instead (delete the damaged file to silence this)\n")
+    assert result.stderr.count("note:") == 1
+    assert damaged.read_bytes() == Path(tokenizer.SHIPPED_BPE).read_bytes()[:-100]  # not deleted by tiktoken
+    _, arrays = load_shards(tmp_path / "out")
+    assert np.array_equal(np.concatenate(arrays), reference_tokens(["hello world"]))
+
+
+def test_files_that_is_a_folder_says_so(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
+    result = subprocess.run([sys.executable, FINEWEB, "--files", tmp_path, "--out-dir", tmp_path / "out"],
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, (
+        f"error: --files '{tmp_path}' is a folder: --files takes files or globs, e.g. '{tmp_path}/*.jsonl' (or "
+        "'**/*.jsonl' inside it for its subfolders)\n"))
+    assert os.listdir(tmp_path) == ["d.jsonl"]

@@ -226,6 +226,15 @@ def test_cli_two_processes_match_one(model, checkpoint, data_file):
     assert result_line(got, f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}") == expected
 
 
+def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
+    # --limit 1 on 2 ranks: rank 1 scores no example and the all-reduce still agrees
+    path = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=1, data_file=path, lm_eval=True)
+    got = run_cli("--checkpoint", checkpoint, "--data-file", path, "--limit", "1", "--device", "cpu",
+                  launcher=torchrun("--standalone", "--nproc_per_node=2"))
+    assert result_line(got) == expected and expected["n"] == 1
+
+
 def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
     offline = {"HELLASWAG_DIR": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9",
                "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
@@ -253,6 +262,12 @@ def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
     assert capsys.readouterr().err == f"error: --data-file {missing} does not exist\n"
     with pytest.raises(UserError):  # --debug shows the traceback
         hs.main(["--checkpoint", checkpoint, "--data-file", missing, "--debug"])
+
+
+def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
+    proc = run_cli("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n")
 
 
 def test_download_checks_the_file(monkeypatch, tmp_path, data_file):

@@ -21,9 +21,9 @@ from conftest import HELLASWAG_FILE, REPO, interrupt_when_blocked, tree_hashes
 from test_resilience import args_for, log_records, resume_copy
 
 
-def run_command(script, *args, **kwargs):
+def run_command(script, *args, timeout=300, **kwargs):
     return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, **kwargs)
+                          timeout=timeout, **kwargs)
 
 
 def assert_one_error_line(result, *fragments):
@@ -458,3 +458,206 @@ def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir
     assert capsys.readouterr().err == "error: interrupted\n"
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "log.jsonl"]
     assert checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))["step"] == 2
+
+
+# --- processes and environments (issue 31) -------------------------------------------------
+
+def snapshot(folder) -> dict:
+    """Every file under folder (relative name -> its bytes' sha256): what must stay byte-identical."""
+    def digest(path):  # (a named pipe is never opened: that would wait for a writer)
+        return hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else "not a file"
+    return {os.path.relpath(os.path.join(root, name), folder): digest(os.path.join(root, name))
+            for root, _, names in os.walk(folder) for name in names}
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+     "MASTER_ADDR is not set, but RANK=0, LOCAL_RANK=0, WORLD_SIZE=1 are: launch with torchrun, which sets them "
+     "all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process"),
+    ({"RANK": "0"}, "LOCAL_RANK is not set, but RANK=0 is: launch with torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+     "WORLD_SIZE='two' is not a whole number: launch with torchrun"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+     "RANK=2 with WORLD_SIZE=2: the ranks are 0..WORLD_SIZE-1; launch with torchrun"),
+], ids=["no MASTER_ADDR", "RANK alone", "WORLD_SIZE=two", "RANK past WORLD_SIZE"])
+def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, env, message):
+    before = snapshot(finished_run)
+    for script, args in [("train_gpt2.py", args_for(data_dir, finished_run, "--resume", steps=6)),
+                         ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"])]:
+        result = run_command(script, *args, env={**os.environ, **env})
+        assert_one_error_line(result, message)
+    assert snapshot(finished_run) == before
+
+
+def test_ranks_that_never_gather_are_one_line(tmp_path):
+    # trainkit.launch.process_group, which every script's ranks join through, with a second rank that never
+    # comes: the store's timeout (a few seconds here; --dist-timeout in the trainer)
+    from conftest import free_port
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    result = subprocess.run([sys.executable, "-c", "import sys\nfrom trainkit import launch\n"
+                             "def join():\n    with launch.process_group('cpu', 2): pass\n"
+                             "sys.exit(launch.exit_code_on_every_rank(join))"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert_one_error_line(result, f"error: rank 0: could not gather the WORLD_SIZE=2 ranks of this launch at "
+                                  f"127.0.0.1:{env['MASTER_PORT']} within 2 s (DistStoreError: ",
+                          "start all 2 ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE")
+
+
+def test_libraries_that_cannot_load_under_a_memory_limit_are_one_line(data_dir, tmp_path):
+    def limit_memory():  # ulimit -v 300000: too little to map torch's shared libraries
+        resource.setrlimit(resource.RLIMIT_AS, (300_000 * 1024,) * 2)
+    for script, args in [("train_gpt2.py", args_for(data_dir, tmp_path / "out", steps=2)),
+                         ("sample.py", ["--checkpoint", tmp_path / "c.pt"])]:
+        result = run_command(script, *args, preexec_fn=limit_memory)
+        assert_one_error_line(result, "error: cannot import the libraries this script needs (ImportError: ",
+                              "under a memory limit (ulimit -v) raise it, otherwise reinstall them")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_log_that_is_a_named_pipe_is_refused_not_waited_on(finished_run, data_dir, tmp_path):
+    for out, extra in [(tmp_path / "new", ()), (tmp_path / "resumed", ("--resume",))]:
+        if extra:
+            shutil.copytree(finished_run, out)
+            os.remove(out / "log.jsonl")
+        else:
+            out.mkdir()
+        os.mkfifo(out / "log.jsonl")
+        before = snapshot(out)
+        result = run_command("train_gpt2.py", *args_for(data_dir, out, *extra, steps=6), timeout=120)
+        assert_one_error_line(result, f"error: {out}/log.jsonl is a named pipe (FIFO), not a regular file: a run "
+                                      "would wait on it or write over it; remove it (the run makes its own), or "
+                                      "choose another --out-dir")
+        assert snapshot(out) == before
+
+
+def test_gpt_state_shapes_are_the_models():
+    for shape in [dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=100),
+                  dict(n_layer=3, n_head=4, n_embd=8, block_size=7, vocab_size=64)]:
+        state = tg.GPT(tg.GPTConfig(**shape)).state_dict()
+        assert checkpoints.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
+
+
+def re_summed(src, dst, edit):
+    """A copy of checkpoint src edited by edit(ckpt) and saved with a valid checksum (another program)."""
+    ckpt = torch.load(src, weights_only=True)
+    edit(ckpt)
+    checkpoints.save_checkpoint(str(dst), {k: v for k, v in ckpt.items() if k != "checksum"})
+
+
+@pytest.mark.parametrize("edit,what,commands", [
+    (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only): not as train_gpt2.py "
+     "writes them", ["train"]),
+    (lambda c: c["model"].__setitem__("transformer.h.0.attn.c_attn.weight", torch.zeros(48, 15)),
+     "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16: not as train_gpt2.py "
+     "writes them", ["train", "sample", "hellaswag", "export"]),
+    (lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)),
+     "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
+     "edited, it cannot be resumed", ["train"]),
+], ids=["no optimizer", "model tensor shape", "optimizer tensor shape"])
+def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(finished_run, data_dir, tmp_path, edit, what,
+                                                                    commands):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(finished_run / "log.jsonl", out)
+    re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", edit)
+    examples = tmp_path / "hellaswag.jsonl"
+    examples.write_text(json.dumps(dict(ctx="A man is on a roof. he", ctx_a="A man is on a roof.", ctx_b="he",
+                                        activity_label="Roofing", endings=["a", "b", "c", "d"], label=0)) + "\n")
+    before = snapshot(tmp_path)
+    ckpt = out / "ckpt_0000004.pt"
+    lines = {"train": ("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6)),
+             "sample": ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "2"),
+             "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", examples),
+             "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf")}
+    for command in commands:
+        result = run_command(*lines[command])
+        assert_one_error_line(result, f"error: {ckpt}: {what}")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    lines = out.joinpath("log.jsonl").read_bytes().splitlines(keepends=True)
+    out.joinpath("log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
+    before = snapshot(out)
+    result = run_command("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6))
+    run_id = json.loads(lines[0])["run"]
+    assert_one_error_line(result, f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
+                                  f"{out}/ckpt_0000004.pt was written (it holds ",
+                          "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
+                          "it, or move it aside (the resume then starts a new log.jsonl)")
+    assert snapshot(out) == before
+
+
+def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
+    tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
+    before = snapshot(tmp_path)
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=2))
+    assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
+                                  "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
+                                  "log aside")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("source,kind", [("log.jsonl", "a JSON text file (a log.jsonl?)"),
+                                         ("shard", "a NumPy array (a token shard?)")])
+def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_dir, tmp_path, source, kind):
+    path = finished_run / "log.jsonl" if source == "log.jsonl" else \
+        os.path.join(data_dir, sorted(p for p in os.listdir(data_dir) if "_train_" in p)[0])
+    beside = (f"the newest checkpoint beside it is {finished_run / 'ckpt_0000004.pt'}" if source == "log.jsonl"
+              else "there is no checkpoint beside it")
+    before = snapshot(finished_run)
+    for command in [("train_gpt2.py", *args_for(data_dir, tmp_path / "new", "--resume", path, steps=6)),
+                    ("hf_interop.py", "export", path, tmp_path / "hf")]:
+        result = run_command(*command)
+        assert_one_error_line(result, f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a "
+                                      f"run's --out-dir ({beside})")
+        assert "weights_only" not in result.stderr
+    assert os.listdir(tmp_path) == []  # the refused resume left no empty --out-dir behind
+    assert snapshot(finished_run) == before
+
+
+def test_out_dir_that_is_a_file(data_dir, tmp_path):
+    tmp_path.joinpath("notes.txt").write_text("mine")
+    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path / "notes.txt", steps=2))
+    assert_one_error_line(result, f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
+                                  "checkpoints and log.jsonl into a folder; choose another --out-dir")
+    assert tmp_path.joinpath("notes.txt").read_text() == "mine"
+
+
+def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+
+    def plant_nan(ckpt):
+        ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
+    re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
+    before = snapshot(out)
+    result = run_command("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6))
+    assert_one_error_line(result, f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
+                                  f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt")
+    assert snapshot(out) == before
+
+
+def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, data_dir, tmp_path):
+    ckpt = finished_run / "ckpt_0000004.pt"
+    args = args_for(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
+    for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
+        del args[args.index(flag):args.index(flag) + 2]
+    result = run_command("train_gpt2.py", *args)
+    assert_one_error_line(result, f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
+                                  "a Hub name (gpt2, ...) or a folder written by save_pretrained; --resume PATH "
+                                  "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
+                                  "export it (hf_interop.py export PATH DIR) and pass --init-from DIR")
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_export_into_a_missing_folder_names_that_folder(finished_run, tmp_path):
+    before = snapshot(finished_run)
+    result = run_command("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
+    assert_one_error_line(result, f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "
+                                  f"it goes into, {tmp_path}/missing, does not exist; create it, or choose another "
+                                  "output folder")
+    assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before

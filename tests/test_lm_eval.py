@@ -94,9 +94,26 @@ def test_hub_unreachable_names_the_flag_to_set(checkpoint):
     assert "pass --hellaswag-file PATH" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_bad_hellaswag_file_is_named_not_blamed_on_the_network(checkpoint, tmp_path):
+    proc = run_eval(checkpoint, "--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl"))
+    assert (proc.returncode, proc.stderr) == (2, f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a "
+                                                 "HellaSwag example (Expecting value: line 1 column 1 (char 0))\n")
+    assert os.listdir(tmp_path) == ["bad.jsonl"]
+
+
+def write_garbage(path) -> str:
+    path.write_text("GARBAGE\n")
+    return str(path)
+
+
 def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch, capsys):
     cases = [(["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path / "missing.jsonl")],
               f"error: --hellaswag-file {tmp_path / 'missing.jsonl'} does not exist"),
+             (["--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl")],
+              f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (Expecting value: "
+              "line 1 column 1 (char 0))"),  # named as hellaswag.py names it, not blamed on the network
+             (["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path)],
+              f"error: --hellaswag-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"),
              (["--tasks", " , "], "error: --tasks names no task"),
              (["--tasks", "hellaswag", "--samples-dir", str(tmp_path / "a_file" / "samples")],
               f"error: --samples-dir {tmp_path / 'a_file' / 'samples'}: not a directory")]

@@ -180,9 +180,10 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     args = args_for(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
     result = run_command("train_gpt2.py", *args, preexec_fn=limit_address_space,
                          env={**os.environ, "MALLOC_ARENA_MAX": "2"})  # (fewer address-space reservations)
-    assert_one_error_line(result, "out of memory on cpu (tried to allocate ", " bytes): lower --batch-size "
-                                  "(--total-batch-size stays the same through more accumulation steps) or pass "
-                                  "--activation-checkpointing. Last good checkpoint: none")
+    # at one row per micro-step, a lower --batch-size cannot help
+    assert_one_error_line(result, "out of memory on cpu (tried to allocate ", " bytes): not even one row per "
+                                  "micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a smaller "
+                                  "model. Last good checkpoint: none")
 
 
 # --- the micro-batch that fits (trainkit/fit_batch.py), on a real allocation failure -----------------------
@@ -245,8 +246,9 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[1].startswith("error: rank 1: out of memory on cpu (tried to allocate ")
-    assert errors[1].endswith(" bytes): lower --batch-size (--total-batch-size stays the same through more accumulation "
-                              "steps) or pass --activation-checkpointing. Last good checkpoint: none")
+    assert errors[1].endswith(" bytes): --batch-size auto chose 2 rows per micro-step, which fit its trial but not this "
+                              "step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. "
+                              "Last good checkpoint: none")
     ref = tmp_path / "one_process"
     assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=0)) == 0
     np.testing.assert_allclose([loss for _, loss in losses(out)], [loss for _, loss in losses(ref)], rtol=2e-5)
@@ -382,3 +384,29 @@ def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
 def test_param_count_counts_what_the_model_builds(shape):
     model = tg.GPT(tg.GPTConfig(**shape))
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
+
+
+def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, tmp_path):
+    """200 MiB free: --batch-size auto finds that 1 row fits; before step 0 only 20 MiB are left and
+    the step runs out of memory at 1 row. The line names what else shrinks a step, and the folder,
+    which holds no checkpoint and a log of one batch-size record, does not refuse the next attempt."""
+    out = tmp_path / "out"
+    result = squeezed("--squeeze", "200MiB", "--squeeze", "0:20MiB", "--",
+                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0))
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: out of memory on cpu (tried to allocate ")
+    assert lines[0].endswith("not even one row per micro-step fits (--batch-size auto chose 1): pass "
+                             "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: "
+                             "none")
+    left = out.joinpath("log.jsonl").read_text()
+    assert [r["event"] for r in log_records(out)] == ["batch_size"]
+    for extra in [(), ("--resume",)]:  # a rerun, and a resume, of the run that never wrote a checkpoint
+        out.joinpath("log.jsonl").write_text(left)
+        for path in out.glob("ckpt_*.pt"):
+            os.remove(path)
+        result = run_command("train_gpt2.py", *args_for(data_dir, out, *extra, steps=2, ckpt_every=2))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
+                "before its first step): this run starts it afresh") in result.stdout
+        assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1]

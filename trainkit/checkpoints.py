@@ -64,8 +64,40 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     return model_state, rekey_optimizer_state(optim_state, list(range(n_params))) if optim_state else {}
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict):
-    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its shard)."""
+def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups,
+    another number of parameters in one, or a state tensor (AdamW's moments, Muon's momentum) of
+    another shape than its parameter. torch's load_state_dict would raise a traceback, or take it.
+    An optimizer made of parts (MuonWithAdamW) keeps one state dict per part, named as the part."""
+    parts = sorted(optimizer.state_dict().keys() - {"state", "param_groups"})
+    if parts:
+        if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
+            keys = sorted(map(str, optim_state)) if isinstance(optim_state, dict) else type(optim_state).__name__
+            return f"its optimizer state holds {keys}, this optimizer's {parts}"
+        return next(filter(None, (optimizer_state_problem(optim_state[part], getattr(optimizer, part))
+                                  for part in parts)), None)
+    groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
+    if not isinstance(groups, list) or not isinstance(optim_state.get("state"), dict):
+        return "its optimizer state is not an optimizer's state dict"
+    sizes, ours = [len(g.get("params", ())) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
+        return f"its optimizer has parameter groups of {sizes} tensors, this one of {ours}"
+    shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    for i, key in enumerate(p for g in groups for p in g["params"]):
+        for name, value in optim_state["state"].get(key, {}).items():
+            if torch.is_tensor(value) and value.dim() and tuple(value.shape) != shapes[i]:
+                return (f"its optimizer's {name} of parameter {i} is {'x'.join(map(str, value.shape))}, where the "
+                        f"parameter is {'x'.join(map(str, shapes[i]))}")
+    return None
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                    source: str = "the checkpoint"):
+    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its
+    shard), once optimizer_state_problem finds it fits (else a UserError naming source)."""
+    problem = optimizer_state_problem(optim_state, optimizer)
+    if problem:
+        raise UserError(f"{source}: {problem}: written by another program or edited, it cannot be resumed")
     if not is_fsdp(model):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
@@ -203,12 +235,14 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
                 os.remove(old)
 
 
-def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
+def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bool = False) -> dict:
     """Load one of our checkpoints (a file, or a run's --out-dir for its newest) with
     weights_only=True (tensors and plain types, no pickled code), and check that it is ours
-    and whole; otherwise a UserError that names the earlier checkpoint to use. model_fields:
-    the model_config keys the reader understands (GPTConfig's fields; an exporter's subset);
-    a checkpoint with any other is refused rather than read wrongly."""
+    and whole, that its weights are the shapes its model_config makes (gpt_state_shapes) and,
+    to resume, that it holds the state a resume reads (RESUME_STATE); otherwise a UserError that
+    names the earlier checkpoint to use. model_fields: the model_config keys the reader
+    understands (GPTConfig's fields; an exporter's subset); a checkpoint with any other is
+    refused rather than read wrongly."""
     if os.path.isdir(path):
         newest = latest_checkpoint(path)
         if newest is None:
@@ -219,6 +253,8 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
 
     def instead() -> str:
         earlier = earlier_checkpoint(path)
+        if CKPT_NAME.fullmatch(os.path.basename(path)) is None:  # not one of ours: the newest beside it, if any
+            return f"the newest checkpoint beside it is {earlier}" if earlier else "there is no checkpoint beside it"
         return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
     try:  # one open file from here on: a run's --keep-last may delete the name meanwhile
         f = open(path, "rb")
@@ -228,11 +264,18 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
                         + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")) \
             from None
     with f:
+        kind = None if CKPT_NAME.fullmatch(os.path.basename(path)) else other_file_kind(f.read(512))
+        f.seek(0)
+        if kind:
+            raise UserError(f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir "
+                            f"({instead()})")
         try:
             ckpt = torch.load(f, map_location=map_location, weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
             what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else \
                 f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
+                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:
@@ -240,16 +283,91 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu") -> dict:
     if ckpt["checksum"] != state_digest(ckpt):
         raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
                         f"{instead()}")
+    problem = state_shape_problem(ckpt["model"], ckpt["model_config"]) or resume and missing_resume_state(ckpt)
+    if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
+        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
     bad = first_nonfinite(ckpt["model"])
     if bad:  # the trainer never writes one (check_state_finite): another program did
         raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
+    bad = resume and first_nonfinite_optimizer_state(ckpt["optimizer"])
+    if bad:  # as the weights: resumed, it would only fail at the next checkpoint, naming this one as good
+        raise UserError(f"{path}: the optimizer state holds NaN or inf ({bad}): {instead()}")
     return ckpt
+
+
+# what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
+RESUME_STATE = ("optimizer", "step", "run_config", "rng_cpu", "log_offset", "log_sha256", "skip_state")
+
+
+def missing_resume_state(ckpt: dict) -> str | None:
+    missing = [k for k in RESUME_STATE if k not in ckpt]
+    return f"it holds no {', '.join(missing)} to resume from (weights only)" if missing else None
+
+
+def gpt_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of our GPT's state dict (GPT-2's layout) under a checkpoint's
+    model_config, which a checkpoint's weights must match (tests check it against GPT's own)."""
+    V, T, C, L = (config[k] for k in ("vocab_size", "block_size", "n_embd", "n_layer"))
+    block = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (3 * C, C), "attn.c_attn.bias": (3 * C,),
+             "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
+             "mlp.c_fc.weight": (4 * C, C), "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (C, 4 * C),
+             "mlp.c_proj.bias": (C,)}
+    return {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
+            **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
+            "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,), "lm_head.weight": (V, C)}
+
+
+def state_shape_problem(state, config: dict) -> str | None:
+    """How a checkpoint's model weights differ from the names and shapes its config makes (None: they match)."""
+    sizes = [config.get(k) for k in ("vocab_size", "block_size", "n_embd", "n_layer", "n_head")]
+    if not all(type(n) is int and n > 0 for n in sizes) or sizes[2] % sizes[4]:
+        return f"its model_config is not a model's ({', '.join(f'{k} {v!r}' for k, v in config.items())})"
+    if not isinstance(state, dict):
+        return f"its model weights are a {type(state).__name__}, not a state dict"
+    expected = gpt_state_shapes(config)
+    for name, shape in expected.items():
+        if name not in state:
+            return f"its model weights lack {name}"
+        got = tuple(state[name].shape) if torch.is_tensor(state[name]) else None
+        if got != shape:
+            return (f"its {name} is {'x'.join(map(str, got)) if got else type(state[name]).__name__}, where its "
+                    f"model_config makes it {'x'.join(map(str, shape))}")
+    extra = [name for name in state if name not in expected]
+    return f"its model weights hold {extra[0]}, which its model_config has no place for" if extra else None
+
+
+def other_file_kind(head: bytes) -> str | None:
+    """What a file that begins with head is, where it is plainly not a checkpoint (torch.save's zip
+    archive): a token shard, a log, another text file. None: it may be one (loading says)."""
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy array (a token shard?)"
+    if not head or head.startswith(b"PK\x03\x04") or b"\x00" in head:  # (zeros: a damaged file, loading says)
+        return None
+    if head.lstrip().startswith(b"{"):
+        return "a JSON text file (a log.jsonl?)"
+    with contextlib.suppress(UnicodeDecodeError):
+        head.decode()
+        return "a text file"
+    return None
 
 
 def first_nonfinite(state: dict) -> str | None:
     """The name of the first floating-point tensor in state that holds a NaN or inf (None: none does)."""
     return next((name for name, t in state.items()
                  if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()), None)
+
+
+def first_nonfinite_optimizer_state(optim_state) -> str | None:
+    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none
+    does), in each part of an optimizer made of parts (MuonWithAdamW: {"adamw": ..., "muon": ...})."""
+    if isinstance(optim_state, dict) and "state" not in optim_state:
+        return next(filter(None, map(first_nonfinite_optimizer_state, optim_state.values())), None)
+    states = optim_state.get("state") if isinstance(optim_state, dict) else None
+    for i, state in (states if isinstance(states, dict) else {}).items():
+        name = first_nonfinite(state) if isinstance(state, dict) else None
+        if name:
+            return f"{name} of parameter {i}"
+    return None
 
 
 def checkpoint_problem(ckpt, model_fields=None) -> str | None:
@@ -300,16 +418,20 @@ def read_run(path: str) -> dict | None:
     return run_of(ckpt) if isinstance(ckpt, dict) else None
 
 
-def last_record_run(path: str) -> str | None:
-    """The "run" of the last record of the log at path (None: none, or a run from before run ids)."""
+def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
+    """What the log.jsonl at path holds: the "run" of its last record, whose it is in words (a run, a
+    run from before run ids, or not a log: no JSON record), whether it holds any record, and whether
+    a trained step (a record with a loss). Read a line at a time: a log of a long run is big."""
+    last, trained, any_record = None, False, False
     with open(path, "rb") as f:
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
-        lines = f.read().splitlines()
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            return record.get("run") if isinstance(record, dict) else None
-    return None
+        for line in f:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    any_record, last = True, record.get("run")
+                    trained |= "loss" in record
+    words = run_name(last) if any_record else "no run (no line of it is a JSON record: not a log this trainer wrote)"
+    return last, words, any_record, trained
 
 
 @dataclass
@@ -368,9 +490,16 @@ def choose_resume_checkpoint(run) -> str | None:
                         "that run, or choose another --out-dir")
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
-        raise UserError(f"--out-dir {run.out_dir} holds the log.jsonl of {run_name(last_record_run(log))} but no "
-                        "checkpoint to resume: move the log aside to start a new run there, or choose another "
-                        "--out-dir")
+        _, whose, is_log, trained = log_summary(log)
+        if trained or not is_log:  # a run's curve (its only record) or a file of the user's: never cut
+            what = f"the log.jsonl of {whose}" if is_log else f"a log.jsonl of {whose}"
+            raise UserError(f"--out-dir {run.out_dir} holds {what} but no checkpoint to resume: move the log aside "
+                            "to start a new run there, or choose another --out-dir")
+        # a run that stopped before its first step (out of memory at step 0): nothing of it to keep
+        print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+               "this run starts it afresh")
+        with open(log, "r+b") as f:
+            f.truncate(0)
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None

@@ -46,15 +46,22 @@ def flat(message) -> str:
     return " ".join(str(message).split())
 
 
+def is_rank0() -> bool:
+    """Whether this process is rank 0 of a torchrun launch, or not launched by one (RANK unset or 0)."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
 def print_line0(line: str) -> None:
     """One line on stderr, written by rank 0 only under torchrun (RANK unset or 0)."""
-    if os.environ.get("RANK", "0") in ("", "0"):
+    if is_rank0():
         print(line, file=sys.stderr, flush=True)
 
 
 def print_error(message) -> None:
-    if isinstance(message, RankLocalError) and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
-        print(f"error: rank {os.environ.get('RANK')}: {flat(message)}", file=sys.stderr, flush=True)
+    if isinstance(message, RankLocalError):  # with its rank, where RANK and WORLD_SIZE say there are several
+        rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+        several = rank.isdigit() and world.isdigit() and int(world) > 1
+        print(f"error: {f'rank {rank}: ' * several}{flat(message)}", file=sys.stderr, flush=True)
     else:
         print_line0(f"error: {flat(message)}")
 
@@ -127,12 +134,25 @@ def _interrupted_while_starting(signum, frame):
     os._exit(130)  # mid-import: nothing to clean up, and unwinding it would be a traceback
 
 
+def _import_failed(kind, error, trace):
+    """sys.excepthook while a script imports its libraries: one that cannot load (a memory limit
+    such as `ulimit -v` too small for torch's shared libraries, a broken or missing install) is
+    one `error:` line and exit code 2, not a traceback from inside torch."""
+    if not issubclass(kind, (ImportError, MemoryError)) or "--debug" in sys.argv:
+        return sys.__excepthook__(kind, error, trace)
+    print_line0(f"error: cannot import the libraries this script needs ({kind.__name__}: {flat(error)}): under a "
+                "memory limit (ulimit -v) raise it, otherwise reinstall them (pip install -r requirements.txt)")
+    os._exit(2)  # mid-import: nothing to clean up
+
+
 def exit_on_ctrl_c_while_starting() -> None:
     """For a script run as a program, before its slow imports (torch takes seconds): Ctrl-C from
-    now until exit_code_of runs the action is `error: interrupted` and exit code 130. A SIGINT
-    that the parent left ignored (a background job) stays ignored."""
+    now until exit_code_of runs the action is `error: interrupted` and exit code 130, and a
+    library that fails to import is one `error:` line and exit code 2 (_import_failed). A
+    SIGINT that the parent left ignored (a background job) stays ignored."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
+    sys.excepthook = _import_failed
 
 
 def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
@@ -142,6 +162,8 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
     clean stop (128 + signum for another Interrupted signal). With debug, the traceback instead."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # Ctrl-C unwinds the action again
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if sys.excepthook is _import_failed:  # the imports are done
+        sys.excepthook = sys.__excepthook__
     try:
         action()
     except (UserError, *also_catch) as e:

@@ -31,6 +31,9 @@ def resolve_files(patterns: list) -> list:
     for pattern in patterns:
         matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
                          if os.path.isfile(p))
+        if not matched and os.path.isdir(os.path.expanduser(pattern)):
+            raise UserError(f"--files {pattern!r} is a folder: --files takes files or globs, e.g. "
+                            f"{os.path.join(pattern, '*.jsonl')!r} (or '**/*.jsonl' inside it for its subfolders)")
         if not matched:
             raise UserError(f"--files {pattern!r} matches no files")
         files.extend(matched)

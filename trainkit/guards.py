@@ -146,11 +146,22 @@ def out_of_memory_reason(e: BaseException) -> str:
     return tried[0] if tried else one_line(e)
 
 
-def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None) -> cli.RankLocalError:
-    return cli.RankLocalError(
-        f"out of memory on {device} ({out_of_memory_reason(e)}): lower --batch-size (--total-batch-size stays "
-        "the same through more accumulation steps) or pass --activation-checkpointing. Last good checkpoint: "
-        f"{last_ckpt or 'none'}")
+def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None,
+                        auto: bool = False) -> cli.RankLocalError:
+    """The line for an out-of-memory that ends the run. micro_batch: the rows per micro-step it ran
+    out at, which --batch-size auto chose (auto) or the user did. At one row fewer rows cannot help,
+    and under auto the user named no --batch-size: the advice names what else shrinks a step."""
+    if micro_batch == 1:
+        advice = (f"not even one row per micro-step fits{' (--batch-size auto chose 1)' * auto}: pass "
+                  "--activation-checkpointing, a shorter --seq-len or a smaller model")
+    elif auto:
+        advice = (f"--batch-size auto chose {micro_batch} rows per micro-step, which fit its trial but not this step: "
+                  "pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len")
+    else:
+        advice = ("lower --batch-size (--total-batch-size stays the same through more accumulation steps) or pass "
+                  "--activation-checkpointing")
+    return cli.RankLocalError(f"out of memory on {device} ({out_of_memory_reason(e)}): {advice}. Last good "
+                              f"checkpoint: {last_ckpt or 'none'}")
 
 
 # a stop as requested: preemption, Ctrl-C, and a closed terminal or ssh session (no SIGHUP on Windows)

@@ -30,6 +30,9 @@ def resolve_data_file(data_file: str | None = None, data_dir: str | None = None,
     dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet. flag names the
     option that passes data_file in the command being run (for its error messages)."""
     if data_file:
+        if os.path.isdir(data_file):
+            raise UserError(f"{flag} {data_file} is a folder: pass the file, e.g. "
+                            f"{os.path.join(data_file, 'hellaswag_val.jsonl')}")
         if not os.path.isfile(data_file):
             raise UserError(f"{flag} {data_file} does not exist")
         return data_file

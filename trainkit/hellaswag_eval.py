@@ -238,7 +238,9 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
         if style == "nanogpt":
             picks += [loss_sum, loss_mean]
         else:
-            picks += [loss_sum, loss_sum / torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32)]
+            # (n, 4) also where n is 0: a rank of a launch with more ranks than examples gets none
+            chars = torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
+            picks += [loss_sum, loss_sum / chars]
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)],
                           device=device)

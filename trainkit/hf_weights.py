@@ -97,6 +97,12 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
     source = f"{flag} {name_or_dir}"
     hint = (f"pass a local Hugging Face directory to {flag} (on a machine with internet: "
             "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))")
+    if os.path.isfile(name_or_dir):  # most often one of our checkpoints
+        ours = {"--init-from": "--resume PATH continues a train_gpt2.py checkpoint's run; to start a new run from its "
+                "weights, export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
+                "--hf-model": "for a train_gpt2.py checkpoint pass --checkpoint PATH"}.get(flag, hint)
+        raise UserError(f"{source} is a file, and {flag} takes a Hugging Face GPT-2: a Hub name (gpt2, ...) or a "
+                        f"folder written by save_pretrained; {ours}")
     if not local and _looks_like_path(name_or_dir):
         raise UserError(f"{source}: no such directory; {hint}")
 

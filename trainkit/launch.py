@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainkit.cli import UserError, exit_code_of
+from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, is_rank0
 from trainkit.shards import differing_file
 
 
@@ -57,22 +57,55 @@ def resolve_device(device: str) -> str:
     return device
 
 
+# what torchrun sets in each process it starts; a launch by hand (a cluster's own script) sets them too
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_variables() -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) from the variables a torchrun launch sets, None where none of
+    RANK, LOCAL_RANK, WORLD_SIZE is set (one process); a RankLocalError (each process sees its own
+    environment) naming the variable that is missing or not a number, or a RANK past WORLD_SIZE."""
+    env = {k: os.environ.get(k, "") for k in LAUNCH_VARIABLES}
+    if not any(env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return None
+    how = "launch with torchrun, which sets them all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process"
+    given = [f"{k}={v}" for k, v in env.items() if v]
+    for name, value in env.items():
+        if not value:
+            raise RankLocalError(f"{name} is not set, but {', '.join(given)} {'is' if len(given) == 1 else 'are'}: "
+                                 f"{how}")
+        if name != "MASTER_ADDR" and not value.isdigit():
+            raise RankLocalError(f"{name}={value!r} is not a whole number: {how}")
+    rank, local_rank, world = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if rank >= world:
+        raise RankLocalError(f"RANK={rank} with WORLD_SIZE={world}: the ranks are 0..WORLD_SIZE-1; {how}")
+    return rank, local_rank, world
+
+
 def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
-    """Join the torchrun process group if launched by torchrun, else a single process.
+    """Join the torchrun process group if launched by torchrun (launch_variables), else a single
+    process; ranks that do not all arrive within timeout_s are one line, not a store's traceback.
 
     NCCL on CUDA, gloo elsewhere. device is "auto", "cpu", "cuda", "cuda:N" or "mps"."""
     device = resolve_device(device)
-    if "RANK" not in os.environ:
+    ranks = launch_variables()
+    if ranks is None:
         return Dist(device=device)
-    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world = ranks
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     import datetime
     cuda = device.startswith("cuda")
-    # device_id binds NCCL's communicator to this rank's GPU (else barrier() warns and guesses it)
-    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=torch.device(device) if cuda else None)
+    try:  # device_id binds NCCL's communicator to this rank's GPU (else barrier() warns and guesses it)
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device(device) if cuda else None)
+    except dist.DistError as e:  # the store at MASTER_ADDR:MASTER_PORT: not every rank came, or none answers
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise RankLocalError(f"could not gather the WORLD_SIZE={world} ranks of this launch at {where} "
+                             f"within {timeout_s:g} s ({type(e).__name__}: {flat(e).split('. ')[0]}): start all "
+                             f"{world} ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE to run one "
+                             "process") from None
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
@@ -82,7 +115,7 @@ def cleanup_distributed():
 
 
 def print0(*args, **kwargs):
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank0():
         print(*args, **kwargs, flush=True)
 
 

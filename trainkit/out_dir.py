@@ -15,9 +15,10 @@ import json
 import math
 import os
 import shutil
+import stat
 
 from trainkit import cli
-from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, last_record_run, list_checkpoints,
+from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, log_summary,
                          new_run, read_run, run_name, same_file)
 from trainkit.cli import UserError, one_line, os_error_reason
 from trainkit.folder_lock import FolderLock
@@ -46,7 +47,7 @@ class RunLog:
                             "does not exist; remove the link or point it at a file")
         try:
             kept = read_log_up_to(self.path, resumed)
-            self.file = open(self.path, "ab", buffering=0)  # unbuffered: one write per record
+            self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
@@ -135,22 +136,44 @@ def strict_json_record(record: dict) -> dict:
     return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
 
 
+def open_run_file(path: str, mode: str, **options):
+    """open(path, mode) for a file a run folder holds (log.jsonl), where another program may have put
+    a named pipe, a socket or a disk's block device: a UserError naming what it is, never a wait
+    forever for a pipe's other end (the open does not block: O_NONBLOCK) nor writes onto a disk.
+    A character device answers at once and stays allowed (/dev/null, /dev/full)."""
+    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK), **options)
+    kind = os.fstat(f.fileno()).st_mode
+    what = "a named pipe (FIFO)" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else \
+        "a block device" if stat.S_ISBLK(kind) else None
+    if what:
+        f.close()
+        raise UserError(f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
+                        "(the run makes its own), or choose another --out-dir")
+    return f
+
+
 def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
     """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
     checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
     empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
     try:
-        with open(path, "rb") as f:
+        with open_run_file(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
             kept = f.read(min(resumed.log_offset, size) if resumed else size)
     except FileNotFoundError:
         return b""
     if resumed and kept and (len(kept) != resumed.log_offset or
                              hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
-        raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of "
-                        f"{run_name(last_record_run(path))}, the checkpoint of {run_name(resumed.run['id'])}): "
-                        "resuming would corrupt it; resume into the --out-dir of the checkpoint's own run, or a new "
-                        "one")
+        last, whose, _, _ = log_summary(path)
+        if last != resumed.run["id"]:
+            raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of {whose}, the "
+                            f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
+                            "the --out-dir of the checkpoint's own run, or a new one")
+        change = (f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
+                  if len(kept) < resumed.log_offset else f"its first {resumed.log_offset} bytes differ from then")
+        raise UserError(f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
+                        "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
+                        "or move it aside (the resume then starts a new log.jsonl)")
     return kept
 
 
@@ -244,12 +267,23 @@ class OutDirLock(FolderLock):
 
     writer = "this trainer"
 
+    def __init__(self, out_dir: str):
+        super().__init__(out_dir)
+        self.made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
+
     def in_use(self, holder: str) -> str:
         return (f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
                 "folder): wait for it to end (then --resume continues it), or choose another --out-dir")
 
     def note(self, line: str):
         print0(line)
+
+    def release(self):
+        held = self.fd is not None
+        super().release()
+        if held and self.made:
+            with contextlib.suppress(OSError):  # (fails unless empty)
+                os.rmdir(self.folder)
 
 
 def import_extra(module: str, flag: str, package: str):
@@ -318,7 +352,13 @@ def open_sinks(run, model_cfg, resumed_at: int | None) -> list:
         sinks.append(WandbSink(run.wandb, run.out_dir, config))
     return sinks
 
-def prepare_out_dir(out_dir: str):
+def prepare_out_dir(out_dir: str) -> bool:
+    """Make --out-dir if needed and check it is writable: whether it was made now (OutDirLock.release
+    removes it again if the run wrote nothing there)."""
+    made = not os.path.lexists(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out-dir {out_dir} is a file, not a folder: a run writes its checkpoints and log.jsonl "
+                        "into a folder; choose another --out-dir")
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
@@ -326,4 +366,5 @@ def prepare_out_dir(out_dir: str):
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
+    return made
 

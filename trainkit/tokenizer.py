@@ -12,7 +12,7 @@ import os
 import numpy as np
 import tiktoken
 
-from trainkit.cli import UserError, one_line, os_error_reason
+from trainkit.cli import UserError, one_line, os_error_reason, print_line0
 
 ENCODING_NAME = "r50k_base"  # GPT-2's BPE; tiktoken's "gpt2" is the same table but fetches extra files
 EOT = 50256  # <|endoftext|>
@@ -73,9 +73,18 @@ def get_tokenizer_or_fail(hint: str | None = None):
 
 def _load_encoding() -> tiktoken.Encoding:
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
-    if cache_dir and os.path.isfile(os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest())):
-        with contextlib.suppress(Exception):  # a damaged cached copy that tiktoken could not fetch again
-            return tiktoken.get_encoding(ENCODING_NAME)
+    cached = os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest()) if cache_dir else None
+    if cached and os.path.isfile(cached):
+        # checked here: tiktoken deletes a damaged copy (to fetch it again) and says nothing of it
+        damaged = True  # (or unreadable)
+        with contextlib.suppress(OSError), open(cached, "rb") as f:
+            damaged = hashlib.sha256(f.read()).hexdigest() != BPE_SHA256
+        if not damaged:
+            with contextlib.suppress(Exception):
+                return tiktoken.get_encoding(ENCODING_NAME)
+        elif os.path.exists(SHIPPED_BPE):
+            print_line0(f"note: the GPT-2 tokenizer file {cached} in TIKTOKEN_CACHE_DIR is damaged (another "
+                        f"sha256); using {SHIPPED_BPE} instead (delete the damaged file to silence this)")
     if os.path.exists(SHIPPED_BPE):
         return shipped_encoding()
     try:
