@@ -232,7 +232,7 @@ def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
     expected = hellaswag_eval.evaluate(model, "cpu", limit=1, data_file=path, lm_eval=True)
     got = run_cli("--checkpoint", checkpoint, "--data-file", path, "--limit", "1", "--device", "cpu",
                   launcher=torchrun("--standalone", "--nproc_per_node=2"))
-    assert result_line(got) == expected and expected["n"] == 1
+    assert result_line(got, f"hellaswag: the first 1 of 2 examples in {path}; chance is 0.25") == expected and expected["n"] == 1
 
 
 def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):

@@ -410,3 +410,18 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
         assert (f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
                 "before its first step): this run starts it afresh") in result.stdout
         assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1]
+
+
+def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
+    """80 MiB free from the start: --batch-size auto runs out of memory before its first trial ends (the
+    reserve it holds beside the trial included). The line says the search could not try one row, not
+    which size it chose."""
+    out = tmp_path / "out"
+    result = squeezed("--squeeze", "80MiB", "--",
+                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=2, ckpt_every=0))
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: out of memory on cpu (")
+    assert lines[0].endswith("): --batch-size auto could not try even one row per micro-step: pass "
+                             "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: "
+                             "none")

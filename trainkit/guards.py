@@ -149,9 +149,13 @@ def out_of_memory_reason(e: BaseException) -> str:
 def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None,
                         auto: bool = False) -> cli.RankLocalError:
     """The line for an out-of-memory that ends the run. micro_batch: the rows per micro-step it ran
-    out at, which --batch-size auto chose (auto) or the user did. At one row fewer rows cannot help,
-    and under auto the user named no --batch-size: the advice names what else shrinks a step."""
-    if micro_batch == 1:
+    out at, which --batch-size auto chose (auto; None: before it chose) or the user did. At one row
+    fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
+    shrinks a step."""
+    if auto and micro_batch is None:  # the search itself, before its first trial
+        advice = ("--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "
+                  "a shorter --seq-len or a smaller model")
+    elif micro_batch == 1:
         advice = (f"not even one row per micro-step fits{' (--batch-size auto chose 1)' * auto}: pass "
                   "--activation-checkpointing, a shorter --seq-len or a smaller model")
     elif auto:
