@@ -101,7 +101,8 @@ def step_parts(args):
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], "block_size": max(args.seq_len, 256)})
     model = tg.GPT(cfg).to(args.device)
-    optimizer = tg.build_optimizer(model, 0.1, 6e-4, device_type)
+    optimizer = (tg.build_optimizer(model, 0.1, 6e-4, device_type) if hasattr(tg, "build_optimizer")
+                 else model.configure_optimizers(0.1, 6e-4, device_type))  # before 9925424: a GPT method
     loader = tg.StepLoader(tg.TokenRows(args.data_dir, "train", args.seq_len, shuffle=True, seed=0),
                            args.batch_size, args.accum, 0, 1)
     prefetcher = tg.Prefetcher(loader, pin_memory=device_type == "cuda")

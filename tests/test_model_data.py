@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from trainkit import cli
 import train_gpt2 as tg
+from chunked_loss import chunked_loss_and_grads
 from shards import EOT, make_docs, write_shards
 
 
@@ -231,6 +232,19 @@ def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
         logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
     assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
 
+
+
+def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
+    """fp32 chunks share one logits buffer; under autocast the matmul returns bf16 logits, which
+    each chunk copies to fp32 instead: the loss of those logits, the last chunk shorter (50 = 2 x 20 + 10)."""
+    torch.manual_seed(0)
+    h, weight = torch.randn(50, 16), torch.randn(300, 16)
+    targets = torch.randint(0, 290, (50,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grad_h, grad_w = chunked_loss_and_grads(h, weight, targets, 1.0, 20, 290, want_grad=True)
+        logits = (h @ weight.t()).float()[:, :290]
+    assert grad_h.dtype == torch.float32 and grad_w.shape == (300, 16)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-5)
 
 @pytest.mark.parametrize("loss_chunk", [0, 20])
 def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
