@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from trainkit import cli
 import train_gpt2 as tg
-from chunked_loss import chunked_loss_and_grads
+from trainkit.chunked_loss import chunked_loss_and_grads
 from shards import EOT, make_docs, write_shards
 
 
