@@ -142,6 +142,11 @@ def decided_on_rank0(d: Dist, decide):
     return answer[0]
 
 
+class AgreedUserError(UserError):
+    """A UserError that every rank of the launch raised alike (checked_on_every_rank): they can still
+    meet, so they leave the process group together, as after a run that ends well."""
+
+
 def checked_on_every_rank(d: Dist, action):
     """action() on every rank, where each may fail on what only it sees (a file on its node's disk):
     the ranks compare outcomes (one all-gather) and, if any raised a UserError, every rank raises
@@ -158,7 +163,7 @@ def checked_on_every_rank(d: Dist, action):
         rank, refusal = next(((r, m) for r, m in enumerate(refusals) if m is not None), (0, None))
         refusal = f"rank {rank}: {refusal}" if refusal is not None and rank else refusal
     if refusal is not None:
-        raise UserError(refusal)
+        raise (AgreedUserError if dist.is_initialized() else UserError)(refusal)
     return result
 
 
@@ -198,9 +203,12 @@ def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoin
         yield d
         if d.enabled:
             dist.barrier()
-    except UserError:
+    except UserError as e:
         if d.enabled:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if isinstance(e, AgreedUserError):  # every rank is here: wait for each other, as at a good end
+                with contextlib.suppress(Exception):  # (a peer gone meanwhile: the line still comes)
+                    dist.barrier()
         raise
     except Exception as e:
         if d.enabled and is_lost_rank(e):  # another rank died during set-up, evaluation or the last barrier
