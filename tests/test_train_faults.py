@@ -386,19 +386,24 @@ def test_param_count_counts_what_the_model_builds(shape):
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
+def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int) -> str:
+    """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
+    result = squeezed(*squeeze, "--",
+                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=steps, ckpt_every=0))
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
 def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, tmp_path):
     """200 MiB free: --batch-size auto finds that 1 row fits; before step 0 only 20 MiB are left and
     the step runs out of memory at 1 row. The line names what else shrinks a step, and the folder,
     which holds no checkpoint and a log of one batch-size record, does not refuse the next attempt."""
     out = tmp_path / "out"
-    result = squeezed("--squeeze", "200MiB", "--squeeze", "0:20MiB", "--",
-                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0))
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith("error: out of memory on cpu (tried to allocate ")
-    assert lines[0].endswith("not even one row per micro-step fits (--batch-size auto chose 1): pass "
-                             "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: "
-                             "none")
+    line = auto_batch_out_of_memory_line(data_dir, out, ["--squeeze", "200MiB", "--squeeze", "0:20MiB"], steps=4)
+    assert line.startswith("error: out of memory on cpu (tried to allocate ")
+    assert line.endswith("not even one row per micro-step fits (--batch-size auto chose 1): pass "
+                         "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none")
     left = out.joinpath("log.jsonl").read_text()
     assert [r["event"] for r in log_records(out)] == ["batch_size"]
     for extra in [(), ("--resume",)]:  # a rerun, and a resume, of the run that never wrote a checkpoint
@@ -416,12 +421,7 @@ def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
     """80 MiB free from the start: --batch-size auto runs out of memory before its first trial ends (the
     reserve it holds beside the trial included). The line says the search could not try one row, not
     which size it chose."""
-    out = tmp_path / "out"
-    result = squeezed("--squeeze", "80MiB", "--",
-                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=2, ckpt_every=0))
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith("error: out of memory on cpu (")
-    assert lines[0].endswith("): --batch-size auto could not try even one row per micro-step: pass "
-                             "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: "
-                             "none")
+    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", ["--squeeze", "80MiB"], steps=2)
+    assert line.startswith("error: out of memory on cpu (")
+    assert line.endswith("): --batch-size auto could not try even one row per micro-step: pass "
+                         "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none")
