@@ -87,8 +87,21 @@ TIED = ("transformer.wte.weight", "lm_head.weight")
 EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours
 
 
-def _check_parent(out_dir: str):
-    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named."""
+def _check_target(out_dir: str):
+    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named.
+    It never replaces a folder that holds where the user is or what they keep: the current folder,
+    the home folder, the checkout of this repository, or any folder above one of them (an empty
+    out_dir, an unset shell variable, names the current folder once resolved)."""
+    if not str(out_dir).strip():
+        raise UserError(f"the folder to export to is empty ({out_dir!r}: an unset shell variable?): name a new folder")
+    target = os.path.realpath(out_dir)
+    for what, folder in (("the current folder", os.getcwd()), ("your home folder", os.path.expanduser("~")),
+                         ("this repository's checkout", os.path.dirname(os.path.abspath(__file__)))):
+        folder = os.path.realpath(folder)
+        if os.path.commonpath([target, folder]) == target:
+            holds = "is" if folder == target else "holds"
+            raise UserError(f"cannot export into {out_dir}: it {holds} {what} ({folder}), which an export would "
+                            "replace; export into a new folder")
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.path.isdir(parent):
         raise UserError(f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
@@ -106,7 +119,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     goes EXPORT_MARK (the source checkpoint, its step and checksum, and each file's sha256): only a
     folder that is still exactly what an export wrote, or an empty one, is replaced by a later
     export. Returns out_dir."""
-    _check_parent(out_dir)
+    _check_target(out_dir)
     _remove_dead_partials(out_dir)
     _check_replaceable(out_dir)  # before any work: a refusal changes nothing
     mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)

@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
     src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")
-    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue ('' starts a new document)")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, type=cli.may_be_empty, help="text to continue ('' starts a new document)")
     p.add_argument("--num-samples", type=cli.positive_int, default=4, help="continuations to draw")
     p.add_argument("--max-new-tokens", type=cli.non_negative_int, default=100, help="tokens to add to the prompt")
     p.add_argument("--continue-past-eot", action="store_true",

@@ -279,8 +279,8 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     log = (out / "log.jsonl").read_bytes()
     # an unset $CKPT in a job script
     result = run(args_for(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
-    assert_refused(result.returncode, result.stderr, "--resume got an empty path (''; an unset variable in the job "
-                   "script?): pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
+    assert_refused(result.returncode, result.stderr, "argument --resume: got an empty value ('': an unset shell "
+                   "variable?) (see train_gpt2.py --help)")
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
     # a folder holding only the log of a run that wrote no checkpoint: neither a fresh run nor
     # --resume appends a second run to it

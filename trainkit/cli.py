@@ -13,7 +13,11 @@ hf_interop.py, sample.py, plot_log.py):
 - a warning (something accepted that the user may not have meant) is one `warning:` line on
   stderr, from rank 0;
 - every integer flag of every script is parsed by int_in (positive_int, non_negative_int): a
-  count out of its range is a usage error naming the flag, never a default taken instead.
+  count out of its range is a usage error naming the flag, never a default taken instead;
+- no argument of any script takes an empty value (an unset shell variable: `--out-dir "$OUT"`):
+  it is a usage error naming the argument, not a path that resolves to the current folder or
+  an option silently dropped. The one exception is text that may be empty on purpose (a
+  prompt), whose argument's type is may_be_empty.
 
 Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
 """
@@ -116,13 +120,29 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def may_be_empty(text: str) -> str:
+    """The argparse type of the one kind of argument that may be empty: text such as a prompt."""
+    return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with whole flag names only (allow_abbrev=False) and a usage error as one `error:`
-    line and exit code 2 (argparse prints the usage and `prog: error: ...`); -h/--help prints
-    the full help. Subcommands' parsers are of this class too."""
+    """argparse with whole flag names only (allow_abbrev=False), no empty values (except where the
+    argument's type is may_be_empty), and a usage error as one `error:` line and exit code 2
+    (argparse prints the usage and `prog: error: ...`); -h/--help prints the full help.
+    Subcommands' parsers are of this class too."""
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def _get_value(self, action, arg_string):
+        # every value of every argument passes here: an empty one ("", or only spaces) is what an
+        # unset shell variable gives, and as a path it would name the current folder
+        # (a subcommand's action passes its parser's strings along: that parser checks them; and a
+        # default passes here too, where an empty one means that empty is what the argument takes)
+        if not arg_string.strip() and action.type is not may_be_empty and action.nargs != argparse.PARSER \
+                and arg_string is not action.default:
+            raise argparse.ArgumentError(action, f"got an empty value ({arg_string!r}: an unset shell variable?)")
+        return super()._get_value(action, arg_string)
 
     def error(self, message: str):
         print_error(f"{message} (see {self.prog} --help)")

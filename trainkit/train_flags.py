@@ -81,7 +81,7 @@ def build_parser(model_presets, cpu_loss_chunk: int) -> argparse.ArgumentParser:
     g.add_argument("--val-every", type=cli.non_negative_int, help="validation loss every N steps")
     g.add_argument("--val-steps", type=cli.non_negative_int, help="batches per validation")
     g.add_argument("--sample-every", type=cli.non_negative_int, help="print text samples every N steps")
-    g.add_argument("--sample-prompt", help="the text those samples continue; fit it to the data, e.g. 'def ' for "
+    g.add_argument("--sample-prompt", type=cli.may_be_empty, help="the text those samples continue; fit it to the data, e.g. 'def ' for "
                                            "Python ('' starts a new document; default: \"Hello, I'm a language model,\")")
     g.add_argument("--hellaswag-every", type=cli.non_negative_int, help="HellaSwag accuracy every N steps")
     g.add_argument("--hellaswag-limit", type=cli.non_negative_int, help="examples per HellaSwag eval (0: all)")
@@ -145,9 +145,6 @@ def validate_flag_values(run, model):
         raise UserError(f"--dist-timeout must be in [{MIN_DIST_TIMEOUT}, 1e9] seconds, got {run.dist_timeout}: "
                         "healthy ranks wait this long for each other (rank 0 writing a checkpoint or samples, "
                         "the first step compiling), and a shorter wait reports them as dead")
-    if run.resume is not None and not run.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset
-        raise UserError(f"--resume got an empty path ({run.resume!r}; an unset variable in the job script?): "
-                        "pass --resume alone to continue from the newest checkpoint in --out-dir, or --resume PATH")
 
 
 def validate_config(run, model, world_size: int, device_type: str) -> int:

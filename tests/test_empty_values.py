@@ -1,0 +1,121 @@
+"""An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in
+one line naming the argument, before anything is read or written; and an export never replaces a
+folder that holds the current folder, the home folder or the repository's checkout, whatever the
+path that names it."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, tree_hashes, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import train_gpt2 as tg
+    model = tg.GPT(tg.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    return write_checkpoint(model, tmp_path_factory.mktemp("run") / "ckpt_0000005.pt")
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A user's folder with files of their own, the current folder of the command."""
+    folder = tmp_path / "myproject"
+    (folder / "src").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine\n")
+    (folder / "src" / "model.py").write_text("print('mine')\n")
+    return folder
+
+
+def run_in(folder, script, *args, env=None):
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=folder, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def assert_refused(result, line):
+    assert (result.returncode, result.stderr.splitlines()) == (2, [line]), result.stderr[-3000:]
+    assert result.stdout == ""
+
+
+def empty_value(argument, script):
+    return f"error: argument {argument}: got an empty value ('': an unset shell variable?) (see {script} --help)"
+
+
+def test_an_empty_export_folder_deletes_nothing(project, checkpoint):
+    before = tree_hashes(project)
+    result = run_in(project, "hf_interop.py", "export", checkpoint, "")
+    assert_refused(result, empty_value("out_dir", "hf_interop.py export"))
+    assert tree_hashes(project) == before
+
+
+@pytest.mark.parametrize("where", [".", "..", "src/..", "~", "REPO", "REPO/..", "link"])
+def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, checkpoint, tmp_path, where):
+    """Not even when that folder is empty, or would pass as an earlier export: the folder a shell
+    stands in, a home folder and the checkout are the user's, whatever they hold."""
+    home = tmp_path / "home"
+    home.mkdir()
+    out = where.replace("REPO", str(REPO)).replace("~", str(home))
+    if where == "link":  # a symbolic link to the current folder, beside it
+        os.symlink(project, tmp_path / "link")
+        out = str(tmp_path / "link")
+    before, repo_before = tree_hashes(project), tree_hashes(REPO / "trainkit")
+    result = run_in(project, "hf_interop.py", "export", checkpoint, out, env={"HOME": str(home)})
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    what = {".": "is the current folder", "..": "holds the current folder", "src/..": "is the current folder",
+            "~": "is your home folder", "REPO": "is this repository's checkout",
+            "REPO/..": "holds this repository's checkout", "link": "is the current folder"}[where]
+    assert lines[0].startswith(f"error: cannot export into {out}: it {what} (") and \
+        lines[0].endswith("which an export would replace; export into a new folder"), lines[0]
+    assert tree_hashes(project) == before and tree_hashes(REPO / "trainkit") == repo_before
+    assert os.listdir(home) == []
+
+
+def test_an_empty_current_folder_is_not_replaced_either(tmp_path, checkpoint):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    inode = os.stat(empty).st_ino
+    result = run_in(empty, "hf_interop.py", "export", checkpoint, ".")
+    assert result.returncode == 2 and "it is the current folder" in result.stderr, result.stderr[-3000:]
+    assert os.stat(empty).st_ino == inode and os.listdir(empty) == []
+
+
+def test_an_export_into_a_new_folder_still_works(project, checkpoint):
+    result = run_in(project, "hf_interop.py", "export", checkpoint, "hf")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
+    assert (project / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("script, args, argument", [
+    ("train_gpt2.py", ["--init-from", ""], "--init-from"),
+    ("train_gpt2.py", ["--out-dir", ""], "--out-dir"),
+    ("train_gpt2.py", ["--data-dir", ""], "--data-dir"),
+    ("train_gpt2.py", ["--resume", ""], "--resume"),
+    ("train_gpt2.py", ["--wandb", ""], "--wandb"),
+    ("train_gpt2.py", ["--hellaswag-file", " "], "--hellaswag-file"),
+    ("sample.py", ["--checkpoint", ""], "--checkpoint"),
+    ("sample.py", ["--hf-model", ""], "--hf-model"),
+    ("hellaswag.py", ["--checkpoint", ""], "--checkpoint"),
+    ("hellaswag.py", ["--checkpoint", "x", "--data-file", ""], "--data-file"),
+    ("fineweb.py", ["--out-dir", ""], "--out-dir"),
+    ("fineweb.py", ["--files", ""], "--files"),
+    ("plot_log.py", [""], "path"),
+    ("hf_interop.py", ["eval", "", "--tasks", "hellaswag"], "checkpoint"),
+], ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_every_script_refuses_an_empty_value(project, script, args, argument):
+    before = tree_hashes(project)
+    result = run_in(project, script, *args)
+    value = args[args.index(argument) + 1] if argument in args else ""
+    prog = script + (" eval" if args[0] == "eval" else "")
+    assert_refused(result, empty_value(argument, prog).replace("('':", f"({value!r}:"))
+    assert tree_hashes(project) == before
+
+
+def test_an_empty_prompt_is_still_a_prompt(checkpoint):
+    """--prompt '' starts a new document: the one argument that may be empty on purpose."""
+    result = subprocess.run([sys.executable, "sample.py", "--checkpoint", checkpoint, "--prompt", "",
+                             "--num-samples", "1", "--max-new-tokens", "2", "--device", "cpu"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
