@@ -1,6 +1,9 @@
-"""Shared test setup: the repo on sys.path, the data the repository ships in fixtures/ (the GPT-2 BPE in bpe/)."""
+"""Shared test setup: the repo on sys.path, the data the repository ships in fixtures/ (the GPT-2 BPE in bpe/),
+each module's synthetic shards (data_dir, sized by the module's SHARDS), a tiny run's flags, running the scripts
+as programs and reading what a run wrote."""
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -8,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT_FILE = REPO / "fixtures" / "tinyshakespeare_first4000lines.txt"  # plain text (fixtures/README.md)
@@ -18,6 +23,90 @@ sys.path.insert(0, str(REPO))
 # workers (and their subprocesses) side by side on two cores, where two OpenMP threads per process
 # only contend (measured on test_sample + test_hostile: 17% more CPU time, 14% longer)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def data_dir(request, tmp_path_factory) -> str:
+    """A module's folder of synthetic shards (tests/shards.py's shard_dir), made once per module from its
+    SHARDS: dict(n_docs=..., seed=..., and shard_dir's other sizes)."""
+    from shards import shard_dir
+    return shard_dir(tmp_path_factory, **request.module.SHARDS)
+
+
+def tiny_run_args(data_dir, out_dir, *extra, steps=20, B=4, ckpt_every=10, n_layer=2, n_embd=16, block_size=32,
+                  seq_len=16, rows=8, warmup=None, val_every=0, sample_every=0, hellaswag_every=0) -> list:
+    """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
+    in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked;
+    extra last."""
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), "--n-layer", str(n_layer), "--n-head", "2",
+            "--n-embd", str(n_embd), "--block-size", str(block_size), "--seq-len", str(seq_len),
+            "--batch-size", str(B), "--total-batch-size", str(rows * seq_len), "--max-steps", str(steps),
+            "--warmup-steps", str(min(3, steps) if warmup is None else warmup), "--max-lr", "1e-2", "--val-every", str(val_every),
+            "--sample-every", str(sample_every), "--hellaswag-every", str(hellaswag_every),
+            "--ckpt-every", str(ckpt_every), *extra]
+
+
+def log_records(out_dir) -> list:
+    """Every record of a run's log.jsonl."""
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(out_dir) -> list:
+    """(step, loss) of each trained step in a run's log."""
+    return [(r["step"], r["loss"]) for r in log_records(out_dir) if "loss" in r]
+
+
+def wait_for_steps(out_dir, n, proc, timeout=120):
+    """Until the run proc writes to out_dir has logged n trained steps (TimeoutError after timeout seconds)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def resume_copy(src, dst, step):
+    """What a run killed after checkpoint `step` leaves: that checkpoint and a log that ran past it."""
+    import shutil
+    os.makedirs(dst)
+    shutil.copy(os.path.join(src, f"ckpt_{step:07d}.pt"), dst)
+    shutil.copy(os.path.join(src, "log.jsonl"), dst)
+
+
+def run_command(script, *args, timeout=300, **kwargs):
+    """`python script args` in the repo, as a user runs it: the completed process, its output as text."""
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def assert_one_error_line(result, *fragments):
+    """result failed with exit code 2 and one `error:` line on stderr holding every fragment."""
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+# A stand-in for the wandb package (put first on PYTHONPATH): its project "no-such-entity" cannot start a run,
+# and its third log() call fails as a dead W&B service does
+FAKE_WANDB = '''
+class Run:
+    disabled = False
+    calls = 0
+    def log(self, row, step):
+        Run.calls += 1
+        if Run.calls == 3:
+            raise ConnectionError("wandb service process exited")
+    def finish(self):
+        pass
+def init(project, dir, config):
+    if project == "no-such-entity":
+        raise RuntimeError("permission denied for entity")
+    return Run()
+'''
 
 
 def tiktoken_cache(folder) -> str:

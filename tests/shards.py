@@ -1,9 +1,14 @@
-"""Synthetic token shards in build-nanogpt's format, and synthetic batches, for tests that don't
-need real text."""
+"""Synthetic token shards in build-nanogpt's format, synthetic batches, and the tiny models the accumulation
+proofs train on them, for tests that don't need real text."""
+import contextlib
+import dataclasses
 import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from train_gpt2 import GPT, GPTConfig
 
 EOT = 50256
 
@@ -68,3 +73,38 @@ def write_manifest(data_dir, **recorded) -> dict:
     with open(os.path.join(data_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     return manifest
+
+
+# --- the tiny models of the accumulation proofs ------------------------------------------------
+
+TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
+DOC_TINY = dataclasses.replace(TINY, vocab_size=50304)  # GPT-2's ids, <|endoftext|> among them (--doc-mask)
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def fresh_model(doc_mask=False):
+    torch.manual_seed(1)
+    return GPT(DOC_TINY if doc_mask else TINY)
+
+
+def reference_grads(x, y, doc_mask=False):
+    model = fresh_model(doc_mask)
+    _, loss = model(x, y, doc_mask=doc_mask)  # token mean over every non-ignored target of the 8 rows
+    loss.backward()
+    return grads_of(model), loss.item()
+
+
+@contextlib.contextmanager
+def gloo_rank_of_one_batch(rank, world, port):
+    """In a gloo group of world processes, this rank's micro-batches (2 rows x 2 micro-steps) of
+    make_batch()'s 8 rows and the step's token count N: (batches, n_tokens)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x, y = make_batch()
+        yield rank_batches(x, y, rank, world, B=2, accum=2), int((y != -1).sum())
+    finally:
+        dist.destroy_process_group()

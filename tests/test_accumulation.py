@@ -1,27 +1,20 @@
-"""Token-normalized gradient accumulation equals one big batch, for every split (issue 2, tests 1-3),
-and so does the update each optimizer makes of it (AdamW, and Muon with AdamW: issue 24)."""
+"""Token-normalized gradient accumulation equals one big batch, for every split (micro-batches on one process,
+DDP across gloo processes, with and without --doc-mask), and so does the update each optimizer makes of it
+(AdamW, and Muon with AdamW)."""
 
-import contextlib
 import copy
-import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
 from conftest import free_port
-from shards import EOT, make_batch, rank_batches
+from shards import EOT, fresh_model, gloo_rank_of_one_batch, grads_of, make_batch, rank_batches, \
+    reference_grads
 from trainkit.launch import all_reduce_sum
-from train_gpt2 import GPT, GPTConfig, accumulate_gradients, build_optimizer
+from train_gpt2 import accumulate_gradients, build_optimizer
 
-TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
-DOC_TINY = dataclasses.replace(TINY, vocab_size=50304)  # GPT-2's ids, <|endoftext|> among them (--doc-mask)
-
-
-def grads_of(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def max_diff(a, b):
@@ -85,10 +78,6 @@ def test_toy_mlp_accumulation_matches_one_batch():
 
 # --- 2. a tiny GPT with ignored targets: every split gives the same gradient ------------------
 
-def fresh_model(doc_mask=False):
-    torch.manual_seed(1)
-    return GPT(DOC_TINY if doc_mask else TINY)
-
 
 def batch(doc_mask=False):
     """make_batch()'s rows; for --doc-mask with an <|endoftext|> input in every fifth place or so,
@@ -97,13 +86,6 @@ def batch(doc_mask=False):
     if doc_mask:
         x[x % 5 == 0] = EOT
     return x, y
-
-
-def reference_grads(x, y, doc_mask=False):
-    model = fresh_model(doc_mask)
-    _, loss = model(x, y, doc_mask=doc_mask)  # token mean over every non-ignored target of the 8 rows
-    loss.backward()
-    return grads_of(model), loss.item()
 
 
 def weights_of(model):
@@ -156,18 +138,6 @@ def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
 
 
 # --- 3. DDP, 2 gloo processes x 2 accumulation steps == one batch -----------------------------
-
-@contextlib.contextmanager
-def gloo_rank_of_one_batch(rank, world, port):
-    """In a gloo group of world processes, this rank's micro-batches (2 rows x 2 micro-steps) of
-    make_batch()'s 8 rows and the step's token count N: (batches, n_tokens)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        x, y = make_batch()
-        yield rank_batches(x, y, rank, world, B=2, accum=2), int((y != -1).sum())
-    finally:
-        dist.destroy_process_group()
 
 
 def ddp_worker(rank, world, port, out_path):

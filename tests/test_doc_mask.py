@@ -4,7 +4,6 @@ document mask agrees with SDPA's; a doc-mask-trained model exports as a plain GP
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -350,7 +350,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
 
 
 def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
-    """Two runs on one --out-dir (issue 31: both wrote, one over the other's shards, and the trainer read
+    """Two runs on one --out-dir (unlocked, both wrote, one over the other's shards, and the trainer read
     the mix): the second is refused in one line before it reads or writes anything there; once the first
     is killed, what it left blocks nothing and the same command resumes it."""
     docs, path, reference_out = corpus

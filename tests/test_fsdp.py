@@ -1,5 +1,5 @@
 """--fsdp (FSDP2): the exact token-normalized gradient with half the state per rank on 2 ranks,
-checkpoints any mode resumes, and evaluation that matches one process (issue 13).
+checkpoints any mode resumes, and evaluation that matches one process.
 The loss of every split under --fsdp is checked with the others in test_train_cli.py, and
 SIGTERM with the others in test_resilience.py."""
 import os
@@ -19,9 +19,8 @@ from trainkit import cli
 from trainkit import fsdp
 from trainkit import launch
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, free_port, torchrun
-from shards import make_batch, shard_dir
-from test_accumulation import fresh_model, gloo_rank_of_one_batch, reference_grads
+from conftest import HELLASWAG_FILE, REPO, free_port, tiny_run_args, torchrun
+from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
 
@@ -132,19 +131,14 @@ def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_
 T = 16
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 500, seed=3)
+SHARDS = dict(n_docs=500, seed=3)
 
 
 def run_args(data_dir, out_dir, hellaswag_file, *extra, B=2, val_steps=1, steps=20):
     """A tiny model with GPT-2's vocabulary (for HellaSwag and samples), evaluated every 10 steps."""
-    return ["--data-dir", data_dir, "--out-dir", str(out_dir), "--n-layer", "2", "--n-head", "2",
-            "--n-embd", "16", "--block-size", "32", "--seq-len", str(T), "--batch-size", str(B),
-            "--total-batch-size", str(8 * T), "--max-steps", str(steps), "--warmup-steps", "3",
-            "--max-lr", "1e-2", "--val-every", "10", "--val-steps", str(val_steps), "--sample-every", "10",
-            "--hellaswag-every", "10", "--hellaswag-limit", "4", "--hellaswag-file", hellaswag_file,
-            "--ckpt-every", "10", *extra]
+    return tiny_run_args(data_dir, out_dir, "--val-steps", str(val_steps), "--hellaswag-limit", "4",
+                         "--hellaswag-file", hellaswag_file, *extra, steps=steps, B=B, seq_len=T, warmup=3,
+                         val_every=10, sample_every=10, hellaswag_every=10)
 
 
 def log_of(out_dir, key):

@@ -1,4 +1,4 @@
-"""The CUDA-side choices, tested on CPU (issue 12): MFU per GPU, the peak table, one host sync
+"""The CUDA-side choices, tested on CPU: MFU per GPU, the peak table, one host sync
 per step, fp16 with a GradScaler, the chunked loss in evaluation and under compile, the compile
 fallback, activation checkpointing, device validation and benchmarks/gpu_check.py."""
 import dataclasses
@@ -19,23 +19,17 @@ from trainkit import guards
 from trainkit import launch
 import train_gpt2 as tg
 import conftest
-from conftest import REPO
-from shards import make_batch, shard_dir
+from conftest import REPO, tiny_run_args
+from shards import make_batch
 
 T = 16
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "32"]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 400, seed=3, vocab=100)
+SHARDS = dict(n_docs=400, seed=3, vocab=100)
 
 
 def args_for(data_dir, out_dir, *extra, steps=4, B=4):
-    return ["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY, "--seq-len", str(T),
-            "--batch-size", str(B), "--total-batch-size", str(8 * T), "--max-steps", str(steps),
-            "--warmup-steps", "2", "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0",
-            "--hellaswag-every", "0", "--ckpt-every", "0", *extra]
+    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, B=B, ckpt_every=0, seq_len=T, warmup=2)
 
 
 def train_records(out_dir):

@@ -1,4 +1,4 @@
-"""Hostile input to the trainer, run as users run it (issue 11): one `error:` line, exit code 2,
+"""Hostile input to the trainer, run as users run it: one `error:` line, exit code 2,
 no traceback; never a checkpoint or log lost, corrupted or filled with non-finite numbers."""
 import hashlib
 import json
@@ -17,33 +17,17 @@ from trainkit import checkpoints
 from trainkit import guards
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import HELLASWAG_FILE, REPO, interrupt_when_blocked, tree_hashes
-from test_resilience import args_for, log_records, resume_copy
+from conftest import (HELLASWAG_FILE, REPO, assert_one_error_line, interrupt_when_blocked, log_records, resume_copy,
+                      run_command, tiny_run_args, tree_hashes)
 
-
-def run_command(script, *args, timeout=300, **kwargs):
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
-
-
-def assert_one_error_line(result, *fragments):
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from shards import shard_dir
-    return shard_dir(tmp_path_factory, 300, seed=3)
+SHARDS = dict(n_docs=300, seed=3)
 
 
 @pytest.fixture(scope="module")
 def finished_run(data_dir, tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("run")
-    assert tg.main(args_for(data_dir, out, steps=4, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, steps=4, ckpt_every=2)) == 0
     return out
 
 
@@ -70,7 +54,7 @@ def finished_run(data_dir, tmp_path_factory):
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
     out = tmp_path / "out"
-    result = run_command("train_gpt2.py", *args_for(data_dir, out, *extra, steps=3))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=3))
     assert_one_error_line(result, message.format(out=out))
     assert not [f for f in os.listdir(out) if f.endswith(".pt")] if out.exists() else True
 
@@ -78,7 +62,7 @@ def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
 @pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout", "--muon-lr"])
 def test_every_float_flag_must_be_finite(data_dir, tmp_path, capsys, flag):
     # the same check as --max-lr inf above, which runs as a subprocess: here in-process
-    assert tg.main(args_for(data_dir, tmp_path, flag, "nan")) == 2
+    assert tg.main(tiny_run_args(data_dir, tmp_path, flag, "nan")) == 2
     assert capsys.readouterr().err == f"error: {flag} must be a finite number, got nan\n"
 
 
@@ -114,7 +98,7 @@ def test_damaged_newest_checkpoint_names_the_earlier_one(finished_run, data_dir,
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     damage(run / "ckpt_0000004.pt", how)
-    result = run_command("train_gpt2.py", *args_for(data_dir, run, "--resume", steps=6, ckpt_every=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
     assert_one_error_line(result, message.format(dir=run), "use the earlier checkpoint")
 
 
@@ -131,7 +115,7 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     shutil.copy(finished_run / "ckpt_0000004.pt", path)
     damage(path, what) if what == "flipped" else foreign(path, what)
     if command == "resume":
-        result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path / "out", "--resume", path, steps=6))
+        result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "out", "--resume", path, steps=6))
     elif command == "export":
         result = run_command("hf_interop.py", "export", path, tmp_path / "hf")
     else:
@@ -188,8 +172,8 @@ def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path):
 
 def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"the user's own file")
-    assert tg.main(args_for(data_dir, tmp_path, "--keep-last", "1", steps=4, ckpt_every=2)) == 0
-    assert tg.main(args_for(data_dir, tmp_path, "--keep-last", "1", "--resume", steps=6, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "1", steps=4, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "1", "--resume", steps=6, ckpt_every=2)) == 0
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000006.pt", "ckpt_best.pt", "log.jsonl"]
     assert (tmp_path / "ckpt_best.pt").read_bytes() == b"the user's own file"
     assert [r["step"] for r in log_records(tmp_path) if "loss" in r] == list(range(6))
@@ -199,18 +183,18 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
 
 def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run, data_dir, tmp_path):
     other = tmp_path / "other"
-    assert tg.main(args_for(data_dir, other, steps=2, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, other, steps=2, ckpt_every=2)) == 0
     given = finished_run / "ckpt_0000004.pt"
     theirs, mine = (checkpoints.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
     os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
     before = {p.name: p.read_bytes() for p in other.iterdir()}
-    result = run_command("train_gpt2.py", *args_for(data_dir, other, "--resume", given, steps=6))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
     assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
                                   f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
                                   "into the --out-dir of the checkpoint's own run, or a new one")
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     # into a folder without a log, the resumed run starts a log of its own
-    assert tg.main(args_for(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
     assert [r["step"] for r in log_records(tmp_path / "new") if "loss" in r] == [4, 5]
 
 
@@ -219,7 +203,7 @@ def test_resume_at_or_past_max_steps_says_so(finished_run, data_dir, tmp_path, m
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    result = run_command("train_gpt2.py", *args_for(data_dir, run, "--resume", steps=max_steps))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
     if max_steps < 4:  # a mistake: the run is already past the requested end
         assert_one_error_line(result, f"{run / 'ckpt_0000004.pt'} is at step 4, past --max-steps 3: pass a larger "
                                       "--max-steps to train on")
@@ -247,7 +231,7 @@ def shift_data(tmp_path_factory):
 
 def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert tg.main(args_for(shift_data, straight, "--skip-spikes", "3", steps=60, ckpt_every=20)) == 0
+    assert tg.main(tiny_run_args(shift_data, straight, "--skip-spikes", "3", steps=60, ckpt_every=20)) == 0
     records = [r for r in log_records(straight) if "loss" in r]
     skipped = [r["step"] for r in records if r.get("skipped")]
     # a few updates skipped at the shift, then the window has moved and learning goes on
@@ -255,7 +239,7 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
     assert records[-1]["loss"] < records[SHIFT_STEP]["loss"] - 2
     # resumed before the shift, the restored window skips exactly the same steps
     resume_copy(straight, resumed, 20)
-    assert tg.main(args_for(shift_data, resumed, "--skip-spikes", "3", "--resume", steps=60, ckpt_every=20)) == 0
+    assert tg.main(tiny_run_args(shift_data, resumed, "--skip-spikes", "3", "--resume", steps=60, ckpt_every=20)) == 0
     assert [(r["step"], r["loss"], r.get("skipped")) for r in log_records(resumed) if "loss" in r] == \
         [(r["step"], r["loss"], r.get("skipped")) for r in records]
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000060.pt")) for d in (straight, resumed))
@@ -264,7 +248,7 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
 
 def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     # Z = 0.5 is too low to let the window catch up with the shift: the bound stops the run
-    result = run_command("train_gpt2.py", *args_for(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80,
+    result = run_command("train_gpt2.py", *tiny_run_args(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80,
                                                     ckpt_every=10))
     assert_one_error_line(result, f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
                                   f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
@@ -274,7 +258,7 @@ def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     assert skipped == list(range(skipped[0], skipped[0] + guards.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
 
 
-# --- data sets (issue 31) -------------------------------------------------------------------
+# --- data sets: the manifest, token ids, shard digests -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def made_data(tmp_path_factory):
@@ -320,7 +304,7 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
         message = (f"{shard} is {size - 6} bytes, not the {size} that {manifest} lists; restore it, or re-create the "
                    "data set with fineweb.py")
     before = tree_hashes(data)
-    result = run_command("train_gpt2.py", *args_for(str(data), out, steps=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=2))
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
     assert tree_hashes(data) == before and not out.exists()
 
@@ -331,7 +315,7 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     import fineweb
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(made_data, data)
-    result = run_command("train_gpt2.py", *args_for(str(data), out, steps=2, ckpt_every=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr
     shutil.copy(made_data.parent / "docs.jsonl", tmp_path / "copy.jsonl")  # the same text, another path and mtime
     assert fineweb.main(["--files", str(tmp_path / "copy.jsonl"), "--out-dir", str(tmp_path / "again"),
@@ -341,7 +325,7 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     assert (data / "manifest.json").read_bytes() != (made_data / "manifest.json").read_bytes()
     assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == \
         {k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")}
-    result = run_command("train_gpt2.py", *args_for(str(data), out, "--resume", steps=4, ckpt_every=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (0, "")
     assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
 
@@ -356,7 +340,7 @@ def test_a_shard_that_is_not_what_its_manifest_records_stops_the_run(made_data, 
     np.save(shard, tokens)
     before = tree_hashes(data)
     expected = json.loads((data / "manifest.json").read_text())["shards"][3]["sha256"]
-    result = run_command("train_gpt2.py", *args_for(str(data), out, steps=4, ckpt_every=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (2, (
         f"error: {shard} has sha256 {hashlib.sha256(shard.read_bytes()).hexdigest()[:16]}..., not the "
         f"{expected[:16]}... that {data}/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
@@ -386,7 +370,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
         shutil.copytree(finished_run, out)
         flags = ["--eval-only", "--resume", "--val-every", "1", "--val-steps", "1"]
     before = {folder: tree_hashes(folder) for folder in (data, out) if folder.exists()}
-    result = run_command("train_gpt2.py", *args_for(str(data), out, *flags, steps=4))
+    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, *flags, steps=4))
     assert (result.returncode, result.stderr) == (2, (
         f"error: {shard} holds token id 50290, which the model has no output for: its softmax covers GPT-2's 50257 "
         "tokens (ids 0..50256), whatever --vocab-size pads; the shards come from another tokenizer (one with added "
@@ -399,7 +383,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
 
 def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=4))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=4))
     assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
                                   "its last whole record). Last good checkpoint: none")
 
@@ -408,7 +392,7 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
     limit = 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it after a few steps
     padding = (json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n").encode()
     # a run whose log is that long at its step-2 checkpoint (a fresh run refuses a folder holding a log)
-    assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
     log = padding + tmp_path.joinpath("log.jsonl").read_bytes()
     tmp_path.joinpath("log.jsonl").write_bytes(log)
     ckpt = checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))
@@ -418,7 +402,7 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
     def file_size_limit():  # what a full disk does to one file: a short write, then EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
                          preexec_fn=file_size_limit)
     last = checkpoints.latest_checkpoint(str(tmp_path))
     assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
@@ -426,7 +410,7 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
     text = tmp_path.joinpath("log.jsonl").read_text()
     assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
     assert checkpoints.load_checkpoint(last)["step"] >= 2
-    assert tg.main(args_for(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2)) == 0  # space freed
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2)) == 0  # space freed
     assert [r["step"] for r in log_records(tmp_path)[1:] if "loss" in r] == list(range(20))
 
 
@@ -436,7 +420,7 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
     fifo = data / "zz_train_000009.npy"
     os.mkfifo(fifo)  # the trainer blocks reading this "shard": start-up, for as long as the test likes
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args_for(str(data), tmp_path / "out")], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *tiny_run_args(str(data), tmp_path / "out")], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, err = interrupt_when_blocked(proc, fifo)
@@ -454,13 +438,13 @@ def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir
         real_save(obj, file)
 
     monkeypatch.setattr(tg.torch, "save", interrupted_save)
-    assert tg.main(args_for(data_dir, tmp_path, steps=6, ckpt_every=2)) == 130
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=6, ckpt_every=2)) == 130
     assert capsys.readouterr().err == "error: interrupted\n"
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "log.jsonl"]
     assert checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))["step"] == 2
 
 
-# --- processes and environments (issue 31) -------------------------------------------------
+# --- processes and environments -------------------------------------------------
 
 def snapshot(folder) -> dict:
     """Every file under folder (relative name -> its bytes' sha256): what must stay byte-identical."""
@@ -482,7 +466,7 @@ def snapshot(folder) -> dict:
 ], ids=["no MASTER_ADDR", "RANK alone", "WORLD_SIZE=two", "RANK past WORLD_SIZE"])
 def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, env, message):
     before = snapshot(finished_run)
-    for script, args in [("train_gpt2.py", args_for(data_dir, finished_run, "--resume", steps=6)),
+    for script, args in [("train_gpt2.py", tiny_run_args(data_dir, finished_run, "--resume", steps=6)),
                          ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"])]:
         result = run_command(script, *args, env={**os.environ, **env})
         assert_one_error_line(result, message)
@@ -507,7 +491,7 @@ def test_ranks_that_never_gather_are_one_line(tmp_path):
 def test_libraries_that_cannot_load_under_a_memory_limit_are_one_line(data_dir, tmp_path):
     def limit_memory():  # ulimit -v 300000: too little to map torch's shared libraries
         resource.setrlimit(resource.RLIMIT_AS, (300_000 * 1024,) * 2)
-    for script, args in [("train_gpt2.py", args_for(data_dir, tmp_path / "out", steps=2)),
+    for script, args in [("train_gpt2.py", tiny_run_args(data_dir, tmp_path / "out", steps=2)),
                          ("sample.py", ["--checkpoint", tmp_path / "c.pt"])]:
         result = run_command(script, *args, preexec_fn=limit_memory)
         assert_one_error_line(result, "error: cannot import the libraries this script needs (ImportError: ",
@@ -524,7 +508,7 @@ def test_a_log_that_is_a_named_pipe_is_refused_not_waited_on(finished_run, data_
             out.mkdir()
         os.mkfifo(out / "log.jsonl")
         before = snapshot(out)
-        result = run_command("train_gpt2.py", *args_for(data_dir, out, *extra, steps=6), timeout=120)
+        result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=6), timeout=120)
         assert_one_error_line(result, f"error: {out}/log.jsonl is a named pipe (FIFO), not a regular file: a run "
                                       "would wait on it or write over it; remove it (the run makes its own), or "
                                       "choose another --out-dir")
@@ -566,7 +550,7 @@ def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(finished_run
                                         activity_label="Roofing", endings=["a", "b", "c", "d"], label=0)) + "\n")
     before = snapshot(tmp_path)
     ckpt = out / "ckpt_0000004.pt"
-    lines = {"train": ("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6)),
+    lines = {"train": ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6)),
              "sample": ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "2"),
              "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", examples),
              "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf")}
@@ -582,7 +566,7 @@ def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
     lines = out.joinpath("log.jsonl").read_bytes().splitlines(keepends=True)
     out.joinpath("log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
     before = snapshot(out)
-    result = run_command("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
     run_id = json.loads(lines[0])["run"]
     assert_one_error_line(result, f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
                                   f"{out}/ckpt_0000004.pt was written (it holds ",
@@ -594,7 +578,7 @@ def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
 def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
     before = snapshot(tmp_path)
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
     assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
                                   "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
                                   "log aside")
@@ -609,7 +593,7 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
     beside = (f"the newest checkpoint beside it is {finished_run / 'ckpt_0000004.pt'}" if source == "log.jsonl"
               else "there is no checkpoint beside it")
     before = snapshot(finished_run)
-    for command in [("train_gpt2.py", *args_for(data_dir, tmp_path / "new", "--resume", path, steps=6)),
+    for command in [("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6)),
                     ("hf_interop.py", "export", path, tmp_path / "hf")]:
         result = run_command(*command)
         assert_one_error_line(result, f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a "
@@ -621,7 +605,7 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
 
 def test_out_dir_that_is_a_file(data_dir, tmp_path):
     tmp_path.joinpath("notes.txt").write_text("mine")
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path / "notes.txt", steps=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "notes.txt", steps=2))
     assert_one_error_line(result, f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
                                   "checkpoints and log.jsonl into a folder; choose another --out-dir")
     assert tmp_path.joinpath("notes.txt").read_text() == "mine"
@@ -635,7 +619,7 @@ def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run,
         ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
     re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
     before = snapshot(out)
-    result = run_command("train_gpt2.py", *args_for(data_dir, out, "--resume", steps=6))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
     assert_one_error_line(result, f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
                                   f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt")
     assert snapshot(out) == before
@@ -643,7 +627,7 @@ def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run,
 
 def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, data_dir, tmp_path):
     ckpt = finished_run / "ckpt_0000004.pt"
-    args = args_for(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
+    args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
     for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
         del args[args.index(flag):args.index(flag) + 2]
     result = run_command("train_gpt2.py", *args)

@@ -1,4 +1,4 @@
-"""The repository's layout (issue 30): the six scripts a user runs at the root, the modules they
+"""The repository's layout: the six scripts a user runs at the root, the modules they
 import in trainkit/, dependencies pointing one way (scripts -> the trainer's model -> trainkit),
 and the scripts' --help unchanged by the move."""
 import ast

@@ -1,4 +1,4 @@
-"""Model, loader, optimizer and schedule against references and hand counts (issue 2)."""
+"""Model, loader, optimizer and schedule against references and hand counts."""
 import math
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""No run can hurt another (issue 17): one live trainer per --out-dir, --resume means resume, and
+"""No run can hurt another: one live trainer per --out-dir, --resume means resume, and
 an abandoned branch is kept. The real script, run as users run it; every checkpoint written
 before a refusal or a branch still loads with its sha256 unchanged."""
 import errno
@@ -19,17 +19,12 @@ from trainkit import checkpoints
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import REPO, run_cli, tree_hashes
-from shards import shard_dir
-from test_resilience import args_for
-from test_train_faults import FAKE_WANDB
+from conftest import FAKE_WANDB, REPO, run_cli, tiny_run_args, tree_hashes
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 300, seed=7)
+SHARDS = dict(n_docs=300, seed=7)
 
 
 def start(args):
@@ -72,7 +67,7 @@ def in_use(out_dir, owner):
 @pytest.fixture(scope="module")
 def finished_once(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
-    assert tg.main(args_for(data_dir, out, steps=8, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, steps=8, ckpt_every=2)) == 0
     return out
 
 
@@ -88,7 +83,7 @@ def finished_run(finished_once, tmp_path):
 
 def test_two_trainers_on_one_folder(data_dir, tmp_path):
     out = tmp_path / "out"
-    forever = args_for(data_dir, out, steps=10**6, ckpt_every=5)
+    forever = tiny_run_args(data_dir, out, steps=10**6, ckpt_every=5)
     # two launches at once: one owns the folder, the other is refused naming it
     trainers = [start(forever), start(forever)]
     try:
@@ -106,7 +101,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         edited = out / ".lock.sed"
         edited.write_text(f"pid {owner.pid} on another-host\n")
         os.replace(edited, out / ".lock")
-        result = run(args_for(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
+        result = run(tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
         assert_refused(result.returncode, result.stderr, in_use(out, f"pid {owner.pid} on another-host"))
         while len(checkpoints.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
@@ -119,7 +114,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     assert (out / ".lock").read_text() == f"pid {owner.pid} on another-host\n"
     before = checkpoint_hashes(out)
     last = checkpoints.checkpoint_step(checkpoints.latest_checkpoint(out))
-    result = run(args_for(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
+    result = run(tiny_run_args(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / f'ckpt_{last:07d}.pt'} at step {last}" in result.stdout
     assert train_steps(out / "log.jsonl") == list(range(last + 3))  # one run's steps, in order
@@ -135,7 +130,7 @@ def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         (out / ".lock").write_text("pid 4242 on node-7\n")
         start_time = time.time()
-        result = run(args_for(data_dir, out, "--resume", steps=10, B=2), nproc=2)
+        result = run(tiny_run_args(data_dir, out, "--resume", steps=10, B=2), nproc=2)
         elapsed = time.time() - start_time
     finally:
         os.close(held)
@@ -181,14 +176,14 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
     lock = out / ".lock"
     lock.mkdir()
     before = tree_hashes(out)
-    result = run(args_for(data_dir, out, "--resume", steps=10, ckpt_every=2))
+    result = run(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, f"{lock} is a directory, not the lock note this trainer "
                    "writes: remove it, or choose another --out-dir")
     assert tree_hashes(out) == before and lock.is_dir()
     lock.rmdir()
     lock.symlink_to(tmp_path / "gone" / "lock")  # into a missing folder
     before = tree_hashes(out)
-    assert tg.main(args_for(data_dir, out, "--resume", steps=10, ckpt_every=2)) == 2
+    assert tg.main(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == (f"error: {lock} is a symbolic link to {tmp_path / 'gone' / 'lock'}, not the "
                                        "lock note this trainer writes: remove it, or choose another --out-dir\n")
     assert tree_hashes(out) == before and not (tmp_path / "gone").exists()
@@ -202,12 +197,12 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, dat
     carry A's run id, so every rank stops with one line naming both runs, and nothing changes."""
     out, _ = finished_run
     other = tmp_path / "other"
-    assert tg.main(args_for(data_dir, other, "--seed", "5", steps=6, ckpt_every=6)) == 0
+    assert tg.main(tiny_run_args(data_dir, other, "--seed", "5", steps=6, ckpt_every=6)) == 0
     given = other / "ckpt_0000006.pt"
     os.rename(out / "log.jsonl", tmp_path / "a_log.jsonl")
     before = tree_hashes(out)
     a, b = (checkpoints.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
-    result = run(args_for(data_dir, out, "--resume", str(given), "--seed", "5", steps=10, B=2), nproc=2)
+    result = run(tiny_run_args(data_dir, out, "--resume", str(given), "--seed", "5", steps=10, B=2), nproc=2)
     message = (f"error: cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
                f"run's (run {a}), and one folder holds one run; resume into the --out-dir of the checkpoint's own "
                "run, or a new one")
@@ -259,14 +254,14 @@ def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys)
     fake.mkdir()
     (fake / "wandb.py").write_text(FAKE_WANDB)
     before = tree_hashes(out)
-    result = run_cli(args_for(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--wandb", "no-such-entity",
+    result = run_cli(tiny_run_args(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--wandb", "no-such-entity",
                               steps=8, ckpt_every=2), env={"PYTHONPATH": str(fake), **ONE_THREAD})
     assert_refused(result.returncode, result.stderr, "--wandb: could not start a W&B run (RuntimeError: permission "
                    "denied for entity); run `wandb login` or set WANDB_MODE=offline")
     assert tree_hashes(out) == before
     # without a log.jsonl, a branch moves its checkpoints and says no more
     os.remove(out / "log.jsonl")
-    assert tg.main(args_for(data_dir, out, "--resume", str(out / "ckpt_0000006.pt"), steps=8, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, "--resume", str(out / "ckpt_0000006.pt"), steps=8, ckpt_every=2)) == 0
     assert (f"resuming at step 6: moved the later branch of this run (1 checkpoint, ckpt_0000008.pt) to "
             f"{out / 'branch_0000008'}; nothing was deleted\n") in capsys.readouterr().out
     assert os.listdir(out / "branch_0000008") == ["ckpt_0000008.pt"]
@@ -278,7 +273,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     out, hashes = finished_run
     log = (out / "log.jsonl").read_bytes()
     # an unset $CKPT in a job script
-    result = run(args_for(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
+    result = run(tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, "argument --resume: got an empty value ('': an unset shell "
                    "variable?) (see train_gpt2.py --help)")
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
@@ -290,9 +285,9 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     owner = json.loads(log.splitlines()[-1])["run"]
     refusal = (f"--out-dir {only_log} holds the log.jsonl of run {owner} but no checkpoint to resume: move the "
                "log aside to start a new run there, or choose another --out-dir")
-    result = run(args_for(data_dir, only_log, steps=10, ckpt_every=2))
+    result = run(tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, refusal)
-    assert tg.main(args_for(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
+    assert tg.main(tiny_run_args(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == f"error: {refusal}\n"
     assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_bytes() == log
 
@@ -303,7 +298,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     out, hashes = finished_run
     log = (out / "log.jsonl").read_bytes()
     # a new branch from step 2, with another learning rate
-    result = run(args_for(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8,
+    result = run(tiny_run_args(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8,
                           ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     branch = out / "branch_0000008"
@@ -320,7 +315,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     cut = runs.index(new["id"])
     assert runs == [first["id"]] * cut + [new["id"]] * (len(runs) - cut) and cut == 2  # steps 0, 1: the first run's
     # the trainer's own advice, a plain --resume, continues the new branch
-    result = run(args_for(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
+    result = run(tiny_run_args(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
     assert train_steps(out / "log.jsonl") == list(range(10)) and train_steps(branch / "log.jsonl") == list(range(8))
@@ -334,6 +329,6 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     new = {f"ckpt_{step:07d}.pt" for step in (4, 6, 8, 10)}
     assert set(now) == set(kept) | new and all(now[name] != hashes.get(name) for name in new)
     # the branch folder is a run folder of its own: the old branch goes on there
-    assert tg.main(args_for(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
     assert train_steps(branch / "log.jsonl") == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
     assert checkpoints.read_run(str(branch / "ckpt_0000010.pt")) == first

@@ -1,4 +1,4 @@
-"""No rank can hurt another (issue 17): ranks started differently are refused with one line, and
+"""No rank can hurt another: ranks started differently are refused with one line, and
 a rank that dies leaves the survivors one line naming the last good checkpoint. Every case is a
 real torchrun launch of 2 gloo ranks on the CPU; the checkpoints already in --out-dir must still
 load, byte for byte the same."""
@@ -18,23 +18,19 @@ import pytest
 from trainkit import checkpoints
 from trainkit.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, child_pids, torchrun, tree_hashes
-from shards import shard_dir, write_manifest
+from conftest import HELLASWAG_FILE, REPO, child_pids, tiny_run_args, torchrun, tree_hashes
+from shards import write_manifest
 
 T = 16
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 500, seed=4)
+SHARDS = dict(n_docs=500, seed=4)
 
 
 def args_for(data_dir, out_dir, *extra, steps=2, ckpt_every=2):
-    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), "--n-layer", "1", "--n-head", "2",
-            "--n-embd", "16", "--block-size", "16", "--seq-len", str(T), "--batch-size", "2",
-            "--total-batch-size", str(4 * T), "--max-steps", str(steps), "--warmup-steps", "1",
-            "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
-            "--ckpt-every", str(ckpt_every), *extra]
+    """A one-block run, 4 rows a step: one micro-batch of 2 rows on each of 2 ranks."""
+    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, n_layer=1, block_size=16,
+                         seq_len=T, B=2, rows=4, warmup=1)
 
 
 def checkpoint_hashes(out_dir) -> dict:

@@ -1,4 +1,4 @@
-"""Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node (issue 5)."""
+"""Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node."""
 import contextlib
 import json
 import os
@@ -14,43 +14,15 @@ import torch
 
 from trainkit import checkpoints
 import train_gpt2 as tg
-from conftest import REPO, child_pids, free_port, torchrun
-from shards import shard_dir
+from conftest import (REPO, child_pids, free_port, log_records, losses, resume_copy, tiny_run_args, torchrun,
+                      wait_for_steps)
 
 T = 16
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 500, seed=2)
-
-
-def args_for(data_dir, out_dir, *extra, steps=20, B=4, ckpt_every=10):
-    return ["--data-dir", data_dir, "--out-dir", str(out_dir), "--n-layer", "2", "--n-head", "2",
-            "--n-embd", "16", "--block-size", "32", "--seq-len", str(T), "--batch-size", str(B),
-            "--total-batch-size", str(8 * T), "--max-steps", str(steps), "--warmup-steps", str(min(3, steps)),
-            "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
-            "--ckpt-every", str(ckpt_every), *extra]
-
-
-def log_records(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(out_dir):
-    return [(r["step"], r["loss"]) for r in log_records(out_dir) if "loss" in r]
+SHARDS = dict(n_docs=500, seed=2)
 
 
 def final_weights(out_dir, step):
     return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))["model"]
-
-
-def resume_copy(src, dst, step):
-    """What a run killed after checkpoint `step` leaves: that checkpoint and a log that ran past it."""
-    os.makedirs(dst)
-    shutil.copy(os.path.join(src, f"ckpt_{step:07d}.pt"), dst)
-    shutil.copy(os.path.join(src, "log.jsonl"), dst)
 
 
 # --- exact resume -------------------------------------------------------------------------
@@ -59,9 +31,9 @@ def resume_copy(src, dst, step):
                          ids=["plain", "align-docs", "muon", "doc-mask"])
 def test_resume_is_bit_exact(data_dir, tmp_path, align):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert tg.main(args_for(data_dir, straight, *align)) == 0
+    assert tg.main(tiny_run_args(data_dir, straight, *align)) == 0
     resume_copy(straight, resumed, 10)
-    assert tg.main(args_for(data_dir, resumed, *align, "--resume")) == 0
+    assert tg.main(tiny_run_args(data_dir, resumed, *align, "--resume")) == 0
     assert losses(resumed) == losses(straight)  # bit-identical, and no step logged twice
     a, b = final_weights(straight, 20), final_weights(resumed, 20)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -69,9 +41,9 @@ def test_resume_is_bit_exact(data_dir, tmp_path, align):
 
 def test_resume_on_two_ranks_continues_on_the_same_rows(data_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    assert tg.main(args_for(data_dir, one, "--align-docs", B=4)) == 0  # 4 rows x 2 micro-steps
+    assert tg.main(tiny_run_args(data_dir, one, "--align-docs", B=4)) == 0  # 4 rows x 2 micro-steps
     resume_copy(one, two, 10)
-    args = args_for(data_dir, two, "--align-docs", "--resume", B=2)
+    args = tiny_run_args(data_dir, two, "--align-docs", "--resume", B=2)
     result = subprocess.run([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -82,8 +54,8 @@ def test_resume_on_two_ranks_continues_on_the_same_rows(data_dir, tmp_path):
 
 
 def test_resume_with_another_model_is_refused(data_dir, tmp_path, capsys):
-    assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
-    args = args_for(data_dir, tmp_path, "--resume", steps=4)
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    args = tiny_run_args(data_dir, tmp_path, "--resume", steps=4)
     args[args.index("--n-embd") + 1] = "32"
     assert tg.main(args) == 2
     err = capsys.readouterr().err
@@ -93,7 +65,7 @@ def test_resume_with_another_model_is_refused(data_dir, tmp_path, capsys):
 def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(data_dir, tmp_path, capsys):
     runs = {"default": [], "shuffle": ["--shuffle"], "no-shuffle": ["--no-shuffle"]}
     for name, flags in runs.items():
-        assert tg.main(args_for(data_dir, tmp_path / name, *flags, steps=1, ckpt_every=1)) == 0
+        assert tg.main(tiny_run_args(data_dir, tmp_path / name, *flags, steps=1, ckpt_every=1)) == 0
     torch.manual_seed(1337)  # the trainer's init: --seed's default
     model = tg.GPT(tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32))
     for name, shuffle in (("default", True), ("shuffle", True), ("no-shuffle", False)):
@@ -103,45 +75,36 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
         assert checkpoints.load_checkpoint(str(tmp_path / name))["run_config"]["shuffle"] == shuffle
     assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
     # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
-    assert tg.main(args_for(data_dir, tmp_path / "no-shuffle", "--resume", steps=2, ckpt_every=1)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "no-shuffle", "--resume", steps=2, ckpt_every=1)) == 0
     assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["run_config"]["shuffle"] is False
     for name, flags, saved, now in (("default", ["--no-shuffle"], True, False), ("no-shuffle", ["--shuffle"], False, True),
                                     ("default", ["--optimizer", "muon"], "adamw", "muon")):
-        assert tg.main(args_for(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
+        assert tg.main(tiny_run_args(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
         key = flags[0].strip("-").replace("no-", "")
         assert f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags" in \
             capsys.readouterr().err
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
-    assert tg.main(args_for(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
     run_id = checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt"))["id"]
     capsys.readouterr()
-    assert tg.main(args_for(data_dir, tmp_path, steps=2)) == 2
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
     assert capsys.readouterr().err == (f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
                                        "--resume to continue that run, or choose another --out-dir\n")
 
 
 def test_keep_last(data_dir, tmp_path):
-    assert tg.main(args_for(data_dir, tmp_path, "--keep-last", "2", steps=8, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "2", steps=8, ckpt_every=2)) == 0
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000006.pt", "ckpt_0000008.pt"]
 
 
 # --- preemption -----------------------------------------------------------------------------
 
-def wait_for_steps(out_dir, n, proc, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n:
-            return
-        time.sleep(0.05)
-    raise TimeoutError
-
 
 def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    args = args_for(data_dir, preempted, steps=60, ckpt_every=0)
+    args = tiny_run_args(data_dir, preempted, steps=60, ckpt_every=0)
     proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     wait_for_steps(preempted, 3, proc)
@@ -153,8 +116,8 @@ def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path
     stop_step = int(stop_line[0].split("at step ")[1].split(";")[0])
     assert 3 <= stop_step < 60
     assert sorted(os.listdir(preempted)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
-    assert tg.main(args_for(data_dir, preempted, "--resume", steps=60, ckpt_every=0)) == 0
-    assert tg.main(args_for(data_dir, straight, steps=60, ckpt_every=0)) == 0
+    assert tg.main(tiny_run_args(data_dir, preempted, "--resume", steps=60, ckpt_every=0)) == 0
+    assert tg.main(tiny_run_args(data_dir, straight, steps=60, ckpt_every=0)) == 0
     assert losses(preempted) == losses(straight)
     a, b = final_weights(straight, 60), final_weights(preempted, 60)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -185,7 +148,7 @@ def all_finite(path):
 
 def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, capsys):
     inject(monkeypatch, 5, "nan")
-    assert tg.main(args_for(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
     err = capsys.readouterr().err
     assert "step 5: non-finite loss nan" in err and f"Last good checkpoint: {tmp_path / 'ckpt_0000004.pt'}" in err
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000004.pt"]
@@ -195,7 +158,7 @@ def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, ca
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_skip_nonfinite_skips_the_update(data_dir, tmp_path, monkeypatch, optimizer):
     inject(monkeypatch, 5, "nan")
-    args = args_for(data_dir, tmp_path, "--skip-nonfinite", "1", "--optimizer", optimizer, steps=10, ckpt_every=0)
+    args = tiny_run_args(data_dir, tmp_path, "--skip-nonfinite", "1", "--optimizer", optimizer, steps=10, ckpt_every=0)
     assert tg.main(args) == 0
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
     assert skipped == [5]
@@ -205,7 +168,7 @@ def test_skip_nonfinite_skips_the_update(data_dir, tmp_path, monkeypatch, optimi
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_skip_spikes_skips_an_outlier_update(data_dir, tmp_path, monkeypatch, optimizer):
     inject(monkeypatch, 30, "spike")
-    args = args_for(data_dir, tmp_path, "--skip-spikes", "6", "--optimizer", optimizer, steps=35, ckpt_every=0)
+    args = tiny_run_args(data_dir, tmp_path, "--skip-spikes", "6", "--optimizer", optimizer, steps=35, ckpt_every=0)
     assert tg.main(args) == 0
     records = [r for r in log_records(tmp_path) if "loss" in r]
     assert [r["step"] for r in records if r.get("skipped")] == [30]
@@ -240,7 +203,7 @@ def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, mes
         np.save(full, np.arange(1000, dtype=np.uint16))
         data = full.read_bytes()[:500]
     data_dir, bad = bad_shard_dir(tmp_path, name, data)
-    args = args_for(data_dir, tmp_path / "out", steps=300, ckpt_every=0)
+    args = tiny_run_args(data_dir, tmp_path / "out", steps=300, ckpt_every=0)
     assert tg.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}") and message in err and err.count("\n") == 1
@@ -248,13 +211,13 @@ def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, mes
 
 def test_unwritable_out_dir(data_dir, tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    assert tg.main(args_for(data_dir, tmp_path / "file" / "out", steps=1)) == 2
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "file" / "out", steps=1)) == 2
     assert f"cannot write to --out-dir {tmp_path / 'file' / 'out'}" in capsys.readouterr().err
 
 
 def test_corrupt_checkpoint(data_dir, tmp_path, capsys):
     (tmp_path / "ckpt_0000005.pt").write_bytes(b"\x00" * 100)
-    assert tg.main(args_for(data_dir, tmp_path, "--resume", steps=10)) == 2
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--resume", steps=10)) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'ckpt_0000005.pt'}: cannot load checkpoint" in err and err.count("\n") == 1
 
@@ -270,7 +233,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
         real_save(obj, file)
 
     monkeypatch.setattr(tg.torch, "save", failing_save)
-    assert tg.main(args_for(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
+    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
     err = capsys.readouterr().err
     assert f"could not write checkpoint {tmp_path / 'ckpt_0000008.pt'}: no space left on device; the previous " \
            f"checkpoint {tmp_path / 'ckpt_0000004.pt'} is intact" in err
@@ -288,8 +251,8 @@ def start_two_nodes(args, port):
 
 
 def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
-    assert tg.main(args_for(data_dir, tmp_path / "single", steps=6, ckpt_every=0)) == 0
-    nodes = start_two_nodes(args_for(data_dir, tmp_path / "nodes", steps=6, ckpt_every=0), free_port())
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "single", steps=6, ckpt_every=0)) == 0
+    nodes = start_two_nodes(tiny_run_args(data_dir, tmp_path / "nodes", steps=6, ckpt_every=0), free_port())
     outputs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outputs]
     (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(tmp_path / "single")), zip(*losses(tmp_path / "nodes"))
@@ -298,7 +261,7 @@ def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
 
 
 def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
-    args = args_for(data_dir, tmp_path, "--dist-timeout", "30", steps=100000, ckpt_every=0)
+    args = tiny_run_args(data_dir, tmp_path, "--dist-timeout", "30", steps=100000, ckpt_every=0)
     nodes = start_two_nodes(args, free_port())
     try:
         wait_for_steps(tmp_path, 3, nodes[0])
@@ -318,7 +281,7 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
 @pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path, mode):
     # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
-    args = args_for(data_dir, tmp_path, "--keep-last", "1", *mode, steps=100000, ckpt_every=1, B=2)
+    args = tiny_run_args(data_dir, tmp_path, "--keep-last", "1", *mode, steps=100000, ckpt_every=1, B=2)
     proc = subprocess.Popen([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(tmp_path, 3, proc)

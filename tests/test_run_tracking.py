@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from shards import shard_dir
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
         "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
@@ -24,9 +23,7 @@ def run_cli(*args, env=None):
                                             "WANDB_SILENT": "true", **(env or {})})
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 400, seed=7, max_len=60)
+SHARDS = dict(n_docs=400, seed=7, max_len=60)
 
 
 def log_records(out_dir):

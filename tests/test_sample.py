@@ -251,7 +251,6 @@ def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path, ca
 def test_hf_model_greedy_equals_transformers(tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
-    import train_gpt2 as tg
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                     activation_function="gelu_new")).eval()
@@ -317,7 +316,6 @@ def test_tiny_temperature_is_greedy(trained):
 def test_nan_weights_are_one_line_errors(trained, tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
-    import train_gpt2 as tg
     out, _ = trained
     ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
     ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")

@@ -12,7 +12,6 @@ from trainkit import cli
 from trainkit import train_flags
 import train_gpt2 as tg
 from conftest import REPO
-from shards import shard_dir
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
         "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
@@ -67,9 +66,7 @@ def test_validate_config_names_an_unknown_schedule():
         train_flags.validate_config(run, tg.GPTConfig(block_size=64), 1, "cpu")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 400, seed=3, max_len=60)
+SHARDS = dict(n_docs=400, seed=3, max_len=60)
 
 
 def run_cli(args):

@@ -20,23 +20,19 @@ import pytest
 from trainkit import checkpoints
 from trainkit.shards import shard_files
 import train_gpt2 as tg
-from conftest import REPO, run_cli, torchrun
+from conftest import (FAKE_WANDB, REPO, assert_one_error_line, log_records, losses, run_cli, run_command,
+                      tiny_run_args, torchrun, wait_for_steps)
 from shards import write_manifest
-from test_hostile import assert_one_error_line, run_command
-from test_resilience import args_for, log_records, losses, wait_for_steps
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from shards import shard_dir
-    return shard_dir(tmp_path_factory, 300, seed=5)
+SHARDS = dict(n_docs=300, seed=5)
 
 
 @pytest.fixture(scope="module")
 def checkpoint_run(data_dir, tmp_path_factory):
     """A 2-step run with its checkpoint at step 2."""
     out = tmp_path_factory.mktemp("run")
-    assert tg.main(args_for(data_dir, out, steps=2, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, steps=2, ckpt_every=2)) == 0
     return out
 
 
@@ -65,7 +61,7 @@ def read_only(path):
 
 def test_log_that_is_a_directory_is_one_line(data_dir, tmp_path):
     (tmp_path / "log.jsonl").mkdir()
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, steps=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
     assert_one_error_line(result, f"cannot open {tmp_path}/log.jsonl: is a directory; make it a writable file, or "
                                   "choose another --out-dir")
     assert not list(tmp_path.glob("ckpt_*"))
@@ -83,7 +79,7 @@ def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys)
         expected = f"cannot open {log}: {'operation not permitted' if os.geteuid() == 0 else 'permission denied'}; " \
                    "make it a writable file, or choose another --out-dir"
     with read_only(log) if what == "read-only" else contextlib.nullcontext():
-        assert tg.main(args_for(data_dir, tmp_path, steps=2)) == 2
+        assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
     assert capsys.readouterr().err == f"error: {expected}\n"
     assert not list(tmp_path.glob("ckpt_*")) and not (tmp_path / "gone").exists()
 
@@ -91,7 +87,7 @@ def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys)
 def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_path, capsys):
     # the first update overflows the weights: every later loss is NaN and its update skipped, until
     # the last step's checkpoint is refused (non-finite weights are never saved)
-    assert tg.main(args_for(data_dir, tmp_path, "--max-lr", "1e38", "--warmup-steps", "0", "--skip-nonfinite", "5",
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--max-lr", "1e38", "--warmup-steps", "0", "--skip-nonfinite", "5",
                             "--val-every", "1", "--val-steps", "1", steps=3, ckpt_every=0)) == 2
     assert capsys.readouterr().err.startswith("error: step 3: not writing")
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
@@ -112,7 +108,7 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
 def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_path):
     """ssh drops: the terminal the run writes to is gone (writes fail with EIO) and SIGHUP arrives."""
     master, terminal = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args_for(data_dir, tmp_path, steps=100000,
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=100000,
                                                                         ckpt_every=0)],
                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
     os.close(terminal)
@@ -151,7 +147,7 @@ def long_val_data(data_dir, tmp_path_factory):
                                               (signal.SIGTERM, 143, "error: stopped by SIGTERM")],
                          ids=["ctrl-c", "sigterm"])
 def test_eval_only_stops_at_once_on_a_signal(checkpoint_run, long_val_data, signum, code, line):
-    args = args_for(long_val_data, checkpoint_run, "--eval-only", "--resume", "--val-every", "1",
+    args = tiny_run_args(long_val_data, checkpoint_run, "--eval-only", "--resume", "--val-every", "1",
                     "--val-steps", "100000", B=1)
     before = sorted(os.listdir(checkpoint_run))
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
@@ -177,7 +173,7 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit."""
     def limit_address_space():
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
-    args = args_for(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
+    args = tiny_run_args(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
     result = run_command("train_gpt2.py", *args, preexec_fn=limit_address_space,
                          env={**os.environ, "MALLOC_ARENA_MAX": "2"})  # (fewer address-space reservations)
     # at one row per micro-step, a lower --batch-size cannot help
@@ -211,7 +207,7 @@ def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, 
     with --batch-size 2, bit for bit: nothing of the trials or of the failed step leaked."""
     out = tmp_path / "squeezed"
     result = squeezed("--squeeze", "420MiB", "--squeeze", "2:150MiB", "--",
-                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0))
+                      *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
     assert lines[0].startswith("--batch-size auto: 4 rows per micro-step fit cpu, 2 accumulation steps (tried 8: "
@@ -226,8 +222,8 @@ def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, 
     assert events == [dict(step=0, event="batch_size", batch_size=4, tried="8: out of memory, 2: fits, 4: fits"),
                       dict(step=2, event="batch_size", batch_size=2, reason="out of memory")]
     ref = tmp_path / "hand_picked"
-    assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=2)) == 0
-    assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, "--resume", steps=4, B=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, "--resume", steps=4, B=2)) == 0
     assert losses(out) == losses(ref) and len(losses(out)) == 4
 
 
@@ -238,7 +234,7 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
     result = squeezed("--rank", "1", "--squeeze", "540MiB", "--squeeze", "2:60MiB", "--",
-                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0), nproc=2)
+                      *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0), nproc=2)
     assert result.returncode != 0
     assert "--batch-size auto: 2 rows per micro-step fit cpu, 2 accumulation steps (tried 4: out of memory, 1: fits, 2: fits" \
         in result.stdout, result.stdout + result.stderr[-3000:]
@@ -250,7 +246,7 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
                               "step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. "
                               "Last good checkpoint: none")
     ref = tmp_path / "one_process"
-    assert tg.main(args_for(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=0)) == 0
+    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=0)) == 0
     np.testing.assert_allclose([loss for _, loss in losses(out)], [loss for _, loss in losses(ref)], rtol=2e-5)
 
 
@@ -269,7 +265,7 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
             tokens[20] = 600  # in row 1 (tokens 16..32), not in row 0 (tokens 0..16)
         np.save(data / f"synth_{split}_000000.npy", tokens)
     write_manifest(data, **{name: {"max_id": 63, "sha256": None} for name in os.listdir(data)})
-    args = args_for(str(data), tmp_path / "out", "--vocab-size", "512", "--batch-size", "1",
+    args = tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", "--batch-size", "1",
                     "--total-batch-size", "32", "--no-shuffle", steps=4)  # rows in order: row 1 is rank 1's
     result = run_cli(args, nproc=2)
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
@@ -289,7 +285,7 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
     np.save(data / "synth_val_000000.npy", tokens)
     tokens[3000] = 600
     np.save(data / "synth_train_000000.npy", tokens)
-    result = run_cli(args_for(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
+    result = run_cli(tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
     assert (result.returncode, result.stderr) == (2, (
         f"error: {data}/synth_train_000000.npy holds token id 600, which the model has no output for (--vocab-size "
         "512: ids 0..511); wrong tokenizer or --vocab-size too small\n"))
@@ -299,7 +295,7 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
 # --- warnings -------------------------------------------------------------------------------
 
 def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
-    result = run_command("train_gpt2.py", *args_for(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
     assert (result.returncode, result.stderr) == (0, "warning: --warmup-steps 10 is longer than --max-steps 4: the "
                                                      "learning rate only rises, to 0.004 at the last step, and never "
                                                      "reaches --max-lr 0.01\n")
@@ -312,7 +308,7 @@ def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, 
     train = sorted(data.glob("*_train_*.npy"))
     np.save(train[-1], np.load(train[-1])[::-1])  # the last shard re-made with other tokens, of the same size
     size = train[-1].stat().st_size
-    result = run_command("train_gpt2.py", *args_for(str(data), out, "--resume", steps=4, ckpt_every=2))
+    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     saved = checkpoints.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
     now = shard_files([str(train[-1])])[0][2][:12]
@@ -331,26 +327,9 @@ def test_checkpoint_without_the_shard_record_still_resumes(checkpoint_run, data_
     ckpt = checkpoints.load_checkpoint(path)
     del ckpt["data_files"], ckpt["checksum"]
     checkpoints.save_checkpoint(path, ckpt)
-    assert tg.main(args_for(data_dir, out, "--resume", steps=4, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, "--resume", steps=4, ckpt_every=2)) == 0
     assert "warning" not in capsys.readouterr().err
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3]
-
-
-FAKE_WANDB = '''
-class Run:
-    disabled = False
-    calls = 0
-    def log(self, row, step):
-        Run.calls += 1
-        if Run.calls == 3:
-            raise ConnectionError("wandb service process exited")
-    def finish(self):
-        pass
-def init(project, dir, config):
-    if project == "no-such-entity":
-        raise RuntimeError("permission denied for entity")
-    return Run()
-'''
 
 
 @pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
@@ -360,7 +339,7 @@ def test_wandb_failures(data_dir, tmp_path, case):
     (fake / "wandb.py").write_text(FAKE_WANDB)
     project = "no-such-entity" if case == "cannot start" else "p"
     out = tmp_path / "out"
-    result = run_cli(args_for(data_dir, out, "--wandb", project, steps=4, ckpt_every=0), env={"PYTHONPATH": str(fake)})
+    result = run_cli(tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0), env={"PYTHONPATH": str(fake)})
     if case == "cannot start":  # refused before log.jsonl is created
         assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
         assert not (out / "log.jsonl").exists()
@@ -374,7 +353,7 @@ def test_wandb_failures(data_dir, tmp_path, case):
 def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert tg.main(args_for(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
     assert capsys.readouterr().err == ("warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), "
                                        "so the W&B run stays empty; log.jsonl gets every record\n")
 
@@ -389,7 +368,7 @@ def test_param_count_counts_what_the_model_builds(shape):
 def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int) -> str:
     """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
     result = squeezed(*squeeze, "--",
-                      *args_for(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=steps, ckpt_every=0))
+                      *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=steps, ckpt_every=0))
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     return lines[0]
@@ -410,7 +389,7 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
         out.joinpath("log.jsonl").write_text(left)
         for path in out.glob("ckpt_*.pt"):
             os.remove(path)
-        result = run_command("train_gpt2.py", *args_for(data_dir, out, *extra, steps=2, ckpt_every=2))
+        result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=2, ckpt_every=2))
         assert result.returncode == 0, result.stderr[-3000:]
         assert (f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
                 "before its first step): this run starts it afresh") in result.stdout
