@@ -4,9 +4,10 @@ by itself and ends with the losses of an uninterrupted run; a job at its time li
 first and requeues itself; the lock a killed attempt leaves stops no later one.
 
 Needs Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when run as root) and
-root (slurmd); skipped, saying so, without them. About three minutes: run it alone with
+root (slurmd); skipped, saying so, without them. About four minutes on a busy 2-core machine: alone with
 `python -m pytest -q -m slurm tests`, or leave it out with `-m "not slurm"`."""
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -51,7 +52,7 @@ class Cluster:
                     "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
 
     def run(self, *command, check=True) -> str:
-        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(command, check=False, env=self.env, capture_output=True, text=True, timeout=60)
         assert not check or result.returncode == 0, (command, result.stdout, result.stderr)
         return result.stdout
 
@@ -66,7 +67,8 @@ class Cluster:
                      f"--log-file={self.folder}/munged.log", f"--pid-file={self.folder}/munged.pid",
                      f"--seed-file={self.folder}/munged.seed")
         wait_for(lambda: os.path.exists(socket_path), 30, "munged's socket", self.logs)
-        node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=60).stdout.splitlines()[0]
+        node = subprocess.run(["slurmd", "-C"], check=True, capture_output=True, text=True, timeout=60).stdout
+        node = node.splitlines()[0]  # NodeName=HOST CPUs=... RealMemory=...: this machine as slurmd sees it
         host = node.split()[0].removeprefix("NodeName=")
         for name in ("state", "spool"):
             os.makedirs(os.path.join(self.folder, name))
@@ -154,10 +156,9 @@ def processes_with_env(entry: str) -> list:
     """The processes (not this one) whose environment holds entry, as NAME=VALUE."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry.encode() in f.read().split(b"\0") and int(pid) != os.getpid():
-                    found.append(int(pid))
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if entry.encode() in f.read().split(b"\0") and int(pid) != os.getpid():
+                found.append(int(pid))
     return found
 
 
@@ -204,6 +205,16 @@ def read(path) -> str:
     return ""
 
 
+def job_details(cluster, output):
+    """What a failed wait for a job prints: the ends of its output and of the daemons' logs."""
+    return lambda: read(output)[-3000:] + "\n" + cluster.logs()
+
+
+def started(job: dict) -> float:
+    """When the job's current attempt started (scontrol's StartTime, local time, whole seconds)."""
+    return datetime.datetime.fromisoformat(job["StartTime"]).timestamp()
+
+
 def logged_steps(out_dir) -> list:
     """(step, loss) of every step record in out_dir's log.jsonl so far."""
     records = [json.loads(line) for line in read(os.path.join(out_dir, "log.jsonl")).splitlines()
@@ -213,7 +224,7 @@ def logged_steps(out_dir) -> list:
 
 def stop_step(output: str) -> int:
     """The step of the trainer's one 'stopped by signal' line."""
-    steps = re.findall(r"^stopped by signal at step (\d+); checkpoint ", output, re.M)
+    steps = re.findall(r"^stopped by signal at step (\d+); checkpoint ", output, re.MULTILINE)
     assert len(steps) == 1, output
     return int(steps[0])
 
@@ -229,7 +240,7 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         job = cluster.submit(output, args_for(data_dir, out_dir, steps))
-        details = lambda: read(output)[-3000:] + "\n" + cluster.logs()  # noqa: E731
+        details = job_details(cluster, output)
         wait_for(lambda: len(logged_steps(out_dir)) >= 10, 180, "10 steps of the job", details)
         requeued = time.time()
         cluster.run("scontrol", "requeue", job)
@@ -240,7 +251,7 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
         checkpointed = checkpoint.stat().st_mtime
         wait_for(lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180,
                  "the requeued job's first step", details)
-        resumed = time.time()
+        resumed, restarted = time.time(), started(cluster.job(job))
         wait_for(lambda: cluster.job(job)["JobState"] == "COMPLETED", 180, "the job to complete", details)
         _, err = straight.communicate(timeout=300)
         assert straight.returncode == 0, err[-3000:]
@@ -253,8 +264,9 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
     assert sorted(os.listdir(out_dir)) == [checkpoint.name, f"ckpt_{steps:07d}.pt", "log.jsonl"]
     assert [step for step, _ in logged_steps(out_dir)] == list(range(steps))
     assert logged_steps(out_dir) == logged_steps(tmp_path / "straight")
-    print(f"\npreemption: requeue -> checkpoint on disk {checkpointed - requeued:.1f} s, "
-          f"-> first resumed step {resumed - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here)")
+    print(f"\npreemption: requeue -> checkpoint on disk {checkpointed - requeued:.1f} s, -> the job running again "
+          f"{restarted - requeued:.0f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first step "
+          f"{resumed - requeued:.1f} s")
 
 
 def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_attempts_lock_stops_nothing(
@@ -267,7 +279,7 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     and from the requeue to the resumed step."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--time=10", "--signal=B:USR1@60")
-    details = lambda: read(output)[-3000:] + "\n" + cluster.logs()  # noqa: E731
+    details = job_details(cluster, output)
     wait_for(lambda: logged_steps(out_dir), 180, "the job's first step", details)
     cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=2")  # Slurm checks the limits every 30 s
     wait_for(lambda: "the time limit is near" in read(output), 90, "the signal before the time limit", details)
@@ -285,7 +297,7 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     resumed_line = f"resumed from {checkpoint} at step {stopped}\n"
     wait_for(lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180,
              "the requeued job's first step", details)
-    resumed = time.time()
+    resumed, restarted = time.time(), started(cluster.job(job))
     assert cluster.job(job)["Restarts"] == "1" and read(output).count(resumed_line) == 1
 
     lock = read(out_dir / ".lock")
@@ -297,5 +309,6 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     wait_for(lambda: len(logged_steps(out_dir)) > stopped + 1, 60, "its steps", details)
     assert "is in use by another training run" not in read(output)
     cluster.run("scancel", job)
-    print(f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s, requeue -> first resumed "
-          f"step {resumed - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here)")
+    print(f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s; requeue -> the job running "
+          f"again {restarted - requeued:.0f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first "
+          f"step {resumed - requeued:.1f} s")
