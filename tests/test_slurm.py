@@ -3,11 +3,10 @@ one-node cluster, jobs of two CPU ranks. A preempted job (scontrol requeue) chec
 by itself and ends with the losses of an uninterrupted run; a job at its time limit checkpoints
 first and requeues itself; the lock a killed attempt leaves stops no later one.
 
-Needs Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when run as root) and
-root (slurmd); skipped, saying so, without them. About four minutes on a busy 2-core machine: alone with
-`python -m pytest -q -m slurm tests`, or leave it out with `-m "not slurm"`."""
+The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
+run as root) and root (slurmd), and are skipped, saying so, without them. About four minutes on a busy
+2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
 import contextlib
-import datetime
 import json
 import os
 import re
@@ -21,8 +20,6 @@ import pytest
 
 from conftest import REPO, free_port, torchrun
 from shards import shard_dir
-
-pytestmark = pytest.mark.slurm
 
 SCRIPT = "slurm/train_gpt2.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -51,8 +48,9 @@ class Cluster:
         self.env = {**os.environ, "SLURM_CONF": self.conf, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
                     "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
 
-    def run(self, *command, check=True) -> str:
-        result = subprocess.run(command, check=False, env=self.env, capture_output=True, text=True, timeout=60)
+    def run(self, *command, check=True, cwd=None) -> str:
+        result = subprocess.run(command, check=False, cwd=cwd, env=self.env, capture_output=True, text=True,
+                                timeout=60)
         assert not check or result.returncode == 0, (command, result.stdout, result.stderr)
         return result.stdout
 
@@ -179,7 +177,7 @@ def wait_for(condition, timeout, what, details):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
     missing = [name for name in DAEMONS + CLIENTS if not shutil.which(name)]
     if missing:
         pytest.skip(f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, "
@@ -210,9 +208,10 @@ def job_details(cluster, output):
     return lambda: read(output)[-3000:] + "\n" + cluster.logs()
 
 
-def started(job: dict) -> float:
-    """When the job's current attempt started (scontrol's StartTime, local time, whole seconds)."""
-    return datetime.datetime.fromisoformat(job["StartTime"]).timestamp()
+def running_again(cluster, job_id) -> bool:
+    """Whether the job runs its second attempt."""
+    job = cluster.job(job_id)
+    return (job["JobState"], job["Restarts"]) == ("RUNNING", "1")
 
 
 def logged_steps(out_dir) -> list:
@@ -229,6 +228,29 @@ def stop_step(output: str) -> int:
     return int(steps[0])
 
 
+def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
+    """Run with bash instead of sbatch, the script starts nothing: one line, exit code 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", SCRIPT, "--out-dir", str(tmp_path / "out")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", "error: no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch\n")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slurm
+def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tmp_path):
+    """The job's folder is the one sbatch ran in: without train_gpt2.py there the job fails at once,
+    exit code 2, with one line in its output."""
+    output = tmp_path / "job.out"
+    job = cluster.run("sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={output}",
+                      os.path.join(REPO, SCRIPT), cwd=tmp_path).strip()
+    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", 60, "the job to fail", job_details(cluster, output))
+    assert cluster.job(job)["ExitCode"] == "2:0"
+    assert read(output) == f"error: no train_gpt2.py in {tmp_path}: submit the job from the repository's root\n"
+
+
+@pytest.mark.slurm
 def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run(cluster, data_dir, tmp_path):
     """scontrol requeue mid-run (what a preemption does): the trainer gets SIGTERM, finishes its step,
     checkpoints and exits; Slurm starts the job again, the script adds --resume, and the run goes on
@@ -249,9 +271,11 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
         checkpoint = out_dir / f"ckpt_{stopped:07d}.pt"
         assert checkpoint.exists()
         checkpointed = checkpoint.stat().st_mtime
+        wait_for(lambda: running_again(cluster, job), 120, "the requeued job to run", details)
+        restarted = time.time()
         wait_for(lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180,
                  "the requeued job's first step", details)
-        resumed, restarted = time.time(), started(cluster.job(job))
+        resumed = time.time()
         wait_for(lambda: cluster.job(job)["JobState"] == "COMPLETED", 180, "the job to complete", details)
         _, err = straight.communicate(timeout=300)
         assert straight.returncode == 0, err[-3000:]
@@ -265,10 +289,11 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
     assert [step for step, _ in logged_steps(out_dir)] == list(range(steps))
     assert logged_steps(out_dir) == logged_steps(tmp_path / "straight")
     print(f"\npreemption: requeue -> checkpoint on disk {checkpointed - requeued:.1f} s, -> the job running again "
-          f"{restarted - requeued:.0f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first step "
+          f"{restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first step "
           f"{resumed - requeued:.1f} s")
 
 
+@pytest.mark.slurm
 def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_attempts_lock_stops_nothing(
         cluster, data_dir, tmp_path):
     """Slurm's signal before the time limit (the script's --signal=B:USR1@N, here 60 s before a limit
@@ -295,9 +320,11 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     assert "DUE TO TIME LIMIT" not in text
 
     resumed_line = f"resumed from {checkpoint} at step {stopped}\n"
+    wait_for(lambda: running_again(cluster, job), 120, "the requeued job to run", details)
+    restarted = time.time()
     wait_for(lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180,
              "the requeued job's first step", details)
-    resumed, restarted = time.time(), started(cluster.job(job))
+    resumed = time.time()
     assert cluster.job(job)["Restarts"] == "1" and read(output).count(resumed_line) == 1
 
     lock = read(out_dir / ".lock")
@@ -309,6 +336,44 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     wait_for(lambda: len(logged_steps(out_dir)) > stopped + 1, 60, "its steps", details)
     assert "is in use by another training run" not in read(output)
     cluster.run("scancel", job)
-    print(f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s; requeue -> the job running "
-          f"again {restarted - requeued:.0f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first "
+    print(f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s, -> the run's processes gone "
+          f"and the job requeued {requeued - signalled:.1f} s; requeue -> the job running "
+          f"again {restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first "
           f"step {resumed - requeued:.1f} s")
+
+
+@pytest.mark.slurm
+def test_a_time_limit_before_the_first_checkpoint_is_not_requeued(cluster, data_dir, tmp_path):
+    """The signal before the time limit while the run is still starting (no checkpoint written, none
+    to come): the script does not requeue a job that would meet the same limit again, and says so."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    job = cluster.submit(output, args_for(data_dir, out_dir, 100000))
+    details = job_details(cluster, output)
+    # the step exists once srun runs, so the script's trap is set: the signal Slurm sends before the limit
+    wait_for(lambda: f"{job}.0" in cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%i"), 60, "the step", details)
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", KILL_WAIT + 60, "the job to fail", details)
+    text = read(output)
+    assert text.startswith("train_gpt2.sbatch: the time limit is near: stopping the run\n"), text
+    assert text.endswith(f"error: the time limit came before this job wrote a checkpoint in {out_dir}: not requeued\n")
+    assert (cluster.job(job)["Restarts"], cluster.job(job)["ExitCode"]) == ("0", "1:0")
+    assert not list(out_dir.glob("ckpt_*.pt"))
+
+
+@pytest.mark.slurm
+def test_a_job_slurm_will_not_requeue_says_how_to_go_on(cluster, data_dir, tmp_path):
+    """At the time limit's signal a job sent with --no-requeue checkpoints as any other, and the script,
+    which cannot requeue it, says how to continue instead of leaving the run stopped without a word."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--no-requeue")
+    details = job_details(cluster, output)
+    wait_for(lambda: logged_steps(out_dir), 180, "the job's first step", details)
+    cluster.run("scancel", "--batch", "--signal=USR1", job)  # what Slurm sends before the time limit
+    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", KILL_WAIT + 60, "the job to fail", details)
+    text = read(output)
+    stopped = stop_step(text)
+    assert (out_dir / f"ckpt_{stopped:07d}.pt").exists()
+    assert text.endswith(f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n"
+                         f"Requested operation is presently disabled for job {job}\n"
+                         f"error: Slurm did not requeue job {job}: to go on, submit the same command plus --resume\n")
+    assert (cluster.job(job)["Restarts"], cluster.job(job)["ExitCode"]) == ("0", "1:0")
