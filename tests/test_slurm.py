@@ -4,7 +4,7 @@ by itself and ends with the losses of an uninterrupted run; a job at its time li
 first and requeues itself; the lock a killed attempt leaves stops no later one.
 
 The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
-run as root) and root (slurmd), and are skipped, saying so, without them. About four minutes on a busy
+run as root) and root (slurmd), and are skipped, saying so, without them. About five minutes on a busy
 2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
 import contextlib
 import json
@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -138,11 +139,11 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                 tails.append(f"--- {name}\n" + "".join(f.readlines()[-15:]))
         return "\n".join(tails)
 
-    def submit(self, out_file, trainer_args, *sbatch_args) -> str:
+    def submit(self, out_file, trainer_args, *sbatch_args, cwd=REPO) -> str:
         """The job id of sbatch SCRIPT, from the repository's root as a user submits it, with the
         lines its comments say to change for this cluster overridden on the command line."""
         return self.run("sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out_file}",
-                        *sbatch_args, os.path.join(REPO, SCRIPT), *trainer_args).strip().split(";")[0]
+                        *sbatch_args, os.path.join(REPO, SCRIPT), *trainer_args, cwd=cwd).strip().split(";")[0]
 
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
@@ -184,6 +185,10 @@ def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
                     "as .ci/run does when run as root")
     if os.geteuid() != 0:
         pytest.skip("slurmd runs as root, and these tests run as another user")
+    try:  # the script's rendezvous is at the node's name, which slurmd takes from the host name
+        socket.gethostbyname(socket.gethostname().split(".")[0])
+    except OSError:
+        pytest.skip(f"this machine's host name {socket.gethostname()} does not resolve to an address")
     cluster = Cluster(str(tmp_path_factory.mktemp("slurm")))
     try:
         cluster.start()
@@ -214,6 +219,16 @@ def running_again(cluster, job_id) -> bool:
     return (job["JobState"], job["Restarts"]) == ("RUNNING", "1")
 
 
+def torchrun_started(cluster, job_id) -> bool:
+    """Whether the job's step runs torchrun (its task, as scontrol listpids names it, has exec'd it)."""
+    listed = cluster.run("scontrol", "listpids", f"{job_id}.0", check=False).splitlines()[1:]
+    for pid in (line.split()[0] for line in listed if line.split()[0].isdigit()):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"torch.distributed.run" in f.read():
+                return True
+    return False
+
+
 def logged_steps(out_dir) -> list:
     """(step, loss) of every step record in out_dir's log.jsonl so far."""
     records = [json.loads(line) for line in read(os.path.join(out_dir, "log.jsonl")).splitlines()
@@ -231,7 +246,7 @@ def stop_step(output: str) -> int:
 def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
     """Run with bash instead of sbatch, the script starts nothing: one line, exit code 2."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    result = subprocess.run(["bash", SCRIPT, "--out-dir", str(tmp_path / "out")], cwd=REPO, env=env,
+    result = subprocess.run(["bash", SCRIPT, "--out-dir", str(tmp_path / "out")], check=False, cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (
         2, "", "error: no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch\n")
@@ -243,8 +258,7 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
     """The job's folder is the one sbatch ran in: without train_gpt2.py there the job fails at once,
     exit code 2, with one line in its output."""
     output = tmp_path / "job.out"
-    job = cluster.run("sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={output}",
-                      os.path.join(REPO, SCRIPT), cwd=tmp_path).strip()
+    job = cluster.submit(output, [], cwd=tmp_path)
     wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", 60, "the job to fail", job_details(cluster, output))
     assert cluster.job(job)["ExitCode"] == "2:0"
     assert read(output) == f"error: no train_gpt2.py in {tmp_path}: submit the job from the repository's root\n"
@@ -349,8 +363,9 @@ def test_a_time_limit_before_the_first_checkpoint_is_not_requeued(cluster, data_
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job = cluster.submit(output, args_for(data_dir, out_dir, 100000))
     details = job_details(cluster, output)
-    # the step exists once srun runs, so the script's trap is set: the signal Slurm sends before the limit
-    wait_for(lambda: f"{job}.0" in cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%i"), 60, "the step", details)
+    # torchrun runs (so the script's trap is set, and the SIGTERM it sends finds it): the signal Slurm sends
+    # before the time limit
+    wait_for(lambda: torchrun_started(cluster, job), 60, "torchrun to start", details)
     cluster.run("scancel", "--batch", "--signal=USR1", job)
     wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", KILL_WAIT + 60, "the job to fail", details)
     text = read(output)
