@@ -206,3 +206,8 @@ def write_checkpoint(model, path) -> str:
     from trainkit.checkpoints import save_checkpoint
     save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
     return str(path)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: jobs under a real Slurm that the test starts (tests/test_slurm.py, "
+                                       "minutes; -m 'not slurm' leaves them out)")

@@ -128,4 +128,4 @@ def test_readme_lists_every_script_and_trainkit_module():
     files = readme[readme.index("## Files"):readme.index("## Reference")]
     listed = {line.split("`")[1] for line in files.splitlines() if line.startswith("| `")}
     modules = {f"trainkit/{p.name}" for p in (REPO / "trainkit").glob("*.py") if p.name != "__init__.py"}
-    assert listed == {f"{script}.py" for script in SCRIPTS} | {"quickstart.sh"} | modules
+    assert listed == {f"{script}.py" for script in SCRIPTS} | {"quickstart.sh", "slurm/train_gpt2.sbatch"} | modules
