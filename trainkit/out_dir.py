@@ -18,8 +18,9 @@ import shutil
 import stat
 
 from trainkit import cli
-from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, log_summary,
-                         new_run, read_run, run_name, same_file)
+from trainkit.atomic_write import fsync_dir, write_atomically
+from trainkit.checkpoints import (ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary, new_run,
+                                  read_run, run_name, same_file)
 from trainkit.cli import UserError, one_line, os_error_reason
 from trainkit.folder_lock import FolderLock
 from trainkit.launch import print0
@@ -223,9 +224,9 @@ def set_aside_later_branch(out_dir: str, step: int):
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
     try:
         if copied:
-            shutil.copyfile(log, os.path.join(branch, "log.jsonl"))
-            with open(os.path.join(branch, "log.jsonl"), "rb+") as f:
-                os.fsync(f.fileno())
+            with open(log, "rb") as source:
+                write_atomically(os.path.join(branch, "log.jsonl"), lambda f: shutil.copyfileobj(source, f),
+                                 fsync_file=True, fsync_folder=False)  # (the folder's fsync follows)
         for path in later:
             os.rename(path, os.path.join(branch, os.path.basename(path)))
         fsync_dir(branch)
