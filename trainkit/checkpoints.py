@@ -477,16 +477,10 @@ def choose_resume_checkpoint(run) -> str | None:
                         "that run, or choose another --out-dir")
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
-        _, whose, is_log, trained = log_summary(log)
-        if trained or not is_log:  # a run's curve (its only record) or a file of the user's: never cut
-            what = f"the log.jsonl of {whose}" if is_log else f"a log.jsonl of {whose}"
-            raise UserError(f"--out-dir {run.out_dir} holds {what} but no checkpoint to resume: move the log aside "
-                            "to start a new run there, or choose another --out-dir")
-        # a run that stopped before its first step (out of memory at step 0): nothing of it to keep
-        print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
-               "this run starts it afresh")
-        with open(log, "r+b") as f:
-            f.truncate(0)
+        _, whose, is_log, _ = log_summary(log)
+        if not is_log:  # a file of the user's (a log of a run killed before its first checkpoint is set aside)
+            raise UserError(f"--out-dir {run.out_dir} holds a log.jsonl of {whose} but no checkpoint to resume: "
+                            "move the log aside to start a new run there, or choose another --out-dir")
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None

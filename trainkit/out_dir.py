@@ -1,9 +1,10 @@
 """What a run writes into its --out-dir besides checkpoints, and who may write there: the lock
 (one live run per folder, a flock on the folder itself), whose the folder is (claim_run: its
 checkpoints must be of the resumed run's history, by run id), log.jsonl (one JSON record per
-line, each naming its run, cut back exactly on resume), branch folders (a resume from an
-earlier step sets the later checkpoints aside instead of overwriting them), and the W&B /
-TensorBoard sinks that get every record of the log.
+line, each naming its run, cut back exactly on resume, a copy of its own where it was shared),
+branch folders (a resume from an earlier step sets the later checkpoints aside instead of
+overwriting them, a fresh start the log of a run killed before its first checkpoint), and the
+W&B / TensorBoard sinks that get every record of the log.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import stat
 
 from trainkit import cli
 from trainkit.atomic_write import fsync_dir, write_atomically
-from trainkit.checkpoints import (ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary, new_run,
-                                  read_run, run_name, same_file)
+from trainkit.checkpoints import (CKPT_NAME, ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary,
+                                  new_run, read_run, run_name, same_file)
 from trainkit.cli import UserError, one_line, os_error_reason
 from trainkit.folder_lock import FolderLock
 from trainkit.launch import print0
+from trainkit.own_files import move_entry, own_file
 
 class RunLog:
     """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
@@ -48,10 +50,13 @@ class RunLog:
                             "does not exist; remove the link or point it at a file")
         try:
             kept = read_log_up_to(self.path, resumed)
+            note = own_file(self.path)  # a log shared with another run folder: this run appends to its own copy
             self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
+        if note:
+            print0(note)
         self.size = len(kept)
         self.sha.update(kept)
 
@@ -142,7 +147,8 @@ def open_run_file(path: str, mode: str, **options):
     a named pipe, a socket or a disk's block device: a UserError naming what it is, never a wait
     forever for a pipe's other end (the open does not block: O_NONBLOCK) nor writes onto a disk.
     A character device answers at once and stays allowed (/dev/null, /dev/full)."""
-    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK), **options)
+    # (a new file gets open()'s usual 0o666 less the umask: os.open's default mode is 0o777)
+    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
     what = "a named pipe (FIFO)" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else \
         "a block device" if stat.S_ISBLK(kind) else None
@@ -213,14 +219,7 @@ def set_aside_later_branch(out_dir: str, step: int):
     if not later:
         return
     log = os.path.join(out_dir, "log.jsonl")
-    reached = checkpoint_step(later[-1])
-    branch = os.path.join(out_dir, f"branch_{reached:07d}")
-    for n in itertools.count(2):  # a name no earlier branch took
-        try:
-            os.mkdir(branch)
-            break
-        except FileExistsError:
-            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+    branch = new_branch_folder(out_dir, checkpoint_step(later[-1]))
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
     try:
         if copied:
@@ -228,7 +227,7 @@ def set_aside_later_branch(out_dir: str, step: int):
                 write_atomically(os.path.join(branch, "log.jsonl"), lambda f: shutil.copyfileobj(source, f),
                                  fsync_file=True, fsync_folder=False)  # (the folder's fsync follows)
         for path in later:
-            os.rename(path, os.path.join(branch, os.path.basename(path)))
+            move_entry(path, os.path.join(branch, os.path.basename(path)))  # (a symbolic link stays one)
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
@@ -240,13 +239,69 @@ def set_aside_later_branch(out_dir: str, step: int):
            "nothing was deleted")
 
 
+def new_branch_folder(out_dir: str, reached: int) -> str:
+    """A new folder out_dir/branch_NNNNNNN for what a run did up to step `reached`, under a name no
+    earlier branch took (branch_NNNNNNN_2, ...)."""
+    branch = os.path.join(out_dir, f"branch_{reached:07d}")
+    for n in itertools.count(2):
+        try:
+            os.mkdir(branch)
+            return branch
+        except FileExistsError:
+            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+
+
+def set_aside_log_without_checkpoint(out_dir: str):
+    """A run that starts afresh in out_dir (no checkpoint there to resume) where log.jsonl holds records:
+    a run killed before its first checkpoint (out of memory, preempted), whose job is run again. A log
+    with trained steps moves into a new out_dir/branch_NNNNNNN (the steps it reached), as a later branch
+    does: nothing is deleted, and the same command starts again; a log without one (a run that stopped
+    before its first step) holds nothing to keep and starts afresh. (choose_resume_checkpoint has refused
+    a log.jsonl that is not a log.)"""
+    log = os.path.join(out_dir, "log.jsonl")
+    if not (os.path.isfile(log) and os.path.getsize(log)):
+        return
+    _, whose, _, trained = log_summary(log)
+    try:
+        if not trained:
+            os.remove(log)  # (the name only: a file it shared keeps its bytes)
+            print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+                   "this run starts it afresh")
+            return
+        reached = last_trained_step(log) + 1
+        branch = new_branch_folder(out_dir, reached)
+        move_entry(log, os.path.join(branch, "log.jsonl"))
+        fsync_dir(branch)
+        fsync_dir(out_dir)
+    except OSError as e:
+        raise UserError(f"could not move {log} aside: {os_error_reason(e)} (nothing was deleted)") from None
+    print0(f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
+           f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh")
+
+
+def last_trained_step(path: str) -> int:
+    """The step of the last record with a loss in the log.jsonl at path (log_summary found one)."""
+    last = 0
+    with open(path, "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError, RecursionError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "loss" in record and type(record.get("step")) is int:
+                    last = record["step"]
+    return last
+
+
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
     the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
     without a login), the log (whose it is, whether it opens); only then does the later branch move
-    aside and the log get cut back to the checkpoint."""
+    aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
+    before its first checkpoint just before its own opens; a log shared with another folder is copied
+    as it opens: own_files.own_file.)"""
     identity = claim_run(run.out_dir, resumed)
     sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
+    if resumed is None:
+        set_aside_log_without_checkpoint(run.out_dir)
     log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
     log.sinks = sinks  # no empty log.jsonl behind)
     try:
@@ -367,5 +422,13 @@ def prepare_out_dir(out_dir: str) -> bool:
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
+    for name in sorted(filter(CKPT_NAME.fullmatch, os.listdir(out_dir))):
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):  # --keep-last would fail to delete it mid-run, a save to write over it
+            what = "a folder" if os.path.isdir(path) else "a symbolic link to nothing" if os.path.islink(path) \
+                else "not a regular file"
+            raise UserError(f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
+                            "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
+                            "rename it, or choose another --out-dir")
     return made
 
