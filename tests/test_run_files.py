@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import train_gpt2 as tg
+from trainkit import checkpoints
 from conftest import HELLASWAG_FILE, REPO, tree_hashes
 from shards import shard_dir
 
@@ -77,6 +78,9 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
             "writes to a copy of its own, and the file it shared stays as it was") in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
     assert trained_steps(run_b / "log.jsonl") == list(range(8)) and trained_steps(run_a / "log.jsonl") == list(range(6))
+    # runB goes on as a branch of runA's run, at the step it was copied at
+    first, branch = (checkpoints.read_run(str(path)) for path in (run_a / "ckpt_0000006.pt", run_b / "ckpt_0000008.pt"))
+    assert branch == dict(id=branch["id"], parent=dict(first, step=6)) and branch["id"] != first["id"]
     run_c = tmp_path / "runC"
     subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)
     result = run(args_for(data_dir, run_c, "--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1", steps=8,
@@ -212,7 +216,6 @@ def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_pat
     """Exporting runA's folder while its run saves a newer checkpoint (simulated: one appears right after
     the export looks the newest up): the mark names the checkpoint whose step and checksum it holds."""
     import hf_interop
-    from trainkit import checkpoints
     newer = tmp_path / "newer"
     newer.mkdir()
     os.rename(run_a / "ckpt_0000006.pt", newer / "ckpt_0000006.pt")

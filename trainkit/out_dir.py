@@ -24,7 +24,7 @@ from trainkit.checkpoints import (CKPT_NAME, ResumePoint, checkpoint_step, in_hi
 from trainkit.cli import UserError, one_line, os_error_reason
 from trainkit.folder_lock import FolderLock
 from trainkit.launch import print0
-from trainkit.own_files import move_entry, own_file
+from trainkit.own_files import move_entry, own_file, shared_as
 from trainkit.run_trackers import open_sinks
 
 class RunLog:
@@ -300,6 +300,8 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     before its first checkpoint just before its own opens; a log shared with another folder is copied
     as it opens: own_files.own_file.)"""
     identity = claim_run(run.out_dir, resumed)
+    if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
+        identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
     sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
     if resumed is None:
         set_aside_log_without_checkpoint(run.out_dir)
