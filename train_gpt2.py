@@ -183,10 +183,10 @@ from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GP
 from trainkit.launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
     decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
-from trainkit.optimizers import (  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon), resumed hyperparameters
+from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
     MuonWithAdamW, set_lr, use_run_hyperparameters)
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
-from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the trained steps first
+from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
     ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, shard_files)
