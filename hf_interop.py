@@ -124,9 +124,11 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     _check_replaceable(out_dir)  # before any work: a refusal changes nothing
     mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)
     if isinstance(source, (str, os.PathLike)):
-        ckpt = load_checkpoint(str(source), model_fields=EXPORTED_CONFIG)  # a field GPT-2 lacks is refused
+        # a run's folder: its newest checkpoint, looked up once (a run saving meanwhile with --keep-last
+        # changes the newest), so that the mark names the file loaded
+        path = (latest_checkpoint(str(source)) or str(source)) if os.path.isdir(source) else str(source)
+        ckpt = load_checkpoint(path, model_fields=EXPORTED_CONFIG)  # a field GPT-2 lacks is refused
         config, sd = argparse.Namespace(**ckpt["model_config"]), ckpt["model"]
-        path = latest_checkpoint(str(source)) if os.path.isdir(source) else str(source)
         mark.update(checkpoint=os.path.abspath(path), step=ckpt.get("step"), checksum=ckpt["checksum"])
     else:
         model = unwrap_model(source)

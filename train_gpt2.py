@@ -183,8 +183,10 @@ from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GP
 from trainkit.launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
     decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
-from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
+from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
+    MuonWithAdamW, set_lr, use_run_hyperparameters)
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
+from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
     ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, shard_files)
@@ -902,6 +904,7 @@ class Trainer:
     def _load_resume_state(self, path: str):
         ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)], resume=True)
         check_resume_compatible(ckpt, self.run, self.model_cfg, path)
+        optimizer_notice = use_run_hyperparameters(self.optimizer, ckpt["optimizer"])  # this run's weight decay, ...
         load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"], path)
         self.start_step, self.resumed = ckpt["step"], ResumePoint.of(path, ckpt)
         if self.start_step > self.run.max_steps and not self.run.eval_only:
@@ -920,9 +923,9 @@ class Trainer:
         if change:
             cli.print_warning(f"--data-dir {self.run.data_dir} changed since {path} was written ({change}): from step "
                               f"{self.start_step} on this run reads other rows than the run it continues would have")
-        notice = lr_change_notice(ckpt["run_config"], self.run, self.start_step)
-        if notice:
-            print0(notice)
+        for notice in (lr_change_notice(ckpt["run_config"], self.run, self.start_step), optimizer_notice):
+            if notice:
+                print0(notice)
 
     def checkpoint_state(self, step: int) -> dict:
         """Everything a resume needs (DESIGN.md: state that makes resume exact)."""
@@ -1044,7 +1047,7 @@ class Trainer:
             for step in range(self.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
                 if step > self.start_step or not self.ckpt_path:  # the resumed step was evaluated before saving
-                    self.evaluate(step, last_step)
+                    save_first_on_failure(self, step, lambda: self.evaluate(step, last_step))
                     if step > self.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
                         self.save(step)
                 if stop_agreed:

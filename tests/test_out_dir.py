@@ -277,19 +277,19 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     assert_refused(result.returncode, result.stderr, "argument --resume: got an empty value ('': an unset shell "
                    "variable?) (see train_gpt2.py --help)")
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
-    # a folder holding only the log of a run that wrote no checkpoint: neither a fresh run nor
-    # --resume appends a second run to it
+    # a folder holding a log.jsonl that no run wrote and no checkpoint: neither a fresh run nor --resume
+    # appends a run to the user's file
     only_log = tmp_path / "only_log"
     only_log.mkdir()
-    shutil.copy(out / "log.jsonl", only_log)
-    owner = json.loads(log.splitlines()[-1])["run"]
-    refusal = (f"--out-dir {only_log} holds the log.jsonl of run {owner} but no checkpoint to resume: move the "
-               "log aside to start a new run there, or choose another --out-dir")
+    (only_log / "log.jsonl").write_text("my notes\n")
+    refusal = (f"--out-dir {only_log} holds a log.jsonl of no run (no line of it is a JSON record: not a log this "
+               "trainer wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose "
+               "another --out-dir")
     result = run(tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, refusal)
     assert tg.main(tiny_run_args(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == f"error: {refusal}\n"
-    assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_bytes() == log
+    assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_text() == "my notes\n"
 
 
 # --- abandoned branches are kept --------------------------------------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from trainkit.atomic_write import write_atomically
 from trainkit.cli import UserError, os_error_reason
 from trainkit.fsdp import is_fsdp
 from trainkit.launch import print0
@@ -198,35 +199,21 @@ class _WriteErrorKeeper:
         self.file.flush()
 
 
-def fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str, state: dict, keep_last: int = 0):
-    """Write path.tmp, fsync it, rename it to path, fsync the folder: a crash, a full disk or a
-    power loss leaves the new checkpoint whole or absent, and the previous one intact. The
+    """Write path.tmp, fsync it, rename it to path, fsync the folder (atomic_write): a crash, a full
+    disk or a power loss leaves the new checkpoint whole or absent, and the previous one intact. The
     sha256 of the contents goes inside (load_checkpoint checks it)."""
-    tmp, out_dir = path + ".tmp", os.path.dirname(path) or "."
+    out_dir = os.path.dirname(path) or "."
+
+    def write(f):
+        writer = _WriteErrorKeeper(f)
+        try:
+            torch.save(dict(state, checksum=state_digest(state)), writer)
+        except RuntimeError as e:
+            raise writer.error or e from None
     try:
-        with open(tmp, "wb") as f:
-            writer = _WriteErrorKeeper(f)
-            try:
-                torch.save(dict(state, checksum=state_digest(state)), writer)
-            except RuntimeError as e:
-                raise writer.error or e from None
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(out_dir)
-    except BaseException as e:  # disk full, quota, permissions; a second Ctrl-C
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if not isinstance(e, (OSError, RuntimeError)):
-            raise
+        write_atomically(path, write, fsync_file=True, fsync_folder=True)
+    except (OSError, RuntimeError) as e:  # disk full, quota, permissions
         raise UserError(f"could not write checkpoint {path}: {os_error_reason(e)}; the previous checkpoint "
                         f"{latest_checkpoint(out_dir) or '(none)'} is intact") from None
     if keep_last:
@@ -490,16 +477,10 @@ def choose_resume_checkpoint(run) -> str | None:
                         "that run, or choose another --out-dir")
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
-        _, whose, is_log, trained = log_summary(log)
-        if trained or not is_log:  # a run's curve (its only record) or a file of the user's: never cut
-            what = f"the log.jsonl of {whose}" if is_log else f"a log.jsonl of {whose}"
-            raise UserError(f"--out-dir {run.out_dir} holds {what} but no checkpoint to resume: move the log aside "
-                            "to start a new run there, or choose another --out-dir")
-        # a run that stopped before its first step (out of memory at step 0): nothing of it to keep
-        print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
-               "this run starts it afresh")
-        with open(log, "r+b") as f:
-            f.truncate(0)
+        _, whose, is_log, _ = log_summary(log)
+        if not is_log:  # a file of the user's (a log of a run killed before its first checkpoint is set aside)
+            raise UserError(f"--out-dir {run.out_dir} holds a log.jsonl of {whose} but no checkpoint to resume: "
+                            "move the log aside to start a new run there, or choose another --out-dir")
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from trainkit.atomic_write import write_bytes_atomically
 from trainkit.cli import UserError, os_error_reason
 
 
@@ -69,15 +70,11 @@ class FolderLock:
                     "a directory" if os.path.isdir(self.path) else "not a regular file")
             raise UserError(f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose "
                             "another --out-dir")
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            os.replace(tmp, self.path)
+        try:  # (a note for people: no fsync, the kernel's lock is what holds)
+            write_bytes_atomically(self.path, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(),
+                                   fsync_file=False, fsync_folder=False, tmp=f"{self.path}.{os.getpid()}.tmp")
             self.written = os.stat(self.path)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
             raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
 
     def _cannot_lock(self, why: str):

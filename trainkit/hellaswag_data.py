@@ -8,6 +8,7 @@ import http.client
 import os
 import urllib.request
 
+from trainkit.atomic_write import write_atomically
 from trainkit.cli import UserError
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -43,23 +44,20 @@ def resolve_data_file(data_file: str | None = None, data_dir: str | None = None,
 
 
 def _download(path: str, flag: str):
-    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: torchrun ranks may download at once
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    def write(f):
         digest = hashlib.sha256()
-        with urllib.request.urlopen(DATA_URL, timeout=DOWNLOAD_TIMEOUT_S) as r, open(tmp, "wb") as f:
+        with urllib.request.urlopen(DATA_URL, timeout=DOWNLOAD_TIMEOUT_S) as r:
             while chunk := r.read(1 << 20):
                 digest.update(chunk)
                 f.write(chunk)
         if digest.hexdigest() != DATA_SHA256:
             raise OSError("the downloaded file is not the expected one (sha256 mismatch)")
-        os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        # one temporary file per process: torchrun ranks may download at once
+        write_atomically(path, write, fsync_file=False, fsync_folder=False, tmp=f"{path}.{os.getpid()}.tmp")
     except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
         reason = getattr(e, "reason", None) or e
         raise UserError(f"cannot download HellaSwag from {DATA_URL} ({reason}); "
                         f"pass a local copy of {DATA_NAME} with {flag} PATH (the repository ships a subset: "
                         f"{os.path.relpath(SUBSET_FILE)})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-

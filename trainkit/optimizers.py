@@ -64,3 +64,48 @@ def set_lr(optimizer, lr: float):
         return
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# the flag that sets each hyperparameter an optimizer keeps in its param_groups, by optimizer; the
+# others (betas, eps, ...) have none and differ only where the code that built the checkpoint's did
+HYPERPARAMETER_FLAGS = {("AdamW", "weight_decay"): "--weight-decay", ("Muon", "momentum"): "--muon-momentum"}
+
+
+def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
+    """Before a resume loads checkpoint_state (the optimizer state dict of a checkpoint) into optimizer:
+    each hyperparameter its param_groups keep (AdamW's weight decay, Muon's momentum, ...) is set to this
+    run's, as the flags built optimizer, where torch's load_state_dict would keep the checkpoint's: a
+    resume with --weight-decay 0.0 decays nothing from then on. Returns the note line naming each value
+    that changes (None: none does). The LR is none of them: every step sets it (set_lr). A state that is
+    not optimizer's kind is left as it is, for the load to refuse."""
+    changes = {}
+
+    def adopt(part, ours: dict, theirs):
+        groups = theirs.get("param_groups") if isinstance(theirs, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(ours["param_groups"]):
+            return
+        for mine, saved in zip(ours["param_groups"], groups):
+            for key, value in mine.items() if isinstance(saved, dict) else ():
+                if key in ("params", "lr"):
+                    continue
+                if key in saved and not same_value(saved[key], value):
+                    name = type(part).__name__
+                    flag = HYPERPARAMETER_FLAGS.get((name, key), f"{name}'s {key}")
+                    changes.setdefault(flag, f"{flag} {saved[key]} -> {value}")
+                saved[key] = value
+    ours = optimizer.state_dict()
+    parts = sorted(ours.keys() - {"state", "param_groups"})  # MuonWithAdamW: one state dict per part
+    for name in parts:
+        adopt(getattr(optimizer, name), ours[name], checkpoint_state.get(name) if isinstance(checkpoint_state, dict)
+              else None)
+    if not parts:
+        adopt(optimizer, ours, checkpoint_state)
+    return f"note: the optimizer takes this run's values, not its checkpoint's: {', '.join(changes.values())}" \
+        if changes else None
+
+
+def same_value(a, b) -> bool:
+    """a == b, a tuple and a list holding the same items being the same (betas, as saved and as built)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b

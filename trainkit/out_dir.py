@@ -1,14 +1,14 @@
 """What a run writes into its --out-dir besides checkpoints, and who may write there: the lock
 (one live run per folder, a flock on the folder itself), whose the folder is (claim_run: its
 checkpoints must be of the resumed run's history, by run id), log.jsonl (one JSON record per
-line, each naming its run, cut back exactly on resume), branch folders (a resume from an
-earlier step sets the later checkpoints aside instead of overwriting them), and the W&B /
-TensorBoard sinks that get every record of the log.
+line, each naming its run, cut back exactly on resume, a copy of its own where it was shared),
+branch folders (a resume from an earlier step sets the later checkpoints aside instead of
+overwriting them, a fresh start the log of a run killed before its first checkpoint); the W&B /
+TensorBoard sinks that get every record of the log are trainkit/run_trackers.py's.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -18,11 +18,14 @@ import shutil
 import stat
 
 from trainkit import cli
-from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, log_summary,
-                         new_run, read_run, run_name, same_file)
+from trainkit.atomic_write import fsync_dir, write_atomically
+from trainkit.checkpoints import (CKPT_NAME, ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary,
+                                  new_run, read_run, run_name, same_file)
 from trainkit.cli import UserError, one_line, os_error_reason
 from trainkit.folder_lock import FolderLock
 from trainkit.launch import print0
+from trainkit.own_files import move_entry, own_file, shared_as
+from trainkit.run_trackers import open_sinks
 
 class RunLog:
     """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
@@ -47,10 +50,13 @@ class RunLog:
                             "does not exist; remove the link or point it at a file")
         try:
             kept = read_log_up_to(self.path, resumed)
+            note = own_file(self.path)  # a log shared with another run folder: this run appends to its own copy
             self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
             raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
+        if note:
+            print0(note)
         self.size = len(kept)
         self.sha.update(kept)
 
@@ -77,7 +83,8 @@ class RunLog:
         with open(self.path, "rb") as f:
             for line in f.read(self.size).splitlines():
                 record = json.loads(line)
-                record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})  # strict_json_record undone
+                # strict_json_record undone
+                record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})
                 record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
                     for sink in list(self.sinks):
@@ -141,7 +148,8 @@ def open_run_file(path: str, mode: str, **options):
     a named pipe, a socket or a disk's block device: a UserError naming what it is, never a wait
     forever for a pipe's other end (the open does not block: O_NONBLOCK) nor writes onto a disk.
     A character device answers at once and stays allowed (/dev/null, /dev/full)."""
-    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK), **options)
+    # (a new file gets open()'s usual 0o666 less the umask: os.open's default mode is 0o777)
+    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
     what = "a named pipe (FIFO)" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else \
         "a block device" if stat.S_ISBLK(kind) else None
@@ -212,22 +220,15 @@ def set_aside_later_branch(out_dir: str, step: int):
     if not later:
         return
     log = os.path.join(out_dir, "log.jsonl")
-    reached = checkpoint_step(later[-1])
-    branch = os.path.join(out_dir, f"branch_{reached:07d}")
-    for n in itertools.count(2):  # a name no earlier branch took
-        try:
-            os.mkdir(branch)
-            break
-        except FileExistsError:
-            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+    branch = new_branch_folder(out_dir, checkpoint_step(later[-1]))
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
     try:
         if copied:
-            shutil.copyfile(log, os.path.join(branch, "log.jsonl"))
-            with open(os.path.join(branch, "log.jsonl"), "rb+") as f:
-                os.fsync(f.fileno())
+            with open(log, "rb") as source:
+                write_atomically(os.path.join(branch, "log.jsonl"), lambda f: shutil.copyfileobj(source, f),
+                                 fsync_file=True, fsync_folder=False)  # (the folder's fsync follows)
         for path in later:
-            os.rename(path, os.path.join(branch, os.path.basename(path)))
+            move_entry(path, os.path.join(branch, os.path.basename(path)))  # (a symbolic link stays one)
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
@@ -239,13 +240,71 @@ def set_aside_later_branch(out_dir: str, step: int):
            "nothing was deleted")
 
 
+def new_branch_folder(out_dir: str, reached: int) -> str:
+    """A new folder out_dir/branch_NNNNNNN for what a run did up to step `reached`, under a name no
+    earlier branch took (branch_NNNNNNN_2, ...)."""
+    branch = os.path.join(out_dir, f"branch_{reached:07d}")
+    for n in itertools.count(2):
+        try:
+            os.mkdir(branch)
+            return branch
+        except FileExistsError:
+            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+
+
+def set_aside_log_without_checkpoint(out_dir: str):
+    """A run that starts afresh in out_dir (no checkpoint there to resume) where log.jsonl holds records:
+    a run killed before its first checkpoint (out of memory, preempted), whose job is run again. A log
+    with trained steps moves into a new out_dir/branch_NNNNNNN (the steps it reached), as a later branch
+    does: nothing is deleted, and the same command starts again; a log without one (a run that stopped
+    before its first step) holds nothing to keep and starts afresh. (choose_resume_checkpoint has refused
+    a log.jsonl that is not a log.)"""
+    log = os.path.join(out_dir, "log.jsonl")
+    if not (os.path.isfile(log) and os.path.getsize(log)):
+        return
+    _, whose, _, trained = log_summary(log)
+    try:
+        if not trained:
+            os.remove(log)  # (the name only: a file it shared keeps its bytes)
+            print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+                   "this run starts it afresh")
+            return
+        reached = last_trained_step(log) + 1
+        branch = new_branch_folder(out_dir, reached)
+        move_entry(log, os.path.join(branch, "log.jsonl"))
+        fsync_dir(branch)
+        fsync_dir(out_dir)
+    except OSError as e:
+        raise UserError(f"could not move {log} aside: {os_error_reason(e)} (nothing was deleted)") from None
+    print0(f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
+           f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh")
+
+
+def last_trained_step(path: str) -> int:
+    """The step of the last record with a loss in the log.jsonl at path (log_summary found one)."""
+    last = 0
+    with open(path, "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError, RecursionError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "loss" in record and type(record.get("step")) is int:
+                    last = record["step"]
+    return last
+
+
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
     the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
     without a login), the log (whose it is, whether it opens); only then does the later branch move
-    aside and the log get cut back to the checkpoint."""
+    aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
+    before its first checkpoint just before its own opens; a log shared with another folder is copied
+    as it opens: own_files.own_file.)"""
     identity = claim_run(run.out_dir, resumed)
+    if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
+        identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
     sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
+    if resumed is None:
+        set_aside_log_without_checkpoint(run.out_dir)
     log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
     log.sinks = sinks  # no empty log.jsonl behind)
     try:
@@ -286,72 +345,6 @@ class OutDirLock(FolderLock):
                 os.rmdir(self.folder)
 
 
-def import_extra(module: str, flag: str, package: str):
-    """An optional package, imported only when a flag asks for it: a UserError with the pip line if missing."""
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(f"{flag} needs the {package} package: pip install {package}") from None
-
-
-class TensorBoardSink:
-    """--tensorboard: each record's numbers as scalars and its strings as text, tagged with their
-    log.jsonl keys at the record's step, in event files in --out-dir. A resumed run hides what
-    earlier attempts logged from its step on (purge_step), as log.jsonl is cut back there."""
-
-    flag = "--tensorboard"
-
-    def __init__(self, out_dir: str, purge_step: int | None):
-        tensorboard = import_extra("torch.utils.tensorboard", "--tensorboard", "tensorboard")
-        self.writer = tensorboard.SummaryWriter(out_dir, purge_step=purge_step)
-
-    def write(self, record: dict):
-        for key, value in record.items():
-            if key != "step":
-                add = self.writer.add_text if isinstance(value, str) else self.writer.add_scalar
-                add(key, value, record["step"])
-
-    def close(self):
-        self.writer.close()
-
-
-class WandbSink:
-    """--wandb PROJECT: each record as a wandb.log at its step (W&B merges the records of one step
-    into one row). WANDB_MODE=offline keeps the run in OUT/wandb for `wandb sync`. Each launch,
-    a resume too, is a new W&B run that starts at its first step."""
-
-    flag = "--wandb"
-
-    def __init__(self, project: str, out_dir: str, config: dict):
-        wandb = import_extra("wandb", "--wandb", "wandb")
-        try:
-            self.run = wandb.init(project=project, dir=out_dir, config=config)
-        except Exception as e:  # no API key, no network, a bad project name...
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {reason}); "
-                            "run `wandb login` or set WANDB_MODE=offline") from None
-        if getattr(self.run, "disabled", False):
-            cli.print_warning("--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "
-                              "run stays empty; log.jsonl gets every record")
-
-    def write(self, record: dict):
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    def close(self):
-        self.run.finish()
-
-
-def open_sinks(run, model_cfg, resumed_at: int | None) -> list:
-    """The trackers the run asked for (a resumed one's from its step on: RunLog.resend_step)."""
-    sinks = []
-    if run.tensorboard:
-        sinks.append(TensorBoardSink(run.out_dir, purge_step=resumed_at))
-    if run.wandb:
-        config = dict(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg))
-        sinks.append(WandbSink(run.wandb, run.out_dir, config))
-    return sinks
-
 def prepare_out_dir(out_dir: str) -> bool:
     """Make --out-dir if needed and check it is writable: whether it was made now (OutDirLock.release
     removes it again if the run wrote nothing there)."""
@@ -366,5 +359,13 @@ def prepare_out_dir(out_dir: str) -> bool:
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
+    for name in sorted(filter(CKPT_NAME.fullmatch, os.listdir(out_dir))):
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):  # --keep-last would fail to delete it mid-run, a save to write over it
+            what = "a folder" if os.path.isdir(path) else "a symbolic link to nothing" if os.path.islink(path) \
+                else "not a regular file"
+            raise UserError(f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
+                            "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
+                            "rename it, or choose another --out-dir")
     return made
 

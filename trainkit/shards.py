@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from trainkit.atomic_write import write_bytes_atomically
 from trainkit.cli import UserError, os_error_reason
 from trainkit.tokenizer import ENCODING_NAME, EOT, GPT2_VOCAB, real_vocab_size
 
@@ -35,18 +36,12 @@ def shard_header(tokens: np.ndarray, fmt: str) -> bytes:
 
 
 def write_atomically(path: str, *blobs) -> None:
-    """Write to path.tmp, then rename: a killed process leaves path absent, old, or complete.
-    (No fsync: it guards against power loss, not kills, and cost seconds per shard on slow disks;
-    a resumed run checks the size of every shard it keeps.)"""
-    tmp = path + ".tmp"
+    """path written whole or not at all (atomic_write), without fsync: it guards against a killed
+    process, not a power loss, and fsync cost seconds per shard on slow disks; a resumed run checks
+    the size of every shard it keeps."""
     try:
-        with open(tmp, "wb") as f:
-            for blob in blobs:
-                f.write(blob)
-        os.replace(tmp, path)
+        write_bytes_atomically(path, *blobs, fsync_file=False, fsync_folder=False)
     except OSError as e:  # a full disk, a quota, permissions
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         raise UserError(f"cannot write {path}: {os_error_reason(e)}; the shards that {MANIFEST} lists are "
                          "complete: fix this and run the same command again to resume") from None
 

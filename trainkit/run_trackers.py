@@ -1,0 +1,77 @@
+"""--wandb and --tensorboard: the run trackers that get every record of a run's log.jsonl (RunLog
+sends them each record as it writes it; out_dir.open_run_log opens them before the log). Each is
+imported only when its flag asks for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from trainkit import cli
+from trainkit.cli import UserError
+
+
+def import_extra(module: str, flag: str, package: str):
+    """An optional package, imported only when a flag asks for it: a UserError with the pip line if missing."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{flag} needs the {package} package: pip install {package}") from None
+
+
+class TensorBoardSink:
+    """--tensorboard: each record's numbers as scalars and its strings as text, tagged with their
+    log.jsonl keys at the record's step, in event files in --out-dir. A resumed run hides what
+    earlier attempts logged from its step on (purge_step), as log.jsonl is cut back there."""
+
+    flag = "--tensorboard"
+
+    def __init__(self, out_dir: str, purge_step: int | None):
+        tensorboard = import_extra("torch.utils.tensorboard", "--tensorboard", "tensorboard")
+        self.writer = tensorboard.SummaryWriter(out_dir, purge_step=purge_step)
+
+    def write(self, record: dict):
+        for key, value in record.items():
+            if key != "step":
+                add = self.writer.add_text if isinstance(value, str) else self.writer.add_scalar
+                add(key, value, record["step"])
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbSink:
+    """--wandb PROJECT: each record as a wandb.log at its step (W&B merges the records of one step
+    into one row). WANDB_MODE=offline keeps the run in OUT/wandb for `wandb sync`. Each launch,
+    a resume too, is a new W&B run that starts at its first step."""
+
+    flag = "--wandb"
+
+    def __init__(self, project: str, out_dir: str, config: dict):
+        wandb = import_extra("wandb", "--wandb", "wandb")
+        try:
+            self.run = wandb.init(project=project, dir=out_dir, config=config)
+        except Exception as e:  # no API key, no network, a bad project name...
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {reason}); "
+                            "run `wandb login` or set WANDB_MODE=offline") from None
+        if getattr(self.run, "disabled", False):
+            cli.print_warning("--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "
+                              "run stays empty; log.jsonl gets every record")
+
+    def write(self, record: dict):
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+def open_sinks(run, model_cfg, resumed_at: int | None) -> list:
+    """The trackers the run asked for (a resumed one's from its step on: RunLog.resend_step)."""
+    sinks = []
+    if run.tensorboard:
+        sinks.append(TensorBoardSink(run.out_dir, purge_step=resumed_at))
+    if run.wandb:
+        config = dict(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg))
+        sinks.append(WandbSink(run.wandb, run.out_dir, config))
+    return sinks
