@@ -9,7 +9,8 @@ import os
 import socket
 import sys
 
-from trainkit.cli import UserError, os_error_reason
+from trainkit.cli import UserError, reason_of
+from trainkit.console import print_line
 
 
 class FolderLock:
@@ -31,7 +32,7 @@ class FolderLock:
                 "folder): wait for it to end, or choose another --out-dir")
 
     def note(self, line: str):
-        print(line, file=sys.stderr, flush=True)
+        print_line(line, file=sys.stderr)
 
     def acquire(self):
         try:
@@ -46,7 +47,7 @@ class FolderLock:
             raise UserError(self.in_use(self._holder())) from None
         except OSError as e:  # a file system without locks (Lustre without -o flock)
             os.close(fd)
-            return self._cannot_lock(os_error_reason(e))
+            return self._cannot_lock(reason_of(e))
         self.fd = fd
         try:
             self._write_holder()
@@ -78,7 +79,7 @@ class FolderLock:
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
+            raise UserError(f"cannot write {self.path}: {reason_of(e)}") from None
 
     def _cannot_lock(self, why: str):
         self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")

@@ -20,9 +20,9 @@ import stat
 from trainkit import cli
 from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, log_summary,
                          new_run, read_run, run_name, same_file)
-from trainkit.cli import UserError, one_line, os_error_reason
+from trainkit.cli import UserError, reason_of
 from trainkit.folder_lock import FolderLock
-from trainkit.launch import print0
+from trainkit.console import print0
 
 class RunLog:
     """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
@@ -49,7 +49,7 @@ class RunLog:
             kept = read_log_up_to(self.path, resumed)
             self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
-            raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
+            raise UserError(f"cannot open {self.path}: {reason_of(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
         self.size = len(kept)
         self.sha.update(kept)
@@ -60,7 +60,7 @@ class RunLog:
             try:
                 self.file.truncate(self.size)
             except OSError as e:
-                raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {os_error_reason(e)}") from None
+                raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {reason_of(e)}") from None
 
     def write(self, **record):
         if self.file:
@@ -90,7 +90,7 @@ class RunLog:
             call(*args)
         except Exception as e:
             self.sinks = [s for s in self.sinks if s is not sink]
-            cli.print_warning(f"{sink.flag} failed {when} ({type(e).__name__}: {one_line(e)}) and gets no more "
+            cli.print_warning(f"{sink.flag} failed {when} ({reason_of(e, typed=True)}) and gets no more "
                               f"records; {self.path} has them all")
 
     def _append(self, data: bytes):
@@ -114,7 +114,7 @@ class RunLog:
                 self._fail(e)
 
     def _fail(self, e: OSError):
-        raise UserError(f"cannot write {self.path}: {os_error_reason(e)} (the log ends at its last whole record). "
+        raise UserError(f"cannot write {self.path}: {reason_of(e)} (the log ends at its last whole record). "
                         f"Last good checkpoint: {self.last_checkpoint or 'none'}") from None
 
     def position(self) -> dict:
@@ -231,7 +231,7 @@ def set_aside_later_branch(out_dir: str, step: int):
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
-        raise UserError(f"could not move the later checkpoints of {out_dir} into {branch}: {os_error_reason(e)} "
+        raise UserError(f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} "
                         "(nothing was deleted)") from None
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
@@ -328,8 +328,7 @@ class WandbSink:
         try:
             self.run = wandb.init(project=project, dir=out_dir, config=config)
         except Exception as e:  # no API key, no network, a bad project name...
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {reason}); "
+            raise UserError(f"--wandb: could not start a W&B run ({reason_of(e, typed=True)}); "
                             "run `wandb login` or set WANDB_MODE=offline") from None
         if getattr(self.run, "disabled", False):
             cli.print_warning("--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "

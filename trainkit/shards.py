@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from trainkit.cli import UserError, os_error_reason
+from trainkit.cli import UserError, reason_of
 from trainkit.tokenizer import ENCODING_NAME, EOT, GPT2_VOCAB, real_vocab_size
 
 MANIFEST = "manifest.json"  # beside the shards: their sizes, checksums and where each ends in the documents
@@ -47,7 +47,7 @@ def write_atomically(path: str, *blobs) -> None:
     except OSError as e:  # a full disk, a quota, permissions
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise UserError(f"cannot write {path}: {os_error_reason(e)}; the shards that {MANIFEST} lists are "
+        raise UserError(f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
                          "complete: fix this and run the same command again to resume") from None
 
 
@@ -195,7 +195,7 @@ def input_listing(files: list) -> list:
         try:
             st = os.stat(path)
         except OSError as e:
-            raise UserError(f"cannot read {path}: {os_error_reason(e)}") from None
+            raise UserError(f"cannot read {path}: {reason_of(e)}") from None
         listing.append([path, st.st_size, st.st_mtime_ns])
     return listing
 
@@ -367,7 +367,7 @@ class ShardDigestCheck:
                 with open(path, "rb") as f:
                     digest = hashlib.file_digest(f, "sha256").hexdigest()
             except OSError as e:
-                self.error = UserError(f"cannot read {path}: {os_error_reason(e)}")
+                self.error = UserError(f"cannot read {path}: {reason_of(e)}")
                 return
             if digest != expected:
                 self.error = UserError(
