@@ -147,11 +147,18 @@ def test_training_goes_on_after_its_reader_left(data_dir, tmp_path, stderr_too):
 
 
 def test_training_goes_on_with_stdout_on_a_full_disk(data_dir, tmp_path):
+    """`train_gpt2.py ... > /dev/full` trains and saves (exit 0); --eval-only, whose printed record is
+    all it makes, says that it could not write it."""
     with open("/dev/full", "w") as full:
         result = subprocess.run(command("train_gpt2.py", *train_args(data_dir, tmp_path, 3)), cwd=REPO,
                                 stdout=full, stderr=subprocess.PIPE, timeout=300)
-    assert (result.returncode, result.stderr) == (0, b"")
-    assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
+        assert (result.returncode, result.stderr) == (0, b"")
+        assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
+        result = subprocess.run(command("train_gpt2.py", *train_args(data_dir, tmp_path, 3, "--eval-only",
+                                                                     "--resume")),
+                                cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300)
+    assert (result.returncode, result.stderr) == (2, b"error: cannot write the output to stdout: no space left on "
+                                                     b"device\n")
 
 
 def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp_path):

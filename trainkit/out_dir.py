@@ -364,6 +364,6 @@ def prepare_out_dir(out_dir: str) -> bool:
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
+        raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None
     return made
 
