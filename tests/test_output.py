@@ -155,7 +155,7 @@ def test_training_goes_on_with_stdout_on_a_full_disk(data_dir, tmp_path):
         assert (result.returncode, result.stderr) == (0, b"")
         assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
         result = subprocess.run(command("train_gpt2.py", *train_args(data_dir, tmp_path, 3, "--eval-only",
-                                                                     "--resume")),
+                                                                     "--resume", "--val-every", "1")),
                                 cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300)
     assert (result.returncode, result.stderr) == (2, b"error: cannot write the output to stdout: no space left on "
                                                      b"device\n")
