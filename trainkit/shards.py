@@ -239,7 +239,8 @@ def open_shard(path: str) -> np.ndarray:
     except UserError:
         raise
     except (ValueError, OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? re-create it") from None
+        raise UserError(f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? "
+                        "re-create it") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
                         f"{tokens.shape}. HINT: are you passing the right file?")
