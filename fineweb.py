@@ -33,7 +33,8 @@ from decimal import Decimal, InvalidOperation
 from itertools import chain, islice
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
-from trainkit.cli import UserError, exit_code_of, os_error_reason
+from trainkit.cli import UserError, exit_code_of, reason_of
+from trainkit.console import print_line
 from trainkit.folder_lock import FolderLock  # one live writer per --out-dir (standard library only)
 
 
@@ -63,7 +64,7 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) 
     writer = ShardWriter(args.out_dir, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
     if manifest["complete"]:
-        print(f"{args.out_dir} is already complete ({done}); nothing to do")
+        print_line(f"{args.out_dir} is already complete ({done}); nothing to do")
         return
     if args.files:
         documents = iter_file_documents([path for path, *_ in inputs], args.text_field,
@@ -75,17 +76,17 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) 
         documents = iter_hub_documents(args.dataset, args.name, args.split, revision,
                                        args.text_field, args.debug)
     if manifest["shards"]:
-        print(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)",
-              file=sys.stderr)
+        print_line(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)",
+                   file=sys.stderr)
     write_shards(args, writer, islice(documents, writer.documents_done, None), source)
     manifest["complete"] = True
     save_manifest(args.out_dir, manifest)
     shards = manifest["shards"]
-    print(f"wrote {len(shards)} shards, {writer.tokens_written:,} tokens, "
-          f"{sum(shard['documents'] for shard in shards):,} documents to {args.out_dir}")
+    print_line(f"wrote {len(shards)} shards, {writer.tokens_written:,} tokens, "
+               f"{sum(shard['documents'] for shard in shards):,} documents to {args.out_dir}")
     if len(shards) <= args.val_shards:
-        print(f"fineweb.py: warning: all {len(shards)} shards are val shards (--val-shards "
-              f"{args.val_shards}), so train_gpt2.py finds no train shards here", file=sys.stderr)
+        print_line(f"fineweb.py: warning: all {len(shards)} shards are val shards (--val-shards "
+                   f"{args.val_shards}), so train_gpt2.py finds no train shards here", file=sys.stderr)
 
 
 def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, source: str) -> None:
@@ -257,7 +258,7 @@ def output_folder(out_dir: str):
         if not os.access(out_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as e:
-        raise UserError(f"cannot create shards in --out-dir {out_dir}: {os_error_reason(e)}") from None
+        raise UserError(f"cannot create shards in --out-dir {out_dir}: {reason_of(e)}") from None
     lock = FolderLock(out_dir)
     lock.acquire()  # refused: the folder is the other run's, left as it is
     try:

@@ -58,7 +58,8 @@ import torch.nn as nn
 
 from trainkit.hellaswag_eval import RENDERERS, describe_data, evaluate, load_examples  # the scoring the trainer uses too
 from trainkit.hf_weights import load_hf_model as load_gpt2lmheadmodel
-from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, print0, process_group, resolve_dtype
+from trainkit.console import print0, print_result
+from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group, resolve_dtype
 
 
 # -----------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def run(args) -> dict:
         result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
                           rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=True)
         print0(describe_data(data_file, args.limit))  # stdout only once there is a result
-        print0(json.dumps(result))
+        print_result(json.dumps(result))
         return result
 
 

@@ -75,7 +75,8 @@ if __name__ == "__main__":
 import torch
 
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
-from trainkit.cli import UserError, exit_code_of, os_error_reason
+from trainkit.cli import UserError, exit_code_of, reason_of
+from trainkit.console import print_line, print_result
 from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
 from trainkit.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, real_vocab_size
 
@@ -184,7 +185,7 @@ def _write_json(path: str, value: dict, shown: str):
         with open(path, "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2, ensure_ascii=False)
     except OSError as e:
-        raise UserError(f"cannot write the Hugging Face model to {shown}: {os_error_reason(e)}") from e
+        raise UserError(f"cannot write the Hugging Face model to {shown}: {reason_of(e)}") from e
 
 
 def _file_sha256(path: str) -> str:
@@ -217,7 +218,7 @@ def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
         try:
             same = os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
         except OSError as e:
-            raise UserError(f"cannot read {os.path.join(folder, name)}: {os_error_reason(e)}") from e
+            raise UserError(f"cannot read {os.path.join(folder, name)}: {reason_of(e)}") from e
         if not same:
             changes.append(f"{name} changed")
     return ", ".join(changes[:3]) + (f", ... ({len(changes)} in all)" if len(changes) > 3 else "") or None
@@ -288,7 +289,7 @@ def _remove_dead_partials(out_dir: str):
         if fd is not None:
             try:
                 shutil.rmtree(path)
-                print(f"removed {path}, the partial folder of an export that was killed", file=sys.stderr)
+                print_line(f"removed {path}, the partial folder of an export that was killed", file=sys.stderr)
             except OSError:
                 pass  # another export removing it too, or a folder we may not delete: left as it is
             finally:
@@ -367,7 +368,7 @@ def _replacing_folder(out_dir: str):
     try:
         new_dir, lock = _new_partial(target if in_place else os.path.dirname(target), target)
     except OSError as e:
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}") from e
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}") from e
     locks.append(lock)
     old_dir = None
     try:
@@ -396,7 +397,7 @@ def _replacing_folder(out_dir: str):
             new_dir = None
     except OSError as e:
         busy = " (a mount point cannot be renamed: export into a folder inside it)" if e.errno == errno.EBUSY else ""
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {os_error_reason(e)}{busy}") from e
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}{busy}") from e
     finally:
         for leftover in (new_dir, old_dir):
             if leftover:
@@ -505,7 +506,7 @@ def _save_pretrained(hf, out_dir: str, shown: str | None = None):
             if before.get(name) != stamp:
                 os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
     except Exception as e:  # OSError, or safetensors' own error for a failed write (a full disk)
-        raise UserError(f"cannot write the Hugging Face model to {shown or out_dir}: {os_error_reason(e)}") from e
+        raise UserError(f"cannot write the Hugging Face model to {shown or out_dir}: {reason_of(e)}") from e
 
 
 # -----------------------------------------------------------------------------
@@ -551,12 +552,11 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
             with _quiet_datasets():
                 loaded[name] = manager.load(name)
         except Exception as e:  # the Hub unreachable, a damaged file, a dataset lm-eval cannot build
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             fix = ("pass --hellaswag-file PATH (a local hellaswag_val.jsonl; evals/hellaswag_local.yaml reads it)"
                    if name in LOCAL_TASKS else
                    "with no internet, point HF_HOME at a Hugging Face cache that holds its dataset "
                    "and set HF_DATASETS_OFFLINE=1")
-            raise UserError(f"--tasks {name}: cannot load its data ({type(e).__name__}: {first:.200}); {fix}") from e
+            raise UserError(f"--tasks {name}: cannot load its data ({reason_of(e, typed=True)}); {fix}") from e
     return manager, [obj for result in loaded.values() for obj in _top_level(result)]
 
 
@@ -593,8 +593,7 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
             with quiet_transformers():
                 lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype="float32")
         except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or device it cannot have
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"lm-eval cannot load the exported model ({type(e).__name__}: {first:.200})") from e
+            raise UserError(f"lm-eval cannot load the exported model ({reason_of(e, typed=True)})") from e
         return lm_eval.simple_evaluate(model=lm, tasks=loaded, limit=limit, num_fewshot=num_fewshot,
                                        log_samples=True, bootstrap_iters=0, task_manager=manager)
 
@@ -617,7 +616,7 @@ def run_lm_eval(args):
         try:
             os.makedirs(args.samples_dir, exist_ok=True)
         except OSError as e:
-            raise UserError(f"--samples-dir {args.samples_dir}: {os_error_reason(e)}") from None
+            raise UserError(f"--samples-dir {args.samples_dir}: {reason_of(e)}") from None
     out = lm_eval_results(args.checkpoint, tasks, hellaswag_file=args.hellaswag_file, limit=args.limit,
                           batch_size=args.batch_size, num_fewshot=args.num_fewshot,
                           device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -627,10 +626,10 @@ def run_lm_eval(args):
             with open(path, "w") as f:
                 f.writelines(json.dumps(_sample_record(s)) + "\n" for s in samples)
         except OSError as e:
-            raise UserError(f"cannot write {path}: {os_error_reason(e)}") from None
+            raise UserError(f"cannot write {path}: {reason_of(e)}") from None
     from lm_eval.utils import make_table
-    print(make_table(out), file=sys.stderr)
-    print(json.dumps({task: _metrics(results) for task, results in out["results"].items()}))
+    print_line(make_table(out), file=sys.stderr, keep_newlines=True)
+    print_result(json.dumps({task: _metrics(results) for task, results in out["results"].items()}))
 
 
 def _metrics(results: dict) -> dict:
@@ -647,8 +646,8 @@ def main(argv=None) -> int:
 
     def export():
         out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
-        print(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}) "
-              f"and AutoTokenizer.from_pretrained({out!r}))")
+        print_line(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}) "
+                   f"and AutoTokenizer.from_pretrained({out!r}))")
     return exit_code_of(export, args.debug)
 
 

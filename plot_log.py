@@ -28,7 +28,8 @@ import math
 import os
 import sys
 
-from trainkit.cli import UserError
+from trainkit.cli import UserError, reason_of
+from trainkit.console import print_line
 
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")  # what the plots read
@@ -100,7 +101,7 @@ def load_records(log: str) -> list[dict]:
     if not records:
         raise UserError(f"{log} has no records yet (is the run just starting?)")
     if bad:
-        print(f"warning: skipped {bad} malformed line(s) in {log}", file=sys.stderr)
+        print_line(f"warning: skipped {bad} malformed line(s) in {log}", file=sys.stderr)
     return records
 
 
@@ -282,7 +283,7 @@ def plot_log(path: str, out: str | None = None, baseline: float | None = None, c
                             f"(use {', '.join('.' + f for f in sorted(formats))})")
         fig.savefig(out, dpi=120)
     except OSError as e:
-        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+        raise UserError(f"cannot write {out}: {reason_of(e)}") from None
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)
@@ -305,7 +306,7 @@ def main(argv=None) -> int:
     def plot():
         out = plot_log(args.path, args.out, baseline=args.baseline_hellaswag, clip=not args.no_clip,
                        smooth=args.smooth)
-        print(f"wrote {out}")
+        print_line(f"wrote {out}")
     return cli.exit_code_of(plot, args.debug)
 
 

@@ -4,8 +4,11 @@
     python sample.py --hf-model gpt2_hf --temperature 0.8 --top-k 40 --seed 7
 
 Each sample is the prompt and its continuation as plain text, after a `--- sample i/N ---`
-line; notes go to stderr. A sample ends with its first <|endoftext|>, as Hugging Face's generate
-stops at the eos token (--continue-past-eot: it runs on). The same seed gives the same text on
+line (control characters other than newlines and tabs written as `\\x1b`: a model trained on
+terminal escapes writes them back); notes go to stderr. A reader that stops (`| head`) stops it
+quietly with exit code 141; a stdout that fails otherwise (a full disk) is one `error:` line and
+exit code 2. A sample ends with its first <|endoftext|>, as Hugging Face's generate stops at the
+eos token (--continue-past-eot: it runs on). The same seed gives the same text on
 the same device and torch version, whatever --batch-size. An empty prompt starts a new document
 (<|endoftext|>); a prompt longer than the model's block size keeps its newest tokens in view.
 Decoding uses the model's KV cache (train_gpt2.GPT.generate); sample_text (trainkit/sampling.py)
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
@@ -57,6 +59,7 @@ if __name__ == "__main__":
     parse_args()  # --help, or a usage error: answered now, before the slow imports
 
 from trainkit.cli import UserError, exit_code_of
+from trainkit.console import print_line, print_result
 from trainkit.launch import resolve_device
 from trainkit.sampling import encode_prompt, sample_text  # what the trainer's --sample-every prints too
 from trainkit.tokenizer import get_tokenizer_or_fail
@@ -86,24 +89,20 @@ def run(args: argparse.Namespace):
     model = load_model(args, device)
     n_prompt = len(encode_prompt(enc, args.prompt, model.config.vocab_size))  # refuses ids the model lacks
     if n_prompt >= model.config.block_size:
-        print(f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
-              file=sys.stderr)
+        print_line(f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
+                   file=sys.stderr)
     texts = sample_text(model, enc, device, args.prompt, n=args.num_samples, length=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                         end_at_eot=not args.continue_past_eot, batch_rows=args.batch_size)
-    try:
-        for i, text in enumerate(texts, 1):  # a batch at a time: a huge --num-samples never holds them all
-            print(f"--- sample {i}/{args.num_samples} ---")
-            print(text, flush=True)
-    except BrokenPipeError:  # `sample.py ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the flush at exit cannot fail
-        sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a filter stopped so; no message
+    for i, text in enumerate(texts, 1):  # a batch at a time: a huge --num-samples never holds them all
+        # the model's text as it is but for control characters (a model trained on terminal escapes
+        # writes them back); where stdout is gone (`| head`, a full disk), no more are drawn
+        if not (print_result(f"--- sample {i}/{args.num_samples} ---") and print_result(text, keep_newlines=True)):
+            return
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):  # generated text on a terminal that is not UTF-8
-        sys.stdout.reconfigure(errors="replace")
     return exit_code_of(lambda: run(args), args.debug)
 
 

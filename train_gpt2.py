@@ -182,9 +182,10 @@ from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag 
 from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
 from trainkit.launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
     Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
-    decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
+    decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group, resolve_dtype)
 from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
     MuonWithAdamW, set_lr, use_run_hyperparameters)
+from trainkit.console import print0, print_result  # defines: printing from rank 0, control characters escaped
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
@@ -1004,7 +1005,7 @@ class Trainer:
             loss_total = run()
         except Exception as e:  # dynamo, inductor, Triton and the C++ toolchain fail in many types
             e = compile_failure_cause(e)  # (an out-of-memory is no compile failure: raised, for retry_on_oom)
-            print0(f"compile failed, continuing without it: {type(e).__name__}: {(str(e).strip() or '?').splitlines()[0]}")
+            print0(f"compile failed, continuing without it: {cli.reason_of(e, typed=True)}")
             self.use_compile = False
             self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
             self._wrap_model()
@@ -1089,7 +1090,7 @@ class Trainer:
         if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
             prompt = train_flags.SAMPLE_PROMPT if run.sample_prompt is None else run.sample_prompt
             for text in sample_text(self.raw_model, self.enc, self.device, prompt, stop_early=not run.fsdp):
-                print0(f"sample: {text}")
+                print0(f"sample: {text}", keep_newlines=True)  # its control characters escaped
         return results
 
     def evaluate_only(self):
@@ -1098,7 +1099,7 @@ class Trainer:
         with self.running():
             results = self.evaluate(self.start_step, last_step=True)
             checked_on_every_rank(self.d, self.shard_check.result)
-        print0(json.dumps(dict(step=self.start_step, **results)))
+        print_result(json.dumps(dict(step=self.start_step, **results)))
 
     @contextlib.contextmanager
     def running(self):

@@ -529,7 +529,7 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
     class Panicking:
         def encode_to_numpy(self, text, **kwargs):
             if "bad" in text:
-                raise PanicException("called `Result::unwrap()`\non an `Err` value")
+                raise PanicException("called `Result::unwrap()` on an `Err` value\nnote: run with RUST_BACKTRACE=1")
             return np.array([1, 2], dtype=np.uint32)
 
     monkeypatch.setattr(documents, "_worker_encoding", Panicking())  # forked workers inherit it

@@ -11,6 +11,7 @@ import torch
 from conftest import REPO
 from shards import make_docs, write_shards
 from trainkit import checkpoints
+from trainkit import console
 from trainkit import tokenizer
 import sample
 from trainkit import sampling
@@ -378,4 +379,6 @@ def test_trainer_samples_continue_sample_prompt(trained):
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))
     assert len(expected) == 4 and all(text.startswith("def ") for text in expected)
-    assert proc.stdout.count("sample: ") == 4 and all(f"sample: {text}\n" in proc.stdout for text in expected)
+    # as the trainer prints them: control characters but newlines and tabs escaped (a \x0b here)
+    shown = [console.shown(text, keep_newlines=True) for text in expected]
+    assert proc.stdout.count("sample: ") == 4 and all(f"sample: {text}\n" in proc.stdout for text in shown)

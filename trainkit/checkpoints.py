@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 
 from trainkit.atomic_write import write_atomically
-from trainkit.cli import UserError, os_error_reason
+from trainkit.cli import UserError, reason_of
 from trainkit.fsdp import is_fsdp
-from trainkit.launch import print0
+from trainkit.console import print0
 from trainkit.shards import differing_file, shard_files
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -214,7 +214,7 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
     try:
         write_atomically(path, write, fsync_file=True, fsync_folder=True)
     except (OSError, RuntimeError) as e:  # disk full, quota, permissions
-        raise UserError(f"could not write checkpoint {path}: {os_error_reason(e)}; the previous checkpoint "
+        raise UserError(f"could not write checkpoint {path}: {reason_of(e)}; the previous checkpoint "
                         f"{latest_checkpoint(out_dir) or '(none)'} is intact") from None
     if keep_last:
         for old in list_checkpoints(out_dir)[:-keep_last]:
@@ -260,7 +260,7 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
             ckpt = torch.load(f, map_location=map_location, weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
             what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else \
-                f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                reason_of(e, typed=True)
             if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
                 what = "it holds pickled objects other than tensors and plain values, which are never loaded"
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None

@@ -17,14 +17,27 @@ hf_interop.py, sample.py, plot_log.py):
 - no argument of any script takes an empty value (an unset shell variable: `--out-dir "$OUT"`):
   it is a usage error naming the argument, not a path that resolves to the current folder or
   an option silently dropped. The one exception is text that may be empty on purpose (a
-  prompt), whose argument's type is may_be_empty.
+  prompt), whose argument's type is may_be_empty;
+- printing never ends a command, and nothing printed commands the terminal (trainkit/console.py,
+  installed first by exit_on_ctrl_c_while_starting): a stdout or stderr that fails (`| head`, a
+  closed terminal, `> /dev/full`) is dropped from then on and the run goes on (its log.jsonl is the
+  record); text the terminal's encoding lacks is backslash-escaped; control characters (ESC, BEL,
+  ...) in what is printed are shown as `\\x1b`; a command whose product is its output (sample.py,
+  hellaswag.py, --eval-only, hf_interop.py eval) exits 141 when its reader left (128 + SIGPIPE, as
+  a shell reports a filter stopped so; nothing printed) and 2 with `error: cannot write the output to
+  stdout: ...` when stdout failed otherwise (the exit code alone if stderr failed too);
+- a library's exception quoted inside one of our lines is reason_of(e): short, on one line.
 
 Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
 """
 import argparse
+import errno
 import os
+import re
 import signal
 import sys
+
+from trainkit.console import guard_streams, print0, print_line, result_lost
 
 
 class UserError(Exception):
@@ -50,28 +63,19 @@ def flat(message) -> str:
     return " ".join(str(message).split())
 
 
-def is_rank0() -> bool:
-    """Whether this process is rank 0 of a torchrun launch, or not launched by one (RANK unset or 0)."""
-    return os.environ.get("RANK", "0") in ("", "0")
-
-
-def print_line0(line: str) -> None:
-    """One line on stderr, written by rank 0 only under torchrun (RANK unset or 0)."""
-    if is_rank0():
-        print(line, file=sys.stderr, flush=True)
-
-
 def print_error(message) -> None:
+    """message as one `error:` line on stderr (control characters escaped), from rank 0; a
+    RankLocalError from the rank that raised it."""
     if isinstance(message, RankLocalError):  # with its rank, where RANK and WORLD_SIZE say there are several
         rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
         several = rank.isdigit() and world.isdigit() and int(world) > 1
-        print(f"error: {f'rank {rank}: ' * several}{flat(message)}", file=sys.stderr, flush=True)
+        print_line(f"error: {f'rank {rank}: ' * several}{flat(message)}", file=sys.stderr)
     else:
-        print_line0(f"error: {flat(message)}")
+        print0(f"error: {flat(message)}", file=sys.stderr)
 
 
 def print_warning(message) -> None:
-    print_line0(f"warning: {flat(message)}")
+    print0(f"warning: {flat(message)}", file=sys.stderr)
 
 
 MAX_COUNT = 2**62  # the largest count a flag takes: step, row and token arithmetic stays inside int64
@@ -150,7 +154,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _interrupted_while_starting(signum, frame):
-    print_line0("error: interrupted")
+    print0("error: interrupted", file=sys.stderr)
     os._exit(130)  # mid-import: nothing to clean up, and unwinding it would be a traceback
 
 
@@ -160,16 +164,19 @@ def _import_failed(kind, error, trace):
     one `error:` line and exit code 2, not a traceback from inside torch."""
     if not issubclass(kind, (ImportError, MemoryError)) or "--debug" in sys.argv:
         return sys.__excepthook__(kind, error, trace)
-    print_line0(f"error: cannot import the libraries this script needs ({kind.__name__}: {flat(error)}): under a "
-                "memory limit (ulimit -v) raise it, otherwise reinstall them (pip install -r requirements.txt)")
+    print0(f"error: cannot import the libraries this script needs ({reason_of(error, typed=True)}): under "
+           "a memory limit (ulimit -v) raise it, otherwise reinstall them (pip install -r requirements.txt)",
+           file=sys.stderr)
     os._exit(2)  # mid-import: nothing to clean up
 
 
 def exit_on_ctrl_c_while_starting() -> None:
-    """For a script run as a program, before its slow imports (torch takes seconds): Ctrl-C from
+    """For a script run as a program, first, before its slow imports (torch takes seconds): its
+    stdout and stderr are guarded (console.guard_streams: printing never ends it); Ctrl-C from
     now until exit_code_of runs the action is `error: interrupted` and exit code 130, and a
     library that fails to import is one `error:` line and exit code 2 (_import_failed). A
     SIGINT that the parent left ignored (a background job) stays ignored."""
+    guard_streams()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
     sys.excepthook = _import_failed
@@ -179,7 +186,8 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
                  interrupted: str = "error: interrupted") -> int:
     """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
     also_catch); or 130 and the `interrupted` line for a Ctrl-C that no handler turned into a
-    clean stop (128 + signum for another Interrupted signal). With debug, the traceback instead."""
+    clean stop (128 + signum for another Interrupted signal). With debug, the traceback instead.
+    An action whose result stdout could not take (console.print_result) ends as output_lost_code says."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # Ctrl-C unwinds the action again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.excepthook is _import_failed:  # the imports are done
@@ -195,20 +203,44 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
         if debug:
             raise
         signum = getattr(e, "signum", signal.SIGINT)
-        print_line0(interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}")
+        print0(interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}",
+               file=sys.stderr)
         return 128 + signum
-    return 0
+    return output_lost_code(result_lost())
 
 
-def one_line(e: BaseException) -> str:
-    """Another library's exception as a short single line, to quote inside our message."""
-    text = flat(e) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+SIGPIPE_EXIT_CODE = 128 + 13  # 128 + SIGPIPE (13 on Linux and macOS; Windows has no SIGPIPE)
 
 
-def os_error_reason(e: Exception) -> str:
-    """'no space left on device', 'permission denied', ...: an OSError without the file name
-    (which a failed write() does not carry anyway), to follow the name in our message; another
-    exception (torch.save's RuntimeError, safetensors' error) as its text on one line."""
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
-    return reason[:1].lower() + reason[1:]
+def output_lost_code(error: OSError | None) -> int:
+    """The exit code of a command that ended well but whose result stdout could not take (error;
+    None: it took all of it, 0): 141 for a reader that left (`| head`: it has what it wanted), as a
+    shell reports a filter stopped by SIGPIPE, nothing printed; else 2 after one `error:` line on
+    stderr (which may be lost too: then the code alone)."""
+    if error is None:
+        return 0
+    if error.errno == errno.EPIPE:
+        return SIGPIPE_EXIT_CODE
+    print_error(f"cannot write the output to stdout: {reason_of(error)}")
+    return 2
+
+
+# a C++ source location leading a library's message: "[enforce fail at alloc_cpu.cpp:127] ", gloo's "[../pair.cc:553] "
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")
+
+
+def reason_of(e: BaseException, typed: bool = False) -> str:
+    """A library's exception as a short line to quote inside one of ours. An OSError: its own words,
+    lowercased, without the file name (which our line gives: 'cannot write PATH: no space left on
+    device'); another: the first line of its text (libraries give the gist there and their advice
+    after) without a C++ source location, at most 300 characters; its type name where it says
+    nothing. typed: 'ValueError: ...', where the type tells what failed."""
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror[:1].lower() + e.strerror[1:]
+    else:
+        lines = _SOURCE_LOCATION.sub("", str(e).strip(), count=1).splitlines()
+        text = flat(lines[0]) if lines else ""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    if not text:
+        return type(e).__name__
+    return f"{type(e).__name__}: {text}" if typed else text

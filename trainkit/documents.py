@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import tiktoken
 
-from trainkit.cli import UserError, one_line, os_error_reason
+from trainkit.cli import UserError, reason_of
 from trainkit.tokenizer import encode_documents, get_encoding
 
 # --- document sources ------------------------------------------------------------------------
@@ -52,10 +52,10 @@ def iter_file_documents(files: list, text_field: str, doc_per_file: bool, utf8_e
             raise UserError(f"{path} is truncated (the gzip data ends early); "
                              "re-create it or leave it out of --files") from None
         except (gzip.BadGzipFile, zlib.error) as e:  # before OSError: BadGzipFile is one
-            raise UserError(f"{path} is not valid gzip data ({one_line(e)}); "
+            raise UserError(f"{path} is not valid gzip data ({reason_of(e)}); "
                              "re-create it or leave it out of --files") from None
         except OSError as e:  # a read() error carries no file name
-            raise UserError(f"cannot read {path}: {os_error_reason(e)}") from None
+            raise UserError(f"cannot read {path}: {reason_of(e)}") from None
 
 
 def _iter_one_file(path: str, text_field: str, doc_per_file: bool, utf8_errors: str):
@@ -109,7 +109,7 @@ def _iter_parquet(path: str, text_field: str):
                 yield where, _checked_text(text, text_field, where)
                 row += 1
     except (pa.ArrowException, OSError) as e:  # a damaged footer, page or schema; pyarrow's I/O errors
-        raise UserError(f"{path} is not a readable Parquet file ({one_line(e)}); "
+        raise UserError(f"{path} is not a readable Parquet file ({reason_of(e)}); "
                          "re-create it or leave it out of --files") from None
 
 
@@ -134,7 +134,7 @@ def hub_revision(dataset: str) -> str:
                          "one needs `hf auth login`)") from None
     except Exception as e:  # no network, DNS, proxy, timeout, server errors
         raise UserError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
-                         f"({type(e).__name__}: {one_line(e)}); {OFFLINE_HINT}") from None
+                         f"({reason_of(e, typed=True)}); {OFFLINE_HINT}") from None
 
 
 def iter_hub_documents(dataset: str, name, split: str, revision, text_field: str, debug: bool):
@@ -158,7 +158,7 @@ def _iter_hub_rows(dataset: str, name, split: str, revision, debug: bool):
         yield from datasets.load_dataset(dataset, name=name, split=split, revision=revision, streaming=True)
     except Exception as e:
         raise UserError(f"could not read {where} from the Hugging Face Hub "
-                         f"({type(e).__name__}: {one_line(e)}); {OFFLINE_HINT}") from e
+                         f"({reason_of(e, typed=True)}); {OFFLINE_HINT}") from e
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
@@ -241,7 +241,7 @@ def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.n
         raise ChunkError(None, f"not enough memory (the longest is {longest:,} characters)") from None
     except BaseException as e:  # e.g. tiktoken's regex giving up on ~1M characters of whitespace
         index = next((i for i, doc in enumerate(docs) if _fails(enc, doc, utf8_errors)), None)
-        error = f"{type(e).__name__}: {one_line(e)}"
+        error = reason_of(e, typed=True)
         raise ChunkError(index, (f"tiktoken failed ({error})" if index is None else
                                  f"tiktoken cannot tokenize this document ({error}); fix it or leave it out")
                          + " (--debug shows the traceback)") from e

@@ -26,7 +26,8 @@ import torch
 from trainkit.cli import UserError
 from trainkit.fsdp import local_part
 from trainkit.guards import is_out_of_memory, out_of_memory_reason
-from trainkit.launch import all_reduce_sum, print0
+from trainkit.console import print0
+from trainkit.launch import all_reduce_sum
 
 CPU_SEARCH_SHARE = 0.8  # on CPU a trial may take this much of the RAM the machine has available
 # What a trial leaves free for what a real step adds to it: the prefetcher's thread (8 MiB of stack on

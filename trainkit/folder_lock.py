@@ -10,7 +10,8 @@ import socket
 import sys
 
 from trainkit.atomic_write import write_bytes_atomically
-from trainkit.cli import UserError, os_error_reason
+from trainkit.cli import UserError, reason_of
+from trainkit.console import print_line
 
 
 class FolderLock:
@@ -32,7 +33,7 @@ class FolderLock:
                 "folder): wait for it to end, or choose another --out-dir")
 
     def note(self, line: str):
-        print(line, file=sys.stderr, flush=True)
+        print_line(line, file=sys.stderr)
 
     def acquire(self):
         try:
@@ -47,7 +48,7 @@ class FolderLock:
             raise UserError(self.in_use(self._holder())) from None
         except OSError as e:  # a file system without locks (Lustre without -o flock)
             os.close(fd)
-            return self._cannot_lock(os_error_reason(e))
+            return self._cannot_lock(reason_of(e))
         self.fd = fd
         try:
             self._write_holder()
@@ -75,7 +76,7 @@ class FolderLock:
                                    fsync_file=False, fsync_folder=False, tmp=f"{self.path}.{os.getpid()}.tmp")
             self.written = os.stat(self.path)
         except OSError as e:
-            raise UserError(f"cannot write {self.path}: {os_error_reason(e)}") from None
+            raise UserError(f"cannot write {self.path}: {reason_of(e)}") from None
 
     def _cannot_lock(self, why: str):
         self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")

@@ -14,7 +14,7 @@ import signal
 import torch
 
 from trainkit import cli
-from trainkit.cli import UserError, one_line
+from trainkit.cli import UserError, reason_of
 from trainkit.fsdp import local_part
 from trainkit.launch import all_reduce_sum
 
@@ -142,8 +142,8 @@ def out_of_memory_reason(e: BaseException) -> str:
     """'tried to allocate 2.00 GiB' out of an allocator's long message, else the message."""
     # CUDA: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."; CPU: "[enforce fail at
     # alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 411041792 bytes. ..."
-    tried = re.search(r"tried to allocate [^.]*(\.\d+ \w+)?", one_line(e), re.I)
-    return tried[0] if tried else one_line(e)
+    tried = re.search(r"tried to allocate [^.]*(\.\d+ \w+)?", reason_of(e), re.I)
+    return tried[0] if tried else reason_of(e)
 
 
 def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None,

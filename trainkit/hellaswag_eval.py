@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from trainkit.checkpoints import unwrap_model
 from trainkit.chunked_loss import exp_sums_
-from trainkit.cli import UserError
+from trainkit.cli import UserError, reason_of
 from trainkit.hellaswag_data import DATA_EXAMPLES, DATA_NAME, SUBSET_FILE, resolve_data_file
 from trainkit.launch import all_reduce_sum, autocast_context
 from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size
@@ -351,7 +351,7 @@ class _Rendered:
                     examples.append(render(json.loads(line), enc))
                 except ValueError as e:  # json's errors are ValueErrors too
                     raise UserError(f"{self.flag} {self.path} line {number}: not a HellaSwag example "
-                                    f"({e})") from None
+                                    f"({reason_of(e)})") from None
         return examples[:n]
 
 

@@ -29,7 +29,7 @@ import os
 import torch
 
 from trainkit.checkpoints import first_nonfinite
-from trainkit.cli import UserError
+from trainkit.cli import UserError, reason_of
 
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
@@ -112,8 +112,7 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
                 return what()
         except Exception as e:  # OSError (files, Hub), ValueError, RuntimeError, SafetensorError (damage)
             where = "directory" if local else "Hugging Face Hub model"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"{source}: cannot load the {where} ({first}); {hint}") from e
+            raise UserError(f"{source}: cannot load the {where} ({reason_of(e)}); {hint}") from e
 
     model_type = load(lambda: GPT2Config.get_config_dict(name_or_dir, local_files_only=local)[0]).get("model_type")
     if model_type not in (None, "gpt2"):

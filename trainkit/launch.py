@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, is_rank0
+from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, reason_of
+from trainkit.console import print_line
 from trainkit.shards import differing_file
 
 
@@ -103,7 +104,7 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     except dist.DistError as e:  # the store at MASTER_ADDR:MASTER_PORT: not every rank came, or none answers
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         raise RankLocalError(f"could not gather the WORLD_SIZE={world} ranks of this launch at {where} "
-                             f"within {timeout_s:g} s ({type(e).__name__}: {flat(e).split('. ')[0]}): start all "
+                             f"within {timeout_s:g} s ({reason_of(e, typed=True).split('. ')[0]}): start all "
                              f"{world} ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE to run one "
                              "process") from None
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
@@ -112,11 +113,6 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
 def cleanup_distributed():
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def print0(*args, **kwargs):
-    if is_rank0():
-        print(*args, **kwargs, flush=True)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -183,7 +179,7 @@ def is_lost_rank(e: BaseException) -> bool:
 def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: bool = True) -> RankLost:
     """The line for a failed collective; saves: the command writes checkpoints (so name the last)."""
     # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:14728. This is typically ..."
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]
+    reason = reason_of(e).split(". ")[0]
     checkpoint = (f". Last good checkpoint: {last_ckpt or 'none'}"
                   + (" (resume with the same command plus --resume)" if last_ckpt else "")) if saves else ""
     return RankLost(f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
@@ -228,7 +224,7 @@ def exit_code_on_every_rank(action, debug: bool = False) -> int:
     except RankLost as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_line(f"error: {flat(e)}", file=sys.stderr)
         return 1
 
 

@@ -21,11 +21,12 @@ from trainkit import cli
 from trainkit.atomic_write import fsync_dir, write_atomically
 from trainkit.checkpoints import (CKPT_NAME, ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary,
                                   new_run, read_run, run_name, same_file)
-from trainkit.cli import UserError, one_line, os_error_reason
+from trainkit.cli import UserError, reason_of
 from trainkit.folder_lock import FolderLock
-from trainkit.launch import print0
+from trainkit.console import print0
 from trainkit.own_files import move_entry, own_file, shared_as
 from trainkit.run_trackers import open_sinks
+
 
 class RunLog:
     """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
@@ -53,7 +54,7 @@ class RunLog:
             note = own_file(self.path)  # a log shared with another run folder: this run appends to its own copy
             self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
-            raise UserError(f"cannot open {self.path}: {os_error_reason(e)}; make it a writable file, or choose "
+            raise UserError(f"cannot open {self.path}: {reason_of(e)}; make it a writable file, or choose "
                             "another --out-dir") from None
         if note:
             print0(note)
@@ -66,7 +67,7 @@ class RunLog:
             try:
                 self.file.truncate(self.size)
             except OSError as e:
-                raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {os_error_reason(e)}") from None
+                raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {reason_of(e)}") from None
 
     def write(self, **record):
         if self.file:
@@ -97,7 +98,7 @@ class RunLog:
             call(*args)
         except Exception as e:
             self.sinks = [s for s in self.sinks if s is not sink]
-            cli.print_warning(f"{sink.flag} failed {when} ({type(e).__name__}: {one_line(e)}) and gets no more "
+            cli.print_warning(f"{sink.flag} failed {when} ({reason_of(e, typed=True)}) and gets no more "
                               f"records; {self.path} has them all")
 
     def _append(self, data: bytes):
@@ -121,7 +122,7 @@ class RunLog:
                 self._fail(e)
 
     def _fail(self, e: OSError):
-        raise UserError(f"cannot write {self.path}: {os_error_reason(e)} (the log ends at its last whole record). "
+        raise UserError(f"cannot write {self.path}: {reason_of(e)} (the log ends at its last whole record). "
                         f"Last good checkpoint: {self.last_checkpoint or 'none'}") from None
 
     def position(self) -> dict:
@@ -232,7 +233,7 @@ def set_aside_later_branch(out_dir: str, step: int):
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
-        raise UserError(f"could not move the later checkpoints of {out_dir} into {branch}: {os_error_reason(e)} "
+        raise UserError(f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} "
                         "(nothing was deleted)") from None
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
@@ -275,7 +276,7 @@ def set_aside_log_without_checkpoint(out_dir: str):
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
-        raise UserError(f"could not move {log} aside: {os_error_reason(e)} (nothing was deleted)") from None
+        raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
     print0(f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
            f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh")
 
@@ -358,7 +359,7 @@ def prepare_out_dir(out_dir: str) -> bool:
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"cannot write to --out-dir {out_dir}: {e.strerror}") from None
+        raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None
     for name in sorted(filter(CKPT_NAME.fullmatch, os.listdir(out_dir))):
         path = os.path.join(out_dir, name)
         if not os.path.isfile(path):  # --keep-last would fail to delete it mid-run, a save to write over it

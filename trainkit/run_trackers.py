@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainkit import cli
-from trainkit.cli import UserError
+from trainkit.cli import UserError, reason_of
 
 
 def import_extra(module: str, flag: str, package: str):
@@ -52,8 +52,7 @@ class WandbSink:
         try:
             self.run = wandb.init(project=project, dir=out_dir, config=config)
         except Exception as e:  # no API key, no network, a bad project name...
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {reason}); "
+            raise UserError(f"--wandb: could not start a W&B run ({reason_of(e, typed=True)}); "
                             "run `wandb login` or set WANDB_MODE=offline") from None
         if getattr(self.run, "disabled", False):
             cli.print_warning("--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "

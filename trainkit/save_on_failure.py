@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from trainkit.cli import UserError
-from trainkit.launch import AgreedUserError, print0
+from trainkit.console import print0
+from trainkit.launch import AgreedUserError
 
 
 def save_first_on_failure(trainer, step: int, action):

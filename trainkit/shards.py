@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from trainkit.atomic_write import write_bytes_atomically
-from trainkit.cli import UserError, os_error_reason
+from trainkit.cli import UserError, reason_of
 from trainkit.tokenizer import ENCODING_NAME, EOT, GPT2_VOCAB, real_vocab_size
 
 MANIFEST = "manifest.json"  # beside the shards: their sizes, checksums and where each ends in the documents
@@ -42,7 +42,7 @@ def write_atomically(path: str, *blobs) -> None:
     try:
         write_bytes_atomically(path, *blobs, fsync_file=False, fsync_folder=False)
     except OSError as e:  # a full disk, a quota, permissions
-        raise UserError(f"cannot write {path}: {os_error_reason(e)}; the shards that {MANIFEST} lists are "
+        raise UserError(f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
                          "complete: fix this and run the same command again to resume") from None
 
 
@@ -190,7 +190,7 @@ def input_listing(files: list) -> list:
         try:
             st = os.stat(path)
         except OSError as e:
-            raise UserError(f"cannot read {path}: {os_error_reason(e)}") from None
+            raise UserError(f"cannot read {path}: {reason_of(e)}") from None
         listing.append([path, st.st_size, st.st_mtime_ns])
     return listing
 
@@ -234,7 +234,8 @@ def open_shard(path: str) -> np.ndarray:
     except UserError:
         raise
     except (ValueError, OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read token shard ({e}); truncated or corrupt? re-create it") from None
+        raise UserError(f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? "
+                        "re-create it") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
                         f"{tokens.shape}. HINT: are you passing the right file?")
@@ -362,7 +363,7 @@ class ShardDigestCheck:
                 with open(path, "rb") as f:
                     digest = hashlib.file_digest(f, "sha256").hexdigest()
             except OSError as e:
-                self.error = UserError(f"cannot read {path}: {os_error_reason(e)}")
+                self.error = UserError(f"cannot read {path}: {reason_of(e)}")
                 return
             if digest != expected:
                 self.error = UserError(

@@ -8,11 +8,13 @@ import base64
 import contextlib
 import hashlib
 import os
+import sys
 
 import numpy as np
 import tiktoken
 
-from trainkit.cli import UserError, one_line, os_error_reason, print_line0
+from trainkit.cli import UserError, reason_of
+from trainkit.console import print0
 
 ENCODING_NAME = "r50k_base"  # GPT-2's BPE; tiktoken's "gpt2" is the same table but fetches extra files
 EOT = 50256  # <|endoftext|>
@@ -83,8 +85,8 @@ def _load_encoding() -> tiktoken.Encoding:
             with contextlib.suppress(Exception):
                 return tiktoken.get_encoding(ENCODING_NAME)
         elif os.path.exists(SHIPPED_BPE):
-            print_line0(f"note: the GPT-2 tokenizer file {cached} in TIKTOKEN_CACHE_DIR is damaged (another "
-                        f"sha256); using {SHIPPED_BPE} instead (delete the damaged file to silence this)")
+            print0(f"note: the GPT-2 tokenizer file {cached} in TIKTOKEN_CACHE_DIR is damaged (another "
+                   f"sha256); using {SHIPPED_BPE} instead (delete the damaged file to silence this)", file=sys.stderr)
     if os.path.exists(SHIPPED_BPE):
         return shipped_encoding()
     try:
@@ -92,7 +94,7 @@ def _load_encoding() -> tiktoken.Encoding:
     except Exception as e:
         raise RuntimeError(
             f"could not load the GPT-2 tokenizer: {SHIPPED_BPE} is missing and tiktoken could not fetch "
-            f"{ENCODING_NAME!r} ({one_line(e)}); restore the file (git checkout -- bpe), {_BPE_HINT}") from e
+            f"{ENCODING_NAME!r} ({reason_of(e)}); restore the file (git checkout -- bpe), {_BPE_HINT}") from e
 
 
 def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
@@ -103,7 +105,7 @@ def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise RuntimeError(f"could not load the GPT-2 tokenizer: cannot read {path}: {os_error_reason(e)}; "
+        raise RuntimeError(f"could not load the GPT-2 tokenizer: cannot read {path}: {reason_of(e)}; "
                            f"{_BPE_HINT}") from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != BPE_SHA256:
