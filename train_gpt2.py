@@ -185,6 +185,7 @@ from trainkit.launch import (  # defines: device, dtype, compile, the process gr
     decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, print0, process_group, resolve_dtype)
 from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
+from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
     ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, shard_files)
@@ -1058,7 +1059,8 @@ class Trainer:
                 result = self.train_step(step)
                 stop_agreed = result.stop_requested
                 step_times.append(result.dt)
-                self.log_step(step, result)
+                elapsed = time.perf_counter() - t_start
+                self.log_step(step, result, elapsed_and_eta(elapsed, step_times, run.max_steps - step - 1))
         print0(self.speed.summary(step_times, time.perf_counter() - t_start, peak_memory(self.device)))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
@@ -1129,12 +1131,13 @@ class Trainer:
                f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
-    def log_step(self, step: int, r: StepResult):
+    def log_step(self, step: int, r: StepResult, progress: str):
         tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
         print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
-               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f} ({tok_per_gpu:,.0f}/gpu)"
+               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
+               + per_device_rate(tok_per_gpu, self.d.world_size, self.device_type)
                + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-               + (f" | skipped ({r.skipped})" if r.skipped else ""))
+               + (f" | skipped ({r.skipped})" if r.skipped else "") + progress)
         record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens,
                       dt_ms=1000 * r.dt, tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu)
         if mfu is not None:
