@@ -830,7 +830,10 @@ class Trainer:
             get_tokenizer_or_fail("pass --hellaswag-every 0")
             # download and render now: a bad file fails here, not at the first evaluation (which
             # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
-            run.hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+            try:  # offline without the file: both ways on
+                run.hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+            except UserError as e:
+                raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
             hellaswag_eval.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     def use_micro_batch(self, B: int):

@@ -433,3 +433,23 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     got = json.loads(result)
     assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
+
+
+def test_an_offline_training_run_names_both_ways_past_hellaswag(tmp_path):
+    """Offline, with the default --hellaswag-every and no --hellaswag-file, the trainer refuses to start in one line
+    that names both the flag giving a local copy and --hellaswag-every 0, and trains nothing."""
+    from shards import make_docs, write_shards
+    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
+    offline = {**os.environ, "HELLASWAG_DIR": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9",
+               "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data-dir", str(tmp_path / "data"),
+                           "--out-dir", str(tmp_path / "out"), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                           "--block-size", "16", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
+                           "--max-steps", "1", "--val-every", "0", "--sample-every", "0"],
+                          capture_output=True, text=True, timeout=240, env=offline, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
+                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --hellaswag-file PATH "
+                        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\), or pass "
+                        r"--hellaswag-every 0 to train without HellaSwag\n", proc.stderr), proc.stderr
+    assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
