@@ -38,8 +38,12 @@ START=$SECONDS
 say() { echo "quickstart: $*"; }
 die() { echo "error: $*" >&2; exit 2; }
 
-# Ctrl-C reaches the running step too (the trainer then checkpoints and exits 0): stop here as well
-trap 'echo "quickstart: interrupted; run it again to resume" >&2; exit 130' INT
+# Ctrl-C reaches the running step too (the trainer then checkpoints and exits 0): stop here as well;
+# the same arguments resume the same run (others may train another one)
+SAME_COMMAND=
+[ $# -eq 0 ] || printf -v SAME_COMMAND ' %q' "$@"
+trap 'echo "quickstart: interrupted; run the same command again to resume: bash quickstart.sh$SAME_COMMAND" >&2
+      exit 130' INT
 HELLASWAG_ERR=$(mktemp "${TMPDIR:-/tmp}/quickstart-hellaswag.XXXXXX")
 trap 'rm -f "$HELLASWAG_ERR"' EXIT
 
@@ -191,3 +195,6 @@ fi
 say "samples"
 "$PY" sample.py --checkpoint "$OUT" --prompt "def " --num-samples 3 --max-new-tokens 64
 say "done in $((SECONDS - START)) s: checkpoints, log.jsonl and loss.png in $OUT"
+# the scripts need this environment's python: the README's next commands fail in a plain shell
+say "next: the scripts need $VENV's python; activate it in your shell, then run them, e.g.:"
+printf '  . %q/bin/activate\n  python sample.py --checkpoint %q --prompt "def "\n' "$VENV" "$OUT"

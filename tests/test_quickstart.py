@@ -84,6 +84,10 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt",
                                                                                     "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
+    # the README's next commands need the environment's python: the last lines say how
+    assert out.splitlines()[-3:] == [
+        f"quickstart: next: the scripts need {sys.prefix}'s python; activate it in your shell, then run them, e.g.:",
+        f"  . {sys.prefix}/bin/activate", '  python sample.py --checkpoint out/quick\\[1\\]\\* --prompt "def "']
 
     # the later value wins, as in argparse
     again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4", HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
@@ -134,7 +138,28 @@ def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
-    assert stderr.splitlines()[-1] == "quickstart: interrupted; run it again to resume"
+    same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
+    assert stderr.splitlines()[-1] == ("quickstart: interrupted; run the same command again to resume: bash quickstart.sh "
+                                       f"{same_command} --max-steps 100000 --out-dir {out}")
     assert "stopped by signal at step" in stdout  # the trainer checkpointed on the way out
     assert "HellaSwag" not in stdout and "done in" not in stdout
     assert not list(tmp_path.glob("quickstart-*"))
+
+
+def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it(tmp_path):
+    """`python sample.py` with quickstart's .venv beside the script but another python running it (one without
+    the libraries): one line names the environment and both ways to use it; without a .venv there, it says to
+    install the requirements. Neither blames a memory limit."""
+    for name in ("sample.py", "trainkit"):
+        (tmp_path / name).symlink_to(REPO / name)
+    start = "error: cannot import the libraries this script needs (ModuleNotFoundError: No module named 'torch'): "
+    for venv, fix in [(False, "reinstall them (pip install -r requirements.txt)"),
+                      (True, "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` "
+                             "first, or .venv/bin/python sample.py")]:
+        if venv:
+            (tmp_path / ".venv" / "bin").mkdir(parents=True)
+            (tmp_path / ".venv" / "bin" / "python").touch()
+        # -S: no site-packages, as a python that lacks the libraries
+        proc = subprocess.run([sys.executable, "-S", "sample.py", "--checkpoint", "out/quickstart"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", start + fix + "\n")
