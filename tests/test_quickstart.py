@@ -67,13 +67,14 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
     # the --limit of QUICKSTART_HELLASWAG_ARGS; offline, of the subset the repository ships, said so
-    hellaswag = out.split("quickstart: HellaSwag, first 8 examples\n", 1)[1].splitlines()[:3]
-    assert hellaswag[:2] == [
+    hellaswag = out.split("quickstart: HellaSwag, first 8 examples\n", 1)[1].splitlines()[:4]
+    assert hellaswag[:3] == [
         f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset "
         "shipped in fixtures/ instead",
+        f"hellaswag: scoring {OUT}/ckpt_0000003.pt, step 3",
         "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
         "ships, not the full 10042-example set); chance is 0.25"]
-    assert hellaswag[2].startswith('{"acc": ') and hellaswag[2].endswith(', "n": 8}')
+    assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 8}')
     run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -67,10 +67,11 @@ def test_quickstart_runs_as_written(tmp_path):
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         if script == "hellaswag.py":  # offline: the subset the repository ships, said so
-            assert result.stdout.splitlines()[0] == (
+            assert result.stdout.splitlines()[:2] == [
+                "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
                 "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
-                "repository ships, not the full 10042-example set); chance is 0.25")
-            assert result.stdout.splitlines()[1].endswith('"n": 8}')
+                "repository ships, not the full 10042-example set); chance is 0.25"]
+            assert result.stdout.splitlines()[2].endswith('"n": 8}')
         if script == "sample.py":
             assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
         if script == "train_gpt2.py --resume":
