@@ -1126,7 +1126,7 @@ class Trainer:
         run, d = self.run, self.d
         self.speed = Throughput(self.loader.rows_per_step * run.seq_len,  # processed by all ranks, padding included
                                 flops_per_token(self.model_cfg, run.seq_len, self.raw_model.num_params()),
-                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size)
+                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size, d.device_type)
         print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
                + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
