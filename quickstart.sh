@@ -60,41 +60,8 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install -q)
 
-newest_cpu_torch() {
-  # the newest torch>=2.6 built for CPU ("+cpu") that pip's configured sources offer, if any
-  "$PY" -m pip index versions torch 2>/dev/null | "$PY" -c '
-import re, sys
-found = re.search(r"Available versions: (.*)", sys.stdin.read())
-versions = [v.strip() for v in found.group(1).split(",")] if found else []
-print(next((v for v in versions if v.endswith("+cpu") and tuple(map(int, v.split(".")[:2])) >= (2, 6)), ""))'
-}
-
-install_torch() {
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    say "installing torch (CUDA build: an NVIDIA GPU is present)"
-    "${PIP[@]}" "torch>=2.6"
-    return
-  fi
-  if [ "$(uname -s)" != Linux ]; then  # PyPI's torch for macOS and Windows is the CPU build
-    say "installing torch"
-    "${PIP[@]}" "torch>=2.6"
-    return
-  fi
-  local version
-  version=$(newest_cpu_torch)
-  if [ -n "$version" ]; then
-    say "installing torch $version (no NVIDIA GPU: the CPU build)"
-    "${PIP[@]}" "torch==$version"
-  elif "$PY" -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/", timeout=5)' \
-      >/dev/null 2>&1; then
-    say "installing torch from download.pytorch.org/whl/cpu (no NVIDIA GPU: the CPU build)"
-    "${PIP[@]}" "torch>=2.6" --index-url https://download.pytorch.org/whl/cpu
-  else
-    say "download.pytorch.org is unreachable: installing PyPI's torch (its Linux build carries CUDA" \
-        "libraries, larger, and runs on the CPU too)"
-    "${PIP[@]}" "torch>=2.6"
-  fi
-}
+# install_torch: the CPU build where there is no NVIDIA GPU (.ci/install_torch.sh, which .ci/run uses too)
+. .ci/install_torch.sh
 
 # torch first, so that requirements.txt does not pull the CUDA build; torch is imported only once
 # numpy (requirements.txt) is in, or it warns "Failed to initialize NumPy"

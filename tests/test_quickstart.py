@@ -164,3 +164,35 @@ def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it
         proc = subprocess.run([sys.executable, "-S", "sample.py", "--checkpoint", "out/quickstart"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", start + fix + "\n")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with an NVIDIA GPU, PyPI's CUDA build is the one")
+def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
+    """.ci/install_torch.sh, which quickstart.sh and .ci/run share: on Linux without a GPU, the pinned version's
+    "+cpu" build where pip's sources offer one (the newest +cpu without a pin); else, download.pytorch.org being
+    unreachable, PyPI's torch, said so."""
+    if os.uname().sysname != "Linux":
+        pytest.skip("the CPU build is looked for on Linux only (PyPI's is the CPU one elsewhere)")
+    offered = tmp_path / "offered.txt"
+    fake_python = tmp_path / "python"  # answers `-m pip index versions torch` from offered.txt, else is python
+    fake_python.write_text(f'#!/bin/sh\nif [ "$1 $2 $3" = "-m pip index" ]; then cat {offered}; exit 0; fi\n'
+                           f'exec {sys.executable} "$@"\n')
+    fake_python.chmod(0o755)
+
+    def install(*version):
+        script = ('say() { echo "say: $*"; }; PY=' + str(fake_python) + '; PIP=(echo pip install); '
+                  '. .ci/install_torch.sh; install_torch "$@"')
+        proc = subprocess.run(["bash", "-c", script, "install", *version], cwd=REPO, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "HTTPS_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY})
+        assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+        return proc.stdout.splitlines()
+
+    offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0+cpu, 2.13.0, 2.12.0+cpu, 2.12.0\n")
+    assert install("2.13.0") == ["say: installing torch 2.13.0+cpu (no NVIDIA GPU: the CPU build)",
+                                 "pip install torch==2.13.0+cpu"]
+    assert install("2.12.0")[1] == "pip install torch==2.12.0+cpu"
+    assert install()[1] == "pip install torch==2.13.0+cpu"  # the newest CPU build
+    offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0\n")  # PyPI's list: no +cpu
+    assert install("2.13.0") == [
+        "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA "
+        "libraries, larger, and runs on the CPU too)", "pip install torch==2.13.0"]
