@@ -140,8 +140,8 @@ def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
     same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
-    assert stderr.splitlines()[-1] == ("quickstart: interrupted; run the same command again to resume: bash quickstart.sh "
-                                       f"{same_command} --max-steps 100000 --out-dir {out}")
+    assert stderr.splitlines()[-1] == ("quickstart: interrupted; run the same command again to resume: bash "
+                                       f"quickstart.sh {same_command} --max-steps 100000 --out-dir {out}")
     assert "stopped by signal at step" in stdout  # the trainer checkpointed on the way out
     assert "HellaSwag" not in stdout and "done in" not in stdout
     assert not list(tmp_path.glob("quickstart-*"))
