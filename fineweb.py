@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import signal
 import sys
 from decimal import Decimal, InvalidOperation
@@ -82,11 +83,13 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) 
     manifest["complete"] = True
     save_manifest(args.out_dir, manifest)
     shards = manifest["shards"]
-    print_line(f"wrote {len(shards)} shards, {writer.tokens_written:,} tokens, "
+    print_line(f"wrote {len(shards)} shard{'s' if len(shards) != 1 else ''}, {writer.tokens_written:,} tokens, "
                f"{sum(shard['documents'] for shard in shards):,} documents to {args.out_dir}")
     if len(shards) <= args.val_shards:
-        print_line(f"fineweb.py: warning: all {len(shards)} shards are val shards (--val-shards "
-                   f"{args.val_shards}), so train_gpt2.py finds no train shards here", file=sys.stderr)
+        which = "the only shard is a val shard" if len(shards) == 1 else f"all {len(shards)} shards are val shards"
+        print_line(f"fineweb.py: warning: {which} (--val-shards {args.val_shards}), so train_gpt2.py finds no train "
+                   f"shards here: run again into an empty --out-dir with --shard-size {max(1, writer.tokens_written // 10)} "
+                   "(a tenth of the tokens)", file=sys.stderr)
 
 
 def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, source: str) -> None:
@@ -116,12 +119,19 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
             progress.update(tokens.size)
             if writer.tokens_total == args.max_tokens:
                 break
-        writer.finish_shard()
+        if args.split_small_input and not writer.manifest["shards"] and writer.filled > 1:
+            writer.finish_in_two(max(1, round(SMALL_INPUT_VAL_FRACTION * writer.filled)))
+        else:
+            writer.finish_shard()
 
 
 # --- command line (standard library only: --help and usage errors answer before numpy and tiktoken)
 
 DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+DEFAULT_SHARD_SIZE = 10**8
+# with the default --shard-size, an input smaller than one shard (a file of your own) is cut in two shards: this
+# fraction of its tokens the val split, the rest train (one val shard of everything would leave nothing to train on)
+SMALL_INPUT_VAL_FRACTION = 0.1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -147,10 +157,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     output = parser.add_argument_group("output")
     output.add_argument("--out-dir", default="edu_fineweb10B", help="folder for shards and "
                         "manifest.json (default edu_fineweb10B)")
-    output.add_argument("--prefix", default="edufineweb",
-                        help="shard file names: PREFIX_{val,train}_NNNNNN (default edufineweb)")
-    output.add_argument("--shard-size", type=parse_size, default=10**8, metavar="TOKENS",
-                        help="tokens per shard (default 100M)")
+    output.add_argument("--prefix",
+                        help="shard file names: PREFIX_{val,train}_NNNNNN (default: edufineweb for FineWeb-Edu, "
+                             "another Hub dataset's name, data for --files)")
+    output.add_argument("--shard-size", type=parse_size, metavar="TOKENS",
+                        help="tokens per shard (default 100M; an input smaller than that is cut in two shards: 10%% "
+                             "val, 90%% train)")
     output.add_argument("--val-shards", type=cli.non_negative_int, default=1, metavar="N",
                         help="the first N shards are the val split (default 1)")
     output.add_argument("--max-tokens", type=parse_size, metavar="TOKENS",
@@ -234,14 +246,31 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError("--format bin stores the token count as int32: use --shard-size below 2G")
     if not args.out_dir or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):
         raise UserError(f"--out-dir {args.out_dir!r} is not a folder")
+    args.split_small_input = args.shard_size is None and args.val_shards == 1
+    args.shard_size = args.shard_size or DEFAULT_SHARD_SIZE
+    if args.prefix is None:
+        args.prefix = default_prefix(args)
     if "/" in args.prefix or os.sep in args.prefix:
         raise UserError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
+    if args.prefix.startswith("."):  # glob's * (train_gpt2.py's *_val_*) skips hidden files
+        raise UserError(f"--prefix {args.prefix!r} starts with '.': train_gpt2.py would not find shards named "
+                        "like hidden files; choose a prefix without the leading dot")
     for split, other in (("val", "train"), ("train", "val")):
         # train_gpt2.py finds a split's shards by the name pattern *_{split}_*
         if f"_{other}_" in f"{args.prefix}_{split}_":
             raise UserError(f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
                              f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
                              "choose a prefix without '_train' or '_val'")
+
+
+def default_prefix(args: argparse.Namespace) -> str:
+    """build-nanogpt's edufineweb for FineWeb-Edu; another Hub dataset's name (HuggingFaceFW/fineweb: fineweb, with
+    characters other than letters, digits, '-' and '.' as '-'); local files: data."""
+    if args.files:
+        return "data"
+    if args.dataset == DEFAULT_DATASET:
+        return "edufineweb"
+    return re.sub(r"[^A-Za-z0-9.-]", "-", args.dataset.rsplit("/", 1)[-1]).lstrip(".-") or "data"
 
 
 @contextlib.contextmanager

@@ -18,10 +18,13 @@ summed log-likelihood by the ending's length in characters, not tokens. The comm
 reports those two numbers, lm_eval_acc and lm_eval_acc_norm; they equal lm-eval's acc and
 acc_norm on its hellaswag task whenever context + ending fits the model's positions (all of
 HellaSwag fits GPT-2's 1024; a shorter model cuts long contexts differently from lm-eval).
+Its text differs from the record's in every example, so each example is scored twice, under one
+progress bar; --no-lm-eval scores the record's text only, in half the time.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
@@ -41,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", help=f"where {DATA_NAME} is cached or downloaded to "
                                       "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
     p.add_argument("--limit", type=cli.non_negative_int, default=0, help="score only the first N examples (0: all 10042)")
+    p.add_argument("--no-lm-eval", dest="lm_eval", action="store_false",
+                   help="skip lm-eval's rendering of the examples and its lm_eval_acc, lm_eval_acc_norm (half the "
+                        "time: each example is scored once, not twice)")
     p.add_argument("--batch-size", type=cli.positive_int, default=None,
                    help="examples per forward pass (default: 16 on CUDA, 4 on CPU)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
@@ -56,6 +62,7 @@ if __name__ == "__main__":
 
 import torch.nn as nn
 
+from trainkit.checkpoints import latest_checkpoint, load_checkpoint
 from trainkit.hellaswag_eval import RENDERERS, describe_data, evaluate, load_examples  # the scoring the trainer uses too
 from trainkit.hf_weights import load_hf_model as load_gpt2lmheadmodel
 from trainkit.console import print0, print_result
@@ -82,22 +89,35 @@ def load_hf_model(path: str, device: str) -> nn.Module:
     return HFLogits(load_gpt2lmheadmodel(path, "--hf-model")).to(device).eval()
 
 
+def load_checkpoint_model(path: str, device: str) -> tuple[nn.Module, str]:
+    """Our GPT from a checkpoint (a file, or a run's folder for its newest), and which file and step it is."""
+    import dataclasses
+
+    from train_gpt2 import GPT, GPTConfig  # the model class of our checkpoints (only this command imports the trainer)
+    chosen = (latest_checkpoint(path) if os.path.isdir(path) else None) or path  # (a folder without one: refused)
+    ckpt = load_checkpoint(chosen, model_fields=[field.name for field in dataclasses.fields(GPTConfig)])
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    step = f", step {ckpt['step']}" if isinstance(ckpt.get("step"), int) else " (it records no step)"
+    return model.to(device).eval(), f"{chosen}{step}"
+
+
 def run(args) -> dict:
     def load_data_and_model(device: str):
         data_file = resolve_data_file(args.data_file, args.data_dir)
-        for style in RENDERERS:  # a bad file fails before loading a model; evaluate reuses these
-            load_examples(data_file, args.limit, style=style)
+        for style in RENDERERS if args.lm_eval else ["nanogpt"]:  # a bad file fails before loading a model
+            load_examples(data_file, args.limit, style=style)  # (evaluate reuses these)
         if args.checkpoint:
-            from train_gpt2 import GPT  # the model class of our checkpoints (only this command imports the trainer)
-            return data_file, GPT.from_checkpoint(args.checkpoint, device)
-        return data_file, load_hf_model(args.hf_model, device)
+            return data_file, *load_checkpoint_model(args.checkpoint, device)
+        return data_file, load_hf_model(args.hf_model, device), f"the Hugging Face GPT-2 in {args.hf_model}"
 
     with process_group(args.device) as d:
         dtype = resolve_dtype(args.dtype, d.device_type)
         # each rank reads its node's files: one with a file missing or bad is named, by rank 0
-        data_file, model = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
+        data_file, model, scored = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
+        print0(f"hellaswag: scoring {scored}")
         result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
-                          rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=True)
+                          rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=args.lm_eval)
         print0(describe_data(data_file, args.limit))  # stdout only once there is a result
         print_result(json.dumps(result))
         return result

@@ -38,7 +38,8 @@ from trainkit import cli  # the error contract shared by every script; standard 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.ArgumentParser(description="Convert between train_gpt2.py checkpoints and Hugging Face GPT-2.")
+    p = cli.ArgumentParser(description="Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or "
+                                       "evaluate one with lm-evaluation-harness.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
@@ -646,8 +647,13 @@ def main(argv=None) -> int:
 
     def export():
         out = export_hf(args.checkpoint, args.out_dir, vocab_size=args.vocab_size)
-        print_line(f"wrote Hugging Face GPT-2 to {out} (load with GPT2LMHeadModel.from_pretrained({out!r}) "
-                   f"and AutoTokenizer.from_pretrained({out!r}))")
+        with open(os.path.join(out, EXPORT_MARK), "rb") as f:  # which checkpoint (a folder's newest) and step
+            mark = json.loads(f.read())
+        source = os.path.relpath(mark["checkpoint"])
+        source = mark["checkpoint"] if source.startswith("..") else source
+        step = f"step {mark['step']}" if mark["step"] is not None else "it records no step"
+        print_line(f"wrote Hugging Face GPT-2 of {source} ({step}) to {out} (load with "
+                   f"GPT2LMHeadModel.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}))")
     return exit_code_of(export, args.debug)
 
 

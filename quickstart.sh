@@ -38,8 +38,12 @@ START=$SECONDS
 say() { echo "quickstart: $*"; }
 die() { echo "error: $*" >&2; exit 2; }
 
-# Ctrl-C reaches the running step too (the trainer then checkpoints and exits 0): stop here as well
-trap 'echo "quickstart: interrupted; run it again to resume" >&2; exit 130' INT
+# Ctrl-C reaches the running step too (the trainer then checkpoints and exits 0): stop here as well;
+# the same arguments resume the same run (others may train another one)
+SAME_COMMAND=
+[ $# -eq 0 ] || printf -v SAME_COMMAND ' %q' "$@"
+trap 'echo "quickstart: interrupted; run the same command again to resume: bash quickstart.sh$SAME_COMMAND" >&2
+      exit 130' INT
 HELLASWAG_ERR=$(mktemp "${TMPDIR:-/tmp}/quickstart-hellaswag.XXXXXX")
 trap 'rm -f "$HELLASWAG_ERR"' EXIT
 
@@ -56,41 +60,8 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install -q)
 
-newest_cpu_torch() {
-  # the newest torch>=2.6 built for CPU ("+cpu") that pip's configured sources offer, if any
-  "$PY" -m pip index versions torch 2>/dev/null | "$PY" -c '
-import re, sys
-found = re.search(r"Available versions: (.*)", sys.stdin.read())
-versions = [v.strip() for v in found.group(1).split(",")] if found else []
-print(next((v for v in versions if v.endswith("+cpu") and tuple(map(int, v.split(".")[:2])) >= (2, 6)), ""))'
-}
-
-install_torch() {
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    say "installing torch (CUDA build: an NVIDIA GPU is present)"
-    "${PIP[@]}" "torch>=2.6"
-    return
-  fi
-  if [ "$(uname -s)" != Linux ]; then  # PyPI's torch for macOS and Windows is the CPU build
-    say "installing torch"
-    "${PIP[@]}" "torch>=2.6"
-    return
-  fi
-  local version
-  version=$(newest_cpu_torch)
-  if [ -n "$version" ]; then
-    say "installing torch $version (no NVIDIA GPU: the CPU build)"
-    "${PIP[@]}" "torch==$version"
-  elif "$PY" -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/", timeout=5)' \
-      >/dev/null 2>&1; then
-    say "installing torch from download.pytorch.org/whl/cpu (no NVIDIA GPU: the CPU build)"
-    "${PIP[@]}" "torch>=2.6" --index-url https://download.pytorch.org/whl/cpu
-  else
-    say "download.pytorch.org is unreachable: installing PyPI's torch (its Linux build carries CUDA" \
-        "libraries, larger, and runs on the CPU too)"
-    "${PIP[@]}" "torch>=2.6"
-  fi
-}
+# install_torch: the CPU build where there is no NVIDIA GPU (.ci/install_torch.sh, which .ci/run uses too)
+. .ci/install_torch.sh
 
 # torch first, so that requirements.txt does not pull the CUDA build; torch is imported only once
 # numpy (requirements.txt) is in, or it warns "Failed to initialize NumPy"
@@ -191,3 +162,6 @@ fi
 say "samples"
 "$PY" sample.py --checkpoint "$OUT" --prompt "def " --num-samples 3 --max-new-tokens 64
 say "done in $((SECONDS - START)) s: checkpoints, log.jsonl and loss.png in $OUT"
+# the scripts need this environment's python: the README's next commands fail in a plain shell
+say "next: the scripts need $VENV's python; activate it in your shell, then run them, e.g.:"
+printf '  . %q/bin/activate\n  python sample.py --checkpoint %q --prompt "def "\n' "$VENV" "$OUT"

@@ -187,6 +187,7 @@ from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--o
     MuonWithAdamW, set_lr, use_run_hyperparameters)
 from trainkit.console import print0, print_result  # defines: printing from rank 0, control characters escaped
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
+from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
@@ -832,7 +833,10 @@ class Trainer:
             get_tokenizer_or_fail("pass --hellaswag-every 0")
             # download and render now: a bad file fails here, not at the first evaluation (which
             # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
-            run.hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+            try:  # offline without the file: both ways on
+                run.hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+            except UserError as e:
+                raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
             hellaswag_eval.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     def use_micro_batch(self, B: int):
@@ -1062,7 +1066,8 @@ class Trainer:
                 result = self.train_step(step)
                 stop_agreed = result.stop_requested
                 step_times.append(result.dt)
-                self.log_step(step, result)
+                elapsed = time.perf_counter() - t_start
+                self.log_step(step, result, elapsed_and_eta(elapsed, step_times, run.max_steps - step - 1))
         print0(self.speed.summary(step_times, time.perf_counter() - t_start, peak_memory(self.device)))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
@@ -1125,7 +1130,7 @@ class Trainer:
         run, d = self.run, self.d
         self.speed = Throughput(self.loader.rows_per_step * run.seq_len,  # processed by all ranks, padding included
                                 flops_per_token(self.model_cfg, run.seq_len, self.raw_model.num_params()),
-                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size)
+                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size, d.device_type)
         print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
                f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
                + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
@@ -1133,12 +1138,13 @@ class Trainer:
                f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
-    def log_step(self, step: int, r: StepResult):
+    def log_step(self, step: int, r: StepResult, progress: str):
         tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
         print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
-               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f} ({tok_per_gpu:,.0f}/gpu)"
+               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
+               + per_device_rate(tok_per_gpu, self.d.world_size, self.device_type)
                + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-               + (f" | skipped ({r.skipped})" if r.skipped else ""))
+               + (f" | skipped ({r.skipped})" if r.skipped else "") + progress)
         record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens,
                       dt_ms=1000 * r.dt, tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu)
         if mfu is not None:

@@ -5,6 +5,7 @@ test sets); the reference encoding is tiktoken's own r50k_base, read from a tikt
 shipped file (tiktoken's loader and definition, not fineweb's).
 """
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -107,7 +108,7 @@ def write_jsonl(path, rows, opener=open):
     return path
 
 
-def check_output(out_dir, docs, shard_size, val_shards=1, prefix="edufineweb"):
+def check_output(out_dir, docs, shard_size, val_shards=1, prefix="data"):
     """Shards hold exactly the reference tokens; names, sizes, manifest and hashes are right."""
     manifest, arrays = load_shards(out_dir)
     expected = reference_tokens(docs)
@@ -255,7 +256,7 @@ def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
                          "--max-tokens", "10.5K", "--format", "bin", "--workers", "2"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] == [
-        "edufineweb_val_000000.bin", "edufineweb_train_000001.bin", "edufineweb_train_000002.bin"]
+        "data_val_000000.bin", "data_train_000001.bin", "data_train_000002.bin"]
     tokens = []
     for shard in manifest["shards"]:
         data = (out / shard["file"]).read_bytes()
@@ -312,7 +313,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     try:
         deadline = time.monotonic() + 30
         # the hook parks the run once shard 2 is in place, before the manifest records it
-        while not (out / "edufineweb_train_000002.npy").exists():
+        while not (out / "data_train_000002.npy").exists():
             assert process.poll() is None and time.monotonic() < deadline, "run did not stall"
             time.sleep(0.05)
         if how.startswith("SIGKILL"):
@@ -361,7 +362,7 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
                              env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "2"})
     try:
         deadline = time.monotonic() + 30
-        while not (out / "edufineweb_train_000002.npy").exists():
+        while not (out / "data_train_000002.npy").exists():
             assert first.poll() is None and time.monotonic() < deadline, "run did not stall"
             time.sleep(0.05)
         before = tree_hashes(out)
@@ -582,7 +583,7 @@ def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "hub_revision", lambda dataset: "commit-1")
     args = ["--dataset", "me/corpus", "--shard-size", "2000", "--workers", "1"]
     assert fineweb.main(args + ["--out-dir", str(tmp_path / "full")]) == 0
-    manifest, _ = check_output(tmp_path / "full", docs, 2000)
+    manifest, _ = check_output(tmp_path / "full", docs, 2000, prefix="corpus")  # named for the dataset
     assert manifest["hub_revision"] == "commit-1"
     cut = tmp_path / "cut"  # what an interrupted run leaves: shard 0 and a manifest listing it
     cut.mkdir()
@@ -730,7 +731,7 @@ def test_manifest_that_is_not_ours(tmp_path):
                "use an empty --out-dir\n")
 
 
-@pytest.mark.parametrize("file", ["edufineweb_val_000000.npy", "manifest.json"])
+@pytest.mark.parametrize("file", ["data_val_000000.npy", "manifest.json"])
 def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
@@ -758,8 +759,11 @@ def test_all_val_shards_is_said(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M")
     assert result.returncode == 0
-    assert result.stderr.splitlines()[-1] == ("fineweb.py: warning: all 1 shards are val shards (--val-shards 3), "
-                                              "so train_gpt2.py finds no train shards here")
+    tokens = reference_tokens(make_docs(10)).size
+    assert result.stdout == f"wrote 1 shard, {tokens:,} tokens, 10 documents to {tmp_path / 'out'}\n"
+    assert result.stderr.splitlines()[-1] == (
+        "fineweb.py: warning: the only shard is a val shard (--val-shards 3), so train_gpt2.py finds no train shards "
+        f"here: run again into an empty --out-dir with --shard-size {tokens // 10} (a tenth of the tokens)")
 
 
 # --- the GPT-2 BPE shipped in bpe/ ----------------------------------------------------------------
@@ -950,3 +954,58 @@ def test_files_that_is_a_folder_says_so(tmp_path):
         f"error: --files '{tmp_path}' is a folder: --files takes files or globs, e.g. '{tmp_path}/*.jsonl' (or "
         "'**/*.jsonl' inside it for its subfolders)\n"))
     assert os.listdir(tmp_path) == ["d.jsonl"]
+
+
+def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_the_trainer_reads(tmp_path):
+    """An input smaller than one default shard becomes two shards named data_*: its first tenth the val split, the
+    rest train; a run killed between the two resumes byte-identical; and train_gpt2.py trains on the folder."""
+    lines = [line for line in make_docs(120, seed=5, newlines=False) if line.strip()]  # one document per line
+    (tmp_path / "notes.txt").write_text("\n".join(lines))
+    expected = reference_tokens(lines)
+    out = tmp_path / "mine"
+    result = run_cli("--files", tmp_path / "notes.txt", "--out-dir", out)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote 2 shards, {expected.size:,} tokens, {len(lines)} documents to {out}\n"
+    assert "warning" not in result.stderr
+    manifest, arrays = load_shards(out)
+    assert [shard["file"] for shard in manifest["shards"]] == ["data_val_000000.npy", "data_train_000001.npy"]
+    assert [a.size for a in arrays] == [round(expected.size / 10), expected.size - round(expected.size / 10)]
+    assert np.array_equal(np.concatenate(arrays), expected)
+
+    killed = tmp_path / "killed"  # parked once the train shard is in place, before the manifest records it
+    args = [sys.executable, FINEWEB, "--files", str(tmp_path / "notes.txt"), "--out-dir", str(killed)]
+    process = subprocess.Popen(args, stderr=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not (killed / "data_train_000001.npy").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "run did not stall"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    assert len(json.loads((killed / "manifest.json").read_text())["shards"]) == 1
+    resumed = run_cli(*args[2:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_output(killed, out)
+
+    trained = subprocess.run([sys.executable, os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"), "--data-dir",
+                              str(out), "--out-dir", str(tmp_path / "run"), "--n-layer", "1", "--n-head", "2",
+                              "--n-embd", "16", "--block-size", "16", "--seq-len", "16", "--batch-size", "2",
+                              "--total-batch-size", "32", "--max-steps", "1", "--val-every", "1", "--val-steps", "1",
+                              "--sample-every", "0", "--hellaswag-every", "0"],
+                             capture_output=True, text=True, timeout=240)
+    assert trained.returncode == 0, trained.stderr
+    assert "step     1 | val loss" in trained.stdout
+
+
+def test_a_prefix_the_trainer_would_not_find_is_refused(tmp_path):
+    """A --prefix starting with '.' names hidden files, which the trainer's shard search skips: refused in one
+    line before anything is written."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
+    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--prefix", ".hidden")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert only_line(result) == ("error: --prefix '.hidden' starts with '.': train_gpt2.py would not find shards "
+                                 "named like hidden files; choose a prefix without the leading dot")
+    assert not (tmp_path / "out").exists()

@@ -64,7 +64,7 @@ def test_mfu_under_two_ranks_is_per_gpu(two_ranks):
         assert r["tok_per_s"] == pytest.approx(tokens / dt, rel=1e-9)
         assert r["tok_per_s_per_gpu"] == pytest.approx(tokens / dt / 2, rel=1e-9)
     step_line = next(l for l in stdout.splitlines() if l.startswith("step     1/"))
-    assert re.search(r"tok/s [\d,]+ \([\d,]+/gpu\) \| mfu [\d.]+%", step_line), step_line
+    assert re.search(r"tok/s [\d,]+ \([\d,]+/rank\) \| mfu [\d.]+%", step_line), step_line
     # the summary's mean leaves out step 0 (compile / warm-up)
     summary = next(l for l in stdout.splitlines() if l.startswith("done:"))
     mean_dt = sum(r["dt_ms"] for r in records[1:]) / 3 / 1000

@@ -1,4 +1,5 @@
 """hellaswag.py: rendering, batched = one-at-a-time scoring, 2-process totals, HF parity, errors."""
+import dataclasses
 import hashlib
 import io
 import json
@@ -89,10 +90,10 @@ def run_cli(*args, env=None, launcher=(sys.executable,)):
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
 
 
-def result_line(proc, data_line):
+def result_line(proc, model_line, data_line):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[:-1] == [data_line], proc.stdout  # only rank 0 prints: what it scores, then the result
+    assert lines[:-1] == [model_line, data_line], proc.stdout  # only rank 0 prints: what it scores, then the result
     return json.loads(lines[-1])
 
 
@@ -223,7 +224,8 @@ def test_cli_two_processes_match_one(model, checkpoint, data_file):
     assert expected["n"] == 31
     got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
                   "--device", "cpu", launcher=torchrun("--standalone", "--nproc_per_node=2"))
-    assert result_line(got, f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}") == expected
+    assert result_line(got, f"hellaswag: scoring {checkpoint} (it records no step)",
+                       f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}") == expected
 
 
 def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
@@ -232,7 +234,9 @@ def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
     expected = hellaswag_eval.evaluate(model, "cpu", limit=1, data_file=path, lm_eval=True)
     got = run_cli("--checkpoint", checkpoint, "--data-file", path, "--limit", "1", "--device", "cpu",
                   launcher=torchrun("--standalone", "--nproc_per_node=2"))
-    assert result_line(got, f"hellaswag: the first 1 of 2 examples in {path}; chance is 0.25") == expected and expected["n"] == 1
+    assert result_line(got, f"hellaswag: scoring {checkpoint} (it records no step)",
+                       f"hellaswag: the first 1 of 2 examples in {path}; chance is 0.25") == expected
+    assert expected["n"] == 1
 
 
 def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
@@ -428,8 +432,54 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     hf.save_pretrained(tmp_path / "hf")
     assert hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20",
                     "--device", "cpu"]) == 0
-    data_line, result = capsys.readouterr().out.splitlines()
+    model_line, data_line, result = capsys.readouterr().out.splitlines()
+    assert model_line == f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
     assert data_line == f"hellaswag: the first 20 of 446 examples in {data_file}{SUBSET_NAMED}"
     got = json.loads(result)
     assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
+
+
+def test_an_offline_training_run_names_both_ways_past_hellaswag(tmp_path):
+    """Offline, with the default --hellaswag-every and no --hellaswag-file, the trainer refuses to start in one line
+    that names both the flag giving a local copy and --hellaswag-every 0, and trains nothing."""
+    from shards import make_docs, write_shards
+    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
+    offline = {**os.environ, "HELLASWAG_DIR": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9",
+               "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data-dir", str(tmp_path / "data"),
+                           "--out-dir", str(tmp_path / "out"), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                           "--block-size", "16", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
+                           "--max-steps", "1", "--val-every", "0", "--sample-every", "0"],
+                          capture_output=True, text=True, timeout=240, env=offline, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
+                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --hellaswag-file PATH "
+                        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\), or pass "
+                        r"--hellaswag-every 0 to train without HellaSwag\n", proc.stderr), proc.stderr
+    assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
+
+
+def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once(model, data_file, tmp_path):
+    """The first line names the checkpoint scored (a run folder's newest) and its step; both renderings go under
+    one labelled progress bar of 2 x N examples, and --no-lm-eval scores each example once, giving acc and
+    acc_norm only, the same numbers."""
+    from trainkit.checkpoints import save_checkpoint
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (5, 12):
+        save_checkpoint(str(run / f"ckpt_{step:07d}.pt"), {"model": model.state_dict(), "step": step,
+                                                           "model_config": dataclasses.asdict(model.config)})
+    both = run_cli("--checkpoint", run, "--data-file", data_file, "--limit", "6", "--device", "cpu")
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=data_file, lm_eval=True)
+    data_line = f"hellaswag: the first 6 of 446 examples in {data_file}{SUBSET_NAMED}"
+    assert result_line(both, f"hellaswag: scoring {run / 'ckpt_0000012.pt'}, step 12", data_line) == expected
+    bars = both.stderr.replace("\r", "\n")
+    assert "hellaswag, both texts: 100%" in bars and "12/12 [" in bars and "6/6 [" not in bars
+
+    once = run_cli("--checkpoint", run / "ckpt_0000005.pt", "--data-file", data_file, "--limit", "6", "--device",
+                   "cpu", "--no-lm-eval")
+    got = result_line(once, f"hellaswag: scoring {run / 'ckpt_0000005.pt'}, step 5", data_line)
+    assert got == {key: expected[key] for key in ("acc", "acc_norm", "n")}
+    bars = once.stderr.replace("\r", "\n")
+    assert "hellaswag: 100%" in bars and "6/6 [" in bars and "12/12 [" not in bars

@@ -702,3 +702,18 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
     proc = in_mount_namespace(volume, sys.executable, *EXPORT, first, volume)
     assert (proc.returncode, proc.stderr) == (2, changed_since(volume, "config.json changed, model.safetensors changed"))
     assert folder_bytes(volume) == before
+
+
+def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
+    """An export of a run folder says which checkpoint (the newest) and which step it wrote, relative to where it
+    was run; --help says that the script exports and evaluates."""
+    (tmp_path / "run").mkdir()
+    save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
+    save_ours(tiny_ours(vocab_size=100), tmp_path / "run" / "ckpt_0000012.pt", step=12)
+    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", "run", "run_hf", cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == ("wrote Hugging Face GPT-2 of run/ckpt_0000012.pt (step 12) to run_hf (load with "
+                           "GPT2LMHeadModel.from_pretrained('run_hf') and AutoTokenizer.from_pretrained('run_hf'))\n")
+    usage = run_cli(os.path.join(REPO, "hf_interop.py"), "--help")
+    assert ("Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or evaluate one with "
+            "lm-evaluation-harness.") in " ".join(usage.stdout.split())  # however wide the terminal

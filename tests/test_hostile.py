@@ -286,15 +286,15 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
     # before: the trainer read every *_train_* file and mixed these in (8,333 rows per epoch became 12,331)
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(made_data, data)
-    shard, manifest = data / "edufineweb_train_000002.npy", data / "manifest.json"
+    shard, manifest = data / "data_train_000002.npy", data / "manifest.json"
     size = shard.stat().st_size
     if case == "another data set's shard":
         shutil.copy(shard, data / "other_train_000001.npy")
         message = (f"{data}/other_train_000001.npy is not one of the shards that {manifest} lists: move it out of "
                    "the folder (where a manifest is, the trainer reads the shards it lists and no others)")
     elif case == "a .bin copy beside its .npy":
-        (data / "edufineweb_train_000002.bin").write_bytes(llmc_bin(np.load(shard)))
-        message = (f"{data}/edufineweb_train_000002.bin is not one of the shards that {manifest} lists: move it out "
+        (data / "data_train_000002.bin").write_bytes(llmc_bin(np.load(shard)))
+        message = (f"{data}/data_train_000002.bin is not one of the shards that {manifest} lists: move it out "
                    "of the folder (where a manifest is, the trainer reads the shards it lists and no others)")
     elif case == "a listed shard missing":
         shard.unlink()
@@ -334,7 +334,7 @@ def test_a_shard_that_is_not_what_its_manifest_records_stops_the_run(made_data, 
     """One byte differs (sizes equal): the full sha256 that the manifest records, checked beside the steps."""
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(made_data, data)
-    shard = data / "edufineweb_train_000003.npy"
+    shard = data / "data_train_000003.npy"
     tokens = np.load(shard)
     tokens[int(np.flatnonzero(tokens < 50000)[100])] ^= 1  # another real token
     np.save(shard, tokens)

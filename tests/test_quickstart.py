@@ -67,13 +67,14 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
     # the --limit of QUICKSTART_HELLASWAG_ARGS; offline, of the subset the repository ships, said so
-    hellaswag = out.split("quickstart: HellaSwag, first 8 examples\n", 1)[1].splitlines()[:3]
-    assert hellaswag[:2] == [
+    hellaswag = out.split("quickstart: HellaSwag, first 8 examples\n", 1)[1].splitlines()[:4]
+    assert hellaswag[:3] == [
         f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset "
         "shipped in fixtures/ instead",
+        f"hellaswag: scoring {OUT}/ckpt_0000003.pt, step 3",
         "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
         "ships, not the full 10042-example set); chance is 0.25"]
-    assert hellaswag[2].startswith('{"acc": ') and hellaswag[2].endswith(', "n": 8}')
+    assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 8}')
     run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -84,6 +85,10 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt",
                                                                                     "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
+    # the README's next commands need the environment's python: the last lines say how
+    assert out.splitlines()[-3:] == [
+        f"quickstart: next: the scripts need {sys.prefix}'s python; activate it in your shell, then run them, e.g.:",
+        f"  . {sys.prefix}/bin/activate", '  python sample.py --checkpoint out/quick\\[1\\]\\* --prompt "def "']
 
     # the later value wins, as in argparse
     again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4", HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
@@ -134,7 +139,60 @@ def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
-    assert stderr.splitlines()[-1] == "quickstart: interrupted; run it again to resume"
+    same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
+    assert stderr.splitlines()[-1] == ("quickstart: interrupted; run the same command again to resume: bash "
+                                       f"quickstart.sh {same_command} --max-steps 100000 --out-dir {out}")
     assert "stopped by signal at step" in stdout  # the trainer checkpointed on the way out
     assert "HellaSwag" not in stdout and "done in" not in stdout
     assert not list(tmp_path.glob("quickstart-*"))
+
+
+def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it(tmp_path):
+    """`python sample.py` with quickstart's .venv beside the script but another python running it (one without
+    the libraries): one line names the environment and both ways to use it; without a .venv there, it says to
+    install the requirements. Neither blames a memory limit."""
+    for name in ("sample.py", "trainkit"):
+        (tmp_path / name).symlink_to(REPO / name)
+    start = "error: cannot import the libraries this script needs (ModuleNotFoundError: No module named 'torch'): "
+    for venv, fix in [(False, "reinstall them (pip install -r requirements.txt)"),
+                      (True, "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` "
+                             "first, or .venv/bin/python sample.py")]:
+        if venv:
+            (tmp_path / ".venv" / "bin").mkdir(parents=True)
+            (tmp_path / ".venv" / "bin" / "python").touch()
+        # -S: no site-packages, as a python that lacks the libraries
+        proc = subprocess.run([sys.executable, "-S", "sample.py", "--checkpoint", "out/quickstart"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", start + fix + "\n")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with an NVIDIA GPU, PyPI's CUDA build is the one")
+def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
+    """.ci/install_torch.sh, which quickstart.sh and .ci/run share: on Linux without a GPU, the pinned version's
+    "+cpu" build where pip's sources offer one (the newest +cpu without a pin); else, download.pytorch.org being
+    unreachable, PyPI's torch, said so."""
+    if os.uname().sysname != "Linux":
+        pytest.skip("the CPU build is looked for on Linux only (PyPI's is the CPU one elsewhere)")
+    offered = tmp_path / "offered.txt"
+    fake_python = tmp_path / "python"  # answers `-m pip index versions torch` from offered.txt, else is python
+    fake_python.write_text(f'#!/bin/sh\nif [ "$1 $2 $3" = "-m pip index" ]; then cat {offered}; exit 0; fi\n'
+                           f'exec {sys.executable} "$@"\n')
+    fake_python.chmod(0o755)
+
+    def install(*version):
+        script = ('say() { echo "say: $*"; }; PY=' + str(fake_python) + '; PIP=(echo pip install); '
+                  '. .ci/install_torch.sh; install_torch "$@"')
+        proc = subprocess.run(["bash", "-c", script, "install", *version], cwd=REPO, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "HTTPS_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY})
+        assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+        return proc.stdout.splitlines()
+
+    offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0+cpu, 2.13.0, 2.12.0+cpu, 2.12.0\n")
+    assert install("2.13.0") == ["say: installing torch 2.13.0+cpu (no NVIDIA GPU: the CPU build)",
+                                 "pip install torch==2.13.0+cpu"]
+    assert install("2.12.0")[1] == "pip install torch==2.12.0+cpu"
+    assert install()[1] == "pip install torch==2.13.0+cpu"  # the newest CPU build
+    offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0\n")  # PyPI's list: no +cpu
+    assert install("2.13.0") == [
+        "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA "
+        "libraries, larger, and runs on the CPU too)", "pip install torch==2.13.0"]

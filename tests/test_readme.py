@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import train_gpt2 as tg
 from conftest import REPO
 
@@ -67,10 +69,11 @@ def test_quickstart_runs_as_written(tmp_path):
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         if script == "hellaswag.py":  # offline: the subset the repository ships, said so
-            assert result.stdout.splitlines()[0] == (
+            assert result.stdout.splitlines()[:2] == [
+                "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
                 "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
-                "repository ships, not the full 10042-example set); chance is 0.25")
-            assert result.stdout.splitlines()[1].endswith('"n": 8}')
+                "repository ships, not the full 10042-example set); chance is 0.25"]
+            assert result.stdout.splitlines()[2].endswith('"n": 8}')
         if script == "sample.py":
             assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
         if script == "train_gpt2.py --resume":
@@ -116,3 +119,48 @@ def test_fixtures_are_the_files_their_readme_describes():
         data = (REPO / "fixtures" / name).read_bytes()
         assert re.search(r"\*\*sha256:\*\* `([0-9a-f]{64})`", body)[1] == hashlib.sha256(data).hexdigest(), name
         assert f"{len(data):,} bytes" in body, name
+
+
+def transcript_lines():
+    block = section("<!-- transcript-begin -->", "<!-- transcript-end -->")
+    return [line for line in block.splitlines() if line and not line.startswith(("<!--", "```"))]
+
+
+def shape(line):
+    """A printed line with its durations and numbers masked: what stays the same from run to run."""
+    line = re.sub(r"\b\d+h\d\dm\b|\b(\d+m)?\d+s\b", "T", line)
+    return re.sub(r" +", " ", re.sub(r"\d[\d,.]*(e[-+]\d+)?", "#", line))
+
+
+def test_the_transcript_holds_what_the_first_two_commands_print_today(tmp_path):
+    """Every number of the README's transcript that is exactly reproducible (across runs and thread counts, on the
+    Python whose standard library it records) is what the quickstart's fineweb and training commands print today
+    under OMP_NUM_THREADS=1: fineweb's count, the model and batch lines, step 0's validation line, and the loss, lr
+    and norm of steps 0 and 1. The step and summary lines have the shape the trainer prints (timings differ)."""
+    import platform
+    recorded, this = re.search(r"recorded with Python (3\.\d+\.\d+)", README)[1], platform.python_version()
+    if this != recorded:
+        pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
+    lines = transcript_lines()
+    fineweb, train = quickstart_commands()[:2]
+    env = {**{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}, "OMP_NUM_THREADS": "1",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    made = subprocess.run(f"{fineweb.replace('python ', f'python {REPO}/', 1)}", shell=True, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert made.stdout.splitlines() == [lines[0]]
+    # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
+    ran = subprocess.run(f"{train.replace('python ', f'python {REPO}/', 1)} --max-steps 2 --sample-every 0", shell=True,
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    printed = ran.stdout.splitlines()
+    assert printed[:3] == lines[1:4]  # model, batch, step 0's validation
+    for step in (0, 1):
+        shown = next(line for line in lines if line.startswith(f"step {step:5d}/"))
+        got = next(line for line in printed if line.startswith(f"step {step:5d}/"))
+        assert got.replace("/2 |", "/100 |").split(" | dt ")[0] == shown.split(" | dt ")[0]
+    step_lines = [line for line in printed if re.match(r"step +\d+/", line)]
+    shown_step_lines = [line for line in lines if re.match(r"step +\d+/", line)]
+    assert shape(step_lines[0]) == shape(shown_step_lines[0])
+    assert shape(step_lines[-1]) == shape(shown_step_lines[-1])  # the last step: no eta
+    assert shape(printed[-1]) == shape(lines[-1]) and lines[-1].startswith("done: ")

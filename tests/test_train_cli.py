@@ -148,7 +148,7 @@ def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(tmp_path, align
         assert fineweb.main(["--files", str(TEXT_FILE), "--out-dir", str(tmp_path / fmt), "--shard-size", "8K",
                              "--max-tokens", "20K", "--format", fmt, "--workers", "1"]) == 0
         assert tg.main(train_args(str(tmp_path / fmt), tmp_path / f"out_{fmt}", 4, *align, steps=3)) == 0
-    assert sorted(os.listdir(tmp_path / "bin"))[:2] == ["edufineweb_train_000001.bin", "edufineweb_train_000002.bin"]
+    assert sorted(os.listdir(tmp_path / "bin"))[:2] == ["data_train_000001.bin", "data_train_000002.bin"]
     assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
 
 

@@ -159,13 +159,24 @@ def _interrupted_while_starting(signum, frame):
 
 
 def _import_failed(kind, error, trace):
-    """sys.excepthook while a script imports its libraries: one that cannot load (a memory limit
-    such as `ulimit -v` too small for torch's shared libraries, a broken or missing install) is
-    one `error:` line and exit code 2, not a traceback from inside torch."""
+    """sys.excepthook while a script imports its libraries: one that cannot load is one `error:`
+    line and exit code 2, not a traceback from inside torch, saying what most likely fixes it: a
+    memory limit such as `ulimit -v` too small for torch's shared libraries, the virtual environment
+    beside the script not being the python that runs it (quickstart.sh's .venv, not activated), or
+    a broken or missing install."""
     if not issubclass(kind, (ImportError, MemoryError)) or "--debug" in sys.argv:
         return sys.__excepthook__(kind, error, trace)
-    print0(f"error: cannot import the libraries this script needs ({reason_of(error, typed=True)}): under "
-           "a memory limit (ulimit -v) raise it, otherwise reinstall them (pip install -r requirements.txt)",
+    script = sys.argv[0]
+    venv = os.path.join(os.path.dirname(script), ".venv")
+    if issubclass(kind, MemoryError) or any(sign in str(error).lower() for sign in ("cannot allocate", "failed to map")):
+        fix = "under a memory limit (ulimit -v) raise it, otherwise reinstall them (pip install -r requirements.txt)"
+    elif (os.path.isfile(os.path.join(venv, "bin", "python"))
+          and os.path.realpath(sys.prefix) != os.path.realpath(venv)):
+        fix = (f"the virtual environment {venv} beside it is not active: run `. {venv}/bin/activate` first, "
+               f"or {venv}/bin/python {script}")
+    else:
+        fix = "reinstall them (pip install -r requirements.txt)"
+    print0(f"error: cannot import the libraries this script needs ({reason_of(error, typed=True)}): {fix}",
            file=sys.stderr)
     os._exit(2)  # mid-import: nothing to clean up
 

@@ -17,6 +17,7 @@ from trainkit import cli
 from trainkit.cli import UserError, reason_of
 from trainkit.fsdp import local_part
 from trainkit.launch import all_reduce_sum
+from trainkit.progress import per_device_and_mfu
 
 # Dense (not 2:4-sparse) bf16/fp16 tensor-core peak of one GPU in TFLOP/s, matched against
 # torch.cuda.get_device_name() in order, most specific pattern first. Consumer cards use the
@@ -73,8 +74,10 @@ class Throughput:
     """Speed of steps that each process tokens_per_step tokens on all ranks (padding included):
     tok/s of all ranks, per GPU, and MFU per GPU = FLOPs of all ranks / (dt x W x peak of one GPU)."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int,
+                 device_type: str):
         self.tokens_per_step, self.flops_per_token, self.peak, self.W = tokens_per_step, flops_per_token, peak, world_size
+        self.device_type = device_type  # the per-device rate reads /gpu on CUDA, /rank elsewhere (trainkit/progress.py)
 
     def of(self, dt: float) -> tuple[float, float, float | None]:
         """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt."""
@@ -88,8 +91,8 @@ class Throughput:
         speed = ""
         if timed:
             tok_per_s, tok_per_gpu, mfu = self.of(sum(timed) / len(timed))
-            speed = (f" | mean {tok_per_s:,.0f} tok/s ({tok_per_gpu:,.0f}/gpu" + (f", mfu {100 * mfu:.1f}%" if mfu else "")
-                     + f") over {'steps after the first' if len(step_times) > 1 else 'the only step'}")
+            speed = (f" | mean {tok_per_s:,.0f} tok/s" + per_device_and_mfu(tok_per_gpu, self.W, self.device_type, mfu)
+                     + f" over {'steps after the first' if len(step_times) > 1 else 'the only step'}")
         return f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | peak memory {peak_mem}"
 
 

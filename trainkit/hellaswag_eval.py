@@ -169,13 +169,14 @@ def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
 
 def score_examples(model: nn.Module, examples: list[Example], device: str, *,
                    batch_size: int | None = None, dtype: torch.dtype = torch.float32,
-                   block_size: int | None = None, progress: bool = False):
+                   block_size: int | None = None, bar=None):
     """Per-ending (summed, mean) losses, each (n, 4) float32 on the CPU, in example order.
 
     Our GPT scores packed rows (pack, score_packed); any other model, collate's 4 rows per
     example through its full logits (score_rows). Examples are batched in order of length,
     so little padding is computed. batch_size None: 16 on CUDA; 4 on CPU, where bigger
-    batches save no more per-op overhead than they add in padding and memory traffic."""
+    batches save no more per-op overhead than they add in padding and memory traffic. bar: a
+    progress bar (tqdm) that each batch advances by its examples, or None."""
     if batch_size is None:
         batch_size = 16 if torch.device(device).type == "cuda" else 4
     longest = model_block_size(model)
@@ -189,8 +190,6 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
         return len(ctx) + sum(len(e) for e in endings)
 
     order = sorted(range(len(examples)), key=lambda i: length(examples[i]))
-    from tqdm import tqdm
-    bar = tqdm(total=len(examples), desc="hellaswag", unit="example", disable=not progress)
     loss_sum = torch.zeros(len(examples), 4)
     loss_mean = torch.zeros(len(examples), 4)
     was_training = model.training
@@ -206,10 +205,10 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
                 s, m = score_rows(model, tokens.to(device), mask.to(device), dtype)
             loss_sum[idx] = s.view(-1, 4).cpu()
             loss_mean[idx] = m.view(-1, 4).cpu()
-            bar.update(len(idx))
+            if bar is not None:
+                bar.update(len(idx))
     finally:
         model.train(was_training)
-        bar.close()
     return loss_sum, loss_mean
 
 
@@ -229,18 +228,26 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
     path = resolve_data_file(data_file, data_dir, flag)
+    # lm-eval's text differs from the record's in every example (it starts with the activity label), so no
+    # forward serves both renderings: the second is scored after the first, under the same progress bar
     styles = ("nanogpt", "lm_eval") if lm_eval else ("nanogpt",)
+    from tqdm import tqdm
+    bar = tqdm(total=len(styles) * len(load_examples(path, limit, flag)[rank::world_size]), unit="example",
+               desc="hellaswag, both texts" if lm_eval else "hellaswag", disable=not (progress and rank == 0))
     picks = []  # (n, 4) losses whose argmin is a prediction, one per reported accuracy
-    for style in styles:
-        mine = load_examples(path, limit, flag, style)[rank::world_size]
-        loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
-                                             block_size=block_size, progress=progress and rank == 0)
-        if style == "nanogpt":
-            picks += [loss_sum, loss_mean]
-        else:
-            # (n, 4) also where n is 0: a rank of a launch with more ranks than examples gets none
-            chars = torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
-            picks += [loss_sum, loss_sum / chars]
+    try:
+        for style in styles:
+            mine = load_examples(path, limit, flag, style)[rank::world_size]
+            loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
+                                                 block_size=block_size, bar=bar)
+            if style == "nanogpt":
+                picks += [loss_sum, loss_mean]
+            else:
+                # (n, 4) also where n is 0: a rank of a launch with more ranks than examples gets none
+                chars = torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
+                picks += [loss_sum, loss_sum / chars]
+    finally:
+        bar.close()
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)],
                           device=device)

@@ -105,6 +105,17 @@ class ShardWriter:
                 # chunks hold whole documents, so a chunk's end is a document's end too
                 self.finish_shard(ends_document=pos == tokens.size or tokens[pos] == EOT)
 
+    def finish_in_two(self, first: int) -> None:
+        """finish_shard for a stream that ended inside the first shard, cut into two shards instead:
+        its first `first` tokens and the rest, with the bookkeeping of a stream cut there (so that a
+        run interrupted between the two resumes as one that wrote the first)."""
+        tokens = self.buffer[:self.filled].copy()
+        self.filled = self.shard_documents = self.documents_done = self.open_tokens = 0
+        self.add(tokens[:first])
+        self.finish_shard(ends_document=bool(tokens[first] == EOT))
+        self.add(tokens[first:])
+        self.finish_shard()
+
     def finish_shard(self, ends_document: bool = True) -> None:
         if not self.filled:
             return
