@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import re
@@ -22,9 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from trainkit import json_file
 from trainkit.cli import UserError, os_error_reason
 from trainkit.fsdp import is_fsdp
 from trainkit.launch import print0
+from trainkit.regular_file import open_regular
 from trainkit.shards import differing_file, shard_files
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -423,10 +424,10 @@ def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
     run from before run ids, or not a log: no JSON record), whether it holds any record, and whether
     a trained step (a record with a loss). Read a line at a time: a log of a long run is big."""
     last, trained, any_record = None, False, False
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line in f:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
+            with contextlib.suppress(json_file.JSONFileError):  # a line cut by a crash; a file of the user's
+                record = json_file.parse(line, path)
                 if isinstance(record, dict):
                     any_record, last = True, record.get("run")
                     trained |= "loss" in record

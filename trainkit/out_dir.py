@@ -17,7 +17,7 @@ import os
 import shutil
 import stat
 
-from trainkit import cli
+from trainkit import cli, json_file
 from trainkit.checkpoints import (ResumePoint, checkpoint_step, fsync_dir, in_history, list_checkpoints, log_summary,
                          new_run, read_run, run_name, same_file)
 from trainkit.cli import UserError, one_line, os_error_reason
@@ -75,8 +75,8 @@ class RunLog:
         if not self.file:
             return
         with open(self.path, "rb") as f:
-            for line in f.read(self.size).splitlines():
-                record = json.loads(line)
+            for number, line in enumerate(f.read(self.size).splitlines(), start=1):
+                record = json_file.parse(line, self.path, number)
                 record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})  # strict_json_record undone
                 record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
