@@ -576,7 +576,7 @@ def read_run(path: str) -> dict | None:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
-    return run_of(ckpt) if isinstance(ckpt, dict) else None
+    return run_of(ckpt) if isinstance(ckpt, dict) and not _run_problem(ckpt.get("run")) else None
 
 
 def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
