@@ -75,6 +75,7 @@ if __name__ == "__main__":
 
 import torch
 
+from trainkit import json_file
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
 from trainkit.cli import UserError, exit_code_of, reason_of
 from trainkit.console import print_line, print_result
@@ -198,9 +199,8 @@ def _file_sha256(path: str) -> str:
 
 
 def _read_mark(folder: str) -> dict | None:
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(folder, EXPORT_MARK)) as f:
-            mark = json.load(f)
+    with contextlib.suppress(OSError, json_file.JSONFileError):  # not a mark: the folder is not an export's
+        mark = json_file.read(os.path.join(folder, EXPORT_MARK))
         if isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER:
             return mark
     return None

@@ -23,11 +23,11 @@ from trainkit import cli  # the error contract shared by every script: first, so
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
 
-import json
 import math
 import os
 import sys
 
+from trainkit import json_file
 from trainkit.cli import UserError, reason_of
 from trainkit.console import print_line
 
@@ -57,10 +57,10 @@ def is_drawn(value: float) -> bool:
 
 def parse_record(line: bytes):
     """A line's JSON value, or None where it is not JSON text: a write cut by a crash, bytes that
-    are not UTF-8, nesting deeper than the parser's recursion."""
+    are not UTF-8, nesting deeper than any record (json_file.MAX_DEPTH)."""
     try:
-        return json.loads(line.decode("utf-8"))  # accepts the NaN/Infinity that json.dumps writes
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return json_file.parse(line, "log")  # accepts the NaN/Infinity that json.dumps writes
+    except json_file.JSONFileError:
         return None
 
 

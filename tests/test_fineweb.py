@@ -723,11 +723,12 @@ def test_out_dir_that_is_a_file_or_holds_the_input(tmp_path):
 def test_manifest_that_is_not_ours(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     (tmp_path / "out").mkdir()
-    for text in (b"[]", b'{"config": {}}', b"\xff\xfe binary"):
+    for text, reason in ((b"[]", ""), (b'{"config": {}}', ""),
+                         (b"\xff\xfe binary", " (not UTF-8 text (byte 0xff), so not JSON)")):
         (tmp_path / "out" / "manifest.json").write_bytes(text)
         result = run_cli("--files", path, "--out-dir", tmp_path / "out")
         assert (result.returncode, result.stderr) == (
-            2, f"error: {tmp_path / 'out' / 'manifest.json'} is not a manifest written by fineweb.py; "
+            2, f"error: {tmp_path / 'out' / 'manifest.json'} is not a manifest written by fineweb.py{reason}; "
                "use an empty --out-dir\n")
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import re
@@ -22,10 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from trainkit import json_file
 from trainkit.atomic_write import write_atomically
 from trainkit.cli import UserError, reason_of
 from trainkit.fsdp import is_fsdp
 from trainkit.console import print0
+from trainkit.regular_file import open_regular
 from trainkit.shards import differing_file, shard_files
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -267,10 +268,15 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:
         raise UserError(f"{path}: {problem}")
+    # before anything reads a tensor's contents (the checksum, a copy into the model): an expanded tensor of
+    # a few bytes on disk would ask for gigabytes there, a structure nested thousands deep overflow the stack
+    problem = structure_problem(ckpt) or state_shape_problem(ckpt["model"], ckpt["model_config"])
+    if problem:
+        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
     if ckpt["checksum"] != state_digest(ckpt):
         raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
                         f"{instead()}")
-    problem = state_shape_problem(ckpt["model"], ckpt["model_config"]) or resume and missing_resume_state(ckpt)
+    problem = fields_problem(ckpt, resume)
     if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
         raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
     bad = first_nonfinite(ckpt["model"])
@@ -284,11 +290,166 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
 RESUME_STATE = ("optimizer", "step", "run_config", "rng_cpu", "log_offset", "log_sha256", "skip_state")
+# deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
+# branch), far below the interpreter's recursion limit that state_digest's walk would reach
+MAX_NESTING = 100
+MAX_NODES = 10_000_000  # values in all, counted as state_digest visits them (a shared list once per place)
 
 
-def missing_resume_state(ckpt: dict) -> str | None:
-    missing = [k for k in RESUME_STATE if k not in ckpt]
-    return f"it holds no {', '.join(missing)} to resume from (weights only)" if missing else None
+def structure_problem(ckpt: dict) -> str | None:
+    """What makes a loaded checkpoint costlier to read than its file, in words (None: nothing): nesting
+    deeper than MAX_NESTING, more than MAX_NODES values, or a tensor that is not the plain one torch.save
+    writes of a parameter or a state: strided, contiguous (an expanded tensor, strides 0, views a few bytes
+    as gigabytes), inside its storage, and each storage no larger than what its tensors view; the tensors
+    together at most twice their storages' bytes (the tied token embedding and lm_head share one). Walked
+    without recursion, so that it is safe on any structure the unpickler builds."""
+    stack, nodes, storages, tensor_bytes = [("", ckpt, 0)], 0, {}, 0
+    while stack:
+        where, value, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_NESTING or nodes > MAX_NODES:
+            return (f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)" if depth > MAX_NESTING
+                    else f"its structure holds more than {MAX_NODES} values")
+        if isinstance(value, dict):
+            stack.extend((f"{where}[{k!r:.40}]", v, depth + 1) for k, v in value.items())
+            stack.extend((where, k, depth + 1) for k in value if isinstance(k, (tuple, torch.Tensor)))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v, depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, torch.Tensor):
+            problem = _tensor_problem(value)
+            if problem:
+                return f"its tensor {where or '(top)'} {problem}"
+            storage = value.untyped_storage()
+            storages[storage.data_ptr(), storage.nbytes()] = max(
+                storages.get((storage.data_ptr(), storage.nbytes()), 0),
+                (value.storage_offset() + value.numel()) * value.element_size())
+            tensor_bytes += value.numel() * value.element_size()
+    for (_, nbytes), viewed in storages.items():
+        if nbytes > viewed:
+            return f"a tensor's storage holds {nbytes} bytes, of which its tensors view {viewed}"
+    if tensor_bytes > 2 * sum(nbytes for _, nbytes in storages):
+        return (f"its tensors view {tensor_bytes} bytes of {sum(n for _, n in storages)} stored (one storage "
+                "viewed by many tensors)")
+    return None
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
+        return f"is a {t.layout} {t.device.type} tensor, not a plain one"
+    shape = "x".join(map(str, t.shape)) or "a scalar"
+    expected = [1] * t.dim()
+    for i in range(t.dim() - 2, -1, -1):
+        expected[i] = expected[i + 1] * max(t.shape[i + 1], 1)
+    if any(stride != want for stride, want, size in zip(t.stride(), expected, t.shape) if size > 1):
+        return f"of {shape} has strides {tuple(t.stride())}, not those of a stored tensor (expanded or a view)"
+    if (t.storage_offset() + t.numel()) * t.element_size() > t.untyped_storage().nbytes():
+        return f"of {shape} views more than its storage's {t.untyped_storage().nbytes()} bytes"
+    return None
+
+
+def fields_problem(ckpt: dict, resume: bool) -> str | None:
+    """The one check of a checkpoint's fields besides the model (whose names and shapes state_shape_problem
+    checks): their types and ranges as the trainer writes them, and to resume (resume), that every field a
+    resume reads is there. None: they are as the trainer writes them."""
+    if resume:
+        missing = [k for k in RESUME_STATE if k not in ckpt]
+        if missing:
+            return f"it holds no {', '.join(missing)} to resume from (weights only)"
+    checks = dict(step=_count, run=_run_problem, log_offset=_count, log_sha256=_sha256_text, rng_cpu=_rng_problem,
+                  rng_cuda=_rng_problem, skip_state=_skip_state_problem, run_config=_run_config_problem,
+                  data_files=_data_files_problem, scaler=_scaler_problem, optimizer=_optimizer_dict)
+    for key, check in checks.items():
+        if key in ckpt:
+            problem = check(ckpt[key])
+            if problem:
+                return f"its {key} {problem}"
+    return None
+
+
+def _count(value) -> str | None:
+    return None if type(value) is int and value >= 0 else f"is {_shown(value)}, not a count (an integer >= 0)"
+
+
+def _shown(value) -> str:
+    return f"a {type(value).__name__}" if isinstance(value, (dict, list, tuple, torch.Tensor)) else f"{value!r:.40}"
+
+
+def _sha256_text(value) -> str | None:
+    ok = isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)
+    return None if ok else f"is {_shown(value)}, not a sha256 in hex"
+
+
+def _rng_problem(value) -> str | None:
+    ok = torch.is_tensor(value) and value.dtype == torch.uint8 and value.dim() == 1 and value.numel() > 0
+    return None if ok else f"is {_shown(value)}, not a random generator's state (a 1-D uint8 tensor)"
+
+
+def _run_problem(run) -> str | None:
+    """A run identity (new_run's): {"id": hex text or None, "parent": None or {**identity, "step": count}}."""
+    while run is not None:
+        if not isinstance(run, dict) or not {"id", "parent"} <= run.keys():
+            return f"is {_shown(run)}, not a run identity (a mapping of id and parent)"
+        if run["id"] is not None and not (isinstance(run["id"], str) and re.fullmatch(r"[0-9a-f]{1,64}", run["id"])):
+            return f"id is {_shown(run['id'])}, not a run id"
+        run = run["parent"]
+        if run is not None and _count(run.get("step") if isinstance(run, dict) else None):
+            return "parent has no step it branched at"
+    return None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _skip_state_problem(state) -> str | None:
+    """The spike and non-finite guard's state (guards.UpdateGuard.state_dict)."""
+    ok = (isinstance(state, dict) and all(isinstance(state.get(k), list) and all(map(_number, state[k]))
+                                          for k in ("loss_window", "norm_window"))
+          and not _count(state.get("spikes_in_a_row")) and not _count(state.get("nonfinite_skipped")))
+    return None if ok else ("is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, "
+                            "nonfinite_skipped: counts)")
+
+
+# the run_config fields a resume reads: RESUME_KEYS (which rows each step reads) and the LR schedule's
+_RUN_CONFIG_TYPES = dict(seq_len=int, total_batch_size=int, align_docs=bool, shuffle=(bool, type(None)), seed=int,
+                         optimizer=str, lr_schedule=str, max_steps=int, warmup_steps=int, max_lr=(int, float),
+                         min_lr=(int, float, type(None)), cooldown_frac=(int, float))
+
+
+def _run_config_problem(config) -> str | None:
+    if not isinstance(config, dict):
+        return f"is {_shown(config)}, not a mapping"
+    for key, kind in _RUN_CONFIG_TYPES.items():
+        if key not in config:
+            if key in RESUME_KEYS:
+                return f"has no {key}"
+            continue
+        value, kinds = config[key], kind if isinstance(kind, tuple) else (kind,)
+        wrong = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)  # (a bool is an int)
+        if wrong or (isinstance(value, float) and not math.isfinite(value)) or (type(value) is int and value < 0):
+            return f"{key} is {_shown(value)}"
+    return None
+
+
+def _data_files_problem(files) -> str | None:
+    """None, or {"train": [...], "val": [...] or None} of (name, size, ...) entries (data_files)."""
+    if files is None:
+        return None
+    entries = [*(files.get("train") or ()), *(files.get("val") or ())] if isinstance(files, dict) else None
+    ok = (entries is not None and isinstance(files.get("train"), (list, tuple))
+          and isinstance(files.get("val"), (list, tuple, type(None)))
+          and all(isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[0], str) and not _count(e[1])
+                  and all(isinstance(x, (str, type(None))) for x in e[2:]) for e in entries))
+    return None if ok else "is not a list of shards (name, size, sha256)"
+
+
+def _scaler_problem(state) -> str | None:
+    ok = isinstance(state, dict) and all(_number(v) for v in state.values())
+    return None if ok else "is not a gradient scaler's state"
+
+
+def _optimizer_dict(state) -> str | None:
+    return None if isinstance(state, dict) else f"is {_shown(state)}, not an optimizer's state dict"
 
 
 def gpt_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -402,7 +563,7 @@ def read_run(path: str) -> dict | None:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
-    return run_of(ckpt) if isinstance(ckpt, dict) else None
+    return run_of(ckpt) if isinstance(ckpt, dict) and not _run_problem(ckpt.get("run")) else None
 
 
 def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
@@ -410,10 +571,10 @@ def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
     run from before run ids, or not a log: no JSON record), whether it holds any record, and whether
     a trained step (a record with a loss). Read a line at a time: a log of a long run is big."""
     last, trained, any_record = None, False, False
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line in f:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
+            with contextlib.suppress(json_file.JSONFileError):  # a line cut by a crash; a file of the user's
+                record = json_file.parse(line, path)
                 if isinstance(record, dict):
                     any_record, last = True, record.get("run")
                     trained |= "loss" in record

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 import logging
 import os
 import re
@@ -17,7 +16,9 @@ from collections import deque
 import numpy as np
 import tiktoken
 
+from trainkit import json_file
 from trainkit.cli import UserError, reason_of
+from trainkit.regular_file import check_regular
 from trainkit.tokenizer import encode_documents, get_encoding
 
 # --- document sources ------------------------------------------------------------------------
@@ -30,7 +31,9 @@ def resolve_files(patterns: list) -> list:
     files = []
     for pattern in patterns:
         matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if os.path.isfile(p))
+                         if os.path.exists(p) and not os.path.isdir(p))
+        for path in matched:  # a named pipe would block the read forever, a link to /dev/zero never end
+            check_regular(path)
         if not matched and os.path.isdir(os.path.expanduser(pattern)):
             raise UserError(f"--files {pattern!r} is a folder: --files takes files or globs, e.g. "
                             f"{os.path.join(pattern, '*.jsonl')!r} (or '**/*.jsonl' inside it for its subfolders)")
@@ -81,9 +84,9 @@ def _iter_json_lines(f, path: str, text_field: str):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{number}: not JSON Lines ({e.msg}); "
+            row = json_file.parse(line, path, number)
+        except json_file.JSONFileError as e:
+            raise UserError(f"{path}:{number}: not JSON Lines ({e.reason}); "
                              ".json/.jsonl files must hold one JSON object per line") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")

@@ -10,6 +10,7 @@ import urllib.request
 
 from trainkit.atomic_write import write_atomically
 from trainkit.cli import UserError
+from trainkit.regular_file import check_regular
 
 DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DATA_NAME = "hellaswag_val.jsonl"
@@ -34,8 +35,12 @@ def resolve_data_file(data_file: str | None = None, data_dir: str | None = None,
         if os.path.isdir(data_file):
             raise UserError(f"{flag} {data_file} is a folder: pass the file, e.g. "
                             f"{os.path.join(data_file, 'hellaswag_val.jsonl')}")
-        if not os.path.isfile(data_file):
+        if not os.path.exists(data_file):
             raise UserError(f"{flag} {data_file} does not exist")
+        try:
+            check_regular(data_file)  # a named pipe would block the read forever
+        except UserError as e:
+            raise UserError(f"{flag} {e}") from None
         return data_file
     path = os.path.join(data_dir or default_data_dir(), DATA_NAME)
     if not os.path.isfile(path):

@@ -4,7 +4,6 @@ loss, and the accuracy (evaluate); then how a file's records become examples (lo
 validation file itself is found by hellaswag_data."""
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import NamedTuple
@@ -16,9 +15,11 @@ import torch.nn.functional as F
 
 from trainkit.checkpoints import unwrap_model
 from trainkit.chunked_loss import exp_sums_
+from trainkit import json_file
 from trainkit.cli import UserError, reason_of
 from trainkit.hellaswag_data import DATA_EXAMPLES, DATA_NAME, SUBSET_FILE, resolve_data_file
 from trainkit.launch import all_reduce_sum, autocast_context
+from trainkit.regular_file import open_regular
 from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size
 
 
@@ -333,8 +334,10 @@ class _Rendered:
 
     def __init__(self, path: str, flag: str):
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 data = f.read()
+        except UserError as e:  # a named pipe, a device
+            raise UserError(f"{flag} {e}") from None
         except OSError as e:
             raise UserError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         try:
@@ -355,8 +358,10 @@ class _Rendered:
             enc = get_tokenizer_or_fail()
             for number, line in self.lines[len(examples):n]:
                 try:
-                    examples.append(render(json.loads(line), enc))
-                except ValueError as e:  # json's errors are ValueErrors too
+                    examples.append(render(json_file.parse(line, self.path, number), enc))
+                except json_file.JSONFileError as e:
+                    raise UserError(f"{self.flag} {e.where}: not a HellaSwag example ({e.reason})") from None
+                except ValueError as e:
                     raise UserError(f"{self.flag} {self.path} line {number}: not a HellaSwag example "
                                     f"({reason_of(e)})") from None
         return examples[:n]

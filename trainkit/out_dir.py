@@ -17,7 +17,7 @@ import os
 import shutil
 import stat
 
-from trainkit import cli
+from trainkit import cli, json_file
 from trainkit.atomic_write import fsync_dir, write_atomically
 from trainkit.checkpoints import (CKPT_NAME, ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary,
                                   new_run, read_run, run_name, same_file)
@@ -82,10 +82,9 @@ class RunLog:
         if not self.file:
             return
         with open(self.path, "rb") as f:
-            for line in f.read(self.size).splitlines():
-                record = json.loads(line)
-                # strict_json_record undone
-                record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})
+            for number, line in enumerate(f.read(self.size).splitlines(), start=1):
+                record = json_file.parse(line, self.path, number)
+                record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})  # strict_json_record undone
                 record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
                     for sink in list(self.sinks):

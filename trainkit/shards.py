@@ -17,8 +17,10 @@ import time
 
 import numpy as np
 
+from trainkit import json_file
 from trainkit.atomic_write import write_bytes_atomically
 from trainkit.cli import UserError, reason_of
+from trainkit.regular_file import check_regular, open_regular
 from trainkit.tokenizer import ENCODING_NAME, EOT, GPT2_VOCAB, real_vocab_size
 
 MANIFEST = "manifest.json"  # beside the shards: their sizes, checksums and where each ends in the documents
@@ -182,13 +184,15 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
 
 def read_manifest(path: str) -> dict:
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read())
+        manifest = json_file.read(path)
         if not (isinstance(manifest["config"], dict) and isinstance(manifest["complete"], bool)
                 and all(isinstance(shard["file"], str) and isinstance(shard["bytes"], int)
                         for shard in manifest["shards"])):
             raise TypeError
-    except (ValueError, KeyError, TypeError):  # not JSON (or not UTF-8), or not our layout
+    except json_file.JSONFileError as e:
+        raise UserError(f"{path} is not a manifest written by fineweb.py ({e.reason}); use an empty --out-dir") \
+            from None
+    except (KeyError, TypeError):  # not our layout
         raise UserError(f"{path} is not a manifest written by fineweb.py; use an empty --out-dir") from None
     return manifest
 
@@ -222,8 +226,10 @@ def changed_input(before, now) -> str | None:
 
 
 def open_shard(path: str) -> np.ndarray:
-    """Memory-map a token shard: build-nanogpt's .npy (uint16) or llm.c's .bin."""
+    """Memory-map a token shard: build-nanogpt's .npy (uint16) or llm.c's .bin; a UserError unless it is a
+    regular file (a named pipe would block the read forever, a link to /dev/zero be read until memory runs out)."""
     try:
+        check_regular(path)
         if path.endswith(".bin"):
             header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
             if header.size < 3 or header[0] != BIN_MAGIC:
@@ -263,7 +269,7 @@ def sampled_sha256(path: str, size: int) -> str:
     every shard at start-up: a 100M-token shard (200 MB) takes 16 ms read from disk this way, 0.8 s
     for a full sha256 (benchmarks/bench_shard_identity.py), 80 s for FineWeb-Edu 10B's 100 shards."""
     digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if size <= SAMPLES * SAMPLE_BYTES:
             digest.update(f.read())
         else:
@@ -274,13 +280,18 @@ def sampled_sha256(path: str, size: int) -> str:
 
 
 def folder_manifest(folder: str) -> dict | None:
-    """fineweb.py's manifest.json in a folder of shards, or None where there is no readable one (shards
-    may come from other tools): what the trainer's checks of a data folder read."""
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(folder, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-        return manifest if isinstance(manifest, dict) else None
-    return None
+    """fineweb.py's manifest.json in a folder of shards, or None where there is none that can be opened (shards
+    may come from other tools): what the trainer's checks of a data folder read. One that is not JSON is a
+    UserError: read as no manifest, the shards it describes would go unchecked."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        manifest = json_file.read(path)
+    except OSError:
+        return None
+    except json_file.JSONFileError as e:
+        raise UserError(f"{path} is not a manifest fineweb.py wrote ({e.reason}); restore it, re-create the data "
+                        "set with fineweb.py, or move it out of the folder") from None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def manifest_shards(folder: str) -> dict[str, dict] | None:
@@ -371,8 +382,11 @@ class ShardDigestCheck:
             if expected is None:
                 continue
             try:
-                with open(path, "rb") as f:
+                with open_regular(path) as f:
                     digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except UserError as e:  # (swapped for a named pipe since start-up)
+                self.error = e
+                return
             except OSError as e:
                 self.error = UserError(f"cannot read {path}: {reason_of(e)}")
                 return

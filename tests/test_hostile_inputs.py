@@ -1,0 +1,318 @@
+"""Files from elsewhere are checked before they cost anything, run as users run the commands: a JSON
+document nested 200,000 deep in any reader, a checkpoint holding an expanded tensor or a structure
+nested thousands deep or resume fields of the wrong types, a Hugging Face folder whose config.json
+and weights disagree or whose index points outside it, and shards or inputs that are not regular
+files. Each is exit code 2, one `error:` line, no traceback, and every file left byte-identical."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt2 as tg
+from conftest import HELLASWAG_FILE, REPO, tree_hashes
+from trainkit import checkpoints
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "16",
+        "--batch-size", "4", "--total-batch-size", "64", "--warmup-steps", "1", "--val-every", "0",
+        "--sample-every", "0", "--hellaswag-every", "0"]
+DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
+DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
+
+
+def run_command(script, *args, timeout=300):
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_refused(result, line):
+    """Exit code 2 and exactly this one `error:` line on stderr (so no traceback)."""
+    assert (result.returncode, result.stderr) == (2, f"error: {line}\n"), result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from shards import shard_dir
+    return shard_dir(tmp_path_factory, 300, seed=3)
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_dir, tmp_path_factory):
+    """A 2-step run of the tiny model with its checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("run")
+    assert tg.main(["--data-dir", data_dir, "--out-dir", str(out), "--max-steps", "2", "--ckpt-every", "2",
+                    *TINY]) == 0
+    return out
+
+
+def edited_run(finished_run, folder, edit, checksum=True):
+    """folder holding the finished run's log and its checkpoint edited by edit(ckpt), with the sha256 of
+    its new contents inside (another program wrote it so) or, where that would mean reading an expanded
+    tensor whole, a made-up one. Returns the checkpoint's path."""
+    folder.mkdir()
+    shutil.copy(finished_run / "log.jsonl", folder)
+    ckpt = torch.load(finished_run / "ckpt_0000002.pt", weights_only=True)
+    edit(ckpt)
+    state = {k: v for k, v in ckpt.items() if k != "checksum"}
+    path = folder / "ckpt_0000002.pt"
+    if checksum:
+        checkpoints.save_checkpoint(str(path), state)
+    else:
+        torch.save(dict(state, checksum="0" * 64), path)
+    return path
+
+
+# --- JSON: one reader, nesting measured before the decoder -----------------------------------
+
+def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
+    """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
+    --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    (data / "manifest.json").write_text(DEEP)
+    (tmp_path / "fineweb_out").mkdir()
+    (tmp_path / "fineweb_out" / "manifest.json").write_text(DEEP)
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + DEEP + "\n")
+    (tmp_path / "hellaswag.jsonl").write_text(HELLASWAG_FILE.read_text().splitlines()[0] + "\n" + DEEP + "\n")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(DEEP)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text(DEEP + "\n")
+    before = tree_hashes(tmp_path)
+    cases = [
+        (("train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1", *TINY),
+         f"{data / 'manifest.json'} is not a manifest fineweb.py wrote ({DEEP_REASON}); restore it, re-create the "
+         "data set with fineweb.py, or move it out of the folder"),
+        (("fineweb.py", "--files", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "fineweb_out"),
+         f"{tmp_path / 'fineweb_out' / 'manifest.json'} is not a manifest written by fineweb.py ({DEEP_REASON}); "
+         "use an empty --out-dir"),
+        (("fineweb.py", "--files", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "fineweb_new", "--workers", "1"),
+         f"{tmp_path / 'docs.jsonl'}:2: not JSON Lines ({DEEP_REASON}); .json/.jsonl files must hold one JSON "
+         "object per line"),
+        (("hellaswag.py", "--data-file", tmp_path / "hellaswag.jsonl", "--checkpoint", finished_run, "--limit", "2"),
+         f"--data-file {tmp_path / 'hellaswag.jsonl'} line 2: not a HellaSwag example ({DEEP_REASON})"),
+        (("sample.py", "--hf-model", hf), f"--hf-model {hf}: {hf / 'config.json'}: {DEEP_REASON}"),
+        (("train_gpt2.py", "--data-dir", data_dir, "--out-dir", run, "--max-steps", "1", *TINY),
+         f"--out-dir {run} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
+         "wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose another "
+         "--out-dir"),
+        (("plot_log.py", run / "log.jsonl", "-o", tmp_path / "plot.png"),
+         f"{run / 'log.jsonl'} is not a run's log: none of its 1 line(s) is a JSON record; pass a run's --out-dir "
+         "or its log.jsonl"),
+    ]
+    for command, line in cases:
+        result = run_command(*command)
+        if command[0] == "fineweb.py" and "fineweb_new" in str(command[4]):  # its progress bar comes first
+            assert result.returncode == 2 and result.stderr.splitlines()[-1].split("\r")[-1] == f"error: {line}"
+            assert "Traceback" not in result.stderr
+            shutil.rmtree(tmp_path / "fineweb_new", ignore_errors=True)  # (what fineweb.py keeps of a failed run)
+            continue
+        assert_refused(result, line)
+    assert tree_hashes(tmp_path) == before
+
+
+def test_an_export_mark_nested_deep_is_no_mark(finished_run, tmp_path):
+    """An export folder whose mark cannot be read is not replaced: as a folder of the user's own files."""
+    out = tmp_path / "hf"
+    assert run_command("hf_interop.py", "export", finished_run, out).returncode == 0
+    (out / "gpt2_trainer_export.json").write_text(DEEP)
+    before = tree_hashes(tmp_path)
+    result = run_command("hf_interop.py", "export", finished_run, out)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {out} ") and "Traceback" not in result.stderr
+    assert tree_hashes(tmp_path) == before
+
+
+# --- checkpoints: structure before contents --------------------------------------------------
+
+def expanded_embedding(ckpt):
+    """The token embedding as one float broadcast to 50304 x 16: two bytes' worth of file."""
+    ckpt["model"]["transformer.wte.weight"] = torch.zeros(1, 1).expand(50304, 16)
+
+
+def expanded_51gb(ckpt):
+    ckpt["optimizer"]["state"][0]["exp_avg_sq"] = torch.zeros(1).expand(12_800_000_000)  # 51.2 GB as float32
+
+
+def nested(depth):
+    def edit(ckpt):
+        value = 0
+        for _ in range(depth):
+            value = [value]
+        ckpt["extra"] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,checksum,problem", [
+    (expanded_embedding, True, "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
+     "those of a stored tensor (expanded or a view)"),
+    (expanded_51gb, False, "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
+     "those of a stored tensor (expanded or a view)"),
+    (lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]), True,
+     "a tensor's storage holds 4000 bytes, of which its tensors view 64"),
+    (nested(3000), False, "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)"),
+], ids=["expanded embedding", "expanded 51 GB", "storage larger than its view", "nested 3000 deep"])
+def test_a_checkpoint_whose_structure_costs_more_than_its_file(finished_run, data_dir, tmp_path, edit, checksum,
+                                                               problem):
+    """Every loader (--resume, sample.py, hellaswag.py, export) refuses it before reading a tensor's contents."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
+    try:
+        ckpt = edited_run(finished_run, tmp_path / "run", edit, checksum)
+    finally:
+        sys.setrecursionlimit(limit)
+    before = tree_hashes(tmp_path)
+    line = f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
+    for command in [("train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume",
+                     "--max-steps", "4", *TINY),
+                    ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
+                    ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
+                    ("hf_interop.py", "export", ckpt, tmp_path / "hf")]:
+        assert_refused(run_command(*command), line)
+    assert tree_hashes(tmp_path) == before
+
+
+def without_seq_len(ckpt):
+    del ckpt["run_config"]["seq_len"]
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (without_seq_len, "its run_config has no seq_len"),
+    (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
+    (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
+    (lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
+     "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)"),
+    (lambda c: c.__setitem__("skip_state", {}), "its skip_state is not the guards' state (loss_window, norm_window: "
+     "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)"),
+    (lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
+     "its run is a list, not a run identity (a mapping of id and parent)"),
+    (lambda c: c.__setitem__("log_offset", 1.5), "its log_offset is 1.5, not a count (an integer >= 0)"),
+    (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
+    (lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
+     "its data_files is not a list of shards (name, size, sha256)"),
+], ids=["no seq_len", "negative step", "text step", "float rng state", "empty skip state", "run not a mapping",
+        "fractional log offset", "text shuffle", "negative shard size"])
+def test_resume_state_of_the_wrong_types_is_one_line(finished_run, data_dir, tmp_path, edit, problem):
+    """A checkpoint whose checksum is right but whose resume fields are not as the trainer writes them."""
+    ckpt = edited_run(finished_run, tmp_path / "run", edit)
+    before = tree_hashes(tmp_path)
+    result = run_command("train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume",
+                         "--max-steps", "4", *TINY)
+    assert_refused(result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint "
+                           "next to it")
+    assert tree_hashes(tmp_path) == before
+
+
+# --- Hugging Face folders: config and weights compared before a model is built ----------------
+
+def hf_folder(path, **config_edits):
+    """A save_pretrained folder of a tiny GPT-2 (2 layers, 100 ids, 32 positions), config.json then edited."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                               bos_token_id=None, eos_token_id=None)).save_pretrained(str(path))
+    if config_edits:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **config_edits}))
+    return path
+
+
+def index_to(where):
+    """The folder's weights moved to where (relative to it, or absolute) and named there by an index."""
+    def edit(folder):
+        from safetensors.torch import load_file
+        names = list(load_file(folder / "model.safetensors"))
+        target = folder / where
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(folder / "model.safetensors", target)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {name: where for name in names}}))
+    return edit
+
+
+def unsafe_bin(folder):
+    """pytorch_model.bin instead of safetensors, holding a pickled object that is not a tensor."""
+    import argparse
+    from safetensors.torch import load_file
+    state = load_file(folder / "model.safetensors")
+    os.remove(folder / "model.safetensors")
+    torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("config,edit,problem", [
+    (dict(n_layer=1), None, "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
+     "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
+     "n_layer 1: is it the config of these weights?"),
+    (dict(n_layer=-1), None, "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)"),
+    (dict(n_embd="16"), None, "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)"),
+    (dict(n_positions=10**9), None, "tensors of another shape than its config.json gives (transformer.wpe.weight; "
+     "1 in all)"),
+    ({}, index_to("../elsewhere/x.safetensors"), "its model.safetensors.index.json names the weight file "
+     "'../elsewhere/x.safetensors', outside the folder: only files inside it are read"),
+    ({}, index_to("sub/x.safetensors"), "its model.safetensors.index.json names the weight file "
+     "'sub/x.safetensors', outside the folder: only files inside it are read"),
+    ({}, unsafe_bin, "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
+     "plain values, which are never loaded)"),
+], ids=["fewer layers than its weights", "negative n_layer", "text n_embd", "absurd n_positions", "index up out",
+        "index into a subfolder", "unsafe pytorch_model.bin"])
+def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, config, edit, problem):
+    folder = hf_folder(tmp_path / "hf", **config)
+    if edit:
+        edit(folder)
+    before = tree_hashes(tmp_path)
+    line = f"--hf-model {folder}: {problem.format(folder=folder)}"
+    assert_refused(run_command("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
+    if not edit and config.get("n_layer") == 1:  # also where the other commands take a Hugging Face GPT-2
+        assert_refused(run_command("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit",
+                                   "1"), line)
+    assert tree_hashes(tmp_path) == before
+
+
+def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
+    folder = hf_folder(tmp_path / "hf")
+    index_to(str(tmp_path / "elsewhere" / "x.safetensors"))(folder)
+    before = tree_hashes(tmp_path)
+    result = run_command("train_gpt2.py", "--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out",
+                         "--seq-len", "16", "--batch-size", "4", "--total-batch-size", "64", "--max-steps", "1",
+                         "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0")
+    assert_refused(result, f"--init-from {folder}: its model.safetensors.index.json names the weight file "
+                           f"'{tmp_path / 'elsewhere' / 'x.safetensors'}', outside the folder: only files inside it "
+                           "are read")
+    assert tree_hashes(tmp_path) == before
+
+
+# --- files that are not regular files ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+def test_a_shard_that_is_not_a_regular_file_is_refused_not_read(data_dir, tmp_path, kind):
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    before = tree_hashes(tmp_path)
+    shard = data / "x_train_000009.npy"
+    if kind == "fifo":
+        os.mkfifo(shard)
+        what = "a named pipe (FIFO)"
+    else:
+        os.symlink("/dev/zero", shard)
+        what = "a character device (a link to /dev/zero)"
+    result = run_command("train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1",
+                         *TINY, timeout=120)
+    assert_refused(result, f"{shard} is {what}, not a regular file: it cannot be read as one")
+    os.remove(shard)
+    assert tree_hashes(tmp_path) == before
+
+
+def test_inputs_that_are_named_pipes_are_refused_not_waited_on(finished_run, tmp_path):
+    """fineweb.py --files and hellaswag.py --data-file."""
+    fifo = tmp_path / "docs.jsonl"
+    os.mkfifo(fifo)
+    result = run_command("fineweb.py", "--files", fifo, "--out-dir", tmp_path / "out", timeout=120)
+    assert_refused(result, f"{fifo} is a named pipe (FIFO), not a regular file: it cannot be read as one")
+    result = run_command("hellaswag.py", "--data-file", fifo, "--checkpoint", finished_run, timeout=120)
+    assert_refused(result, f"--data-file {fifo} is a named pipe (FIFO), not a regular file: it cannot be read as one")
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
