@@ -135,3 +135,32 @@ def test_the_reported_peak_is_private_memory_and_mapped_shard_pages_are_apart(tm
     assert float(private) - private_before < 0.03  # not the 0.06 GiB just mapped
     assert float(mapped) >= 0.06  # 64 MiB, to two digits
     del tokens
+
+
+def test_a_long_scan_prints_its_progress(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(shard_scan, "PROGRESS_AFTER_S", 0.0)
+    paths = [str(tmp_path / f"s_train_{i:06d}.npy") for i in range(2)]
+    for i, path in enumerate(paths):
+        np.save(path, documents(1000, seed=i))
+    shards = [np.load(p, mmap_mode="r") for p in paths]
+    shard_scan.scan_shards(paths, shards, [None, None], T, tg.aligned_rows, "train shards", progress=True)
+    lines = [re.sub(r", \d+ s$", ", N s", line) for line in capsys.readouterr().err.splitlines()]
+    assert lines == ["train shards: scanning 2 shards (token ids, row tables): 1/2 shards, N s",
+                     "train shards: scanning 2 shards (token ids, row tables): 2/2 shards, N s"]
+
+
+def test_ranks_split_the_first_scan_and_train_on_the_rows_of_one_process(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
+    for i in (1, 2):
+        np.save(data / f"big_train_{i:06d}.npy", documents(BIG, seed=i + 1))
+    step = ["--total-batch-size", str(8 * T)]  # 4 rows x 2 ranks, or x 2 micro-steps on one
+    two = run_cli(train_args(data, tmp_path / "two", *step), nproc=2, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert two.returncode == 0, two.stderr
+    assert kept(tmp_path / "cache") == [".max_id", ".max_id", ".rows16.npy", ".rows16.npy"]
+    (tmp_path / "a-file").write_text("")
+    one = run_cli(train_args(data, tmp_path / "one", *step), env={"XDG_CACHE_HOME": str(tmp_path / "a-file" / "x")})
+    assert one.returncode == 0, one.stderr
+    assert len(step_losses(two.stdout)) == 2 and step_losses(two.stdout) == step_losses(one.stdout)
