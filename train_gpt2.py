@@ -191,7 +191,9 @@ from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the s
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
-    ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, shard_files)
+    ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, recorded, shard_files)
+from trainkit.memory import watch_peak  # defines: the run's own peak memory, mapped shard pages apart
+from trainkit.shard_scan import scan_shards  # defines: each shard's per-token scans, done once and kept for the next launch
 from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes
     EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths)
 
@@ -478,12 +480,13 @@ class TokenRows:
         self.T, self.align_docs, self.shuffle, self.seed = T, align_docs, shuffle, seed
         self.vocab_size = vocab_size
         self.shards = [open_shard(p) for p in self.paths]
+        known_ids = recorded(self.paths, "max_id") if vocab_size is not None else [0] * len(self.paths)  # 0: no check
+        largest_ids, tables = scan_shards(self.paths, self.shards, known_ids, T if align_docs else None, aligned_rows,
+                                          f"{split} shards", progress)  # once per shard, then kept (shard_scan.py)
         if vocab_size is not None:
-            check_token_ids(self.paths, self.shards, vocab_size)
-        if align_docs:  # about 0.5 s per 100M-token shard
-            from tqdm import tqdm
-            shards = tqdm(self.shards, desc=f"{split} row tables", unit="shard", disable=not progress, delay=2)
-            self.tables = [aligned_rows(s, T) for s in shards]
+            check_token_ids(self.paths, largest_ids, vocab_size)
+        if align_docs:
+            self.tables = tables
             counts = [len(t) for t in self.tables]
         else:
             counts = [max(0, len(s) - 1) // T for s in self.shards]
@@ -758,6 +761,7 @@ class Trainer:
 
     def __init__(self, run: RunConfig, model_cfg: GPTConfig, d: Dist, out_dir_lock: OutDirLock | None = None):
         self.run, self.d, self.device, self.device_type = run, d, d.device, d.device_type
+        watch_peak()  # the private memory the summary reports (memory.py), from here on
         pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size) if run.init_from else None
         if pretrained:  # the weights decide the model's shape
             model_cfg = pretrained.config

@@ -13,7 +13,7 @@ import signal
 
 import torch
 
-from trainkit import cli
+from trainkit import cli, memory
 from trainkit.cli import UserError, reason_of
 from trainkit.fsdp import local_part
 from trainkit.launch import all_reduce_sum
@@ -288,8 +288,7 @@ def nonfinite_state(model, optimizer, device) -> str | None:
 
 
 def peak_memory(device: str) -> str:
-    """The most memory this process held: CUDA's allocated peak, else the process's peak RSS."""
+    """The most memory this process held: CUDA's allocated peak, else its own (private) host memory's."""
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU"
-    import resource
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+    return memory.peak_report()  # not RSS: that counts the mapped shards' shared pages
