@@ -58,7 +58,8 @@ import torch.nn as nn
 
 from trainkit.hellaswag_eval import RENDERERS, describe_data, evaluate, load_examples  # the scoring the trainer uses too
 from trainkit.hf_weights import load_hf_model as load_gpt2lmheadmodel
-from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, print0, process_group, resolve_dtype
+from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, print0, process_group
+from trainkit.precision import resolve_dtype
 
 
 # -----------------------------------------------------------------------------

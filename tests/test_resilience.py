@@ -100,11 +100,11 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
         x, y = tg.TokenRows(data_dir, "train", T, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
         assert losses(tmp_path / name)[0][1] == pytest.approx(model(torch.from_numpy(x), torch.from_numpy(y))[1].item(),
                                                              rel=1e-6), name
-        assert checkpoints.load_checkpoint(str(tmp_path / name))["run_config"]["shuffle"] == shuffle
+        assert checkpoints.load_checkpoint(str(tmp_path / name))["launch"]["shuffle"] == shuffle
     assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
     # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
     assert tg.main(args_for(data_dir, tmp_path / "no-shuffle", "--resume", steps=2, ckpt_every=1)) == 0
-    assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["run_config"]["shuffle"] is False
+    assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["launch"]["shuffle"] is False
     for name, flags, saved, now in (("default", ["--no-shuffle"], True, False), ("no-shuffle", ["--shuffle"], False, True),
                                     ("default", ["--optimizer", "muon"], "adamw", "muon")):
         assert tg.main(args_for(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
