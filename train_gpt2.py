@@ -7,8 +7,11 @@
 The heart is token-normalized gradient accumulation: the gradient of one optimizer step equals
 the gradient of the mean loss over every non-ignored target token of the step, on every rank,
 whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
-& the step" below). Sections, in the order a step needs them: config and flags -> the GPT-2
-model -> data -> optimizer & schedule -> accumulation & the step -> the Trainer -> main().
+& the step" below). Sections, in the order a step needs them: config (RunConfig, what the user
+asked for, each flag declared once beside its field; Launch, what a launch decided from it) -> the
+GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the launch, resolved once
+(resolve_launch) -> the Trainer (built from the Launch; its train_step is README's "The step, in
+order", with what recovers from failure installed at set-up) -> main().
 What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
 the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
 trainkit/, imported below, each with a line on what it brings; no trainkit module imports a script.
@@ -43,7 +46,7 @@ CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32
 # config (standard library only: --help and usage errors answer before torch is imported)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     block_size: int = 1024  # longest sequence the position table covers
     vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls)
@@ -61,8 +64,10 @@ MODEL_PRESETS = {
 }
 
 
+# the groups of --help, in its order
 DATA, MODEL, BATCH, OPTIMIZATION = "data and output", "model", "batch", "optimization"
-EVALUATION, TRACKING = "evaluation and checkpoints (0 disables each)", "run tracking (rank 0; each gets exactly the records of log.jsonl)"
+EVALUATION = "evaluation and checkpoints (0 disables each)"
+TRACKING = "run tracking (rank 0; each gets exactly the records of log.jsonl)"
 FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
 
 
@@ -165,6 +170,25 @@ class RunConfig:
         return self.max_steps - round(self.cooldown_frac * self.max_steps)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
+    resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
+    then frozen. Checkpoints keep it beside the RunConfig."""
+    model: GPTConfig  # the preset and --n-* flags, or --init-from's shape
+    seq_len: int  # T
+    batch_size: int | str  # B, rows per rank per micro-step; "auto" until Trainer()'s search chooses it
+    rows_per_rank: int  # rows each rank reads per optimizer step: B x accumulation steps
+    world_size: int
+    dtype: str  # autocast: float32, bfloat16, or float16 (with a GradScaler)
+    compile: bool
+    loss_chunk: int  # rows per lm_head + loss chunk (0: full logits)
+    hellaswag_file: str | None  # given, or downloaded
+    resume_from: str | None  # the checkpoint this run continues (None: from scratch)
+    start_step: int
+    shuffle: bool  # the order of the rows (a resume without --[no-]shuffle keeps its checkpoint's)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: RunConfig's fields as flags (trainkit/train_flags.py)."""
     return train_flags.build_parser(RunConfig, "Pretrain GPT-2 on token shards (torchrun for several GPUs).")
@@ -185,14 +209,14 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
+from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, state dicts
     ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
-from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
+from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, chunked or not
 from trainkit.compiling import (  # defines: whether to compile, the GPT compiled block by block, the fallback to eager
     compile_decision, compile_model, with_compile_fallback)
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
-from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: --batch-size auto's B, the step redone smaller
+from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
 from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of the model it is given), load_examples
 from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
@@ -202,8 +226,8 @@ from trainkit.launch import (  # defines: the device and the process group, rank
     is_lost_rank, lost_rank_error, print0, process_group)
 from trainkit.memory import (  # defines: the memory-fit check, what an out-of-memory is and its line, peak memory
     check_model_fits, is_out_of_memory, out_of_memory_error, peak_memory)
-from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW stepped as one optimizer (--optimizer muon)
-from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
+from trainkit.optimizers import MuonWithAdamW, set_lr  # defines: Muon + AdamW as one optimizer (--optimizer muon)
+from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
 from trainkit.precision import autocast_context, resolve_dtype  # defines: the autocast dtype of a device, its context
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
@@ -768,26 +792,7 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
 
 
 # -----------------------------------------------------------------------------
-# the launch: resolved once, before the Trainer exists
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
-    resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
-    then frozen. Checkpoints keep it beside the RunConfig."""
-    model: GPTConfig  # the preset and --n-* flags, or --init-from's shape
-    seq_len: int  # T
-    batch_size: int | str  # B, rows per rank per micro-step; "auto" until Trainer()'s search chooses it
-    rows_per_rank: int  # rows each rank reads per optimizer step: B x accumulation steps
-    world_size: int
-    dtype: str  # autocast: float32, bfloat16, or float16 (with a GradScaler)
-    compile: bool
-    loss_chunk: int  # rows per lm_head + loss chunk (0: full logits)
-    hellaswag_file: str | None  # given, or downloaded
-    resume_from: str | None  # the checkpoint this run continues (None: from scratch)
-    start_step: int
-    shuffle: bool  # the order of the rows (a resume without --[no-]shuffle keeps its checkpoint's)
+# the launch: resolved once (a Launch), before the Trainer exists
 
 
 @dataclass
@@ -806,14 +811,7 @@ class Opened:
 def model_config(run: RunConfig) -> GPTConfig:
     """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
     (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
-    fields = dict(MODEL_PRESETS[run.model or "gpt2"])
-    if run.init_from:
-        shape_flags = [flag for flag, value in (("--model", run.model), ("--n-layer", run.n_layer),
-                                                ("--n-head", run.n_head), ("--n-embd", run.n_embd)) if value]
-        if shape_flags:
-            raise UserError(f"--init-from {run.init_from} takes the model's shape from its weights: drop "
-                            f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)")
-        fields = dict(block_size=None)
+    fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
     fields.update({name: getattr(run, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
                    if getattr(run, name) is not None})
     return GPTConfig(**fields)
@@ -986,13 +984,14 @@ class Trainer:
         self.stop = StopSignal(at_once=run.eval_only)
         self.last_ckpt = launch.resume_from
         # recovery, installed once: a failed compile goes on eagerly; an out-of-memory redoes the step smaller
-        self.forward_backward = with_oom_retry(
-            with_compile_fallback(self._forward_backward, self._compile_failed) if self.compiled
-            else self._forward_backward, launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log)
-        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits
+        compiling = with_compile_fallback(self._forward_backward, self._compile_failed) if self.compiled \
+            else self._forward_backward
+        self.forward_backward = with_oom_retry(compiling, launch.rows_per_rank, d, self.optimizer,
+                                               self.use_micro_batch, self.log)
+        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
+            # trials see their out-of-memory errors: no retry)
             self.launch = dataclasses.replace(launch, batch_size=choose_micro_batch(
-                run, launch, self._forward_backward_fallible(), self.model, self.optimizer, self.val_rows, d,
-                self.log))
+                run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log))
         self.use_micro_batch(self.launch.batch_size)
         self.speed = Throughput(launch.rows_per_rank * d.world_size * launch.seq_len,  # all ranks, padding included
                                 flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params()),
@@ -1015,11 +1014,6 @@ class Trainer:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
         return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device, self.dtype,
                                     self.launch.loss_chunk, self.scaler, self.run.doc_mask)
-
-    def _forward_backward_fallible(self):
-        """forward_backward without the out-of-memory retry: --batch-size auto's trials must see theirs."""
-        return with_compile_fallback(self._forward_backward, self._compile_failed) if self.compiled \
-            else self._forward_backward
 
     def _compile_failed(self):
         """with_compile_fallback's way back to eager: the model unwrapped, the partial gradients dropped."""
@@ -1111,21 +1105,21 @@ class Trainer:
         time per step. What recovers from failure was installed in the constructor: forward_backward goes
         on eagerly if compiling fails and redoes the step at half the micro-batch after an out-of-memory."""
         t0 = time.perf_counter()
-        micro_batches, n_tokens = self.prefetcher.get(step)  # 1. the step's rows, and N: known before any backward
-        loss_total = self.forward_backward(micro_batches, n_tokens, step)  # 2. each micro-batch: backward of sum*W/N
-        # 3. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
+        micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
+        loss_total = self.forward_backward(micro_batches, n_tokens, step)  # 4. each micro-batch: backward of sum*W/N
+        # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
         # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
         # device=...), no copy from pageable host memory, which would block until the backward ends
         votes = [torch.full((1,), float(v), dtype=torch.float64, device=self.device)
                  for v in (self.stop.requested, self.shard_check.failed())]
         stats = all_reduce_sum(torch.cat([loss_total.view(1), *votes]))
-        norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 4. norm and clip
+        norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 6. norm and clip
         loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
         if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
             checked_on_every_rank(self.d, self.shard_check.result)
-        lr = get_lr(step, self.run)  # 5. the LR of this step (Muon's follows it: trainkit/optimizers.py)
+        lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
-        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 6. the update, unless
+        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 8. the update, unless
         if self.scaler:  # the guard skips it (fused AdamW takes fp16's inf flag on the device: no sync)
             if not skipped:
                 self.scaler.step(self.optimizer)
@@ -1259,6 +1253,7 @@ def train(run: RunConfig, d: Dist):
         check_ranks_agree(launch_fingerprint(run))
         launch, opened = resolve_launch(run, d, out_dir_lock)
         trainer = Trainer(run, launch, opened, d)
+        del opened  # (the checkpoint's tensors: now in the model and optimizer)
         if run.eval_only:
             trainer.evaluate_only()
         else:

@@ -54,7 +54,7 @@ def compile_model(model: nn.Module, **options) -> nn.Module:
 
 def compile_failure_cause(e: BaseException) -> BaseException:
     """The root cause of a failed first compiled step (dynamo wraps the backend's error). An
-    out-of-memory is no failure of the compiler: it is raised (fit_batch.retry_on_oom's business)."""
+    out-of-memory is no failure of the compiler: it is raised (fit_batch.with_oom_retry's business)."""
     while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
         e = inner
     if is_out_of_memory(e):

@@ -1,6 +1,6 @@
 """One launch on one or many processes: the device, the torchrun process group, what rank 0 decides
-for all, the ranks' agreement on flags and data, and one line per rank failure (a rank that died is a RankLost on the survivors, not a
-gloo traceback).
+for all, the ranks' agreement on flags and data, and one line per rank failure (a rank that died is
+a RankLost on the survivors, not a gloo traceback).
 
 The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
 """

@@ -92,7 +92,8 @@ def not_blank(name, value):
 def check_flags(run):
     """Each field's own check, before anything uses the values (--dist-timeout is used when joining the
     process group): first that every float is finite (argparse's float() takes nan and inf), then the
-    fields' checks in flag order. Integer flags are checked as they are parsed (cli.int_in)."""
+    fields' checks in flag order, then that --init-from comes without shape flags. Integer flags are
+    checked as they are parsed (cli.int_in)."""
     fields = dataclasses.fields(run)
     for field in fields:
         value = getattr(run, field.name)
@@ -103,6 +104,12 @@ def check_flags(run):
         problem = check and check(field.name, getattr(run, field.name))
         if problem:
             raise UserError(problem)
+    if run.init_from:  # the weights set the shape: --n-layer and friends would be silently dropped
+        shape_flags = [flag for flag, value in (("--model", run.model), ("--n-layer", run.n_layer),
+                                                ("--n-head", run.n_head), ("--n-embd", run.n_embd)) if value]
+        if shape_flags:
+            raise UserError(f"--init-from {run.init_from} takes the model's shape from its weights: drop "
+                            f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)")
 
 
 def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
