@@ -971,7 +971,8 @@ class Trainer:
         self.dtype = getattr(torch, launch.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
-        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None)
+        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None,
+                                 last_checkpoint=lambda: self.last_ckpt)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, launch, d, opened.pretrained)
         self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, d.device_type,
@@ -1119,7 +1120,7 @@ class Trainer:
             checked_on_every_rank(self.d, self.shard_check.result)
         lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
-        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 8. the update, unless
+        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm)  # 8. the update, unless
         if self.scaler:  # the guard skips it (fused AdamW takes fp16's inf flag on the device: no sync)
             if not skipped:
                 self.scaler.step(self.optimizer)

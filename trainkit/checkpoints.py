@@ -296,7 +296,8 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
 
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
-RESUME_STATE = ("optimizer", "step", "run_config", "launch", "rng_cpu", "log_offset", "log_sha256", "skip_state")
+RESUME_STATE = ("optimizer", "step", "run_config", "launch", "data_files", "rng_cpu", "log_offset", "log_sha256",
+                "skip_state")
 
 
 def missing_resume_state(ckpt: dict) -> str | None:

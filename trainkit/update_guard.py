@@ -42,19 +42,21 @@ class UpdateGuard:
     An fp16 overflow is the GradScaler's business: skipped, never counted. Its state goes into
     checkpoints, so a resumed run skips exactly what an uninterrupted one would."""
 
-    def __init__(self, skip_nonfinite: int, skip_spikes: float, fp16: bool):
+    def __init__(self, skip_nonfinite: int, skip_spikes: float, fp16: bool, last_checkpoint=lambda: None):
+        """last_checkpoint(): the run's last good checkpoint (None: none yet), named when the guard stops it."""
         self.skip_nonfinite, self.skip_spikes, self.fp16 = skip_nonfinite, skip_spikes, fp16
+        self.last_checkpoint = last_checkpoint
         self.loss_spikes, self.norm_spikes = SpikeDetector(skip_spikes), SpikeDetector(skip_spikes)
         self.nonfinite_skipped = self.spikes_in_a_row = 0
 
-    def skip_reason(self, step: int, loss: float, norm: float, last_ckpt: str | None) -> str | None:
+    def skip_reason(self, step: int, loss: float, norm: float) -> str | None:
         """Why this step's update must not be applied (None: apply it); raises when out of skips."""
         if self.fp16 and math.isfinite(loss) and not math.isfinite(norm):
             return "overflow"  # fp16 gradients overflowed at this loss scale: the scaler lowers it, no failure
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if self.nonfinite_skipped >= self.skip_nonfinite:
                 raise UserError(f"step {step}: non-finite loss {loss} or grad norm {norm}; stopped "
-                                f"before the update. Last good checkpoint: {last_ckpt or 'none'}")
+                                f"before the update. Last good checkpoint: {self.last_checkpoint() or 'none'}")
             self.nonfinite_skipped += 1
             return "nonfinite"
         if any([self.loss_spikes.is_spike(loss), self.norm_spikes.is_spike(norm)]):  # both windows see the step
@@ -63,7 +65,7 @@ class UpdateGuard:
                 raise UserError(f"step {step}: {self.spikes_in_a_row} updates in a row flagged by --skip-spikes "
                                 f"{self.skip_spikes}: the loss or grad norm has moved for good (or Z is too low) "
                                 "and skipping cannot fix that; stopped before the update. Last good checkpoint: "
-                                f"{last_ckpt or 'none'}")
+                                f"{self.last_checkpoint() or 'none'}")
             return "spike"
         self.spikes_in_a_row = 0
         return None
