@@ -66,7 +66,8 @@ from trainkit.checkpoints import latest_checkpoint, load_checkpoint
 from trainkit.hellaswag_eval import RENDERERS, describe_data, evaluate, load_examples  # the scoring the trainer uses too
 from trainkit.hf_weights import load_hf_model as load_gpt2lmheadmodel
 from trainkit.console import print0, print_result
-from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group, resolve_dtype
+from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
+from trainkit.precision import resolve_dtype
 
 
 # -----------------------------------------------------------------------------

@@ -7,8 +7,11 @@
 The heart is token-normalized gradient accumulation: the gradient of one optimizer step equals
 the gradient of the mean loss over every non-ignored target token of the step, on every rank,
 whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
-& the step" below). Sections, in the order a step needs them: config and flags -> the GPT-2
-model -> data -> optimizer & schedule -> accumulation & the step -> the Trainer -> main().
+& the step" below). Sections, in the order a step needs them: config (RunConfig, what the user
+asked for, each flag declared once beside its field; Launch, what a launch decided from it) -> the
+GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the launch, resolved once
+(resolve_launch) -> the Trainer (built from the Launch; its train_step is README's "The step, in
+order", with what recovers from failure installed at set-up) -> main().
 What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
 the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
 trainkit/, imported below, each with a line on what it brings; no trainkit module imports a script.
@@ -28,7 +31,8 @@ import time
 from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
-from trainkit import train_flags  # defines: the flags with their help, and the checks of a run's values (validate_config)
+from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
+from trainkit.train_flags import flag  # defines: flag(), one field of RunConfig and its flag, declared together
 from trainkit.cli import UserError
 
 if __name__ == "__main__":
@@ -42,7 +46,7 @@ CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32
 # config (standard library only: --help and usage errors answer before torch is imported)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     block_size: int = 1024  # longest sequence the position table covers
     vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64 (faster matmuls)
@@ -60,62 +64,105 @@ MODEL_PRESETS = {
 }
 
 
-@dataclass
+# the groups of --help, in its order
+DATA, MODEL, BATCH, OPTIMIZATION = "data and output", "model", "batch", "optimization"
+EVALUATION = "evaluation and checkpoints (0 disables each)"
+TRACKING = "run tracking (rank 0; each gets exactly the records of log.jsonl)"
+FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    # initialization: None (random GPT-2 init) or a Hugging Face GPT-2 name or directory
-    init_from: str | None = None
-    # data and output
-    data_dir: str = "edu_fineweb10B"
-    out_dir: str = "out"
-    align_docs: bool = False
-    shuffle: bool | None = None  # None: shuffled, or a resumed run's order (runs before this default read in order)
-    doc_mask: bool = False  # attention and positions inside each document of a row (trainkit/doc_mask.py)
-    # batch: batch_size rows of seq_len tokens per rank per micro-step; "auto": the largest that fits
-    batch_size: int | str | None = None  # None: auto on CUDA, 64 elsewhere
-    seq_len: int | None = None  # None: the model's block size, at most 1024
-    total_batch_size: int = 524288  # tokens per optimizer step over all ranks (2**19)
-    # optimization
-    max_steps: int = 19073  # 10B tokens / 2**19 tokens per step
-    warmup_steps: int = 715
-    max_lr: float = 6e-4
-    min_lr: float | None = None  # None: 10% of max_lr
-    lr_schedule: str = "cosine"  # after warmup: cosine, linear, or wsd (warmup-stable-decay)
-    cooldown_frac: float = 0.2  # wsd: the last 20% of max_steps decay linearly to min_lr
-    weight_decay: float = 0.1
-    optimizer: str = "adamw"  # or "muon": Muon on the blocks' matrices (lr, momentum: modded-nanogpt's, nanochat's)
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
-    # evaluation, sampling and checkpoints (0 disables each)
-    val_every: int = 250
-    val_steps: int = 20
-    sample_every: int = 250
-    sample_prompt: str | None = None  # None: train_flags.SAMPLE_PROMPT, which suits English text like FineWeb-Edu
-    hellaswag_every: int = 250
-    hellaswag_limit: int = 0  # 0: all 10042 examples
-    hellaswag_file: str | None = None
-    ckpt_every: int = 5000
-    keep_last: int = 0  # 0 keeps every checkpoint
-    resume: str | None = None  # "latest" or a checkpoint path
-    # run tracking, on rank 0: every log.jsonl record also goes to W&B / TensorBoard
-    wandb: str | None = None  # W&B project name
-    tensorboard: bool = False  # event files in out_dir
-    eval_only: bool = False  # evaluate the resumed (or --init-from) weights once, train nothing, write nothing
-    # failures
-    skip_nonfinite: int = 0
-    skip_spikes: float = 0.0
-    dist_timeout: float = 600.0
-    # FSDP2: each rank holds 1/W of the parameters, gradients and AdamW state (torchrun only)
-    fsdp: bool = False
-    # runtime
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool | None = None  # None: on for CUDA (where Triton can run), off elsewhere
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
-    loss_chunk: int | None = None  # rows per lm_head + loss chunk; 0: full logits; None: CPU_LOSS_CHUNK on CPU, 0 on CUDA
-    seed: int = 1337
-    peak_tflops: float | None = None  # dense peak of one device for MFU; None: looked up by GPU name
-    debug: bool = False
+    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help,
+    --help group, check), in --help's order. Frozen: what a launch decides from it is a Launch."""
+    data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)", DATA)
+    out_dir: str = flag("out", "log.jsonl and checkpoints go here", DATA)
+    align_docs: bool = flag(False, "start rows at document boundaries; pad row tails (targets -1)", DATA)
+    shuffle: bool | None = flag(None, "seeded permutation of shard order and row order each epoch (default: on; a "
+                                "resumed run keeps its checkpoint's order); --no-shuffle reads shards and rows front "
+                                "to back", DATA, action=argparse.BooleanOptionalAction)
+    doc_mask: bool = flag(False, "each token attends only to its own document of the row (split at <|endoftext|>), "
+                          "positions from the document's start: packed documents train as if alone; validation too "
+                          "(doc_mask.py)", DATA)
+    # the model's shape: a preset, each field overridable; or the shape of --init-from's weights
+    model: str | None = flag(None, "size preset (default gpt2); the flags below override it", MODEL,
+                             choices=sorted(MODEL_PRESETS))
+    n_layer: int | None = flag(None, "transformer blocks", MODEL, type=cli.positive_int)
+    n_head: int | None = flag(None, "attention heads", MODEL, type=cli.positive_int)
+    n_embd: int | None = flag(None, "embedding width", MODEL, type=cli.positive_int)
+    block_size: int | None = flag(None, "longest sequence the model handles", MODEL, type=cli.positive_int)
+    vocab_size: int | None = flag(None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL,
+                                  type=cli.positive_int)
+    init_from: str | None = flag(None, "start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
+                                 "gpt2-xl (Hub) or a local directory; sets the model shape", MODEL)
+    # batch_size rows of seq_len tokens per rank per micro-step
+    batch_size: int | str | None = flag(None, "rows per rank per micro-step (B), or auto: the largest that fits the "
+                                        "device, found by trying before the first step (default: auto on CUDA, 64 "
+                                        "elsewhere)", BATCH, type=train_flags.batch_size_flag)
+    seq_len: int | None = flag(None, "tokens per row (T); default: the model's block size", BATCH,
+                               type=cli.positive_int)  # (at most 1024)
+    total_batch_size: int = flag(524288, "tokens per optimizer step over all ranks; a multiple of B x T x world size",
+                                 BATCH, type=cli.positive_int)  # 2**19
+    max_steps: int = flag(19073, "optimizer steps", OPTIMIZATION, type=cli.non_negative_int)  # 10B tokens / 2**19
+    warmup_steps: int = flag(715, "linear LR warmup steps", OPTIMIZATION, type=cli.non_negative_int)
+    max_lr: float = flag(6e-4, "peak learning rate", OPTIMIZATION, type=float)
+    min_lr: float | None = flag(None, "final learning rate (default: 10%% of --max-lr)", OPTIMIZATION, type=float)
+    lr_schedule: str = flag("cosine", "decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds "
+                            "--max-lr, then decays linearly over the last --cooldown-frac of the steps", OPTIMIZATION,
+                            train_flags.one_of(train_flags.LR_SCHEDULES), choices=train_flags.LR_SCHEDULES)
+    cooldown_frac: float = flag(0.2, "wsd: fraction of --max-steps spent in the final linear decay", OPTIMIZATION,
+                                train_flags.in_unit_interval, type=float)
+    weight_decay: float = flag(0.1, "AdamW decay on matrices and embeddings", OPTIMIZATION, type=float)
+    optimizer: str = flag("adamw", "adamw: AdamW on every parameter (GPT-2's recipe); muon: Muon on the blocks' "
+                          "weight matrices, AdamW at --max-lr on embeddings, LayerNorms and biases "
+                          "(docs/optimizers.md)", OPTIMIZATION, train_flags.one_of(train_flags.OPTIMIZERS),
+                          choices=train_flags.OPTIMIZERS)  # muon's lr and momentum: modded-nanogpt's, nanochat's
+    muon_lr: float = flag(0.02, "Muon's peak LR; the LR schedule scales it as it scales --max-lr", OPTIMIZATION,
+                          type=float)
+    muon_momentum: float = flag(0.95, "Muon's (Nesterov) momentum", OPTIMIZATION, type=float)
+    grad_clip: float = flag(1.0, "clip the gradient norm to this (0: off)", OPTIMIZATION, type=float)
+    val_every: int = flag(250, "validation loss every N steps", EVALUATION, type=cli.non_negative_int)
+    val_steps: int = flag(20, "batches per validation", EVALUATION, type=cli.non_negative_int)
+    sample_every: int = flag(250, "print text samples every N steps", EVALUATION, type=cli.non_negative_int)
+    sample_prompt: str | None = flag(None, "the text those samples continue; fit it to the data, e.g. 'def ' for "
+                                     "Python ('' starts a new document; default: \"Hello, I'm a language model,\")",
+                                     EVALUATION, type=cli.may_be_empty)  # None: train_flags.SAMPLE_PROMPT (English)
+    hellaswag_every: int = flag(250, "HellaSwag accuracy every N steps", EVALUATION, type=cli.non_negative_int)
+    hellaswag_limit: int = flag(0, "examples per HellaSwag eval (0: all)", EVALUATION, type=cli.non_negative_int)
+    hellaswag_file: str | None = flag(None, "local hellaswag_val.jsonl (default: download/cache)", EVALUATION)
+    ckpt_every: int = flag(5000, "checkpoint every N steps (and at the end)", EVALUATION, type=cli.non_negative_int)
+    keep_last: int = flag(0, "keep only the newest K checkpoints (0: all)", EVALUATION, type=cli.non_negative_int)
+    resume: str | None = flag(None, "continue from the newest checkpoint in --out-dir (or the given path)", EVALUATION,
+                              nargs="?", const="latest")
+    eval_only: bool = flag(False, "with --resume [PATH] or --init-from: run the evaluations above once at that step "
+                           "(same numbers as in training), print them, train and write nothing", EVALUATION)
+    wandb: str | None = flag(None, "log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline "
+                             "keeps the run in OUT/wandb)", TRACKING, metavar="PROJECT")
+    tensorboard: bool = flag(False, "write TensorBoard event files to --out-dir (pip install tensorboard)", TRACKING)
+    skip_nonfinite: int = flag(0, "skip up to N steps with a non-finite loss or grad norm instead of stopping",
+                               FAILURES, type=cli.non_negative_int)
+    skip_spikes: float = flag(0.0, "skip updates whose loss or grad norm is Z std devs above the recent window "
+                              "(0: off)", FAILURES, type=float)
+    dist_timeout: float = flag(600.0, "seconds a collective may wait for a dead or stuck rank", FAILURES,
+                               train_flags.dist_timeout_range, type=float)
+    debug: bool = flag(False, "show tracebacks for user errors", FAILURES)
+    fsdp: bool = flag(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
+                      "for models whose 16 bytes per parameter do not fit one GPU", DISTRIBUTED)
+    device: str = flag("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)", RUNTIME)
+    dtype: str = flag("auto", "autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 (with "
+                      "a GradScaler) on older ones, float32 elsewhere", RUNTIME,
+                      choices=["auto", "float32", "bfloat16", "float16"])
+    compile: bool | None = flag(None, "torch.compile the model (default: on for CUDA where Triton can run, off "
+                                "elsewhere); a failure to compile falls back to eager with one line", RUNTIME,
+                                action=argparse.BooleanOptionalAction)
+    activation_checkpointing: bool = flag(False, "recompute each block's activations in backward: less memory, about "
+                                          "1/3 more compute", RUNTIME)
+    loss_chunk: int | None = flag(None, "compute lm_head + loss in chunks of N rows without materializing the logits "
+                                  f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)", RUNTIME,
+                                  type=cli.non_negative_int)
+    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=train_flags.SEED)
+    peak_tflops: float | None = flag(None, "dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; "
+                                     "none on CPU)", RUNTIME, train_flags.positive, type=float)
 
     @property
     def cooldown_start(self) -> int:
@@ -123,33 +170,28 @@ class RunConfig:
         return self.max_steps - round(self.cooldown_frac * self.max_steps)
 
 
-# -----------------------------------------------------------------------------
-# flags (trainkit/train_flags.py), parsed before torch is imported
+@dataclass(frozen=True)
+class Launch:
+    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
+    resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
+    then frozen. Checkpoints keep it beside the RunConfig."""
+    model: GPTConfig  # the preset and --n-* flags, or --init-from's shape
+    seq_len: int  # T
+    batch_size: int | str  # B, rows per rank per micro-step; "auto" until Trainer()'s search chooses it
+    rows_per_rank: int  # rows each rank reads per optimizer step: B x accumulation steps
+    world_size: int
+    dtype: str  # autocast: float32, bfloat16, or float16 (with a GradScaler)
+    compile: bool
+    loss_chunk: int  # rows per lm_head + loss chunk (0: full logits)
+    hellaswag_file: str | None  # given, or downloaded
+    resume_from: str | None  # the checkpoint this run continues (None: from scratch)
+    start_step: int
+    shuffle: bool  # the order of the rows (a resume without --[no-]shuffle keeps its checkpoint's)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line (trainkit/train_flags.py), its defaults those of RunConfig."""
-    parser = train_flags.build_parser(MODEL_PRESETS, CPU_LOSS_CHUNK)
-    parser.set_defaults(**dataclasses.asdict(RunConfig()))
-    return parser
-
-
-def build_configs(args: argparse.Namespace) -> tuple[RunConfig, GPTConfig]:
-    model_fields = dict(MODEL_PRESETS[args.model or "gpt2"])
-    if args.init_from:  # the weights set the shape; block_size None: theirs
-        shape_flags = [flag for flag, value in (("--model", args.model), ("--n-layer", args.n_layer),
-                                                ("--n-head", args.n_head), ("--n-embd", args.n_embd)) if value]
-        if shape_flags:
-            raise UserError(f"--init-from {args.init_from} takes the model's shape from its weights: drop "
-                            f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)")
-        model_fields = dict(block_size=None)
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-        if getattr(args, name) is not None:
-            model_fields[name] = getattr(args, name)
-    model_cfg = GPTConfig(**model_fields)
-    run = RunConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-                       if hasattr(args, f.name)})
-    return run, model_cfg
+    """The command line: RunConfig's fields as flags (trainkit/train_flags.py)."""
+    return train_flags.build_parser(RunConfig, "Pretrain GPT-2 on token shards (torchrun for several GPUs).")
 
 
 if __name__ == "__main__":
@@ -167,35 +209,39 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, full state dicts
+from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, state dicts
     ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
     find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
-from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, in chunks or not
+from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, chunked or not
+from trainkit.compiling import (  # defines: whether to compile, the GPT compiled block by block, the fallback to eager
+    compile_decision, compile_model, with_compile_fallback)
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
-from trainkit.fit_batch import choose_micro_batch, retry_on_oom  # defines: --batch-size auto (the largest B that fits), OOM retry
+from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
 from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
-from trainkit.guards import (  # defines: stop signals, the update guard, memory checks, GPU peaks for MFU
-    StopSignal, Throughput, UpdateGuard, check_model_fits, compile_failure_cause, flops_per_token, is_out_of_memory,
-    mfu_peak, nonfinite_state, out_of_memory_error, peak_memory)
 from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of the model it is given), load_examples
 from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
 from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
-from trainkit.launch import (  # defines: device, dtype, compile, the process group, rank-0 decisions, rank agreement, faults
-    Dist, all_reduce_sum, autocast_context, check_ranks_agree, checked_on_every_rank, compile_decision, compile_model,
-    decided_on_rank0, exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group, resolve_dtype)
+from trainkit.launch import (  # defines: the device and the process group, rank-0 decisions, rank agreement, faults
+    Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0, exit_code_on_every_rank,
+    is_lost_rank, lost_rank_error, process_group)
+from trainkit.console import print0, print_result  # defines: printing from rank 0, control characters escaped
+from trainkit.memory import (  # defines: the memory-fit check, what an out-of-memory is and its line, the run's peak
+    check_model_fits, is_out_of_memory, out_of_memory_error, peak_memory, watch_peak)
 from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
     MuonWithAdamW, set_lr, use_run_hyperparameters)
-from trainkit.console import print0, print_result  # defines: printing from rank 0, control characters escaped
-from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, its lock and log
+from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
+from trainkit.precision import autocast_context, resolve_dtype  # defines: the autocast dtype of a device, its context
 from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
-from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
+from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
+from trainkit.shard_scan import scan_shards  # defines: each shard's per-token scans, done once and kept for the next launch
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
     ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, recorded, shard_files)
-from trainkit.memory import watch_peak  # defines: the run's own peak memory, mapped shard pages apart
-from trainkit.shard_scan import scan_shards  # defines: each shard's per-token scans, done once and kept for the next launch
+from trainkit.stop_signal import StopSignal  # defines: SIGTERM/SIGINT/SIGHUP finish the step, checkpoint, exit 0
+from trainkit.throughput import Throughput, flops_per_token, mfu_peak  # defines: tok/s and MFU (GPU peak table)
 from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes
     EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths)
+from trainkit.update_guard import UpdateGuard, nonfinite_state  # defines: the non-finite and spike guard of each update
 
 
 # -----------------------------------------------------------------------------
@@ -719,6 +765,18 @@ def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_s
     return loss_total
 
 
+def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -> torch.Tensor:
+    """The gradient norm before clipping (a device tensor: no host sync), the gradients clipped to grad_clip in
+    place (0: not clipped). With fp16's GradScaler they are unscaled first, so both see the true gradients."""
+    if scaler:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = grad_norm_of([p.grad for p in params])
+    if grad_clip:
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
+    return grad_norm
+
+
 @torch.no_grad()
 def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int, device: str,
                   dtype: torch.dtype, token_bytes, loss_chunk: int = 0, doc_mask=False) -> dict:
@@ -740,6 +798,161 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
 
 
 # -----------------------------------------------------------------------------
+# the launch: resolved once (a Launch), before the Trainer exists
+
+
+@dataclass
+class Opened:
+    """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
+    the --init-from weights and the resumed checkpoint."""
+    train_rows: TokenRows
+    val_rows: TokenRows | None
+    shard_check: ShardDigestCheck  # every shard's sha256 against its manifest's, beside the steps
+    enc: object | None  # the tokenizer, for samples
+    token_bytes: object | None  # UTF-8 bytes of each token id, for val bpb
+    pretrained: GPT | None
+    checkpoint: dict | None
+
+
+def model_config(run: RunConfig) -> GPTConfig:
+    """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
+    (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
+    fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
+    fields.update({name: getattr(run, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+                   if getattr(run, name) is not None})
+    return GPTConfig(**fields)
+
+
+def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[Launch, Opened]:
+    """Everything this launch decides, in the order that makes bad input fail before any model work:
+    the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
+    (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order."""
+    pretrained = None
+    model_cfg = model_config(run)
+    if run.init_from:  # the weights decide the model's shape
+        pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size)
+        model_cfg = pretrained.config
+        print0(f"--init-from {run.init_from}: {model_cfg}")
+    seq_len = run.seq_len or min(model_cfg.block_size, 1024)
+    batch_size = run.batch_size or ("auto" if d.device_type == "cuda" else 64)
+    train_flags.check_run(run, model_cfg, seq_len, batch_size, d.world_size)
+    rows_per_rank = run.total_batch_size // (seq_len * d.world_size)  # which --batch-size divides
+    check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
+    dtype, compiled = choose_precision_and_compile(run, d)
+    loss_chunk = run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if d.device_type == "cpu" else 0
+
+    train_rows = TokenRows(run.data_dir, "train", seq_len, run.align_docs, run.shuffle, run.seed,
+                           model_cfg.vocab_size, progress=d.is_main)
+    if train_rows.rows_per_epoch < rows_per_rank * d.world_size:
+        raise UserError(f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
+                        f"than one optimizer step ({rows_per_rank * d.world_size} rows): lower --total-batch-size")
+    val_rows = None
+    if run.val_every:
+        try:
+            val_rows = TokenRows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
+        except UserError as e:
+            raise UserError(f"{e} (or pass --val-every 0)") from None
+        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * d.world_size
+        if val_rows.rows_per_epoch < val_rows_needed:
+            raise UserError(f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
+                            f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
+    # a step or a save that finds this check failed stops
+    shard_check = ShardDigestCheck(train_rows.paths + (val_rows.paths if val_rows else []))
+    enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
+    token_bytes = token_byte_lengths(model_cfg.vocab_size, "pass --val-every 0") if val_rows else None
+    hellaswag_file = None
+    if run.hellaswag_every:
+        get_tokenizer_or_fail("pass --hellaswag-every 0")
+        # download and render now: a bad file fails here, not at the first evaluation (which
+        # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
+        try:  # offline without the file: both ways on
+            hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
+        except UserError as e:
+            raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
+        hellaswag_eval.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
+
+    resume_from = decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)) if not run.eval_only \
+        else eval_checkpoint(run)  # an evaluation writes nothing, so any --out-dir will do, in use or not
+    checkpoint, start_step, shuffle = None, 0, run.shuffle is not False
+    if resume_from:
+        checkpoint = load_checkpoint(resume_from, model_fields=[f.name for f in dataclasses.fields(GPTConfig)],
+                                     resume=True)
+        saved = checkpoint["launch"]
+        shuffle = saved["shuffle"] if run.shuffle is None else run.shuffle  # unsaid: the checkpoint's order
+        as_resumed = dataclasses.replace(run, seq_len=seq_len, shuffle=shuffle)  # compared with what it resolved
+        check_resume_compatible(dict(checkpoint, run_config={**checkpoint["run_config"], "seq_len": saved["seq_len"],
+                                                             "shuffle": saved["shuffle"]}),
+                                as_resumed, model_cfg, resume_from)
+        start_step = checkpoint["step"]
+        if start_step > run.max_steps and not run.eval_only:
+            raise UserError(f"{resume_from} is at step {start_step}, past --max-steps {run.max_steps}: "
+                            "pass a larger --max-steps to train on")
+    train_rows.shuffle = shuffle  # (no row was read yet)
+    launch = Launch(model_cfg, seq_len, batch_size, rows_per_rank, d.world_size, str(dtype).removeprefix("torch."),
+                    compiled, loss_chunk, hellaswag_file, resume_from, start_step, shuffle)
+    return launch, Opened(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
+
+
+def choose_precision_and_compile(run: RunConfig, d: Dist) -> tuple[torch.dtype, bool]:
+    """The autocast dtype and whether to compile."""
+    capability = torch.cuda.get_device_capability(d.device) if d.device_type == "cuda" else None
+    dtype = resolve_dtype(run.dtype, d.device_type, capability)
+    if run.fsdp and dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
+        raise UserError("--fsdp does not support float16 (its GradScaler needs every rank to agree on "
+                        "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp")
+    compiled, why_not = compile_decision(run.compile, d.device_type, capability, sys.platform,
+                                         importlib.util.find_spec("triton") is not None)
+    if why_not:
+        print0(f"compile off: {why_not}")
+    if d.device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+    return dtype, compiled
+
+
+def claim_out_dir(run: RunConfig, out_dir_lock: OutDirLock) -> str | None:
+    """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
+    out_dir_lock.made = prepare_out_dir(run.out_dir)
+    out_dir_lock.acquire()
+    return choose_resume_checkpoint(run)
+
+
+def eval_checkpoint(run: RunConfig) -> str | None:
+    """--eval-only's checkpoint: --resume's (None: --init-from's weights are evaluated)."""
+    path = find_resume_checkpoint(run)
+    if run.resume is not None and not path:
+        raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
+    return path
+
+
+def build_model(run: RunConfig, launch: Launch, d: Dist, pretrained: GPT | None) -> GPT:
+    """The bare model (for evaluation and checkpoints), on the device. Under --fsdp it is the sharded module,
+    on which every rank evaluates; its blocks compiled when launch.compile."""
+    raw_model = (pretrained or GPT(launch.model)).train()
+    if run.fsdp:
+        shard_model(raw_model, d, getattr(torch, launch.dtype), torch.compile if launch.compile else None)
+    else:
+        raw_model.to(d.device)
+    raw_model.activation_checkpointing = run.activation_checkpointing
+    return raw_model
+
+
+def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module:
+    """What the step runs: raw_model compiled if compiled, in DDP under torchrun. Under --fsdp raw_model
+    itself (its blocks compiled, or eager after a failed compile)."""
+    if fsdp:
+        if not compiled:
+            uncompile_blocks(raw_model)
+        return raw_model
+    model = compile_model(raw_model) if compiled else raw_model
+    if d.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
+        model = DDP(model, device_ids=[d.local_rank] if d.device_type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    return model
+
+
+# -----------------------------------------------------------------------------
 # the Trainer
 
 
@@ -756,35 +969,44 @@ class StepResult:
 
 
 class Trainer:
-    """One training run. The constructor builds it in order (validate -> data -> out-dir -> model
-    -> optimizer and resumed state -> wrap -> log); fit() is the loop; train_step() is one step."""
+    """One training run of a resolved Launch. The constructor builds the model, its optimizer and their
+    resumed state, the log, and installs what recovers from failure (forward_backward: compile fallback,
+    out-of-memory retry); fit() is the loop; train_step() is one step."""
 
-    def __init__(self, run: RunConfig, model_cfg: GPTConfig, d: Dist, out_dir_lock: OutDirLock | None = None):
-        self.run, self.d, self.device, self.device_type = run, d, d.device, d.device_type
+    def __init__(self, run: RunConfig, launch: Launch, opened: Opened, d: Dist):
+        self.run, self.launch, self.d, self.device = run, launch, d, d.device
         watch_peak()  # the private memory the summary reports (memory.py), from here on
-        pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size) if run.init_from else None
-        if pretrained:  # the weights decide the model's shape
-            model_cfg = pretrained.config
-            print0(f"--init-from {run.init_from}: {model_cfg}")
-        run.seq_len = run.seq_len or min(model_cfg.block_size, 1024)
-        self.model_cfg = model_cfg
-        self.rows_per_rank = train_flags.validate_config(run, model_cfg, d.world_size, d.device_type)  # per step
-        check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
-        self._choose_precision_and_compile()
+        self.train_rows, self.val_rows, self.shard_check = opened.train_rows, opened.val_rows, opened.shard_check
+        self.enc, self.token_bytes = opened.enc, opened.token_bytes
+        self.dtype = getattr(torch, launch.dtype)
+        # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
+        self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
+        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None,
+                                 last_checkpoint=lambda: self.last_ckpt)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        self._build_data()  # bad input fails before any model work
-        self.out_dir_lock = out_dir_lock or OutDirLock(run.out_dir)  # the caller releases it
-        self.ckpt_path = self._resume_checkpoint()
-        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None)
-        self._build_model(pretrained)  # with its optimizer and, resuming, their state
-        self._wrap_model()
+        self.raw_model = build_model(run, launch, d, opened.pretrained)
+        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, d.device_type,
+                                         run.muon_lr if run.optimizer == "muon" else None, run.muon_momentum)
+        self.resumed = opened.checkpoint and self._load_resume_state(opened.checkpoint)
+        self.compiled = launch.compile
+        self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
-        self.compiled_once, self.last_ckpt = False, self.ckpt_path
-        run.batch_size = choose_micro_batch(self.forward_backward, self.model, self.optimizer, self.rows_per_rank, run,
-                                            self.val_rows, d, self.use_compile, self.log, self.start_step)
-        self.use_micro_batch(run.batch_size)
+        self.last_ckpt = launch.resume_from
+        # recovery, installed once: a failed compile goes on eagerly; an out-of-memory redoes the step smaller
+        compiling = with_compile_fallback(self._forward_backward, self._compile_failed) if self.compiled \
+            else self._forward_backward
+        self.forward_backward = with_oom_retry(compiling, launch.rows_per_rank, d, self.optimizer,
+                                               self.use_micro_batch, self.log)
+        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
+            # trials see their out-of-memory errors: no retry)
+            self.launch = dataclasses.replace(launch, batch_size=choose_micro_batch(
+                run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log))
+        self.use_micro_batch(self.launch.batch_size)
+        self.speed = Throughput(launch.rows_per_rank * d.world_size * launch.seq_len,  # all ranks, padding included
+                                flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params()),
+                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size, d.device_type)
         if not run.eval_only and 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
             cli.print_warning(f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
                               f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
@@ -792,162 +1014,70 @@ class Trainer:
 
     # ---- set-up
 
-    def _choose_precision_and_compile(self):
-        """The autocast dtype, fp16's GradScaler, whether to compile, and the loss chunk."""
-        run = self.run
-        capability = torch.cuda.get_device_capability(self.device) if self.device_type == "cuda" else None
-        self.dtype = resolve_dtype(run.dtype, self.device_type, capability)
-        if run.fsdp and self.dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
-            raise UserError("--fsdp does not support float16 (its GradScaler needs every rank to agree on "
-                            "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp")
-        # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it (DESIGN.md: fp16)
-        self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
-        self.use_compile, why_not = compile_decision(run.compile, self.device_type, capability, sys.platform,
-                                                     importlib.util.find_spec("triton") is not None)
-        if why_not:
-            print0(f"compile off: {why_not}")
-        self.loss_chunk = run.loss_chunk if run.loss_chunk is not None else (
-            CPU_LOSS_CHUNK if self.device_type == "cpu" else 0)
-        if self.device_type == "cuda":
-            torch.set_float32_matmul_precision("high")  # TF32 matmuls
-
-    def _build_data(self):
-        """Train and val rows, the tokenizer and the HellaSwag file."""
-        run, d, vocab_size = self.run, self.d, self.model_cfg.vocab_size
-        self.train_rows = TokenRows(run.data_dir, "train", run.seq_len, run.align_docs, run.shuffle, run.seed,
-                                    vocab_size, progress=d.is_main)
-        if self.train_rows.rows_per_epoch < self.rows_per_rank * d.world_size:
-            raise UserError(f"the train shards hold {self.train_rows.rows_per_epoch} rows of {run.seq_len} tokens, fewer "
-                            f"than one optimizer step ({self.rows_per_rank * d.world_size} rows): lower --total-batch-size")
-        self.val_rows = None
-        if run.val_every:
-            try:
-                self.val_rows = TokenRows(run.data_dir, "val", run.seq_len, run.align_docs, vocab_size=vocab_size)
-            except UserError as e:
-                raise UserError(f"{e} (or pass --val-every 0)") from None
-            val_rows_needed = run.val_steps * (1 if run.batch_size == "auto" else run.batch_size) * d.world_size
-            if self.val_rows.rows_per_epoch < val_rows_needed:
-                raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
-                                f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
-        # every shard's sha256 against its manifest's, beside the steps; a step or a save that finds it failed stops
-        self.shard_check = ShardDigestCheck(self.train_rows.paths + (self.val_rows.paths if self.val_rows else []))
-        self.enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
-        self.token_bytes = token_byte_lengths(vocab_size, "pass --val-every 0") if self.val_rows else None
-        if run.hellaswag_every:
-            get_tokenizer_or_fail("pass --hellaswag-every 0")
-            # download and render now: a bad file fails here, not at the first evaluation (which
-            # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
-            try:  # offline without the file: both ways on
-                run.hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
-            except UserError as e:
-                raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
-            hellaswag_eval.load_examples(run.hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
-
     def use_micro_batch(self, B: int):
-        self.run.batch_size = B  # (an out-of-memory that ends the run names it)
-        if hasattr(self, "prefetcher"):  # after an out-of-memory: it holds micro-batches of the old size
+        """Read the steps B rows per micro-step from now on (after an out-of-memory: fewer)."""
+        if hasattr(self, "prefetcher"):  # it holds micro-batches of the old size
             self.prefetcher.close()
-        self.loader = StepLoader(self.train_rows, B, self.rows_per_rank // B, self.d.rank, self.d.world_size)
-        self.prefetcher = Prefetcher(self.loader, pin_memory=self.device_type == "cuda")
+        self.loader = StepLoader(self.train_rows, B, self.launch.rows_per_rank // B, self.d.rank, self.d.world_size)
+        self.prefetcher = Prefetcher(self.loader, pin_memory=self.d.device_type == "cuda")
 
-    def _resume_checkpoint(self) -> str | None:
-        """The checkpoint to start from (None: from scratch). Training claims --out-dir first (rank 0
-        makes it and locks it); an evaluation writes nothing, so any --out-dir will do, in use or not."""
-        run = self.run
+    def _forward_backward(self, micro_batches, n_tokens: int, step: int | None = None) -> torch.Tensor:
+        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
+        return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device, self.dtype,
+                                    self.launch.loss_chunk, self.scaler, self.run.doc_mask)
+
+    def _compile_failed(self):
+        """with_compile_fallback's way back to eager: the model unwrapped, the partial gradients dropped."""
+        self.compiled = False
+        self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
+        self.model = wrap_model(self.raw_model, False, self.d, self.run.fsdp)
+
+    def _load_resume_state(self, ckpt: dict) -> ResumePoint:
+        path, run, step = self.launch.resume_from, self.run, self.launch.start_step
+        optimizer_notice = use_run_hyperparameters(self.optimizer, ckpt["optimizer"])  # this run's weight decay, ...
+        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"], path)
+        self.guard.load_state_dict(ckpt["skip_state"])
+        torch.set_rng_state(ckpt["rng_cpu"])
+        if self.scaler and "scaler" in ckpt:
+            self.scaler.load_state_dict(ckpt["scaler"])
+        if "rng_cuda" in ckpt and self.d.device_type == "cuda":
+            torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
+        print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
         if not run.eval_only:
-            return decided_on_rank0(self.d, self._claim_out_dir)
-        path = find_resume_checkpoint(run)
-        if run.resume is not None and not path:
-            raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
-        return path
-
-    def _claim_out_dir(self) -> str | None:
-        """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
-        self.out_dir_lock.made = prepare_out_dir(self.run.out_dir)
-        self.out_dir_lock.acquire()
-        return choose_resume_checkpoint(self.run)
-
-    def _build_model(self, pretrained: GPT | None):
-        """The bare model (self.raw_model, for evaluation and checkpoints), its optimizer, and the
-        resumed state. Under --fsdp raw_model is the sharded module, on which every rank evaluates."""
-        run = self.run
-        self.raw_model = (pretrained or GPT(self.model_cfg)).train()
-        if run.fsdp:
-            shard_model(self.raw_model, self.d, self.dtype, torch.compile if self.use_compile else None)
-        else:
-            self.raw_model.to(self.device)
-        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, self.device_type,
-                                         run.muon_lr if run.optimizer == "muon" else None, run.muon_momentum)
-        self.start_step, self.resumed = 0, None
-        if self.ckpt_path:
-            self._load_resume_state(self.ckpt_path)  # (a resume without --[no-]shuffle takes its order)
-        self.train_rows.shuffle = run.shuffle = run.shuffle is not False
-        self.raw_model.activation_checkpointing = run.activation_checkpointing
-
-    def _wrap_model(self):
-        """self.model, what the step runs: raw_model compiled if use_compile, in DDP under torchrun.
-        Under --fsdp raw_model itself (its blocks compiled, or eager after a failed compile)."""
-        if self.run.fsdp:
-            if not self.use_compile:
-                uncompile_blocks(self.raw_model)
-            self.model = self.raw_model
-            return
-        self.model = compile_model(self.raw_model) if self.use_compile else self.raw_model
-        if self.d.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
-            self.model = DDP(self.model, device_ids=[self.d.local_rank] if self.device_type == "cuda" else None,
-                             gradient_as_bucket_view=True)
+            change = data_change(ckpt["data_files"], self.data_files())
+            if change:
+                cli.print_warning(f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
+                                  f"step {step} on this run reads other rows than the run it continues would have")
+            for notice in (lr_change_notice(ckpt["run_config"], run, step), optimizer_notice):
+                if notice:
+                    print0(notice)
+        return ResumePoint.of(path, ckpt)
 
     def _open_log(self):
         """Rank 0: the run's identity (a resume of an earlier step is a branch: a new id naming its parent),
         its log.jsonl and trackers, each record stamped with the id; every check of the folder comes before
         its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). A run
         with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
-        run = self.run
-        writes = not run.eval_only and not (self.ckpt_path and self.start_step >= run.max_steps)
-        self.log = open_run_log(run, self.model_cfg, self.resumed) if writes else RunLog(run.out_dir, enabled=False)
+        run, launch = self.run, self.launch
+        writes = not run.eval_only and not (launch.resume_from and launch.start_step >= run.max_steps)
+        self.log = open_run_log(run, launch.model, self.resumed) if writes else RunLog(run.out_dir, enabled=False)
 
     # ---- checkpoints
 
-    def _load_resume_state(self, path: str):
-        ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)], resume=True)
-        check_resume_compatible(ckpt, self.run, self.model_cfg, path)
-        optimizer_notice = use_run_hyperparameters(self.optimizer, ckpt["optimizer"])  # this run's weight decay, ...
-        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"], path)
-        self.start_step, self.resumed = ckpt["step"], ResumePoint.of(path, ckpt)
-        if self.start_step > self.run.max_steps and not self.run.eval_only:
-            raise UserError(f"{path} is at step {self.start_step}, past --max-steps {self.run.max_steps}: "
-                            "pass a larger --max-steps to train on")
-        self.guard.load_state_dict(ckpt["skip_state"])
-        torch.set_rng_state(ckpt["rng_cpu"])
-        if self.scaler and "scaler" in ckpt:
-            self.scaler.load_state_dict(ckpt["scaler"])
-        if "rng_cuda" in ckpt and self.device_type == "cuda":
-            torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
-        print0(f"{'evaluating' if self.run.eval_only else 'resumed from'} {path} at step {self.start_step}")
-        if self.run.eval_only:
-            return
-        change = data_change(ckpt.get("data_files"), self.data_files())  # (checkpoints before data_files: None)
-        if change:
-            cli.print_warning(f"--data-dir {self.run.data_dir} changed since {path} was written ({change}): from step "
-                              f"{self.start_step} on this run reads other rows than the run it continues would have")
-        for notice in (lr_change_notice(ckpt["run_config"], self.run, self.start_step), optimizer_notice):
-            if notice:
-                print0(notice)
-
     def checkpoint_state(self, step: int) -> dict:
-        """Everything a resume needs (DESIGN.md: state that makes resume exact)."""
+        """Everything a resume needs: the weights, the optimizer, the RNGs, the guard's windows, the log's
+        position, the shards, and both records, the RunConfig asked for and the Launch resolved."""
         rows_per_step = self.loader.rows_per_step
         model_state, optimizer_state = full_state(self.raw_model, self.optimizer)
         state = dict(model=model_state, optimizer=optimizer_state, step=step,
-                     model_config=dataclasses.asdict(self.model_cfg), run_config=dataclasses.asdict(self.run),
-                     rng_cpu=torch.get_rng_state(), world_size=self.d.world_size,
-                     next_row=step * rows_per_step, epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
+                     model_config=dataclasses.asdict(self.launch.model), run_config=dataclasses.asdict(self.run),
+                     launch=dataclasses.asdict(self.launch), rng_cpu=torch.get_rng_state(),
+                     world_size=self.d.world_size, next_row=step * rows_per_step,
+                     epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
         state.update(self.log.position())  # the log's length and sha256 at this step, and the run's identity
         state["data_files"] = self.data_files()
         state["skip_state"] = self.guard.state_dict()
-        if self.device_type == "cuda":
+        if self.d.device_type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         if self.scaler:
             state["scaler"] = self.scaler.state_dict()
@@ -981,65 +1111,35 @@ class Trainer:
     # ---- one optimizer step
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step, in six parts. Its one host sync is in reduce_and_clip; the update is
-        queued without waiting, so dt runs from this step's start to the next sync and includes the
-        GPU finishing the previous step's update: in a steady run, the time per step."""
+        """One optimizer step, in the order of README's "The step, in order". Its one host sync is the
+        .tolist() after the clip; the update is queued without waiting, so dt runs from this step's start
+        to the next sync and includes the GPU finishing the previous step's update: in a steady run, the
+        time per step. What recovers from failure was installed in the constructor: forward_backward goes
+        on eagerly if compiling fails and redoes the step at half the micro-batch after an out-of-memory."""
         t0 = time.perf_counter()
-        # 1. the step's rows, and N: known before any backward; 2. each micro-batch: backward of sum * W / N
-        loss_total, n_tokens = retry_on_oom(lambda: self.forward_backward(*self.prefetcher.get(step)), step, self.loader.B,
-                                            self.rows_per_rank, self.d, self.optimizer, self.use_micro_batch, self.log)
-        loss_sum, norm, stop_requested = self.reduce_and_clip(loss_total)  # 3. one all-reduce, the norm, the clip
-        lr = get_lr(step, self.run)  # 4. the LR of this step (Muon's follows it: trainkit/optimizers.py)
+        micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
+        loss_total = self.forward_backward(micro_batches, n_tokens, step)  # 4. each micro-batch: backward of sum*W/N
+        # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
+        # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
+        # device=...), no copy from pageable host memory, which would block until the backward ends
+        votes = [torch.full((1,), float(v), dtype=torch.float64, device=self.device)
+                 for v in (self.stop.requested, self.shard_check.failed())]
+        stats = all_reduce_sum(torch.cat([loss_total.view(1), *votes]))
+        norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 6. norm and clip
+        loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
+        if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
+            checked_on_every_rank(self.d, self.shard_check.result)
+        lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
-        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm, self.last_ckpt)  # 5. the guard
-        if self.scaler:  # 6. the update (fused AdamW takes fp16's inf flag on the device: no sync)
+        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm)  # 8. the update, unless
+        if self.scaler:  # the guard skips it (fused AdamW takes fp16's inf flag on the device: no sync)
             if not skipped:
                 self.scaler.step(self.optimizer)
             self.scaler.update()
         elif not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_requested, skipped)
-
-    def forward_backward(self, micro_batches, n_tokens: int) -> tuple[torch.Tensor, int]:
-        """This rank's summed token loss, and N; leaves d(step token-mean loss)/d(param) in .grad.
-        Compilation happens in the first step: if it fails, the run goes on eagerly."""
-        def run():
-            return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device,
-                                        self.dtype, self.loss_chunk, self.scaler, self.run.doc_mask), n_tokens
-        if not self.use_compile or self.compiled_once:
-            return run()
-        try:
-            loss_total = run()
-        except Exception as e:  # dynamo, inductor, Triton and the C++ toolchain fail in many types
-            e = compile_failure_cause(e)  # (an out-of-memory is no compile failure: raised, for retry_on_oom)
-            print0(f"compile failed, continuing without it: {cli.reason_of(e, typed=True)}")
-            self.use_compile = False
-            self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
-            self._wrap_model()
-            return run()
-        self.compiled_once = True
-        return loss_total
-
-    def reduce_and_clip(self, loss_total: torch.Tensor) -> tuple[float, float, bool]:
-        """(summed loss of all ranks, grad norm before clipping, stop requested anywhere), with one
-        collective and one host sync; clips the gradients in place. A failed shard check on any rank
-        (ShardDigestCheck) stops every rank here, before the update."""
-        # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
-        # device=...), no copy from pageable host memory, which would block until the backward ends
-        flags = [torch.full((1,), float(flag), dtype=torch.float64, device=self.device)
-                 for flag in (self.stop.requested, self.shard_check.failed())]
-        stats = all_reduce_sum(torch.cat([loss_total.view(1), *flags]))
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # the norm and clipping see the true gradients
-        params = [p for p in self.raw_model.parameters() if p.grad is not None]
-        grad_norm = grad_norm_of([p.grad for p in params])
-        if self.run.grad_clip:
-            torch.nn.utils.clip_grads_with_norm_(params, self.run.grad_clip, grad_norm)
-        loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, grad_norm.double().view(1)]).tolist()
-        if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
-            checked_on_every_rank(self.d, self.shard_check.result)
-        return loss_sum, norm, stop_votes > 0
+        return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_votes > 0, skipped)
 
     # ---- the loop
 
@@ -1049,15 +1149,16 @@ class Trainer:
         self.print_header()
         t_start = time.perf_counter()
         with self.running():
-            if self.ckpt_path and self.start_step == run.max_steps:  # e.g. a requeued job that had finished
-                print0(f"{self.ckpt_path} is already at --max-steps {run.max_steps}: nothing to train "
+            if self.launch.resume_from and self.launch.start_step == run.max_steps:  # e.g. a requeued finished job
+                print0(f"{self.launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train "
                        "(raise --max-steps to go on)")
                 return
-            for step in range(self.start_step, run.max_steps + 1):
+            for step in range(self.launch.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
-                if step > self.start_step or not self.ckpt_path:  # the resumed step was evaluated before saving
+                resumed_here = step == self.launch.start_step and self.launch.resume_from
+                if not resumed_here:  # the resumed step was evaluated before saving
                     save_first_on_failure(self, step, lambda: self.evaluate(step, last_step))
-                    if step > self.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
+                    if step > self.launch.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
                         self.save(step)
                 if stop_agreed:
                     if self.last_ckpt != checkpoint_path(run.out_dir, step):
@@ -1083,15 +1184,15 @@ class Trainer:
         def due(every):
             return every and (step % every == 0 or last_step)
         if self.val_rows and due(run.val_every):
-            results.update(evaluate_loss(self.raw_model, self.val_rows, run.batch_size, run.val_steps, d.rank,
-                                         d.world_size, self.device, self.dtype, self.token_bytes, self.loss_chunk,
-                                         run.doc_mask))
+            results.update(evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, d.rank,
+                                         d.world_size, self.device, self.dtype, self.token_bytes,
+                                         self.launch.loss_chunk, run.doc_mask))
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
-            result = hellaswag_eval.evaluate(self.raw_model, self.device, data_file=run.hellaswag_file,
-                                        limit=run.hellaswag_limit or None, rank=d.rank,
-                                        world_size=d.world_size, dtype=self.dtype, flag="--hellaswag-file")
+            result = hellaswag_eval.evaluate(self.raw_model, self.device, data_file=self.launch.hellaswag_file,
+                                             limit=run.hellaswag_limit or None, rank=d.rank,
+                                             world_size=d.world_size, dtype=self.dtype, flag="--hellaswag-file")
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
@@ -1106,9 +1207,9 @@ class Trainer:
         """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
         printed, then one JSON line. Nothing is written to --out-dir."""
         with self.running():
-            results = self.evaluate(self.start_step, last_step=True)
+            results = self.evaluate(self.launch.start_step, last_step=True)
             checked_on_every_rank(self.d, self.shard_check.result)
-        print_result(json.dumps(dict(step=self.start_step, **results)))
+        print_result(json.dumps(dict(step=self.launch.start_step, **results)))
 
     @contextlib.contextmanager
     def running(self):
@@ -1131,14 +1232,11 @@ class Trainer:
     # ---- what a step prints
 
     def print_header(self):
-        run, d = self.run, self.d
-        self.speed = Throughput(self.loader.rows_per_step * run.seq_len,  # processed by all ranks, padding included
-                                flops_per_token(self.model_cfg, run.seq_len, self.raw_model.num_params()),
-                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size, d.device_type)
-        print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype "
-               f"{str(self.dtype).removeprefix('torch.')} | compile {self.use_compile} | world {d.world_size}"
+        run, d, launch = self.run, self.d, self.launch
+        print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {launch.dtype} | compile "
+               f"{self.compiled} | world {d.world_size}"
                + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
-        print0(f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {run.seq_len} tokens x "
+        print0(f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {launch.seq_len} tokens x "
                f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
                f"{self.train_rows.rows_per_epoch} train rows per epoch")
 
@@ -1146,7 +1244,7 @@ class Trainer:
         tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
         print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
                f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
-               + per_device_rate(tok_per_gpu, self.d.world_size, self.device_type)
+               + per_device_rate(tok_per_gpu, self.d.world_size, self.d.device_type)
                + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
                + (f" | skipped ({r.skipped})" if r.skipped else "") + progress)
         record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens,
@@ -1162,19 +1260,23 @@ class Trainer:
 # main
 
 
-def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
-    out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in Trainer(), once the input checks out
-    auto = run.batch_size == "auto"  # (Trainer() sets run.batch_size to the micro-batch it chose)
+def train(run: RunConfig, d: Dist):
+    out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
+    launch = trainer = None
     try:
-        check_ranks_agree(launch_fingerprint(run, model_cfg))
-        trainer = Trainer(run, model_cfg, d, out_dir_lock)
+        check_ranks_agree(launch_fingerprint(run))
+        launch, opened = resolve_launch(run, d, out_dir_lock)
+        trainer = Trainer(run, launch, opened, d)
+        del opened  # (the checkpoint's tensors: now in the model and optimizer)
         if run.eval_only:
             trainer.evaluate_only()
         else:
             trainer.fit()
     except Exception as e:
         if is_out_of_memory(e):
-            micro_batch = run.batch_size if run.batch_size != "auto" else None
+            auto = (launch.batch_size if launch else run.batch_size) == "auto"  # B was (or was to be) auto's choice
+            micro_batch = trainer.loader.B if trainer else None if auto else launch.batch_size if launch \
+                else run.batch_size  # the rows per micro-step it ran out at (None: auto had chosen none)
             raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir),
                                       micro_batch, auto) from None
         raise
@@ -1182,22 +1284,20 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
         out_dir_lock.release()
 
 
-def launch_fingerprint(run: RunConfig, model_cfg: GPTConfig) -> list[tuple[str, object]]:
-    """What every rank of a launch must share, in flag order: each run and model flag, then the shards."""
-    flags = [(f"--{name.replace('_', '-')}", value) for cfg in (run, model_cfg)
-             for name, value in dataclasses.asdict(cfg).items()]
-    return flags + data_fingerprint(run.data_dir)
+def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:
+    """What every rank of a launch must share, in flag order: each flag, then the shards."""
+    return [(train_flags.flag_name(name), value) for name, value in dataclasses.asdict(run).items()] + \
+        data_fingerprint(run.data_dir)
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    run = RunConfig(**vars(build_parser().parse_args(argv)))
 
     def setup_and_train():
-        run, model_cfg = build_configs(args)
-        train_flags.validate_flag_values(run, model_cfg)
+        train_flags.check_flags(run)
         with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
-            train(run, model_cfg, d)
-    return exit_code_on_every_rank(setup_and_train, args.debug)
+            train(run, d)
+    return exit_code_on_every_rank(setup_and_train, run.debug)
 
 
 if __name__ == "__main__":

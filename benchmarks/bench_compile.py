@@ -1,4 +1,4 @@
-"""The trainer's torch.compile, one block at a time (launch.compile_model), against the whole GPT
+"""The trainer's torch.compile, one block at a time (compiling.compile_model), against the whole GPT
 compiled as one graph (what the trainer did before) and eager; and when DDP's all-reduces start.
 
     python benchmarks/bench_compile.py              # CPU preset on CPU (GPT-2 124M on CUDA), 3 rounds
@@ -49,10 +49,10 @@ def build(variant, args):
 def run_variant(variant, args):
     """Train args.steps steps on fixed random batches; prints one JSON line of step times and losses."""
     import torch
-    from trainkit import launch
+    from trainkit import precision
     import train_gpt2 as tg
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
-    dtype = launch.resolve_dtype("auto", device_type, torch.cuda.get_device_capability() if device_type == "cuda"
+    dtype = precision.resolve_dtype("auto", device_type, torch.cuda.get_device_capability() if device_type == "cuda"
                                  else None)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")

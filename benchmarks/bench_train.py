@@ -46,7 +46,7 @@ def peak_memory_mb(device):
 
 def run_variant(variant, args):
     import torch
-    from trainkit import launch
+    from trainkit import precision
     import train_gpt2 as tg
 
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def run_variant(variant, args):
             loss_accum = torch.zeros((), device=device)
             for m in range(args.accum):
                 x, y = (torch.from_numpy(a).to(device) for a in loader.micro_batch(s, m))
-                with launch.autocast_context(device_type, dtype):
+                with precision.autocast_context(device_type, dtype):
                     _, loss = train_model(x, y)
                 loss = loss / args.accum
                 loss_accum += loss.detach()

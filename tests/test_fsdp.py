@@ -18,6 +18,7 @@ from trainkit import checkpoints
 from trainkit import cli
 from trainkit import fsdp
 from trainkit import launch
+from trainkit.out_dir import OutDirLock
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, free_port, tiny_run_args, torchrun
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
@@ -235,9 +236,9 @@ def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
 def test_fsdp_with_float16_is_refused_before_any_work(data_dir, tmp_path):
     """Each rank's GradScaler would see only its own shard's overflows (the check runs before the
     process group is needed, so a world size of 2 is enough here)."""
-    run, model_cfg = tg.build_configs(tg.build_parser().parse_args(
+    run = tg.RunConfig(**vars(tg.build_parser().parse_args(
         ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--batch-size", "4",
-         "--total-batch-size", "2048", "--fsdp", "--dtype", "float16", "--device", "cpu"]))
+         "--total-batch-size", "2048", "--fsdp", "--dtype", "float16", "--device", "cpu"])))
     with pytest.raises(cli.UserError, match="--fsdp does not support float16"):
-        tg.Trainer(run, model_cfg, launch.Dist(rank=0, world_size=2))
+        tg.resolve_launch(run, launch.Dist(rank=0, world_size=2), OutDirLock(str(tmp_path)))
     assert not os.listdir(tmp_path)

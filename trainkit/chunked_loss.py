@@ -95,7 +95,7 @@ def full_lm_loss(h, weight, targets, reduction, n_real):
     """Logits (B, T, n_real) of lm_head over h (B, T, C) and their cross-entropy over targets
     != IGNORE_INDEX, in fp32. The matmul runs over all of weight's rows (a padded vocabulary's
     faster shape); the first n_real, the real tokens, are the logits and the softmax. Compiled
-    (launch.compile_model), the softmax fuses into one pass over the logits instead of a full
+    (compiling.compile_model), the softmax fuses into one pass over the logits instead of a full
     fp32 copy of them."""
     logits = F.linear(h, weight)
     loss = F.cross_entropy(logits.view(-1, logits.size(-1))[:, :n_real].float(), targets,

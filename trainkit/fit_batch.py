@@ -12,9 +12,8 @@ could leave half-done); under FSDP its forward and backward gather and reduce-sc
 out-of-memory on one rank alone ends the launch as a lost rank. An out-of-memory *during
 training* under torchrun cannot be recovered safely: the other ranks are already inside the
 backward's all-reduce, which the failed rank will never join. There it stays one error line
-naming --batch-size (guards.out_of_memory_error).
+naming --batch-size (memory.out_of_memory_error).
 """
-# defines: choose_micro_batch (--batch-size auto), retry_on_oom (the step again at a smaller micro-batch)
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +24,9 @@ import torch
 
 from trainkit.cli import UserError
 from trainkit.fsdp import local_part
-from trainkit.guards import is_out_of_memory, out_of_memory_reason
 from trainkit.console import print0
 from trainkit.launch import all_reduce_sum
+from trainkit.memory import is_out_of_memory, out_of_memory_reason
 
 CPU_SEARCH_SHARE = 0.8  # on CPU a trial may take this much of the RAM the machine has available
 # What a trial leaves free for what a real step adds to it: the prefetcher's thread (8 MiB of stack on
@@ -115,17 +114,15 @@ def fits_everywhere(forward_backward, B: int, T: int, model, optimizer, device: 
     return not all_reduce_sum(torch.tensor([float(failed)], device=device)).item()
 
 
-def choose_micro_batch(forward_backward, model, optimizer, rows_per_rank: int, run, val_rows, d, compiled: bool,
-                       log, step: int) -> int:
-    """run.batch_size if it is a number. With auto, the largest divisor of rows_per_rank whose
-    micro-batch of run.seq_len-token rows fits on d (a launch.Dist), and with which --val-steps
-    evaluation batches fit in val_rows (the val TokenRows, or None): the largest first (it often
-    does), then a binary search of the others, a handful of trials. AdamW's moments do not exist
+def choose_micro_batch(run, launch, forward_backward, model, optimizer, val_rows, d, log) -> int:
+    """--batch-size auto's micro-batch: the largest divisor of launch.rows_per_rank whose micro-batch of
+    launch.seq_len-token rows fits on d (a launch.Dist) through forward_backward(micro_batches, N), and with
+    which --val-steps evaluation batches fit in val_rows (the val TokenRows, or None): the largest first (it
+    often does), then a binary search of the others, a handful of trials. AdamW's moments do not exist
     before the first update: tensors of their size are held during the trials, with a margin. Nothing
     of a trial stays: gradients dropped, RNG state restored, no update. Printed in one line, logged."""
-    if run.batch_size != "auto":
-        return run.batch_size
-    t0, tried, T, device = time.perf_counter(), [], run.seq_len, d.device
+    rows_per_rank, T, device, step = launch.rows_per_rank, launch.seq_len, d.device, launch.start_step
+    t0, tried = time.perf_counter(), []
     most = val_rows.rows_per_epoch // (run.val_steps * d.world_size) if val_rows else rows_per_rank
     choices = [b for b in divisors(rows_per_rank) if b <= most]
     device_type = torch.device(device).type
@@ -134,7 +131,7 @@ def choose_micro_batch(forward_backward, model, optimizer, rows_per_rank: int, r
         tried.append((choices[i], fits_everywhere(forward_backward, choices[i], T, model, optimizer, device)))
         return tried[-1][1]
     with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), \
-            cpu_search_limit(device_type), static_shapes(compiled):
+            cpu_search_limit(device_type), static_shapes(launch.compile):
         held = [torch.empty_like(local_part(p)) for group in optimizer.param_groups for p in group["params"]
                 if p not in optimizer.state and not run.eval_only for _ in range(2)]  # AdamW's moments, as the first
         # update allocates them (--eval-only updates nothing: its micro-batch is the one validation uses)
@@ -157,23 +154,28 @@ def choose_micro_batch(forward_backward, model, optimizer, rows_per_rank: int, r
     return B
 
 
-def retry_on_oom(attempt, step: int, B: int, rows_per_rank: int, d, optimizer, use_micro_batch, log):
-    """attempt(), one step's forward and backward at micro-batch B, until it does not run out of
-    memory: on one process the gradients of the failed try are dropped, use_micro_batch(smaller B)
-    reloads the step's rows at half the micro-batch, and the step runs again, said in one line and
-    a log record. Under torchrun (d.world_size > 1), or below one row, the out-of-memory is raised."""
-    while True:
-        try:
-            return attempt()
-        except Exception as e:
-            smaller = smaller_micro_batch(B, rows_per_rank)
-            if not is_out_of_memory(e) or d.world_size > 1 or smaller is None:
-                raise
-            reason = out_of_memory_reason(e)
-        optimizer.zero_grad(set_to_none=True)  # (out of the except block: the failed try's tensors are gone)
-        release_cached(d.device)
-        print0(f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at {smaller} "
-               f"rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers")
-        log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
-        use_micro_batch(smaller)
-        B = smaller
+def with_oom_retry(forward_backward, rows_per_rank: int, d, optimizer, use_micro_batch, log):
+    """forward_backward(micro_batches, N, step) that, on one process, survives running out of memory: the
+    failed try's gradients are dropped, the step's rows are split again at half the micro-batch (the same
+    rows in the same order: with one rank, micro-step m reads rows m*B + [0, B)), use_micro_batch(smaller)
+    makes the following steps read that many, and the step runs again, said in one line and a log record.
+    Under torchrun (d.world_size > 1), or below one row, the out-of-memory is raised."""
+    def call(micro_batches, n_tokens, step):
+        while True:
+            B = len(micro_batches[0][0])
+            try:
+                return forward_backward(micro_batches, n_tokens, step)
+            except Exception as e:
+                smaller = smaller_micro_batch(B, rows_per_rank)
+                if not is_out_of_memory(e) or d.world_size > 1 or smaller is None:
+                    raise
+                reason = out_of_memory_reason(e)
+            optimizer.zero_grad(set_to_none=True)  # (out of the except block: the failed try's tensors are gone)
+            release_cached(d.device)
+            print0(f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at "
+                   f"{smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers")
+            log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
+            use_micro_batch(smaller)
+            x, y = (torch.cat([torch.as_tensor(batch[i]) for batch in micro_batches]) for i in (0, 1))
+            micro_batches = list(zip(x.split(smaller), y.split(smaller)))
+    return call

@@ -18,7 +18,8 @@ from trainkit.chunked_loss import exp_sums_
 from trainkit import json_file
 from trainkit.cli import UserError, reason_of
 from trainkit.hellaswag_data import DATA_EXAMPLES, DATA_NAME, SUBSET_FILE, resolve_data_file
-from trainkit.launch import all_reduce_sum, autocast_context
+from trainkit.launch import all_reduce_sum
+from trainkit.precision import autocast_context
 from trainkit.regular_file import open_regular
 from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size
 

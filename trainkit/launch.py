@@ -1,14 +1,12 @@
-"""One launch on one or many processes: the device, its dtype and autocast, whether and how to
-compile, the torchrun process group, what rank 0 decides for all, the ranks' agreement on flags
-and data, and one line per rank failure (a rank that died is a RankLost on the survivors, not a
-gloo traceback).
+"""One launch on one or many processes: the device, the torchrun process group, what rank 0 decides
+for all, the ranks' agreement on flags and data, and one line per rank failure (a rank that died is
+a RankLost on the survivors, not a gloo traceback).
 
 The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import re
 import signal
@@ -17,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, reason_of
 from trainkit.console import print_line
@@ -259,62 +256,3 @@ def check_ranks_agree(fingerprint: list[tuple[str, object]]):
             dist.barrier()
             raise UserError(f"the ranks of this launch were started differently: {difference}; "
                             "every rank needs the same command and the same --data-dir files")
-
-
-def autocast_context(device_type: str, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """The autocast dtype. auto: bf16 on CUDA GPUs that have bf16 tensor cores (compute capability
-    8.0+, Ampere on), fp16 with a GradScaler on older ones (T4, V100, RTX 20xx), fp32 elsewhere."""
-    if name == "auto":
-        name = "float32"
-        if device_type == "cuda":
-            name = "bfloat16" if capability is None or capability >= (8, 0) else "float16"
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-
-
-def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
-                     platform: str, has_triton: bool) -> tuple[bool, str | None]:
-    """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot, why not.
-    Inductor's GPU kernels are Triton's, which needs compute capability 7.0+ and an install
-    (on Windows the separate triton-windows package)."""
-    if requested is False or (requested is None and device_type != "cuda"):
-        return False, None
-    if device_type == "cuda":
-        if capability is not None and capability < (7, 0):
-            return False, f"compute capability {capability[0]}.{capability[1]} < 7.0, which Triton needs"
-        if not has_triton:
-            hint = "pip install triton-windows" if platform == "win32" else "pip install triton"
-            return False, f"Triton is not installed ({hint})"
-    return True, None
-
-
-def compile_model(model: nn.Module, **options) -> nn.Module:
-    """The GPT the training step runs, compiled one block at a time: a shallow copy of model, with
-    the same parameters, whose blocks are torch.compile wrappers of model's blocks and whose
-    full-logits loss (lm_head + cross-entropy, full_loss) is compiled too. The blocks are
-    identical but for their parameters, which dynamo takes as graph inputs: it traces the first
-    block and every other one reuses that code, so compiling costs one block whatever the depth
-    (the whole GPT as one graph traced all of them: docs/performance.md). The embeddings and the
-    chunked loss stay eager; traced, the chunk loop would be unrolled (64 chunks: 105 s to
-    compile on CPU; 256 never finished). DDP wraps the copy: its hooks fire as each block's
-    backward ends, so the all-reduce of the later blocks overlaps the backward of the earlier ones.
-    Dynamo's DDP optimizer, which splits a graph at DDP's bucket boundaries to get that overlap
-    inside one graph, is turned off: the blocks already give it, and its cuts through a block
-    (25 MB buckets; GPT-2 124M's blocks hold 28 MB) would only cost fusion.
-    model itself stays eager, for evaluation, sampling and checkpoints (no `_orig_mod.` in its
-    names), and torch.compile's options (backend, mode) apply to each compiled part."""
-    torch._dynamo.config.optimize_ddp = False  # read when a block is first traced
-    compiled = copy.copy(model)
-    compiled._modules = dict(model._modules)  # copy.copy shares the dict: model would get the wrappers too
-    blocks = nn.ModuleList(torch.compile(block, **options) for block in model.transformer.h)
-    compiled.transformer = nn.ModuleDict({**model.transformer, "h": blocks})
-    compiled.full_loss = torch.compile(model.full_loss, **options)
-    object.__setattr__(compiled, "_orig_mod", model)  # as torch.compile's wrapper: unwrap_model gives model
-    return compiled

@@ -1,0 +1,45 @@
+"""Stop signals: SIGTERM, SIGINT and SIGHUP finish the step, checkpoint and exit 0."""
+from __future__ import annotations
+
+import os
+import signal
+
+from trainkit import cli
+
+
+# a stop as requested: preemption, Ctrl-C, and a closed terminal or ssh session (no SIGHUP on Windows)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+class StopSignal:
+    """SIGTERM, SIGINT and SIGHUP ask the run to finish its step, checkpoint and exit 0; a second
+    SIGINT aborts. at_once (an evaluation, which has nothing to save): every one ends it there,
+    as cli.Interrupted (exit code 128 + signum)."""
+
+    def __init__(self, at_once: bool = False):
+        self.requested, self.at_once = False, at_once
+        self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]  # a hung-up terminal no longer says it is one
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def _handle(self, signum, frame):
+        if signum == getattr(signal, "SIGHUP", None):
+            self.leave_terminal()
+        if self.at_once or (self.requested and signum == signal.SIGINT):
+            raise cli.Interrupted(signum)
+        self.requested = True
+
+    def leave_terminal(self):
+        """After SIGHUP the terminal is gone and writing to it fails (EIO), which would end the run
+        before its checkpoint: what went to the terminal goes to /dev/null (files and pipes still get theirs)."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in self.terminal_fds:
+            os.dup2(devnull, fd)
+        os.close(devnull)
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def ignore_sigterm_from_now(self):
+        """After another rank died torchrun SIGTERMs the survivors: this one still prints its line."""
+        self.previous[signal.SIGTERM] = signal.SIG_IGN
