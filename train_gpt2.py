@@ -838,6 +838,9 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[L
     train_flags.check_run(run, model_cfg, seq_len, batch_size, d.world_size)
     rows_per_rank = run.total_batch_size // (seq_len * d.world_size)  # which --batch-size divides
     check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
+    problem = run.hellaswag_every and hellaswag_eval.model_problem(model_cfg.vocab_size, model_cfg.block_size)
+    if problem:  # refused now, not after --hellaswag-every steps of training
+        raise UserError(f"--hellaswag-every {run.hellaswag_every}: {problem}; pass --hellaswag-every 0")
     dtype, compiled = choose_precision_and_compile(run, d)
     loss_chunk = run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if d.device_type == "cpu" else 0
 

@@ -6,14 +6,13 @@ files. Each is exit code 2, one `error:` line, no traceback, and every file left
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, tree_hashes
+from conftest import HELLASWAG_FILE, run_command, tree_hashes, write_checkpoint
 from trainkit import checkpoints
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "16",
@@ -23,20 +22,12 @@ DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive deco
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
 
 
-def run_command(script, *args, timeout=300):
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def assert_refused(result, line):
     """Exit code 2 and exactly this one `error:` line on stderr (so no traceback)."""
     assert (result.returncode, result.stderr) == (2, f"error: {line}\n"), result.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from shards import shard_dir
-    return shard_dir(tmp_path_factory, 300, seed=3)
+SHARDS = dict(n_docs=300, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +307,30 @@ def test_inputs_that_are_named_pipes_are_refused_not_waited_on(finished_run, tmp
     result = run_command("hellaswag.py", "--data-file", fifo, "--checkpoint", finished_run, timeout=120)
     assert_refused(result, f"--data-file {fifo} is a named pipe (FIFO), not a regular file: it cannot be read as one")
     assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
+
+
+# --- models HellaSwag cannot score --------------------------------------------------------------
+
+BLOCK_1 = "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs " \
+    "at least 2 positions)"
+
+
+@pytest.mark.parametrize("shape, problem, trainer_line", [
+    (dict(block_size=1, vocab_size=50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
+    (dict(block_size=32, vocab_size=1000), "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this "
+     "model's vocabulary of 1000 ids", "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and "
+     "HellaSwag feed the model: pass --hellaswag-every 0"),
+], ids=["block-size-1", "vocab-size-1000"])
+def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, problem, trainer_line):
+    """hellaswag.py on its checkpoint, and the trainer asked to score it every N steps (refused before the
+    first step, not after N steps of training): one line each, nothing written."""
+    checkpoint = write_checkpoint(tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape)),
+                                  tmp_path / "ckpt_0000001.pt")
+    result = run_command("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
+    assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
+    out = tmp_path / "out"
+    args = [*TINY, "--block-size", str(shape["block_size"]), "--seq-len", "1", "--total-batch-size", "4",
+            "--vocab-size", str(shape["vocab_size"]), "--hellaswag-every", "1", "--hellaswag-file", HELLASWAG_FILE]
+    result = run_command("train_gpt2.py", "--data-dir", data_dir, "--out-dir", out, "--max-steps", "2", *args)
+    assert_refused(result, trainer_line)
+    assert not out.exists()

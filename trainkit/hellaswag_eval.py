@@ -21,7 +21,7 @@ from trainkit.hellaswag_data import DATA_EXAMPLES, DATA_NAME, SUBSET_FILE, resol
 from trainkit.launch import all_reduce_sum
 from trainkit.precision import autocast_context
 from trainkit.regular_file import open_regular
-from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size
+from trainkit.tokenizer import EOT, GPT2_VOCAB, get_tokenizer_or_fail, real_vocab_size
 
 
 class Example(NamedTuple):
@@ -119,6 +119,18 @@ def model_block_size(model: nn.Module) -> int | None:
     """Longest sequence the model takes: our GPTConfig.block_size or HF's n_positions."""
     config = getattr(unwrap_model(model), "config", None)
     return getattr(config, "block_size", None) or getattr(config, "n_positions", None)
+
+
+def model_problem(vocab_size: int | None, block_size: int | None) -> str | None:
+    """Why a model of these sizes cannot be scored on HellaSwag, or None: its examples are GPT-2's tokens (ids
+    up to <|endoftext|>), and an ending's first token is predicted from at least one token of context."""
+    if vocab_size is not None and vocab_size < GPT2_VOCAB:
+        return (f"HellaSwag's examples are GPT-2's tokens (ids up to {EOT}), beyond this model's vocabulary of "
+                f"{vocab_size} ids")
+    if block_size is not None and block_size < 2:
+        return (f"HellaSwag predicts each ending from its context, which a model of --block-size {block_size} "
+                "cannot see (it needs at least 2 positions)")
+    return None
 
 
 # positions per lm_head call: 26 MB of fp32 logits. From 32 MB up glibc maps every allocation
@@ -229,6 +241,10 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
     and the per-character picks on lm-eval's text (its hellaswag task's acc and acc_norm)."""
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
+    config = getattr(unwrap_model(model), "config", None)
+    problem = model_problem(getattr(config, "vocab_size", None), block_size or model_block_size(model))
+    if problem:
+        raise UserError(f"cannot score this model on HellaSwag: {problem}")
     path = resolve_data_file(data_file, data_dir, flag)
     # lm-eval's text differs from the record's in every example (it starts with the activity label), so no
     # forward serves both renderings: the second is scored after the first, under the same progress bar
