@@ -185,7 +185,7 @@ MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 2
 def _write_json(path: str, value: dict, shown: str):
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=2, ensure_ascii=False)
+            json.dump(value, f, indent=2)  # ASCII: a path that is not UTF-8 is kept as its escapes
     except OSError as e:
         raise UserError(f"cannot write the Hugging Face model to {shown}: {reason_of(e)}") from e
 

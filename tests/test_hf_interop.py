@@ -1,5 +1,6 @@
 """hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models."""
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -717,3 +718,20 @@ def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
     usage = run_cli(os.path.join(REPO, "hf_interop.py"), "--help")
     assert ("Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or evaluate one with "
             "lm-evaluation-harness.") in " ".join(usage.stdout.split())  # however wide the terminal
+
+
+def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(tmp_path):
+    """The export's mark keeps such a path as its escapes; a second export over the first reads it back."""
+    from conftest import write_checkpoint
+    run = os.path.join(os.fsencode(tmp_path), b"run\xff")
+    os.makedirs(run)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"], cwd=REPO,
+                                capture_output=True, timeout=300)
+        assert (result.returncode, result.stderr) == (0, b""), result.stderr[-3000:]
+        assert result.stdout.startswith(b"wrote Hugging Face GPT-2 of " + os.path.join(run, b"ckpt_0000003.pt")
+                                        .replace(b"\xff", b"\\udcff") + b" (it records no step)")
+    mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
+    assert mark["checkpoint"] == os.fsdecode(os.path.join(run, b"ckpt_0000003.pt"))
