@@ -53,6 +53,33 @@ def child_pids(pid) -> list:
     return children
 
 
+def kill_group(proc, signum=signal.SIGKILL, timeout=120):
+    """signum to the process group proc leads (started with start_new_session=True); a group whose
+    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+    if signum == signal.SIGKILL:
+        proc.wait(timeout=timeout)
+
+
+def kill_pids(pids, signum=signal.SIGKILL):
+    """signum to each process of pids; one that has exited already is skipped (on a busy machine a
+    worker may end between being listed and being signalled)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def wait_for(condition, proc, timeout=300, what="the condition"):
+    """Poll condition() until it holds; fails, with proc's output, if proc exits first or if timeout
+    seconds pass (generous: a subprocess that imports torch on a loaded 2-core machine takes a minute)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, (f"exited with {proc.returncode} before {what}", proc.communicate())
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(0.05)
+
+
 def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
     """`python script args`, or a torchrun of nproc processes, in the repo: the completed process
     with its output as text. env: variables to set on top of this process's environment."""

@@ -1,5 +1,4 @@
 """Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node (issue 5)."""
-import contextlib
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import torch
 
 from trainkit import checkpoints
 import train_gpt2 as tg
-from conftest import REPO, child_pids, free_port, torchrun
+from conftest import REPO, child_pids, free_port, kill_pids, torchrun, wait_for
 from shards import shard_dir
 
 T = 16
@@ -129,14 +128,9 @@ def test_keep_last(data_dir, tmp_path):
 
 # --- preemption -----------------------------------------------------------------------------
 
-def wait_for_steps(out_dir, n, proc, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n:
-            return
-        time.sleep(0.05)
-    raise TimeoutError
+def wait_for_steps(out_dir, n, proc):
+    wait_for(lambda: os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n, proc,
+             what=f"{n} steps")
 
 
 def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path):
@@ -146,7 +140,7 @@ def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path
                             stderr=subprocess.PIPE, text=True)
     wait_for_steps(preempted, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     stop_line = [line for line in out.splitlines() if line.startswith("stopped by signal")]
     assert len(stop_line) == 1 and "--resume" in stop_line[0]
@@ -302,17 +296,15 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
     nodes = start_two_nodes(args, free_port())
     try:
         wait_for_steps(tmp_path, 3, nodes[0])
-        for pid in child_pids(nodes[1].pid):  # the second node's training process dies
-            os.kill(pid, signal.SIGKILL)
+        kill_pids(child_pids(nodes[1].pid))  # the second node's training process dies
         start = time.time()
-        nodes[0].communicate(timeout=120)
+        nodes[0].communicate(timeout=300)
         assert nodes[0].returncode != 0
-        assert time.time() - start < 90
+        assert time.time() - start < 200  # it does not hang (seconds on a quiet machine)
     finally:
         for p in nodes:
-            if p.poll() is None:
-                for pid in child_pids(p.pid) + [p.pid]:
-                    os.kill(pid, signal.SIGKILL)
+            kill_pids(child_pids(p.pid) + [p.pid])
+            p.wait(timeout=120)
 
 
 @pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
@@ -326,11 +318,9 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_pat
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGTERM)  # as if only one node were preempted
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=300)
     finally:
-        for pid in child_pids(proc.pid) + [proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_pids(child_pids(proc.pid) + [proc.pid])
     assert proc.returncode == 0, err[-3000:]
     stop_step = int(out.split("stopped by signal at step ")[1].split(";")[0])
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
