@@ -1033,7 +1033,7 @@ class Trainer:
 
     def fit(self):
         """Evaluate when due, save when due, stop when last or when a stop is agreed, else one step."""
-        run, step_times, stop_agreed = self.run, [], False
+        run, step_times, stop_agreed, stopped_at = self.run, [], False, None
         self.print_header()
         t_start = time.perf_counter()
         with self.running():
@@ -1050,8 +1050,7 @@ class Trainer:
                 if stop_agreed:
                     if self.last_ckpt != checkpoint_path(run.out_dir, step):
                         self.save(step, stopping=True)
-                    print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
-                           f"Resume with the same command plus --resume")
+                    stopped_at = step
                     break
                 if last_step:
                     break
@@ -1060,6 +1059,8 @@ class Trainer:
                 step_times.append(result.dt)
                 self.log_step(step, result)
         print0(self.speed.summary(step_times, time.perf_counter() - t_start, peak_memory(self.device)))
+        if stopped_at is not None:  # the last line, what a Ctrl-C leaves on the screen: the work is safe
+            print0(stopped_line(checkpoint_path(run.out_dir, stopped_at), stopped_at))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
         """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
@@ -1166,6 +1167,17 @@ def train(run: RunConfig, model_cfg: GPTConfig, d: Dist):
         raise
     finally:
         out_dir_lock.release()
+
+
+def stopped_line(path: str, step: int) -> str:
+    """What a run stopped by a signal prints last: its checkpoint, and how to go on. Under torchrun a
+    Ctrl-C (or SIGTERM) reaches torchrun first, which passes it on to the ranks, waits for them and then
+    prints a traceback of its own, ending in SignalException, and exits 1: the line says it is harmless."""
+    line = (f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
+            "command plus --resume")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
+        line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    return line
 
 
 def launch_fingerprint(run: RunConfig, model_cfg: GPTConfig) -> list[tuple[str, object]]:

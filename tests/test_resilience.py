@@ -13,7 +13,7 @@ import torch
 
 from trainkit import checkpoints
 import train_gpt2 as tg
-from conftest import REPO, child_pids, free_port, kill_pids, torchrun, wait_for
+from conftest import REPO, child_pids, free_port, kill_group, kill_pids, torchrun, wait_for
 from shards import shard_dir
 
 T = 16
@@ -326,6 +326,37 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_pat
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     assert [s for s, _ in losses(tmp_path)] == list(range(stop_step))
     assert checkpoints.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step
+
+
+def test_ctrl_c_under_torchrun_ends_with_the_checkpoint_and_how_to_resume(data_dir, tmp_path):
+    """Ctrl-C in the terminal of a torchrun launch (SIGINT to its process group; torchrun passes it on to
+    the ranks): the ranks checkpoint the step they agree on and exit 0, and rank 0's last line names the
+    checkpoint, says it is safe, how to resume, and that the traceback torchrun prints next (its
+    SignalException; torchrun exits 1) only reports the signal."""
+    args = args_for(data_dir, tmp_path, steps=100000, ckpt_every=0, B=2)
+    proc = subprocess.Popen([*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = ""
+        while not first.startswith("step "):  # the first step line: training is under way
+            first = proc.stdout.readline()
+            assert first, proc.communicate()
+        kill_group(proc, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+    step = int(out.split("stopped by signal at step ")[1].split(";")[0])
+    path = tmp_path / f"ckpt_{step:07d}.pt"
+    assert out.splitlines()[-1] == (
+        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command "
+        "plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)")
+    assert proc.returncode == 1 and err.splitlines()[-1].startswith(
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process ")  # torchrun's, not ours
+    assert "Sending process" in err and "forcefully" not in err  # the ranks ended themselves (no SIGKILL)
+    assert sorted(os.listdir(tmp_path)) == [path.name, "log.jsonl"]
+    assert checkpoints.load_checkpoint(str(path))["step"] == step
+    assert [s for s, _ in losses(tmp_path)] == list(range(step))
 
 
 def test_a_checkpoint_written_before_the_module_split_resumes_exactly(tmp_path):
