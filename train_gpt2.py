@@ -821,7 +821,8 @@ class Trainer:
             if self.val_rows.rows_per_epoch < val_rows_needed:
                 raise UserError(f"the val shards hold {self.val_rows.rows_per_epoch} rows, fewer than --val-steps x "
                                 f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
-        # every shard's sha256 against its manifest's, beside the steps; a step or a save that finds it failed stops
+        # every shard's sha256 against its manifest's, beside the steps (running() starts it); a step or a save
+        # that finds it failed stops
         self.shard_check = ShardDigestCheck(self.train_rows.paths + (self.val_rows.paths if self.val_rows else []))
         self.enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
         self.token_bytes = token_byte_lengths(vocab_size, "pass --val-every 0") if self.val_rows else None
@@ -1104,6 +1105,7 @@ class Trainer:
         this rank's one line, and no checkpoint is written after it (the state may be half-updated, and
         saving needs the peers); the prefetch thread, the signal handlers and the log are released
         however it ends."""
+        self.shard_check.start()  # started here, so that every way out of the run passes its close() below
         try:
             yield
         except Exception as e:
@@ -1111,7 +1113,8 @@ class Trainer:
                 self.stop.ignore_sigterm_from_now()
                 raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
             raise
-        finally:
+        finally:  # the run's threads end here, before the process group is destroyed
+            self.shard_check.close()
             self.prefetcher.close()
             self.stop.restore()
             self.log.close()

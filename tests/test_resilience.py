@@ -14,7 +14,7 @@ import torch
 from trainkit import checkpoints
 import train_gpt2 as tg
 from conftest import REPO, child_pids, free_port, kill_group, kill_pids, torchrun, wait_for
-from shards import shard_dir
+from shards import shard_dir, write_manifest
 
 T = 16
 
@@ -326,6 +326,30 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_pat
     assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     assert [s for s, _ in losses(tmp_path)] == list(range(stop_step))
     assert checkpoints.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step
+
+
+def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypatch, capsys):
+    """A run stopped by a signal while the full sha256 check of its shards is still reading them: the check
+    ends with the run (stopped, its thread joined), not left hashing while the interpreter shuts down."""
+    import threading
+    from trainkit.shards import ShardDigestCheck
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    np.save(data / "synth_train_000099.npy", np.random.default_rng(0).integers(0, 64, 2_000_000).astype(np.uint16))
+    write_manifest(data)
+    monkeypatch.setattr(ShardDigestCheck, "CHUNK", 16)  # 4 MB in 16-byte reads: seconds, not milliseconds
+    hashing_at_stop = []
+    log_step = tg.Trainer.log_step
+
+    def log_step_then_stop(self, step, result):  # as a SIGTERM after the first step (the next one stops)
+        log_step(self, step, result)
+        hashing_at_stop.append(self.shard_check.thread.is_alive())
+        self.stop.requested = True
+    monkeypatch.setattr(tg.Trainer, "log_step", log_step_then_stop)
+    assert tg.main(args_for(str(data), tmp_path / "out", steps=100000, ckpt_every=0)) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("stopped by signal at step 2; ")
+    assert hashing_at_stop[-1] is True  # still hashing when the run stopped
+    assert not [t for t in threading.enumerate() if t.name == "shard sha256"]
 
 
 def test_ctrl_c_under_torchrun_ends_with_the_checkpoint_and_how_to_resume(data_dir, tmp_path):

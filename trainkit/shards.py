@@ -346,32 +346,42 @@ def check_token_ids(paths: list[str], shards: list[np.ndarray], vocab_size: int)
 
 
 class ShardDigestCheck:
-    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a daemon
-    thread started at start-up (hashlib lets go of the GIL: it runs beside the steps, 0.4 to 0.8 s per
-    100M-token shard). A shard without a recorded sha256 is not checked. The run asks failed() (free)
-    at each step and result() (which waits for it) where it must know."""
+    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a thread
+    of its own beside the steps (hashlib lets go of the GIL: 0.4 to 0.8 s per 100M-token shard). A
+    shard without a recorded sha256 is not checked. start() starts it, where the steps start; the run
+    asks failed() (free) at each step and result() (which waits for it) where it must know; close()
+    ends it at the next MiB, on every way out, before the process group is torn down: a thread still
+    hashing while the interpreter shuts down is killed there, not ended."""
+
+    CHUNK = 1 << 20
 
     def __init__(self, paths: list[str]):
-        self.error, self.thread = None, None
-        digests = recorded(paths, "sha256")
-        if any(digests):  # no thread (its stack and malloc arena) where no shard has a digest to check
-            self.thread = threading.Thread(target=self._check, args=(paths, digests), name="shard sha256",
-                                           daemon=True)
+        self.error, self.thread, self.stopping = None, None, threading.Event()
+        self.paths, self.digests = paths, recorded(paths, "sha256")
+
+    def start(self):
+        if any(self.digests) and self.thread is None:  # no thread (its stack and malloc arena) with nothing to check
+            self.thread = threading.Thread(target=self._check, name="shard sha256")
             self.thread.start()
 
-    def _check(self, paths: list[str], digests: list[str | None]):
-        for path, expected in zip(paths, digests):
+    def _check(self):
+        buffer = bytearray(self.CHUNK)
+        for path, expected in zip(self.paths, self.digests):
             if expected is None:
                 continue
+            digest = hashlib.sha256()
             try:
-                with open(path, "rb") as f:
-                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                with open(path, "rb", buffering=0) as f:
+                    while n := f.readinto(buffer):
+                        if self.stopping.is_set():
+                            return
+                        digest.update(memoryview(buffer)[:n])
             except OSError as e:
                 self.error = UserError(f"cannot read {path}: {os_error_reason(e)}")
                 return
-            if digest != expected:
+            if digest.hexdigest() != expected:
                 self.error = UserError(
-                    f"{path} has sha256 {digest[:16]}..., not the {expected[:16]}... that "
+                    f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
                     f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
                     "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py")
                 return
@@ -386,6 +396,12 @@ class ShardDigestCheck:
             self.thread.join()
         if self.error:
             raise self.error
+
+    def close(self):
+        """Stop checking (within one MiB) and wait for the thread to end."""
+        self.stopping.set()
+        if self.thread:
+            self.thread.join()
 
 
 def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
