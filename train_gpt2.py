@@ -1103,8 +1103,8 @@ class Trainer:
     def running(self):
         """Around the loop or an evaluation: a collective that failed because another rank died becomes
         this rank's one line, and no checkpoint is written after it (the state may be half-updated, and
-        saving needs the peers); the prefetch thread, the signal handlers and the log are released
-        however it ends."""
+        saving needs the peers); the shard check's and the prefetch threads (ended and joined), the
+        signal handlers and the log are released however it ends."""
         self.shard_check.start()  # started here, so that every way out of the run passes its close() below
         try:
             yield
