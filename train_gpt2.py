@@ -1148,7 +1148,7 @@ class Trainer:
 
     def fit(self):
         """Evaluate when due, save when due, stop when last or when a stop is agreed, else one step."""
-        run, step_times, stop_agreed = self.run, [], False
+        run, step_times, stop_agreed, stopped_at = self.run, [], False, None
         self.print_header()
         t_start = time.perf_counter()
         with self.running():
@@ -1166,8 +1166,7 @@ class Trainer:
                 if stop_agreed:
                     if self.last_ckpt != checkpoint_path(run.out_dir, step):
                         self.save(step, stopping=True)
-                    print0(f"stopped by signal at step {step}; checkpoint {checkpoint_path(run.out_dir, step)}. "
-                           f"Resume with the same command plus --resume")
+                    stopped_at = step
                     break
                 if last_step:
                     break
@@ -1177,6 +1176,8 @@ class Trainer:
                 elapsed = time.perf_counter() - t_start
                 self.log_step(step, result, elapsed_and_eta(elapsed, step_times, run.max_steps - step - 1))
         print0(self.speed.summary(step_times, time.perf_counter() - t_start, peak_memory(self.device)))
+        if stopped_at is not None:  # the last line, what a Ctrl-C leaves on the screen: the work is safe
+            print0(stopped_line(checkpoint_path(run.out_dir, stopped_at), stopped_at))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
         """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
@@ -1218,8 +1219,9 @@ class Trainer:
     def running(self):
         """Around the loop or an evaluation: a collective that failed because another rank died becomes
         this rank's one line, and no checkpoint is written after it (the state may be half-updated, and
-        saving needs the peers); the prefetch thread, the signal handlers and the log are released
-        however it ends."""
+        saving needs the peers); the shard check's and the prefetch threads (ended and joined), the
+        signal handlers and the log are released however it ends."""
+        self.shard_check.start()  # started here, so that every way out of the run passes its close() below
         try:
             yield
         except Exception as e:
@@ -1227,7 +1229,8 @@ class Trainer:
                 self.stop.ignore_sigterm_from_now()
                 raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
             raise
-        finally:
+        finally:  # the run's threads end here, before the process group is destroyed
+            self.shard_check.close()
             self.prefetcher.close()
             self.stop.restore()
             self.log.close()
@@ -1285,6 +1288,17 @@ def train(run: RunConfig, d: Dist):
         raise
     finally:
         out_dir_lock.release()
+
+
+def stopped_line(path: str, step: int) -> str:
+    """What a run stopped by a signal prints last: its checkpoint, and how to go on. Under torchrun a
+    Ctrl-C (or SIGTERM) reaches torchrun first, which passes it on to the ranks, waits for them and then
+    prints a traceback of its own, ending in SignalException, and exits 1: the line says it is harmless."""
+    line = (f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
+            "command plus --resume")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
+        line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    return line
 
 
 def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:

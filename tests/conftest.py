@@ -109,6 +109,24 @@ def init(project, dir, config):
 '''
 
 
+def fineweb_parked_after(shard_index: int) -> list:
+    """The command prefix of `python fineweb.py` run as a program (__main__), parked for good once shard
+    shard_index's file is written and before the manifest records it: where a kill leaves the most to
+    resume. The park is a patch of trainkit.shards.write_atomically in that process, not a hook in fineweb."""
+    code = ("import runpy, sys, time\n"
+            f"sys.path.insert(0, {str(REPO)!r})\n"
+            "import trainkit.shards as shards\n"
+            "write = shards.write_atomically\n"
+            "def write_then_park(path, *blobs):\n"
+            "    write(path, *blobs)\n"
+            f"    if path.endswith(('_{shard_index:06d}.npy', '_{shard_index:06d}.bin')):\n"
+            "        time.sleep(3600)\n"
+            "shards.write_atomically = write_then_park\n"
+            f"sys.argv[0] = {str(REPO / 'fineweb.py')!r}\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return [sys.executable, "-c", code]
+
+
 def tiktoken_cache(folder) -> str:
     """folder made a tiktoken cache that holds r50k_base: bpe/'s file under the name tiktoken gives
     its download (the sha1 of the URL), so tiktoken's own loader reads it and never the network."""
@@ -140,6 +158,33 @@ def child_pids(pid) -> list:
                 if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
                     children.append(int(entry))
     return children
+
+
+def kill_group(proc, signum=signal.SIGKILL, timeout=120):
+    """signum to the process group proc leads (started with start_new_session=True); a group whose
+    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+    if signum == signal.SIGKILL:
+        proc.wait(timeout=timeout)
+
+
+def kill_pids(pids, signum=signal.SIGKILL):
+    """signum to each process of pids; one that has exited already is skipped (on a busy machine a
+    worker may end between being listed and being signalled)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def wait_for(condition, proc, timeout=300, what="the condition"):
+    """Poll condition() until it holds; fails, with proc's output, if proc exits first or if timeout
+    seconds pass (generous: a subprocess that imports torch on a loaded 2-core machine takes a minute)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, (f"exited with {proc.returncode} before {what}", proc.communicate())
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(0.05)
 
 
 def run_cli(args, nproc=1, script="train_gpt2.py", env=None):

@@ -5,7 +5,6 @@ test sets); the reference encoding is tiktoken's own r50k_base, read from a tikt
 shipped file (tiktoken's loader and definition, not fineweb's).
 """
 import argparse
-import contextlib
 import gzip
 import hashlib
 import json
@@ -16,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +22,7 @@ import pytest
 import tiktoken
 
 import fineweb
-from conftest import TEXT_FILE, tiktoken_cache, tree_hashes
+from conftest import TEXT_FILE, fineweb_parked_after, kill_group, tiktoken_cache, tree_hashes, wait_for
 from trainkit import cli, documents, shards, tokenizer
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
@@ -81,7 +79,7 @@ def load_shards(out_dir):
     return manifest, arrays
 
 
-def run_cli(*args, env=None, timeout=60):
+def run_cli(*args, env=None, timeout=300):
     return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
@@ -305,29 +303,23 @@ def assert_same_output(out, reference_out):
 def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     docs, path, reference_out = corpus
     out = tmp_path / "killed"
-    args = [sys.executable, FINEWEB, "--files", str(path), "--out-dir", str(out),
-            "--shard-size", "2500", "--workers", "2"]
+    args = ["--files", str(path), "--out-dir", str(out), "--shard-size", "2500", "--workers", "2"]
     with open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen(args, stderr=stderr, start_new_session=True,
-                                   env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "2"})
+        process = subprocess.Popen([*fineweb_parked_after(2), *args], stderr=stderr, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
         # the hook parks the run once shard 2 is in place, before the manifest records it
-        while not (out / "data_train_000002.npy").exists():
-            assert process.poll() is None and time.monotonic() < deadline, "run did not stall"
-            time.sleep(0.05)
+        wait_for((out / "data_train_000002.npy").exists, process, what="the stall after shard 2")
         if how.startswith("SIGKILL"):
-            os.killpg(process.pid, signal.SIGKILL)
-            assert process.wait(timeout=30) == -signal.SIGKILL
+            kill_group(process)
+            assert process.returncode == -signal.SIGKILL
         else:
             process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=30) == 130
+            assert process.wait(timeout=120) == 130
             said = (tmp_path / "stderr.txt").read_text()
             assert "interrupted; run the same command again to resume" in said
             assert "Traceback" not in said
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        kill_group(process)  # (its workers too, whatever happened above)
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and len(manifest["shards"]) == 2
@@ -342,7 +334,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     # the resume point splits a document, so the already-written prefix must be dropped
     assert manifest["shards"][-1]["next_document_tokens_done"] > 0
 
-    result = run_cli(*args[2:])
+    result = run_cli(*args)
     assert result.returncode == 0, result.stderr
     skipped = manifest["shards"][-1]["documents_done"]
     assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
@@ -358,13 +350,9 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
     other = write_jsonl(tmp_path / "other.jsonl", [{"text": doc} for doc in make_docs(40, seed=5)])
     out = tmp_path / "out"
     args = ["--files", str(path), "--out-dir", str(out), "--shard-size", "2500", "--workers", "2"]
-    first = subprocess.Popen([sys.executable, FINEWEB, *args], stderr=subprocess.DEVNULL, start_new_session=True,
-                             env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "2"})
+    first = subprocess.Popen([*fineweb_parked_after(2), *args], stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not (out / "data_train_000002.npy").exists():
-            assert first.poll() is None and time.monotonic() < deadline, "run did not stall"
-            time.sleep(0.05)
+        wait_for((out / "data_train_000002.npy").exists, first, what="the stall after shard 2")
         before = tree_hashes(out)
         for second in (["--files", str(other), "--out-dir", str(out), "--max-tokens", "1M"], args):
             result = run_cli(*second)
@@ -374,11 +362,11 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
                 "--out-dir\n"))
             assert tree_hashes(out) == before
         os.kill(first.pid, signal.SIGKILL)  # (its workers end once their task pipe closes)
-        assert first.wait(timeout=30) == -signal.SIGKILL
+        assert first.wait(timeout=120) == -signal.SIGKILL
         result = run_cli(*args)
         assert result.returncode == 0, result.stderr
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        kill_group(first)  # (by now its workers may have ended, and the group with them)
     assert_same_output(out, reference_out)
 
 
@@ -974,20 +962,14 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_the_trainer
     assert np.array_equal(np.concatenate(arrays), expected)
 
     killed = tmp_path / "killed"  # parked once the train shard is in place, before the manifest records it
-    args = [sys.executable, FINEWEB, "--files", str(tmp_path / "notes.txt"), "--out-dir", str(killed)]
-    process = subprocess.Popen(args, stderr=subprocess.DEVNULL, start_new_session=True,
-                               env={**os.environ, "FINEWEB_TEST_STALL_AFTER_SHARD": "1"})
+    args = ["--files", str(tmp_path / "notes.txt"), "--out-dir", str(killed)]
+    process = subprocess.Popen([*fineweb_parked_after(1), *args], stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (killed / "data_train_000001.npy").exists():
-            assert process.poll() is None and time.monotonic() < deadline, "run did not stall"
-            time.sleep(0.05)
+        wait_for((killed / "data_train_000001.npy").exists, process, what="the park after shard 1")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
+        kill_group(process)
     assert len(json.loads((killed / "manifest.json").read_text())["shards"]) == 1
-    resumed = run_cli(*args[2:])
+    resumed = run_cli(*args)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_output(killed, out)
 

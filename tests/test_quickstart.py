@@ -7,11 +7,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, kill_group, wait_for
 from trainkit.hellaswag_data import DATA_URL
 
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
@@ -129,15 +128,12 @@ def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.time() + 300
-        while not ((out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
+        wait_for(lambda: (out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text(), proc,
+                 timeout=600, what="the first step")
+        kill_group(proc, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
     same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
     assert stderr.splitlines()[-1] == ("quickstart: interrupted; run the same command again to resume: bash "

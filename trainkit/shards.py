@@ -11,9 +11,7 @@ import hashlib
 import io
 import json
 import os
-import sys
 import threading
-import time
 
 import numpy as np
 
@@ -50,14 +48,6 @@ def write_atomically(path: str, *blobs) -> None:
 
 def save_manifest(out_dir: str, manifest: dict) -> None:
     write_atomically(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
-
-
-def _stall_for_tests(shard_index: int) -> None:
-    # Test-only: FINEWEB_TEST_STALL_AFTER_SHARD=N parks the process once shard N's file is in
-    # place but before the manifest records it, so a test can kill it at that exact point.
-    if os.environ.get("FINEWEB_TEST_STALL_AFTER_SHARD") == str(shard_index):
-        print(f"stalled after shard {shard_index} (test hook)", file=sys.stderr, flush=True)
-        time.sleep(3600)
 
 
 class ShardWriter:
@@ -129,7 +119,6 @@ class ShardWriter:
         write_atomically(os.path.join(self.out_dir, name), header, tokens.data)
         digest = hashlib.sha256(header)
         digest.update(tokens.data)
-        _stall_for_tests(index)
         if ends_document and self.open_tokens:
             self.documents_done += 1
             self.open_tokens = 0
@@ -362,35 +351,45 @@ def check_token_ids(paths: list[str], largest_ids: list[int], vocab_size: int):
 
 
 class ShardDigestCheck:
-    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a daemon
-    thread started at start-up (hashlib lets go of the GIL: it runs beside the steps, 0.4 to 0.8 s per
-    100M-token shard). A shard without a recorded sha256 is not checked. The run asks failed() (free)
-    at each step and result() (which waits for it) where it must know."""
+    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a thread
+    of its own beside the steps (hashlib lets go of the GIL: 0.4 to 0.8 s per 100M-token shard). A
+    shard without a recorded sha256 is not checked. start() starts it, where the steps start; the run
+    asks failed() (free) at each step and result() (which waits for it) where it must know; close()
+    ends it at the next MiB, on every way out, before the process group is torn down: a thread still
+    hashing while the interpreter shuts down is killed there, not ended."""
+
+    CHUNK = 1 << 20
 
     def __init__(self, paths: list[str]):
-        self.error, self.thread = None, None
-        digests = recorded(paths, "sha256")
-        if any(digests):  # no thread (its stack and malloc arena) where no shard has a digest to check
-            self.thread = threading.Thread(target=self._check, args=(paths, digests), name="shard sha256",
-                                           daemon=True)
+        self.error, self.thread, self.stopping = None, None, threading.Event()
+        self.paths, self.digests = paths, recorded(paths, "sha256")
+
+    def start(self):
+        if any(self.digests) and self.thread is None:  # no thread (its stack and malloc arena) with nothing to check
+            self.thread = threading.Thread(target=self._check, name="shard sha256")
             self.thread.start()
 
-    def _check(self, paths: list[str], digests: list[str | None]):
-        for path, expected in zip(paths, digests):
+    def _check(self):
+        buffer = bytearray(self.CHUNK)
+        for path, expected in zip(self.paths, self.digests):
             if expected is None:
                 continue
+            digest = hashlib.sha256()
             try:
-                with open_regular(path) as f:
-                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                with open_regular(path) as f:  # buffered reads of CHUNK bytes: a stop waits for one at most
+                    while n := f.readinto(buffer):
+                        if self.stopping.is_set():
+                            return
+                        digest.update(memoryview(buffer)[:n])
             except UserError as e:  # (swapped for a named pipe since start-up)
                 self.error = e
                 return
             except OSError as e:
                 self.error = UserError(f"cannot read {path}: {reason_of(e)}")
                 return
-            if digest != expected:
+            if digest.hexdigest() != expected:
                 self.error = UserError(
-                    f"{path} has sha256 {digest[:16]}..., not the {expected[:16]}... that "
+                    f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
                     f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
                     "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py")
                 return
@@ -405,6 +404,12 @@ class ShardDigestCheck:
             self.thread.join()
         if self.error:
             raise self.error
+
+    def close(self):
+        """Stop checking (within one MiB) and wait for the thread to end."""
+        self.stopping.set()
+        if self.thread:
+            self.thread.join()
 
 
 def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
