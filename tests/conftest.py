@@ -57,15 +57,10 @@ def losses(out_dir) -> list:
     return [(r["step"], r["loss"]) for r in log_records(out_dir) if "loss" in r]
 
 
-def wait_for_steps(out_dir, n, proc, timeout=120):
-    """Until the run proc writes to out_dir has logged n trained steps (TimeoutError after timeout seconds)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n:
-            return
-        time.sleep(0.05)
-    raise TimeoutError
+def wait_for_steps(out_dir, n, proc):
+    """Until the run proc writes to out_dir has logged n trained steps (wait_for's limits)."""
+    wait_for(lambda: os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n, proc,
+             what=f"{n} steps")
 
 
 def resume_copy(src, dst, step):
