@@ -21,6 +21,7 @@ handling that run calls. The pieces shared with the trainer live in trainkit/: t
 and manifest (shards.py), GPT-2's tokenizer (tokenizer.py); and this script's document sources
 and worker pool are trainkit/documents.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,17 @@ from trainkit.folder_lock import FolderLock  # one live writer per --out-dir (st
 
 # --- from documents to shards -------------------------------------------------------------
 
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return exit_code_of(lambda: (validate_args(args), run(args)), args.debug, also_catch=(OSError,),
-                            interrupted="fineweb.py: interrupted; run the same command again to resume")
+        return exit_code_of(
+            lambda: (validate_args(args), run(args)),
+            args.debug,
+            also_catch=(OSError,),
+            interrupted="fineweb.py: interrupted; run the same command again to resume",
+        )
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
 
@@ -68,28 +74,32 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) 
         print_line(f"{args.out_dir} is already complete ({done}); nothing to do")
         return
     if args.files:
-        documents = iter_file_documents([path for path, *_ in inputs], args.text_field,
-                                        args.doc_per_file, args.utf8_errors)
+        documents = iter_file_documents(
+            [path for path, *_ in inputs], args.text_field, args.doc_per_file, args.utf8_errors
+        )
     else:  # a resumed run reads the commit that the interrupted one started with
         # asked of the Hub only by a new run: a resume must not depend on reaching it again
         revision = manifest.get("hub_revision") or hub_revision(args.dataset)
         manifest["hub_revision"] = revision
-        documents = iter_hub_documents(args.dataset, args.name, args.split, revision,
-                                       args.text_field, args.debug)
+        documents = iter_hub_documents(args.dataset, args.name, args.split, revision, args.text_field, args.debug)
     if manifest["shards"]:
-        print_line(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)",
-                   file=sys.stderr)
+        print_line(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)", file=sys.stderr)
     write_shards(args, writer, islice(documents, writer.documents_done, None), source)
     manifest["complete"] = True
     save_manifest(args.out_dir, manifest)
     shards = manifest["shards"]
-    print_line(f"wrote {len(shards)} shard{'s' if len(shards) != 1 else ''}, {writer.tokens_written:,} tokens, "
-               f"{sum(shard['documents'] for shard in shards):,} documents to {args.out_dir}")
+    print_line(
+        f"wrote {len(shards)} shard{'s' if len(shards) != 1 else ''}, {writer.tokens_written:,} tokens, "
+        f"{sum(shard['documents'] for shard in shards):,} documents to {args.out_dir}"
+    )
     if len(shards) <= args.val_shards:
         which = "the only shard is a val shard" if len(shards) == 1 else f"all {len(shards)} shards are val shards"
-        print_line(f"fineweb.py: warning: {which} (--val-shards {args.val_shards}), so train_gpt2.py finds no train "
-                   f"shards here: run again into an empty --out-dir with --shard-size {max(1, writer.tokens_written // 10)} "
-                   "(a tenth of the tokens)", file=sys.stderr)
+        print_line(
+            f"fineweb.py: warning: {which} (--val-shards {args.val_shards}), so train_gpt2.py finds no train "
+            f"shards here: run again into an empty --out-dir with --shard-size {max(1, writer.tokens_written // 10)} "
+            "(a tenth of the tokens)",
+            file=sys.stderr,
+        )
 
 
 def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, source: str) -> None:
@@ -107,14 +117,21 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
         if first is None and not writer.manifest["shards"]:
             raise UserError(f"no documents in {source}")
         chunks = chunk_located(chain([first], documents) if first is not None else (), CHUNK_CHARS)
-        progress = stack.enter_context(tqdm(
-            total=args.max_tokens, initial=writer.tokens_total, unit="tok", unit_scale=True,
-            desc="tokenizing", dynamic_ncols=True))
+        progress = stack.enter_context(
+            tqdm(
+                total=args.max_tokens,
+                initial=writer.tokens_total,
+                unit="tok",
+                unit_scale=True,
+                desc="tokenizing",
+                dynamic_ncols=True,
+            )
+        )
         for tokens in tokenize_in_order(chunks, pool, 2 * args.workers, args.utf8_errors):
             if drop:
                 tokens, drop = _drop_written_prefix(tokens, drop), 0
             if args.max_tokens:
-                tokens = tokens[:args.max_tokens - writer.tokens_total]
+                tokens = tokens[: args.max_tokens - writer.tokens_total]
             writer.add(tokens)
             progress.update(tokens.size)
             if writer.tokens_total == args.max_tokens:
@@ -138,43 +155,79 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = cli.ArgumentParser(
         description="Tokenize a text dataset into GPT-2 uint16 token shards (resumable).",
         epilog="Sizes: 20M, 1.5K, 10B (= 10G), 1e8 or 100000. Run again with the same arguments "
-               "to resume an interrupted run.")
+        "to resume an interrupted run.",
+    )
     source = parser.add_argument_group("source (default: FineWeb-Edu sample-10BT, streamed from the Hub)")
     source.add_argument("--dataset", help=f"Hub dataset to stream (default {DEFAULT_DATASET})")
-    source.add_argument("--name", help=f"its configuration (default {DEFAULT_NAME} for the default "
-                                       "dataset, none otherwise)")
+    source.add_argument(
+        "--name", help=f"its configuration (default {DEFAULT_NAME} for the default dataset, none otherwise)"
+    )
     source.add_argument("--split", help="its split (default train)")
-    source.add_argument("--files", nargs="+", action="extend", metavar="GLOB",
-                        help="local files instead of the Hub (quote globs; ** recurses): .parquet, "
-                             ".jsonl/.json(.gz), any other file is text")
-    source.add_argument("--text-field", default="text", metavar="FIELD",
-                        help="column or JSON key holding the text (default text)")
-    source.add_argument("--doc-per-file", action="store_true",
-                        help="text files: a whole file is one document (default: one per non-blank line)")
-    source.add_argument("--utf8-errors", choices=["strict", "replace"], default="strict",
-                        help="bytes that are not UTF-8, and lone surrogates (JSON's \\ud800 without "
-                             "its pair): stop with an error (default) or replace them with U+FFFD")
+    source.add_argument(
+        "--files",
+        nargs="+",
+        action="extend",
+        metavar="GLOB",
+        help="local files instead of the Hub (quote globs; ** recurses): .parquet, "
+        ".jsonl/.json(.gz), any other file is text",
+    )
+    source.add_argument(
+        "--text-field", default="text", metavar="FIELD", help="column or JSON key holding the text (default text)"
+    )
+    source.add_argument(
+        "--doc-per-file",
+        action="store_true",
+        help="text files: a whole file is one document (default: one per non-blank line)",
+    )
+    source.add_argument(
+        "--utf8-errors",
+        choices=["strict", "replace"],
+        default="strict",
+        help="bytes that are not UTF-8, and lone surrogates (JSON's \\ud800 without "
+        "its pair): stop with an error (default) or replace them with U+FFFD",
+    )
     output = parser.add_argument_group("output")
-    output.add_argument("--out-dir", default="edu_fineweb10B", help="folder for shards and "
-                        "manifest.json (default edu_fineweb10B)")
-    output.add_argument("--prefix",
-                        help="shard file names: PREFIX_{val,train}_NNNNNN (default: edufineweb for FineWeb-Edu, "
-                             "another Hub dataset's name, data for --files)")
-    output.add_argument("--shard-size", type=parse_size, metavar="TOKENS",
-                        help="tokens per shard (default 100M; an input smaller than that is cut in two shards: 10%% "
-                             "val, 90%% train)")
-    output.add_argument("--val-shards", type=cli.non_negative_int, default=1, metavar="N",
-                        help="the first N shards are the val split (default 1)")
-    output.add_argument("--max-tokens", type=parse_size, metavar="TOKENS",
-                        help="stop after the first TOKENS tokens (default: the whole source)")
-    output.add_argument("--format", choices=["npy", "bin"], default="npy",
-                        help="npy: np.save of a uint16 array, as build-nanogpt (default); "
-                             "bin: llm.c's 1 KiB header + uint16 tokens")
+    output.add_argument(
+        "--out-dir", default="edu_fineweb10B", help="folder for shards and manifest.json (default edu_fineweb10B)"
+    )
+    output.add_argument(
+        "--prefix",
+        help="shard file names: PREFIX_{val,train}_NNNNNN (default: edufineweb for FineWeb-Edu, "
+        "another Hub dataset's name, data for --files)",
+    )
+    output.add_argument(
+        "--shard-size",
+        type=parse_size,
+        metavar="TOKENS",
+        help="tokens per shard (default 100M; an input smaller than that is cut in two shards: 10%% val, 90%% train)",
+    )
+    output.add_argument(
+        "--val-shards",
+        type=cli.non_negative_int,
+        default=1,
+        metavar="N",
+        help="the first N shards are the val split (default 1)",
+    )
+    output.add_argument(
+        "--max-tokens",
+        type=parse_size,
+        metavar="TOKENS",
+        help="stop after the first TOKENS tokens (default: the whole source)",
+    )
+    output.add_argument(
+        "--format",
+        choices=["npy", "bin"],
+        default="npy",
+        help="npy: np.save of a uint16 array, as build-nanogpt (default); bin: llm.c's 1 KiB header + uint16 tokens",
+    )
     run_group = parser.add_argument_group("run")
-    run_group.add_argument("--workers", type=cli.positive_int, default=os.cpu_count(),
-                           help="tokenizer processes (default: all cores; 1 = no pool)")
-    run_group.add_argument("--debug", action="store_true",
-                           help="show tracebacks and the Hub client's log")
+    run_group.add_argument(
+        "--workers",
+        type=cli.positive_int,
+        default=os.cpu_count(),
+        help="tokenizer processes (default: all cores; 1 = no pool)",
+    )
+    run_group.add_argument("--debug", action="store_true", help="show tracebacks and the Hub client's log")
     return parser.parse_args(argv)
 
 
@@ -201,13 +254,22 @@ if __name__ == "__main__":
 import numpy as np
 
 from trainkit.documents import (  # defines: the four document sources, the worker pool that tokenizes in order
-    CHUNK_CHARS, chunk_located, hub_revision, init_worker, iter_file_documents, iter_hub_documents,
-    load_worker_encoding, resolve_files, tokenize_in_order)
+    CHUNK_CHARS,
+    chunk_located,
+    hub_revision,
+    init_worker,
+    iter_file_documents,
+    iter_hub_documents,
+    load_worker_encoding,
+    resolve_files,
+    tokenize_in_order,
+)
 from trainkit.shards import ShardWriter, input_listing, open_manifest, save_manifest  # defines: shards, manifest
 from trainkit.tokenizer import ENCODING_NAME, EOT  # defines: GPT-2's tokenizer (r50k_base, offline from bpe/)
 
 
 # --- what run calls ----------------------------------------------------------------------------
+
 
 def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
     """The source in words, the config (everything that changes the output: a resumed run
@@ -218,17 +280,27 @@ def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
         outside = os.path.realpath(args.out_dir) + os.sep
         inside = [path for path in files if os.path.realpath(path).startswith(outside)]
         if inside:
-            raise UserError(f"--files matches {inside[0]}, inside --out-dir {args.out_dir}: "
-                             "the output would be read as input")
+            raise UserError(
+                f"--files matches {inside[0]}, inside --out-dir {args.out_dir}: the output would be read as input"
+            )
         source = f"--files {' '.join(args.files)} ({len(files)} matched)"
         inputs = input_listing(files)
         file_info = {"files": args.files, "doc_per_file": args.doc_per_file, "utf8_errors": args.utf8_errors}
     else:
         source = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})"
-    config = {"dataset": args.dataset, "name": args.name, "split": args.split, **file_info,
-              "text_field": args.text_field, "tokenizer": ENCODING_NAME, "shard_size": args.shard_size,
-              "max_tokens": args.max_tokens, "val_shards": args.val_shards, "prefix": args.prefix,
-              "format": args.format}
+    config = {
+        "dataset": args.dataset,
+        "name": args.name,
+        "split": args.split,
+        **file_info,
+        "text_field": args.text_field,
+        "tokenizer": ENCODING_NAME,
+        "shard_size": args.shard_size,
+        "max_tokens": args.max_tokens,
+        "val_shards": args.val_shards,
+        "prefix": args.prefix,
+        "format": args.format,
+    }
     return source, config, inputs
 
 
@@ -253,14 +325,18 @@ def validate_args(args: argparse.Namespace) -> None:
     if "/" in args.prefix or os.sep in args.prefix:
         raise UserError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
     if args.prefix.startswith("."):  # glob's * (train_gpt2.py's *_val_*) skips hidden files
-        raise UserError(f"--prefix {args.prefix!r} starts with '.': train_gpt2.py would not find shards named "
-                        "like hidden files; choose a prefix without the leading dot")
+        raise UserError(
+            f"--prefix {args.prefix!r} starts with '.': train_gpt2.py would not find shards named "
+            "like hidden files; choose a prefix without the leading dot"
+        )
     for split, other in (("val", "train"), ("train", "val")):
         # train_gpt2.py finds a split's shards by the name pattern *_{split}_*
         if f"_{other}_" in f"{args.prefix}_{split}_":
-            raise UserError(f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
-                             f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
-                             "choose a prefix without '_train' or '_val'")
+            raise UserError(
+                f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
+                f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
+                "choose a prefix without '_train' or '_val'"
+            )
 
 
 def default_prefix(args: argparse.Namespace) -> str:
@@ -306,10 +382,12 @@ def output_folder(out_dir: str):
 
 def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
     """Drop the first count tokens of the first document: the interrupted run wrote them."""
-    first_document_longer = tokens.size > count and not (tokens[1:count + 1] == EOT).any()
+    first_document_longer = tokens.size > count and not (tokens[1 : count + 1] == EOT).any()
     if tokens[0] != EOT or not first_document_longer:
-        raise UserError("the input differs from the interrupted run's (a document split across "
-                         "shards is shorter now); delete the --out-dir folder and start over")
+        raise UserError(
+            "the input differs from the interrupted run's (a document split across "
+            "shards is shorter now); delete the --out-dir folder and start over"
+        )
     return tokens[count:]
 
 

@@ -21,6 +21,7 @@ HellaSwag fits GPT-2's 1024; a shorter model cuts long contexts differently from
 Its text differs from the record's in every example, so each example is scored twice, under one
 progress bar; --no-lm-eval scores the record's text only, in half the time.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,17 +42,34 @@ def parse_args(argv=None):
     src.add_argument("--checkpoint", help="a checkpoint written by train_gpt2.py")
     src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory (needs transformers)")
     p.add_argument("--data-file", help=f"local copy of {DATA_NAME} (default: download it)")
-    p.add_argument("--data-dir", help=f"where {DATA_NAME} is cached or downloaded to "
-                                      "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)")
-    p.add_argument("--limit", type=cli.non_negative_int, default=0, help="score only the first N examples (0: all 10042)")
-    p.add_argument("--no-lm-eval", dest="lm_eval", action="store_false",
-                   help="skip lm-eval's rendering of the examples and its lm_eval_acc, lm_eval_acc_norm (half the "
-                        "time: each example is scored once, not twice)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=None,
-                   help="examples per forward pass (default: 16 on CUDA, 4 on CPU)")
+    p.add_argument(
+        "--data-dir",
+        help=f"where {DATA_NAME} is cached or downloaded to "
+        "(default: $HELLASWAG_DIR or ~/.cache/gpt2-trainer/hellaswag)",
+    )
+    p.add_argument(
+        "--limit", type=cli.non_negative_int, default=0, help="score only the first N examples (0: all 10042)"
+    )
+    p.add_argument(
+        "--no-lm-eval",
+        dest="lm_eval",
+        action="store_false",
+        help="skip lm-eval's rendering of the examples and its lm_eval_acc, lm_eval_acc_norm (half the "
+        "time: each example is scored once, not twice)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=cli.positive_int,
+        default=None,
+        help="examples per forward pass (default: 16 on CUDA, 4 on CPU)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p.parse_args(argv)
 
@@ -63,7 +81,12 @@ if __name__ == "__main__":
 import torch.nn as nn
 
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint
-from trainkit.hellaswag_eval import RENDERERS, describe_data, evaluate, load_examples  # the scoring the trainer uses too
+from trainkit.hellaswag_eval import (
+    RENDERERS,
+    describe_data,
+    evaluate,
+    load_examples,
+)  # the scoring the trainer uses too
 from trainkit.hf_weights import load_hf_model as load_gpt2lmheadmodel
 from trainkit.console import print0, print_result
 from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
@@ -95,6 +118,7 @@ def load_checkpoint_model(path: str, device: str) -> tuple[nn.Module, str]:
     import dataclasses
 
     from train_gpt2 import GPT, GPTConfig  # the model class of our checkpoints (only this command imports the trainer)
+
     chosen = (latest_checkpoint(path) if os.path.isdir(path) else None) or path  # (a folder without one: refused)
     ckpt = load_checkpoint(chosen, model_fields=[field.name for field in dataclasses.fields(GPTConfig)])
     model = GPT(GPTConfig(**ckpt["model_config"]))
@@ -117,8 +141,18 @@ def run(args) -> dict:
         # each rank reads its node's files: one with a file missing or bad is named, by rank 0
         data_file, model, scored = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
         print0(f"hellaswag: scoring {scored}")
-        result = evaluate(model, d.device, limit=args.limit, batch_size=args.batch_size, data_file=data_file,
-                          rank=d.rank, world_size=d.world_size, dtype=dtype, progress=True, lm_eval=args.lm_eval)
+        result = evaluate(
+            model,
+            d.device,
+            limit=args.limit,
+            batch_size=args.batch_size,
+            data_file=data_file,
+            rank=d.rank,
+            world_size=d.world_size,
+            dtype=dtype,
+            progress=True,
+            lm_eval=args.lm_eval,
+        )
         print0(describe_data(data_file, args.limit))  # stdout only once there is a result
         print_result(json.dumps(result))
         return result

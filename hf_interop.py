@@ -16,6 +16,7 @@ only an export be replaced, GPT-2's tokenizer beside it); then `eval`, lm-evalua
 a temporary export; main at the end. transformers is optional: it is imported only inside the
 functions that need it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,18 @@ from trainkit import cli  # the error contract shared by every script; standard 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.ArgumentParser(description="Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or "
-                                       "evaluate one with lm-evaluation-harness.")
+    p = cli.ArgumentParser(
+        description="Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or "
+        "evaluate one with lm-evaluation-harness."
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
-    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
-                                      "--out-dir folder for its newest checkpoint")
+    e.add_argument(
+        "checkpoint",
+        help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+        "--out-dir folder for its newest checkpoint",
+    )
     e.add_argument("out_dir", help="directory for config.json and model.safetensors")
     e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
@@ -53,16 +59,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def add_eval_parser(sub):
-    e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a checkpoint (exported to a temporary "
-                                    "Hugging Face directory)")
-    e.add_argument("checkpoint", help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
-                                      "--out-dir folder for its newest checkpoint")
+    e = sub.add_parser(
+        "eval", help="run lm-evaluation-harness tasks on a checkpoint (exported to a temporary Hugging Face directory)"
+    )
+    e.add_argument(
+        "checkpoint",
+        help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+        "--out-dir folder for its newest checkpoint",
+    )
     e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
-    e.add_argument("--hellaswag-file", help="local hellaswag_val.jsonl: hellaswag runs from it through "
-                                            "evals/hellaswag_local.yaml, without the Hub")
+    e.add_argument(
+        "--hellaswag-file",
+        help="local hellaswag_val.jsonl: hellaswag runs from it through evals/hellaswag_local.yaml, without the Hub",
+    )
     e.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
-    e.add_argument("--num-fewshot", type=cli.non_negative_int,
-                   help="few-shot examples (default: each task's own, 0 for hellaswag)")
+    e.add_argument(
+        "--num-fewshot", type=cli.non_negative_int, help="few-shot examples (default: each task's own, 0 for hellaswag)"
+    )
     e.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
     e.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
@@ -98,18 +111,25 @@ def _check_target(out_dir: str):
     if not str(out_dir).strip():
         raise UserError(f"the folder to export to is empty ({out_dir!r}: an unset shell variable?): name a new folder")
     target = os.path.realpath(out_dir)
-    for what, folder in (("the current folder", os.getcwd()), ("your home folder", os.path.expanduser("~")),
-                         ("this repository's checkout", os.path.dirname(os.path.abspath(__file__)))):
+    for what, folder in (
+        ("the current folder", os.getcwd()),
+        ("your home folder", os.path.expanduser("~")),
+        ("this repository's checkout", os.path.dirname(os.path.abspath(__file__))),
+    ):
         folder = os.path.realpath(folder)
         if os.path.commonpath([target, folder]) == target:
             holds = "is" if folder == target else "holds"
-            raise UserError(f"cannot export into {out_dir}: it {holds} {what} ({folder}), which an export would "
-                            "replace; export into a new folder")
+            raise UserError(
+                f"cannot export into {out_dir}: it {holds} {what} ({folder}), which an export would "
+                "replace; export into a new folder"
+            )
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.path.isdir(parent):
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
-                        f"{'is a file' if os.path.exists(parent) else 'does not exist'}; create it, or choose "
-                        "another output folder")
+        raise UserError(
+            f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
+            f"{'is a file' if os.path.exists(parent) else 'does not exist'}; create it, or choose "
+            "another output folder"
+        )
 
 
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
@@ -140,13 +160,23 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
     GPT2Config, GPT2LMHeadModel = import_transformers()
-    special = dict(bos_token_id=EOT, eos_token_id=EOT) if n_keep > EOT \
-        else dict(bos_token_id=None, eos_token_id=None)
+    special = dict(bos_token_id=EOT, eos_token_id=EOT) if n_keep > EOT else dict(bos_token_id=None, eos_token_id=None)
     hf_config = GPT2Config(
-        vocab_size=n_keep, n_positions=config.block_size, n_ctx=config.block_size, n_embd=config.n_embd,
-        n_layer=config.n_layer, n_head=config.n_head, activation_function="gelu_new",
-        layer_norm_epsilon=1e-5, tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, architectures=["GPT2LMHeadModel"], **special)
+        vocab_size=n_keep,
+        n_positions=config.block_size,
+        n_ctx=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        architectures=["GPT2LMHeadModel"],
+        **special,
+    )
     hf_sd = {}
     for key, value in sd.items():
         value = value.detach().to("cpu", torch.float32)
@@ -159,8 +189,9 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     result = hf.load_state_dict(hf_sd, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(HF_BUFFERS) and k not in TIED]
     if missing or result.unexpected_keys:
-        raise UserError(f"checkpoint does not match GPT-2's layout (missing {missing[:3]}, "
-                        f"unexpected {result.unexpected_keys[:3]})")
+        raise UserError(
+            f"checkpoint does not match GPT-2's layout (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+        )
     hf.tie_weights()  # one shared matrix, as config.tie_word_embeddings says
     with _replacing_folder(out_dir) as new_dir:
         _save_pretrained(hf, new_dir, shown=out_dir)
@@ -217,7 +248,9 @@ def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
     changes += [f"{name} missing" for name in sorted(files.keys() - names)]
     for name in sorted(names & files.keys()):
         try:
-            same = os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
+            same = (
+                os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
+            )
         except OSError as e:
             raise UserError(f"cannot read {os.path.join(folder, name)}: {reason_of(e)}") from e
         if not same:
@@ -236,13 +269,17 @@ def _check_replaceable(out_dir: str):
         return
     mark = _read_mark(out_dir)
     if mark is None:
-        raise UserError(f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
-                        "so it may hold a model of your own and is left as it is: export into a new or empty folder")
+        raise UserError(
+            f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
+            "so it may hold a model of your own and is left as it is: export into a new or empty folder"
+        )
     changes = _changes_since_export(out_dir, names, mark)
     if changes:
-        raise UserError(f"{out_dir} has changed since hf_interop.py exported it ({changes}), so it may hold a model "
-                        "of your own and is left as it is: to replace it on purpose, delete what it holds first "
-                        f"(rm -r {out_dir}), or export into a new or empty folder")
+        raise UserError(
+            f"{out_dir} has changed since hf_interop.py exported it ({changes}), so it may hold a model "
+            "of your own and is left as it is: to replace it on purpose, delete what it holds first "
+            f"(rm -r {out_dir}), or export into a new or empty folder"
+        )
 
 
 # A partial export: the folder an export writes before it is swapped in, beside the target (inside
@@ -436,8 +473,11 @@ TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 def _byte_chars() -> list[str]:
     """Byte-level BPE's printable stand-in for each byte value (GPT-2's bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
     return [chars[b] for b in range(256)]
@@ -458,28 +498,53 @@ def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
 
     def text(token: bytes) -> str:
         return "".join(chars[b] for b in token)
-    merges = sorted((rank, ranks[token[:i]], ranks[token[i:]], text(token[:i]), text(token[i:]))
-                    for token, rank in ranks.items() for i in range(1, len(token))
-                    if token[:i] in ranks and token[i:] in ranks)
+
+    merges = sorted(
+        (rank, ranks[token[:i]], ranks[token[i:]], text(token[:i]), text(token[i:]))
+        for token, rank in ranks.items()
+        for i in range(1, len(token))
+        if token[:i] in ranks and token[i:] in ranks
+    )
     byte_level = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [dict(id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False,
-                              normalized=False, special=True)],
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            dict(
+                id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True
+            )
+        ],
         "normalizer": None,
-        "pre_tokenizer": dict(type="Sequence", pretokenizers=[
-            dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False),
-            dict(byte_level, add_prefix_space=False, use_regex=False)]),
+        "pre_tokenizer": dict(
+            type="Sequence",
+            pretokenizers=[
+                dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False),
+                dict(byte_level, add_prefix_space=False, use_regex=False),
+            ],
+        ),
         "post_processor": dict(byte_level, trim_offsets=False),
         "decoder": byte_level,
-        "model": dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
-                      end_of_word_suffix=None, fuse_unk=False, byte_fallback=False, ignore_merges=True,
-                      vocab={text(token): rank for token, rank in ranks.items()},
-                      merges=[f"{left} {right}" for *_, left, right in merges]),  # no token holds a space
+        "model": dict(
+            type="BPE",
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix=None,
+            end_of_word_suffix=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=True,
+            vocab={text(token): rank for token, rank in ranks.items()},
+            merges=[f"{left} {right}" for *_, left, right in merges],
+        ),  # no token holds a space
     }
     specials = dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
-    config = dict(tokenizer_class=TOKENIZER_CLASS, **specials, model_max_length=model_max_length,
-                  clean_up_tokenization_spaces=False)
+    config = dict(
+        tokenizer_class=TOKENIZER_CLASS,
+        **specials,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": specials}
 
 
@@ -493,9 +558,11 @@ def _save_pretrained(hf, out_dir: str, shown: str | None = None):
     """hf.save_pretrained(out_dir), with the files readable like any other the user writes:
     safetensors writes through a private temporary file (mode 0600), so the mode the umask
     gives a new file (0644 under the usual 022) is set afterwards on every file written."""
+
     def stamps():
         with os.scandir(out_dir) as entries:
             return {e.name: (e.inode(), e.stat().st_mtime_ns) for e in entries if e.is_file()}
+
     try:
         os.makedirs(out_dir, exist_ok=True)
         before = stamps()
@@ -536,13 +603,15 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
     if hellaswag_file:  # a missing file, or a bad line, named as hellaswag.py names them (not as a failed download)
         from trainkit.hellaswag_data import resolve_data_file
         from trainkit.hellaswag_eval import load_examples
+
         flag = "--hellaswag-file"
         load_examples(resolve_data_file(hellaswag_file, flag=flag), flag=flag, style="lm_eval")
     metadata = {"data_file": os.path.abspath(hellaswag_file)} if hellaswag_file else None
     names = [LOCAL_TASKS.get(name, name) if hellaswag_file else name for name in names]
     # lm-eval's own thousands of task YAMLs take ~15 s to index: only when a task needs them
-    manager = TaskManager(include_path=EVALS_DIR, metadata=metadata,
-                          include_defaults=not set(names) <= set(LOCAL_TASKS.values()))
+    manager = TaskManager(
+        include_path=EVALS_DIR, metadata=metadata, include_defaults=not set(names) <= set(LOCAL_TASKS.values())
+    )
     known = set(manager.all_tasks)
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -553,10 +622,12 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
             with _quiet_datasets():
                 loaded[name] = manager.load(name)
         except Exception as e:  # the Hub unreachable, a damaged file, a dataset lm-eval cannot build
-            fix = ("pass --hellaswag-file PATH (a local hellaswag_val.jsonl; evals/hellaswag_local.yaml reads it)"
-                   if name in LOCAL_TASKS else
-                   "with no internet, point HF_HOME at a Hugging Face cache that holds its dataset "
-                   "and set HF_DATASETS_OFFLINE=1")
+            fix = (
+                "pass --hellaswag-file PATH (a local hellaswag_val.jsonl; evals/hellaswag_local.yaml reads it)"
+                if name in LOCAL_TASKS
+                else "with no internet, point HF_HOME at a Hugging Face cache that holds its dataset "
+                "and set HF_DATASETS_OFFLINE=1"
+            )
             raise UserError(f"--tasks {name}: cannot load its data ({reason_of(e, typed=True)}); {fix}") from e
     return manager, [obj for result in loaded.values() for obj in _top_level(result)]
 
@@ -570,6 +641,7 @@ def _top_level(loaded: dict) -> list:
 @contextlib.contextmanager
 def _quiet_datasets():
     import datasets
+
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -579,8 +651,16 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
-def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = None, limit: int | None = None,
-                    batch_size: int = 8, device: str = "cpu", num_fewshot: int | None = None) -> dict:
+def lm_eval_results(
+    source,
+    tasks: list[str],
+    *,
+    hellaswag_file: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    num_fewshot: int | None = None,
+) -> dict:
     """lm-evaluation-harness's simple_evaluate on our checkpoint (a ckpt file or a run's folder),
     exported to a temporary Hugging Face directory: its results dict, with the per-example
     records under "samples"."""
@@ -595,15 +675,25 @@ def lm_eval_results(source, tasks: list[str], *, hellaswag_file: str | None = No
                 lm = HFLM(pretrained=hf_dir, device=device, batch_size=batch_size, dtype="float32")
         except (OSError, ValueError, RuntimeError) as e:  # a tokenizer or device it cannot have
             raise UserError(f"lm-eval cannot load the exported model ({reason_of(e, typed=True)})") from e
-        return lm_eval.simple_evaluate(model=lm, tasks=loaded, limit=limit, num_fewshot=num_fewshot,
-                                       log_samples=True, bootstrap_iters=0, task_manager=manager)
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=loaded,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=True,
+            bootstrap_iters=0,
+            task_manager=manager,
+        )
 
 
 def _sample_record(sample: dict) -> dict:
     """One example of lm-eval's log: its id, gold answer, log-likelihoods and metric values."""
     record = {"doc_id": sample["doc_id"], "target": sample["target"]}
-    record["loglikelihoods"] = [float(resp[0]) for resp in sample["filtered_resps"]] \
-        if all(isinstance(r, (list, tuple)) for r in sample["filtered_resps"]) else sample["filtered_resps"]
+    record["loglikelihoods"] = (
+        [float(resp[0]) for resp in sample["filtered_resps"]]
+        if all(isinstance(r, (list, tuple)) for r in sample["filtered_resps"])
+        else sample["filtered_resps"]
+    )
     for metric in sample.get("metrics", []):
         record[metric] = sample[metric]
     return record
@@ -618,9 +708,15 @@ def run_lm_eval(args):
             os.makedirs(args.samples_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"--samples-dir {args.samples_dir}: {reason_of(e)}") from None
-    out = lm_eval_results(args.checkpoint, tasks, hellaswag_file=args.hellaswag_file, limit=args.limit,
-                          batch_size=args.batch_size, num_fewshot=args.num_fewshot,
-                          device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = lm_eval_results(
+        args.checkpoint,
+        tasks,
+        hellaswag_file=args.hellaswag_file,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        num_fewshot=args.num_fewshot,
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+    )
     for task, samples in out["samples"].items() if args.samples_dir else ():
         path = os.path.join(args.samples_dir, f"{task}.jsonl")
         try:
@@ -629,14 +725,16 @@ def run_lm_eval(args):
         except OSError as e:
             raise UserError(f"cannot write {path}: {reason_of(e)}") from None
     from lm_eval.utils import make_table
+
     print_line(make_table(out), file=sys.stderr, keep_newlines=True)
     print_result(json.dumps({task: _metrics(results) for task, results in out["results"].items()}))
 
 
 def _metrics(results: dict) -> dict:
     """A task's numbers: acc, acc_norm, ... ('acc,none' for lm-eval's default filter) and n."""
-    numbers = {key.removesuffix(",none"): value for key, value in results.items()
-               if "," in key and "_stderr," not in key}
+    numbers = {
+        key.removesuffix(",none"): value for key, value in results.items() if "," in key and "_stderr," not in key
+    }
     return {**numbers, **({"n": results["sample_len"]} if "sample_len" in results else {})}
 
 
@@ -652,8 +750,11 @@ def main(argv=None) -> int:
         source = os.path.relpath(mark["checkpoint"])
         source = mark["checkpoint"] if source.startswith("..") else source
         step = f"step {mark['step']}" if mark["step"] is not None else "it records no step"
-        print_line(f"wrote Hugging Face GPT-2 of {source} ({step}) to {out} (load with "
-                   f"GPT2LMHeadModel.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}))")
+        print_line(
+            f"wrote Hugging Face GPT-2 of {source} ({step}) to {out} (load with "
+            f"GPT2LMHeadModel.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}))"
+        )
+
     return exit_code_of(export, args.debug)
 
 

@@ -16,6 +16,7 @@ Records of other kinds in the log are ignored.
 
 matplotlib is optional: it is imported only when plotting, with the Agg backend (no display).
 """
+
 from __future__ import annotations
 
 from trainkit import cli  # the error contract shared by every script: first, so that it covers the imports
@@ -96,8 +97,10 @@ def load_records(log: str) -> list[dict]:
             check_numbers(record, f"{log} line {line_no}")
             records.append(record)
     if not records and bad:  # e.g. a checkpoint passed for its log
-        raise UserError(f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; "
-                        "pass a run's --out-dir or its log.jsonl")
+        raise UserError(
+            f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; "
+            "pass a run's --out-dir or its log.jsonl"
+        )
     if not records:
         raise UserError(f"{log} has no records yet (is the run just starting?)")
     if bad:
@@ -151,8 +154,11 @@ def bits_per_byte_factor(val_steps: list, val_loss: list[float], bpb_steps: list
     aside), else None. The ratio is bytes per token's inverse (over ln 2), fixed by the validation
     tokens, which are the same at every evaluation of a run."""
     bpb = dict(zip(bpb_steps, val_bpb))
-    ratios = [bpb[s] / v for s, v in zip(val_steps, val_loss)
-              if s in bpb and is_drawn(v) and is_drawn(bpb[s]) and v > 0 and bpb[s] > 0]
+    ratios = [
+        bpb[s] / v
+        for s, v in zip(val_steps, val_loss)
+        if s in bpb and is_drawn(v) and is_drawn(bpb[s]) and v > 0 and bpb[s] > 0
+    ]
     if ratios and max(ratios) - min(ratios) <= 1e-3 * min(ratios):
         return ratios[-1]
     return None
@@ -163,7 +169,7 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     or None when the run is too short for that to matter."""
     if len(train) < 20:
         return None
-    rest = [v for v in train[max(1, int(len(train) * skip_frac)):] + val[1:] if is_drawn(v)]
+    rest = [v for v in train[max(1, int(len(train) * skip_frac)) :] + val[1:] if is_drawn(v)]
     finite = [v for v in train + val if is_drawn(v)]
     if not rest or not finite:
         return None
@@ -172,13 +178,19 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     return lo - pad, hi + pad
 
 
-def make_figure(records: list[dict], baseline: float | None = None, clip: bool = True, title: str | None = None,
-                smooth: float = DEFAULT_SMOOTH):
+def make_figure(
+    records: list[dict],
+    baseline: float | None = None,
+    clip: bool = True,
+    title: str | None = None,
+    smooth: float = DEFAULT_SMOOTH,
+):
     """A matplotlib Figure with a loss panel, a HellaSwag panel when records have any
     hellaswag_acc, and a learning-rate panel. Axes are in that order; lines carry labels.
     smooth: the EMA weight of the train-loss line (0: no EMA line)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -201,12 +213,19 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
         faint = dict(lw=0.6, alpha=0.3) if smooth else dict(lw=0.8, alpha=0.8)
         ax.plot(train_steps, drawn(train_loss), color="tab:blue", label="train loss", **faint)
         if smooth:
-            ax.plot(train_steps, ema(train_loss, smooth), lw=1.5, color="tab:blue",
-                    label=f"train loss (EMA {smooth:g})")
+            ax.plot(
+                train_steps, ema(train_loss, smooth), lw=1.5, color="tab:blue", label=f"train loss (EMA {smooth:g})"
+            )
     factor = bits_per_byte_factor(val_steps, val_loss, bpb_steps, val_bpb) if bpb_steps else None
     if val_steps:
-        ax.plot(val_steps, drawn(val_loss), marker="o", ms=3, color="tab:orange",
-                label="val loss (right axis: bits per byte)" if factor else "val loss")
+        ax.plot(
+            val_steps,
+            drawn(val_loss),
+            marker="o",
+            ms=3,
+            color="tab:orange",
+            label="val loss (right axis: bits per byte)" if factor else "val loss",
+        )
     ylim = loss_ylim(train_loss, val_loss) if clip else None
     if ylim:
         ax.set_ylim(*ylim)
@@ -218,8 +237,9 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
         bpb_axis.set_ylabel("val bits per byte")
     elif bpb_steps:  # not a multiple of the loss: a line of its own, on its own scale
         bpb_ax = ax.twinx()
-        legend_lines += bpb_ax.plot(bpb_steps, drawn(val_bpb), marker="s", ms=3, ls="--", color="tab:red",
-                                    label="val bits per byte")
+        legend_lines += bpb_ax.plot(
+            bpb_steps, drawn(val_bpb), marker="s", ms=3, ls="--", color="tab:red", label="val bits per byte"
+        )
         bpb_ax.set_ylabel("val bits per byte")
 
     if show_hs:
@@ -242,7 +262,9 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
 
     for n, step in enumerate(resume_steps(records)):
         for ax in axes:
-            line = ax.axvline(step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_")
+            line = ax.axvline(
+                step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_"
+            )
             if line.get_label() == "resumed":
                 legend_lines.append(line)
     axes[0].legend(handles=legend_lines, loc="upper right")  # one legend for both of the panel's axes
@@ -252,8 +274,11 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
         summary.append(f"train loss {train_loss[-1]:.4f} (step {train_steps[-1]})")
     if val_steps:
         bpb = dict(zip(bpb_steps, val_bpb)).get(val_steps[-1])
-        summary.append(f"val loss {val_loss[-1]:.4f}" + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
-                       + f" (step {val_steps[-1]})")
+        summary.append(
+            f"val loss {val_loss[-1]:.4f}"
+            + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
+            + f" (step {val_steps[-1]})"
+        )
     if hs_steps:
         summary.append(f"HellaSwag {hs_acc[-1]:.4f} (step {hs_steps[-1]})")
     fig.suptitle((title + "\n" if title else "") + " | ".join(summary), fontsize=10)
@@ -261,8 +286,9 @@ def make_figure(records: list[dict], baseline: float | None = None, clip: bool =
     return fig
 
 
-def plot_log(path: str, out: str | None = None, baseline: float | None = None, clip: bool = True,
-             smooth: float = DEFAULT_SMOOTH) -> str:
+def plot_log(
+    path: str, out: str | None = None, baseline: float | None = None, clip: bool = True, smooth: float = DEFAULT_SMOOTH
+) -> str:
     """Read path (out dir or log.jsonl), write the image (default: loss.png beside the log; the
     format follows the extension)."""
     if not 0 <= smooth < 1:
@@ -279,13 +305,16 @@ def plot_log(path: str, out: str | None = None, baseline: float | None = None, c
     try:
         formats = fig.canvas.get_supported_filetypes()
         if extension not in formats:
-            raise UserError(f"cannot write {out}: unknown image type .{extension} "
-                            f"(use {', '.join('.' + f for f in sorted(formats))})")
+            raise UserError(
+                f"cannot write {out}: unknown image type .{extension} "
+                f"(use {', '.join('.' + f for f in sorted(formats))})"
+            )
         fig.savefig(out, dpi=120)
     except OSError as e:
         raise UserError(f"cannot write {out}: {reason_of(e)}") from None
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
     return out
 
@@ -293,20 +322,33 @@ def plot_log(path: str, out: str | None = None, baseline: float | None = None, c
 def main(argv=None) -> int:
     p = cli.ArgumentParser(description="Plot loss, HellaSwag accuracy and learning rate from a run's log.jsonl.")
     p.add_argument("path", help="the run's --out-dir, or its log.jsonl")
-    p.add_argument("-o", "--out", help="image to write: its extension picks the type (.png, .svg, .pdf, ...), none "
-                   "adds .png (default: loss.png beside the log)")
-    p.add_argument("--baseline-hellaswag", type=float, metavar="ACC",
-                   help=f"draw a horizontal line labelled '{BASELINE_LABEL}' at this accuracy (e.g. 0.2955)")
+    p.add_argument(
+        "-o",
+        "--out",
+        help="image to write: its extension picks the type (.png, .svg, .pdf, ...), none "
+        "adds .png (default: loss.png beside the log)",
+    )
+    p.add_argument(
+        "--baseline-hellaswag",
+        type=float,
+        metavar="ACC",
+        help=f"draw a horizontal line labelled '{BASELINE_LABEL}' at this accuracy (e.g. 0.2955)",
+    )
     p.add_argument("--no-clip", action="store_true", help="show the whole loss range, first steps included")
-    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH, metavar="W",
-                   help=f"EMA weight of the smoothed train-loss line, in [0, 1) (default {DEFAULT_SMOOTH}; 0: none)")
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=DEFAULT_SMOOTH,
+        metavar="W",
+        help=f"EMA weight of the smoothed train-loss line, in [0, 1) (default {DEFAULT_SMOOTH}; 0: none)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     args = p.parse_args(argv)
 
     def plot():
-        out = plot_log(args.path, args.out, baseline=args.baseline_hellaswag, clip=not args.no_clip,
-                       smooth=args.smooth)
+        out = plot_log(args.path, args.out, baseline=args.baseline_hellaswag, clip=not args.no_clip, smooth=args.smooth)
         print_line(f"wrote {out}")
+
     return cli.exit_code_of(plot, args.debug)
 
 

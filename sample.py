@@ -15,6 +15,7 @@ Decoding uses the model's KV cache (train_gpt2.GPT.generate); sample_text (train
 is also what the trainer prints as in-training samples. Only this command's main imports the
 trainer (for its GPT).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,25 +31,44 @@ from trainkit.train_flags import SAMPLE_PROMPT  # (standard library only too)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.ArgumentParser(description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
-                           formatter_class=cli.HelpFormatter)
+    p = cli.ArgumentParser(
+        description="Sample text from a GPT-2 checkpoint or Hugging Face GPT-2 folder.",
+        formatter_class=cli.HelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a train_gpt2.py checkpoint, or a run's --out-dir for its newest one")
     src.add_argument("--hf-model", help="a Hugging Face GPT-2 folder (needs transformers)")
-    p.add_argument("--prompt", default=SAMPLE_PROMPT, type=cli.may_be_empty, help="text to continue ('' starts a new document)")
+    p.add_argument(
+        "--prompt", default=SAMPLE_PROMPT, type=cli.may_be_empty, help="text to continue ('' starts a new document)"
+    )
     p.add_argument("--num-samples", type=cli.positive_int, default=4, help="continuations to draw")
     p.add_argument("--max-new-tokens", type=cli.non_negative_int, default=100, help="tokens to add to the prompt")
-    p.add_argument("--continue-past-eot", action="store_true",
-                   help="go on after <|endoftext|> to --max-new-tokens (by default a sample ends there, as Hugging "
-                        "Face's generate stops at eos_token_id; generate(eos_token_id=None) goes on the same way)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="divides the logits: < 1 sharper, > 1 flatter; a tiny one (1e-40) is greedy")
+    p.add_argument(
+        "--continue-past-eot",
+        action="store_true",
+        help="go on after <|endoftext|> to --max-new-tokens (by default a sample ends there, as Hugging "
+        "Face's generate stops at eos_token_id; generate(eos_token_id=None) goes on the same way)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="divides the logits: < 1 sharper, > 1 flatter; a tiny one (1e-40) is greedy",
+    )
     p.add_argument("--top-k", type=cli.positive_int, default=50, help="draw from the K most likely tokens")
-    p.add_argument("--seed", type=cli.int_in(0, 2**63 - 1), default=42,
-                   help="seed of the sampling: sample i draws from its own generator (seed, i)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=None,
-                   help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
-                        "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)")
+    p.add_argument(
+        "--seed",
+        type=cli.int_in(0, 2**63 - 1),
+        default=42,
+        help="seed of the sampling: sample i draws from its own generator (seed, i)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=cli.positive_int,
+        default=None,
+        help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
+        "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, else mps, else cpu)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return p.parse_args(argv)
@@ -76,6 +96,7 @@ def validate_args(args: argparse.Namespace):
 
 def load_model(args: argparse.Namespace, device: str):
     from train_gpt2 import GPT  # the model class of our checkpoints (torch and the trainer: not for --help)
+
     if args.checkpoint:
         return GPT.from_checkpoint(args.checkpoint, device)
     # its own vocabulary, unpadded: a padded id has no token, and the prompt check needs the real size
@@ -89,11 +110,23 @@ def run(args: argparse.Namespace):
     model = load_model(args, device)
     n_prompt = len(encode_prompt(enc, args.prompt, model.config.vocab_size))  # refuses ids the model lacks
     if n_prompt >= model.config.block_size:
-        print_line(f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
-                   file=sys.stderr)
-    texts = sample_text(model, enc, device, args.prompt, n=args.num_samples, length=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        end_at_eot=not args.continue_past_eot, batch_rows=args.batch_size)
+        print_line(
+            f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
+            file=sys.stderr,
+        )
+    texts = sample_text(
+        model,
+        enc,
+        device,
+        args.prompt,
+        n=args.num_samples,
+        length=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        end_at_eot=not args.continue_past_eot,
+        batch_rows=args.batch_size,
+    )
     for i, text in enumerate(texts, 1):  # a batch at a time: a huge --num-samples never holds them all
         # the model's text as it is but for control characters (a model trained on terminal escapes
         # writes them back); where stdout is gone (`| head`, a full disk), no more are drawn

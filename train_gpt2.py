@@ -16,6 +16,7 @@ What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signa
 the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
 trainkit/, imported below, each with a line on what it brings; no trainkit module imports a script.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
+from trainkit import (
+    cli,
+)  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
 from trainkit.train_flags import flag  # defines: flag(), one field of RunConfig and its flag, declared together
 from trainkit.cli import UserError
@@ -75,94 +78,185 @@ FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
 class RunConfig:
     """What the user asked for: one field per flag, declared once (train_flags.flag: default, help,
     --help group, check), in --help's order. Frozen: what a launch decides from it is a Launch."""
+
     data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)", DATA)
     out_dir: str = flag("out", "log.jsonl and checkpoints go here", DATA)
     align_docs: bool = flag(False, "start rows at document boundaries; pad row tails (targets -1)", DATA)
-    shuffle: bool | None = flag(None, "seeded permutation of shard order and row order each epoch (default: on; a "
-                                "resumed run keeps its checkpoint's order); --no-shuffle reads shards and rows front "
-                                "to back", DATA, action=argparse.BooleanOptionalAction)
-    doc_mask: bool = flag(False, "each token attends only to its own document of the row (split at <|endoftext|>), "
-                          "positions from the document's start: packed documents train as if alone; validation too "
-                          "(doc_mask.py)", DATA)
+    shuffle: bool | None = flag(
+        None,
+        "seeded permutation of shard order and row order each epoch (default: on; a "
+        "resumed run keeps its checkpoint's order); --no-shuffle reads shards and rows front "
+        "to back",
+        DATA,
+        action=argparse.BooleanOptionalAction,
+    )
+    doc_mask: bool = flag(
+        False,
+        "each token attends only to its own document of the row (split at <|endoftext|>), "
+        "positions from the document's start: packed documents train as if alone; validation too "
+        "(doc_mask.py)",
+        DATA,
+    )
     # the model's shape: a preset, each field overridable; or the shape of --init-from's weights
-    model: str | None = flag(None, "size preset (default gpt2); the flags below override it", MODEL,
-                             choices=sorted(MODEL_PRESETS))
+    model: str | None = flag(
+        None, "size preset (default gpt2); the flags below override it", MODEL, choices=sorted(MODEL_PRESETS)
+    )
     n_layer: int | None = flag(None, "transformer blocks", MODEL, type=cli.positive_int)
     n_head: int | None = flag(None, "attention heads", MODEL, type=cli.positive_int)
     n_embd: int | None = flag(None, "embedding width", MODEL, type=cli.positive_int)
     block_size: int | None = flag(None, "longest sequence the model handles", MODEL, type=cli.positive_int)
-    vocab_size: int | None = flag(None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL,
-                                  type=cli.positive_int)
-    init_from: str | None = flag(None, "start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
-                                 "gpt2-xl (Hub) or a local directory; sets the model shape", MODEL)
+    vocab_size: int | None = flag(
+        None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL, type=cli.positive_int
+    )
+    init_from: str | None = flag(
+        None,
+        "start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
+        "gpt2-xl (Hub) or a local directory; sets the model shape",
+        MODEL,
+    )
     # batch_size rows of seq_len tokens per rank per micro-step
-    batch_size: int | str | None = flag(None, "rows per rank per micro-step (B), or auto: the largest that fits the "
-                                        "device, found by trying before the first step (default: auto on CUDA, 64 "
-                                        "elsewhere)", BATCH, type=train_flags.batch_size_flag)
-    seq_len: int | None = flag(None, "tokens per row (T); default: the model's block size", BATCH,
-                               type=cli.positive_int)  # (at most 1024)
-    total_batch_size: int = flag(524288, "tokens per optimizer step over all ranks; a multiple of B x T x world size",
-                                 BATCH, type=cli.positive_int)  # 2**19
+    batch_size: int | str | None = flag(
+        None,
+        "rows per rank per micro-step (B), or auto: the largest that fits the "
+        "device, found by trying before the first step (default: auto on CUDA, 64 "
+        "elsewhere)",
+        BATCH,
+        type=train_flags.batch_size_flag,
+    )
+    seq_len: int | None = flag(
+        None, "tokens per row (T); default: the model's block size", BATCH, type=cli.positive_int
+    )  # (at most 1024)
+    total_batch_size: int = flag(
+        524288,
+        "tokens per optimizer step over all ranks; a multiple of B x T x world size",
+        BATCH,
+        type=cli.positive_int,
+    )  # 2**19
     max_steps: int = flag(19073, "optimizer steps", OPTIMIZATION, type=cli.non_negative_int)  # 10B tokens / 2**19
     warmup_steps: int = flag(715, "linear LR warmup steps", OPTIMIZATION, type=cli.non_negative_int)
     max_lr: float = flag(6e-4, "peak learning rate", OPTIMIZATION, type=float)
     min_lr: float | None = flag(None, "final learning rate (default: 10%% of --max-lr)", OPTIMIZATION, type=float)
-    lr_schedule: str = flag("cosine", "decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds "
-                            "--max-lr, then decays linearly over the last --cooldown-frac of the steps", OPTIMIZATION,
-                            train_flags.one_of(train_flags.LR_SCHEDULES), choices=train_flags.LR_SCHEDULES)
-    cooldown_frac: float = flag(0.2, "wsd: fraction of --max-steps spent in the final linear decay", OPTIMIZATION,
-                                train_flags.in_unit_interval, type=float)
+    lr_schedule: str = flag(
+        "cosine",
+        "decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds "
+        "--max-lr, then decays linearly over the last --cooldown-frac of the steps",
+        OPTIMIZATION,
+        train_flags.one_of(train_flags.LR_SCHEDULES),
+        choices=train_flags.LR_SCHEDULES,
+    )
+    cooldown_frac: float = flag(
+        0.2,
+        "wsd: fraction of --max-steps spent in the final linear decay",
+        OPTIMIZATION,
+        train_flags.in_unit_interval,
+        type=float,
+    )
     weight_decay: float = flag(0.1, "AdamW decay on matrices and embeddings", OPTIMIZATION, type=float)
-    optimizer: str = flag("adamw", "adamw: AdamW on every parameter (GPT-2's recipe); muon: Muon on the blocks' "
-                          "weight matrices, AdamW at --max-lr on embeddings, LayerNorms and biases "
-                          "(docs/optimizers.md)", OPTIMIZATION, train_flags.one_of(train_flags.OPTIMIZERS),
-                          choices=train_flags.OPTIMIZERS)  # muon's lr and momentum: modded-nanogpt's, nanochat's
-    muon_lr: float = flag(0.02, "Muon's peak LR; the LR schedule scales it as it scales --max-lr", OPTIMIZATION,
-                          type=float)
+    optimizer: str = flag(
+        "adamw",
+        "adamw: AdamW on every parameter (GPT-2's recipe); muon: Muon on the blocks' "
+        "weight matrices, AdamW at --max-lr on embeddings, LayerNorms and biases "
+        "(docs/optimizers.md)",
+        OPTIMIZATION,
+        train_flags.one_of(train_flags.OPTIMIZERS),
+        choices=train_flags.OPTIMIZERS,
+    )  # muon's lr and momentum: modded-nanogpt's, nanochat's
+    muon_lr: float = flag(
+        0.02, "Muon's peak LR; the LR schedule scales it as it scales --max-lr", OPTIMIZATION, type=float
+    )
     muon_momentum: float = flag(0.95, "Muon's (Nesterov) momentum", OPTIMIZATION, type=float)
     grad_clip: float = flag(1.0, "clip the gradient norm to this (0: off)", OPTIMIZATION, type=float)
     val_every: int = flag(250, "validation loss every N steps", EVALUATION, type=cli.non_negative_int)
     val_steps: int = flag(20, "batches per validation", EVALUATION, type=cli.non_negative_int)
     sample_every: int = flag(250, "print text samples every N steps", EVALUATION, type=cli.non_negative_int)
-    sample_prompt: str | None = flag(None, "the text those samples continue; fit it to the data, e.g. 'def ' for "
-                                     "Python ('' starts a new document; default: \"Hello, I'm a language model,\")",
-                                     EVALUATION, type=cli.may_be_empty)  # None: train_flags.SAMPLE_PROMPT (English)
+    sample_prompt: str | None = flag(
+        None,
+        "the text those samples continue; fit it to the data, e.g. 'def ' for "
+        "Python ('' starts a new document; default: \"Hello, I'm a language model,\")",
+        EVALUATION,
+        type=cli.may_be_empty,
+    )  # None: train_flags.SAMPLE_PROMPT (English)
     hellaswag_every: int = flag(250, "HellaSwag accuracy every N steps", EVALUATION, type=cli.non_negative_int)
     hellaswag_limit: int = flag(0, "examples per HellaSwag eval (0: all)", EVALUATION, type=cli.non_negative_int)
     hellaswag_file: str | None = flag(None, "local hellaswag_val.jsonl (default: download/cache)", EVALUATION)
     ckpt_every: int = flag(5000, "checkpoint every N steps (and at the end)", EVALUATION, type=cli.non_negative_int)
     keep_last: int = flag(0, "keep only the newest K checkpoints (0: all)", EVALUATION, type=cli.non_negative_int)
-    resume: str | None = flag(None, "continue from the newest checkpoint in --out-dir (or the given path)", EVALUATION,
-                              nargs="?", const="latest")
-    eval_only: bool = flag(False, "with --resume [PATH] or --init-from: run the evaluations above once at that step "
-                           "(same numbers as in training), print them, train and write nothing", EVALUATION)
-    wandb: str | None = flag(None, "log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline "
-                             "keeps the run in OUT/wandb)", TRACKING, metavar="PROJECT")
+    resume: str | None = flag(
+        None,
+        "continue from the newest checkpoint in --out-dir (or the given path)",
+        EVALUATION,
+        nargs="?",
+        const="latest",
+    )
+    eval_only: bool = flag(
+        False,
+        "with --resume [PATH] or --init-from: run the evaluations above once at that step "
+        "(same numbers as in training), print them, train and write nothing",
+        EVALUATION,
+    )
+    wandb: str | None = flag(
+        None,
+        "log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline keeps the run in OUT/wandb)",
+        TRACKING,
+        metavar="PROJECT",
+    )
     tensorboard: bool = flag(False, "write TensorBoard event files to --out-dir (pip install tensorboard)", TRACKING)
-    skip_nonfinite: int = flag(0, "skip up to N steps with a non-finite loss or grad norm instead of stopping",
-                               FAILURES, type=cli.non_negative_int)
-    skip_spikes: float = flag(0.0, "skip updates whose loss or grad norm is Z std devs above the recent window "
-                              "(0: off)", FAILURES, type=float)
-    dist_timeout: float = flag(600.0, "seconds a collective may wait for a dead or stuck rank", FAILURES,
-                               train_flags.dist_timeout_range, type=float)
+    skip_nonfinite: int = flag(
+        0,
+        "skip up to N steps with a non-finite loss or grad norm instead of stopping",
+        FAILURES,
+        type=cli.non_negative_int,
+    )
+    skip_spikes: float = flag(
+        0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", FAILURES, type=float
+    )
+    dist_timeout: float = flag(
+        600.0,
+        "seconds a collective may wait for a dead or stuck rank",
+        FAILURES,
+        train_flags.dist_timeout_range,
+        type=float,
+    )
     debug: bool = flag(False, "show tracebacks for user errors", FAILURES)
-    fsdp: bool = flag(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
-                      "for models whose 16 bytes per parameter do not fit one GPU", DISTRIBUTED)
+    fsdp: bool = flag(
+        False,
+        "shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
+        "for models whose 16 bytes per parameter do not fit one GPU",
+        DISTRIBUTED,
+    )
     device: str = flag("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)", RUNTIME)
-    dtype: str = flag("auto", "autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 (with "
-                      "a GradScaler) on older ones, float32 elsewhere", RUNTIME,
-                      choices=["auto", "float32", "bfloat16", "float16"])
-    compile: bool | None = flag(None, "torch.compile the model (default: on for CUDA where Triton can run, off "
-                                "elsewhere); a failure to compile falls back to eager with one line", RUNTIME,
-                                action=argparse.BooleanOptionalAction)
-    activation_checkpointing: bool = flag(False, "recompute each block's activations in backward: less memory, about "
-                                          "1/3 more compute", RUNTIME)
-    loss_chunk: int | None = flag(None, "compute lm_head + loss in chunks of N rows without materializing the logits "
-                                  f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)", RUNTIME,
-                                  type=cli.non_negative_int)
+    dtype: str = flag(
+        "auto",
+        "autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 (with "
+        "a GradScaler) on older ones, float32 elsewhere",
+        RUNTIME,
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    compile: bool | None = flag(
+        None,
+        "torch.compile the model (default: on for CUDA where Triton can run, off "
+        "elsewhere); a failure to compile falls back to eager with one line",
+        RUNTIME,
+        action=argparse.BooleanOptionalAction,
+    )
+    activation_checkpointing: bool = flag(
+        False, "recompute each block's activations in backward: less memory, about 1/3 more compute", RUNTIME
+    )
+    loss_chunk: int | None = flag(
+        None,
+        "compute lm_head + loss in chunks of N rows without materializing the logits "
+        f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)",
+        RUNTIME,
+        type=cli.non_negative_int,
+    )
     seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=train_flags.SEED)
-    peak_tflops: float | None = flag(None, "dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; "
-                                     "none on CPU)", RUNTIME, train_flags.positive, type=float)
+    peak_tflops: float | None = flag(
+        None,
+        "dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; none on CPU)",
+        RUNTIME,
+        train_flags.positive,
+        type=float,
+    )
 
     @property
     def cooldown_start(self) -> int:
@@ -175,6 +269,7 @@ class Launch:
     """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
     resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
     then frozen. Checkpoints keep it beside the RunConfig."""
+
     model: GPTConfig  # the preset and --n-* flags, or --init-from's shape
     seq_len: int  # T
     batch_size: int | str  # B, rows per rank per micro-step; "auto" until Trainer()'s search chooses it
@@ -210,11 +305,25 @@ import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, state dicts
-    ResumePoint, check_resume_compatible, checkpoint_path, choose_resume_checkpoint, data_change, data_files,
-    find_resume_checkpoint, full_state, latest_checkpoint, load_checkpoint, load_full_state, save_checkpoint)
+    ResumePoint,
+    check_resume_compatible,
+    checkpoint_path,
+    choose_resume_checkpoint,
+    data_change,
+    data_files,
+    find_resume_checkpoint,
+    full_state,
+    latest_checkpoint,
+    load_checkpoint,
+    load_full_state,
+    save_checkpoint,
+)
 from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, chunked or not
 from trainkit.compiling import (  # defines: whether to compile, the GPT compiled block by block, the fallback to eager
-    compile_decision, compile_model, with_compile_fallback)
+    compile_decision,
+    compile_model,
+    with_compile_fallback,
+)
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
 from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
@@ -222,25 +331,54 @@ from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of 
 from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
 from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
 from trainkit.launch import (  # defines: the device and the process group, rank-0 decisions, rank agreement, faults
-    Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0, exit_code_on_every_rank,
-    is_lost_rank, lost_rank_error, process_group)
+    Dist,
+    all_reduce_sum,
+    check_ranks_agree,
+    checked_on_every_rank,
+    decided_on_rank0,
+    exit_code_on_every_rank,
+    is_lost_rank,
+    lost_rank_error,
+    process_group,
+)
 from trainkit.console import print0, print_result  # defines: printing from rank 0, control characters escaped
 from trainkit.memory import (  # defines: the memory-fit check, what an out-of-memory is and its line, the run's peak
-    check_model_fits, is_out_of_memory, out_of_memory_error, peak_memory, watch_peak)
+    check_model_fits,
+    is_out_of_memory,
+    out_of_memory_error,
+    peak_memory,
+    watch_peak,
+)
 from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
-    MuonWithAdamW, set_lr, use_run_hyperparameters)
+    MuonWithAdamW,
+    set_lr,
+    use_run_hyperparameters,
+)
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
 from trainkit.precision import autocast_context, resolve_dtype  # defines: the autocast dtype of a device, its context
 from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
-from trainkit.shard_scan import scan_shards  # defines: each shard's per-token scans, done once and kept for the next launch
+from trainkit.shard_scan import (
+    scan_shards,
+)  # defines: each shard's per-token scans, done once and kept for the next launch
 from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
-    ShardDigestCheck, check_against_manifest, check_token_ids, no_output_for, open_shard, recorded, shard_files)
+    ShardDigestCheck,
+    check_against_manifest,
+    check_token_ids,
+    no_output_for,
+    open_shard,
+    recorded,
+    shard_files,
+)
 from trainkit.stop_signal import StopSignal  # defines: SIGTERM/SIGINT/SIGHUP finish the step, checkpoint, exit 0
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak  # defines: tok/s and MFU (GPU peak table)
 from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes
-    EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths)
+    EOT,
+    get_tokenizer_or_fail,
+    real_vocab_size,
+    token_byte_lengths,
+)
 from trainkit.update_guard import UpdateGuard, nonfinite_state  # defines: the non-finite and spike guard of each update
 
 
@@ -287,8 +425,11 @@ class CausalSelfAttention(nn.Module):
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             is_causal = past == 0 and T > 1
         # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: trainkit/doc_mask.py)
-        y = (flex_attention(q, k, v, block_mask=attn_mask) if isinstance(attn_mask, BlockMask)
-             else F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal))
+        y = (
+            flex_attention(q, k, v, block_mask=attn_mask)
+            if isinstance(attn_mask, BlockMask)
+            else F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        )
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -330,12 +471,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         self.activation_checkpointing = False  # a runtime choice, not part of the config (checkpoints)
@@ -365,7 +508,9 @@ class GPT(nn.Module):
             return self.lm_head(x)[..., :n_real], None
         targets = targets.reshape(-1)
         if loss_chunk:
-            scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
+            scale = (
+                dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
+            )
             h = x.view(-1, x.size(-1))  # every matmul on the padded rows, their faster shape
             return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
@@ -408,8 +553,10 @@ class GPT(nn.Module):
         """Parameter counts that add up to the total (the token embedding is also lm_head)."""
         total = self.num_params(without_positions=False)
         tokens, positions = self.transformer.wte.weight.numel(), self.transformer.wpe.weight.numel()
-        return (f"{total / 1e6:.2f}M params ({tokens / 1e6:.2f}M token embedding = lm_head, "
-                f"{positions / 1e6:.2f}M positions, {(total - tokens - positions) / 1e6:.2f}M blocks + ln_f)")
+        return (
+            f"{total / 1e6:.2f}M params ({tokens / 1e6:.2f}M token embedding = lm_head, "
+            f"{positions / 1e6:.2f}M positions, {(total - tokens - positions) / 1e6:.2f}M blocks + ln_f)"
+        )
 
     @classmethod
     def from_checkpoint(cls, path: str, device="cpu") -> GPT:
@@ -431,8 +578,7 @@ class GPT(nn.Module):
         return [LayerKVCache() for _ in self.transformer.h]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True,
-                 stop_token=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True, stop_token=None):
         """Extend idx (B, T) by up to max_new_tokens tokens, each drawn from the top_k most likely
         of softmax(logits / temperature); the model sees the newest block_size tokens.
 
@@ -450,11 +596,11 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             new_tokens = idx[:, -block_size:]
             if kv_cache and cache is not None and idx.size(1) <= block_size:
-                new_tokens = idx[:, cache[0].length:]
+                new_tokens = idx[:, cache[0].length :]
             elif kv_cache:
                 cache = self.new_kv_cache()  # the first step, or the window slid
             x = self.hidden_states(new_tokens, kv_cache=cache)
-            logits = self.lm_head(x[:, -1, :])[:, :real_vocab_size(self.config.vocab_size)].float()  # no padded id
+            logits = self.lm_head(x[:, -1, :])[:, : real_vocab_size(self.config.vocab_size)].float()  # no padded id
             # the max first: (logits - max) / T is in [-inf, 0], so a tiny T cannot overflow to NaN
             logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
             probs = F.softmax(logits, dim=-1)
@@ -487,8 +633,9 @@ def find_shards(data_dir: str, split: str) -> list[str]:
     paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(folder, f"*_{split}_*.{ext}")))
     check_against_manifest(data_dir, split, paths)
     if not paths:
-        raise UserError(f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; "
-                        "create them with fineweb.py")
+        raise UserError(
+            f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; create them with fineweb.py"
+        )
     return paths
 
 
@@ -500,7 +647,7 @@ def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray
     opens the next document, which also opens the next row, so every token is a target once.
     A document longer than a row fills whole rows and its remainder starts the next one."""
     n = len(tokens)
-    starts = [np.flatnonzero(tokens[i:i + chunk] == EOT) + i for i in range(0, n, chunk)]
+    starts = [np.flatnonzero(tokens[i : i + chunk] == EOT) + i for i in range(0, n, chunk)]
     bounds = np.concatenate([[0], *starts, [n - 1]]).astype(np.int64)  # shard edges count as boundaries
     rows = []
     start = 0
@@ -520,15 +667,15 @@ class TokenRows:
     Plain rows are T+1 consecutive tokens starting at multiples of T, so a shard of n tokens
     holds (n - 1) // T rows; aligned rows come from aligned_rows()."""
 
-    def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None,
-                 progress=False):
+    def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
         self.paths = find_shards(data_dir, split)
         self.T, self.align_docs, self.shuffle, self.seed = T, align_docs, shuffle, seed
         self.vocab_size = vocab_size
         self.shards = [open_shard(p) for p in self.paths]
         known_ids = recorded(self.paths, "max_id") if vocab_size is not None else [0] * len(self.paths)  # 0: no check
-        largest_ids, tables = scan_shards(self.paths, self.shards, known_ids, T if align_docs else None, aligned_rows,
-                                          f"{split} shards", progress)  # once per shard, then kept (shard_scan.py)
+        largest_ids, tables = scan_shards(
+            self.paths, self.shards, known_ids, T if align_docs else None, aligned_rows, f"{split} shards", progress
+        )  # once per shard, then kept (shard_scan.py)
         if vocab_size is not None:
             check_token_ids(self.paths, largest_ids, vocab_size)
         if align_docs:
@@ -538,8 +685,10 @@ class TokenRows:
             counts = [max(0, len(s) - 1) // T for s in self.shards]
         for path, shard, count in zip(self.paths, self.shards, counts):
             if count == 0:
-                raise UserError(f"{path}: {len(shard)} tokens, fewer than one row of --seq-len {T} + 1; "
-                                "remove it or re-create the shards")
+                raise UserError(
+                    f"{path}: {len(shard)} tokens, fewer than one row of --seq-len {T} + 1; "
+                    "remove it or re-create the shards"
+                )
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
         self._epoch_cache = {}
@@ -585,7 +734,7 @@ class TokenRows:
         y = np.full((B, self.T), IGNORE_INDEX, dtype=np.int64)
         for b in range(B):
             shard, start, n = self.row_span(g0 + b)
-            buf = self.shards[shard][start:start + n + 1]
+            buf = self.shards[shard][start : start + n + 1]
             x[b, :n] = buf[:-1]
             y[b, :n] = buf[1:]
         if self.vocab_size is not None:  # (a shard changed since start-up, where check_token_ids read its max_id)
@@ -623,6 +772,7 @@ class Prefetcher:
 
     def __init__(self, loader: StepLoader, pin_memory: bool):
         from concurrent.futures import ThreadPoolExecutor
+
         self.loader, self.pin_memory = loader, pin_memory
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.pending = {}
@@ -690,20 +840,31 @@ def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str |
     old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
     if old_lr == new_lr:
         return None
-    changed = ", ".join(f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
-                        for k in SCHEDULE_KEYS if getattr(saved, k) != getattr(run, k))
+    changed = ", ".join(
+        f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
+        for k in SCHEDULE_KEYS
+        if getattr(saved, k) != getattr(run, k)
+    )
     return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
 
 
-def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, device_type: str,
-                    muon_lr: float | None = None, muon_momentum: float = 0.95):
+def build_optimizer(
+    model: nn.Module,
+    weight_decay: float,
+    learning_rate: float,
+    device_type: str,
+    muon_lr: float | None = None,
+    muon_momentum: float = 0.95,
+):
     """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms. With muon_lr,
     Muon takes the blocks' weight matrices, as modded-nanogpt and nanochat split them, and AdamW the
     rest: the tied token embedding / lm_head, the positions, LayerNorms and biases."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied weight appears once
     matrices = {p for p in model.transformer.h.parameters() if p.dim() == 2} if muon_lr else set()
-    groups = [dict(params=[p for p in params if p.dim() >= 2 and p not in matrices], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    groups = [
+        dict(params=[p for p in params if p.dim() >= 2 and p not in matrices], weight_decay=weight_decay),
+        dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
+    ]
     # the fused kernel does the whole update in one launch (CUDA, CPU and MPS have one)
     fused = device_type in ("cuda", "cpu", "mps")
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
@@ -741,8 +902,17 @@ def gradient_sync(model: nn.Module, enabled: bool):
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def accumulate_gradients(model: nn.Module, micro_batches, n_tokens: int, world_size: int, device: str,
-                         dtype: torch.dtype, loss_chunk: int = 0, scaler=None, doc_mask=False) -> torch.Tensor:
+def accumulate_gradients(
+    model: nn.Module,
+    micro_batches,
+    n_tokens: int,
+    world_size: int,
+    device: str,
+    dtype: torch.dtype,
+    loss_chunk: int = 0,
+    scaler=None,
+    doc_mask=False,
+) -> torch.Tensor:
     """Forward and backward over one optimizer step's micro-batches on this rank, each term
     sum(token losses) * W / N (see above); returns this rank's summed token loss (float64).
     micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an asynchronous copy to
@@ -778,8 +948,19 @@ def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -
 
 
 @torch.no_grad()
-def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int, world: int, device: str,
-                  dtype: torch.dtype, token_bytes, loss_chunk: int = 0, doc_mask=False) -> dict:
+def evaluate_loss(
+    model: GPT,
+    rows: TokenRows,
+    B: int,
+    n_batches: int,
+    rank: int,
+    world: int,
+    device: str,
+    dtype: torch.dtype,
+    token_bytes,
+    loss_chunk: int = 0,
+    doc_mask=False,
+) -> dict:
     """{val_loss: token-weighted mean loss over the first n_batches x world x B rows of a stream,
     val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
     bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
@@ -805,6 +986,7 @@ def evaluate_loss(model: GPT, rows: TokenRows, B: int, n_batches: int, rank: int
 class Opened:
     """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
     the --init-from weights and the resumed checkpoint."""
+
     train_rows: TokenRows
     val_rows: TokenRows | None
     shard_check: ShardDigestCheck  # every shard's sha256 against its manifest's, beside the steps
@@ -818,8 +1000,13 @@ def model_config(run: RunConfig) -> GPTConfig:
     """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
     (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
     fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
-    fields.update({name: getattr(run, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-                   if getattr(run, name) is not None})
+    fields.update(
+        {
+            name: getattr(run, name)
+            for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+            if getattr(run, name) is not None
+        }
+    )
     return GPTConfig(**fields)
 
 
@@ -844,11 +1031,14 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[L
     dtype, compiled = choose_precision_and_compile(run, d)
     loss_chunk = run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if d.device_type == "cpu" else 0
 
-    train_rows = TokenRows(run.data_dir, "train", seq_len, run.align_docs, run.shuffle, run.seed,
-                           model_cfg.vocab_size, progress=d.is_main)
+    train_rows = TokenRows(
+        run.data_dir, "train", seq_len, run.align_docs, run.shuffle, run.seed, model_cfg.vocab_size, progress=d.is_main
+    )
     if train_rows.rows_per_epoch < rows_per_rank * d.world_size:
-        raise UserError(f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
-                        f"than one optimizer step ({rows_per_rank * d.world_size} rows): lower --total-batch-size")
+        raise UserError(
+            f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
+            f"than one optimizer step ({rows_per_rank * d.world_size} rows): lower --total-batch-size"
+        )
     val_rows = None
     if run.val_every:
         try:
@@ -857,8 +1047,10 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[L
             raise UserError(f"{e} (or pass --val-every 0)") from None
         val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * d.world_size
         if val_rows.rows_per_epoch < val_rows_needed:
-            raise UserError(f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
-                            f"--batch-size x world size = {val_rows_needed}: lower --val-steps")
+            raise UserError(
+                f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
+                f"--batch-size x world size = {val_rows_needed}: lower --val-steps"
+            )
     # a step or a save that finds this check failed stops
     shard_check = ShardDigestCheck(train_rows.paths + (val_rows.paths if val_rows else []))
     enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
@@ -874,25 +1066,47 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[L
             raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
         hellaswag_eval.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
-    resume_from = decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)) if not run.eval_only \
-        else eval_checkpoint(run)  # an evaluation writes nothing, so any --out-dir will do, in use or not
+    resume_from = (
+        decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)) if not run.eval_only else eval_checkpoint(run)
+    )  # an evaluation writes nothing, so any --out-dir will do, in use or not
     checkpoint, start_step, shuffle = None, 0, run.shuffle is not False
     if resume_from:
-        checkpoint = load_checkpoint(resume_from, model_fields=[f.name for f in dataclasses.fields(GPTConfig)],
-                                     resume=True)
+        checkpoint = load_checkpoint(
+            resume_from, model_fields=[f.name for f in dataclasses.fields(GPTConfig)], resume=True
+        )
         saved = checkpoint["launch"]
         shuffle = saved["shuffle"] if run.shuffle is None else run.shuffle  # unsaid: the checkpoint's order
         as_resumed = dataclasses.replace(run, seq_len=seq_len, shuffle=shuffle)  # compared with what it resolved
-        check_resume_compatible(dict(checkpoint, run_config={**checkpoint["run_config"], "seq_len": saved["seq_len"],
-                                                             "shuffle": saved["shuffle"]}),
-                                as_resumed, model_cfg, resume_from)
+        check_resume_compatible(
+            dict(
+                checkpoint,
+                run_config={**checkpoint["run_config"], "seq_len": saved["seq_len"], "shuffle": saved["shuffle"]},
+            ),
+            as_resumed,
+            model_cfg,
+            resume_from,
+        )
         start_step = checkpoint["step"]
         if start_step > run.max_steps and not run.eval_only:
-            raise UserError(f"{resume_from} is at step {start_step}, past --max-steps {run.max_steps}: "
-                            "pass a larger --max-steps to train on")
+            raise UserError(
+                f"{resume_from} is at step {start_step}, past --max-steps {run.max_steps}: "
+                "pass a larger --max-steps to train on"
+            )
     train_rows.shuffle = shuffle  # (no row was read yet)
-    launch = Launch(model_cfg, seq_len, batch_size, rows_per_rank, d.world_size, str(dtype).removeprefix("torch."),
-                    compiled, loss_chunk, hellaswag_file, resume_from, start_step, shuffle)
+    launch = Launch(
+        model_cfg,
+        seq_len,
+        batch_size,
+        rows_per_rank,
+        d.world_size,
+        str(dtype).removeprefix("torch."),
+        compiled,
+        loss_chunk,
+        hellaswag_file,
+        resume_from,
+        start_step,
+        shuffle,
+    )
     return launch, Opened(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
 
 
@@ -901,10 +1115,13 @@ def choose_precision_and_compile(run: RunConfig, d: Dist) -> tuple[torch.dtype, 
     capability = torch.cuda.get_device_capability(d.device) if d.device_type == "cuda" else None
     dtype = resolve_dtype(run.dtype, d.device_type, capability)
     if run.fsdp and dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
-        raise UserError("--fsdp does not support float16 (its GradScaler needs every rank to agree on "
-                        "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp")
-    compiled, why_not = compile_decision(run.compile, d.device_type, capability, sys.platform,
-                                         importlib.util.find_spec("triton") is not None)
+        raise UserError(
+            "--fsdp does not support float16 (its GradScaler needs every rank to agree on "
+            "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp"
+        )
+    compiled, why_not = compile_decision(
+        run.compile, d.device_type, capability, sys.platform, importlib.util.find_spec("triton") is not None
+    )
     if why_not:
         print0(f"compile off: {why_not}")
     if d.device_type == "cuda":
@@ -949,9 +1166,9 @@ def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module
     model = compile_model(raw_model) if compiled else raw_model
     if d.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
-        model = DDP(model, device_ids=[d.local_rank] if d.device_type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+        model = DDP(model, device_ids=[d.local_rank] if d.device_type == "cuda" else None, gradient_as_bucket_view=True)
     return model
 
 
@@ -962,6 +1179,7 @@ def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module
 @dataclass
 class StepResult:
     """What one optimizer step reports (loss = all-reduced token loss / N)."""
+
     loss: float
     grad_norm: float
     lr: float
@@ -984,12 +1202,19 @@ class Trainer:
         self.dtype = getattr(torch, launch.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
-        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None,
-                                 last_checkpoint=lambda: self.last_ckpt)
+        self.guard = UpdateGuard(
+            run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None, last_checkpoint=lambda: self.last_ckpt
+        )
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, launch, d, opened.pretrained)
-        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, d.device_type,
-                                         run.muon_lr if run.optimizer == "muon" else None, run.muon_momentum)
+        self.optimizer = build_optimizer(
+            self.raw_model,
+            run.weight_decay,
+            run.max_lr,
+            d.device_type,
+            run.muon_lr if run.optimizer == "muon" else None,
+            run.muon_momentum,
+        )
         self.resumed = opened.checkpoint and self._load_resume_state(opened.checkpoint)
         self.compiled = launch.compile
         self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
@@ -998,22 +1223,36 @@ class Trainer:
         self.stop = StopSignal(at_once=run.eval_only)
         self.last_ckpt = launch.resume_from
         # recovery, installed once: a failed compile goes on eagerly; an out-of-memory redoes the step smaller
-        compiling = with_compile_fallback(self._forward_backward, self._compile_failed) if self.compiled \
+        compiling = (
+            with_compile_fallback(self._forward_backward, self._compile_failed)
+            if self.compiled
             else self._forward_backward
-        self.forward_backward = with_oom_retry(compiling, launch.rows_per_rank, d, self.optimizer,
-                                               self.use_micro_batch, self.log)
+        )
+        self.forward_backward = with_oom_retry(
+            compiling, launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log
+        )
         if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
             # trials see their out-of-memory errors: no retry)
-            self.launch = dataclasses.replace(launch, batch_size=choose_micro_batch(
-                run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log))
+            self.launch = dataclasses.replace(
+                launch,
+                batch_size=choose_micro_batch(
+                    run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log
+                ),
+            )
         self.use_micro_batch(self.launch.batch_size)
-        self.speed = Throughput(launch.rows_per_rank * d.world_size * launch.seq_len,  # all ranks, padding included
-                                flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params()),
-                                mfu_peak(run.peak_tflops, self.device, self.dtype), d.world_size, d.device_type)
+        self.speed = Throughput(
+            launch.rows_per_rank * d.world_size * launch.seq_len,  # all ranks, padding included
+            flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params()),
+            mfu_peak(run.peak_tflops, self.device, self.dtype),
+            d.world_size,
+            d.device_type,
+        )
         if not run.eval_only and 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
-            cli.print_warning(f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
-                              f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
-                              f"and never reaches --max-lr {run.max_lr}")
+            cli.print_warning(
+                f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
+                f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
+                f"and never reaches --max-lr {run.max_lr}"
+            )
 
     # ---- set-up
 
@@ -1026,8 +1265,17 @@ class Trainer:
 
     def _forward_backward(self, micro_batches, n_tokens: int, step: int | None = None) -> torch.Tensor:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
-        return accumulate_gradients(self.model, micro_batches, n_tokens, self.d.world_size, self.device, self.dtype,
-                                    self.launch.loss_chunk, self.scaler, self.run.doc_mask)
+        return accumulate_gradients(
+            self.model,
+            micro_batches,
+            n_tokens,
+            self.d.world_size,
+            self.device,
+            self.dtype,
+            self.launch.loss_chunk,
+            self.scaler,
+            self.run.doc_mask,
+        )
 
     def _compile_failed(self):
         """with_compile_fallback's way back to eager: the model unwrapped, the partial gradients dropped."""
@@ -1049,8 +1297,10 @@ class Trainer:
         if not run.eval_only:
             change = data_change(ckpt["data_files"], self.data_files())
             if change:
-                cli.print_warning(f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
-                                  f"step {step} on this run reads other rows than the run it continues would have")
+                cli.print_warning(
+                    f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
+                    f"step {step} on this run reads other rows than the run it continues would have"
+                )
             for notice in (lr_change_notice(ckpt["run_config"], run, step), optimizer_notice):
                 if notice:
                     print0(notice)
@@ -1072,11 +1322,18 @@ class Trainer:
         position, the shards, and both records, the RunConfig asked for and the Launch resolved."""
         rows_per_step = self.loader.rows_per_step
         model_state, optimizer_state = full_state(self.raw_model, self.optimizer)
-        state = dict(model=model_state, optimizer=optimizer_state, step=step,
-                     model_config=dataclasses.asdict(self.launch.model), run_config=dataclasses.asdict(self.run),
-                     launch=dataclasses.asdict(self.launch), rng_cpu=torch.get_rng_state(),
-                     world_size=self.d.world_size, next_row=step * rows_per_step,
-                     epoch=step * rows_per_step // self.train_rows.rows_per_epoch)
+        state = dict(
+            model=model_state,
+            optimizer=optimizer_state,
+            step=step,
+            model_config=dataclasses.asdict(self.launch.model),
+            run_config=dataclasses.asdict(self.run),
+            launch=dataclasses.asdict(self.launch),
+            rng_cpu=torch.get_rng_state(),
+            world_size=self.d.world_size,
+            next_row=step * rows_per_step,
+            epoch=step * rows_per_step // self.train_rows.rows_per_epoch,
+        )
         state.update(self.log.position())  # the log's length and sha256 at this step, and the run's identity
         state["data_files"] = self.data_files()
         state["skip_state"] = self.guard.state_dict()
@@ -1098,8 +1355,10 @@ class Trainer:
         checked_on_every_rank(self.d, lambda: self.shard_check.result(wait=not stopping))
         where = nonfinite_state(self.raw_model, self.optimizer, self.device)
         if where:
-            raise UserError(f"step {step}: not writing {path}: the {where} hold non-finite values. "
-                            f"Last good checkpoint: {self.last_ckpt or 'none'}")
+            raise UserError(
+                f"step {step}: not writing {path}: the {where} hold non-finite values. "
+                f"Last good checkpoint: {self.last_ckpt or 'none'}"
+            )
         # under --fsdp every rank takes part in gathering the state to rank 0
         state = self.checkpoint_state(step) if self.d.is_main or self.run.fsdp else None
         if self.d.is_main:
@@ -1125,8 +1384,10 @@ class Trainer:
         # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
         # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
         # device=...), no copy from pageable host memory, which would block until the backward ends
-        votes = [torch.full((1,), float(v), dtype=torch.float64, device=self.device)
-                 for v in (self.stop.requested, self.shard_check.failed())]
+        votes = [
+            torch.full((1,), float(v), dtype=torch.float64, device=self.device)
+            for v in (self.stop.requested, self.shard_check.failed())
+        ]
         stats = all_reduce_sum(torch.cat([loss_total.view(1), *votes]))
         norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 6. norm and clip
         loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
@@ -1153,8 +1414,10 @@ class Trainer:
         t_start = time.perf_counter()
         with self.running():
             if self.launch.resume_from and self.launch.start_step == run.max_steps:  # e.g. a requeued finished job
-                print0(f"{self.launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train "
-                       "(raise --max-steps to go on)")
+                print0(
+                    f"{self.launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train "
+                    "(raise --max-steps to go on)"
+                )
                 return
             for step in range(self.launch.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
@@ -1187,16 +1450,36 @@ class Trainer:
 
         def due(every):
             return every and (step % every == 0 or last_step)
+
         if self.val_rows and due(run.val_every):
-            results.update(evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, d.rank,
-                                         d.world_size, self.device, self.dtype, self.token_bytes,
-                                         self.launch.loss_chunk, run.doc_mask))
+            results.update(
+                evaluate_loss(
+                    self.raw_model,
+                    self.val_rows,
+                    self.loader.B,
+                    run.val_steps,
+                    d.rank,
+                    d.world_size,
+                    self.device,
+                    self.dtype,
+                    self.token_bytes,
+                    self.launch.loss_chunk,
+                    run.doc_mask,
+                )
+            )
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
-            result = hellaswag_eval.evaluate(self.raw_model, self.device, data_file=self.launch.hellaswag_file,
-                                             limit=run.hellaswag_limit or None, rank=d.rank,
-                                             world_size=d.world_size, dtype=self.dtype, flag="--hellaswag-file")
+            result = hellaswag_eval.evaluate(
+                self.raw_model,
+                self.device,
+                data_file=self.launch.hellaswag_file,
+                limit=run.hellaswag_limit or None,
+                rank=d.rank,
+                world_size=d.world_size,
+                dtype=self.dtype,
+                flag="--hellaswag-file",
+            )
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
@@ -1239,22 +1522,37 @@ class Trainer:
 
     def print_header(self):
         run, d, launch = self.run, self.d, self.launch
-        print0(f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {launch.dtype} | compile "
-               f"{self.compiled} | world {d.world_size}"
-               + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else ""))
-        print0(f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {launch.seq_len} tokens x "
-               f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
-               f"{self.train_rows.rows_per_epoch} train rows per epoch")
+        print0(
+            f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {launch.dtype} | compile "
+            f"{self.compiled} | world {d.world_size}"
+            + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else "")
+        )
+        print0(
+            f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {launch.seq_len} tokens x "
+            f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
+            f"{self.train_rows.rows_per_epoch} train rows per epoch"
+        )
 
     def log_step(self, step: int, r: StepResult, progress: str):
         tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
-        print0(f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
-               f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
-               + per_device_rate(tok_per_gpu, self.d.world_size, self.d.device_type)
-               + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-               + (f" | skipped ({r.skipped})" if r.skipped else "") + progress)
-        record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens,
-                      dt_ms=1000 * r.dt, tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu)
+        print0(
+            f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
+            f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
+            + per_device_rate(tok_per_gpu, self.d.world_size, self.d.device_type)
+            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + (f" | skipped ({r.skipped})" if r.skipped else "")
+            + progress
+        )
+        record = dict(
+            step=step,
+            loss=r.loss,
+            lr=r.lr,
+            grad_norm=r.grad_norm,
+            tokens=r.n_tokens,
+            dt_ms=1000 * r.dt,
+            tok_per_s=tok_per_s,
+            tok_per_s_per_gpu=tok_per_gpu,
+        )
         if mfu is not None:
             record["mfu"] = mfu
         if r.skipped:
@@ -1281,10 +1579,12 @@ def train(run: RunConfig, d: Dist):
     except Exception as e:
         if is_out_of_memory(e):
             auto = (launch.batch_size if launch else run.batch_size) == "auto"  # B was (or was to be) auto's choice
-            micro_batch = trainer.loader.B if trainer else None if auto else launch.batch_size if launch \
-                else run.batch_size  # the rows per micro-step it ran out at (None: auto had chosen none)
-            raise out_of_memory_error(e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir),
-                                      micro_batch, auto) from None
+            micro_batch = (
+                trainer.loader.B if trainer else None if auto else launch.batch_size if launch else run.batch_size
+            )  # the rows per micro-step it ran out at (None: auto had chosen none)
+            raise out_of_memory_error(
+                e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
+            ) from None
         raise
     finally:
         out_dir_lock.release()
@@ -1294,8 +1594,10 @@ def stopped_line(path: str, step: int) -> str:
     """What a run stopped by a signal prints last: its checkpoint, and how to go on. Under torchrun a
     Ctrl-C (or SIGTERM) reaches torchrun first, which passes it on to the ranks, waits for them and then
     prints a traceback of its own, ending in SignalException, and exits 1: the line says it is harmless."""
-    line = (f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
-            "command plus --resume")
+    line = (
+        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
+        "command plus --resume"
+    )
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
         line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
     return line
@@ -1303,8 +1605,9 @@ def stopped_line(path: str, step: int) -> str:
 
 def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:
     """What every rank of a launch must share, in flag order: each flag, then the shards."""
-    return [(train_flags.flag_name(name), value) for name, value in dataclasses.asdict(run).items()] + \
-        data_fingerprint(run.data_dir)
+    return [(train_flags.flag_name(name), value) for name, value in dataclasses.asdict(run).items()] + data_fingerprint(
+        run.data_dir
+    )
 
 
 def main(argv=None) -> int:
@@ -1314,6 +1617,7 @@ def main(argv=None) -> int:
         train_flags.check_flags(run)
         with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
             train(run, d)
+
     return exit_code_on_every_rank(setup_and_train, run.debug)
 
 

@@ -16,6 +16,7 @@ backward, when each block's gradients land and when each of DDP's buckets starts
 (a comm hook): the backward runs from the last block to the first, so overlap means the first
 all-reduce starts before block 0's gradients land.
 """
+
 import argparse
 import json
 import os
@@ -37,6 +38,7 @@ def build(variant, args):
     import torch
     from trainkit import chunked_loss
     import train_gpt2 as tg
+
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], **({"n_layer": args.n_layer} if args.n_layer else {})})
     model = tg.GPT(cfg).to(args.device)
@@ -51,16 +53,20 @@ def run_variant(variant, args):
     import torch
     from trainkit import precision
     import train_gpt2 as tg
+
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
-    dtype = precision.resolve_dtype("auto", device_type, torch.cuda.get_device_capability() if device_type == "cuda"
-                                 else None)
+    dtype = precision.resolve_dtype(
+        "auto", device_type, torch.cuda.get_device_capability() if device_type == "cuda" else None
+    )
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")
     model, step_model = build(variant, args)
     optimizer = tg.build_optimizer(model, 0.1, 6e-4, device_type)
     g = torch.Generator().manual_seed(1)
-    batches = [tuple(torch.randint(0, 50257, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
-               for _ in range(args.steps)]
+    batches = [
+        tuple(torch.randint(0, 50257, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
+        for _ in range(args.steps)
+    ]
     n_tokens = args.batch_size * args.seq_len
     times, losses = [], []
     for x, y in batches:
@@ -86,27 +92,42 @@ def bench(args):
                 sys.exit(f"{variant} failed:\n{result.stderr[-3000:]}")
             out = json.loads(result.stdout.strip().splitlines()[-1])
             later = out["times"][1:]
-            run = dict(first_s=out["times"][0], compile_s=out["times"][0] - statistics.median(later),
-                       tok_per_s=args.batch_size * args.seq_len / min(later), losses=out["losses"])
-            print(f"round {r + 1} {variant:6s} | first step {run['first_s']:6.1f} s | "
-                  f"{run['tok_per_s']:9,.0f} tok/s", flush=True)
+            run = dict(
+                first_s=out["times"][0],
+                compile_s=out["times"][0] - statistics.median(later),
+                tok_per_s=args.batch_size * args.seq_len / min(later),
+                losses=out["losses"],
+            )
+            print(
+                f"round {r + 1} {variant:6s} | first step {run['first_s']:6.1f} s | {run['tok_per_s']:9,.0f} tok/s",
+                flush=True,
+            )
             b = best.setdefault(variant, run)
-            b.update(first_s=min(b["first_s"], run["first_s"]), compile_s=min(b["compile_s"], run["compile_s"]),
-                     tok_per_s=max(b["tok_per_s"], run["tok_per_s"]))
+            b.update(
+                first_s=min(b["first_s"], run["first_s"]),
+                compile_s=min(b["compile_s"], run["compile_s"]),
+                tok_per_s=max(b["tok_per_s"], run["tok_per_s"]),
+            )
     depth = f" with {args.n_layer} blocks" if args.n_layer else ""
-    print(f"device {args.device} | model {args.model}{depth} | B={args.batch_size} T={args.seq_len} | loss chunk "
-          f"{args.loss_chunk} | {args.steps} steps | backend {args.backend} | best of {args.rounds} rounds, "
-          f"empty inductor cache")
+    print(
+        f"device {args.device} | model {args.model}{depth} | B={args.batch_size} T={args.seq_len} | loss chunk "
+        f"{args.loss_chunk} | {args.steps} steps | backend {args.backend} | best of {args.rounds} rounds, "
+        f"empty inductor cache"
+    )
     ref = best.get("eager")
     for variant, b in best.items():
         drift = max(abs(a - e) / abs(e) for a, e in zip(b["losses"], ref["losses"])) if ref else float("nan")
         ratios = ""
         if "graph" in best and variant not in ("eager", "graph"):
-            ratios = (f" | compile {best['graph']['compile_s'] / max(b['compile_s'], 1e-9):5.2f}x faster than graph, "
-                      f"{b['tok_per_s'] / best['graph']['tok_per_s']:.2f}x its tok/s")
-        print(f"{variant:6s} | first step {b['first_s']:6.1f} s | compile {b['compile_s']:6.1f} s | "
-              f"{b['tok_per_s']:9,.0f} tok/s ({b['tok_per_s'] / ref['tok_per_s'] if ref else float('nan'):.2f}x eager) "
-              f"| loss drift from eager {drift:.1e}{ratios}")
+            ratios = (
+                f" | compile {best['graph']['compile_s'] / max(b['compile_s'], 1e-9):5.2f}x faster than graph, "
+                f"{b['tok_per_s'] / best['graph']['tok_per_s']:.2f}x its tok/s"
+            )
+        print(
+            f"{variant:6s} | first step {b['first_s']:6.1f} s | compile {b['compile_s']:6.1f} s | "
+            f"{b['tok_per_s']:9,.0f} tok/s ({b['tok_per_s'] / ref['tok_per_s'] if ref else float('nan'):.2f}x eager) "
+            f"| loss drift from eager {drift:.1e}{ratios}"
+        )
         b["drift"] = drift
     return best
 
@@ -117,6 +138,7 @@ def overlap_worker(rank, world, port, args):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     for variant in ("graph", "blocks"):
@@ -127,6 +149,7 @@ def overlap_worker(rank, world, port, args):
         def comm_hook(state, bucket):
             events.append((time.perf_counter(), f"all-reduce of bucket {bucket.index()} starts"))
             return default_hooks.allreduce_hook(state, bucket)
+
         ddp.register_comm_hook(None, comm_hook)
         for i, block in enumerate(model.transformer.h):
             for p in block.parameters():
@@ -144,12 +167,16 @@ def overlap_worker(rank, world, port, args):
             for t, what in events:
                 if what.startswith("block"):
                     landed[what] = t
-            lines = sorted([(t, f"{what} gradients landed") for what, t in landed.items()] +
-                           [(t, what) for t, what in events if what.startswith("all-reduce")])
+            lines = sorted(
+                [(t, f"{what} gradients landed") for what, t in landed.items()]
+                + [(t, what) for t, what in events if what.startswith("all-reduce")]
+            )
             first_reduce = min(t for t, what in events if what.startswith("all-reduce"))
-            print(f"{variant}: backward {1000 * (t_end - t0):.1f} ms; the first all-reduce starts "
-                  f"{1000 * (landed['block 0'] - first_reduce):.1f} ms before block 0's gradients land "
-                  f"({'overlap' if first_reduce < landed['block 0'] else 'NO overlap'})")
+            print(
+                f"{variant}: backward {1000 * (t_end - t0):.1f} ms; the first all-reduce starts "
+                f"{1000 * (landed['block 0'] - first_reduce):.1f} ms before block 0's gradients land "
+                f"({'overlap' if first_reduce < landed['block 0'] else 'NO overlap'})"
+            )
             for t, what in lines:
                 print(f"  +{1000 * (t - t0):8.1f} ms  {what}")
     dist.destroy_process_group()
@@ -169,10 +196,13 @@ def main(argv=None) -> dict | None:
     p.add_argument("--loss-chunk", type=int, default=None, help="default: the trainer's (128 on CPU, 0 on CUDA)")
     p.add_argument("--steps", type=int, default=5, help="steps per variant; the first compiles")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
-    p.add_argument("--json", metavar="PATH", help="also write the best figures per variant to PATH (gpu_check.py reads it)")
+    p.add_argument(
+        "--json", metavar="PATH", help="also write the best figures per variant to PATH (gpu_check.py reads it)"
+    )
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
+
     cuda = torch.cuda.is_available() and not args.overlap
     args.device = args.device or ("cuda" if cuda else "cpu")
     on_cuda = args.device.startswith("cuda")
@@ -183,19 +213,28 @@ def main(argv=None) -> dict | None:
     args.variants = args.variants.split(",")
     if set(args.variants) - set(VARIANTS):
         p.error(f"--variants: expected some of {', '.join(VARIANTS)}")
-    args.passthrough = [f"--device={args.device}", f"--model={args.model}", f"--n-layer={args.n_layer or 0}",
-                        f"--batch-size={args.batch_size}", f"--seq-len={args.seq_len}",
-                        f"--loss-chunk={args.loss_chunk}", f"--steps={args.steps}", f"--backend={args.backend}"]
+    args.passthrough = [
+        f"--device={args.device}",
+        f"--model={args.model}",
+        f"--n-layer={args.n_layer or 0}",
+        f"--batch-size={args.batch_size}",
+        f"--seq-len={args.seq_len}",
+        f"--loss-chunk={args.loss_chunk}",
+        f"--steps={args.steps}",
+        f"--backend={args.backend}",
+    ]
     if args.worker:
         return run_variant(args.worker, args)
     if args.overlap:
         import socket
         import torch.multiprocessing as mp
+
         with socket.socket() as s:  # a free port for the process group
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        print(f"DDP on 2 gloo ranks | model {args.model} | B={args.batch_size} T={args.seq_len} | "
-              f"backend {args.backend}")
+        print(
+            f"DDP on 2 gloo ranks | model {args.model} | B={args.batch_size} T={args.seq_len} | backend {args.backend}"
+        )
         mp.spawn(overlap_worker, args=(2, port, args), nprocs=2, join=True)
         return
     best = bench(args)

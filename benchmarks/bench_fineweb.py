@@ -18,6 +18,7 @@ machine that other jobs share. Each round also times tiktoken alone on the same 
 that no pipeline around it can go below. Usage:
     python benchmarks/bench_fineweb.py [--workers N] [--repeats 3] [--corpus stdlib pages paragraphs]
 """
+
 import argparse
 import glob
 import hashlib
@@ -35,6 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # fineweb.py, imported where it is used (the child processes, the floor)
 from trainkit import cli  # noqa: E402
+
 TEXT_FILE = REPO / "fixtures" / "tinyshakespeare_first4000lines.txt"
 SHARD_SIZE = 10**6
 
@@ -49,7 +51,8 @@ def stdlib_documents():
                 yield f.read()
 
 
-def shakespeare_paragraphs(target_bytes=int(os.environ.get("BENCH_MB", 20)) * 10**6):
+def shakespeare_paragraphs(target_bytes=None):
+    target_bytes = target_bytes or int(os.environ.get("BENCH_MB", 20)) * 10**6
     text = TEXT_FILE.read_text(encoding="utf-8")
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
     for _ in range(max(1, target_bytes // len(text))):
@@ -81,9 +84,11 @@ def write_corpus(name, folder):
 
 # --- the two pipelines (each runs in its own subprocess) -------------------------------------
 
+
 def _reference_init():
     global _enc
     from trainkit import tokenizer
+
     _enc = tokenizer.get_encoding()
 
 
@@ -106,12 +111,14 @@ def run_reference(corpus, out_dir, workers):
 
     buffer = np.empty(SHARD_SIZE, dtype=np.uint16)
     filled, shard = 0, 0
-    with multiprocessing.Pool(workers, initializer=_reference_init) as pool, \
-            tqdm(unit="tok", unit_scale=True) as progress:
+    with (
+        multiprocessing.Pool(workers, initializer=_reference_init) as pool,
+        tqdm(unit="tok", unit_scale=True) as progress,
+    ):
         for tokens in pool.imap(_reference_tokenize, documents(), chunksize=16):
             while tokens.size:  # fill the shard; the rest of the document starts the next
                 take = min(tokens.size, SHARD_SIZE - filled)
-                buffer[filled:filled + take] = tokens[:take]
+                buffer[filled : filled + take] = tokens[:take]
                 filled += take
                 tokens = tokens[take:]
                 progress.update(take)
@@ -124,8 +131,10 @@ def run_reference(corpus, out_dir, workers):
 
 def run_fineweb(corpus, out_dir, workers):
     import fineweb
-    code = fineweb.main(["--files", corpus, "--out-dir", out_dir, "--shard-size", str(SHARD_SIZE),
-                         "--workers", str(workers)])
+
+    code = fineweb.main(
+        ["--files", corpus, "--out-dir", out_dir, "--shard-size", str(SHARD_SIZE), "--workers", str(workers)]
+    )
     assert code == 0, f"fineweb.py exited with {code}"
 
 
@@ -134,11 +143,18 @@ def child(pipeline, corpus, out_dir, workers):
     {"reference": run_reference, "fineweb": run_fineweb}[pipeline](corpus, out_dir, workers)
     seconds = time.perf_counter() - start
     main, pool = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(json.dumps({
-        "seconds": seconds,
-        "cpu_main": main.ru_utime + main.ru_stime, "cpu_workers": pool.ru_utime + pool.ru_stime,
-        # VmHWM, not ru_maxrss: after exec, Linux's ru_maxrss still counts the parent's memory
-        "rss_main_mb": peak_rss_kb() / 1024, "rss_worker_mb": pool.ru_maxrss / 1024}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "cpu_main": main.ru_utime + main.ru_stime,
+                "cpu_workers": pool.ru_utime + pool.ru_stime,
+                # VmHWM, not ru_maxrss: after exec, Linux's ru_maxrss still counts the parent's memory
+                "rss_main_mb": peak_rss_kb() / 1024,
+                "rss_worker_mb": pool.ru_maxrss / 1024,
+            }
+        )
+    )
 
 
 def peak_rss_kb():
@@ -150,7 +166,11 @@ def measure(pipeline, corpus, workers):
     with tempfile.TemporaryDirectory() as out_dir:
         done = subprocess.run(
             [sys.executable, __file__, "--child", pipeline, corpus, out_dir, str(workers)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            check=True,
+        )
         result = json.loads(done.stdout.strip().splitlines()[-1])
         # both must write the same tokens in the same order
         digest, result["tokens"] = hashlib.sha256(), 0
@@ -166,6 +186,7 @@ def tiktoken_cpu_seconds(corpus):
     """CPU time of tiktoken alone on the corpus: one process, text already in memory, no I/O.
     No pipeline around tiktoken can spend less, so reference CPU / this bounds any speedup."""
     from trainkit import documents, tokenizer
+
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]
     enc = tokenizer.get_encoding()
@@ -176,6 +197,7 @@ def tiktoken_cpu_seconds(corpus):
 
 
 # --- main ------------------------------------------------------------------------------------
+
 
 def main():
     parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
@@ -188,8 +210,7 @@ def main():
         pipeline, corpus, out_dir, workers = args.child
         return child(pipeline, corpus, out_dir, int(workers))
 
-    print(f"{args.workers} workers, {os.cpu_count()} cores, best of {args.repeats}, "
-          f"shards of {SHARD_SIZE:,} tokens")
+    print(f"{args.workers} workers, {os.cpu_count()} cores, best of {args.repeats}, shards of {SHARD_SIZE:,} tokens")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.corpus:
             corpus = write_corpus(name, folder)
@@ -203,20 +224,28 @@ def main():
             ref, new = best["reference"], best["fineweb"]
             assert ref["digest"] == new["digest"], "the pipelines produced different tokens"
             docs = sum(1 for _ in open(corpus))
-            print(f"\n{name}: {os.path.getsize(corpus) / 1e6:.1f} MB, {docs:,} documents, "
-                  f"{ref['tokens']:,} tokens (identical output)")
+            print(
+                f"\n{name}: {os.path.getsize(corpus) / 1e6:.1f} MB, {docs:,} documents, "
+                f"{ref['tokens']:,} tokens (identical output)"
+            )
             for label, r in (("reference", ref), ("fineweb.py", new)):
                 cpu = r["cpu_main"] + r["cpu_workers"]
-                print(f"  {label:11s} {r['tokens'] / r['seconds'] / 1e6:5.2f} Mtok/s ({r['seconds']:5.2f} s)"
-                      f"  {r['tokens'] / cpu / 1e6:5.2f} Mtok per CPU-s ({r['cpu_main']:4.1f} s main + "
-                      f"{r['cpu_workers']:4.1f} s workers)  peak RSS main {r['rss_main_mb']:4.0f} MB, "
-                      f"largest worker {r['rss_worker_mb']:4.0f} MB")
+                print(
+                    f"  {label:11s} {r['tokens'] / r['seconds'] / 1e6:5.2f} Mtok/s ({r['seconds']:5.2f} s)"
+                    f"  {r['tokens'] / cpu / 1e6:5.2f} Mtok per CPU-s ({r['cpu_main']:4.1f} s main + "
+                    f"{r['cpu_workers']:4.1f} s workers)  peak RSS main {r['rss_main_mb']:4.0f} MB, "
+                    f"largest worker {r['rss_worker_mb']:4.0f} MB"
+                )
             cpu_ratio = (ref["cpu_main"] + ref["cpu_workers"]) / (new["cpu_main"] + new["cpu_workers"])
-            print(f"  fineweb.py / reference: {ref['seconds'] / new['seconds']:.2f}x tokens/s, "
-                  f"{cpu_ratio:.2f}x tokens per CPU-second")
-            print(f"  tiktoken alone (1 process, no I/O) {ref['tokens'] / floor / 1e6:5.2f} Mtok per CPU-s: "
-                  f"no pipeline around it can beat the reference by more than "
-                  f"{(ref['cpu_main'] + ref['cpu_workers']) / floor:.2f}x tokens per CPU-second")
+            print(
+                f"  fineweb.py / reference: {ref['seconds'] / new['seconds']:.2f}x tokens/s, "
+                f"{cpu_ratio:.2f}x tokens per CPU-second"
+            )
+            print(
+                f"  tiktoken alone (1 process, no I/O) {ref['tokens'] / floor / 1e6:5.2f} Mtok per CPU-s: "
+                f"no pipeline around it can beat the reference by more than "
+                f"{(ref['cpu_main'] + ref['cpu_workers']) / floor:.2f}x tokens per CPU-second"
+            )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ A randomly initialized GPT (the scores are meaningless, the work is the same). E
 runs --repeats times, interleaved with the others so that load from other processes falls on
 all of them alike; the best run counts (the median is printed beside it).
 """
+
 import os
 import statistics
 import sys
@@ -27,7 +28,6 @@ from trainkit import hellaswag_data, hellaswag_eval  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
-
 def main():
     p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=200)
@@ -39,8 +39,11 @@ def main():
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--data-file", default=hellaswag_data.SUBSET_FILE,
-                   help="HellaSwag jsonl (default: the subset in fixtures/, whose first 200 are the full set's)")
+    p.add_argument(
+        "--data-file",
+        default=hellaswag_data.SUBSET_FILE,
+        help="HellaSwag jsonl (default: the subset in fixtures/, whose first 200 are the full set's)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,7 +52,9 @@ def main():
     torch.manual_seed(0)
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(args.device).eval()
-    examples = hellaswag_eval.load_examples(hellaswag_data.resolve_data_file(args.data_file), args.examples)  # tokenized untimed
+    examples = hellaswag_eval.load_examples(
+        hellaswag_data.resolve_data_file(args.data_file), args.examples
+    )  # tokenized untimed
     hellaswag_eval.score_examples(model, examples[:8], args.device, batch_size=4)  # warm-up
 
     class AllLogits(torch.nn.Module):  # hides our GPT's type: scored through the full logits
@@ -72,9 +77,13 @@ def main():
             means.append((losses.view(4, -1) * scored).sum(1) / scored.sum(1))
         return torch.stack(means).cpu()
 
-    runs = {"build-nanogpt": build_nanogpt,
-            "all logits": lambda: hellaswag_eval.score_examples(AllLogits(model), examples, args.device, batch_size=1)[1]}
-    runs.update({b: (lambda b=b: hellaswag_eval.score_examples(model, examples, args.device, batch_size=b)[1]) for b in sizes})
+    runs = {
+        "build-nanogpt": build_nanogpt,
+        "all logits": lambda: hellaswag_eval.score_examples(AllLogits(model), examples, args.device, batch_size=1)[1],
+    }
+    runs.update(
+        {b: (lambda b=b: hellaswag_eval.score_examples(model, examples, args.device, batch_size=b)[1]) for b in sizes}
+    )
     times = {b: [] for b in runs}
     losses = {}
     for _ in range(args.repeats):
@@ -88,17 +97,22 @@ def main():
             times[b].append(time.perf_counter() - t0)
 
     n = len(examples)
-    print(f"model {config.n_layer}x{config.n_embd}, vocab {config.vocab_size}; {n} examples; device "
-          f"{args.device}, {torch.get_num_threads()} threads; best (median) of {args.repeats}")
+    print(
+        f"model {config.n_layer}x{config.n_embd}, vocab {config.vocab_size}; {n} examples; device "
+        f"{args.device}, {torch.get_num_threads()} threads; best (median) of {args.repeats}"
+    )
     base = {name: min(times[name]) for name in ("build-nanogpt", "all logits")}
-    print(f"{'':34s}  {'ex/s best (median)':>22s}  {'vs build-nanogpt':>16s}  {'vs all logits':>13s}  "
-          f"max |d mean loss|")
+    print(
+        f"{'':34s}  {'ex/s best (median)':>22s}  {'vs build-nanogpt':>16s}  {'vs all logits':>13s}  max |d mean loss|"
+    )
     for b in runs:
         diff = (losses[b] - losses["build-nanogpt"]).abs().max().item()
         name = f"{b} (1 example)" if isinstance(b, str) else f"hellaswag.py batch {b:4d}"
-        print(f"{name:34s}  {n / min(times[b]):10.1f} ({n / statistics.median(times[b]):8.1f})  "
-              f"{base['build-nanogpt'] / min(times[b]):15.2f}x  {base['all logits'] / min(times[b]):12.2f}x  "
-              f"{diff:.1e}")
+        print(
+            f"{name:34s}  {n / min(times[b]):10.1f} ({n / statistics.median(times[b]):8.1f})  "
+            f"{base['build-nanogpt'] / min(times[b]):15.2f}x  {base['all logits'] / min(times[b]):12.2f}x  "
+            f"{diff:.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ blocks), lm_head + loss (forward and backward; the chunked loss computes its gra
 forward), backward (blocks and embeddings) and optimizer (norm, clipping, update, zeroing). On CPU the
 operations are synchronous, so wall-clock marks from hooks at the final LayerNorm split them exactly.
 """
+
 import argparse
 import contextlib
 import json
@@ -54,7 +55,7 @@ def revision_trees(refs):
                 trees[ref] = path
             yield trees
         finally:
-            for ref, path in trees.items():
+            for path in trees.values():
                 if path != REPO:
                     subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", path], check=False)
 
@@ -66,12 +67,37 @@ def write_shards(data_dir, tokens):
 
 
 def train_command(tree, data_dir, out_dir, args):
-    cmd = [sys.executable, os.path.join(tree, "train_gpt2.py"), "--data-dir", data_dir, "--out-dir", out_dir,
-           "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--total-batch-size", str(args.batch_size * args.seq_len * args.accum),
-           "--max-steps", str(args.warmup + args.steps), "--warmup-steps", "1", "--val-every", "0",
-           "--sample-every", "0", "--hellaswag-every", "0", "--device", args.device, "--dtype", args.dtype,
-           "--compile" if args.compile else "--no-compile"]
+    cmd = [
+        sys.executable,
+        os.path.join(tree, "train_gpt2.py"),
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        out_dir,
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--total-batch-size",
+        str(args.batch_size * args.seq_len * args.accum),
+        "--max-steps",
+        str(args.warmup + args.steps),
+        "--warmup-steps",
+        "1",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--compile" if args.compile else "--no-compile",
+    ]
     return cmd + args.train_args.split()
 
 
@@ -84,10 +110,13 @@ def run_trainer(tree, data_dir, args):
             return None
         with open(os.path.join(out_dir, "log.jsonl")) as f:
             step_ms = [r["dt_ms"] for r in map(json.loads, f) if "dt_ms" in r]
-    dt = float(np.median(step_ms[args.warmup:])) / 1000
+    dt = float(np.median(step_ms[args.warmup :])) / 1000
     peak = re.search(r"peak memory ([\d.]+) GiB", out.stdout)
-    return dict(step_ms=1000 * dt, tok_per_s=args.batch_size * args.seq_len * args.accum / dt,
-                peak_gib=float(peak.group(1)) if peak else float("nan"))
+    return dict(
+        step_ms=1000 * dt,
+        tok_per_s=args.batch_size * args.seq_len * args.accum / dt,
+        peak_gib=float(peak.group(1)) if peak else float("nan"),
+    )
 
 
 def step_parts(args):
@@ -95,16 +124,25 @@ def step_parts(args):
     modules are on sys.path (run in a subprocess per tree)."""
     import torch
     import train_gpt2 as tg
+
     torch.manual_seed(0)
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
-    dtype = {"auto": torch.bfloat16 if device_type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = {
+        "auto": torch.bfloat16 if device_type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[args.dtype]
     cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], "block_size": max(args.seq_len, 256)})
     model = tg.GPT(cfg).to(args.device)
-    optimizer = (tg.build_optimizer(model, 0.1, 6e-4, device_type) if hasattr(tg, "build_optimizer")
-                 else model.configure_optimizers(0.1, 6e-4, device_type))  # before 9925424: a GPT method
-    loader = tg.StepLoader(tg.TokenRows(args.data_dir, "train", args.seq_len, shuffle=True, seed=0),
-                           args.batch_size, args.accum, 0, 1)
+    optimizer = (
+        tg.build_optimizer(model, 0.1, 6e-4, device_type)
+        if hasattr(tg, "build_optimizer")
+        else model.configure_optimizers(0.1, 6e-4, device_type)
+    )  # before 9925424: a GPT method
+    loader = tg.StepLoader(
+        tg.TokenRows(args.data_dir, "train", args.seq_len, shuffle=True, seed=0), args.batch_size, args.accum, 0, 1
+    )
     prefetcher = tg.Prefetcher(loader, pin_memory=device_type == "cuda")
     loss_chunk = tg.CPU_LOSS_CHUNK if device_type == "cpu" else 0
     train_model = tg.compile_model(model) if args.compile else model
@@ -164,8 +202,11 @@ def print_parts(best, args):
     print("| --- |" + " --- |" * len(labels))
     total = {label: sum(best[label].values()) for label in labels}
     for part in PARTS:
-        print(f"| {part} | " + " | ".join(f"{best[label][part]:.1f} ({100 * best[label][part] / total[label]:.0f}%)"
-                                          for label in labels) + " |")
+        print(
+            f"| {part} | "
+            + " | ".join(f"{best[label][part]:.1f} ({100 * best[label][part] / total[label]:.0f}%)" for label in labels)
+            + " |"
+        )
     print("| step | " + " | ".join(f"**{total[label]:.1f}**" for label in labels) + " |")
 
 
@@ -195,25 +236,33 @@ def main():
         print(json.dumps(step_parts(args)))
         return
     for ref in args.refs:
-        if subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
-                          capture_output=True).returncode:
+        if subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"], capture_output=True
+        ).returncode:
             p.error(f"{ref} is not a commit of the git repository at {REPO}")
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped, it still removes its worktrees
     with revision_trees(args.refs) as trees, tempfile.TemporaryDirectory() as data_dir:
         write_shards(data_dir, args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2))
-        print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} accum={args.accum} "
-              f"| compile {args.compile} | OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} | "
-              f"median of {args.steps} steps after {args.warmup} | best of {args.rounds} rounds | "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        print(
+            f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} accum={args.accum} "
+            f"| compile {args.compile} | OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} | "
+            f"median of {args.steps} steps after {args.warmup} | best of {args.rounds} rounds | "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
         best = {}
         for i in range(args.rounds):
             # every other round in reverse order: a load that rises or falls during a round favours no tree
-            for label, tree in list(trees.items())[::-1 if i % 2 else 1]:
+            for label, tree in list(trees.items())[:: -1 if i % 2 else 1]:
                 if args.parts:
-                    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--parts-worker", tree,
-                                          "--data-dir", data_dir], capture_output=True, text=True, cwd=tree)
+                    out = subprocess.run(
+                        [sys.executable, __file__, *sys.argv[1:], "--parts-worker", tree, "--data-dir", data_dir],
+                        capture_output=True,
+                        text=True,
+                        cwd=tree,
+                    )
                     if out.returncode:
                         print(f"{label}: failed\n{out.stderr[-2000:]}", flush=True)
                         continue
@@ -222,8 +271,10 @@ def main():
                     continue
                 r = run_trainer(tree, data_dir, args)
                 if r:  # each run as it ends: a long benchmark on a busy machine shows its spread
-                    print(f"round {i + 1}: {label:10s} {r['tok_per_s']:8,.0f} tok/s | load {os.getloadavg()[0]:.1f}",
-                          flush=True)
+                    print(
+                        f"round {i + 1}: {label:10s} {r['tok_per_s']:8,.0f} tok/s | load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
                 if r and (label not in best or r["tok_per_s"] > best[label]["tok_per_s"]):
                     best[label] = r
         print(f"load {os.getloadavg()[0]:.1f} at the end")
@@ -232,9 +283,12 @@ def main():
         if "this" not in best:
             return
         for label, r in best.items():
-            print(f"{label:10s} | {r['tok_per_s']:8,.0f} tok/s | step {r['step_ms']:8.1f} ms | peak memory "
-                  f"{r['peak_gib']:.2f} GiB | this / {label}: {best['this']['tok_per_s'] / r['tok_per_s']:.3f}x tok/s, "
-                  f"{best['this']['peak_gib'] / r['peak_gib']:.3f}x memory", flush=True)
+            print(
+                f"{label:10s} | {r['tok_per_s']:8,.0f} tok/s | step {r['step_ms']:8.1f} ms | peak memory "
+                f"{r['peak_gib']:.2f} GiB | this / {label}: {best['this']['tok_per_s'] / r['tok_per_s']:.3f}x tok/s, "
+                f"{best['this']['peak_gib'] / r['peak_gib']:.3f}x memory",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

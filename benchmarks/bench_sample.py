@@ -16,6 +16,7 @@ interleaved, --rounds times, so that load from other processes falls on all of t
 best round counts. The prompt plus the new tokens stay within the block size (beyond it the
 window slides and the cache is rebuilt every step: no gain there).
 """
+
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from train_gpt2 import GPT, GPTConfig, MODEL_PRESETS  # noqa: E402
 def reference_generate(model, idx, max_new_tokens, top_k, generator):
     """nanoGPT's sampling loop: full logits of the whole window for every token."""
     for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -model.config.block_size:])
+        logits, _ = model(idx[:, -model.config.block_size :])
         probs = F.softmax(logits[:, -1, :].float(), dim=-1)
         topk_probs, topk_idx = torch.topk(probs, top_k, dim=-1)
         choice = torch.multinomial(topk_probs, 1, generator=generator)
@@ -66,8 +67,9 @@ def main():
 
     variants = {
         "reference": lambda: reference_generate(model, prompt, args.new_tokens, args.top_k, generator()),
-        "no cache": lambda: model.generate(prompt, args.new_tokens, top_k=args.top_k, generator=generator(),
-                                           kv_cache=False),
+        "no cache": lambda: model.generate(
+            prompt, args.new_tokens, top_k=args.top_k, generator=generator(), kv_cache=False
+        ),
         "kv cache": lambda: model.generate(prompt, args.new_tokens, top_k=args.top_k, generator=generator()),
     }
     model.generate(prompt, 4, top_k=args.top_k)  # warm-up
@@ -83,14 +85,18 @@ def main():
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
 
     n_new = args.samples * args.new_tokens
-    print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | {args.samples} samples x "
-          f"{args.new_tokens} new tokens after {args.prompt_tokens} | top-k {args.top_k} | {args.device} | "
-          f"{torch.get_num_threads()} threads | best of {args.rounds}")
+    print(
+        f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | {args.samples} samples x "
+        f"{args.new_tokens} new tokens after {args.prompt_tokens} | top-k {args.top_k} | {args.device} | "
+        f"{torch.get_num_threads()} threads | best of {args.rounds}"
+    )
     for name in variants:
         same = "same tokens as kv cache" if torch.equal(tokens[name], tokens["kv cache"]) else "DIFFERENT tokens"
-        print(f"{name:10s} | {n_new / best[name]:8,.0f} tok/s | {best[name]:7.2f} s | "
-              f"{best['reference'] / best[name]:5.2f}x reference | {best['no cache'] / best[name]:5.2f}x no cache | "
-              f"{same}")
+        print(
+            f"{name:10s} | {n_new / best[name]:8,.0f} tok/s | {best[name]:7.2f} s | "
+            f"{best['reference'] / best[name]:5.2f}x reference | {best['no cache'] / best[name]:5.2f}x no cache | "
+            f"{same}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ it should grow like the shards or not at all (second launch, memory).
 Needs --real-files x --shard-tokens x 2 bytes of disk (2 GB by default) under --work-dir, removed
 at the end unless --keep. Timings on a shared machine are noisy: compare rows of one run.
 """
+
 import argparse
 import os
 import re
@@ -116,14 +117,37 @@ def proc_status_kb(pid: int, keys=("RssAnon", "RssFile")) -> dict[str, int]:
 def launch(trainer_root: Path, data: Path, out_dir: Path, cache: Path, mode: list[str], timeout: float) -> dict:
     """One trainer launch: seconds to its "step 0" line, peak RssAnon / RssFile (GiB) sampled from
     /proc, the peak memory it reports, and its start-up progress lines."""
-    cmd = [sys.executable, str(trainer_root / "train_gpt2.py"), "--model", "cpu", "--data-dir", str(data),
-           "--out-dir", str(out_dir), "--max-steps", "1", "--batch-size", "4", "--total-batch-size", "1024",
-           "--val-every", "0", "--hellaswag-every", "0", "--sample-every", "0", "--ckpt-every", "0",
-           "--device", "cpu", "--no-compile", *mode]
+    cmd = [
+        sys.executable,
+        str(trainer_root / "train_gpt2.py"),
+        "--model",
+        "cpu",
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out_dir),
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--total-batch-size",
+        "1024",
+        "--val-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        "--device",
+        "cpu",
+        "--no-compile",
+        *mode,
+    ]
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=trainer_root)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=trainer_root)
     peaks = {"RssAnon": 0, "RssFile": 0}
     done = threading.Event()
 
@@ -151,9 +175,14 @@ def launch(trainer_root: Path, data: Path, out_dir: Path, cache: Path, mode: lis
     sampler.join()
     if proc.returncode != 0:
         print("\n".join(lines[-15:]), file=sys.stderr)
-    return dict(first_step=first_step, rc=proc.returncode, anon=peaks["RssAnon"] / 2**20,
-                file=peaks["RssFile"] / 2**20, reported=reported or "-",
-                progress=[ln for ln in lines if re.search(r"\d+/\d+", ln) and "step" not in ln[:6]])
+    return dict(
+        first_step=first_step,
+        rc=proc.returncode,
+        anon=peaks["RssAnon"] / 2**20,
+        file=peaks["RssFile"] / 2**20,
+        reported=reported or "-",
+        progress=[ln for ln in lines if re.search(r"\d+/\d+", ln) and "step" not in ln[:6]],
+    )
 
 
 def ratio_cell(values: dict[int, float], sizes: list[int], grows_like_shards: bool) -> str:
@@ -168,9 +197,11 @@ def ratio_cell(values: dict[int, float], sizes: list[int], grows_like_shards: bo
 
 
 def bench_launches(args, folders) -> list[str]:
-    rows = [f"| mode | measure | {' | '.join(label(s) for s in args.sizes)} | "
-            f"{label(args.sizes[-1])}/{label(args.sizes[-2]) if len(args.sizes) > 1 else '-'} |",
-            "| --- | --- |" + " --- |" * (len(args.sizes) + 1)]
+    rows = [
+        f"| mode | measure | {' | '.join(label(s) for s in args.sizes)} | "
+        f"{label(args.sizes[-1])}/{label(args.sizes[-2]) if len(args.sizes) > 1 else '-'} |",
+        "| --- | --- |" + " --- |" * (len(args.sizes) + 1),
+    ]
     for mode in args.modes:
         results = {}
         for size in args.sizes:
@@ -181,10 +212,12 @@ def bench_launches(args, folders) -> list[str]:
                 r = launch(args.trainer_root, folders[size], out, cache, MODES[mode], args.timeout)
                 shutil.rmtree(out, ignore_errors=True)
                 runs.append(r)
-                print(f"  {mode:10s} {label(size):>5s} launch {launch_no}: step 0 at "
-                      f"{r['first_step'] if r['first_step'] is None else round(r['first_step'], 1)} s, "
-                      f"anon {r['anon']:.2f} GiB, file {r['file']:.2f} GiB, reported {r['reported']}, rc {r['rc']}",
-                      flush=True)
+                print(
+                    f"  {mode:10s} {label(size):>5s} launch {launch_no}: step 0 at "
+                    f"{r['first_step'] if r['first_step'] is None else round(r['first_step'], 1)} s, "
+                    f"anon {r['anon']:.2f} GiB, file {r['file']:.2f} GiB, reported {r['reported']}, rc {r['rc']}",
+                    flush=True,
+                )
                 for line in r["progress"][:3]:
                     print(f"      | {line[:150]}", flush=True)
             shutil.rmtree(cache, ignore_errors=True)
@@ -233,23 +266,33 @@ print(f"RESULT {params} {save:.2f} {load:.2f} {size}")
     rows = ["| shape | parameters | save s | load s | size GB | save s per 100M params |", "| --- |" + " --- |" * 5]
     for shape in args.ckpt_shapes:
         folder = Path(tempfile.mkdtemp(dir=args.work_dir, prefix="ckpt_"))
-        out = subprocess.run([sys.executable, "-c", code, str(args.trainer_root), repr(CKPT_SHAPES[shape]), str(folder)],
-                             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(args.trainer_root), repr(CKPT_SHAPES[shape]), str(folder)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         shutil.rmtree(folder, ignore_errors=True)
         m = re.search(r"RESULT (\d+) ([\d.]+) ([\d.]+) (\d+)", out.stdout)
         if not m:
             rows.append(f"| {shape} | failed: {(out.stderr.strip().splitlines() or ['?'])[-1][:100]} | | | | |")
             continue
         params, save, load, size = int(m[1]), float(m[2]), float(m[3]), int(m[4])
-        rows.append(f"| {shape} | {params / 1e6:.0f}M | {save:.1f} | {load:.1f} | {size / 1e9:.2f} | "
-                    f"{save / params * 1e8:.2f} |")
+        rows.append(
+            f"| {shape} | {params / 1e6:.0f}M | {save:.1f} | {load:.1f} | {size / 1e9:.2f} | "
+            f"{save / params * 1e8:.2f} |"
+        )
         print(f"  checkpoint {shape}: {rows[-1]}", flush=True)
     return rows
 
 
 def bench_script(args, script: str, script_args: list[str], env_extra=None) -> str:
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *script_args], capture_output=True,
-                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {})))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *script_args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {})),
+    )
     return (out.stdout + out.stderr).strip()
 
 
@@ -273,8 +316,11 @@ def main():
     args.ckpt_shapes = [s for s in args.ckpt_shapes.split(",") if s]
     skip = set(args.skip.split(","))
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    print(f"trainer: {args.trainer_root}; work dir {args.work_dir}; load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} cores (timings on a shared machine are noisy)", flush=True)
+    print(
+        f"trainer: {args.trainer_root}; work dir {args.work_dir}; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} cores (timings on a shared machine are noisy)",
+        flush=True,
+    )
     report = []
     try:
         if "launches" not in skip:
@@ -285,14 +331,24 @@ def main():
         if "ckpt" not in skip:
             report += ["", "checkpoints (weights + AdamW state, CPU):", *bench_checkpoints(args)]
         if "hellaswag" not in skip:
-            out = bench_script(args, "bench_hellaswag.py", ["--examples", str(args.hellaswag_examples),
-                                                             "--batch-sizes", "16", "--repeats", "1", "--threads", "1"])
+            out = bench_script(
+                args,
+                "bench_hellaswag.py",
+                ["--examples", str(args.hellaswag_examples), "--batch-sizes", "16", "--repeats", "1", "--threads", "1"],
+            )
             report += ["", "HellaSwag (bench_hellaswag.py, 4 x 128 model, 1 thread):", *out.splitlines()[-6:]]
         if "fineweb" not in skip:
-            out = bench_script(args, "bench_fineweb.py", ["--workers", "1", "--repeats", "1", "--corpus", "pages"],
-                               {"BENCH_MB": str(args.fineweb_mb)})
-            report += ["", f"fineweb.py, one worker, {args.fineweb_mb} MB of text (bench_fineweb.py):",
-                       *out.splitlines()[-8:]]
+            out = bench_script(
+                args,
+                "bench_fineweb.py",
+                ["--workers", "1", "--repeats", "1", "--corpus", "pages"],
+                {"BENCH_MB": str(args.fineweb_mb)},
+            )
+            report += [
+                "",
+                f"fineweb.py, one worker, {args.fineweb_mb} MB of text (bench_fineweb.py):",
+                *out.splitlines()[-8:],
+            ]
     finally:
         if not args.keep:
             shutil.rmtree(args.work_dir, ignore_errors=True)

@@ -9,6 +9,7 @@ the cost that counts is a cold read: the shard's pages are dropped from the page
 (posix_fadvise DONTNEED) before each cold round. The variants run interleaved, --rounds times;
 the best round counts.
 """
+
 import hashlib
 import os
 import sys
@@ -64,8 +65,10 @@ def main(argv=None):
         print(f"shard of {args.tokens:,} tokens ({size / 1e6:.0f} MB) in {args.dir}; best of {args.rounds}")
         for cache in ("cold", "warm"):
             full, sampled = best["full sha256", cache], best["sampled", cache]
-            print(f"{cache:>5}: full sha256 {full * 1e3:9.1f} ms   sampled {sampled * 1e3:7.2f} ms   "
-                  f"ratio {full / sampled:8.0f}x")
+            print(
+                f"{cache:>5}: full sha256 {full * 1e3:9.1f} ms   sampled {sampled * 1e3:7.2f} ms   "
+                f"ratio {full / sampled:8.0f}x"
+            )
     finally:
         os.remove(path)
 

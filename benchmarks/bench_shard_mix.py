@@ -15,6 +15,7 @@ jump at the steps where a new shard begins against its mean step-to-step change 
     python benchmarks/bench_shard_mix.py                   # 400 steps x 2,048 tokens, 2 seeds
     python benchmarks/bench_shard_mix.py --steps 100 --seeds 1
 """
+
 import argparse
 import glob
 import json
@@ -33,6 +34,7 @@ sys.path.insert(0, REPO)
 def make_corpora(root: str, shard_tokens: int) -> dict[str, str]:
     """Both layouts of the standard library's top-level *.py files, one document each."""
     from trainkit.tokenizer import get_tokenizer_or_fail
+
     enc = get_tokenizer_or_fail()
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
     docs = []
@@ -50,8 +52,23 @@ def make_corpora(root: str, shard_tokens: int) -> dict[str, str]:
         with open(os.path.join(root, f"{slug}.jsonl"), "w") as f:
             f.writelines(json.dumps({"text": doc}) + "\n" for doc in layout)
         dirs[name] = os.path.join(root, slug)
-        subprocess.run([sys.executable, "fineweb.py", "--files", f.name, "--shard-size", str(shard_tokens),
-                        "--prefix", "stdlib", "--out-dir", dirs[name]], cwd=REPO, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "fineweb.py",
+                "--files",
+                f.name,
+                "--shard-size",
+                str(shard_tokens),
+                "--prefix",
+                "stdlib",
+                "--out-dir",
+                dirs[name],
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
     return dirs
 
 
@@ -59,6 +76,7 @@ def shard_jump(out_dir: str, data_dir: str, seed: int, args) -> tuple[float, flo
     """Mean |training loss change| at the steps whose first row is in another shard than the step
     before's (the trainer's own row order says which), and at the other steps."""
     import train_gpt2
+
     rows = train_gpt2.TokenRows(data_dir, "train", args.seq_len, shuffle=True, seed=seed)
     rows_per_step = args.total_batch_size // args.seq_len
     with open(os.path.join(out_dir, "log.jsonl")) as f:
@@ -85,12 +103,16 @@ def main(argv=None) -> int:
             for seed in args.seeds:
                 out = os.path.join(tmp, f"{name.replace(' ', '_')}_{seed}")
                 run_args = argparse.Namespace(**{**vars(args), "data_dir": data_dir})
-                runs[(name, seed)] = (out, pool.submit(train, run_args, out, "", args.steps, "adamw", args.lr, seed,
-                                                       args.lr))
+                runs[(name, seed)] = (
+                    out,
+                    pool.submit(train, run_args, out, "", args.steps, "adamw", args.lr, seed, args.lr),
+                )
         curves = {key: future.result() for key, (_, future) in runs.items()}
         jumps = {(name, seed): shard_jump(out, dirs[name], seed, args) for (name, seed), (out, _) in runs.items()}
-    print(f"--model cpu | {args.steps} steps x {args.total_batch_size} tokens | T={args.seq_len} | lr {args.lr:g} | "
-          f"seeds {args.seeds} | 256K-token shards {args.train_args}")
+    print(
+        f"--model cpu | {args.steps} steps x {args.total_batch_size} tokens | T={args.seq_len} | lr {args.lr:g} | "
+        f"seeds {args.seeds} | 256K-token shards {args.train_args}"
+    )
     mean = {name: mean_curve([curves[(name, seed)] for seed in args.seeds]) for name in dirs}
     print(f"  {'tokens':>9s} | " + " | ".join(f"{name + ' val loss (bpb)':>26s}" for name in dirs))
     for i, (t, *_) in enumerate(mean["in order"]):

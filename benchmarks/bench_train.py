@@ -20,6 +20,7 @@ FLOP/s (6 per parameter per token plus attention) as a share of this machine's f
 "ours" is the trainer's own step (train_gpt2.accumulate_gradients + Prefetcher + fused AdamW +
 chunked loss), the same code path `python train_gpt2.py` runs.
 """
+
 import argparse
 import json
 import os
@@ -39,6 +40,7 @@ VARIANTS = ["reference", "+fused", "+chunked", "+prefetch", "+compile"]
 
 def peak_memory_mb(device):
     import torch
+
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -68,14 +70,21 @@ def run_variant(variant, args):
     else:
         decay = [p for p in model.parameters() if p.dim() >= 2]
         other = [p for p in model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=other, weight_decay=0.0)],
-                                      lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=False)
+        optimizer = torch.optim.AdamW(
+            [dict(params=decay, weight_decay=0.1), dict(params=other, weight_decay=0.0)],
+            lr=6e-4,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=False,
+        )
     chunked = level >= VARIANTS.index("+chunked") and (device_type == "cpu" or args.chunk_on_cuda)
     loss_chunk = args.loss_chunk if chunked else 0
     train_model = model
     if level >= VARIANTS.index("+compile"):
         train_model = tg.compile_model(model)  # the trainer's compile (the chunked loss eager)
-    prefetcher = tg.Prefetcher(loader, pin_memory=device_type == "cuda") if level >= VARIANTS.index("+prefetch") else None
+    prefetcher = (
+        tg.Prefetcher(loader, pin_memory=device_type == "cuda") if level >= VARIANTS.index("+prefetch") else None
+    )
 
     def step(s):
         if level < VARIANTS.index("+chunked"):
@@ -89,8 +98,11 @@ def run_variant(variant, args):
                 loss_accum += loss.detach()
                 loss.backward()
         else:
-            batches, n_tokens = prefetcher.get(s) if prefetcher else \
-                ([loader.micro_batch(s, m) for m in range(args.accum)], loader.step_tokens(s))
+            batches, n_tokens = (
+                prefetcher.get(s)
+                if prefetcher
+                else ([loader.micro_batch(s, m) for m in range(args.accum)], loader.step_tokens(s))
+            )
             loss_accum = tg.accumulate_gradients(train_model, batches, n_tokens, 1, device, dtype, loss_chunk)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -113,14 +125,21 @@ def run_variant(variant, args):
         prefetcher.close()
     tokens = args.batch_size * args.seq_len * args.accum
     dt = float(np.median(times))
-    return dict(tok_per_s=tokens / dt, step_ms=1000 * dt, peak_mb=peak_memory_mb(device), model_mb=rss_model,
-                compile_s=compile_s, flops_per_token=tg.flops_per_token(cfg, args.seq_len, model.num_params()))
+    return dict(
+        tok_per_s=tokens / dt,
+        step_ms=1000 * dt,
+        peak_mb=peak_memory_mb(device),
+        model_mb=rss_model,
+        compile_s=compile_s,
+        flops_per_token=tg.flops_per_token(cfg, args.seq_len, model.num_params()),
+    )
 
 
 def sgemm_flops(n=2048, repeats=5):
     """FLOP/s of this machine's fp32 matmul (n x n by n x n, best of repeats), in this process's threads:
     the ceiling a CPU step's model FLOP/s is measured against."""
     import torch
+
     a, b = torch.randn(n, n), torch.randn(n, n)
     best = float("inf")
     for _ in range(repeats):
@@ -136,13 +155,17 @@ def bench_loader(args):
     results = []
     for n_tokens in (10_000_000, 100_000_000):
         with tempfile.TemporaryDirectory() as d:
-            np.save(os.path.join(d, "x_train_000000.npy"),
-                    np.random.default_rng(0).integers(0, 50257, n_tokens, dtype=np.uint16))
+            np.save(
+                os.path.join(d, "x_train_000000.npy"),
+                np.random.default_rng(0).integers(0, 50257, n_tokens, dtype=np.uint16),
+            )
             out = subprocess.run([sys.executable, __file__, "--loader-worker", d], capture_output=True, text=True)
             results.append(dict(shard_tokens=n_tokens, **json.loads(out.stdout.splitlines()[-1])))
     for r in results:
-        print(f"shard {r['shard_tokens'] / 1e6:5.0f}M tokens | {r['rows_per_s']:10,.0f} rows/s (shuffled, B=64, "
-              f"T=1024) | RSS: anonymous {r['anon_mb']:.0f} MB, mapped shard pages {r['file_mb']:.0f} MB")
+        print(
+            f"shard {r['shard_tokens'] / 1e6:5.0f}M tokens | {r['rows_per_s']:10,.0f} rows/s (shuffled, B=64, "
+            f"T=1024) | RSS: anonymous {r['anon_mb']:.0f} MB, mapped shard pages {r['file_mb']:.0f} MB"
+        )
 
 
 def bench_eval(args):
@@ -151,13 +174,17 @@ def bench_eval(args):
     import torch
     from trainkit import chunked_loss
     import train_gpt2 as tg
+
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])
     model = tg.GPT(cfg).to(args.device).eval()
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     grad_work = chunked_loss.ChunkedLinearCrossEntropy.apply  # the gradient path, whatever the grad mode
-    variants = dict(full=(0, chunked_loss.chunked_lm_loss), chunked=(args.loss_chunk, chunked_loss.chunked_lm_loss),
-                    chunked_grad_work=(args.loss_chunk, grad_work))
+    variants = dict(
+        full=(0, chunked_loss.chunked_lm_loss),
+        chunked=(args.loss_chunk, chunked_loss.chunked_lm_loss),
+        chunked_grad_work=(args.loss_chunk, grad_work),
+    )
     best, losses = {}, {}
     with torch.no_grad():
         for _ in range(args.rounds):
@@ -167,8 +194,10 @@ def bench_eval(args):
                 _, loss = model(x, x, reduction="sum", loss_chunk=chunk)
                 losses[name] = loss.item()
                 best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
-    print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} | no_grad forward "
-          f"+ loss, best of {args.rounds} | chunk {args.loss_chunk} rows")
+    print(
+        f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} | no_grad forward "
+        f"+ loss, best of {args.rounds} | chunk {args.loss_chunk} rows"
+    )
     for name, dt in best.items():
         print(f"{name:18s} | {1000 * dt:8.1f} ms | {best['full'] / dt:.2f}x full logits | loss {losses[name]:.6f}")
 
@@ -179,6 +208,7 @@ def bench_lm_head(args):
     interleaved rounds, the best of each."""
     import torch
     import train_gpt2 as tg
+
     torch.manual_seed(0)
     C = tg.MODEL_PRESETS[args.model]["n_embd"]
     weight, h = torch.randn(50304, C) * 0.02, torch.randn(args.loss_chunk, C)
@@ -193,8 +223,10 @@ def bench_lm_head(args):
                 logits @ w
                 gw.addmm_(logits.t(), h)
                 best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
-    print(f"lm_head of one {args.loss_chunk}-row chunk, n_embd {C} ({args.model}), {torch.get_num_threads()} threads, "
-          f"best of {args.rounds} rounds x 5 | load {os.getloadavg()[0]:.1f}")
+    print(
+        f"lm_head of one {args.loss_chunk}-row chunk, n_embd {C} ({args.model}), {torch.get_num_threads()} threads, "
+        f"best of {args.rounds} rounds x 5 | load {os.getloadavg()[0]:.1f}"
+    )
     padded = best["50304 rows (padded)"]
     for name, dt in best.items():
         print(f"{name:20s} | {1000 * dt:7.2f} ms | {dt / padded:.3f}x the padded shape's time")
@@ -202,6 +234,7 @@ def bench_lm_head(args):
 
 def loader_worker(data_dir):
     import train_gpt2 as tg
+
     rows = tg.TokenRows(data_dir, "train", 1024, shuffle=True, seed=0)
     t = time.perf_counter()
     n = 0
@@ -227,10 +260,18 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every variant; best counts")
     p.add_argument("--variants", default=",".join(VARIANTS + ["ours"]), help="comma-separated subset")
     p.add_argument("--chunk-on-cuda", action="store_true", help="also use the chunked loss on CUDA")
-    p.add_argument("--loss-chunk", type=int, default=None,
-                   help="rows per chunk of the chunked loss (default: the trainer's CPU default)")
-    p.add_argument("--compile-ours", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile in 'ours' (default: as the trainer does, on CUDA only)")
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=None,
+        help="rows per chunk of the chunked loss (default: the trainer's CPU default)",
+    )
+    p.add_argument(
+        "--compile-ours",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile in 'ours' (default: as the trainer does, on CUDA only)",
+    )
     p.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
     p.add_argument("--eval", action="store_true", help="benchmark validation's no_grad loss instead")
     p.add_argument("--lm-head", action="store_true", help="benchmark one loss chunk's lm_head matmuls instead")
@@ -243,6 +284,7 @@ def main():
     if args.loader:
         return bench_loader(args)
     import torch
+
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device.startswith("cuda")
     args.model = args.model or ("gpt2" if cuda else "cpu")
@@ -252,6 +294,7 @@ def main():
         args.compile_ours = cuda
     if args.loss_chunk is None:
         import train_gpt2
+
         args.loss_chunk = train_gpt2.CPU_LOSS_CHUNK
     if args.worker:
         print(json.dumps(run_variant(args.worker, args)))
@@ -262,10 +305,14 @@ def main():
         return bench_lm_head(args)
     with tempfile.TemporaryDirectory() as data_dir:
         tokens = args.batch_size * args.seq_len * args.accum * (args.warmup + args.steps + 2)
-        np.save(os.path.join(data_dir, "bench_train_000000.npy"),
-                np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16))
-        print(f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} "
-              f"accum={args.accum} | {torch.get_num_threads()} threads | median of {args.steps} steps")
+        np.save(
+            os.path.join(data_dir, "bench_train_000000.npy"),
+            np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16),
+        )
+        print(
+            f"device {args.device} | model {args.model} | B={args.batch_size} T={args.seq_len} "
+            f"accum={args.accum} | {torch.get_num_threads()} threads | median of {args.steps} steps"
+        )
         best, sgemm = {}, 0.0
         for _ in range(args.rounds):  # interleaved rounds, best of each: load from elsewhere hits all alike
             sgemm = max(sgemm, sgemm_flops()) if not cuda else sgemm
@@ -278,19 +325,45 @@ def main():
             extra = f" | compile {r['compile_s']:.1f}s" if r["compile_s"] else ""
             if sgemm:  # model FLOPs (6 per parameter per token + attention) per second, against the matmul's
                 extra += f" | {100 * r['flops_per_token'] * r['tok_per_s'] / sgemm:.0f}% of sgemm"
-            print(f"{variant:10s} | {r['tok_per_s']:10,.0f} tok/s ({r['tok_per_s'] / ref['tok_per_s']:.2f}x) | "
-                  f"step {r['step_ms']:8.1f} ms | peak mem {r['peak_mb']:7.0f} MB ({r['peak_mb'] / ref['peak_mb']:.2f}x, "
-                  f"above model {r['peak_mb'] - r['model_mb']:6.0f} MB){extra}", flush=True)
+            print(
+                f"{variant:10s} | {r['tok_per_s']:10,.0f} tok/s ({r['tok_per_s'] / ref['tok_per_s']:.2f}x) | "
+                f"step {r['step_ms']:8.1f} ms | peak mem {r['peak_mb']:7.0f} MB ({r['peak_mb'] / ref['peak_mb']:.2f}x, "
+                f"above model {r['peak_mb'] - r['model_mb']:6.0f} MB){extra}",
+                flush=True,
+            )
         if sgemm:
-            print(f"sgemm (fp32 2048^3 matmul, best of {5 * args.rounds}): {sgemm / 1e9:.1f} GFLOP/s | load "
-                  f"{os.getloadavg()[0]:.1f}")
+            print(
+                f"sgemm (fp32 2048^3 matmul, best of {5 * args.rounds}): {sgemm / 1e9:.1f} GFLOP/s | load "
+                f"{os.getloadavg()[0]:.1f}"
+            )
 
 
 def run_worker(variant, data_dir, args):
-    cmd = [sys.executable, __file__, "--worker", variant, "--data-dir", data_dir, "--device", args.device,
-           "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--accum", str(args.accum), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--loss-chunk", str(args.loss_chunk), "--compile-ours" if args.compile_ours else "--no-compile-ours"]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--data-dir",
+        data_dir,
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--accum",
+        str(args.accum),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--loss-chunk",
+        str(args.loss_chunk),
+        "--compile-ours" if args.compile_ours else "--no-compile-ours",
+    ]
     if args.chunk_on_cuda:
         cmd.append("--chunk-on-cuda")
     out = subprocess.run(cmd, capture_output=True, text=True)

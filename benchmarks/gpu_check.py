@@ -44,6 +44,7 @@ tolerance, 2 if a package the check needs is missing (said in the first line).
 Without CUDA it runs a CPU subset with a 2-layer model (the same order, groups 1-4 and 7, eager),
 which the tests run, so it keeps working.
 """
+
 import datetime
 import importlib
 import json
@@ -67,66 +68,130 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}  # relative, ov
 GRACE_S = 20  # a variant still running at the budget + this is stopped
 MUON = ["--optimizer", "muon"]
 DOC_MASK = ["--doc-mask"]
-GROUPS = {1: "the default path", 2: "Muon against AdamW", 3: "--doc-mask (FlexAttention)", 4: "fp16 + GradScaler",
-          5: "out of memory mid-run", 6: "per-block compile vs the whole graph", 7: "the rest of the matrix"}
+GROUPS = {
+    1: "the default path",
+    2: "Muon against AdamW",
+    3: "--doc-mask (FlexAttention)",
+    4: "fp16 + GradScaler",
+    5: "out of memory mid-run",
+    6: "per-block compile vs the whole graph",
+    7: "the rest of the matrix",
+}
 
 
 def train(group, name, est_s, dtype="bfloat16", compile=True, chunk=0, nproc=1, extra=(), **more) -> dict:
     """One trainer variant. dtype/compile/chunk None: the trainer's default (not passed). batch: "auto",
     or None for --batch-size; total: None for one micro-step of each rank, "recipe" for the trainer's default."""
-    return dict(kind="train", group=group, name=name, est_s=est_s, dtype=dtype, compile=compile, chunk=chunk,
-                nproc=nproc, extra=list(extra), **more)
+    return dict(
+        kind="train",
+        group=group,
+        name=name,
+        est_s=est_s,
+        dtype=dtype,
+        compile=compile,
+        chunk=chunk,
+        nproc=nproc,
+        extra=list(extra),
+        **more,
+    )
 
 
 def plan(cuda: bool, n_gpus: int, compile_on_cpu: bool = False) -> list[dict]:
     """The variants in the order they run. est_s: estimated seconds on one H100 from a cold inductor
     cache, a first reference included (docs/performance.md: how they were estimated)."""
     if not cuda:  # eager, a 2-layer model; the default path's step is the others' (one reference for both)
-        out = [train(1, "default path: --batch-size auto (CPU: bf16, eager)", 10, batch="auto", compile=False,
-                     chunk=64, baseline=True),
-               train(2, "--optimizer muon", 10, compile=False, chunk=64, extra=MUON),
-               train(3, "--doc-mask", 10, compile=False, extra=DOC_MASK),
-               train(4, "fp16 + GradScaler", 10, dtype="float16", compile=False),
-               train(7, "fp32 --activation-checkpointing", 10, dtype="float32", compile=False, chunk=64,
-                     extra=["--activation-checkpointing"])]
+        out = [
+            train(
+                1,
+                "default path: --batch-size auto (CPU: bf16, eager)",
+                10,
+                batch="auto",
+                compile=False,
+                chunk=64,
+                baseline=True,
+            ),
+            train(2, "--optimizer muon", 10, compile=False, chunk=64, extra=MUON),
+            train(3, "--doc-mask", 10, compile=False, extra=DOC_MASK),
+            train(4, "fp16 + GradScaler", 10, dtype="float16", compile=False),
+            train(
+                7,
+                "fp32 --activation-checkpointing",
+                10,
+                dtype="float32",
+                compile=False,
+                chunk=64,
+                extra=["--activation-checkpointing"],
+            ),
+        ]
         if compile_on_cpu:
             out.append(train(7, "fp32 compiled", 60, dtype="float32", chunk=64))
         return out
-    out = [train(1, "default path: --model gpt2, 524,288 tok/step", 150, dtype=None, compile=None, chunk=None,
-                 total="recipe", batch="auto", steps="recipe"),
-           train(2, "AdamW bf16 compiled (the yardstick)", 40, baseline=True),
-           train(2, "--optimizer muon bf16 compiled", 35, extra=MUON),
-           train(3, "--doc-mask FlexAttention compiled", 70, extra=DOC_MASK),
-           train(4, "fp16 + GradScaler eager", 15, dtype="float16", compile=False),
-           train(5, "out of memory before step 2 (bf16 compiled)", 50, squeeze=["--squeeze", "2:60%"]),
-           dict(kind="bench_compile", group=6, name="bench_compile.py: blocks vs graph vs eager", est_s=110),
-           train(7, "bf16 eager", 15, compile=False),
-           train(7, "--doc-mask SDPA compiled", 45, extra=DOC_MASK, env={"DOC_MASK_KERNEL": "sdpa"}),
-           train(7, "bf16 compiled, chunked loss", 40, chunk=8192),
-           train(7, "--optimizer muon fp16 eager", 20, dtype="float16", compile=False, extra=MUON),
-           train(7, "--batch-size auto on 24 GiB of the GPU", 90, dtype=None, compile=None, chunk=None,
-                 total="recipe", batch="auto", steps=1, squeeze=["--squeeze", f"{24 * 1024}MiB"]),
-           train(7, "fp16 compiled", 40, dtype="float16"),
-           train(7, "--doc-mask SDPA eager", 20, compile=False, extra=DOC_MASK),
-           train(7, "bf16 eager, chunked loss", 15, compile=False, chunk=8192),
-           train(7, "fp16 eager, chunked loss", 15, dtype="float16", compile=False, chunk=8192),
-           train(7, "fp16 compiled, chunked loss", 40, dtype="float16", chunk=8192)]
+    out = [
+        train(
+            1,
+            "default path: --model gpt2, 524,288 tok/step",
+            150,
+            dtype=None,
+            compile=None,
+            chunk=None,
+            total="recipe",
+            batch="auto",
+            steps="recipe",
+        ),
+        train(2, "AdamW bf16 compiled (the yardstick)", 40, baseline=True),
+        train(2, "--optimizer muon bf16 compiled", 35, extra=MUON),
+        train(3, "--doc-mask FlexAttention compiled", 70, extra=DOC_MASK),
+        train(4, "fp16 + GradScaler eager", 15, dtype="float16", compile=False),
+        train(5, "out of memory before step 2 (bf16 compiled)", 50, squeeze=["--squeeze", "2:60%"]),
+        dict(kind="bench_compile", group=6, name="bench_compile.py: blocks vs graph vs eager", est_s=110),
+        train(7, "bf16 eager", 15, compile=False),
+        train(7, "--doc-mask SDPA compiled", 45, extra=DOC_MASK, env={"DOC_MASK_KERNEL": "sdpa"}),
+        train(7, "bf16 compiled, chunked loss", 40, chunk=8192),
+        train(7, "--optimizer muon fp16 eager", 20, dtype="float16", compile=False, extra=MUON),
+        train(
+            7,
+            "--batch-size auto on 24 GiB of the GPU",
+            90,
+            dtype=None,
+            compile=None,
+            chunk=None,
+            total="recipe",
+            batch="auto",
+            steps=1,
+            squeeze=["--squeeze", f"{24 * 1024}MiB"],
+        ),
+        train(7, "fp16 compiled", 40, dtype="float16"),
+        train(7, "--doc-mask SDPA eager", 20, compile=False, extra=DOC_MASK),
+        train(7, "bf16 eager, chunked loss", 15, compile=False, chunk=8192),
+        train(7, "fp16 eager, chunked loss", 15, dtype="float16", compile=False, chunk=8192),
+        train(7, "fp16 compiled, chunked loss", 40, dtype="float16", chunk=8192),
+    ]
     if n_gpus > 1:
-        out += [train(7, f"bf16 compiled, torchrun x{n_gpus}", 60, nproc=n_gpus),
-                train(7, f"fp16 compiled, torchrun x{n_gpus}", 60, dtype="float16", nproc=n_gpus),
-                train(7, f"--fsdp bf16 compiled, torchrun x{n_gpus}", 60, nproc=n_gpus, extra=["--fsdp"]),
-                train(7, f"--optimizer muon bf16 compiled, torchrun x{n_gpus}", 60, nproc=n_gpus, extra=MUON)]
+        out += [
+            train(7, f"bf16 compiled, torchrun x{n_gpus}", 60, nproc=n_gpus),
+            train(7, f"fp16 compiled, torchrun x{n_gpus}", 60, dtype="float16", nproc=n_gpus),
+            train(7, f"--fsdp bf16 compiled, torchrun x{n_gpus}", 60, nproc=n_gpus, extra=["--fsdp"]),
+            train(7, f"--optimizer muon bf16 compiled, torchrun x{n_gpus}", 60, nproc=n_gpus, extra=MUON),
+        ]
     return out
 
 
 # --- running a command within the budget -----------------------------------------------------------
 
+
 def run_command(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
     """(exit code, or None if stopped at the timeout; stdout; stderr). The command runs in its own
     process group, which is killed whole (torchrun's workers, bench_compile's) at the timeout or if
     this process is interrupted: nothing is left holding the GPU."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -166,6 +231,7 @@ class Budget:
 
 # --- one trainer variant -----------------------------------------------------------------------------
 
+
 def train_command(v: dict, args, data_dir: str, out_dir: str, B: int, ref: bool = False) -> list[str]:
     """The variant's command; ref: its eager fp32 reference (B/4 rows x 4 micro-steps per rank: the same rows)."""
     launcher = [sys.executable]
@@ -173,16 +239,42 @@ def train_command(v: dict, args, data_dir: str, out_dir: str, B: int, ref: bool 
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={v['nproc']}"]
     # squeeze_memory.py runs the trainer in its process and takes the GPU's free memory away before a step
     script = ["benchmarks/squeeze_memory.py", *v["squeeze"], "--"] if "squeeze" in v and not ref else ["train_gpt2.py"]
-    cmd = [*launcher, *script, "--data-dir", data_dir, "--out-dir", out_dir, *args.model_flags,
-           "--max-steps", str(steps_of(v, args)), "--warmup-steps", "2", "--val-every", "0", "--sample-every", "0",
-           "--hellaswag-every", "0", "--ckpt-every", "0"]
+    cmd = [
+        *launcher,
+        *script,
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        out_dir,
+        *args.model_flags,
+        "--max-steps",
+        str(steps_of(v, args)),
+        "--warmup-steps",
+        "2",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--ckpt-every",
+        "0",
+    ]
     rows = RECIPE_TOKENS // args.seq_len if v.get("total") == "recipe" else B * v["nproc"]
     if v.get("total") != "recipe":
         cmd += ["--total-batch-size", str(rows * args.seq_len)]
     if ref:
         ref_rows = max(1, B // 4)
-        return cmd + ["--batch-size", str(ref_rows if rows % ref_rows == 0 else 1), "--dtype", "float32",
-                      "--no-compile", "--loss-chunk", "0", *loss_flags(v)]
+        return cmd + [
+            "--batch-size",
+            str(ref_rows if rows % ref_rows == 0 else 1),
+            "--dtype",
+            "float32",
+            "--no-compile",
+            "--loss-chunk",
+            "0",
+            *loss_flags(v),
+        ]
     if v.get("batch") != "auto" or not args.cuda:  # (auto is the default on CUDA only)
         cmd += ["--batch-size", str(B) if v.get("batch") != "auto" else "auto"]
     cmd += ["--dtype", v["dtype"]] if v["dtype"] else []
@@ -214,15 +306,20 @@ def parse_run(stdout: str, out_dir: str, compiled: bool) -> dict:
     header = re.search(r"dtype (\w+) \| compile (\w+)", stdout)
     mfu = [r["mfu"] for r in later if "mfu" in r]
     sizes = [r for r in logged if r.get("event") == "batch_size"]  # auto's choice, an out-of-memory's
-    return dict(losses=[r["loss"] for r in records], tok_per_s=statistics.mean(r["tok_per_s"] for r in later),
-                tok_per_s_per_gpu=statistics.mean(r["tok_per_s_per_gpu"] for r in later),
-                step_ms=1000 * statistics.mean(dts), mfu=statistics.mean(mfu) if mfu else None,
-                memory=re.search(r"peak memory ([\d.]+ GiB \w+)", summary).group(1),
-                compile_s=records[0]["dt_ms"] / 1000 - statistics.median(dts) if compiled and len(records) > 1 else None,
-                search_s=next((r["search_s"] for r in sizes if "search_s" in r), None),
-                sizes=[r["batch_size"] for r in sizes], dtype=header.group(1) if header else None,
-                compiled=header.group(2) == "True" if header else compiled,
-                auto_line=next((line for line in stdout.splitlines() if line.startswith("--batch-size auto")), None))
+    return dict(
+        losses=[r["loss"] for r in records],
+        tok_per_s=statistics.mean(r["tok_per_s"] for r in later),
+        tok_per_s_per_gpu=statistics.mean(r["tok_per_s_per_gpu"] for r in later),
+        step_ms=1000 * statistics.mean(dts),
+        mfu=statistics.mean(mfu) if mfu else None,
+        memory=re.search(r"peak memory ([\d.]+ GiB \w+)", summary).group(1),
+        compile_s=records[0]["dt_ms"] / 1000 - statistics.median(dts) if compiled and len(records) > 1 else None,
+        search_s=next((r["search_s"] for r in sizes if "search_s" in r), None),
+        sizes=[r["batch_size"] for r in sizes],
+        dtype=header.group(1) if header else None,
+        compiled=header.group(2) == "True" if header else compiled,
+        auto_line=next((line for line in stdout.splitlines() if line.startswith("--batch-size auto")), None),
+    )
 
 
 def read_run(returncode: int | None, stdout: str, stderr: str, out_dir: str, compiled: bool) -> dict:
@@ -239,7 +336,9 @@ def first_error(returncode, stderr: str) -> str:
     if returncode is None:
         return "stopped at the time limit"
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    return next((line for line in lines if line.startswith("error:")), lines[-1] if lines else f"exit code {returncode}")
+    return next(
+        (line for line in lines if line.startswith("error:")), lines[-1] if lines else f"exit code {returncode}"
+    )
 
 
 class Check:
@@ -250,15 +349,20 @@ class Check:
         self.data_dir = os.path.join(tmp, "data")
         self.refs, self.rows, self.B = {}, [], args.batch_size
         self.budget = Budget(args.budget_s)
-        self.env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-                    "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}  # one cache, empty at the start, for every variant
+        self.env = {
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        }  # one cache, empty at the start, for every variant
         self.report = Report(args.report, self.describe(cuda, n_gpus))
         self.log_index = 0
 
     def describe(self, cuda: bool, n_gpus: int) -> dict:
         import torch
+
         try:
             import triton
+
             triton_version = triton.__version__
         except ImportError:
             triton_version = None
@@ -266,18 +370,29 @@ class Check:
             smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout if cuda else ""
         except OSError as e:
             smi = f"nvidia-smi: {e}"
-        return dict(device=f"{torch.cuda.get_device_name()} x{n_gpus}" if cuda else "CPU (no CUDA)",
-                    versions=dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda,
-                                  triton=triton_version, cudnn=torch.backends.cudnn.version() if cuda else None),
-                    nvidia_smi=smi, budget_s=self.args.budget_s, command=shlex.join([sys.executable, *sys.argv]),
-                    started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        return dict(
+            device=f"{torch.cuda.get_device_name()} x{n_gpus}" if cuda else "CPU (no CUDA)",
+            versions=dict(
+                python=sys.version.split()[0],
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+                triton=triton_version,
+                cudnn=torch.backends.cudnn.version() if cuda else None,
+            ),
+            nvidia_smi=smi,
+            budget_s=self.args.budget_s,
+            command=shlex.join([sys.executable, *sys.argv]),
+            started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
 
     def run_logged(self, name: str, cmd: list[str], env: dict) -> tuple[int | None, str, str]:
         """run_command, its output kept under the report's logs/."""
         returncode, out, err = run_command(cmd, {**self.env, **env}, self.budget.timeout())
         self.log_index += 1
-        self.report.keep_log(f"{self.log_index:02d}_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}.log",
-                             f"$ {shlex.join(cmd)}\n# exit code {returncode}\n{out}\n# stderr\n{err}")
+        self.report.keep_log(
+            f"{self.log_index:02d}_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}.log",
+            f"$ {shlex.join(cmd)}\n# exit code {returncode}\n{out}\n# stderr\n{err}",
+        )
         return returncode, out, err
 
     def reference(self, v: dict, B: int) -> tuple[dict, list[str]]:
@@ -287,8 +402,10 @@ class Check:
         if key not in self.refs:
             out_dir = os.path.join(self.tmp, "ref_" + "_".join(map(str, key)).replace("-", ""))
             cmd = train_command(v, self.args, self.data_dir, out_dir, B, ref=True)
-            self.refs[key] = (read_run(*self.run_logged("reference " + " ".join(map(str, key)), cmd, {}), out_dir,
-                                       False), cmd)
+            self.refs[key] = (
+                read_run(*self.run_logged("reference " + " ".join(map(str, key)), cmd, {}), out_dir, False),
+                cmd,
+            )
         return self.refs[key]
 
     def run_train(self, v: dict, index: int) -> dict:
@@ -308,11 +425,24 @@ class Check:
         steps = steps_of(v, self.args)  # (a reference may run more steps than the variant: the same rows first)
         ok = drift <= TOLERANCE[dtype] and len(r["losses"]) == steps <= len(ref["losses"])
         trained_at = ([] if v.get("batch") == "auto" else [B]) + r["sizes"]
-        row.update(status="ok" if ok else "DRIFT", drift=drift, tolerance=TOLERANCE[dtype], dtype=dtype,
-                   compiled=r["compiled"], tok_per_s=r["tok_per_s"], tok_per_s_per_gpu=r["tok_per_s_per_gpu"],
-                   mfu=r["mfu"], memory=r["memory"], compile_s=r["compile_s"], search_s=r["search_s"],
-                   step_ms=r["step_ms"], micro_batch="->".join(map(str, trained_at)), losses=r["losses"],
-                   ref_losses=ref["losses"], notes=[r["auto_line"]] if r["auto_line"] else [])
+        row.update(
+            status="ok" if ok else "DRIFT",
+            drift=drift,
+            tolerance=TOLERANCE[dtype],
+            dtype=dtype,
+            compiled=r["compiled"],
+            tok_per_s=r["tok_per_s"],
+            tok_per_s_per_gpu=r["tok_per_s_per_gpu"],
+            mfu=r["mfu"],
+            memory=r["memory"],
+            compile_s=r["compile_s"],
+            search_s=r["search_s"],
+            step_ms=r["step_ms"],
+            micro_batch="->".join(map(str, trained_at)),
+            losses=r["losses"],
+            ref_losses=ref["losses"],
+            notes=[r["auto_line"]] if r["auto_line"] else [],
+        )
         if "squeeze" in v and v.get("batch") != "auto" and len(trained_at) < 2:
             row.update(status="FAILED", error="no out-of-memory happened")
         if v.get("steps") == "recipe" and r["sizes"] and not self.args.batch_size_given:
@@ -321,19 +451,44 @@ class Check:
 
     def run_bench_compile(self, v: dict) -> list[dict]:
         path = os.path.join(self.tmp, "bench_compile.json")
-        cmd = [sys.executable, "benchmarks/bench_compile.py", "--rounds", "1", "--steps", str(self.args.steps),
-               "--json", path]
+        cmd = [
+            sys.executable,
+            "benchmarks/bench_compile.py",
+            "--rounds",
+            "1",
+            "--steps",
+            str(self.args.steps),
+            "--json",
+            path,
+        ]
         returncode, out, err = self.run_logged(v["name"], cmd, {})
         if returncode != 0:
-            return [dict(group=6, name=v["name"], commands=[shlex.join(cmd)], status="FAILED",
-                         error=first_error(returncode, err))]
+            return [
+                dict(
+                    group=6,
+                    name=v["name"],
+                    commands=[shlex.join(cmd)],
+                    status="FAILED",
+                    error=first_error(returncode, err),
+                )
+            ]
         with open(path) as f:
             best = json.load(f)
-        return [dict(group=6, name=f"bench_compile.py {variant} (B=16, empty cache)", commands=[shlex.join(cmd)],
-                     status="ok" if b["drift"] <= TOLERANCE["bfloat16"] else "DRIFT", drift=b["drift"],
-                     tolerance=TOLERANCE["bfloat16"], tok_per_s=b["tok_per_s"], tok_per_s_per_gpu=b["tok_per_s"],
-                     compile_s=b["compile_s"] if variant != "eager" else None,
-                     notes=[f"first step {b['first_s']:.1f} s"]) for variant, b in best.items()]
+        return [
+            dict(
+                group=6,
+                name=f"bench_compile.py {variant} (B=16, empty cache)",
+                commands=[shlex.join(cmd)],
+                status="ok" if b["drift"] <= TOLERANCE["bfloat16"] else "DRIFT",
+                drift=b["drift"],
+                tolerance=TOLERANCE["bfloat16"],
+                tok_per_s=b["tok_per_s"],
+                tok_per_s_per_gpu=b["tok_per_s"],
+                compile_s=b["compile_s"] if variant != "eager" else None,
+                notes=[f"first step {b['first_s']:.1f} s"],
+            )
+            for variant, b in best.items()
+        ]
 
     def run(self, matrix: list[dict]) -> bool:
         """Every variant the budget allows, in order; the report after each. True if all that ran are ok."""
@@ -342,11 +497,16 @@ class Check:
             if not self.budget.allows(v["est_s"]):
                 skipped = matrix[i:]
                 groups = ",".join(sorted({str(s["group"]) for s in skipped}, key=int))
-                print(f"budget: {self.budget.elapsed():.0f} of {self.args.budget_s:.0f} s used; not started "
-                      f"({len(skipped)}): " + "; ".join(s["name"] for s in skipped), flush=True)
+                print(
+                    f"budget: {self.budget.elapsed():.0f} of {self.args.budget_s:.0f} s used; not started "
+                    f"({len(skipped)}): " + "; ".join(s["name"] for s in skipped),
+                    flush=True,
+                )
                 print(f"  run them on another lease: python benchmarks/gpu_check.py --groups {groups}", flush=True)
-                self.report.update(skipped=[s["name"] for s in skipped], skipped_command=
-                                   f"python benchmarks/gpu_check.py --groups {groups}")
+                self.report.update(
+                    skipped=[s["name"] for s in skipped],
+                    skipped_command=f"python benchmarks/gpu_check.py --groups {groups}",
+                )
                 break
             self.report.update(running=v["name"])
             t = time.monotonic()
@@ -358,11 +518,14 @@ class Check:
                 print_row(row)
                 self.rows.append(row)
             add_ratios(self.rows, matrix)
-            self.report.update(rows=self.rows, skipped=[s["name"] for s in matrix[i + 1:]],
-                               elapsed_s=round(self.budget.elapsed(), 1))
+            self.report.update(
+                rows=self.rows, skipped=[s["name"] for s in matrix[i + 1 :]], elapsed_s=round(self.budget.elapsed(), 1)
+            )
         self.report.update(running=None, finished=True, elapsed_s=round(self.budget.elapsed(), 1))
-        print(f"{self.budget.elapsed():.0f} s in all" + (f"; report in {self.args.report}" if self.args.report else ""),
-              flush=True)
+        print(
+            f"{self.budget.elapsed():.0f} s in all" + (f"; report in {self.args.report}" if self.args.report else ""),
+            flush=True,
+        )
         return all(row["status"] == "ok" for row in self.rows)
 
 
@@ -374,8 +537,10 @@ def add_ratios(rows: list[dict], matrix: list[dict]):
         if base is None or row is base or "tok_per_s" not in row or row.get("nproc") != 1:
             continue
         if MUON[-1] in row["flags"] and (row["dtype"], row["compiled"]) == (base["dtype"], base["compiled"]):
-            row["vs_adamw"] = (f"step {row['step_ms']:.0f} ms vs AdamW's {base['step_ms']:.0f} ms "
-                               f"({row['step_ms'] / base['step_ms']:.2f}x)")
+            row["vs_adamw"] = (
+                f"step {row['step_ms']:.0f} ms vs AdamW's {base['step_ms']:.0f} ms "
+                f"({row['step_ms'] / base['step_ms']:.2f}x)"
+            )
         if DOC_MASK[0] in row["flags"]:
             row["vs_causal"] = f"{row['tok_per_s'] / base['tok_per_s']:.2f}x the tok/s of causal attention"
 
@@ -389,14 +554,19 @@ def print_row(row: dict):
         print(f"[{row['group']}] {row['name']:48s} | FAILED: {row['error']}", flush=True)
         return
     mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "-"
-    print(f"[{row['group']}] {row['name']:48s} | loss drift {row['drift']:.1e} {'ok  ' if row['status'] == 'ok' else 'HIGH'}"
-          f" | {row['tok_per_s']:10,.0f} tok/s ({row['tok_per_s_per_gpu']:9,.0f}/gpu) | mfu {mfu:>5s} | peak "
-          f"{row.get('memory') or '-':14s} | compile {fmt(row, 'compile_s', '6.1f')}s"
-          + (f" | auto search {row['search_s']:.1f}s" if row.get("search_s") is not None else "")
-          + (f" | B={row['micro_batch']}" if row.get("micro_batch") else "") + f" | {row['wall_s']:.0f}s wall", flush=True)
+    print(
+        f"[{row['group']}] {row['name']:48s} | loss drift {row['drift']:.1e} {'ok  ' if row['status'] == 'ok' else 'HIGH'}"
+        f" | {row['tok_per_s']:10,.0f} tok/s ({row['tok_per_s_per_gpu']:9,.0f}/gpu) | mfu {mfu:>5s} | peak "
+        f"{row.get('memory') or '-':14s} | compile {fmt(row, 'compile_s', '6.1f')}s"
+        + (f" | auto search {row['search_s']:.1f}s" if row.get("search_s") is not None else "")
+        + (f" | B={row['micro_batch']}" if row.get("micro_batch") else "")
+        + f" | {row['wall_s']:.0f}s wall",
+        flush=True,
+    )
 
 
 # --- the report ----------------------------------------------------------------------------------------
+
 
 class Report:
     """gpu_check.md and gpu_check.json in a folder, rewritten whole (and atomically) after every
@@ -427,29 +597,44 @@ def write_atomically(path: str, text: str):
 def markdown(d: dict) -> str:
     """The report as Markdown, to paste into docs/performance.md's GPU section as it is."""
     v = d["versions"]
-    lines = [f"### gpu_check on {d['device']}, {d['started']}", "",
-             f"torch {v['torch']}, CUDA {v['cuda']}, Triton {v['triton']}, cuDNN {v['cudnn']}, Python {v['python']}; "
-             f"budget {d['budget_s']:.0f} s, {d.get('elapsed_s', 0):.0f} s used"
-             + ("" if d.get("finished") else " (still running, or cut off)"), "",
-             "| # | variant | result | loss drift | tok/s | tok/s/GPU | MFU | peak memory | compile s | micro-batch "
-             "| step ms | wall s |", "|" + " --- |" * 12]
+    lines = [
+        f"### gpu_check on {d['device']}, {d['started']}",
+        "",
+        f"torch {v['torch']}, CUDA {v['cuda']}, Triton {v['triton']}, cuDNN {v['cudnn']}, Python {v['python']}; "
+        f"budget {d['budget_s']:.0f} s, {d.get('elapsed_s', 0):.0f} s used"
+        + ("" if d.get("finished") else " (still running, or cut off)"),
+        "",
+        "| # | variant | result | loss drift | tok/s | tok/s/GPU | MFU | peak memory | compile s | micro-batch "
+        "| step ms | wall s |",
+        "|" + " --- |" * 12,
+    ]
     for r in d["rows"]:
         result = r["status"] + (f": {r['error']}" if r.get("error") else "")
-        lines.append(f"| {r['group']} | {r['name']} | {result} | {fmt(r, 'drift', '.1e')} | {fmt(r, 'tok_per_s', ',.0f')} "
-                     f"| {fmt(r, 'tok_per_s_per_gpu', ',.0f')} | "
-                     + (f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-")
-                     + f" | {r.get('memory') or '-'} | {fmt(r, 'compile_s', '.1f')}"
-                     + (f" (auto search {r['search_s']:.1f})" if r.get("search_s") is not None else "")
-                     + f" | {r.get('micro_batch') or '-'} | {fmt(r, 'step_ms', '.0f')} | {r['wall_s']:.0f} |")
-    notes = [f"- [{r['group']}] {r['name']}: {note}" for r in d["rows"]
-             for note in [*r.get("notes", []), r.get("vs_adamw"), r.get("vs_causal")] if note]
+        lines.append(
+            f"| {r['group']} | {r['name']} | {result} | {fmt(r, 'drift', '.1e')} | {fmt(r, 'tok_per_s', ',.0f')} "
+            f"| {fmt(r, 'tok_per_s_per_gpu', ',.0f')} | "
+            + (f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-")
+            + f" | {r.get('memory') or '-'} | {fmt(r, 'compile_s', '.1f')}"
+            + (f" (auto search {r['search_s']:.1f})" if r.get("search_s") is not None else "")
+            + f" | {r.get('micro_batch') or '-'} | {fmt(r, 'step_ms', '.0f')} | {r['wall_s']:.0f} |"
+        )
+    notes = [
+        f"- [{r['group']}] {r['name']}: {note}"
+        for r in d["rows"]
+        for note in [*r.get("notes", []), r.get("vs_adamw"), r.get("vs_causal")]
+        if note
+    ]
     if notes:
         lines += ["", *notes]
     if d.get("running"):
         lines += ["", f"Running when this was written: {d['running']}"]
     if d["skipped"]:
-        lines += ["", "Not run (the time budget, or the lease ended first): " + "; ".join(d["skipped"])
-                  + (f". On another lease: `{d['skipped_command']}`" if d.get("skipped_command") else "")]
+        lines += [
+            "",
+            "Not run (the time budget, or the lease ended first): "
+            + "; ".join(d["skipped"])
+            + (f". On another lease: `{d['skipped_command']}`" if d.get("skipped_command") else ""),
+        ]
     lines += ["", f"Command: `{d['command']}`. Each variant's commands (the reference first):", "", "```"]
     lines += [c for r in d["rows"] for c in r.get("commands", [])] + ["```"]
     if d["nvidia_smi"]:
@@ -458,6 +643,7 @@ def markdown(d: dict) -> str:
 
 
 # --- main ----------------------------------------------------------------------------------------------
+
 
 def missing_packages(names) -> list[str]:
     missing = []
@@ -471,15 +657,27 @@ def missing_packages(names) -> list[str]:
 
 def main(argv=None) -> int:
     p = cli.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--budget-s", type=float, default=400, help="start no variant that would end past this many seconds "
-                   "(estimated); one running at this + 20 s is stopped (default 400: one lease of 7 minutes)")
-    p.add_argument("--report", default=os.environ.get("OUT") or None, metavar="DIR",
-                   help="write gpu_check.md, gpu_check.json and logs/ to DIR (default: $OUT if set)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=400,
+        help="start no variant that would end past this many seconds "
+        "(estimated); one running at this + 20 s is stopped (default 400: one lease of 7 minutes)",
+    )
+    p.add_argument(
+        "--report",
+        default=os.environ.get("OUT") or None,
+        metavar="DIR",
+        help="write gpu_check.md, gpu_check.json and logs/ to DIR (default: $OUT if set)",
+    )
     p.add_argument("--groups", default="1,2,3,4,5,6,7", help="which of the numbered groups to run (default: all)")
     p.add_argument("--steps", type=int, help="optimizer steps per variant of groups 2-7 (default 5 on CUDA, 3 on CPU)")
     p.add_argument("--recipe-steps", type=int, default=3, help="steps of the default path at 524,288 tokens each")
-    p.add_argument("--batch-size", type=int, help="rows per micro-step of groups 2-7 (default: what group 1 chose, "
-                   "at most 64; 4 on CPU)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="rows per micro-step of groups 2-7 (default: what group 1 chose, at most 64; 4 on CPU)",
+    )
     p.add_argument("--seq-len", type=int, help="default 1024 on CUDA, 32 on CPU")
     p.add_argument("--peak-tflops", type=float, help="peak of one device for MFU (default: the trainer's table)")
     p.add_argument("--compile", action="store_true", help="on CPU, add a compiled variant (20-40 s)")
@@ -487,6 +685,7 @@ def main(argv=None) -> int:
     missing = missing_packages(NEEDED)
     if not missing:
         import torch
+
         missing = missing_packages(["triton"]) if torch.cuda.is_available() else []
     if missing:  # the first line: nothing has run
         print(f"gpu_check: missing {', '.join(missing)}: pip install {' '.join(missing)}", flush=True)
@@ -498,6 +697,7 @@ def main(argv=None) -> int:
     if not groups or groups - set(GROUPS):
         p.error(f"--groups {args.groups}: expected numbers from 1 to 7, comma-separated")
     import numpy as np
+
     cuda = args.cuda = torch.cuda.is_available()
     args.batch_size_given = args.batch_size is not None
     args.batch_size = args.batch_size or (64 if cuda else 4)
@@ -506,9 +706,24 @@ def main(argv=None) -> int:
     if cuda and args.seq_len != 1024:
         p.error("--seq-len: the default path runs the recipe's rows of 1024 tokens on CUDA")
     vocab = 50257 if cuda else 512
-    args.model_flags = ["--model", "gpt2"] if cuda else ["--n-layer", "2", "--n-head", "2", "--n-embd", "32",
-                                                          "--block-size", str(args.seq_len), "--vocab-size", "512",
-                                                          "--seq-len", str(args.seq_len)]
+    args.model_flags = (
+        ["--model", "gpt2"]
+        if cuda
+        else [
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "32",
+            "--block-size",
+            str(args.seq_len),
+            "--vocab-size",
+            "512",
+            "--seq-len",
+            str(args.seq_len),
+        ]
+    )
     n_gpus = torch.cuda.device_count() if cuda else 0
     matrix = [v for v in plan(cuda, n_gpus, args.compile) if v["group"] in groups]
     with tempfile.TemporaryDirectory() as tmp:
@@ -521,8 +736,11 @@ def main(argv=None) -> int:
             if cuda:  # documents of ~300 tokens on average (FineWeb-Edu's are longer): --doc-mask's case
                 tokens[np.random.default_rng(1).random(n_tokens) < 1 / 300] = 50256
             np.save(os.path.join(check.data_dir, f"synth_{split}_000000.npy"), tokens)
-        print(f"{check.report.data['device']} | {' '.join(args.model_flags)} | groups {args.groups} | B={args.batch_size} "
-              f"T={args.seq_len} | {args.steps} steps | budget {args.budget_s:.0f} s", flush=True)
+        print(
+            f"{check.report.data['device']} | {' '.join(args.model_flags)} | groups {args.groups} | B={args.batch_size} "
+            f"T={args.seq_len} | {args.steps} steps | budget {args.budget_s:.0f} s",
+            flush=True,
+        )
         ok = check.run(matrix)
     return 0 if ok else 1
 

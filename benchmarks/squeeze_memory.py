@@ -12,6 +12,7 @@ a process memory limit (RLIMIT_AS: the address space may grow by that much, and 
 fails as "can't allocate memory"); on CUDA a tensor that takes the rest of the GPU's free memory and
 of the allocator's cache. Repeat --squeeze for several; --rank R squeezes one rank of a torchrun.
 """
+
 import os
 import sys
 
@@ -25,10 +26,14 @@ def squeeze(amount: str):
     """Leave amount ("600MiB" or "60%" of a step's need so far) free on the trainer's device."""
     import torch
     from trainkit.fit_batch import proc_kib
+
     cuda = torch.cuda.is_available()
     if amount.endswith("%"):  # a step's need: its peak above what the process holds between steps
-        need = (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if cuda
-                else proc_kib("/proc/self/status", "VmPeak") - proc_kib("/proc/self/status", "VmSize"))
+        need = (
+            torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+            if cuda
+            else proc_kib("/proc/self/status", "VmPeak") - proc_kib("/proc/self/status", "VmSize")
+        )
         leave = int(need * float(amount[:-1]) / 100)
     else:
         leave = int(float(amount.removesuffix("MiB")) * 2**20)
@@ -37,6 +42,7 @@ def squeeze(amount: str):
         held.append(torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda"))
     else:
         import resource
+
         limit = proc_kib("/proc/self/status", "VmSize") + leave
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     print(f"squeeze_memory: {leave / 2**20:.0f} MiB left free on {'cuda' if cuda else 'cpu'}", flush=True)
@@ -44,8 +50,13 @@ def squeeze(amount: str):
 
 def main(argv=None) -> int:
     p = cli.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--squeeze", action="append", default=[], metavar="[STEP:]AMOUNT",
-                   help="leave AMOUNT (600MiB, or 60%% of a step's need) free before STEP (default: the start)")
+    p.add_argument(
+        "--squeeze",
+        action="append",
+        default=[],
+        metavar="[STEP:]AMOUNT",
+        help="leave AMOUNT (600MiB, or 60%% of a step's need) free before STEP (default: the start)",
+    )
     p.add_argument("--rank", type=int, help="under torchrun, squeeze this rank only (default: every rank)")
     p.add_argument("train_args", nargs="*", help="train_gpt2.py's flags, after --")
     args = p.parse_args(argv)
@@ -56,12 +67,14 @@ def main(argv=None) -> int:
         step, _, amount = spec.rpartition(":")
         at_step[int(step) if step else None] = amount
     import train_gpt2 as tg
+
     train_step = tg.Trainer.train_step
 
     def squeezed_step(self, step):
         if step in at_step:
             squeeze(at_step.pop(step))
         return train_step(self, step)
+
     tg.Trainer.train_step = squeezed_step
     if None in at_step:
         squeeze(at_step.pop(None))

@@ -1,6 +1,7 @@
 """Shared test setup: the repo on sys.path, the data the repository ships in fixtures/ (the GPT-2 BPE in bpe/),
 each module's synthetic shards (data_dir, sized by the module's SHARDS), a tiny run's flags, running the scripts
 as programs and reading what a run wrote."""
+
 import contextlib
 import hashlib
 import json
@@ -30,20 +31,65 @@ def data_dir(request, tmp_path_factory) -> str:
     """A module's folder of synthetic shards (tests/shards.py's shard_dir), made once per module from its
     SHARDS: dict(n_docs=..., seed=..., and shard_dir's other sizes)."""
     from shards import shard_dir
+
     return shard_dir(tmp_path_factory, **request.module.SHARDS)
 
 
-def tiny_run_args(data_dir, out_dir, *extra, steps=20, B=4, ckpt_every=10, n_layer=2, n_embd=16, block_size=32,
-                  seq_len=16, rows=8, warmup=None, val_every=0, sample_every=0, hellaswag_every=0) -> list:
+def tiny_run_args(
+    data_dir,
+    out_dir,
+    *extra,
+    steps=20,
+    B=4,
+    ckpt_every=10,
+    n_layer=2,
+    n_embd=16,
+    block_size=32,
+    seq_len=16,
+    rows=8,
+    warmup=None,
+    val_every=0,
+    sample_every=0,
+    hellaswag_every=0,
+) -> list:
     """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
     in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked;
     extra last."""
-    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), "--n-layer", str(n_layer), "--n-head", "2",
-            "--n-embd", str(n_embd), "--block-size", str(block_size), "--seq-len", str(seq_len),
-            "--batch-size", str(B), "--total-batch-size", str(rows * seq_len), "--max-steps", str(steps),
-            "--warmup-steps", str(min(3, steps) if warmup is None else warmup), "--max-lr", "1e-2", "--val-every", str(val_every),
-            "--sample-every", str(sample_every), "--hellaswag-every", str(hellaswag_every),
-            "--ckpt-every", str(ckpt_every), *extra]
+    return [
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--n-layer",
+        str(n_layer),
+        "--n-head",
+        "2",
+        "--n-embd",
+        str(n_embd),
+        "--block-size",
+        str(block_size),
+        "--seq-len",
+        str(seq_len),
+        "--batch-size",
+        str(B),
+        "--total-batch-size",
+        str(rows * seq_len),
+        "--max-steps",
+        str(steps),
+        "--warmup-steps",
+        str(min(3, steps) if warmup is None else warmup),
+        "--max-lr",
+        "1e-2",
+        "--val-every",
+        str(val_every),
+        "--sample-every",
+        str(sample_every),
+        "--hellaswag-every",
+        str(hellaswag_every),
+        "--ckpt-every",
+        str(ckpt_every),
+        *extra,
+    ]
 
 
 def log_records(out_dir) -> list:
@@ -59,13 +105,17 @@ def losses(out_dir) -> list:
 
 def wait_for_steps(out_dir, n, proc):
     """Until the run proc writes to out_dir has logged n trained steps (wait_for's limits)."""
-    wait_for(lambda: os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n, proc,
-             what=f"{n} steps")
+    wait_for(
+        lambda: os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n,
+        proc,
+        what=f"{n} steps",
+    )
 
 
 def resume_copy(src, dst, step):
     """What a run killed after checkpoint `step` leaves: that checkpoint and a log that ran past it."""
     import shutil
+
     os.makedirs(dst)
     shutil.copy(os.path.join(src, f"ckpt_{step:07d}.pt"), dst)
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
@@ -73,8 +123,9 @@ def resume_copy(src, dst, step):
 
 def run_command(script, *args, timeout=300, **kwargs):
     """`python script args` in the repo, as a user runs it: the completed process, its output as text."""
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
 
 
 def assert_one_error_line(result, *fragments):
@@ -87,7 +138,7 @@ def assert_one_error_line(result, *fragments):
 
 # A stand-in for the wandb package (put first on PYTHONPATH): its project "no-such-entity" cannot start a run,
 # and its third log() call fails as a dead W&B service does
-FAKE_WANDB = '''
+FAKE_WANDB = """
 class Run:
     disabled = False
     calls = 0
@@ -101,24 +152,26 @@ def init(project, dir, config):
     if project == "no-such-entity":
         raise RuntimeError("permission denied for entity")
     return Run()
-'''
+"""
 
 
 def fineweb_parked_after(shard_index: int) -> list:
     """The command prefix of `python fineweb.py` run as a program (__main__), parked for good once shard
     shard_index's file is written and before the manifest records it: where a kill leaves the most to
     resume. The park is a patch of trainkit.shards.write_atomically in that process, not a hook in fineweb."""
-    code = ("import runpy, sys, time\n"
-            f"sys.path.insert(0, {str(REPO)!r})\n"
-            "import trainkit.shards as shards\n"
-            "write = shards.write_atomically\n"
-            "def write_then_park(path, *blobs):\n"
-            "    write(path, *blobs)\n"
-            f"    if path.endswith(('_{shard_index:06d}.npy', '_{shard_index:06d}.bin')):\n"
-            "        time.sleep(3600)\n"
-            "shards.write_atomically = write_then_park\n"
-            f"sys.argv[0] = {str(REPO / 'fineweb.py')!r}\n"
-            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    code = (
+        "import runpy, sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import trainkit.shards as shards\n"
+        "write = shards.write_atomically\n"
+        "def write_then_park(path, *blobs):\n"
+        "    write(path, *blobs)\n"
+        f"    if path.endswith(('_{shard_index:06d}.npy', '_{shard_index:06d}.bin')):\n"
+        "        time.sleep(3600)\n"
+        "shards.write_atomically = write_then_park\n"
+        f"sys.argv[0] = {str(REPO / 'fineweb.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
     return [sys.executable, "-c", code]
 
 
@@ -128,8 +181,11 @@ def tiktoken_cache(folder) -> str:
     import hashlib
     import shutil
     from trainkit.tokenizer import BPE_URL
+
     os.makedirs(folder, exist_ok=True)
-    shutil.copyfile(REPO / "bpe" / "r50k_base.tiktoken", os.path.join(folder, hashlib.sha1(BPE_URL.encode()).hexdigest()))
+    shutil.copyfile(
+        REPO / "bpe" / "r50k_base.tiktoken", os.path.join(folder, hashlib.sha1(BPE_URL.encode()).hexdigest())
+    )
     return str(folder)
 
 
@@ -186,8 +242,14 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
     """`python script args`, or a torchrun of nproc processes, in the repo: the completed process
     with its output as text. env: variables to set on top of this process's environment."""
     launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    return subprocess.run([*launcher, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*launcher, script, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def tree_hashes(folder):
@@ -198,8 +260,11 @@ def tree_hashes(folder):
         for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
             path = os.path.join(parent, name)
             key = os.path.relpath(path, folder)
-            found[key] = ("-> " + os.readlink(path)) if os.path.islink(path) else \
-                hashlib.sha256(open(path, "rb").read()).hexdigest()
+            found[key] = (
+                ("-> " + os.readlink(path))
+                if os.path.islink(path)
+                else hashlib.sha256(open(path, "rb").read()).hexdigest()
+            )
     return found
 
 
@@ -233,6 +298,7 @@ def spread_gpt(config, seed: int):
     logits, and spread ones keep the endings of a multiple-choice example from nearly tying."""
     import torch
     from train_gpt2 import GPT
+
     torch.manual_seed(seed)
     model = GPT(config)
     with torch.no_grad():
@@ -244,10 +310,14 @@ def write_checkpoint(model, path) -> str:
     """model as a train_gpt2.py checkpoint (weights and config only) at path."""
     import dataclasses
     from trainkit.checkpoints import save_checkpoint
+
     save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
     return str(path)
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slurm: jobs under a real Slurm that the test starts (tests/test_slurm.py, "
-                                       "minutes; -m 'not slurm' leaves them out)")
+    config.addinivalue_line(
+        "markers",
+        "slurm: jobs under a real Slurm that the test starts (tests/test_slurm.py, "
+        "minutes; -m 'not slurm' leaves them out)",
+    )

@@ -1,5 +1,6 @@
 """Synthetic token shards in build-nanogpt's format, synthetic batches, and the tiny models the accumulation
 proofs train on them, for tests that don't need real text."""
+
 import contextlib
 import dataclasses
 import os
@@ -27,7 +28,7 @@ def write_shards(data_dir, docs, shard_size, prefix="synth"):
     for i, start in enumerate(range(0, len(stream), shard_size)):
         split = "val" if i == 0 else "train"
         path = os.path.join(data_dir, f"{prefix}_{split}_{i:06d}.npy")
-        np.save(path, stream[start:start + shard_size])
+        np.save(path, stream[start : start + shard_size])
         paths.append(path)
     return paths
 
@@ -46,15 +47,14 @@ def make_batch(rows=8, T=16, seed=0, vocab=128):
     x = torch.randint(0, vocab, (rows, T), generator=g)
     y = torch.randint(0, vocab, (rows, T), generator=g)
     for r in range(rows):
-        y[r, T - 2 * r:] = -1
+        y[r, T - 2 * r :] = -1
     return x, y
 
 
 def rank_batches(x, y, rank, world, B, accum):
     """The micro-batches of one rank as numpy (x, y) pairs, with the trainer's row assignment:
     micro-step m of rank r reads rows (m*W + r)*B + [0, B)."""
-    return [(x[(m * world + rank) * B:][:B].numpy(), y[(m * world + rank) * B:][:B].numpy())
-            for m in range(accum)]
+    return [(x[(m * world + rank) * B :][:B].numpy(), y[(m * world + rank) * B :][:B].numpy()) for m in range(accum)]
 
 
 def write_manifest(data_dir, **recorded) -> dict:
@@ -62,13 +62,15 @@ def write_manifest(data_dir, **recorded) -> dict:
     as fineweb.py would write for them; recorded: {file: {key: value}} to add to or change an entry."""
     import hashlib
     import json
+
     shards = []
     for name in sorted(os.listdir(data_dir)):
         if name.endswith(".npy"):
             with open(os.path.join(data_dir, name), "rb") as f:
                 data = f.read()
-            shards.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                           **recorded.get(name, {})})
+            shards.append(
+                {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **recorded.get(name, {})}
+            )
     manifest = {"complete": True, "shards": shards}
     with open(os.path.join(data_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f)

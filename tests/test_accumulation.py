@@ -10,11 +10,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from conftest import free_port
-from shards import EOT, fresh_model, gloo_rank_of_one_batch, grads_of, make_batch, rank_batches, \
-    reference_grads
+from shards import EOT, fresh_model, gloo_rank_of_one_batch, grads_of, make_batch, rank_batches, reference_grads
 from trainkit.launch import all_reduce_sum
 from train_gpt2 import accumulate_gradients, build_optimizer
-
 
 
 def max_diff(a, b):
@@ -55,6 +53,7 @@ def assert_same_updates(stepped, ref_stepped, start, doc_mask):
 
 # --- 1. the toy from the accumulation lesson -------------------------------------------------
 
+
 def test_toy_mlp_accumulation_matches_one_batch():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
@@ -66,10 +65,10 @@ def test_toy_mlp_accumulation_matches_one_batch():
         return {n: p.grad.clone() for n, p in net.named_parameters()}
 
     one_batch = grad(lambda: nn.functional.mse_loss(net(x), y).backward())
-    normalized = grad(lambda: [(nn.functional.mse_loss(net(x[i:i + 1]), y[i:i + 1]) / 4).backward()
-                               for i in range(4)])
-    unnormalized = grad(lambda: [nn.functional.mse_loss(net(x[i:i + 1]), y[i:i + 1]).backward()
-                                 for i in range(4)])
+    normalized = grad(
+        lambda: [(nn.functional.mse_loss(net(x[i : i + 1]), y[i : i + 1]) / 4).backward() for i in range(4)]
+    )
+    unnormalized = grad(lambda: [nn.functional.mse_loss(net(x[i : i + 1]), y[i : i + 1]).backward() for i in range(4)])
     assert_same_grads(one_batch, normalized)
     # without the 1/4 the accumulated gradient is 4x too large
     assert_same_grads({k: 4 * v for k, v in one_batch.items()}, unnormalized)
@@ -100,7 +99,7 @@ def reference_steps(x, y, doc_mask=False):
 
 
 def split_rows(x, y, B):
-    return [(x[i:i + B].numpy(), y[i:i + B].numpy()) for i in range(0, len(x), B)]
+    return [(x[i : i + B].numpy(), y[i : i + B].numpy()) for i in range(0, len(x), B)]
 
 
 @pytest.mark.parametrize("doc_mask", [False, True], ids=["plain", "doc-mask"])
@@ -114,8 +113,9 @@ def test_tiny_gpt_accumulation_matches_one_batch(B, doc_mask):
     loss_sum = accumulate_gradients(model, split_rows(x, y, B), n_tokens, 1, "cpu", torch.float32, doc_mask=doc_mask)
     assert_same_grads(ref, grads_of(model))
     assert loss_sum.item() / n_tokens == pytest.approx(ref_loss, rel=1e-6)
-    assert_same_updates(weights_after_one_step(model), reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)),
-                        doc_mask)
+    assert_same_updates(
+        weights_after_one_step(model), reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)), doc_mask
+    )
 
 
 def test_single_micro_step_is_exactly_the_plain_mean_loss():
@@ -147,8 +147,11 @@ def ddp_worker(rank, world, port, out_path):
             batches = rank_batches(*batch(doc_mask), rank, world, B=2, accum=2)
             model = nn.parallel.DistributedDataParallel(fresh_model(doc_mask))
             loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32, doc_mask=doc_mask)
-            results[doc_mask] = dict(grads=grads_of(model.module), loss=all_reduce_sum(loss_sum).item() / n_tokens,
-                                     stepped=weights_after_one_step(model.module))
+            results[doc_mask] = dict(
+                grads=grads_of(model.module),
+                loss=all_reduce_sum(loss_sum).item() / n_tokens,
+                stepped=weights_after_one_step(model.module),
+            )
     torch.save(results, f"{out_path}.{rank}")
 
 
@@ -162,8 +165,10 @@ def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):
         ref, ref_loss = reference_grads(x, y, doc_mask)
         assert_same_grads(ref, result["grads"])
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-6)
-        assert_same_updates(result["stepped"], reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)),
-                            doc_mask)
+        assert_same_updates(
+            result["stepped"], reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)), doc_mask
+        )
         for name in OPTIMIZERS:  # the replicas stay identical, bit for bit
-            assert all(torch.equal(result["stepped"][name][k], other_rank[doc_mask]["stepped"][name][k])
-                       for k in ref), (doc_mask, name)
+            assert all(
+                torch.equal(result["stepped"][name][k], other_rank[doc_mask]["stepped"][name][k]) for k in ref
+            ), (doc_mask, name)

@@ -1,6 +1,7 @@
 """--doc-mask (trainkit/doc_mask.py): a packed row computes exactly what each of its documents computes
 alone, in the model, through the command line, in validation and in --eval-only; FlexAttention's
 document mask agrees with SDPA's; a doc-mask-trained model exports as a plain GPT-2."""
+
 import json
 import math
 
@@ -64,14 +65,20 @@ def test_packed_rows_equal_each_document_alone(loss_chunk):
     x, y = packed_batch()
     n = int((y != -1).sum())
     assert len(documents(x, y)) == 10  # the four padding tokens are one-token documents
-    for dtype, tolerance in ((torch.float32, 1e-6), (torch.float64, 1e-12))[:1 if loss_chunk else 2]:  # (chunks: fp32)
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.float64, 1e-12))[: 1 if loss_chunk else 2]:  # (chunks: fp32)
         torch.manual_seed(0)
         model = tg.GPT(CONFIG).to(dtype)
         packed_loss, packed = loss_and_grads(model, lambda: model(x, y, loss_chunk=loss_chunk, doc_mask=True)[1])
 
         def alone():  # each document in a row of its own: plain causal attention, positions from 0
-            return sum(model(x[b:b + 1, s:e], y[b:b + 1, s:e], reduction="sum", loss_chunk=loss_chunk)[1]
-                       for b, s, e in documents(x, y)) / n
+            return (
+                sum(
+                    model(x[b : b + 1, s:e], y[b : b + 1, s:e], reduction="sum", loss_chunk=loss_chunk)[1]
+                    for b, s, e in documents(x, y)
+                )
+                / n
+            )
+
         alone_loss, separate = loss_and_grads(model, alone)
         assert packed_loss == pytest.approx(alone_loss, rel=tolerance)
         # fp32: relative to the whole gradient (a small tensor's sums cancel to a few ulps more);
@@ -100,9 +107,36 @@ def test_flex_attention_document_mask_agrees_with_sdpa():
 
 # --- through the command line -------------------------------------------------------------------
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "32",
-        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "1", "--max-lr", "1e-2",
-        "--val-every", "2", "--val-steps", "2", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "2"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "16",
+    "--block-size",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "128",
+    "--warmup-steps",
+    "1",
+    "--max-lr",
+    "1e-2",
+    "--val-every",
+    "2",
+    "--val-steps",
+    "2",
+    "--sample-every",
+    "0",
+    "--hellaswag-every",
+    "0",
+    "--ckpt-every",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +161,7 @@ def test_cli_validation_equals_each_document_alone(doc_mask_run):
     nats, n_targets, text_nats = 0.0, 0, 0.0
     with torch.no_grad():
         for b, s, e in documents(x, y):
-            _, losses = model(x[b:b + 1, s:e], y[b:b + 1, s:e], reduction="none")
+            _, losses = model(x[b : b + 1, s:e], y[b : b + 1, s:e], reduction="none")
             nats += losses.sum().item()
             text_nats += losses[y[b, s:e] != EOT].sum().item()
             n_targets += e - s
@@ -140,6 +174,7 @@ def test_eval_only_uses_the_mask_and_export_is_plain_gpt2(doc_mask_run, tmp_path
     pytest.importorskip("transformers")
     import hf_interop
     from transformers import GPT2LMHeadModel
+
     flags, out = doc_mask_run
     assert tg.main([*flags, "--max-steps", "2", "--eval-only", "--resume"]) == 0
     logged = [json.loads(line) for line in open(out / "log.jsonl") if "val_loss" in line][-1]

@@ -2,6 +2,7 @@
 one line naming the argument, before anything is read or written; and an export never replaces a
 folder that holds the current folder, the home folder or the repository's checkout, whatever the
 path that names it."""
+
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from conftest import REPO, tree_hashes, write_checkpoint
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     import train_gpt2 as tg
+
     model = tg.GPT(tg.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
     return write_checkpoint(model, tmp_path_factory.mktemp("run") / "ckpt_0000005.pt")
 
@@ -29,8 +31,14 @@ def project(tmp_path):
 
 
 def run_in(folder, script, *args, env=None):
-    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=folder, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_refused(result, line):
@@ -63,11 +71,18 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, c
     result = run_in(project, "hf_interop.py", "export", checkpoint, out, env={"HOME": str(home)})
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    what = {".": "is the current folder", "..": "holds the current folder", "src/..": "is the current folder",
-            "~": "is your home folder", "REPO": "is this repository's checkout",
-            "REPO/..": "holds this repository's checkout", "link": "is the current folder"}[where]
-    assert lines[0].startswith(f"error: cannot export into {out}: it {what} (") and \
-        lines[0].endswith("which an export would replace; export into a new folder"), lines[0]
+    what = {
+        ".": "is the current folder",
+        "..": "holds the current folder",
+        "src/..": "is the current folder",
+        "~": "is your home folder",
+        "REPO": "is this repository's checkout",
+        "REPO/..": "holds this repository's checkout",
+        "link": "is the current folder",
+    }[where]
+    assert lines[0].startswith(f"error: cannot export into {out}: it {what} (") and lines[0].endswith(
+        "which an export would replace; export into a new folder"
+    ), lines[0]
     assert tree_hashes(project) == before and tree_hashes(REPO / "trainkit") == repo_before
     assert os.listdir(home) == []
 
@@ -88,22 +103,26 @@ def test_an_export_into_a_new_folder_still_works(project, checkpoint):
     assert (project / "notes.txt").read_text() == "mine\n"
 
 
-@pytest.mark.parametrize("script, args, argument", [
-    ("train_gpt2.py", ["--init-from", ""], "--init-from"),
-    ("train_gpt2.py", ["--out-dir", ""], "--out-dir"),
-    ("train_gpt2.py", ["--data-dir", ""], "--data-dir"),
-    ("train_gpt2.py", ["--resume", ""], "--resume"),
-    ("train_gpt2.py", ["--wandb", ""], "--wandb"),
-    ("train_gpt2.py", ["--hellaswag-file", " "], "--hellaswag-file"),
-    ("sample.py", ["--checkpoint", ""], "--checkpoint"),
-    ("sample.py", ["--hf-model", ""], "--hf-model"),
-    ("hellaswag.py", ["--checkpoint", ""], "--checkpoint"),
-    ("hellaswag.py", ["--checkpoint", "x", "--data-file", ""], "--data-file"),
-    ("fineweb.py", ["--out-dir", ""], "--out-dir"),
-    ("fineweb.py", ["--files", ""], "--files"),
-    ("plot_log.py", [""], "path"),
-    ("hf_interop.py", ["eval", "", "--tasks", "hellaswag"], "checkpoint"),
-], ids=lambda v: v if isinstance(v, str) else " ".join(v))
+@pytest.mark.parametrize(
+    "script, args, argument",
+    [
+        ("train_gpt2.py", ["--init-from", ""], "--init-from"),
+        ("train_gpt2.py", ["--out-dir", ""], "--out-dir"),
+        ("train_gpt2.py", ["--data-dir", ""], "--data-dir"),
+        ("train_gpt2.py", ["--resume", ""], "--resume"),
+        ("train_gpt2.py", ["--wandb", ""], "--wandb"),
+        ("train_gpt2.py", ["--hellaswag-file", " "], "--hellaswag-file"),
+        ("sample.py", ["--checkpoint", ""], "--checkpoint"),
+        ("sample.py", ["--hf-model", ""], "--hf-model"),
+        ("hellaswag.py", ["--checkpoint", ""], "--checkpoint"),
+        ("hellaswag.py", ["--checkpoint", "x", "--data-file", ""], "--data-file"),
+        ("fineweb.py", ["--out-dir", ""], "--out-dir"),
+        ("fineweb.py", ["--files", ""], "--files"),
+        ("plot_log.py", [""], "path"),
+        ("hf_interop.py", ["eval", "", "--tasks", "hellaswag"], "checkpoint"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v),
+)
 def test_every_script_refuses_an_empty_value(project, script, args, argument):
     before = tree_hashes(project)
     result = run_in(project, script, *args)
@@ -115,7 +134,24 @@ def test_every_script_refuses_an_empty_value(project, script, args, argument):
 
 def test_an_empty_prompt_is_still_a_prompt(checkpoint):
     """--prompt '' starts a new document: the one argument that may be empty on purpose."""
-    result = subprocess.run([sys.executable, "sample.py", "--checkpoint", checkpoint, "--prompt", "",
-                             "--num-samples", "1", "--max-new-tokens", "2", "--device", "cpu"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "sample.py",
+            "--checkpoint",
+            checkpoint,
+            "--prompt",
+            "",
+            "--num-samples",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]

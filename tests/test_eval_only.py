@@ -1,5 +1,6 @@
 """--eval-only: the validation loss and HellaSwag of a checkpoint without training, equal to
 what training logged at that checkpoint's step; the run's folder is left as it was."""
+
 import json
 import os
 import subprocess
@@ -11,14 +12,45 @@ from conftest import HELLASWAG_FILE, REPO
 from shards import make_docs, write_shards
 
 # the model keeps GPT-2's vocabulary so that HellaSwag's tokens fit
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
-        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
-        "--val-every", "2", "--val-steps", "3", "--sample-every", "0", "--ckpt-every", "2"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "64",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "128",
+    "--warmup-steps",
+    "2",
+    "--max-lr",
+    "1e-2",
+    "--val-every",
+    "2",
+    "--val-steps",
+    "3",
+    "--sample-every",
+    "0",
+    "--ckpt-every",
+    "2",
+]
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "train_gpt2.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +96,17 @@ def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
 
 
-@pytest.mark.parametrize("extra,message", [
-    ([], "--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR"),
-    (["--resume", "--out-dir", "{empty}"], "--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {empty}"),
-    (["--resume", "--val-every", "0", "--hellaswag-every", "0"],
-     "--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ([], "--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR"),
+        (["--resume", "--out-dir", "{empty}"], "--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {empty}"),
+        (
+            ["--resume", "--val-every", "0", "--hellaswag-every", "0"],
+            "--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do",
+        ),
+    ],
+)
 def test_eval_only_errors_are_one_line(trained, tmp_path, extra, message):
     flags, _ = trained
     extra = [a.replace("{empty}", str(tmp_path)) for a in extra]

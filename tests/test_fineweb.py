@@ -4,6 +4,7 @@ CPU only, offline: the commands read the GPT-2 BPE from the copy in bpe/ (or a T
 test sets); the reference encoding is tiktoken's own r50k_base, read from a tiktoken cache that holds the
 shipped file (tiktoken's loader and definition, not fineweb's).
 """
+
 import argparse
 import gzip
 import hashlib
@@ -49,8 +50,28 @@ ENC = reference_encoding()
 
 # --- helpers ---------------------------------------------------------------------------------
 
-WORDS = ["the", "quick", "brown", "fox", "naïve", "café", "日本語", "🙂", "x = 1;", "don't",
-         "it's", "123", "4.56", "def f():", "    return", "\t", "  ", "!!", "über", "—"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "naïve",
+    "café",
+    "日本語",
+    "🙂",
+    "x = 1;",
+    "don't",
+    "it's",
+    "123",
+    "4.56",
+    "def f():",
+    "    return",
+    "\t",
+    "  ",
+    "!!",
+    "über",
+    "—",
+]
 
 
 def make_docs(count=60, seed=0, newlines=True):
@@ -80,8 +101,13 @@ def load_shards(out_dir):
 
 
 def run_cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, FINEWEB, *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, FINEWEB, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def only_line(result):
@@ -142,6 +168,7 @@ def small_chunks(monkeypatch):
 
 # --- tokenization ----------------------------------------------------------------------------
 
+
 def test_encode_documents_matches_encode_ordinary_per_document():
     docs = make_docs(30) + ["", "a<|endoftext|>b", "<|endoftext|>", "tail   "]
     tokens = tokenizer.encode_documents(tokenizer.get_encoding(), docs)
@@ -173,22 +200,38 @@ def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
         first = next(results)
         assert len(pulled) == 4
         rest = list(results)
-    assert np.array_equal(np.concatenate([first] + rest),
-                          reference_tokens([f"document {i}" for i in range(100)]))
+    assert np.array_equal(np.concatenate([first] + rest), reference_tokens([f"document {i}" for i in range(100)]))
 
 
-@pytest.mark.parametrize("text, value", [("20M", 20_000_000), ("1e8", 100_000_000),
-                                         ("100000", 100_000), ("1.5K", 1500), ("0.1k", 100),
-                                         ("2_000", 2000), ("10B", 10**10)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("20M", 20_000_000),
+        ("1e8", 100_000_000),
+        ("100000", 100_000),
+        ("1.5K", 1500),
+        ("0.1k", 100),
+        ("2_000", 2000),
+        ("10B", 10**10),
+    ],
+)
 def test_parse_size(text, value):
     assert fineweb.parse_size(text) == value
 
 
-@pytest.mark.parametrize("text, message", [
-    ("abc", "not a size: 'abc' (examples: 20M, 1e8, 100000)"), ("M", "not a size: 'M' (examples: 20M, 1e8, 100000)"),
-    ("1.5", "not a whole number: '1.5'"), ("inf", "not a whole number: 'inf'"), ("nan", "not a whole number: 'nan'"),
-    ("0", "must be in 1..2**62, got 0"), ("-3M", "must be in 1..2**62, got -3000000"),
-    ("1e19", f"must be in 1..2**62, got {10**19}")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("abc", "not a size: 'abc' (examples: 20M, 1e8, 100000)"),
+        ("M", "not a size: 'M' (examples: 20M, 1e8, 100000)"),
+        ("1.5", "not a whole number: '1.5'"),
+        ("inf", "not a whole number: 'inf'"),
+        ("nan", "not a whole number: 'nan'"),
+        ("0", "must be in 1..2**62, got 0"),
+        ("-3M", "must be in 1..2**62, got -3000000"),
+        ("1e19", f"must be in 1..2**62, got {10**19}"),
+    ],
+)
 def test_parse_size_rejects(text, message):
     with pytest.raises(argparse.ArgumentTypeError) as e:
         fineweb.parse_size(text)
@@ -196,15 +239,19 @@ def test_parse_size_rejects(text, message):
 
 
 def test_import_is_light_and_silent():
-    code = ("import sys, fineweb; from trainkit import tokenizer; "
-            "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
-            "print(sorted(heavy), fineweb.EOT, tokenizer.get_encoding().name)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=Path(FINEWEB).parent, timeout=60)
+    code = (
+        "import sys, fineweb; from trainkit import tokenizer; "
+        "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
+        "print(sorted(heavy), fineweb.EOT, tokenizer.get_encoding().name)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(FINEWEB).parent, timeout=60
+    )
     assert (result.stdout, result.stderr) == ("[] 50256 r50k_base\n", "")
 
 
 # --- sources and shards ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["jsonl", "json.gz", "parquet"])
 def test_rows_to_shards(tmp_path, small_chunks, kind):
@@ -214,12 +261,12 @@ def test_rows_to_shards(tmp_path, small_chunks, kind):
     if kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
+
         pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
     else:
         write_jsonl(path, rows, gzip.open if kind.endswith(".gz") else open)
     out = tmp_path / "out"
-    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "3000",
-                         "--workers", "2"]) == 0
+    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "3000", "--workers", "2"]) == 0
     _, arrays = check_output(out, docs, 3000)
     assert len(arrays) == -(-reference_tokens(docs).size // 3000)
 
@@ -230,17 +277,46 @@ def test_text_lines_and_files_to_shards(tmp_path, small_chunks):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_text("\n".join(lines[20:]), encoding="utf-8")
     out = tmp_path / "lines"
-    assert fineweb.main(["--files", str(tmp_path / "**" / "*.txt"), "--out-dir", str(out),
-                         "--shard-size", "2K", "--val-shards", "2", "--prefix", "t"]) == 0
+    assert (
+        fineweb.main(
+            [
+                "--files",
+                str(tmp_path / "**" / "*.txt"),
+                "--out-dir",
+                str(out),
+                "--shard-size",
+                "2K",
+                "--val-shards",
+                "2",
+                "--prefix",
+                "t",
+            ]
+        )
+        == 0
+    )
     check_output(out, [line for line in lines if line.strip()], 2000, val_shards=2, prefix="t")
 
     files = {"x.py": "def f():\r\n    return 1\n", "y.md": "# Title\n\nbody\n", "z.txt": ""}
     for name, text in files.items():
         (tmp_path / name).write_bytes(text.encode())
     out = tmp_path / "per_file"
-    assert fineweb.main(["--files", str(tmp_path / "*.py"), str(tmp_path / "*.[mt][dx]*"),
-                         "--doc-per-file", "--out-dir", str(out), "--shard-size", "300",
-                         "--workers", "1"]) == 0
+    assert (
+        fineweb.main(
+            [
+                "--files",
+                str(tmp_path / "*.py"),
+                str(tmp_path / "*.[mt][dx]*"),
+                "--doc-per-file",
+                "--out-dir",
+                str(out),
+                "--shard-size",
+                "300",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     # x.py first (first pattern), then a.txt, y.md, z.txt (second pattern, sorted)
     a_txt = (tmp_path / "a.txt").read_bytes().decode()
     check_output(out, [files["x.py"], a_txt, files["y.md"], files["z.txt"]], 300)
@@ -250,11 +326,31 @@ def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
     docs = make_docs()
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
     out = tmp_path / "bin"
-    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "4000",
-                         "--max-tokens", "10.5K", "--format", "bin", "--workers", "2"]) == 0
+    assert (
+        fineweb.main(
+            [
+                "--files",
+                str(path),
+                "--out-dir",
+                str(out),
+                "--shard-size",
+                "4000",
+                "--max-tokens",
+                "10.5K",
+                "--format",
+                "bin",
+                "--workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] == [
-        "data_val_000000.bin", "data_train_000001.bin", "data_train_000002.bin"]
+        "data_val_000000.bin",
+        "data_train_000001.bin",
+        "data_train_000002.bin",
+    ]
     tokens = []
     for shard in manifest["shards"]:
         data = (out / shard["file"]).read_bytes()
@@ -269,8 +365,7 @@ def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
 def test_npy_shards_are_byte_identical_to_np_save(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
     out = tmp_path / "out"
-    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "700",
-                         "--workers", "1"]) == 0
+    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--shard-size", "700", "--workers", "1"]) == 0
     for shard in sorted(out.glob("*.npy")):
         saved = tmp_path / "np_save.npy"
         np.save(saved, np.load(shard))
@@ -279,14 +374,17 @@ def test_npy_shards_are_byte_identical_to_np_save(tmp_path):
 
 # --- resume ----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def corpus(tmp_path):
     docs = make_docs(90, seed=2)
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": doc} for doc in docs])
     # an uninterrupted run to compare against
     reference_out = tmp_path / "uninterrupted"
-    assert fineweb.main(["--files", str(path), "--out-dir", str(reference_out),
-                         "--shard-size", "2500", "--workers", "2"]) == 0
+    assert (
+        fineweb.main(["--files", str(path), "--out-dir", str(reference_out), "--shard-size", "2500", "--workers", "2"])
+        == 0
+    )
     return docs, path, reference_out
 
 
@@ -324,12 +422,27 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and len(manifest["shards"]) == 2
     # the trainer refuses the half-made folder rather than train on its first shards
-    trained = subprocess.run([sys.executable, os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"), "--model",
-                              "cpu", "--data-dir", str(out), "--out-dir", str(tmp_path / "run")],
-                             capture_output=True, text=True, timeout=120)
-    assert (trained.returncode, trained.stderr) == (2, f"error: {out} holds an unfinished fineweb.py run (2 shards "
-                                                       "written, manifest.json says complete: false); finish it by "
-                                                       "running fineweb.py again as it was run\n")
+    trained = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"),
+            "--model",
+            "cpu",
+            "--data-dir",
+            str(out),
+            "--out-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (trained.returncode, trained.stderr) == (
+        2,
+        f"error: {out} holds an unfinished fineweb.py run (2 shards "
+        "written, manifest.json says complete: false); finish it by "
+        "running fineweb.py again as it was run\n",
+    )
     assert not (tmp_path / "run").exists()
     # the resume point splits a document, so the already-written prefix must be dropped
     assert manifest["shards"][-1]["next_document_tokens_done"] > 0
@@ -356,10 +469,14 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
         before = tree_hashes(out)
         for second in (["--files", str(other), "--out-dir", str(out), "--max-tokens", "1M"], args):
             result = run_cli(*second)
-            assert (result.returncode, result.stderr) == (2, (
-                f"error: --out-dir {out} is being written by another process (pid {first.pid} on "
-                f"{socket.gethostname()}; it holds a lock on the folder): wait for it to end, or choose another "
-                "--out-dir\n"))
+            assert (result.returncode, result.stderr) == (
+                2,
+                (
+                    f"error: --out-dir {out} is being written by another process (pid {first.pid} on "
+                    f"{socket.gethostname()}; it holds a lock on the folder): wait for it to end, or choose another "
+                    "--out-dir\n"
+                ),
+            )
             assert tree_hashes(out) == before
         os.kill(first.pid, signal.SIGKILL)  # (its workers end once their task pipe closes)
         assert first.wait(timeout=120) == -signal.SIGKILL
@@ -384,13 +501,14 @@ def test_resume_at_a_document_boundary(tmp_path, small_chunks, capsys):
     cut.mkdir()
     first = manifest["shards"][0]["file"]
     shard_bytes = (tmp_path / "full" / first).read_bytes()
-    (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False,
-                                                   "shards": manifest["shards"][:1]}))
+    (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False, "shards": manifest["shards"][:1]}))
     (cut / first).write_bytes(shard_bytes[:-2])  # a shard cut short is refused, not resumed
     capsys.readouterr()
     assert fineweb.main(args + ["--out-dir", str(cut)]) == 2
-    assert capsys.readouterr().err == (f"error: {cut / first}, listed in {cut / 'manifest.json'}, "
-                                       "is missing or truncated; delete the folder and start over\n")
+    assert capsys.readouterr().err == (
+        f"error: {cut / first}, listed in {cut / 'manifest.json'}, "
+        "is missing or truncated; delete the folder and start over\n"
+    )
     (cut / first).write_bytes(shard_bytes)
     assert fineweb.main(args + ["--out-dir", str(cut)]) == 0
     assert_same_output(cut, tmp_path / "full")
@@ -402,18 +520,21 @@ def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, co
     again = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "2500")
     assert again.returncode == 0
     total = reference_tokens(docs).size
-    assert again.stdout == (f"{reference_out} is already complete ({-(-total // 2500)} shards, "
-                            f"{total:,} tokens); nothing to do\n")
+    assert again.stdout == (
+        f"{reference_out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
+    )
     assert {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()} == stamps
 
     other = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "3000")
     assert other.returncode == 2
     assert only_line(other) == (
         f"error: {reference_out / 'manifest.json'} was written with other arguments "
-        "(shard_size 2500 -> 3000); rerun with the same arguments to resume, or use another --out-dir")
+        "(shard_size 2500 -> 3000); rerun with the same arguments to resume, or use another --out-dir"
+    )
 
 
 # --- errors: one line, no traceback, non-zero exit -------------------------------------------
+
 
 def test_no_matching_files(tmp_path):
     result = run_cli("--files", tmp_path / "nothing*.jsonl", "--out-dir", tmp_path / "out")
@@ -435,6 +556,7 @@ def test_missing_text_field(tmp_path, kind):
     if kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
+
         pq.write_table(pa.Table.from_pylist(rows), path)
         where = str(path)
     else:
@@ -442,8 +564,7 @@ def test_missing_text_field(tmp_path, kind):
         where = f"{path}:1"
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
     assert result.returncode == 2
-    assert only_line(result) == (f"error: {where}: no field 'text' (fields: id, content); "
-                                 "choose one with --text-field")
+    assert only_line(result) == (f"error: {where}: no field 'text' (fields: id, content); choose one with --text-field")
 
 
 def test_undecodable_bytes(tmp_path):
@@ -453,10 +574,10 @@ def test_undecodable_bytes(tmp_path):
     assert result.returncode == 2
     assert only_line(result) == (
         f"error: {path} is not valid UTF-8 (byte 0xe9 cannot be decoded); "
-        "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace")
+        "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace"
+    )
 
-    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1",
-                       "--utf8-errors", "replace")
+    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace")
     assert replaced.returncode == 0, replaced.stderr
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
@@ -474,7 +595,8 @@ def test_lone_surrogate_is_one_line_or_replaced(tmp_path, workers):
     assert error_line(result) == (
         f"error: {path}:3: the text holds a lone surrogate U+D800 (half of a UTF-16 pair, as JSON's \\ud800 "
         "without its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass "
-        "--utf8-errors replace to tokenize U+FFFD in its place")
+        "--utf8-errors replace to tokenize U+FFFD in its place"
+    )
     assert not (tmp_path / "new").exists()
 
     replaced = run_cli("--files", path, "--out-dir", out, "--workers", workers, "--utf8-errors", "replace")
@@ -505,7 +627,8 @@ def test_text_tiktoken_cannot_tokenize_is_one_line_naming_it(tmp_path, workers):
     assert error_line(result) == (
         f"error: {path}:2: tiktoken cannot tokenize this document (ValueError: Regex error while tokenizing: Error "
         "executing regex: Max stack size exceeded for backtracking); fix it or leave it out (--debug shows the "
-        "traceback)")
+        "traceback)"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -528,9 +651,11 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
         assert next(results).tolist() == [1, 2]
         with pytest.raises(cli.UserError) as raised:
             next(results)
-    assert str(raised.value) == ("x.jsonl:3: tiktoken cannot tokenize this document (PanicException: called "
-                                 "`Result::unwrap()` on an `Err` value); fix it or leave it out (--debug shows the "
-                                 "traceback)")
+    assert str(raised.value) == (
+        "x.jsonl:3: tiktoken cannot tokenize this document (PanicException: called "
+        "`Result::unwrap()` on an `Err` value); fix it or leave it out (--debug shows the "
+        "traceback)"
+    )
     # the worker's own traceback comes along, for --debug
     assert "in encode_to_numpy" in str(raised.value.__cause__.__cause__)
 
@@ -539,7 +664,8 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
     with pytest.raises(documents.ChunkError) as raised:
         documents.tokenize_chunk(None, chunk, "strict")
     assert str(raised.value.located(["d:1", "d:2", "d:3"])) == (
-        "cannot tokenize the 3 documents from d:1 to d:3: not enough memory (the longest is 30 characters)")
+        "cannot tokenize the 3 documents from d:1 to d:3: not enough memory (the longest is 30 characters)"
+    )
 
 
 @pytest.mark.parametrize("offline", ["dead proxy", "HF_HUB_OFFLINE"])
@@ -597,16 +723,18 @@ def test_damaged_gzip_is_one_line_naming_it_and_leaves_no_folder(tmp_path, damag
     packed = gzip.compress(data, mtime=0)
     path = tmp_path / "b.jsonl.gz"
     if damage == "truncated":
-        path.write_bytes(packed[:len(packed) // 2])
+        path.write_bytes(packed[: len(packed) // 2])
     elif damage == "plain text":
         path.write_bytes(data)
     else:
         path.write_bytes(packed[:-8] + bytes([packed[-8] ^ 1]) + packed[-7:])  # the CRC
     out = tmp_path / "new" / "out"  # the error comes after the folder was made, before any shard
     result = run_cli("--files", good, path, "--out-dir", out, "--workers", "1")
-    reason = {"truncated": "is truncated (the gzip data ends early)",
-              "plain text": "is not valid gzip data (Not a gzipped file (b'{\"'))",
-              "flipped byte": "is not valid gzip data (CRC check failed "}[damage]
+    reason = {
+        "truncated": "is truncated (the gzip data ends early)",
+        "plain text": "is not valid gzip data (Not a gzipped file (b'{\"'))",
+        "flipped byte": "is not valid gzip data (CRC check failed ",
+    }[damage]
     line = error_line(result)
     assert line.startswith(f"error: {path} {reason}")
     assert line.endswith("re-create it or leave it out of --files")
@@ -617,11 +745,12 @@ def test_damaged_gzip_is_one_line_naming_it_and_leaves_no_folder(tmp_path, damag
 def test_damaged_parquet_is_one_line_naming_it(tmp_path, damage):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist([{"text": doc} for doc in make_docs(200)]), path)
     data = path.read_bytes()
     if damage == "truncated":
-        path.write_bytes(data[:len(data) // 2])
+        path.write_bytes(data[: len(data) // 2])
     elif damage == "not parquet":
         path.write_bytes(b"id,text\n1,hello\n")
     else:  # the footer is intact, the compressed data is not
@@ -667,8 +796,10 @@ def test_changed_input_is_not_resumed(tmp_path, change):
     else:
         a.unlink()
         what = f"{a} is gone"
-    message = (f"error: the --files input changed since {cut / 'manifest.json'} was written: {what}, so new "
-               f"shards would not continue the old ones; restore it, or delete {cut} and start over")
+    message = (
+        f"error: the --files input changed since {cut / 'manifest.json'} was written: {what}, so new "
+        f"shards would not continue the old ones; restore it, or delete {cut} and start over"
+    )
     for out in (cut, tmp_path / "full"):  # interrupted, and complete: neither is up to date
         before = sorted(p.name for p in out.iterdir())
         result = run_cli(*args, "--out-dir", out)
@@ -676,23 +807,40 @@ def test_changed_input_is_not_resumed(tmp_path, change):
         assert sorted(p.name for p in out.iterdir()) == before
 
 
-@pytest.mark.parametrize("prefix, split, other", [("a_train_b", "val", "train"), ("x_train", "val", "train"),
-                                                  ("x_val", "train", "val"), ("my_val_set", "train", "val")])
+@pytest.mark.parametrize(
+    "prefix, split, other",
+    [
+        ("a_train_b", "val", "train"),
+        ("x_train", "val", "train"),
+        ("x_val", "train", "val"),
+        ("my_val_set", "train", "val"),
+    ],
+)
 def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, other):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--prefix", prefix)
-    assert (result.returncode, only_line(result)) == (2, (
-        f"error: --prefix {prefix!r} would name {split} shards {prefix}_{split}_NNNNNN, which train_gpt2.py "
-        f"would read as {other} shards too (*_{other}_*); choose a prefix without '_train' or '_val'"))
+    assert (result.returncode, only_line(result)) == (
+        2,
+        (
+            f"error: --prefix {prefix!r} would name {split} shards {prefix}_{split}_NNNNNN, which train_gpt2.py "
+            f"would read as {other} shards too (*_{other}_*); choose a prefix without '_train' or '_val'"
+        ),
+    )
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--prefix", "sub/x"], "--prefix 'sub/x' is the start of a file name, not a path"),
-    (["--val-shards", "-1"], "argument --val-shards: must be in 0..2**62, got -1 (see fineweb.py --help)"),
-    (["--format", "bin", "--shard-size", "3G"], "--format bin stores the token count as int32: use --shard-size below 2G"),
-    (["--dataset", "x/y"], "--files reads local files; leave out --dataset, --name and --split"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prefix", "sub/x"], "--prefix 'sub/x' is the start of a file name, not a path"),
+        (["--val-shards", "-1"], "argument --val-shards: must be in 0..2**62, got -1 (see fineweb.py --help)"),
+        (
+            ["--format", "bin", "--shard-size", "3G"],
+            "--format bin stores the token count as int32: use --shard-size below 2G",
+        ),
+        (["--dataset", "x/y"], "--files reads local files; leave out --dataset, --name and --split"),
+    ],
+)
 def test_bad_flags_are_one_line(tmp_path, flags, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", *flags)
@@ -705,19 +853,26 @@ def test_out_dir_that_is_a_file_or_holds_the_input(tmp_path):
     assert (result.returncode, result.stderr) == (2, f"error: --out-dir '{path}' is not a folder\n")
     result = run_cli("--files", tmp_path / "*.jsonl", "--out-dir", tmp_path)
     assert (result.returncode, result.stderr) == (
-        2, f"error: --files matches {path}, inside --out-dir {tmp_path}: the output would be read as input\n")
+        2,
+        f"error: --files matches {path}, inside --out-dir {tmp_path}: the output would be read as input\n",
+    )
 
 
 def test_manifest_that_is_not_ours(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     (tmp_path / "out").mkdir()
-    for text, reason in ((b"[]", ""), (b'{"config": {}}', ""),
-                         (b"\xff\xfe binary", " (not UTF-8 text (byte 0xff), so not JSON)")):
+    for text, reason in (
+        (b"[]", ""),
+        (b'{"config": {}}', ""),
+        (b"\xff\xfe binary", " (not UTF-8 text (byte 0xff), so not JSON)"),
+    ):
         (tmp_path / "out" / "manifest.json").write_bytes(text)
         result = run_cli("--files", path, "--out-dir", tmp_path / "out")
         assert (result.returncode, result.stderr) == (
-            2, f"error: {tmp_path / 'out' / 'manifest.json'} is not a manifest written by fineweb.py{reason}; "
-               "use an empty --out-dir\n")
+            2,
+            f"error: {tmp_path / 'out' / 'manifest.json'} is not a manifest written by fineweb.py{reason}; "
+            "use an empty --out-dir\n",
+        )
 
 
 @pytest.mark.parametrize("file", ["data_val_000000.npy", "manifest.json"])
@@ -729,9 +884,11 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file):
     out.mkdir()
     os.symlink("/dev/full", out / f"{file}.tmp")  # every write there fails with ENOSPC
     result = run_cli("--files", path, "--out-dir", out, "--workers", "1")
-    assert error_line(result) == (f"error: cannot write {out / file}: no space left on device; the shards "
-                                  "that manifest.json lists are complete: fix this and run the same command "
-                                  "again to resume")
+    assert error_line(result) == (
+        f"error: cannot write {out / file}: no space left on device; the shards "
+        "that manifest.json lists are complete: fix this and run the same command "
+        "again to resume"
+    )
     assert not os.path.lexists(out / f"{file}.tmp")
     assert list(out.iterdir()) == []  # no shard that the manifest does not list
 
@@ -752,14 +909,23 @@ def test_all_val_shards_is_said(tmp_path):
     assert result.stdout == f"wrote 1 shard, {tokens:,} tokens, 10 documents to {tmp_path / 'out'}\n"
     assert result.stderr.splitlines()[-1] == (
         "fineweb.py: warning: the only shard is a val shard (--val-shards 3), so train_gpt2.py finds no train shards "
-        f"here: run again into an empty --out-dir with --shard-size {tokens // 10} (a tenth of the tokens)")
+        f"here: run again into an empty --out-dir with --shard-size {tokens // 10} (a tenth of the tokens)"
+    )
 
 
 # --- the GPT-2 BPE shipped in bpe/ ----------------------------------------------------------------
 
-UNICODE_SAMPLES = ["naïve café — 日本語のテキスト 🙂👍🏽 ﷽", "x = {'a': 1}\r\n\tif x:\n        return None  ",
-                   "  leading and trailing   ", "'s 've 're 'll 'd 'm 't", "Ünïcödé İ ß ǅ Ω ℵ 𝔘𝔫𝔦", "\u200b\u00a0\u3000",
-                   "12,345.67e-8 0x1F", "", "a<|endoftext|>b<|endoftext|>"]
+UNICODE_SAMPLES = [
+    "naïve café — 日本語のテキスト 🙂👍🏽 ﷽",
+    "x = {'a': 1}\r\n\tif x:\n        return None  ",
+    "  leading and trailing   ",
+    "'s 've 're 'll 'd 'm 't",
+    "Ünïcödé İ ß ǅ Ω ℵ 𝔘𝔫𝔦",
+    "\u200b\u00a0\u3000",
+    "12,345.67e-8 0x1F",
+    "",
+    "a<|endoftext|>b<|endoftext|>",
+]
 
 
 def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
@@ -778,7 +944,11 @@ def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
         assert shipped.decode(shipped.encode_ordinary(sample)) == sample
     # <|endoftext|>: the special id when allowed, ordinary text otherwise, refused by default
     assert shipped.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"}) == [64, EOT, 65]
-    assert shipped.encode_ordinary("<|endoftext|>") == ENC.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    assert (
+        shipped.encode_ordinary("<|endoftext|>")
+        == ENC.encode_ordinary("<|endoftext|>")
+        == [27, 91, 437, 1659, 5239, 91, 29]
+    )
     with pytest.raises(ValueError, match="disallowed special token"):
         shipped.encode("<|endoftext|>")
 
@@ -791,8 +961,15 @@ def offline_env(tmp_path):
     for name in ("home", "cache", "tmp"):
         (tmp_path / name).mkdir(parents=True)
     dead = "http://127.0.0.1:9"
-    env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"),
-               HTTPS_PROXY=dead, HTTP_PROXY=dead, https_proxy=dead, http_proxy=dead)
+    env.update(
+        HOME=str(tmp_path / "home"),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        TMPDIR=str(tmp_path / "tmp"),
+        HTTPS_PROXY=dead,
+        HTTP_PROXY=dead,
+        https_proxy=dead,
+        http_proxy=dead,
+    )
     return env
 
 
@@ -800,19 +977,35 @@ def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
     env = offline_env(tmp_path)
     docs = ["hello world", "naïve café 🙂", "text that quotes <|endoftext|>"]
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
-    result = subprocess.run([sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out", "--workers", "2"],
-                            capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(docs))
 
-    round_trip = ("from trainkit import tokenizer; enc = tokenizer.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
-                  "allowed_special={'<|endoftext|>'}); print(tokens, enc.decode(tokens) == 'naïve <|endoftext|> 🙂')")
+    round_trip = (
+        "from trainkit import tokenizer; enc = tokenizer.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
+        "allowed_special={'<|endoftext|>'}); print(tokens, enc.decode(tokens) == 'naïve <|endoftext|> 🙂')"
+    )
     (tmp_path / "empty").mkdir()
     for cache in ({}, {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}):  # unset, or set to a folder without it
-        result = subprocess.run([sys.executable, "-c", round_trip], capture_output=True, text=True, env={**env, **cache},
-                                cwd=Path(FINEWEB).parent, timeout=60)
-        assert (result.stdout, result.stderr) == (f"{ENC.encode('naïve <|endoftext|> 🙂', allowed_special='all')} True\n", "")
+        result = subprocess.run(
+            [sys.executable, "-c", round_trip],
+            capture_output=True,
+            text=True,
+            env={**env, **cache},
+            cwd=Path(FINEWEB).parent,
+            timeout=60,
+        )
+        assert (result.stdout, result.stderr) == (
+            f"{ENC.encode('naïve <|endoftext|> 🙂', allowed_special='all')} True\n",
+            "",
+        )
     assert list((tmp_path / "empty").iterdir()) == []
     assert [p for name in ("home", "cache", "tmp") for p in (tmp_path / name).rglob("*")] == []  # nothing cached
 
@@ -835,34 +1028,56 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
     bad = data.replace(b" 1000\n", b" 1001\n") if damage == "one rank changed" else data[:-100]
     folder = copy_of_fineweb(tmp_path, bad)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
-                            capture_output=True, text=True, env=offline_env(tmp_path), timeout=60)
+    result = subprocess.run(
+        [sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        env=offline_env(tmp_path),
+        timeout=60,
+    )
     shipped = (folder / "bpe" / "r50k_base.tiktoken").resolve()
     digest = hashlib.sha256(bad).hexdigest()
-    assert (result.returncode, result.stderr) == (2, (
-        f"error: could not load the GPT-2 tokenizer: {shipped} is damaged (sha256 {digest[:16]}..., expected "
-        "306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that "
-        "holds tiktoken's cached r50k_base file\n"))
+    assert (result.returncode, result.stderr) == (
+        2,
+        (
+            f"error: could not load the GPT-2 tokenizer: {shipped} is damaged (sha256 {digest[:16]}..., expected "
+            "306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that "
+            "holds tiktoken's cached r50k_base file\n"
+        ),
+    )
     assert not (tmp_path / "out").exists()
 
     # a tiktoken cache still comes first
-    cached = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
-                            capture_output=True, text=True, timeout=60,
-                            env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": tiktoken_cache(tmp_path / "cache")})
+    cached = subprocess.run(
+        [sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": tiktoken_cache(tmp_path / "cache")},
+    )
     assert cached.returncode == 0, cached.stderr
 
 
 def test_missing_shipped_bpe_offline_is_one_line(tmp_path):
     folder = copy_of_fineweb(tmp_path, None)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = subprocess.run([sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
-                            capture_output=True, text=True, env=offline_env(tmp_path), timeout=60)
+    result = subprocess.run(
+        [sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        env=offline_env(tmp_path),
+        timeout=60,
+    )
     assert result.returncode == 2
     line = only_line(result)
-    assert line.startswith(f"error: could not load the GPT-2 tokenizer: {(folder / 'bpe').resolve()}/r50k_base.tiktoken "
-                           "is missing and tiktoken could not fetch 'r50k_base' (")
-    assert line.endswith("); restore the file (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds "
-                         "tiktoken's cached r50k_base file")
+    assert line.startswith(
+        f"error: could not load the GPT-2 tokenizer: {(folder / 'bpe').resolve()}/r50k_base.tiktoken "
+        "is missing and tiktoken could not fetch 'r50k_base' ("
+    )
+    assert line.endswith(
+        "); restore the file (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds "
+        "tiktoken's cached r50k_base file"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -870,14 +1085,20 @@ def test_shard_files_tell_contents_apart(tmp_path):
     """The ranks' start-up check and a resume compare shards by content: the sha256 fineweb.py's
     manifest records and a sampled sha256 (the whole file when it is small), not only names and sizes."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs()])
-    assert fineweb.main(["--files", str(path), "--out-dir", str(tmp_path / "a"), "--shard-size", "4000",
-                         "--workers", "1"]) == 0
+    assert (
+        fineweb.main(["--files", str(path), "--out-dir", str(tmp_path / "a"), "--shard-size", "4000", "--workers", "1"])
+        == 0
+    )
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
     a = shards.shard_files(paths)
-    whole = [hashlib.sha256(b"%d" % shard["bytes"] + open(p, "rb").read()).hexdigest()  # small files: all of it
-             for shard, p in zip(manifest["shards"], paths)]
-    assert a == [(shard["file"], shard["bytes"], digest, shard["sha256"]) for shard, digest in zip(manifest["shards"], whole)]
+    whole = [
+        hashlib.sha256(b"%d" % shard["bytes"] + open(p, "rb").read()).hexdigest()  # small files: all of it
+        for shard, p in zip(manifest["shards"], paths)
+    ]
+    assert a == [
+        (shard["file"], shard["bytes"], digest, shard["sha256"]) for shard, digest in zip(manifest["shards"], whole)
+    ]
     (tmp_path / "b").mkdir()  # the same shards without the manifest, then one with other tokens of its size
     copies = [str(tmp_path / "b" / os.path.basename(p)) for p in paths]
     for p, copy in zip(paths, copies):
@@ -889,9 +1110,16 @@ def test_shard_files_tell_contents_apart(tmp_path):
     np.save(copies[1], (np.load(copies[1]) + 1) % 50257)
     b = shards.shard_files(copies)
     assert shards.differing_file(a, b) == (
-        name, f"{n} bytes of sampled content {a[1][2][:12]}", f"{n} bytes of sampled content {b[1][2][:12]}")
+        name,
+        f"{n} bytes of sampled content {a[1][2][:12]}",
+        f"{n} bytes of sampled content {b[1][2][:12]}",
+    )
     b[1] = (*b[1][:3], "f" * 64)  # both manifests list it: theirs is the sha256 compared first
-    assert shards.differing_file(a, b) == (name, f"{n} bytes of sha256 {a[1][3][:12]}", f"{n} bytes of sha256 ffffffffffff")
+    assert shards.differing_file(a, b) == (
+        name,
+        f"{n} bytes of sha256 {a[1][3][:12]}",
+        f"{n} bytes of sha256 ffffffffffff",
+    )
     assert shards.differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
     old = [(entry[0], entry[1]) for entry in a]  # a checkpoint written before contents were recorded
     assert shards.differing_file(old, b) is None and shards.differing_file(b, old) is None
@@ -922,13 +1150,18 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
     damaged = cache / hashlib.sha1(tokenizer.BPE_URL.encode()).hexdigest()
     damaged.write_bytes(Path(tokenizer.SHIPPED_BPE).read_bytes()[:-100])
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
-    result = subprocess.run([sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out"],
-                            capture_output=True, text=True, timeout=60,
-                            env={**offline_env(tmp_path / "offline"), "TIKTOKEN_CACHE_DIR": str(cache)})
+    result = subprocess.run(
+        [sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**offline_env(tmp_path / "offline"), "TIKTOKEN_CACHE_DIR": str(cache)},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr.startswith(
         f"note: the GPT-2 tokenizer file {damaged} in TIKTOKEN_CACHE_DIR is damaged (another sha256); using "
-        f"{tokenizer.SHIPPED_BPE} instead (delete the damaged file to silence this)\n")
+        f"{tokenizer.SHIPPED_BPE} instead (delete the damaged file to silence this)\n"
+    )
     assert result.stderr.count("note:") == 1
     assert damaged.read_bytes() == Path(tokenizer.SHIPPED_BPE).read_bytes()[:-100]  # not deleted by tiktoken
     _, arrays = load_shards(tmp_path / "out")
@@ -937,11 +1170,19 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
 
 def test_files_that_is_a_folder_says_so(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
-    result = subprocess.run([sys.executable, FINEWEB, "--files", tmp_path, "--out-dir", tmp_path / "out"],
-                            capture_output=True, text=True, timeout=60)
-    assert (result.returncode, result.stderr) == (2, (
-        f"error: --files '{tmp_path}' is a folder: --files takes files or globs, e.g. '{tmp_path}/*.jsonl' (or "
-        "'**/*.jsonl' inside it for its subfolders)\n"))
+    result = subprocess.run(
+        [sys.executable, FINEWEB, "--files", tmp_path, "--out-dir", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        (
+            f"error: --files '{tmp_path}' is a folder: --files takes files or globs, e.g. '{tmp_path}/*.jsonl' (or "
+            "'**/*.jsonl' inside it for its subfolders)\n"
+        ),
+    )
     assert os.listdir(tmp_path) == ["d.jsonl"]
 
 
@@ -973,12 +1214,43 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_the_trainer
     assert resumed.returncode == 0, resumed.stderr
     assert_same_output(killed, out)
 
-    trained = subprocess.run([sys.executable, os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"), "--data-dir",
-                              str(out), "--out-dir", str(tmp_path / "run"), "--n-layer", "1", "--n-head", "2",
-                              "--n-embd", "16", "--block-size", "16", "--seq-len", "16", "--batch-size", "2",
-                              "--total-batch-size", "32", "--max-steps", "1", "--val-every", "1", "--val-steps", "1",
-                              "--sample-every", "0", "--hellaswag-every", "0"],
-                             capture_output=True, text=True, timeout=240)
+    trained = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"),
+            "--data-dir",
+            str(out),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--n-layer",
+            "1",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "16",
+            "--block-size",
+            "16",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--total-batch-size",
+            "32",
+            "--max-steps",
+            "1",
+            "--val-every",
+            "1",
+            "--val-steps",
+            "1",
+            "--sample-every",
+            "0",
+            "--hellaswag-every",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert trained.returncode == 0, trained.stderr
     assert "step     1 | val loss" in trained.stdout
 
@@ -989,6 +1261,8 @@ def test_a_prefix_the_trainer_would_not_find_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
     result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--prefix", ".hidden")
     assert (result.returncode, result.stdout) == (2, "")
-    assert only_line(result) == ("error: --prefix '.hidden' starts with '.': train_gpt2.py would not find shards "
-                                 "named like hidden files; choose a prefix without the leading dot")
+    assert only_line(result) == (
+        "error: --prefix '.hidden' starts with '.': train_gpt2.py would not find shards "
+        "named like hidden files; choose a prefix without the leading dot"
+    )
     assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 checkpoints any mode resumes, and evaluation that matches one process.
 The loss of every split under --fsdp is checked with the others in test_train_cli.py, and
 SIGTERM with the others in test_resilience.py."""
+
 import os
 import re
 import shutil
@@ -33,8 +34,9 @@ def local_bytes(tensors) -> int:
 
 def state_bytes(params, optimizer) -> dict:
     optimizer_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return dict(params=local_bytes(params), grads=local_bytes(p.grad for p in params),
-                optimizer=local_bytes(optimizer_state))
+    return dict(
+        params=local_bytes(params), grads=local_bytes(p.grad for p in params), optimizer=local_bytes(optimizer_state)
+    )
 
 
 def failing_backend(graph, example_inputs):
@@ -43,7 +45,9 @@ def failing_backend(graph, example_inputs):
 
 def fsdp_after_failed_compile(d, batches, n_tokens, world):
     """An FSDP model whose compiled blocks failed in the first step, back to eager as the trainer does."""
-    model = fsdp.shard_model(fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend=failing_backend))
+    model = fsdp.shard_model(
+        fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend=failing_backend)
+    )
     with pytest.raises(Exception, match="no compiler here"):
         tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
     model.zero_grad(set_to_none=True)
@@ -55,10 +59,12 @@ def ddp_with_compiled_blocks(events: list):
     """DDP around compile_model's GPT with one-parameter buckets; events gets, in order, "all-reduce"
     when a bucket's all-reduce starts and "block i" when a gradient of block i lands."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     model = fresh_model()
     ddp = nn.parallel.DistributedDataParallel(tg.compile_model(model, backend="aot_eager"), bucket_cap_mb=1e-6)
-    ddp.register_comm_hook(None, lambda state, bucket: events.append("all-reduce") or
-                           default_hooks.allreduce_hook(state, bucket))
+    ddp.register_comm_hook(
+        None, lambda state, bucket: events.append("all-reduce") or default_hooks.allreduce_hook(state, bucket)
+    )
     for i, block in enumerate(model.transformer.h):
         for p in block.parameters():
             p.register_post_accumulate_grad_hook(lambda p, i=i: events.append(f"block {i}"))
@@ -72,12 +78,15 @@ def step_on_two_ranks(rank, world, port, out_path):
     with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
         d = launch.Dist(rank=rank, world_size=world, device="cpu")
         results, events = {}, []
-        models = dict(ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
-                      ddp_compiled=lambda: ddp_with_compiled_blocks(events),
-                      fsdp=lambda: fsdp.shard_model(fresh_model(), d, torch.float32),
-                      fsdp_compiled=lambda: fsdp.shard_model(fresh_model(), d, torch.float32,
-                                                           lambda block: torch.compile(block, backend="eager")),
-                      fsdp_eager_again=lambda: fsdp_after_failed_compile(d, batches, n_tokens, world))
+        models = dict(
+            ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
+            ddp_compiled=lambda: ddp_with_compiled_blocks(events),
+            fsdp=lambda: fsdp.shard_model(fresh_model(), d, torch.float32),
+            fsdp_compiled=lambda: fsdp.shard_model(
+                fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend="eager")
+            ),
+            fsdp_eager_again=lambda: fsdp_after_failed_compile(d, batches, n_tokens, world),
+        )
         for mode, make_model in models.items():
             model = make_model()
             bare = checkpoints.unwrap_model(model)
@@ -85,12 +94,18 @@ def step_on_two_ranks(rank, world, port, out_path):
             loss_sum = tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
             params = list(bare.parameters())
             norm = fsdp.grad_norm_of([p.grad for p in params])
-            grads = {n.replace("._orig_mod", ""): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                     else p.grad.clone() for n, p in bare.named_parameters()}  # names without compile's wrapper
+            grads = {
+                n.replace("._orig_mod", ""): p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                for n, p in bare.named_parameters()
+            }  # names without compile's wrapper
             optimizer.step()
-            results[mode] = dict(grads=grads, norm=norm, loss=launch.all_reduce_sum(loss_sum).item() / n_tokens,
-                                 bytes=state_bytes(params, optimizer),
-                                 state_keys=list(checkpoints.full_state(model, optimizer)[0]))
+            results[mode] = dict(
+                grads=grads,
+                norm=norm,
+                loss=launch.all_reduce_sum(loss_sum).item() / n_tokens,
+                bytes=state_bytes(params, optimizer),
+                state_keys=list(checkpoints.full_state(model, optimizer)[0]),
+            )
         results["ddp_compiled"]["events"] = events
         if rank == 0:
             torch.save(results, out_path)
@@ -118,7 +133,7 @@ def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_
     per_backward = sum(1 for _ in fresh_model().transformer.h.parameters())
     assert "all-reduce" not in events[:per_backward]
     last = events[per_backward:]
-    assert "all-reduce" in last[last.index("block 1"):last.index("block 0")], last
+    assert "all-reduce" in last[last.index("block 1") : last.index("block 0")], last
     ddp, fsdp = results["ddp"]["bytes"], results["fsdp"]["bytes"]
     print(f"per-rank bytes, 2 ranks: DDP {ddp}, FSDP {fsdp}")
     assert ddp["grads"] == ddp["params"] and ddp["optimizer"] >= 2 * ddp["params"]  # AdamW: 2 moments
@@ -137,13 +152,29 @@ SHARDS = dict(n_docs=500, seed=3)
 
 def run_args(data_dir, out_dir, hellaswag_file, *extra, B=2, val_steps=1, steps=20):
     """A tiny model with GPT-2's vocabulary (for HellaSwag and samples), evaluated every 10 steps."""
-    return tiny_run_args(data_dir, out_dir, "--val-steps", str(val_steps), "--hellaswag-limit", "4",
-                         "--hellaswag-file", hellaswag_file, *extra, steps=steps, B=B, seq_len=T, warmup=3,
-                         val_every=10, sample_every=10, hellaswag_every=10)
+    return tiny_run_args(
+        data_dir,
+        out_dir,
+        "--val-steps",
+        str(val_steps),
+        "--hellaswag-limit",
+        "4",
+        "--hellaswag-file",
+        hellaswag_file,
+        *extra,
+        steps=steps,
+        B=B,
+        seq_len=T,
+        warmup=3,
+        val_every=10,
+        sample_every=10,
+        hellaswag_every=10,
+    )
 
 
 def log_of(out_dir, key):
     import json
+
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
 
@@ -153,8 +184,13 @@ def samples(stdout):
 
 
 def fsdp_run(args):
-    result = subprocess.run([*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", "--fsdp", *args],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", "--fsdp", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2 | fsdp" in result.stdout
     return result.stdout
@@ -178,8 +214,7 @@ def assert_same_layout(a, b):
             assert value.shape == other.shape and value.dtype == other.dtype and value.device == other.device
 
 
-def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
-        data_dir, tmp_path, capsys):
+def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(data_dir, tmp_path, capsys):
     hellaswag_file = str(HELLASWAG_FILE)
     single, fsdp, fsdp_resumed, single_resumed = (tmp_path / d for d in ("single", "fsdp", "fsdp2", "single2"))
     # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks
@@ -216,6 +251,7 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     pytest.importorskip("transformers")
     import hf_interop
     from transformers import GPT2LMHeadModel
+
     path = os.path.join(fsdp, "ckpt_0000020.pt")
     hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(path, str(tmp_path / "hf"))).eval()
     ours = tg.GPT.from_checkpoint(path)
@@ -226,8 +262,9 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
 
 def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
     args = ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--fsdp"]
-    result = subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("error: --fsdp shards the model over the processes of a torchrun launch")
     assert result.stderr.count("\n") == 1
@@ -236,9 +273,29 @@ def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
 def test_fsdp_with_float16_is_refused_before_any_work(data_dir, tmp_path):
     """Each rank's GradScaler would see only its own shard's overflows (the check runs before the
     process group is needed, so a world size of 2 is enough here)."""
-    run = tg.RunConfig(**vars(tg.build_parser().parse_args(
-        ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--batch-size", "4",
-         "--total-batch-size", "2048", "--fsdp", "--dtype", "float16", "--device", "cpu"])))
+    run = tg.RunConfig(
+        **vars(
+            tg.build_parser().parse_args(
+                [
+                    "--data-dir",
+                    data_dir,
+                    "--out-dir",
+                    str(tmp_path),
+                    "--model",
+                    "cpu",
+                    "--batch-size",
+                    "4",
+                    "--total-batch-size",
+                    "2048",
+                    "--fsdp",
+                    "--dtype",
+                    "float16",
+                    "--device",
+                    "cpu",
+                ]
+            )
+        )
+    )
     with pytest.raises(cli.UserError, match="--fsdp does not support float16"):
         tg.resolve_launch(run, launch.Dist(rank=0, world_size=2), OutDirLock(str(tmp_path)))
     assert not os.listdir(tmp_path)

@@ -1,6 +1,7 @@
 """The CUDA-side choices, tested on CPU: MFU per GPU, the peak table, one host sync
 per step, fp16 with a GradScaler, the chunked loss in evaluation and under compile, the compile
 fallback, activation checkpointing, device validation and benchmarks/gpu_check.py."""
+
 import dataclasses
 import functools
 import json
@@ -43,6 +44,7 @@ run_cli = functools.partial(conftest.run_cli, env={"OMP_NUM_THREADS": "1"})
 
 # --- MFU and throughput ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def two_ranks(data_dir, tmp_path_factory):
     """One torchrun of 2 gloo ranks x 2 micro-steps of 2 rows, fp16, with --peak-tflops: (stdout, out dir)."""
@@ -64,10 +66,10 @@ def test_mfu_under_two_ranks_is_per_gpu(two_ranks):
         assert r["mfu"] == pytest.approx(flops_per_token * tokens / (dt * 2 * 1e9), rel=1e-9)
         assert r["tok_per_s"] == pytest.approx(tokens / dt, rel=1e-9)
         assert r["tok_per_s_per_gpu"] == pytest.approx(tokens / dt / 2, rel=1e-9)
-    step_line = next(l for l in stdout.splitlines() if l.startswith("step     1/"))
+    step_line = next(line for line in stdout.splitlines() if line.startswith("step     1/"))
     assert re.search(r"tok/s [\d,]+ \([\d,]+/rank\) \| mfu [\d.]+%", step_line), step_line
     # the summary's mean leaves out step 0 (compile / warm-up)
-    summary = next(l for l in stdout.splitlines() if l.startswith("done:"))
+    summary = next(line for line in stdout.splitlines() if line.startswith("done:"))
     mean_dt = sum(r["dt_ms"] for r in records[1:]) / 3 / 1000
     shown = int(re.search(r"mean ([\d,]+) tok/s", summary).group(1).replace(",", ""))
     assert shown == round(tokens / mean_dt)
@@ -79,16 +81,37 @@ def test_no_mfu_on_cpu_without_peak(data_dir, tmp_path):
     assert "mfu" not in train_records(tmp_path)[0]
 
 
-@pytest.mark.parametrize("name,tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA GH200 480GB", 989), ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA B200", 2250),
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A10", 125), ("NVIDIA A10G", None),
-    ("NVIDIA L4", 121), ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA RTX A6000", 154.8),
-    ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA GeForce RTX 4090", 165.2),
-    ("NVIDIA GeForce RTX 4090 D", None), ("NVIDIA GeForce RTX 5090", 209.5), ("Tesla V100-SXM2-16GB", 125),
-    ("Tesla V100-PCIE-32GB", 112), ("Tesla V100S-PCIE-32GB", 130), ("Tesla T4", 65),
-    ("NVIDIA GeForce GTX 1080 Ti", None), ("Tesla P100-PCIE-16GB", None),
-])
+@pytest.mark.parametrize(
+    "name,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA B200", 2250),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100-PCIE-40GB", 312),
+        ("NVIDIA A10", 125),
+        ("NVIDIA A10G", None),
+        ("NVIDIA L4", 121),
+        ("NVIDIA L40S", 362),
+        ("NVIDIA L40", 181),
+        ("NVIDIA RTX A6000", 154.8),
+        ("NVIDIA GeForce RTX 3090", 71),
+        ("NVIDIA GeForce RTX 3090 Ti", None),
+        ("NVIDIA GeForce RTX 4090", 165.2),
+        ("NVIDIA GeForce RTX 4090 D", None),
+        ("NVIDIA GeForce RTX 5090", 209.5),
+        ("Tesla V100-SXM2-16GB", 125),
+        ("Tesla V100-PCIE-32GB", 112),
+        ("Tesla V100S-PCIE-32GB", 130),
+        ("Tesla T4", 65),
+        ("NVIDIA GeForce GTX 1080 Ti", None),
+        ("Tesla P100-PCIE-16GB", None),
+    ],
+)
 def test_peak_table_matches_names_carefully(name, tflops):
     assert throughput.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
 
@@ -104,7 +127,9 @@ def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch, dtype):
             if inside[0]:
                 counts[-1].append(name)
             return original(*args, **kwargs)
+
         return wrapper
+
     for name in ("item", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
     monkeypatch.setattr(torch, "tensor", counting("torch.tensor", torch.tensor))
@@ -118,6 +143,7 @@ def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch, dtype):
             return original_step(self, step)
         finally:
             inside[0] = False
+
     monkeypatch.setattr(tg.Trainer, "train_step", train_step)
     assert tg.main(args_for(data_dir, tmp_path, "--grad-clip", "1.0", "--dtype", dtype, B=2)) == 0
     assert len(counts) == 4
@@ -136,9 +162,10 @@ def fp16_grads(B, loss_chunk=0):
     optimizer = tg.build_optimizer(model, 0.0, 1e-3, "cpu")
     scaler = torch.amp.GradScaler("cpu")
     x, y = make_batch()
-    batches = [(x[i:i + B], y[i:i + B]) for i in range(0, 8, B)]
-    loss_sum = tg.accumulate_gradients(model, batches, int((y != -1).sum()), 1, "cpu", torch.float16,
-                                       loss_chunk, scaler)
+    batches = [(x[i : i + B], y[i : i + B]) for i in range(0, 8, B)]
+    loss_sum = tg.accumulate_gradients(
+        model, batches, int((y != -1).sum()), 1, "cpu", torch.float16, loss_chunk, scaler
+    )
     scaler.unscale_(optimizer)
     return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / int((y != -1).sum())
 
@@ -176,7 +203,7 @@ def test_fp16_without_token_normalization_would_be_caught():
     x, y = make_batch()
     for i in range(0, 8, 2):
         with torch.autocast("cpu", dtype=torch.float16):
-            _, loss = model(x[i:i + 2], y[i:i + 2])
+            _, loss = model(x[i : i + 2], y[i : i + 2])
         (loss / 4).backward()
     wrong = {n: p.grad for n, p in model.named_parameters()}
     assert worst_relative_error(wrong, ref) > 0.1  # measured 1.6
@@ -199,6 +226,7 @@ def overflow_at(monkeypatch, at_call):
         if len(calls) - 1 == at_call:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
         return loss
+
     monkeypatch.setattr(tg, "accumulate_gradients", patched)
 
 
@@ -211,7 +239,7 @@ def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, m
     assert [r.get("skipped") for r in records] == [None, None, "overflow", None]
     assert all(map(lambda r: r["loss"] == r["loss"], records))
     ckpt = checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
-    assert ckpt["scaler"]["scale"] == 2.0 ** 16 * 0.5  # the scaler backed off once
+    assert ckpt["scaler"]["scale"] == 2.0**16 * 0.5  # the scaler backed off once
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -225,22 +253,26 @@ def test_fp16_resume_is_bit_exact(data_dir, tmp_path, optimizer):
     for name in ("ckpt_0000003.pt", "log.jsonl"):
         (resumed / name).write_bytes((straight / name).read_bytes())
     assert tg.main(args_for(data_dir, resumed, *fp16, "--resume", steps=6)) == 0
-    assert [(r["step"], r["loss"]) for r in train_records(resumed)] == \
-        [(r["step"], r["loss"]) for r in train_records(straight)]
+    assert [(r["step"], r["loss"]) for r in train_records(resumed)] == [
+        (r["step"], r["loss"]) for r in train_records(straight)
+    ]
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["scaler"] == b["scaler"]
     assert set(a["optimizer"]) == ({"adamw", "muon"} if optimizer == "muon" else {"state", "param_groups"})
 
 
-@pytest.mark.parametrize("capability,dtype", [((7, 5), torch.float16), ((7, 0), torch.float16),
-                                              ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+@pytest.mark.parametrize(
+    "capability,dtype",
+    [((7, 5), torch.float16), ((7, 0), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)],
+)
 def test_auto_dtype_is_fp16_below_ampere(capability, dtype):
     assert precision.resolve_dtype("auto", "cuda", capability) == dtype
     assert precision.resolve_dtype("auto", "cpu") == torch.float32
 
 
 # --- the chunked loss in evaluation and under torch.compile ---------------------------------------
+
 
 def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
     torch.manual_seed(1)
@@ -253,8 +285,11 @@ def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
     assert not chunked.requires_grad
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     calls = []
-    monkeypatch.setattr(chunked_loss, "chunked_loss_and_grads",
-                        lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None))
+    monkeypatch.setattr(
+        chunked_loss,
+        "chunked_loss_and_grads",
+        lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None),
+    )
     with torch.no_grad():
         model(x, y, loss_chunk=10)
     assert calls == [False]
@@ -266,11 +301,13 @@ def compiled_graphs(n_layer, loss_chunk):
     """Node counts of the FX graphs torch.compile traces for a forward + backward of the tiny GPT
     (compile_model: one block at a time), and its loss."""
     import torch._dynamo
+
     sizes = []
 
     def counting_backend(gm, example_inputs):
         sizes.append(sum(len(m.graph.nodes) for m in gm.modules() if hasattr(m, "graph")))  # with subgraphs
         return gm.forward
+
     torch._dynamo.reset()
     torch.manual_seed(1)
     model = tg.compile_model(tg.GPT(dataclasses.replace(SMALL, n_layer=n_layer)), backend=counting_backend)
@@ -300,18 +337,22 @@ def test_compile_traces_one_block_for_every_block_and_keeps_the_chunk_loop_out()
 
 # --- compile that falls back, devices -------------------------------------------------------------
 
-@pytest.mark.parametrize("requested,device,capability,platform,triton,expected", [
-    (None, "cuda", (8, 0), "linux", True, (True, None)),
-    (None, "cuda", (7, 0), "linux", True, (True, None)),  # V100: Triton runs there
-    (None, "cuda", (6, 1), "linux", True, (False, "compute capability 6.1 < 7.0, which Triton needs")),
-    (True, "cuda", (6, 0), "linux", True, (False, "compute capability 6.0 < 7.0, which Triton needs")),
-    (None, "cuda", (8, 6), "win32", False, (False, "Triton is not installed (pip install triton-windows)")),
-    (None, "cuda", (9, 0), "linux", False, (False, "Triton is not installed (pip install triton)")),
-    (False, "cuda", (9, 0), "linux", True, (False, None)),
-    (None, "cpu", None, "linux", False, (False, None)),
-    (True, "cpu", None, "linux", False, (True, None)),  # inductor's CPU backend needs no Triton
-    (None, "mps", None, "darwin", False, (False, None)),
-])
+
+@pytest.mark.parametrize(
+    "requested,device,capability,platform,triton,expected",
+    [
+        (None, "cuda", (8, 0), "linux", True, (True, None)),
+        (None, "cuda", (7, 0), "linux", True, (True, None)),  # V100: Triton runs there
+        (None, "cuda", (6, 1), "linux", True, (False, "compute capability 6.1 < 7.0, which Triton needs")),
+        (True, "cuda", (6, 0), "linux", True, (False, "compute capability 6.0 < 7.0, which Triton needs")),
+        (None, "cuda", (8, 6), "win32", False, (False, "Triton is not installed (pip install triton-windows)")),
+        (None, "cuda", (9, 0), "linux", False, (False, "Triton is not installed (pip install triton)")),
+        (False, "cuda", (9, 0), "linux", True, (False, None)),
+        (None, "cpu", None, "linux", False, (False, None)),
+        (True, "cpu", None, "linux", False, (True, None)),  # inductor's CPU backend needs no Triton
+        (None, "mps", None, "darwin", False, (False, None)),
+    ],
+)
 def test_compile_decision(requested, device, capability, platform, triton, expected):
     assert tg.compile_decision(requested, device, capability, platform, triton) == expected
 
@@ -319,6 +360,7 @@ def test_compile_decision(requested, device, capability, platform, triton, expec
 def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
     def failing_backend(gm, example_inputs):
         raise RuntimeError("Cannot find a working triton installation\nmore detail")
+
     monkeypatch.setattr(tg, "compile_model", lambda model: torch.compile(model, backend=failing_backend))
     torch._dynamo.reset()
     assert tg.main(args_for(data_dir, tmp_path / "fallback", "--compile", B=2)) == 0
@@ -326,15 +368,19 @@ def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, 
     assert out.count("compile failed, continuing without it") == 1
     assert "Cannot find a working triton installation" in out and "more detail" not in out
     assert tg.main(args_for(data_dir, tmp_path / "eager", "--no-compile", B=2)) == 0
-    assert [r["loss"] for r in train_records(tmp_path / "fallback")] == \
-        [r["loss"] for r in train_records(tmp_path / "eager")]
+    assert [r["loss"] for r in train_records(tmp_path / "fallback")] == [
+        r["loss"] for r in train_records(tmp_path / "eager")
+    ]
 
 
-@pytest.mark.parametrize("device,message", [
-    ("foo", "error: --device foo: expected auto, cpu, cuda, cuda:N or mps"),
-    ("mps", "error: --device mps asked for, but torch sees no MPS device"),
-    ("cuda:x", "error: --device cuda:x: expected auto, cpu, cuda, cuda:N or mps"),
-])
+@pytest.mark.parametrize(
+    "device,message",
+    [
+        ("foo", "error: --device foo: expected auto, cpu, cuda, cuda:N or mps"),
+        ("mps", "error: --device mps asked for, but torch sees no MPS device"),
+        ("cuda:x", "error: --device cuda:x: expected auto, cpu, cuda, cuda:N or mps"),
+    ],
+)
 def test_unknown_or_missing_device_is_one_line(data_dir, tmp_path, device, message):
     result = run_cli(args_for(data_dir, tmp_path, "--device", device))
     assert result.returncode == 2
@@ -350,6 +396,7 @@ def test_auto_device_picks_mps_when_there_is_no_cuda(monkeypatch):
 
 
 # --- activation checkpointing ----------------------------------------------------------------------
+
 
 def test_activation_checkpointing_gives_the_same_gradients():
     x, y = make_batch()
@@ -368,15 +415,19 @@ def test_activation_checkpointing_flag_trains_identically(data_dir, tmp_path):
     result = run_cli(args_for(data_dir, tmp_path / "ckpt", "--activation-checkpointing", B=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert tg.main(args_for(data_dir, tmp_path / "plain", B=2)) == 0
-    assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == [r["loss"] for r in train_records(tmp_path / "plain")]
+    assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == [
+        r["loss"] for r in train_records(tmp_path / "plain")
+    ]
 
 
 # --- benchmarks/gpu_check.py ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def gpu_check():
     """benchmarks/gpu_check.py as a module, for its plan."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -389,20 +440,51 @@ def test_gpu_check_runs_in_the_lease_order(gpu_check):
     matrix = gpu_check.plan(cuda=True, n_gpus=1)
     assert [v["group"] for v in matrix] == sorted(v["group"] for v in matrix)
     assert [v["name"] for v in matrix[:7]] == [
-        "default path: --model gpt2, 524,288 tok/step", "AdamW bf16 compiled (the yardstick)",
-        "--optimizer muon bf16 compiled", "--doc-mask FlexAttention compiled", "fp16 + GradScaler eager",
-        "out of memory before step 2 (bf16 compiled)", "bench_compile.py: blocks vs graph vs eager"]
+        "default path: --model gpt2, 524,288 tok/step",
+        "AdamW bf16 compiled (the yardstick)",
+        "--optimizer muon bf16 compiled",
+        "--doc-mask FlexAttention compiled",
+        "fp16 + GradScaler eager",
+        "out of memory before step 2 (bf16 compiled)",
+        "bench_compile.py: blocks vs graph vs eager",
+    ]
     args = types.SimpleNamespace(
-        steps=5, recipe_steps=3, seq_len=1024, model_flags=["--model", "gpt2"], peak_tflops=None, cuda=True)
+        steps=5, recipe_steps=3, seq_len=1024, model_flags=["--model", "gpt2"], peak_tflops=None, cuda=True
+    )
     default = gpu_check.train_command(matrix[0], args, "D", "O", 64)
-    assert default[1:] == ["train_gpt2.py", "--data-dir", "D", "--out-dir", "O", "--model", "gpt2", "--max-steps", "3",
-                           "--warmup-steps", "2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
-                           "--ckpt-every", "0"]  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
+    assert default[1:] == [
+        "train_gpt2.py",
+        "--data-dir",
+        "D",
+        "--out-dir",
+        "O",
+        "--model",
+        "gpt2",
+        "--max-steps",
+        "3",
+        "--warmup-steps",
+        "2",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--ckpt-every",
+        "0",
+    ]  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
     assert gpu_check.train_command(matrix[0], args, "D", "O", 64, ref=True)[-7:] == [
-        "--batch-size", "16", "--dtype", "float32", "--no-compile", "--loss-chunk", "0"]  # 32 micro-steps, same rows
+        "--batch-size",
+        "16",
+        "--dtype",
+        "float32",
+        "--no-compile",
+        "--loss-chunk",
+        "0",
+    ]  # 32 micro-steps, same rows
     assert sum(v["est_s"] for v in matrix if v["group"] <= 5) <= 400
     on_two = gpu_check.plan(cuda=True, n_gpus=2)
-    assert on_two[:len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix):]} == {2}
+    assert on_two[: len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix) :]} == {2}
 
 
 @pytest.fixture(scope="module")
@@ -416,27 +498,35 @@ def without_datasets(tmp_path_factory):
 
 def gpu_check_run(*args, env):
     """gpu_check.py's CPU subset, a GPU or not (CUDA hidden)."""
-    return subprocess.run([sys.executable, "benchmarks/gpu_check.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env})
+    return subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env},
+    )
 
 
 def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
     """The CPU subset, in the lease's order, without `datasets`; the report in $OUT."""
     result = gpu_check_run("--steps", "2", env={"OUT": str(tmp_path), "PYTHONPATH": without_datasets})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    lines = [l for l in result.stdout.splitlines() if "| loss drift" in l]
-    assert [l[:4] for l in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], result.stdout
-    assert all(" ok " in l and "tok/s" in l and "GiB private" in l for l in lines), result.stdout
+    lines = [line for line in result.stdout.splitlines() if "| loss drift" in line]
+    assert [line[:4] for line in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], result.stdout
+    assert all(" ok " in line and "tok/s" in line and "GiB private" in line for line in lines), result.stdout
     assert "--batch-size auto" in lines[0] and "| B=4 |" in lines[0]  # a step's 4 rows fit
     assert "--optimizer muon" in lines[1] and "--doc-mask" in lines[2] and "--activation-checkpointing" in lines[4]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["finished"] and report["skipped"] == []
     assert [r["group"] for r in report["rows"]] == [1, 2, 3, 4, 7] and {r["status"] for r in report["rows"]} == {"ok"}
     assert report["rows"][1]["vs_adamw"].startswith("step ") and "causal attention" in report["rows"][2]["vs_causal"]
-    assert all(c.startswith(sys.executable + " train_gpt2.py --data-dir ") for r in report["rows"] for c in r["commands"])
+    assert all(
+        c.startswith(sys.executable + " train_gpt2.py --data-dir ") for r in report["rows"] for c in r["commands"]
+    )
     markdown = (tmp_path / "gpu_check.md").read_text()
-    table = [l for l in markdown.splitlines() if re.match(r"\| \d \|", l)]
-    assert [l.split(" | ")[1] for l in table] == [r["name"] for r in report["rows"]]
+    table = [line for line in markdown.splitlines() if re.match(r"\| \d \|", line)]
+    assert [line.split(" | ")[1] for line in table] == [r["name"] for r in report["rows"]]
     assert f"torch {torch.__version__}" in markdown and "--steps 2" in markdown
     assert len(os.listdir(tmp_path / "logs")) == 8  # 5 variants, 3 references (AdamW's, Muon's, --doc-mask's)
 
@@ -444,14 +534,18 @@ def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
 def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
     result = gpu_check_run("--steps", "2", "--budget-s", "0", "--report", str(tmp_path), env={})
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert [l[:4] for l in result.stdout.splitlines() if "| loss drift" in l] == ["[1] "]
-    assert "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing" \
+    assert [line[:4] for line in result.stdout.splitlines() if "| loss drift" in line] == ["[1] "]
+    assert (
+        "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing"
         in result.stdout
+    )
     assert "run them on another lease: python benchmarks/gpu_check.py --groups 2,3,4,7" in result.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [r["group"] for r in report["rows"]] == [1] and len(report["skipped"]) == 4 and report["finished"]
-    assert "Not run (the time budget, or the lease ended first): --optimizer muon;" in \
-        (tmp_path / "gpu_check.md").read_text()
+    assert (
+        "Not run (the time budget, or the lease ended first): --optimizer muon;"
+        in (tmp_path / "gpu_check.md").read_text()
+    )
 
 
 def test_gpu_check_names_a_missing_package_first(tmp_path):

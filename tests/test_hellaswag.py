@@ -1,4 +1,5 @@
 """hellaswag.py: rendering, batched = one-at-a-time scoring, 2-process totals, HF parity, errors."""
+
 import dataclasses
 import hashlib
 import io
@@ -26,16 +27,38 @@ CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_em
 # and checked by decoding: 'A man is sitting on a roof. he' -> 'A', ' man', ... ' he';
 # every ending starts with a space token (' is', ' starts', ' swings', ' pulls', ' stands').
 CTX0 = [32, 582, 318, 5586, 319, 257, 9753, 13, 339]
-ENDINGS0 = [[318, 1262, 14441, 284, 14441, 257, 5166, 286, 1341, 271, 13],  # ' is using wrap to wrap a pair of sk is .'
-            [318, 34759, 1241, 19867, 572, 13],  # ' is ripping level tiles off .'
-            [318, 4769, 257, 6437, 1134, 338, 23441, 13],  # " is holding a rub ik 's cube ."
-            [4940, 10427, 510, 9753, 278, 319, 257, 9753, 13]]  # ' starts pulling up roof ing on a roof .'
-CTX1 = [32, 10846, 11114, 284, 257, 2318, 7923, 13, 1375, 44370, 866, 290, 22378, 262, 16825, 13, 262,
-        10846]  # 'A lady walks to a barbell. She bends down and grabs the pole. the lady'
-ENDINGS1 = [[26728, 290, 8604, 287, 607, 5101, 13],  # ' swings and lands in her arms.'
-            [16194, 262, 2318, 7923, 2651, 13],  # ' pulls the barbell forward.'
-            [16194, 257, 17182, 7223, 284, 262, 2318, 7923, 13],  # ' pulls a rope attached to the barbell.'
-            [6296, 290, 27103, 262, 3463, 625, 607, 1182, 13]]  # ' stands and lifts the weight over her head.'
+ENDINGS0 = [
+    [318, 1262, 14441, 284, 14441, 257, 5166, 286, 1341, 271, 13],  # ' is using wrap to wrap a pair of sk is .'
+    [318, 34759, 1241, 19867, 572, 13],  # ' is ripping level tiles off .'
+    [318, 4769, 257, 6437, 1134, 338, 23441, 13],  # " is holding a rub ik 's cube ."
+    [4940, 10427, 510, 9753, 278, 319, 257, 9753, 13],
+]  # ' starts pulling up roof ing on a roof .'
+CTX1 = [
+    32,
+    10846,
+    11114,
+    284,
+    257,
+    2318,
+    7923,
+    13,
+    1375,
+    44370,
+    866,
+    290,
+    22378,
+    262,
+    16825,
+    13,
+    262,
+    10846,
+]  # 'A lady walks to a barbell. She bends down and grabs the pole. the lady'
+ENDINGS1 = [
+    [26728, 290, 8604, 287, 607, 5101, 13],  # ' swings and lands in her arms.'
+    [16194, 262, 2318, 7923, 2651, 13],  # ' pulls the barbell forward.'
+    [16194, 257, 17182, 7223, 284, 262, 2318, 7923, 13],  # ' pulls a rope attached to the barbell.'
+    [6296, 290, 27103, 262, 3463, 625, 607, 1182, 13],
+]  # ' stands and lifts the weight over her head.'
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,22 +92,27 @@ def reference_losses(model, ex, block_size):
     ending leaves."""
     longest = max(len(end) for end in ex.endings)
     keep = len(ex.ctx) if len(ex.ctx) + longest <= block_size else max(1, block_size - longest)
-    ctx = ex.ctx[len(ex.ctx) - keep:]
+    ctx = ex.ctx[len(ex.ctx) - keep :]
     sums, means = [], []
     for end in ex.endings:
-        end = end[:block_size - keep]
+        end = end[: block_size - keep]
         with torch.no_grad():
             logits, _ = model(torch.tensor([ctx + end]))
-        nll = F.cross_entropy(logits[0, len(ctx) - 1:-1], torch.tensor(end), reduction="none")
+        nll = F.cross_entropy(logits[0, len(ctx) - 1 : -1], torch.tensor(end), reduction="none")
         sums.append(nll.sum().item())
         means.append(nll.mean().item())
     return torch.tensor(sums), torch.tensor(means)
 
 
 def run_cli(*args, env=None, launcher=(sys.executable,)):
-    return subprocess.run([*launcher, os.path.join(REPO, "hellaswag.py"), *args], capture_output=True,
-                          text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          timeout=240)
+    return subprocess.run(
+        [*launcher, os.path.join(REPO, "hellaswag.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=240,
+    )
 
 
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
@@ -177,8 +205,11 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-6, atol=1e-5)
 
     labels = torch.tensor([ex.label for ex in examples])
-    expected = {"acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
-                "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100, "n": 100}
+    expected = {
+        "acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
+        "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100,
+        "n": 100,
+    }
     assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
 
 
@@ -222,32 +253,71 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
 def test_cli_two_processes_match_one(model, checkpoint, data_file):
     expected = hellaswag_eval.evaluate(model, "cpu", limit=31, data_file=data_file, lm_eval=True)  # one process
     assert expected["n"] == 31
-    got = run_cli("--checkpoint", checkpoint, "--data-file", data_file, "--limit", "31", "--batch-size", "4",
-                  "--device", "cpu", launcher=torchrun("--standalone", "--nproc_per_node=2"))
-    assert result_line(got, f"hellaswag: scoring {checkpoint} (it records no step)",
-                       f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}") == expected
+    got = run_cli(
+        "--checkpoint",
+        checkpoint,
+        "--data-file",
+        data_file,
+        "--limit",
+        "31",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        launcher=torchrun("--standalone", "--nproc_per_node=2"),
+    )
+    assert (
+        result_line(
+            got,
+            f"hellaswag: scoring {checkpoint} (it records no step)",
+            f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}",
+        )
+        == expected
+    )
 
 
 def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
     # --limit 1 on 2 ranks: rank 1 scores no example and the all-reduce still agrees
     path = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
     expected = hellaswag_eval.evaluate(model, "cpu", limit=1, data_file=path, lm_eval=True)
-    got = run_cli("--checkpoint", checkpoint, "--data-file", path, "--limit", "1", "--device", "cpu",
-                  launcher=torchrun("--standalone", "--nproc_per_node=2"))
-    assert result_line(got, f"hellaswag: scoring {checkpoint} (it records no step)",
-                       f"hellaswag: the first 1 of 2 examples in {path}; chance is 0.25") == expected
+    got = run_cli(
+        "--checkpoint",
+        checkpoint,
+        "--data-file",
+        path,
+        "--limit",
+        "1",
+        "--device",
+        "cpu",
+        launcher=torchrun("--standalone", "--nproc_per_node=2"),
+    )
+    assert (
+        result_line(
+            got,
+            f"hellaswag: scoring {checkpoint} (it records no step)",
+            f"hellaswag: the first 1 of 2 examples in {path}; chance is 0.25",
+        )
+        == expected
+    )
     assert expected["n"] == 1
 
 
 def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
-    offline = {"HELLASWAG_DIR": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9",
-               "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+    offline = {
+        "HELLASWAG_DIR": str(tmp_path / "cache"),
+        "https_proxy": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "no_proxy": "",
+        "NO_PROXY": "",
+    }
     proc = run_cli("--checkpoint", checkpoint, "--device", "cpu", env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
-                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH "
-                        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\)\n",
-                        proc.stderr), proc.stderr
+    assert re.fullmatch(
+        rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
+        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH "
+        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\)\n",
+        proc.stderr,
+    ), proc.stderr
     assert os.listdir(tmp_path / "cache") == []  # no partial download left behind
 
 
@@ -256,8 +326,13 @@ def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
     copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
     for limit in (0, 3, 50):
         assert hellaswag_eval.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
-    assert hellaswag_eval.describe_data(str(copy), 2) == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
-    assert hellaswag_eval.describe_data(str(HELLASWAG_FILE), 0) == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
+    assert (
+        hellaswag_eval.describe_data(str(copy), 2) == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
+    )
+    assert (
+        hellaswag_eval.describe_data(str(HELLASWAG_FILE), 0)
+        == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
+    )
 
 
 def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
@@ -271,7 +346,10 @@ def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
 def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
     proc = run_cli("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n")
+        2,
+        "",
+        f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n",
+    )
 
 
 def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
@@ -295,15 +373,23 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
     assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"] and open(path, "rb").read() == good
     assert hellaswag_data.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
     assert served == [(hellaswag_data.DATA_URL, hellaswag_data.DOWNLOAD_TIMEOUT_S)] * 2
-    assert [ex.ctx for ex in hellaswag_eval.load_examples(path)] == [ex.ctx for ex in hellaswag_eval.load_examples(data_file, 3)]
+    assert [ex.ctx for ex in hellaswag_eval.load_examples(path)] == [
+        ex.ctx for ex in hellaswag_eval.load_examples(data_file, 3)
+    ]
 
 
 # -----------------------------------------------------------------------------
 # hostile input: one line naming the flag, the file and the line
 
 
-GOOD = {"ctx": "A man is sitting on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3,
-        "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he"}
+GOOD = {
+    "ctx": "A man is sitting on a roof. he",
+    "endings": ["a", "b", "c", "d"],
+    "label": 3,
+    "activity_label": "Roof shingle removal",
+    "ctx_a": "A man is sitting on a roof.",
+    "ctx_b": "he",
+}
 
 
 def write_records(path, *records, raw=b""):
@@ -312,28 +398,40 @@ def write_records(path, *records, raw=b""):
     return str(path)
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({**GOOD, "label": 1.9}, "'label' must be 0, 1, 2 or 3, not 1.9"),
-    ({**GOOD, "endings": "abcd"}, "'endings' must be a list of 4 non-empty strings, not 'abcd'"),
-    ({"ctx": "x", "endings": GOOD["endings"]}, "no 'label' field"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({**GOOD, "label": 1.9}, "'label' must be 0, 1, 2 or 3, not 1.9"),
+        ({**GOOD, "endings": "abcd"}, "'endings' must be a list of 4 non-empty strings, not 'abcd'"),
+        ({"ctx": "x", "endings": GOOD["endings"]}, "no 'label' field"),
+    ],
+)
 def test_cli_bad_record_names_file_and_line(checkpoint, tmp_path, record, reason):
     path = write_records(tmp_path / "bad.jsonl", record)
     proc = run_cli("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", f"error: --data-file {path} line 2: not a HellaSwag example ({reason})\n")
+        2,
+        "",
+        f"error: --data-file {path} line 2: not a HellaSwag example ({reason})\n",
+    )
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({**GOOD, "label": True}, "'label' must be 0, 1, 2 or 3, not True"),
-    ({**GOOD, "label": "1.9"}, "'label' must be 0, 1, 2 or 3, not '1.9'"),
-    ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, not 4"),
-    ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c']"),
-    ({**GOOD, "endings": ["a", "b", "c", ""]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c', '']"),
-    ({**GOOD, "ctx": ["x"]}, "'ctx' must be non-empty text, not ['x']"),
-    ({"endings": GOOD["endings"], "label": 0}, "no 'ctx' field"),
-    ([GOOD], "a JSON object is expected, not list"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({**GOOD, "label": True}, "'label' must be 0, 1, 2 or 3, not True"),
+        ({**GOOD, "label": "1.9"}, "'label' must be 0, 1, 2 or 3, not '1.9'"),
+        ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, not 4"),
+        ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c']"),
+        (
+            {**GOOD, "endings": ["a", "b", "c", ""]},
+            "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c', '']",
+        ),
+        ({**GOOD, "ctx": ["x"]}, "'ctx' must be non-empty text, not ['x']"),
+        ({"endings": GOOD["endings"], "label": 0}, "no 'ctx' field"),
+        ([GOOD], "a JSON object is expected, not list"),
+    ],
+)
 def test_records_that_would_score_the_wrong_thing_are_refused(tmp_path, record, reason):
     path = write_records(tmp_path / "bad.jsonl", record)
     with pytest.raises(UserError) as e:
@@ -348,8 +446,9 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     assert len(hellaswag_eval.load_examples(path)) == 2
     with pytest.raises(UserError) as e:
         hellaswag_eval.load_examples(path, style="lm_eval")
-    assert str(e.value) == (f"--data-file {path} line 2: not a HellaSwag example "
-                            "('ctx_b' must be text for lm-eval's rendering, not None)")
+    assert str(e.value) == (
+        f"--data-file {path} line 2: not a HellaSwag example ('ctx_b' must be text for lm-eval's rendering, not None)"
+    )
 
 
 def test_label_as_a_digit_string_is_read(tmp_path):
@@ -358,10 +457,14 @@ def test_label_as_a_digit_string_is_read(tmp_path):
 
 
 def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
-    path = write_records(tmp_path / "latin1.jsonl", raw=b"\n" + json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1"))
+    path = write_records(
+        tmp_path / "latin1.jsonl", raw=b"\n" + json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
+    )
     proc = run_cli("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert (proc.returncode, proc.stderr) == (
-        2, f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n")
+        2,
+        f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n",
+    )
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
@@ -379,12 +482,16 @@ def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
     data = write_records(tmp_path / "ok.jsonl")
     proc = run_cli("--checkpoint", path, "--data-file", data, "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", f"error: {path}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)\n")
+        2,
+        "",
+        f"error: {path}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)\n",
+    )
 
 
 def test_cli_hf_model_that_is_not_gpt2(tmp_path):
     pytest.importorskip("transformers")
     from test_hf_interop import NOT_GPT2, not_gpt2_folder
+
     folder = not_gpt2_folder(tmp_path / "llama", "llama")
     proc = run_cli("--hf-model", folder, "--data-file", write_records(tmp_path / "ok.jsonl"), "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: --hf-model {folder}: {NOT_GPT2['llama']}\n")
@@ -392,15 +499,50 @@ def test_cli_hf_model_that_is_not_gpt2(tmp_path):
 
 def test_trainer_checks_its_hellaswag_file_at_start(tmp_path):
     from shards import make_docs, write_shards
+
     write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data-dir", str(tmp_path / "data"),
-                           "--out-dir", str(tmp_path / "out"), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
-                           "--block-size", "16", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
-                           "--max-steps", "1", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "1",
-                           "--hellaswag-file", path], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "train_gpt2.py"),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--out-dir",
+            str(tmp_path / "out"),
+            "--n-layer",
+            "1",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "16",
+            "--block-size",
+            "16",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--total-batch-size",
+            "32",
+            "--max-steps",
+            "1",
+            "--val-every",
+            "0",
+            "--sample-every",
+            "0",
+            "--hellaswag-every",
+            "1",
+            "--hellaswag-file",
+            path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert (proc.returncode, proc.stderr) == (
-        2, f"error: --hellaswag-file {path} line 2: not a HellaSwag example ('label' must be 0, 1, 2 or 3, not 1.9)\n")
+        2,
+        f"error: --hellaswag-file {path} line 2: not a HellaSwag example ('label' must be 0, 1, 2 or 3, not 1.9)\n",
+    )
     assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
 
 
@@ -411,13 +553,23 @@ def test_trainer_checks_its_hellaswag_file_at_start(tmp_path):
 def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     hf_config = transformers.GPT2Config(
-        n_positions=BLOCK, vocab_size=50257, n_embd=CONFIG.n_embd, n_layer=CONFIG.n_layer,  # our export's
-        n_head=CONFIG.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0)
+        n_positions=BLOCK,
+        vocab_size=50257,
+        n_embd=CONFIG.n_embd,
+        n_layer=CONFIG.n_layer,  # our export's
+        n_head=CONFIG.n_head,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    ours = {k: v.t() if k.endswith(conv1d) else v[:50257] if k.endswith("wte.weight") or k == "lm_head.weight" else v
-            for k, v in model.state_dict().items()}  # GPT-2's ids: our padded ones carry no probability
+    ours = {
+        k: v.t() if k.endswith(conv1d) else v[:50257] if k.endswith("wte.weight") or k == "lm_head.weight" else v
+        for k, v in model.state_dict().items()
+    }  # GPT-2's ids: our padded ones carry no probability
     missing, unexpected = hf.load_state_dict(ours, strict=False)
     assert missing == [] and unexpected == []
 
@@ -430,8 +582,9 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
 
     hf.save_pretrained(tmp_path / "hf")
-    assert hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20",
-                    "--device", "cpu"]) == 0
+    assert (
+        hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20", "--device", "cpu"]) == 0
+    )
     model_line, data_line, result = capsys.readouterr().out.splitlines()
     assert model_line == f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
     assert data_line == f"hellaswag: the first 20 of 446 examples in {data_file}{SUBSET_NAMED}"
@@ -444,19 +597,59 @@ def test_an_offline_training_run_names_both_ways_past_hellaswag(tmp_path):
     """Offline, with the default --hellaswag-every and no --hellaswag-file, the trainer refuses to start in one line
     that names both the flag giving a local copy and --hellaswag-every 0, and trains nothing."""
     from shards import make_docs, write_shards
+
     write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
-    offline = {**os.environ, "HELLASWAG_DIR": str(tmp_path / "cache"), "https_proxy": "http://127.0.0.1:9",
-               "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data-dir", str(tmp_path / "data"),
-                           "--out-dir", str(tmp_path / "out"), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
-                           "--block-size", "16", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
-                           "--max-steps", "1", "--val-every", "0", "--sample-every", "0"],
-                          capture_output=True, text=True, timeout=240, env=offline, cwd=REPO)
+    offline = {
+        **os.environ,
+        "HELLASWAG_DIR": str(tmp_path / "cache"),
+        "https_proxy": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "no_proxy": "",
+        "NO_PROXY": "",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "train_gpt2.py"),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--out-dir",
+            str(tmp_path / "out"),
+            "--n-layer",
+            "1",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "16",
+            "--block-size",
+            "16",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--total-batch-size",
+            "32",
+            "--max-steps",
+            "1",
+            "--val-every",
+            "0",
+            "--sample-every",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=offline,
+        cwd=REPO,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert re.fullmatch(rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
-                        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --hellaswag-file PATH "
-                        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\), or pass "
-                        r"--hellaswag-every 0 to train without HellaSwag\n", proc.stderr), proc.stderr
+    assert re.fullmatch(
+        rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
+        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --hellaswag-file PATH "
+        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\), or pass "
+        r"--hellaswag-every 0 to train without HellaSwag\n",
+        proc.stderr,
+    ), proc.stderr
     assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
 
 
@@ -465,11 +658,14 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
     one labelled progress bar of 2 x N examples, and --no-lm-eval scores each example once, giving acc and
     acc_norm only, the same numbers."""
     from trainkit.checkpoints import save_checkpoint
+
     run = tmp_path / "run"
     run.mkdir()
     for step in (5, 12):
-        save_checkpoint(str(run / f"ckpt_{step:07d}.pt"), {"model": model.state_dict(), "step": step,
-                                                           "model_config": dataclasses.asdict(model.config)})
+        save_checkpoint(
+            str(run / f"ckpt_{step:07d}.pt"),
+            {"model": model.state_dict(), "step": step, "model_config": dataclasses.asdict(model.config)},
+        )
     both = run_cli("--checkpoint", run, "--data-file", data_file, "--limit", "6", "--device", "cpu")
     expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=data_file, lm_eval=True)
     data_line = f"hellaswag: the first 6 of 446 examples in {data_file}{SUBSET_NAMED}"
@@ -477,8 +673,17 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
     bars = both.stderr.replace("\r", "\n")
     assert "hellaswag, both texts: 100%" in bars and "12/12 [" in bars and "6/6 [" not in bars
 
-    once = run_cli("--checkpoint", run / "ckpt_0000005.pt", "--data-file", data_file, "--limit", "6", "--device",
-                   "cpu", "--no-lm-eval")
+    once = run_cli(
+        "--checkpoint",
+        run / "ckpt_0000005.pt",
+        "--data-file",
+        data_file,
+        "--limit",
+        "6",
+        "--device",
+        "cpu",
+        "--no-lm-eval",
+    )
     got = result_line(once, f"hellaswag: scoring {run / 'ckpt_0000005.pt'}, step 5", data_line)
     assert got == {key: expected[key] for key in ("acc", "acc_norm", "n")}
     bars = once.stderr.replace("\r", "\n")

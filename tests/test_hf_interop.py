@@ -1,4 +1,5 @@
 """hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models."""
+
 import dataclasses
 import json
 import math
@@ -22,12 +23,21 @@ from trainkit.tokenizer import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
-
 def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
     torch.manual_seed(seed)
-    fields = dict(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
-                  bos_token_id=None, eos_token_id=None)
+    fields = dict(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu_new",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     cfg = GPT2Config(**{**fields, **overrides})
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # random LayerNorm affine too, so a swapped weight/bias shows
@@ -46,15 +56,16 @@ def tiny_ours(vocab_size=50304, block_size=32, seed=0):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 1:  # biases and LayerNorms start at 0/1: make them random
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
 
 def save_ours(model, path, step=7):
-    checkpoints.save_checkpoint(str(path), dict(model=model.state_dict(),
-                                               model_config=dataclasses.asdict(model.config), step=step))
+    checkpoints.save_checkpoint(
+        str(path), dict(model=model.state_dict(), model_config=dataclasses.asdict(model.config), step=step)
+    )
     return str(path)
 
 
@@ -172,8 +183,14 @@ def test_round_trip_is_exact(tmp_path, vocab_size, kept):
 
 
 def run_cli(*args, cwd=None, umask=None):
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          cwd=cwd or REPO, preexec_fn=None if umask is None else lambda: os.umask(umask))
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd or REPO,
+        preexec_fn=None if umask is None else lambda: os.umask(umask),
+    )
 
 
 def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
@@ -188,8 +205,9 @@ def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
     assert str(out) in proc.stdout and "wrote" in proc.stdout
     # safetensors writes through a private temporary file; the export gives it a normal file's mode
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
-    assert modes == dict.fromkeys(["config.json", "generation_config.json", "model.safetensors",
-                                   hf_interop.EXPORT_MARK], 0o666 & ~umask)
+    assert modes == dict.fromkeys(
+        ["config.json", "generation_config.json", "model.safetensors", hf_interop.EXPORT_MARK], 0o666 & ~umask
+    )
     hf = GPT2LMHeadModel.from_pretrained(out).eval()  # the newest checkpoint's weights
     idx = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(logits_of(hf, idx), logits_of(model, idx), atol=1e-5, rtol=0)
@@ -198,26 +216,33 @@ def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
 def test_cli_export_help_names_both_sources(capsys):
     with pytest.raises(SystemExit):
         hf_interop.main(["export", "--help"])
-    assert ("a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's --out-dir folder for its "
-            "newest checkpoint") in " ".join(capsys.readouterr().out.split())
+    assert (
+        "a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's --out-dir folder for its newest checkpoint"
+    ) in " ".join(capsys.readouterr().out.split())
 
 
 def test_cli_export_refuses_torch_files_that_are_not_ours(tmp_path, capsys):
     model = tiny_ours(vocab_size=100)
     config = dataclasses.asdict(model.config)
     files = {  # load_checkpoint's checks, seen through the export
-        "nanogpt.pt": ({"model": model.state_dict(), "model_args": config, "iter_num": 5},
-                       "no model_config, checksum; its keys: model, model_args, iter_num"),
+        "nanogpt.pt": (
+            {"model": model.state_dict(), "model_args": config, "iter_num": 5},
+            "no model_config, checksum; its keys: model, model_args, iter_num",
+        ),
         "tensor.pt": (torch.zeros(3), "it holds a Tensor, not a dict"),
-        "unknown_key.pt": ({"model": model.state_dict(), "model_config": {**config, "bias": True}, "checksum": ""},
-                           "unknown model_config bias"),
+        "unknown_key.pt": (
+            {"model": model.state_dict(), "model_config": {**config, "bias": True}, "checksum": ""},
+            "unknown model_config bias",
+        ),
     }
     for name, (obj, _) in files.items():
         torch.save(obj, tmp_path / name)
     nanogpt = tmp_path / "nanogpt.pt"
     proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", nanogpt, tmp_path / "out")
     assert (proc.returncode, proc.stderr) == (
-        2, f"error: {nanogpt}: not a train_gpt2.py checkpoint ({files['nanogpt.pt'][1]})\n")
+        2,
+        f"error: {nanogpt}: not a train_gpt2.py checkpoint ({files['nanogpt.pt'][1]})\n",
+    )
     for name, (_, reason) in files.items():  # the other kinds in-process: the same code path
         assert hf_interop.main(["export", str(tmp_path / name), str(tmp_path / "out")]) == 2
         assert capsys.readouterr().err == f"error: {tmp_path / name}: not a train_gpt2.py checkpoint ({reason})\n"
@@ -229,23 +254,34 @@ def test_export_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
 
     def full_disk(self, out_dir, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full_disk)
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
     assert hf_interop.main(["export", ckpt, str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"error: cannot write the Hugging Face model to {tmp_path / 'out'}: no space left on device\n"
+    assert (
+        capsys.readouterr().err
+        == f"error: cannot write the Hugging Face model to {tmp_path / 'out'}: no space left on device\n"
+    )
 
 
 def not_gpt2_folder(path, kind):
     """A folder that GPT2LMHeadModel.from_pretrained loads without an error, as random weights."""
     from safetensors.torch import load_file, save_file
+
     if kind == "bert":
         from transformers import BertConfig, BertModel
-        BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                             intermediate_size=64)).save_pretrained(path)
+
+        BertModel(
+            BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        ).save_pretrained(path)
     elif kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
-        LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=64)).save_pretrained(path)
+
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+            )
+        ).save_pretrained(path)
     else:
         save_hf(tiny_hf(vocab_size=100), path)
         weights = load_file(path / "model.safetensors")
@@ -260,11 +296,14 @@ def not_gpt2_folder(path, kind):
 NOT_GPT2 = {
     "bert": "its config.json describes a 'bert' model, not GPT-2",
     "llama": "its config.json describes a 'llama' model, not GPT-2",
-    "gpt2 without layer 1": ("tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
-                             "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
-                             "is it a complete GPT-2?"),
-    "gpt2 with a shorter position table": ("tensors of another shape than its config.json gives "
-                                           "(transformer.wpe.weight; 1 in all)"),
+    "gpt2 without layer 1": (
+        "tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
+        "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
+        "is it a complete GPT-2?"
+    ),
+    "gpt2 with a shorter position table": (
+        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)"
+    ),
 }
 
 
@@ -279,11 +318,32 @@ def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["bert", "gpt2 without layer 1"])
 def test_cli_init_from_a_folder_that_is_not_gpt2_is_refused(tmp_path, kind):
     from shards import make_docs, write_shards
+
     folder = not_gpt2_folder(tmp_path / "hf", kind)
     write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
-    proc = run_cli(os.path.join(REPO, "train_gpt2.py"), "--init-from", folder, "--data-dir", tmp_path / "data",
-                   "--out-dir", tmp_path / "out", "--batch-size", "2", "--seq-len", "16", "--total-batch-size", "32",
-                   "--max-steps", "1", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0")
+    proc = run_cli(
+        os.path.join(REPO, "train_gpt2.py"),
+        "--init-from",
+        folder,
+        "--data-dir",
+        tmp_path / "data",
+        "--out-dir",
+        tmp_path / "out",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--total-batch-size",
+        "32",
+        "--max-steps",
+        "1",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+    )
     assert (proc.returncode, proc.stderr) == (2, f"error: --init-from {folder}: {NOT_GPT2[kind]}\n")
     assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
@@ -309,10 +369,13 @@ def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
     assert "--init-from" in msg and "local Hugging Face directory" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(activation_function="relu"), "activation_function"),
-    (dict(tie_word_embeddings=False), "not tied"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(activation_function="relu"), "activation_function"),
+        (dict(tie_word_embeddings=False), "not tied"),
+    ],
+)
 def test_import_refuses_what_we_cannot_reproduce(tmp_path, overrides, match):
     hf = tiny_hf(vocab_size=100, **overrides)
     if not overrides.get("tie_word_embeddings", True):
@@ -333,37 +396,93 @@ def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
 def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     import json
     from shards import make_docs, write_shards
+
     hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
     write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)
-    args = ["--init-from", hf_dir, "--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "out"),
-            "--batch-size", "4", "--seq-len", "16", "--total-batch-size", "64", "--max-steps", "2",
-            "--val-every", "2", "--val-steps", "1", "--sample-every", "0", "--hellaswag-every", "0"]
+    args = [
+        "--init-from",
+        hf_dir,
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--total-batch-size",
+        "64",
+        "--max-steps",
+        "2",
+        "--val-every",
+        "2",
+        "--val-steps",
+        "1",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+    ]
     assert train_gpt2.main(args) == 0
-    records = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "out" / "log.jsonl")]
     # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
     # 47 padded ids carry no probability), and its bits per byte come from that model's token losses
     rows = train_gpt2.TokenRows(str(tmp_path / "data"), "val", 16)
     x, y = (torch.from_numpy(a) for a in rows.batch(0, 4))
     with torch.no_grad():
-        hf_losses = torch.nn.functional.cross_entropy(GPT2LMHeadModel.from_pretrained(hf_dir)(x).logits.flatten(0, 1),
-                                                      y.flatten(), reduction="none")
+        hf_losses = torch.nn.functional.cross_entropy(
+            GPT2LMHeadModel.from_pretrained(hf_dir)(x).logits.flatten(0, 1), y.flatten(), reduction="none"
+        )
     n_bytes = torch.from_numpy(token_byte_lengths(50304))[y.flatten()]
     ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
-    assert records[0] == {"step": 0, "val_loss": pytest.approx(hf_losses.mean().item(), rel=1e-6),
-                          "val_bpb": pytest.approx((hf_losses * (n_bytes > 0)).sum().item()
-                                                   / (math.log(2) * n_bytes.sum().item()), rel=1e-6),
-                          "run": ckpt["run"]["id"]}
+    assert records[0] == {
+        "step": 0,
+        "val_loss": pytest.approx(hf_losses.mean().item(), rel=1e-6),
+        "val_bpb": pytest.approx(
+            (hf_losses * (n_bytes > 0)).sum().item() / (math.log(2) * n_bytes.sum().item()), rel=1e-6
+        ),
+        "run": ckpt["run"]["id"],
+    }
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
 
 def test_export_of_a_muon_trained_run_has_our_logits(tmp_path):
     from shards import make_docs, write_shards
+
     write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)
     out = tmp_path / "out"
-    args = ["--data-dir", str(tmp_path / "data"), "--out-dir", str(out), "--n-layer", "2", "--n-head", "2",
-            "--n-embd", "32", "--block-size", "32", "--batch-size", "4", "--seq-len", "16", "--total-batch-size", "64",
-            "--max-steps", "3", "--warmup-steps", "1", "--optimizer", "muon", "--val-every", "0", "--sample-every", "0",
-            "--hellaswag-every", "0"]
+    args = [
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--out-dir",
+        str(out),
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--total-batch-size",
+        "64",
+        "--max-steps",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--optimizer",
+        "muon",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+    ]
     assert train_gpt2.main(args) == 0
     ours = GPT.from_checkpoint(str(out))
     torch.manual_seed(1337)  # the run's initial weights: Muon moved every block matrix away from them
@@ -399,23 +518,52 @@ def reference_encoding():
     from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext.openai_public import r50k_pat_str
     from trainkit.tokenizer import BPE_SHA256
+
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
-    return tiktoken.Encoding("r50k_base_reference", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+    return tiktoken.Encoding(
+        "r50k_base_reference",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+        explicit_n_vocab=50257,
+    )
 
 
 def parity_texts():
     """Lines and whole files of the repository's sources and docs, with unicode, whitespace runs
     and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
     import glob
-    files = sorted(glob.glob(f"{REPO}/*.py") + glob.glob(f"{REPO}/trainkit/*.py") + glob.glob(f"{REPO}/tests/*.py")
-                   + glob.glob(f"{REPO}/benchmarks/*.py") + glob.glob(f"{REPO}/docs/*.md") + [f"{REPO}/README.md"])
+
+    files = sorted(
+        glob.glob(f"{REPO}/*.py")
+        + glob.glob(f"{REPO}/trainkit/*.py")
+        + glob.glob(f"{REPO}/tests/*.py")
+        + glob.glob(f"{REPO}/benchmarks/*.py")
+        + glob.glob(f"{REPO}/docs/*.md")
+        + [f"{REPO}/README.md"]
+    )
     whole = [open(path, encoding="utf-8").read() for path in files]
-    return [line for text in whole for line in text.splitlines()] + whole + [
-        "Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n",
-        "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "<|endoftext|>",
-        "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>", "don't I'll we've THEY'RE",
-        "\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
+    return (
+        [line for text in whole for line in text.splitlines()]
+        + whole
+        + [
+            "Hello world",
+            "",
+            " ",
+            "\t\t  \t",
+            "   many    spaces     ",
+            "a\r\nb\r\n\r\n",
+            "\n\n\n",
+            "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧",
+            "1234567890 3.14159 1e-9",
+            "<|endoftext|>",
+            "x<|endoftext|>y <|endoftext|> z",
+            "<|endoftext|><|endoftext|>",
+            "don't I'll we've THEY'RE",
+            "\u00a0\u2003nbsp\u200b",
+            "Ω≈ç√∫ ∑ ¡™£¢",
+        ]
+    )
 
 
 def greedy(model, ids, n):
@@ -445,6 +593,7 @@ def exported_for_clients(tmp_path_factory):
 def oldest_transformers() -> str:
     """The oldest transformers requirements-dev.txt allows (its `transformers>=X`)."""
     import re
+
     return re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
 
 
@@ -456,38 +605,49 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     OLDEST_TRANSFORMERS_DIR (put first on PYTHONPATH; torch and the rest are this environment's)."""
     import json
     from packaging.version import Version
+
     out, texts_file, texts = exported_for_clients
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if transformers_release == "oldest allowed":
         oldest_dir = os.environ.get("OLDEST_TRANSFORMERS_DIR")
         if not oldest_dir or not os.path.isdir(oldest_dir):
-            pytest.skip("OLDEST_TRANSFORMERS_DIR is not set to a folder holding the oldest transformers "
-                        "(.ci/run installs it)")
+            pytest.skip(
+                "OLDEST_TRANSFORMERS_DIR is not set to a folder holding the oldest transformers (.ci/run installs it)"
+            )
         env["PYTHONPATH"] = os.pathsep.join([oldest_dir, *filter(None, [env.get("PYTHONPATH")])])
     long_prompt = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()[:400]
-    proc = subprocess.run([sys.executable, "-c", TRANSFORMERS_CLIENT, str(out), str(texts_file), long_prompt],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_CLIENT, str(out), str(texts_file), long_prompt],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.splitlines()[-1])
     import transformers
-    assert Version(r["version"]) == Version(transformers.__version__ if transformers_release == "installed"
-                                            else oldest_transformers())
+
+    assert Version(r["version"]) == Version(
+        transformers.__version__ if transformers_release == "installed" else oldest_transformers()
+    )
     enc = reference_encoding()
     want = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]
     diff = [t for t, a, b in zip(texts, want, r["ids"]) if a != b]
-    print(f"transformers {r['version']}: tokenizer parity on {len(texts)} strings, {sum(map(len, texts))} chars, "
-          f"{len(diff)} differences")
+    print(
+        f"transformers {r['version']}: tokenizer parity on {len(texts)} strings, {sum(map(len, texts))} chars, "
+        f"{len(diff)} differences"
+    )
     assert len(texts) > 10000 and sum(map(len, texts)) > 300_000
     assert (len(diff), diff[:3]) == (0, [])
     assert (r["vocab"], r["special"], r["model"]) == (50257, [50256] * 3, "GPT2LMHeadModel")
     assert r["max_length"] == r["n_positions"] == 32  # the model's block size
     ours = tiny_ours(vocab_size=50304)
     hello = enc.encode("Hello world")
-    assert r["short"] == "Hello world" + enc.decode(greedy(ours, hello, 5)[len(hello):])
+    assert r["short"] == "Hello world" + enc.decode(greedy(ours, hello, 5)[len(hello) :])
     prompt = enc.encode(long_prompt)
     assert len(prompt) > 32
-    kept = prompt[-(32 - 5):]  # the end of the prompt, with room for 5 new tokens in 32 positions
-    assert r["long"] == enc.decode(greedy(ours, kept, 5)[len(kept):])
+    kept = prompt[-(32 - 5) :]  # the end of the prompt, with room for 5 new tokens in 32 positions
+    assert r["long"] == enc.decode(greedy(ours, kept, 5)[len(kept) :])
 
 
 def folder_bytes(path):
@@ -507,12 +667,16 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
     out = tmp_path / "hf"
     assert run_cli(*export, first, out).returncode == 0
     before = folder_bytes(out)
-    proc = subprocess.run([sys.executable, *export, second, out], capture_output=True, text=True, timeout=300,
-                          preexec_fn=small_files)
+    proc = subprocess.run(
+        [sys.executable, *export, second, out], capture_output=True, text=True, timeout=300, preexec_fn=small_files
+    )
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert folder_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the earlier export whole, no temporary folder left
+        "ckpt_0000001.pt",
+        "ckpt_0000002.pt",
+        "hf",
+    ]  # the earlier export whole, no temporary folder left
     idx = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(3))
     want = logits_of(tiny_ours(vocab_size=200, seed=1), idx)
     torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx), want, atol=1e-5, rtol=0)
@@ -535,23 +699,35 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
     export leaves it byte for byte (it replaced it, exit 0); it replaces only a folder holding its
     mark, and writes into an empty or missing one."""
     import json
+
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
     before = folder_bytes(tmp_path / "mine")
     assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
     proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", ckpt, mine)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", (
-        f"error: {mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
-        "so it may hold a model of your own and is left as it is: export into a new or empty folder\n"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2,
+        "",
+        (
+            f"error: {mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
+            "so it may hold a model of your own and is left as it is: export into a new or empty folder\n"
+        ),
+    )
     assert folder_bytes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
 
     (tmp_path / "empty").mkdir()
     for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
         assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
         mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
-        assert mark == dict(written_by="gpt2-trainer hf_interop.py export", mark_version=2, checkpoint=ckpt, step=7,
-                            checksum=checkpoints.load_checkpoint(ckpt)["checksum"], vocab_size=100,
-                            files=mark["files"])
+        assert mark == dict(
+            written_by="gpt2-trainer hf_interop.py export",
+            mark_version=2,
+            checkpoint=ckpt,
+            step=7,
+            checksum=checkpoints.load_checkpoint(ckpt)["checksum"],
+            vocab_size=100,
+            files=mark["files"],
+        )
     capsys.readouterr()
     (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
     before = folder_bytes(tmp_path / "missing")
@@ -573,14 +749,19 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole(out)))[0])
     real_exchange = hf_interop._exchange
-    monkeypatch.setattr(hf_interop, "_exchange", lambda a, b: exchange and (real_exchange(a, b),
-                                                                           whole.append(is_whole(out)))[0])
+    monkeypatch.setattr(
+        hf_interop, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole(out)))[0]
+    )
     assert hf_interop.main(["export", second, str(out)]) == 0
     assert whole == ([True] if exchange else [False, True])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
     idx = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(4))
-    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
-                               logits_of(tiny_ours(vocab_size=100, seed=2), idx), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
+        logits_of(tiny_ours(vocab_size=100, seed=2), idx),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def is_whole(folder) -> bool:
@@ -591,33 +772,44 @@ EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]
 
 
 def changed_since(out, changes):
-    return (f"error: {out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
-            f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
-            "into a new or empty folder\n")
+    return (
+        f"error: {out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
+        f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
+        "into a new or empty folder\n"
+    )
 
 
 def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, capsys):
     """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
     user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
     import json
+
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     out = tmp_path / "hf"
     assert run_cli(*EXPORT, ckpt, out).returncode == 0
     mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
-    assert mark["files"] == {p.name: __import__("hashlib").sha256(p.read_bytes()).hexdigest()
-                             for p in out.iterdir() if p.name != hf_interop.EXPORT_MARK}
+    assert mark["files"] == {
+        p.name: __import__("hashlib").sha256(p.read_bytes()).hexdigest()
+        for p in out.iterdir()
+        if p.name != hf_interop.EXPORT_MARK
+    }
     assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
     tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
     before = folder_bytes(out)
     proc = run_cli(*EXPORT, ckpt, out)
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", changed_since(out, "config.json changed, model.safetensors changed"))
+        2,
+        "",
+        changed_since(out, "config.json changed, model.safetensors changed"),
+    )
     assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
 
     # the other ways a folder differs from its mark, in-process (the same code path)
     shutil_rmtree = __import__("shutil").rmtree
-    for change, expected in [("missing", "generation_config.json missing"),
-                             ("older mark", "its mark lists no files: an older hf_interop.py wrote it")]:
+    for change, expected in [
+        ("missing", "generation_config.json missing"),
+        ("older mark", "its mark lists no files: an older hf_interop.py wrote it"),
+    ]:
         shutil_rmtree(out)
         assert hf_interop.main(["export", ckpt, str(out)]) == 0
         if change == "missing":
@@ -637,14 +829,16 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
     leaves one that a live process holds."""
     import fcntl
     import time
+
     first, second = (save_ours(tiny_ours(vocab_size=50304, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
     out = tmp_path / "hf"
     assert run_cli(*EXPORT, first, out).returncode == 0
     before = folder_bytes(out)
     killed = None
     for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
-        proc = subprocess.Popen([sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         while proc.poll() is None and killed is None:
             killed = next((p for p in tmp_path.iterdir() if p.name.startswith(".hf.export-")), None)
             time.sleep(0.002)
@@ -665,25 +859,38 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
         os.close(lock)
     assert proc.returncode == 0, proc.stderr
     assert f"removed {killed}, the partial folder of an export that was killed\n" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.export-live0000", "ckpt_0000001.pt",
-                                                          "ckpt_0000002.pt", "hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".hf.export-live0000",
+        "ckpt_0000001.pt",
+        "ckpt_0000002.pt",
+        "hf",
+    ]
     assert (live / "config.json").read_text() == "{}"
     idx = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
-                               logits_of(tiny_ours(vocab_size=50304, seed=2), idx)[..., :50257], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
+        logits_of(tiny_ours(vocab_size=50304, seed=2), idx)[..., :50257],
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def in_mount_namespace(folder, *command):
     """command in a mount namespace of its own where folder is a mount point (a bind mount onto
     itself: rename and renameat2 refuse it with EBUSY, as a docker or Kubernetes volume)."""
-    return subprocess.run(["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && exec "$@"', str(folder),
-                           *map(str, command)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && exec "$@"', str(folder), *map(str, command)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
     """A mount point cannot be renamed over (EBUSY): the export is written inside it and its files
     are moved in one by one; over an earlier export there too, and a changed one is refused."""
     import shutil
+
     if shutil.which("unshare") is None or in_mount_namespace(tmp_path, "true").returncode != 0:
         pytest.skip("needs unshare --mount and mount --bind (root)")
     volume = tmp_path / "volume"
@@ -693,15 +900,26 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
     for ckpt, seed in ((first, 1), (second, 2)):  # into the empty mount point, then over the export there
         proc = in_mount_namespace(volume, sys.executable, *EXPORT, ckpt, volume)
         assert proc.returncode == 0, proc.stderr
-        assert sorted(os.listdir(volume)) == ["config.json", "generation_config.json", hf_interop.EXPORT_MARK,
-                                              "model.safetensors"]
-        torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(volume).eval(), idx),
-                                   logits_of(tiny_ours(vocab_size=100, seed=seed), idx), atol=1e-5, rtol=0)
+        assert sorted(os.listdir(volume)) == [
+            "config.json",
+            "generation_config.json",
+            hf_interop.EXPORT_MARK,
+            "model.safetensors",
+        ]
+        torch.testing.assert_close(
+            logits_of(GPT2LMHeadModel.from_pretrained(volume).eval(), idx),
+            logits_of(tiny_ours(vocab_size=100, seed=seed), idx),
+            atol=1e-5,
+            rtol=0,
+        )
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "volume"]
     tiny_hf(vocab_size=100).save_pretrained(volume)
     before = folder_bytes(volume)
     proc = in_mount_namespace(volume, sys.executable, *EXPORT, first, volume)
-    assert (proc.returncode, proc.stderr) == (2, changed_since(volume, "config.json changed, model.safetensors changed"))
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        changed_since(volume, "config.json changed, model.safetensors changed"),
+    )
     assert folder_bytes(volume) == before
 
 
@@ -713,25 +931,36 @@ def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
     save_ours(tiny_ours(vocab_size=100), tmp_path / "run" / "ckpt_0000012.pt", step=12)
     proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", "run", "run_hf", cwd=tmp_path)
     assert (proc.returncode, proc.stderr) == (0, "")
-    assert proc.stdout == ("wrote Hugging Face GPT-2 of run/ckpt_0000012.pt (step 12) to run_hf (load with "
-                           "GPT2LMHeadModel.from_pretrained('run_hf') and AutoTokenizer.from_pretrained('run_hf'))\n")
+    assert proc.stdout == (
+        "wrote Hugging Face GPT-2 of run/ckpt_0000012.pt (step 12) to run_hf (load with "
+        "GPT2LMHeadModel.from_pretrained('run_hf') and AutoTokenizer.from_pretrained('run_hf'))\n"
+    )
     usage = run_cli(os.path.join(REPO, "hf_interop.py"), "--help")
-    assert ("Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or evaluate one with "
-            "lm-evaluation-harness.") in " ".join(usage.stdout.split())  # however wide the terminal
+    assert (
+        "Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or evaluate one with lm-evaluation-harness."
+    ) in " ".join(usage.stdout.split())  # however wide the terminal
 
 
 def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(tmp_path):
     """The export's mark keeps such a path as its escapes; a second export over the first reads it back."""
     from conftest import write_checkpoint
+
     run = os.path.join(os.fsencode(tmp_path), b"run\xff")
     os.makedirs(run)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
     write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
     for _ in range(2):
-        result = subprocess.run([sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"], cwd=REPO,
-                                capture_output=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"],
+            cwd=REPO,
+            capture_output=True,
+            timeout=300,
+        )
         assert (result.returncode, result.stderr) == (0, b""), result.stderr[-3000:]
-        assert result.stdout.startswith(b"wrote Hugging Face GPT-2 of " + os.path.join(run, b"ckpt_0000003.pt")
-                                        .replace(b"\xff", b"\\udcff") + b" (it records no step)")
+        assert result.stdout.startswith(
+            b"wrote Hugging Face GPT-2 of "
+            + os.path.join(run, b"ckpt_0000003.pt").replace(b"\xff", b"\\udcff")
+            + b" (it records no step)"
+        )
     mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
     assert mark["checkpoint"] == os.fsdecode(os.path.join(run, b"ckpt_0000003.pt"))

@@ -1,5 +1,6 @@
 """Hostile input to the trainer, run as users run it: one `error:` line, exit code 2,
 no traceback; never a checkpoint or log lost, corrupted or filled with non-finite numbers."""
+
 import hashlib
 import json
 import os
@@ -17,8 +18,17 @@ from trainkit import checkpoints
 from trainkit import update_guard
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import (HELLASWAG_FILE, REPO, assert_one_error_line, interrupt_when_blocked, log_records, resume_copy,
-                      run_command, tiny_run_args, tree_hashes)
+from conftest import (
+    HELLASWAG_FILE,
+    REPO,
+    assert_one_error_line,
+    interrupt_when_blocked,
+    log_records,
+    resume_copy,
+    run_command,
+    tiny_run_args,
+    tree_hashes,
+)
 
 SHARDS = dict(n_docs=300, seed=3)
 
@@ -33,25 +43,39 @@ def finished_run(data_dir, tmp_path_factory):
 
 # --- flags ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra,message", [
-    (["--max-lr", "inf"], "--max-lr must be a finite number, got inf"),
-    (["--val-every", "5", "--val-steps", "0"], "--val-steps 0 with --val-every > 0 evaluates nothing"),
-    (["--seed", "-1", "--shuffle"], "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)"),
-    (["--batch-size", str(10**20)], f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py"),
-    (["--optimizer", "muon", "--fsdp"], "--optimizer muon does not run under --fsdp (Muon needs each whole weight "
-     "matrix, which FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw"),
-    (["--dist-timeout", "1"], "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait"),
-    (["--n-layer", "100000", "--n-embd", "8192"],
-     "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "
-     "1.2e+06 GiB, more than this machine's RAM ("),
-    (["--vocab-size", "100", "--sample-every", "5", "--hellaswag-every", "5"],
-     "--vocab-size 100 is smaller than GPT-2's 50257 tokens, which sampling and HellaSwag feed the model: "
-     "pass --sample-every 0 --hellaswag-every 0"),
-    # finite flags, yet the first update overflows the weights: the checkpoint after it is refused
-    (["--max-lr", "1e38", "--warmup-steps", "0", "--ckpt-every", "1"],
-     "step 1: not writing {out}/ckpt_0000001.pt: the model weights (transformer.wte.weight, ...) hold "
-     "non-finite values. Last good checkpoint: none"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--max-lr", "inf"], "--max-lr must be a finite number, got inf"),
+        (["--val-every", "5", "--val-steps", "0"], "--val-steps 0 with --val-every > 0 evaluates nothing"),
+        (["--seed", "-1", "--shuffle"], "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)"),
+        (["--batch-size", str(10**20)], f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py"),
+        (
+            ["--optimizer", "muon", "--fsdp"],
+            "--optimizer muon does not run under --fsdp (Muon needs each whole weight "
+            "matrix, which FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw",
+        ),
+        (["--dist-timeout", "1"], "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait"),
+        (
+            ["--n-layer", "100000", "--n-embd", "8192"],
+            "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "
+            "1.2e+06 GiB, more than this machine's RAM (",
+        ),
+        (
+            ["--vocab-size", "100", "--sample-every", "5", "--hellaswag-every", "5"],
+            "--vocab-size 100 is smaller than GPT-2's 50257 tokens, which sampling and HellaSwag feed the model: "
+            "pass --sample-every 0 --hellaswag-every 0",
+        ),
+        # finite flags, yet the first update overflows the weights: the checkpoint after it is refused
+        (
+            ["--max-lr", "1e38", "--warmup-steps", "0", "--ckpt-every", "1"],
+            "step 1: not writing {out}/ckpt_0000001.pt: the model weights (transformer.wte.weight, ...) hold "
+            "non-finite values. Last good checkpoint: none",
+        ),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
 def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
     out = tmp_path / "out"
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=3))
@@ -68,13 +92,14 @@ def test_every_float_flag_must_be_finite(data_dir, tmp_path, capsys, flag):
 
 # --- checkpoints ----------------------------------------------------------------------------
 
+
 def damage(path, how):
     data = path.read_bytes()
     if how == "empty":  # what a power loss leaves of a file that was never fsynced
         path.write_bytes(b"")
     elif how == "flipped":  # bytes flipped in the middle: inside the tensor data, it still loads
         mid = len(data) // 2
-        path.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + 8]) + data[mid + 8:])
+        path.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 8]) + data[mid + 8 :])
 
 
 def foreign(path, what):
@@ -88,12 +113,21 @@ def foreign(path, what):
         torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), path)
 
 
-@pytest.mark.parametrize("how,message", [
-    ("empty", "ckpt_0000004.pt: cannot load checkpoint (empty file (0 bytes)); truncated or corrupt: "
-              "use the earlier checkpoint {dir}/ckpt_0000002.pt"),
-    ("flipped", "ckpt_0000004.pt: damaged checkpoint (its contents do not match the sha256 written with it): "
-                "use the earlier checkpoint {dir}/ckpt_0000002.pt"),
-])
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        (
+            "empty",
+            "ckpt_0000004.pt: cannot load checkpoint (empty file (0 bytes)); truncated or corrupt: "
+            "use the earlier checkpoint {dir}/ckpt_0000002.pt",
+        ),
+        (
+            "flipped",
+            "ckpt_0000004.pt: damaged checkpoint (its contents do not match the sha256 written with it): "
+            "use the earlier checkpoint {dir}/ckpt_0000002.pt",
+        ),
+    ],
+)
 def test_damaged_newest_checkpoint_names_the_earlier_one(finished_run, data_dir, tmp_path, how, message):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -102,14 +136,20 @@ def test_damaged_newest_checkpoint_names_the_earlier_one(finished_run, data_dir,
     assert_one_error_line(result, message.format(dir=run), "use the earlier checkpoint")
 
 
-@pytest.mark.parametrize("command,what,message", [
-    ("resume", "nanogpt", "not a train_gpt2.py checkpoint (no model_config, checksum; its keys: model, "
-                          "model_args, iter_num)"),
-    ("resume", "tensor", "not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)"),
-    ("resume", "unknown-key", "not a train_gpt2.py checkpoint (unknown model_config rotary)"),
-    ("export", "flipped", "damaged checkpoint"),
-    ("hellaswag", "flipped", "damaged checkpoint"),
-])
+@pytest.mark.parametrize(
+    "command,what,message",
+    [
+        (
+            "resume",
+            "nanogpt",
+            "not a train_gpt2.py checkpoint (no model_config, checksum; its keys: model, model_args, iter_num)",
+        ),
+        ("resume", "tensor", "not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)"),
+        ("resume", "unknown-key", "not a train_gpt2.py checkpoint (unknown model_config rotary)"),
+        ("export", "flipped", "damaged checkpoint"),
+        ("hellaswag", "flipped", "damaged checkpoint"),
+    ],
+)
 def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, tmp_path, command, what, message):
     path = tmp_path / "given.pt"
     shutil.copy(finished_run / "ckpt_0000004.pt", path)
@@ -135,17 +175,21 @@ def test_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch)
         if there and os.path.basename(path) == "ckpt_0000004.pt":
             os.remove(path)
         return there
+
     monkeypatch.setattr(os.path, "isfile", found_then_removed)
     with pytest.raises(UserError) as removed:
         checkpoints.load_checkpoint(str(run))
-    assert str(removed.value) == (f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
-                                  f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}")
+    assert str(removed.value) == (
+        f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
+        f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}"
+    )
     monkeypatch.undo()
     loaded = torch.load
 
     def removed_once_open(f, *args, **kwargs):
         os.remove(run / "ckpt_0000002.pt")
         return loaded(f, *args, **kwargs)
+
     monkeypatch.setattr(torch, "load", removed_once_open)
     assert checkpoints.load_checkpoint(str(run / "ckpt_0000002.pt"))["step"] == 2
     assert os.listdir(run) == ["log.jsonl"]
@@ -155,19 +199,24 @@ def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     # sample.py as users run it, with the newest checkpoint removed between finding and opening it
-    script = ("import os, runpy, sys\n"
-              "found = os.path.isfile\n"
-              "def found_then_removed(path):\n"
-              "    there = found(path)\n"
-              "    if there and os.path.basename(path) == 'ckpt_0000004.pt':\n"
-              "        os.remove(path)\n"
-              "    return there\n"
-              "os.path.isfile = found_then_removed\n"
-              "sys.argv = sys.argv[1:]\n"
-              "runpy.run_path('sample.py', run_name='__main__')\n")
+    script = (
+        "import os, runpy, sys\n"
+        "found = os.path.isfile\n"
+        "def found_then_removed(path):\n"
+        "    there = found(path)\n"
+        "    if there and os.path.basename(path) == 'ckpt_0000004.pt':\n"
+        "        os.remove(path)\n"
+        "    return there\n"
+        "os.path.isfile = found_then_removed\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path('sample.py', run_name='__main__')\n"
+    )
     result = run_command("-c", script, "sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
-    assert_one_error_line(result, f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
-                                  f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}")
+    assert_one_error_line(
+        result,
+        f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
+        f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}",
+    )
 
 
 def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
@@ -181,6 +230,7 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
 
 # --- resume edge cases ----------------------------------------------------------------------
 
+
 def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run, data_dir, tmp_path):
     other = tmp_path / "other"
     assert tg.main(tiny_run_args(data_dir, other, steps=2, ckpt_every=2)) == 0
@@ -189,9 +239,12 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
     before = {p.name: p.read_bytes() for p in other.iterdir()}
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
-    assert_one_error_line(result, f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
-                                  f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
-                                  "into the --out-dir of the checkpoint's own run, or a new one")
+    assert_one_error_line(
+        result,
+        f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
+        f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
+        "into the --out-dir of the checkpoint's own run, or a new one",
+    )
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     # into a folder without a log, the resumed run starts a log of its own
     assert tg.main(tiny_run_args(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
@@ -205,8 +258,9 @@ def test_resume_at_or_past_max_steps_says_so(finished_run, data_dir, tmp_path, m
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
     if max_steps < 4:  # a mistake: the run is already past the requested end
-        assert_one_error_line(result, f"{run / 'ckpt_0000004.pt'} is at step 4, past --max-steps 3: pass a larger "
-                                      "--max-steps to train on")
+        assert_one_error_line(
+            result, f"{run / 'ckpt_0000004.pt'} is at step 4, past --max-steps 3: pass a larger --max-steps to train on"
+        )
     else:  # a finished run started again (a requeued job): nothing to do
         assert result.returncode == 0 and result.stderr == ""
         assert f"{run / 'ckpt_0000004.pt'} is already at --max-steps 4: nothing to train" in result.stdout
@@ -224,7 +278,7 @@ def shift_data(tmp_path_factory):
     tiny model's loss moves for good from about 3.5 to 10.4 at step SHIFT_STEP."""
     path = tmp_path_factory.mktemp("shift")
     rows = SHIFT_STEP * 8  # args_for: 8 rows of 16 tokens per step
-    np.save(path / "s_train_000001.npy", np.tile(np.arange(16, dtype=np.uint16), rows + 1)[:rows * 16 + 1])
+    np.save(path / "s_train_000001.npy", np.tile(np.arange(16, dtype=np.uint16), rows + 1)[: rows * 16 + 1])
     np.save(path / "s_train_000002.npy", np.random.default_rng(0).integers(0, 64, 200 * 128).astype(np.uint16))
     return str(path)
 
@@ -240,37 +294,59 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
     # resumed before the shift, the restored window skips exactly the same steps
     resume_copy(straight, resumed, 20)
     assert tg.main(tiny_run_args(shift_data, resumed, "--skip-spikes", "3", "--resume", steps=60, ckpt_every=20)) == 0
-    assert [(r["step"], r["loss"], r.get("skipped")) for r in log_records(resumed) if "loss" in r] == \
-        [(r["step"], r["loss"], r.get("skipped")) for r in records]
+    assert [(r["step"], r["loss"], r.get("skipped")) for r in log_records(resumed) if "loss" in r] == [
+        (r["step"], r["loss"], r.get("skipped")) for r in records
+    ]
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000060.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and a["skip_state"] == b["skip_state"]
 
 
 def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     # Z = 0.5 is too low to let the window catch up with the shift: the bound stops the run
-    result = run_command("train_gpt2.py", *tiny_run_args(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80,
-                                                    ckpt_every=10))
-    assert_one_error_line(result, f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
-                                  f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
-                                  f"update. Last good checkpoint: {tmp_path / 'ckpt_0000040.pt'}")
+    result = run_command(
+        "train_gpt2.py", *tiny_run_args(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80, ckpt_every=10)
+    )
+    assert_one_error_line(
+        result,
+        f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
+        f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
+        f"update. Last good checkpoint: {tmp_path / 'ckpt_0000040.pt'}",
+    )
     assert f"{update_guard.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
-    assert skipped == list(range(skipped[0], skipped[0] + update_guard.MAX_SPIKES_IN_A_ROW))  # then the stop, before step 26
+    assert skipped == list(
+        range(skipped[0], skipped[0] + update_guard.MAX_SPIKES_IN_A_ROW)
+    )  # then the stop, before step 26
 
 
 # --- data sets: the manifest, token ids, shard digests -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def made_data(tmp_path_factory):
     """A data set fineweb.py made (its manifest.json lists 5 shards: val_000000, train_000001..4), and its input."""
     import fineweb
+
     folder = tmp_path_factory.mktemp("made")
     words = "the quick brown fox jumps over a lazy dog while some more words of text follow it".split()
     rng = np.random.default_rng(0)
     lines = [" ".join(rng.choice(words, rng.integers(5, 80))) for _ in range(400)]
     (folder / "docs.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    assert fineweb.main(["--files", str(folder / "docs.jsonl"), "--out-dir", str(folder / "data"),
-                         "--shard-size", "4000", "--workers", "1"]) == 0
+    assert (
+        fineweb.main(
+            [
+                "--files",
+                str(folder / "docs.jsonl"),
+                "--out-dir",
+                str(folder / "data"),
+                "--shard-size",
+                "4000",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     return folder / "data"
 
 
@@ -280,8 +356,15 @@ def llmc_bin(tokens) -> bytes:
     return header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes()
 
 
-@pytest.mark.parametrize("case", ["another data set's shard", "a .bin copy beside its .npy", "a listed shard missing",
-                                  "a listed shard of another size"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "another data set's shard",
+        "a .bin copy beside its .npy",
+        "a listed shard missing",
+        "a listed shard of another size",
+    ],
+)
 def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
     # before: the trainer read every *_train_* file and mixed these in (8,333 rows per epoch became 12,331)
     data, out = tmp_path / "data", tmp_path / "out"
@@ -290,19 +373,25 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
     size = shard.stat().st_size
     if case == "another data set's shard":
         shutil.copy(shard, data / "other_train_000001.npy")
-        message = (f"{data}/other_train_000001.npy is not one of the shards that {manifest} lists: move it out of "
-                   "the folder (where a manifest is, the trainer reads the shards it lists and no others)")
+        message = (
+            f"{data}/other_train_000001.npy is not one of the shards that {manifest} lists: move it out of "
+            "the folder (where a manifest is, the trainer reads the shards it lists and no others)"
+        )
     elif case == "a .bin copy beside its .npy":
         (data / "data_train_000002.bin").write_bytes(llmc_bin(np.load(shard)))
-        message = (f"{data}/data_train_000002.bin is not one of the shards that {manifest} lists: move it out "
-                   "of the folder (where a manifest is, the trainer reads the shards it lists and no others)")
+        message = (
+            f"{data}/data_train_000002.bin is not one of the shards that {manifest} lists: move it out "
+            "of the folder (where a manifest is, the trainer reads the shards it lists and no others)"
+        )
     elif case == "a listed shard missing":
         shard.unlink()
         message = f"{shard} is missing, yet {manifest} lists it; restore it, or re-create the data set with fineweb.py"
     else:
         np.save(shard, np.load(shard)[:-3])
-        message = (f"{shard} is {size - 6} bytes, not the {size} that {manifest} lists; restore it, or re-create the "
-                   "data set with fineweb.py")
+        message = (
+            f"{shard} is {size - 6} bytes, not the {size} that {manifest} lists; restore it, or re-create the "
+            "data set with fineweb.py"
+        )
     before = tree_hashes(data)
     result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=2))
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
@@ -313,18 +402,33 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     # before: "warning: ... changed since ... (its manifest.json differs): from step 2 on this run reads other
     # rows than the run it continues would have": the manifests differ only in the input's path and mtime
     import fineweb
+
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(made_data, data)
     result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr
     shutil.copy(made_data.parent / "docs.jsonl", tmp_path / "copy.jsonl")  # the same text, another path and mtime
-    assert fineweb.main(["--files", str(tmp_path / "copy.jsonl"), "--out-dir", str(tmp_path / "again"),
-                         "--shard-size", "4000", "--workers", "1"]) == 0
+    assert (
+        fineweb.main(
+            [
+                "--files",
+                str(tmp_path / "copy.jsonl"),
+                "--out-dir",
+                str(tmp_path / "again"),
+                "--shard-size",
+                "4000",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     shutil.rmtree(data)
     os.rename(tmp_path / "again", data)
     assert (data / "manifest.json").read_bytes() != (made_data / "manifest.json").read_bytes()
-    assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == \
-        {k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")}
+    assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == {
+        k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")
+    }
     result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (0, "")
     assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
@@ -341,10 +445,14 @@ def test_a_shard_that_is_not_what_its_manifest_records_stops_the_run(made_data, 
     before = tree_hashes(data)
     expected = json.loads((data / "manifest.json").read_text())["shards"][3]["sha256"]
     result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=4, ckpt_every=2))
-    assert (result.returncode, result.stderr) == (2, (
-        f"error: {shard} has sha256 {hashlib.sha256(shard.read_bytes()).hexdigest()[:16]}..., not the "
-        f"{expected[:16]}... that {data}/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
-        "copy?); restore it, or re-create the data set with fineweb.py\n"))
+    assert (result.returncode, result.stderr) == (
+        2,
+        (
+            f"error: {shard} has sha256 {hashlib.sha256(shard.read_bytes()).hexdigest()[:16]}..., not the "
+            f"{expected[:16]}... that {data}/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
+            "copy?); restore it, or re-create the data set with fineweb.py\n"
+        ),
+    )
     assert tree_hashes(data) == before and not list(out.glob("ckpt_*.pt"))
 
 
@@ -353,6 +461,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
     # before: the vocabulary check passed ids 50257..50303 (below the padded 50304 or --vocab-size 60000), and the
     # run died when that row was first read: RuntimeError in chunked_loss.py, IndexError with --loss-chunk 0
     from shards import make_docs, write_shards
+
     data, out = tmp_path / "data", tmp_path / "out"
     if case == "the manifest's max_id":  # fineweb.py records each shard's largest id: the trainer reads that
         shutil.copytree(made_data, data)
@@ -371,21 +480,29 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
         flags = ["--eval-only", "--resume", "--val-every", "1", "--val-steps", "1"]
     before = {folder: tree_hashes(folder) for folder in (data, out) if folder.exists()}
     result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, *flags, steps=4))
-    assert (result.returncode, result.stderr) == (2, (
-        f"error: {shard} holds token id 50290, which the model has no output for: its softmax covers GPT-2's 50257 "
-        "tokens (ids 0..50256), whatever --vocab-size pads; the shards come from another tokenizer (one with added "
-        "tokens?): re-create them with fineweb.py\n"))
+    assert (result.returncode, result.stderr) == (
+        2,
+        (
+            f"error: {shard} holds token id 50290, which the model has no output for: its softmax covers GPT-2's 50257 "
+            "tokens (ids 0..50256), whatever --vocab-size pads; the shards come from another tokenizer (one with added "
+            "tokens?): re-create them with fineweb.py\n"
+        ),
+    )
     assert {folder: tree_hashes(folder) for folder in (data, out) if folder.exists()} == before
     assert out.exists() == (case == "--eval-only")
 
 
 # --- full disk, signals ---------------------------------------------------------------------
 
+
 def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=4))
-    assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
-                                  "its last whole record). Last good checkpoint: none")
+    assert_one_error_line(
+        result,
+        f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
+        "its last whole record). Last good checkpoint: none",
+    )
 
 
 def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path):
@@ -402,11 +519,18 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
     def file_size_limit():  # what a full disk does to one file: a short write, then EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
-                         preexec_fn=file_size_limit)
+
+    result = run_command(
+        "train_gpt2.py",
+        *tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
+        preexec_fn=file_size_limit,
+    )
     last = checkpoints.latest_checkpoint(str(tmp_path))
-    assert_one_error_line(result, f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
-                                  f"whole record). Last good checkpoint: {last}")
+    assert_one_error_line(
+        result,
+        f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
+        f"whole record). Last good checkpoint: {last}",
+    )
     text = tmp_path.joinpath("log.jsonl").read_text()
     assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
     assert checkpoints.load_checkpoint(last)["step"] >= 2
@@ -420,9 +544,14 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
     fifo = data / "zz_train_000009.npy"
     os.mkfifo(fifo)  # the trainer blocks reading this "shard": start-up, for as long as the test likes
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *tiny_run_args(str(data), tmp_path / "out")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *tiny_run_args(str(data), tmp_path / "out")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     out, err = interrupt_when_blocked(proc, fifo)
     assert (proc.returncode, err) == (130, "error: interrupted\n")
 
@@ -446,28 +575,46 @@ def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir
 
 # --- processes and environments -------------------------------------------------
 
+
 def snapshot(folder) -> dict:
     """Every file under folder (relative name -> its bytes' sha256): what must stay byte-identical."""
+
     def digest(path):  # (a named pipe is never opened: that would wait for a writer)
         return hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else "not a file"
-    return {os.path.relpath(os.path.join(root, name), folder): digest(os.path.join(root, name))
-            for root, _, names in os.walk(folder) for name in names}
+
+    return {
+        os.path.relpath(os.path.join(root, name), folder): digest(os.path.join(root, name))
+        for root, _, names in os.walk(folder)
+        for name in names
+    }
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
-     "MASTER_ADDR is not set, but RANK=0, LOCAL_RANK=0, WORLD_SIZE=1 are: launch with torchrun, which sets them "
-     "all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process"),
-    ({"RANK": "0"}, "LOCAL_RANK is not set, but RANK=0 is: launch with torchrun"),
-    ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
-     "WORLD_SIZE='two' is not a whole number: launch with torchrun"),
-    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
-     "RANK=2 with WORLD_SIZE=2: the ranks are 0..WORLD_SIZE-1; launch with torchrun"),
-], ids=["no MASTER_ADDR", "RANK alone", "WORLD_SIZE=two", "RANK past WORLD_SIZE"])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        (
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+            "MASTER_ADDR is not set, but RANK=0, LOCAL_RANK=0, WORLD_SIZE=1 are: launch with torchrun, which sets them "
+            "all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process",
+        ),
+        ({"RANK": "0"}, "LOCAL_RANK is not set, but RANK=0 is: launch with torchrun"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+            "WORLD_SIZE='two' is not a whole number: launch with torchrun",
+        ),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+            "RANK=2 with WORLD_SIZE=2: the ranks are 0..WORLD_SIZE-1; launch with torchrun",
+        ),
+    ],
+    ids=["no MASTER_ADDR", "RANK alone", "WORLD_SIZE=two", "RANK past WORLD_SIZE"],
+)
 def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, env, message):
     before = snapshot(finished_run)
-    for script, args in [("train_gpt2.py", tiny_run_args(data_dir, finished_run, "--resume", steps=6)),
-                         ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"])]:
+    for script, args in [
+        ("train_gpt2.py", tiny_run_args(data_dir, finished_run, "--resume", steps=6)),
+        ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"]),
+    ]:
         result = run_command(script, *args, env={**os.environ, **env})
         assert_one_error_line(result, message)
     assert snapshot(finished_run) == before
@@ -477,25 +624,46 @@ def test_ranks_that_never_gather_are_one_line(tmp_path):
     # trainkit.launch.process_group, which every script's ranks join through, with a second rank that never
     # comes: the store's timeout (a few seconds here; --dist-timeout in the trainer)
     from conftest import free_port
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    result = subprocess.run([sys.executable, "-c", "import sys\nfrom trainkit import launch\n"
-                             "def join():\n    with launch.process_group('cpu', 2): pass\n"
-                             "sys.exit(launch.exit_code_on_every_rank(join))"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    assert_one_error_line(result, f"error: rank 0: could not gather the WORLD_SIZE=2 ranks of this launch at "
-                                  f"127.0.0.1:{env['MASTER_PORT']} within 2 s (DistStoreError: ",
-                          "start all 2 ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE")
+
+    env = dict(
+        os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom trainkit import launch\n"
+            "def join():\n    with launch.process_group('cpu', 2): pass\n"
+            "sys.exit(launch.exit_code_on_every_rank(join))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert_one_error_line(
+        result,
+        f"error: rank 0: could not gather the WORLD_SIZE=2 ranks of this launch at "
+        f"127.0.0.1:{env['MASTER_PORT']} within 2 s (DistStoreError: ",
+        "start all 2 ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE",
+    )
 
 
 def test_libraries_that_cannot_load_under_a_memory_limit_are_one_line(data_dir, tmp_path):
     def limit_memory():  # ulimit -v 300000: too little to map torch's shared libraries
         resource.setrlimit(resource.RLIMIT_AS, (300_000 * 1024,) * 2)
-    for script, args in [("train_gpt2.py", tiny_run_args(data_dir, tmp_path / "out", steps=2)),
-                         ("sample.py", ["--checkpoint", tmp_path / "c.pt"])]:
+
+    for script, args in [
+        ("train_gpt2.py", tiny_run_args(data_dir, tmp_path / "out", steps=2)),
+        ("sample.py", ["--checkpoint", tmp_path / "c.pt"]),
+    ]:
         result = run_command(script, *args, preexec_fn=limit_memory)
-        assert_one_error_line(result, "error: cannot import the libraries this script needs (ImportError: ",
-                              "under a memory limit (ulimit -v) raise it, otherwise reinstall them")
+        assert_one_error_line(
+            result,
+            "error: cannot import the libraries this script needs (ImportError: ",
+            "under a memory limit (ulimit -v) raise it, otherwise reinstall them",
+        )
     assert os.listdir(tmp_path) == []
 
 
@@ -509,15 +677,20 @@ def test_a_log_that_is_a_named_pipe_is_refused_not_waited_on(finished_run, data_
         os.mkfifo(out / "log.jsonl")
         before = snapshot(out)
         result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=6), timeout=120)
-        assert_one_error_line(result, f"error: {out}/log.jsonl is a named pipe (FIFO), not a regular file: a run "
-                                      "would wait on it or write over it; remove it (the run makes its own), or "
-                                      "choose another --out-dir")
+        assert_one_error_line(
+            result,
+            f"error: {out}/log.jsonl is a named pipe (FIFO), not a regular file: a run "
+            "would wait on it or write over it; remove it (the run makes its own), or "
+            "choose another --out-dir",
+        )
         assert snapshot(out) == before
 
 
 def test_gpt_state_shapes_are_the_models():
-    for shape in [dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=100),
-                  dict(n_layer=3, n_head=4, n_embd=8, block_size=7, vocab_size=64)]:
+    for shape in [
+        dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=100),
+        dict(n_layer=3, n_head=4, n_embd=8, block_size=7, vocab_size=64),
+    ]:
         state = tg.GPT(tg.GPTConfig(**shape)).state_dict()
         assert checkpoints.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
 
@@ -529,31 +702,58 @@ def re_summed(src, dst, edit):
     checkpoints.save_checkpoint(str(dst), {k: v for k, v in ckpt.items() if k != "checksum"})
 
 
-@pytest.mark.parametrize("edit,what,commands", [
-    (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only): not as train_gpt2.py "
-     "writes them", ["train"]),
-    (lambda c: c["model"].__setitem__("transformer.h.0.attn.c_attn.weight", torch.zeros(48, 15)),
-     "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16: not as train_gpt2.py "
-     "writes them", ["train", "sample", "hellaswag", "export"]),
-    (lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)),
-     "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
-     "edited, it cannot be resumed", ["train"]),
-], ids=["no optimizer", "model tensor shape", "optimizer tensor shape"])
-def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(finished_run, data_dir, tmp_path, edit, what,
-                                                                    commands):
+@pytest.mark.parametrize(
+    "edit,what,commands",
+    [
+        (
+            lambda c: c.pop("optimizer"),
+            "it holds no optimizer to resume from (weights only): not as train_gpt2.py writes them",
+            ["train"],
+        ),
+        (
+            lambda c: c["model"].__setitem__("transformer.h.0.attn.c_attn.weight", torch.zeros(48, 15)),
+            "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16: not as train_gpt2.py "
+            "writes them",
+            ["train", "sample", "hellaswag", "export"],
+        ),
+        (
+            lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)),
+            "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
+            "edited, it cannot be resumed",
+            ["train"],
+        ),
+    ],
+    ids=["no optimizer", "model tensor shape", "optimizer tensor shape"],
+)
+def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(
+    finished_run, data_dir, tmp_path, edit, what, commands
+):
     out = tmp_path / "run"
     out.mkdir()
     shutil.copy(finished_run / "log.jsonl", out)
     re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", edit)
     examples = tmp_path / "hellaswag.jsonl"
-    examples.write_text(json.dumps(dict(ctx="A man is on a roof. he", ctx_a="A man is on a roof.", ctx_b="he",
-                                        activity_label="Roofing", endings=["a", "b", "c", "d"], label=0)) + "\n")
+    examples.write_text(
+        json.dumps(
+            dict(
+                ctx="A man is on a roof. he",
+                ctx_a="A man is on a roof.",
+                ctx_b="he",
+                activity_label="Roofing",
+                endings=["a", "b", "c", "d"],
+                label=0,
+            )
+        )
+        + "\n"
+    )
     before = snapshot(tmp_path)
     ckpt = out / "ckpt_0000004.pt"
-    lines = {"train": ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6)),
-             "sample": ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "2"),
-             "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", examples),
-             "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf")}
+    lines = {
+        "train": ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6)),
+        "sample": ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "2"),
+        "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", examples),
+        "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
+    }
     for command in commands:
         result = run_command(*lines[command])
         assert_one_error_line(result, f"error: {ckpt}: {what}")
@@ -568,10 +768,13 @@ def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
     before = snapshot(out)
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
     run_id = json.loads(lines[0])["run"]
-    assert_one_error_line(result, f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
-                                  f"{out}/ckpt_0000004.pt was written (it holds ",
-                          "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
-                          "it, or move it aside (the resume then starts a new log.jsonl)")
+    assert_one_error_line(
+        result,
+        f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
+        f"{out}/ckpt_0000004.pt was written (it holds ",
+        "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
+        "it, or move it aside (the resume then starts a new log.jsonl)",
+    )
     assert snapshot(out) == before
 
 
@@ -579,25 +782,39 @@ def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
     before = snapshot(tmp_path)
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
-    assert_one_error_line(result, f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
-                                  "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
-                                  "log aside")
+    assert_one_error_line(
+        result,
+        f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
+        "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
+        "log aside",
+    )
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("source,kind", [("log.jsonl", "a JSON text file (a log.jsonl?)"),
-                                         ("shard", "a NumPy array (a token shard?)")])
+@pytest.mark.parametrize(
+    "source,kind", [("log.jsonl", "a JSON text file (a log.jsonl?)"), ("shard", "a NumPy array (a token shard?)")]
+)
 def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_dir, tmp_path, source, kind):
-    path = finished_run / "log.jsonl" if source == "log.jsonl" else \
-        os.path.join(data_dir, sorted(p for p in os.listdir(data_dir) if "_train_" in p)[0])
-    beside = (f"the newest checkpoint beside it is {finished_run / 'ckpt_0000004.pt'}" if source == "log.jsonl"
-              else "there is no checkpoint beside it")
+    path = (
+        finished_run / "log.jsonl"
+        if source == "log.jsonl"
+        else os.path.join(data_dir, sorted(p for p in os.listdir(data_dir) if "_train_" in p)[0])
+    )
+    beside = (
+        f"the newest checkpoint beside it is {finished_run / 'ckpt_0000004.pt'}"
+        if source == "log.jsonl"
+        else "there is no checkpoint beside it"
+    )
     before = snapshot(finished_run)
-    for command in [("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6)),
-                    ("hf_interop.py", "export", path, tmp_path / "hf")]:
+    for command in [
+        ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6)),
+        ("hf_interop.py", "export", path, tmp_path / "hf"),
+    ]:
         result = run_command(*command)
-        assert_one_error_line(result, f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a "
-                                      f"run's --out-dir ({beside})")
+        assert_one_error_line(
+            result,
+            f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({beside})",
+        )
         assert "weights_only" not in result.stderr
     assert os.listdir(tmp_path) == []  # the refused resume left no empty --out-dir behind
     assert snapshot(finished_run) == before
@@ -606,8 +823,11 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
 def test_out_dir_that_is_a_file(data_dir, tmp_path):
     tmp_path.joinpath("notes.txt").write_text("mine")
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "notes.txt", steps=2))
-    assert_one_error_line(result, f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
-                                  "checkpoints and log.jsonl into a folder; choose another --out-dir")
+    assert_one_error_line(
+        result,
+        f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
+        "checkpoints and log.jsonl into a folder; choose another --out-dir",
+    )
     assert tmp_path.joinpath("notes.txt").read_text() == "mine"
 
 
@@ -617,11 +837,15 @@ def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run,
 
     def plant_nan(ckpt):
         ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
+
     re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
     before = snapshot(out)
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    assert_one_error_line(result, f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
-                                  f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt")
+    assert_one_error_line(
+        result,
+        f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
+        f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt",
+    )
     assert snapshot(out) == before
 
 
@@ -629,19 +853,25 @@ def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, dat
     ckpt = finished_run / "ckpt_0000004.pt"
     args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
     for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
-        del args[args.index(flag):args.index(flag) + 2]
+        del args[args.index(flag) : args.index(flag) + 2]
     result = run_command("train_gpt2.py", *args)
-    assert_one_error_line(result, f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
-                                  "a Hub name (gpt2, ...) or a folder written by save_pretrained; --resume PATH "
-                                  "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
-                                  "export it (hf_interop.py export PATH DIR) and pass --init-from DIR")
+    assert_one_error_line(
+        result,
+        f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
+        "a Hub name (gpt2, ...) or a folder written by save_pretrained; --resume PATH "
+        "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
+        "export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
+    )
     assert os.listdir(tmp_path) == []
 
 
 def test_an_export_into_a_missing_folder_names_that_folder(finished_run, tmp_path):
     before = snapshot(finished_run)
     result = run_command("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
-    assert_one_error_line(result, f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "
-                                  f"it goes into, {tmp_path}/missing, does not exist; create it, or choose another "
-                                  "output folder")
+    assert_one_error_line(
+        result,
+        f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "
+        f"it goes into, {tmp_path}/missing, does not exist; create it, or choose another "
+        "output folder",
+    )
     assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before

@@ -3,6 +3,7 @@ document nested 200,000 deep in any reader, a checkpoint holding an expanded ten
 nested thousands deep or resume fields of the wrong types, a Hugging Face folder whose config.json
 and weights disagree or whose index points outside it, and shards or inputs that are not regular
 files. Each is exit code 2, one `error:` line, no traceback, and every file left byte-identical."""
+
 import json
 import os
 import shutil
@@ -15,9 +16,30 @@ import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, run_command, tree_hashes, write_checkpoint
 from trainkit import checkpoints
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "16",
-        "--batch-size", "4", "--total-batch-size", "64", "--warmup-steps", "1", "--val-every", "0",
-        "--sample-every", "0", "--hellaswag-every", "0"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "16",
+    "--block-size",
+    "32",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "64",
+    "--warmup-steps",
+    "1",
+    "--val-every",
+    "0",
+    "--sample-every",
+    "0",
+    "--hellaswag-every",
+    "0",
+]
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
 
@@ -34,8 +56,7 @@ SHARDS = dict(n_docs=300, seed=3)
 def finished_run(data_dir, tmp_path_factory):
     """A 2-step run of the tiny model with its checkpoint at step 2."""
     out = tmp_path_factory.mktemp("run")
-    assert tg.main(["--data-dir", data_dir, "--out-dir", str(out), "--max-steps", "2", "--ckpt-every", "2",
-                    *TINY]) == 0
+    assert tg.main(["--data-dir", data_dir, "--out-dir", str(out), "--max-steps", "2", "--ckpt-every", "2", *TINY]) == 0
     return out
 
 
@@ -58,6 +79,7 @@ def edited_run(finished_run, folder, edit, checksum=True):
 
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
 
+
 def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
     """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
     --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log."""
@@ -76,25 +98,37 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
     (run / "log.jsonl").write_text(DEEP + "\n")
     before = tree_hashes(tmp_path)
     cases = [
-        (("train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1", *TINY),
-         f"{data / 'manifest.json'} is not a manifest fineweb.py wrote ({DEEP_REASON}); restore it, re-create the "
-         "data set with fineweb.py, or move it out of the folder"),
-        (("fineweb.py", "--files", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "fineweb_out"),
-         f"{tmp_path / 'fineweb_out' / 'manifest.json'} is not a manifest written by fineweb.py ({DEEP_REASON}); "
-         "use an empty --out-dir"),
-        (("fineweb.py", "--files", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "fineweb_new", "--workers", "1"),
-         f"{tmp_path / 'docs.jsonl'}:2: not JSON Lines ({DEEP_REASON}); .json/.jsonl files must hold one JSON "
-         "object per line"),
-        (("hellaswag.py", "--data-file", tmp_path / "hellaswag.jsonl", "--checkpoint", finished_run, "--limit", "2"),
-         f"--data-file {tmp_path / 'hellaswag.jsonl'} line 2: not a HellaSwag example ({DEEP_REASON})"),
+        (
+            ("train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1", *TINY),
+            f"{data / 'manifest.json'} is not a manifest fineweb.py wrote ({DEEP_REASON}); restore it, re-create the "
+            "data set with fineweb.py, or move it out of the folder",
+        ),
+        (
+            ("fineweb.py", "--files", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "fineweb_out"),
+            f"{tmp_path / 'fineweb_out' / 'manifest.json'} is not a manifest written by fineweb.py ({DEEP_REASON}); "
+            "use an empty --out-dir",
+        ),
+        (
+            ("fineweb.py", "--files", tmp_path / "docs.jsonl", "--out-dir", tmp_path / "fineweb_new", "--workers", "1"),
+            f"{tmp_path / 'docs.jsonl'}:2: not JSON Lines ({DEEP_REASON}); .json/.jsonl files must hold one JSON "
+            "object per line",
+        ),
+        (
+            ("hellaswag.py", "--data-file", tmp_path / "hellaswag.jsonl", "--checkpoint", finished_run, "--limit", "2"),
+            f"--data-file {tmp_path / 'hellaswag.jsonl'} line 2: not a HellaSwag example ({DEEP_REASON})",
+        ),
         (("sample.py", "--hf-model", hf), f"--hf-model {hf}: {hf / 'config.json'}: {DEEP_REASON}"),
-        (("train_gpt2.py", "--data-dir", data_dir, "--out-dir", run, "--max-steps", "1", *TINY),
-         f"--out-dir {run} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
-         "wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose another "
-         "--out-dir"),
-        (("plot_log.py", run / "log.jsonl", "-o", tmp_path / "plot.png"),
-         f"{run / 'log.jsonl'} is not a run's log: none of its 1 line(s) is a JSON record; pass a run's --out-dir "
-         "or its log.jsonl"),
+        (
+            ("train_gpt2.py", "--data-dir", data_dir, "--out-dir", run, "--max-steps", "1", *TINY),
+            f"--out-dir {run} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
+            "wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose another "
+            "--out-dir",
+        ),
+        (
+            ("plot_log.py", run / "log.jsonl", "-o", tmp_path / "plot.png"),
+            f"{run / 'log.jsonl'} is not a run's log: none of its 1 line(s) is a JSON record; pass a run's --out-dir "
+            "or its log.jsonl",
+        ),
     ]
     for command, line in cases:
         result = run_command(*command)
@@ -121,6 +155,7 @@ def test_an_export_mark_nested_deep_is_no_mark(finished_run, tmp_path):
 
 # --- checkpoints: structure before contents --------------------------------------------------
 
+
 def expanded_embedding(ckpt):
     """The token embedding as one float broadcast to 50304 x 16: two bytes' worth of file."""
     ckpt["model"]["transformer.wte.weight"] = torch.zeros(1, 1).expand(50304, 16)
@@ -136,20 +171,41 @@ def nested(depth):
         for _ in range(depth):
             value = [value]
         ckpt["extra"] = value
+
     return edit
 
 
-@pytest.mark.parametrize("edit,checksum,problem", [
-    (expanded_embedding, True, "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
-     "those of a stored tensor (expanded or a view)"),
-    (expanded_51gb, False, "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
-     "those of a stored tensor (expanded or a view)"),
-    (lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]), True,
-     "a tensor's storage holds 4000 bytes, of which its tensors view 64"),
-    (nested(3000), False, "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)"),
-], ids=["expanded embedding", "expanded 51 GB", "storage larger than its view", "nested 3000 deep"])
-def test_a_checkpoint_whose_structure_costs_more_than_its_file(finished_run, data_dir, tmp_path, edit, checksum,
-                                                               problem):
+@pytest.mark.parametrize(
+    "edit,checksum,problem",
+    [
+        (
+            expanded_embedding,
+            True,
+            "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
+            "those of a stored tensor (expanded or a view)",
+        ),
+        (
+            expanded_51gb,
+            False,
+            "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
+            "those of a stored tensor (expanded or a view)",
+        ),
+        (
+            lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]),
+            True,
+            "a tensor's storage holds 4000 bytes, of which its tensors view 64",
+        ),
+        (
+            nested(3000),
+            False,
+            "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
+        ),
+    ],
+    ids=["expanded embedding", "expanded 51 GB", "storage larger than its view", "nested 3000 deep"],
+)
+def test_a_checkpoint_whose_structure_costs_more_than_its_file(
+    finished_run, data_dir, tmp_path, edit, checksum, problem
+):
     """Every loader (--resume, sample.py, hellaswag.py, export) refuses it before reading a tensor's contents."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
@@ -159,11 +215,12 @@ def test_a_checkpoint_whose_structure_costs_more_than_its_file(finished_run, dat
         sys.setrecursionlimit(limit)
     before = tree_hashes(tmp_path)
     line = f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
-    for command in [("train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume",
-                     "--max-steps", "4", *TINY),
-                    ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
-                    ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
-                    ("hf_interop.py", "export", ckpt, tmp_path / "hf")]:
+    for command in [
+        ("train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume", "--max-steps", "4", *TINY),
+        ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
+        ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
+        ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
+    ]:
         assert_refused(run_command(*command), line)
     assert tree_hashes(tmp_path) == before
 
@@ -172,41 +229,68 @@ def without_seq_len(ckpt):
     del ckpt["run_config"]["seq_len"]
 
 
-@pytest.mark.parametrize("edit,problem", [
-    (without_seq_len, "its run_config has no seq_len"),
-    (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
-    (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
-    (lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
-     "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)"),
-    (lambda c: c.__setitem__("skip_state", {}), "its skip_state is not the guards' state (loss_window, norm_window: "
-     "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)"),
-    (lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
-     "its run is a list, not a run identity (a mapping of id and parent)"),
-    (lambda c: c.__setitem__("log_offset", 1.5), "its log_offset is 1.5, not a count (an integer >= 0)"),
-    (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
-    (lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
-     "its data_files is not a list of shards (name, size, sha256)"),
-], ids=["no seq_len", "negative step", "text step", "float rng state", "empty skip state", "run not a mapping",
-        "fractional log offset", "text shuffle", "negative shard size"])
+@pytest.mark.parametrize(
+    "edit,problem",
+    [
+        (without_seq_len, "its run_config has no seq_len"),
+        (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
+        (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
+        (
+            lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
+            "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)",
+        ),
+        (
+            lambda c: c.__setitem__("skip_state", {}),
+            "its skip_state is not the guards' state (loss_window, norm_window: "
+            "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)",
+        ),
+        (
+            lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
+            "its run is a list, not a run identity (a mapping of id and parent)",
+        ),
+        (lambda c: c.__setitem__("log_offset", 1.5), "its log_offset is 1.5, not a count (an integer >= 0)"),
+        (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
+        (
+            lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
+            "its data_files is not a list of shards (name, size, sha256)",
+        ),
+    ],
+    ids=[
+        "no seq_len",
+        "negative step",
+        "text step",
+        "float rng state",
+        "empty skip state",
+        "run not a mapping",
+        "fractional log offset",
+        "text shuffle",
+        "negative shard size",
+    ],
+)
 def test_resume_state_of_the_wrong_types_is_one_line(finished_run, data_dir, tmp_path, edit, problem):
     """A checkpoint whose checksum is right but whose resume fields are not as the trainer writes them."""
     ckpt = edited_run(finished_run, tmp_path / "run", edit)
     before = tree_hashes(tmp_path)
-    result = run_command("train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume",
-                         "--max-steps", "4", *TINY)
-    assert_refused(result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint "
-                           "next to it")
+    result = run_command(
+        "train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume", "--max-steps", "4", *TINY
+    )
+    assert_refused(
+        result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
+    )
     assert tree_hashes(tmp_path) == before
 
 
 # --- Hugging Face folders: config and weights compared before a model is built ----------------
 
+
 def hf_folder(path, **config_edits):
     """A save_pretrained folder of a tiny GPT-2 (2 layers, 100 ids, 32 positions), config.json then edited."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2,
-                               bos_token_id=None, eos_token_id=None)).save_pretrained(str(path))
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=None, eos_token_id=None)
+    ).save_pretrained(str(path))
     if config_edits:
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **config_edits}))
@@ -215,14 +299,18 @@ def hf_folder(path, **config_edits):
 
 def index_to(where):
     """The folder's weights moved to where (relative to it, or absolute) and named there by an index."""
+
     def edit(folder):
         from safetensors.torch import load_file
+
         names = list(load_file(folder / "model.safetensors"))
         target = folder / where
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(folder / "model.safetensors", target)
-        (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": {name: where for name in names}}))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {name: where for name in names}})
+        )
+
     return edit
 
 
@@ -230,27 +318,58 @@ def unsafe_bin(folder):
     """pytorch_model.bin instead of safetensors, holding a pickled object that is not a tensor."""
     import argparse
     from safetensors.torch import load_file
+
     state = load_file(folder / "model.safetensors")
     os.remove(folder / "model.safetensors")
     torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
 
 
-@pytest.mark.parametrize("config,edit,problem", [
-    (dict(n_layer=1), None, "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
-     "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
-     "n_layer 1: is it the config of these weights?"),
-    (dict(n_layer=-1), None, "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)"),
-    (dict(n_embd="16"), None, "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)"),
-    (dict(n_positions=10**9), None, "tensors of another shape than its config.json gives (transformer.wpe.weight; "
-     "1 in all)"),
-    ({}, index_to("../elsewhere/x.safetensors"), "its model.safetensors.index.json names the weight file "
-     "'../elsewhere/x.safetensors', outside the folder: only files inside it are read"),
-    ({}, index_to("sub/x.safetensors"), "its model.safetensors.index.json names the weight file "
-     "'sub/x.safetensors', outside the folder: only files inside it are read"),
-    ({}, unsafe_bin, "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
-     "plain values, which are never loaded)"),
-], ids=["fewer layers than its weights", "negative n_layer", "text n_embd", "absurd n_positions", "index up out",
-        "index into a subfolder", "unsafe pytorch_model.bin"])
+@pytest.mark.parametrize(
+    "config,edit,problem",
+    [
+        (
+            dict(n_layer=1),
+            None,
+            "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
+            "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
+            "n_layer 1: is it the config of these weights?",
+        ),
+        (dict(n_layer=-1), None, "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)"),
+        (dict(n_embd="16"), None, "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)"),
+        (
+            dict(n_positions=10**9),
+            None,
+            "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
+        ),
+        (
+            {},
+            index_to("../elsewhere/x.safetensors"),
+            "its model.safetensors.index.json names the weight file "
+            "'../elsewhere/x.safetensors', outside the folder: only files inside it are read",
+        ),
+        (
+            {},
+            index_to("sub/x.safetensors"),
+            "its model.safetensors.index.json names the weight file "
+            "'sub/x.safetensors', outside the folder: only files inside it are read",
+        ),
+        (
+            {},
+            unsafe_bin,
+            "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
+            "plain values, which are never loaded)",
+        ),
+    ],
+    ids=[
+        "fewer layers than its weights",
+        "negative n_layer",
+        "text n_embd",
+        "absurd n_positions",
+        "index up out",
+        "index into a subfolder",
+        "unsafe pytorch_model.bin",
+    ],
+)
 def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, config, edit, problem):
     folder = hf_folder(tmp_path / "hf", **config)
     if edit:
@@ -259,8 +378,9 @@ def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, conf
     line = f"--hf-model {folder}: {problem.format(folder=folder)}"
     assert_refused(run_command("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
     if not edit and config.get("n_layer") == 1:  # also where the other commands take a Hugging Face GPT-2
-        assert_refused(run_command("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit",
-                                   "1"), line)
+        assert_refused(
+            run_command("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
+        )
     assert tree_hashes(tmp_path) == before
 
 
@@ -268,16 +388,40 @@ def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
     folder = hf_folder(tmp_path / "hf")
     index_to(str(tmp_path / "elsewhere" / "x.safetensors"))(folder)
     before = tree_hashes(tmp_path)
-    result = run_command("train_gpt2.py", "--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out",
-                         "--seq-len", "16", "--batch-size", "4", "--total-batch-size", "64", "--max-steps", "1",
-                         "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0")
-    assert_refused(result, f"--init-from {folder}: its model.safetensors.index.json names the weight file "
-                           f"'{tmp_path / 'elsewhere' / 'x.safetensors'}', outside the folder: only files inside it "
-                           "are read")
+    result = run_command(
+        "train_gpt2.py",
+        "--init-from",
+        folder,
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        tmp_path / "out",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--total-batch-size",
+        "64",
+        "--max-steps",
+        "1",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+    )
+    assert_refused(
+        result,
+        f"--init-from {folder}: its model.safetensors.index.json names the weight file "
+        f"'{tmp_path / 'elsewhere' / 'x.safetensors'}', outside the folder: only files inside it "
+        "are read",
+    )
     assert tree_hashes(tmp_path) == before
 
 
 # --- files that are not regular files ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
 def test_a_shard_that_is_not_a_regular_file_is_refused_not_read(data_dir, tmp_path, kind):
@@ -291,8 +435,9 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_not_read(data_dir, tmp_pa
     else:
         os.symlink("/dev/zero", shard)
         what = "a character device (a link to /dev/zero)"
-    result = run_command("train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1",
-                         *TINY, timeout=120)
+    result = run_command(
+        "train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1", *TINY, timeout=120
+    )
     assert_refused(result, f"{shard} is {what}, not a regular file: it cannot be read as one")
     os.remove(shard)
     assert tree_hashes(tmp_path) == before
@@ -311,26 +456,49 @@ def test_inputs_that_are_named_pipes_are_refused_not_waited_on(finished_run, tmp
 
 # --- models HellaSwag cannot score --------------------------------------------------------------
 
-BLOCK_1 = "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs " \
+BLOCK_1 = (
+    "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs "
     "at least 2 positions)"
+)
 
 
-@pytest.mark.parametrize("shape, problem, trainer_line", [
-    (dict(block_size=1, vocab_size=50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
-    (dict(block_size=32, vocab_size=1000), "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this "
-     "model's vocabulary of 1000 ids", "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and "
-     "HellaSwag feed the model: pass --hellaswag-every 0"),
-], ids=["block-size-1", "vocab-size-1000"])
+@pytest.mark.parametrize(
+    "shape, problem, trainer_line",
+    [
+        (dict(block_size=1, vocab_size=50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
+        (
+            dict(block_size=32, vocab_size=1000),
+            "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this model's vocabulary of 1000 ids",
+            "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and "
+            "HellaSwag feed the model: pass --hellaswag-every 0",
+        ),
+    ],
+    ids=["block-size-1", "vocab-size-1000"],
+)
 def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, problem, trainer_line):
     """hellaswag.py on its checkpoint, and the trainer asked to score it every N steps (refused before the
     first step, not after N steps of training): one line each, nothing written."""
-    checkpoint = write_checkpoint(tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape)),
-                                  tmp_path / "ckpt_0000001.pt")
+    checkpoint = write_checkpoint(
+        tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape)), tmp_path / "ckpt_0000001.pt"
+    )
     result = run_command("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
     assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
     out = tmp_path / "out"
-    args = [*TINY, "--block-size", str(shape["block_size"]), "--seq-len", "1", "--total-batch-size", "4",
-            "--vocab-size", str(shape["vocab_size"]), "--hellaswag-every", "1", "--hellaswag-file", HELLASWAG_FILE]
+    args = [
+        *TINY,
+        "--block-size",
+        str(shape["block_size"]),
+        "--seq-len",
+        "1",
+        "--total-batch-size",
+        "4",
+        "--vocab-size",
+        str(shape["vocab_size"]),
+        "--hellaswag-every",
+        "1",
+        "--hellaswag-file",
+        HELLASWAG_FILE,
+    ]
     result = run_command("train_gpt2.py", "--data-dir", data_dir, "--out-dir", out, "--max-steps", "2", *args)
     assert_refused(result, trainer_line)
     assert not out.exists()

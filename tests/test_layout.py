@@ -1,6 +1,7 @@
 """The repository's layout: the six scripts a user runs at the root, the modules they
 import in trainkit/, dependencies pointing one way (scripts -> the trainer's model -> trainkit),
 and the scripts' --help unchanged by the move."""
+
 import ast
 import os
 import subprocess
@@ -22,8 +23,13 @@ def repo_files() -> dict:
         parts = path.relative_to(REPO).parts
         if any(part.startswith(".") or part == "__pycache__" for part in parts):
             continue
-        name = "trainkit" if parts == ("trainkit", "__init__.py") else \
-            f"trainkit.{path.stem}" if parts[0] == "trainkit" else path.stem
+        name = (
+            "trainkit"
+            if parts == ("trainkit", "__init__.py")
+            else f"trainkit.{path.stem}"
+            if parts[0] == "trainkit"
+            else path.stem
+        )
         assert name not in files, f"{path} and {files[name]} are both imported as {name}"
         files[name] = path
     return files
@@ -40,8 +46,12 @@ def imports_of(path, ours: set, module_level_only: bool = False) -> set:
             node = todo.pop()
             nodes.append(node)
             if isinstance(node, (ast.If, ast.Try)):
-                todo += node.body + node.orelse + getattr(node, "finalbody", []) + \
-                    [n for h in getattr(node, "handlers", []) for n in h.body]
+                todo += (
+                    node.body
+                    + node.orelse
+                    + getattr(node, "finalbody", [])
+                    + [n for h in getattr(node, "handlers", []) for n in h.body]
+                )
     else:
         nodes = list(ast.walk(tree))
     found = set()
@@ -67,7 +77,7 @@ def cycle_in(graph: dict) -> list | None:
         state[module] = "open"
         for dep in sorted(graph[module]):
             if state.get(dep) == "open":
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep, path + [dep])):
                 return found
         state[module] = "done"
@@ -96,10 +106,22 @@ def test_no_import_cycle_and_trainkit_imports_no_script():
     # scripts -> the trainer's model -> trainkit: the scripts that score or sample our checkpoints
     # import the trainer, none of them another script
     assert {name: graph[name] & set(SCRIPTS) for name in SCRIPTS if graph[name] & set(SCRIPTS)} == {
-        "hellaswag": {"train_gpt2"}, "sample": {"train_gpt2"}}
-    assert graph["train_gpt2"] >= {"trainkit.launch", "trainkit.checkpoints", "trainkit.out_dir", "trainkit.memory",
-                                   "trainkit.fsdp", "trainkit.chunked_loss", "trainkit.shards", "trainkit.tokenizer",
-                                   "trainkit.hellaswag_eval", "trainkit.sampling", "trainkit.hf_weights"}
+        "hellaswag": {"train_gpt2"},
+        "sample": {"train_gpt2"},
+    }
+    assert graph["train_gpt2"] >= {
+        "trainkit.launch",
+        "trainkit.checkpoints",
+        "trainkit.out_dir",
+        "trainkit.memory",
+        "trainkit.fsdp",
+        "trainkit.chunked_loss",
+        "trainkit.shards",
+        "trainkit.tokenizer",
+        "trainkit.hellaswag_eval",
+        "trainkit.sampling",
+        "trainkit.hf_weights",
+    }
     assert graph["trainkit.console"] == set()  # the floor: printing, standard library only
     assert graph["trainkit.cli"] == {"trainkit.console"}  # the error contract on it, standard library only
 
@@ -119,14 +141,15 @@ HELPS = [[f"{script}.py"] for script in SCRIPTS] + [["hf_interop.py", command] f
 def test_help_is_what_it_was_before_the_move(command):
     recorded = REPO / "tests" / "fixtures" / "help" / f"{'_'.join(command).replace('.py', '')}.txt"
     env = {**os.environ, "COLUMNS": "80"}
-    result = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, *command, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert (result.returncode, result.stderr, result.stdout) == (0, "", recorded.read_text())
 
 
 def test_readme_lists_every_script_and_trainkit_module():
     readme = (REPO / "README.md").read_text()
-    files = readme[readme.index("## Files"):readme.index("## Reference")]
+    files = readme[readme.index("## Files") : readme.index("## Reference")]
     listed = {line.split("`")[1] for line in files.splitlines() if line.startswith("| `")}
     modules = {f"trainkit/{p.name}" for p in (REPO / "trainkit").glob("*.py") if p.name != "__init__.py"}
     assert listed == {f"{script}.py" for script in SCRIPTS} | {"quickstart.sh", "slurm/train_gpt2.sbatch"} | modules

@@ -1,6 +1,7 @@
 """lm-evaluation-harness on our export (hf_interop.py eval, evals/hellaswag_local.yaml), offline:
 its HellaSwag acc and acc_norm equal hellaswag.py's lm_eval_acc and lm_eval_acc_norm, example
 by example."""
+
 import json
 import os
 import subprocess
@@ -19,7 +20,9 @@ from train_gpt2 import GPTConfig  # noqa: E402
 
 # 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in
 # lm-eval's rendering), so lm-eval and we cut nothing
-CONFIG = GPTConfig(block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)  # unpadded: the export keeps every row
+CONFIG = GPTConfig(
+    block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16
+)  # unpadded: the export keeps every row
 N = 40
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -44,8 +47,14 @@ def data_file(tmp_path_factory):
 
 
 def run_eval(*args):
-    return subprocess.run([sys.executable, "hf_interop.py", "eval", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **OFFLINE})
+    return subprocess.run(
+        [sys.executable, "hf_interop.py", "eval", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **OFFLINE},
+    )
 
 
 def test_our_text_is_lm_evals():
@@ -53,19 +62,32 @@ def test_our_text_is_lm_evals():
     the shipped subset (ActivityNet's and WikiHow's, whose bracketed tags lm-eval removes)."""
     import datasets
     from lm_eval.tasks.hellaswag.utils import process_docs
+
     with open(HELLASWAG_FILE) as f:
         records = [json.loads(line) for line in f]
     theirs = process_docs(datasets.Dataset.from_list(records))
     assert len(records) == len(theirs) == 446
     assert sum("[title]" in record["ctx"] for record in records) > 0  # WikiHow's tags are covered
-    mismatched = [i for i, (record, doc) in enumerate(zip(records, theirs))
-                  if hellaswag_eval.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])]
+    mismatched = [
+        i
+        for i, (record, doc) in enumerate(zip(records, theirs))
+        if hellaswag_eval.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])
+    ]
     assert mismatched == []
 
 
 def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_file, tmp_path):
-    proc = run_eval(checkpoint, "--tasks", "hellaswag", "--hellaswag-file", data_file, "--device", "cpu",
-                    "--samples-dir", str(tmp_path))
+    proc = run_eval(
+        checkpoint,
+        "--tasks",
+        "hellaswag",
+        "--hellaswag-file",
+        data_file,
+        "--device",
+        "cpu",
+        "--samples-dir",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])["hellaswag_local"]
     with open(tmp_path / "hellaswag_local.jsonl") as f:
@@ -96,8 +118,11 @@ def test_hub_unreachable_names_the_flag_to_set(checkpoint):
 
 def test_a_bad_hellaswag_file_is_named_not_blamed_on_the_network(checkpoint, tmp_path):
     proc = run_eval(checkpoint, "--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl"))
-    assert (proc.returncode, proc.stderr) == (2, f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a "
-                                                 "HellaSwag example (Expecting value: line 1 column 1 (char 0))\n")
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a "
+        "HellaSwag example (Expecting value: line 1 column 1 (char 0))\n",
+    )
     assert os.listdir(tmp_path) == ["bad.jsonl"]
 
 
@@ -107,16 +132,26 @@ def write_garbage(path) -> str:
 
 
 def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch, capsys):
-    cases = [(["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path / "missing.jsonl")],
-              f"error: --hellaswag-file {tmp_path / 'missing.jsonl'} does not exist"),
-             (["--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl")],
-              f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (Expecting value: "
-              "line 1 column 1 (char 0))"),  # named as hellaswag.py names it, not blamed on the network
-             (["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path)],
-              f"error: --hellaswag-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"),
-             (["--tasks", " , "], "error: --tasks names no task"),
-             (["--tasks", "hellaswag", "--samples-dir", str(tmp_path / "a_file" / "samples")],
-              f"error: --samples-dir {tmp_path / 'a_file' / 'samples'}: not a directory")]
+    cases = [
+        (
+            ["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path / "missing.jsonl")],
+            f"error: --hellaswag-file {tmp_path / 'missing.jsonl'} does not exist",
+        ),
+        (
+            ["--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl")],
+            f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (Expecting value: "
+            "line 1 column 1 (char 0))",
+        ),  # named as hellaswag.py names it, not blamed on the network
+        (
+            ["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path)],
+            f"error: --hellaswag-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}",
+        ),
+        (["--tasks", " , "], "error: --tasks names no task"),
+        (
+            ["--tasks", "hellaswag", "--samples-dir", str(tmp_path / "a_file" / "samples")],
+            f"error: --samples-dir {tmp_path / 'a_file' / 'samples'}: not a directory",
+        ),
+    ]
     (tmp_path / "a_file").write_text("")
     for args, message in cases:
         assert hf_interop.main(["eval", checkpoint, *args]) == 2

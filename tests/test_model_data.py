@@ -1,4 +1,5 @@
 """Model, loader, optimizer and schedule against references and hand counts."""
+
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from shards import EOT, make_docs, write_shards
 
 # --- model --------------------------------------------------------------------------------
 
+
 def test_gpt2_124m_parameter_names_shapes_and_count():
     model = tg.GPT(tg.GPTConfig())
     sd = model.state_dict()
@@ -25,8 +27,11 @@ def test_gpt2_124m_parameter_names_shapes_and_count():
     # 124,475,904 with the 50304 vocab (GPT-2's 124,439,808 + 47 padded rows x 768)
     assert sum(p.numel() for p in model.parameters()) == 124_439_808 + 47 * 768
     names = {k.split(".", 3)[-1] for k in sd if k.startswith("transformer.h.0.")}
-    assert names == {f"{m}.{p}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-                     for p in ("weight", "bias")}
+    assert names == {
+        f"{m}.{p}"
+        for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+        for p in ("weight", "bias")
+    }
 
 
 def test_init_scales_residual_projections():
@@ -70,6 +75,7 @@ def test_loss_ignores_minus_one_targets_and_sum_reduction():
 
 # --- optimizer and schedule ---------------------------------------------------------------
 
+
 def test_adamw_decays_matrices_only():
     cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
     model = tg.GPT(cfg)
@@ -91,13 +97,22 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     opt = tg.build_optimizer(model, 0.1, 6e-4, "cpu", muon_lr=0.02, muon_momentum=0.9)
     names = {p: n for n, p in model.named_parameters()}  # the tied lm_head is transformer.wte.weight
     assert sorted(names[p] for p in opt.muon.param_groups[0]["params"]) == sorted(
-        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     decay, no_decay = opt.adamw.param_groups
     assert [names[p] for p in decay["params"]] == ["transformer.wte.weight", "transformer.wpe.weight"]
     assert all(p.dim() == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 8 * cfg.n_layer + 2
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     muon = opt.muon.param_groups[0]
-    assert (muon["lr"], muon["momentum"], muon["nesterov"], muon["weight_decay"], muon["ns_steps"]) == (0.02, 0.9, True, 0.0, 5)
+    assert (muon["lr"], muon["momentum"], muon["nesterov"], muon["weight_decay"], muon["ns_steps"]) == (
+        0.02,
+        0.9,
+        True,
+        0.0,
+        5,
+    )
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
     tg.set_lr(opt, 3e-4)  # half of --max-lr: Muon's LR follows the schedule
     assert [g["lr"] for g in opt.param_groups] == [3e-4, 3e-4, 0.01]
@@ -115,6 +130,7 @@ def test_lr_schedule_three_phases():
 
 
 # --- data ---------------------------------------------------------------------------------
+
 
 def test_plain_rows_use_every_token(tmp_path):
     tokens = np.arange(100, dtype=np.uint16)
@@ -233,7 +249,6 @@ def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
     assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
 
 
-
 def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
     """fp32 chunks share one logits buffer; under autocast the matmul returns bf16 logits, which
     each chunk copies to fp32 instead: the loss of those logits, the last chunk shorter (50 = 2 x 20 + 10)."""
@@ -245,6 +260,7 @@ def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
         logits = (h @ weight.t()).float()[:, :290]
     assert grad_h.dtype == torch.float32 and grad_w.shape == (300, 16)
     assert loss.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-5)
+
 
 @pytest.mark.parametrize("loss_chunk", [0, 20])
 def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
@@ -286,7 +302,9 @@ def test_param_counts_add_up_and_count_the_tied_embedding_once():
     total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
     assert model.num_params(without_positions=False) == total == 7_265_024
     assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
-    assert model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
+    assert (
+        model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
+    )
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 3])
@@ -294,19 +312,33 @@ def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chu
     """Logits all equal: every target costs ln(50257) nats, as the 47 padded ids take no probability.
     Bits per byte counts the targets with text only (not <|endoftext|>) over their UTF-8 bytes."""
     from trainkit import tokenizer
+
     # <|endoftext|> "Hello" " world" "!" <|endoftext|> " café" " au" " l" "ait": 2 rows of 4 tokens
     np.save(tmp_path / "t_val_000000.npy", np.array([EOT, 15496, 995, 0, EOT, 40304, 35851, 300, 4548], np.uint16))
     rows = tg.TokenRows(str(tmp_path), "val", 4)
     model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4))
     with torch.no_grad():
         model.lm_head.weight.zero_()
-    logged = tg.evaluate_loss(model, rows, 2, 1, 0, 1, "cpu", torch.float32, tokenizer.token_byte_lengths(50304),
-                              loss_chunk)
+    logged = tg.evaluate_loss(
+        model, rows, 2, 1, 0, 1, "cpu", torch.float32, tokenizer.token_byte_lengths(50304), loss_chunk
+    )
     # every target costs ln(50257), not ln(50304); 7 text targets (the 8th is <|endoftext|>) of
     # 5 + 6 + 1 + 6 + 3 + 2 + 3 = 26 bytes (é is 2)
     assert logged == pytest.approx(dict(val_loss=math.log(50257), val_bpb=7 * math.log2(50257) / 26), rel=1e-7)
     (tmp_path / "small").mkdir()  # a model with fewer ids than GPT-2's reads no GPT-2 text: no bits per byte
     np.save(tmp_path / "small" / "t_val_000000.npy", np.arange(9, dtype=np.uint16))
     small = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4, vocab_size=64))
-    assert set(tg.evaluate_loss(small, tg.TokenRows(str(tmp_path / "small"), "val", 4), 2, 1, 0, 1, "cpu",
-                                torch.float32, tokenizer.token_byte_lengths(64), loss_chunk)) == {"val_loss"}
+    assert set(
+        tg.evaluate_loss(
+            small,
+            tg.TokenRows(str(tmp_path / "small"), "val", 4),
+            2,
+            1,
+            0,
+            1,
+            "cpu",
+            torch.float32,
+            tokenizer.token_byte_lengths(64),
+            loss_chunk,
+        )
+    ) == {"val_loss"}

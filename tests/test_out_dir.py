@@ -1,6 +1,7 @@
 """No run can hurt another: one live trainer per --out-dir, --resume means resume, and
 an abandoned branch is kept. The real script, run as users run it; every checkpoint written
 before a refusal or a branch still loads with its sha256 unchanged."""
+
 import errno
 import fcntl
 import hashlib
@@ -28,8 +29,14 @@ SHARDS = dict(n_docs=300, seed=7)
 
 
 def start(args):
-    return subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
+    return subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+    )
 
 
 def run(args, nproc=1):
@@ -60,8 +67,10 @@ def train_steps(log_path):
 
 
 def in_use(out_dir, owner):
-    return (f"--out-dir {out_dir} is in use by another training run ({owner}; it holds a lock on the folder): "
-            "wait for it to end (then --resume continues it), or choose another --out-dir")
+    return (
+        f"--out-dir {out_dir} is in use by another training run ({owner}; it holds a lock on the folder): "
+        "wait for it to end (then --resume continues it), or choose another --out-dir"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +90,7 @@ def finished_run(finished_once, tmp_path):
 
 # --- one owner per --out-dir ----------------------------------------------------------------
 
+
 def test_two_trainers_on_one_folder(data_dir, tmp_path):
     out = tmp_path / "out"
     forever = tiny_run_args(data_dir, out, steps=10**6, ckpt_every=5)
@@ -89,8 +99,8 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     try:
         while all(p.poll() is None for p in trainers):
             time.sleep(0.05)
-        refused, = [p for p in trainers if p.poll() is not None]
-        owner, = [p for p in trainers if p is not refused]
+        (refused,) = [p for p in trainers if p.poll() is not None]
+        (owner,) = [p for p in trainers if p is not refused]
         owned_by = f"pid {owner.pid} on {socket.gethostname()}"
         assert_refused(refused.returncode, refused.communicate()[1], in_use(out, owned_by))
         while len(checkpoints.list_checkpoints(out)) < 1:
@@ -160,14 +170,17 @@ def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, c
     assert (tmp_path / ".lock").read_text() == "the user's own note\n"
     # a file system without locks: a note, and nothing written
     os.remove(tmp_path / ".lock")
+
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(fcntl, "flock", no_locks)
     unlocked = out_dir.OutDirLock(str(tmp_path))
     unlocked.acquire()
     unlocked.release()
-    assert capsys.readouterr().out == (f"note: cannot lock --out-dir {tmp_path} (no locks available): a second run on "
-                                       "it would not be stopped\n")
+    assert capsys.readouterr().out == (
+        f"note: cannot lock --out-dir {tmp_path} (no locks available): a second run on it would not be stopped\n"
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -177,19 +190,25 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
     lock.mkdir()
     before = tree_hashes(out)
     result = run(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
-    assert_refused(result.returncode, result.stderr, f"{lock} is a directory, not the lock note this trainer "
-                   "writes: remove it, or choose another --out-dir")
+    assert_refused(
+        result.returncode,
+        result.stderr,
+        f"{lock} is a directory, not the lock note this trainer writes: remove it, or choose another --out-dir",
+    )
     assert tree_hashes(out) == before and lock.is_dir()
     lock.rmdir()
     lock.symlink_to(tmp_path / "gone" / "lock")  # into a missing folder
     before = tree_hashes(out)
     assert tg.main(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2)) == 2
-    assert capsys.readouterr().err == (f"error: {lock} is a symbolic link to {tmp_path / 'gone' / 'lock'}, not the "
-                                       "lock note this trainer writes: remove it, or choose another --out-dir\n")
+    assert capsys.readouterr().err == (
+        f"error: {lock} is a symbolic link to {tmp_path / 'gone' / 'lock'}, not the "
+        "lock note this trainer writes: remove it, or choose another --out-dir\n"
+    )
     assert tree_hashes(out) == before and not (tmp_path / "gone").exists()
 
 
 # --- whose a folder is: run ids ---------------------------------------------------------------
+
 
 def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, data_dir, tmp_path):
     """Issue 23, item 1: run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
@@ -203,9 +222,11 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, dat
     before = tree_hashes(out)
     a, b = (checkpoints.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
     result = run(tiny_run_args(data_dir, out, "--resume", str(given), "--seed", "5", steps=10, B=2), nproc=2)
-    message = (f"error: cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
-               f"run's (run {a}), and one folder holds one run; resume into the --out-dir of the checkpoint's own "
-               "run, or a new one")
+    message = (
+        f"error: cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
+        f"run's (run {a}), and one folder holds one run; resume into the --out-dir of the checkpoint's own "
+        "run, or a new one"
+    )
     assert result.returncode != 0
     assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
     assert 'train_gpt2.py", line' not in result.stderr
@@ -215,6 +236,7 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, dat
 def test_whose_checkpoints_a_folder_may_hold(tmp_path):
     """claim_run's rule on made-up histories, with folders written before run ids (no id: the
     folder's one legacy run, which two such runs cannot be told apart by)."""
+
     def checkpoint(folder, step, run):
         folder.mkdir(exist_ok=True)
         state = dict(model={}, model_config={}, step=step, log_offset=0, log_sha256="", run=run)
@@ -223,9 +245,11 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
         return checkpoints.ResumePoint.of(path, state)
 
     def refusal(resumed, folder, name, theirs):
-        return re.escape(f"cannot resume {resumed.path} ({checkpoints.run_name(resumed.run['id'])}, step "
-                         f"{resumed.step}) in --out-dir {folder}: its {name} is another run's "
-                         f"({checkpoints.run_name(theirs)}), and one folder holds one run")
+        return re.escape(
+            f"cannot resume {resumed.path} ({checkpoints.run_name(resumed.run['id'])}, step "
+            f"{resumed.step}) in --out-dir {folder}: its {name} is another run's "
+            f"({checkpoints.run_name(theirs)}), and one folder holds one run"
+        )
 
     legacy = tmp_path / "legacy"
     at_2, at_4 = checkpoint(legacy, 2, None), checkpoint(legacy, 4, None)
@@ -254,37 +278,53 @@ def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys)
     fake.mkdir()
     (fake / "wandb.py").write_text(FAKE_WANDB)
     before = tree_hashes(out)
-    result = run_cli(tiny_run_args(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--wandb", "no-such-entity",
-                              steps=8, ckpt_every=2), env={"PYTHONPATH": str(fake), **ONE_THREAD})
-    assert_refused(result.returncode, result.stderr, "--wandb: could not start a W&B run (RuntimeError: permission "
-                   "denied for entity); run `wandb login` or set WANDB_MODE=offline")
+    result = run_cli(
+        tiny_run_args(
+            data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--wandb", "no-such-entity", steps=8, ckpt_every=2
+        ),
+        env={"PYTHONPATH": str(fake), **ONE_THREAD},
+    )
+    assert_refused(
+        result.returncode,
+        result.stderr,
+        "--wandb: could not start a W&B run (RuntimeError: permission "
+        "denied for entity); run `wandb login` or set WANDB_MODE=offline",
+    )
     assert tree_hashes(out) == before
     # without a log.jsonl, a branch moves its checkpoints and says no more
     os.remove(out / "log.jsonl")
     assert tg.main(tiny_run_args(data_dir, out, "--resume", str(out / "ckpt_0000006.pt"), steps=8, ckpt_every=2)) == 0
-    assert (f"resuming at step 6: moved the later branch of this run (1 checkpoint, ckpt_0000008.pt) to "
-            f"{out / 'branch_0000008'}; nothing was deleted\n") in capsys.readouterr().out
+    assert (
+        f"resuming at step 6: moved the later branch of this run (1 checkpoint, ckpt_0000008.pt) to "
+        f"{out / 'branch_0000008'}; nothing was deleted\n"
+    ) in capsys.readouterr().out
     assert os.listdir(out / "branch_0000008") == ["ckpt_0000008.pt"]
 
 
 # --- resume means resume --------------------------------------------------------------------
+
 
 def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     out, hashes = finished_run
     log = (out / "log.jsonl").read_bytes()
     # an unset $CKPT in a job script
     result = run(tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
-    assert_refused(result.returncode, result.stderr, "argument --resume: got an empty value ('': an unset shell "
-                   "variable?) (see train_gpt2.py --help)")
+    assert_refused(
+        result.returncode,
+        result.stderr,
+        "argument --resume: got an empty value ('': an unset shell variable?) (see train_gpt2.py --help)",
+    )
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
     # a folder holding a log.jsonl that no run wrote and no checkpoint: neither a fresh run nor --resume
     # appends a run to the user's file
     only_log = tmp_path / "only_log"
     only_log.mkdir()
     (only_log / "log.jsonl").write_text("my notes\n")
-    refusal = (f"--out-dir {only_log} holds a log.jsonl of no run (no line of it is a JSON record: not a log this "
-               "trainer wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose "
-               "another --out-dir")
+    refusal = (
+        f"--out-dir {only_log} holds a log.jsonl of no run (no line of it is a JSON record: not a log this "
+        "trainer wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose "
+        "another --out-dir"
+    )
     result = run(tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result.returncode, result.stderr, refusal)
     assert tg.main(tiny_run_args(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
@@ -294,16 +334,22 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
 
 # --- abandoned branches are kept --------------------------------------------------------------
 
+
 def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, data_dir):
     out, hashes = finished_run
     log = (out / "log.jsonl").read_bytes()
     # a new branch from step 2, with another learning rate
-    result = run(tiny_run_args(data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8,
-                          ckpt_every=2))
+    result = run(
+        tiny_run_args(
+            data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8, ckpt_every=2
+        )
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     branch = out / "branch_0000008"
-    assert (f"resuming at step 2: moved the later branch of this run (3 checkpoints, ckpt_0000004.pt ... "
-            f"ckpt_0000008.pt) with a copy of its log.jsonl to {branch}; nothing was deleted") in result.stdout
+    assert (
+        f"resuming at step 2: moved the later branch of this run (3 checkpoints, ckpt_0000004.pt ... "
+        f"ckpt_0000008.pt) with a copy of its log.jsonl to {branch}; nothing was deleted"
+    ) in result.stdout
     assert (branch / "log.jsonl").read_bytes() == log  # the old branch's whole log, beside its checkpoints
     assert sorted(os.listdir(branch)) == ["ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "log.jsonl"]
     # the new branch is a run of its own, which names its parent run and the step it branched at; each
@@ -323,8 +369,9 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     # every checkpoint ever written is still under the folder, unchanged: the first run's step 2 in
     # place, its later ones in the branch folder, the new branch's beside step 2
     now = checkpoint_hashes(out)
-    kept = {name if name == "ckpt_0000002.pt" else os.path.join("branch_0000008", name): sha
-            for name, sha in hashes.items()}
+    kept = {
+        name if name == "ckpt_0000002.pt" else os.path.join("branch_0000008", name): sha for name, sha in hashes.items()
+    }
     assert {path: now.get(path) for path in kept} == kept
     new = {f"ckpt_{step:07d}.pt" for step in (4, 6, 8, 10)}
     assert set(now) == set(kept) | new and all(now[name] != hashes.get(name) for name in new)

@@ -3,6 +3,7 @@ write (the model's samples, a checkpoint's keys, a log's run id, a manifest's fi
 escaped, and an output that goes away (a reader that left, a closed terminal, a full disk, an
 encoding without the characters) never ends a training run: it trains on, saves, and exits 0; a
 command whose only product is its output says so in its exit code."""
+
 import json
 import os
 import signal
@@ -19,14 +20,36 @@ from trainkit.console import shown
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J"  # sets the terminal's title, then clears the screen
 HOSTILE_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J"
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "16",
-        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--val-every", "0",
-        "--hellaswag-every", "0", "--device", "cpu"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "16",
+    "--block-size",
+    "32",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "128",
+    "--warmup-steps",
+    "2",
+    "--val-every",
+    "0",
+    "--hellaswag-every",
+    "0",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from shards import shard_dir
+
     return shard_dir(tmp_path_factory, 300, seed=5)
 
 
@@ -34,6 +57,7 @@ def data_dir(tmp_path_factory):
 def checkpoint(tmp_path_factory):
     """A random tiny GPT with GPT-2's vocabulary, as a checkpoint file."""
     from train_gpt2 import GPT, GPTConfig
+
     model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
     return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "ckpt_0000001.pt")
 
@@ -43,8 +67,9 @@ def command(script, *args):
 
 
 def run(script, *args, env=None, **kwargs):
-    return subprocess.run(command(script, *args), cwd=REPO, capture_output=True, timeout=300,
-                          env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.run(
+        command(script, *args), cwd=REPO, capture_output=True, timeout=300, env={**os.environ, **(env or {})}, **kwargs
+    )
 
 
 def train_args(data_dir, out_dir, steps, *extra):
@@ -66,8 +91,9 @@ def run_with_dead_stdout(script, *args, stderr_too=False):
     reader, writer = os.pipe()
     os.close(reader)
     try:
-        proc = subprocess.Popen(command(script, *args), cwd=REPO, stdout=writer,
-                                stderr=writer if stderr_too else subprocess.PIPE)
+        proc = subprocess.Popen(
+            command(script, *args), cwd=REPO, stdout=writer, stderr=writer if stderr_too else subprocess.PIPE
+        )
     finally:
         os.close(writer)
     _, err = proc.communicate(timeout=300)
@@ -75,6 +101,7 @@ def run_with_dead_stdout(script, *args, stderr_too=False):
 
 
 # ---- what is shown -----------------------------------------------------------------------------
+
 
 def test_shown_escapes_every_control_character_and_keeps_lines_only_when_asked():
     controls = "".join(map(chr, [*range(0x20), 0x7F, *range(0x80, 0xA0)]))
@@ -87,15 +114,25 @@ def test_shown_escapes_every_control_character_and_keeps_lines_only_when_asked()
 def test_sample_py_shows_the_control_characters_of_its_text_escaped(checkpoint):
     """The prompt is echoed at the head of each sample (with no new tokens, it is the sample): its
     escape sequences come out as text, its tab and newline as they are."""
-    result = run("sample.py", "--checkpoint", checkpoint, "--prompt", f"{HOSTILE}\tend\nnext", "--num-samples",
-                 "2", "--max-new-tokens", "0", "--device", "cpu")
+    result = run(
+        "sample.py",
+        "--checkpoint",
+        checkpoint,
+        "--prompt",
+        f"{HOSTILE}\tend\nnext",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "0",
+        "--device",
+        "cpu",
+    )
     assert (result.returncode, result.stderr) == (0, b"")
     assert result.stdout.decode() == "".join(f"--- sample {i}/2 ---\n{HOSTILE_SHOWN}\tend\nnext\n" for i in (1, 2))
 
 
 def test_the_trainers_samples_show_control_characters_escaped(data_dir, tmp_path):
-    result = run("train_gpt2.py", *train_args(data_dir, tmp_path, 1, "--sample-every", "1", "--sample-prompt",
-                                              HOSTILE))
+    result = run("train_gpt2.py", *train_args(data_dir, tmp_path, 1, "--sample-every", "1", "--sample-prompt", HOSTILE))
     assert result.returncode == 0, result.stderr[-2000:]
     stdout = result.stdout.decode()
     samples = [line for line in stdout.splitlines() if line.startswith("sample: ")]
@@ -109,11 +146,14 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
     import shutil
     import torch
     from shards import write_manifest
+
     if case == "checkpoint keys":
         torch.save({HOSTILE: 1, "model\x9b2J": 2}, tmp_path / "ckpt_0000001.pt")
         result = run("sample.py", "--checkpoint", tmp_path / "ckpt_0000001.pt")
-        line = (f"error: {tmp_path}/ckpt_0000001.pt: not a train_gpt2.py checkpoint (no model, model_config, "
-                f"checksum; its keys: {HOSTILE_SHOWN}, model\\x9b2J)")
+        line = (
+            f"error: {tmp_path}/ckpt_0000001.pt: not a train_gpt2.py checkpoint (no model, model_config, "
+            f"checksum; its keys: {HOSTILE_SHOWN}, model\\x9b2J)"
+        )
     elif case == "log run id":
         (tmp_path / "log.jsonl").write_text(json.dumps({"step": 0, "loss": 5.0, "run": HOSTILE}) + "\n")
         result = run("train_gpt2.py", *train_args(data_dir, tmp_path, 2))  # (set aside in a note: not an error)
@@ -129,8 +169,10 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
         manifest["shards"].append({"file": f"{HOSTILE}_train_000009.npy", "bytes": 8})
         (data / "manifest.json").write_text(json.dumps(manifest))
         result = run("train_gpt2.py", *train_args(data, tmp_path / "out", 2))
-        line = (f"error: {data}/{HOSTILE_SHOWN}_train_000009.npy is missing, yet {data}/manifest.json lists it; "
-                "restore it, or re-create the data set with fineweb.py")
+        line = (
+            f"error: {data}/{HOSTILE_SHOWN}_train_000009.npy is missing, yet {data}/manifest.json lists it; "
+            "restore it, or re-create the data set with fineweb.py"
+        )
     else:
         result = run("sample.py", "--checkpoint", "x", "--device", HOSTILE)
         line = f"error: --device {HOSTILE_SHOWN}: expected auto, cpu, cuda, cuda:N or mps"
@@ -139,11 +181,13 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
 
 # ---- an output that goes away ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stderr_too", [False, True], ids=["stdout", "stdout-and-stderr"])
 def test_training_goes_on_after_its_reader_left(data_dir, tmp_path, stderr_too):
     """`train_gpt2.py ... | head -1` (and `2>&1 | head -1`): every step trained and saved, exit 0."""
-    code, err = run_with_dead_stdout("train_gpt2.py", *train_args(data_dir, tmp_path, 4, "--ckpt-every", "2"),
-                                     stderr_too=stderr_too)
+    code, err = run_with_dead_stdout(
+        "train_gpt2.py", *train_args(data_dir, tmp_path, 4, "--ckpt-every", "2"), stderr_too=stderr_too
+    )
     assert (code, err) == (0, None if stderr_too else b"")
     assert trained_steps(tmp_path) == [0, 1, 2, 3] and saved_steps(tmp_path) == [2, 4]
 
@@ -152,26 +196,45 @@ def test_training_goes_on_with_stdout_on_a_full_disk(data_dir, tmp_path):
     """`train_gpt2.py ... > /dev/full` trains and saves (exit 0); --eval-only, whose printed record is
     all it makes, says that it could not write it."""
     with open("/dev/full", "w") as full:
-        result = subprocess.run(command("train_gpt2.py", *train_args(data_dir, tmp_path, 3)), cwd=REPO,
-                                stdout=full, stderr=subprocess.PIPE, timeout=300)
+        result = subprocess.run(
+            command("train_gpt2.py", *train_args(data_dir, tmp_path, 3)),
+            cwd=REPO,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            timeout=300,
+        )
         assert (result.returncode, result.stderr) == (0, b"")
         assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
-        result = subprocess.run(command("train_gpt2.py", *train_args(data_dir, tmp_path, 3, "--eval-only",
-                                                                     "--resume", "--val-every", "1")),
-                                cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300)
-    assert (result.returncode, result.stderr) == (2, b"error: cannot write the output to stdout: no space left on "
-                                                     b"device\n")
+        result = subprocess.run(
+            command("train_gpt2.py", *train_args(data_dir, tmp_path, 3, "--eval-only", "--resume", "--val-every", "1")),
+            cwd=REPO,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            timeout=300,
+        )
+    assert (result.returncode, result.stderr) == (
+        2,
+        b"error: cannot write the output to stdout: no space left on device\n",
+    )
 
 
 def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp_path):
     """`train_gpt2.py ... | tee run.txt` in a terminal that closes: SIGHUP to the process group ends
     tee, and the trainer stops as a signal stops it, writing nothing more to the pipe tee left."""
     out = tmp_path / "out"
-    tee = subprocess.Popen(["tee", str(tmp_path / "run.txt")], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                           preexec_fn=lambda: os.setpgid(0, 0))  # a process group of its own, as a shell's job
-    trainer = subprocess.Popen(command("train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")),
-                               cwd=REPO, stdout=tee.stdin, stderr=subprocess.PIPE,
-                               preexec_fn=lambda: os.setpgid(0, tee.pid))
+    tee = subprocess.Popen(
+        ["tee", str(tmp_path / "run.txt")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=lambda: os.setpgid(0, 0),
+    )  # a process group of its own, as a shell's job
+    trainer = subprocess.Popen(
+        command("train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")),
+        cwd=REPO,
+        stdout=tee.stdin,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.setpgid(0, tee.pid),
+    )
     tee.stdin.close()
     try:
         deadline = time.time() + 120
@@ -193,8 +256,11 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
 
 def test_training_with_samples_on_a_terminal_without_their_characters(data_dir, tmp_path):
     """PYTHONIOENCODING=ascii: what the encoding lacks is written backslash-escaped."""
-    result = run("train_gpt2.py", *train_args(data_dir, tmp_path, 3, "--sample-every", "1", "--sample-prompt",
-                                              "café ☕"), env={"PYTHONIOENCODING": "ascii"})
+    result = run(
+        "train_gpt2.py",
+        *train_args(data_dir, tmp_path, 3, "--sample-every", "1", "--sample-prompt", "café ☕"),
+        env={"PYTHONIOENCODING": "ascii"},
+    )
     assert (result.returncode, result.stderr) == (0, b"")
     samples = [line for line in result.stdout.decode("ascii").splitlines() if line.startswith("sample: ")]
     assert len(samples) == 12 and all(line.startswith("sample: caf\\xe9 \\u2615") for line in samples)
@@ -206,18 +272,30 @@ def test_a_command_whose_output_is_its_product_says_when_stdout_failed(checkpoin
     a shell reports it); a full disk is one line and exit code 2, or the code alone when stderr
     is on that disk too."""
     sample = ["--checkpoint", checkpoint, "--num-samples", "3", "--max-new-tokens", "2", "--device", "cpu"]
-    hellaswag = ["--checkpoint", checkpoint, "--data-file", REPO / "fixtures" / "hellaswag_val_subset.jsonl",
-                 "--limit", "2", "--device", "cpu"]
+    hellaswag = [
+        "--checkpoint",
+        checkpoint,
+        "--data-file",
+        REPO / "fixtures" / "hellaswag_val_subset.jsonl",
+        "--limit",
+        "2",
+        "--device",
+        "cpu",
+    ]
     line = b"error: cannot write the output to stdout: no space left on device\n"
     assert run_with_dead_stdout("sample.py", *sample) == (141, b"")
     with open("/dev/full", "w") as full:
-        result = subprocess.run(command("sample.py", *sample), cwd=REPO, stdout=full, stderr=subprocess.PIPE,
-                                timeout=300)
+        result = subprocess.run(
+            command("sample.py", *sample), cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300
+        )
         assert (result.returncode, result.stderr) == (2, line)
-        assert subprocess.run(command("sample.py", *sample), cwd=REPO, stdout=full, stderr=full,
-                              timeout=300).returncode == 2
-        result = subprocess.run(command("hellaswag.py", *hellaswag), cwd=REPO, stdout=full, stderr=subprocess.PIPE,
-                                timeout=300)
+        assert (
+            subprocess.run(command("sample.py", *sample), cwd=REPO, stdout=full, stderr=full, timeout=300).returncode
+            == 2
+        )
+        result = subprocess.run(
+            command("hellaswag.py", *hellaswag), cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300
+        )
     # (before it, hellaswag.py's progress bar, which ends each of its updates with \r)
     assert (result.returncode, result.stderr.endswith(b"\n" + line), result.stderr.count(b"error:")) == (2, True, 1)
     assert run_with_dead_stdout("hellaswag.py", *hellaswag)[0] == 141
@@ -226,20 +304,26 @@ def test_a_command_whose_output_is_its_product_says_when_stdout_failed(checkpoin
 def test_plot_log_with_stdout_on_a_full_disk_writes_its_plot(tmp_path):
     (tmp_path / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(3)))
     with open("/dev/full", "w") as full:
-        result = subprocess.run(command("plot_log.py", tmp_path), cwd=REPO, stdout=full, stderr=subprocess.PIPE,
-                                timeout=300)
+        result = subprocess.run(
+            command("plot_log.py", tmp_path), cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300
+        )
     assert (result.returncode, result.stderr) == (0, b"")
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
 # ---- a library's exception in one of our lines -------------------------------------------------
 
+
 def test_reason_of_a_library_error_is_its_gist_on_one_line():
     assert reason_of(OSError(28, "No space left on device")) == "no space left on device"
     assert reason_of(PermissionError(13, "Permission denied", "/x"), typed=True) == "PermissionError: permission denied"
-    assert reason_of(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer\nadvice")) == \
-        "Connection closed by peer"
-    assert reason_of(ValueError("  bad   value \n\t(1) retry with weights_only=False"), typed=True) == \
-        "ValueError: bad value"
+    assert (
+        reason_of(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer\nadvice"))
+        == "Connection closed by peer"
+    )
+    assert (
+        reason_of(ValueError("  bad   value \n\t(1) retry with weights_only=False"), typed=True)
+        == "ValueError: bad value"
+    )
     assert reason_of(MemoryError(), typed=True) == "MemoryError" and reason_of(KeyError()) == "KeyError"
     assert reason_of(ValueError("x" * 400)) == "x" * 297 + "..."

@@ -1,4 +1,5 @@
 """plot_log.py: a PNG from log.jsonl, figure contents equal the log, one-line errors."""
+
 import json
 import math
 import os
@@ -17,8 +18,17 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def fake_records(n=60, every=20, hellaswag=True):
     records = []
     for s in range(n):
-        records.append(dict(step=s, loss=3 + 8 * math.exp(-s / 5) + 0.01 * (s % 3), lr=6e-4 * min(1, (s + 1) / 10),
-                            grad_norm=1.0, tokens=4096, dt_ms=10.0, tok_per_s=4e5))
+        records.append(
+            dict(
+                step=s,
+                loss=3 + 8 * math.exp(-s / 5) + 0.01 * (s % 3),
+                lr=6e-4 * min(1, (s + 1) / 10),
+                grad_norm=1.0,
+                tokens=4096,
+                dt_ms=10.0,
+                tok_per_s=4e5,
+            )
+        )
         if s % every == 0 or s == n - 1:
             records.append(dict(step=s, val_loss=3.1 + 8 * math.exp(-s / 5)))
             if hellaswag:
@@ -64,6 +74,7 @@ def test_make_figure_panels_and_data_equal_the_log():
         assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 
@@ -76,6 +87,7 @@ def test_make_figure_without_hellaswag_has_two_panels_and_no_clip():
         assert fig.axes[0].get_ylim()[1] >= max(r["loss"] for r in records if "loss" in r)
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 
@@ -88,8 +100,12 @@ def test_cli_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     # a record without a step, and a cut last line
     log = write_log(tmp_path / "run", fake_records(), tail='{"step": null, "loss": 2.0}\n{"step": 60, "loss": 3.')
-    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log.parent),
-                           "--baseline-hellaswag", "0.2955"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_log.py"), str(log.parent), "--baseline-hellaswag", "0.2955"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     png = log.parent / "loss.png"
     assert f"wrote {png}" in proc.stdout and "skipped 2 malformed line" in proc.stderr
@@ -106,11 +122,14 @@ def test_main_output_path_and_log_file_argument(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"wrote {out}"
 
 
-@pytest.mark.parametrize("setup, message", [
-    ("missing", "no log at"),
-    ("empty", "has no records"),
-    ("no_curves", "no loss, val_loss or hellaswag_acc"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("missing", "no log at"),
+        ("empty", "has no records"),
+        ("no_curves", "no loss, val_loss or hellaswag_acc"),
+    ],
+)
 def test_bad_logs_are_one_line_errors(tmp_path, capsys, setup, message):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
@@ -148,6 +167,7 @@ def test_smooth_0_draws_no_ema_line():
         assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 
@@ -167,6 +187,7 @@ def test_resumes_are_marked_on_every_panel():
         assert labels.count("resumed") == 1
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 
@@ -174,11 +195,38 @@ def test_trainer_logs_its_resumes_for_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
     import train_gpt2 as tg
     from shards import make_docs, write_shards
+
     write_shards(tmp_path / "data", make_docs(200), shard_size=2048)
-    args = ["--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "out"), "--n-layer", "1",
-            "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--seq-len", "32", "--batch-size", "2",
-            "--total-batch-size", "64", "--warmup-steps", "1", "--val-every", "0", "--sample-every", "0",
-            "--hellaswag-every", "0", "--ckpt-every", "2"]
+    args = [
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "16",
+        "--block-size",
+        "32",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--total-batch-size",
+        "64",
+        "--warmup-steps",
+        "1",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--ckpt-every",
+        "2",
+    ]
     assert tg.main([*args, "--max-steps", "3"]) == 0
     assert tg.main([*args, "--max-steps", "5", "--resume"]) == 0  # from step 3 (the last checkpoint)
     records = plot_log.load_records(str(tmp_path / "out" / "log.jsonl"))
@@ -187,29 +235,41 @@ def test_trainer_logs_its_resumes_for_the_plot(tmp_path):
     assert plot_log.resume_steps(records) == [3]
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"step": 2, "loss": "abc"}', "line 3: loss is 'abc', not a number"),
-    ('{"step": 2, "loss": 3.5, "lr": [1]}', "line 3: lr is [1], not a number"),
-    ('{"step": true, "loss": 3.5}', "line 3: step is True, not a number"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"step": 2, "loss": "abc"}', "line 3: loss is 'abc', not a number"),
+        ('{"step": 2, "loss": 3.5, "lr": [1]}', "line 3: lr is [1], not a number"),
+        ('{"step": true, "loss": 3.5}', "line 3: step is True, not a number"),
+    ],
+)
 def test_non_numeric_values_are_one_line_errors(tmp_path, line, message):
     log = write_log(tmp_path / "run", fake_records(n=2, every=5, hellaswag=False)[:2], tail=line + "\n")
-    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True, timeout=120
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {log} {message}\n")
 
 
 def test_bad_output_type_and_smoothing_are_one_line_errors(tmp_path):
     pytest.importorskip("matplotlib")
     log = write_log(tmp_path / "run", fake_records(n=5, every=2))
-    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "plot.xyz")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "plot.xyz")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: cannot write {tmp_path / 'plot.xyz'}: unknown image type .xyz (use ")
     assert ".png" in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "plot.xyz").exists()
-    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log), "--smooth", "1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_log.py"), str(log), "--smooth", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (proc.returncode, proc.stderr) == (2, "error: --smooth must be in [0, 1), got 1.0\n")
     assert plot_log.main([str(log), "-o", str(tmp_path / "plot.svg")]) == 0  # the extension picks the format
     assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
@@ -223,11 +283,21 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
         train[step]["loss"] = value  # json.dumps writes Infinity and NaN
     deep = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser's recursion
     log = write_log(tmp_path / "run", records, tail=deep + "\n")
-    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "curve")],
-                          capture_output=True, text=True, timeout=120)  # no extension: a PNG, named so
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "curve")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # no extension: a PNG, named so
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        0, f"wrote {tmp_path / 'curve.png'}\n", f"warning: skipped 1 malformed line(s) in {log}\n")
-    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC and sorted(os.listdir(tmp_path)) == ["curve.png", "run"]
+        0,
+        f"wrote {tmp_path / 'curve.png'}\n",
+        f"warning: skipped 1 malformed line(s) in {log}\n",
+    )
+    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC and sorted(os.listdir(tmp_path)) == [
+        "curve.png",
+        "run",
+    ]
     fig = plot_log.make_figure(plot_log.load_records(str(log)))
     try:
         lines = lines_by_label(fig.axes[0])
@@ -237,20 +307,28 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
         assert lines["train loss (EMA 0.9)"].get_ydata()[14] < 12  # the EMA carries over the gap
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"PK\x03\x04\x80\x81\xfe\xff binary\n\x00\x9c\n", "{log} is not a run's log: none of its 2 line(s) is a JSON "
-                                                     "record; pass a run's --out-dir or its log.jsonl"),
-    (b'{"step": 0, "loss": 1' + b"0" * 400 + b"}\n", "{log} line 1: loss is too large a number to plot"),
-    (b'{"step": Infinity, "loss": 3.0}\n', "{log} line 1: step is inf, not a step number"),
-], ids=["checkpoint", "huge-integer", "infinite-step"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            b"PK\x03\x04\x80\x81\xfe\xff binary\n\x00\x9c\n",
+            "{log} is not a run's log: none of its 2 line(s) is a JSON record; pass a run's --out-dir or its log.jsonl",
+        ),
+        (b'{"step": 0, "loss": 1' + b"0" * 400 + b"}\n", "{log} line 1: loss is too large a number to plot"),
+        (b'{"step": Infinity, "loss": 3.0}\n', "{log} line 1: step is inf, not a step number"),
+    ],
+    ids=["checkpoint", "huge-integer", "infinite-step"],
+)
 def test_files_that_are_not_logs_are_one_line_errors(tmp_path, content, message):
     log = tmp_path / "ckpt_0000004.pt"
     log.write_bytes(content)
-    proc = subprocess.run([sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True, timeout=120
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(log=log)}\n")
 
 
@@ -278,9 +356,11 @@ def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve():
         assert len([a for a in fig.axes + loss_ax.child_axes if a.get_legend()]) == 1  # one legend on the panel
         assert fig._suptitle.get_text().endswith(  # each number with its own step
             f"train loss {records[-3]['loss']:.4f} (step 59) | val loss 3.1000, {records[-1]['val_bpb']:.4f} bits/byte "
-            "(step 60)")
+            "(step 60)"
+        )
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
 
 
@@ -304,4 +384,5 @@ def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line():
         assert bpb_ax.get_legend() is None
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)

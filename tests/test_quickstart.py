@@ -1,6 +1,7 @@
 """quickstart.sh in a fresh clone, as a user runs it (tiny overrides), then rerun: it resumes and
 reuses. It uses the test's own virtual environment (QUICKSTART_VENV) rather than building one, and
 runs as on a machine without internet and without TIKTOKEN_CACHE_DIR (quickstart_env)."""
+
 import hashlib
 import os
 import shutil
@@ -16,8 +17,24 @@ from trainkit.hellaswag_data import DATA_URL
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
 FEW_EXAMPLES = "--limit 8"  # of HellaSwag (200 take 20 s on a CPU)
 OUT = "out/quick[1]*"  # an out dir named like a glob pattern is still that folder
-TINY_TRAIN = ["--out-dir", OUT, "--max-steps", "3", "--batch-size", "4", "--total-batch-size", "512", "--val-every", "2",
-              "--val-steps", "2", "--sample-every", "0", "--ckpt-every", "2"]
+TINY_TRAIN = [
+    "--out-dir",
+    OUT,
+    "--max-steps",
+    "3",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "512",
+    "--val-every",
+    "2",
+    "--val-steps",
+    "2",
+    "--sample-every",
+    "0",
+    "--ckpt-every",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +54,44 @@ DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a machine without
 def quickstart_env(clone, **env):
     """As on a machine without internet (the packages are installed already): no TIKTOKEN_CACHE_DIR,
     so the GPT-2 BPE comes from the clone's bpe/, and proxies that refuse every connection."""
-    offline = {key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
-    return {**offline, "QUICKSTART_VENV": sys.prefix, "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
-            "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES, "HELLASWAG_DIR": str(clone / "hellaswag"), "OMP_NUM_THREADS": "1",
-            "HTTPS_PROXY": DEAD_PROXY, "HTTP_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY, "http_proxy": DEAD_PROXY,
-            **env}
+    offline = {
+        key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
+    }
+    return {
+        **offline,
+        "QUICKSTART_VENV": sys.prefix,
+        "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
+        "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES,
+        "HELLASWAG_DIR": str(clone / "hellaswag"),
+        "OMP_NUM_THREADS": "1",
+        "HTTPS_PROXY": DEAD_PROXY,
+        "HTTP_PROXY": DEAD_PROXY,
+        "https_proxy": DEAD_PROXY,
+        "http_proxy": DEAD_PROXY,
+        **env,
+    }
 
 
 def quickstart(clone, *args, **env):
-    return subprocess.run(["bash", "quickstart.sh", *args], cwd=clone, env=quickstart_env(clone, **env),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", "quickstart.sh", *args],
+        cwd=clone,
+        env=quickstart_env(clone, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_help_prints_the_usage_and_does_nothing(clone):
-    proc = subprocess.run(["bash", "quickstart.sh", "--max-steps", "5", "--help"], cwd=clone, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "QUICKSTART_VENV": str(clone / "no-venv")})
+    proc = subprocess.run(
+        ["bash", "quickstart.sh", "--max-steps", "5", "--help"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "QUICKSTART_VENV": str(clone / "no-venv")},
+    )
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout.startswith("From a fresh clone to a trained GPT-2")
     assert "(python train_gpt2.py --help lists them)" in proc.stdout and "QUICKSTART_VENV" in proc.stdout
@@ -72,26 +112,37 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
         "shipped in fixtures/ instead",
         f"hellaswag: scoring {OUT}/ckpt_0000003.pt, step 3",
         "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
-        "ships, not the full 10042-example set); chance is 0.25"]
+        "ships, not the full 10042-example set); chance is 0.25",
+    ]
     assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 8}')
     run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     samples = out.split("quickstart: samples\n", 1)[1]
     assert [line for line in samples.splitlines() if line.startswith("---")] == [
-        "--- sample 1/3 ---", "--- sample 2/3 ---", "--- sample 3/3 ---"]
+        "--- sample 1/3 ---",
+        "--- sample 2/3 ---",
+        "--- sample 3/3 ---",
+    ]
     assert samples.split("--- sample 1/3 ---\n", 1)[1].startswith("def ")
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt",
-                                                                                    "ckpt_0000003.pt"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt", "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
     # the README's next commands need the environment's python: the last lines say how
     assert out.splitlines()[-3:] == [
         f"quickstart: next: the scripts need {sys.prefix}'s python; activate it in your shell, then run them, e.g.:",
-        f"  . {sys.prefix}/bin/activate", '  python sample.py --checkpoint out/quick\\[1\\]\\* --prompt "def "']
+        f"  . {sys.prefix}/bin/activate",
+        '  python sample.py --checkpoint out/quick\\[1\\]\\* --prompt "def "',
+    ]
 
     # the later value wins, as in argparse
-    again = quickstart(clone, *TINY_TRAIN, "--max-steps", "4", HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
-                       QUICKSTART_HELLASWAG_ARGS="--limit 8 --limit=3")
+    again = quickstart(
+        clone,
+        *TINY_TRAIN,
+        "--max-steps",
+        "4",
+        HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
+        QUICKSTART_HELLASWAG_ARGS="--limit 8 --limit=3",
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "quickstart: HellaSwag, first 3 examples\n" in again.stdout
     assert "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl" in again.stdout
@@ -116,28 +167,41 @@ def test_damaged_bpe_is_one_line(clone, tmp_path):
     assert proc.stderr.splitlines()[-1] == (
         f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 "
         f"{hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), "
-        "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file")
+        "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
+    )
     assert "quickstart: tokenizing" not in proc.stdout
 
 
 def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
     out = clone / "out" / "interrupted"
     # as a terminal's Ctrl-C: SIGINT to the whole process group, which does not ignore it
-    proc = subprocess.Popen(["bash", "quickstart.sh", *TINY_TRAIN, "--max-steps", "100000", "--out-dir", str(out)],
-                            cwd=clone, env=quickstart_env(clone, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        ["bash", "quickstart.sh", *TINY_TRAIN, "--max-steps", "100000", "--out-dir", str(out)],
+        cwd=clone,
+        env=quickstart_env(clone, TMPDIR=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
-        wait_for(lambda: (out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text(), proc,
-                 timeout=600, what="the first step")
+        wait_for(
+            lambda: (out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text(),
+            proc,
+            timeout=600,
+            what="the first step",
+        )
         kill_group(proc, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         kill_group(proc)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
     same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
-    assert stderr.splitlines()[-1] == ("quickstart: interrupted; run the same command again to resume: bash "
-                                       f"quickstart.sh {same_command} --max-steps 100000 --out-dir {out}")
+    assert stderr.splitlines()[-1] == (
+        "quickstart: interrupted; run the same command again to resume: bash "
+        f"quickstart.sh {same_command} --max-steps 100000 --out-dir {out}"
+    )
     assert "stopped by signal at step" in stdout  # the trainer checkpointed on the way out
     assert "HellaSwag" not in stdout and "done in" not in stdout
     assert not list(tmp_path.glob("quickstart-*"))
@@ -150,15 +214,25 @@ def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it
     for name in ("sample.py", "trainkit"):
         (tmp_path / name).symlink_to(REPO / name)
     start = "error: cannot import the libraries this script needs (ModuleNotFoundError: No module named 'torch'): "
-    for venv, fix in [(False, "reinstall them (pip install -r requirements.txt)"),
-                      (True, "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` "
-                             "first, or .venv/bin/python sample.py")]:
+    for venv, fix in [
+        (False, "reinstall them (pip install -r requirements.txt)"),
+        (
+            True,
+            "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` "
+            "first, or .venv/bin/python sample.py",
+        ),
+    ]:
         if venv:
             (tmp_path / ".venv" / "bin").mkdir(parents=True)
             (tmp_path / ".venv" / "bin" / "python").touch()
         # -S: no site-packages, as a python that lacks the libraries
-        proc = subprocess.run([sys.executable, "-S", "sample.py", "--checkpoint", "out/quickstart"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-S", "sample.py", "--checkpoint", "out/quickstart"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", start + fix + "\n")
 
 
@@ -171,24 +245,37 @@ def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
         pytest.skip("the CPU build is looked for on Linux only (PyPI's is the CPU one elsewhere)")
     offered = tmp_path / "offered.txt"
     fake_python = tmp_path / "python"  # answers `-m pip index versions torch` from offered.txt, else is python
-    fake_python.write_text(f'#!/bin/sh\nif [ "$1 $2 $3" = "-m pip index" ]; then cat {offered}; exit 0; fi\n'
-                           f'exec {sys.executable} "$@"\n')
+    fake_python.write_text(
+        f'#!/bin/sh\nif [ "$1 $2 $3" = "-m pip index" ]; then cat {offered}; exit 0; fi\nexec {sys.executable} "$@"\n'
+    )
     fake_python.chmod(0o755)
 
     def install(*version):
-        script = ('say() { echo "say: $*"; }; PY=' + str(fake_python) + '; PIP=(echo pip install); '
-                  '. .ci/install_torch.sh; install_torch "$@"')
-        proc = subprocess.run(["bash", "-c", script, "install", *version], cwd=REPO, capture_output=True, text=True,
-                              timeout=60, env={**os.environ, "HTTPS_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY})
+        script = (
+            'say() { echo "say: $*"; }; PY=' + str(fake_python) + "; PIP=(echo pip install); "
+            '. .ci/install_torch.sh; install_torch "$@"'
+        )
+        proc = subprocess.run(
+            ["bash", "-c", script, "install", *version],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HTTPS_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY},
+        )
         assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
         return proc.stdout.splitlines()
 
     offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0+cpu, 2.13.0, 2.12.0+cpu, 2.12.0\n")
-    assert install("2.13.0") == ["say: installing torch 2.13.0+cpu (no NVIDIA GPU: the CPU build)",
-                                 "pip install torch==2.13.0+cpu"]
+    assert install("2.13.0") == [
+        "say: installing torch 2.13.0+cpu (no NVIDIA GPU: the CPU build)",
+        "pip install torch==2.13.0+cpu",
+    ]
     assert install("2.12.0")[1] == "pip install torch==2.12.0+cpu"
     assert install()[1] == "pip install torch==2.13.0+cpu"  # the newest CPU build
     offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0\n")  # PyPI's list: no +cpu
     assert install("2.13.0") == [
         "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA "
-        "libraries, larger, and runs on the CPU too)", "pip install torch==2.13.0"]
+        "libraries, larger, and runs on the CPU too)",
+        "pip install torch==2.13.0",
+    ]

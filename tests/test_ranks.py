@@ -2,6 +2,7 @@
 a rank that dies leaves the survivors one line naming the last good checkpoint. Every case is a
 real torchrun launch of 2 gloo ranks on the CPU; the checkpoints already in --out-dir must still
 load, byte for byte the same."""
+
 import glob
 import hashlib
 import os
@@ -16,8 +17,17 @@ import pytest
 from trainkit import checkpoints
 from trainkit.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
-from conftest import (HELLASWAG_FILE, REPO, child_pids, kill_group, kill_pids, tiny_run_args, torchrun, tree_hashes,
-                      wait_for)
+from conftest import (
+    HELLASWAG_FILE,
+    REPO,
+    child_pids,
+    kill_group,
+    kill_pids,
+    tiny_run_args,
+    torchrun,
+    tree_hashes,
+    wait_for,
+)
 from shards import write_manifest
 
 T = 16
@@ -28,8 +38,19 @@ SHARDS = dict(n_docs=500, seed=4)
 
 def args_for(data_dir, out_dir, *extra, steps=2, ckpt_every=2):
     """A one-block run, 4 rows a step: one micro-batch of 2 rows on each of 2 ranks."""
-    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, n_layer=1, block_size=16,
-                         seq_len=T, B=2, rows=4, warmup=1)
+    return tiny_run_args(
+        data_dir,
+        out_dir,
+        *extra,
+        steps=steps,
+        ckpt_every=ckpt_every,
+        n_layer=1,
+        block_size=16,
+        seq_len=T,
+        B=2,
+        rows=4,
+        warmup=1,
+    )
 
 
 def checkpoint_hashes(out_dir) -> dict:
@@ -55,10 +76,23 @@ def error_lines(stderr) -> list:
 def launch_per_rank(shell, args, env=None, script="train_gpt2.py", **popen):
     """torchrun of 2 ranks running `bash -c shell _ python script args`: the shell can give each
     rank ($RANK) its own flags or folder, as a job script on each node might."""
-    command = [*torchrun("--standalone", "--nproc_per_node=2", "--no-python"), "bash", "-c", shell, "_",
-               sys.executable, str(REPO / script), *args]
-    return subprocess.Popen(command, cwd=REPO, text=True, env={**os.environ, **(env or {})},
-                            **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen})
+    command = [
+        *torchrun("--standalone", "--nproc_per_node=2", "--no-python"),
+        "bash",
+        "-c",
+        shell,
+        "_",
+        sys.executable,
+        str(REPO / script),
+        *args,
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
+    )
 
 
 @pytest.fixture
@@ -71,16 +105,20 @@ def trained(data_dir, tmp_path):
 
 # --- ranks that agree --------------------------------------------------------------------------
 
+
 def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, trained):
     # before: a different --max-steps ended in a gloo SIGABRT (83 lines); a different --max-lr trained on
     out, hashes = trained
-    proc = launch_per_rank('exec "$@" --max-steps $((4 + RANK)) --max-lr 1e-$((2 + RANK))',
-                           args_for(data_dir, out, "--resume"))
+    proc = launch_per_rank(
+        'exec "$@" --max-steps $((4 + RANK)) --max-lr 1e-$((2 + RANK))', args_for(data_dir, out, "--resume")
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1  # torchrun's own code whenever a worker fails; the workers' are in its report
-    assert error_lines(err) == ["error: the ranks of this launch were started differently: --max-steps 4 on rank 0 "
-                                "but --max-steps 5 on rank 1; every rank needs the same command and the same "
-                                "--data-dir files"], err[-3000:]
+    assert error_lines(err) == [
+        "error: the ranks of this launch were started differently: --max-steps 4 on rank 0 "
+        "but --max-steps 5 on rank 1; every rank needs the same command and the same "
+        "--data-dir files"
+    ], err[-3000:]
     assert err.count("exitcode  : 2") == 2 and "[rank" not in err and "terminate called" not in err, err[-3000:]
     assert_checkpoints_intact(out, hashes)
     assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
@@ -94,17 +132,20 @@ def test_ranks_with_different_data_of_the_same_sizes_are_refused(data_dir, train
         shutil.copytree(data_dir, tmp_path / f"rank{rank}" / "data")
     shard = sorted(glob.glob(str(tmp_path / "rank1" / "data" / "*_train_*.npy")))[-1]
     np.save(shard, np.load(shard)[::-1])  # the same tokens in another order: same size
-    proc = launch_per_rank('cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, "--resume"),
-                           env={"BASE": str(tmp_path)})
+    proc = launch_per_rank(
+        'cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, "--resume"), env={"BASE": str(tmp_path)}
+    )
     _, err = proc.communicate(timeout=300)
     name = os.path.basename(shard)
     size = os.path.getsize(shard)
     sampled = [shard_files([str(tmp_path / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
     assert proc.returncode == 1
-    assert error_lines(err) == [f"error: the ranks of this launch were started differently: train shards in "
-                                f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
-                                f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
-                                "command and the same --data-dir files"], err[-3000:]
+    assert error_lines(err) == [
+        f"error: the ranks of this launch were started differently: train shards in "
+        f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
+        f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
+        "command and the same --data-dir files"
+    ], err[-3000:]
     assert_checkpoints_intact(out, hashes)
 
 
@@ -117,7 +158,7 @@ def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(data_di
     copies[0].mkdir(parents=True)
     np.save(copies[0] / "synth_val_000000.npy", rng.integers(0, 64, 2000).astype(np.uint16))
     np.save(copies[0] / "synth_train_000001.npy", rng.integers(0, 64, 600_000).astype(np.uint16))  # 1.2 MB
-    recorded, = [s["sha256"] for s in write_manifest(copies[0])["shards"] if s["file"] == "synth_train_000001.npy"]
+    (recorded,) = [s["sha256"] for s in write_manifest(copies[0])["shards"] if s["file"] == "synth_train_000001.npy"]
     shutil.copytree(copies[0], copies[1])
     shard = copies[1] / "synth_train_000001.npy"
     damaged = bytearray(shard.read_bytes())
@@ -126,19 +167,22 @@ def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(data_di
     assert len({shard_files([str(copy / shard.name)])[0][2] for copy in copies}) == 1  # sampled: the same
     before = [tree_hashes(copy) for copy in copies]
     out = tmp_path / "out"
-    proc = launch_per_rank('cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, steps=4),
-                           env={"BASE": str(tmp_path)})
+    proc = launch_per_rank(
+        'cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, steps=4), env={"BASE": str(tmp_path)}
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert error_lines(err) == [
         f"error: rank 1: data/{shard.name} has sha256 {hashlib.sha256(damaged).hexdigest()[:16]}..., not the "
         f"{recorded[:16]}... that data/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
-        "copy?); restore it, or re-create the data set with fineweb.py"], err[-3000:]
+        "copy?); restore it, or re-create the data set with fineweb.py"
+    ], err[-3000:]
     assert err.count("exitcode  : 2") == 2 and "[rank" not in err, err[-3000:]  # both ranks stopped, no traceback
     assert [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*.pt"))
 
 
 # --- a rank that dies ----------------------------------------------------------------------------
+
 
 def rank_of(pid) -> int:
     with open(f"/proc/{pid}/environ") as f:
@@ -149,15 +193,16 @@ def rank_of(pid) -> int:
 def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir, tmp_path, victim, mode):
     out = tmp_path / "out"
     # a checkpoint every step, and the default --dist-timeout (600 s): the survivor must not wait for it
-    proc = launch_per_rank('exec "$@"', args_for(data_dir, out, *mode, steps=100000, ckpt_every=1),
-                           start_new_session=True)
+    proc = launch_per_rank(
+        'exec "$@"', args_for(data_dir, out, *mode, steps=100000, ckpt_every=1), start_new_session=True
+    )
     try:
         wait_for(lambda: len(glob.glob(str(out / "ckpt_*.pt"))) >= 3, proc, what="three checkpoints")
         workers = child_pids(proc.pid)
         assert len(workers) == 2
         hashes = checkpoint_hashes(out)
         killed = time.time()
-        victim_pid, = [pid for pid in workers if rank_of(pid) == victim]
+        (victim_pid,) = [pid for pid in workers if rank_of(pid) == victim]
         kill_pids([victim_pid])
         _, err = proc.communicate(timeout=300)
         assert time.time() - killed < 300  # not the --dist-timeout of 600 s (seconds on a quiet machine)
@@ -179,8 +224,13 @@ def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir,
 def hellaswag_per_rank(out, rank1_args, **popen):
     """hellaswag.py under torchrun on 2 ranks, on out's checkpoint: rank 1 gets rank1_args on top."""
     shell = 'if [ "$RANK" = 1 ]; then exec "$@" $RANK1_ARGS; else exec "$@"; fi'
-    return launch_per_rank(shell, ["--checkpoint", str(out), "--data-file", str(HELLASWAG_FILE), "--limit", "6"],
-                           env={"RANK1_ARGS": rank1_args}, script="hellaswag.py", **popen)
+    return launch_per_rank(
+        shell,
+        ["--checkpoint", str(out), "--data-file", str(HELLASWAG_FILE), "--limit", "6"],
+        env={"RANK1_ARGS": rank1_args},
+        script="hellaswag.py",
+        **popen,
+    )
 
 
 def test_a_file_that_only_one_rank_lacks_is_named_once(trained, tmp_path):
@@ -199,7 +249,7 @@ def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):
     try:  # rank 0's two scoring passes done:
         wait_for(lambda: (tmp_path / "stderr").read_text().count("100%") >= 2, proc, what="rank 0's scoring")
         time.sleep(0.5)  # (a few tensor operations from there to the all-reduce; later is the same failure)
-        rank1, = [pid for pid in child_pids(proc.pid) if rank_of(pid) == 1]
+        (rank1,) = [pid for pid in child_pids(proc.pid) if rank_of(pid) == 1]
         kill_pids([rank1])
         stdout, _ = proc.communicate(timeout=300)
     finally:
@@ -207,20 +257,24 @@ def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):
     err = (tmp_path / "stderr").read_text()
     assert (proc.returncode, stdout) == (1, "")
     lines = error_lines(err)
-    assert len(lines) == 1 and lines[0].startswith("error: rank 0: another rank of this launch died or stopped "
-                                                   "answering ("), err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: rank 0: another rank of this launch died or stopped answering ("
+    ), err[-3000:]
     assert lines[0].endswith("so this rank stopped too; torchrun's report below names the rank that failed first")
     assert "RuntimeError" not in err and "pair.cc" not in err and "terminate called" not in err  # no gloo traceback
 
 
 # --- teardown --------------------------------------------------------------------------------
 
+
 def test_fsdp_eval_only_ends_cleanly_on_every_rank(data_dir, trained):
     # reported: 4 of 13 such runs aborted at exit ("terminate called without an active exception");
     # the ranks left at different times (no barrier, unlike training's last save), now they meet first
     out, hashes = trained
-    proc = launch_per_rank('exec "$@"', args_for(data_dir, out, "--fsdp", "--eval-only", "--resume",
-                                                 "--val-every", "1", "--val-steps", "1"))
+    proc = launch_per_rank(
+        'exec "$@"',
+        args_for(data_dir, out, "--fsdp", "--eval-only", "--resume", "--val-every", "1", "--val-steps", "1"),
+    )
     stdout, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     json_lines = [line for line in stdout.splitlines() if line.startswith("{")]

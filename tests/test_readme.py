@@ -1,6 +1,7 @@
 """The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's,
 every link between README.md and docs/*.md leads somewhere, and fixtures/README.md describes the
 files beside it."""
+
 import hashlib
 import os
 import re
@@ -19,24 +20,24 @@ FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here f
 SMALLER = {
     "fineweb.py": "--max-tokens 40K --shard-size 8K",
     "train_gpt2.py": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
-                     "--total-batch-size 512 --warmup-steps 2",
+    "--total-batch-size 512 --warmup-steps 2",
     "train_gpt2.py --resume": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
-                              "--total-batch-size 512 --warmup-steps 2 --max-steps 4",
+    "--total-batch-size 512 --warmup-steps 2 --max-steps 4",
     "hellaswag.py": "--limit 8",
     "sample.py": "--num-samples 2 --max-new-tokens 8",
 }
 
 
 def section(start, end, text=README):
-    return text[text.index(start):text.index(end)]
+    return text[text.index(start) : text.index(end)]
 
 
 def section_from(heading, text):
     """From `heading` to the next heading of its level, or to the end of the text."""
     start = text.index(heading)
     level = heading.split(" ")[0] + " "
-    following = re.search(rf"(?m)^{re.escape(level)}", text[start + len(heading):])
-    return text[start:start + len(heading) + following.start()] if following else text[start:]
+    following = re.search(rf"(?m)^{re.escape(level)}", text[start + len(heading) :])
+    return text[start : start + len(heading) + following.start()] if following else text[start:]
 
 
 def quickstart_commands():
@@ -47,32 +48,61 @@ def quickstart_commands():
 def test_readme_flags_table_matches_the_cli():
     table = section_from("## Flags", FLAGS_DOC.read_text())
     documented = set(re.findall(r"`(--[a-z-]+)", table))
-    parser_flags = {opt for action in tg.build_parser()._actions for opt in action.option_strings
-                    if opt.startswith("--") and opt != "--help"}
+    parser_flags = {
+        opt
+        for action in tg.build_parser()._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt != "--help"
+    }
     assert documented == parser_flags
 
 
 def test_quickstart_runs_as_written(tmp_path):
     work = tmp_path / "repo"
     work.mkdir()
-    for name in ("train_gpt2.py", "fineweb.py", "hellaswag.py", "hf_interop.py", "plot_log.py", "sample.py", "fixtures"):
+    for name in (
+        "train_gpt2.py",
+        "fineweb.py",
+        "hellaswag.py",
+        "hf_interop.py",
+        "plot_log.py",
+        "sample.py",
+        "fixtures",
+    ):
         (work / name).symlink_to(REPO / name)
     # as a user runs them: no TIKTOKEN_CACHE_DIR (the BPE ships in bpe/)
-    env = {**{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
     commands = quickstart_commands()
-    assert [c.split()[1] for c in commands] == ["fineweb.py", "train_gpt2.py", "plot_log.py", "hellaswag.py",
-                                                "sample.py", "hf_interop.py", "train_gpt2.py"]
+    assert [c.split()[1] for c in commands] == [
+        "fineweb.py",
+        "train_gpt2.py",
+        "plot_log.py",
+        "hellaswag.py",
+        "sample.py",
+        "hf_interop.py",
+        "train_gpt2.py",
+    ]
     for command in commands:
         script = command.split()[1] + (" --resume" if command.endswith("--resume") else "")
-        result = subprocess.run(f"{command} {SMALLER.get(script, '')}", shell=True, cwd=work, env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            f"{command} {SMALLER.get(script, '')}",
+            shell=True,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         if script == "hellaswag.py":  # offline: the subset the repository ships, said so
             assert result.stdout.splitlines()[:2] == [
                 "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
                 "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
-                "repository ships, not the full 10042-example set); chance is 0.25"]
+                "repository ships, not the full 10042-example set); chance is 0.25",
+            ]
             assert result.stdout.splitlines()[2].endswith('"n": 8}')
         if script == "sample.py":
             assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
@@ -81,7 +111,10 @@ def test_quickstart_runs_as_written(tmp_path):
     assert (work / "out" / "cpu" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "out" / "cpu_hf" / "config.json").is_file()
     assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [
-        "ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"]
+        "ckpt_0000002.pt",
+        "ckpt_0000003.pt",
+        "ckpt_0000004.pt",
+    ]
 
 
 def heading_anchor(heading):
@@ -138,20 +171,38 @@ def test_the_transcript_holds_what_the_first_two_commands_print_today(tmp_path):
     under OMP_NUM_THREADS=1: fineweb's count, the model and batch lines, step 0's validation line, and the loss, lr
     and norm of steps 0 and 1. The step and summary lines have the shape the trainer prints (timings differ)."""
     import platform
+
     recorded, this = re.search(r"recorded with Python (3\.\d+\.\d+)", README)[1], platform.python_version()
     if this != recorded:
         pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
     lines = transcript_lines()
     fineweb, train = quickstart_commands()[:2]
-    env = {**{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}, "OMP_NUM_THREADS": "1",
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    made = subprocess.run(f"{fineweb.replace('python ', f'python {REPO}/', 1)}", shell=True, cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
+    made = subprocess.run(
+        f"{fineweb.replace('python ', f'python {REPO}/', 1)}",
+        shell=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert made.returncode == 0, made.stderr[-2000:]
     assert made.stdout.splitlines() == [lines[0]]
     # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
-    ran = subprocess.run(f"{train.replace('python ', f'python {REPO}/', 1)} --max-steps 2 --sample-every 0", shell=True,
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    ran = subprocess.run(
+        f"{train.replace('python ', f'python {REPO}/', 1)} --max-steps 2 --sample-every 0",
+        shell=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ran.returncode == 0, ran.stderr[-2000:]
     printed = ran.stdout.splitlines()
     assert printed[:3] == lines[1:4]  # model, batch, step 0's validation

@@ -1,4 +1,5 @@
 """Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node."""
+
 import os
 import shutil
 import signal
@@ -12,8 +13,19 @@ import torch
 
 from trainkit import checkpoints
 import train_gpt2 as tg
-from conftest import (REPO, child_pids, free_port, kill_group, kill_pids, log_records, losses, resume_copy,
-                      tiny_run_args, torchrun, wait_for_steps)
+from conftest import (
+    REPO,
+    child_pids,
+    free_port,
+    kill_group,
+    kill_pids,
+    log_records,
+    losses,
+    resume_copy,
+    tiny_run_args,
+    torchrun,
+    wait_for_steps,
+)
 from shards import write_manifest
 
 T = 16
@@ -26,8 +38,12 @@ def final_weights(out_dir, step):
 
 # --- exact resume -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("align", [[], ["--align-docs"], ["--optimizer", "muon"], ["--doc-mask"]],
-                         ids=["plain", "align-docs", "muon", "doc-mask"])
+
+@pytest.mark.parametrize(
+    "align",
+    [[], ["--align-docs"], ["--optimizer", "muon"], ["--doc-mask"]],
+    ids=["plain", "align-docs", "muon", "doc-mask"],
+)
 def test_resume_is_bit_exact(data_dir, tmp_path, align):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert tg.main(tiny_run_args(data_dir, straight, *align)) == 0
@@ -43,8 +59,9 @@ def test_resume_on_two_ranks_continues_on_the_same_rows(data_dir, tmp_path):
     assert tg.main(tiny_run_args(data_dir, one, "--align-docs", B=4)) == 0  # 4 rows x 2 micro-steps
     resume_copy(one, two, 10)
     args = tiny_run_args(data_dir, two, "--align-docs", "--resume", B=2)
-    result = subprocess.run([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 accumulation steps x 2 ranks" in result.stdout
     (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(one)), zip(*losses(two))
@@ -69,19 +86,25 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
     model = tg.GPT(tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32))
     for name, shuffle in (("default", True), ("shuffle", True), ("no-shuffle", False)):
         x, y = tg.TokenRows(data_dir, "train", T, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
-        assert losses(tmp_path / name)[0][1] == pytest.approx(model(torch.from_numpy(x), torch.from_numpy(y))[1].item(),
-                                                             rel=1e-6), name
+        assert losses(tmp_path / name)[0][1] == pytest.approx(
+            model(torch.from_numpy(x), torch.from_numpy(y))[1].item(), rel=1e-6
+        ), name
         assert checkpoints.load_checkpoint(str(tmp_path / name))["launch"]["shuffle"] == shuffle
     assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
     # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
     assert tg.main(tiny_run_args(data_dir, tmp_path / "no-shuffle", "--resume", steps=2, ckpt_every=1)) == 0
     assert checkpoints.load_checkpoint(str(tmp_path / "no-shuffle"))["launch"]["shuffle"] is False
-    for name, flags, saved, now in (("default", ["--no-shuffle"], True, False), ("no-shuffle", ["--shuffle"], False, True),
-                                    ("default", ["--optimizer", "muon"], "adamw", "muon")):
+    for name, flags, saved, now in (
+        ("default", ["--no-shuffle"], True, False),
+        ("no-shuffle", ["--shuffle"], False, True),
+        ("default", ["--optimizer", "muon"], "adamw", "muon"),
+    ):
         assert tg.main(tiny_run_args(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
         key = flags[0].strip("-").replace("no-", "")
-        assert f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags" in \
-            capsys.readouterr().err
+        assert (
+            f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags"
+            in capsys.readouterr().err
+        )
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
@@ -89,8 +112,10 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
     run_id = checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt"))["id"]
     capsys.readouterr()
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
-    assert capsys.readouterr().err == (f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
-                                       "--resume to continue that run, or choose another --out-dir\n")
+    assert capsys.readouterr().err == (
+        f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
+        "--resume to continue that run, or choose another --out-dir\n"
+    )
 
 
 def test_keep_last(data_dir, tmp_path):
@@ -104,8 +129,9 @@ def test_keep_last(data_dir, tmp_path):
 def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     args = tiny_run_args(data_dir, preempted, steps=60, ckpt_every=0)
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_steps(preempted, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
@@ -123,6 +149,7 @@ def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path
 
 
 # --- bad numbers ----------------------------------------------------------------------------
+
 
 def inject(monkeypatch, at_call, how):
     """Make the accumulate_gradients call number at_call (0-based) produce bad numbers."""
@@ -176,6 +203,7 @@ def test_skip_spikes_skips_an_outlier_update(data_dir, tmp_path, monkeypatch, op
 
 # --- bad files --------------------------------------------------------------------------------
 
+
 def bad_shard_dir(tmp_path, name, data):
     path = tmp_path / name
     path.mkdir()
@@ -188,14 +216,20 @@ def bad_shard_dir(tmp_path, name, data):
     return str(path), str(target)
 
 
-@pytest.mark.parametrize("name,data,message", [
-    ("truncated", None, "cannot read token shard (mmap length is greater than file size)"),
-    ("garbage", b"not a numpy file at all", "not a .npy token shard (bad magic)"),
-    ("int32", np.arange(1000, dtype=np.int32), "expected a 1-D uint16 token array, got int32"),
-    ("short", np.arange(5, dtype=np.uint16), "5 tokens, fewer than one row of --seq-len 16 + 1"),
-    ("big_ids", np.full(1000, 60000, dtype=np.uint16), " holds token id 60000, which the model has no output for: "
-                                                       "its softmax covers GPT-2's 50257 tokens"),
-])
+@pytest.mark.parametrize(
+    "name,data,message",
+    [
+        ("truncated", None, "cannot read token shard (mmap length is greater than file size)"),
+        ("garbage", b"not a numpy file at all", "not a .npy token shard (bad magic)"),
+        ("int32", np.arange(1000, dtype=np.int32), "expected a 1-D uint16 token array, got int32"),
+        ("short", np.arange(5, dtype=np.uint16), "5 tokens, fewer than one row of --seq-len 16 + 1"),
+        (
+            "big_ids",
+            np.full(1000, 60000, dtype=np.uint16),
+            " holds token id 60000, which the model has no output for: its softmax covers GPT-2's 50257 tokens",
+        ),
+    ],
+)
 def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, message):
     if data is None:  # a shard cut short while it was copied
         full = tmp_path / "full.npy"
@@ -234,19 +268,36 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
     monkeypatch.setattr(tg.torch, "save", failing_save)
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=10, ckpt_every=4)) == 2
     err = capsys.readouterr().err
-    assert f"could not write checkpoint {tmp_path / 'ckpt_0000008.pt'}: no space left on device; the previous " \
-           f"checkpoint {tmp_path / 'ckpt_0000004.pt'} is intact" in err
+    assert (
+        f"could not write checkpoint {tmp_path / 'ckpt_0000008.pt'}: no space left on device; the previous "
+        f"checkpoint {tmp_path / 'ckpt_0000004.pt'} is intact" in err
+    )
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
     assert checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))["step"] == 4
 
 
 # --- multi-node -------------------------------------------------------------------------------
 
+
 def start_two_nodes(args, port):
-    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=test", "--max-restarts=0"]
-    return [subprocess.Popen([*torchrun(*rdzv), "train_gpt2.py", *args],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    rdzv = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=test",
+        "--max-restarts=0",
+    ]
+    return [
+        subprocess.Popen(
+            [*torchrun(*rdzv), "train_gpt2.py", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
 
 
 def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
@@ -279,8 +330,13 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path, mode):
     # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
     args = tiny_run_args(data_dir, tmp_path, "--keep-last", "1", *mode, steps=100000, ckpt_every=1, B=2)
-    proc = subprocess.Popen([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_steps(tmp_path, 3, proc)
     workers = child_pids(proc.pid)
     assert len(workers) == 2
@@ -301,6 +357,7 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
     ends with the run (stopped, its thread joined), not left hashing while the interpreter shuts down."""
     import threading
     from trainkit.shards import ShardDigestCheck
+
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     np.save(data / "synth_train_000099.npy", np.random.default_rng(0).integers(0, 64, 2_000_000).astype(np.uint16))
@@ -313,6 +370,7 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
         log_step(self, step, result, progress)
         hashing_at_stop.append(self.shard_check.thread.is_alive())
         self.stop.requested = True
+
     monkeypatch.setattr(tg.Trainer, "log_step", log_step_then_stop)
     assert tg.main(tiny_run_args(str(data), tmp_path / "out", steps=100000, ckpt_every=0)) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("stopped by signal at step 2; ")
@@ -326,9 +384,15 @@ def test_ctrl_c_under_torchrun_ends_with_the_checkpoint_and_how_to_resume(data_d
     checkpoint, says it is safe, how to resume, and that the traceback torchrun prints next (its
     SignalException; torchrun exits 1) only reports the signal."""
     args = tiny_run_args(data_dir, tmp_path, steps=100000, ckpt_every=0, B=2)
-    proc = subprocess.Popen([*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         first = ""
         while not first.startswith("step "):  # the first step line: training is under way
@@ -342,11 +406,12 @@ def test_ctrl_c_under_torchrun_ends_with_the_checkpoint_and_how_to_resume(data_d
     path = tmp_path / f"ckpt_{step:07d}.pt"
     assert out.splitlines()[-1] == (
         f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command "
-        "plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)")
+        "plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    )
     assert proc.returncode == 1 and err.splitlines()[-1].startswith(
-        "torch.distributed.elastic.multiprocessing.api.SignalException: Process ")  # torchrun's, not ours
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
+    )  # torchrun's, not ours
     assert "Sending process" in err and "forcefully" not in err  # the ranks ended themselves (no SIGKILL)
     assert sorted(os.listdir(tmp_path)) == [path.name, "log.jsonl"]
     assert checkpoints.load_checkpoint(str(path))["step"] == step
     assert [s for s, _ in losses(tmp_path)] == list(range(step))
-

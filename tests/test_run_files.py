@@ -4,6 +4,7 @@ that the same command sets aside and starts again; a name in --out-dir that --ke
 is refused at start; an evaluation that fails after trained steps saves them first; a resume applies its
 own optimizer hyperparameters; an export names the checkpoint it loaded. The real commands, as users run
 them."""
+
 import json
 import os
 import shutil
@@ -29,8 +30,15 @@ def args_for(data_dir, out_dir, *extra, steps, ckpt_every):
 
 def run(args, umask=None):
     """`python train_gpt2.py args` (with umask, where given), as text."""
-    return subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, check=False, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    return subprocess.run(
+        [sys.executable, "train_gpt2.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
 
 
 def trained_steps(log):
@@ -58,6 +66,7 @@ def run_a(finished_once, tmp_path):
 
 # --- a copied run folder changes nothing of the one it was copied from ----------------------------------
 
+
 def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(run_a, data_dir, tmp_path):
     """cp -al runA runB: resuming runB appends to a copy of its own of the log, branching runB at an
     earlier checkpoint with --keep-last cuts and moves only runB's names; runA stays byte-identical,
@@ -67,8 +76,10 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     subprocess.run(["cp", "-al", str(run_a), str(run_b)], check=True)
     result = run(args_for(data_dir, run_b, "--resume", steps=8, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"note: {run_b}/log.jsonl was a hard link to a file with 1 other name (as `cp -al` makes): this run "
-            "writes to a copy of its own, and the file it shared stays as it was") in result.stdout.splitlines()
+    assert (
+        f"note: {run_b}/log.jsonl was a hard link to a file with 1 other name (as `cp -al` makes): this run "
+        "writes to a copy of its own, and the file it shared stays as it was"
+    ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
     assert trained_steps(run_b / "log.jsonl") == list(range(8)) and trained_steps(run_a / "log.jsonl") == list(range(6))
     # runB goes on as a branch of runA's run, at the step it was copied at
@@ -76,8 +87,9 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     assert branch == dict(id=branch["id"], parent=dict(first, step=6)) and branch["id"] != first["id"]
     run_c = tmp_path / "runC"
     subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)
-    result = run(args_for(data_dir, run_c, "--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1", steps=8,
-                          ckpt_every=2))
+    result = run(
+        args_for(data_dir, run_c, "--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1", steps=8, ckpt_every=2)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(run_c)) == ["branch_0000006", "ckpt_0000008.pt", "log.jsonl"]
     assert tree_hashes(run_a) == before
@@ -97,14 +109,17 @@ def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(r
         os.symlink(os.path.join("..", "runA", name), run_d / name)
     result = run(args_for(data_dir, run_d, "--resume", str(run_d / "ckpt_0000004.pt"), steps=8, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"note: {run_d}/log.jsonl was a symbolic link to ../runA/log.jsonl: this run writes to a copy of its "
-            "own, and the file it shared stays as it was") in result.stdout.splitlines()
+    assert (
+        f"note: {run_d}/log.jsonl was a symbolic link to ../runA/log.jsonl: this run writes to a copy of its "
+        "own, and the file it shared stays as it was"
+    ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
     assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d / "log.jsonl") == list(range(8))
     assert os.path.samefile(run_d / "branch_0000006" / "ckpt_0000006.pt", run_a / "ckpt_0000006.pt")
 
 
 # --- a run killed before its first checkpoint -----------------------------------------------------------
+
 
 def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(run_a, data_dir, tmp_path):
     """A log of 5 trained steps and no checkpoint (an OOM kill, a preemption): the requeued command starts
@@ -117,15 +132,17 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
     whose = json.loads(killed.splitlines()[0])["run"]
     result = run(args_for(data_dir, out, steps=2, ckpt_every=2), umask=0o022)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"note: {out}/log.jsonl holds 5 trained steps of run {whose} but no checkpoint (it stopped before its "
-            f"first): moved to {out}/branch_0000005/log.jsonl, nothing was deleted; this run starts afresh"
-            ) in result.stdout.splitlines()
+    assert (
+        f"note: {out}/log.jsonl holds 5 trained steps of run {whose} but no checkpoint (it stopped before its "
+        f"first): moved to {out}/branch_0000005/log.jsonl, nothing was deleted; this run starts afresh"
+    ) in result.stdout.splitlines()
     assert (out / "branch_0000005" / "log.jsonl").read_bytes() == killed
     assert trained_steps(out / "log.jsonl") == [0, 1]
     assert os.stat(out / "log.jsonl").st_mode & 0o777 == 0o644
 
 
 # --- names --keep-last and --resume would take for checkpoints --------------------------------------------
+
 
 def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path):
     """A folder ckpt_0000003.pt in --out-dir, which --keep-last would fail to delete mid-training: refused
@@ -135,14 +152,17 @@ def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path
     (out / "ckpt_0000003.pt" / "notes.txt").write_text("mine")
     before = tree_hashes(out)
     result = run(args_for(data_dir, out, "--keep-last", "2", steps=8, ckpt_every=1))
-    refusal = (f"error: --out-dir {out} holds ckpt_0000003.pt, a folder named as this trainer names its checkpoints: "
-               "--resume, --keep-last and the save of its step would take it for one; rename it, or choose another "
-               "--out-dir")
+    refusal = (
+        f"error: --out-dir {out} holds ckpt_0000003.pt, a folder named as this trainer names its checkpoints: "
+        "--resume, --keep-last and the save of its step would take it for one; rename it, or choose another "
+        "--out-dir"
+    )
     assert (result.returncode, result.stderr.splitlines()) == (2, [refusal])
     assert tree_hashes(out) == before and sorted(os.listdir(out)) == ["ckpt_0000003.pt"]
 
 
 # --- a failure after training loses no training -----------------------------------------------------------
+
 
 def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path):
     """--hellaswag-every 20 with the file removed after step 1: the evaluation at step 20 fails, the 20
@@ -153,8 +173,9 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     args = args_for(data_dir, out, steps=24, ckpt_every=100)
     args[args.index("--hellaswag-every") + 1] = "20"
     args += ["--hellaswag-file", str(hellaswag), "--hellaswag-limit", "4"]
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.time() + 240
         while not (out / "log.jsonl").exists() or 1 not in trained_steps(out / "log.jsonl"):
@@ -167,9 +188,11 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
             proc.send_signal(signal.SIGKILL)
             proc.communicate()
     assert (proc.returncode, stderr.splitlines()) == (2, [f"error: --hellaswag-file {hellaswag} does not exist"])
-    assert stdout.splitlines()[-1] == (f"note: step 20's evaluation failed (the error below); the steps trained "
-                                       f"before it are saved first in {out}/ckpt_0000020.pt: once fixed, resume "
-                                       "with the same command plus --resume")
+    assert stdout.splitlines()[-1] == (
+        f"note: step 20's evaluation failed (the error below); the steps trained "
+        f"before it are saved first in {out}/ckpt_0000020.pt: once fixed, resume "
+        "with the same command plus --resume"
+    )
     assert sorted(os.listdir(out)) == ["ckpt_0000020.pt", "log.jsonl"]
     shutil.copyfile(HELLASWAG_FILE, hellaswag)
     result = run(args + ["--resume"])
@@ -180,10 +203,18 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
 
 # --- a resume does what its flags say -------------------------------------------------------------------
 
-@pytest.mark.parametrize("optimizer, flags, note", [
-    ("adamw", ["--weight-decay", "0.0"], "--weight-decay 0.1 -> 0.0"),
-    ("muon", ["--muon-momentum", "0.5", "--weight-decay", "0.05"],
-     "--weight-decay 0.1 -> 0.05, --muon-momentum 0.95 -> 0.5")])
+
+@pytest.mark.parametrize(
+    "optimizer, flags, note",
+    [
+        ("adamw", ["--weight-decay", "0.0"], "--weight-decay 0.1 -> 0.0"),
+        (
+            "muon",
+            ["--muon-momentum", "0.5", "--weight-decay", "0.05"],
+            "--weight-decay 0.1 -> 0.05, --muon-momentum 0.95 -> 0.5",
+        ),
+    ],
+)
 def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, optimizer, flags, note, capsys):
     """--resume --weight-decay 0.0 (--muon-momentum 0.5): the optimizer takes the new values, not the
     checkpoint's, and one note line says so; a resume with the same flags says nothing."""
@@ -192,7 +223,8 @@ def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, 
     result = run(args_for(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=4, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert [line for line in result.stdout.splitlines() if line.startswith("note: the optimizer")] == [
-        f"note: the optimizer takes this run's values, not its checkpoint's: {note}"]
+        f"note: the optimizer takes this run's values, not its checkpoint's: {note}"
+    ]
     state = torch.load(out / "ckpt_0000004.pt", weights_only=True)["optimizer"]
     adamw, muon = (state["adamw"], state["muon"]) if optimizer == "muon" else (state, None)
     decay = float(flags[flags.index("--weight-decay") + 1])
@@ -206,10 +238,12 @@ def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, 
 
 # --- an export names what it loaded ---------------------------------------------------------------------
 
+
 def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_path, monkeypatch):
     """Exporting runA's folder while its run saves a newer checkpoint (simulated: one appears right after
     the export looks the newest up): the mark names the checkpoint whose step and checksum it holds."""
     import hf_interop
+
     newer = tmp_path / "newer"
     newer.mkdir()
     os.rename(run_a / "ckpt_0000006.pt", newer / "ckpt_0000006.pt")
@@ -220,6 +254,7 @@ def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_pat
         if os.path.exists(newer / "ckpt_0000006.pt"):  # the run's next save lands now
             os.rename(newer / "ckpt_0000006.pt", run_a / "ckpt_0000006.pt")
         return found
+
     monkeypatch.setattr(checkpoints, "list_checkpoints", list_then_save)
     out = hf_interop.export_hf(str(run_a), str(tmp_path / "hf"))
     mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())

@@ -1,5 +1,6 @@
 """--tensorboard and --wandb log exactly what log.jsonl logs: the offline files are read back
 and compared with the log, across a resume; a missing package is one line."""
+
 import json
 import os
 import struct
@@ -12,15 +13,47 @@ import pytest
 
 from conftest import REPO
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
-        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
-        "--val-every", "2", "--val-steps", "2", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "4"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "64",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "128",
+    "--warmup-steps",
+    "2",
+    "--max-lr",
+    "1e-2",
+    "--val-every",
+    "2",
+    "--val-steps",
+    "2",
+    "--sample-every",
+    "0",
+    "--hellaswag-every",
+    "0",
+    "--ckpt-every",
+    "4",
+]
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-                                            "WANDB_SILENT": "true", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "train_gpt2.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})},
+    )
 
 
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
@@ -43,6 +76,7 @@ def by_step(records):
 def tensorboard_scalars(out_dir):
     """{tag: [(step, value)]} of every event file in out_dir, after TensorBoard's purge of restarts."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(out_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -53,6 +87,7 @@ def wandb_history(run_file):
     wandb_internal_pb2.Record protobufs (a 7-byte file header; 32 KiB blocks of chunks, each with
     a 7-byte header: crc32c, length, type 1 full / 2 first / 3 middle / 4 last)."""
     from wandb.proto import wandb_internal_pb2
+
     data, block = open(run_file, "rb").read(), 32768
     assert data[:4] == b":W&B"
     pos, pending, rows = 7, b"", {}
@@ -60,16 +95,17 @@ def wandb_history(run_file):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}  # newer versions fill nested_key only
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }  # newer versions fill nested_key only
                 rows[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
     return rows
 
@@ -113,15 +149,21 @@ def test_missing_tracker_package_is_one_line(data_dir, tmp_path, flag, package):
     shadow.mkdir()
     (shadow / f"{package}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\")\n")
     out = tmp_path / "out"
-    result = run_cli("--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2", *flag,
-                     env={"PYTHONPATH": str(shadow)})
-    assert (result.returncode, result.stderr) == (2, f"error: {flag[0]} needs the {package} package: "
-                                                     f"pip install {package}\n")
+    result = run_cli(
+        "--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2", *flag, env={"PYTHONPATH": str(shadow)}
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"error: {flag[0]} needs the {package} package: pip install {package}\n",
+    )
     assert "| loss " not in result.stdout  # stopped before training
 
 
 def test_eval_only_refuses_trackers(data_dir, tmp_path):
-    result = run_cli("--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--eval-only", "--resume",
-                     "--tensorboard")
+    result = run_cli(
+        "--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--eval-only", "--resume", "--tensorboard"
+    )
     assert (result.returncode, result.stderr) == (
-        2, "error: --eval-only writes nothing, so it does not log to --wandb or --tensorboard either\n")
+        2,
+        "error: --eval-only writes nothing, so it does not log to --wandb or --tensorboard either\n",
+    )

@@ -1,5 +1,6 @@
 """Sampling: the KV cache against full forward passes, sample.py as users run it, and the
 trainer's in-training samples as plain text."""
+
 import os
 import subprocess
 import sys
@@ -18,9 +19,32 @@ from trainkit import sampling
 from trainkit.tokenizer import EOT
 from train_gpt2 import GPT, GPTConfig
 
-TINY = ["--model", "cpu", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "64",
-        "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "1",
-        "--max-lr", "1e-2", "--val-every", "0", "--hellaswag-every", "0"]
+TINY = [
+    "--model",
+    "cpu",
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "64",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "128",
+    "--warmup-steps",
+    "1",
+    "--max-lr",
+    "1e-2",
+    "--val-every",
+    "0",
+    "--hellaswag-every",
+    "0",
+]
 PROMPT = "Hello, I'm a language model,"
 
 
@@ -34,8 +58,7 @@ def random_gpt(block_size=32, vocab_size=96, seed=0):
 
 
 def run_py(*args, timeout=120):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +66,18 @@ def trained(tmp_path_factory):
     """A run folder trained by the real command (GPT-2 vocabulary), with its stdout."""
     root = tmp_path_factory.mktemp("sample")
     write_shards(root / "data", make_docs(300, vocab=500), shard_size=2048)
-    proc = run_py("train_gpt2.py", *TINY, "--data-dir", root / "data", "--out-dir", root / "out",
-                  "--max-steps", "2", "--sample-every", "2")
+    proc = run_py(
+        "train_gpt2.py",
+        *TINY,
+        "--data-dir",
+        root / "data",
+        "--out-dir",
+        root / "out",
+        "--max-steps",
+        "2",
+        "--sample-every",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "out", proc.stdout
 
@@ -55,8 +88,20 @@ def small_vocab_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("small_vocab")
     rng = np.random.default_rng(0)
     write_shards(root / "data", [rng.integers(0, 128, 3000)], shard_size=1000)
-    proc = run_py("train_gpt2.py", *TINY, "--vocab-size", "128", "--data-dir", root / "data", "--out-dir",
-                  root / "out", "--max-steps", "1", "--sample-every", "0")
+    proc = run_py(
+        "train_gpt2.py",
+        *TINY,
+        "--vocab-size",
+        "128",
+        "--data-dir",
+        root / "data",
+        "--out-dir",
+        root / "out",
+        "--max-steps",
+        "1",
+        "--sample-every",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "out"
 
@@ -77,7 +122,7 @@ def test_cached_logits_equal_the_full_forward():
         full, _ = model(seq)
         cache = model.new_kv_cache()
         # a prefill, single tokens, then several new tokens at once after cached ones
-        pieces = [seq[:, :7], *(seq[:, t:t + 1] for t in range(7, 20)), seq[:, 20:]]
+        pieces = [seq[:, :7], *(seq[:, t : t + 1] for t in range(7, 20)), seq[:, 20:]]
         incremental = torch.cat([model.lm_head(model.hidden_states(p, kv_cache=cache)) for p in pieces], dim=1)
     assert cache[0].length == 32 and cache[0].k.shape == (3, 2, 32, 16)
     torch.testing.assert_close(incremental, full, rtol=0, atol=1e-5)
@@ -85,13 +130,20 @@ def test_cached_logits_equal_the_full_forward():
         model.hidden_states(seq[:, :1], kv_cache=cache)
 
 
-@pytest.mark.parametrize("prompt_len, new_tokens", [(5, 20), (5, 60), (40, 10)],
-                         ids=["within-block", "window-slides", "prompt-longer-than-block"])
+@pytest.mark.parametrize(
+    "prompt_len, new_tokens",
+    [(5, 20), (5, 60), (40, 10)],
+    ids=["within-block", "window-slides", "prompt-longer-than-block"],
+)
 def test_cached_generation_draws_the_same_tokens(prompt_len, new_tokens):
     model = random_gpt()
     idx = torch.randint(0, 96, (4, prompt_len), generator=torch.Generator().manual_seed(2))
-    runs = {kv: model.generate(idx, new_tokens, temperature=0.9, top_k=40,
-                               generator=torch.Generator().manual_seed(3), kv_cache=kv) for kv in (True, False)}
+    runs = {
+        kv: model.generate(
+            idx, new_tokens, temperature=0.9, top_k=40, generator=torch.Generator().manual_seed(3), kv_cache=kv
+        )
+        for kv in (True, False)
+    }
     assert runs[True].shape == (4, prompt_len + new_tokens)
     assert torch.equal(runs[True][:, :prompt_len], idx)
     assert torch.equal(runs[True], runs[False])
@@ -109,8 +161,10 @@ def test_top_k_1_is_greedy_decoding():
     for temperature in (0.5, 1.0, 3.0):
         assert torch.equal(model.generate(idx, 12, temperature=temperature, top_k=1), expected)
     for temperature in (1e-40, 1e-300):  # the limit T -> 0, below float32's range: greedy, not NaN
-        assert torch.equal(model.generate(idx, 12, temperature=temperature, top_k=96,
-                                          generator=torch.Generator().manual_seed(0)), expected)
+        assert torch.equal(
+            model.generate(idx, 12, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(0)),
+            expected,
+        )
 
 
 def test_temperature_scales_the_logits():
@@ -121,8 +175,9 @@ def test_temperature_scales_the_logits():
     with torch.no_grad():
         logits = model(idx[:1])[0][0, -1]
     for temperature in (0.5, 2.0):
-        drawn = model.generate(idx, 1, temperature=temperature, top_k=96,
-                               generator=torch.Generator().manual_seed(6))[:, -1]
+        drawn = model.generate(idx, 1, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(6))[
+            :, -1
+        ]
         freq = torch.bincount(drawn, minlength=96).double() / len(drawn)
         expected = torch.softmax(logits.double() / temperature, dim=-1)
         assert (freq - expected).abs().max() < 0.015
@@ -134,8 +189,12 @@ def test_padded_ids_are_never_drawn():
     model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
     with torch.no_grad():
         model.transformer.wte.weight[50257:] = 100 * model.transformer.wte.weight[:47]
-        assert model.lm_head(model.hidden_states(torch.zeros(1, 1, dtype=torch.long))).softmax(-1)[..., 50257:].sum() > 0.9
-    drawn = model.generate(torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=torch.Generator().manual_seed(0))
+        assert (
+            model.lm_head(model.hidden_states(torch.zeros(1, 1, dtype=torch.long))).softmax(-1)[..., 50257:].sum() > 0.9
+        )
+    drawn = model.generate(
+        torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=torch.Generator().manual_seed(0)
+    )
     assert drawn.max() < 50257
 
 
@@ -157,14 +216,35 @@ def test_sample_cli_is_plain_deterministic_text(trained):
 def test_sample_cli_equals_sample_text_in_process(trained):
     """sample.py adds nothing to the trainer's sampling: same texts as sampling.sample_text."""
     import train_gpt2 as tg
+
     out, _ = trained
-    proc = run_py("sample.py", "--checkpoint", out, "--prompt", "def f(x):", "--num-samples", "3",
-                  "--max-new-tokens", "10", "--temperature", "0.7", "--top-k", "5", "--seed", "3", "--batch-size", "2")
+    proc = run_py(
+        "sample.py",
+        "--checkpoint",
+        out,
+        "--prompt",
+        "def f(x):",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "5",
+        "--seed",
+        "3",
+        "--batch-size",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr
     model = tg.GPT.from_checkpoint(str(out))
     # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
-    expected = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7,
-                                   top_k=5, seed=3))
+    expected = list(
+        sampling.sample_text(
+            model, tokenizer.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7, top_k=5, seed=3
+        )
+    )
     assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
 
@@ -175,8 +255,9 @@ def test_empty_and_long_prompts(trained):
     (text,) = samples_of(empty.stdout)
     assert text and not text.startswith("<|endoftext|>")  # started from the token, which is not printed
     long_prompt = " ".join(["word"] * 100)  # 100 tokens, block size 64
-    proc = run_py("sample.py", "--checkpoint", out, "--prompt", long_prompt, "--num-samples", "1",
-                  "--max-new-tokens", "5")
+    proc = run_py(
+        "sample.py", "--checkpoint", out, "--prompt", long_prompt, "--num-samples", "1", "--max-new-tokens", "5"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "note: the prompt is 100 tokens; the model sees only the newest 64\n"
     assert samples_of(proc.stdout)[0].startswith(long_prompt)
@@ -200,6 +281,7 @@ BAD_FLAGS = [  # (flags, message, run as a subprocess: one per distinct check, t
 @pytest.mark.parametrize("flags, message, subprocess_run", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
 def test_bad_flags_are_one_line_errors(trained, capsys, flags, message, subprocess_run):
     import sample
+
     out, _ = trained
     if subprocess_run:
         proc = run_py("sample.py", "--checkpoint", out, *flags)
@@ -215,9 +297,11 @@ def test_bad_flags_are_one_line_errors(trained, capsys, flags, message, subproce
 
 
 def test_bad_sources_are_one_line_errors(tmp_path):
-    for flag, path, message in [("--checkpoint", tmp_path, f"no checkpoint (ckpt_NNNNNNN.pt) in {tmp_path}"),
-                                ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
-                                ("--hf-model", tmp_path / "nope", "--hf-model")]:
+    for flag, path, message in [
+        ("--checkpoint", tmp_path, f"no checkpoint (ckpt_NNNNNNN.pt) in {tmp_path}"),
+        ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
+        ("--hf-model", tmp_path / "nope", "--hf-model"),
+    ]:
         proc = run_py("sample.py", flag, path)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
@@ -226,11 +310,14 @@ def test_bad_sources_are_one_line_errors(tmp_path):
 def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
     proc = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "Hello")
     assert (proc.returncode, proc.stderr) == (
-        2, "error: the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids\n")
+        2,
+        "error: the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids\n",
+    )
     empty = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "")
     assert empty.returncode == 2 and f"token {EOT} ('<|endoftext|>')" in empty.stderr
-    ok = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "!#", "--num-samples", "1",
-                "--max-new-tokens", "4")  # ids 0 and 2
+    ok = run_py(
+        "sample.py", "--checkpoint", small_vocab_run, "--prompt", "!#", "--num-samples", "1", "--max-new-tokens", "4"
+    )  # ids 0 and 2
     assert ok.returncode == 0, ok.stderr
     assert samples_of(ok.stdout)[0].startswith("!#")
 
@@ -240,33 +327,48 @@ def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path, ca
     64 would give: '¡' is ids 126, 94, beyond it (it was accepted, and padded ids could be drawn)."""
     pytest.importorskip("transformers")
     import hf_interop
+
     assert hf_interop.main(["export", str(small_vocab_run), str(tmp_path / "hf"), "--vocab-size", "100"]) == 0
     capsys.readouterr()
     model = sample.load_model(sample.parse_args(["--hf-model", str(tmp_path / "hf")]), "cpu")
     assert model.config.vocab_size == model.transformer.wte.weight.shape[0] == 100
     proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", "¡")
     assert (proc.returncode, proc.stderr) == (
-        2, "error: the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids\n")
+        2,
+        "error: the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids\n",
+    )
 
 
 def test_hf_model_greedy_equals_transformers(tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                    activation_function="gelu_new")).eval()
+    hf = GPT2LMHeadModel(
+        GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu_new")
+    ).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(5.0)  # clear argmaxes
     hf.save_pretrained(str(tmp_path / "hf"))
-    proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", PROMPT, "--num-samples", "1",
-                  "--max-new-tokens", "12", "--top-k", "1")
+    proc = run_py(
+        "sample.py",
+        "--hf-model",
+        tmp_path / "hf",
+        "--prompt",
+        PROMPT,
+        "--num-samples",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--top-k",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     enc = tokenizer.get_encoding()
     ids = torch.tensor([enc.encode(PROMPT)])
     with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                          pad_token_id=0)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert samples_of(proc.stdout) == [enc.decode(ref[0].tolist())]
 
 
@@ -276,9 +378,20 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     token of its generation_config, and with --continue-past-eot runs on as generate(eos_token_id=None)."""
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer, GPT2LMHeadModel
+
     write_shards(tmp_path / "data", [np.array([EOT, 0, 1, 2, 3])] * 400, shard_size=1000)
-    proc = run_py("train_gpt2.py", *TINY, "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out",
-                  "--max-steps", "80", "--sample-every", "0")  # past the plateau of the 5-token unigram
+    proc = run_py(
+        "train_gpt2.py",
+        *TINY,
+        "--data-dir",
+        tmp_path / "data",
+        "--out-dir",
+        tmp_path / "out",
+        "--max-steps",
+        "80",
+        "--sample-every",
+        "0",
+    )  # past the plateau of the 5-token unigram
     assert proc.returncode == 0, proc.stderr[-2000:]
     export = run_py("hf_interop.py", "export", tmp_path / "out", tmp_path / "hf")
     assert export.returncode == 0, export.stderr
@@ -289,10 +402,23 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     texts = {}
     for flags, eos in [((), {}), (("--continue-past-eot",), {"eos_token_id": None})]:
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                              pad_token_id=EOT, **eos)
-        proc = run_py("sample.py", "--checkpoint", tmp_path / "out", "--prompt", "!", "--num-samples", "1",
-                      "--max-new-tokens", "12", "--top-k", "1", *flags)
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=EOT, **eos
+            )
+        proc = run_py(
+            "sample.py",
+            "--checkpoint",
+            tmp_path / "out",
+            "--prompt",
+            "!",
+            "--num-samples",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--top-k",
+            "1",
+            *flags,
+        )
         assert proc.returncode == 0, proc.stderr
         texts[flags] = samples_of(proc.stdout)
         assert texts[flags] == [enc.decode(ref[0].tolist())]
@@ -304,12 +430,25 @@ def test_tiny_temperature_is_greedy(trained):
     """--temperature 1e-40 divides the logits beyond float32's range: the draws are the limit, the
     argmax, for every sample (it was a NaN traceback from torch.multinomial)."""
     import train_gpt2 as tg
+
     out, _ = trained
-    proc = run_py("sample.py", "--checkpoint", out, "--temperature", "1e-40", "--num-samples", "2",
-                  "--max-new-tokens", "12", "--continue-past-eot")
+    proc = run_py(
+        "sample.py",
+        "--checkpoint",
+        out,
+        "--temperature",
+        "1e-40",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--continue-past-eot",
+    )
     assert proc.returncode == 0, proc.stderr
     model = tg.GPT.from_checkpoint(str(out))
-    greedy = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False))
+    greedy = list(
+        sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False)
+    )
     drawn = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
@@ -317,22 +456,33 @@ def test_tiny_temperature_is_greedy(trained):
 def test_nan_weights_are_one_line_errors(trained, tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
+
     out, _ = trained
     ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
     ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
     del ckpt["checksum"]
     (tmp_path / "run").mkdir()
     torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), tmp_path / "run" / "ckpt_0000002.pt")
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                    activation_function="gelu_new"))
+    hf = GPT2LMHeadModel(
+        GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu_new")
+    )
     with torch.no_grad():
         hf.transformer.h[0].attn.c_proj.weight[0, 0] = float("inf")
     hf.save_pretrained(str(tmp_path / "hf"))
     for flag, source, message in [
-            ("--checkpoint", tmp_path / "run", f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: the model weights hold NaN "
-             "or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it"),
-            ("--hf-model", tmp_path / "hf", f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf "
-             "(transformer.h.0.attn.c_proj.weight)")]:
+        (
+            "--checkpoint",
+            tmp_path / "run",
+            f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: the model weights hold NaN "
+            "or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it",
+        ),
+        (
+            "--hf-model",
+            tmp_path / "hf",
+            f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf "
+            "(transformer.h.0.attn.c_proj.weight)",
+        ),
+    ]:
         proc = run_py("sample.py", flag, source)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
 
@@ -342,10 +492,26 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
     before anything was printed), the first ones those of --num-samples 3 with the same seed. A
     reader that stops (`| head`) stops it quietly, with a shell's code for that (128 + SIGPIPE)."""
     import train_gpt2 as tg
+
     out, _ = trained
-    proc = subprocess.Popen([sys.executable, "sample.py", "--checkpoint", str(out), "--num-samples", str(10 ** 12),
-                             "--max-new-tokens", "4", "--seed", "5"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "sample.py",
+            "--checkpoint",
+            str(out),
+            "--num-samples",
+            str(10**12),
+            "--max-new-tokens",
+            "4",
+            "--seed",
+            "5",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         while not lines or not lines[-1].startswith("--- sample 4/"):
@@ -356,7 +522,7 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
     finally:
         proc.kill()
         proc.wait()
-    assert lines[0] == f"--- sample 1/{10 ** 12} ---\n"
+    assert lines[0] == f"--- sample 1/{10**12} ---\n"
     model = tg.GPT.from_checkpoint(str(out))
     expected = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
     assert samples_of("".join(lines))[:3] == expected
@@ -374,8 +540,20 @@ def test_trainer_prints_samples_as_plain_text(trained):
 def test_trainer_samples_continue_sample_prompt(trained):
     # the prompt fits the data (the quickstart's Python gets "def "); the texts are sample_text's for it
     out, _ = trained
-    proc = run_py("train_gpt2.py", *TINY, "--data-dir", out.parent / "data", "--out-dir", out, "--resume",
-                  "--eval-only", "--sample-every", "1", "--sample-prompt", "def ")
+    proc = run_py(
+        "train_gpt2.py",
+        *TINY,
+        "--data-dir",
+        out.parent / "data",
+        "--out-dir",
+        out,
+        "--resume",
+        "--eval-only",
+        "--sample-every",
+        "1",
+        "--sample-prompt",
+        "def ",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))
     assert len(expected) == 4 and all(text.startswith("def ") for text in expected)

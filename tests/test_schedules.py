@@ -1,5 +1,6 @@
 """LR schedules (cosine, linear, wsd), the one-line notice when a resume moves the LR, and
 extending a finished WSD run from a checkpoint taken before its cooldown."""
+
 import json
 import math
 import os
@@ -13,9 +14,32 @@ from trainkit import train_flags
 import train_gpt2 as tg
 from conftest import REPO
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64", "--seq-len", "32",
-        "--batch-size", "4", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "1e-2",
-        "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "64",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--total-batch-size",
+    "128",
+    "--warmup-steps",
+    "2",
+    "--max-lr",
+    "1e-2",
+    "--val-every",
+    "0",
+    "--sample-every",
+    "0",
+    "--hellaswag-every",
+    "0",
+]
 
 
 def schedule(**kw):
@@ -25,13 +49,23 @@ def schedule(**kw):
 def test_linear_and_wsd_values_at_key_steps():
     # linear: 8 warmup steps, then 1.0 -> 0.5 over 128 steps
     run = schedule(lr_schedule="linear", max_steps=136, warmup_steps=8)
-    assert [tg.get_lr(s, run) for s in (0, 3, 7, 8, 72, 104, 136, 500)] == [
-        0.125, 0.5, 1.0, 1.0, 0.75, 0.625, 0.5, 0.5]
+    assert [tg.get_lr(s, run) for s in (0, 3, 7, 8, 72, 104, 136, 500)] == [0.125, 0.5, 1.0, 1.0, 0.75, 0.625, 0.5, 0.5]
     # wsd: warmup 8, constant to step 96, then 1.0 -> 0.5 over the last 32 steps (a quarter of 128)
     run = schedule(lr_schedule="wsd", max_steps=128, warmup_steps=8, cooldown_frac=0.25)
     assert run.cooldown_start == 96
     assert [tg.get_lr(s, run) for s in (0, 7, 8, 50, 95, 96, 104, 112, 120, 127, 128)] == [
-        0.125, 1.0, 1.0, 1.0, 1.0, 1.0, 0.875, 0.75, 0.625, 1.0 - 31 / 32 * 0.5, 0.5]
+        0.125,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        0.875,
+        0.75,
+        0.625,
+        1.0 - 31 / 32 * 0.5,
+        0.5,
+    ]
     # cooldown_frac 0: constant to the end; 1: the decay starts right after warmup (that is linear)
     assert tg.get_lr(127, schedule(lr_schedule="wsd", max_steps=128, warmup_steps=0, cooldown_frac=0.0)) == 1.0
     wsd_all = schedule(lr_schedule="wsd", max_steps=128, warmup_steps=0, cooldown_frac=1.0)
@@ -49,11 +83,16 @@ def test_cosine_is_the_default_and_unchanged():
     assert tg.get_lr(100, run) == tg.get_lr(1000, run) == min_lr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--cooldown-frac", "1.5"], "--cooldown-frac must be in [0, 1], got 1.5"),
-    (["--lr-schedule", "wsd", "--warmup-steps", "9", "--cooldown-frac", "0.2"],
-     "--warmup-steps 9 runs into the cooldown, which starts at step 8"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--cooldown-frac", "1.5"], "--cooldown-frac must be in [0, 1], got 1.5"),
+        (
+            ["--lr-schedule", "wsd", "--warmup-steps", "9", "--cooldown-frac", "0.2"],
+            "--warmup-steps 9 runs into the cooldown, which starts at step 8",
+        ),
+    ],
+)
 def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args, message):
     result = run_cli(["--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--max-steps", "10", *args])
     assert result.returncode == 2
@@ -70,8 +109,14 @@ SHARDS = dict(n_docs=400, seed=3, max_len=60)
 
 
 def run_cli(args):
-    return subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "train_gpt2.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def train_records(out_dir):
@@ -84,8 +129,9 @@ def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):
     first = run_cli(["--data-dir", data_dir, "--out-dir", out, *TINY, "--max-steps", "4", "--ckpt-every", "0"])
     assert first.returncode == 0, first.stderr
     assert "note:" not in first.stdout
-    resumed = run_cli(["--data-dir", data_dir, "--out-dir", out, *TINY, "--max-steps", "8", "--ckpt-every", "0",
-                       "--resume"])
+    resumed = run_cli(
+        ["--data-dir", data_dir, "--out-dir", out, *TINY, "--max-steps", "8", "--ckpt-every", "0", "--resume"]
+    )
     assert resumed.returncode == 0, resumed.stderr
     new = tg.get_lr(4, tg.RunConfig(max_steps=8, warmup_steps=2, max_lr=1e-2))  # 3/4 of the way up the cosine
     assert new == pytest.approx(1e-3 + 0.75 * 9e-3, rel=1e-12)
@@ -101,8 +147,19 @@ def test_wsd_run_extended_from_before_its_cooldown_equals_a_longer_run(data_dir,
         result = run_cli(["--data-dir", data_dir, "--out-dir", out, *wsd, "--max-steps", steps])
         assert result.returncode == 0, result.stderr
     # README: continue from the last checkpoint before the cooldown, into a new --out-dir
-    result = run_cli(["--data-dir", data_dir, "--out-dir", extended, *wsd, "--max-steps", "20",
-                      "--resume", os.path.join(short, "ckpt_0000008.pt")])
+    result = run_cli(
+        [
+            "--data-dir",
+            data_dir,
+            "--out-dir",
+            extended,
+            *wsd,
+            "--max-steps",
+            "20",
+            "--resume",
+            os.path.join(short, "ckpt_0000008.pt"),
+        ]
+    )
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout and "note:" not in result.stdout  # the LR does not move
     short_log, extended_log, longer_log = (train_records(d) for d in (short, extended, longer))

@@ -3,6 +3,7 @@ are kept in a cache folder outside the data folder: a second launch reads them i
 losses), a read-only data folder still starts, a shard that changed is scanned again, and a cache folder
 that cannot be written only costs the scan. The memory a run reports is its own, the mapped shards' pages
 apart."""
+
 import os
 import re
 import stat
@@ -40,10 +41,38 @@ def data_dir(tmp_path):
 
 
 def train_args(data_dir, out_dir, *extra):
-    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), "--n-layer", "1", "--n-head", "1",
-            "--n-embd", "16", "--block-size", "16", "--seq-len", str(T), "--batch-size", "4",
-            "--total-batch-size", str(4 * T), "--max-steps", "2", "--val-every", "0", "--sample-every", "0",
-            "--hellaswag-every", "0", "--ckpt-every", "0", "--align-docs", *extra]
+    return [
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--n-layer",
+        "1",
+        "--n-head",
+        "1",
+        "--n-embd",
+        "16",
+        "--block-size",
+        "16",
+        "--seq-len",
+        str(T),
+        "--batch-size",
+        "4",
+        "--total-batch-size",
+        str(4 * T),
+        "--max-steps",
+        "2",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        "--align-docs",
+        *extra,
+    ]
 
 
 def step_losses(stdout: str) -> list[str]:
@@ -71,8 +100,12 @@ def test_a_second_launch_reads_the_kept_scans_and_a_read_only_data_folder_starts
     assert len(step_losses(first.stdout)) == 2
     assert step_losses(first.stdout) == step_losses(second.stdout) == step_losses(uncached.stdout)
     assert tree_hashes(data_dir) == before
-    assert re.search(r"\| peak memory \d+\.\d\d GiB private \(\+ \d+\.\d\d GiB of mapped shard pages, shared page "
-                     r"cache\)$", second.stdout, re.MULTILINE), second.stdout
+    assert re.search(
+        r"\| peak memory \d+\.\d\d GiB private \(\+ \d+\.\d\d GiB of mapped shard pages, shared page "
+        r"cache\)$",
+        second.stdout,
+        re.MULTILINE,
+    ), second.stdout
 
 
 def test_a_shard_that_changed_since_its_scan_was_kept_is_scanned_again(data_dir, tmp_path):
@@ -108,14 +141,18 @@ def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp
     assert len(built) == 2 and largest == [int(s.max()) for s in shards]
     shards, (largest_again, tables_again) = scan()
     assert len(built) == 2 and largest_again == largest  # read back, not scanned
-    assert all(isinstance(t, np.memmap) and np.array_equal(t, tg.aligned_rows(s, T)) for t, s in zip(tables_again, shards))
+    assert all(
+        isinstance(t, np.memmap) and np.array_equal(t, tg.aligned_rows(s, T)) for t, s in zip(tables_again, shards)
+    )
     tokens = np.load(paths[1])
     tokens[1:2000] = 5  # one long document: other rows
     np.save(paths[1], tokens)
     shards, (largest, tables) = scan()
     assert len(built) == 3  # the changed shard only
     assert np.array_equal(tables[1], tg.aligned_rows(shards[1], T)) and not np.array_equal(tables[1], tables_again[1])
-    assert len(os.listdir(tmp_path / "cache" / "gpt2-trainer" / "shards")) == 4  # the changed shard's old entries are gone
+    assert (
+        len(os.listdir(tmp_path / "cache" / "gpt2-trainer" / "shards")) == 4
+    )  # the changed shard's old entries are gone
 
 
 def test_the_reported_peak_is_private_memory_and_mapped_shard_pages_are_apart(tmp_path):
@@ -146,8 +183,10 @@ def test_a_long_scan_prints_its_progress(tmp_path, monkeypatch, capsys):
     shards = [np.load(p, mmap_mode="r") for p in paths]
     shard_scan.scan_shards(paths, shards, [None, None], T, tg.aligned_rows, "train shards", progress=True)
     lines = [re.sub(r", \d+ s$", ", N s", line) for line in capsys.readouterr().err.splitlines()]
-    assert lines == ["train shards: scanning 2 shards (token ids, row tables): 1/2 shards, N s",
-                     "train shards: scanning 2 shards (token ids, row tables): 2/2 shards, N s"]
+    assert lines == [
+        "train shards: scanning 2 shards (token ids, row tables): 1/2 shards, N s",
+        "train shards: scanning 2 shards (token ids, row tables): 2/2 shards, N s",
+    ]
 
 
 def test_ranks_split_the_first_scan_and_train_on_the_rows_of_one_process(tmp_path):

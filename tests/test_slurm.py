@@ -6,6 +6,7 @@ first and requeues itself; the lock a killed attempt leaves stops no later one.
 The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
 run as root) and root (slurmd), and are skipped, saying so, without them. About five minutes on a busy
 2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
+
 import contextlib
 import json
 import os
@@ -32,11 +33,40 @@ T = 16
 
 def args_for(data_dir, out_dir, steps):
     """The tests' tiny model; every step's loss logged, a checkpoint only at the end or on a stop."""
-    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), "--n-layer", "1", "--n-head", "2",
-            "--n-embd", "16", "--block-size", "16", "--seq-len", str(T), "--batch-size", "2",
-            "--total-batch-size", str(4 * T), "--max-steps", str(steps), "--warmup-steps", "1",
-            "--max-lr", "1e-2", "--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0",
-            "--ckpt-every", "0"]
+    return [
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "16",
+        "--block-size",
+        "16",
+        "--seq-len",
+        str(T),
+        "--batch-size",
+        "2",
+        "--total-batch-size",
+        str(4 * T),
+        "--max-steps",
+        str(steps),
+        "--warmup-steps",
+        "1",
+        "--max-lr",
+        "1e-2",
+        "--val-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--hellaswag-every",
+        "0",
+        "--ckpt-every",
+        "0",
+    ]
 
 
 class Cluster:
@@ -46,12 +76,16 @@ class Cluster:
         self.folder, self.conf = folder, os.path.join(folder, "slurm.conf")
         self.daemons = []
         # the job runs the Python that runs the tests (PATH), two ranks on this CPU-only node
-        self.env = {**os.environ, "SLURM_CONF": self.conf, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-                    "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": self.conf,
+            "NPROC_PER_NODE": "2",
+            "OMP_NUM_THREADS": "1",
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        }
 
     def run(self, *command, check=True, cwd=None) -> str:
-        result = subprocess.run(command, check=False, cwd=cwd, env=self.env, capture_output=True, text=True,
-                                timeout=60)
+        result = subprocess.run(command, check=False, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=60)
         assert not check or result.returncode == 0, (command, result.stdout, result.stderr)
         return result.stdout
 
@@ -62,9 +96,16 @@ class Cluster:
         os.chmod(key, 0o400)
         socket_path = os.path.join(self.folder, "munge.socket")
         # --force: pytest's folders are private to root, and munged wants its socket's folder open to all
-        self._daemon("munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
-                     f"--log-file={self.folder}/munged.log", f"--pid-file={self.folder}/munged.pid",
-                     f"--seed-file={self.folder}/munged.seed")
+        self._daemon(
+            "munged",
+            "--force",
+            "--foreground",
+            f"--socket={socket_path}",
+            f"--key-file={key}",
+            f"--log-file={self.folder}/munged.log",
+            f"--pid-file={self.folder}/munged.pid",
+            f"--seed-file={self.folder}/munged.seed",
+        )
         wait_for(lambda: os.path.exists(socket_path), 30, "munged's socket", self.logs)
         node = subprocess.run(["slurmd", "-C"], check=True, capture_output=True, text=True, timeout=60).stdout
         node = node.splitlines()[0]  # NodeName=HOST CPUs=... RealMemory=...: this machine as slurmd sees it
@@ -102,8 +143,12 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
         self._daemon("slurmctld", "-D", "-i")
         self._daemon("slurmd", "-D")
-        wait_for(lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle", 60,
-                 "the node to be idle", self.logs)
+        wait_for(
+            lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle",
+            60,
+            "the node to be idle",
+            self.logs,
+        )
 
     def _daemon(self, name, *args):
         with open(os.path.join(self.folder, f"{name}.out"), "w") as out:
@@ -142,8 +187,21 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
     def submit(self, out_file, trainer_args, *sbatch_args, cwd=REPO) -> str:
         """The job id of sbatch SCRIPT, from the repository's root as a user submits it, with the
         lines its comments say to change for this cluster overridden on the command line."""
-        return self.run("sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out_file}",
-                        *sbatch_args, os.path.join(REPO, SCRIPT), *trainer_args, cwd=cwd).strip().split(";")[0]
+        return (
+            self.run(
+                "sbatch",
+                "--parsable",
+                "--gpus-per-node=0",
+                "--cpus-per-task=1",
+                f"--output={out_file}",
+                *sbatch_args,
+                os.path.join(REPO, SCRIPT),
+                *trainer_args,
+                cwd=cwd,
+            )
+            .strip()
+            .split(";")[0]
+        )
 
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
@@ -181,8 +239,10 @@ def wait_for(condition, timeout, what, details):
 def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
     missing = [name for name in DAEMONS + CLIENTS if not shutil.which(name)]
     if missing:
-        pytest.skip(f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, "
-                    "as .ci/run does when run as root")
+        pytest.skip(
+            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, "
+            "as .ci/run does when run as root"
+        )
     if os.geteuid() != 0:
         pytest.skip("slurmd runs as root, and these tests run as another user")
     try:  # the script's rendezvous is at the node's name, which slurmd takes from the host name
@@ -231,8 +291,7 @@ def torchrun_started(cluster, job_id) -> bool:
 
 def logged_steps(out_dir) -> list:
     """(step, loss) of every step record in out_dir's log.jsonl so far."""
-    records = [json.loads(line) for line in read(os.path.join(out_dir, "log.jsonl")).splitlines()
-               if line.endswith("}")]
+    records = [json.loads(line) for line in read(os.path.join(out_dir, "log.jsonl")).splitlines() if line.endswith("}")]
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
@@ -246,10 +305,20 @@ def stop_step(output: str) -> int:
 def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
     """Run with bash instead of sbatch, the script starts nothing: one line, exit code 2."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    result = subprocess.run(["bash", SCRIPT, "--out-dir", str(tmp_path / "out")], check=False, cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", SCRIPT, "--out-dir", str(tmp_path / "out")],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (result.returncode, result.stdout, result.stderr) == (
-        2, "", "error: no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch\n")
+        2,
+        "",
+        "error: no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch\n",
+    )
     assert os.listdir(tmp_path) == []
 
 
@@ -271,9 +340,18 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
     from that checkpoint to the end with the losses of one uninterrupted torchrun of two ranks, bit
     for bit. Prints the time from the requeue to the checkpoint and to the resumed step."""
     steps, out_dir, output = 200, tmp_path / "out", tmp_path / "job.out"
-    straight = subprocess.Popen([*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py",
-                                 *args_for(data_dir, tmp_path / "straight", steps)], cwd=REPO, env=cluster.env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    straight = subprocess.Popen(
+        [
+            *torchrun("--standalone", "--nproc_per_node=2"),
+            "train_gpt2.py",
+            *args_for(data_dir, tmp_path / "straight", steps),
+        ],
+        cwd=REPO,
+        env=cluster.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         job = cluster.submit(output, args_for(data_dir, out_dir, steps))
         details = job_details(cluster, output)
@@ -287,8 +365,12 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
         checkpointed = checkpoint.stat().st_mtime
         wait_for(lambda: running_again(cluster, job), 120, "the requeued job to run", details)
         restarted = time.time()
-        wait_for(lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180,
-                 "the requeued job's first step", details)
+        wait_for(
+            lambda: any(step == stopped for step, _ in logged_steps(out_dir)),
+            180,
+            "the requeued job's first step",
+            details,
+        )
         resumed = time.time()
         wait_for(lambda: cluster.job(job)["JobState"] == "COMPLETED", 180, "the job to complete", details)
         _, err = straight.communicate(timeout=300)
@@ -302,14 +384,17 @@ def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run
     assert sorted(os.listdir(out_dir)) == [checkpoint.name, f"ckpt_{steps:07d}.pt", "log.jsonl"]
     assert [step for step, _ in logged_steps(out_dir)] == list(range(steps))
     assert logged_steps(out_dir) == logged_steps(tmp_path / "straight")
-    print(f"\npreemption: requeue -> checkpoint on disk {checkpointed - requeued:.1f} s, -> the job running again "
-          f"{restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first step "
-          f"{resumed - requeued:.1f} s")
+    print(
+        f"\npreemption: requeue -> checkpoint on disk {checkpointed - requeued:.1f} s, -> the job running again "
+        f"{restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first step "
+        f"{resumed - requeued:.1f} s"
+    )
 
 
 @pytest.mark.slurm
 def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_attempts_lock_stops_nothing(
-        cluster, data_dir, tmp_path):
+    cluster, data_dir, tmp_path
+):
     """Slurm's signal before the time limit (the script's --signal=B:USR1@N, here 60 s before a limit
     cut to 2 minutes once the job trains) makes the script stop the run: the trainer checkpoints and
     the script requeues the job, which resumes from that checkpoint. That attempt's rank 0 is then
@@ -336,8 +421,9 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     resumed_line = f"resumed from {checkpoint} at step {stopped}\n"
     wait_for(lambda: running_again(cluster, job), 120, "the requeued job to run", details)
     restarted = time.time()
-    wait_for(lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180,
-             "the requeued job's first step", details)
+    wait_for(
+        lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180, "the requeued job's first step", details
+    )
     resumed = time.time()
     assert cluster.job(job)["Restarts"] == "1" and read(output).count(resumed_line) == 1
 
@@ -350,10 +436,12 @@ def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_at
     wait_for(lambda: len(logged_steps(out_dir)) > stopped + 1, 60, "its steps", details)
     assert "is in use by another training run" not in read(output)
     cluster.run("scancel", job)
-    print(f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s, -> the run's processes gone "
-          f"and the job requeued {requeued - signalled:.1f} s; requeue -> the job running "
-          f"again {restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first "
-          f"step {resumed - requeued:.1f} s")
+    print(
+        f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s, -> the run's processes gone "
+        f"and the job requeued {requeued - signalled:.1f} s; requeue -> the job running "
+        f"again {restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first "
+        f"step {resumed - requeued:.1f} s"
+    )
 
 
 @pytest.mark.slurm
@@ -388,7 +476,9 @@ def test_a_job_slurm_will_not_requeue_says_how_to_go_on(cluster, data_dir, tmp_p
     text = read(output)
     stopped = stop_step(text)
     assert (out_dir / f"ckpt_{stopped:07d}.pt").exists()
-    assert text.endswith(f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n"
-                         f"Requested operation is presently disabled for job {job}\n"
-                         f"error: Slurm did not requeue job {job}: to go on, submit the same command plus --resume\n")
+    assert text.endswith(
+        f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n"
+        f"Requested operation is presently disabled for job {job}\n"
+        f"error: Slurm did not requeue job {job}: to go on, submit the same command plus --resume\n"
+    )
     assert (cluster.job(job)["Restarts"], cluster.job(job)["ExitCode"]) == ("0", "1:0")

@@ -1,5 +1,6 @@
 """End to end through the command line: every split of a step logs the same loss,
 and bad input is one clear line with a non-zero exit."""
+
 import json
 import os
 import re
@@ -23,9 +24,27 @@ SHARDS = dict(n_docs=600, seed=1, max_len=60, shard_size=6000)
 
 
 def train_args(data_dir, out_dir, B, *extra, steps=10):
-    return ["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY_MODEL, "--seq-len", str(T),
-            "--batch-size", str(B), "--total-batch-size", str(8 * T), "--max-steps", str(steps),
-            "--warmup-steps", "2", "--max-lr", "3e-2", *QUIET, *extra]
+    return [
+        "--data-dir",
+        data_dir,
+        "--out-dir",
+        str(out_dir),
+        *TINY_MODEL,
+        "--seq-len",
+        str(T),
+        "--batch-size",
+        str(B),
+        "--total-batch-size",
+        str(8 * T),
+        "--max-steps",
+        str(steps),
+        "--warmup-steps",
+        "2",
+        "--max-lr",
+        "3e-2",
+        *QUIET,
+        *extra,
+    ]
 
 
 def read_log(out_dir, key="loss"):
@@ -36,8 +55,9 @@ def read_log(out_dir, key="loss"):
 # Each variant runs FSDP in one of its two splits (4 rows x 1 step on each of 2 ranks, or 2 rows x
 # 2 steps): together they cover both, and every torchrun launch costs ~10 s of the suite. The second
 # also masks attention to each document of its rows (--doc-mask), as modded-nanogpt pairs them.
-@pytest.mark.parametrize("align,fsdp_rows", [([], 4), (["--align-docs", "--doc-mask"], 2)],
-                         ids=["plain", "align-docs+doc-mask"])
+@pytest.mark.parametrize(
+    "align,fsdp_rows", [([], 4), (["--align-docs", "--doc-mask"], 2)], ids=["plain", "align-docs+doc-mask"]
+)
 def test_every_split_logs_the_same_loss(data_dir, tmp_path, align, fsdp_rows):
     assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
     assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
@@ -55,8 +75,9 @@ def test_every_split_logs_the_same_loss(data_dir, tmp_path, align, fsdp_rows):
     np.testing.assert_allclose(fsdp, world, rtol=2e-5)
     # the norm FSDP clips by is DDP's, up to fp32 rounding of the 1.6M-entry wte gradient's norm,
     # which sums differently in two shards (step 0: DDP's 5.4e-6, FSDP's 2.7e-6 below float64's)
-    np.testing.assert_allclose(read_log(tmp_path / "fsdp", "grad_norm"), read_log(tmp_path / "ddp", "grad_norm"),
-                               rtol=1e-3)
+    np.testing.assert_allclose(
+        read_log(tmp_path / "fsdp", "grad_norm"), read_log(tmp_path / "ddp", "grad_norm"), rtol=1e-3
+    )
     tokens = read_log(tmp_path / "b8", "tokens")
     if align:
         assert len(set(tokens)) > 1 and max(tokens) < 8 * T  # padding makes the counts vary
@@ -69,11 +90,20 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     args = train_args(data_dir, tmp_path, 4, steps=4)
     args += ["--val-every", "2", "--val-steps", "2", "--ckpt-every", "2"]
     assert tg.main(args) == 0
-    records = [json.loads(l) for l in open(tmp_path / "log.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
     train = [r for r in records if "loss" in r]
-    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "dt_ms", "tok_per_s", "tok_per_s_per_gpu",
-                             "run"}
+    assert set(train[0]) == {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "dt_ms",
+        "tok_per_s",
+        "tok_per_s_per_gpu",
+        "run",
+    }
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
     # every record and checkpoint names the run: one random 128-bit id
     run = checkpoints.read_run(str(tmp_path / "ckpt_0000004.pt"))
@@ -83,16 +113,27 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
-    (["--batch-size", "auto", "--total-batch-size", "1000"],
-     "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32"),
-    (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
-    (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
-    (["--vocab-size", "100"], "holds token id 50256, which the model has no output for (--vocab-size 100: ids 0..99)"),
-    (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
-    (["--optimizer", "muon", "--muon-momentum", "1"], "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
+        (
+            ["--batch-size", "auto", "--total-batch-size", "1000"],
+            "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32",
+        ),
+        (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
+        (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
+        (
+            ["--vocab-size", "100"],
+            "holds token id 50256, which the model has no output for (--vocab-size 100: ids 0..99)",
+        ),
+        (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
+        (
+            ["--optimizer", "muon", "--muon-momentum", "1"],
+            "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
     assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=2)) == 2
     err = capsys.readouterr().err
@@ -101,10 +142,13 @@ def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, mess
 
 def test_muon_on_a_torch_without_it_is_one_line(data_dir, tmp_path, capsys, monkeypatch):
     import torch
+
     monkeypatch.delattr(torch.optim, "Muon")  # torch before 2.9
     assert tg.main(train_args(data_dir, tmp_path, 4, "--optimizer", "muon", steps=1)) == 2
-    assert capsys.readouterr().err == (f"error: --optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is "
-                                       f"torch {torch.__version__}: pip install -U torch, or use --optimizer adamw\n")
+    assert capsys.readouterr().err == (
+        f"error: --optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is "
+        f"torch {torch.__version__}: pip install -U torch, or use --optimizer adamw\n"
+    )
 
 
 def test_empty_data_dir_and_missing_val(tmp_path, capsys):
@@ -124,16 +168,24 @@ def test_cli_error_has_no_traceback(tmp_path):
     result = run_cli(["--data-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: --data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"]
+        f"error: --data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"
+    ]
 
 
 def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
     from trainkit import hellaswag_eval
+
     hellaswag_file = str(HELLASWAG_FILE)
     args = train_args(data_dir, tmp_path, 4, steps=2) + [
-        "--hellaswag-every", "2", "--hellaswag-limit", "8", "--hellaswag-file", hellaswag_file]
+        "--hellaswag-every",
+        "2",
+        "--hellaswag-limit",
+        "8",
+        "--hellaswag-file",
+        hellaswag_file,
+    ]
     assert tg.main(args) == 0
-    records = [json.loads(l) for l in open(tmp_path / "log.jsonl") if "hellaswag_acc" in l]
+    records = [json.loads(line) for line in open(tmp_path / "log.jsonl") if "hellaswag_acc" in line]
     assert [(r["step"], r["hellaswag_n"]) for r in records] == [(0, 8), (2, 8)]
     # the logged accuracy is hellaswag.py's on the same weights
     model = tg.GPT.from_checkpoint(str(tmp_path))
@@ -144,9 +196,27 @@ def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
 @pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
 def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(tmp_path, align):
     import fineweb
+
     for fmt in ("npy", "bin"):  # the text's 31K tokens, cut to 3 shards
-        assert fineweb.main(["--files", str(TEXT_FILE), "--out-dir", str(tmp_path / fmt), "--shard-size", "8K",
-                             "--max-tokens", "20K", "--format", fmt, "--workers", "1"]) == 0
+        assert (
+            fineweb.main(
+                [
+                    "--files",
+                    str(TEXT_FILE),
+                    "--out-dir",
+                    str(tmp_path / fmt),
+                    "--shard-size",
+                    "8K",
+                    "--max-tokens",
+                    "20K",
+                    "--format",
+                    fmt,
+                    "--workers",
+                    "1",
+                ]
+            )
+            == 0
+        )
         assert tg.main(train_args(str(tmp_path / fmt), tmp_path / f"out_{fmt}", 4, *align, steps=3)) == 0
     assert sorted(os.listdir(tmp_path / "bin"))[:2] == ["data_train_000001.bin", "data_train_000002.bin"]
     assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
@@ -156,18 +226,42 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
     # run as `python train_gpt2.py`, a UserError raised inside hellaswag.py must still be the one
     # exit_code_of catches (one cli.UserError for every module), naming the trainer's own flag
     missing = str(tmp_path / "nonexistent.jsonl")
-    result = run_cli(train_args(data_dir, tmp_path / "o", 4, steps=1) + [
-        "--hellaswag-every", "1", "--hellaswag-file", missing])
+    result = run_cli(
+        train_args(data_dir, tmp_path / "o", 4, steps=1) + ["--hellaswag-every", "1", "--hellaswag-file", missing]
+    )
     assert (result.returncode, result.stderr) == (2, f"error: --hellaswag-file {missing} does not exist\n")
 
 
-LIBRARY_MODULES = ["trainkit.cli", "trainkit.tokenizer", "trainkit.shards", "trainkit.documents", "fineweb",
-                   "trainkit.launch", "trainkit.fsdp", "trainkit.chunked_loss", "trainkit.doc_mask",
-                   "trainkit.checkpoints", "trainkit.out_dir", "trainkit.memory", "trainkit.throughput",
-                   "trainkit.stop_signal", "trainkit.update_guard", "trainkit.precision", "trainkit.compiling",
-                   "trainkit.fit_batch",
-                   "trainkit.optimizers", "trainkit.train_flags", "trainkit.hellaswag_data", "trainkit.hellaswag_eval",
-                   "trainkit.hf_weights", "trainkit.sampling", "sample", "hellaswag", "hf_interop", "plot_log"]
+LIBRARY_MODULES = [
+    "trainkit.cli",
+    "trainkit.tokenizer",
+    "trainkit.shards",
+    "trainkit.documents",
+    "fineweb",
+    "trainkit.launch",
+    "trainkit.fsdp",
+    "trainkit.chunked_loss",
+    "trainkit.doc_mask",
+    "trainkit.checkpoints",
+    "trainkit.out_dir",
+    "trainkit.memory",
+    "trainkit.throughput",
+    "trainkit.stop_signal",
+    "trainkit.update_guard",
+    "trainkit.precision",
+    "trainkit.compiling",
+    "trainkit.fit_batch",
+    "trainkit.optimizers",
+    "trainkit.train_flags",
+    "trainkit.hellaswag_data",
+    "trainkit.hellaswag_eval",
+    "trainkit.hf_weights",
+    "trainkit.sampling",
+    "sample",
+    "hellaswag",
+    "hf_interop",
+    "plot_log",
+]
 
 
 def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
@@ -175,12 +269,14 @@ def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
     # right after its import) loads no train_gpt2; and no script, the trainer included, imports what
     # only some commands use: torch._dynamo (2 s at every start of every rank; compile_model imports
     # it) or the optional extras
-    probe = ("import importlib, sys\n"
-             f"for m in {LIBRARY_MODULES!r}:\n"
-             "    importlib.import_module(m)\n"
-             "    print(m, 'train_gpt2' in sys.modules)\n"
-             "import train_gpt2\n"
-             "print(*[m for m in ('torch._dynamo', 'transformers', 'datasets', 'matplotlib') if m in sys.modules])")
+    probe = (
+        "import importlib, sys\n"
+        f"for m in {LIBRARY_MODULES!r}:\n"
+        "    importlib.import_module(m)\n"
+        "    print(m, 'train_gpt2' in sys.modules)\n"
+        "import train_gpt2\n"
+        "print(*[m for m in ('torch._dynamo', 'transformers', 'datasets', 'matplotlib') if m in sys.modules])"
+    )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines() == [f"{m} False" for m in LIBRARY_MODULES] + [""], result.stderr[-2000:]
 
@@ -188,6 +284,9 @@ def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
 def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):
     # the weights decide the shape: --n-layer and friends would be silently dropped
     result = run_cli(["--init-from", "gpt2", "--model", "gpt2-xl", "--n-layer", "4", "--out-dir", str(tmp_path)])
-    assert (result.returncode, result.stderr) == (2, "error: --init-from gpt2 takes the model's shape from its "
-                                                     "weights: drop --model, --n-layer (--block-size and "
-                                                     "--vocab-size may still shrink or pad it)\n")
+    assert (result.returncode, result.stderr) == (
+        2,
+        "error: --init-from gpt2 takes the model's shape from its "
+        "weights: drop --model, --n-layer (--block-size and "
+        "--vocab-size may still shrink or pad it)\n",
+    )

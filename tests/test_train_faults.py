@@ -2,6 +2,7 @@
 cannot open, non-finite numbers, a closed terminal, signals during --eval-only, memory, a rank
 that alone sees bad data, changed shards, a run tracker that fails. Each case is the real script
 in a subprocess: its exit code, its one error or warning line, and what it left on disk."""
+
 import contextlib
 import json
 import os
@@ -20,8 +21,18 @@ import pytest
 from trainkit import checkpoints
 from trainkit.shards import shard_files
 import train_gpt2 as tg
-from conftest import (FAKE_WANDB, REPO, assert_one_error_line, log_records, losses, run_cli, run_command,
-                      tiny_run_args, torchrun, wait_for_steps)
+from conftest import (
+    FAKE_WANDB,
+    REPO,
+    assert_one_error_line,
+    log_records,
+    losses,
+    run_cli,
+    run_command,
+    tiny_run_args,
+    torchrun,
+    wait_for_steps,
+)
 from shards import write_manifest
 
 
@@ -39,10 +50,12 @@ def checkpoint_run(data_dir, tmp_path_factory):
 def strict_json(line: str):
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
+
     return json.loads(line, parse_constant=refuse)
 
 
 # --- log.jsonl ------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def read_only(path):
@@ -62,8 +75,10 @@ def read_only(path):
 def test_log_that_is_a_directory_is_one_line(data_dir, tmp_path):
     (tmp_path / "log.jsonl").mkdir()
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
-    assert_one_error_line(result, f"cannot open {tmp_path}/log.jsonl: is a directory; make it a writable file, or "
-                                  "choose another --out-dir")
+    assert_one_error_line(
+        result,
+        f"cannot open {tmp_path}/log.jsonl: is a directory; make it a writable file, or choose another --out-dir",
+    )
     assert not list(tmp_path.glob("ckpt_*"))
 
 
@@ -72,12 +87,16 @@ def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys)
     log = tmp_path / "log.jsonl"
     if what == "dangling symlink":  # opening it for appending would create the file it points to
         log.symlink_to(tmp_path / "gone" / "log.jsonl")
-        expected = (f"cannot open {log}: it is a symbolic link to {tmp_path}/gone/log.jsonl, which does not exist; "
-                    "remove the link or point it at a file")
+        expected = (
+            f"cannot open {log}: it is a symbolic link to {tmp_path}/gone/log.jsonl, which does not exist; "
+            "remove the link or point it at a file"
+        )
     else:
         log.write_bytes(b"")
-        expected = f"cannot open {log}: {'operation not permitted' if os.geteuid() == 0 else 'permission denied'}; " \
-                   "make it a writable file, or choose another --out-dir"
+        expected = (
+            f"cannot open {log}: {'operation not permitted' if os.geteuid() == 0 else 'permission denied'}; "
+            "make it a writable file, or choose another --out-dir"
+        )
     with read_only(log) if what == "read-only" else contextlib.nullcontext():
         assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
     assert capsys.readouterr().err == f"error: {expected}\n"
@@ -87,8 +106,27 @@ def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys)
 def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_path, capsys):
     # the first update overflows the weights: every later loss is NaN and its update skipped, until
     # the last step's checkpoint is refused (non-finite weights are never saved)
-    assert tg.main(tiny_run_args(data_dir, tmp_path, "--max-lr", "1e38", "--warmup-steps", "0", "--skip-nonfinite", "5",
-                            "--val-every", "1", "--val-steps", "1", steps=3, ckpt_every=0)) == 2
+    assert (
+        tg.main(
+            tiny_run_args(
+                data_dir,
+                tmp_path,
+                "--max-lr",
+                "1e38",
+                "--warmup-steps",
+                "0",
+                "--skip-nonfinite",
+                "5",
+                "--val-every",
+                "1",
+                "--val-steps",
+                "1",
+                steps=3,
+                ckpt_every=0,
+            )
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("error: step 3: not writing")
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
     records = [strict_json(line) for line in lines]  # no NaN or Infinity anywhere
@@ -99,18 +137,24 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
         assert (r["loss"], r["grad_norm"], r["skipped"]) == (None, None, "nonfinite")
         assert r["nonfinite"] == {"loss": "nan", "grad_norm": "nan"}
     assert [(r["step"], r["val_loss"], r["val_bpb"], r.get("nonfinite")) for r in records if "val_loss" in r][1:] == [
-        (step, None, None, {"val_loss": "nan", "val_bpb": "nan"}) for step in (1, 2, 3)]
+        (step, None, None, {"val_loss": "nan", "val_bpb": "nan"}) for step in (1, 2, 3)
+    ]
     assert np.isfinite(records[1]["loss"]) and "nonfinite" not in records[1]  # step 0 trained normally
 
 
 # --- signals --------------------------------------------------------------------------------
 
+
 def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_path):
     """ssh drops: the terminal the run writes to is gone (writes fail with EIO) and SIGHUP arrives."""
     master, terminal = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=100000,
-                                                                        ckpt_every=0)],
-                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=100000, ckpt_every=0)],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+    )
     os.close(terminal)
     try:
         wait_for_steps(tmp_path, 3, proc)
@@ -143,17 +187,25 @@ def long_val_data(data_dir, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("signum,code,line", [(signal.SIGINT, 130, "error: interrupted"),
-                                              (signal.SIGTERM, 143, "error: stopped by SIGTERM")],
-                         ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(
+    "signum,code,line",
+    [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "error: stopped by SIGTERM")],
+    ids=["ctrl-c", "sigterm"],
+)
 def test_eval_only_stops_at_once_on_a_signal(checkpoint_run, long_val_data, signum, code, line):
-    args = tiny_run_args(long_val_data, checkpoint_run, "--eval-only", "--resume", "--val-every", "1",
-                    "--val-steps", "100000", B=1)
+    args = tiny_run_args(
+        long_val_data, checkpoint_run, "--eval-only", "--resume", "--val-every", "1", "--val-steps", "100000", B=1
+    )
     before = sorted(os.listdir(checkpoint_run))
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
-    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert proc.stdout.readline().startswith("evaluating ")  # loaded; evaluating from now on
         time.sleep(1.0)
@@ -168,26 +220,44 @@ def test_eval_only_stops_at_once_on_a_signal(checkpoint_run, long_val_data, sign
 
 # --- memory ---------------------------------------------------------------------------------
 
+
 def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     """134M parameters fit this machine's RAM (the check before building passes), but the process
     may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit."""
+
     def limit_address_space():
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
     args = tiny_run_args(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
-    result = run_command("train_gpt2.py", *args, preexec_fn=limit_address_space,
-                         env={**os.environ, "MALLOC_ARENA_MAX": "2"})  # (fewer address-space reservations)
+    result = run_command(
+        "train_gpt2.py", *args, preexec_fn=limit_address_space, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
+    )  # (fewer address-space reservations)
     # at one row per micro-step, a lower --batch-size cannot help
-    assert_one_error_line(result, "out of memory on cpu (tried to allocate ", " bytes): not even one row per "
-                                  "micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a smaller "
-                                  "model. Last good checkpoint: none")
+    assert_one_error_line(
+        result,
+        "out of memory on cpu (tried to allocate ",
+        " bytes): not even one row per "
+        "micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a smaller "
+        "model. Last good checkpoint: none",
+    )
 
 
 # --- the micro-batch that fits (trainkit/fit_batch.py), on a real allocation failure -----------------------
 
 # Full logits (64 x 50304 fp32 per row): a trial of B rows needs about 50 MiB per row above what the
 # process holds (measured: 8 rows 397 MiB, 4 rows 200, 2 rows 101), plus fit_batch's 64 MiB margin
-FULL_LOGITS = ["--block-size", "64", "--seq-len", "64", "--total-batch-size", str(8 * 64), "--loss-chunk", "0",
-               "--warmup-steps", "3"]
+FULL_LOGITS = [
+    "--block-size",
+    "64",
+    "--seq-len",
+    "64",
+    "--total-batch-size",
+    str(8 * 64),
+    "--loss-chunk",
+    "0",
+    "--warmup-steps",
+    "3",
+]
 # glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, which an
 # address-space limit counts as used: a fixed threshold makes the limit track what is allocated
 FIXED_MMAP = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -196,8 +266,14 @@ FIXED_MMAP = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 def squeezed(*squeeze_and_train_args, nproc=1):
     """train_gpt2.py run by benchmarks/squeeze_memory.py, which lowers the process memory limit."""
     launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    return subprocess.run([*launcher, "benchmarks/squeeze_memory.py", *squeeze_and_train_args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=FIXED_MMAP)
+    return subprocess.run(
+        [*launcher, "benchmarks/squeeze_memory.py", *squeeze_and_train_args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=FIXED_MMAP,
+    )
 
 
 def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
@@ -206,21 +282,33 @@ def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, 
     rows the prefetcher had loaded at 4. The losses are those of --batch-size 4, resumed at step 2
     with --batch-size 2, bit for bit: nothing of the trials or of the failed step leaked."""
     out = tmp_path / "squeezed"
-    result = squeezed("--squeeze", "420MiB", "--squeeze", "2:150MiB", "--",
-                      *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0))
+    result = squeezed(
+        "--squeeze",
+        "420MiB",
+        "--squeeze",
+        "2:150MiB",
+        "--",
+        *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
-    assert lines[0].startswith("--batch-size auto: 4 rows per micro-step fit cpu, 2 accumulation steps (tried 8: "
-                               "out of memory, 2: fits, 4: fits; 3 trials, ")
+    assert lines[0].startswith(
+        "--batch-size auto: 4 rows per micro-step fit cpu, 2 accumulation steps (tried 8: "
+        "out of memory, 2: fits, 4: fits; 3 trials, "
+    )
     # the fp32 logits of the real vocabulary, 4 rows x 64 tokens x 50257 x 4 bytes, ran out of memory
-    assert lines[1] == ("step     2 | out of memory at 4 rows per micro-step (tried to allocate 51463168 bytes): the "
-                        "step again at 2 rows (4 accumulation steps), the same rows and numbers")
+    assert lines[1] == (
+        "step     2 | out of memory at 4 rows per micro-step (tried to allocate 51463168 bytes): the "
+        "step again at 2 rows (4 accumulation steps), the same rows and numbers"
+    )
     assert len(lines) == 2 and "batch: 512 tokens/step = 4 rows x 64 tokens x 2 accumulation steps" in result.stdout
     records = log_records(out)
     assert len({r["run"] for r in records}) == 1  # one run throughout (the step redone is not a new one)
     events = [{k: v for k, v in r.items() if k not in ("search_s", "run")} for r in records if "event" in r]
-    assert events == [dict(step=0, event="batch_size", batch_size=4, tried="8: out of memory, 2: fits, 4: fits"),
-                      dict(step=2, event="batch_size", batch_size=2, reason="out of memory")]
+    assert events == [
+        dict(step=0, event="batch_size", batch_size=4, tried="8: out of memory, 2: fits, 4: fits"),
+        dict(step=2, event="batch_size", batch_size=2, reason="out of memory"),
+    ]
     ref = tmp_path / "hand_picked"
     assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=2)) == 0
     assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, "--resume", steps=4, B=2)) == 0
@@ -233,24 +321,38 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the backward's
     all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
-    result = squeezed("--rank", "1", "--squeeze", "540MiB", "--squeeze", "2:60MiB", "--",
-                      *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0), nproc=2)
+    result = squeezed(
+        "--rank",
+        "1",
+        "--squeeze",
+        "540MiB",
+        "--squeeze",
+        "2:60MiB",
+        "--",
+        *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0),
+        nproc=2,
+    )
     assert result.returncode != 0
-    assert "--batch-size auto: 2 rows per micro-step fit cpu, 2 accumulation steps (tried 4: out of memory, 1: fits, 2: fits" \
-        in result.stdout, result.stdout + result.stderr[-3000:]
+    assert (
+        "--batch-size auto: 2 rows per micro-step fit cpu, 2 accumulation steps (tried 4: out of memory, 1: fits, 2: fits"
+        in result.stdout
+    ), result.stdout + result.stderr[-3000:]
     assert "batch: 512 tokens/step = 2 rows x 64 tokens x 2 accumulation steps x 2 ranks" in result.stdout
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[1].startswith("error: rank 1: out of memory on cpu (tried to allocate ")
-    assert errors[1].endswith(" bytes): --batch-size auto chose 2 rows per micro-step, which fit its trial but not this "
-                              "step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. "
-                              "Last good checkpoint: none")
+    assert errors[1].endswith(
+        " bytes): --batch-size auto chose 2 rows per micro-step, which fit its trial but not this "
+        "step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. "
+        "Last good checkpoint: none"
+    )
     ref = tmp_path / "one_process"
     assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=0)) == 0
     np.testing.assert_allclose([loss for _, loss in losses(out)], [loss for _, loss in losses(ref)], rtol=2e-5)
 
 
 # --- ranks ----------------------------------------------------------------------------------
+
 
 def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
     """Row 1 of the train shard holds a token beyond --vocab-size that the start-up check did not see (its
@@ -265,15 +367,27 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
             tokens[20] = 600  # in row 1 (tokens 16..32), not in row 0 (tokens 0..16)
         np.save(data / f"synth_{split}_000000.npy", tokens)
     write_manifest(data, **{name: {"max_id": 63, "sha256": None} for name in os.listdir(data)})
-    args = tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", "--batch-size", "1",
-                    "--total-batch-size", "32", "--no-shuffle", steps=4)  # rows in order: row 1 is rank 1's
+    args = tiny_run_args(
+        str(data),
+        tmp_path / "out",
+        "--vocab-size",
+        "512",
+        "--batch-size",
+        "1",
+        "--total-batch-size",
+        "32",
+        "--no-shuffle",
+        steps=4,
+    )  # rows in order: row 1 is rank 1's
     result = run_cli(args, nproc=2)
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert len(errors) == 2, result.stderr[-3000:]
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[0].endswith(". Last good checkpoint: none")
-    assert errors[1] == (f"error: rank 1: {data}/synth_train_000000.npy holds token id 600, which the model has no "
-                         "output for (--vocab-size 512: ids 0..511); wrong tokenizer or --vocab-size too small")
+    assert errors[1] == (
+        f"error: rank 1: {data}/synth_train_000000.npy holds token id 600, which the model has no "
+        "output for (--vocab-size 512: ids 0..511); wrong tokenizer or --vocab-size too small"
+    )
     assert result.returncode != 0
 
 
@@ -286,19 +400,27 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
     tokens[3000] = 600
     np.save(data / "synth_train_000000.npy", tokens)
     result = run_cli(tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
-    assert (result.returncode, result.stderr) == (2, (
-        f"error: {data}/synth_train_000000.npy holds token id 600, which the model has no output for (--vocab-size "
-        "512: ids 0..511); wrong tokenizer or --vocab-size too small\n"))
+    assert (result.returncode, result.stderr) == (
+        2,
+        (
+            f"error: {data}/synth_train_000000.npy holds token id 600, which the model has no output for (--vocab-size "
+            "512: ids 0..511); wrong tokenizer or --vocab-size too small\n"
+        ),
+    )
     assert not (tmp_path / "out").exists()
 
 
 # --- warnings -------------------------------------------------------------------------------
 
+
 def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
-    assert (result.returncode, result.stderr) == (0, "warning: --warmup-steps 10 is longer than --max-steps 4: the "
-                                                     "learning rate only rises, to 0.004 at the last step, and never "
-                                                     "reaches --max-lr 0.01\n")
+    assert (result.returncode, result.stderr) == (
+        0,
+        "warning: --warmup-steps 10 is longer than --max-steps 4: the "
+        "learning rate only rises, to 0.004 at the last step, and never "
+        "reaches --max-lr 0.01\n",
+    )
 
 
 def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, tmp_path):
@@ -312,13 +434,15 @@ def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, 
     saved = checkpoints.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
     now = shard_files([str(train[-1])])[0][2][:12]
-    assert (result.returncode, result.stderr) == (0, (
-        f"warning: --data-dir {data} changed since {out}/ckpt_0000002.pt was written (train shard {train[-1].name}: "
-        f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 2 on this "
-        "run reads other rows than the run it continues would have\n"))
+    assert (result.returncode, result.stderr) == (
+        0,
+        (
+            f"warning: --data-dir {data} changed since {out}/ckpt_0000002.pt was written (train shard {train[-1].name}: "
+            f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 2 on this "
+            "run reads other rows than the run it continues would have\n"
+        ),
+    )
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3]
-
-
 
 
 @pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
@@ -328,14 +452,20 @@ def test_wandb_failures(data_dir, tmp_path, case):
     (fake / "wandb.py").write_text(FAKE_WANDB)
     project = "no-such-entity" if case == "cannot start" else "p"
     out = tmp_path / "out"
-    result = run_cli(tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0), env={"PYTHONPATH": str(fake)})
+    result = run_cli(
+        tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0), env={"PYTHONPATH": str(fake)}
+    )
     if case == "cannot start":  # refused before log.jsonl is created
         assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
         assert not (out / "log.jsonl").exists()
         return
-    assert (result.returncode, result.stderr) == (0, (
-        f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more "
-        f"records; {out}/log.jsonl has them all\n"))
+    assert (result.returncode, result.stderr) == (
+        0,
+        (
+            f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more "
+            f"records; {out}/log.jsonl has them all\n"
+        ),
+    )
     assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
 
 
@@ -343,12 +473,19 @@ def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert tg.main(tiny_run_args(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
-    assert capsys.readouterr().err == ("warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), "
-                                       "so the W&B run stays empty; log.jsonl gets every record\n")
+    assert capsys.readouterr().err == (
+        "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), "
+        "so the W&B run stays empty; log.jsonl gets every record\n"
+    )
 
 
-@pytest.mark.parametrize("shape", [dict(n_layer=3, n_head=4, n_embd=48, block_size=40, vocab_size=300),
-                                   dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=50304)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(n_layer=3, n_head=4, n_embd=48, block_size=40, vocab_size=300),
+        dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=50304),
+    ],
+)
 def test_param_count_counts_what_the_model_builds(shape):
     model = tg.GPT(tg.GPTConfig(**shape))
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
@@ -356,8 +493,9 @@ def test_param_count_counts_what_the_model_builds(shape):
 
 def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int) -> str:
     """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
-    result = squeezed(*squeeze, "--",
-                      *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=steps, ckpt_every=0))
+    result = squeezed(
+        *squeeze, "--", *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=steps, ckpt_every=0)
+    )
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     return lines[0]
@@ -370,8 +508,10 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
     out = tmp_path / "out"
     line = auto_batch_out_of_memory_line(data_dir, out, ["--squeeze", "200MiB", "--squeeze", "0:20MiB"], steps=4)
     assert line.startswith("error: out of memory on cpu (tried to allocate ")
-    assert line.endswith("not even one row per micro-step fits (--batch-size auto chose 1): pass "
-                         "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none")
+    assert line.endswith(
+        "not even one row per micro-step fits (--batch-size auto chose 1): pass "
+        "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
+    )
     left = out.joinpath("log.jsonl").read_text()
     assert [r["event"] for r in log_records(out)] == ["batch_size"]
     for extra in [(), ("--resume",)]:  # a rerun, and a resume, of the run that never wrote a checkpoint
@@ -380,8 +520,10 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
             os.remove(path)
         result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=2, ckpt_every=2))
         assert result.returncode == 0, result.stderr[-3000:]
-        assert (f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
-                "before its first step): this run starts it afresh") in result.stdout
+        assert (
+            f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
+            "before its first step): this run starts it afresh"
+        ) in result.stdout
         assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1]
 
 
@@ -391,5 +533,7 @@ def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
     which size it chose."""
     line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", ["--squeeze", "80MiB"], steps=2)
     assert line.startswith("error: out of memory on cpu (")
-    assert line.endswith("): --batch-size auto could not try even one row per micro-step: pass "
-                         "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none")
+    assert line.endswith(
+        "): --batch-size auto could not try even one row per micro-step: pass "
+        "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
+    )

@@ -4,6 +4,7 @@ file or the new one, never part of one); fsync_file adds the new bytes surviving
 fsync_folder the rename itself. The rename makes a new file: whatever else shared the old one (a hard
 link, the target of a symbolic link put in its place) keeps its bytes. Standard library only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +33,11 @@ def write_atomically(path: str, write, *, fsync_file: bool, fsync_folder: bool, 
 
 def write_bytes_atomically(path: str, *blobs, fsync_file: bool, fsync_folder: bool, tmp: str | None = None):
     """write_atomically of blobs (bytes or buffers), one after the other."""
+
     def write(f):
         for blob in blobs:
             f.write(blob)
+
     write_atomically(path, write, fsync_file=fsync_file, fsync_folder=fsync_folder, tmp=tmp)
 
 

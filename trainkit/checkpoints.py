@@ -8,6 +8,7 @@ written to NAME.tmp, fsynced and renamed, with the sha256 of its contents inside
 with weights_only=True. Under FSDP the state is gathered whole (full_state), so a checkpoint
 of any mode resumes in any other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,10 +30,11 @@ from trainkit.console import print0
 from trainkit.regular_file import open_regular
 from trainkit.shards import differing_file, shard_files
 
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The bare module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+        model = getattr(model, "module", None) or model._orig_mod
     return model
 
 
@@ -47,8 +49,10 @@ def rekey_optimizer_state(state: dict, keys: list) -> dict:
     torch.distributed.checkpoint helpers by their names, in the same order."""
     order = [p for group in state["param_groups"] for p in group["params"]]
     new = dict(zip(order, keys, strict=True))
-    return dict(state={new[p]: s for p, s in state["state"].items()},
-                param_groups=[{**g, "params": [new[p] for p in g["params"]]} for g in state["param_groups"]])
+    return dict(
+        state={new[p]: s for p, s in state["state"].items()},
+        param_groups=[{**g, "params": [new[p] for p in g["params"]]} for g in state["param_groups"]],
+    )
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -57,8 +61,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     shards to rank 0, on the CPU; the other ranks get empty dicts."""
     if not is_fsdp(model):
         return clean_state_dict(model), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optim_state = get_optimizer_state_dict(model, optimizer, options=options)
@@ -76,8 +80,9 @@ def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer)
         if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
             keys = sorted(map(str, optim_state)) if isinstance(optim_state, dict) else type(optim_state).__name__
             return f"its optimizer state holds {keys}, this optimizer's {parts}"
-        return next(filter(None, (optimizer_state_problem(optim_state[part], getattr(optimizer, part))
-                                  for part in parts)), None)
+        return next(
+            filter(None, (optimizer_state_problem(optim_state[part], getattr(optimizer, part)) for part in parts)), None
+        )
     groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
     if not isinstance(groups, list) or not isinstance(optim_state.get("state"), dict):
         return "its optimizer state is not an optimizer's state dict"
@@ -88,13 +93,20 @@ def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer)
     for i, key in enumerate(p for g in groups for p in g["params"]):
         for name, value in optim_state["state"].get(key, {}).items():
             if torch.is_tensor(value) and value.dim() and tuple(value.shape) != shapes[i]:
-                return (f"its optimizer's {name} of parameter {i} is {'x'.join(map(str, value.shape))}, where the "
-                        f"parameter is {'x'.join(map(str, shapes[i]))}")
+                return (
+                    f"its optimizer's {name} of parameter {i} is {'x'.join(map(str, value.shape))}, where the "
+                    f"parameter is {'x'.join(map(str, shapes[i]))}"
+                )
     return None
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
-                    source: str = "the checkpoint"):
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict,
+    optim_state: dict,
+    source: str = "the checkpoint",
+):
     """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its
     shard), once optimizer_state_problem finds it fits (else a UserError naming source)."""
     problem = optimizer_state_problem(optim_state, optimizer)
@@ -104,8 +116,13 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         return
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     # the parameters' names in the optimizer's order, as the helpers list them
@@ -151,7 +168,7 @@ def earlier_checkpoint(path: str) -> str | None:
     """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
     found = list_checkpoints(os.path.dirname(path) or ".")
     same = [i for i, p in enumerate(found) if same_file(p, path)]
-    earlier = found[:same[0]] if same else found
+    earlier = found[: same[0]] if same else found
     return earlier[-1] if earlier else None
 
 
@@ -178,6 +195,7 @@ def state_digest(state: dict) -> str:
             h.update(b")")
         else:
             h.update(f"{type(x).__name__} {x!r};".encode())
+
     visit({k: v for k, v in state.items() if k != "checksum"})
     return h.hexdigest()
 
@@ -212,11 +230,14 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
             torch.save(dict(state, checksum=state_digest(state)), writer)
         except RuntimeError as e:
             raise writer.error or e from None
+
     try:
         write_atomically(path, write, fsync_file=True, fsync_folder=True)
     except (OSError, RuntimeError) as e:  # disk full, quota, permissions
-        raise UserError(f"could not write checkpoint {path}: {reason_of(e)}; the previous checkpoint "
-                        f"{latest_checkpoint(out_dir) or '(none)'} is intact") from None
+        raise UserError(
+            f"could not write checkpoint {path}: {reason_of(e)}; the previous checkpoint "
+            f"{latest_checkpoint(out_dir) or '(none)'} is intact"
+        ) from None
     if keep_last:
         for old in list_checkpoints(out_dir)[:-keep_last]:
             if old != path:
@@ -244,24 +265,26 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
         if CKPT_NAME.fullmatch(os.path.basename(path)) is None:  # not one of ours: the newest beside it, if any
             return f"the newest checkpoint beside it is {earlier}" if earlier else "there is no checkpoint beside it"
         return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
+
     try:  # one open file from here on: a run's --keep-last may delete the name meanwhile
         f = open(path, "rb")
     except FileNotFoundError:
         newest = latest_checkpoint(os.path.dirname(path) or ".")
-        raise UserError(f"checkpoint {path} was removed while loading (by its run's --keep-last?); "
-                        + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")) \
-            from None
+        raise UserError(
+            f"checkpoint {path} was removed while loading (by its run's --keep-last?); "
+            + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")
+        ) from None
     with f:
         kind = None if CKPT_NAME.fullmatch(os.path.basename(path)) else other_file_kind(f.read(512))
         f.seek(0)
         if kind:
-            raise UserError(f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir "
-                            f"({instead()})")
+            raise UserError(
+                f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({instead()})"
+            )
         try:
             ckpt = torch.load(f, map_location=map_location, weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
-            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else \
-                reason_of(e, typed=True)
+            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else reason_of(e, typed=True)
             if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
                 what = "it holds pickled objects other than tensors and plain values, which are never loaded"
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
@@ -274,8 +297,9 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
     if problem:
         raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
     if ckpt["checksum"] != state_digest(ckpt):
-        raise UserError(f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): "
-                        f"{instead()}")
+        raise UserError(
+            f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): {instead()}"
+        )
     problem = fields_problem(ckpt, resume)
     if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
         raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
@@ -289,8 +313,17 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
 
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
-RESUME_STATE = ("optimizer", "step", "run_config", "launch", "data_files", "rng_cpu", "log_offset", "log_sha256",
-                "skip_state")
+RESUME_STATE = (
+    "optimizer",
+    "step",
+    "run_config",
+    "launch",
+    "data_files",
+    "rng_cpu",
+    "log_offset",
+    "log_sha256",
+    "skip_state",
+)
 # deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
 # branch), far below the interpreter's recursion limit that state_digest's walk would reach
 MAX_NESTING = 100
@@ -309,8 +342,11 @@ def structure_problem(ckpt: dict) -> str | None:
         where, value, depth = stack.pop()
         nodes += 1
         if depth > MAX_NESTING or nodes > MAX_NODES:
-            return (f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)" if depth > MAX_NESTING
-                    else f"its structure holds more than {MAX_NODES} values")
+            return (
+                f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)"
+                if depth > MAX_NESTING
+                else f"its structure holds more than {MAX_NODES} values"
+            )
         if isinstance(value, dict):
             stack.extend((f"{where}[{k!r:.40}]", v, depth + 1) for k, v in value.items())
             stack.extend((where, k, depth + 1) for k in value if isinstance(k, (tuple, torch.Tensor)))
@@ -323,14 +359,17 @@ def structure_problem(ckpt: dict) -> str | None:
             storage = value.untyped_storage()
             storages[storage.data_ptr(), storage.nbytes()] = max(
                 storages.get((storage.data_ptr(), storage.nbytes()), 0),
-                (value.storage_offset() + value.numel()) * value.element_size())
+                (value.storage_offset() + value.numel()) * value.element_size(),
+            )
             tensor_bytes += value.numel() * value.element_size()
     for (_, nbytes), viewed in storages.items():
         if nbytes > viewed:
             return f"a tensor's storage holds {nbytes} bytes, of which its tensors view {viewed}"
     if tensor_bytes > 2 * sum(nbytes for _, nbytes in storages):
-        return (f"its tensors view {tensor_bytes} bytes of {sum(n for _, n in storages)} stored (one storage "
-                "viewed by many tensors)")
+        return (
+            f"its tensors view {tensor_bytes} bytes of {sum(n for _, n in storages)} stored (one storage "
+            "viewed by many tensors)"
+        )
     return None
 
 
@@ -356,9 +395,19 @@ def fields_problem(ckpt: dict, resume: bool) -> str | None:
         missing = [k for k in RESUME_STATE if k not in ckpt]
         if missing:
             return f"it holds no {', '.join(missing)} to resume from (weights only)"
-    checks = dict(step=_count, run=_run_problem, log_offset=_count, log_sha256=_sha256_text, rng_cpu=_rng_problem,
-                  rng_cuda=_rng_problem, skip_state=_skip_state_problem, run_config=_run_config_problem,
-                  data_files=_data_files_problem, scaler=_scaler_problem, optimizer=_optimizer_dict)
+    checks = dict(
+        step=_count,
+        run=_run_problem,
+        log_offset=_count,
+        log_sha256=_sha256_text,
+        rng_cpu=_rng_problem,
+        rng_cuda=_rng_problem,
+        skip_state=_skip_state_problem,
+        run_config=_run_config_problem,
+        data_files=_data_files_problem,
+        scaler=_scaler_problem,
+        optimizer=_optimizer_dict,
+    )
     for key, check in checks.items():
         if key in ckpt:
             problem = check(ckpt[key])
@@ -404,17 +453,37 @@ def _number(value) -> bool:
 
 def _skip_state_problem(state) -> str | None:
     """The spike and non-finite guard's state (update_guard.UpdateGuard.state_dict)."""
-    ok = (isinstance(state, dict) and all(isinstance(state.get(k), list) and all(map(_number, state[k]))
-                                          for k in ("loss_window", "norm_window"))
-          and not _count(state.get("spikes_in_a_row")) and not _count(state.get("nonfinite_skipped")))
-    return None if ok else ("is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, "
-                            "nonfinite_skipped: counts)")
+    ok = (
+        isinstance(state, dict)
+        and all(isinstance(state.get(k), list) and all(map(_number, state[k])) for k in ("loss_window", "norm_window"))
+        and not _count(state.get("spikes_in_a_row"))
+        and not _count(state.get("nonfinite_skipped"))
+    )
+    return (
+        None
+        if ok
+        else (
+            "is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, "
+            "nonfinite_skipped: counts)"
+        )
+    )
 
 
 # the run_config fields a resume reads: RESUME_KEYS (which rows each step reads) and the LR schedule's
-_RUN_CONFIG_TYPES = dict(seq_len=int, total_batch_size=int, align_docs=bool, shuffle=(bool, type(None)), seed=int,
-                         optimizer=str, lr_schedule=str, max_steps=int, warmup_steps=int, max_lr=(int, float),
-                         min_lr=(int, float, type(None)), cooldown_frac=(int, float))
+_RUN_CONFIG_TYPES = dict(
+    seq_len=int,
+    total_batch_size=int,
+    align_docs=bool,
+    shuffle=(bool, type(None)),
+    seed=int,
+    optimizer=str,
+    lr_schedule=str,
+    max_steps=int,
+    warmup_steps=int,
+    max_lr=(int, float),
+    min_lr=(int, float, type(None)),
+    cooldown_frac=(int, float),
+)
 
 
 def _run_config_problem(config) -> str | None:
@@ -437,10 +506,19 @@ def _data_files_problem(files) -> str | None:
     if files is None:
         return None
     entries = [*(files.get("train") or ()), *(files.get("val") or ())] if isinstance(files, dict) else None
-    ok = (entries is not None and isinstance(files.get("train"), (list, tuple))
-          and isinstance(files.get("val"), (list, tuple, type(None)))
-          and all(isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[0], str) and not _count(e[1])
-                  and all(isinstance(x, (str, type(None))) for x in e[2:]) for e in entries))
+    ok = (
+        entries is not None
+        and isinstance(files.get("train"), (list, tuple))
+        and isinstance(files.get("val"), (list, tuple, type(None)))
+        and all(
+            isinstance(e, (list, tuple))
+            and len(e) >= 2
+            and isinstance(e[0], str)
+            and not _count(e[1])
+            and all(isinstance(x, (str, type(None))) for x in e[2:])
+            for e in entries
+        )
+    )
     return None if ok else "is not a list of shards (name, size, sha256)"
 
 
@@ -457,13 +535,28 @@ def gpt_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """The names and shapes of our GPT's state dict (GPT-2's layout) under a checkpoint's
     model_config, which a checkpoint's weights must match (tests check it against GPT's own)."""
     V, T, C, L = (config[k] for k in ("vocab_size", "block_size", "n_embd", "n_layer"))
-    block = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (3 * C, C), "attn.c_attn.bias": (3 * C,),
-             "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
-             "mlp.c_fc.weight": (4 * C, C), "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (C, 4 * C),
-             "mlp.c_proj.bias": (C,)}
-    return {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
-            **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
-            "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,), "lm_head.weight": (V, C)}
+    block = {
+        "ln_1.weight": (C,),
+        "ln_1.bias": (C,),
+        "attn.c_attn.weight": (3 * C, C),
+        "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C),
+        "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,),
+        "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (4 * C, C),
+        "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (C, 4 * C),
+        "mlp.c_proj.bias": (C,),
+    }
+    return {
+        "transformer.wte.weight": (V, C),
+        "transformer.wpe.weight": (T, C),
+        **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
+        "transformer.ln_f.weight": (C,),
+        "transformer.ln_f.bias": (C,),
+        "lm_head.weight": (V, C),
+    }
 
 
 def state_shape_problem(state, config: dict) -> str | None:
@@ -479,8 +572,10 @@ def state_shape_problem(state, config: dict) -> str | None:
             return f"its model weights lack {name}"
         got = tuple(state[name].shape) if torch.is_tensor(state[name]) else None
         if got != shape:
-            return (f"its {name} is {'x'.join(map(str, got)) if got else type(state[name]).__name__}, where its "
-                    f"model_config makes it {'x'.join(map(str, shape))}")
+            return (
+                f"its {name} is {'x'.join(map(str, got)) if got else type(state[name]).__name__}, where its "
+                f"model_config makes it {'x'.join(map(str, shape))}"
+            )
     extra = [name for name in state if name not in expected]
     return f"its model weights hold {extra[0]}, which its model_config has no place for" if extra else None
 
@@ -502,8 +597,14 @@ def other_file_kind(head: bytes) -> str | None:
 
 def first_nonfinite(state: dict) -> str | None:
     """The name of the first floating-point tensor in state that holds a NaN or inf (None: none does)."""
-    return next((name for name, t in state.items()
-                 if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()), None)
+    return next(
+        (
+            name
+            for name, t in state.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()
+        ),
+        None,
+    )
 
 
 def first_nonfinite_optimizer_state(optim_state) -> str | None:
@@ -538,6 +639,7 @@ def checkpoint_problem(ckpt, model_fields=None) -> str | None:
 
 
 # ---- run identity: whose a checkpoint (and a log record) is, decided by an id, never by names or sizes
+
 
 def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
     """A run's identity: a random 128-bit id, and for a branch its parent run's identity and the
@@ -587,6 +689,7 @@ def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
 class ResumePoint:
     """Where a resumed run takes up the run of its checkpoint: the file, its step, the length and
     sha256 of that run's log.jsonl when it was written, and that run's identity."""
+
     path: str
     step: int
     log_offset: int
@@ -614,6 +717,7 @@ def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
 # run_config keys that fix which rows each step reads: resuming must keep them (and the model_config)
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed")
 
+
 def find_resume_checkpoint(run) -> str | None:
     """The checkpoint --resume names: the newest in --out-dir ("latest") or in a given folder, or a file."""
     if run.resume is None:
@@ -635,14 +739,18 @@ def choose_resume_checkpoint(run) -> str | None:
     if run.resume is None and found:
         owner = read_run(found[-1])
         of_run = f" of {run_name(owner['id'])}" if owner else ""
-        raise UserError(f"--out-dir {run.out_dir} already holds checkpoints{of_run}: pass --resume to continue "
-                        "that run, or choose another --out-dir")
+        raise UserError(
+            f"--out-dir {run.out_dir} already holds checkpoints{of_run}: pass --resume to continue "
+            "that run, or choose another --out-dir"
+        )
     log = os.path.join(run.out_dir, "log.jsonl")
     if os.path.isfile(log) and os.path.getsize(log):
         _, whose, is_log, _ = log_summary(log)
         if not is_log:  # a file of the user's (a log of a run killed before its first checkpoint is set aside)
-            raise UserError(f"--out-dir {run.out_dir} holds a log.jsonl of {whose} but no checkpoint to resume: "
-                            "move the log aside to start a new run there, or choose another --out-dir")
+            raise UserError(
+                f"--out-dir {run.out_dir} holds a log.jsonl of {whose} but no checkpoint to resume: "
+                "move the log aside to start a new run there, or choose another --out-dir"
+            )
     if run.resume is not None:
         print0(f"--resume: no checkpoint in {run.out_dir}, starting from scratch")
     return None
@@ -677,11 +785,18 @@ def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
     saved.setdefault("optimizer", "adamw")  # checkpoints from before --optimizer
     if run.shuffle is None:
         run.shuffle = saved["shuffle"]
-    diffs = [f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
-             for k, v in ckpt["model_config"].items() if getattr(model_cfg, k) != v]
-    diffs += [f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}"
-              for k in (*RESUME_KEYS, "optimizer") if saved[k] != getattr(run, k)]
+    diffs = [
+        f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
+        for k, v in ckpt["model_config"].items()
+        if getattr(model_cfg, k) != v
+    ]
+    diffs += [
+        f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}"
+        for k in (*RESUME_KEYS, "optimizer")
+        if saved[k] != getattr(run, k)
+    ]
     if diffs:
-        raise UserError(f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model, batch and "
-                        "optimizer flags (the number of GPUs may change)")
-
+        raise UserError(
+            f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model, batch and "
+            "optimizer flags (the number of GPUs may change)"
+        )

@@ -12,6 +12,7 @@ matmul runs faster on: against the first 50257 rows a chunk's three matmuls took
 and the softmax over the first n_real only: the padded ids' logits are set to -inf before it, so
 their probabilities, and the gradients of their rows, are exactly 0.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,13 +42,18 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_g
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_grad else None
     # one fp32 logits buffer for every chunk: on CPU, glibc hands each freed chunk's 26 MB back to the
     # OS and the next chunk's pages faulted in anew (6,288 page faults a chunk, 10% of the loss's time)
-    logits_buffer = (torch.empty(min(chunk_rows, h.size(0)), weight.size(0), dtype=torch.float32, device=h.device)
-                     if h.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type)
-                     else None)  # (a matmul in another dtype returns its own logits; .float() copies them)
+    logits_buffer = (
+        torch.empty(min(chunk_rows, h.size(0)), weight.size(0), dtype=torch.float32, device=h.device)
+        if h.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type)
+        else None
+    )  # (a matmul in another dtype returns its own logits; .float() copies them)
     for start in range(0, h.size(0), chunk_rows):
-        hc, tc = h[start:start + chunk_rows], targets[start:start + chunk_rows]
-        logits = ((hc @ weight.t()).float() if logits_buffer is None
-                  else torch.mm(hc, weight.t(), out=logits_buffer[:hc.size(0)]))
+        hc, tc = h[start : start + chunk_rows], targets[start : start + chunk_rows]
+        logits = (
+            (hc @ weight.t()).float()
+            if logits_buffer is None
+            else torch.mm(hc, weight.t(), out=logits_buffer[: hc.size(0)])
+        )
         logits[:, n_real:] = float("-inf")  # exp gives 0: no probability, no gradient
         weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
         safe_t = tc.clamp(min=0).unsqueeze(1)
@@ -56,12 +62,12 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_g
         lse = maxes + sums.log()
         token_loss = (lse - target_logit) * weights
         if token_losses is not None:
-            token_losses[start:start + chunk_rows] = token_loss
+            token_losses[start : start + chunk_rows] = token_loss
         loss += token_loss.sum()
         if want_grad:  # d loss / d logits = weight * (softmax - one-hot)
             dlogits = exps.mul_((weights / sums).unsqueeze(1))
             dlogits.scatter_add_(1, safe_t, -weights.unsqueeze(1))
-            grad_h[start:start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
+            grad_h[start : start + chunk_rows] = dlogits @ weight  # autocast picks the matmul dtype
             grad_w.addmm_(dlogits.t(), hc.float())  # accumulate inside the matmul
     return loss if token_losses is None else token_losses, grad_h, grad_w
 
@@ -98,6 +104,7 @@ def full_lm_loss(h, weight, targets, reduction, n_real):
     (compiling.compile_model), the softmax fuses into one pass over the logits instead of a full
     fp32 copy of them."""
     logits = F.linear(h, weight)
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1))[:, :n_real].float(), targets,
-                           ignore_index=IGNORE_INDEX, reduction=reduction)
+    loss = F.cross_entropy(
+        logits.view(-1, logits.size(-1))[:, :n_real].float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction
+    )
     return logits[..., :n_real], loss

@@ -30,6 +30,7 @@ hf_interop.py, sample.py, plot_log.py):
 
 Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
 """
+
 import argparse
 import errno
 import os
@@ -100,12 +101,14 @@ def check_count(value: int, low: int, high: int = MAX_COUNT) -> int:
 
 def int_in(low: int, high: int = MAX_COUNT):
     """The argparse type of an integer flag in low..high: a whole number in decimal ('1_000' too)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
         return check_count(value, low, high)
+
     parse.__name__ = f"int in {low}..{_bound_text(high)}"
     return parse
 
@@ -143,8 +146,12 @@ class ArgumentParser(argparse.ArgumentParser):
         # unset shell variable gives, and as a path it would name the current folder
         # (a subcommand's action passes its parser's strings along: that parser checks them; and a
         # default passes here too, where an empty one means that empty is what the argument takes)
-        if not arg_string.strip() and action.type is not may_be_empty and action.nargs != argparse.PARSER \
-                and arg_string is not action.default:
+        if (
+            not arg_string.strip()
+            and action.type is not may_be_empty
+            and action.nargs != argparse.PARSER
+            and arg_string is not action.default
+        ):
             raise argparse.ArgumentError(action, f"got an empty value ({arg_string!r}: an unset shell variable?)")
         return super()._get_value(action, arg_string)
 
@@ -168,16 +175,20 @@ def _import_failed(kind, error, trace):
         return sys.__excepthook__(kind, error, trace)
     script = sys.argv[0]
     venv = os.path.join(os.path.dirname(script), ".venv")
-    if issubclass(kind, MemoryError) or any(sign in str(error).lower() for sign in ("cannot allocate", "failed to map")):
+    if issubclass(kind, MemoryError) or any(
+        sign in str(error).lower() for sign in ("cannot allocate", "failed to map")
+    ):
         fix = "under a memory limit (ulimit -v) raise it, otherwise reinstall them (pip install -r requirements.txt)"
-    elif (os.path.isfile(os.path.join(venv, "bin", "python"))
-          and os.path.realpath(sys.prefix) != os.path.realpath(venv)):
-        fix = (f"the virtual environment {venv} beside it is not active: run `. {venv}/bin/activate` first, "
-               f"or {venv}/bin/python {script}")
+    elif os.path.isfile(os.path.join(venv, "bin", "python")) and os.path.realpath(sys.prefix) != os.path.realpath(venv):
+        fix = (
+            f"the virtual environment {venv} beside it is not active: run `. {venv}/bin/activate` first, "
+            f"or {venv}/bin/python {script}"
+        )
     else:
         fix = "reinstall them (pip install -r requirements.txt)"
-    print0(f"error: cannot import the libraries this script needs ({reason_of(error, typed=True)}): {fix}",
-           file=sys.stderr)
+    print0(
+        f"error: cannot import the libraries this script needs ({reason_of(error, typed=True)}): {fix}", file=sys.stderr
+    )
     os._exit(2)  # mid-import: nothing to clean up
 
 
@@ -193,8 +204,7 @@ def exit_on_ctrl_c_while_starting() -> None:
     sys.excepthook = _import_failed
 
 
-def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
-                 interrupted: str = "error: interrupted") -> int:
+def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupted: str = "error: interrupted") -> int:
     """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
     also_catch); or 130 and the `interrupted` line for a Ctrl-C that no handler turned into a
     clean stop (128 + signum for another Interrupted signal). With debug, the traceback instead.
@@ -214,8 +224,10 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (),
         if debug:
             raise
         signum = getattr(e, "signum", signal.SIGINT)
-        print0(interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}",
-               file=sys.stderr)
+        print0(
+            interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}",
+            file=sys.stderr,
+        )
         return 128 + signum
     return output_lost_code(result_lost())
 

@@ -1,5 +1,6 @@
 """torch.compile for training: whether it can run here, the GPT compiled one block at a time, and
 the fallback to eager when the first compiled step fails."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,9 @@ from trainkit.console import print0
 from trainkit.memory import is_out_of_memory
 
 
-def compile_decision(requested: bool | None, device_type: str, capability: tuple[int, int] | None,
-                     platform: str, has_triton: bool) -> tuple[bool, str | None]:
+def compile_decision(
+    requested: bool | None, device_type: str, capability: tuple[int, int] | None, platform: str, has_triton: bool
+) -> tuple[bool, str | None]:
     """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot, why not.
     Inductor's GPU kernels are Triton's, which needs compute capability 7.0+ and an install
     (on Windows the separate triton-windows package)."""
@@ -82,4 +84,5 @@ def with_compile_fallback(forward_backward, fall_back):
             result = forward_backward(*args)
         compiled_once = True
         return result
+
     return call

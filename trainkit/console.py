@@ -21,6 +21,7 @@ command the terminal it prints to.
 Standard library only, and it imports no other module of the repository: the floor that the
 error contract (trainkit/cli.py) stands on. Nothing runs at import.
 """
+
 import os
 import re
 import sys

@@ -20,6 +20,7 @@ Two kernels compute the same attention:
 tests/test_doc_mask.py checks that they agree (forward on CPU); benchmarks/gpu_check.py times both.
 Only how rows are fed changes: the model is a plain GPT-2, exported as one.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,10 @@ def sdpa_document_mask(docs: torch.Tensor) -> torch.Tensor:
 
 def flex_document_mask(docs: torch.Tensor):
     """The same mask as a FlexAttention BlockMask (one for all heads)."""
+
     def same_document_causal(b, h, q, k):
         return (docs[b, q] == docs[b, k]) & (k <= q)
+
     B, T = docs.shape
     return create_block_mask(same_document_causal, B, None, T, T, device=docs.device)
 

@@ -2,6 +2,7 @@
 .jsonl / .json lines, .parquet, whole text files, the Hugging Face Hub), each a deterministic stream of
 (where, text); chunks of them tokenized in order by a pool of processes, a document that cannot be
 tokenized named in one UserError (file and line). Runs nothing at import."""
+
 from __future__ import annotations
 
 import glob
@@ -26,17 +27,23 @@ from trainkit.tokenizer import encode_documents, get_encoding
 # an error message (path:line, path row N, path); the same arguments always give the same
 # documents in the same order, which is what makes resuming by document count exact.
 
+
 def resolve_files(patterns: list) -> list:
     """Files matching the globs, in a stable order (sorted per pattern, first match wins)."""
     files = []
     for pattern in patterns:
-        matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if os.path.exists(p) and not os.path.isdir(p))
+        matched = sorted(
+            p
+            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+            if os.path.exists(p) and not os.path.isdir(p)
+        )
         for path in matched:  # a named pipe would block the read forever, a link to /dev/zero never end
             check_regular(path)
         if not matched and os.path.isdir(os.path.expanduser(pattern)):
-            raise UserError(f"--files {pattern!r} is a folder: --files takes files or globs, e.g. "
-                            f"{os.path.join(pattern, '*.jsonl')!r} (or '**/*.jsonl' inside it for its subfolders)")
+            raise UserError(
+                f"--files {pattern!r} is a folder: --files takes files or globs, e.g. "
+                f"{os.path.join(pattern, '*.jsonl')!r} (or '**/*.jsonl' inside it for its subfolders)"
+            )
         if not matched:
             raise UserError(f"--files {pattern!r} matches no files")
         files.extend(matched)
@@ -50,13 +57,16 @@ def iter_file_documents(files: list, text_field: str, doc_per_file: bool, utf8_e
         except UnicodeDecodeError as e:
             raise UserError(
                 f"{path} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} cannot be decoded); "
-                "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace") from e
+                "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace"
+            ) from e
         except EOFError:  # gzip's only sign of a cut-off file
-            raise UserError(f"{path} is truncated (the gzip data ends early); "
-                             "re-create it or leave it out of --files") from None
+            raise UserError(
+                f"{path} is truncated (the gzip data ends early); re-create it or leave it out of --files"
+            ) from None
         except (gzip.BadGzipFile, zlib.error) as e:  # before OSError: BadGzipFile is one
-            raise UserError(f"{path} is not valid gzip data ({reason_of(e)}); "
-                             "re-create it or leave it out of --files") from None
+            raise UserError(
+                f"{path} is not valid gzip data ({reason_of(e)}); re-create it or leave it out of --files"
+            ) from None
         except OSError as e:  # a read() error carries no file name
             raise UserError(f"cannot read {path}: {reason_of(e)}") from None
 
@@ -86,8 +96,9 @@ def _iter_json_lines(f, path: str, text_field: str):
         try:
             row = json_file.parse(line, path, number)
         except json_file.JSONFileError as e:
-            raise UserError(f"{path}:{number}: not JSON Lines ({e.reason}); "
-                             ".json/.jsonl files must hold one JSON object per line") from None
+            raise UserError(
+                f"{path}:{number}: not JSON Lines ({e.reason}); .json/.jsonl files must hold one JSON object per line"
+            ) from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{number}: expected a JSON object, found {type(row).__name__}")
         where = f"{path}:{number}"
@@ -112,8 +123,9 @@ def _iter_parquet(path: str, text_field: str):
                 yield where, _checked_text(text, text_field, where)
                 row += 1
     except (pa.ArrowException, OSError) as e:  # a damaged footer, page or schema; pyarrow's I/O errors
-        raise UserError(f"{path} is not a readable Parquet file ({reason_of(e)}); "
-                         "re-create it or leave it out of --files") from None
+        raise UserError(
+            f"{path} is not a readable Parquet file ({reason_of(e)}); re-create it or leave it out of --files"
+        ) from None
 
 
 HUB_TIMEOUT_S = 10
@@ -133,11 +145,13 @@ def hub_revision(dataset: str) -> str:
     try:
         return HfApi().dataset_info(dataset, timeout=HUB_TIMEOUT_S).sha
     except RepositoryNotFoundError:
-        raise UserError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub (a private "
-                         "one needs `hf auth login`)") from None
+        raise UserError(
+            f"--dataset {dataset}: no such dataset on the Hugging Face Hub (a private one needs `hf auth login`)"
+        ) from None
     except Exception as e:  # no network, DNS, proxy, timeout, server errors
-        raise UserError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
-                         f"({reason_of(e, typed=True)}); {OFFLINE_HINT}") from None
+        raise UserError(
+            f"--dataset {dataset}: cannot reach the Hugging Face Hub ({reason_of(e, typed=True)}); {OFFLINE_HINT}"
+        ) from None
 
 
 def iter_hub_documents(dataset: str, name, split: str, revision, text_field: str, debug: bool):
@@ -160,8 +174,9 @@ def _iter_hub_rows(dataset: str, name, split: str, revision, debug: bool):
         # streaming: rows arrive as they are read, so --max-tokens needs only the first part
         yield from datasets.load_dataset(dataset, name=name, split=split, revision=revision, streaming=True)
     except Exception as e:
-        raise UserError(f"could not read {where} from the Hugging Face Hub "
-                         f"({reason_of(e, typed=True)}); {OFFLINE_HINT}") from e
+        raise UserError(
+            f"could not read {where} from the Hugging Face Hub ({reason_of(e, typed=True)}); {OFFLINE_HINT}"
+        ) from e
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
@@ -171,8 +186,7 @@ def _text_of(row: dict, text_field: str, where: str) -> str:
 
 
 def _missing_field(where: str, text_field: str, fields: list) -> str:
-    return (f"{where}: no field {text_field!r} (fields: {', '.join(map(str, fields))}); "
-            "choose one with --text-field")
+    return f"{where}: no field {text_field!r} (fields: {', '.join(map(str, fields))}); choose one with --text-field"
 
 
 def _checked_text(text, text_field: str, where: str) -> str:
@@ -245,9 +259,15 @@ def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.n
     except BaseException as e:  # e.g. tiktoken's regex giving up on ~1M characters of whitespace
         index = next((i for i, doc in enumerate(docs) if _fails(enc, doc, utf8_errors)), None)
         error = reason_of(e, typed=True)
-        raise ChunkError(index, (f"tiktoken failed ({error})" if index is None else
-                                 f"tiktoken cannot tokenize this document ({error}); fix it or leave it out")
-                         + " (--debug shows the traceback)") from e
+        raise ChunkError(
+            index,
+            (
+                f"tiktoken failed ({error})"
+                if index is None
+                else f"tiktoken cannot tokenize this document ({error}); fix it or leave it out"
+            )
+            + " (--debug shows the traceback)",
+        ) from e
 
 
 def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
@@ -262,10 +282,13 @@ def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.nd
             raise
         if utf8_errors == "strict":
             code = ord(_SURROGATE.search(docs[index]).group())
-            raise ChunkError(index, f"the text holds a lone surrogate U+{code:04X} (half of a UTF-16 pair, as JSON's "
-                                    f"\\u{code:04x} without its other half), which is not Unicode and has no UTF-8 "
-                                    "form; fix the input, or pass --utf8-errors replace to tokenize U+FFFD in "
-                                    "its place") from None
+            raise ChunkError(
+                index,
+                f"the text holds a lone surrogate U+{code:04X} (half of a UTF-16 pair, as JSON's "
+                f"\\u{code:04x} without its other half), which is not Unicode and has no UTF-8 "
+                "form; fix the input, or pass --utf8-errors replace to tokenize U+FFFD in "
+                "its place",
+            ) from None
         return encode_documents(enc, [_SURROGATE.sub("\ufffd", doc) for doc in docs])
 
 

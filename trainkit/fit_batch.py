@@ -14,6 +14,7 @@ training* under torchrun cannot be recovered safely: the other ranks are already
 backward's all-reduce, which the failed rank will never join. There it stays one error line
 naming --batch-size (memory.out_of_memory_error).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ MARGIN_CUDA_SHARE = 0.03  # of the GPU's memory: 2.4 GB of an 80 GB H100, 0.7 GB
 
 def divisors(n: int) -> list[int]:
     """The micro-batches that split n rows per rank exactly, ascending."""
-    small = [b for b in range(1, int(n ** 0.5) + 1) if n % b == 0]
+    small = [b for b in range(1, int(n**0.5) + 1) if n % b == 0]
     return sorted(set(small + [n // b for b in small]))
 
 
@@ -63,6 +64,7 @@ def cpu_search_limit(device_type: str):
         yield
         return
     import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     share = CPU_SEARCH_SHARE / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of this node search at once
     cap = proc_kib("/proc/self/status", "VmSize") + int(share * proc_kib("/proc/meminfo", "MemAvailable"))
@@ -80,6 +82,7 @@ def static_shapes(compiled: bool):
     if not compiled:
         return contextlib.nullcontext()
     import torch._dynamo
+
     return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
 
 
@@ -130,10 +133,19 @@ def choose_micro_batch(run, launch, forward_backward, model, optimizer, val_rows
     def fits(i):
         tried.append((choices[i], fits_everywhere(forward_backward, choices[i], T, model, optimizer, device)))
         return tried[-1][1]
-    with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), \
-            cpu_search_limit(device_type), static_shapes(launch.compile):
-        held = [torch.empty_like(local_part(p)) for group in optimizer.param_groups for p in group["params"]
-                if p not in optimizer.state and not run.eval_only for _ in range(2)]  # AdamW's moments, as the first
+
+    with (
+        torch.random.fork_rng(devices=[device] if device_type == "cuda" else []),
+        cpu_search_limit(device_type),
+        static_shapes(launch.compile),
+    ):
+        held = [
+            torch.empty_like(local_part(p))
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p not in optimizer.state and not run.eval_only
+            for _ in range(2)
+        ]  # AdamW's moments, as the first
         # update allocates them (--eval-only updates nothing: its micro-batch is the one validation uses)
         held.append(torch.empty(margin_bytes(device), dtype=torch.uint8, device=device))
         best, fail = (len(choices) - 1, None) if fits(len(choices) - 1) else (-1, len(choices) - 1)
@@ -144,12 +156,16 @@ def choose_micro_batch(run, launch, forward_backward, model, optimizer, val_rows
     seconds = time.perf_counter() - t0
     summary = ", ".join(f"{b}: {'fits' if ok else 'out of memory'}" for b, ok in tried)
     if best < 0:
-        raise UserError(f"--batch-size auto: not even one row of --seq-len {T} fits {device} with the model's weights, "
-                        "gradients and AdamW state: pass --activation-checkpointing, a shorter --seq-len or a smaller "
-                        f"model (tried {summary})")
+        raise UserError(
+            f"--batch-size auto: not even one row of --seq-len {T} fits {device} with the model's weights, "
+            "gradients and AdamW state: pass --activation-checkpointing, a shorter --seq-len or a smaller "
+            f"model (tried {summary})"
+        )
     B = choices[best]
-    print0(f"--batch-size auto: {B} rows per micro-step fit {device}, {rows_per_rank // B} accumulation steps "
-           f"(tried {summary}; {len(tried)} trials, {seconds:.1f}s)")
+    print0(
+        f"--batch-size auto: {B} rows per micro-step fit {device}, {rows_per_rank // B} accumulation steps "
+        f"(tried {summary}; {len(tried)} trials, {seconds:.1f}s)"
+    )
     log.write(step=step, event="batch_size", batch_size=B, tried=summary, search_s=round(seconds, 3))
     return B
 
@@ -160,6 +176,7 @@ def with_oom_retry(forward_backward, rows_per_rank: int, d, optimizer, use_micro
     rows in the same order: with one rank, micro-step m reads rows m*B + [0, B)), use_micro_batch(smaller)
     makes the following steps read that many, and the step runs again, said in one line and a log record.
     Under torchrun (d.world_size > 1), or below one row, the out-of-memory is raised."""
+
     def call(micro_batches, n_tokens, step):
         while True:
             B = len(micro_batches[0][0])
@@ -172,10 +189,13 @@ def with_oom_retry(forward_backward, rows_per_rank: int, d, optimizer, use_micro
                 reason = out_of_memory_reason(e)
             optimizer.zero_grad(set_to_none=True)  # (out of the except block: the failed try's tensors are gone)
             release_cached(d.device)
-            print0(f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at "
-                   f"{smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers")
+            print0(
+                f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at "
+                f"{smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers"
+            )
             log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
             use_micro_batch(smaller)
             x, y = (torch.cat([torch.as_tensor(batch[i]) for batch in micro_batches]) for i in (0, 1))
             micro_batches = list(zip(x.split(smaller), y.split(smaller)))
+
     return call

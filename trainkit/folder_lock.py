@@ -2,6 +2,7 @@
 (trainkit/out_dir.py's OutDirLock words the refusal for a run). Standard library only, so that
 fineweb.py takes it without torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,10 @@ class FolderLock:
 
     def in_use(self, holder: str) -> str:
         """The refusal of a second writer (holder: as the .lock note names it)."""
-        return (f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
-                "folder): wait for it to end, or choose another --out-dir")
+        return (
+            f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
+            "folder): wait for it to end, or choose another --out-dir"
+        )
 
     def note(self, line: str):
         print_line(line, file=sys.stderr)
@@ -67,13 +70,24 @@ class FolderLock:
     def _write_holder(self):
         """FOLDER/.lock: a new file, replacing the one a writer that ended or was killed left there."""
         if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
-            what = (f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else
-                    "a directory" if os.path.isdir(self.path) else "not a regular file")
-            raise UserError(f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose "
-                            "another --out-dir")
+            what = (
+                f"a symbolic link to {os.readlink(self.path)}"
+                if os.path.islink(self.path)
+                else "a directory"
+                if os.path.isdir(self.path)
+                else "not a regular file"
+            )
+            raise UserError(
+                f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose another --out-dir"
+            )
         try:  # (a note for people: no fsync, the kernel's lock is what holds)
-            write_bytes_atomically(self.path, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(),
-                                   fsync_file=False, fsync_folder=False, tmp=f"{self.path}.{os.getpid()}.tmp")
+            write_bytes_atomically(
+                self.path,
+                f"pid {os.getpid()} on {socket.gethostname()}\n".encode(),
+                fsync_file=False,
+                fsync_folder=False,
+                tmp=f"{self.path}.{os.getpid()}.tmp",
+            )
             self.written = os.stat(self.path)
         except OSError as e:
             raise UserError(f"cannot write {self.path}: {reason_of(e)}") from None
@@ -90,4 +104,3 @@ class FolderLock:
                     os.remove(self.path)
         os.close(self.fd)
         self.fd = self.written = None
-

@@ -5,12 +5,14 @@ of DDP's no_sync on every micro-step but the last, grad_norm_of for the norm ove
 gradients (equal to DDP's), and local_part for checks on what a rank holds. Checkpoints gather
 the full state (checkpoints.full_state), so any mode resumes any other.
 """
+
 from __future__ import annotations
 
 import contextlib
 
 import torch
 import torch.nn as nn
+
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of t: its shard if t is sharded (a DTensor under --fsdp), else t."""
@@ -19,6 +21,7 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+
     return isinstance(model, FSDPModule)
 
 
@@ -32,9 +35,13 @@ def shard_model(model: nn.Module, d, dtype: torch.dtype, compile_block=None) -> 
     module inside FSDP, and per block as torchtitan does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
     mesh = init_device_mesh(d.device_type, (d.world_size,))
-    policy = MixedPrecisionPolicy() if dtype == torch.float32 else \
-        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = (
+        MixedPrecisionPolicy()
+        if dtype == torch.float32
+        else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    )
     blocks = model.transformer.h
     for i, block in enumerate(blocks):
         if compile_block:
@@ -65,6 +72,7 @@ def grad_norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+
 @contextlib.contextmanager
 def fsdp_no_sync(model: nn.Module):
     model.set_requires_gradient_sync(False)
@@ -72,4 +80,3 @@ def fsdp_no_sync(model: nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-

@@ -1,6 +1,7 @@
 """Where HellaSwag's validation file comes from: a path given on the command line, or the cache
 folder, downloaded there once and checked against its sha256. Standard library only, so that a
 script's --help can name the file before torch is imported."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,13 +19,15 @@ DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
 DATA_EXAMPLES = 10042
 DOWNLOAD_TIMEOUT_S = 10
 # 446 examples of the validation set shipped with the repository, for scoring offline (fixtures/README.md)
-SUBSET_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
-                           "hellaswag_val_subset.jsonl")
+SUBSET_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hellaswag_val_subset.jsonl"
+)
 
 
 def default_data_dir() -> str:
     return os.environ.get("HELLASWAG_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "gpt2-trainer", "hellaswag")
+        os.path.expanduser("~"), ".cache", "gpt2-trainer", "hellaswag"
+    )
 
 
 def resolve_data_file(data_file: str | None = None, data_dir: str | None = None, flag: str = "--data-file") -> str:
@@ -33,8 +36,9 @@ def resolve_data_file(data_file: str | None = None, data_dir: str | None = None,
     option that passes data_file in the command being run (for its error messages)."""
     if data_file:
         if os.path.isdir(data_file):
-            raise UserError(f"{flag} {data_file} is a folder: pass the file, e.g. "
-                            f"{os.path.join(data_file, 'hellaswag_val.jsonl')}")
+            raise UserError(
+                f"{flag} {data_file} is a folder: pass the file, e.g. {os.path.join(data_file, 'hellaswag_val.jsonl')}"
+            )
         if not os.path.exists(data_file):
             raise UserError(f"{flag} {data_file} does not exist")
         try:
@@ -57,12 +61,15 @@ def _download(path: str, flag: str):
                 f.write(chunk)
         if digest.hexdigest() != DATA_SHA256:
             raise OSError("the downloaded file is not the expected one (sha256 mismatch)")
+
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         # one temporary file per process: torchrun ranks may download at once
         write_atomically(path, write, fsync_file=False, fsync_folder=False, tmp=f"{path}.{os.getpid()}.tmp")
     except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
         reason = getattr(e, "reason", None) or e
-        raise UserError(f"cannot download HellaSwag from {DATA_URL} ({reason}); "
-                        f"pass a local copy of {DATA_NAME} with {flag} PATH (the repository ships a subset: "
-                        f"{os.path.relpath(SUBSET_FILE)})") from None
+        raise UserError(
+            f"cannot download HellaSwag from {DATA_URL} ({reason}); "
+            f"pass a local copy of {DATA_NAME} with {flag} PATH (the repository ships a subset: "
+            f"{os.path.relpath(SUBSET_FILE)})"
+        ) from None

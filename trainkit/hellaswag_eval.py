@@ -2,6 +2,7 @@
 and the trainer's --hellaswag-every: examples rendered to tokens, packed into rows, each ending's
 loss, and the accuracy (evaluate); then how a file's records become examples (load_examples). The
 validation file itself is found by hellaswag_data."""
+
 from __future__ import annotations
 
 import os
@@ -27,6 +28,7 @@ from trainkit.tokenizer import EOT, GPT2_VOCAB, get_tokenizer_or_fail, real_voca
 class Example(NamedTuple):
     """One rendered example: context token ids, the four endings' token ids, the label, and
     (lm-eval's rendering only) the endings' lengths in characters, its normalizer."""
+
     ctx: list[int]
     endings: list[list[int]]
     label: int
@@ -40,7 +42,7 @@ class Example(NamedTuple):
         if block_size is None or len(self.ctx) + longest <= block_size:
             return self.ctx, self.endings
         n_ctx = max(1, block_size - longest)
-        return self.ctx[-n_ctx:], [e[:block_size - n_ctx] for e in self.endings]
+        return self.ctx[-n_ctx:], [e[: block_size - n_ctx] for e in self.endings]
 
 
 def collate(examples: list[Example], block_size: int | None = None):
@@ -57,8 +59,8 @@ def collate(examples: list[Example], block_size: int | None = None):
     tokens = np.full((len(rows), T), EOT, dtype=np.int64)
     mask = np.zeros((len(rows), T), dtype=bool)
     for i, (ctx, end) in enumerate(rows):
-        tokens[i, :len(ctx) + len(end)] = ctx + end
-        mask[i, len(ctx):len(ctx) + len(end)] = True
+        tokens[i, : len(ctx) + len(end)] = ctx + end
+        mask[i, len(ctx) : len(ctx) + len(end)] = True
     labels = np.array([ex.label for ex in examples], dtype=np.int64)
     return torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(labels)
 
@@ -72,6 +74,7 @@ class Packed(NamedTuple):
     tokens, positions (B, L) int64 and attn_mask (B, 1, L, L) bool are the model's inputs.
     Scoring: the logits at the flat (b * L + t) indices `sources` predict `targets` for the
     ending rows `rows` (4b + i); `lengths` (4B,) counts each ending's scored tokens."""
+
     tokens: torch.Tensor
     positions: torch.Tensor
     attn_mask: torch.Tensor
@@ -97,7 +100,7 @@ def pack(examples: list[Example], block_size: int | None = None) -> Packed:
         t = n
         for i, end in enumerate(endings):
             k = len(end) - 1  # tokens of this ending in the row
-            tokens[b, t:t + k], positions[b, t:t + k], segment[b, t:t + k] = end[:-1], np.arange(n, n + k), i + 1
+            tokens[b, t : t + k], positions[b, t : t + k], segment[b, t : t + k] = end[:-1], np.arange(n, n + k), i + 1
             sources += [b * L + n - 1] + list(range(b * L + t, b * L + t + k))  # context's last token first
             targets += end
             rows += [4 * b + i] * len(end)
@@ -107,8 +110,15 @@ def pack(examples: list[Example], block_size: int | None = None) -> Packed:
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # key in the context or my own sequence
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Packed(torch.from_numpy(tokens), torch.from_numpy(positions), (same & causal).unsqueeze(1),
-                  as_long(sources), as_long(targets), as_long(rows), as_long(lengths))
+    return Packed(
+        torch.from_numpy(tokens),
+        torch.from_numpy(positions),
+        (same & causal).unsqueeze(1),
+        as_long(sources),
+        as_long(targets),
+        as_long(rows),
+        as_long(lengths),
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -125,11 +135,15 @@ def model_problem(vocab_size: int | None, block_size: int | None) -> str | None:
     """Why a model of these sizes cannot be scored on HellaSwag, or None: its examples are GPT-2's tokens (ids
     up to <|endoftext|>), and an ending's first token is predicted from at least one token of context."""
     if vocab_size is not None and vocab_size < GPT2_VOCAB:
-        return (f"HellaSwag's examples are GPT-2's tokens (ids up to {EOT}), beyond this model's vocabulary of "
-                f"{vocab_size} ids")
+        return (
+            f"HellaSwag's examples are GPT-2's tokens (ids up to {EOT}), beyond this model's vocabulary of "
+            f"{vocab_size} ids"
+        )
     if block_size is not None and block_size < 2:
-        return (f"HellaSwag predicts each ending from its context, which a model of --block-size {block_size} "
-                "cannot see (it needs at least 2 positions)")
+        return (
+            f"HellaSwag predicts each ending from its context, which a model of --block-size {block_size} "
+            "cannot see (it needs at least 2 positions)"
+        )
     return None
 
 
@@ -155,19 +169,18 @@ def score_packed(model: nn.Module, batch: Packed, dtype: torch.dtype = torch.flo
         h = model.hidden_states(batch.tokens, batch.positions, batch.attn_mask)
         h = h.view(-1, h.size(-1))[sources]
         for start in range(0, len(sources), LOGIT_ROWS):  # bounded (rows, vocab) logits
-            logits = model.lm_head(h[start:start + LOGIT_ROWS])[:, :n_real].float()
+            logits = model.lm_head(h[start : start + LOGIT_ROWS])[:, :n_real].float()
             here = (inverse >= start) & (inverse < start + LOGIT_ROWS)
             target_logits[here] = logits[inverse[here] - start, batch.targets[here]]
             maxes, _, sums = exp_sums_(logits)
-            lse[start:start + LOGIT_ROWS] = maxes + sums.log()
+            lse[start : start + LOGIT_ROWS] = maxes + sums.log()
     token_loss = lse[inverse] - target_logits
     loss_sum = torch.zeros(len(batch.lengths), device=device).index_add_(0, batch.rows, token_loss)
     return loss_sum, loss_sum / batch.lengths
 
 
 @torch.no_grad()
-def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
-               dtype: torch.dtype = torch.float32):
+def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype = torch.float32):
     """Summed and mean cross-entropy of each row's masked tokens, each (rows,) float32, for a
     model that maps token ids to logits (collate's rows). The loss of token t comes from the
     logits at t - 1."""
@@ -181,9 +194,16 @@ def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
     return loss_sum, loss_sum / scored.sum(1)
 
 
-def score_examples(model: nn.Module, examples: list[Example], device: str, *,
-                   batch_size: int | None = None, dtype: torch.dtype = torch.float32,
-                   block_size: int | None = None, bar=None):
+def score_examples(
+    model: nn.Module,
+    examples: list[Example],
+    device: str,
+    *,
+    batch_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    block_size: int | None = None,
+    bar=None,
+):
     """Per-ending (summed, mean) losses, each (n, 4) float32 on the CPU, in example order.
 
     Our GPT scores packed rows (pack, score_packed); any other model, collate's 4 rows per
@@ -210,7 +230,7 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
     model.eval()
     try:
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             batch = [examples[i] for i in idx]
             if gpt is not None:
                 s, m = score_packed(gpt, pack(batch, block_size).to(device), dtype)
@@ -226,10 +246,22 @@ def score_examples(model: nn.Module, examples: list[Example], device: str, *,
     return loss_sum, loss_mean
 
 
-def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_size: int | None = None,
-             data_file: str | None = None, data_dir: str | None = None, rank: int = 0,
-             world_size: int = 1, dtype: torch.dtype = torch.float32, progress: bool = False,
-             block_size: int | None = None, flag: str = "--data-file", lm_eval: bool = False) -> dict:
+def evaluate(
+    model: nn.Module,
+    device: str,
+    *,
+    limit: int | None = None,
+    batch_size: int | None = None,
+    data_file: str | None = None,
+    data_dir: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+    block_size: int | None = None,
+    flag: str = "--data-file",
+    lm_eval: bool = False,
+) -> dict:
     """HellaSwag accuracy of model on the first limit (None or 0: all) validation examples.
 
     model maps token ids (B, T) to logits (B, T, V), bare or as the first item of a tuple.
@@ -250,14 +282,20 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
     # forward serves both renderings: the second is scored after the first, under the same progress bar
     styles = ("nanogpt", "lm_eval") if lm_eval else ("nanogpt",)
     from tqdm import tqdm
-    bar = tqdm(total=len(styles) * len(load_examples(path, limit, flag)[rank::world_size]), unit="example",
-               desc="hellaswag, both texts" if lm_eval else "hellaswag", disable=not (progress and rank == 0))
+
+    bar = tqdm(
+        total=len(styles) * len(load_examples(path, limit, flag)[rank::world_size]),
+        unit="example",
+        desc="hellaswag, both texts" if lm_eval else "hellaswag",
+        disable=not (progress and rank == 0),
+    )
     picks = []  # (n, 4) losses whose argmin is a prediction, one per reported accuracy
     try:
         for style in styles:
             mine = load_examples(path, limit, flag, style)[rank::world_size]
-            loss_sum, loss_mean = score_examples(model, mine, device, batch_size=batch_size, dtype=dtype,
-                                                 block_size=block_size, bar=bar)
+            loss_sum, loss_mean = score_examples(
+                model, mine, device, batch_size=batch_size, dtype=dtype, block_size=block_size, bar=bar
+            )
             if style == "nanogpt":
                 picks += [loss_sum, loss_mean]
             else:
@@ -267,8 +305,7 @@ def evaluate(model: nn.Module, device: str, *, limit: int | None = None, batch_s
     finally:
         bar.close()
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
-    counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)],
-                          device=device)
+    counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)], device=device)
     if world_size > 1:
         all_reduce_sum(counts)
     *correct, n = counts.tolist()
@@ -313,7 +350,7 @@ def render_lm_eval(example: dict, enc) -> Example:
     split the same way)."""
     query, choices, label = lm_eval_text(example)
     ctx = enc.encode_ordinary(query)
-    endings = [enc.encode_ordinary(f"{query} {choice}")[len(ctx):] for choice in choices]
+    endings = [enc.encode_ordinary(f"{query} {choice}")[len(ctx) :] for choice in choices]
     if not ctx or not all(endings):
         raise ValueError("empty query or choice after lm-eval's clean-up")
     return Example(ctx, endings, label, tuple(len(choice) for choice in choices))
@@ -361,8 +398,9 @@ class _Rendered:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             line = data.count(b"\n", 0, e.start) + 1
-            raise UserError(f"{flag} {path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x}), "
-                            f"so not {DATA_NAME}") from None
+            raise UserError(
+                f"{flag} {path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x}), so not {DATA_NAME}"
+            ) from None
         self.lines = [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
         if not self.lines:
             raise UserError(f"{flag} {path}: no HellaSwag examples in the file")
@@ -373,14 +411,15 @@ class _Rendered:
         examples, render = self.examples[style], RENDERERS[style]
         if len(examples) < n:
             enc = get_tokenizer_or_fail()
-            for number, line in self.lines[len(examples):n]:
+            for number, line in self.lines[len(examples) : n]:
                 try:
                     examples.append(render(json_file.parse(line, self.path, number), enc))
                 except json_file.JSONFileError as e:
                     raise UserError(f"{self.flag} {e.where}: not a HellaSwag example ({e.reason})") from None
                 except ValueError as e:
-                    raise UserError(f"{self.flag} {self.path} line {number}: not a HellaSwag example "
-                                    f"({reason_of(e)})") from None
+                    raise UserError(
+                        f"{self.flag} {self.path} line {number}: not a HellaSwag example ({reason_of(e)})"
+                    ) from None
         return examples[:n]
 
 
@@ -395,8 +434,9 @@ def _rendered(path: str, flag: str) -> _Rendered:
     return _CACHE[key]
 
 
-def load_examples(path: str, limit: int | None = None, flag: str = "--data-file",
-                  style: str = "nanogpt") -> list[Example]:
+def load_examples(
+    path: str, limit: int | None = None, flag: str = "--data-file", style: str = "nanogpt"
+) -> list[Example]:
     """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process.
     flag names the option that gave path in the command being run (for its error messages).
     style: "nanogpt" (the record's ctx and endings, as build-nanogpt renders them) or

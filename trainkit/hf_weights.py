@@ -20,6 +20,7 @@ Layout differences the conversion handles:
   n_padded / n_real of the probability, so the loss starts within log(1 + n_padded / n_real)
   nats of the original model's. Logits of the real ids are unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,12 @@ def import_transformers():
 
 def _looks_like_path(name: str) -> bool:
     """A Hub id is 'name' or 'owner/name'; anything else is meant as a local directory."""
-    return (name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1
-            or (os.sep != "/" and os.sep in name))
+    return (
+        name.startswith(("/", ".", "~"))
+        or name.endswith("/")
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
 
 
 def _padded(n: int, multiple: int = PAD_MULTIPLE) -> int:
@@ -78,6 +83,7 @@ def _check_hf_config(cfg, source: str):
 def quiet_transformers():
     """Without transformers' loading report and progress bars: a refusal is our one line."""
     from transformers.utils import logging as hf_logging
+
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -96,14 +102,20 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
     GPT2Config, GPT2LMHeadModel = import_transformers()
     local = os.path.isdir(name_or_dir)
     source = f"{flag} {name_or_dir}"
-    hint = (f"pass a local Hugging Face directory to {flag} (on a machine with internet: "
-            "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))")
+    hint = (
+        f"pass a local Hugging Face directory to {flag} (on a machine with internet: "
+        "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2_hf'))"
+    )
     if os.path.isfile(name_or_dir):  # most often one of our checkpoints
-        ours = {"--init-from": "--resume PATH continues a train_gpt2.py checkpoint's run; to start a new run from its "
-                "weights, export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
-                "--hf-model": "for a train_gpt2.py checkpoint pass --checkpoint PATH"}.get(flag, hint)
-        raise UserError(f"{source} is a file, and {flag} takes a Hugging Face GPT-2: a Hub name (gpt2, ...) or a "
-                        f"folder written by save_pretrained; {ours}")
+        ours = {
+            "--init-from": "--resume PATH continues a train_gpt2.py checkpoint's run; to start a new run from its "
+            "weights, export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
+            "--hf-model": "for a train_gpt2.py checkpoint pass --checkpoint PATH",
+        }.get(flag, hint)
+        raise UserError(
+            f"{source} is a file, and {flag} takes a Hugging Face GPT-2: a Hub name (gpt2, ...) or a "
+            f"folder written by save_pretrained; {ours}"
+        )
     if not local and _looks_like_path(name_or_dir):
         raise UserError(f"{source}: no such directory; {hint}")
 
@@ -120,8 +132,11 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
     model_type = load(lambda: GPT2Config.get_config_dict(name_or_dir, local_files_only=local)[0]).get("model_type")
     if model_type not in (None, "gpt2"):
         raise UserError(f"{source}: its config.json describes a {model_type!r} model, not GPT-2")
-    hf, info = load(lambda: GPT2LMHeadModel.from_pretrained(
-        name_or_dir, local_files_only=local, output_loading_info=True, ignore_mismatched_sizes=True))
+    hf, info = load(
+        lambda: GPT2LMHeadModel.from_pretrained(
+            name_or_dir, local_files_only=local, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+    )
     _check_every_tensor_loaded(hf.config, info, source)
     return hf
 
@@ -154,8 +169,11 @@ def weight_files(folder: str, source: str) -> dict[str, str]:
         if os.path.exists(os.path.join(folder, index)):
             path = _inside(folder, index, source)
             mapping = _read_json(path, source).get("weight_map")
-            if not isinstance(mapping, dict) or not mapping or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+            if (
+                not isinstance(mapping, dict)
+                or not mapping
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())
+            ):
                 raise UserError(f"{source}: {path} has no weight_map of tensor names to file names")
             return {name: _inside(folder, file, source, index) for name, file in mapping.items()}
     return {}
@@ -164,16 +182,16 @@ def weight_files(folder: str, source: str) -> dict[str, str]:
 def _inside(folder: str, name: str, source: str, index: str | None = None) -> str:
     """folder/name, a regular file directly inside folder (a UserError otherwise)."""
     if not name or name != os.path.basename(name) or name in (".", "..") or (os.altsep and os.altsep in name):
-        raise UserError(f"{source}: its {index} names the weight file {name!r}, outside the folder: only files "
-                        "inside it are read")
+        raise UserError(
+            f"{source}: its {index} names the weight file {name!r}, outside the folder: only files inside it are read"
+        )
     path = os.path.join(folder, name)
     try:
         check_regular(path)
     except UserError as e:  # a named pipe, a device
         raise UserError(f"{source}: {e}") from None
     except OSError as e:
-        raise UserError(f"{source}: {'its ' + index + ' names ' if index else ''}{path}: {reason_of(e)}") \
-            from None
+        raise UserError(f"{source}: {'its ' + index + ' names ' if index else ''}{path}: {reason_of(e)}") from None
     return path
 
 
@@ -193,13 +211,27 @@ def hf_state_shapes(sizes: dict) -> dict[str, tuple[int, ...]]:
     """The names and shapes of a Hugging Face GPT2LMHeadModel's weights (Conv1D weights stored (in, out)),
     lm_head.weight aside (tied: a file may hold it or not)."""
     V, P, C, L = (sizes[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer"))
-    block = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,),
-             "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,), "ln_2.weight": (C,), "ln_2.bias": (C,),
-             "mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (4 * C, C),
-             "mlp.c_proj.bias": (C,)}
-    return {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (P, C),
-            **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
-            "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)}
+    block = {
+        "ln_1.weight": (C,),
+        "ln_1.bias": (C,),
+        "attn.c_attn.weight": (C, 3 * C),
+        "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C),
+        "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,),
+        "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (C, 4 * C),
+        "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (4 * C, C),
+        "mlp.c_proj.bias": (C,),
+    }
+    return {
+        "transformer.wte.weight": (V, C),
+        "transformer.wpe.weight": (P, C),
+        **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
+        "transformer.ln_f.weight": (C,),
+        "transformer.ln_f.bias": (C,),
+    }
 
 
 def check_hf_folder(folder: str, source: str, defaults) -> None:
@@ -218,27 +250,37 @@ def check_hf_folder(folder: str, source: str, defaults) -> None:
     sizes = {k: config.get(k, getattr(defaults, k)) for k in SIZES}
     bad = [f"{k} {v!r}" for k, v in sizes.items() if type(v) is not int or not 0 < v <= 2**31]
     if bad or sizes["n_embd"] % sizes["n_head"]:
-        raise UserError(f"{source}: its config.json gives {', '.join(bad) or 'n_embd not a multiple of n_head'}: "
-                        "not the sizes of a GPT-2 (positive integers)")
+        raise UserError(
+            f"{source}: its config.json gives {', '.join(bad) or 'n_embd not a multiple of n_head'}: "
+            "not the sizes of a GPT-2 (positive integers)"
+        )
     files = weight_files(folder, source)
     if not files:
         return  # transformers' own error says there are no weights
     found = {}
     for path in sorted(set(files.values())):
-        found.update({f"transformer.{name}" if name.startswith(BARE_NAMES) else name: info
-                      for name, info in _tensor_headers(path, source).items() if not name.endswith(HF_BUFFERS)})
+        found.update(
+            {
+                f"transformer.{name}" if name.startswith(BARE_NAMES) else name: info
+                for name, info in _tensor_headers(path, source).items()
+                if not name.endswith(HF_BUFFERS)
+            }
+        )
     expected = hf_state_shapes(sizes)
     missing = sorted(expected.keys() - found.keys())
     if missing:
-        raise UserError(f"{source}: tensors missing from its weights ({_some(missing)}) would be random; "
-                        "is it a complete GPT-2?")
+        raise UserError(
+            f"{source}: tensors missing from its weights ({_some(missing)}) would be random; is it a complete GPT-2?"
+        )
     if "lm_head.weight" in found:
         expected["lm_head.weight"] = expected["transformer.wte.weight"]
     extra = sorted(found.keys() - expected.keys())
     if extra:
-        raise UserError(f"{source}: its weights hold tensors that a GPT-2 of its config.json's sizes has no place "
-                        f"for ({_some(extra)}); config.json gives n_layer {sizes['n_layer']}: is it the config of "
-                        "these weights?")
+        raise UserError(
+            f"{source}: its weights hold tensors that a GPT-2 of its config.json's sizes has no place "
+            f"for ({_some(extra)}); config.json gives n_layer {sizes['n_layer']}: is it the config of "
+            "these weights?"
+        )
     mismatched = sorted(name for name, shape in expected.items() if found[name][0] != shape)
     if mismatched:
         raise UserError(f"{source}: tensors of another shape than its config.json gives ({_some(mismatched)})")
@@ -294,11 +336,13 @@ def _check_every_tensor_loaded(cfg, info: dict, source: str):
     """Refuse a model that transformers completed at random: a tensor missing from the files,
     or of another shape than config.json gives (loaded with ignore_mismatched_sizes to list them)."""
     tied = getattr(cfg, "tie_word_embeddings", True)
-    missing = sorted(k for k in info["missing_keys"]
-                     if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight"))
+    missing = sorted(
+        k for k in info["missing_keys"] if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight")
+    )
     if missing:
-        raise UserError(f"{source}: tensors missing from its weights ({_some(missing)}) would be random; "
-                        "is it a complete GPT-2?")
+        raise UserError(
+            f"{source}: tensors missing from its weights ({_some(missing)}) would be random; is it a complete GPT-2?"
+        )
     mismatched = sorted(item[0] if isinstance(item, tuple) else item for item in info["mismatched_keys"])
     if mismatched:
         raise UserError(f"{source}: tensors of another shape than its config.json gives ({_some(mismatched)})")
@@ -308,9 +352,14 @@ def _some(names: list) -> str:
     return f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
 
 
-def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_size: int | None = None,
-                       pad_init: str = "mean", flag: str = "--init-from",
-                       pad_multiple: int = PAD_MULTIPLE) -> tuple[dict, dict]:
+def gpt2_state_from_hf(
+    name_or_dir: str,
+    vocab_size: int | None = None,
+    block_size: int | None = None,
+    pad_init: str = "mean",
+    flag: str = "--init-from",
+    pad_multiple: int = PAD_MULTIPLE,
+) -> tuple[dict, dict]:
     """(model config, state dict) of our GPT (fp32, CPU) holding the weights of a Hugging Face
     GPT2LMHeadModel: the config's keys are GPTConfig's, the state dict's our parameter names.
 
@@ -341,15 +390,16 @@ def gpt2_state_from_hf(name_or_dir: str, vocab_size: int | None = None, block_si
     if not 0 < block_size <= cfg.n_positions:
         raise UserError(f"--block-size {block_size} must be in 1..{cfg.n_positions} ({source}'s n_positions)")
 
-    config = dict(block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                  n_embd=cfg.n_embd)
+    config = dict(
+        block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd
+    )
     sd = {}
     for key, value in hf_sd.items():
         if key.endswith(TRANSPOSED):
             value = value.t()
         sd[key] = value.contiguous()
     wte = sd["transformer.wte.weight"]
-    pad_rows = (wte.mean(0, keepdim=True) if pad_init == "mean" else wte.new_zeros(1, wte.size(1)))
+    pad_rows = wte.mean(0, keepdim=True) if pad_init == "mean" else wte.new_zeros(1, wte.size(1))
     wte = torch.cat([wte, pad_rows.expand(vocab_size - n_real, -1)])
     sd["transformer.wte.weight"] = sd["lm_head.weight"] = wte
     sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]

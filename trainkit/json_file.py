@@ -4,6 +4,7 @@ a document that is not JSON, or that nests deeper than MAX_DEPTH, is one JSONFil
 naming the file and line, never a RecursionError from the decoder. The depth is measured before
 json.loads sees the text, by a scan that skips strings, so a `[[[[...` 200,000 deep costs two regular
 expression passes, not 200,000 recursive calls. Standard library only; nothing runs at import."""
+
 from __future__ import annotations
 
 import itertools
@@ -52,8 +53,9 @@ def parse(text: str | bytes, path: str, line: int | None = None):
             raise JSONFileError(where, f"not UTF-8 text (byte 0x{text[e.start]:02x}), so not JSON") from None
     depth = deeper_than_allowed(text)
     if depth:
-        raise JSONFileError(where, f"JSON nested {depth} levels deep, deeper than the {MAX_DEPTH} of any file "
-                                   "read here")
+        raise JSONFileError(
+            where, f"JSON nested {depth} levels deep, deeper than the {MAX_DEPTH} of any file read here"
+        )
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -4,6 +4,7 @@ a RankLost on the survivors, not a gloo traceback).
 
 The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,9 @@ def launch_variables() -> tuple[int, int, int] | None:
     given = [f"{k}={v}" for k, v in env.items() if v]
     for name, value in env.items():
         if not value:
-            raise RankLocalError(f"{name} is not set, but {', '.join(given)} {'is' if len(given) == 1 else 'are'}: "
-                                 f"{how}")
+            raise RankLocalError(
+                f"{name} is not set, but {', '.join(given)} {'is' if len(given) == 1 else 'are'}: {how}"
+            )
         if name != "MASTER_ADDR" and not value.isdigit():
             raise RankLocalError(f"{name}={value!r} is not a whole number: {how}")
     rank, local_rank, world = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -94,16 +96,22 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     import datetime
+
     cuda = device.startswith("cuda")
     try:  # device_id binds NCCL's communicator to this rank's GPU (else barrier() warns and guesses it)
-        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=torch.device(device) if cuda else None)
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=torch.device(device) if cuda else None,
+        )
     except dist.DistError as e:  # the store at MASTER_ADDR:MASTER_PORT: not every rank came, or none answers
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        raise RankLocalError(f"could not gather the WORLD_SIZE={world} ranks of this launch at {where} "
-                             f"within {timeout_s:g} s ({reason_of(e, typed=True).split('. ')[0]}): start all "
-                             f"{world} ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE to run one "
-                             "process") from None
+        raise RankLocalError(
+            f"could not gather the WORLD_SIZE={world} ranks of this launch at {where} "
+            f"within {timeout_s:g} s ({reason_of(e, typed=True).split('. ')[0]}): start all "
+            f"{world} ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE to run one "
+            "process"
+        ) from None
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
@@ -170,17 +178,26 @@ def is_lost_rank(e: BaseException) -> bool:
     """A collective failed because a peer is gone: gloo raises a RuntimeError naming its socket
     (connection closed or reset, timed out), NCCL a DistBackendError."""
     return isinstance(e, dist.DistError) or (
-        isinstance(e, RuntimeError) and re.search(r"gloo|nccl|connection (closed|reset)|timed out", str(e), re.I))
+        isinstance(e, RuntimeError) and re.search(r"gloo|nccl|connection (closed|reset)|timed out", str(e), re.I)
+    )
 
 
 def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: bool = True) -> RankLost:
     """The line for a failed collective; saves: the command writes checkpoints (so name the last)."""
     # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:14728. This is typically ..."
     reason = reason_of(e).split(". ")[0]
-    checkpoint = (f". Last good checkpoint: {last_ckpt or 'none'}"
-                  + (" (resume with the same command plus --resume)" if last_ckpt else "")) if saves else ""
-    return RankLost(f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
-                    f"stopped too; torchrun's report below names the rank that failed first{checkpoint}")
+    checkpoint = (
+        (
+            f". Last good checkpoint: {last_ckpt or 'none'}"
+            + (" (resume with the same command plus --resume)" if last_ckpt else "")
+        )
+        if saves
+        else ""
+    )
+    return RankLost(
+        f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
+        f"stopped too; torchrun's report below names the rank that failed first{checkpoint}"
+    )
 
 
 @contextlib.contextmanager
@@ -206,8 +223,9 @@ def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoin
     except Exception as e:
         if d.enabled and is_lost_rank(e):  # another rank died during set-up, evaluation or the last barrier
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
-            raise lost_rank_error(e, d.rank, last_checkpoint and last_checkpoint(), saves=bool(last_checkpoint)) \
-                from None
+            raise lost_rank_error(
+                e, d.rank, last_checkpoint and last_checkpoint(), saves=bool(last_checkpoint)
+            ) from None
         raise
     finally:
         cleanup_distributed()
@@ -254,5 +272,7 @@ def check_ranks_agree(fingerprint: list[tuple[str, object]]):
             # ignores it, so that rank 0 lives to print the line
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             dist.barrier()
-            raise UserError(f"the ranks of this launch were started differently: {difference}; "
-                            "every rank needs the same command and the same --data-dir files")
+            raise UserError(
+                f"the ranks of this launch were started differently: {difference}; "
+                "every rank needs the same command and the same --data-dir files"
+            )

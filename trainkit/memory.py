@@ -10,6 +10,7 @@ watch_peak() samples it every SAMPLE_EVERY_S on a daemon thread (a spike shorter
 and peak_report() adds a last sample. The mapped data pages (.bin / .npy files: shards, kept row tables)
 are summed from /proc/self/smaps and reported apart. Where /proc is not there (macOS), the peak RSS.
 Runs nothing at import."""
+
 from __future__ import annotations
 
 import contextlib
@@ -47,15 +48,18 @@ def check_model_fits(n_params: int, d, fsdp: bool, training: bool):
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if need > memory[0]:
         what = "weights, gradients and AdamW state" if training else "weights"
-        raise UserError(f"the model has {n / 1e9:.3g}B parameters: its {what} ({bytes_per_param} bytes per parameter"
-                        f"{', sharded by --fsdp' if fsdp else ''}) need {need / 2**30:.3g} GiB, more than "
-                        f"{memory[1]} ({memory[0] / 2**30:.3g} GiB): choose a smaller --model or --n-layer, "
-                        "--n-embd, --vocab-size, --block-size" + ("" if fsdp or d.world_size < 2 else ", or --fsdp"))
+        raise UserError(
+            f"the model has {n / 1e9:.3g}B parameters: its {what} ({bytes_per_param} bytes per parameter"
+            f"{', sharded by --fsdp' if fsdp else ''}) need {need / 2**30:.3g} GiB, more than "
+            f"{memory[1]} ({memory[0] / 2**30:.3g} GiB): choose a smaller --model or --n-layer, "
+            "--n-embd, --vocab-size, --block-size" + ("" if fsdp or d.world_size < 2 else ", or --fsdp")
+        )
 
 
 def is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))  # the CPU allocator's message
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )  # the CPU allocator's message
 
 
 def out_of_memory_reason(e: BaseException) -> str:
@@ -66,26 +70,36 @@ def out_of_memory_reason(e: BaseException) -> str:
     return tried[0] if tried else reason_of(e)
 
 
-def out_of_memory_error(e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None,
-                        auto: bool = False) -> cli.RankLocalError:
+def out_of_memory_error(
+    e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None, auto: bool = False
+) -> cli.RankLocalError:
     """The line for an out-of-memory that ends the run. micro_batch: the rows per micro-step it ran
     out at, which --batch-size auto chose (auto; None: before it chose) or the user did. At one row
     fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
     shrinks a step."""
     if auto and micro_batch is None:  # the search itself, before its first trial
-        advice = ("--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "
-                  "a shorter --seq-len or a smaller model")
+        advice = (
+            "--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "
+            "a shorter --seq-len or a smaller model"
+        )
     elif micro_batch == 1:
-        advice = (f"not even one row per micro-step fits{' (--batch-size auto chose 1)' * auto}: pass "
-                  "--activation-checkpointing, a shorter --seq-len or a smaller model")
+        advice = (
+            f"not even one row per micro-step fits{' (--batch-size auto chose 1)' * auto}: pass "
+            "--activation-checkpointing, a shorter --seq-len or a smaller model"
+        )
     elif auto:
-        advice = (f"--batch-size auto chose {micro_batch} rows per micro-step, which fit its trial but not this step: "
-                  "pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len")
+        advice = (
+            f"--batch-size auto chose {micro_batch} rows per micro-step, which fit its trial but not this step: "
+            "pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len"
+        )
     else:
-        advice = ("lower --batch-size (--total-batch-size stays the same through more accumulation steps) or pass "
-                  "--activation-checkpointing")
-    return cli.RankLocalError(f"out of memory on {device} ({out_of_memory_reason(e)}): {advice}. Last good "
-                              f"checkpoint: {last_ckpt or 'none'}")
+        advice = (
+            "lower --batch-size (--total-batch-size stays the same through more accumulation steps) or pass "
+            "--activation-checkpointing"
+        )
+    return cli.RankLocalError(
+        f"out of memory on {device} ({out_of_memory_reason(e)}): {advice}. Last good checkpoint: {last_ckpt or 'none'}"
+    )
 
 
 def peak_memory(device: str) -> str:
@@ -154,11 +168,12 @@ def mapped_data_kib() -> int:
 
 
 def peak_report() -> str:
-    """"X GiB private (+ Y GiB of mapped shard pages, shared)": the run's own peak, and the data pages
+    """ "X GiB private (+ Y GiB of mapped shard pages, shared)": the run's own peak, and the data pages
     it maps apart; the peak RSS where /proc is not there."""
     if not _watch.sample():
         import resource
         import sys
+
         scale = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KiB on Linux
         return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale:.2f} GiB RSS"
     mapped = mapped_data_kib()

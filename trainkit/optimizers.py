@@ -5,6 +5,7 @@ one torch optimizer to everything else the step touches: the trainer (step, zero
 each step), fp16's GradScaler (unscale_ and step read param_groups and call step), the non-finite
 guard (state) and the checkpoints (one state dict holding both, under the checkpoint's "optimizer").
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,10 @@ class MuonWithAdamW:
 
     def __init__(self, adamw: torch.optim.AdamW, matrices: list, muon_lr: float, muon_momentum: float, max_lr: float):
         if not hasattr(torch.optim, "Muon"):  # requirements.txt asks for 2.6, which AdamW runs need
-            raise UserError(f"--optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is torch "
-                            f"{torch.__version__}: pip install -U torch, or use --optimizer adamw")
+            raise UserError(
+                f"--optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is torch "
+                f"{torch.__version__}: pip install -U torch, or use --optimizer adamw"
+            )
         # Nesterov momentum, 5 Newton-Schulz steps, LR x sqrt(max(1, rows / cols)) (torch's defaults, Keller
         # Jordan's Muon); no weight decay, as in modded-nanogpt and nanochat (torch's 0.1 at LR 0.02 would
         # shrink every matrix by 0.2% a step, 30x AdamW's decay at GPT-2's LR)
@@ -93,15 +96,22 @@ def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
                     flag = HYPERPARAMETER_FLAGS.get((name, key), f"{name}'s {key}")
                     changes.setdefault(flag, f"{flag} {saved[key]} -> {value}")
                 saved[key] = value
+
     ours = optimizer.state_dict()
     parts = sorted(ours.keys() - {"state", "param_groups"})  # MuonWithAdamW: one state dict per part
     for name in parts:
-        adopt(getattr(optimizer, name), ours[name], checkpoint_state.get(name) if isinstance(checkpoint_state, dict)
-              else None)
+        adopt(
+            getattr(optimizer, name),
+            ours[name],
+            checkpoint_state.get(name) if isinstance(checkpoint_state, dict) else None,
+        )
     if not parts:
         adopt(optimizer, ours, checkpoint_state)
-    return f"note: the optimizer takes this run's values, not its checkpoint's: {', '.join(changes.values())}" \
-        if changes else None
+    return (
+        f"note: the optimizer takes this run's values, not its checkpoint's: {', '.join(changes.values())}"
+        if changes
+        else None
+    )
 
 
 def same_value(a, b) -> bool:

@@ -6,6 +6,7 @@ branch folders (a resume from an earlier step sets the later checkpoints aside i
 overwriting them, a fresh start the log of a run killed before its first checkpoint); the W&B /
 TensorBoard sinks that get every record of the log are trainkit/run_trackers.py's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,18 @@ import stat
 
 from trainkit import cli, json_file
 from trainkit.atomic_write import fsync_dir, write_atomically
-from trainkit.checkpoints import (CKPT_NAME, ResumePoint, checkpoint_step, in_history, list_checkpoints, log_summary,
-                                  new_run, read_run, run_name, same_file)
+from trainkit.checkpoints import (
+    CKPT_NAME,
+    ResumePoint,
+    checkpoint_step,
+    in_history,
+    list_checkpoints,
+    log_summary,
+    new_run,
+    read_run,
+    run_name,
+    same_file,
+)
 from trainkit.cli import UserError, reason_of
 from trainkit.folder_lock import FolderLock
 from trainkit.console import print0
@@ -47,15 +58,18 @@ class RunLog:
         if not enabled:
             return
         if os.path.islink(self.path) and not os.path.exists(self.path):  # open() would create its target
-            raise UserError(f"cannot open {self.path}: it is a symbolic link to {os.readlink(self.path)}, which "
-                            "does not exist; remove the link or point it at a file")
+            raise UserError(
+                f"cannot open {self.path}: it is a symbolic link to {os.readlink(self.path)}, which "
+                "does not exist; remove the link or point it at a file"
+            )
         try:
             kept = read_log_up_to(self.path, resumed)
             note = own_file(self.path)  # a log shared with another run folder: this run appends to its own copy
             self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
-            raise UserError(f"cannot open {self.path}: {reason_of(e)}; make it a writable file, or choose "
-                            "another --out-dir") from None
+            raise UserError(
+                f"cannot open {self.path}: {reason_of(e)}; make it a writable file, or choose another --out-dir"
+            ) from None
         if note:
             print0(note)
         self.size = len(kept)
@@ -84,7 +98,9 @@ class RunLog:
         with open(self.path, "rb") as f:
             for number, line in enumerate(f.read(self.size).splitlines(), start=1):
                 record = json_file.parse(line, self.path, number)
-                record.update({k: float(v) for k, v in record.pop("nonfinite", {}).items()})  # strict_json_record undone
+                record.update(
+                    {k: float(v) for k, v in record.pop("nonfinite", {}).items()}
+                )  # strict_json_record undone
                 record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
                     for sink in list(self.sinks):
@@ -97,14 +113,16 @@ class RunLog:
             call(*args)
         except Exception as e:
             self.sinks = [s for s in self.sinks if s is not sink]
-            cli.print_warning(f"{sink.flag} failed {when} ({reason_of(e, typed=True)}) and gets no more "
-                              f"records; {self.path} has them all")
+            cli.print_warning(
+                f"{sink.flag} failed {when} ({reason_of(e, typed=True)}) and gets no more "
+                f"records; {self.path} has them all"
+            )
 
     def _append(self, data: bytes):
         try:
             view = memoryview(data)
             while view:  # a short write means the disk filled mid-record: the next write says why
-                view = view[self.file.write(view):]
+                view = view[self.file.write(view) :]
         except OSError as e:
             with contextlib.suppress(OSError):
                 self.file.truncate(self.size)  # back to the last whole record
@@ -121,8 +139,10 @@ class RunLog:
                 self._fail(e)
 
     def _fail(self, e: OSError):
-        raise UserError(f"cannot write {self.path}: {reason_of(e)} (the log ends at its last whole record). "
-                        f"Last good checkpoint: {self.last_checkpoint or 'none'}") from None
+        raise UserError(
+            f"cannot write {self.path}: {reason_of(e)} (the log ends at its last whole record). "
+            f"Last good checkpoint: {self.last_checkpoint or 'none'}"
+        ) from None
 
     def position(self) -> dict:
         """What a checkpoint taken now records of its run: the bytes of the log written so far and
@@ -151,12 +171,21 @@ def open_run_file(path: str, mode: str, **options):
     # (a new file gets open()'s usual 0o666 less the umask: os.open's default mode is 0o777)
     f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
-    what = "a named pipe (FIFO)" if stat.S_ISFIFO(kind) else "a socket" if stat.S_ISSOCK(kind) else \
-        "a block device" if stat.S_ISBLK(kind) else None
+    what = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(kind)
+        else "a socket"
+        if stat.S_ISSOCK(kind)
+        else "a block device"
+        if stat.S_ISBLK(kind)
+        else None
+    )
     if what:
         f.close()
-        raise UserError(f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
-                        "(the run makes its own), or choose another --out-dir")
+        raise UserError(
+            f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
+            "(the run makes its own), or choose another --out-dir"
+        )
     return f
 
 
@@ -170,18 +199,24 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
             kept = f.read(min(resumed.log_offset, size) if resumed else size)
     except FileNotFoundError:
         return b""
-    if resumed and kept and (len(kept) != resumed.log_offset or
-                             hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
+    if resumed and kept and (len(kept) != resumed.log_offset or hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
         last, whose, _, _ = log_summary(path)
         if last != resumed.run["id"]:
-            raise UserError(f"{path} is not the log of the run that wrote {resumed.path} (the log is of {whose}, the "
-                            f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
-                            "the --out-dir of the checkpoint's own run, or a new one")
-        change = (f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
-                  if len(kept) < resumed.log_offset else f"its first {resumed.log_offset} bytes differ from then")
-        raise UserError(f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
-                        "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
-                        "or move it aside (the resume then starts a new log.jsonl)")
+            raise UserError(
+                f"{path} is not the log of the run that wrote {resumed.path} (the log is of {whose}, the "
+                f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
+                "the --out-dir of the checkpoint's own run, or a new one"
+            )
+        change = (
+            f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
+            if len(kept) < resumed.log_offset
+            else f"its first {resumed.log_offset} bytes differ from then"
+        )
+        raise UserError(
+            f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
+            "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
+            "or move it aside (the resume then starts a new log.jsonl)"
+        )
     return kept
 
 
@@ -200,12 +235,17 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
             continue
         theirs, step = read_run(path), checkpoint_step(path)
         later |= step > resumed.step
-        if theirs and not (in_history(theirs["id"], step, mine, resumed.step) if step <= resumed.step
-                           else in_history(mine["id"], resumed.step, theirs, step)):
-            raise UserError(f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
-                            f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
-                            "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
-                            "new one")
+        if theirs and not (
+            in_history(theirs["id"], step, mine, resumed.step)
+            if step <= resumed.step
+            else in_history(mine["id"], resumed.step, theirs, step)
+        ):
+            raise UserError(
+                f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
+                f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
+                "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
+                "new one"
+            )
     continues = not later and same_file(os.path.dirname(resumed.path) or ".", out_dir)
     return mine if continues else new_run(mine, resumed.step)
 
@@ -225,19 +265,26 @@ def set_aside_later_branch(out_dir: str, step: int):
     try:
         if copied:
             with open(log, "rb") as source:
-                write_atomically(os.path.join(branch, "log.jsonl"), lambda f: shutil.copyfileobj(source, f),
-                                 fsync_file=True, fsync_folder=False)  # (the folder's fsync follows)
+                write_atomically(
+                    os.path.join(branch, "log.jsonl"),
+                    lambda f: shutil.copyfileobj(source, f),
+                    fsync_file=True,
+                    fsync_folder=False,
+                )  # (the folder's fsync follows)
         for path in later:
             move_entry(path, os.path.join(branch, os.path.basename(path)))  # (a symbolic link stays one)
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
-        raise UserError(f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} "
-                        "(nothing was deleted)") from None
+        raise UserError(
+            f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} (nothing was deleted)"
+        ) from None
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
-    print0(f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
-           f"{'s' * (len(later) > 1)}, {names}){' with a copy of its log.jsonl' * copied} to {branch}; "
-           "nothing was deleted")
+    print0(
+        f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
+        f"{'s' * (len(later) > 1)}, {names}){' with a copy of its log.jsonl' * copied} to {branch}; "
+        "nothing was deleted"
+    )
 
 
 def new_branch_folder(out_dir: str, reached: int) -> str:
@@ -266,8 +313,10 @@ def set_aside_log_without_checkpoint(out_dir: str):
     try:
         if not trained:
             os.remove(log)  # (the name only: a file it shared keeps its bytes)
-            print0(f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
-                   "this run starts it afresh")
+            print0(
+                f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+                "this run starts it afresh"
+            )
             return
         reached = last_trained_step(log) + 1
         branch = new_branch_folder(out_dir, reached)
@@ -276,8 +325,10 @@ def set_aside_log_without_checkpoint(out_dir: str):
         fsync_dir(out_dir)
     except OSError as e:
         raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
-    print0(f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
-           f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh")
+    print0(
+        f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
+        f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
+    )
 
 
 def last_trained_step(path: str) -> int:
@@ -331,8 +382,10 @@ class OutDirLock(FolderLock):
         self.made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
 
     def in_use(self, holder: str) -> str:
-        return (f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
-                "folder): wait for it to end (then --resume continues it), or choose another --out-dir")
+        return (
+            f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
+            "folder): wait for it to end (then --resume continues it), or choose another --out-dir"
+        )
 
     def note(self, line: str):
         print0(line)
@@ -350,8 +403,10 @@ def prepare_out_dir(out_dir: str) -> bool:
     removes it again if the run wrote nothing there)."""
     made = not os.path.lexists(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"--out-dir {out_dir} is a file, not a folder: a run writes its checkpoints and log.jsonl "
-                        "into a folder; choose another --out-dir")
+        raise UserError(
+            f"--out-dir {out_dir} is a file, not a folder: a run writes its checkpoints and log.jsonl "
+            "into a folder; choose another --out-dir"
+        )
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
@@ -362,10 +417,16 @@ def prepare_out_dir(out_dir: str) -> bool:
     for name in sorted(filter(CKPT_NAME.fullmatch, os.listdir(out_dir))):
         path = os.path.join(out_dir, name)
         if not os.path.isfile(path):  # --keep-last would fail to delete it mid-run, a save to write over it
-            what = "a folder" if os.path.isdir(path) else "a symbolic link to nothing" if os.path.islink(path) \
+            what = (
+                "a folder"
+                if os.path.isdir(path)
+                else "a symbolic link to nothing"
+                if os.path.islink(path)
                 else "not a regular file"
-            raise UserError(f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
-                            "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
-                            "rename it, or choose another --out-dir")
+            )
+            raise UserError(
+                f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
+                "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
+                "rename it, or choose another --out-dir"
+            )
     return made
-

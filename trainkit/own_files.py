@@ -6,6 +6,7 @@ checkpoint set aside into a branch folder) moves as what it is, a symbolic link 
 file (move_entry). Removing a name (--keep-last) and renaming a new file over one (a checkpoint, the
 lock note) change no other name's bytes. Standard library only.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,7 @@ def own_file(path: str) -> str | None:
         return None
     with open(path, "rb") as source:
         write_atomically(path, lambda f: shutil.copyfileobj(source, f), fsync_file=True, fsync_folder=True)
-    return (f"note: {path} was {shared}: this run writes to a copy of its own, and the file it shared stays "
-            "as it was")
+    return f"note: {path} was {shared}: this run writes to a copy of its own, and the file it shared stays as it was"
 
 
 def move_entry(source: str, destination: str):

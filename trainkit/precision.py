@@ -1,4 +1,5 @@
 """The autocast dtype of a device (bf16, fp16 with a GradScaler, or fp32) and its autocast context."""
+
 from __future__ import annotations
 
 import contextlib

@@ -13,7 +13,8 @@ def per_device_rate(tok_per_device: float, world_size: int, device_type: str) ->
 def per_device_and_mfu(tok_per_device: float, world_size: int, device_type: str, mfu: float | None) -> str:
     """' (N/gpu, mfu X%)' for the run's summary line: per_device_rate's number and the MFU, whichever there are."""
     parts = [per_device_rate(tok_per_device, world_size, device_type).strip(" ()")] + (
-        [f"mfu {100 * mfu:.1f}%"] if mfu else [])
+        [f"mfu {100 * mfu:.1f}%"] if mfu else []
+    )
     return f" ({', '.join(part for part in parts if part)})" if any(parts) else ""
 
 

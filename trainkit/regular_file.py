@@ -3,6 +3,7 @@
 output, a link to /dev/zero would be read until memory runs out. check_regular refuses anything else
 in one UserError before it is opened; open_regular opens without blocking and checks what it opened,
 so a pipe swapped in between is refused too. Standard library only; nothing runs at import."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,13 @@ import stat
 
 from trainkit.cli import UserError
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def not_regular(path: str, st: os.stat_result) -> UserError | None:

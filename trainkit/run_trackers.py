@@ -2,6 +2,7 @@
 sends them each record as it writes it; out_dir.open_run_log opens them before the log). Each is
 imported only when its flag asks for it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from trainkit.cli import UserError, reason_of
 def import_extra(module: str, flag: str, package: str):
     """An optional package, imported only when a flag asks for it: a UserError with the pip line if missing."""
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -52,11 +54,15 @@ class WandbSink:
         try:
             self.run = wandb.init(project=project, dir=out_dir, config=config)
         except Exception as e:  # no API key, no network, a bad project name...
-            raise UserError(f"--wandb: could not start a W&B run ({reason_of(e, typed=True)}); "
-                            "run `wandb login` or set WANDB_MODE=offline") from None
+            raise UserError(
+                f"--wandb: could not start a W&B run ({reason_of(e, typed=True)}); "
+                "run `wandb login` or set WANDB_MODE=offline"
+            ) from None
         if getattr(self.run, "disabled", False):
-            cli.print_warning("--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "
-                              "run stays empty; log.jsonl gets every record")
+            cli.print_warning(
+                "--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "
+                "run stays empty; log.jsonl gets every record"
+            )
 
     def write(self, record: dict):
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])

@@ -1,5 +1,6 @@
 """Sampling text from our GPT (its KV-cache generate), shared by sample.py and the trainer's
 --sample-every: the prompt's tokens, each sample's own generator, the rows drawn at once."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,10 @@ def encode_prompt(enc, prompt: str, vocab_size: int) -> list[int]:
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
     beyond = [t for t in ids if t >= vocab_size]
     if beyond:
-        raise UserError(f"the prompt has token {beyond[0]} ({enc.decode([beyond[0]])!r}), beyond the model's "
-                        f"vocabulary of {vocab_size} ids")
+        raise UserError(
+            f"the prompt has token {beyond[0]} ({enc.decode([beyond[0]])!r}), beyond the model's "
+            f"vocabulary of {vocab_size} ids"
+        )
     return ids
 
 
@@ -41,8 +44,20 @@ def sample_generator(seed: int, i: int, device: str) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-def sample_text(model: nn.Module, enc, device: str, prompt=SAMPLE_PROMPT, n=4, length=32, temperature=1.0,
-                top_k=50, seed=42, end_at_eot=True, batch_rows=None, stop_early=True):
+def sample_text(
+    model: nn.Module,
+    enc,
+    device: str,
+    prompt=SAMPLE_PROMPT,
+    n=4,
+    length=32,
+    temperature=1.0,
+    top_k=50,
+    seed=42,
+    end_at_eot=True,
+    batch_rows=None,
+    stop_early=True,
+):
     """Yields n continuations of prompt, each the prompt followed by up to length sampled tokens,
     as text; with end_at_eot a continuation ends with its first <|endoftext|> (as Hugging Face's
     generate stops at the eos token), otherwise it runs on past it.
@@ -54,19 +69,21 @@ def sample_text(model: nn.Module, enc, device: str, prompt=SAMPLE_PROMPT, n=4, l
     was_training = model.training
     model.eval()
     ids = encode_prompt(enc, prompt, model.config.vocab_size)
-    batch_rows = batch_rows or sample_batch_rows(model.config, len(ids) + length,
-                                                 next(model.parameters()).element_size())
+    batch_rows = batch_rows or sample_batch_rows(
+        model.config, len(ids) + length, next(model.parameters()).element_size()
+    )
     stop_token = EOT if end_at_eot and stop_early else None
     try:
         for first in range(0, n, batch_rows):
             rows = range(first, min(n, first + batch_rows))
             idx = torch.tensor([ids] * len(rows), dtype=torch.long, device=device)
             generators = [sample_generator(seed, i, device) for i in rows]
-            out = model.generate(idx, length, temperature=temperature, top_k=top_k, generator=generators,
-                                 stop_token=stop_token)
-            for row in out[:, len(ids):].tolist():
+            out = model.generate(
+                idx, length, temperature=temperature, top_k=top_k, generator=generators, stop_token=stop_token
+            )
+            for row in out[:, len(ids) :].tolist():
                 if end_at_eot and EOT in row:
-                    row = row[:row.index(EOT) + 1]
+                    row = row[: row.index(EOT) + 1]
                 yield prompt + enc.decode([t for t in row if t < enc.n_vocab])
     finally:
         model.train(was_training)

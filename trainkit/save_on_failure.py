@@ -4,6 +4,7 @@ run started (a --hellaswag-file removed, a disk filled): the steps trained since
 are then saved first, and the run stops with the failure's own line. Where they cannot be saved, the
 line says which checkpoint is the last.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -26,14 +27,19 @@ def save_first_on_failure(trainer, step: int, action):
         if last is None and step == 0:  # nothing trained yet
             raise
         if dist.is_initialized() and not isinstance(e, AgreedUserError):  # the other ranks may wait elsewhere
-            raise UserError(f"{e} (the steps trained since {last or 'step 0'} are not saved; last checkpoint: "
-                            f"{last or 'none'})") from None
+            raise UserError(
+                f"{e} (the steps trained since {last or 'step 0'} are not saved; last checkpoint: {last or 'none'})"
+            ) from None
         try:
             trainer.save(step)
         except UserError as failed:
-            print0(f"note: step {step}'s evaluation failed (the error below), and saving the steps trained before "
-                   f"it failed too ({failed}); last checkpoint: {last or 'none'}")
+            print0(
+                f"note: step {step}'s evaluation failed (the error below), and saving the steps trained before "
+                f"it failed too ({failed}); last checkpoint: {last or 'none'}"
+            )
             raise e from None
-        print0(f"note: step {step}'s evaluation failed (the error below); the steps trained before it are saved "
-               f"first in {trainer.last_ckpt}: once fixed, resume with the same command plus --resume")
+        print0(
+            f"note: step {step}'s evaluation failed (the error below); the steps trained before it are saved "
+            f"first in {trainer.last_ckpt}: once fixed, resume with the same command plus --resume"
+        )
         raise

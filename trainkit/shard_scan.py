@@ -15,6 +15,7 @@ then exchange the results: the largest ids in one all-gather; each row table thr
 where every rank can read it there (one node, or a cache on a shared filesystem), else in one more
 all-gather. A scan that takes more than PROGRESS_AFTER_S seconds prints a progress line every
 PROGRESS_EVERY_S. Runs nothing at import."""
+
 from __future__ import annotations
 
 import contextlib
@@ -67,8 +68,14 @@ class ScanCache:
         with contextlib.suppress(OSError, ValueError):
             if entry:
                 table = np.load(f"{entry[1]}.rows{T}.npy", mmap_mode="r", allow_pickle=False)
-                if (table.dtype == np.int64 and table.ndim == 2 and table.shape[1] == 2 and len(table)
-                        and table[0, 0] == 0 and int(table[-1, 0] + table[-1, 1]) == n_tokens - 1):
+                if (
+                    table.dtype == np.int64
+                    and table.ndim == 2
+                    and table.shape[1] == 2
+                    and len(table)
+                    and table[0, 0] == 0
+                    and int(table[-1, 0] + table[-1, 1]) == n_tokens - 1
+                ):
                     return table
         return None
 
@@ -96,7 +103,7 @@ class ScanCache:
 
 
 class Progress:
-    """"<what>: i/N shards, s" on stderr, once the work has taken PROGRESS_AFTER_S, then every PROGRESS_EVERY_S."""
+    """ "<what>: i/N shards, s" on stderr, once the work has taken PROGRESS_AFTER_S, then every PROGRESS_EVERY_S."""
 
     def __init__(self, what: str, total: int, enabled: bool):
         self.what, self.total, self.enabled = what, total, enabled
@@ -113,6 +120,7 @@ class Progress:
 
 def _ranks() -> tuple[int, int]:
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -120,20 +128,29 @@ def _ranks() -> tuple[int, int]:
 
 def _all_gather(obj) -> list:
     import torch.distributed as dist
+
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 
 
-def scan_shards(paths: list[str], shards: list[np.ndarray], recorded_max_ids: list, T: int | None, build_rows,
-                what: str, progress: bool) -> tuple[list[int], list[np.ndarray] | None]:
+def scan_shards(
+    paths: list[str],
+    shards: list[np.ndarray],
+    recorded_max_ids: list,
+    T: int | None,
+    build_rows,
+    what: str,
+    progress: bool,
+) -> tuple[list[int], list[np.ndarray] | None]:
     """(every shard's largest token id, every shard's row table build_rows(tokens, T), or None without T):
     from fineweb.py's manifest (recorded_max_ids) and the cache where they are, else scanned, once, and kept.
     Under torchrun every rank calls this with the same paths and gets every shard's results."""
     cache, n = ScanCache(), len(paths)
     kept = [shard.size >= MIN_CACHED_TOKENS for shard in shards]
-    max_ids = [m if isinstance(m, int) else (cache.max_id(p) if k else None)
-               for p, m, k in zip(paths, recorded_max_ids, kept)]
+    max_ids = [
+        m if isinstance(m, int) else (cache.max_id(p) if k else None) for p, m, k in zip(paths, recorded_max_ids, kept)
+    ]
     tables = [cache.rows(p, T, s.size) if T and k else None for p, s, k in zip(paths, shards, kept)] if T else None
     need = [i for i in range(n) if max_ids[i] is None or (T and tables[i] is None)]
     rank, world = _ranks()
@@ -143,8 +160,11 @@ def scan_shards(paths: list[str], shards: list[np.ndarray], recorded_max_ids: li
         return max_ids, tables
     mine = need[rank::world]
     share = f" over {world} ranks, rank 0's share" if world > 1 else ""
-    bar = Progress(f"{what}: scanning {len(need)} shards{share} (token ids{', row tables' if T else ''})",
-                   len(mine), progress and rank == 0)
+    bar = Progress(
+        f"{what}: scanning {len(need)} shards{share} (token ids{', row tables' if T else ''})",
+        len(mine),
+        progress and rank == 0,
+    )
     found = {}  # i -> (largest id, whether its row table is in the cache)
     for done, i in enumerate(mine, 1):
         tokens = shards[i]
@@ -155,7 +175,7 @@ def scan_shards(paths: list[str], shards: list[np.ndarray], recorded_max_ids: li
         if T and tables[i] is None:
             table = build_rows(tokens, T)
             cached = kept[i] and cache.store(paths[i], f".rows{T}.npy", table)
-            tables[i] = (cache.rows(paths[i], T, tokens.size) if cached else None)
+            tables[i] = cache.rows(paths[i], T, tokens.size) if cached else None
             if tables[i] is None:
                 tables[i] = table
             # else: memory-mapped, file pages the kernel shares and drops, not the run's own memory

@@ -3,6 +3,7 @@ the manifest that lets a killed run resume byte-identically), the trainer reads 
 checks a data folder against its manifest (check_against_manifest, check_token_ids, ShardDigestCheck)
 and which shards a checkpoint was trained on (shard_files, differing_file). A shard is a 1-D uint16 array: build-nanogpt's .npy or llm.c's .bin with its header.
 Runs nothing at import."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,10 @@ def write_atomically(path: str, *blobs) -> None:
     try:
         write_bytes_atomically(path, *blobs, fsync_file=False, fsync_folder=False)
     except OSError as e:  # a full disk, a quota, permissions
-        raise UserError(f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
-                         "complete: fix this and run the same command again to resume") from None
+        raise UserError(
+            f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
+            "complete: fix this and run the same command again to resume"
+        ) from None
 
 
 def save_manifest(out_dir: str, manifest: dict) -> None:
@@ -63,9 +66,11 @@ class ShardWriter:
         try:
             self.buffer = np.empty(config["shard_size"], dtype="<u2")
         except MemoryError:
-            raise UserError(f"--shard-size {config['shard_size']:,}: not enough memory for one shard's "
-                             f"buffer ({2 * config['shard_size'] / 1e9:.1f} GB); choose a smaller "
-                             "--shard-size") from None
+            raise UserError(
+                f"--shard-size {config['shard_size']:,}: not enough memory for one shard's "
+                f"buffer ({2 * config['shard_size'] / 1e9:.1f} GB); choose a smaller "
+                "--shard-size"
+            ) from None
         self.filled = 0
         self.shard_documents = 0  # documents that start in the current shard
         last = manifest["shards"][-1] if manifest["shards"] else {}
@@ -81,8 +86,8 @@ class ShardWriter:
         """Append tokens of whole documents (the first may lack a prefix already written)."""
         pos = 0
         while pos < tokens.size:
-            segment = tokens[pos:pos + self.buffer.size - self.filled]
-            self.buffer[self.filled:self.filled + segment.size] = segment
+            segment = tokens[pos : pos + self.buffer.size - self.filled]
+            self.buffer[self.filled : self.filled + segment.size] = segment
             self.filled += segment.size
             pos += segment.size
             starts = np.flatnonzero(segment == EOT)
@@ -101,7 +106,7 @@ class ShardWriter:
         """finish_shard for a stream that ended inside the first shard, cut into two shards instead:
         its first `first` tokens and the rest, with the bookkeeping of a stream cut there (so that a
         run interrupted between the two resumes as one that wrote the first)."""
-        tokens = self.buffer[:self.filled].copy()
+        tokens = self.buffer[: self.filled].copy()
         self.filled = self.shard_documents = self.documents_done = self.open_tokens = 0
         self.add(tokens[:first])
         self.finish_shard(ends_document=bool(tokens[first] == EOT))
@@ -114,7 +119,7 @@ class ShardWriter:
         index = len(self.manifest["shards"])
         split = "val" if index < self.val_shards else "train"
         name = f"{self.prefix}_{split}_{index:06d}.{self.fmt}"
-        tokens = self.buffer[:self.filled]
+        tokens = self.buffer[: self.filled]
         header = shard_header(tokens, self.fmt)
         write_atomically(os.path.join(self.out_dir, name), header, tokens.data)
         digest = hashlib.sha256(header)
@@ -122,15 +127,19 @@ class ShardWriter:
         if ends_document and self.open_tokens:
             self.documents_done += 1
             self.open_tokens = 0
-        self.manifest["shards"].append({
-            "file": name, "split": split, "tokens": int(self.filled),
-            "bytes": len(header) + tokens.nbytes,
-            "documents": int(self.shard_documents),
-            "sha256": digest.hexdigest(),
-            "max_id": int(tokens.max()),  # the trainer refuses ids its model has no output for
-            "documents_done": self.documents_done,
-            "next_document_tokens_done": self.open_tokens,
-        })
+        self.manifest["shards"].append(
+            {
+                "file": name,
+                "split": split,
+                "tokens": int(self.filled),
+                "bytes": len(header) + tokens.nbytes,
+                "documents": int(self.shard_documents),
+                "sha256": digest.hexdigest(),
+                "max_id": int(tokens.max()),  # the trainer refuses ids its model has no output for
+                "documents_done": self.documents_done,
+                "next_document_tokens_done": self.open_tokens,
+            }
+        )
         try:
             save_manifest(self.out_dir, self.manifest)
         except UserError:  # the folder holds exactly what the manifest lists, so a rerun resumes
@@ -149,38 +158,58 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
         pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
         strays = glob.glob(os.path.join(glob.escape(out_dir), pattern))
         if strays:
-            raise UserError(f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
-                             f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir")
-        return {"source": source, "tokenizer": f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})",
-                "dtype": "uint16", "config": config, "inputs": inputs, "complete": False, "shards": []}
+            raise UserError(
+                f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
+                f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir"
+            )
+        return {
+            "source": source,
+            "tokenizer": f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})",
+            "dtype": "uint16",
+            "config": config,
+            "inputs": inputs,
+            "complete": False,
+            "shards": [],
+        }
     manifest = read_manifest(path)
-    changed = [f"{key} {manifest['config'].get(key)!r} -> {value!r}"
-               for key, value in config.items() if manifest["config"].get(key) != value]
+    changed = [
+        f"{key} {manifest['config'].get(key)!r} -> {value!r}"
+        for key, value in config.items()
+        if manifest["config"].get(key) != value
+    ]
     if changed:
-        raise UserError(f"{path} was written with other arguments ({'; '.join(changed)}); "
-                         "rerun with the same arguments to resume, or use another --out-dir")
+        raise UserError(
+            f"{path} was written with other arguments ({'; '.join(changed)}); "
+            "rerun with the same arguments to resume, or use another --out-dir"
+        )
     what = changed_input(manifest.get("inputs"), inputs)
     if what:
-        raise UserError(f"the --files input changed since {path} was written: {what}, so new shards "
-                         f"would not continue the old ones; restore it, or delete {out_dir} and start over")
+        raise UserError(
+            f"the --files input changed since {path} was written: {what}, so new shards "
+            f"would not continue the old ones; restore it, or delete {out_dir} and start over"
+        )
     for shard in manifest["shards"]:
         shard_path = os.path.join(out_dir, shard["file"])
         if not os.path.isfile(shard_path) or os.path.getsize(shard_path) != shard["bytes"]:
-            raise UserError(f"{shard_path}, listed in {path}, is missing or truncated; "
-                             "delete the folder and start over")
+            raise UserError(
+                f"{shard_path}, listed in {path}, is missing or truncated; delete the folder and start over"
+            )
     return manifest
 
 
 def read_manifest(path: str) -> dict:
     try:
         manifest = json_file.read(path)
-        if not (isinstance(manifest["config"], dict) and isinstance(manifest["complete"], bool)
-                and all(isinstance(shard["file"], str) and isinstance(shard["bytes"], int)
-                        for shard in manifest["shards"])):
+        if not (
+            isinstance(manifest["config"], dict)
+            and isinstance(manifest["complete"], bool)
+            and all(isinstance(shard["file"], str) and isinstance(shard["bytes"], int) for shard in manifest["shards"])
+        ):
             raise TypeError
     except json_file.JSONFileError as e:
-        raise UserError(f"{path} is not a manifest written by fineweb.py ({e.reason}); use an empty --out-dir") \
-            from None
+        raise UserError(
+            f"{path} is not a manifest written by fineweb.py ({e.reason}); use an empty --out-dir"
+        ) from None
     except (KeyError, TypeError):  # not our layout
         raise UserError(f"{path} is not a manifest written by fineweb.py; use an empty --out-dir") from None
     return manifest
@@ -222,16 +251,17 @@ def open_shard(path: str) -> np.ndarray:
         if path.endswith(".bin"):
             header = np.fromfile(path, dtype=np.int32, count=BIN_HEADER_INTS)
             if header.size < 3 or header[0] != BIN_MAGIC:
-                raise UserError(f"{path}: not an llm.c token shard (bad magic). "
-                                "HINT: are you passing the right file?")
+                raise UserError(f"{path}: not an llm.c token shard (bad magic). HINT: are you passing the right file?")
             if header[1] != BIN_VERSION:
                 raise UserError(f"{path}: unsupported llm.c shard version {header[1]} (expected {BIN_VERSION})")
             n_tokens = int(header[2])
             expected = 4 * BIN_HEADER_INTS + 2 * n_tokens
             actual = os.path.getsize(path)
             if actual != expected:
-                raise UserError(f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
-                                f"has {actual} bytes: truncated or corrupt, re-create it")
+                raise UserError(
+                    f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
+                    f"has {actual} bytes: truncated or corrupt, re-create it"
+                )
             return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
         with open(path, "rb") as f:
             if f.read(6) != b"\x93NUMPY":
@@ -240,11 +270,14 @@ def open_shard(path: str) -> np.ndarray:
     except UserError:
         raise
     except (ValueError, OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? "
-                        "re-create it") from None
+        raise UserError(
+            f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? re-create it"
+        ) from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UserError(f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
-                        f"{tokens.shape}. HINT: are you passing the right file?")
+        raise UserError(
+            f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
+            f"{tokens.shape}. HINT: are you passing the right file?"
+        )
     return tokens
 
 
@@ -278,8 +311,10 @@ def folder_manifest(folder: str) -> dict | None:
     except OSError:
         return None
     except json_file.JSONFileError as e:
-        raise UserError(f"{path} is not a manifest fineweb.py wrote ({e.reason}); restore it, re-create the data "
-                        "set with fineweb.py, or move it out of the folder") from None
+        raise UserError(
+            f"{path} is not a manifest fineweb.py wrote ({e.reason}); restore it, re-create the data "
+            "set with fineweb.py, or move it out of the folder"
+        ) from None
     return manifest if isinstance(manifest, dict) else None
 
 
@@ -312,21 +347,28 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
     manifest, where = folder_manifest(folder), os.path.join(folder, MANIFEST)
     if manifest is not None and manifest.get("complete") is False:
         written = len(manifest.get("shards") or ())
-        raise UserError(f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
-                        "complete: false); finish it by running fineweb.py again as it was run")
+        raise UserError(
+            f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
+            "complete: false); finish it by running fineweb.py again as it was run"
+        )
     listed = manifest_shards(folder)
     if listed is None:  # shards from another tool
         return
     for path in paths:
         if os.path.basename(path) not in listed:
-            raise UserError(f"{path} is not one of the shards that {where} lists: move it out of the folder (where "
-                            "a manifest is, the trainer reads the shards it lists and no others)")
+            raise UserError(
+                f"{path} is not one of the shards that {where} lists: move it out of the folder (where "
+                "a manifest is, the trainer reads the shards it lists and no others)"
+            )
     for name, entry in sorted(listed.items()):
         path = os.path.join(folder, name)
         if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry.get("bytes")):
             continue
-        what = (f"is {os.path.getsize(path)} bytes, not the {entry.get('bytes')} that {where} lists"
-                if os.path.isfile(path) else f"is missing, yet {where} lists it")
+        what = (
+            f"is {os.path.getsize(path)} bytes, not the {entry.get('bytes')} that {where} lists"
+            if os.path.isfile(path)
+            else f"is missing, yet {where} lists it"
+        )
         raise UserError(f"{path} {what}; restore it, or re-create the data set with fineweb.py")
 
 
@@ -334,11 +376,15 @@ def no_output_for(path: str, token_id: int, vocab_size: int) -> str:
     """Why the model (of vocab_size rows) cannot train on a shard holding token_id: as a target, no
     output of its softmax (real_vocab_size) is that id."""
     if vocab_size >= GPT2_VOCAB:
-        return (f"{path} holds token id {token_id}, which the model has no output for: its softmax covers GPT-2's "
-                f"{GPT2_VOCAB} tokens (ids 0..{EOT}), whatever --vocab-size pads; the shards come from another "
-                "tokenizer (one with added tokens?): re-create them with fineweb.py")
-    return (f"{path} holds token id {token_id}, which the model has no output for (--vocab-size {vocab_size}: ids "
-            f"0..{vocab_size - 1}); wrong tokenizer or --vocab-size too small")
+        return (
+            f"{path} holds token id {token_id}, which the model has no output for: its softmax covers GPT-2's "
+            f"{GPT2_VOCAB} tokens (ids 0..{EOT}), whatever --vocab-size pads; the shards come from another "
+            "tokenizer (one with added tokens?): re-create them with fineweb.py"
+        )
+    return (
+        f"{path} holds token id {token_id}, which the model has no output for (--vocab-size {vocab_size}: ids "
+        f"0..{vocab_size - 1}); wrong tokenizer or --vocab-size too small"
+    )
 
 
 def check_token_ids(paths: list[str], largest_ids: list[int], vocab_size: int):
@@ -391,7 +437,8 @@ class ShardDigestCheck:
                 self.error = UserError(
                     f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
                     f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
-                    "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py")
+                    "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py"
+                )
                 return
 
     def failed(self) -> bool:

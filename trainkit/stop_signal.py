@@ -1,4 +1,5 @@
 """Stop signals: SIGTERM, SIGINT and SIGHUP finish the step, checkpoint and exit 0."""
+
 from __future__ import annotations
 
 import os

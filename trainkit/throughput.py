@@ -1,5 +1,6 @@
 """How well a run uses its hardware: tokens per second, and MFU against the GPU's dense peak (a
 table of datasheet figures, or --peak-tflops)."""
+
 from __future__ import annotations
 
 import re
@@ -63,9 +64,15 @@ class Throughput:
     """Speed of steps that each process tokens_per_step tokens on all ranks (padding included):
     tok/s of all ranks, per GPU, and MFU per GPU = FLOPs of all ranks / (dt x W x peak of one GPU)."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int,
-                 device_type: str):
-        self.tokens_per_step, self.flops_per_token, self.peak, self.W = tokens_per_step, flops_per_token, peak, world_size
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int, device_type: str
+    ):
+        self.tokens_per_step, self.flops_per_token, self.peak, self.W = (
+            tokens_per_step,
+            flops_per_token,
+            peak,
+            world_size,
+        )
         self.device_type = device_type  # the per-device rate reads /gpu on CUDA, /rank elsewhere (trainkit/progress.py)
 
     def of(self, dt: float) -> tuple[float, float, float | None]:
@@ -80,6 +87,11 @@ class Throughput:
         speed = ""
         if timed:
             tok_per_s, tok_per_gpu, mfu = self.of(sum(timed) / len(timed))
-            speed = (f" | mean {tok_per_s:,.0f} tok/s" + per_device_and_mfu(tok_per_gpu, self.W, self.device_type, mfu)
-                     + f" over {'steps after the first' if len(step_times) > 1 else 'the only step'}")
-        return f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | peak memory {peak_mem}"
+            speed = (
+                f" | mean {tok_per_s:,.0f} tok/s"
+                + per_device_and_mfu(tok_per_gpu, self.W, self.device_type, mfu)
+                + f" over {'steps after the first' if len(step_times) > 1 else 'the only step'}"
+            )
+        return (
+            f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | peak memory {peak_mem}"
+        )

@@ -2,6 +2,7 @@
 the copy in bpe/ (its sha256 checked) when no cache holds it; the real vocabulary of a padded model;
 the bytes of each token (bits per byte); documents encoded as [EOT] + tokens in one call. Loads the
 standard library, numpy and tiktoken, and runs nothing at import."""
+
 from __future__ import annotations
 
 import base64
@@ -24,8 +25,7 @@ BPE_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktok
 BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # what tiktoken requires of it
 # the copy this repository ships (bpe/README.md: where it came from), in bpe/ at the repository's root
 # beside trainkit/; beside the real file when a script is reached through a symbolic link
-SHIPPED_BPE = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "bpe",
-                           "r50k_base.tiktoken")
+SHIPPED_BPE = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "bpe", "r50k_base.tiktoken")
 _BPE_HINT = "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
 
 _encoding = None
@@ -85,8 +85,11 @@ def _load_encoding() -> tiktoken.Encoding:
             with contextlib.suppress(Exception):
                 return tiktoken.get_encoding(ENCODING_NAME)
         elif os.path.exists(SHIPPED_BPE):
-            print0(f"note: the GPT-2 tokenizer file {cached} in TIKTOKEN_CACHE_DIR is damaged (another "
-                   f"sha256); using {SHIPPED_BPE} instead (delete the damaged file to silence this)", file=sys.stderr)
+            print0(
+                f"note: the GPT-2 tokenizer file {cached} in TIKTOKEN_CACHE_DIR is damaged (another "
+                f"sha256); using {SHIPPED_BPE} instead (delete the damaged file to silence this)",
+                file=sys.stderr,
+            )
     if os.path.exists(SHIPPED_BPE):
         return shipped_encoding()
     try:
@@ -94,31 +97,40 @@ def _load_encoding() -> tiktoken.Encoding:
     except Exception as e:
         raise RuntimeError(
             f"could not load the GPT-2 tokenizer: {SHIPPED_BPE} is missing and tiktoken could not fetch "
-            f"{ENCODING_NAME!r} ({reason_of(e)}); restore the file (git checkout -- bpe), {_BPE_HINT}") from e
+            f"{ENCODING_NAME!r} ({reason_of(e)}); restore the file (git checkout -- bpe), {_BPE_HINT}"
+        ) from e
 
 
 def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
     """tiktoken's r50k_base built from the rank file at path: the same ranks, split pattern and
     special token as tiktoken_ext.openai_public.r50k_base, without its download or cache."""
     from tiktoken_ext.openai_public import r50k_pat_str
+
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise RuntimeError(f"could not load the GPT-2 tokenizer: cannot read {path}: {reason_of(e)}; "
-                           f"{_BPE_HINT}") from None
+        raise RuntimeError(
+            f"could not load the GPT-2 tokenizer: cannot read {path}: {reason_of(e)}; {_BPE_HINT}"
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != BPE_SHA256:
         raise RuntimeError(
             f"could not load the GPT-2 tokenizer: {path} is damaged (sha256 {digest[:16]}..., expected "
-            f"{BPE_SHA256[:16]}...); restore it (git checkout -- bpe), {_BPE_HINT}")
+            f"{BPE_SHA256[:16]}...); restore it (git checkout -- bpe), {_BPE_HINT}"
+        )
     ranks = {}
     for line in data.splitlines():  # "base64(token bytes) rank", as tiktoken.load.load_tiktoken_bpe reads it
         if line:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
-    return tiktoken.Encoding(ENCODING_NAME, pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={EOT_TEXT: EOT}, explicit_n_vocab=EOT + 1)
+    return tiktoken.Encoding(
+        ENCODING_NAME,
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={EOT_TEXT: EOT},
+        explicit_n_vocab=EOT + 1,
+    )
 
 
 def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
@@ -140,8 +152,7 @@ def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
     parts.append(_encode_joined(enc, docs[start:]))
     tokens = np.concatenate(parts)
     if tokens.size and tokens.max() > np.iinfo(np.uint16).max:
-        raise UserError(f"token id {tokens.max()} does not fit in uint16; "
-                         f"the tokenizer is not GPT-2's {ENCODING_NAME}")
+        raise UserError(f"token id {tokens.max()} does not fit in uint16; the tokenizer is not GPT-2's {ENCODING_NAME}")
     return tokens.astype("<u2")
 
 

@@ -5,6 +5,7 @@ fields' checks, check_run the checks between fields. Standard library only, and 
 the trainer, which hands it its config class: so `--help` and a usage error answer before torch is
 imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,7 @@ def batch_size_flag(text: str) -> int | str:
 def one_of(choices):
     def check(name, value):
         return None if value in choices else f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}"
+
     return check
 
 
@@ -77,9 +79,11 @@ def in_unit_interval(name, value):
 def dist_timeout_range(name, value):
     if MIN_DIST_TIMEOUT <= value <= 1e9:  # a timedelta overflows far above that
         return None
-    return (f"--dist-timeout must be in [{MIN_DIST_TIMEOUT}, 1e9] seconds, got {value}: healthy ranks wait this "
-            "long for each other (rank 0 writing a checkpoint or samples, the first step compiling), and a shorter "
-            "wait reports them as dead")
+    return (
+        f"--dist-timeout must be in [{MIN_DIST_TIMEOUT}, 1e9] seconds, got {value}: healthy ranks wait this "
+        "long for each other (rank 0 writing a checkpoint or samples, the first step compiling), and a shorter "
+        "wait reports them as dead"
+    )
 
 
 def check_flags(run):
@@ -98,17 +102,28 @@ def check_flags(run):
         if problem:
             raise UserError(problem)
     if run.init_from:  # the weights set the shape: --n-layer and friends would be silently dropped
-        shape_flags = [flag for flag, value in (("--model", run.model), ("--n-layer", run.n_layer),
-                                                ("--n-head", run.n_head), ("--n-embd", run.n_embd)) if value]
+        shape_flags = [
+            flag
+            for flag, value in (
+                ("--model", run.model),
+                ("--n-layer", run.n_layer),
+                ("--n-head", run.n_head),
+                ("--n-embd", run.n_embd),
+            )
+            if value
+        ]
         if shape_flags:
-            raise UserError(f"--init-from {run.init_from} takes the model's shape from its weights: drop "
-                            f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)")
+            raise UserError(
+                f"--init-from {run.init_from} takes the model's shape from its weights: drop "
+                f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)"
+            )
 
 
 def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
     """The checks between fields of a run (a RunConfig) and its model (a GPTConfig), before any work;
     seq_len and batch_size (a number of rows, or auto) as the launch resolved them."""
     from trainkit.tokenizer import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
+
     if model.n_embd % model.n_head:
         raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")
     if seq_len > model.block_size:
@@ -118,13 +133,17 @@ def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
     micro_tokens = B * seq_len * world_size
     if run.total_batch_size % micro_tokens:
         batch_size = ("", "") if auto else ("batch_size x ", f"{B} x ")
-        raise UserError(f"--total-batch-size {run.total_batch_size} is not divisible by {batch_size[0]}seq_len x "
-                        f"world_size = {batch_size[1]}{seq_len} x {world_size} = {micro_tokens}")
+        raise UserError(
+            f"--total-batch-size {run.total_batch_size} is not divisible by {batch_size[0]}seq_len x "
+            f"world_size = {batch_size[1]}{seq_len} x {world_size} = {micro_tokens}"
+        )
     if run.max_lr <= 0 or (run.min_lr is not None and not 0 <= run.min_lr <= run.max_lr):
         raise UserError(f"need 0 < --max-lr and 0 <= --min-lr <= --max-lr (got {run.max_lr}, {run.min_lr})")
     if run.lr_schedule == "wsd" and run.warmup_steps > run.cooldown_start:
-        raise UserError(f"--warmup-steps {run.warmup_steps} runs into the cooldown, which starts at step "
-                        f"{run.cooldown_start} (--max-steps x (1 - --cooldown-frac)): lower one of them")
+        raise UserError(
+            f"--warmup-steps {run.warmup_steps} runs into the cooldown, which starts at step "
+            f"{run.cooldown_start} (--max-steps x (1 - --cooldown-frac)): lower one of them"
+        )
     if run.eval_only and run.resume is None and run.init_from is None:
         raise UserError("--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR")
     if run.eval_only and (run.wandb or run.tensorboard):
@@ -135,16 +154,25 @@ def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
     if run.val_every and not run.val_steps:
         raise UserError("--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or --val-every 0")
-    text_flags = [flag for flag, on in (("--sample-every 0", run.sample_every),
-                                        ("--hellaswag-every 0", run.hellaswag_every)) if on]
+    text_flags = [
+        flag
+        for flag, on in (("--sample-every 0", run.sample_every), ("--hellaswag-every 0", run.hellaswag_every))
+        if on
+    ]
     if model.vocab_size < GPT2_VOCAB and text_flags:
-        raise UserError(f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "
-                        f"sampling and HellaSwag feed the model: pass {' '.join(text_flags)}")
+        raise UserError(
+            f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "
+            f"sampling and HellaSwag feed the model: pass {' '.join(text_flags)}"
+        )
     if run.muon_lr <= 0 or not 0 <= run.muon_momentum < 1:
         raise UserError(f"need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got {run.muon_lr}, {run.muon_momentum})")
     if run.fsdp and run.optimizer == "muon":  # Newton-Schulz orthogonalizes whole matrices; FSDP holds 1/W of each
-        raise UserError("--optimizer muon does not run under --fsdp (Muon needs each whole weight matrix, which "
-                        "FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw")
+        raise UserError(
+            "--optimizer muon does not run under --fsdp (Muon needs each whole weight matrix, which "
+            "FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw"
+        )
     if run.fsdp and world_size < 2:
-        raise UserError("--fsdp shards the model over the processes of a torchrun launch and needs at "
-                        "least 2; with one process drop --fsdp (it would hold the whole model anyway)")
+        raise UserError(
+            "--fsdp shards the model over the processes of a torchrun launch and needs at "
+            "least 2; with one process drop --fsdp (it would hold the whole model anyway)"
+        )

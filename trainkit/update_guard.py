@@ -1,5 +1,6 @@
 """What keeps a bad step from doing harm: the non-finite and spike guard on each update
 (--skip-nonfinite, --skip-spikes), and the check that no checkpoint holds NaN or inf."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ class SpikeDetector:
             mean = sum(self.values) / len(self.values)
             std = (sum((v - mean) ** 2 for v in self.values) / len(self.values)) ** 0.5
             spike = value > mean + self.z * max(std, 1e-8)
-        self.values = (self.values + [value])[-self.window:]
+        self.values = (self.values + [value])[-self.window :]
         return spike
 
 
@@ -55,24 +56,32 @@ class UpdateGuard:
             return "overflow"  # fp16 gradients overflowed at this loss scale: the scaler lowers it, no failure
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if self.nonfinite_skipped >= self.skip_nonfinite:
-                raise UserError(f"step {step}: non-finite loss {loss} or grad norm {norm}; stopped "
-                                f"before the update. Last good checkpoint: {self.last_checkpoint() or 'none'}")
+                raise UserError(
+                    f"step {step}: non-finite loss {loss} or grad norm {norm}; stopped "
+                    f"before the update. Last good checkpoint: {self.last_checkpoint() or 'none'}"
+                )
             self.nonfinite_skipped += 1
             return "nonfinite"
         if any([self.loss_spikes.is_spike(loss), self.norm_spikes.is_spike(norm)]):  # both windows see the step
             self.spikes_in_a_row += 1
             if self.spikes_in_a_row > MAX_SPIKES_IN_A_ROW:
-                raise UserError(f"step {step}: {self.spikes_in_a_row} updates in a row flagged by --skip-spikes "
-                                f"{self.skip_spikes}: the loss or grad norm has moved for good (or Z is too low) "
-                                "and skipping cannot fix that; stopped before the update. Last good checkpoint: "
-                                f"{self.last_checkpoint() or 'none'}")
+                raise UserError(
+                    f"step {step}: {self.spikes_in_a_row} updates in a row flagged by --skip-spikes "
+                    f"{self.skip_spikes}: the loss or grad norm has moved for good (or Z is too low) "
+                    "and skipping cannot fix that; stopped before the update. Last good checkpoint: "
+                    f"{self.last_checkpoint() or 'none'}"
+                )
             return "spike"
         self.spikes_in_a_row = 0
         return None
 
     def state_dict(self) -> dict:
-        return dict(loss_window=self.loss_spikes.values, norm_window=self.norm_spikes.values,
-                    spikes_in_a_row=self.spikes_in_a_row, nonfinite_skipped=self.nonfinite_skipped)
+        return dict(
+            loss_window=self.loss_spikes.values,
+            norm_window=self.norm_spikes.values,
+            spikes_in_a_row=self.spikes_in_a_row,
+            nonfinite_skipped=self.nonfinite_skipped,
+        )
 
     def load_state_dict(self, state: dict):
         self.loss_spikes.values, self.norm_spikes.values = list(state["loss_window"]), list(state["norm_window"])
