@@ -1,6 +1,7 @@
 """The data of evals/hellaswag_local.yaml: rowanz's hellaswag_val.jsonl from a local file (or
 trainkit/hellaswag_data.py's sha256-checked download), handed to lm-eval's own hellaswag process_docs, so the
 text the model sees is exactly lm-eval's."""
+
 import json
 import os
 import sys
