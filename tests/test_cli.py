@@ -240,3 +240,33 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path, script, args, blocked):
     )
     out, err = interrupt_when_blocked(proc, fifo)
     assert (proc.returncode, err, out) == (130, "error: interrupted\n", "")
+
+
+@pytest.mark.parametrize(
+    "script", ["train_gpt2.py", "fineweb.py", "hellaswag.py", "hf_interop.py", "sample.py", "plot_log.py"]
+)
+def test_a_deleted_current_folder_is_one_line(tmp_path, script):
+    """Started in a folder deleted under the shell (torch's native libraries would end in a fatal error)."""
+    result = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'mkdir gone && cd gone && rmdir ../gone && exec "$@"',
+            "bash",
+            sys.executable,
+            str(REPO / script),
+            "--help",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        (
+            "error: the current folder no longer exists (deleted while the shell was in it): cd to an existing folder "
+            "and run the command again\n"
+        ),
+    )

@@ -197,8 +197,19 @@ def exit_on_ctrl_c_while_starting() -> None:
     stdout and stderr are guarded (console.guard_streams: printing never ends it); Ctrl-C from
     now until exit_code_of runs the action is `error: interrupted` and exit code 130, and a
     library that fails to import is one `error:` line and exit code 2 (_import_failed). A
-    SIGINT that the parent left ignored (a background job) stays ignored."""
+    SIGINT that the parent left ignored (a background job) stays ignored. A current folder that was
+    deleted (under the shell that started the script) is one line: native libraries that look
+    themselves up from it would end the process with a fatal error of their own."""
     guard_streams()
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        print0(
+            "error: the current folder no longer exists (deleted while the shell was in it): cd to an existing "
+            "folder and run the command again",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
     sys.excepthook = _import_failed
