@@ -304,14 +304,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), resume choice, state dicts
-    ResumePoint,
-    check_resume_compatible,
+from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), full state dicts
     checkpoint_path,
-    choose_resume_checkpoint,
-    data_change,
-    data_files,
-    find_resume_checkpoint,
     full_state,
     latest_checkpoint,
     load_checkpoint,
@@ -357,6 +351,14 @@ from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--o
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
 from trainkit.precision import autocast_context, resolve_dtype  # defines: the autocast dtype of a device, its context
 from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
+from trainkit.resume import (  # defines: what --resume continues, whose a checkpoint is, what a resume keeps
+    ResumePoint,
+    check_resume_compatible,
+    choose_resume_checkpoint,
+    data_change,
+    data_files,
+    find_resume_checkpoint,
+)
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.shard_scan import (

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from trainkit import checkpoints
+from trainkit import resume
+from trainkit import checkpoint_checks
 from trainkit import update_guard
 import train_gpt2 as tg
 from trainkit.cli import UserError
@@ -235,7 +237,7 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     other = tmp_path / "other"
     assert tg.main(tiny_run_args(data_dir, other, steps=2, ckpt_every=2)) == 0
     given = finished_run / "ckpt_0000004.pt"
-    theirs, mine = (checkpoints.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
+    theirs, mine = (resume.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
     os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
     before = {p.name: p.read_bytes() for p in other.iterdir()}
     result = run_command("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
@@ -692,7 +694,7 @@ def test_gpt_state_shapes_are_the_models():
         dict(n_layer=3, n_head=4, n_embd=8, block_size=7, vocab_size=64),
     ]:
         state = tg.GPT(tg.GPTConfig(**shape)).state_dict()
-        assert checkpoints.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
+        assert checkpoint_checks.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
 
 
 def re_summed(src, dst, edit):

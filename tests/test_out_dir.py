@@ -17,6 +17,7 @@ import time
 import pytest
 
 from trainkit import checkpoints
+from trainkit import resume
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
@@ -220,7 +221,7 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, dat
     given = other / "ckpt_0000006.pt"
     os.rename(out / "log.jsonl", tmp_path / "a_log.jsonl")
     before = tree_hashes(out)
-    a, b = (checkpoints.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
+    a, b = (resume.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
     result = run(tiny_run_args(data_dir, out, "--resume", str(given), "--seed", "5", steps=10, B=2), nproc=2)
     message = (
         f"error: cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
@@ -242,29 +243,29 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
         state = dict(model={}, model_config={}, step=step, log_offset=0, log_sha256="", run=run)
         path = checkpoints.checkpoint_path(str(folder), step)
         checkpoints.save_checkpoint(path, {k: v for k, v in state.items() if v is not None})
-        return checkpoints.ResumePoint.of(path, state)
+        return resume.ResumePoint.of(path, state)
 
     def refusal(resumed, folder, name, theirs):
         return re.escape(
-            f"cannot resume {resumed.path} ({checkpoints.run_name(resumed.run['id'])}, step "
+            f"cannot resume {resumed.path} ({resume.run_name(resumed.run['id'])}, step "
             f"{resumed.step}) in --out-dir {folder}: its {name} is another run's "
-            f"({checkpoints.run_name(theirs)}), and one folder holds one run"
+            f"({resume.run_name(theirs)}), and one folder holds one run"
         )
 
     legacy = tmp_path / "legacy"
     at_2, at_4 = checkpoint(legacy, 2, None), checkpoint(legacy, 4, None)
-    assert out_dir.claim_run(str(legacy), at_4) == checkpoints.LEGACY_RUN  # a requeued legacy run stays one
+    assert out_dir.claim_run(str(legacy), at_4) == resume.LEGACY_RUN  # a requeued legacy run stays one
     branch = out_dir.claim_run(str(legacy), at_2)  # a branch of it gets an id, naming it and the step
-    assert branch["parent"] == dict(checkpoints.LEGACY_RUN, step=2) and len(branch["id"]) == 32
+    assert branch["parent"] == dict(resume.LEGACY_RUN, step=2) and len(branch["id"]) == 32
     at_6 = checkpoint(tmp_path / "branch", 6, branch)
     with pytest.raises(UserError, match=refusal(at_6, legacy, "ckpt_0000004.pt", None)):
         out_dir.claim_run(str(legacy), at_6)  # step 4 of the legacy run is not in the branch's past
     os.remove(at_4.path)
     again = out_dir.claim_run(str(legacy), at_6)  # step 2 is: the branch may go on there, as a branch again
     assert again["parent"] == dict(branch, step=6) and again["id"] != branch["id"]
-    assert checkpoints.in_history(None, 2, again, 8) and not checkpoints.in_history(None, 3, again, 8)
+    assert resume.in_history(None, 2, again, 8) and not resume.in_history(None, 3, again, 8)
     # a run with an id and a legacy one never share a folder
-    fresh = checkpoint(tmp_path / "fresh", 6, checkpoints.new_run())
+    fresh = checkpoint(tmp_path / "fresh", 6, resume.new_run())
     with pytest.raises(UserError, match=refusal(fresh, legacy, "ckpt_0000002.pt", None)):
         out_dir.claim_run(str(legacy), fresh)
     with pytest.raises(UserError, match=refusal(at_2, tmp_path / "fresh", "ckpt_0000006.pt", fresh.run["id"])):
@@ -354,9 +355,9 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     assert sorted(os.listdir(branch)) == ["ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000008.pt", "log.jsonl"]
     # the new branch is a run of its own, which names its parent run and the step it branched at; each
     # log record names the run that wrote it
-    first, new = (checkpoints.read_run(str(path)) for path in (out / "ckpt_0000002.pt", out / "ckpt_0000004.pt"))
+    first, new = (resume.read_run(str(path)) for path in (out / "ckpt_0000002.pt", out / "ckpt_0000004.pt"))
     assert new == dict(id=new["id"], parent=dict(first, step=2)) and first["parent"] is None
-    assert checkpoints.read_run(str(branch / "ckpt_0000008.pt")) == first
+    assert resume.read_run(str(branch / "ckpt_0000008.pt")) == first
     runs = [r["run"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
     cut = runs.index(new["id"])
     assert runs == [first["id"]] * cut + [new["id"]] * (len(runs) - cut) and cut == 2  # steps 0, 1: the first run's
@@ -365,7 +366,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
     assert train_steps(out / "log.jsonl") == list(range(10)) and train_steps(branch / "log.jsonl") == list(range(8))
-    assert checkpoints.read_run(str(out / "ckpt_0000010.pt")) == new  # a plain --resume goes on as the same run
+    assert resume.read_run(str(out / "ckpt_0000010.pt")) == new  # a plain --resume goes on as the same run
     # every checkpoint ever written is still under the folder, unchanged: the first run's step 2 in
     # place, its later ones in the branch folder, the new branch's beside step 2
     now = checkpoint_hashes(out)
@@ -378,4 +379,4 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     # the branch folder is a run folder of its own: the old branch goes on there
     assert tg.main(tiny_run_args(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
     assert train_steps(branch / "log.jsonl") == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
-    assert checkpoints.read_run(str(branch / "ckpt_0000010.pt")) == first
+    assert resume.read_run(str(branch / "ckpt_0000010.pt")) == first

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainkit import checkpoints
+from trainkit import resume
 import train_gpt2 as tg
 from conftest import (
     REPO,
@@ -109,7 +110,7 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
-    run_id = checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt"))["id"]
+    run_id = resume.read_run(str(tmp_path / "ckpt_0000002.pt"))["id"]
     capsys.readouterr()
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
     assert capsys.readouterr().err == (

@@ -18,6 +18,7 @@ import torch
 
 import train_gpt2 as tg
 from trainkit import checkpoints
+from trainkit import resume
 from conftest import HELLASWAG_FILE, REPO, tiny_run_args, tree_hashes
 
 T = 16
@@ -83,7 +84,7 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     assert tree_hashes(run_a) == before
     assert trained_steps(run_b / "log.jsonl") == list(range(8)) and trained_steps(run_a / "log.jsonl") == list(range(6))
     # runB goes on as a branch of runA's run, at the step it was copied at
-    first, branch = (checkpoints.read_run(str(path)) for path in (run_a / "ckpt_0000006.pt", run_b / "ckpt_0000008.pt"))
+    first, branch = (resume.read_run(str(path)) for path in (run_a / "ckpt_0000006.pt", run_b / "ckpt_0000008.pt"))
     assert branch == dict(id=branch["id"], parent=dict(first, step=6)) and branch["id"] != first["id"]
     run_c = tmp_path / "runC"
     subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)

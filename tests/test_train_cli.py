@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from trainkit import checkpoints
+from trainkit import resume
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, TEXT_FILE, run_cli
 
@@ -106,9 +106,9 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     }
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
     # every record and checkpoint names the run: one random 128-bit id
-    run = checkpoints.read_run(str(tmp_path / "ckpt_0000004.pt"))
+    run = resume.read_run(str(tmp_path / "ckpt_0000004.pt"))
     assert {r["run"] for r in records} == {run["id"]} and re.fullmatch("[0-9a-f]{32}", run["id"])
-    assert run == checkpoints.read_run(str(tmp_path / "ckpt_0000002.pt")) and run["parent"] is None
+    assert run == resume.read_run(str(tmp_path / "ckpt_0000002.pt")) and run["parent"] is None
     model = tg.GPT.from_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
 

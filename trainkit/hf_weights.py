@@ -29,7 +29,7 @@ import os
 import torch
 
 from trainkit import json_file
-from trainkit.checkpoints import first_nonfinite, structure_problem
+from trainkit.checkpoint_checks import first_nonfinite, structure_problem
 from trainkit.cli import UserError, reason_of
 from trainkit.regular_file import check_regular, open_regular
 

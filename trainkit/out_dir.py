@@ -20,18 +20,8 @@ import stat
 
 from trainkit import cli, json_file
 from trainkit.atomic_write import fsync_dir, write_atomically
-from trainkit.checkpoints import (
-    CKPT_NAME,
-    ResumePoint,
-    checkpoint_step,
-    in_history,
-    list_checkpoints,
-    log_summary,
-    new_run,
-    read_run,
-    run_name,
-    same_file,
-)
+from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
+from trainkit.resume import ResumePoint, in_history, log_summary, new_run, read_run, run_name
 from trainkit.cli import UserError, reason_of
 from trainkit.folder_lock import FolderLock
 from trainkit.console import print0
