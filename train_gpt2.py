@@ -1138,6 +1138,22 @@ def claim_out_dir(run: RunConfig, out_dir_lock: OutDirLock) -> str | None:
     return choose_resume_checkpoint(run)
 
 
+# what an evaluation of a checkpoint keeps of its own command: where and how it runs and prints
+EVALUATION_OWN_FLAGS = frozenset(
+    "eval_only resume init_from out_dir device dtype compile debug dist_timeout wandb tensorboard fsdp "
+    "activation_checkpointing loss_chunk peak_tflops".split()
+)
+
+
+def as_trained(run: RunConfig, given: frozenset[str]) -> RunConfig:
+    """--eval-only --resume: every flag this command does not give, of the model, the batch, the data and
+    the evaluations, as the checkpoint's run had it, so that `--eval-only --resume PATH` alone evaluates it
+    as its training did (flags it gives still win, and a shape that differs is refused as a resume's is)."""
+    saved = load_checkpoint(eval_checkpoint(run))["run_config"]
+    taken = {f.name for f in dataclasses.fields(RunConfig)} & saved.keys() - given - EVALUATION_OWN_FLAGS
+    return dataclasses.replace(run, **{name: saved[name] for name in taken})
+
+
 def eval_checkpoint(run: RunConfig) -> str | None:
     """--eval-only's checkpoint: --resume's (None: --init-from's weights are evaluated)."""
     path = find_resume_checkpoint(run)
@@ -1613,12 +1629,16 @@ def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:
 
 
 def main(argv=None) -> int:
-    run = RunConfig(**vars(build_parser().parse_args(argv)))
+    parser = build_parser()
+    run = RunConfig(**vars(parser.parse_args(argv)))
 
     def setup_and_train():
         train_flags.check_flags(run)
         with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
-            train(run, d)
+            if run.eval_only and run.resume is not None:  # the checkpoint's own flags, where this command is silent
+                train(as_trained(run, train_flags.given_flags(parser, argv, RunConfig)), d)
+            else:
+                train(run, d)
 
     return exit_code_on_every_rank(setup_and_train, run.debug)
 

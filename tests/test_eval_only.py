@@ -113,3 +113,16 @@ def test_eval_only_errors_are_one_line(trained, tmp_path, extra, message):
     result = run_cli(*flags, "--eval-only", *extra)
     assert (result.returncode, result.stderr) == (2, f"error: {message.replace('{empty}', str(tmp_path))}\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_eval_only_takes_the_checkpoints_flags(trained):
+    """`--eval-only --resume PATH` alone: the model, batch, data and evaluation flags are the checkpoint's run's,
+    so the numbers equal what training logged; a flag the command gives still wins."""
+    _, out = trained
+    result = run_cli("--eval-only", "--resume", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
+    result = run_cli("--eval-only", "--resume", str(out), "--hellaswag-every", "0")
+    assert result.returncode == 0, result.stderr
+    evaluated = json.loads(result.stdout.strip().splitlines()[-1])
+    assert evaluated == {k: v for k, v in logged_at(out, 4).items() if not k.startswith("hellaswag")}

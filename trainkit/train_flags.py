@@ -33,6 +33,14 @@ def flag_name(field_name: str) -> str:
     return f"--{field_name.replace('_', '-')}"
 
 
+def given_flags(parser: argparse.ArgumentParser, argv, config_class) -> frozenset[str]:
+    """The fields of config_class whose flag the command line gives: argv parsed again over a namespace that
+    already holds every field, which argparse leaves as it is where no flag of the command sets it."""
+    unsaid = object()
+    namespace = argparse.Namespace(**{field.name: unsaid for field in dataclasses.fields(config_class)})
+    return frozenset(name for name, value in vars(parser.parse_args(argv, namespace)).items() if value is not unsaid)
+
+
 def build_parser(config_class, description: str) -> argparse.ArgumentParser:
     """The flags of config_class's fields, in their order, in groups in the order each first appears."""
     p = cli.ArgumentParser(description=description, formatter_class=cli.HelpFormatter)
