@@ -37,8 +37,9 @@ import os
 import re
 import signal
 import sys
+import time
 
-from trainkit.console import guard_streams, print0, print_line, result_lost
+from trainkit.console import guard_streams, is_rank0, print0, print_line, result_lost
 
 
 class UserError(Exception):
@@ -132,6 +133,9 @@ def may_be_empty(text: str) -> str:
     return text
 
 
+RANK0_GRACE_S = 3.0  # what a loaded machine may take to start rank 0's interpreter after another rank's
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with whole flag names only (allow_abbrev=False), no empty values (except where the
     argument's type is may_be_empty), and a usage error as one `error:` line and exit code 2
@@ -155,8 +159,22 @@ class ArgumentParser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"got an empty value ({arg_string!r}: an unset shell variable?)")
         return super()._get_value(action, arg_string)
 
+    # Under torchrun every rank parses the same command line and refuses it alike, but only rank 0 prints
+    # the line, and torchrun SIGTERMs the other ranks as soon as one has exited: rank 0 ignores SIGTERM
+    # while it parses, and the other ranks leave only a moment later, once rank 0 has had time to print.
+    def parse_known_args(self, args=None, namespace=None):
+        several = os.environ.get("WORLD_SIZE", "1") not in ("", "1") and is_rank0()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if several else None
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
     def error(self, message: str):
         print_error(f"{message} (see {self.prog} --help)")
+        if os.environ.get("WORLD_SIZE", "1") not in ("", "1") and not is_rank0():
+            time.sleep(RANK0_GRACE_S)
         sys.exit(2)
 
 
