@@ -541,13 +541,26 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
 
 
 def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
-    data = tmp_path / "data"
-    shutil.copytree(data_dir, data)
-    fifo = data / "zz_train_000009.npy"
-    os.mkfifo(fifo)  # the trainer blocks reading this "shard": start-up, for as long as the test likes
+    """The trainer run as a program, held in its start-up (opening the shards, until the test lets go: a patch of
+    open_shard in its own process reads a named pipe first) when Ctrl-C comes."""
+    fifo = tmp_path / "hold"
+    os.mkfifo(fifo)
+    code = (
+        "import runpy, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import trainkit.shards as shards\n"
+        "open_shard = shards.open_shard\n"
+        "def held(path):\n"
+        f"    with open({str(fifo)!r}, 'rb') as f:\n"
+        "        f.read()\n"
+        "    return open_shard(path)\n"
+        "shards.open_shard = held\n"
+        f"sys.argv[0] = {str(REPO / 'train_gpt2.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
     proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *tiny_run_args(str(data), tmp_path / "out")],
+        [sys.executable, "-c", code, *tiny_run_args(data_dir, tmp_path / "out")],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

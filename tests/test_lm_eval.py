@@ -121,7 +121,7 @@ def test_a_bad_hellaswag_file_is_named_not_blamed_on_the_network(checkpoint, tmp
     assert (proc.returncode, proc.stderr) == (
         2,
         f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a "
-        "HellaSwag example (Expecting value: line 1 column 1 (char 0))\n",
+        "HellaSwag example (not JSON (Expecting value at column 1))\n",
     )
     assert os.listdir(tmp_path) == ["bad.jsonl"]
 
@@ -139,8 +139,8 @@ def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch, capsys):
         ),
         (
             ["--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl")],
-            f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (Expecting value: "
-            "line 1 column 1 (char 0))",
+            f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (not JSON (Expecting "
+            "value at column 1))",
         ),  # named as hellaswag.py names it, not blamed on the network
         (
             ["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path)],

@@ -422,8 +422,8 @@ class ShardDigestCheck:
                 continue
             digest = hashlib.sha256()
             try:
-                with open_regular(path) as f:  # buffered reads of CHUNK bytes: a stop waits for one at most
-                    while n := f.readinto(buffer):
+                with open_regular(path) as f:  # reads of CHUNK bytes, unbuffered: a stop waits for one at most
+                    while n := f.raw.readinto(buffer):
                         if self.stopping.is_set():
                             return
                         digest.update(memoryview(buffer)[:n])
