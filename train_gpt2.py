@@ -341,6 +341,7 @@ from trainkit.memory import (  # defines: the memory-fit check, what an out-of-m
     is_out_of_memory,
     out_of_memory_error,
     peak_memory,
+    sample_peak,
     watch_peak,
 )
 from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
@@ -1552,6 +1553,7 @@ class Trainer:
         )
 
     def log_step(self, step: int, r: StepResult, progress: str):
+        sample_peak()  # (where no thread samples the private memory: under an address-space limit)
         tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
         print0(
             f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "

@@ -136,7 +136,13 @@ class _PeakWatch:
         return True
 
     def start(self):
-        if self.thread is None and self.sample():
+        # Under an address-space limit (ulimit -v, RLIMIT_AS) a thread's stack and malloc arena (some 72 MB of
+        # address space) would be taken from what --batch-size auto's search measured: there the peak is
+        # sampled where the steps end (sample_peak) and where it is reported
+        import resource
+
+        limited = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+        if self.thread is None and self.sample() and not limited:
             self.thread = threading.Thread(target=self._run, name="memory watch", daemon=True)
             self.thread.start()
 
@@ -152,6 +158,12 @@ _watch = _PeakWatch()
 def watch_peak():
     """Start sampling this process's private memory (once; a no-op where /proc is not there)."""
     _watch.start()
+
+
+def sample_peak():
+    """One sample of the private memory now (where no thread samples it: an address-space limit)."""
+    if _watch.thread is None:
+        _watch.sample()
 
 
 def mapped_data_kib() -> int:
