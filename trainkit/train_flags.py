@@ -97,8 +97,8 @@ def dist_timeout_range(name, value):
 def check_flags(run):
     """Each field's own check, before anything uses the values (--dist-timeout is used when joining the
     process group): first that every float is finite (argparse's float() takes nan and inf), then the
-    fields' checks in flag order, then that --init-from comes without shape flags. Integer flags are
-    checked as they are parsed (cli.int_in)."""
+    fields' checks in flag order, then that --init-from comes without shape flags and --eval-only without
+    trackers. Integer flags are checked as they are parsed (cli.int_in)."""
     fields = dataclasses.fields(run)
     for field in fields:
         value = getattr(run, field.name)
@@ -125,6 +125,8 @@ def check_flags(run):
                 f"--init-from {run.init_from} takes the model's shape from its weights: drop "
                 f"{', '.join(shape_flags)} (--block-size and --vocab-size may still shrink or pad it)"
             )
+    if run.eval_only and (run.wandb or run.tensorboard):  # (before --eval-only --resume reads its checkpoint)
+        raise UserError("--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")
 
 
 def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
@@ -154,8 +156,6 @@ def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
         )
     if run.eval_only and run.resume is None and run.init_from is None:
         raise UserError("--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR")
-    if run.eval_only and (run.wandb or run.tensorboard):
-        raise UserError("--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")
     if run.eval_only and not (run.val_every or run.hellaswag_every or run.sample_every):
         raise UserError("--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do")
     if run.grad_clip < 0 or run.weight_decay < 0 or run.skip_spikes < 0:
