@@ -8,29 +8,12 @@ import sys
 
 import pytest
 
-from conftest import HELLASWAG_FILE, REPO
+from conftest import HELLASWAG_FILE, REPO, TINY_GPT2_VOCAB_RUN
 from shards import make_docs, write_shards
 
 # the model keeps GPT-2's vocabulary so that HellaSwag's tokens fit
 TINY = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "64",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "2",
-    "--max-lr",
-    "1e-2",
+    *TINY_GPT2_VOCAB_RUN,
     "--val-every",
     "2",
     "--val-steps",

@@ -11,27 +11,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, TINY_GPT2_VOCAB_RUN
 
 TINY = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "64",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "2",
-    "--max-lr",
-    "1e-2",
+    *TINY_GPT2_VOCAB_RUN,
     "--val-every",
     "2",
     "--val-steps",
