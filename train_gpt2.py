@@ -304,12 +304,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load), full state dicts
+from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load)
     checkpoint_path,
-    full_state,
     latest_checkpoint,
     load_checkpoint,
-    load_full_state,
     save_checkpoint,
 )
 from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, chunked or not
@@ -320,7 +318,7 @@ from trainkit.compiling import (  # defines: whether to compile, the GPT compile
 )
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
-from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
+from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
 from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of the model it is given), load_examples
 from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
 from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
@@ -346,11 +344,9 @@ from trainkit.memory import (  # defines: the memory-fit check, what an out-of-m
 )
 from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
     MuonWithAdamW,
-    set_lr,
-    use_run_hyperparameters,
 )
 from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
-from trainkit.precision import autocast_context, resolve_dtype  # defines: the autocast dtype of a device, its context
+from trainkit.precision import resolve_dtype  # defines: the autocast dtype of a device
 from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
 from trainkit.resume import (  # defines: what --resume continues, whose a checkpoint is, what a resume keeps
     ResumePoint,
@@ -382,7 +378,8 @@ from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabula
     real_vocab_size,
     token_byte_lengths,
 )
-from trainkit.update_guard import UpdateGuard, nonfinite_state  # defines: the non-finite and spike guard of each update
+from trainkit.training_state import restore_training_state, training_state  # defines: a run's state <-> checkpoint
+from trainkit.update_guard import UpdateGuard, guarded_update, nonfinite_state  # defines: each update's guard
 
 
 # -----------------------------------------------------------------------------
@@ -836,6 +833,14 @@ def get_lr(step: int, run: RunConfig) -> float:
     return run.max_lr - progress * (run.max_lr - min_lr)
 
 
+def set_lr(optimizer, lr: float):
+    """The LR of this step on every parameter group (a MuonWithAdamW scales Muon's by its ratio)."""
+    if isinstance(optimizer, MuonWithAdamW):
+        return optimizer.set_lr(lr)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str | None:
     """One line when the schedule flags of a resumed run put another LR at the resumed step than
     the checkpoint's run had there (e.g. a larger --max-steps stretches the cosine), else None."""
@@ -930,7 +935,7 @@ def accumulate_gradients(
         x = torch.as_tensor(x).to(device, non_blocking=True)
         y = torch.as_tensor(y).to(device, non_blocking=True)
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
-            with autocast_context(device_type, dtype):
+            with torch.autocast(device_type, dtype, enabled=dtype != torch.float32):
                 _, loss = model(x, y, reduction="mean" if single else "sum", loss_chunk=loss_chunk, doc_mask=doc_mask)
             term = loss if single else loss * loss_scale
             (scaler.scale(term) if scaler else term).backward()
@@ -939,12 +944,15 @@ def accumulate_gradients(
 
 
 def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -> torch.Tensor:
-    """The gradient norm before clipping (a device tensor: no host sync), the gradients clipped to grad_clip in
-    place (0: not clipped). With fp16's GradScaler they are unscaled first, so both see the true gradients."""
+    """The 2-norm of all gradients as one vector before clipping (a device tensor: no host sync), the gradients
+    clipped to grad_clip in place (0: not clipped). With fp16's GradScaler they are unscaled first, so both see
+    the true gradients. Under FSDP the gradients are shards (DTensors) whose norm is a partial one: full_tensor()
+    sums it over the ranks, so every rank clips by the norm DDP computes."""
     if scaler:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = grad_norm_of([p.grad for p in params])
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if grad_clip:
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
     return grad_norm
@@ -956,23 +964,22 @@ def evaluate_loss(
     rows: TokenRows,
     B: int,
     n_batches: int,
-    rank: int,
-    world: int,
-    device: str,
+    d: Dist,
     dtype: torch.dtype,
     token_bytes,
     loss_chunk: int = 0,
     doc_mask=False,
 ) -> dict:
-    """{val_loss: token-weighted mean loss over the first n_batches x world x B rows of a stream,
+    """{val_loss: token-weighted mean loss over the first n_batches x world size x B rows of a stream,
     val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
     bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
     model.eval()
+    device, rank, world = d.device, d.rank, d.world_size
     token_bytes = torch.as_tensor(token_bytes, device=device)
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
     for i in range(n_batches):
         x, y = (torch.from_numpy(a).to(device) for a in rows.batch((i * world + rank) * B, B))
-        with autocast_context(torch.device(device).type, dtype):
+        with torch.autocast(torch.device(device).type, dtype, enabled=dtype != torch.float32):
             _, losses = model(x, y, reduction="none", loss_chunk=loss_chunk, doc_mask=doc_mask)
         n_bytes = (token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)).flatten()
         totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
@@ -1221,19 +1228,13 @@ class Trainer:
         self.dtype = getattr(torch, launch.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
-        self.guard = UpdateGuard(
-            run.skip_nonfinite, run.skip_spikes, fp16=self.scaler is not None, last_checkpoint=lambda: self.last_ckpt
-        )
+        fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
+        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.last_ckpt)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, launch, d, opened.pretrained)
-        self.optimizer = build_optimizer(
-            self.raw_model,
-            run.weight_decay,
-            run.max_lr,
-            d.device_type,
-            run.muon_lr if run.optimizer == "muon" else None,
-            run.muon_momentum,
-        )
+        model, device_type = self.raw_model, d.device_type
+        self.optimizer = build_optimizer(model, run.weight_decay, run.max_lr, device_type, muon_lr, run.muon_momentum)
+        self.update = guarded_update(self.optimizer, self.guard, self.scaler)  # the optimizer's step, unless skipped
         self.resumed = opened.checkpoint and self._load_resume_state(opened.checkpoint)
         self.compiled = launch.compile
         self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
@@ -1242,36 +1243,19 @@ class Trainer:
         self.stop = StopSignal(at_once=run.eval_only)
         self.last_ckpt = launch.resume_from
         # recovery, installed once: a failed compile goes on eagerly; an out-of-memory redoes the step smaller
-        compiling = (
-            with_compile_fallback(self._forward_backward, self._compile_failed)
-            if self.compiled
-            else self._forward_backward
-        )
-        self.forward_backward = with_oom_retry(
-            compiling, launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log
-        )
+        eager = self._forward_backward
+        compiling = with_compile_fallback(eager, self._compile_failed) if self.compiled else eager
+        retry = launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log
+        self.forward_backward = with_oom_retry(compiling, *retry)
         if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
             # trials see their out-of-memory errors: no retry)
-            self.launch = dataclasses.replace(
-                launch,
-                batch_size=choose_micro_batch(
-                    run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log
-                ),
-            )
+            B = choose_micro_batch(run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log)
+            self.launch = dataclasses.replace(launch, batch_size=B)
         self.use_micro_batch(self.launch.batch_size)
-        self.speed = Throughput(
-            launch.rows_per_rank * d.world_size * launch.seq_len,  # all ranks, padding included
-            flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params()),
-            mfu_peak(run.peak_tflops, self.device, self.dtype),
-            d.world_size,
-            d.device_type,
-        )
-        if not run.eval_only and 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
-            cli.print_warning(
-                f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
-                f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
-                f"and never reaches --max-lr {run.max_lr}"
-            )
+        tokens_per_step = launch.rows_per_rank * d.world_size * launch.seq_len  # all ranks, padding included
+        flops = flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params())
+        peak = mfu_peak(run.peak_tflops, self.device, self.dtype)
+        self.speed = Throughput(tokens_per_step, flops, peak, d.world_size, d.device_type)
 
     # ---- set-up
 
@@ -1304,14 +1288,8 @@ class Trainer:
 
     def _load_resume_state(self, ckpt: dict) -> ResumePoint:
         path, run, step = self.launch.resume_from, self.run, self.launch.start_step
-        optimizer_notice = use_run_hyperparameters(self.optimizer, ckpt["optimizer"])  # this run's weight decay, ...
-        load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"], path)
-        self.guard.load_state_dict(ckpt["skip_state"])
-        torch.set_rng_state(ckpt["rng_cpu"])
-        if self.scaler and "scaler" in ckpt:
-            self.scaler.load_state_dict(ckpt["scaler"])
-        if "rng_cuda" in ckpt and self.d.device_type == "cuda":
-            torch.cuda.set_rng_state(ckpt["rng_cuda"], self.device)
+        objects = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
+        optimizer_notice = restore_training_state(ckpt, *objects, path)  # (this run's weight decay, ...)
         print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
         if not run.eval_only:
             change = data_change(ckpt["data_files"], self.data_files())
@@ -1328,39 +1306,35 @@ class Trainer:
     def _open_log(self):
         """Rank 0: the run's identity (a resume of an earlier step is a branch: a new id naming its parent),
         its log.jsonl and trackers, each record stamped with the id; every check of the folder comes before
-        its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). A run
-        with nothing to train (--eval-only, or resumed at --max-steps) touches neither."""
-        run, launch = self.run, self.launch
-        writes = not run.eval_only and not (launch.resume_from and launch.start_step >= run.max_steps)
-        self.log = open_run_log(run, launch.model, self.resumed) if writes else RunLog(run.out_dir, enabled=False)
+        its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). An
+        evaluation touches neither."""
+        run = self.run
+        self.log = (
+            RunLog(run.out_dir, enabled=False) if run.eval_only else open_run_log(run, self.launch.model, self.resumed)
+        )
 
     # ---- checkpoints
 
     def checkpoint_state(self, step: int) -> dict:
-        """Everything a resume needs: the weights, the optimizer, the RNGs, the guard's windows, the log's
-        position, the shards, and both records, the RunConfig asked for and the Launch resolved."""
-        rows_per_step = self.loader.rows_per_step
-        model_state, optimizer_state = full_state(self.raw_model, self.optimizer)
-        state = dict(
-            model=model_state,
-            optimizer=optimizer_state,
+        """Everything a resume needs: the training state, the log's position, the shards, and both records,
+        the RunConfig asked for and the Launch resolved."""
+        next_row = step * self.loader.rows_per_step
+        return training_state(
+            self.raw_model,
+            self.optimizer,
+            self.guard,
+            self.scaler,
+            self.device,
             step=step,
             model_config=dataclasses.asdict(self.launch.model),
             run_config=dataclasses.asdict(self.run),
             launch=dataclasses.asdict(self.launch),
-            rng_cpu=torch.get_rng_state(),
             world_size=self.d.world_size,
-            next_row=step * rows_per_step,
-            epoch=step * rows_per_step // self.train_rows.rows_per_epoch,
+            next_row=next_row,
+            epoch=next_row // self.train_rows.rows_per_epoch,
+            data_files=self.data_files(),
+            **self.log.position(),  # the log's length and sha256 at this step, and the run's identity
         )
-        state.update(self.log.position())  # the log's length and sha256 at this step, and the run's identity
-        state["data_files"] = self.data_files()
-        state["skip_state"] = self.guard.state_dict()
-        if self.d.device_type == "cuda":
-            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
-        if self.scaler:
-            state["scaler"] = self.scaler.state_dict()
-        return state
 
     def data_files(self) -> dict:
         return data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
@@ -1414,14 +1388,7 @@ class Trainer:
             checked_on_every_rank(self.d, self.shard_check.result)
         lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
-        skipped = self.guard.skip_reason(step, loss_sum / n_tokens, norm)  # 8. the update, unless
-        if self.scaler:  # the guard skips it (fused AdamW takes fp16's inf flag on the device: no sync)
-            if not skipped:
-                self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        skipped = self.update(step, loss_sum / n_tokens, norm)  # 8. optimizer step, zero_grad (a guard may skip)
         return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_votes > 0, skipped)
 
     # ---- the loop
@@ -1432,12 +1399,6 @@ class Trainer:
         self.print_header()
         t_start = time.perf_counter()
         with self.running():
-            if self.launch.resume_from and self.launch.start_step == run.max_steps:  # e.g. a requeued finished job
-                print0(
-                    f"{self.launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train "
-                    "(raise --max-steps to go on)"
-                )
-                return
             for step in range(self.launch.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
                 resumed_here = step == self.launch.start_step and self.launch.resume_from
@@ -1471,20 +1432,9 @@ class Trainer:
             return every and (step % every == 0 or last_step)
 
         if self.val_rows and due(run.val_every):
+            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.launch.loss_chunk
             results.update(
-                evaluate_loss(
-                    self.raw_model,
-                    self.val_rows,
-                    self.loader.B,
-                    run.val_steps,
-                    d.rank,
-                    d.world_size,
-                    self.device,
-                    self.dtype,
-                    self.token_bytes,
-                    self.launch.loss_chunk,
-                    run.doc_mask,
-                )
+                evaluate_loss(model, rows, B, run.val_steps, d, self.dtype, self.token_bytes, chunk, run.doc_mask)
             )
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
@@ -1563,21 +1513,9 @@ class Trainer:
             + (f" | skipped ({r.skipped})" if r.skipped else "")
             + progress
         )
-        record = dict(
-            step=step,
-            loss=r.loss,
-            lr=r.lr,
-            grad_norm=r.grad_norm,
-            tokens=r.n_tokens,
-            dt_ms=1000 * r.dt,
-            tok_per_s=tok_per_s,
-            tok_per_s_per_gpu=tok_per_gpu,
-        )
-        if mfu is not None:
-            record["mfu"] = mfu
-        if r.skipped:
-            record["skipped"] = r.skipped
-        self.log.write(**record)
+        record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens, dt_ms=1000 * r.dt)
+        record.update(tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu, mfu=mfu, skipped=r.skipped)
+        self.log.write(**{k: v for k, v in record.items() if v is not None})  # (no mfu on CPU; skipped: rarely)
 
 
 # -----------------------------------------------------------------------------
@@ -1590,12 +1528,23 @@ def train(run: RunConfig, d: Dist):
     try:
         check_ranks_agree(launch_fingerprint(run))
         launch, opened = resolve_launch(run, d, out_dir_lock)
+        if launch.resume_from and launch.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
+            print0(
+                f"{launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
+            )
+            return
         trainer = Trainer(run, launch, opened, d)
         del opened  # (the checkpoint's tensors: now in the model and optimizer)
         if run.eval_only:
             trainer.evaluate_only()
-        else:
-            trainer.fit()
+            return
+        if 0 < run.max_steps < run.warmup_steps:  # (once the input has checked out)
+            cli.print_warning(
+                f"--warmup-steps {run.warmup_steps} is longer than --max-steps {run.max_steps}: the "
+                f"learning rate only rises, to {get_lr(run.max_steps - 1, run):.3g} at the last step, "
+                f"and never reaches --max-lr {run.max_lr}"
+            )
+        trainer.fit()
     except Exception as e:
         if is_out_of_memory(e):
             auto = (launch.batch_size if launch else run.batch_size) == "auto"  # B was (or was to be) auto's choice

@@ -93,7 +93,7 @@ def step_on_two_ranks(rank, world, port, out_path):
             optimizer = tg.build_optimizer(bare, 0.1, 1e-3, "cpu")
             loss_sum = tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
             params = list(bare.parameters())
-            norm = fsdp.grad_norm_of([p.grad for p in params])
+            norm = tg.clip_gradients(bare, 0.0, optimizer)  # the norm, unclipped
             grads = {
                 n.replace("._orig_mod", ""): p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
                 for n, p in bare.named_parameters()

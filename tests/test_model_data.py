@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainkit import cli
+from trainkit.launch import Dist
 import train_gpt2 as tg
 from trainkit.chunked_loss import chunked_loss_and_grads
 from shards import EOT, make_docs, write_shards
@@ -319,9 +320,7 @@ def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chu
     model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4))
     with torch.no_grad():
         model.lm_head.weight.zero_()
-    logged = tg.evaluate_loss(
-        model, rows, 2, 1, 0, 1, "cpu", torch.float32, tokenizer.token_byte_lengths(50304), loss_chunk
-    )
+    logged = tg.evaluate_loss(model, rows, 2, 1, Dist(), torch.float32, tokenizer.token_byte_lengths(50304), loss_chunk)
     # every target costs ln(50257), not ln(50304); 7 text targets (the 8th is <|endoftext|>) of
     # 5 + 6 + 1 + 6 + 3 + 2 + 3 = 26 bytes (é is 2)
     assert logged == pytest.approx(dict(val_loss=math.log(50257), val_bpb=7 * math.log2(50257) / 26), rel=1e-7)
@@ -334,9 +333,7 @@ def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chu
             tg.TokenRows(str(tmp_path / "small"), "val", 4),
             2,
             1,
-            0,
-            1,
-            "cpu",
+            Dist(),
             torch.float32,
             tokenizer.token_byte_lengths(64),
             loss_chunk,

@@ -1,9 +1,8 @@
 """FSDP2 (--fsdp): each rank holds 1/W of every parameter, gradient and AdamW state.
 
 What the trainer's step needs of it: shard_model to build it, fsdp_no_sync as the counterpart
-of DDP's no_sync on every micro-step but the last, grad_norm_of for the norm over sharded
-gradients (equal to DDP's), and local_part for checks on what a rank holds. Checkpoints gather
-the full state (checkpoints.full_state), so any mode resumes any other.
+of DDP's no_sync on every micro-step but the last, and local_part for checks on what a rank holds.
+Checkpoints gather the full state (checkpoints.full_state), so any mode resumes any other.
 """
 
 from __future__ import annotations
@@ -63,14 +62,6 @@ def uncompile_blocks(model: nn.Module):
         model.reset_iter_state()
     for block in compiled:
         block.forward = block._orig_mod.__call__  # a method, not a module: setattr would register a child
-
-
-def grad_norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients as one vector. FSDP's gradients are shards (DTensors) whose
-    norm comes back as a partial one; full_tensor() sums it over the ranks, so every rank gets
-    the norm DDP computes and clips by it."""
-    norm = torch.nn.utils.get_total_norm(grads)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @contextlib.contextmanager

@@ -60,15 +60,6 @@ class MuonWithAdamW:
         self.muon.load_state_dict(state["muon"])
 
 
-def set_lr(optimizer, lr: float):
-    """The LR of this step on every parameter group (a MuonWithAdamW scales Muon's by its ratio)."""
-    if isinstance(optimizer, MuonWithAdamW):
-        optimizer.set_lr(lr)
-        return
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 # the flag that sets each hyperparameter an optimizer keeps in its param_groups, by optimizer; the
 # others (betas, eps, ...) have none and differ only where the code that built the checkpoint's did
 HYPERPARAMETER_FLAGS = {("AdamW", "weight_decay"): "--weight-decay", ("Muon", "momentum"): "--muon-momentum"}
@@ -79,7 +70,7 @@ def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
     each hyperparameter its param_groups keep (AdamW's weight decay, Muon's momentum, ...) is set to this
     run's, as the flags built optimizer, where torch's load_state_dict would keep the checkpoint's: a
     resume with --weight-decay 0.0 decays nothing from then on. Returns the note line naming each value
-    that changes (None: none does). The LR is none of them: every step sets it (set_lr). A state that is
+    that changes (None: none does). The LR is none of them: every step sets it (train_gpt2.set_lr). A state that is
     not optimizer's kind is left as it is, for the load to refuse."""
     changes = {}
 
