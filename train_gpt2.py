@@ -1268,16 +1268,9 @@ class Trainer:
 
     def _forward_backward(self, micro_batches, n_tokens: int, step: int | None = None) -> torch.Tensor:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
+        options = self.launch.loss_chunk, self.scaler, self.run.doc_mask
         return accumulate_gradients(
-            self.model,
-            micro_batches,
-            n_tokens,
-            self.d.world_size,
-            self.device,
-            self.dtype,
-            self.launch.loss_chunk,
-            self.scaler,
-            self.run.doc_mask,
+            self.model, micro_batches, n_tokens, self.d.world_size, self.device, self.dtype, *options
         )
 
     def _compile_failed(self):
@@ -1370,18 +1363,19 @@ class Trainer:
         .tolist() after the clip; the update is queued without waiting, so dt runs from this step's start
         to the next sync and includes the GPU finishing the previous step's update: in a steady run, the
         time per step. What recovers from failure was installed in the constructor: forward_backward goes
-        on eagerly if compiling fails and redoes the step at half the micro-batch after an out-of-memory."""
+        on eagerly if compiling fails and redoes the step at half the micro-batch after an out-of-memory;
+        update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
         t0 = time.perf_counter()
         micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
         loss_total = self.forward_backward(micro_batches, n_tokens, step)  # 4. each micro-batch: backward of sum*W/N
         # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
         # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
         # device=...), no copy from pageable host memory, which would block until the backward ends
-        votes = [
-            torch.full((1,), float(v), dtype=torch.float64, device=self.device)
-            for v in (self.stop.requested, self.shard_check.failed())
-        ]
-        stats = all_reduce_sum(torch.cat([loss_total.view(1), *votes]))
+        this_rank = self.stop.requested, self.shard_check.failed()
+        votes = [torch.full((1,), float(v), dtype=torch.float64, device=self.device) for v in this_rank]
+        stats = torch.cat([loss_total.view(1), *votes])
+        if dist.is_initialized():
+            dist.all_reduce(stats)  # summed over the ranks (gloo has no average; N divides below)
         norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 6. norm and clip
         loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
         if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
