@@ -58,6 +58,7 @@ class GPTConfig:
     n_embd: int = 768
 
 
+MODEL_FIELDS = [field.name for field in dataclasses.fields(GPTConfig)]  # what a checkpoint's model_config holds
 MODEL_PRESETS = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
@@ -561,7 +562,7 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, path: str, device="cpu") -> GPT:
         """The GPT stored in one of our checkpoints (a file, or a run's folder for its newest), in eval mode."""
-        ckpt = load_checkpoint(path, model_fields=[f.name for f in dataclasses.fields(GPTConfig)])
+        ckpt = load_checkpoint(path, model_fields=MODEL_FIELDS)
         model = cls(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
         return model.to(device).eval()
@@ -1020,10 +1021,11 @@ def model_config(run: RunConfig) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[Launch, Opened]:
+def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=None) -> tuple[Launch, Opened]:
     """Everything this launch decides, in the order that makes bad input fail before any model work:
     the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
-    (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order."""
+    (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order.
+    evaluated: (path, checkpoint) that as_trained() loaded for --eval-only --resume, not loaded again."""
     pretrained = None
     model_cfg = model_config(run)
     if run.init_from:  # the weights decide the model's shape
@@ -1076,14 +1078,13 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock) -> tuple[L
             raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
         hellaswag_eval.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
-    resume_from = (
-        decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)) if not run.eval_only else eval_checkpoint(run)
-    )  # an evaluation writes nothing, so any --out-dir will do, in use or not
-    checkpoint, start_step, shuffle = None, 0, run.shuffle is not False
+    if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
+        resume_from, checkpoint = evaluated or (eval_checkpoint(run), None)
+    else:
+        resume_from, checkpoint = decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)), None
+    start_step, shuffle = 0, run.shuffle is not False
     if resume_from:
-        checkpoint = load_checkpoint(
-            resume_from, model_fields=[f.name for f in dataclasses.fields(GPTConfig)], resume=True
-        )
+        checkpoint = checkpoint or load_checkpoint(resume_from, model_fields=MODEL_FIELDS, resume=True)
         saved = checkpoint["launch"]
         shuffle = saved["shuffle"] if run.shuffle is None else run.shuffle  # unsaid: the checkpoint's order
         as_resumed = dataclasses.replace(run, seq_len=seq_len, shuffle=shuffle)  # compared with what it resolved
@@ -1153,13 +1154,16 @@ EVALUATION_OWN_FLAGS = frozenset(
 )
 
 
-def as_trained(run: RunConfig, given: frozenset[str]) -> RunConfig:
+def as_trained(run: RunConfig, given: frozenset[str]) -> tuple[RunConfig, tuple[str, dict]]:
     """--eval-only --resume: every flag this command does not give, of the model, the batch, the data and
     the evaluations, as the checkpoint's run had it, so that `--eval-only --resume PATH` alone evaluates it
-    as its training did (flags it gives still win, and a shape that differs is refused as a resume's is)."""
-    saved = load_checkpoint(eval_checkpoint(run))["run_config"]
+    as its training did (flags it gives still win, and a shape that differs is refused as a resume's is).
+    Returns that run and (path, checkpoint), loaded once."""
+    path = eval_checkpoint(run)
+    checkpoint = load_checkpoint(path, model_fields=MODEL_FIELDS, resume=True)
+    saved = checkpoint["run_config"]
     taken = {f.name for f in dataclasses.fields(RunConfig)} & saved.keys() - given - EVALUATION_OWN_FLAGS
-    return dataclasses.replace(run, **{name: saved[name] for name in taken})
+    return dataclasses.replace(run, **{name: saved[name] for name in taken}), (path, checkpoint)
 
 
 def eval_checkpoint(run: RunConfig) -> str | None:
@@ -1516,12 +1520,13 @@ class Trainer:
 # main
 
 
-def train(run: RunConfig, d: Dist):
+def train(run: RunConfig, d: Dist, evaluated=None):
+    """Resolve the launch, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
     out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
     launch = trainer = None
     try:
         check_ranks_agree(launch_fingerprint(run))
-        launch, opened = resolve_launch(run, d, out_dir_lock)
+        launch, opened = resolve_launch(run, d, out_dir_lock, evaluated)
         if launch.resume_from and launch.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
             print0(
                 f"{launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
@@ -1581,7 +1586,8 @@ def main(argv=None) -> int:
         train_flags.check_flags(run)
         with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
             if run.eval_only and run.resume is not None:  # the checkpoint's own flags, where this command is silent
-                train(as_trained(run, train_flags.given_flags(parser, argv, RunConfig)), d)
+                run_as_trained, evaluated = as_trained(run, train_flags.given_flags(parser, argv, RunConfig))
+                train(run_as_trained, d, evaluated)
             else:
                 train(run, d)
 
