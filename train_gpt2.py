@@ -371,7 +371,10 @@ from trainkit.shards import (  # defines: the shard reader, a folder's checks ag
     recorded,
     shard_files,
 )
-from trainkit.stop_signal import StopSignal  # defines: SIGTERM/SIGINT/SIGHUP finish the step, checkpoint, exit 0
+from trainkit.stop_signal import (
+    StopSignal,
+    stopped_line,
+)  # defines: SIGTERM/SIGINT/SIGHUP finish the step, checkpoint, exit 0
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak  # defines: tok/s and MFU (GPU peak table)
 from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes
     EOT,
@@ -1025,7 +1028,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
     """Everything this launch decides, in the order that makes bad input fail before any model work:
     the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
     (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order.
-    evaluated: (path, checkpoint) that as_trained() loaded for --eval-only --resume, not loaded again."""
+    evaluated: (path, checkpoint) that main() loaded for --eval-only --resume, not loaded again."""
     pretrained = None
     model_cfg = model_config(run)
     if run.init_from:  # the weights decide the model's shape
@@ -1145,25 +1148,6 @@ def claim_out_dir(run: RunConfig, out_dir_lock: OutDirLock) -> str | None:
     out_dir_lock.made = prepare_out_dir(run.out_dir)
     out_dir_lock.acquire()
     return choose_resume_checkpoint(run)
-
-
-# what an evaluation of a checkpoint keeps of its own command: where and how it runs and prints
-EVALUATION_OWN_FLAGS = frozenset(
-    "eval_only resume init_from out_dir device dtype compile debug dist_timeout wandb tensorboard fsdp "
-    "activation_checkpointing loss_chunk peak_tflops".split()
-)
-
-
-def as_trained(run: RunConfig, given: frozenset[str]) -> tuple[RunConfig, tuple[str, dict]]:
-    """--eval-only --resume: every flag this command does not give, of the model, the batch, the data and
-    the evaluations, as the checkpoint's run had it, so that `--eval-only --resume PATH` alone evaluates it
-    as its training did (flags it gives still win, and a shape that differs is refused as a resume's is).
-    Returns that run and (path, checkpoint), loaded once."""
-    path = eval_checkpoint(run)
-    checkpoint = load_checkpoint(path, model_fields=MODEL_FIELDS, resume=True)
-    saved = checkpoint["run_config"]
-    taken = {f.name for f in dataclasses.fields(RunConfig)} & saved.keys() - given - EVALUATION_OWN_FLAGS
-    return dataclasses.replace(run, **{name: saved[name] for name in taken}), (path, checkpoint)
 
 
 def eval_checkpoint(run: RunConfig) -> str | None:
@@ -1558,19 +1542,6 @@ def train(run: RunConfig, d: Dist, evaluated=None):
         out_dir_lock.release()
 
 
-def stopped_line(path: str, step: int) -> str:
-    """What a run stopped by a signal prints last: its checkpoint, and how to go on. Under torchrun a
-    Ctrl-C (or SIGTERM) reaches torchrun first, which passes it on to the ranks, waits for them and then
-    prints a traceback of its own, ending in SignalException, and exits 1: the line says it is harmless."""
-    line = (
-        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
-        "command plus --resume"
-    )
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
-        line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
-    return line
-
-
 def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:
     """What every rank of a launch must share, in flag order: each flag, then the shards."""
     return [(train_flags.flag_name(name), value) for name, value in dataclasses.asdict(run).items()] + data_fingerprint(
@@ -1586,8 +1557,10 @@ def main(argv=None) -> int:
         train_flags.check_flags(run)
         with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
             if run.eval_only and run.resume is not None:  # the checkpoint's own flags, where this command is silent
-                run_as_trained, evaluated = as_trained(run, train_flags.given_flags(parser, argv, RunConfig))
-                train(run_as_trained, d, evaluated)
+                path = eval_checkpoint(run)
+                checkpoint = load_checkpoint(path, model_fields=MODEL_FIELDS, resume=True)
+                given = train_flags.given_flags(parser, argv, RunConfig)
+                train(train_flags.as_trained(run, checkpoint["run_config"], given), d, (path, checkpoint))
             else:
                 train(run, d)
 

@@ -44,3 +44,16 @@ class StopSignal:
     def ignore_sigterm_from_now(self):
         """After another rank died torchrun SIGTERMs the survivors: this one still prints its line."""
         self.previous[signal.SIGTERM] = signal.SIG_IGN
+
+
+def stopped_line(path: str, step: int) -> str:
+    """What a run stopped by a signal prints last: its checkpoint, and how to go on. Under torchrun a
+    Ctrl-C (or SIGTERM) reaches torchrun first, which passes it on to the ranks, waits for them and then
+    prints a traceback of its own, ending in SignalException, and exits 1: the line says it is harmless."""
+    line = (
+        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
+        "command plus --resume"
+    )
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
+        line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    return line

@@ -41,6 +41,24 @@ def given_flags(parser: argparse.ArgumentParser, argv, config_class) -> frozense
     return frozenset(name for name, value in vars(parser.parse_args(argv, namespace)).items() if value is not unsaid)
 
 
+# what an evaluation of a checkpoint keeps of its own command: where and how it runs and prints
+EVALUATION_OWN_FLAGS = frozenset(
+    "eval_only resume init_from out_dir device dtype compile debug dist_timeout wandb tensorboard fsdp "
+    "activation_checkpointing loss_chunk peak_tflops".split()
+)
+
+
+def as_trained(run, saved: dict, given: frozenset[str]):
+    """--eval-only --resume: every flag this command does not give, of the model, the batch, the data and
+    the evaluations, as the checkpoint's run had it (saved: its run_config), so that `--eval-only --resume
+    PATH` alone evaluates it as its training did (flags it gives still win, and a shape that differs is
+    refused as a resume's is). The values taken are checked as the command's own are."""
+    taken = {f.name for f in dataclasses.fields(run)} & saved.keys() - given - EVALUATION_OWN_FLAGS
+    evaluated = dataclasses.replace(run, **{name: saved[name] for name in taken})
+    check_flags(evaluated)
+    return evaluated
+
+
 def build_parser(config_class, description: str) -> argparse.ArgumentParser:
     """The flags of config_class's fields, in their order, in groups in the order each first appears."""
     p = cli.ArgumentParser(description=description, formatter_class=cli.HelpFormatter)
