@@ -1206,7 +1206,7 @@ class StepResult:
 class Trainer:
     """One training run of a resolved Launch. The constructor builds the model, its optimizer and their
     resumed state, the log, and installs what recovers from failure (forward_backward: compile fallback,
-    out-of-memory retry); fit() is the loop; train_step() is one step."""
+    out-of-memory retry; update: the guard's skips); fit() is the loop; train_step() is one step."""
 
     def __init__(self, run: RunConfig, launch: Launch, opened: Opened, d: Dist):
         self.run, self.launch, self.d, self.device = run, launch, d, d.device
@@ -1220,9 +1220,9 @@ class Trainer:
         self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.last_ckpt)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, launch, d, opened.pretrained)
-        model, device_type = self.raw_model, d.device_type
-        self.optimizer = build_optimizer(model, run.weight_decay, run.max_lr, device_type, muon_lr, run.muon_momentum)
-        self.update = guarded_update(self.optimizer, self.guard, self.scaler)  # the optimizer's step, unless skipped
+        self.optimizer = build_optimizer(
+            self.raw_model, run.weight_decay, run.max_lr, d.device_type, muon_lr, run.muon_momentum
+        )
         self.resumed = opened.checkpoint and self._load_resume_state(opened.checkpoint)
         self.compiled = launch.compile
         self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
@@ -1230,11 +1230,13 @@ class Trainer:
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
         self.last_ckpt = launch.resume_from
-        # recovery, installed once: a failed compile goes on eagerly; an out-of-memory redoes the step smaller
+        # recovery, installed once: a failed compile goes on eagerly, an out-of-memory redoes the step smaller,
+        # and the update is skipped where the guard says so (fp16: the scaler adjusts its loss scale either way)
         eager = self._forward_backward
         compiling = with_compile_fallback(eager, self._compile_failed) if self.compiled else eager
         retry = launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log
         self.forward_backward = with_oom_retry(compiling, *retry)
+        self.update = guarded_update(self.optimizer, self.guard, self.scaler)  # the optimizer's step, zero_grad
         if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
             # trials see their out-of-memory errors: no retry)
             B = choose_micro_batch(run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log)
