@@ -12,13 +12,8 @@ import re
 
 import torch
 
-RESUME_KEYS = (
-    "seq_len",
-    "total_batch_size",
-    "align_docs",
-    "shuffle",
-    "seed",
-)  # the run_config fields a resume must keep
+# the run_config fields a resume must keep: which rows each step reads, and which optimizer's state it holds
+RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed", "optimizer")
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
 RESUME_STATE = (
@@ -177,7 +172,7 @@ def _skip_state_problem(state) -> str | None:
     )
 
 
-# the run_config fields a resume reads: RESUME_KEYS (which rows each step reads) and the LR schedule's
+# the run_config fields a resume reads: RESUME_KEYS and the LR schedule's
 _RUN_CONFIG_TYPES = dict(
     seq_len=int,
     total_batch_size=int,
@@ -210,9 +205,7 @@ def _run_config_problem(config) -> str | None:
 
 
 def _data_files_problem(files) -> str | None:
-    """None, or {"train": [...], "val": [...] or None} of (name, size, ...) entries (data_files)."""
-    if files is None:
-        return None
+    """{"train": [...], "val": [...] or None} of (name, size, ...) entries (resume.data_files)."""
     entries = [*(files.get("train") or ()), *(files.get("val") or ())] if isinstance(files, dict) else None
     ok = (
         entries is not None

@@ -136,11 +136,8 @@ def choose_resume_checkpoint(run) -> str | None:
     return None
 
 
-def data_change(saved: dict | None, now: dict) -> str | None:
-    """How the shards of a checkpoint's run (Trainer.data_files; None in older checkpoints) and
-    this run's differ, in words; None when they match."""
-    if not saved:
-        return None
+def data_change(saved: dict, now: dict) -> str | None:
+    """How the shards of a checkpoint's run (data_files) and this run's differ, in words; None when they match."""
     for split in ("train", "val"):
         difference = saved[split] is not None and now[split] is not None and differing_file(saved[split], now[split])
         if difference:
@@ -158,22 +155,16 @@ def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
 
 
 def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
-    """Refuse a resume whose model, rows or optimizer differ from the checkpoint's. A run that does
-    not say --shuffle or --no-shuffle (run.shuffle None) takes the checkpoint's order: a run begun
-    when reading in order was the default goes on as it began."""
-    saved = dict(ckpt["run_config"])
-    saved.setdefault("optimizer", "adamw")  # checkpoints from before --optimizer
-    if run.shuffle is None:
-        run.shuffle = saved["shuffle"]
+    """Refuse a resume whose model, rows or optimizer differ from the checkpoint's (run: as resolved, its
+    sequence length and order decided)."""
+    saved = ckpt["run_config"]
     diffs = [
         f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
         for k, v in ckpt["model_config"].items()
         if getattr(model_cfg, k) != v
     ]
     diffs += [
-        f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}"
-        for k in (*RESUME_KEYS, "optimizer")
-        if saved[k] != getattr(run, k)
+        f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}" for k in RESUME_KEYS if saved[k] != getattr(run, k)
     ]
     if diffs:
         raise UserError(
