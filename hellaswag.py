@@ -87,7 +87,7 @@ from trainkit.hellaswag_eval import (
     evaluate,
     load_examples,
 )  # the scoring the trainer uses too
-from trainkit.hf_weights import load_hf_model as load_gpt2lmheadmodel
+from trainkit.hf_weights import load_hf_model
 from trainkit.console import print0, print_result
 from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
 from trainkit.precision import resolve_dtype
@@ -109,8 +109,9 @@ class HFLogits(nn.Module):
         return self.hf(input_ids=idx).logits
 
 
-def load_hf_model(path: str, device: str) -> nn.Module:
-    return HFLogits(load_gpt2lmheadmodel(path, "--hf-model")).to(device).eval()
+def hf_scoring_model(path: str, device: str) -> nn.Module:
+    """The Hugging Face GPT-2 in path (--hf-model) as a module that returns logits, as our GPT does."""
+    return HFLogits(load_hf_model(path, "--hf-model")).to(device).eval()
 
 
 def load_checkpoint_model(path: str, device: str) -> tuple[nn.Module, str]:
@@ -134,7 +135,7 @@ def run(args) -> dict:
             load_examples(data_file, args.limit, style=style)  # (evaluate reuses these)
         if args.checkpoint:
             return data_file, *load_checkpoint_model(args.checkpoint, device)
-        return data_file, load_hf_model(args.hf_model, device), f"the Hugging Face GPT-2 in {args.hf_model}"
+        return data_file, hf_scoring_model(args.hf_model, device), f"the Hugging Face GPT-2 in {args.hf_model}"
 
     with process_group(args.device) as d:
         dtype = resolve_dtype(args.dtype, d.device_type)
