@@ -1,5 +1,5 @@
-"""An export's target folder, replaced whole or not at all, and never a folder that is not an
-export's: hf_interop.py export's folder. The target is checked first (never the current folder,
+"""An export's target folder (hf_interop.py export's out_dir), replaced whole or not at all, and
+never a folder that is not an export's. The target is checked first (never the current folder,
 the home folder, the checkout, or one above them; a file, or a folder that is neither empty nor,
 file for file, an earlier export, is refused); the export is written into a locked partial folder
 beside it and swapped in once whole (one renameat2 exchange over an earlier export, files moved in
