@@ -11,9 +11,10 @@ projections, the padded vocabulary) that both directions handle:
     config, state = gpt2_state_from_hf("gpt2")   # Hub name (needs internet) or a local HF directory
 
 What is where: the command line (answered before torch loads); export_hf, the export itself
-(our tensors as GPT2LMHeadModel's, the folder written whole or not at all, the mark that lets
-only an export be replaced, GPT-2's tokenizer beside it); then `eval`, lm-evaluation-harness on
-a temporary export; main at the end. transformers is optional: it is imported only inside the
+(our tensors as GPT2LMHeadModel's, GPT-2's tokenizer files beside them, from
+trainkit/hf_tokenizer_files.py), written into trainkit/export_folder.py's folder: whole or not at
+all, marked so that only an export is ever replaced; then `eval`, lm-evaluation-harness on a
+temporary export; main at the end. transformers is optional: it is imported only inside the
 functions that need it.
 """
 
@@ -21,14 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import errno
-import fcntl
-import hashlib
 import json
 import os
-import re
-import shutil
 import sys
 import tempfile
 
@@ -88,12 +83,20 @@ if __name__ == "__main__":
 
 import torch
 
-from trainkit import json_file
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
 from trainkit.cli import UserError, exit_code_of, reason_of
 from trainkit.console import print_line, print_result
+from trainkit.export_folder import (
+    EXPORT_MARK,
+    check_replaceable,
+    check_target,
+    remove_dead_partials,
+    replacing_folder,
+    write_mark,
+)
+from trainkit.hf_tokenizer_files import save_tokenizer
 from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
-from trainkit.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, real_vocab_size
+from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
 # -----------------------------------------------------------------------------
@@ -101,35 +104,6 @@ from trainkit.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, real_voc
 
 TIED = ("transformer.wte.weight", "lm_head.weight")
 EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  # what GPT2Config can say of ours
-
-
-def _check_target(out_dir: str):
-    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named.
-    It never replaces a folder that holds where the user is or what they keep: the current folder,
-    the home folder, the checkout of this repository, or any folder above one of them (an empty
-    out_dir, an unset shell variable, names the current folder once resolved)."""
-    if not str(out_dir).strip():
-        raise UserError(f"the folder to export to is empty ({out_dir!r}: an unset shell variable?): name a new folder")
-    target = os.path.realpath(out_dir)
-    for what, folder in (
-        ("the current folder", os.getcwd()),
-        ("your home folder", os.path.expanduser("~")),
-        ("this repository's checkout", os.path.dirname(os.path.abspath(__file__))),
-    ):
-        folder = os.path.realpath(folder)
-        if os.path.commonpath([target, folder]) == target:
-            holds = "is" if folder == target else "holds"
-            raise UserError(
-                f"cannot export into {out_dir}: it {holds} {what} ({folder}), which an export would "
-                "replace; export into a new folder"
-            )
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    if not os.path.isdir(parent):
-        raise UserError(
-            f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
-            f"{'is a file' if os.path.exists(parent) else 'does not exist'}; create it, or choose "
-            "another output folder"
-        )
 
 
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
@@ -142,10 +116,10 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     goes EXPORT_MARK (the source checkpoint, its step and checksum, and each file's sha256): only a
     folder that is still exactly what an export wrote, or an empty one, is replaced by a later
     export. Returns out_dir."""
-    _check_target(out_dir)
-    _remove_dead_partials(out_dir)
-    _check_replaceable(out_dir)  # before any work: a refusal changes nothing
-    mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, checkpoint=None, step=None, checksum=None)
+    check_target(out_dir)
+    remove_dead_partials(out_dir)
+    check_replaceable(out_dir)  # before any work: a refusal changes nothing
+    mark = dict(checkpoint=None, step=None, checksum=None)
     if isinstance(source, (str, os.PathLike)):
         # a run's folder: its newest checkpoint, looked up once (a run saving meanwhile with --keep-last
         # changes the newest), so that the mark names the file loaded
@@ -193,365 +167,13 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
             f"checkpoint does not match GPT-2's layout (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
         )
     hf.tie_weights()  # one shared matrix, as config.tie_word_embeddings says
-    with _replacing_folder(out_dir) as new_dir:
+    with replacing_folder(out_dir) as new_dir:
         _save_pretrained(hf, new_dir, shown=out_dir)
         if n_keep >= GPT2_VOCAB:  # the GPT-2 ids: the folder then tokenizes text on its own
-            _save_tokenizer(new_dir, config.block_size, shown=out_dir)
-        files = {name: _file_sha256(os.path.join(new_dir, name)) for name in sorted(os.listdir(new_dir))}
-        _write_json(os.path.join(new_dir, EXPORT_MARK), dict(mark, vocab_size=n_keep, files=files), shown=out_dir)
-        _check_replaceable(out_dir)  # again, for what changed there while this export was written
+            save_tokenizer(new_dir, config.block_size, shown=out_dir)
+        write_mark(new_dir, dict(mark, vocab_size=n_keep), shown=out_dir)
+        check_replaceable(out_dir)  # again, for what changed there while this export was written
     return out_dir
-
-
-# The mark of an export: a folder that holds it, with each file it lists unchanged and nothing
-# added, was written by this command and may be replaced by the next export; any other non-empty
-# folder is left as it is: a save_pretrained of the user's own model looks like an export (the same
-# file names), also one saved over an earlier export, where the mark survives, but its files are no
-# longer the ones the mark lists. transformers, AutoTokenizer, pipeline and lm-eval read only the
-# files they know, so one more JSON file goes unnoticed.
-EXPORT_MARK = "gpt2_trainer_export.json"
-MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 2
-
-
-def _write_json(path: str, value: dict, shown: str):
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=2)  # ASCII: a path that is not UTF-8 is kept as its escapes
-    except OSError as e:
-        raise UserError(f"cannot write the Hugging Face model to {shown}: {reason_of(e)}") from e
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _read_mark(folder: str) -> dict | None:
-    with contextlib.suppress(OSError, json_file.JSONFileError):  # not a mark: the folder is not an export's
-        mark = json_file.read(os.path.join(folder, EXPORT_MARK))
-        if isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER:
-            return mark
-    return None
-
-
-def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
-    """What differs in folder from the files its mark lists ('model.safetensors changed, notes.txt
-    added'), or None when it is as the export wrote it."""
-    files = mark.get("files")
-    if not isinstance(files, dict):
-        return "its mark lists no files: an older hf_interop.py wrote it"
-    names = names - {EXPORT_MARK}
-    changes = [f"{name} added" for name in sorted(names - files.keys())]
-    changes += [f"{name} missing" for name in sorted(files.keys() - names)]
-    for name in sorted(names & files.keys()):
-        try:
-            same = (
-                os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
-            )
-        except OSError as e:
-            raise UserError(f"cannot read {os.path.join(folder, name)}: {reason_of(e)}") from e
-        if not same:
-            changes.append(f"{name} changed")
-    return ", ".join(changes[:3]) + (f", ... ({len(changes)} in all)" if len(changes) > 3 else "") or None
-
-
-def _check_replaceable(out_dir: str):
-    """Refuse an out_dir that an export may not replace: a file, or a folder that is neither empty
-    nor, file for file, an export this command wrote."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"{out_dir} exists and is not a directory")
-    target = os.path.realpath(out_dir)  # a mount point's holds the partial folders of exports to it
-    names = {name for name in os.listdir(out_dir) if not _is_partial(target, name)} if os.path.isdir(out_dir) else set()
-    if not names:
-        return
-    mark = _read_mark(out_dir)
-    if mark is None:
-        raise UserError(
-            f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
-            "so it may hold a model of your own and is left as it is: export into a new or empty folder"
-        )
-    changes = _changes_since_export(out_dir, names, mark)
-    if changes:
-        raise UserError(
-            f"{out_dir} has changed since hf_interop.py exported it ({changes}), so it may hold a model "
-            "of your own and is left as it is: to replace it on purpose, delete what it holds first "
-            f"(rm -r {out_dir}), or export into a new or empty folder"
-        )
-
-
-# A partial export: the folder an export writes before it is swapped in, beside the target (inside
-# it for a mount point), named .NAME.export-XXXXXXXX (mkdtemp's 8 characters), and locked (flock)
-# by the writing process while it lives. kill -9 or a power cut leaves it, with up to gigabytes of
-# weights; the next export to NAME removes each one whose lock it can take: its writer is dead.
-# Where the file system has no flock, no lock can be taken, and partial folders are left as they are.
-def _partial_prefix(target: str) -> str:
-    return f".{os.path.basename(target)}.export-"
-
-
-def _is_partial(target: str, name: str) -> bool:
-    """Whether name is that of a partial folder of an export to target (or of an earlier export
-    set aside there by the swap without renameat2)."""
-    return re.fullmatch(re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name) is not None
-
-
-def _partial_folders(target: str) -> list[str]:
-    """The partial folders of exports to target, beside it and inside it."""
-    found = []
-    for folder in (os.path.dirname(target), target):
-        with contextlib.suppress(OSError):
-            found += [os.path.join(folder, name) for name in os.listdir(folder) if _is_partial(target, name)]
-    return [path for path in found if os.path.isdir(path) and not os.path.islink(path)]
-
-
-def _lock(folder: str) -> int | None:
-    """An open descriptor of folder holding its exclusive flock (released when this process dies);
-    None where another process holds it, or the folder or the file system does not allow it."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except OSError:
-        os.close(fd)
-        return None
-
-
-def _remove_dead_partials(out_dir: str):
-    for path in _partial_folders(os.path.realpath(out_dir)):
-        fd = _lock(path)
-        if fd is not None:
-            try:
-                shutil.rmtree(path)
-                print_line(f"removed {path}, the partial folder of an export that was killed", file=sys.stderr)
-            except OSError:
-                pass  # another export removing it too, or a folder we may not delete: left as it is
-            finally:
-                os.close(fd)
-
-
-def _new_partial(folder: str, target: str) -> tuple[str, int | None]:
-    """A new partial folder in folder for an export to target, and the descriptor holding its lock
-    (None where the file system has no flock). Another export's _remove_dead_partials may take a
-    folder in the instant between its mkdtemp and its lock: then it is made anew."""
-    for _ in range(10):
-        path = tempfile.mkdtemp(prefix=_partial_prefix(target), dir=folder)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return path, fd
-        except (BlockingIOError, FileNotFoundError):  # taken by another export's cleaning
-            pass
-        except OSError:  # no flock here: nothing can take it either
-            return path, fd
-        os.close(fd)
-    raise OSError(errno.EBUSY, "other exports to the same folder keep removing this one's partial folder")
-
-
-def _is_mount_point(path: str) -> bool:
-    """Whether path is a mount point, which rename and renameat2 refuse (EBUSY): also a bind mount
-    within one file system (a docker or Kubernetes volume), which os.path.ismount misses, from
-    /proc/self/mountinfo (Linux; its fifth field, with octal escapes such as \\040 for a space)."""
-    if os.path.ismount(path):
-        return True
-    with contextlib.suppress(OSError):
-        with open("/proc/self/mountinfo", "rb") as f:
-            points = {re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split()[4]) for line in f}
-        return os.fsencode(path) in points
-    return False
-
-
-AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap the directory entries a and b in one step (Linux's renameat2 with RENAME_EXCHANGE): True,
-    or False where the C library or the file system lacks it (macOS, older glibc, some network file
-    systems); another failure is an OSError."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError, TypeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), b)
-
-
-@contextlib.contextmanager
-def _replacing_folder(out_dir: str):
-    """A new partial folder to write the export into, swapped in for out_dir only once every file
-    is written: a failed write leaves an earlier export as it was (a new config.json beside old
-    weights loads silently with random layers), and no partial folder behind. out_dir has passed
-    _check_replaceable: it is missing, empty, or an earlier export.
-
-    The swap: over a missing or empty folder one rename; over an earlier export one exchange of the
-    two folders (renameat2), so that out_dir always names a whole export, old or new, for a reader
-    loading it meanwhile; the old one is then deleted under the partial folder's name. Without the
-    exchange, two renames (the old export aside, the new one in) leave out_dir missing for that
-    moment. A symbolic link is followed: the folder it points to is replaced, the link stays.
-    A mount point cannot be renamed (EBUSY): the export is written in a partial folder inside it
-    and its files are moved in one by one (_move_files_in)."""
-    target = os.path.realpath(out_dir)
-    in_place = os.path.isdir(target) and _is_mount_point(target)
-    locks = []
-    try:
-        new_dir, lock = _new_partial(target if in_place else os.path.dirname(target), target)
-    except OSError as e:
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}") from e
-    locks.append(lock)
-    old_dir = None
-    try:
-        yield new_dir
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
-        if in_place:
-            _move_files_in(new_dir, target)
-            new_dir = None
-        elif os.path.isdir(target) and os.listdir(target):
-            if _exchange(new_dir, target):
-                new_dir, old_dir = None, new_dir  # which now holds the earlier export
-            else:
-                locks.append(_lock(target))  # the earlier export, aside for a moment: no one else's to remove
-                old_dir = new_dir + ".old"
-                os.rename(target, old_dir)
-        if new_dir:
-            try:
-                os.replace(new_dir, target)  # over an empty folder too
-            except OSError:
-                if old_dir:
-                    os.rename(old_dir, target)
-                    old_dir = None
-                raise
-            new_dir = None
-    except OSError as e:
-        busy = " (a mount point cannot be renamed: export into a folder inside it)" if e.errno == errno.EBUSY else ""
-        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}{busy}") from e
-    finally:
-        for leftover in (new_dir, old_dir):
-            if leftover:
-                shutil.rmtree(leftover, ignore_errors=True)
-        for fd in locks:
-            if fd is not None:
-                os.close(fd)
-
-
-def _move_files_in(new_dir: str, target: str):
-    """Move the export in new_dir into target (a mount point, holding nothing or an earlier export)
-    file by file, each one whole (a rename within target's file system). The earlier mark goes
-    first and the new one last: a process killed in between leaves a folder that no later export
-    takes for its own (one line asks to empty it), never a mark over files it did not write."""
-    earlier = {name for name in os.listdir(target) if not _is_partial(target, name)}
-    if EXPORT_MARK in earlier:
-        os.remove(os.path.join(target, EXPORT_MARK))
-    names = sorted(set(os.listdir(new_dir)) - {EXPORT_MARK})
-    for name in names:
-        os.replace(os.path.join(new_dir, name), os.path.join(target, name))
-    for name in earlier - set(names) - {EXPORT_MARK}:  # an earlier export's file this one lacks (its tokenizer)
-        os.remove(os.path.join(target, name))
-    os.replace(os.path.join(new_dir, EXPORT_MARK), os.path.join(target, EXPORT_MARK))
-    os.rmdir(new_dir)
-
-
-# The tokenizer an export carries, written as files rather than through transformers: the same
-# bytes whatever transformers and tokenizers do the export, and loaded by every transformers that
-# requirements-dev.txt allows. Each file in the form the oldest reads: tokenizers 0.20+ writes BPE
-# merges as pairs, which tokenizers 0.19 (transformers 4.40) cannot read, and transformers 5 names
-# the class TokenizersBackend, which 4.x does not have. PreTrainedTokenizerFast exists in both and
-# takes tokenizer.json as it is (5.x's GPT2Tokenizer would rebuild its pre-tokenizer).
-TOKENIZER_CLASS = "PreTrainedTokenizerFast"
-
-
-def _byte_chars() -> list[str]:
-    """Byte-level BPE's printable stand-in for each byte value (GPT-2's bytes_to_unicode)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\u00a1"), ord("\u00ac") + 1),
-        *range(ord("\u00ae"), ord("\u00ff") + 1),
-    ]
-    others = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-    return [chars[b] for b in range(256)]
-
-
-def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
-    """GPT-2's tokenizer as a transformers fast tokenizer's files (name -> JSON value), built offline
-    from the r50k_base BPE the trainer encodes with: its 50257 ids, tiktoken's split pattern, the
-    merges that give each token from two others (transformers' TikTokenConverter's rule), and
-    <|endoftext|> as bos/eos/unk, matched in text as the special id 50256 (tiktoken's
-    encode_prompt's allowed_special; HF tokenizers always match added tokens in text).
-    model_max_length: the model's block size, which pipeline('text-generation') truncates to."""
-    try:
-        enc = get_encoding()
-    except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint
-        raise UserError(str(e)) from None
-    ranks, chars = enc._mergeable_ranks, _byte_chars()
-
-    def text(token: bytes) -> str:
-        return "".join(chars[b] for b in token)
-
-    merges = sorted(
-        (rank, ranks[token[:i]], ranks[token[i:]], text(token[:i]), text(token[i:]))
-        for token, rank in ranks.items()
-        for i in range(1, len(token))
-        if token[:i] in ranks and token[i:] in ranks
-    )
-    byte_level = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
-    tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            dict(
-                id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True
-            )
-        ],
-        "normalizer": None,
-        "pre_tokenizer": dict(
-            type="Sequence",
-            pretokenizers=[
-                dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False),
-                dict(byte_level, add_prefix_space=False, use_regex=False),
-            ],
-        ),
-        "post_processor": dict(byte_level, trim_offsets=False),
-        "decoder": byte_level,
-        "model": dict(
-            type="BPE",
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix=None,
-            end_of_word_suffix=None,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=True,
-            vocab={text(token): rank for token, rank in ranks.items()},
-            merges=[f"{left} {right}" for *_, left, right in merges],
-        ),  # no token holds a space
-    }
-    specials = dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
-    config = dict(
-        tokenizer_class=TOKENIZER_CLASS,
-        **specials,
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
-    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": specials}
-
-
-def _save_tokenizer(out_dir: str, model_max_length: int, shown: str):
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
-    for name, value in gpt2_tokenizer_files(model_max_length).items():
-        _write_json(os.path.join(out_dir, name), value, shown)
 
 
 def _save_pretrained(hf, out_dir: str, shown: str | None = None):

@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 from conftest import REPO  # noqa: E402
-from trainkit import checkpoints  # noqa: E402
+from trainkit import checkpoints, export_folder  # noqa: E402
 import train_gpt2  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
 from trainkit.tokenizer import token_byte_lengths  # noqa: E402
@@ -748,9 +748,9 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
     for name in ("rename", "replace"):
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole(out)))[0])
-    real_exchange = hf_interop._exchange
+    real_exchange = export_folder._exchange
     monkeypatch.setattr(
-        hf_interop, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole(out)))[0]
+        export_folder, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole(out)))[0]
     )
     assert hf_interop.main(["export", second, str(out)]) == 0
     assert whole == ([True] if exchange else [False, True])

@@ -1,0 +1,324 @@
+"""An export's target folder (hf_interop.py export's out_dir), replaced whole or not at all, and
+never a folder that is not an export's. The target is checked first (never the current folder,
+the home folder, the checkout, or one above them; a file, or a folder that is neither empty nor,
+file for file, an earlier export, is refused); the export is written into a locked partial folder
+beside it and swapped in once whole (one renameat2 exchange over an earlier export, files moved in
+one by one into a mount point); the mark written last lists the sha256 of each file, so that only
+an unchanged export is replaced by the next; partial folders of killed exports are removed.
+Standard library only."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+from trainkit import json_file
+from trainkit.cli import UserError, reason_of
+from trainkit.console import print_line
+
+
+# The mark of an export: a folder that holds it, with each file it lists unchanged and nothing
+# added, was written by hf_interop.py export and may be replaced by the next export; any other
+# non-empty folder is left as it is: a save_pretrained of the user's own model looks like an export
+# (the same file names), also one saved over an earlier export, where the mark survives, but its
+# files are no longer the ones the mark lists. transformers, AutoTokenizer, pipeline and lm-eval
+# read only the files they know, so one more JSON file goes unnoticed.
+EXPORT_MARK = "gpt2_trainer_export.json"
+MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 2
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this repository's, above trainkit/
+
+
+def check_target(out_dir: str):
+    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named.
+    It never replaces a folder that holds where the user is or what they keep: the current folder,
+    the home folder, the checkout of this repository, or any folder above one of them (an empty
+    out_dir, an unset shell variable, names the current folder once resolved)."""
+    if not str(out_dir).strip():
+        raise UserError(f"the folder to export to is empty ({out_dir!r}: an unset shell variable?): name a new folder")
+    target = os.path.realpath(out_dir)
+    for what, folder in (
+        ("the current folder", os.getcwd()),
+        ("your home folder", os.path.expanduser("~")),
+        ("this repository's checkout", CHECKOUT),
+    ):
+        folder = os.path.realpath(folder)
+        if os.path.commonpath([target, folder]) == target:
+            holds = "is" if folder == target else "holds"
+            raise UserError(
+                f"cannot export into {out_dir}: it {holds} {what} ({folder}), which an export would "
+                "replace; export into a new folder"
+            )
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise UserError(
+            f"cannot write the Hugging Face model to {out_dir}: the folder it goes into, {parent}, "
+            f"{'is a file' if os.path.exists(parent) else 'does not exist'}; create it, or choose "
+            "another output folder"
+        )
+
+
+def write_json(path: str, value: dict, shown: str):
+    """value as a JSON file of the export being written (shown: the folder its one line names)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(value, f, indent=2)  # ASCII: a path that is not UTF-8 is kept as its escapes
+    except OSError as e:
+        raise UserError(f"cannot write the Hugging Face model to {shown}: {reason_of(e)}") from e
+
+
+def write_mark(folder: str, fields: dict, shown: str):
+    """EXPORT_MARK into folder, once the export's other files are written there: fields (the source
+    checkpoint, its step and checksum, the vocabulary kept) and the sha256 of each file beside it."""
+    files = {name: _file_sha256(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, **fields, files=files)
+    write_json(os.path.join(folder, EXPORT_MARK), mark, shown)
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_mark(folder: str) -> dict | None:
+    with contextlib.suppress(OSError, json_file.JSONFileError):  # not a mark: the folder is not an export's
+        mark = json_file.read(os.path.join(folder, EXPORT_MARK))
+        if isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER:
+            return mark
+    return None
+
+
+def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
+    """What differs in folder from the files its mark lists ('model.safetensors changed, notes.txt
+    added'), or None when it is as the export wrote it."""
+    files = mark.get("files")
+    if not isinstance(files, dict):
+        return "its mark lists no files: an older hf_interop.py wrote it"
+    names = names - {EXPORT_MARK}
+    changes = [f"{name} added" for name in sorted(names - files.keys())]
+    changes += [f"{name} missing" for name in sorted(files.keys() - names)]
+    for name in sorted(names & files.keys()):
+        try:
+            same = (
+                os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
+            )
+        except OSError as e:
+            raise UserError(f"cannot read {os.path.join(folder, name)}: {reason_of(e)}") from e
+        if not same:
+            changes.append(f"{name} changed")
+    return ", ".join(changes[:3]) + (f", ... ({len(changes)} in all)" if len(changes) > 3 else "") or None
+
+
+def check_replaceable(out_dir: str):
+    """Refuse an out_dir that an export may not replace: a file, or a folder that is neither empty
+    nor, file for file, an export this command wrote."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir} exists and is not a directory")
+    target = os.path.realpath(out_dir)  # a mount point's holds the partial folders of exports to it
+    names = {name for name in os.listdir(out_dir) if not _is_partial(target, name)} if os.path.isdir(out_dir) else set()
+    if not names:
+        return
+    mark = _read_mark(out_dir)
+    if mark is None:
+        raise UserError(
+            f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
+            "so it may hold a model of your own and is left as it is: export into a new or empty folder"
+        )
+    changes = _changes_since_export(out_dir, names, mark)
+    if changes:
+        raise UserError(
+            f"{out_dir} has changed since hf_interop.py exported it ({changes}), so it may hold a model "
+            "of your own and is left as it is: to replace it on purpose, delete what it holds first "
+            f"(rm -r {out_dir}), or export into a new or empty folder"
+        )
+
+
+# A partial export: the folder an export writes before it is swapped in, beside the target (inside
+# it for a mount point), named .NAME.export-XXXXXXXX (mkdtemp's 8 characters), and locked (flock)
+# by the writing process while it lives. kill -9 or a power cut leaves it, with up to gigabytes of
+# weights; the next export to NAME removes each one whose lock it can take: its writer is dead.
+# Where the file system has no flock, no lock can be taken, and partial folders are left as they are.
+def _partial_prefix(target: str) -> str:
+    return f".{os.path.basename(target)}.export-"
+
+
+def _is_partial(target: str, name: str) -> bool:
+    """Whether name is that of a partial folder of an export to target (or of an earlier export
+    set aside there by the swap without renameat2)."""
+    return re.fullmatch(re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name) is not None
+
+
+def _partial_folders(target: str) -> list[str]:
+    """The partial folders of exports to target, beside it and inside it."""
+    found = []
+    for folder in (os.path.dirname(target), target):
+        with contextlib.suppress(OSError):
+            found += [os.path.join(folder, name) for name in os.listdir(folder) if _is_partial(target, name)]
+    return [path for path in found if os.path.isdir(path) and not os.path.islink(path)]
+
+
+def _lock(folder: str) -> int | None:
+    """An open descriptor of folder holding its exclusive flock (released when this process dies);
+    None where another process holds it, or the folder or the file system does not allow it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def remove_dead_partials(out_dir: str):
+    for path in _partial_folders(os.path.realpath(out_dir)):
+        fd = _lock(path)
+        if fd is not None:
+            try:
+                shutil.rmtree(path)
+                print_line(f"removed {path}, the partial folder of an export that was killed", file=sys.stderr)
+            except OSError:
+                pass  # another export removing it too, or a folder we may not delete: left as it is
+            finally:
+                os.close(fd)
+
+
+def _new_partial(folder: str, target: str) -> tuple[str, int | None]:
+    """A new partial folder in folder for an export to target, and the descriptor holding its lock
+    (None where the file system has no flock). Another export's remove_dead_partials may take a
+    folder in the instant between its mkdtemp and its lock: then it is made anew."""
+    for _ in range(10):
+        path = tempfile.mkdtemp(prefix=_partial_prefix(target), dir=folder)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return path, fd
+        except (BlockingIOError, FileNotFoundError):  # taken by another export's cleaning
+            pass
+        except OSError:  # no flock here: nothing can take it either
+            return path, fd
+        os.close(fd)
+    raise OSError(errno.EBUSY, "other exports to the same folder keep removing this one's partial folder")
+
+
+def _is_mount_point(path: str) -> bool:
+    """Whether path is a mount point, which rename and renameat2 refuse (EBUSY): also a bind mount
+    within one file system (a docker or Kubernetes volume), which os.path.ismount misses, from
+    /proc/self/mountinfo (Linux; its fifth field, with octal escapes such as \\040 for a space)."""
+    if os.path.ismount(path):
+        return True
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mountinfo", "rb") as f:
+            points = {re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split()[4]) for line in f}
+        return os.fsencode(path) in points
+    return False
+
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the directory entries a and b in one step (Linux's renameat2 with RENAME_EXCHANGE): True,
+    or False where the C library or the file system lacks it (macOS, older glibc, some network file
+    systems); another failure is an OSError."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+@contextlib.contextmanager
+def replacing_folder(out_dir: str):
+    """A new partial folder to write the export into, swapped in for out_dir only once every file
+    is written: a failed write leaves an earlier export as it was (a new config.json beside old
+    weights loads silently with random layers), and no partial folder behind. out_dir has passed
+    check_replaceable: it is missing, empty, or an earlier export.
+
+    The swap: over a missing or empty folder one rename; over an earlier export one exchange of the
+    two folders (renameat2), so that out_dir always names a whole export, old or new, for a reader
+    loading it meanwhile; the old one is then deleted under the partial folder's name. Without the
+    exchange, two renames (the old export aside, the new one in) leave out_dir missing for that
+    moment. A symbolic link is followed: the folder it points to is replaced, the link stays.
+    A mount point cannot be renamed (EBUSY): the export is written in a partial folder inside it
+    and its files are moved in one by one (_move_files_in)."""
+    target = os.path.realpath(out_dir)
+    in_place = os.path.isdir(target) and _is_mount_point(target)
+    locks = []
+    try:
+        new_dir, lock = _new_partial(target if in_place else os.path.dirname(target), target)
+    except OSError as e:
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}") from e
+    locks.append(lock)
+    old_dir = None
+    try:
+        yield new_dir
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
+        if in_place:
+            _move_files_in(new_dir, target)
+            new_dir = None
+        elif os.path.isdir(target) and os.listdir(target):
+            if _exchange(new_dir, target):
+                new_dir, old_dir = None, new_dir  # which now holds the earlier export
+            else:
+                locks.append(_lock(target))  # the earlier export, aside for a moment: no one else's to remove
+                old_dir = new_dir + ".old"
+                os.rename(target, old_dir)
+        if new_dir:
+            try:
+                os.replace(new_dir, target)  # over an empty folder too
+            except OSError:
+                if old_dir:
+                    os.rename(old_dir, target)
+                    old_dir = None
+                raise
+            new_dir = None
+    except OSError as e:
+        busy = " (a mount point cannot be renamed: export into a folder inside it)" if e.errno == errno.EBUSY else ""
+        raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}{busy}") from e
+    finally:
+        for leftover in (new_dir, old_dir):
+            if leftover:
+                shutil.rmtree(leftover, ignore_errors=True)
+        for fd in locks:
+            if fd is not None:
+                os.close(fd)
+
+
+def _move_files_in(new_dir: str, target: str):
+    """Move the export in new_dir into target (a mount point, holding nothing or an earlier export)
+    file by file, each one whole (a rename within target's file system). The earlier mark goes
+    first and the new one last: a process killed in between leaves a folder that no later export
+    takes for its own (one line asks to empty it), never a mark over files it did not write."""
+    earlier = {name for name in os.listdir(target) if not _is_partial(target, name)}
+    if EXPORT_MARK in earlier:
+        os.remove(os.path.join(target, EXPORT_MARK))
+    names = sorted(set(os.listdir(new_dir)) - {EXPORT_MARK})
+    for name in names:
+        os.replace(os.path.join(new_dir, name), os.path.join(target, name))
+    for name in earlier - set(names) - {EXPORT_MARK}:  # an earlier export's file this one lacks (its tokenizer)
+        os.remove(os.path.join(target, name))
+    os.replace(os.path.join(new_dir, EXPORT_MARK), os.path.join(target, EXPORT_MARK))
+    os.rmdir(new_dir)
