@@ -365,15 +365,15 @@ from trainkit.save_on_failure import save_first_on_failure  # defines: a failed 
 from trainkit.shard_scan import (
     scan_shards,
 )  # defines: each shard's per-token scans, done once and kept for the next launch
-from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
+from trainkit.shard_checks import (  # defines: shard checks: the manifest (and what it records), token ids, sha256s
     ShardDigestCheck,
     check_against_manifest,
     check_token_ids,
     no_output_for,
-    open_shard,
     recorded,
-    shard_files,
 )
+from trainkit.shard_identity import shard_files  # defines: which shards a run reads (names, sizes, contents)
+from trainkit.shards import open_shard  # defines: the shard reader (.npy or llm.c's .bin, memory-mapped)
 from trainkit.stop_signal import StopSignal  # defines: SIGTERM/SIGINT/SIGHUP finish the step, checkpoint, exit 0
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak  # defines: tok/s and MFU (GPU peak table)
 from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes

@@ -117,6 +117,8 @@ def test_no_import_cycle_and_trainkit_imports_no_script():
         "trainkit.fsdp",
         "trainkit.chunked_loss",
         "trainkit.shards",
+        "trainkit.shard_checks",
+        "trainkit.shard_identity",
         "trainkit.tokenizer",
         "trainkit.hellaswag_eval",
         "trainkit.sampling",
