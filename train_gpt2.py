@@ -349,7 +349,7 @@ from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--o
     set_lr,
     use_run_hyperparameters,
 )
-from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
+from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir  # defines: the run folder, its lock, its opening
 from trainkit.precision import autocast_context, resolve_dtype  # defines: the autocast dtype of a device, its context
 from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
 from trainkit.resume import (  # defines: what --resume continues, whose a checkpoint is, what a resume keeps
@@ -360,6 +360,7 @@ from trainkit.resume import (  # defines: what --resume continues, whose a check
     data_files,
     find_resume_checkpoint,
 )
+from trainkit.run_log import RunLog  # defines: log.jsonl, one record per line, cut back on resume
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.shard_scan import (

@@ -113,6 +113,7 @@ def test_no_import_cycle_and_trainkit_imports_no_script():
         "trainkit.launch",
         "trainkit.checkpoints",
         "trainkit.out_dir",
+        "trainkit.run_log",
         "trainkit.memory",
         "trainkit.fsdp",
         "trainkit.chunked_loss",

@@ -250,6 +250,8 @@ LIBRARY_MODULES = [
     "trainkit.doc_mask",
     "trainkit.checkpoints",
     "trainkit.out_dir",
+    "trainkit.run_log",
+    "trainkit.branch_folders",
     "trainkit.memory",
     "trainkit.throughput",
     "trainkit.stop_signal",
