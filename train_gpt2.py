@@ -321,7 +321,7 @@ from trainkit.compiling import (  # defines: whether to compile, the GPT compile
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
 from trainkit.fsdp import fsdp_no_sync, grad_norm_of, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
-from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of the model it is given), load_examples
+from trainkit import hellaswag_eval  # defines: HellaSwag's evaluate, model_problem (load_examples: hellaswag_examples')
 from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
 from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
 from trainkit.launch import (  # defines: the device and the process group, rank-0 decisions, rank agreement, faults

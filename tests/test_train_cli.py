@@ -262,6 +262,7 @@ LIBRARY_MODULES = [
     "trainkit.optimizers",
     "trainkit.train_flags",
     "trainkit.hellaswag_data",
+    "trainkit.hellaswag_examples",
     "trainkit.hellaswag_eval",
     "trainkit.hf_weights",
     "trainkit.sampling",
