@@ -92,7 +92,8 @@ from trainkit import json_file
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
 from trainkit.cli import UserError, exit_code_of, reason_of
 from trainkit.console import print_line, print_result
-from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
+from trainkit.hf_folder import HF_BUFFERS
+from trainkit.hf_weights import TRANSPOSED, import_transformers, quiet_transformers
 from trainkit.tokenizer import EOT, EOT_TEXT, GPT2_VOCAB, get_encoding, real_vocab_size
 
 

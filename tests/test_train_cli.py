@@ -264,6 +264,7 @@ LIBRARY_MODULES = [
     "trainkit.hellaswag_data",
     "trainkit.hellaswag_examples",
     "trainkit.hellaswag_eval",
+    "trainkit.hf_folder",
     "trainkit.hf_weights",
     "trainkit.sampling",
     "sample",
