@@ -18,8 +18,8 @@ out byte-identical.
 What is where: main, run and write_shards (just below) are the path from documents to shards;
 then the command line, answered before numpy and tiktoken load; then the checks and folder
 handling that run calls. The pieces shared with the trainer live in trainkit/: the shard format
-and manifest (shards.py), GPT-2's tokenizer (tokenizer.py); and this script's document sources
-and worker pool are trainkit/documents.py.
+(shards.py) and the writer of shards and their manifest (shard_writer.py), GPT-2's tokenizer (tokenizer.py);
+and this script's document sources and worker pool are trainkit/documents.py.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ from trainkit.documents import (  # defines: the four document sources, the work
     resolve_files,
     tokenize_in_order,
 )
-from trainkit.shards import ShardWriter, input_listing, open_manifest, save_manifest  # defines: shards, manifest
+from trainkit.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest  # defines: shards, manifest
 from trainkit.tokenizer import ENCODING_NAME, EOT  # defines: GPT-2's tokenizer (r50k_base, offline from bpe/)
 
 

@@ -9,8 +9,9 @@ Completion scoring: each example is a context and four endings. Every ending is 
 model's cross-entropy on the ending's tokens given the context; the prediction is the ending
 with the lowest mean token loss (acc_norm, as build-nanogpt and llm.c compute it: about 0.2955
 for GPT-2 124M) or the lowest summed loss (acc). That scoring is trainkit/hellaswag_eval.py, which
-the trainer's --hellaswag-every calls too; the file it reads (given, or downloaded once and
-checked) is found by trainkit/hellaswag_data.py; this script adds its command line and --hf-model.
+the trainer's --hellaswag-every calls too, on the examples of trainkit/hellaswag_examples.py; the file
+they come from (given, or downloaded once and checked) is found by trainkit/hellaswag_data.py; this
+script adds its command line and --hf-model.
 
 lm-evaluation-harness scores the same examples differently: its hellaswag task rewrites the
 text ("<activity_label>: <ctx_a> <Ctx_b>", WikiHow's bracketed tags removed) and normalizes the
@@ -81,12 +82,8 @@ if __name__ == "__main__":
 import torch.nn as nn
 
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint
-from trainkit.hellaswag_eval import (
-    RENDERERS,
-    describe_data,
-    evaluate,
-    load_examples,
-)  # the scoring the trainer uses too
+from trainkit.hellaswag_eval import evaluate  # the scoring the trainer uses too
+from trainkit.hellaswag_examples import RENDERERS, describe_data, load_examples  # its examples, the trainer's too
 from trainkit.hf_weights import load_hf_model
 from trainkit.console import print0, print_result
 from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group

@@ -95,7 +95,8 @@ from trainkit.export_folder import (
     write_mark,
 )
 from trainkit.hf_tokenizer_files import save_tokenizer
-from trainkit.hf_weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
+from trainkit.hf_folder import HF_BUFFERS
+from trainkit.hf_weights import TRANSPOSED, import_transformers, quiet_transformers
 from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
@@ -224,7 +225,7 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
     is one line saying what to set."""
     if hellaswag_file:  # a missing file, or a bad line, named as hellaswag.py names them (not as a failed download)
         from trainkit.hellaswag_data import resolve_data_file
-        from trainkit.hellaswag_eval import load_examples
+        from trainkit.hellaswag_examples import load_examples
 
         flag = "--hellaswag-file"
         load_examples(resolve_data_file(hellaswag_file, flag=flag), flag=flag, style="lm_eval")

@@ -320,7 +320,8 @@ from trainkit.compiling import (  # defines: whether to compile, the GPT compile
 from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
 from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
-from trainkit import hellaswag_eval  # defines: evaluate (HellaSwag accuracy of the model it is given), load_examples
+from trainkit import hellaswag_eval  # defines: HellaSwag's evaluate, model_problem
+from trainkit import hellaswag_examples  # defines: load_examples (HellaSwag's records checked, rendered, cached)
 from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
 from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
 from trainkit.launch import (  # defines: the device and the process group, rank-0 decisions, rank agreement, faults
@@ -346,7 +347,7 @@ from trainkit.memory import (  # defines: the memory-fit check, what an out-of-m
 from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
     MuonWithAdamW,
 )
-from trainkit.out_dir import OutDirLock, RunLog, open_run_log, prepare_out_dir  # defines: the run folder, lock, log
+from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir  # defines: the run folder, its lock, its opening
 from trainkit.precision import resolve_dtype  # defines: the autocast dtype of a device
 from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
 from trainkit.resume import (  # defines: what --resume continues, whose a checkpoint is, what a resume keeps
@@ -357,20 +358,21 @@ from trainkit.resume import (  # defines: what --resume continues, whose a check
     data_files,
     find_resume_checkpoint,
 )
+from trainkit.run_log import RunLog  # defines: log.jsonl, one record per line, cut back on resume
 from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
 from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
 from trainkit.shard_scan import (
     scan_shards,
 )  # defines: each shard's per-token scans, done once and kept for the next launch
-from trainkit.shards import (  # defines: the shard reader, a folder's checks against its manifest, shard identity
+from trainkit.shard_checks import (  # defines: shard checks: the manifest (and what it records), token ids, sha256s
     ShardDigestCheck,
     check_against_manifest,
     check_token_ids,
     no_output_for,
-    open_shard,
     recorded,
-    shard_files,
 )
+from trainkit.shard_identity import shard_files  # defines: which shards a run reads (names, sizes, contents)
+from trainkit.shards import open_shard  # defines: the shard reader (.npy or llm.c's .bin, memory-mapped)
 from trainkit.stop_signal import (
     StopSignal,
     stopped_line,
@@ -1079,7 +1081,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
             hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
         except UserError as e:
             raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
-        hellaswag_eval.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
+        hellaswag_examples.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
 
     if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
         resume_from, checkpoint = evaluated or (eval_checkpoint(run), None)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainkit import cli  # noqa: E402
-from trainkit import hellaswag_data, hellaswag_eval  # noqa: E402
+from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main():
     torch.manual_seed(0)
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(args.device).eval()
-    examples = hellaswag_eval.load_examples(
+    examples = hellaswag_examples.load_examples(
         hellaswag_data.resolve_data_file(args.data_file), args.examples
     )  # tokenized untimed
     hellaswag_eval.score_examples(model, examples[:8], args.device, batch_size=4)  # warm-up

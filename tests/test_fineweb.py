@@ -24,7 +24,8 @@ import tiktoken
 
 import fineweb
 from conftest import TEXT_FILE, fineweb_parked_after, kill_group, tiktoken_cache, tree_hashes, wait_for
-from trainkit import cli, documents, shards, tokenizer
+from trainkit import cli, documents, tokenizer
+from trainkit.shard_identity import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
@@ -1091,7 +1092,7 @@ def test_shard_files_tell_contents_apart(tmp_path):
     )
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
-    a = shards.shard_files(paths)
+    a = shard_files(paths)
     whole = [
         hashlib.sha256(b"%d" % shard["bytes"] + open(p, "rb").read()).hexdigest()  # small files: all of it
         for shard, p in zip(manifest["shards"], paths)
@@ -1103,27 +1104,27 @@ def test_shard_files_tell_contents_apart(tmp_path):
     copies = [str(tmp_path / "b" / os.path.basename(p)) for p in paths]
     for p, copy in zip(paths, copies):
         np.save(copy, np.load(p))
-    b = shards.shard_files(copies)
+    b = shard_files(copies)
     assert [entry[:3] for entry in b] == [entry[:3] for entry in a] and {entry[3] for entry in b} == {None}
-    assert shards.differing_file(a, b) is None
+    assert differing_file(a, b) is None
     name, n = a[1][0], a[1][1]
     np.save(copies[1], (np.load(copies[1]) + 1) % 50257)
-    b = shards.shard_files(copies)
-    assert shards.differing_file(a, b) == (
+    b = shard_files(copies)
+    assert differing_file(a, b) == (
         name,
         f"{n} bytes of sampled content {a[1][2][:12]}",
         f"{n} bytes of sampled content {b[1][2][:12]}",
     )
     b[1] = (*b[1][:3], "f" * 64)  # both manifests list it: theirs is the sha256 compared first
-    assert shards.differing_file(a, b) == (
+    assert differing_file(a, b) == (
         name,
         f"{n} bytes of sha256 {a[1][3][:12]}",
         f"{n} bytes of sha256 ffffffffffff",
     )
-    assert shards.differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
+    assert differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
     old = [(entry[0], entry[1]) for entry in a]  # a checkpoint written before contents were recorded
-    assert shards.differing_file(old, b) is None and shards.differing_file(b, old) is None
-    assert shards.differing_file(old, [(name, n - 2)]) == (name, f"{n} bytes", f"{n - 2} bytes")  # sorted: train first
+    assert differing_file(old, b) is None and differing_file(b, old) is None
+    assert differing_file(old, [(name, n - 2)]) == (name, f"{n} bytes", f"{n - 2} bytes")  # sorted: train first
 
 
 def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
@@ -1132,14 +1133,14 @@ def test_sampled_sha256_of_a_large_shard_reads_its_slices(tmp_path):
     path = tmp_path / "big.npy"
     np.save(path, np.zeros(2_000_000, dtype=np.uint16))
     size = path.stat().st_size
-    digests = {"as written": shards.sampled_sha256(str(path), size)}
-    stride = (size - shards.SAMPLE_BYTES) // (shards.SAMPLES - 1)
-    for what, offset in [("first byte", 0), ("last byte", size - 1), ("between slices", shards.SAMPLE_BYTES + 10)]:
+    digests = {"as written": sampled_sha256(str(path), size)}
+    stride = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+    for what, offset in [("first byte", 0), ("last byte", size - 1), ("between slices", SAMPLE_BYTES + 10)]:
         data = bytearray(path.read_bytes())
         data[offset] ^= 1
         (tmp_path / what).write_bytes(bytes(data))
-        digests[what] = shards.sampled_sha256(str(tmp_path / what), size)
-    assert stride > shards.SAMPLE_BYTES + 10  # that byte is in no slice
+        digests[what] = sampled_sha256(str(tmp_path / what), size)
+    assert stride > SAMPLE_BYTES + 10  # that byte is in no slice
     assert len({digests["as written"], digests["first byte"], digests["last byte"]}) == 3
     assert digests["between slices"] == digests["as written"]
 

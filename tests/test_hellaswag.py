@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import hellaswag as hs
 from conftest import HELLASWAG_FILE, REPO, spread_gpt, torchrun, write_checkpoint
-from trainkit import hellaswag_data, hellaswag_eval
+from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.tokenizer import EOT
 from train_gpt2 import GPTConfig
@@ -130,9 +130,9 @@ def result_line(proc, model_line, data_line):
 
 
 def test_render_first_two_examples(data_file):
-    ex0, ex1 = hellaswag_eval.load_examples(data_file, 2)
-    assert ex0 == hellaswag_eval.Example(CTX0, ENDINGS0, 3)
-    assert ex1 == hellaswag_eval.Example(CTX1, ENDINGS1, 3)
+    ex0, ex1 = hellaswag_examples.load_examples(data_file, 2)
+    assert ex0 == hellaswag_examples.Example(CTX0, ENDINGS0, 3)
+    assert ex1 == hellaswag_examples.Example(CTX1, ENDINGS1, 3)
 
     tokens, mask, labels = hellaswag_eval.collate([ex0, ex1])
     T = len(CTX1) + 9  # the longest row: 18 context + 9 ending tokens
@@ -146,7 +146,7 @@ def test_render_first_two_examples(data_file):
 
 
 def test_collate_truncates_context_from_the_left(data_file):
-    ex1 = hellaswag_eval.load_examples(data_file, 2)[1]
+    ex1 = hellaswag_examples.load_examples(data_file, 2)[1]
     tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)
     assert tokens.shape == (4, 12)
     # the longest endings (9 tokens) leave 3 context tokens, the same 3 for every ending
@@ -161,8 +161,8 @@ def test_collate_truncates_context_from_the_left(data_file):
 
 
 def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
-    ex = hellaswag_eval.Example([1, 2, 3], [[4, 5], [6], [7, 8, 9], [10]], 0)
-    short = hellaswag_eval.Example([11], [[12], [13], [14], [15]], 1)
+    ex = hellaswag_examples.Example([1, 2, 3], [[4, 5], [6], [7, 8, 9], [10]], 0)
+    short = hellaswag_examples.Example([11], [[12], [13], [14], [15]], 1)
     p = hellaswag_eval.pack([ex, short])
     # the context, then every ending but its last token; positions restart after the context
     assert p.tokens.tolist() == [[1, 2, 3, 4, 7, 8], [11, EOT, EOT, EOT, EOT, EOT]]
@@ -178,8 +178,8 @@ def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
 
 
 def test_rendered_examples_are_cached(data_file):
-    first = hellaswag_eval.load_examples(data_file, 3)
-    again = hellaswag_eval.load_examples(data_file, 5)
+    first = hellaswag_examples.load_examples(data_file, 3)
+    again = hellaswag_examples.load_examples(data_file, 5)
     assert len(again) == 5 and all(a is b for a, b in zip(first, again))
 
 
@@ -188,7 +188,7 @@ def test_rendered_examples_are_cached(data_file):
 
 
 def test_batched_scores_equal_one_row_at_a_time(model, data_file):
-    examples = hellaswag_eval.load_examples(data_file, 100)
+    examples = hellaswag_examples.load_examples(data_file, 100)
     assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
     ref = [reference_losses(model, ex, BLOCK) for ex in examples]
     ref_sum = torch.stack([r[0] for r in ref])
@@ -214,13 +214,13 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
 
 
 def test_block_size_longer_than_the_model_is_refused(model, data_file):
-    examples = hellaswag_eval.load_examples(data_file, 2)
+    examples = hellaswag_examples.load_examples(data_file, 2)
     with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
         hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
 
 
 def test_logits_in_chunks_score_the_same(model, data_file, monkeypatch):
-    examples = hellaswag_eval.load_examples(data_file, 12)
+    examples = hellaswag_examples.load_examples(data_file, 12)
     whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
     chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
@@ -325,12 +325,15 @@ def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
     copy = tmp_path / "hellaswag_val.jsonl"  # the first 3 records, elsewhere: not the subset
     copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
     for limit in (0, 3, 50):
-        assert hellaswag_eval.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
+        assert (
+            hellaswag_examples.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
+        )
     assert (
-        hellaswag_eval.describe_data(str(copy), 2) == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
+        hellaswag_examples.describe_data(str(copy), 2)
+        == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
     )
     assert (
-        hellaswag_eval.describe_data(str(HELLASWAG_FILE), 0)
+        hellaswag_examples.describe_data(str(HELLASWAG_FILE), 0)
         == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
     )
 
@@ -373,8 +376,8 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
     assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"] and open(path, "rb").read() == good
     assert hellaswag_data.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
     assert served == [(hellaswag_data.DATA_URL, hellaswag_data.DOWNLOAD_TIMEOUT_S)] * 2
-    assert [ex.ctx for ex in hellaswag_eval.load_examples(path)] == [
-        ex.ctx for ex in hellaswag_eval.load_examples(data_file, 3)
+    assert [ex.ctx for ex in hellaswag_examples.load_examples(path)] == [
+        ex.ctx for ex in hellaswag_examples.load_examples(data_file, 3)
     ]
 
 
@@ -435,7 +438,7 @@ def test_cli_bad_record_names_file_and_line(checkpoint, tmp_path, record, reason
 def test_records_that_would_score_the_wrong_thing_are_refused(tmp_path, record, reason):
     path = write_records(tmp_path / "bad.jsonl", record)
     with pytest.raises(UserError) as e:
-        hellaswag_eval.load_examples(path, flag="--hellaswag-file")
+        hellaswag_examples.load_examples(path, flag="--hellaswag-file")
     assert str(e.value) == f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})"
 
 
@@ -443,9 +446,9 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     """lm-eval's text is built from activity_label, ctx_a and ctx_b: a record without one is
     refused for that rendering (the other still reads it)."""
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None})
-    assert len(hellaswag_eval.load_examples(path)) == 2
+    assert len(hellaswag_examples.load_examples(path)) == 2
     with pytest.raises(UserError) as e:
-        hellaswag_eval.load_examples(path, style="lm_eval")
+        hellaswag_examples.load_examples(path, style="lm_eval")
     assert str(e.value) == (
         f"--data-file {path} line 2: not a HellaSwag example ('ctx_b' must be text for lm-eval's rendering, not None)"
     )
@@ -453,7 +456,7 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
 
 def test_label_as_a_digit_string_is_read(tmp_path):
     path = write_records(tmp_path / "ok.jsonl", {**GOOD, "label": "2"})
-    assert [ex.label for ex in hellaswag_eval.load_examples(path)] == [3, 2]
+    assert [ex.label for ex in hellaswag_examples.load_examples(path)] == [3, 2]
 
 
 def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
@@ -472,7 +475,7 @@ def test_unreadable_file_is_one_line(tmp_path):
     path = write_records(tmp_path / "locked.jsonl")
     os.chmod(path, 0)
     with pytest.raises(UserError) as e:
-        hellaswag_eval.load_examples(path)
+        hellaswag_examples.load_examples(path)
     assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
 
 
@@ -574,7 +577,7 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     assert missing == [] and unexpected == []
 
     wrapped = hs.HFLogits(hf)
-    examples = hellaswag_eval.load_examples(data_file, 20)
+    examples = hellaswag_examples.load_examples(data_file, 20)
     ours_sum, ours_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=8)
     hf_sum, hf_mean = hellaswag_eval.score_examples(wrapped, examples, "cpu", batch_size=8)
     assert torch.equal(hf_mean.argmin(1), ours_mean.argmin(1))

@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
 from conftest import HELLASWAG_FILE, REPO, spread_gpt, write_checkpoint  # noqa: E402
-from trainkit import hellaswag_eval  # noqa: E402
+from trainkit import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
 # 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in
@@ -71,7 +71,7 @@ def test_our_text_is_lm_evals():
     mismatched = [
         i
         for i, (record, doc) in enumerate(zip(records, theirs))
-        if hellaswag_eval.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])
+        if hellaswag_examples.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])
     ]
     assert mismatched == []
 
@@ -94,7 +94,7 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_fi
         samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
     assert [s["doc_id"] for s in samples] == list(range(N)) and result["n"] == N
 
-    examples = hellaswag_eval.load_examples(data_file, style="lm_eval")
+    examples = hellaswag_examples.load_examples(data_file, style="lm_eval")
     loss_sum, _ = hellaswag_eval.score_examples(model, examples, "cpu")
     per_char = loss_sum / torch.tensor([ex.ending_chars for ex in examples], dtype=torch.float32)
     theirs = torch.tensor([s["loglikelihoods"] for s in samples])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from trainkit import checkpoints
-from trainkit.shards import SAMPLE_BYTES, shard_files
+from trainkit.shard_identity import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
 from conftest import (
     HELLASWAG_FILE,

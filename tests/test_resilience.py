@@ -357,7 +357,7 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
     """A run stopped by a signal while the full sha256 check of its shards is still reading them: the check
     ends with the run (stopped, its thread joined), not left hashing while the interpreter shuts down."""
     import threading
-    from trainkit.shards import ShardDigestCheck
+    from trainkit.shard_checks import ShardDigestCheck
 
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)

@@ -15,7 +15,7 @@ from shards import EOT
 
 import train_gpt2 as tg
 from trainkit import memory, shard_scan
-from trainkit.shards import no_output_for
+from trainkit.shard_checks import no_output_for
 
 T = 16
 BIG = shard_scan.MIN_CACHED_TOKENS + 1000  # tokens of a shard whose scans are kept

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from trainkit import checkpoints
-from trainkit.shards import shard_files
+from trainkit.shard_identity import shard_files
 import train_gpt2 as tg
 from conftest import (
     FAKE_WANDB,

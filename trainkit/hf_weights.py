@@ -1,8 +1,8 @@
 """A Hugging Face GPT-2 as our GPT's config and state dict (gpt2_state_from_hf, which
-train_gpt2.GPT.from_hf builds on for --init-from and sample.py --hf-model), and the checked
-GPT2LMHeadModel load that hellaswag.py --hf-model uses as it is. hf_interop.py's export goes the
-other way with the same layout facts. transformers is optional: imported only inside the
-functions that need it.
+train_gpt2.GPT.from_hf builds on for --init-from and sample.py --hf-model), from the checked
+GPT2LMHeadModel load that hellaswag.py --hf-model uses as it is (a local folder's files are checked
+first by trainkit/hf_folder.py). hf_interop.py's export goes the other way with the same layout
+facts. transformers is optional: imported only inside the functions that need it.
 
 Layout differences the conversion handles:
 - HF's GPT-2 keeps its projections in Conv1D modules whose weight is (in, out); our nn.Linear
@@ -28,15 +28,13 @@ import os
 
 import torch
 
-from trainkit import json_file
-from trainkit.checkpoint_checks import first_nonfinite, structure_problem
+from trainkit.checkpoint_checks import first_nonfinite
 from trainkit.cli import UserError, reason_of
-from trainkit.regular_file import check_regular, open_regular
+from trainkit.hf_folder import HF_BUFFERS, check_hf_folder, file_holding, some_names
 
 PAD_MULTIPLE = 64
 # HF Conv1D modules: weight stored (in, out), ours nn.Linear (out, in)
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older transformers
 INSTALL_HINT = "Hugging Face transformers is not installed: pip install transformers"
 
 
@@ -141,197 +139,6 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
     return hf
 
 
-def _weights_file(folder: str, key: str) -> str | None:
-    """The file of a local Hugging Face folder that holds tensor key (a shard's, through its index)."""
-    with contextlib.suppress(UserError, OSError):
-        files = weight_files(folder, "")
-        return files.get(key) or files.get(key.removeprefix("transformer.")) or files.get("")
-    return None
-
-
-# ---- a local folder's files, checked before transformers builds a model from them
-
-CONFIG_BYTES = 1 << 20  # a config.json or an index larger than this is none
-# the weight files transformers reads, in its order of preference, and their index when they are split
-WEIGHTS = (("model.safetensors", "model.safetensors.index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json"))
-SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
-BARE_NAMES = ("wte.", "wpe.", "h.", "ln_f.")  # the Hub's first GPT-2 files name the transformer's tensors so
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", torch.float16, torch.bfloat16, torch.float32, torch.float64}
-
-
-def weight_files(folder: str, source: str) -> dict[str, str]:
-    """{tensor name: the file of folder holding it} where an index names the files ({"": file} for a single
-    file): only regular files directly inside folder are read; an index naming another place (a path up
-    out of the folder, an absolute path, a subfolder) is refused."""
-    for single, index in WEIGHTS:
-        if os.path.exists(os.path.join(folder, single)):
-            return {"": _inside(folder, single, source)}
-        if os.path.exists(os.path.join(folder, index)):
-            path = _inside(folder, index, source)
-            mapping = _read_json(path, source).get("weight_map")
-            if (
-                not isinstance(mapping, dict)
-                or not mapping
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())
-            ):
-                raise UserError(f"{source}: {path} has no weight_map of tensor names to file names")
-            return {name: _inside(folder, file, source, index) for name, file in mapping.items()}
-    return {}
-
-
-def _inside(folder: str, name: str, source: str, index: str | None = None) -> str:
-    """folder/name, a regular file directly inside folder (a UserError otherwise)."""
-    if not name or name != os.path.basename(name) or name in (".", "..") or (os.altsep and os.altsep in name):
-        raise UserError(
-            f"{source}: its {index} names the weight file {name!r}, outside the folder: only files inside it are read"
-        )
-    path = os.path.join(folder, name)
-    try:
-        check_regular(path)
-    except UserError as e:  # a named pipe, a device
-        raise UserError(f"{source}: {e}") from None
-    except OSError as e:
-        raise UserError(f"{source}: {'its ' + index + ' names ' if index else ''}{path}: {reason_of(e)}") from None
-    return path
-
-
-def _read_json(path: str, source: str) -> dict:
-    try:
-        value = json_file.read(path, max_bytes=CONFIG_BYTES)
-    except json_file.JSONFileError as e:
-        raise UserError(f"{source}: {e}") from None
-    except OSError as e:
-        raise UserError(f"{source}: cannot read {path}: {reason_of(e)}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{source}: {path} holds a JSON {type(value).__name__}, not an object")
-    return value
-
-
-def hf_state_shapes(sizes: dict) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of a Hugging Face GPT2LMHeadModel's weights (Conv1D weights stored (in, out)),
-    lm_head.weight aside (tied: a file may hold it or not)."""
-    V, P, C, L = (sizes[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer"))
-    block = {
-        "ln_1.weight": (C,),
-        "ln_1.bias": (C,),
-        "attn.c_attn.weight": (C, 3 * C),
-        "attn.c_attn.bias": (3 * C,),
-        "attn.c_proj.weight": (C, C),
-        "attn.c_proj.bias": (C,),
-        "ln_2.weight": (C,),
-        "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (C, 4 * C),
-        "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (4 * C, C),
-        "mlp.c_proj.bias": (C,),
-    }
-    return {
-        "transformer.wte.weight": (V, C),
-        "transformer.wpe.weight": (P, C),
-        **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
-        "transformer.ln_f.weight": (C,),
-        "transformer.ln_f.bias": (C,),
-    }
-
-
-def check_hf_folder(folder: str, source: str, defaults) -> None:
-    """Refuse a local Hugging Face folder unless its config.json describes a GPT-2 of sizes that are positive
-    integers, and its weight files hold exactly the tensors that GPT-2 has, of its shapes and of a float
-    dtype: read from the files' headers (safetensors) or loaded memory-mapped (a .bin) and compared before
-    transformers allocates a model of config.json's sizes (an n_positions of 10**9 would take gigabytes
-    before the tensors were compared; an n_layer of 2 over a file of 12 layers would load 2 of them
-    silently). defaults: a GPT2Config(), whose sizes a config.json without them takes (as transformers does)."""
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.exists(config_path):
-        return  # transformers' own error says so
-    config = _read_json(_inside(folder, "config.json", source), source)
-    if config.get("model_type", "gpt2") != "gpt2":
-        return  # refused by model type, as transformers reads it
-    sizes = {k: config.get(k, getattr(defaults, k)) for k in SIZES}
-    bad = [f"{k} {v!r}" for k, v in sizes.items() if type(v) is not int or not 0 < v <= 2**31]
-    if bad or sizes["n_embd"] % sizes["n_head"]:
-        raise UserError(
-            f"{source}: its config.json gives {', '.join(bad) or 'n_embd not a multiple of n_head'}: "
-            "not the sizes of a GPT-2 (positive integers)"
-        )
-    files = weight_files(folder, source)
-    if not files:
-        return  # transformers' own error says there are no weights
-    found = {}
-    for path in sorted(set(files.values())):
-        found.update(
-            {
-                f"transformer.{name}" if name.startswith(BARE_NAMES) else name: info
-                for name, info in _tensor_headers(path, source).items()
-                if not name.endswith(HF_BUFFERS)
-            }
-        )
-    expected = hf_state_shapes(sizes)
-    missing = sorted(expected.keys() - found.keys())
-    if missing:
-        raise UserError(
-            f"{source}: tensors missing from its weights ({_some(missing)}) would be random; is it a complete GPT-2?"
-        )
-    if "lm_head.weight" in found:
-        expected["lm_head.weight"] = expected["transformer.wte.weight"]
-    extra = sorted(found.keys() - expected.keys())
-    if extra:
-        raise UserError(
-            f"{source}: its weights hold tensors that a GPT-2 of its config.json's sizes has no place "
-            f"for ({_some(extra)}); config.json gives n_layer {sizes['n_layer']}: is it the config of "
-            "these weights?"
-        )
-    mismatched = sorted(name for name, shape in expected.items() if found[name][0] != shape)
-    if mismatched:
-        raise UserError(f"{source}: tensors of another shape than its config.json gives ({_some(mismatched)})")
-    not_float = sorted(name for name, (_, dtype) in found.items() if dtype not in FLOAT_DTYPES)
-    if not_float:
-        raise UserError(f"{source}: tensors that are not floating point ({_some(not_float)})")
-
-
-def _tensor_headers(path: str, source: str) -> dict[str, tuple[tuple[int, ...], object]]:
-    """{name: (shape, dtype)} of the tensors in a weight file, read without loading them: a safetensors
-    file's JSON header, or a .bin loaded memory-mapped and checked as a checkpoint is (structure_problem)."""
-    if path.endswith(".bin"):
-        try:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:  # the format before torch 1.6 cannot be memory-mapped: read it
-                if "zipfile" not in str(e):
-                    raise
-                state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises many types for a damaged zip or pickle
-            what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
-                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
-            raise UserError(f"{source}: cannot load {path} ({what})") from None
-        problem = structure_problem(state) if isinstance(state, dict) else f"it holds a {type(state).__name__}"
-        if problem or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-            raise UserError(f"{source}: {path} is not a state dict of plain tensors ({problem or 'other values'})")
-        return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
-    with open_regular(path) as f:
-        head = f.read(8)
-        size = os.fstat(f.fileno()).st_size
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < length <= min(size - 8, 100 << 20):
-            raise UserError(f"{source}: {path} is not a safetensors file (its header length is wrong)")
-        try:
-            header = json_file.parse(f.read(length), path)
-        except json_file.JSONFileError as e:
-            raise UserError(f"{source}: {e}: not a safetensors file's header") from None
-    if not isinstance(header, dict):
-        raise UserError(f"{source}: {path} is not a safetensors file (its header is no JSON object)")
-    found = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-            raise UserError(f"{source}: {path} is not a safetensors file (tensor {name!r:.60} has no shape)")
-        found[name] = (tuple(shape), info.get("dtype"))
-    return found
-
-
 def _check_every_tensor_loaded(cfg, info: dict, source: str):
     """Refuse a model that transformers completed at random: a tensor missing from the files,
     or of another shape than config.json gives (loaded with ignore_mismatched_sizes to list them)."""
@@ -341,15 +148,11 @@ def _check_every_tensor_loaded(cfg, info: dict, source: str):
     )
     if missing:
         raise UserError(
-            f"{source}: tensors missing from its weights ({_some(missing)}) would be random; is it a complete GPT-2?"
+            f"{source}: tensors missing from its weights ({some_names(missing)}) would be random; is it a complete GPT-2?"
         )
     mismatched = sorted(item[0] if isinstance(item, tuple) else item for item in info["mismatched_keys"])
     if mismatched:
-        raise UserError(f"{source}: tensors of another shape than its config.json gives ({_some(mismatched)})")
-
-
-def _some(names: list) -> str:
-    return f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
+        raise UserError(f"{source}: tensors of another shape than its config.json gives ({some_names(mismatched)})")
 
 
 def gpt2_state_from_hf(
@@ -379,7 +182,7 @@ def gpt2_state_from_hf(
     hf_sd = {k: v.detach().float() for k, v in hf.state_dict().items() if not k.endswith(HF_BUFFERS)}
     bad = first_nonfinite(hf_sd)
     if bad:
-        raise UserError(f"{_weights_file(name_or_dir, bad) or source}: the weights hold NaN or inf ({bad})")
+        raise UserError(f"{file_holding(name_or_dir, bad) or source}: the weights hold NaN or inf ({bad})")
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
         raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
     n_real = cfg.vocab_size

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, reason_of
 from trainkit.console import print_line
-from trainkit.shards import differing_file
+from trainkit.shard_identity import differing_file
 
 
 @dataclass
@@ -259,7 +259,7 @@ def check_ranks_agree(fingerprint: list[tuple[str, object]]):
     """Under torchrun, refuse a launch whose ranks got different flags or data (a different
     --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
     replicas that silently drift apart). fingerprint: (what, value) pairs in order, "--flag"s and
-    shard lists (shards.shard_files: names, sizes and contents). One all-gather; every rank raises
+    shard lists (shard_identity.shard_files: names, sizes and contents). One all-gather; every rank raises
     the same error."""
     if not dist.is_initialized():
         return

@@ -19,7 +19,7 @@ from trainkit.checkpoints import latest_checkpoint, list_checkpoints
 from trainkit.cli import UserError
 from trainkit.console import print0
 from trainkit.regular_file import open_regular
-from trainkit.shards import differing_file, shard_files
+from trainkit.shard_identity import differing_file, shard_files
 
 
 def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
@@ -147,7 +147,7 @@ def data_change(saved: dict, now: dict) -> str | None:
 
 
 def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
-    """The shards a run reads (shards.shard_files: names, sizes, contents, in order): a checkpoint keeps
+    """The shards a run reads (shard_identity.shard_files: names, sizes, contents, in order): a checkpoint keeps
     them, and a resume compares them (data_change). What the rows are made of, not how a manifest describes
     its inputs: shards made again, byte for byte, from a copy of the input read the same rows. (Checkpoints
     written before kept the manifest's sha256 too; it is not compared.)"""

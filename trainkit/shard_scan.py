@@ -2,7 +2,7 @@
 model has no output for it) and its --align-docs row table. Each is done once per shard and kept, so that
 a resume, a requeued job or another run on the same data reads it back instead of reading 10B tokens again:
 
-- fineweb.py's manifest.json records every shard's max_id as it writes it (read first, shards.recorded);
+- fineweb.py's manifest.json records every shard's max_id as it writes it (read first, shard_checks.recorded);
 - everything else goes to a cache folder outside the data folder (which may be read-only):
   $XDG_CACHE_HOME/gpt2-trainer/shards, else ~/.cache/gpt2-trainer/shards. An entry is named by the shard's
   path and identity (size, mtime_ns, inode): a shard rewritten, replaced or touched gets a new name, so it

@@ -1,0 +1,113 @@
+"""Branch folders: what a run would otherwise overwrite or lose, moved into a new out_dir/branch_NNNNNNN
+(a run folder of its own), nothing deleted: the checkpoints after the step a resume starts from
+(set_aside_later_branch), and the log of a run killed before its first checkpoint when the same command
+starts afresh (set_aside_log_without_checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+
+from trainkit.atomic_write import fsync_dir, write_atomically
+from trainkit.checkpoints import checkpoint_step, list_checkpoints
+from trainkit.resume import log_summary
+from trainkit.cli import UserError, reason_of
+from trainkit.console import print0
+from trainkit.own_files import move_entry
+
+
+def set_aside_later_branch(out_dir: str, step: int):
+    """Resuming at `step` abandons what the run in out_dir did after it. Its later checkpoints move,
+    with a copy of its log.jsonl if there is one, into a new out_dir/branch_NNNNNNN (the step that
+    branch reached), a run folder of its own (--resume works on it): nothing is deleted or
+    overwritten, --keep-last no longer counts them, and a plain --resume in out_dir continues the
+    new branch. (claim_run and RunLog have checked that they and the log are this run's.)"""
+    later = [p for p in list_checkpoints(out_dir) if checkpoint_step(p) > step]
+    if not later:
+        return
+    log = os.path.join(out_dir, "log.jsonl")
+    branch = new_branch_folder(out_dir, checkpoint_step(later[-1]))
+    copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
+    try:
+        if copied:
+            with open(log, "rb") as source:
+                write_atomically(
+                    os.path.join(branch, "log.jsonl"),
+                    lambda f: shutil.copyfileobj(source, f),
+                    fsync_file=True,
+                    fsync_folder=False,
+                )  # (the folder's fsync follows)
+        for path in later:
+            move_entry(path, os.path.join(branch, os.path.basename(path)))  # (a symbolic link stays one)
+        fsync_dir(branch)
+        fsync_dir(out_dir)
+    except OSError as e:
+        raise UserError(
+            f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} (nothing was deleted)"
+        ) from None
+    names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
+    print0(
+        f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
+        f"{'s' * (len(later) > 1)}, {names}){' with a copy of its log.jsonl' * copied} to {branch}; "
+        "nothing was deleted"
+    )
+
+
+def new_branch_folder(out_dir: str, reached: int) -> str:
+    """A new folder out_dir/branch_NNNNNNN for what a run did up to step `reached`, under a name no
+    earlier branch took (branch_NNNNNNN_2, ...)."""
+    branch = os.path.join(out_dir, f"branch_{reached:07d}")
+    for n in itertools.count(2):
+        try:
+            os.mkdir(branch)
+            return branch
+        except FileExistsError:
+            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+
+
+def set_aside_log_without_checkpoint(out_dir: str):
+    """A run that starts afresh in out_dir (no checkpoint there to resume) where log.jsonl holds records:
+    a run killed before its first checkpoint (out of memory, preempted), whose job is run again. A log
+    with trained steps moves into a new out_dir/branch_NNNNNNN (the steps it reached), as a later branch
+    does: nothing is deleted, and the same command starts again; a log without one (a run that stopped
+    before its first step) holds nothing to keep and starts afresh. (choose_resume_checkpoint has refused
+    a log.jsonl that is not a log.)"""
+    log = os.path.join(out_dir, "log.jsonl")
+    if not (os.path.isfile(log) and os.path.getsize(log)):
+        return
+    _, whose, _, trained = log_summary(log)
+    try:
+        if not trained:
+            os.remove(log)  # (the name only: a file it shared keeps its bytes)
+            print0(
+                f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+                "this run starts it afresh"
+            )
+            return
+        reached = last_trained_step(log) + 1
+        branch = new_branch_folder(out_dir, reached)
+        move_entry(log, os.path.join(branch, "log.jsonl"))
+        fsync_dir(branch)
+        fsync_dir(out_dir)
+    except OSError as e:
+        raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
+    print0(
+        f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
+        f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
+    )
+
+
+def last_trained_step(path: str) -> int:
+    """The step of the last record with a loss in the log.jsonl at path (log_summary found one)."""
+    last = 0
+    with open(path, "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError, RecursionError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "loss" in record and type(record.get("step")) is int:
+                    last = record["step"]
+    return last
