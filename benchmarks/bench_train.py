@@ -48,7 +48,6 @@ def peak_memory_mb(device):
 
 def run_variant(variant, args):
     import torch
-    from trainkit import precision
     import train_gpt2 as tg
 
     torch.manual_seed(0)
@@ -92,7 +91,7 @@ def run_variant(variant, args):
             loss_accum = torch.zeros((), device=device)
             for m in range(args.accum):
                 x, y = (torch.from_numpy(a).to(device) for a in loader.micro_batch(s, m))
-                with precision.autocast_context(device_type, dtype):
+                with torch.autocast(device_type, dtype, enabled=dtype != torch.float32):
                     _, loss = train_model(x, y)
                 loss = loss / args.accum
                 loss_accum += loss.detach()

@@ -18,7 +18,6 @@ from trainkit.cli import UserError
 from trainkit.hellaswag_data import resolve_data_file
 from trainkit.hellaswag_examples import Example, load_examples
 from trainkit.launch import all_reduce_sum
-from trainkit.precision import autocast_context
 from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
@@ -142,7 +141,7 @@ def score_packed(model: nn.Module, batch: Packed, dtype: torch.dtype = torch.flo
     lse = torch.empty(len(sources), device=device)  # log-sum-exp of each source position's logits
     target_logits = torch.empty(len(inverse), device=device)
     n_real = real_vocab_size(model.config.vocab_size)
-    with autocast_context(device.type, dtype):
+    with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
         h = model.hidden_states(batch.tokens, batch.positions, batch.attn_mask)
         h = h.view(-1, h.size(-1))[sources]
         for start in range(0, len(sources), LOGIT_ROWS):  # bounded (rows, vocab) logits
@@ -162,7 +161,7 @@ def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, dtype
     model that maps token ids to logits (collate's rows). The loss of token t comes from the
     logits at t - 1."""
     scored = mask[:, 1:]
-    with autocast_context(tokens.device.type, dtype):
+    with torch.autocast(tokens.device.type, dtype, enabled=dtype != torch.float32):
         out = model(tokens)
         logits = out[0] if isinstance(out, (tuple, list)) else out  # (logits, loss) or bare logits
         token_loss = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")

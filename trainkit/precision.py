@@ -1,16 +1,8 @@
-"""The autocast dtype of a device (bf16, fp16 with a GradScaler, or fp32) and its autocast context."""
+"""The autocast dtype of a device: bf16, fp16 with a GradScaler, or fp32 (where autocast is off)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-def autocast_context(device_type: str, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
 
 
 def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
