@@ -22,18 +22,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import glob
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
 
-from trainkit import (
-    cli,
-)  # defines: UserError and the error contract (one `error:` line, exit codes); standard library only
+from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
 from trainkit.train_flags import flag  # defines: flag(), one field of RunConfig and its flag, declared together
 from trainkit.cli import UserError
@@ -305,87 +301,63 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.checkpoints import (  # defines: checkpoint files (atomic save, verified load)
-    checkpoint_path,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss  # defines: lm_head + loss, chunked or not
-from trainkit.compiling import (  # defines: whether to compile, the GPT compiled block by block, the fallback to eager
-    compile_decision,
-    compile_model,
-    with_compile_fallback,
-)
-from trainkit.doc_mask import document_attention  # defines: --doc-mask's positions and masks
-from trainkit.fit_batch import choose_micro_batch, with_oom_retry  # defines: auto's B; after an OOM, the step smaller
-from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks  # defines: FSDP2 (--fsdp)
-from trainkit import hellaswag_eval  # defines: HellaSwag's evaluate, model_problem
-from trainkit import hellaswag_examples  # defines: load_examples (HellaSwag's records checked, rendered, cached)
-from trainkit.hellaswag_data import resolve_data_file  # defines: the HellaSwag file, given or downloaded once
-from trainkit.hf_weights import gpt2_state_from_hf  # defines: a Hugging Face GPT-2 as our config and state dict
-from trainkit.launch import (  # defines: the device and the process group, rank-0 decisions, rank agreement, faults
-    Dist,
-    all_reduce_sum,
-    check_ranks_agree,
-    checked_on_every_rank,
-    decided_on_rank0,
-    exit_code_on_every_rank,
-    is_lost_rank,
-    lost_rank_error,
-    process_group,
-)
-from trainkit.console import print0, print_result  # defines: printing from rank 0, control characters escaped
-from trainkit.memory import (  # defines: the memory-fit check, what an out-of-memory is and its line, the run's peak
-    check_model_fits,
-    is_out_of_memory,
-    out_of_memory_error,
-    peak_memory,
-    sample_peak,
-    watch_peak,
-)
-from trainkit.optimizers import (  # defines: Muon + AdamW as one optimizer (--optimizer muon), resumed hyperparameters
-    MuonWithAdamW,
-)
-from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir  # defines: the run folder, its lock, its opening
-from trainkit.precision import resolve_dtype  # defines: the autocast dtype of a device
-from trainkit.progress import elapsed_and_eta, per_device_rate  # defines: the step line's rate per device, eta
-from trainkit.resume import (  # defines: what --resume continues, whose a checkpoint is, what a resume keeps
-    ResumePoint,
-    check_resume_compatible,
-    choose_resume_checkpoint,
-    data_change,
-    data_files,
-    find_resume_checkpoint,
-)
-from trainkit.run_log import RunLog  # defines: log.jsonl, one record per line, cut back on resume
-from trainkit.sampling import sample_text  # defines: sample_text, the in-training samples (sample.py's too)
-from trainkit.save_on_failure import save_first_on_failure  # defines: a failed evaluation saves the steps first
-from trainkit.shard_scan import (
-    scan_shards,
-)  # defines: each shard's per-token scans, done once and kept for the next launch
-from trainkit.shard_checks import (  # defines: shard checks: the manifest (and what it records), token ids, sha256s
-    ShardDigestCheck,
-    check_against_manifest,
-    check_token_ids,
-    no_output_for,
-    recorded,
-)
-from trainkit.shard_identity import shard_files  # defines: which shards a run reads (names, sizes, contents)
-from trainkit.shards import open_shard  # defines: the shard reader (.npy or llm.c's .bin, memory-mapped)
-from trainkit.stop_signal import (
-    StopSignal,
-    stopped_line,
-)  # defines: SIGTERM/SIGINT/SIGHUP finish the step, checkpoint, exit 0
-from trainkit.throughput import Throughput, flops_per_token, mfu_peak  # defines: tok/s and MFU (GPU peak table)
-from trainkit.tokenizer import (  # defines: GPT-2's tokenizer and real vocabulary, token bytes
-    EOT,
-    get_tokenizer_or_fail,
-    real_vocab_size,
-    token_byte_lengths,
-)
-from trainkit.training_state import restore_training_state, training_state  # defines: a run's state <-> checkpoint
-from trainkit.update_guard import UpdateGuard, guarded_update, nonfinite_state  # defines: each update's guard
+# The model's parts. chunked_loss: lm_head + cross-entropy, in chunks of rows (CPU) or whole; doc_mask: --doc-mask's
+# positions and masks; hf_weights: a Hugging Face GPT-2 as our config and state dict (--init-from)
+from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss
+from trainkit.doc_mask import document_attention
+from trainkit.hf_weights import gpt2_state_from_hf
+
+# The data. shards: the shard reader; shard_checks: a data folder's shards and their checks (manifest, token ids,
+# sha256s); shard_identity: the shards every rank of a launch must share; shard_scan: each shard's per-token scans,
+# done once and kept for the next launch; tokenizer: GPT-2's tokenizer and real vocabulary, token bytes
+from trainkit.shards import open_shard
+from trainkit.shard_checks import ShardDigestCheck, check_token_ids, find_shards, no_output_for, recorded
+from trainkit.shard_identity import data_fingerprint
+from trainkit.shard_scan import scan_shards
+from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths
+
+# The step's machinery and what recovers it. optimizers: Muon + AdamW as one optimizer; precision: the autocast dtype
+# of a device; compiling: whether to compile, the GPT compiled block by block, the fallback to eager; fsdp: FSDP2
+# sharding and its no-sync; fit_batch: --batch-size auto's micro-batch, the step redone smaller after an
+# out-of-memory error; memory: the memory-fit check, what an out-of-memory is and its line, the run's peak;
+# update_guard: the non-finite and spike guard of each update (the update as the step calls it)
+from trainkit.optimizers import MuonWithAdamW
+from trainkit.precision import resolve_dtype
+from trainkit.compiling import compile_decision, compile_model, with_compile_fallback
+from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
+from trainkit.fit_batch import choose_micro_batch, with_oom_retry
+from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, peak_memory
+from trainkit.memory import sample_peak, watch_peak
+from trainkit.update_guard import UpdateGuard, guarded_update, nonfinite_state
+
+# The ranks and what a run prints. launch: the device, the process group, rank-0 decisions, rank agreement, one line
+# per rank failure; console: printing from rank 0, control characters escaped; progress: the step line's rate per
+# device, elapsed time and eta; throughput: tok/s and MFU; stop_signal: SIGTERM/SIGINT/SIGHUP finish the step,
+# checkpoint, exit 0, and the line that says so
+from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
+from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
+from trainkit.console import print0, print_result
+from trainkit.progress import elapsed_and_eta, per_device_rate
+from trainkit.throughput import Throughput, flops_per_token, mfu_peak
+from trainkit.stop_signal import StopSignal, stopped_line
+
+# The run's files. checkpoints: checkpoint files (atomic save, verified load), a folder's newest; training_state: a
+# run's state into a checkpoint and back; resume: what --resume continues, whose a checkpoint is, what a resume
+# keeps; out_dir: the run folder taken for a run (made, locked, its log opened); run_log: log.jsonl;
+# save_on_failure: a failed evaluation saves the trained steps first
+from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainkit.training_state import restore_training_state, training_state
+from trainkit.resume import ResumePoint, check_resume_compatible, choose_resume_checkpoint, data_change, data_files
+from trainkit.resume import find_resume_checkpoint
+from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir
+from trainkit.run_log import RunLog
+from trainkit.save_on_failure import save_first_on_failure
+
+# The evaluations. hellaswag_eval: HellaSwag accuracy of the model it is given; hellaswag_examples and hellaswag_data:
+# its examples, from the file given or downloaded once; sampling: the in-training samples (sample.py's too)
+from trainkit import hellaswag_eval, hellaswag_examples
+from trainkit.hellaswag_data import resolve_data_file
+from trainkit.sampling import sample_text
 
 
 # -----------------------------------------------------------------------------
@@ -632,19 +604,6 @@ def draw(probs, generator):
 # data
 
 
-def find_shards(data_dir: str, split: str) -> list[str]:
-    if not os.path.isdir(data_dir):
-        raise UserError(f"--data-dir {data_dir} does not exist; create shards with fineweb.py")
-    folder = glob.escape(data_dir)  # a folder named like a pattern (data[1]) is still that folder
-    paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(folder, f"*_{split}_*.{ext}")))
-    check_against_manifest(data_dir, split, paths)
-    if not paths:
-        raise UserError(
-            f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; create them with fineweb.py"
-        )
-    return paths
-
-
 def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray:
     """Row table of one shard for --align-docs: int64 (n_rows, 2) of (start, n_targets).
 
@@ -798,19 +757,6 @@ class Prefetcher:
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
-    """The shards of data_dir (names, sizes, contents) that every rank of a launch must share (a missing
-    folder or split is left to TokenRows to refuse)."""
-    items = []
-    for split in ("train", "val"):
-        try:
-            files = shard_files(find_shards(data_dir, split))
-        except (UserError, OSError):
-            files = []
-        items.append((f"{split} shards in --data-dir", files))
-    return items
 
 
 # -----------------------------------------------------------------------------

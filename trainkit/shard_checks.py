@@ -6,6 +6,7 @@ records of a shard (recorded). Runs nothing at import."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import threading
@@ -173,3 +174,17 @@ class ShardDigestCheck:
         self.stopping.set()
         if self.thread:
             self.thread.join()
+
+
+def find_shards(data_dir: str, split: str) -> list[str]:
+    """The split's shards in data_dir (*_{split}_*.npy or .bin, in name order), checked against its manifest."""
+    if not os.path.isdir(data_dir):
+        raise UserError(f"--data-dir {data_dir} does not exist; create shards with fineweb.py")
+    folder = glob.escape(data_dir)  # a folder named like a pattern (data[1]) is still that folder
+    paths = sorted(p for ext in ("npy", "bin") for p in glob.glob(os.path.join(folder, f"*_{split}_*.{ext}")))
+    check_against_manifest(data_dir, split, paths)
+    if not paths:
+        raise UserError(
+            f"no '{split}' shards (*_{split}_*.npy or .bin) in --data-dir {data_dir}; create them with fineweb.py"
+        )
+    return paths

@@ -8,7 +8,8 @@ import hashlib
 import os
 
 from trainkit.regular_file import open_regular
-from trainkit.shard_checks import recorded
+from trainkit.cli import UserError
+from trainkit.shard_checks import find_shards, recorded
 
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # a shard's sampled content: 1 MiB
 
@@ -55,3 +56,16 @@ def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | Non
             if len(x) > i and len(y) > i and x[i] and y[i] and x[i] != y[i]:
                 return name, f"{x[0]} bytes of {kind} {x[i][:12]}", f"{y[0]} bytes of {kind} {y[i][:12]}"
     return None
+
+
+def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
+    """The shards of data_dir (names, sizes, contents) that every rank of a launch must share (a missing
+    folder or split is left to the trainer's TokenRows to refuse)."""
+    items = []
+    for split in ("train", "val"):
+        try:
+            files = shard_files(find_shards(data_dir, split))
+        except (UserError, OSError):
+            files = []
+        items.append((f"{split} shards in --data-dir", files))
+    return items
