@@ -235,14 +235,14 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, dat
 
 
 def test_whose_checkpoints_a_folder_may_hold(tmp_path):
-    """claim_run's rule on made-up histories, with folders written before run ids (no id: the
-    folder's one legacy run, which two such runs cannot be told apart by)."""
+    """claim_run's rule on made-up histories: a requeued run keeps its identity, a resume of an earlier step is
+    a branch naming its parent and the step, and a folder holds the checkpoints of one history only."""
 
     def checkpoint(folder, step, run):
         folder.mkdir(exist_ok=True)
         state = dict(model={}, model_config={}, step=step, log_offset=0, log_sha256="", run=run)
         path = checkpoints.checkpoint_path(str(folder), step)
-        checkpoints.save_checkpoint(path, {k: v for k, v in state.items() if v is not None})
+        checkpoints.save_checkpoint(path, state)
         return resume.ResumePoint.of(path, state)
 
     def refusal(resumed, folder, name, theirs):
@@ -252,22 +252,22 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
             f"({resume.run_name(theirs)}), and one folder holds one run"
         )
 
-    legacy = tmp_path / "legacy"
-    at_2, at_4 = checkpoint(legacy, 2, None), checkpoint(legacy, 4, None)
-    assert out_dir.claim_run(str(legacy), at_4) == resume.LEGACY_RUN  # a requeued legacy run stays one
-    branch = out_dir.claim_run(str(legacy), at_2)  # a branch of it gets an id, naming it and the step
-    assert branch["parent"] == dict(resume.LEGACY_RUN, step=2) and len(branch["id"]) == 32
+    first, folder = resume.new_run(), tmp_path / "first"
+    at_2, at_4 = checkpoint(folder, 2, first), checkpoint(folder, 4, first)
+    assert out_dir.claim_run(str(folder), at_4) == first  # a requeued run stays itself
+    branch = out_dir.claim_run(str(folder), at_2)  # a branch of it gets an id, naming it and the step
+    assert branch["parent"] == dict(first, step=2) and len(branch["id"]) == 32
     at_6 = checkpoint(tmp_path / "branch", 6, branch)
-    with pytest.raises(UserError, match=refusal(at_6, legacy, "ckpt_0000004.pt", None)):
-        out_dir.claim_run(str(legacy), at_6)  # step 4 of the legacy run is not in the branch's past
+    with pytest.raises(UserError, match=refusal(at_6, folder, "ckpt_0000004.pt", first["id"])):
+        out_dir.claim_run(str(folder), at_6)  # step 4 of the first run is not in the branch's past
     os.remove(at_4.path)
-    again = out_dir.claim_run(str(legacy), at_6)  # step 2 is: the branch may go on there, as a branch again
+    again = out_dir.claim_run(str(folder), at_6)  # step 2 is: the branch may go on there, as a branch again
     assert again["parent"] == dict(branch, step=6) and again["id"] != branch["id"]
-    assert resume.in_history(None, 2, again, 8) and not resume.in_history(None, 3, again, 8)
-    # a run with an id and a legacy one never share a folder
+    assert resume.in_history(first["id"], 2, again, 8) and not resume.in_history(first["id"], 3, again, 8)
+    # two runs never share a folder
     fresh = checkpoint(tmp_path / "fresh", 6, resume.new_run())
-    with pytest.raises(UserError, match=refusal(fresh, legacy, "ckpt_0000002.pt", None)):
-        out_dir.claim_run(str(legacy), fresh)
+    with pytest.raises(UserError, match=refusal(fresh, folder, "ckpt_0000002.pt", first["id"])):
+        out_dir.claim_run(str(folder), fresh)
     with pytest.raises(UserError, match=refusal(at_2, tmp_path / "fresh", "ckpt_0000006.pt", fresh.run["id"])):
         out_dir.claim_run(str(tmp_path / "fresh"), at_2)
 

@@ -26,6 +26,7 @@ RESUME_STATE = (
     "log_offset",
     "log_sha256",
     "skip_state",
+    "run",
 )
 # deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
 # branch), far below the interpreter's recursion limit that state_digest's walk would reach
@@ -138,11 +139,11 @@ def _rng_problem(value) -> str | None:
 
 
 def run_problem(run) -> str | None:
-    """A run identity (new_run's): {"id": hex text or None, "parent": None or {**identity, "step": count}}."""
+    """A run identity (new_run's): {"id": hex text, "parent": None or {**identity, "step": count}}."""
     while run is not None:
         if not isinstance(run, dict) or not {"id", "parent"} <= run.keys():
             return f"is {_shown(run)}, not a run identity (a mapping of id and parent)"
-        if run["id"] is not None and not (isinstance(run["id"], str) and re.fullmatch(r"[0-9a-f]{1,64}", run["id"])):
+        if not (isinstance(run["id"], str) and re.fullmatch(r"[0-9a-f]{1,64}", run["id"])):
             return f"id is {_shown(run['id'])}, not a run id"
         run = run["parent"]
         if run is not None and _count(run.get("step") if isinstance(run, dict) else None):

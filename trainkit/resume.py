@@ -29,15 +29,8 @@ def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
     return dict(id=uuid.uuid4().hex, parent=parent)
 
 
-LEGACY_RUN = dict(id=None, parent=None)  # a checkpoint written before run ids: its folder's one legacy run
-
-
-def run_of(ckpt: dict) -> dict:
-    return ckpt.get("run") or LEGACY_RUN
-
-
 def run_name(run_id: str | None) -> str:
-    return f"run {run_id}" if run_id else "a run from before run ids"
+    return f"run {run_id}" if run_id else "no run (its records name none: not a log this trainer wrote)"
 
 
 def read_run(path: str) -> dict | None:
@@ -47,12 +40,13 @@ def read_run(path: str) -> dict | None:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
-    return run_of(ckpt) if isinstance(ckpt, dict) and not run_problem(ckpt.get("run")) else None
+    run = ckpt.get("run") if isinstance(ckpt, dict) else None
+    return run if run is not None and not run_problem(run) else None
 
 
 def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
-    """What the log.jsonl at path holds: the "run" of its last record, whose it is in words (a run, a
-    run from before run ids, or not a log: no JSON record), whether it holds any record, and whether
+    """What the log.jsonl at path holds: the "run" of its last record, whose it is in words (a run, or
+    not a log: no record names a run, or none is JSON), whether it holds any record, and whether
     a trained step (a record with a loss). Read a line at a time: a log of a long run is big."""
     last, trained, any_record = None, False, False
     with open_regular(path) as f:
@@ -79,7 +73,7 @@ class ResumePoint:
 
     @classmethod
     def of(cls, path: str, ckpt: dict) -> ResumePoint:
-        return cls(path, ckpt["step"], ckpt["log_offset"], ckpt["log_sha256"], run_of(ckpt))
+        return cls(path, ckpt["step"], ckpt["log_offset"], ckpt["log_sha256"], ckpt["run"])
 
 
 def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:

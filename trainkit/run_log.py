@@ -22,7 +22,7 @@ from trainkit.own_files import own_file
 
 class RunLog:
     """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
-    it (none for a run begun before run ids). Other ranks write nothing.
+    it. Other ranks write nothing.
 
     Each record is one write, and a failed write (disk full) is cut back: the file always ends
     with a whole record. A checkpoint stores the log's length and the sha256 of its contents up
@@ -66,7 +66,7 @@ class RunLog:
 
     def write(self, **record):
         if self.file:
-            mine = dict(record, run=self.run["id"]) if self.run and self.run["id"] else record
+            mine = dict(record, run=self.run["id"]) if self.run else record
             self._append((json.dumps(strict_json_record(mine), allow_nan=False) + "\n").encode())
         for sink in list(self.sinks):
             self._to_sink(sink, f"at step {record['step']}", sink.write, record)
