@@ -14,7 +14,8 @@ GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the la
 order", with what recovers from failure installed at set-up) -> main().
 What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
 the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
-trainkit/, imported below, each with a line on what it brings; no trainkit module imports a script.
+trainkit/, imported below in six groups, each with a comment of what its modules bring; no trainkit module
+imports a script.
 """
 
 from __future__ import annotations
