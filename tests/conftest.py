@@ -53,8 +53,8 @@ def tiny_run_args(
     hellaswag_every=0,
 ) -> list:
     """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
-    in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked;
-    extra last."""
+    in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked
+    (hellaswag_every None: the trainer's default); extra last."""
     return [
         "--data-dir",
         str(data_dir),
@@ -84,8 +84,7 @@ def tiny_run_args(
         str(val_every),
         "--sample-every",
         str(sample_every),
-        "--hellaswag-every",
-        str(hellaswag_every),
+        *([] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]),
         "--ckpt-every",
         str(ckpt_every),
         *extra,
@@ -158,6 +157,11 @@ def assert_one_error_line(result, *fragments):
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def assert_refused(result, message):
+    """result failed with exit code 2 and stderr exactly the one line `error: message` (so no traceback)."""
+    assert (result.returncode, result.stderr) == (2, f"error: {message}\n"), result.stderr[-3000:]
 
 
 # A stand-in for the wandb package (put first on PYTHONPATH): its project "no-such-entity" cannot start a run,

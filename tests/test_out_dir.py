@@ -21,7 +21,7 @@ from trainkit import resume
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import FAKE_WANDB, REPO, run_cli, tiny_run_args, tree_hashes
+from conftest import FAKE_WANDB, REPO, assert_refused, run_cli, tiny_run_args, tree_hashes
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -42,11 +42,6 @@ def start(args):
 
 def run(args, nproc=1):
     return run_cli(args, nproc, env=ONE_THREAD)
-
-
-def assert_refused(returncode, stderr, message):
-    lines = stderr.splitlines()
-    assert (returncode, lines) == (2, [f"error: {message}"]), stderr[-3000:]
 
 
 def checkpoint_hashes(out_dir):
@@ -103,7 +98,8 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         (refused,) = [p for p in trainers if p.poll() is not None]
         (owner,) = [p for p in trainers if p is not refused]
         owned_by = f"pid {owner.pid} on {socket.gethostname()}"
-        assert_refused(refused.returncode, refused.communicate()[1], in_use(out, owned_by))
+        _, err = refused.communicate()
+        assert (refused.returncode, err) == (2, f"error: {in_use(out, owned_by)}\n"), err[-3000:]
         while len(checkpoints.list_checkpoints(out)) < 1:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
@@ -113,7 +109,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         edited.write_text(f"pid {owner.pid} on another-host\n")
         os.replace(edited, out / ".lock")
         result = run(tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
-        assert_refused(result.returncode, result.stderr, in_use(out, f"pid {owner.pid} on another-host"))
+        assert_refused(result, in_use(out, f"pid {owner.pid} on another-host"))
         while len(checkpoints.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
@@ -192,8 +188,7 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
     before = tree_hashes(out)
     result = run(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
     assert_refused(
-        result.returncode,
-        result.stderr,
+        result,
         f"{lock} is a directory, not the lock note this trainer writes: remove it, or choose another --out-dir",
     )
     assert tree_hashes(out) == before and lock.is_dir()
@@ -286,8 +281,7 @@ def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys)
         env={"PYTHONPATH": str(fake), **ONE_THREAD},
     )
     assert_refused(
-        result.returncode,
-        result.stderr,
+        result,
         "--wandb: could not start a W&B run (RuntimeError: permission "
         "denied for entity); run `wandb login` or set WANDB_MODE=offline",
     )
@@ -311,8 +305,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     # an unset $CKPT in a job script
     result = run(tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
     assert_refused(
-        result.returncode,
-        result.stderr,
+        result,
         "argument --resume: got an empty value ('': an unset shell variable?) (see train_gpt2.py --help)",
     )
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
@@ -327,7 +320,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
         "another --out-dir"
     )
     result = run(tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
-    assert_refused(result.returncode, result.stderr, refusal)
+    assert_refused(result, refusal)
     assert tg.main(tiny_run_args(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == f"error: {refusal}\n"
     assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_text() == "my notes\n"

@@ -4,15 +4,13 @@ extending a finished WSD run from a checkpoint taken before its cooldown."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from trainkit import cli
 from trainkit import train_flags
 import train_gpt2 as tg
-from conftest import REPO, TINY_GPT2_VOCAB_RUN
+from conftest import TINY_GPT2_VOCAB_RUN, run_cli
 
 TINY = [
     *TINY_GPT2_VOCAB_RUN,
@@ -89,17 +87,6 @@ def test_the_flag_checks_name_an_unknown_schedule():
 
 
 SHARDS = dict(n_docs=400, seed=3, max_len=60)
-
-
-def run_cli(args):
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 def train_records(out_dir):
