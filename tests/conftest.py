@@ -343,9 +343,37 @@ def write_checkpoint(model, path) -> str:
     return str(path)
 
 
+# The files of longest wall time, longest first (two workers on the project's 2-core machine): they start first,
+# so that the last files to end are short ones and the two workers end together. pytest-xdist's --dist loadfile
+# would hand out the files with the most tests first, and so test_slurm.py (six tests, minutes of waiting on
+# Slurm) and the other long files of few tests last, one worker running them while the other had ended. A file
+# not named here runs after these, in the order collected.
+LONGEST_FILES = (
+    "test_slurm.py",
+    "test_hf_interop.py",
+    "test_hostile.py",
+    "test_fineweb.py",
+    "test_readme.py",
+    "test_fsdp.py",
+    "test_train_cli.py",
+    "test_quickstart.py",
+    "test_gpu_paths.py",
+    "test_sample.py",
+    "test_train_faults.py",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "slurm: jobs under a real Slurm that the test starts (tests/test_slurm.py, "
         "minutes; -m 'not slurm' leaves them out)",
     )
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out the files in the order collected
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FILES' tests first, in that order; each file's tests stay together and in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
