@@ -121,9 +121,19 @@ def log_records(out_dir) -> list:
         return [json.loads(line) for line in f]
 
 
+def train_records(out_dir) -> list:
+    """The records of a run's log.jsonl that a trained step wrote (those with a loss)."""
+    return [r for r in log_records(out_dir) if "loss" in r]
+
+
+def trained_steps(out_dir) -> list:
+    """The step of each trained step in a run's log."""
+    return [r["step"] for r in train_records(out_dir)]
+
+
 def losses(out_dir) -> list:
     """(step, loss) of each trained step in a run's log."""
-    return [(r["step"], r["loss"]) for r in log_records(out_dir) if "loss" in r]
+    return [(r["step"], r["loss"]) for r in train_records(out_dir)]
 
 
 def wait_for_steps(out_dir, n, proc):

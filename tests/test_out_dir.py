@@ -21,7 +21,7 @@ from trainkit import resume
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import FAKE_WANDB, REPO, assert_refused, run_cli, tiny_run_args, tree_hashes
+from conftest import FAKE_WANDB, REPO, assert_refused, run_cli, tiny_run_args, trained_steps, tree_hashes
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -55,11 +55,6 @@ def checkpoint_hashes(out_dir):
                 checkpoints.load_checkpoint(path)
                 found[os.path.relpath(path, out_dir)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     return found
-
-
-def train_steps(log_path):
-    with open(log_path) as f:
-        return [r["step"] for r in map(json.loads, f) if "loss" in r]
 
 
 def in_use(out_dir, owner):
@@ -124,7 +119,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     result = run(tiny_run_args(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / f'ckpt_{last:07d}.pt'} at step {last}" in result.stdout
-    assert train_steps(out / "log.jsonl") == list(range(last + 3))  # one run's steps, in order
+    assert trained_steps(out) == list(range(last + 3))  # one run's steps, in order
     after = checkpoint_hashes(out)
     assert {k: after[k] for k in before} == before and f"ckpt_{last + 3:07d}.pt" in after
     assert not (out / ".lock").exists()  # a run that ends removes its lock file
@@ -145,7 +140,7 @@ def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
     message = f"error: {in_use(out, 'pid 4242 on node-7')}"
     assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
     assert 'train_gpt2.py", line' not in result.stderr  # no traceback of ours
-    assert checkpoint_hashes(out) == hashes and train_steps(out / "log.jsonl") == list(range(8))
+    assert checkpoint_hashes(out) == hashes and trained_steps(out) == list(range(8))
 
 
 def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, capsys):
@@ -358,7 +353,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     result = run(tiny_run_args(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
-    assert train_steps(out / "log.jsonl") == list(range(10)) and train_steps(branch / "log.jsonl") == list(range(8))
+    assert trained_steps(out) == list(range(10)) and trained_steps(branch) == list(range(8))
     assert resume.read_run(str(out / "ckpt_0000010.pt")) == new  # a plain --resume goes on as the same run
     # every checkpoint ever written is still under the folder, unchanged: the first run's step 2 in
     # place, its later ones in the branch folder, the new branch's beside step 2
@@ -371,5 +366,5 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     assert set(now) == set(kept) | new and all(now[name] != hashes.get(name) for name in new)
     # the branch folder is a run folder of its own: the old branch goes on there
     assert tg.main(tiny_run_args(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
-    assert train_steps(branch / "log.jsonl") == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
+    assert trained_steps(branch) == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
     assert resume.read_run(str(branch / "ckpt_0000010.pt")) == first

@@ -1,7 +1,6 @@
 """LR schedules (cosine, linear, wsd), the one-line notice when a resume moves the LR, and
 extending a finished WSD run from a checkpoint taken before its cooldown."""
 
-import json
 import math
 import os
 
@@ -10,7 +9,7 @@ import pytest
 from trainkit import cli
 from trainkit import train_flags
 import train_gpt2 as tg
-from conftest import TINY_GPT2_VOCAB_RUN, run_cli
+from conftest import TINY_GPT2_VOCAB_RUN, run_cli, train_records
 
 TINY = [
     *TINY_GPT2_VOCAB_RUN,
@@ -87,11 +86,6 @@ def test_the_flag_checks_name_an_unknown_schedule():
 
 
 SHARDS = dict(n_docs=400, seed=3, max_len=60)
-
-
-def train_records(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
 
 
 def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):
