@@ -53,8 +53,8 @@ def tiny_run_args(
     hellaswag_every=0,
 ) -> list:
     """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
-    in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked;
-    extra last."""
+    in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked
+    (hellaswag_every None: the trainer's default); extra last."""
     return [
         "--data-dir",
         str(data_dir),
@@ -84,8 +84,7 @@ def tiny_run_args(
         str(val_every),
         "--sample-every",
         str(sample_every),
-        "--hellaswag-every",
-        str(hellaswag_every),
+        *([] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]),
         "--ckpt-every",
         str(ckpt_every),
         *extra,
@@ -122,9 +121,19 @@ def log_records(out_dir) -> list:
         return [json.loads(line) for line in f]
 
 
+def train_records(out_dir) -> list:
+    """The records of a run's log.jsonl that a trained step wrote (those with a loss)."""
+    return [r for r in log_records(out_dir) if "loss" in r]
+
+
+def trained_steps(out_dir) -> list:
+    """The step of each trained step in a run's log."""
+    return [r["step"] for r in train_records(out_dir)]
+
+
 def losses(out_dir) -> list:
     """(step, loss) of each trained step in a run's log."""
-    return [(r["step"], r["loss"]) for r in log_records(out_dir) if "loss" in r]
+    return [(r["step"], r["loss"]) for r in train_records(out_dir)]
 
 
 def wait_for_steps(out_dir, n, proc):
@@ -158,6 +167,11 @@ def assert_one_error_line(result, *fragments):
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def assert_refused(result, message):
+    """result failed with exit code 2 and stderr exactly the one line `error: message` (so no traceback)."""
+    assert (result.returncode, result.stderr) == (2, f"error: {message}\n"), result.stderr[-3000:]
 
 
 # A stand-in for the wandb package (put first on PYTHONPATH): its project "no-such-entity" cannot start a run,
@@ -339,9 +353,45 @@ def write_checkpoint(model, path) -> str:
     return str(path)
 
 
+# The files of longest wall time, longest first: they start first, so that the last files to end are short ones
+# and the two workers end together. pytest-xdist's --dist loadfile would hand out the files with the most tests
+# first, and so test_slurm.py (six tests, minutes mostly spent waiting on Slurm) and the other long files of few
+# tests last, one worker running them while the other had ended. The order is that of the files' summed test
+# durations (pytest --durations=0, two workers on the project's 2-core machine), test_slurm.py first as its
+# worker mostly waits; a file not named here runs after these, in the order collected.
+LONGEST_FILES = (
+    "test_slurm.py",
+    "test_hostile.py",
+    "test_hostile_inputs.py",
+    "test_hf_interop.py",
+    "test_resilience.py",
+    "test_output.py",
+    "test_sample.py",
+    "test_ranks.py",
+    "test_out_dir.py",
+    "test_train_faults.py",
+    "test_gpu_paths.py",
+    "test_readme.py",
+    "test_fineweb.py",
+    "test_train_cli.py",
+    "test_quickstart.py",
+    "test_run_files.py",
+    "test_hellaswag.py",
+    "test_fsdp.py",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "slurm: jobs under a real Slurm that the test starts (tests/test_slurm.py, "
         "minutes; -m 'not slurm' leaves them out)",
     )
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out the files in the order collected
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FILES' tests first, in that order; each file's tests stay together and in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

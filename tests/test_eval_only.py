@@ -3,12 +3,10 @@ what training logged at that checkpoint's step; the run's folder is left as it w
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import HELLASWAG_FILE, REPO, TINY_GPT2_VOCAB_RUN
+from conftest import HELLASWAG_FILE, TINY_GPT2_VOCAB_RUN, run_cli
 from shards import make_docs, write_shards
 
 # the model keeps GPT-2's vocabulary so that HellaSwag's tokens fit
@@ -25,17 +23,6 @@ TINY = [
 ]
 
 
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
@@ -44,7 +31,7 @@ def trained(tmp_path_factory):
     hellaswag = ["--hellaswag-every", "2", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
     out = tmp_path_factory.mktemp("run")
     flags = ["--data-dir", str(data), "--out-dir", str(out), *TINY, *hellaswag]
-    result = run_cli(*flags, "--max-steps", "4")
+    result = run_cli([*flags, "--max-steps", "4"])
     assert result.returncode == 0, result.stderr
     return flags, out
 
@@ -60,7 +47,7 @@ def test_eval_only_equals_what_training_logged(trained, which, step):
     flags, out = trained
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     resume = ["--resume", str(out / which)] if which else ["--resume"]
-    result = run_cli(*flags, "--eval-only", *resume)
+    result = run_cli([*flags, "--eval-only", *resume])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert f"evaluating {out / (which or 'ckpt_0000004.pt')} at step {step}" in lines
@@ -73,7 +60,7 @@ def test_eval_only_equals_what_training_logged(trained, which, step):
 def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained):
     # neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation
     flags, out = trained
-    result = run_cli(*flags, "--eval-only", "--resume", "--max-steps", "100")
+    result = run_cli([*flags, "--eval-only", "--resume", "--max-steps", "100"])
     assert result.returncode == 0, result.stderr
     assert "note:" not in result.stdout
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
@@ -93,7 +80,7 @@ def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained)
 def test_eval_only_errors_are_one_line(trained, tmp_path, extra, message):
     flags, _ = trained
     extra = [a.replace("{empty}", str(tmp_path)) for a in extra]
-    result = run_cli(*flags, "--eval-only", *extra)
+    result = run_cli([*flags, "--eval-only", *extra])
     assert (result.returncode, result.stderr) == (2, f"error: {message.replace('{empty}', str(tmp_path))}\n")
     assert os.listdir(tmp_path) == []
 
@@ -102,10 +89,10 @@ def test_eval_only_takes_the_checkpoints_flags(trained):
     """`--eval-only --resume PATH` alone: the model, batch, data and evaluation flags are the checkpoint's run's,
     so the numbers equal what training logged; a flag the command gives still wins."""
     _, out = trained
-    result = run_cli("--eval-only", "--resume", str(out))
+    result = run_cli(["--eval-only", "--resume", str(out)])
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
-    result = run_cli("--eval-only", "--resume", str(out), "--hellaswag-every", "0")
+    result = run_cli(["--eval-only", "--resume", str(out), "--hellaswag-every", "0"])
     assert result.returncode == 0, result.stderr
     evaluated = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluated == {k: v for k, v in logged_at(out, 4).items() if not k.startswith("hellaswag")}

@@ -21,7 +21,7 @@ from trainkit import throughput
 from trainkit import launch
 import train_gpt2 as tg
 import conftest
-from conftest import REPO, tiny_run_args
+from conftest import REPO, tiny_run_args, train_records
 from shards import make_batch
 
 T = 16
@@ -32,11 +32,6 @@ SHARDS = dict(n_docs=400, seed=3, vocab=100)
 
 def args_for(data_dir, out_dir, *extra, steps=4, B=4):
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, B=B, ckpt_every=0, seq_len=T, warmup=2)
-
-
-def train_records(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
 
 
 run_cli = functools.partial(conftest.run_cli, env={"OMP_NUM_THREADS": "1"})

@@ -6,15 +6,13 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, REPO, spread_gpt, torchrun, write_checkpoint
+from conftest import HELLASWAG_FILE, run_cli, spread_gpt, tiny_run_args, write_checkpoint
 from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.tokenizer import EOT
@@ -22,6 +20,7 @@ from train_gpt2 import GPTConfig
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+SHARDS = dict(n_docs=50, seed=0, vocab=100, shard_size=1000)  # the trainer's data, for its checks at start
 
 # The first two records of hellaswag_val.jsonl (and of its subset in fixtures/), tokenized once with tiktoken's GPT-2 BPE
 # and checked by decoding: 'A man is sitting on a roof. he' -> 'A', ' man', ... ' he';
@@ -104,15 +103,9 @@ def reference_losses(model, ex, block_size):
     return torch.tensor(sums), torch.tensor(means)
 
 
-def run_cli(*args, env=None, launcher=(sys.executable,)):
-    return subprocess.run(
-        [*launcher, os.path.join(REPO, "hellaswag.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        timeout=240,
-    )
+def run_hellaswag(*args, nproc=1, env=None):
+    """hellaswag.py args as a user runs it (torchrun with nproc > 1)."""
+    return run_cli(args, nproc, "hellaswag.py", env)
 
 
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
@@ -253,7 +246,7 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
 def test_cli_two_processes_match_one(model, checkpoint, data_file):
     expected = hellaswag_eval.evaluate(model, "cpu", limit=31, data_file=data_file, lm_eval=True)  # one process
     assert expected["n"] == 31
-    got = run_cli(
+    got = run_hellaswag(
         "--checkpoint",
         checkpoint,
         "--data-file",
@@ -264,7 +257,7 @@ def test_cli_two_processes_match_one(model, checkpoint, data_file):
         "4",
         "--device",
         "cpu",
-        launcher=torchrun("--standalone", "--nproc_per_node=2"),
+        nproc=2,
     )
     assert (
         result_line(
@@ -280,7 +273,7 @@ def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
     # --limit 1 on 2 ranks: rank 1 scores no example and the all-reduce still agrees
     path = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
     expected = hellaswag_eval.evaluate(model, "cpu", limit=1, data_file=path, lm_eval=True)
-    got = run_cli(
+    got = run_hellaswag(
         "--checkpoint",
         checkpoint,
         "--data-file",
@@ -289,7 +282,7 @@ def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
         "1",
         "--device",
         "cpu",
-        launcher=torchrun("--standalone", "--nproc_per_node=2"),
+        nproc=2,
     )
     assert (
         result_line(
@@ -310,7 +303,7 @@ def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
         "no_proxy": "",
         "NO_PROXY": "",
     }
-    proc = run_cli("--checkpoint", checkpoint, "--device", "cpu", env=offline)
+    proc = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
@@ -347,7 +340,7 @@ def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
 
 
 def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
-    proc = run_cli("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
+    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
         "",
@@ -411,7 +404,7 @@ def write_records(path, *records, raw=b""):
 )
 def test_cli_bad_record_names_file_and_line(checkpoint, tmp_path, record, reason):
     path = write_records(tmp_path / "bad.jsonl", record)
-    proc = run_cli("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
+    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
         "",
@@ -463,7 +456,7 @@ def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
     path = write_records(
         tmp_path / "latin1.jsonl", raw=b"\n" + json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
     )
-    proc = run_cli("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
+    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert (proc.returncode, proc.stderr) == (
         2,
         f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n",
@@ -483,7 +476,7 @@ def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
     path = tmp_path / "tensor.pt"
     torch.save(torch.zeros(3), path)
     data = write_records(tmp_path / "ok.jsonl")
-    proc = run_cli("--checkpoint", path, "--data-file", data, "--device", "cpu")
+    proc = run_hellaswag("--checkpoint", path, "--data-file", data, "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
         "",
@@ -496,51 +489,14 @@ def test_cli_hf_model_that_is_not_gpt2(tmp_path):
     from test_hf_interop import NOT_GPT2, not_gpt2_folder
 
     folder = not_gpt2_folder(tmp_path / "llama", "llama")
-    proc = run_cli("--hf-model", folder, "--data-file", write_records(tmp_path / "ok.jsonl"), "--device", "cpu")
+    proc = run_hellaswag("--hf-model", folder, "--data-file", write_records(tmp_path / "ok.jsonl"), "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: --hf-model {folder}: {NOT_GPT2['llama']}\n")
 
 
-def test_trainer_checks_its_hellaswag_file_at_start(tmp_path):
-    from shards import make_docs, write_shards
-
-    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
+def test_trainer_checks_its_hellaswag_file_at_start(data_dir, tmp_path):
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "train_gpt2.py"),
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--out-dir",
-            str(tmp_path / "out"),
-            "--n-layer",
-            "1",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "16",
-            "--block-size",
-            "16",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-            "--total-batch-size",
-            "32",
-            "--max-steps",
-            "1",
-            "--val-every",
-            "0",
-            "--sample-every",
-            "0",
-            "--hellaswag-every",
-            "1",
-            "--hellaswag-file",
-            path,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    proc = run_cli(
+        tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1)
     )
     assert (proc.returncode, proc.stderr) == (
         2,
@@ -596,55 +552,17 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
 
 
-def test_an_offline_training_run_names_both_ways_past_hellaswag(tmp_path):
+def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_path):
     """Offline, with the default --hellaswag-every and no --hellaswag-file, the trainer refuses to start in one line
     that names both the flag giving a local copy and --hellaswag-every 0, and trains nothing."""
-    from shards import make_docs, write_shards
-
-    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
     offline = {
-        **os.environ,
         "HELLASWAG_DIR": str(tmp_path / "cache"),
         "https_proxy": "http://127.0.0.1:9",
         "HTTPS_PROXY": "http://127.0.0.1:9",
         "no_proxy": "",
         "NO_PROXY": "",
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "train_gpt2.py"),
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--out-dir",
-            str(tmp_path / "out"),
-            "--n-layer",
-            "1",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "16",
-            "--block-size",
-            "16",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-            "--total-batch-size",
-            "32",
-            "--max-steps",
-            "1",
-            "--val-every",
-            "0",
-            "--sample-every",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=offline,
-        cwd=REPO,
-    )
+    proc = run_cli(tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None), env=offline)
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
@@ -669,14 +587,14 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
             str(run / f"ckpt_{step:07d}.pt"),
             {"model": model.state_dict(), "step": step, "model_config": dataclasses.asdict(model.config)},
         )
-    both = run_cli("--checkpoint", run, "--data-file", data_file, "--limit", "6", "--device", "cpu")
+    both = run_hellaswag("--checkpoint", run, "--data-file", data_file, "--limit", "6", "--device", "cpu")
     expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=data_file, lm_eval=True)
     data_line = f"hellaswag: the first 6 of 446 examples in {data_file}{SUBSET_NAMED}"
     assert result_line(both, f"hellaswag: scoring {run / 'ckpt_0000012.pt'}, step 12", data_line) == expected
     bars = both.stderr.replace("\r", "\n")
     assert "hellaswag, both texts: 100%" in bars and "12/12 [" in bars and "6/6 [" not in bars
 
-    once = run_cli(
+    once = run_hellaswag(
         "--checkpoint",
         run / "ckpt_0000005.pt",
         "--data-file",

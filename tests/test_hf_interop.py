@@ -22,6 +22,8 @@ from trainkit.cli import UserError  # noqa: E402
 from trainkit.tokenizer import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
+SHARDS = dict(n_docs=200, seed=0, vocab=500, shard_size=3000)  # the trainer's data
+
 
 def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
     torch.manual_seed(seed)
@@ -316,17 +318,14 @@ def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["bert", "gpt2 without layer 1"])
-def test_cli_init_from_a_folder_that_is_not_gpt2_is_refused(tmp_path, kind):
-    from shards import make_docs, write_shards
-
+def test_cli_init_from_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
     folder = not_gpt2_folder(tmp_path / "hf", kind)
-    write_shards(tmp_path / "data", make_docs(50, vocab=100), shard_size=1000)
     proc = run_cli(
         os.path.join(REPO, "train_gpt2.py"),
         "--init-from",
         folder,
         "--data-dir",
-        tmp_path / "data",
+        data_dir,
         "--out-dir",
         tmp_path / "out",
         "--batch-size",
@@ -393,17 +392,13 @@ def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
         hf_interop.export_hf(tiny_ours(vocab_size=100), str(tmp_path / "out"))
 
 
-def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
-    import json
-    from shards import make_docs, write_shards
-
+def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tmp_path):
     hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
-    write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)
     args = [
         "--init-from",
         hf_dir,
         "--data-dir",
-        str(tmp_path / "data"),
+        data_dir,
         "--out-dir",
         str(tmp_path / "out"),
         "--batch-size",
@@ -427,7 +422,7 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "out" / "log.jsonl")]
     # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
     # 47 padded ids carry no probability), and its bits per byte come from that model's token losses
-    rows = train_gpt2.TokenRows(str(tmp_path / "data"), "val", 16)
+    rows = train_gpt2.TokenRows(data_dir, "val", 16)
     x, y = (torch.from_numpy(a) for a in rows.batch(0, 4))
     with torch.no_grad():
         hf_losses = torch.nn.functional.cross_entropy(
@@ -446,14 +441,11 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(tmp_path):
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
 
-def test_export_of_a_muon_trained_run_has_our_logits(tmp_path):
-    from shards import make_docs, write_shards
-
-    write_shards(tmp_path / "data", make_docs(200, vocab=500), shard_size=3000)
+def test_export_of_a_muon_trained_run_has_our_logits(data_dir, tmp_path):
     out = tmp_path / "out"
     args = [
         "--data-dir",
-        str(tmp_path / "data"),
+        data_dir,
         "--out-dir",
         str(out),
         "--n-layer",

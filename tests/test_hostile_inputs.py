@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, run_command, tree_hashes, write_checkpoint
+from conftest import HELLASWAG_FILE, assert_refused, run_command, tree_hashes, write_checkpoint
 from trainkit import checkpoints
 
 TINY = [
@@ -42,11 +42,6 @@ TINY = [
 ]
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
-
-
-def assert_refused(result, line):
-    """Exit code 2 and exactly this one `error:` line on stderr (so no traceback)."""
-    assert (result.returncode, result.stderr) == (2, f"error: {line}\n"), result.stderr[-3000:]
 
 
 SHARDS = dict(n_docs=300, seed=3)

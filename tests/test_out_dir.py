@@ -21,7 +21,7 @@ from trainkit import resume
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import FAKE_WANDB, REPO, run_cli, tiny_run_args, tree_hashes
+from conftest import FAKE_WANDB, REPO, assert_refused, run_cli, tiny_run_args, trained_steps, tree_hashes
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -44,11 +44,6 @@ def run(args, nproc=1):
     return run_cli(args, nproc, env=ONE_THREAD)
 
 
-def assert_refused(returncode, stderr, message):
-    lines = stderr.splitlines()
-    assert (returncode, lines) == (2, [f"error: {message}"]), stderr[-3000:]
-
-
 def checkpoint_hashes(out_dir):
     """{file name: sha256 of its bytes} of every checkpoint anywhere under out_dir, after checking
     that each loads (load_checkpoint verifies the sha256 stored inside)."""
@@ -60,11 +55,6 @@ def checkpoint_hashes(out_dir):
                 checkpoints.load_checkpoint(path)
                 found[os.path.relpath(path, out_dir)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     return found
-
-
-def train_steps(log_path):
-    with open(log_path) as f:
-        return [r["step"] for r in map(json.loads, f) if "loss" in r]
 
 
 def in_use(out_dir, owner):
@@ -103,7 +93,8 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         (refused,) = [p for p in trainers if p.poll() is not None]
         (owner,) = [p for p in trainers if p is not refused]
         owned_by = f"pid {owner.pid} on {socket.gethostname()}"
-        assert_refused(refused.returncode, refused.communicate()[1], in_use(out, owned_by))
+        _, err = refused.communicate()
+        assert (refused.returncode, err) == (2, f"error: {in_use(out, owned_by)}\n"), err[-3000:]
         while len(checkpoints.list_checkpoints(out)) < 1:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
@@ -113,7 +104,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         edited.write_text(f"pid {owner.pid} on another-host\n")
         os.replace(edited, out / ".lock")
         result = run(tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
-        assert_refused(result.returncode, result.stderr, in_use(out, f"pid {owner.pid} on another-host"))
+        assert_refused(result, in_use(out, f"pid {owner.pid} on another-host"))
         while len(checkpoints.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
             time.sleep(0.05)
@@ -128,7 +119,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     result = run(tiny_run_args(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / f'ckpt_{last:07d}.pt'} at step {last}" in result.stdout
-    assert train_steps(out / "log.jsonl") == list(range(last + 3))  # one run's steps, in order
+    assert trained_steps(out) == list(range(last + 3))  # one run's steps, in order
     after = checkpoint_hashes(out)
     assert {k: after[k] for k in before} == before and f"ckpt_{last + 3:07d}.pt" in after
     assert not (out / ".lock").exists()  # a run that ends removes its lock file
@@ -149,7 +140,7 @@ def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
     message = f"error: {in_use(out, 'pid 4242 on node-7')}"
     assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
     assert 'train_gpt2.py", line' not in result.stderr  # no traceback of ours
-    assert checkpoint_hashes(out) == hashes and train_steps(out / "log.jsonl") == list(range(8))
+    assert checkpoint_hashes(out) == hashes and trained_steps(out) == list(range(8))
 
 
 def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, capsys):
@@ -192,8 +183,7 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
     before = tree_hashes(out)
     result = run(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
     assert_refused(
-        result.returncode,
-        result.stderr,
+        result,
         f"{lock} is a directory, not the lock note this trainer writes: remove it, or choose another --out-dir",
     )
     assert tree_hashes(out) == before and lock.is_dir()
@@ -286,8 +276,7 @@ def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys)
         env={"PYTHONPATH": str(fake), **ONE_THREAD},
     )
     assert_refused(
-        result.returncode,
-        result.stderr,
+        result,
         "--wandb: could not start a W&B run (RuntimeError: permission "
         "denied for entity); run `wandb login` or set WANDB_MODE=offline",
     )
@@ -311,8 +300,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
     # an unset $CKPT in a job script
     result = run(tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
     assert_refused(
-        result.returncode,
-        result.stderr,
+        result,
         "argument --resume: got an empty value ('': an unset shell variable?) (see train_gpt2.py --help)",
     )
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
@@ -327,7 +315,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
         "another --out-dir"
     )
     result = run(tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
-    assert_refused(result.returncode, result.stderr, refusal)
+    assert_refused(result, refusal)
     assert tg.main(tiny_run_args(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == f"error: {refusal}\n"
     assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_text() == "my notes\n"
@@ -365,7 +353,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     result = run(tiny_run_args(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
-    assert train_steps(out / "log.jsonl") == list(range(10)) and train_steps(branch / "log.jsonl") == list(range(8))
+    assert trained_steps(out) == list(range(10)) and trained_steps(branch) == list(range(8))
     assert resume.read_run(str(out / "ckpt_0000010.pt")) == new  # a plain --resume goes on as the same run
     # every checkpoint ever written is still under the folder, unchanged: the first run's step 2 in
     # place, its later ones in the branch folder, the new branch's beside step 2
@@ -378,5 +366,5 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     assert set(now) == set(kept) | new and all(now[name] != hashes.get(name) for name in new)
     # the branch folder is a run folder of its own: the old branch goes on there
     assert tg.main(tiny_run_args(data_dir, branch, "--resume", steps=10, ckpt_every=2)) == 0
-    assert train_steps(branch / "log.jsonl") == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
+    assert trained_steps(branch) == list(range(10)) and (branch / "log.jsonl").read_bytes().startswith(log)
     assert resume.read_run(str(branch / "ckpt_0000010.pt")) == first

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, write_checkpoint
+from conftest import REPO, trained_steps, write_checkpoint
 from trainkit import checkpoints
 from trainkit.cli import reason_of
 from trainkit.console import shown
@@ -46,11 +46,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from shards import shard_dir
-
-    return shard_dir(tmp_path_factory, 300, seed=5)
+SHARDS = dict(n_docs=300, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +70,6 @@ def run(script, *args, env=None, **kwargs):
 
 def train_args(data_dir, out_dir, steps, *extra):
     return [*TINY, "--data-dir", data_dir, "--out-dir", out_dir, "--max-steps", steps, "--sample-every", "0", *extra]
-
-
-def trained_steps(out_dir) -> list:
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [r["step"] for r in map(json.loads, f) if "loss" in r]
 
 
 def saved_steps(out_dir) -> list:

@@ -5,13 +5,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import plot_log
+from conftest import REPO, tiny_run_args
 
-REPO = Path(__file__).resolve().parent.parent
+SHARDS = dict(n_docs=200, seed=0, shard_size=2048)  # the trainer's data
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -191,44 +191,14 @@ def test_resumes_are_marked_on_every_panel():
         plt.close(fig)
 
 
-def test_trainer_logs_its_resumes_for_the_plot(tmp_path):
+def test_trainer_logs_its_resumes_for_the_plot(data_dir, tmp_path):
     pytest.importorskip("matplotlib")
     import train_gpt2 as tg
-    from shards import make_docs, write_shards
 
-    write_shards(tmp_path / "data", make_docs(200), shard_size=2048)
-    args = [
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--out-dir",
-        str(tmp_path / "out"),
-        "--n-layer",
-        "1",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "16",
-        "--block-size",
-        "32",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "2",
-        "--total-batch-size",
-        "64",
-        "--warmup-steps",
-        "1",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-        "--ckpt-every",
-        "2",
-    ]
-    assert tg.main([*args, "--max-steps", "3"]) == 0
-    assert tg.main([*args, "--max-steps", "5", "--resume"]) == 0  # from step 3 (the last checkpoint)
+    out = tmp_path / "out"
+    sizes = dict(n_layer=1, B=2, block_size=32, seq_len=32, rows=2, ckpt_every=2)
+    assert tg.main(tiny_run_args(data_dir, out, steps=3, **sizes)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, "--resume", steps=5, **sizes)) == 0  # from step 3 (the last checkpoint)
     records = plot_log.load_records(str(tmp_path / "out" / "log.jsonl"))
     assert [r for r in records if "event" in r] == [dict(event="resume", step=3, run=records[0]["run"])]
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3, 4]

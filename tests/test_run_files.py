@@ -19,7 +19,7 @@ import torch
 import train_gpt2 as tg
 from trainkit import checkpoints
 from trainkit import resume
-from conftest import HELLASWAG_FILE, REPO, tiny_run_args, tree_hashes
+from conftest import HELLASWAG_FILE, REPO, tiny_run_args, trained_steps, tree_hashes
 
 T = 16
 
@@ -40,11 +40,6 @@ def run(args, umask=None):
         check=False,
         preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
     )
-
-
-def trained_steps(log):
-    with open(log) as f:
-        return [r["step"] for r in map(json.loads, f) if "loss" in r]
 
 
 SHARDS = dict(n_docs=300, seed=7)
@@ -82,7 +77,7 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
         "writes to a copy of its own, and the file it shared stays as it was"
     ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
-    assert trained_steps(run_b / "log.jsonl") == list(range(8)) and trained_steps(run_a / "log.jsonl") == list(range(6))
+    assert trained_steps(run_b) == list(range(8)) and trained_steps(run_a) == list(range(6))
     # runB goes on as a branch of runA's run, at the step it was copied at
     first, branch = (resume.read_run(str(path)) for path in (run_a / "ckpt_0000006.pt", run_b / "ckpt_0000008.pt"))
     assert branch == dict(id=branch["id"], parent=dict(first, step=6)) and branch["id"] != first["id"]
@@ -97,7 +92,7 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     # runA can still resume: its log is as its checkpoints recorded it, and its own (runB and runC copied theirs)
     result = run(args_for(data_dir, run_a, "--resume", steps=8, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hard link" not in result.stdout and trained_steps(run_a / "log.jsonl") == list(range(8))
+    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(8))
 
 
 def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(run_a, data_dir, tmp_path):
@@ -115,7 +110,7 @@ def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(r
         "own, and the file it shared stays as it was"
     ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
-    assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d / "log.jsonl") == list(range(8))
+    assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(8))
     assert os.path.samefile(run_d / "branch_0000006" / "ckpt_0000006.pt", run_a / "ckpt_0000006.pt")
 
 
@@ -138,7 +133,7 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
         f"first): moved to {out}/branch_0000005/log.jsonl, nothing was deleted; this run starts afresh"
     ) in result.stdout.splitlines()
     assert (out / "branch_0000005" / "log.jsonl").read_bytes() == killed
-    assert trained_steps(out / "log.jsonl") == [0, 1]
+    assert trained_steps(out) == [0, 1]
     assert os.stat(out / "log.jsonl").st_mode & 0o777 == 0o644
 
 
@@ -179,7 +174,7 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     )
     try:
         deadline = time.time() + 240
-        while not (out / "log.jsonl").exists() or 1 not in trained_steps(out / "log.jsonl"):
+        while not (out / "log.jsonl").exists() or 1 not in trained_steps(out):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.05)
         os.remove(hellaswag)
@@ -199,7 +194,7 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     result = run(args + ["--resume"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out}/ckpt_0000020.pt at step 20" in result.stdout
-    assert trained_steps(out / "log.jsonl") == list(range(24))
+    assert trained_steps(out) == list(range(24))
 
 
 # --- a resume does what its flags say -------------------------------------------------------------------

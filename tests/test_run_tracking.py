@@ -4,14 +4,12 @@ and compared with the log, across a resume; a missing package is one line."""
 import json
 import os
 import struct
-import subprocess
-import sys
 from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY_GPT2_VOCAB_RUN
+from conftest import TINY_GPT2_VOCAB_RUN, log_records, run_cli
 
 TINY = [
     *TINY_GPT2_VOCAB_RUN,
@@ -28,23 +26,12 @@ TINY = [
 ]
 
 
-def run_cli(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})},
-    )
+def run_offline(*args, env=None):
+    """train_gpt2.py args, with W&B offline and quiet (env: more variables)."""
+    return run_cli(args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})})
 
 
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
-
-
-def log_records(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def by_step(records):
@@ -98,12 +85,12 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "run"
     flags = ["--data-dir", data_dir, "--out-dir", str(out), *TINY, "--tensorboard", "--wandb", "tracking-test"]
-    first = run_cli(*flags, "--max-steps", "6")  # checkpoints at 4 and 6
+    first = run_offline(*flags, "--max-steps", "6")  # checkpoints at 4 and 6
     assert first.returncode == 0, first.stderr
     first_log = log_records(out)
     # resume from step 4 (log.jsonl is cut back there) and go on to step 8
     os.remove(out / "ckpt_0000006.pt")
-    resumed = run_cli(*flags, "--max-steps", "8", "--resume")
+    resumed = run_offline(*flags, "--max-steps", "8", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     log = log_records(out)
     assert [r["step"] for r in log if "val_loss" in r] == [0, 2, 4, 6, 8]
@@ -132,7 +119,7 @@ def test_missing_tracker_package_is_one_line(data_dir, tmp_path, flag, package):
     shadow.mkdir()
     (shadow / f"{package}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\")\n")
     out = tmp_path / "out"
-    result = run_cli(
+    result = run_offline(
         "--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2", *flag, env={"PYTHONPATH": str(shadow)}
     )
     assert (result.returncode, result.stderr) == (
@@ -143,7 +130,7 @@ def test_missing_tracker_package_is_one_line(data_dir, tmp_path, flag, package):
 
 
 def test_eval_only_refuses_trackers(data_dir, tmp_path):
-    result = run_cli(
+    result = run_offline(
         "--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--eval-only", "--resume", "--tensorboard"
     )
     assert (result.returncode, result.stderr) == (

@@ -1,18 +1,15 @@
 """LR schedules (cosine, linear, wsd), the one-line notice when a resume moves the LR, and
 extending a finished WSD run from a checkpoint taken before its cooldown."""
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from trainkit import cli
 from trainkit import train_flags
 import train_gpt2 as tg
-from conftest import REPO, TINY_GPT2_VOCAB_RUN
+from conftest import TINY_GPT2_VOCAB_RUN, run_cli, train_records
 
 TINY = [
     *TINY_GPT2_VOCAB_RUN,
@@ -89,22 +86,6 @@ def test_the_flag_checks_name_an_unknown_schedule():
 
 
 SHARDS = dict(n_docs=400, seed=3, max_len=60)
-
-
-def run_cli(args):
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-def train_records(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
 
 
 def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):

@@ -20,8 +20,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, torchrun
-from shards import shard_dir
+from conftest import REPO, free_port, tiny_run_args, torchrun
 
 SCRIPT = "slurm/train_gpt2.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -29,44 +28,14 @@ CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo")
 KILL_WAIT = 15  # seconds a job's processes get between SIGTERM and SIGKILL
 CRED_EXPIRE = 5  # seconds a requeued job waits before it may start again (Slurm's default: 120)
 T = 16
+SHARDS = dict(n_docs=500, seed=4)
 
 
 def args_for(data_dir, out_dir, steps):
     """The tests' tiny model; every step's loss logged, a checkpoint only at the end or on a stop."""
-    return [
-        "--data-dir",
-        str(data_dir),
-        "--out-dir",
-        str(out_dir),
-        "--n-layer",
-        "1",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "16",
-        "--block-size",
-        "16",
-        "--seq-len",
-        str(T),
-        "--batch-size",
-        "2",
-        "--total-batch-size",
-        str(4 * T),
-        "--max-steps",
-        str(steps),
-        "--warmup-steps",
-        "1",
-        "--max-lr",
-        "1e-2",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-        "--ckpt-every",
-        "0",
-    ]
+    return tiny_run_args(
+        data_dir, out_dir, steps=steps, n_layer=1, block_size=16, seq_len=T, B=2, rows=4, warmup=1, ckpt_every=0
+    )
 
 
 class Cluster:
@@ -255,11 +224,6 @@ def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
         yield cluster
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return shard_dir(tmp_path_factory, 500, seed=4)
 
 
 def read(path) -> str:
