@@ -217,14 +217,14 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
         ["tee", str(tmp_path / "run.txt")],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
-        preexec_fn=lambda: os.setpgid(0, 0),
-    )  # a process group of its own, as a shell's job
+        preexec_fn=lambda: (signal.signal(signal.SIGHUP, signal.SIG_DFL), os.setpgid(0, 0)),
+    )  # a process group of its own, as a shell's job (in a terminal: not under nohup)
     trainer = subprocess.Popen(
         command("train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")),
         cwd=REPO,
         stdout=tee.stdin,
         stderr=subprocess.PIPE,
-        preexec_fn=lambda: os.setpgid(0, tee.pid),
+        preexec_fn=lambda: (signal.signal(signal.SIGHUP, signal.SIG_DFL), os.setpgid(0, tee.pid)),
     )
     tee.stdin.close()
     try:

@@ -154,6 +154,7 @@ def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_pat
         stdin=subprocess.DEVNULL,
         stdout=terminal,
         stderr=terminal,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # as from a terminal (not under nohup)
     )
     os.close(terminal)
     try:
@@ -173,6 +174,31 @@ def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_pat
     assert len(ckpts) == 1
     step = checkpoints.load_checkpoint(str(ckpts[0]))["step"]
     assert step >= 3 and [s for s, _ in losses(tmp_path)] == list(range(step))
+
+
+def test_a_run_started_under_nohup_trains_on_through_sighup(data_dir, tmp_path):
+    """`nohup python train_gpt2.py ... &` starts the run with SIGHUP ignored, asking it to outlive its
+    terminal: a SIGHUP changes nothing (it trains on), where SIGTERM still stops it with a checkpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=100000, ckpt_every=0)],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
+    )
+    try:
+        wait_for_steps(tmp_path, 3, proc)
+        proc.send_signal(signal.SIGHUP)
+        wait_for_steps(tmp_path, len(losses(tmp_path)) + 10, proc)  # still training, 10 steps later
+        assert not list(tmp_path.glob("ckpt_*.pt"))
+        proc.send_signal(signal.SIGTERM)
+        assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b"")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,17 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SI
 class StopSignal:
     """SIGTERM, SIGINT and SIGHUP ask the run to finish its step, checkpoint and exit 0; a second
     SIGINT aborts. at_once (an evaluation, which has nothing to save): every one ends it there,
-    as cli.Interrupted (exit code 128 + signum)."""
+    as cli.Interrupted (exit code 128 + signum). A run started with SIGHUP ignored (`nohup python
+    train_gpt2.py ... &`) was asked to outlive its terminal: it keeps ignoring it."""
 
     def __init__(self, at_once: bool = False):
         self.requested, self.at_once = False, at_once
         self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]  # a hung-up terminal no longer says it is one
-        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        self.previous = {
+            s: signal.signal(s, self._handle)
+            for s in STOP_SIGNALS
+            if not (s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN)  # nohup's
+        }
 
     def _handle(self, signum, frame):
         if signum == getattr(signal, "SIGHUP", None):
