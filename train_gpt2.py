@@ -1162,6 +1162,9 @@ class Trainer:
         watch_peak()  # the private memory the summary reports (memory.py), from here on
         self.train_rows, self.val_rows, self.shard_check = opened.train_rows, opened.val_rows, opened.shard_check
         self.enc, self.token_bytes = opened.enc, opened.token_bytes
+        # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
+        # shard check stops a run whose shards change under it)
+        self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
         self.dtype = getattr(torch, launch.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
@@ -1224,7 +1227,7 @@ class Trainer:
         optimizer_notice = restore_training_state(ckpt, *objects, path)  # (this run's weight decay, ...)
         print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
         if not run.eval_only:
-            change = data_change(ckpt["data_files"], self.data_files())
+            change = data_change(ckpt["data_files"], self.shards_read)
             if change:
                 cli.print_warning(
                     f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
@@ -1264,12 +1267,9 @@ class Trainer:
             world_size=self.d.world_size,
             next_row=next_row,
             epoch=next_row // self.train_rows.rows_per_epoch,
-            data_files=self.data_files(),
+            data_files=self.shards_read,
             **self.log.position(),  # the log's length and sha256 at this step, and the run's identity
         )
-
-    def data_files(self) -> dict:
-        return data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
 
     def save(self, step: int, stopping: bool = False):
         """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
