@@ -14,40 +14,87 @@ from shards import EOT, fresh_model, gloo_rank_of_one_batch, grads_of, make_batc
 from trainkit.launch import all_reduce_sum
 from train_gpt2 import accumulate_gradients, build_optimizer
 
+# Two fp32 computations of one gradient element differ by their summation order: an element sums at most
+# 8 rows x 16 tokens = 128 products, whose recursive sum is off by at most 127 roundings, 127 * 2^-24 = 7.6e-6
+# of the products' absolute sum (Higham, Accuracy and Stability, 4.2). The products' absolute sum is the
+# element's size where they share a sign (RTOL, rounded up) and, where they cancel, at most the largest
+# gradient's order, 1e-1 for these models: ATOL = 7.6e-6 * 1e-1, rounded up.
+RTOL, ATOL = 1e-5, 1e-6
+U = 2.0**-24  # fp32's unit roundoff
+LR, WEIGHT_DECAY, EPS = 1e-2, 0.1, 1e-8  # the update of the comparison: AdamW's LR, decay and eps
+MUON = dict(muon_lr=0.02, muon_momentum=0.95)
+
 
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def assert_same_grads(a, b, atol=1e-6, rtol=1e-5):
+def assert_same_grads(a, b, atol=ATOL, rtol=RTOL):
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=k)
 
 
-OPTIMIZERS = {"adamw": {}, "muon": dict(muon_lr=0.02)}  # build_optimizer's extra arguments for each
+OPTIMIZERS = {"adamw": {}, "muon": MUON}  # build_optimizer's extra arguments for each
+
+
+def stepped_weights(model, grads=None, extra=None) -> dict:
+    """{parameter name: weight} after one step of build_optimizer(**extra) on a copy of model, with grads
+    ({name: gradient}; None: model's own .grad) as its gradients; model stays as it is."""
+    copied = copy.deepcopy(model)  # (a Parameter's deepcopy leaves its .grad behind)
+    for (name, p), original in zip(copied.named_parameters(), model.parameters()):
+        p.grad = (original.grad if grads is None else grads[name]).clone()
+    build_optimizer(copied, WEIGHT_DECAY, LR, "cpu", **(extra or {})).step()
+    return {n: p.detach().clone() for n, p in copied.named_parameters()}
 
 
 def weights_after_one_step(model) -> dict:
-    """{optimizer name: the weights after one step of it on model's .grad} (model stays as it is)."""
-    stepped = {}
+    """{optimizer name: stepped_weights of model with it}."""
+    return {name: stepped_weights(model, extra=extra) for name, extra in OPTIMIZERS.items()}
+
+
+def adamw_bound(g, g_ref, w):
+    """How far apart AdamW's first step may put one weight w from the gradients g and g_ref, elementwise.
+    That step moves w by LR * g / (|g| + EPS) (its moments hold g and g^2 alone, bias-corrected), whose
+    derivative EPS / (|g| + EPS)^2 falls with |g|: between g and g_ref it is at most that at the smaller |g|,
+    or 1 / EPS where the two differ in sign (mean value theorem). A gradient near EPS thus turns fp32's
+    last-bit differences into 1e-6-scale updates. Each side also rounds: ~10 roundings in the update
+    (moments, bias corrections, sqrt, eps, the division, LR), 3 in the weight (the decay, the step)."""
+    smaller = torch.minimum(g.abs(), g_ref.abs())
+    slope = torch.where(g.sign() == g_ref.sign(), EPS / (smaller + EPS) ** 2, torch.full_like(g, 1 / EPS))
+    return LR * slope * (g - g_ref).abs() + 2 * (10 * U * LR + 3 * U * (w.abs() + LR))
+
+
+def muon_input(g, momentum=MUON["muon_momentum"]):
+    """What torch.optim.Muon's first Nesterov step orthogonalizes in bfloat16: g.lerp(buffer, momentum), the
+    buffer being zeros.lerp(g, 1 - momentum)."""
+    return g.lerp(torch.zeros_like(g).lerp(g, 1 - momentum), momentum).bfloat16()
+
+
+def assert_same_updates(model, ref_grads):
+    """One step of each optimizer from model's gradients puts the weights where the same step from ref_grads
+    (the one-batch gradients) puts them. AdamW: within adamw_bound of the gradients' measured difference.
+    Muon orthogonalizes in bfloat16, where gradients 1e-11 apart in fp32 round to another value wherever a
+    rounding boundary lies between them, and its Newton-Schulz steps spread that across the matrix: those
+    roundings are put on ref_grads' side too (after checking that they differ by no more than the gradients
+    may), and then the step must give the same weights, bit for bit. The naive mean of micro-batch means
+    moves the weights 2e-2 away."""
+    grads, start = grads_of(model), {n: p.detach() for n, p in model.named_parameters()}
+    matrices = {n for n, p in model.transformer.h.named_parameters(prefix="transformer.h") if p.dim() == 2}
     for name, extra in OPTIMIZERS.items():
-        copied = copy.deepcopy(model)  # (a Parameter's deepcopy leaves its .grad behind)
-        for p, original in zip(copied.parameters(), model.parameters()):
-            p.grad = original.grad.clone()
-        build_optimizer(copied, 0.1, 1e-2, "cpu", **extra).step()
-        stepped[name] = {n: p.detach().clone() for n, p in copied.named_parameters()}
-    return stepped
-
-
-def assert_same_updates(stepped, ref_stepped, start, doc_mask):
-    """The same weights after the step: measured at most 8.2e-8 apart for either optimizer (Muon
-    orthogonalizes in bfloat16, where a gradient that differs in fp32's last bits may round to another
-    value), and 1.2e-6 with --doc-mask's batch, where one LayerNorm bias gradient is 2.1e-8, near
-    AdamW's eps of 1e-8: its first update lr * g / (|g| + eps) turns the 1.1e-11 by which fp32 sums
-    differ into 1.2e-6. The naive mean of micro-batch means moves the weights 2e-2 away."""
-    for name in OPTIMIZERS:
-        assert_same_grads(ref_stepped[name], stepped[name], atol=2e-6 if doc_mask else 1e-6, rtol=0)
-        moved = max((stepped[name][k] - start[k]).abs().max().item() for k in start)
+        muon = matrices if extra else set()
+        aligned = dict(ref_grads)
+        for k in muon:
+            flipped = muon_input(grads[k]) != muon_input(ref_grads[k])
+            torch.testing.assert_close(grads[k][flipped], ref_grads[k][flipped], atol=ATOL, rtol=RTOL, msg=k)
+            aligned[k] = torch.where(flipped, grads[k], ref_grads[k])
+        stepped, ref_stepped = stepped_weights(model, extra=extra), stepped_weights(model, aligned, extra)
+        for k in start:
+            if k in muon:
+                assert torch.equal(stepped[k], ref_stepped[k]), (name, k)
+            else:
+                apart, bound = (stepped[k] - ref_stepped[k]).abs(), adamw_bound(grads[k], ref_grads[k], start[k])
+                assert (apart <= bound).all(), (name, k, (apart - bound).max().item())
+        moved = max((stepped[k] - start[k]).abs().max().item() for k in start)
         assert moved > 5e-3, name  # the step moved the weights: the comparison is not vacuous
 
 
@@ -87,17 +134,6 @@ def batch(doc_mask=False):
     return x, y
 
 
-def weights_of(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def reference_steps(x, y, doc_mask=False):
-    """weights_after_one_step of the one-batch model (reference_grads')."""
-    model = fresh_model(doc_mask)
-    model(x, y, doc_mask=doc_mask)[1].backward()
-    return weights_after_one_step(model)
-
-
 def split_rows(x, y, B):
     return [(x[i : i + B].numpy(), y[i : i + B].numpy()) for i in range(0, len(x), B)]
 
@@ -113,9 +149,7 @@ def test_tiny_gpt_accumulation_matches_one_batch(B, doc_mask):
     loss_sum = accumulate_gradients(model, split_rows(x, y, B), n_tokens, 1, "cpu", torch.float32, doc_mask=doc_mask)
     assert_same_grads(ref, grads_of(model))
     assert loss_sum.item() / n_tokens == pytest.approx(ref_loss, rel=1e-6)
-    assert_same_updates(
-        weights_after_one_step(model), reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)), doc_mask
-    )
+    assert_same_updates(model, ref)
 
 
 def test_single_micro_step_is_exactly_the_plain_mean_loss():
@@ -165,9 +199,10 @@ def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):
         ref, ref_loss = reference_grads(x, y, doc_mask)
         assert_same_grads(ref, result["grads"])
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-6)
-        assert_same_updates(
-            result["stepped"], reference_steps(x, y, doc_mask), weights_of(fresh_model(doc_mask)), doc_mask
-        )
+        model = fresh_model(doc_mask)  # the replicas' weights before the step, with their gradients
+        for name, p in model.named_parameters():
+            p.grad = result["grads"][name]
+        assert_same_updates(model, ref)
         for name in OPTIMIZERS:  # the replicas stay identical, bit for bit
             assert all(
                 torch.equal(result["stepped"][name][k], other_rank[doc_mask]["stepped"][name][k]) for k in ref

@@ -517,22 +517,31 @@ def test_param_count_counts_what_the_model_builds(shape):
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
-def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int) -> str:
+def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int, *extra) -> str:
     """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
     result = squeezed(
-        *squeeze, "--", *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=steps, ckpt_every=0)
+        *squeeze,
+        "--",
+        *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0),
     )
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     return lines[0]
 
 
+# one row's fp32 logits, 64 tokens x 50257 ids x 4 bytes: one allocation that the step of a row must make
+ROW_LOGITS = 64 * 50257 * 4
+
+
 def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, tmp_path):
-    """200 MiB free: --batch-size auto finds that 1 row fits; before step 0 only 20 MiB are left and
-    the step runs out of memory at 1 row. The line names what else shrinks a step, and the folder,
-    which holds no checkpoint and a log of one batch-size record, does not refuse the next attempt."""
+    """A step of one row (--total-batch-size 64): --batch-size auto has one row to try, which fits; before
+    step 0 less is left than the row's logits take (ROW_LOGITS, 12.27 MiB: whatever the CPU's kernels
+    allocate besides), and the step runs out of memory at 1 row. The line names what else shrinks a step,
+    and the folder, which holds no checkpoint and a log of one batch-size record, does not refuse the next
+    attempt."""
     out = tmp_path / "out"
-    line = auto_batch_out_of_memory_line(data_dir, out, ["--squeeze", "200MiB", "--squeeze", "0:20MiB"], steps=4)
+    left_free = f"{ROW_LOGITS // 2**20}MiB"
+    line = auto_batch_out_of_memory_line(data_dir, out, ["--squeeze", f"0:{left_free}"], 4, "--total-batch-size", "64")
     assert line.startswith("error: out of memory on cpu (tried to allocate ")
     assert line.endswith(
         "not even one row per micro-step fits (--batch-size auto chose 1): pass "
@@ -555,8 +564,9 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
 
 def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
     """80 MiB free from the start: --batch-size auto runs out of memory before its first trial ends (the
-    reserve it holds beside the trial included). The line says the search could not try one row, not
-    which size it chose."""
+    reserve it holds beside the trial included: fit_batch's 64 MiB margin, 6 MiB of AdamW moments and
+    a row's 12.3 MiB of logits need 82 MiB on any CPU). The line says the search could not try one row,
+    not which size it chose."""
     line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", ["--squeeze", "80MiB"], steps=2)
     assert line.startswith("error: out of memory on cpu (")
     assert line.endswith(
