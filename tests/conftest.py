@@ -4,12 +4,15 @@ as programs and reading what a run wrote."""
 
 import contextlib
 import hashlib
+import importlib
+import io
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -154,11 +157,101 @@ def resume_copy(src, dst, step):
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
 
 
-def run_command(script, *args, timeout=300, **kwargs):
-    """`python script args` in the repo, as a user runs it: the completed process, its output as text."""
+def run_command(script, *args, cwd=REPO, env=None, timeout=300, **kwargs):
+    """`python script args` as a user runs it, in cwd (default: the repo), env set on top of this process's
+    environment: the completed process, its output as text."""
     return subprocess.run(
-        [sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs
+        [sys.executable, str(script), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        **kwargs,
     )
+
+
+SIGNALS_KEPT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE)
+
+
+@contextlib.contextmanager
+def kept_process_state():
+    """What a script's main may change in this process, as it was before: the current folder, the
+    environment, sys.argv and sys.excepthook, the signal handlers, the umask, torch's thread count,
+    matmul precision and random state, and no torch.distributed process group left behind."""
+    cwd, env, argv, hook = os.getcwd(), dict(os.environ), list(sys.argv), sys.excepthook
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS_KEPT}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        threads, precision, rng = torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv[:], sys.excepthook = argv, hook
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        os.umask(umask)
+        if torch is not None:
+            torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
+            torch.set_rng_state(rng)
+        dist = getattr(sys.modules.get("torch"), "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Every test leaves the process as it found it (kept_process_state), whatever main it ran in-process."""
+    with kept_process_state():
+        yield
+
+
+def run_main(script, *args, cwd=None, env=None):
+    """`python script args` run in this process, through the script's main(argv): the completed process
+    (exit code, stdout and stderr as text, caught at the file descriptors as a subprocess's would be), as
+    run_command gives it. sys.argv[0] is the script (argparse names it), cwd the current folder (default:
+    the repo), env variables set on top of the environment; all restored afterwards (kept_process_state).
+    A refusal costs milliseconds here against seconds of torch import in a new process: the many cases
+    of a class run here, one real-subprocess test per script and class proves the contract end to end."""
+    module = importlib.import_module(Path(script).stem)
+    argv = [str(a) for a in args]
+    with kept_process_state(), tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.argv = [str(REPO / script), *argv]
+        os.chdir(cwd or REPO)
+        os.environ.update(env or {})
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        saved = os.dup(1), os.dup(2)
+        streams = sys.stdout, sys.stderr
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), errors="backslashreplace", write_through=True)
+            for fd in (1, 2)
+        )
+        try:
+            code = module.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) or e.code is None else 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        out.seek(0)
+        err.seek(0)
+        texts = [f.read().decode(errors="backslashreplace") for f in (out, err)]
+    return subprocess.CompletedProcess([script, *argv], code or 0, *texts)
 
 
 def assert_one_error_line(result, *fragments):
