@@ -344,11 +344,25 @@ def child_pids(pid) -> list:
 
 def kill_group(proc, signum=signal.SIGKILL, timeout=120):
     """signum to the process group proc leads (started with start_new_session=True); a group whose
-    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set)."""
+    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set) and
+    the group's other processes are gone."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signum)
     if signum == signal.SIGKILL:
         proc.wait(timeout=timeout)
+        group_gone(proc.pid, timeout)
+
+
+def group_gone(pgid, timeout=120):
+    """Until no process of group pgid is left (a killed run's workers hold its folder's lock until they end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"process group {pgid} still there after {timeout} s"
+        time.sleep(0.02)
 
 
 def kill_pids(pids, signum=signal.SIGKILL):
