@@ -460,6 +460,77 @@ def write_checkpoint(model, path) -> str:
     return str(path)
 
 
+def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
+    """A Hugging Face GPT2LMHeadModel of 2 layers 32 wide, random LayerNorms too, in eval mode."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu_new",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    cfg = GPT2Config(**{**fields, **overrides})
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # random LayerNorm affine too, so a swapped weight/bias shows
+        for name, p in model.named_parameters():
+            if ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def not_gpt2_folder(path, kind):
+    """A folder that GPT2LMHeadModel.from_pretrained loads without an error, as random weights."""
+    from safetensors.torch import load_file, save_file
+
+    if kind == "bert":
+        from transformers import BertConfig, BertModel
+
+        BertModel(
+            BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        ).save_pretrained(path)
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+            )
+        ).save_pretrained(path)
+    else:
+        tiny_hf(vocab_size=100).save_pretrained(str(path))
+        weights = load_file(path / "model.safetensors")
+        if kind == "gpt2 without layer 1":
+            weights = {k: v for k, v in weights.items() if ".h.1." not in k}
+        else:  # "gpt2 with a shorter position table"
+            weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:16].clone()
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+NOT_GPT2 = {
+    "bert": "its config.json describes a 'bert' model, not GPT-2",
+    "llama": "its config.json describes a 'llama' model, not GPT-2",
+    "gpt2 without layer 1": (
+        "tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
+        "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
+        "is it a complete GPT-2?"
+    ),
+    "gpt2 with a shorter position table": (
+        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)"
+    ),
+}
+
+
 # The files of longest wall time, longest first: they start first, so that the last files to end are short ones
 # and the two workers end together. pytest-xdist's --dist loadfile would hand out the files with the most tests
 # first, and so test_slurm.py (six tests, minutes mostly spent waiting on Slurm) and the other long files of few

@@ -202,7 +202,7 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
 
 
 def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, data_dir, tmp_path):
-    """Issue 23, item 1: run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
+    """Run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
     (what the old refusal advised) used to let B write its checkpoints beside A's; A's checkpoints
     carry A's run id, so every rank stops with one line naming both runs, and nothing changes."""
     out, _ = finished_run
@@ -263,7 +263,7 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
 
 
 def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys):
-    """Issue 23, items 6 and 7: every check, W&B's login too, comes before the later branch moves."""
+    """Every check, W&B's login too, comes before the later branch moves."""
     out, _ = finished_run
     fake = tmp_path / "fake"  # a W&B that cannot start (no login)
     fake.mkdir()
