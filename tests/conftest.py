@@ -286,6 +286,17 @@ def init(project, dir, config):
 """
 
 
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """FAKE_WANDB as the wandb module this test's process imports (a fresh one: its calls count from 0)."""
+    import types
+
+    module = types.ModuleType("wandb")
+    exec(FAKE_WANDB, module.__dict__)
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
 def fineweb_parked_after(shard_index: int) -> list:
     """The command prefix of `python fineweb.py` run as a program (__main__), parked for good once shard
     shard_index's file is written and before the manifest records it: where a kill leaves the most to
