@@ -4,12 +4,15 @@ as programs and reading what a run wrote."""
 
 import contextlib
 import hashlib
+import importlib
+import io
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -154,11 +157,101 @@ def resume_copy(src, dst, step):
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
 
 
-def run_command(script, *args, timeout=300, **kwargs):
-    """`python script args` in the repo, as a user runs it: the completed process, its output as text."""
+def run_command(script, *args, cwd=REPO, env=None, timeout=300, **kwargs):
+    """`python script args` as a user runs it, in cwd (default: the repo), env set on top of this process's
+    environment: the completed process, its output as text."""
     return subprocess.run(
-        [sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs
+        [sys.executable, str(script), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        **kwargs,
     )
+
+
+SIGNALS_KEPT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE)
+
+
+@contextlib.contextmanager
+def kept_process_state():
+    """What a script's main may change in this process, as it was before: the current folder, the
+    environment, sys.argv and sys.excepthook, the signal handlers, the umask, torch's thread count,
+    matmul precision and random state, and no torch.distributed process group left behind."""
+    cwd, env, argv, hook = os.getcwd(), dict(os.environ), list(sys.argv), sys.excepthook
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS_KEPT}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        threads, precision, rng = torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv[:], sys.excepthook = argv, hook
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        os.umask(umask)
+        if torch is not None:
+            torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
+            torch.set_rng_state(rng)
+        dist = getattr(sys.modules.get("torch"), "distributed", None)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Every test leaves the process as it found it (kept_process_state), whatever main it ran in-process."""
+    with kept_process_state():
+        yield
+
+
+def run_main(script, *args, cwd=None, env=None):
+    """`python script args` run in this process, through the script's main(argv): the completed process
+    (exit code, stdout and stderr as text, caught at the file descriptors as a subprocess's would be), as
+    run_command gives it. sys.argv[0] is the script (argparse names it), cwd the current folder (default:
+    the repo), env variables set on top of the environment; all restored afterwards (kept_process_state).
+    A refusal costs milliseconds here against seconds of torch import in a new process: the many cases
+    of a class run here, one real-subprocess test per script and class proves the contract end to end."""
+    module = importlib.import_module(Path(script).stem)
+    argv = [str(a) for a in args]
+    with kept_process_state(), tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.argv = [str(REPO / script), *argv]
+        os.chdir(cwd or REPO)
+        os.environ.update(env or {})
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        saved = os.dup(1), os.dup(2)
+        streams = sys.stdout, sys.stderr
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), errors="backslashreplace", write_through=True)
+            for fd in (1, 2)
+        )
+        try:
+            code = module.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) or e.code is None else 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        out.seek(0)
+        err.seek(0)
+        texts = [f.read().decode(errors="backslashreplace") for f in (out, err)]
+    return subprocess.CompletedProcess([script, *argv], code or 0, *texts)
 
 
 def assert_one_error_line(result, *fragments):
@@ -191,6 +284,17 @@ def init(project, dir, config):
         raise RuntimeError("permission denied for entity")
     return Run()
 """
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """FAKE_WANDB as the wandb module this test's process imports (a fresh one: its calls count from 0)."""
+    import types
+
+    module = types.ModuleType("wandb")
+    exec(FAKE_WANDB, module.__dict__)
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
 
 
 def fineweb_parked_after(shard_index: int) -> list:
@@ -251,11 +355,25 @@ def child_pids(pid) -> list:
 
 def kill_group(proc, signum=signal.SIGKILL, timeout=120):
     """signum to the process group proc leads (started with start_new_session=True); a group whose
-    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set)."""
+    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set) and
+    the group's other processes are gone."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signum)
     if signum == signal.SIGKILL:
         proc.wait(timeout=timeout)
+        group_gone(proc.pid, timeout)
+
+
+def group_gone(pgid, timeout=120):
+    """Until no process of group pgid is left (a killed run's workers hold its folder's lock until they end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"process group {pgid} still there after {timeout} s"
+        time.sleep(0.02)
 
 
 def kill_pids(pids, signum=signal.SIGKILL):
@@ -351,6 +469,77 @@ def write_checkpoint(model, path) -> str:
 
     save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
     return str(path)
+
+
+def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
+    """A Hugging Face GPT2LMHeadModel of 2 layers 32 wide, random LayerNorms too, in eval mode."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu_new",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    cfg = GPT2Config(**{**fields, **overrides})
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # random LayerNorm affine too, so a swapped weight/bias shows
+        for name, p in model.named_parameters():
+            if ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def not_gpt2_folder(path, kind):
+    """A folder that GPT2LMHeadModel.from_pretrained loads without an error, as random weights."""
+    from safetensors.torch import load_file, save_file
+
+    if kind == "bert":
+        from transformers import BertConfig, BertModel
+
+        BertModel(
+            BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        ).save_pretrained(path)
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+            )
+        ).save_pretrained(path)
+    else:
+        tiny_hf(vocab_size=100).save_pretrained(str(path))
+        weights = load_file(path / "model.safetensors")
+        if kind == "gpt2 without layer 1":
+            weights = {k: v for k, v in weights.items() if ".h.1." not in k}
+        else:  # "gpt2 with a shorter position table"
+            weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:16].clone()
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+NOT_GPT2 = {
+    "bert": "its config.json describes a 'bert' model, not GPT-2",
+    "llama": "its config.json describes a 'llama' model, not GPT-2",
+    "gpt2 without layer 1": (
+        "tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
+        "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
+        "is it a complete GPT-2?"
+    ),
+    "gpt2 with a shorter position table": (
+        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)"
+    ),
+}
 
 
 # The files of longest wall time, longest first: they start first, so that the last files to end are short ones

@@ -1,15 +1,14 @@
 """An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in
 one line naming the argument, before anything is read or written; and an export never replaces a
 folder that holds the current folder, the home folder or the repository's checkout, whatever the
-path that names it."""
+path that names it. The cases run in-process through each script's main (run_main);
+test_an_empty_export_folder_deletes_nothing is the one that runs as a program, end to end."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, assert_refused, tree_hashes, write_checkpoint
+from conftest import REPO, assert_refused, run_command, run_main, tree_hashes, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -30,24 +29,13 @@ def project(tmp_path):
     return folder
 
 
-def run_in(folder, script, *args, env=None):
-    return subprocess.run(
-        [sys.executable, str(REPO / script), *args],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def empty_value(argument, script):
     return f"argument {argument}: got an empty value ('': an unset shell variable?) (see {script} --help)"
 
 
 def test_an_empty_export_folder_deletes_nothing(project, checkpoint):
     before = tree_hashes(project)
-    result = run_in(project, "hf_interop.py", "export", checkpoint, "")
+    result = run_command(REPO / "hf_interop.py", "export", checkpoint, "", cwd=project)
     assert_refused(result, empty_value("out_dir", "hf_interop.py export"))
     assert result.stdout == ""
     assert tree_hashes(project) == before
@@ -64,7 +52,7 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, c
         os.symlink(project, tmp_path / "link")
         out = str(tmp_path / "link")
     before, repo_before = tree_hashes(project), tree_hashes(REPO / "trainkit")
-    result = run_in(project, "hf_interop.py", "export", checkpoint, out, env={"HOME": str(home)})
+    result = run_main("hf_interop.py", "export", checkpoint, out, cwd=project, env={"HOME": str(home)})
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     what = {
@@ -87,13 +75,13 @@ def test_an_empty_current_folder_is_not_replaced_either(tmp_path, checkpoint):
     empty = tmp_path / "empty"
     empty.mkdir()
     inode = os.stat(empty).st_ino
-    result = run_in(empty, "hf_interop.py", "export", checkpoint, ".")
+    result = run_main("hf_interop.py", "export", checkpoint, ".", cwd=empty)
     assert result.returncode == 2 and "it is the current folder" in result.stderr, result.stderr[-3000:]
     assert os.stat(empty).st_ino == inode and os.listdir(empty) == []
 
 
 def test_an_export_into_a_new_folder_still_works(project, checkpoint):
-    result = run_in(project, "hf_interop.py", "export", checkpoint, "hf")
+    result = run_main("hf_interop.py", "export", checkpoint, "hf", cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
     assert (project / "notes.txt").read_text() == "mine\n"
@@ -121,7 +109,7 @@ def test_an_export_into_a_new_folder_still_works(project, checkpoint):
 )
 def test_every_script_refuses_an_empty_value(project, script, args, argument):
     before = tree_hashes(project)
-    result = run_in(project, script, *args)
+    result = run_main(script, *args, cwd=project)
     value = args[args.index(argument) + 1] if argument in args else ""
     prog = script + (" eval" if args[0] == "eval" else "")
     assert_refused(result, empty_value(argument, prog).replace("('':", f"({value!r}:"))
@@ -131,24 +119,7 @@ def test_every_script_refuses_an_empty_value(project, script, args, argument):
 
 def test_an_empty_prompt_is_still_a_prompt(checkpoint):
     """--prompt '' starts a new document: the one argument that may be empty on purpose."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "sample.py",
-            "--checkpoint",
-            checkpoint,
-            "--prompt",
-            "",
-            "--num-samples",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--device",
-            "cpu",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_main(
+        "sample.py", "--checkpoint", checkpoint, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,5 +1,9 @@
 """fineweb.py: shards equal to a direct tiktoken encoding, exact resume, one-line errors.
 
+The commands run in-process through fineweb.main (run_cli, run_main); as programs, end to end: a run
+killed or stopped by SIGTERM and resumed, a second run on a locked folder, the Hub unreachable, a fresh
+machine without a tokenizer cache, a damaged or missing shipped BPE.
+
 CPU only, offline: the commands read the GPT-2 BPE from the copy in bpe/ (or a TIKTOKEN_CACHE_DIR a
 test sets); the reference encoding is tiktoken's own r50k_base, read from a tiktoken cache that holds the
 shipped file (tiktoken's loader and definition, not fineweb's).
@@ -23,7 +27,18 @@ import pytest
 import tiktoken
 
 import fineweb
-from conftest import TEXT_FILE, fineweb_parked_after, kill_group, tiktoken_cache, tree_hashes, wait_for
+from conftest import (
+    TEXT_FILE,
+    fineweb_parked_after,
+    group_gone,
+    kill_group,
+    run_command,
+    run_main,
+    tiktoken_cache,
+    tiny_run_args,
+    tree_hashes,
+    wait_for,
+)
 from trainkit import cli, documents, tokenizer
 from trainkit.shard_identity import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
 
@@ -101,14 +116,9 @@ def load_shards(out_dir):
     return manifest, arrays
 
 
-def run_cli(*args, env=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, FINEWEB, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
+def run_cli(*args):
+    """fineweb.py with args, run in-process through its main (run_main)."""
+    return run_main("fineweb.py", *args)
 
 
 def only_line(result):
@@ -423,21 +433,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and len(manifest["shards"]) == 2
     # the trainer refuses the half-made folder rather than train on its first shards
-    trained = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"),
-            "--model",
-            "cpu",
-            "--data-dir",
-            str(out),
-            "--out-dir",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    trained = run_main("train_gpt2.py", "--model", "cpu", "--data-dir", out, "--out-dir", tmp_path / "run")
     assert (trained.returncode, trained.stderr) == (
         2,
         f"error: {out} holds an unfinished fineweb.py run (2 shards "
@@ -481,6 +477,7 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
             assert tree_hashes(out) == before
         os.kill(first.pid, signal.SIGKILL)  # (its workers end once their task pipe closes)
         assert first.wait(timeout=120) == -signal.SIGKILL
+        group_gone(first.pid)
         result = run_cli(*args)
         assert result.returncode == 0, result.stderr
     finally:
@@ -676,7 +673,10 @@ def test_hub_unreachable_fails_at_once_and_leaves_no_folder(tmp_path, offline):
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "new" / "out"
     # the datasets client alone retried for ~25 s before its error; one probe without retries
-    result = run_cli("--max-tokens", "1000", "--out-dir", out, env=env, timeout=15)
+    result = run_command(
+        FINEWEB, "--max-tokens", "1000", "--out-dir", out, env=env, timeout=15
+    )  # the Hub's clients read
+    # their environment at import: a process of its own
     assert result.returncode == 2
     line = only_line(result)
     assert line.startswith("error: --dataset HuggingFaceFW/fineweb-edu: cannot reach the Hugging Face Hub (")
@@ -1171,12 +1171,7 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
 
 def test_files_that_is_a_folder_says_so(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
-    result = subprocess.run(
-        [sys.executable, FINEWEB, "--files", tmp_path, "--out-dir", tmp_path / "out"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("--files", tmp_path, "--out-dir", tmp_path / "out")
     assert (result.returncode, result.stderr) == (
         2,
         (
@@ -1215,42 +1210,11 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_the_trainer
     assert resumed.returncode == 0, resumed.stderr
     assert_same_output(killed, out)
 
-    trained = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(os.path.dirname(FINEWEB), "train_gpt2.py"),
-            "--data-dir",
-            str(out),
-            "--out-dir",
-            str(tmp_path / "run"),
-            "--n-layer",
-            "1",
-            "--n-head",
-            "2",
-            "--n-embd",
-            "16",
-            "--block-size",
-            "16",
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "2",
-            "--total-batch-size",
-            "32",
-            "--max-steps",
-            "1",
-            "--val-every",
-            "1",
-            "--val-steps",
-            "1",
-            "--sample-every",
-            "0",
-            "--hellaswag-every",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    trained = run_main(
+        "train_gpt2.py",
+        *tiny_run_args(
+            out, tmp_path / "run", "--val-steps", 1, n_layer=1, block_size=16, B=2, rows=2, steps=1, val_every=1
+        ),
     )
     assert trained.returncode == 0, trained.stderr
     assert "step     1 | val loss" in trained.stdout

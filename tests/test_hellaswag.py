@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, run_cli, spread_gpt, tiny_run_args, write_checkpoint
+from conftest import HELLASWAG_FILE, NOT_GPT2, not_gpt2_folder, run_cli, spread_gpt, tiny_run_args, write_checkpoint
 from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.tokenizer import EOT
@@ -486,8 +486,6 @@ def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
 
 def test_cli_hf_model_that_is_not_gpt2(tmp_path):
     pytest.importorskip("transformers")
-    from test_hf_interop import NOT_GPT2, not_gpt2_folder
-
     folder = not_gpt2_folder(tmp_path / "llama", "llama")
     proc = run_hellaswag("--hf-model", folder, "--data-file", write_records(tmp_path / "ok.jsonl"), "--device", "cpu")
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: --hf-model {folder}: {NOT_GPT2['llama']}\n")

@@ -1,4 +1,7 @@
-"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models."""
+"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run
+in-process through each script's main (export, run_main); as programs: an export under a file size
+limit, one killed mid-way, one into a mount point, one under a folder whose name is not UTF-8, and
+transformers 4 and 5 loading an export."""
 
 import dataclasses
 import json
@@ -15,7 +18,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
-from conftest import REPO  # noqa: E402
+from conftest import NOT_GPT2, REPO, assert_refused, not_gpt2_folder, run_main, tiny_hf, tiny_run_args  # noqa: E402
 from trainkit import checkpoints, export_folder  # noqa: E402
 import train_gpt2  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
@@ -23,30 +26,6 @@ from trainkit.tokenizer import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 SHARDS = dict(n_docs=200, seed=0, vocab=500, shard_size=3000)  # the trainer's data
-
-
-def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
-    torch.manual_seed(seed)
-    fields = dict(
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu_new",
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    cfg = GPT2Config(**{**fields, **overrides})
-    model = GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # random LayerNorm affine too, so a swapped weight/bias shows
-        for name, p in model.named_parameters():
-            if ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
 
 
 def save_hf(model, path):
@@ -184,15 +163,12 @@ def test_round_trip_is_exact(tmp_path, vocab_size, kept):
         assert torch.equal(a[key][:n], b[key][:n]), key
 
 
-def run_cli(*args, cwd=None, umask=None):
-    return subprocess.run(
-        [sys.executable, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd or REPO,
-        preexec_fn=None if umask is None else lambda: os.umask(umask),
-    )
+EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]  # the command line of an export run as a program
+
+
+def export(*args, cwd=None):
+    """hf_interop.py export args, in-process through its main (run_main)."""
+    return run_main("hf_interop.py", "export", *args, cwd=cwd)
 
 
 def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
@@ -202,7 +178,8 @@ def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
     save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
     save_ours(model, tmp_path / "run" / "ckpt_0000007.pt")
     out = tmp_path / "exported"
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp_path / "run", out, cwd=tmp_path, umask=umask)
+    os.umask(umask)  # (the process's umask is restored after the test)
+    proc = export(tmp_path / "run", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert str(out) in proc.stdout and "wrote" in proc.stdout
     # safetensors writes through a private temporary file; the export gives it a normal file's mode
@@ -223,7 +200,7 @@ def test_cli_export_help_names_both_sources(capsys):
     ) in " ".join(capsys.readouterr().out.split())
 
 
-def test_cli_export_refuses_torch_files_that_are_not_ours(tmp_path, capsys):
+def test_cli_export_refuses_torch_files_that_are_not_ours(tmp_path):
     model = tiny_ours(vocab_size=100)
     config = dataclasses.asdict(model.config)
     files = {  # load_checkpoint's checks, seen through the export
@@ -239,15 +216,9 @@ def test_cli_export_refuses_torch_files_that_are_not_ours(tmp_path, capsys):
     }
     for name, (obj, _) in files.items():
         torch.save(obj, tmp_path / name)
-    nanogpt = tmp_path / "nanogpt.pt"
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", nanogpt, tmp_path / "out")
-    assert (proc.returncode, proc.stderr) == (
-        2,
-        f"error: {nanogpt}: not a train_gpt2.py checkpoint ({files['nanogpt.pt'][1]})\n",
-    )
-    for name, (_, reason) in files.items():  # the other kinds in-process: the same code path
-        assert hf_interop.main(["export", str(tmp_path / name), str(tmp_path / "out")]) == 2
-        assert capsys.readouterr().err == f"error: {tmp_path / name}: not a train_gpt2.py checkpoint ({reason})\n"
+    for name, (_, reason) in files.items():
+        proc = export(tmp_path / name, tmp_path / "out")
+        assert_refused(proc, f"{tmp_path / name}: not a train_gpt2.py checkpoint ({reason})")
     assert not (tmp_path / "out").exists()
 
 
@@ -266,49 +237,6 @@ def test_export_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
     )
 
 
-def not_gpt2_folder(path, kind):
-    """A folder that GPT2LMHeadModel.from_pretrained loads without an error, as random weights."""
-    from safetensors.torch import load_file, save_file
-
-    if kind == "bert":
-        from transformers import BertConfig, BertModel
-
-        BertModel(
-            BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-        ).save_pretrained(path)
-    elif kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
-            )
-        ).save_pretrained(path)
-    else:
-        save_hf(tiny_hf(vocab_size=100), path)
-        weights = load_file(path / "model.safetensors")
-        if kind == "gpt2 without layer 1":
-            weights = {k: v for k, v in weights.items() if ".h.1." not in k}
-        else:  # "gpt2 with a shorter position table"
-            weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:16].clone()
-        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
-NOT_GPT2 = {
-    "bert": "its config.json describes a 'bert' model, not GPT-2",
-    "llama": "its config.json describes a 'llama' model, not GPT-2",
-    "gpt2 without layer 1": (
-        "tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
-        "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
-        "is it a complete GPT-2?"
-    ),
-    "gpt2 with a shorter position table": (
-        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)"
-    ),
-}
-
-
 @pytest.mark.parametrize("kind", ["llama", "gpt2 with a shorter position table"])
 def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
     folder = not_gpt2_folder(tmp_path / "hf", kind)
@@ -320,29 +248,10 @@ def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["bert", "gpt2 without layer 1"])
 def test_cli_init_from_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
     folder = not_gpt2_folder(tmp_path / "hf", kind)
-    proc = run_cli(
-        os.path.join(REPO, "train_gpt2.py"),
-        "--init-from",
-        folder,
-        "--data-dir",
-        data_dir,
-        "--out-dir",
-        tmp_path / "out",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--total-batch-size",
-        "32",
-        "--max-steps",
-        "1",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-    )
+    args = tiny_run_args(data_dir, tmp_path / "out", "--init-from", folder, B=2, rows=2, steps=1)
+    for flag in ("--n-layer", "--n-head", "--n-embd", "--block-size"):  # (the weights set the shape)
+        del args[args.index(flag) : args.index(flag) + 2]
+    proc = run_main("train_gpt2.py", *args)
     assert (proc.returncode, proc.stderr) == (2, f"error: --init-from {folder}: {NOT_GPT2[kind]}\n")
     assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
@@ -575,7 +484,7 @@ def exported_for_clients(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clients")
     save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt")
     out = tmp / "hf"
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", tmp / "ckpt_0000007.pt", out)
+    proc = export(tmp / "ckpt_0000007.pt", out)
     assert proc.returncode == 0, proc.stderr
     texts = parity_texts()
     (tmp / "texts.json").write_text(__import__("json").dumps(texts))
@@ -654,13 +563,12 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
-    export = [os.path.join(REPO, "hf_interop.py"), "export"]
     first, second = (save_ours(tiny_ours(vocab_size=200, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
     out = tmp_path / "hf"
-    assert run_cli(*export, first, out).returncode == 0
+    assert export(first, out).returncode == 0
     before = folder_bytes(out)
     proc = subprocess.run(
-        [sys.executable, *export, second, out], capture_output=True, text=True, timeout=300, preexec_fn=small_files
+        [sys.executable, *EXPORT, second, out], capture_output=True, text=True, timeout=300, preexec_fn=small_files
     )
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
@@ -673,7 +581,7 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
     want = logits_of(tiny_ours(vocab_size=200, seed=1), idx)
     torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx), want, atol=1e-5, rtol=0)
 
-    proc = run_cli(*export, second, out)  # a successful one replaces it whole
+    proc = export(second, out)  # a successful one replaces it whole
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     want = logits_of(tiny_ours(vocab_size=200, seed=2), idx)
@@ -681,7 +589,7 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
 
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
     before = folder_bytes(out)
-    proc = run_cli(*export, first, out)
+    proc = export(first, out)
     assert proc.returncode == 2 and "notes.txt" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert folder_bytes(out) == before
 
@@ -696,7 +604,7 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
     before = folder_bytes(tmp_path / "mine")
     assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", ckpt, mine)
+    proc = export(ckpt, mine)
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
         "",
@@ -760,9 +668,6 @@ def is_whole(folder) -> bool:
     return folder.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(folder))
 
 
-EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]
-
-
 def changed_since(out, changes):
     return (
         f"error: {out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
@@ -778,7 +683,7 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, cap
 
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     out = tmp_path / "hf"
-    assert run_cli(*EXPORT, ckpt, out).returncode == 0
+    assert export(ckpt, out).returncode == 0
     mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
     assert mark["files"] == {
         p.name: __import__("hashlib").sha256(p.read_bytes()).hexdigest()
@@ -788,7 +693,7 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, cap
     assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
     tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
     before = folder_bytes(out)
-    proc = run_cli(*EXPORT, ckpt, out)
+    proc = export(ckpt, out)
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         2,
         "",
@@ -824,7 +729,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
 
     first, second = (save_ours(tiny_ours(vocab_size=50304, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
     out = tmp_path / "hf"
-    assert run_cli(*EXPORT, first, out).returncode == 0
+    assert export(first, out).returncode == 0
     before = folder_bytes(out)
     killed = None
     for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
@@ -846,7 +751,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
     lock = os.open(live, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        proc = run_cli(*EXPORT, second, out)
+        proc = export(second, out)
     finally:
         os.close(lock)
     assert proc.returncode == 0, proc.stderr
@@ -921,13 +826,13 @@ def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
     (tmp_path / "run").mkdir()
     save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
     save_ours(tiny_ours(vocab_size=100), tmp_path / "run" / "ckpt_0000012.pt", step=12)
-    proc = run_cli(os.path.join(REPO, "hf_interop.py"), "export", "run", "run_hf", cwd=tmp_path)
+    proc = export("run", "run_hf", cwd=tmp_path)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout == (
         "wrote Hugging Face GPT-2 of run/ckpt_0000012.pt (step 12) to run_hf (load with "
         "GPT2LMHeadModel.from_pretrained('run_hf') and AutoTokenizer.from_pretrained('run_hf'))\n"
     )
-    usage = run_cli(os.path.join(REPO, "hf_interop.py"), "--help")
+    usage = run_main("hf_interop.py", "--help")
     assert (
         "Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or evaluate one with lm-evaluation-harness."
     ) in " ".join(usage.stdout.split())  # however wide the terminal

@@ -1,5 +1,7 @@
-"""Hostile input to the trainer, run as users run it: one `error:` line, exit code 2,
-no traceback; never a checkpoint or log lost, corrupted or filled with non-finite numbers."""
+"""Hostile input to the trainer: one `error:` line, exit code 2, no traceback; never a checkpoint or log
+lost, corrupted or filled with non-finite numbers. The refusals run in-process through each script's main
+(run_main); what only a process shows runs as one: Ctrl-C, ranks that never gather, memory and file-size
+limits, a log that is a named pipe."""
 
 import hashlib
 import json
@@ -24,10 +26,12 @@ from conftest import (
     HELLASWAG_FILE,
     REPO,
     assert_one_error_line,
+    assert_refused,
     interrupt_when_blocked,
     log_records,
     resume_copy,
     run_command,
+    run_main,
     tiny_run_args,
     tree_hashes,
 )
@@ -80,16 +84,17 @@ def finished_run(data_dir, tmp_path_factory):
 )
 def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
     out = tmp_path / "out"
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=3))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=3))
     assert_one_error_line(result, message.format(out=out))
     assert not [f for f in os.listdir(out) if f.endswith(".pt")] if out.exists() else True
 
 
 @pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout", "--muon-lr"])
-def test_every_float_flag_must_be_finite(data_dir, tmp_path, capsys, flag):
-    # the same check as --max-lr inf above, which runs as a subprocess: here in-process
-    assert tg.main(tiny_run_args(data_dir, tmp_path, flag, "nan")) == 2
-    assert capsys.readouterr().err == f"error: {flag} must be a finite number, got nan\n"
+def test_every_float_flag_must_be_finite(data_dir, tmp_path, flag):
+    assert_refused(
+        run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, flag, "nan")),
+        f"{flag} must be a finite number, got nan",
+    )
 
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -134,7 +139,7 @@ def test_damaged_newest_checkpoint_names_the_earlier_one(finished_run, data_dir,
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     damage(run / "ckpt_0000004.pt", how)
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
     assert_one_error_line(result, message.format(dir=run), "use the earlier checkpoint")
 
 
@@ -157,11 +162,11 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     shutil.copy(finished_run / "ckpt_0000004.pt", path)
     damage(path, what) if what == "flipped" else foreign(path, what)
     if command == "resume":
-        result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "out", "--resume", path, steps=6))
+        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "out", "--resume", path, steps=6))
     elif command == "export":
-        result = run_command("hf_interop.py", "export", path, tmp_path / "hf")
+        result = run_main("hf_interop.py", "export", path, tmp_path / "hf")
     else:
-        result = run_command("hellaswag.py", "--checkpoint", path, "--data-file", HELLASWAG_FILE, "--limit", 2)
+        result = run_main("hellaswag.py", "--checkpoint", path, "--data-file", HELLASWAG_FILE, "--limit", 2)
     assert_one_error_line(result, f"{path}: {message}")
 
 
@@ -197,23 +202,19 @@ def test_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch)
     assert os.listdir(run) == ["log.jsonl"]
 
 
-def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path):
+def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    # sample.py as users run it, with the newest checkpoint removed between finding and opening it
-    script = (
-        "import os, runpy, sys\n"
-        "found = os.path.isfile\n"
-        "def found_then_removed(path):\n"
-        "    there = found(path)\n"
-        "    if there and os.path.basename(path) == 'ckpt_0000004.pt':\n"
-        "        os.remove(path)\n"
-        "    return there\n"
-        "os.path.isfile = found_then_removed\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path('sample.py', run_name='__main__')\n"
-    )
-    result = run_command("-c", script, "sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
+    found = os.path.isfile
+
+    def found_then_removed(path):  # the newest checkpoint removed between finding and opening it
+        there = found(path)
+        if there and os.path.basename(path) == "ckpt_0000004.pt":
+            os.remove(path)
+        return there
+
+    monkeypatch.setattr(os.path, "isfile", found_then_removed)
+    result = run_main("sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
     assert_one_error_line(
         result,
         f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
@@ -240,7 +241,7 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     theirs, mine = (resume.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
     os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
     before = {p.name: p.read_bytes() for p in other.iterdir()}
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
     assert_one_error_line(
         result,
         f"{other / 'log.jsonl'} is not the log of the run that wrote {given} (the log is "
@@ -258,7 +259,7 @@ def test_resume_at_or_past_max_steps_says_so(finished_run, data_dir, tmp_path, m
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
     if max_steps < 4:  # a mistake: the run is already past the requested end
         assert_one_error_line(
             result, f"{run / 'ckpt_0000004.pt'} is at step 4, past --max-steps 3: pass a larger --max-steps to train on"
@@ -305,7 +306,7 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
 
 def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     # Z = 0.5 is too low to let the window catch up with the shift: the bound stops the run
-    result = run_command(
+    result = run_main(
         "train_gpt2.py", *tiny_run_args(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80, ckpt_every=10)
     )
     assert_one_error_line(
@@ -395,7 +396,7 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
             "data set with fineweb.py"
         )
     before = tree_hashes(data)
-    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, steps=2))
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
     assert tree_hashes(data) == before and not out.exists()
 
@@ -407,7 +408,7 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
 
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(made_data, data)
-    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=2, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr
     shutil.copy(made_data.parent / "docs.jsonl", tmp_path / "copy.jsonl")  # the same text, another path and mtime
     assert (
@@ -431,7 +432,7 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == {
         k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")
     }
-    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (0, "")
     assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
 
@@ -446,7 +447,7 @@ def test_a_shard_that_is_not_what_its_manifest_records_stops_the_run(made_data, 
     np.save(shard, tokens)
     before = tree_hashes(data)
     expected = json.loads((data / "manifest.json").read_text())["shards"][3]["sha256"]
-    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, steps=4, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (
         2,
         (
@@ -481,7 +482,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
         shutil.copytree(finished_run, out)
         flags = ["--eval-only", "--resume", "--val-every", "1", "--val-steps", "1"]
     before = {folder: tree_hashes(folder) for folder in (data, out) if folder.exists()}
-    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, *flags, steps=4))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, *flags, steps=4))
     assert (result.returncode, result.stderr) == (
         2,
         (
@@ -499,7 +500,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
 
 def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=4))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=4))
     assert_one_error_line(
         result,
         f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
@@ -630,7 +631,7 @@ def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, en
         ("train_gpt2.py", tiny_run_args(data_dir, finished_run, "--resume", steps=6)),
         ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"]),
     ]:
-        result = run_command(script, *args, env={**os.environ, **env})
+        result = run_main(script, *args, env={**os.environ, **env})
         assert_one_error_line(result, message)
     assert snapshot(finished_run) == before
 
@@ -770,7 +771,7 @@ def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(
         "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
     }
     for command in commands:
-        result = run_command(*lines[command])
+        result = run_main(*lines[command])
         assert_one_error_line(result, f"error: {ckpt}: {what}")
     assert snapshot(tmp_path) == before
 
@@ -781,7 +782,7 @@ def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
     lines = out.joinpath("log.jsonl").read_bytes().splitlines(keepends=True)
     out.joinpath("log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
     before = snapshot(out)
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
     run_id = json.loads(lines[0])["run"]
     assert_one_error_line(
         result,
@@ -796,7 +797,7 @@ def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
 def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
     tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
     before = snapshot(tmp_path)
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
     assert_one_error_line(
         result,
         f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
@@ -825,7 +826,7 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
         ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6)),
         ("hf_interop.py", "export", path, tmp_path / "hf"),
     ]:
-        result = run_command(*command)
+        result = run_main(*command)
         assert_one_error_line(
             result,
             f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({beside})",
@@ -837,7 +838,7 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
 
 def test_out_dir_that_is_a_file(data_dir, tmp_path):
     tmp_path.joinpath("notes.txt").write_text("mine")
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "notes.txt", steps=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "notes.txt", steps=2))
     assert_one_error_line(
         result,
         f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
@@ -855,7 +856,7 @@ def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run,
 
     re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
     before = snapshot(out)
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
     assert_one_error_line(
         result,
         f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
@@ -869,7 +870,7 @@ def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, dat
     args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
     for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
         del args[args.index(flag) : args.index(flag) + 2]
-    result = run_command("train_gpt2.py", *args)
+    result = run_main("train_gpt2.py", *args)
     assert_one_error_line(
         result,
         f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
@@ -882,7 +883,7 @@ def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, dat
 
 def test_an_export_into_a_missing_folder_names_that_folder(finished_run, tmp_path):
     before = snapshot(finished_run)
-    result = run_command("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
+    result = run_main("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
     assert_one_error_line(
         result,
         f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "

@@ -2,7 +2,9 @@
 document nested 200,000 deep in any reader, a checkpoint holding an expanded tensor or a structure
 nested thousands deep or resume fields of the wrong types, a Hugging Face folder whose config.json
 and weights disagree or whose index points outside it, and shards or inputs that are not regular
-files. Each is exit code 2, one `error:` line, no traceback, and every file left byte-identical."""
+files. Each is exit code 2, one `error:` line, no traceback, and every file left byte-identical. The
+commands run in-process through each script's main (run_main); the named pipes run as programs (a
+regression would block the test's own process), proving the contract end to end."""
 
 import json
 import os
@@ -13,33 +15,15 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, assert_refused, run_command, tree_hashes, write_checkpoint
+from conftest import HELLASWAG_FILE, assert_refused, run_command, run_main, tiny_run_args, tree_hashes, write_checkpoint
 from trainkit import checkpoints
 
-TINY = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--block-size",
-    "32",
-    "--seq-len",
-    "16",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "64",
-    "--warmup-steps",
-    "1",
-    "--val-every",
-    "0",
-    "--sample-every",
-    "0",
-    "--hellaswag-every",
-    "0",
-]
+
+def tiny(data_dir, out, *extra, steps):
+    """The trainer's flags for a run of the tiny model (1 layer, 4 rows of 16 tokens a step), extra last."""
+    return tiny_run_args(data_dir, out, *extra, steps=steps, n_layer=1, rows=4, warmup=1)
+
+
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
 
@@ -51,7 +35,7 @@ SHARDS = dict(n_docs=300, seed=3)
 def finished_run(data_dir, tmp_path_factory):
     """A 2-step run of the tiny model with its checkpoint at step 2."""
     out = tmp_path_factory.mktemp("run")
-    assert tg.main(["--data-dir", data_dir, "--out-dir", str(out), "--max-steps", "2", "--ckpt-every", "2", *TINY]) == 0
+    assert tg.main(tiny(data_dir, out, "--ckpt-every", "2", steps=2)) == 0
     return out
 
 
@@ -94,7 +78,7 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
     before = tree_hashes(tmp_path)
     cases = [
         (
-            ("train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1", *TINY),
+            ("train_gpt2.py", *tiny(data, tmp_path / "out", steps=1)),
             f"{data / 'manifest.json'} is not a manifest fineweb.py wrote ({DEEP_REASON}); restore it, re-create the "
             "data set with fineweb.py, or move it out of the folder",
         ),
@@ -114,7 +98,7 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
         ),
         (("sample.py", "--hf-model", hf), f"--hf-model {hf}: {hf / 'config.json'}: {DEEP_REASON}"),
         (
-            ("train_gpt2.py", "--data-dir", data_dir, "--out-dir", run, "--max-steps", "1", *TINY),
+            ("train_gpt2.py", *tiny(data_dir, run, steps=1)),
             f"--out-dir {run} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
             "wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose another "
             "--out-dir",
@@ -126,7 +110,7 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
         ),
     ]
     for command, line in cases:
-        result = run_command(*command)
+        result = run_main(*command)
         if command[0] == "fineweb.py" and "fineweb_new" in str(command[4]):  # its progress bar comes first
             assert result.returncode == 2 and result.stderr.splitlines()[-1].split("\r")[-1] == f"error: {line}"
             assert "Traceback" not in result.stderr
@@ -139,10 +123,10 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
 def test_an_export_mark_nested_deep_is_no_mark(finished_run, tmp_path):
     """An export folder whose mark cannot be read is not replaced: as a folder of the user's own files."""
     out = tmp_path / "hf"
-    assert run_command("hf_interop.py", "export", finished_run, out).returncode == 0
+    assert run_main("hf_interop.py", "export", finished_run, out).returncode == 0
     (out / "gpt2_trainer_export.json").write_text(DEEP)
     before = tree_hashes(tmp_path)
-    result = run_command("hf_interop.py", "export", finished_run, out)
+    result = run_main("hf_interop.py", "export", finished_run, out)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: {out} ") and "Traceback" not in result.stderr
     assert tree_hashes(tmp_path) == before
@@ -211,12 +195,12 @@ def test_a_checkpoint_whose_structure_costs_more_than_its_file(
     before = tree_hashes(tmp_path)
     line = f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
     for command in [
-        ("train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume", "--max-steps", "4", *TINY),
+        ("train_gpt2.py", *tiny(data_dir, tmp_path / "run", "--resume", steps=4)),
         ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
         ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
         ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
     ]:
-        assert_refused(run_command(*command), line)
+        assert_refused(run_main(*command), line)
     assert tree_hashes(tmp_path) == before
 
 
@@ -266,9 +250,7 @@ def test_resume_state_of_the_wrong_types_is_one_line(finished_run, data_dir, tmp
     """A checkpoint whose checksum is right but whose resume fields are not as the trainer writes them."""
     ckpt = edited_run(finished_run, tmp_path / "run", edit)
     before = tree_hashes(tmp_path)
-    result = run_command(
-        "train_gpt2.py", "--data-dir", data_dir, "--out-dir", tmp_path / "run", "--resume", "--max-steps", "4", *TINY
-    )
+    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "run", "--resume", steps=4))
     assert_refused(
         result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
     )
@@ -371,10 +353,10 @@ def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, conf
         edit(folder)
     before = tree_hashes(tmp_path)
     line = f"--hf-model {folder}: {problem.format(folder=folder)}"
-    assert_refused(run_command("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
+    assert_refused(run_main("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
     if not edit and config.get("n_layer") == 1:  # also where the other commands take a Hugging Face GPT-2
         assert_refused(
-            run_command("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
+            run_main("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
         )
     assert tree_hashes(tmp_path) == before
 
@@ -383,7 +365,7 @@ def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
     folder = hf_folder(tmp_path / "hf")
     index_to(str(tmp_path / "elsewhere" / "x.safetensors"))(folder)
     before = tree_hashes(tmp_path)
-    result = run_command(
+    result = run_main(
         "train_gpt2.py",
         "--init-from",
         folder,
@@ -430,9 +412,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_not_read(data_dir, tmp_pa
     else:
         os.symlink("/dev/zero", shard)
         what = "a character device (a link to /dev/zero)"
-    result = run_command(
-        "train_gpt2.py", "--data-dir", data, "--out-dir", tmp_path / "out", "--max-steps", "1", *TINY, timeout=120
-    )
+    result = run_command("train_gpt2.py", *tiny(data, tmp_path / "out", steps=1), timeout=120)
     assert_refused(result, f"{shard} is {what}, not a regular file: it cannot be read as one")
     os.remove(shard)
     assert tree_hashes(tmp_path) == before
@@ -476,24 +456,11 @@ def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, p
     checkpoint = write_checkpoint(
         tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape)), tmp_path / "ckpt_0000001.pt"
     )
-    result = run_command("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
+    result = run_main("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
     assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
     out = tmp_path / "out"
-    args = [
-        *TINY,
-        "--block-size",
-        str(shape["block_size"]),
-        "--seq-len",
-        "1",
-        "--total-batch-size",
-        "4",
-        "--vocab-size",
-        str(shape["vocab_size"]),
-        "--hellaswag-every",
-        "1",
-        "--hellaswag-file",
-        HELLASWAG_FILE,
-    ]
-    result = run_command("train_gpt2.py", "--data-dir", data_dir, "--out-dir", out, "--max-steps", "2", *args)
+    flags = ["--vocab-size", shape["vocab_size"], "--hellaswag-every", 1, "--hellaswag-file", HELLASWAG_FILE]
+    args = tiny_run_args(data_dir, out, *flags, steps=2, n_layer=1, block_size=shape["block_size"], seq_len=1, rows=4)
+    result = run_main("train_gpt2.py", *args)
     assert_refused(result, trainer_line)
     assert not out.exists()

@@ -21,7 +21,7 @@ from trainkit import resume
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import FAKE_WANDB, REPO, assert_refused, run_cli, tiny_run_args, trained_steps, tree_hashes
+from conftest import REPO, assert_refused, run_cli, run_main, tiny_run_args, trained_steps, tree_hashes
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -202,7 +202,7 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
 
 
 def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, data_dir, tmp_path):
-    """Issue 23, item 1: run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
+    """Run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
     (what the old refusal advised) used to let B write its checkpoints beside A's; A's checkpoints
     carry A's run id, so every rank stops with one line naming both runs, and nothing changes."""
     out, _ = finished_run
@@ -262,18 +262,15 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
         out_dir.claim_run(str(tmp_path / "fresh"), at_2)
 
 
-def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, capsys):
-    """Issue 23, items 6 and 7: every check, W&B's login too, comes before the later branch moves."""
+def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, fake_wandb, capsys):
+    """Every check, W&B's login too (a W&B that cannot start: no login), comes before the later branch moves."""
     out, _ = finished_run
-    fake = tmp_path / "fake"  # a W&B that cannot start (no login)
-    fake.mkdir()
-    (fake / "wandb.py").write_text(FAKE_WANDB)
     before = tree_hashes(out)
-    result = run_cli(
-        tiny_run_args(
+    result = run_main(
+        "train_gpt2.py",
+        *tiny_run_args(
             data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--wandb", "no-such-entity", steps=8, ckpt_every=2
         ),
-        env={"PYTHONPATH": str(fake), **ONE_THREAD},
     )
     assert_refused(
         result,

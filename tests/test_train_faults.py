@@ -22,13 +22,13 @@ from trainkit import checkpoints
 from trainkit.shard_identity import shard_files
 import train_gpt2 as tg
 from conftest import (
-    FAKE_WANDB,
     REPO,
     assert_one_error_line,
     log_records,
     losses,
     run_cli,
     run_command,
+    run_main,
     tiny_run_args,
     torchrun,
     wait_for_steps,
@@ -74,7 +74,7 @@ def read_only(path):
 
 def test_log_that_is_a_directory_is_one_line(data_dir, tmp_path):
     (tmp_path / "log.jsonl").mkdir()
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
     assert_one_error_line(
         result,
         f"cannot open {tmp_path}/log.jsonl: is a directory; make it a writable file, or choose another --out-dir",
@@ -425,7 +425,7 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
     np.save(data / "synth_val_000000.npy", tokens)
     tokens[3000] = 600
     np.save(data / "synth_train_000000.npy", tokens)
-    result = run_cli(tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
     assert (result.returncode, result.stderr) == (
         2,
         (
@@ -440,7 +440,7 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
 
 
 def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
-    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
     assert (result.returncode, result.stderr) == (
         0,
         "warning: --warmup-steps 10 is longer than --max-steps 4: the "
@@ -456,7 +456,7 @@ def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, 
     train = sorted(data.glob("*_train_*.npy"))
     np.save(train[-1], np.load(train[-1])[::-1])  # the last shard re-made with other tokens, of the same size
     size = train[-1].stat().st_size
-    result = run_command("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     saved = checkpoints.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
     now = shard_files([str(train[-1])])[0][2][:12]
@@ -472,15 +472,11 @@ def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, 
 
 
 @pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
-def test_wandb_failures(data_dir, tmp_path, case):
-    fake = tmp_path / "fake"  # a W&B whose service fails the way a network or a crash would
-    fake.mkdir()
-    (fake / "wandb.py").write_text(FAKE_WANDB)
+def test_wandb_failures(data_dir, tmp_path, fake_wandb, case):
+    """A W&B whose service fails the way a network or a crash would."""
     project = "no-such-entity" if case == "cannot start" else "p"
     out = tmp_path / "out"
-    result = run_cli(
-        tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0), env={"PYTHONPATH": str(fake)}
-    )
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0))
     if case == "cannot start":  # refused before log.jsonl is created
         assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
         assert not (out / "log.jsonl").exists()
