@@ -12,7 +12,8 @@ loss is drawn faint, step by step, under its exponential moving average (--smoot
 vertical line marks each step where the run was resumed. The loss axis is linear
 and, by default, its top is set from the run after its first steps so that the initial
 loss (about 11 for GPT-2) does not flatten the rest of the curve (--no-clip shows it all).
-Records of other kinds in the log are ignored.
+Records of other kinds in the log are ignored. A log of several runs (logs concatenated; every
+record names its run) draws each run's curves in a colour of its own (runs_of).
 
 matplotlib is optional: it is imported only when plotting, with the Agg backend (no display).
 """
@@ -178,6 +179,46 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
     return lo - pad, hi + pad
 
 
+def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(name, records) of each run the log holds, in the order they first appear. Every record names the run
+    that wrote it ("run"); a branch (a resume from an earlier checkpoint) is a new run whose first record is
+    its resume, after the records of the run it continues: it stays that run's curve. Any other new run (two
+    runs' logs concatenated) is a curve of its own. Records that name no run (a log of an older trainer)
+    are one run."""
+    runs, curve_of, previous = [], {}, None
+    for record in records:
+        run = record.get("run") if isinstance(record.get("run"), str) else None
+        if run not in curve_of:
+            branch = runs and record.get("event") == "resume"
+            curve_of[run] = curve_of[previous] if branch else len(runs)
+            if not branch:
+                runs.append((f"run {run[:8]}" if run else "records naming no run", []))
+        runs[curve_of[run]][1].append(record)
+        previous = run
+    return runs
+
+
+class Series:
+    """The values a run's curves draw: (steps, values) of each plotted key, sorted by step."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+        self.train = series(records, "loss")
+        self.val = series(records, "val_loss")
+        self.bpb = series(records, "val_bpb")
+        self.hs = series(records, "hellaswag_acc")
+        self.lr = series(records, "lr")
+        self.factor = bits_per_byte_factor(*self.val, *self.bpb) if self.bpb[0] else None
+
+
+def shared_factor(runs: list[Series]):
+    """The one val_bpb / val_loss factor of every run that logs val_bpb (None where they differ)."""
+    factors = [run.factor for run in runs if run.bpb[0]]
+    if not factors or None in factors or max(factors) - min(factors) > 1e-3 * min(factors):
+        return None
+    return factors[-1]
+
+
 def make_figure(
     records: list[dict],
     baseline: float | None = None,
@@ -187,7 +228,8 @@ def make_figure(
 ):
     """A matplotlib Figure with a loss panel, a HellaSwag panel when records have any
     hellaswag_acc, and a learning-rate panel. Axes are in that order; lines carry labels.
-    smooth: the EMA weight of the train-loss line (0: no EMA line)."""
+    smooth: the EMA weight of the train-loss line (0: no EMA line). A log of several runs
+    (runs_of) draws each run's curves in a colour of its own, labelled with its run."""
     try:
         import matplotlib
 
@@ -196,56 +238,55 @@ def make_figure(
     except ImportError:
         raise UserError("matplotlib is not installed: pip install matplotlib") from None
 
-    train_steps, train_loss = series(records, "loss")
-    val_steps, val_loss = series(records, "val_loss")
-    bpb_steps, val_bpb = series(records, "val_bpb")
-    hs_steps, hs_acc = series(records, "hellaswag_acc")
-    lr_steps, lr = series(records, "lr")
-    if not (train_steps or val_steps or hs_steps):
+    named = runs_of(records)
+    runs = [Series(run_records) for _, run_records in named]
+    if not any(run.train[0] or run.val[0] or run.hs[0] for run in runs):
         raise UserError("the log has no loss, val_loss or hellaswag_acc records to plot")
+    several = len(runs) > 1
 
-    show_hs = bool(hs_steps) or baseline is not None
+    def look(k: int, colour: str, label: str) -> dict:
+        """A line's colour and label: its quantity's own colour in a log of one run; else its run's."""
+        return dict(color=f"C{k}", label=f"{label} ({named[k][0]})") if several else dict(color=colour, label=label)
+
+    show_hs = any(run.hs[0] for run in runs) or baseline is not None
     n_panels = 3 if show_hs else 2
     fig, axes = plt.subplots(n_panels, 1, figsize=(9, 3.2 * n_panels), sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     ax = axes[0]
-    if train_steps:
-        faint = dict(lw=0.6, alpha=0.3) if smooth else dict(lw=0.8, alpha=0.8)
-        ax.plot(train_steps, drawn(train_loss), color="tab:blue", label="train loss", **faint)
-        if smooth:
-            ax.plot(
-                train_steps, ema(train_loss, smooth), lw=1.5, color="tab:blue", label=f"train loss (EMA {smooth:g})"
-            )
-    factor = bits_per_byte_factor(val_steps, val_loss, bpb_steps, val_bpb) if bpb_steps else None
-    if val_steps:
-        ax.plot(
-            val_steps,
-            drawn(val_loss),
-            marker="o",
-            ms=3,
-            color="tab:orange",
-            label="val loss (right axis: bits per byte)" if factor else "val loss",
-        )
-    ylim = loss_ylim(train_loss, val_loss) if clip else None
-    if ylim:
-        ax.set_ylim(*ylim)
+    factor = shared_factor(runs)
+    for k, run in enumerate(runs):
+        (train_steps, train_loss), (val_steps, val_loss) = run.train, run.val
+        if train_steps:
+            faint = dict(lw=0.6, alpha=0.3) if smooth else dict(lw=0.8, alpha=0.8)
+            ax.plot(train_steps, drawn(train_loss), **look(k, "tab:blue", "train loss"), **faint)
+            if smooth:
+                ema_line = look(k, "tab:blue", f"train loss (EMA {smooth:g})")
+                ax.plot(train_steps, ema(train_loss, smooth), lw=1.5, **ema_line)
+        if val_steps:
+            label = "val loss (right axis: bits per byte)" if factor else "val loss"
+            ax.plot(val_steps, drawn(val_loss), marker="o", ms=3, **look(k, "tab:orange", label))
+    ylims = [loss_ylim(run.train[1], run.val[1]) for run in runs] if clip else []
+    if ylims and all(ylims):
+        ax.set_ylim(min(lo for lo, _ in ylims), max(hi for _, hi in ylims))
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     legend_lines = list(ax.get_lines())
-    if factor:  # one curve, read on either axis
+    if factor:  # one curve per run, read on either axis
         bpb_axis = ax.secondary_yaxis("right", functions=(lambda y: y * factor, lambda y: y / factor))
         bpb_axis.set_ylabel("val bits per byte")
-    elif bpb_steps:  # not a multiple of the loss: a line of its own, on its own scale
+    elif any(run.bpb[0] for run in runs):  # not a multiple of the loss: a line of its own, on its own scale
         bpb_ax = ax.twinx()
-        legend_lines += bpb_ax.plot(
-            bpb_steps, drawn(val_bpb), marker="s", ms=3, ls="--", color="tab:red", label="val bits per byte"
-        )
+        for k, run in enumerate(runs):
+            if run.bpb[0]:
+                bpb_line = look(k, "tab:red", "val bits per byte")
+                legend_lines += bpb_ax.plot(run.bpb[0], drawn(run.bpb[1]), marker="s", ms=3, ls="--", **bpb_line)
         bpb_ax.set_ylabel("val bits per byte")
 
     if show_hs:
         ax = axes[1]
-        if hs_steps:
-            ax.plot(hs_steps, drawn(hs_acc), marker="o", ms=3, color="tab:green", label="HellaSwag acc")
+        for k, run in enumerate(runs):
+            if run.hs[0]:
+                ax.plot(run.hs[0], drawn(run.hs[1]), marker="o", ms=3, **look(k, "tab:green", "HellaSwag acc"))
         if baseline is not None:
             ax.axhline(baseline, ls="--", color="tab:red", label=f"{BASELINE_LABEL} ({baseline:.4f})")
         ax.set_ylabel("HellaSwag acc_norm")
@@ -253,14 +294,15 @@ def make_figure(
         ax.legend(loc="lower right")
 
     ax = axes[-1]
-    if lr_steps:
-        ax.plot(lr_steps, drawn(lr), color="tab:purple", label="learning rate")
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    for k, run in enumerate(runs):
+        if run.lr[0]:
+            ax.plot(run.lr[0], drawn(run.lr[1]), **look(k, "tab:purple", "learning rate"))
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax.set_ylabel("learning rate")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 
-    for n, step in enumerate(resume_steps(records)):
+    for n, step in enumerate(sorted({step for run in runs for step in resume_steps(run.records)})):
         for ax in axes:
             line = ax.axvline(
                 step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_"
@@ -269,21 +311,30 @@ def make_figure(
                 legend_lines.append(line)
     axes[0].legend(handles=legend_lines, loc="upper right")  # one legend for both of the panel's axes
 
-    summary = []  # each value with the step it was logged at (the last train step is one before an evaluation)
+    summaries = [summary(run) for run in runs]
+    if several:
+        summaries = [f"{name}: {text}" for (name, _), text in zip(named, summaries)]
+    fig.suptitle((title + "\n" if title else "") + "\n".join(summaries), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def summary(run: Series) -> str:
+    """Each last value of a run with the step it was logged at (the last train step is one before an evaluation)."""
+    parts = []
+    (train_steps, train_loss), (val_steps, val_loss), (hs_steps, hs_acc) = run.train, run.val, run.hs
     if train_steps:
-        summary.append(f"train loss {train_loss[-1]:.4f} (step {train_steps[-1]})")
+        parts.append(f"train loss {train_loss[-1]:.4f} (step {train_steps[-1]})")
     if val_steps:
-        bpb = dict(zip(bpb_steps, val_bpb)).get(val_steps[-1])
-        summary.append(
+        bpb = dict(zip(*run.bpb)).get(val_steps[-1])
+        parts.append(
             f"val loss {val_loss[-1]:.4f}"
             + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
             + f" (step {val_steps[-1]})"
         )
     if hs_steps:
-        summary.append(f"HellaSwag {hs_acc[-1]:.4f} (step {hs_steps[-1]})")
-    fig.suptitle((title + "\n" if title else "") + " | ".join(summary), fontsize=10)
-    fig.tight_layout()
-    return fig
+        parts.append(f"HellaSwag {hs_acc[-1]:.4f} (step {hs_steps[-1]})")
+    return " | ".join(parts)
 
 
 def plot_log(

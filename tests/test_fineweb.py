@@ -863,8 +863,8 @@ def test_manifest_that_is_not_ours(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     (tmp_path / "out").mkdir()
     for text, reason in (
-        (b"[]", ""),
-        (b'{"config": {}}', ""),
+        (b"[]", " (it holds a list, not an object)"),
+        (b'{"config": {}}', " (no field complete)"),
         (b"\xff\xfe binary", " (not UTF-8 text (byte 0xff), so not JSON)"),
     ):
         (tmp_path / "out" / "manifest.json").write_bytes(text)

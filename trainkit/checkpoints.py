@@ -29,7 +29,7 @@ from trainkit.checkpoint_checks import (
     state_shape_problem,
     structure_problem,
 )
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, print_warning, reason_of
 from trainkit.fsdp import is_fsdp
 
 
@@ -241,9 +241,26 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
             f"{latest_checkpoint(out_dir) or '(none)'} is intact"
         ) from None
     if keep_last:
-        for old in list_checkpoints(out_dir)[:-keep_last]:
-            if old != path:
-                os.remove(old)
+        remove_older_checkpoints(out_dir, path, keep_last)
+
+
+_UNDELETABLE = set()  # checkpoints --keep-last could not delete, named once each
+
+
+def remove_older_checkpoints(out_dir: str, path: str, keep_last: int):
+    """--keep-last: delete all but the newest keep_last of our checkpoints in out_dir (never path, just
+    written). One it may not delete (immutable, another user's on NFS, a read-only mount) stays, with one
+    warning the first time: a cleanup that fails never ends the run."""
+    for old in list_checkpoints(out_dir)[:-keep_last]:
+        if old == path or old in _UNDELETABLE:
+            continue
+        try:
+            os.remove(old)
+        except FileNotFoundError:  # (deleted meanwhile)
+            pass
+        except OSError as e:
+            _UNDELETABLE.add(old)
+            print_warning(f"--keep-last cannot delete {old} ({reason_of(e)}); it stays, and the run goes on")
 
 
 def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bool = False) -> dict:

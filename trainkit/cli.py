@@ -249,6 +249,11 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
             raise
         print_error(e)
         return 2
+    except RuntimeError as e:
+        if debug or not is_thread_start_failure(e):
+            raise
+        print_error(RankLocalError(no_thread(e)))
+        return 2
     except KeyboardInterrupt as e:
         if debug:
             raise
@@ -259,6 +264,28 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
         )
         return 128 + signum
     return output_lost_code(result_lost())
+
+
+def is_thread_start_failure(e: BaseException) -> bool:
+    """Whether e is threading's RuntimeError for a thread the system would not start (pthread_create failed:
+    no address space left for its stack under ulimit -v, or no thread left under ulimit -u), wherever it
+    was started: the trainer's prefetcher and shard check, a worker pool's handlers, a library's own."""
+    return isinstance(e, RuntimeError) and str(e) == "can't start new thread"
+
+
+def no_thread(e: RuntimeError) -> str:
+    """Why a thread could not start, in one line with the limits that decide it and what to raise."""
+    import resource
+
+    def limit(which: int, unit: int = 1024) -> str:
+        soft = resource.getrlimit(which)[0]
+        return "unlimited" if soft == resource.RLIM_INFINITY else str(soft // unit)
+
+    return (
+        f"cannot start a thread ({e}): each takes its stack (ulimit -s, {limit(resource.RLIMIT_STACK)} KiB) from "
+        f"the address space (ulimit -v, {limit(resource.RLIMIT_AS)} KiB) and counts as a process (ulimit -u, "
+        f"{limit(resource.RLIMIT_NPROC, 1)}): raise ulimit -v or ulimit -u, or lower ulimit -s"
+    )
 
 
 SIGPIPE_EXIT_CODE = 128 + 13  # 128 + SIGPIPE (13 on Linux and macOS; Windows has no SIGPIPE)

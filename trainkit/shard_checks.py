@@ -5,7 +5,6 @@ records of a shard (recorded). Runs nothing at import."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import os
@@ -14,33 +13,35 @@ import threading
 from trainkit import json_file
 from trainkit.cli import UserError, reason_of
 from trainkit.regular_file import open_regular
-from trainkit.shards import MANIFEST
+from trainkit.shards import MANIFEST, manifest_problem
 from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
 def folder_manifest(folder: str) -> dict | None:
     """fineweb.py's manifest.json in a folder of shards, or None where there is none that can be opened (shards
-    may come from other tools): what the trainer's checks of a data folder read. One that is not JSON is a
-    UserError: read as no manifest, the shards it describes would go unchecked."""
+    may come from other tools): what the trainer's checks of a data folder read. One that is not JSON, or not
+    of the manifest's schema (shards.manifest_problem: a field missing or of another type), is a UserError
+    naming the field: read as no manifest, the shards it describes would go unchecked."""
     path = os.path.join(folder, MANIFEST)
     try:
         manifest = json_file.read(path)
+        problem = manifest_problem(manifest)
     except OSError:
         return None
     except json_file.JSONFileError as e:
+        problem = e.reason
+    if problem:
         raise UserError(
-            f"{path} is not a manifest fineweb.py wrote ({e.reason}); restore it, re-create the data "
+            f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data "
             "set with fineweb.py, or move it out of the folder"
-        ) from None
-    return manifest if isinstance(manifest, dict) else None
+        )
+    return manifest
 
 
 def manifest_shards(folder: str) -> dict[str, dict] | None:
-    """{file: its entry} of the shards that fineweb.py's manifest.json in folder lists (None without a
-    readable one)."""
-    with contextlib.suppress(LookupError, TypeError):
-        return {shard["file"]: shard for shard in folder_manifest(folder)["shards"]}
-    return None
+    """{file: its entry} of the shards that fineweb.py's manifest.json in folder lists (None without one)."""
+    manifest = folder_manifest(folder)
+    return None if manifest is None else {shard["file"]: shard for shard in manifest["shards"]}
 
 
 def recorded(paths: list[str], key: str) -> list:
@@ -50,7 +51,7 @@ def recorded(paths: list[str], key: str) -> list:
     values = []
     for path in paths:
         entry = listed[os.path.dirname(path)].get(os.path.basename(path))
-        same_size = isinstance(entry, dict) and entry.get("bytes") == os.path.getsize(path)
+        same_size = entry is not None and entry["bytes"] == os.path.getsize(path)
         values.append(entry.get(key) if same_size else None)
     return values
 
@@ -62,14 +63,14 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
     list (another data set's file, a copy in another format), and one it lists that is missing or of
     another size."""
     manifest, where = folder_manifest(folder), os.path.join(folder, MANIFEST)
-    if manifest is not None and manifest.get("complete") is False:
-        written = len(manifest.get("shards") or ())
+    if manifest is not None and not manifest["complete"]:
+        written = len(manifest["shards"])
         raise UserError(
             f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
             "complete: false); finish it by running fineweb.py again as it was run"
         )
     listed = manifest_shards(folder)
-    if listed is None:  # shards from another tool
+    if listed is None:  # no manifest: shards from another tool
         return
     for path in paths:
         if os.path.basename(path) not in listed:
@@ -79,10 +80,10 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
             )
     for name, entry in sorted(listed.items()):
         path = os.path.join(folder, name)
-        if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry.get("bytes")):
+        if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]):
             continue
         what = (
-            f"is {os.path.getsize(path)} bytes, not the {entry.get('bytes')} that {where} lists"
+            f"is {os.path.getsize(path)} bytes, not the {entry['bytes']} that {where} lists"
             if os.path.isfile(path)
             else f"is missing, yet {where} lists it"
         )

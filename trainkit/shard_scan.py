@@ -8,7 +8,8 @@ a resume, a requeued job or another run on the same data reads it back instead o
   path and identity (size, mtime_ns, inode): a shard rewritten, replaced or touched gets a new name, so it
   is scanned again, and the entries of its earlier identity are deleted. A row table is kept as a .npy
   that the run memory-maps (file pages, shared, not the run's own memory). A shard under MIN_CACHED_TOKENS
-  is scanned in milliseconds and not kept.
+  is scanned in milliseconds and not kept. An entry is a hint, checked before it is used (ScanCache): one
+  that fails is scanned again, with one note.
 
 Under torchrun the ranks first agree on which shards need a scan, split them (rank r takes every W-th),
 then exchange the results: the largest ids in one all-gather; each row table through the cache folder
@@ -19,15 +20,22 @@ PROGRESS_EVERY_S. Runs nothing at import."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
+import io
 import os
+import re
+import stat
 import sys
 import time
 
 import numpy as np
 
-from trainkit.console import print_line
+from trainkit.atomic_write import write_bytes_atomically
+from trainkit.cli import reason_of
+from trainkit.console import print0, print_line
+from trainkit.tokenizer import EOT
 
 MIN_CACHED_TOKENS = 1 << 22  # 8 MB of tokens: scanned in milliseconds, not worth a file
 PROGRESS_AFTER_S, PROGRESS_EVERY_S = 2.0, 10.0
@@ -39,7 +47,13 @@ def cache_folder() -> str:
 
 
 class ScanCache:
-    """The kept scans of shards: <path hash>-<identity hash>.max_id (the id as text) and .rows<T>.npy."""
+    """The kept scans of shards: <path hash>-<identity hash>.max_id (the id as text) and .rows<T>.npy (the
+    row table under a seal row: the shard's token count and a digest of T, that count and the rows).
+
+    An entry is a hint, never a source of truth (another user, a stale copy or a damaged disk may have
+    changed it): each is read as a regular file of bounded size, opened without following a link or
+    waiting on a named pipe, and a row table is checked against its shard (read_rows); one that fails
+    is scanned again with one note."""
 
     def __init__(self, folder: str | None = None):
         self.folder = folder or cache_folder()
@@ -55,51 +69,140 @@ class ScanCache:
         return os.path.join(self.folder, where), os.path.join(self.folder, f"{where}-{what}")
 
     def max_id(self, path: str) -> int | None:
+        """The kept largest token id of the shard at path; None where there is none or it is unfit."""
         entry = self._entry(path)
-        with contextlib.suppress(OSError, ValueError):
-            if entry:
-                with open(entry[1] + ".max_id") as f:
-                    return int(f.read())
+        if entry is None:
+            return None
+        name = entry[1] + ".max_id"
+        try:
+            with open_entry(name, MAX_ID_BYTES) as f:
+                text = f.read(MAX_ID_BYTES)
+            if not re.fullmatch(rb"\d{1,5}", text) or int(text) > np.iinfo(np.uint16).max:
+                raise UnfitEntry(f"not a token id ({text[:16]!r})")
+            return int(text)
+        except FileNotFoundError:
+            return None
+        except (OSError, UnfitEntry) as e:
+            note_unfit(name, path, e)
         return None
 
-    def rows(self, path: str, T: int, n_tokens: int) -> np.ndarray | None:
-        """The kept row table, memory-mapped; None where there is none (or not one for these tokens)."""
+    def rows(self, path: str, T: int, tokens: np.ndarray, quiet: bool = False) -> np.ndarray | None:
+        """The kept row table of the shard at path (tokens), memory-mapped; None where there is none, or
+        where it is unfit (a note, unless quiet)."""
         entry = self._entry(path)
-        with contextlib.suppress(OSError, ValueError):
-            if entry:
-                table = np.load(f"{entry[1]}.rows{T}.npy", mmap_mode="r", allow_pickle=False)
-                if (
-                    table.dtype == np.int64
-                    and table.ndim == 2
-                    and table.shape[1] == 2
-                    and len(table)
-                    and table[0, 0] == 0
-                    and int(table[-1, 0] + table[-1, 1]) == n_tokens - 1
-                ):
-                    return table
+        if entry is None:
+            return None
+        name = f"{entry[1]}.rows{T}.npy"
+        try:
+            return read_rows(name, T, tokens)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, UnfitEntry) as e:
+            if not quiet:
+                note_unfit(name, path, e)
         return None
 
-    def store(self, path: str, suffix: str, data: bytes | np.ndarray) -> bool:
-        """data (an array as .npy) into this path's entry of that suffix, atomically; entries of the path's
+    def store(self, path: str, suffix: str, data: bytes) -> bool:
+        """data into this path's entry of that suffix, atomically; entries of the path's
         earlier identities with the same suffix are deleted. False where the folder cannot take it."""
         entry = self._entry(path)
         if entry is None:
             return False
-        target, tmp = entry[1] + suffix, f"{entry[1]}{suffix}.{os.getpid()}.tmp"
+        target = entry[1] + suffix
         try:
             os.makedirs(self.folder, exist_ok=True)
-            with open(tmp, "wb") as f:
-                np.save(f, data, allow_pickle=False) if isinstance(data, np.ndarray) else f.write(data)
-            os.replace(tmp, target)
+            write_bytes_atomically(
+                target, data, fsync_file=False, fsync_folder=False, tmp=f"{target}.{os.getpid()}.tmp"
+            )
         except OSError:  # a read-only or full home: the run goes on, and scans again next time
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
             return False
         for old in glob.glob(glob.escape(entry[0]) + "-*" + suffix):
             if old != target:
                 with contextlib.suppress(OSError):
                     os.remove(old)
         return True
+
+
+MAX_ID_BYTES = 16  # a uint16 id as text, with room to spare
+NPY_HEADER_BYTES = 4096  # a .npy header of this table is 128 bytes
+
+
+class UnfitEntry(Exception):
+    """Why a cache entry cannot be used (it is then scanned again)."""
+
+
+def open_entry(name: str, max_bytes: int):
+    """The cache entry at name open for binary reading, where it is a regular file of at most max_bytes; an
+    UnfitEntry otherwise. Opened with O_NOFOLLOW (a link planted there is refused, not followed) and
+    O_NONBLOCK (a named pipe returns at once, to be refused), and checked on the descriptor it opened."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnfitEntry("a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnfitEntry("not a regular file")
+        if st.st_size > max_bytes:
+            raise UnfitEntry(f"{st.st_size} bytes, more than the {max_bytes} such an entry holds")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def sealed_rows(table: np.ndarray, T: int, n_tokens: int) -> bytes:
+    """What a .rows<T>.npy entry holds: table under its seal row (n_tokens, digest), as .npy."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.concatenate([[[n_tokens, table_digest(table, T, n_tokens)]], table]).astype("<i8"))
+    return buffer.getvalue()
+
+
+def table_digest(table: np.ndarray, T: int, n_tokens: int) -> int:
+    digest = hashlib.blake2b(f"{T} {n_tokens} ".encode(), digest_size=8)
+    digest.update(np.ascontiguousarray(table, dtype="<i8").data)
+    return int(np.frombuffer(digest.digest(), dtype="<i8")[0])
+
+
+def read_rows(name: str, T: int, tokens: np.ndarray) -> np.ndarray:
+    """The row table in the entry at name, memory-mapped (file pages, not the run's own memory), or an
+    UnfitEntry saying why it is not the table of tokens that aligned_rows builds: its seal (the token count,
+    the digest) and what each row must be, read against the shard: the rows follow one another from token 0
+    to the last target, each of 1..T targets, and one shorter than T ends where a document starts (an
+    <|endoftext|>) or at the shard's end. (Whether a row could have held more is not checked: that needs the
+    scan the entry saves.)"""
+    n = int(tokens.size)
+    with open_entry(name, NPY_HEADER_BYTES + 16 * (n + 1)) as f:
+        if np.lib.format.read_magic(f) != (1, 0):
+            raise UnfitEntry("not a .npy file of version 1.0, as np.save writes it")
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=NPY_HEADER_BYTES)
+        if dtype != np.dtype("<i8") or fortran or len(shape) != 2 or shape[1] != 2 or not 2 <= shape[0] <= n:
+            raise UnfitEntry(f"not a row table of this shard ({dtype}, shape {shape})")
+        sealed = np.memmap(f, dtype="<i8", mode="r", offset=f.tell(), shape=shape)
+    rows = sealed[1:]
+    if int(sealed[0, 0]) != n or int(sealed[0, 1]) != table_digest(rows, T, n):
+        raise UnfitEntry("its digest or token count is not that of its rows")
+    starts, lengths = rows[:, 0], rows[:, 1]
+    ends = starts + lengths
+    if (
+        starts[0] != 0
+        or ends[-1] != n - 1
+        or lengths.min() < 1
+        or lengths.max() > T
+        or not np.array_equal(starts[1:], ends[:-1])
+    ):
+        raise UnfitEntry(f"its rows are not consecutive rows of 1..{T} targets over the shard's {n} tokens")
+    if not np.all((lengths == T) | (tokens[ends] == EOT) | (ends == n - 1)):
+        raise UnfitEntry("a row shorter than --seq-len ends where no document starts in the shard")
+    return rows
+
+
+def note_unfit(name: str, path: str, why: Exception) -> None:
+    reason = why if isinstance(why, UnfitEntry) else reason_of(why)
+    print0(f"note: the kept scan {name} of {path} cannot be used ({reason}); scanning the shard again")
 
 
 class Progress:
@@ -151,7 +254,7 @@ def scan_shards(
     max_ids = [
         m if isinstance(m, int) else (cache.max_id(p) if k else None) for p, m, k in zip(paths, recorded_max_ids, kept)
     ]
-    tables = [cache.rows(p, T, s.size) if T and k else None for p, s, k in zip(paths, shards, kept)] if T else None
+    tables = [cache.rows(p, T, s) if T and k else None for p, s, k in zip(paths, shards, kept)] if T else None
     need = [i for i in range(n) if max_ids[i] is None or (T and tables[i] is None)]
     rank, world = _ranks()
     if world > 1:  # the same split on every rank, whatever each one's cache holds
@@ -174,8 +277,8 @@ def scan_shards(
         max_ids[i], cached = largest, bool(T) and tables[i] is not None  # (already in this rank's cache)
         if T and tables[i] is None:
             table = build_rows(tokens, T)
-            cached = kept[i] and cache.store(paths[i], f".rows{T}.npy", table)
-            tables[i] = cache.rows(paths[i], T, tokens.size) if cached else None
+            cached = kept[i] and cache.store(paths[i], f".rows{T}.npy", sealed_rows(table, T, tokens.size))
+            tables[i] = cache.rows(paths[i], T, tokens, quiet=True) if cached else None
             if tables[i] is None:
                 tables[i] = table
             # else: memory-mapped, file pages the kernel shares and drops, not the run's own memory
@@ -189,7 +292,7 @@ def scan_shards(
     if T:
         for i, (_, cached) in merged.items():
             if tables[i] is None and cached:
-                tables[i] = cache.rows(paths[i], T, shards[i].size)
+                tables[i] = cache.rows(paths[i], T, shards[i], quiet=True)
         missing = [i for i in need if tables[i] is None]
         if any(_all_gather(bool(missing))):  # some rank cannot read another's cache: send the tables themselves
             sent = {i: np.asarray(tables[i]) for i in mine}

@@ -15,7 +15,7 @@ import numpy as np
 from trainkit import json_file
 from trainkit.atomic_write import write_bytes_atomically
 from trainkit.cli import UserError, reason_of
-from trainkit.shards import MANIFEST, shard_header
+from trainkit.shards import MANIFEST, manifest_problem, shard_header
 from trainkit.tokenizer import ENCODING_NAME, EOT
 
 
@@ -181,20 +181,15 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
 
 
 def read_manifest(path: str) -> dict:
+    """The manifest at path where it is one fineweb.py wrote, of the schema a resume reads
+    (shards.manifest_problem); otherwise a UserError naming the field."""
     try:
         manifest = json_file.read(path)
-        if not (
-            isinstance(manifest["config"], dict)
-            and isinstance(manifest["complete"], bool)
-            and all(isinstance(shard["file"], str) and isinstance(shard["bytes"], int) for shard in manifest["shards"])
-        ):
-            raise TypeError
+        problem = manifest_problem(manifest, resume=True)
     except json_file.JSONFileError as e:
-        raise UserError(
-            f"{path} is not a manifest written by fineweb.py ({e.reason}); use an empty --out-dir"
-        ) from None
-    except (KeyError, TypeError):  # not our layout
-        raise UserError(f"{path} is not a manifest written by fineweb.py; use an empty --out-dir") from None
+        problem = e.reason
+    if problem:
+        raise UserError(f"{path} is not a manifest written by fineweb.py ({problem}); use an empty --out-dir")
     return manifest
 
 

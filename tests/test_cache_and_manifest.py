@@ -1,0 +1,360 @@
+"""What a run reads that it did not write itself is checked before it is used, and what it cleans up may fail
+without ending it: the shard-scan cache is a hint (each faulty entry scanned again with one note, never trained
+from), every manifest.json goes through one schema check (one error line naming the field), --keep-last meeting a
+checkpoint it may not delete warns and trains on, no thread to start is one error line, and plot_log.py draws each
+run of a log of two runs as its own curve."""
+
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, assert_refused, tiny_run_args
+from shards import EOT
+
+import train_gpt2 as tg
+from trainkit import shard_scan
+from trainkit.cli import UserError
+
+# --- the shard-scan cache ------------------------------------------------------------------------------------------
+
+T = 256  # rows of up to 256 targets over documents of ~40 tokens: a table of ~19k rows, built in 0.1 s
+
+
+@pytest.fixture(scope="module")
+def big_shard(tmp_path_factory) -> str:
+    """A shard big enough for its scans to be kept: small ids, an <|endoftext|> opening a document every ~40 tokens."""
+    n = shard_scan.MIN_CACHED_TOKENS + 1000
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, n).astype(np.uint16)
+    tokens[rng.integers(0, n, n // 40)] = EOT
+    tokens[0] = EOT
+    path = str(tmp_path_factory.mktemp("data") / "big_train_000001.npy")
+    np.save(path, tokens)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    return str(tmp_path / "home-cache" / "gpt2-trainer" / "shards")
+
+
+@pytest.fixture
+def time_limit():
+    """A read that blocks (a named pipe) fails the test after 60 s instead of hanging it."""
+    import signal
+
+    def expire(signum, frame):
+        pytest.fail("the scan blocked (on a named pipe?)")  # not an OSError: no reader may take it for a failed read
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def scan(path: str, with_rows: bool = True):
+    """(largest id, row table) of the shard at path, as start-up gets them (the cache read first)."""
+    tokens = np.load(path, mmap_mode="r")
+    largest, tables = shard_scan.scan_shards(
+        [path], [tokens], [None], T if with_rows else None, tg.aligned_rows, "train shards", progress=False
+    )
+    return tokens, largest[0], tables[0] if with_rows else None
+
+
+def entry_of(cache: str, suffix: str) -> str:
+    (entry,) = glob.glob(os.path.join(cache, "*" + suffix))
+    return entry
+
+
+def replace(entry: str, how: str):
+    os.remove(entry)
+    if how == "fifo":
+        os.mkfifo(entry)
+    elif how == "link to /dev/zero":
+        os.symlink("/dev/zero", entry)
+    else:
+        with open(entry, "wb") as f:
+            f.write(how.encode() if isinstance(how, str) else how)
+
+
+def forged(tokens: np.ndarray, case: str) -> np.ndarray:
+    """A row table the cache could hold in place of aligned_rows(tokens, T), its first and last rows kept."""
+    table = tg.aligned_rows(tokens, T).copy()
+    if case == "shifted middle rows":  # rows 100..len-100 start 3 tokens later: still consecutive, lengths in 1..T
+        table[99, 1] += 3
+        table[100:-100, 0] += 3
+        table[-101, 1] -= 3
+        assert table[99, 1] <= T and table[-101, 1] >= 1
+    else:  # "rows longer than T": rows 100..len-100 merged in pairs
+        middle = table[100:-100]
+        merged = np.stack([middle[0::2, 0], middle[0::2, 1] + np.append(middle[1::2, 1], 0)[: len(middle[0::2])]], 1)
+        table = np.concatenate([table[:100], merged, table[-100:]])
+        assert table[:, 1].max() > T
+    return table
+
+
+def one_note(capsys, entry: str, shard: str, reason: str):
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert lines == [f"note: the kept scan {entry} of {shard} cannot be used ({reason}); scanning the shard again"]
+
+
+@pytest.mark.parametrize("fault", ["fifo", "link to /dev/zero", "oversize", "not a number"])
+def test_a_kept_largest_id_that_is_not_a_small_file_is_scanned_again(big_shard, cache, capsys, time_limit, fault):
+    tokens, largest, _ = scan(big_shard, with_rows=False)
+    entry = entry_of(cache, ".max_id")
+    capsys.readouterr()
+    replace(entry, {"oversize": "1" * (1 << 20), "not a number": "12e3"}.get(fault, fault))
+    assert scan(big_shard, with_rows=False)[1] == largest == int(tokens.max())
+    reason = {
+        "fifo": "not a regular file",
+        "link to /dev/zero": "a symbolic link",
+        "oversize": f"{1 << 20} bytes, more than the {shard_scan.MAX_ID_BYTES} such an entry holds",
+        "not a number": "not a token id (b'12e3')",
+    }[fault]
+    one_note(capsys, entry, big_shard, reason)
+    assert scan(big_shard, with_rows=False)[1] == largest  # rebuilt: read back without a word
+    assert capsys.readouterr() == ("", "")
+
+
+ROW_FAULTS = {
+    "fifo": "not a regular file",
+    "link to /dev/zero": "a symbolic link",
+    "oversize": "{size} bytes, more than the {bound} such an entry holds",
+    "a byte changed": "its digest or token count is not that of its rows",
+    "middle rows shifted in place": "its digest or token count is not that of its rows",
+    "shifted middle rows": "a row shorter than --seq-len ends where no document starts in the shard",
+    "rows longer than T": f"its rows are not consecutive rows of 1..{T} targets over the shard's {{n}} tokens",
+}
+
+
+@pytest.mark.parametrize("fault", ROW_FAULTS)
+def test_a_kept_row_table_is_checked_against_its_shard_and_scanned_again(big_shard, cache, capsys, time_limit, fault):
+    """Shifted middle rows would train on other rows than --align-docs makes (another step-0 loss); rows longer
+    than --seq-len would fail the first batch. Edited in place they break the entry's seal; written with a seal
+    that matches them (as another user could), it is the check against the shard that refuses them."""
+    tokens, _, table = scan(big_shard)
+    built = tg.aligned_rows(tokens, T)
+    assert np.array_equal(table, built)
+    entry = entry_of(cache, f".rows{T}.npy")
+    capsys.readouterr()
+    n, size = tokens.size, 16 * tokens.size + 8192  # larger than any table of the shard
+    if fault in ("shifted middle rows", "rows longer than T"):
+        replace(entry, shard_scan.sealed_rows(forged(tokens, fault), T, n))
+    elif fault == "middle rows shifted in place":
+        kept = np.load(entry, mmap_mode="r+")
+        kept[-len(built) :] = forged(tokens, "shifted middle rows")
+        kept.flush()
+        del kept
+    elif fault == "a byte changed":
+        data = bytearray(open(entry, "rb").read())
+        data[-16 * 1000] ^= 1  # a row's start, 1000 rows from the end
+        replace(entry, bytes(data))
+    elif fault == "oversize":
+        replace(entry, b"\0" * size)
+    else:
+        replace(entry, fault)
+    _, _, table = scan(big_shard)
+    assert np.array_equal(table, built)
+    bound = shard_scan.NPY_HEADER_BYTES + 16 * (n + 1)
+    one_note(capsys, entry, big_shard, ROW_FAULTS[fault].format(size=size, bound=bound, n=n))
+    _, _, table = scan(big_shard)  # rebuilt: read back without a word
+    assert isinstance(table, np.memmap) and np.array_equal(table, built)
+    assert capsys.readouterr() == ("", "")
+
+
+# --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> str:
+    """A data set fineweb.py made (its manifest lists data_val_000000.npy and train shards 1..): read, not changed."""
+    import fineweb
+    from conftest import TEXT_FILE
+
+    out = str(tmp_path_factory.mktemp("made") / "data")
+    argv = ["--files", str(TEXT_FILE), "--doc-per-file", "--out-dir", out, "--shard-size", "4000", "--workers", "1"]
+    assert fineweb.main(argv) == 0
+    return out
+
+
+def with_field(manifest: dict, case: str) -> dict:
+    shards = manifest["shards"]
+    if case == "not an object":
+        return [manifest]
+    if case == "shards an object":
+        return {**manifest, "shards": {s["file"]: s for s in shards}}
+    if case == "complete as text":
+        return {**manifest, "complete": "false"}
+    if case == "no complete":
+        return {k: v for k, v in manifest.items() if k != "complete"}
+    if case == "an entry a list":
+        return {**manifest, "shards": [shards[0], list(shards[1].values())]}
+    key, value = {
+        "file a list": ("file", [shards[1]["file"]]),
+        "file a path": ("file", "../" + shards[1]["file"]),
+        "bytes as text": ("bytes", str(shards[1]["bytes"])),
+        "bytes a fraction": ("bytes", shards[1]["bytes"] + 0.5),
+        "bytes true": ("bytes", True),
+        "sha256 not 64 hex digits": ("sha256", shards[1]["sha256"][:63] + "g"),
+        "max_id beyond uint16": ("max_id", 70000),
+        "file listed twice": ("file", shards[0]["file"]),
+    }[case]
+    return {**manifest, "shards": [shards[0], {**shards[1], key: value}, *shards[2:]]}
+
+
+MANIFEST_CASES = {
+    "not an object": "it holds a list, not an object",
+    "shards an object": "field shards is an object, not a list of shards",
+    "complete as text": "field complete is the text 'false', not true or false",
+    "no complete": "no field complete",
+    "an entry a list": "field shards[1] is a list, not an object",
+    "file a list": "field shards[1].file is a list, not a file name in the folder",
+    "file a path": "field shards[1].file is the text '../data_train_000001.npy', not a file name in the folder",
+    "bytes as text": "field shards[1].bytes is the text '{bytes}', not a whole number of bytes",
+    "bytes a fraction": "field shards[1].bytes is the number {bytes}.5, not a whole number of bytes",
+    "bytes true": "field shards[1].bytes is true, not a whole number of bytes",
+    "sha256 not 64 hex digits": "field shards[1].sha256 is the text '{sha}', not 64 hexadecimal digits or null",
+    "max_id beyond uint16": "field shards[1].max_id is the number 70000, not a token id (0..65535) or null",
+    "file listed twice": "field shards[1].file names 'data_val_000000.npy' a second time",
+}
+
+
+@pytest.mark.parametrize("case", MANIFEST_CASES)
+def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, case):
+    """Before, a manifest of other types was taken for another tool's file and its shards went unchecked (a
+    `complete: "false"` run trained on, a listed shard missing or an unlisted one went unnoticed), or was
+    misread; now the trainer and a resumed fineweb.py both refuse it in one line naming the field."""
+    from trainkit.shard_checks import find_shards
+    from trainkit.shard_writer import read_manifest
+
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(made, data)
+    path = data / "manifest.json"
+    manifest = read_manifest(str(path))  # as fineweb.py wrote it: both readers take it
+    assert [os.path.basename(p) for p in find_shards(str(data), "train")] == [s["file"] for s in manifest["shards"][1:]]
+    (data / "manifest.json").write_text(json.dumps(with_field(manifest, case)))
+    second = manifest["shards"][1]
+    problem = MANIFEST_CASES[case].format(bytes=second["bytes"], sha=second["sha256"][:40])
+    with pytest.raises(UserError) as refused:
+        find_shards(str(data), "train")
+    assert str(refused.value) == (
+        f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data set with "
+        "fineweb.py, or move it out of the folder"
+    )
+    with pytest.raises(UserError) as refused:
+        read_manifest(str(path))
+    assert str(refused.value) == f"{path} is not a manifest written by fineweb.py ({problem}); use an empty --out-dir"
+
+
+# --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
+
+SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)
+
+
+def test_keep_last_meeting_a_checkpoint_it_may_not_delete_warns_once_and_trains_on(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """As an immutable file, another user's on NFS or a read-only mount refuse it: before, a PermissionError
+    traceback ended the run at its next save."""
+    import errno
+
+    out = tmp_path / "run"
+    undeletable = str(out / "ckpt_0000002.pt")
+    remove = os.remove
+
+    def refusing(path, *args, **kwargs):
+        if os.fspath(path) == undeletable:
+            raise PermissionError(errno.EPERM, "Operation not permitted", undeletable)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", refusing)
+    assert tg.main(tiny_run_args(data_dir, out, "--keep-last", "1", steps=8, ckpt_every=2)) == 0
+    assert capsys.readouterr().err == (
+        f"warning: --keep-last cannot delete {undeletable} (operation not permitted); it stays, and the run goes on\n"
+    )
+    assert sorted(name for name in os.listdir(out) if name.startswith("ckpt_")) == [
+        "ckpt_0000002.pt",
+        "ckpt_0000008.pt",
+    ]
+
+
+def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
+    """Under an address-space limit no thread's stack fits in (its stack, ulimit -s, larger than all of ulimit -v):
+    before, the prefetcher's first step was a `RuntimeError: can't start new thread` traceback."""
+    address_space, stack = 4 << 30, 8 << 30  # bytes: the run needs well under 1 GiB, one thread 8 GiB
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_STACK, (stack, stack))
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    result = subprocess.run(
+        [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", steps=2)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limited,
+    )
+    processes = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    assert_refused(
+        result,
+        f"cannot start a thread (can't start new thread): each takes its stack (ulimit -s, {stack >> 10} KiB) from "
+        f"the address space (ulimit -v, {address_space >> 10} KiB) and counts as a process (ulimit -u, "
+        f"{'unlimited' if processes == resource.RLIM_INFINITY else processes}): raise ulimit -v or ulimit -u, or "
+        "lower ulimit -s",
+    )
+
+
+# --- plot_log.py: a log of two runs ---------------------------------------------------------------------------------
+
+
+def run_records(run: str, steps, loss0: float, resume_at=None) -> list:
+    records = [dict(step=s, loss=loss0 - 0.1 * s, lr=1e-3, run=run) for s in steps]
+    if resume_at is not None:
+        records.insert(steps.index(resume_at), dict(event="resume", step=resume_at, run=run))
+    return records
+
+
+def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path, capsys):
+    """`cat a/log.jsonl b/log.jsonl`: before, one curve that went back to step 0 midway (marked as a resume);
+    a branch (a new run id that starts with its resume record) stays its parent's curve."""
+    pytest.importorskip("matplotlib")
+    import plot_log
+
+    a, b, branch = "a" * 32, "b" * 32, "c" * 32
+    records = run_records(a, list(range(6)), 5.0)  # run a, steps 0..5
+    records += run_records(branch, [3, 4, 5], 4.0, resume_at=3)  # its branch from step 3 (as its log holds it)
+    records += run_records(b, list(range(4)), 9.0)  # run b's log appended: steps 0..3
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [(name, len(rs)) for name, rs in plot_log.runs_of(records)] == [("run aaaaaaaa", 10), ("run bbbbbbbb", 4)]
+    fig = plot_log.make_figure(records, smooth=0)
+    try:
+        lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+        assert list(lines["train loss (run aaaaaaaa)"].get_xdata()) == [0, 1, 2, 3, 4, 5]
+        assert list(lines["train loss (run aaaaaaaa)"].get_ydata()) == [5.0 - 0.1 * s for s in (0, 1, 2)] + [
+            4.0 - 0.1 * s for s in (3, 4, 5)
+        ]
+        assert list(lines["train loss (run bbbbbbbb)"].get_xdata()) == [0, 1, 2, 3]
+        assert list(lines["train loss (run bbbbbbbb)"].get_ydata()) == [9.0 - 0.1 * s for s in range(4)]
+        assert [line.get_xdata()[0] for line in lines.values() if line.get_label() == "resumed"] == [3]
+        assert fig._suptitle.get_text().splitlines() == [
+            "run aaaaaaaa: train loss 3.5000 (step 5)",
+            "run bbbbbbbb: train loss 8.7000 (step 3)",
+        ]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    assert plot_log.main([str(log), "-o", str(tmp_path / "both.png")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'both.png'}\n"
