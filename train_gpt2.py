@@ -32,7 +32,16 @@ from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
-from trainkit.train_flags import flag  # defines: flag(), one field of RunConfig and its flag, declared together
+from trainkit.train_flags import (
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    SEED,
+    batch_size_flag,
+    dist_timeout_range,
+    flag,
+    in_unit_interval,
+)
+from trainkit.train_flags import one_of, positive
 from trainkit.cli import UserError
 
 if __name__ == "__main__":
@@ -70,32 +79,21 @@ DATA, MODEL, BATCH, OPTIMIZATION = "data and output", "model", "batch", "optimiz
 EVALUATION = "evaluation and checkpoints (0 disables each)"
 TRACKING = "run tracking (rank 0; each gets exactly the records of log.jsonl)"
 FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
+ON_OFF = argparse.BooleanOptionalAction
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help,
-    --help group, check), in --help's order. Frozen: what a launch decides from it is a Launch."""
+    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help, --help
+    group, check), in --help's order; docs/flags.md says more of each. What a launch decides is a LaunchPlan."""
 
     data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)", DATA)
     out_dir: str = flag("out", "log.jsonl and checkpoints go here", DATA)
     align_docs: bool = flag(False, "start rows at document boundaries; pad row tails (targets -1)", DATA)
     shuffle: bool | None = flag(
-        None,
-        "seeded permutation of shard order and row order each epoch (default: on; a "
-        "resumed run keeps its checkpoint's order); --no-shuffle reads shards and rows front "
-        "to back",
-        DATA,
-        action=argparse.BooleanOptionalAction,
+        None, "seeded shard and row order each epoch (default: on; a resume keeps its own)", DATA, action=ON_OFF
     )
-    doc_mask: bool = flag(
-        False,
-        "each token attends only to its own document of the row (split at <|endoftext|>), "
-        "positions from the document's start: packed documents train as if alone; validation too "
-        "(doc_mask.py)",
-        DATA,
-    )
-    # the model's shape: a preset, each field overridable; or the shape of --init-from's weights
+    doc_mask: bool = flag(False, "each token attends only to its own document of the row (doc-mask.md)", DATA)
     model: str | None = flag(
         None, "size preset (default gpt2); the flags below override it", MODEL, choices=sorted(MODEL_PRESETS)
     )
@@ -107,23 +105,17 @@ class RunConfig:
         None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL, type=cli.positive_int
     )
     init_from: str | None = flag(
-        None,
-        "start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
-        "gpt2-xl (Hub) or a local directory; sets the model shape",
-        MODEL,
+        None, "start from Hugging Face GPT-2 weights (Hub name or folder); sets the shape", MODEL
     )
-    # batch_size rows of seq_len tokens per rank per micro-step
     batch_size: int | str | None = flag(
         None,
-        "rows per rank per micro-step (B), or auto: the largest that fits the "
-        "device, found by trying before the first step (default: auto on CUDA, 64 "
-        "elsewhere)",
+        "rows per rank per micro-step (B), or auto (default: auto on CUDA, 64 elsewhere)",
         BATCH,
-        type=train_flags.batch_size_flag,
+        type=batch_size_flag,
     )
     seq_len: int | None = flag(
         None, "tokens per row (T); default: the model's block size", BATCH, type=cli.positive_int
-    )  # (at most 1024)
+    )
     total_batch_size: int = flag(
         524288,
         "tokens per optimizer step over all ranks; a multiple of B x T x world size",
@@ -136,32 +128,23 @@ class RunConfig:
     min_lr: float | None = flag(None, "final learning rate (default: 10%% of --max-lr)", OPTIMIZATION, type=float)
     lr_schedule: str = flag(
         "cosine",
-        "decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds "
-        "--max-lr, then decays linearly over the last --cooldown-frac of the steps",
+        "decay after warmup to --min-lr: cosine, linear or wsd",
         OPTIMIZATION,
-        train_flags.one_of(train_flags.LR_SCHEDULES),
-        choices=train_flags.LR_SCHEDULES,
+        one_of(LR_SCHEDULES),
+        choices=LR_SCHEDULES,
     )
     cooldown_frac: float = flag(
-        0.2,
-        "wsd: fraction of --max-steps spent in the final linear decay",
-        OPTIMIZATION,
-        train_flags.in_unit_interval,
-        type=float,
+        0.2, "wsd: fraction of --max-steps spent in the final linear decay", OPTIMIZATION, in_unit_interval, type=float
     )
     weight_decay: float = flag(0.1, "AdamW decay on matrices and embeddings", OPTIMIZATION, type=float)
     optimizer: str = flag(
         "adamw",
-        "adamw: AdamW on every parameter (GPT-2's recipe); muon: Muon on the blocks' "
-        "weight matrices, AdamW at --max-lr on embeddings, LayerNorms and biases "
-        "(docs/optimizers.md)",
+        "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest",
         OPTIMIZATION,
-        train_flags.one_of(train_flags.OPTIMIZERS),
-        choices=train_flags.OPTIMIZERS,
+        one_of(OPTIMIZERS),
+        choices=OPTIMIZERS,
     )  # muon's lr and momentum: modded-nanogpt's, nanochat's
-    muon_lr: float = flag(
-        0.02, "Muon's peak LR; the LR schedule scales it as it scales --max-lr", OPTIMIZATION, type=float
-    )
+    muon_lr: float = flag(0.02, "Muon's peak LR, scaled by the schedule as --max-lr is", OPTIMIZATION, type=float)
     muon_momentum: float = flag(0.95, "Muon's (Nesterov) momentum", OPTIMIZATION, type=float)
     grad_clip: float = flag(1.0, "clip the gradient norm to this (0: off)", OPTIMIZATION, type=float)
     val_every: int = flag(250, "validation loss every N steps", EVALUATION, type=cli.non_negative_int)
@@ -169,8 +152,7 @@ class RunConfig:
     sample_every: int = flag(250, "print text samples every N steps", EVALUATION, type=cli.non_negative_int)
     sample_prompt: str | None = flag(
         None,
-        "the text those samples continue; fit it to the data, e.g. 'def ' for "
-        "Python ('' starts a new document; default: \"Hello, I'm a language model,\")",
+        'the text those samples continue (default: "Hello, I\'m a language model,")',
         EVALUATION,
         type=cli.may_be_empty,
     )  # None: train_flags.SAMPLE_PROMPT (English)
@@ -187,16 +169,10 @@ class RunConfig:
         const="latest",
     )
     eval_only: bool = flag(
-        False,
-        "with --resume [PATH] or --init-from: run the evaluations above once at that step "
-        "(same numbers as in training), print them, train and write nothing",
-        EVALUATION,
+        False, "with --resume [PATH] or --init-from: evaluate once, train and write nothing", EVALUATION
     )
     wandb: str | None = flag(
-        None,
-        "log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline keeps the run in OUT/wandb)",
-        TRACKING,
-        metavar="PROJECT",
+        None, "log to this Weights & Biases project (pip install wandb)", TRACKING, metavar="PROJECT"
     )
     tensorboard: bool = flag(False, "write TensorBoard event files to --out-dir (pip install tensorboard)", TRACKING)
     skip_nonfinite: int = flag(
@@ -209,51 +185,27 @@ class RunConfig:
         0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", FAILURES, type=float
     )
     dist_timeout: float = flag(
-        600.0,
-        "seconds a collective may wait for a dead or stuck rank",
-        FAILURES,
-        train_flags.dist_timeout_range,
-        type=float,
+        600.0, "seconds a collective may wait for a dead or stuck rank", FAILURES, dist_timeout_range, type=float
     )
     debug: bool = flag(False, "show tracebacks for user errors", FAILURES)
-    fsdp: bool = flag(
-        False,
-        "shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
-        "for models whose 16 bytes per parameter do not fit one GPU",
-        DISTRIBUTED,
-    )
+    fsdp: bool = flag(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2)", DISTRIBUTED)
     device: str = flag("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)", RUNTIME)
     dtype: str = flag(
-        "auto",
-        "autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 (with "
-        "a GradScaler) on older ones, float32 elsewhere",
-        RUNTIME,
-        choices=["auto", "float32", "bfloat16", "float16"],
+        "auto", "autocast dtype (auto: by device)", RUNTIME, choices=["auto", "float32", "bfloat16", "float16"]
     )
-    compile: bool | None = flag(
-        None,
-        "torch.compile the model (default: on for CUDA where Triton can run, off "
-        "elsewhere); a failure to compile falls back to eager with one line",
-        RUNTIME,
-        action=argparse.BooleanOptionalAction,
-    )
+    compile: bool | None = flag(None, "torch.compile the model (default: on CUDA with Triton)", RUNTIME, action=ON_OFF)
     activation_checkpointing: bool = flag(
-        False, "recompute each block's activations in backward: less memory, about 1/3 more compute", RUNTIME
+        False, "recompute activations in backward: less memory, more compute", RUNTIME
     )
     loss_chunk: int | None = flag(
         None,
-        "compute lm_head + loss in chunks of N rows without materializing the logits "
-        f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)",
+        f"lm_head + loss in chunks of N rows (0: off; default {CPU_LOSS_CHUNK} on CPU)",
         RUNTIME,
         type=cli.non_negative_int,
     )
-    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=train_flags.SEED)
+    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=SEED)
     peak_tflops: float | None = flag(
-        None,
-        "dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; none on CPU)",
-        RUNTIME,
-        train_flags.positive,
-        type=float,
+        None, "dense peak TFLOP/s of one device, for MFU (default: by GPU name)", RUNTIME, positive, type=float
     )
 
     @property
