@@ -317,25 +317,6 @@ from trainkit.sampling import sample_text
 # model
 
 
-class LayerKVCache:
-    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so
-    far, so that decoding feeds each new token once instead of the whole sequence again."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.size(2)
-
-    def append(self, k, v):
-        """Add the new tokens' keys and values; returns all of them."""
-        if self.k is not None:
-            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        self.k, self.v = k, v
-        return k, v
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -343,7 +324,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
+    def forward(self, x, attn_mask=None, kv_cache=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
@@ -383,7 +364,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
+    def forward(self, x, attn_mask=None, kv_cache=None):
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -446,7 +427,7 @@ class GPT(nn.Module):
             return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
-    def blocks(self, x, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
+    def blocks(self, x, attn_mask=None, kv_cache=None):
         """The residual stream through every block."""
         for block, layer_cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -456,7 +437,7 @@ class GPT(nn.Module):
                 x = block(x, attn_mask, layer_cache)
         return x
 
-    def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
+    def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache=None):
         """The final LayerNorm's output (B, T, n_embd) for scoring and decoding (forward's first half).
 
         By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
@@ -504,53 +485,6 @@ class GPT(nn.Module):
         model = cls(GPTConfig(**config))
         model.load_state_dict(state)
         return model.eval()
-
-    def new_kv_cache(self) -> list[LayerKVCache]:
-        return [LayerKVCache() for _ in self.transformer.h]
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True, stop_token=None):
-        """Extend idx (B, T) by up to max_new_tokens tokens, each drawn from the top_k most likely
-        of softmax(logits / temperature); the model sees the newest block_size tokens.
-
-        generator: one torch.Generator for the batch, or one per row (a row's tokens then do not
-        depend on the batch). A temperature too small for float32 is greedy, not NaN. stop_token:
-        stop once every row has drawn it (rows go on drawing after theirs: cut them there). With
-        kv_cache each step feeds only the new token, until the window slides past block_size and
-        each step runs the whole window again: both ways draw the same tokens."""
-        block_size = self.config.block_size
-        cache = None
-        # the smallest positive float32: dividing by it keeps every nonzero gap below the max
-        # logit far enough down that exp() gives 0, which is what any smaller temperature does
-        temperature = max(temperature, torch.finfo(torch.float32).tiny)
-        stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
-            new_tokens = idx[:, -block_size:]
-            if kv_cache and cache is not None and idx.size(1) <= block_size:
-                new_tokens = idx[:, cache[0].length :]
-            elif kv_cache:
-                cache = self.new_kv_cache()  # the first step, or the window slid
-            x = self.hidden_states(new_tokens, kv_cache=cache)
-            logits = self.lm_head(x[:, -1, :])[:, : real_vocab_size(self.config.vocab_size)].float()  # no padded id
-            # the max first: (logits - max) / T is in [-inf, 0], so a tiny T cannot overflow to NaN
-            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
-            probs = F.softmax(logits, dim=-1)
-            topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
-            choice = draw(topk_probs, generator)
-            idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
-            if stop_token is not None:
-                stopped |= idx[:, -1] == stop_token
-                if stopped.all():
-                    break
-        return idx
-
-
-def draw(probs, generator):
-    """One index per row of probs (B, K), drawn with the row's weights: from one generator for the
-    batch, or from a list of one generator per row."""
-    if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator)
 
 
 # -----------------------------------------------------------------------------
