@@ -276,10 +276,10 @@ from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, toke
 # update_guard: the non-finite and spike guard of each update (the update as the step calls it)
 from trainkit.optimizers import MuonWithAdamW
 from trainkit.precision import resolve_dtype
-from trainkit.compiling import compile_decision, compile_model, with_compile_fallback
+from trainkit.compiling import compile_decision, compile_failure_cause, compile_model
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
-from trainkit.fit_batch import choose_micro_batch, with_oom_retry
-from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, peak_memory
+from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
+from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
 from trainkit.memory import sample_peak, watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update, nonfinite_state
 
@@ -427,16 +427,6 @@ class GPT(nn.Module):
             return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
-    def blocks(self, x, attn_mask=None, kv_cache=None):
-        """The residual stream through every block."""
-        for block, layer_cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # keep only the block's input; backward recomputes its inside (same numbers, less memory)
-                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
-            else:
-                x = block(x, attn_mask, layer_cache)
-        return x
-
     def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache=None):
         """The final LayerNorm's output (B, T, n_embd) for scoring and decoding (forward's first half).
 
@@ -453,7 +443,13 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
             positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
-        return self.transformer.ln_f(self.blocks(x, attn_mask, kv_cache))
+        for block, layer_cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; backward recomputes its inside (same numbers, less memory)
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask, layer_cache)
+        return self.transformer.ln_f(x)
 
     def num_params(self, without_positions=True):
         """Parameters, the tied token embedding / lm_head once. By default without the position
@@ -1039,9 +1035,8 @@ class StepResult:
 
 
 class Trainer:
-    """One training run of a resolved Launch. The constructor builds the model, its optimizer and their
-    resumed state, the log, and installs what recovers from failure (forward_backward: compile fallback,
-    out-of-memory retry; update: the guard's skips); fit() is the loop; train_step() is one step."""
+    """One training run of a resolved Launch: the constructor builds the model, its optimizer and their
+    resumed state, and the log; fit() is the loop; train_step() is one step."""
 
     def __init__(self, run: RunConfig, launch: Launch, opened: Opened, d: Dist):
         self.run, self.launch, self.d, self.device = run, launch, d, d.device
@@ -1068,16 +1063,11 @@ class Trainer:
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
         self.last_ckpt = launch.resume_from
-        # recovery, installed once: a failed compile goes on eagerly, an out-of-memory redoes the step smaller,
-        # and the update is skipped where the guard says so (fp16: the scaler adjusts its loss scale either way)
-        eager = self._forward_backward
-        compiling = with_compile_fallback(eager, self._compile_failed) if self.compiled else eager
-        retry = launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log
-        self.forward_backward = with_oom_retry(compiling, *retry)
-        self.update = guarded_update(self.optimizer, self.guard, self.scaler)  # the optimizer's step, zero_grad
-        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
-            # trials see their out-of-memory errors: no retry)
-            B = choose_micro_batch(run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log)
+        self.compile_proven = not self.compiled  # until the first compiled forward-backward has run
+        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits
+            B = choose_micro_batch(
+                run, launch, self.forward_backward, self.model, self.optimizer, self.val_rows, d, self.log
+            )
             self.launch = dataclasses.replace(launch, batch_size=B)
         self.use_micro_batch(self.launch.batch_size)
         tokens_per_step = launch.rows_per_rank * d.world_size * launch.seq_len  # all ranks, padding included
@@ -1094,16 +1084,24 @@ class Trainer:
         self.loader = StepLoader(self.train_rows, B, self.launch.rows_per_rank // B, self.d.rank, self.d.world_size)
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.d.device_type == "cuda")
 
-    def _forward_backward(self, micro_batches, n_tokens: int, step: int | None = None) -> torch.Tensor:
-        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
-        options = self.launch.loss_chunk, self.scaler, self.run.doc_mask
-        return accumulate_gradients(
-            self.model, micro_batches, n_tokens, self.d.world_size, self.device, self.dtype, *options
-        )
+    def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
+        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad. If the first
+        compiled call fails to compile, one line says why and it runs again eagerly (an out-of-memory is raised)."""
+        options = self.d.world_size, self.device, self.dtype, self.launch.loss_chunk, self.scaler, self.run.doc_mask
+        try:
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+        except Exception as e:
+            if self.compile_proven:
+                raise
+            self.fall_back_to_eager(compile_failure_cause(e))
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+        self.compile_proven = True
+        return loss_total
 
-    def _compile_failed(self):
-        """with_compile_fallback's way back to eager: the model unwrapped, the partial gradients dropped."""
-        self.compiled = False
+    def fall_back_to_eager(self, cause: BaseException):
+        """After a failed compile: the model unwrapped, the partial gradients dropped."""
+        print0(f"compile failed, continuing without it: {cli.reason_of(cause, typed=True)}")
+        self.compiled, self.compile_proven = False, True
         self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
         self.model = wrap_model(self.raw_model, False, self.d, self.run.fsdp)
 
@@ -1187,12 +1185,24 @@ class Trainer:
         """One optimizer step, in the order of README's "The step, in order". Its one host sync is the
         .tolist() after the clip; the update is queued without waiting, so dt runs from this step's start
         to the next sync and includes the GPU finishing the previous step's update: in a steady run, the
-        time per step. What recovers from failure was installed in the constructor: forward_backward goes
-        on eagerly if compiling fails and redoes the step at half the micro-batch after an out-of-memory;
-        update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
+        time per step. Recovery is written where it happens: forward_backward goes on eagerly if compiling
+        fails, the step is redone at half the micro-batch after an out-of-memory (one process), and
+        guarded_update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
         t0 = time.perf_counter()
         micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
-        loss_total = self.forward_backward(micro_batches, n_tokens, step)  # 4. each micro-batch: backward of sum*W/N
+        while True:  # 4. each micro-batch: backward of sum*W/N; out of memory: the same rows again, smaller
+            try:
+                loss_total = self.forward_backward(micro_batches, n_tokens)
+                break
+            except Exception as e:
+                smaller = size_after_failure(e, len(micro_batches[0][0]), self.launch.rows_per_rank, self.d.world_size)
+                if smaller is None:
+                    raise
+                reason = out_of_memory_reason(e)
+            micro_batches = redo_smaller(
+                step, micro_batches, smaller, reason, self.launch.rows_per_rank, self.optimizer, self.device, self.log
+            )
+            self.use_micro_batch(smaller)
         # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
         # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
         # device=...), no copy from pageable host memory, which would block until the backward ends
@@ -1207,7 +1217,7 @@ class Trainer:
             checked_on_every_rank(self.d, self.shard_check.result)
         lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
-        skipped = self.update(step, loss_sum / n_tokens, norm)  # 8. optimizer step, zero_grad (a guard may skip)
+        skipped = guarded_update(self.optimizer, self.guard, self.scaler, step, loss_sum / n_tokens, norm)  # 8. update
         return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_votes > 0, skipped)
 
     # ---- the loop
