@@ -281,7 +281,7 @@ from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
 from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
 from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
 from trainkit.memory import sample_peak, watch_peak
-from trainkit.update_guard import UpdateGuard, guarded_update, nonfinite_state
+from trainkit.update_guard import UpdateGuard, guarded_update
 
 # The ranks and what a run prints. launch: the device, the process group, rank-0 decisions, rank agreement, one line
 # per rank failure; console: printing from rank 0, control characters escaped; progress: the step line's rate per
@@ -298,9 +298,9 @@ from trainkit.stop_signal import StopSignal, stopped_line
 # run's state into a checkpoint and back; resume: what --resume continues, whose a checkpoint is, what a resume
 # keeps; out_dir: the run folder taken for a run (made, locked, its log opened); run_log: log.jsonl;
 # save_on_failure: a failed evaluation saves the trained steps first
-from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainkit.training_state import restore_training_state, training_state
-from trainkit.resume import ResumePoint, check_resume_compatible, choose_resume_checkpoint, data_change, data_files
+from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
+from trainkit.checkpointer import Checkpointer, resume_state
+from trainkit.resume import check_resume_compatible, choose_resume_checkpoint, data_files
 from trainkit.resume import find_resume_checkpoint
 from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir
 from trainkit.run_log import RunLog
@@ -1050,19 +1050,24 @@ class Trainer:
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
         fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
-        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.last_ckpt)
+        self.guard = UpdateGuard(
+            run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.checkpointer.last
+        )
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, launch, d, opened.pretrained)
         self.optimizer = build_optimizer(
             self.raw_model, run.weight_decay, run.max_lr, d.device_type, muon_lr, run.muon_momentum
         )
-        self.resumed = opened.checkpoint and self._load_resume_state(opened.checkpoint)
+        trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
+        self.resumed = None
+        if opened.checkpoint:
+            lr_notice = lr_change_notice(opened.checkpoint["run_config"], run, launch.start_step)
+            self.resumed = resume_state(opened.checkpoint, run, launch, trainer_state, self.shards_read, lr_notice)
         self.compiled = launch.compile
         self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
         decided_on_rank0(d, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
-        self.last_ckpt = launch.resume_from
         self.compile_proven = not self.compiled  # until the first compiled forward-backward has run
         if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits
             B = choose_micro_batch(
@@ -1070,6 +1075,10 @@ class Trainer:
             )
             self.launch = dataclasses.replace(launch, batch_size=B)
         self.use_micro_batch(self.launch.batch_size)
+        rows_per_epoch = self.train_rows.rows_per_epoch
+        self.checkpointer = Checkpointer(
+            run, self.launch, d, trainer_state, self.shard_check, self.log, self.shards_read, rows_per_epoch
+        )
         tokens_per_step = launch.rows_per_rank * d.world_size * launch.seq_len  # all ranks, padding included
         flops = flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params())
         peak = mfu_peak(run.peak_tflops, self.device, self.dtype)
@@ -1105,79 +1114,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
         self.model = wrap_model(self.raw_model, False, self.d, self.run.fsdp)
 
-    def _load_resume_state(self, ckpt: dict) -> ResumePoint:
-        path, run, step = self.launch.resume_from, self.run, self.launch.start_step
-        objects = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
-        optimizer_notice = restore_training_state(ckpt, *objects, path)  # (this run's weight decay, ...)
-        print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
-        if not run.eval_only:
-            change = data_change(ckpt["data_files"], self.shards_read)
-            if change:
-                cli.print_warning(
-                    f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
-                    f"step {step} on this run reads other rows than the run it continues would have"
-                )
-            for notice in (lr_change_notice(ckpt["run_config"], run, step), optimizer_notice):
-                if notice:
-                    print0(notice)
-        return ResumePoint.of(path, ckpt)
-
     def _open_log(self):
-        """Rank 0: the run's identity (a resume of an earlier step is a branch: a new id naming its parent),
-        its log.jsonl and trackers, each record stamped with the id; every check of the folder comes before
-        its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). An
-        evaluation touches neither."""
-        run = self.run
-        self.log = (
-            RunLog(run.out_dir, enabled=False) if run.eval_only else open_run_log(run, self.launch.model, self.resumed)
-        )
-
-    # ---- checkpoints
-
-    def checkpoint_state(self, step: int) -> dict:
-        """Everything a resume needs: the training state, the log's position, the shards, and both records,
-        the RunConfig asked for and the Launch resolved."""
-        next_row = step * self.loader.rows_per_step
-        return training_state(
-            self.raw_model,
-            self.optimizer,
-            self.guard,
-            self.scaler,
-            self.device,
-            step=step,
-            model_config=dataclasses.asdict(self.launch.model),
-            run_config=dataclasses.asdict(self.run),
-            launch=dataclasses.asdict(self.launch),
-            world_size=self.d.world_size,
-            next_row=next_row,
-            epoch=next_row // self.train_rows.rows_per_epoch,
-            data_files=self.shards_read,
-            **self.log.position(),  # the log's length and sha256 at this step, and the run's identity
-        )
-
-    def save(self, step: int, stopping: bool = False):
-        """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
-        its tensors; one all-reduce makes them agree), or a rank's shards are not what their manifest
-        records (no checkpoint of steps on them; the save waits for that check to end, except a stop
-        signal's: a job's grace time is short, and a checkpoint in it is worth more)."""
-        path = checkpoint_path(self.run.out_dir, step)
-        checked_on_every_rank(self.d, lambda: self.shard_check.result(wait=not stopping))
-        where = nonfinite_state(self.raw_model, self.optimizer, self.device)
-        if where:
-            raise UserError(
-                f"step {step}: not writing {path}: the {where} hold non-finite values. "
-                f"Last good checkpoint: {self.last_ckpt or 'none'}"
-            )
-        # under --fsdp every rank takes part in gathering the state to rank 0
-        state = self.checkpoint_state(step) if self.d.is_main or self.run.fsdp else None
-        if self.d.is_main:
-            self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
-            save_checkpoint(path, state, self.run.keep_last)
-            self.last_ckpt = path  # on disk: named if a peer dies in the barrier below
-        if self.d.enabled:
-            dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
-        # on every rank, once rank 0 has written it: they decide together whether a stop needs another save
-        self.last_ckpt = self.log.last_checkpoint = path
+        """Rank 0: the run's identity, log.jsonl and trackers (out_dir.open_run_log); an evaluation opens none."""
+        if not self.run.eval_only:
+            self.log = open_run_log(self.run, self.launch.model, self.resumed)
 
     # ---- one optimizer step
 
@@ -1232,12 +1172,12 @@ class Trainer:
                 last_step = step == run.max_steps
                 resumed_here = step == self.launch.start_step and self.launch.resume_from
                 if not resumed_here:  # the resumed step was evaluated before saving
-                    save_first_on_failure(self, step, lambda: self.evaluate(step, last_step))
+                    save_first_on_failure(self.checkpointer, step, lambda: self.evaluate(step, last_step))
                     if step > self.launch.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
-                        self.save(step)
+                        self.checkpointer.save(step)
                 if stop_agreed:
-                    if self.last_ckpt != checkpoint_path(run.out_dir, step):
-                        self.save(step, stopping=True)
+                    if self.checkpointer.last != checkpoint_path(run.out_dir, step):
+                        self.checkpointer.save(step, stopping=True)
                     stopped_at = step
                     break
                 if last_step:
@@ -1308,7 +1248,7 @@ class Trainer:
         except Exception as e:
             if self.d.enabled and is_lost_rank(e):
                 self.stop.ignore_sigterm_from_now()
-                raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
+                raise lost_rank_error(e, self.d.rank, self.checkpointer.last) from None
             raise
         finally:  # the run's threads end here, before the process group is destroyed
             self.shard_check.close()
