@@ -8,9 +8,9 @@ The heart is token-normalized gradient accumulation: the gradient of one optimiz
 the gradient of the mean loss over every non-ignored target token of the step, on every rank,
 whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
 & the step" below). Sections, in the order a step needs them: config (RunConfig, what the user
-asked for, each flag declared once beside its field; Launch, what a launch decided from it) -> the
-GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the launch, resolved once
-(resolve_launch) -> the Trainer (built from the Launch; its train_step is README's "The step, in
+asked for, each flag declared once beside its field; LaunchPlan, what a launch decided from it) -> the
+GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the plan, resolved once
+(resolve_launch) -> the Trainer (built from the LaunchPlan; its train_step is README's "The step, in
 order", with what recovers from failure installed at set-up) -> main().
 What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
 the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
@@ -215,7 +214,7 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
-class Launch:
+class LaunchPlan:
     """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
     resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
     then frozen. Checkpoints keep it beside the RunConfig."""
@@ -275,15 +274,15 @@ from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, toke
 # out-of-memory error; memory: the memory-fit check, what an out-of-memory is and its line, the run's peak;
 # update_guard: the non-finite and spike guard of each update (the update as the step calls it)
 from trainkit.optimizers import MuonWithAdamW
-from trainkit.precision import resolve_dtype
-from trainkit.compiling import compile_decision, compile_failure_cause, compile_model
+from trainkit.precision import choose_precision_and_compile
+from trainkit.compiling import compile_failure_cause, compile_model
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
 from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
 from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
 from trainkit.memory import sample_peak, watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update
 
-# The ranks and what a run prints. launch: the device, the process group, rank-0 decisions, rank agreement, one line
+# The ranks and what a run prints. plan: the device, the process group, rank-0 decisions, rank agreement, one line
 # per rank failure; console: printing from rank 0, control characters escaped; progress: the step line's rate per
 # device, elapsed time and eta; throughput: tok/s and MFU; stop_signal: SIGTERM/SIGINT/SIGHUP finish the step,
 # checkpoint, exit 0, and the line that says so
@@ -296,13 +295,12 @@ from trainkit.stop_signal import StopSignal, stopped_line
 
 # The run's files. checkpoints: checkpoint files (atomic save, verified load), a folder's newest; training_state: a
 # run's state into a checkpoint and back; resume: what --resume continues, whose a checkpoint is, what a resume
-# keeps; out_dir: the run folder taken for a run (made, locked, its log opened); run_log: log.jsonl;
+# keeps; out_dir: the run folder taken for a run (made, locked, its log inputs); run_log: log.jsonl;
 # save_on_failure: a failed evaluation saves the trained steps first
 from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
 from trainkit.checkpointer import Checkpointer, resume_state
-from trainkit.resume import check_resume_compatible, choose_resume_checkpoint, data_files
-from trainkit.resume import find_resume_checkpoint
-from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir
+from trainkit.resume import check_resume_compatible, data_files, eval_checkpoint
+from trainkit.out_dir import OutDirLock, claim_out_dir, open_run_log
 from trainkit.run_log import RunLog
 from trainkit.save_on_failure import save_first_on_failure
 
@@ -708,7 +706,7 @@ def build_optimizer(
         dict(params=[p for p in params if p.dim() >= 2 and p not in matrices], weight_decay=weight_decay),
         dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
     ]
-    # the fused kernel does the whole update in one launch (CUDA, CPU and MPS have one)
+    # the fused kernel does the whole update in one plan (CUDA, CPU and MPS have one)
     fused = device_type in ("cuda", "cpu", "mps")
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     if not muon_lr:
@@ -799,7 +797,7 @@ def evaluate_loss(
     rows: TokenRows,
     B: int,
     n_batches: int,
-    d: Dist,
+    dist_state: Dist,
     dtype: torch.dtype,
     token_bytes,
     loss_chunk: int = 0,
@@ -809,7 +807,7 @@ def evaluate_loss(
     val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
     bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
     model.eval()
-    device, rank, world = d.device, d.rank, d.world_size
+    device, rank, world = dist_state.device, dist_state.rank, dist_state.world_size
     token_bytes = torch.as_tensor(token_bytes, device=device)
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
     for i in range(n_batches):
@@ -824,12 +822,12 @@ def evaluate_loss(
 
 
 # -----------------------------------------------------------------------------
-# the launch: resolved once (a Launch), before the Trainer exists
+# the plan: resolved once (a LaunchPlan), before the Trainer exists
 
 
 @dataclass
-class Opened:
-    """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
+class LaunchInputs:
+    """What resolving a launch inputs on the way, for the Trainer: the data, the tokenizer's pieces,
     the --init-from weights and the resumed checkpoint."""
 
     train_rows: TokenRows
@@ -855,7 +853,9 @@ def model_config(run: RunConfig) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=None) -> tuple[Launch, Opened]:
+def resolve_launch(
+    run: RunConfig, dist_state: Dist, out_dir_lock: OutDirLock, evaluated=None
+) -> tuple[LaunchPlan, LaunchInputs]:
     """Everything this launch decides, in the order that makes bad input fail before any model work:
     the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
     (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order.
@@ -867,23 +867,32 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
     seq_len = run.seq_len or min(model_cfg.block_size, 1024)
-    batch_size = run.batch_size or ("auto" if d.device_type == "cuda" else 64)
-    train_flags.check_run(run, model_cfg, seq_len, batch_size, d.world_size)
-    rows_per_rank = run.total_batch_size // (seq_len * d.world_size)  # which --batch-size divides
-    check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
+    batch_size = run.batch_size or ("auto" if dist_state.device_type == "cuda" else 64)
+    train_flags.check_run(run, model_cfg, seq_len, batch_size, dist_state.world_size)
+    rows_per_rank = run.total_batch_size // (seq_len * dist_state.world_size)  # which --batch-size divides
+    check_model_fits(param_count(model_cfg), dist_state, run.fsdp, training=not run.eval_only)
     problem = run.hellaswag_every and hellaswag_eval.model_problem(model_cfg.vocab_size, model_cfg.block_size)
     if problem:  # refused now, not after --hellaswag-every steps of training
         raise UserError(f"--hellaswag-every {run.hellaswag_every}: {problem}; pass --hellaswag-every 0")
-    dtype, compiled = choose_precision_and_compile(run, d)
-    loss_chunk = run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if d.device_type == "cpu" else 0
+    dtype, compiled = choose_precision_and_compile(run, dist_state)
+    loss_chunk = (
+        run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if dist_state.device_type == "cpu" else 0
+    )
 
     train_rows = TokenRows(
-        run.data_dir, "train", seq_len, run.align_docs, run.shuffle, run.seed, model_cfg.vocab_size, progress=d.is_main
+        run.data_dir,
+        "train",
+        seq_len,
+        run.align_docs,
+        run.shuffle,
+        run.seed,
+        model_cfg.vocab_size,
+        progress=dist_state.is_main,
     )
-    if train_rows.rows_per_epoch < rows_per_rank * d.world_size:
+    if train_rows.rows_per_epoch < rows_per_rank * dist_state.world_size:
         raise UserError(
             f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
-            f"than one optimizer step ({rows_per_rank * d.world_size} rows): lower --total-batch-size"
+            f"than one optimizer step ({rows_per_rank * dist_state.world_size} rows): lower --total-batch-size"
         )
     val_rows = None
     if run.val_every:
@@ -891,7 +900,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
             val_rows = TokenRows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
         except UserError as e:
             raise UserError(f"{e} (or pass --val-every 0)") from None
-        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * d.world_size
+        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * dist_state.world_size
         if val_rows.rows_per_epoch < val_rows_needed:
             raise UserError(
                 f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
@@ -915,7 +924,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
     if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
         resume_from, checkpoint = evaluated or (eval_checkpoint(run), None)
     else:
-        resume_from, checkpoint = decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)), None
+        resume_from, checkpoint = decided_on_rank0(dist_state, lambda: claim_out_dir(run, out_dir_lock)), None
     start_step, shuffle = 0, run.shuffle is not False
     if resume_from:
         checkpoint = checkpoint or load_checkpoint(resume_from, model_fields=MODEL_FIELDS, resume=True)
@@ -938,12 +947,12 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
                 "pass a larger --max-steps to train on"
             )
     train_rows.shuffle = shuffle  # (no row was read yet)
-    launch = Launch(
+    plan = LaunchPlan(
         model_cfg,
         seq_len,
         batch_size,
         rows_per_rank,
-        d.world_size,
+        dist_state.world_size,
         str(dtype).removeprefix("torch."),
         compiled,
         loss_chunk,
@@ -952,56 +961,22 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
         start_step,
         shuffle,
     )
-    return launch, Opened(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
+    return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
 
 
-def choose_precision_and_compile(run: RunConfig, d: Dist) -> tuple[torch.dtype, bool]:
-    """The autocast dtype and whether to compile."""
-    capability = torch.cuda.get_device_capability(d.device) if d.device_type == "cuda" else None
-    dtype = resolve_dtype(run.dtype, d.device_type, capability)
-    if run.fsdp and dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
-        raise UserError(
-            "--fsdp does not support float16 (its GradScaler needs every rank to agree on "
-            "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp"
-        )
-    compiled, why_not = compile_decision(
-        run.compile, d.device_type, capability, sys.platform, importlib.util.find_spec("triton") is not None
-    )
-    if why_not:
-        print0(f"compile off: {why_not}")
-    if d.device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls
-    return dtype, compiled
-
-
-def claim_out_dir(run: RunConfig, out_dir_lock: OutDirLock) -> str | None:
-    """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
-    out_dir_lock.made = prepare_out_dir(run.out_dir)
-    out_dir_lock.acquire()
-    return choose_resume_checkpoint(run)
-
-
-def eval_checkpoint(run: RunConfig) -> str | None:
-    """--eval-only's checkpoint: --resume's (None: --init-from's weights are evaluated)."""
-    path = find_resume_checkpoint(run)
-    if run.resume is not None and not path:
-        raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
-    return path
-
-
-def build_model(run: RunConfig, launch: Launch, d: Dist, pretrained: GPT | None) -> GPT:
+def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
     """The bare model (for evaluation and checkpoints), on the device. Under --fsdp it is the sharded module,
-    on which every rank evaluates; its blocks compiled when launch.compile."""
-    raw_model = (pretrained or GPT(launch.model)).train()
+    on which every rank evaluates; its blocks compiled when plan.compile."""
+    raw_model = (pretrained or GPT(plan.model)).train()
     if run.fsdp:
-        shard_model(raw_model, d, getattr(torch, launch.dtype), torch.compile if launch.compile else None)
+        shard_model(raw_model, dist_state, getattr(torch, plan.dtype), torch.compile if plan.compile else None)
     else:
-        raw_model.to(d.device)
+        raw_model.to(dist_state.device)
     raw_model.activation_checkpointing = run.activation_checkpointing
     return raw_model
 
 
-def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module:
+def wrap_model(raw_model: GPT, compiled: bool, dist_state: Dist, fsdp: bool) -> nn.Module:
     """What the step runs: raw_model compiled if compiled, in DDP under torchrun. Under --fsdp raw_model
     itself (its blocks compiled, or eager after a failed compile)."""
     if fsdp:
@@ -1009,11 +984,15 @@ def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module
             uncompile_blocks(raw_model)
         return raw_model
     model = compile_model(raw_model) if compiled else raw_model
-    if d.enabled:
+    if dist_state.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
-        model = DDP(model, device_ids=[d.local_rank] if d.device_type == "cuda" else None, gradient_as_bucket_view=True)
+        model = DDP(
+            model,
+            device_ids=[dist_state.local_rank] if dist_state.device_type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
     return model
 
 
@@ -1035,54 +1014,54 @@ class StepResult:
 
 
 class Trainer:
-    """One training run of a resolved Launch: the constructor builds the model, its optimizer and their
+    """One training run of a resolved LaunchPlan: the constructor builds the model, its optimizer and their
     resumed state, and the log; fit() is the loop; train_step() is one step."""
 
-    def __init__(self, run: RunConfig, launch: Launch, opened: Opened, d: Dist):
-        self.run, self.launch, self.d, self.device = run, launch, d, d.device
+    def __init__(self, run: RunConfig, plan: LaunchPlan, inputs: LaunchInputs, dist_state: Dist):
+        self.run, self.plan, self.dist_state, self.device = run, plan, dist_state, dist_state.device
         watch_peak()  # the private memory the summary reports (memory.py), from here on
-        self.train_rows, self.val_rows, self.shard_check = opened.train_rows, opened.val_rows, opened.shard_check
-        self.enc, self.token_bytes = opened.enc, opened.token_bytes
+        self.train_rows, self.val_rows, self.shard_check = inputs.train_rows, inputs.val_rows, inputs.shard_check
+        self.enc, self.token_bytes = inputs.enc, inputs.token_bytes
         # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
         # shard check stops a run whose shards change under it)
         self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
-        self.dtype = getattr(torch, launch.dtype)
+        self.dtype = getattr(torch, plan.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
-        self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
+        self.scaler = torch.amp.GradScaler(dist_state.device_type) if self.dtype == torch.float16 else None
         fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
         self.guard = UpdateGuard(
             run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.checkpointer.last
         )
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        self.raw_model = build_model(run, launch, d, opened.pretrained)
+        self.raw_model = build_model(run, plan, dist_state, inputs.pretrained)
         self.optimizer = build_optimizer(
-            self.raw_model, run.weight_decay, run.max_lr, d.device_type, muon_lr, run.muon_momentum
+            self.raw_model, run.weight_decay, run.max_lr, dist_state.device_type, muon_lr, run.muon_momentum
         )
         trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
         self.resumed = None
-        if opened.checkpoint:
-            lr_notice = lr_change_notice(opened.checkpoint["run_config"], run, launch.start_step)
-            self.resumed = resume_state(opened.checkpoint, run, launch, trainer_state, self.shards_read, lr_notice)
-        self.compiled = launch.compile
-        self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
+        if inputs.checkpoint:
+            lr_notice = lr_change_notice(inputs.checkpoint["run_config"], run, plan.start_step)
+            self.resumed = resume_state(inputs.checkpoint, run, plan, trainer_state, self.shards_read, lr_notice)
+        self.compiled = plan.compile
+        self.model = wrap_model(self.raw_model, self.compiled, dist_state, run.fsdp)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
-        decided_on_rank0(d, self._open_log)
+        decided_on_rank0(dist_state, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
         self.compile_proven = not self.compiled  # until the first compiled forward-backward has run
-        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits
+        if plan.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits
             B = choose_micro_batch(
-                run, launch, self.forward_backward, self.model, self.optimizer, self.val_rows, d, self.log
+                run, plan, self.forward_backward, self.model, self.optimizer, self.val_rows, dist_state, self.log
             )
-            self.launch = dataclasses.replace(launch, batch_size=B)
-        self.use_micro_batch(self.launch.batch_size)
+            self.plan = dataclasses.replace(plan, batch_size=B)
+        self.use_micro_batch(self.plan.batch_size)
         rows_per_epoch = self.train_rows.rows_per_epoch
         self.checkpointer = Checkpointer(
-            run, self.launch, d, trainer_state, self.shard_check, self.log, self.shards_read, rows_per_epoch
+            run, self.plan, dist_state, trainer_state, self.shard_check, self.log, self.shards_read, rows_per_epoch
         )
-        tokens_per_step = launch.rows_per_rank * d.world_size * launch.seq_len  # all ranks, padding included
-        flops = flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params())
+        tokens_per_step = plan.rows_per_rank * dist_state.world_size * plan.seq_len  # all ranks, padding included
+        flops = flops_per_token(plan.model, plan.seq_len, self.raw_model.num_params())
         peak = mfu_peak(run.peak_tflops, self.device, self.dtype)
-        self.speed = Throughput(tokens_per_step, flops, peak, d.world_size, d.device_type)
+        self.speed = Throughput(tokens_per_step, flops, peak, dist_state.world_size, dist_state.device_type)
 
     # ---- set-up
 
@@ -1090,13 +1069,22 @@ class Trainer:
         """Read the steps B rows per micro-step from now on (after an out-of-memory: fewer)."""
         if hasattr(self, "prefetcher"):  # it holds micro-batches of the old size
             self.prefetcher.close()
-        self.loader = StepLoader(self.train_rows, B, self.launch.rows_per_rank // B, self.d.rank, self.d.world_size)
-        self.prefetcher = Prefetcher(self.loader, pin_memory=self.d.device_type == "cuda")
+        self.loader = StepLoader(
+            self.train_rows, B, self.plan.rows_per_rank // B, self.dist_state.rank, self.dist_state.world_size
+        )
+        self.prefetcher = Prefetcher(self.loader, pin_memory=self.dist_state.device_type == "cuda")
 
     def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad. If the first
         compiled call fails to compile, one line says why and it runs again eagerly (an out-of-memory is raised)."""
-        options = self.d.world_size, self.device, self.dtype, self.launch.loss_chunk, self.scaler, self.run.doc_mask
+        options = (
+            self.dist_state.world_size,
+            self.device,
+            self.dtype,
+            self.plan.loss_chunk,
+            self.scaler,
+            self.run.doc_mask,
+        )
         try:
             loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
         except Exception as e:
@@ -1112,12 +1100,12 @@ class Trainer:
         print0(f"compile failed, continuing without it: {cli.reason_of(cause, typed=True)}")
         self.compiled, self.compile_proven = False, True
         self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
-        self.model = wrap_model(self.raw_model, False, self.d, self.run.fsdp)
+        self.model = wrap_model(self.raw_model, False, self.dist_state, self.run.fsdp)
 
     def _open_log(self):
         """Rank 0: the run's identity, log.jsonl and trackers (out_dir.open_run_log); an evaluation opens none."""
         if not self.run.eval_only:
-            self.log = open_run_log(self.run, self.launch.model, self.resumed)
+            self.log = open_run_log(self.run, self.plan.model, self.resumed)
 
     # ---- one optimizer step
 
@@ -1135,12 +1123,14 @@ class Trainer:
                 loss_total = self.forward_backward(micro_batches, n_tokens)
                 break
             except Exception as e:
-                smaller = size_after_failure(e, len(micro_batches[0][0]), self.launch.rows_per_rank, self.d.world_size)
+                smaller = size_after_failure(
+                    e, len(micro_batches[0][0]), self.plan.rows_per_rank, self.dist_state.world_size
+                )
                 if smaller is None:
                     raise
                 reason = out_of_memory_reason(e)
             micro_batches = redo_smaller(
-                step, micro_batches, smaller, reason, self.launch.rows_per_rank, self.optimizer, self.device, self.log
+                step, micro_batches, smaller, reason, self.plan.rows_per_rank, self.optimizer, self.device, self.log
             )
             self.use_micro_batch(smaller)
         # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
@@ -1154,7 +1144,7 @@ class Trainer:
         norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 6. norm and clip
         loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
         if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
-            checked_on_every_rank(self.d, self.shard_check.result)
+            checked_on_every_rank(self.dist_state, self.shard_check.result)
         lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
         skipped = guarded_update(self.optimizer, self.guard, self.scaler, step, loss_sum / n_tokens, norm)  # 8. update
@@ -1168,12 +1158,12 @@ class Trainer:
         self.print_header()
         t_start = time.perf_counter()
         with self.running():
-            for step in range(self.launch.start_step, run.max_steps + 1):
+            for step in range(self.plan.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
-                resumed_here = step == self.launch.start_step and self.launch.resume_from
+                resumed_here = step == self.plan.start_step and self.plan.resume_from
                 if not resumed_here:  # the resumed step was evaluated before saving
                     save_first_on_failure(self.checkpointer, step, lambda: self.evaluate(step, last_step))
-                    if step > self.launch.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
+                    if step > self.plan.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
                         self.checkpointer.save(step)
                 if stop_agreed:
                     if self.checkpointer.last != checkpoint_path(run.out_dir, step):
@@ -1194,16 +1184,18 @@ class Trainer:
     def evaluate(self, step: int, last_step: bool) -> dict:
         """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
         Returns what it logged."""
-        run, d = self.run, self.d
+        run, dist_state = self.run, self.dist_state
         results = {}
 
         def due(every):
             return every and (step % every == 0 or last_step)
 
         if self.val_rows and due(run.val_every):
-            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.launch.loss_chunk
+            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.plan.loss_chunk
             results.update(
-                evaluate_loss(model, rows, B, run.val_steps, d, self.dtype, self.token_bytes, chunk, run.doc_mask)
+                evaluate_loss(
+                    model, rows, B, run.val_steps, dist_state, self.dtype, self.token_bytes, chunk, run.doc_mask
+                )
             )
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
@@ -1211,10 +1203,10 @@ class Trainer:
             result = hellaswag_eval.evaluate(
                 self.raw_model,
                 self.device,
-                data_file=self.launch.hellaswag_file,
+                data_file=self.plan.hellaswag_file,
                 limit=run.hellaswag_limit or None,
-                rank=d.rank,
-                world_size=d.world_size,
+                rank=dist_state.rank,
+                world_size=dist_state.world_size,
                 dtype=self.dtype,
                 flag="--hellaswag-file",
             )
@@ -1222,7 +1214,7 @@ class Trainer:
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
         # a sharded model needs every rank in its forward; only rank 0 prints
-        if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
+        if self.enc and (dist_state.is_main or run.fsdp) and step > 0 and due(run.sample_every):
             prompt = train_flags.SAMPLE_PROMPT if run.sample_prompt is None else run.sample_prompt
             for text in sample_text(self.raw_model, self.enc, self.device, prompt, stop_early=not run.fsdp):
                 print0(f"sample: {text}", keep_newlines=True)  # its control characters escaped
@@ -1232,9 +1224,9 @@ class Trainer:
         """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
         printed, then one JSON line. Nothing is written to --out-dir."""
         with self.running():
-            results = self.evaluate(self.launch.start_step, last_step=True)
-            checked_on_every_rank(self.d, self.shard_check.result)
-        print_result(json.dumps(dict(step=self.launch.start_step, **results)))
+            results = self.evaluate(self.plan.start_step, last_step=True)
+            checked_on_every_rank(self.dist_state, self.shard_check.result)
+        print_result(json.dumps(dict(step=self.plan.start_step, **results)))
 
     @contextlib.contextmanager
     def running(self):
@@ -1246,9 +1238,9 @@ class Trainer:
         try:
             yield
         except Exception as e:
-            if self.d.enabled and is_lost_rank(e):
+            if self.dist_state.enabled and is_lost_rank(e):
                 self.stop.ignore_sigterm_from_now()
-                raise lost_rank_error(e, self.d.rank, self.checkpointer.last) from None
+                raise lost_rank_error(e, self.dist_state.rank, self.checkpointer.last) from None
             raise
         finally:  # the run's threads end here, before the process group is destroyed
             self.shard_check.close()
@@ -1259,15 +1251,15 @@ class Trainer:
     # ---- what a step prints
 
     def print_header(self):
-        run, d, launch = self.run, self.d, self.launch
+        run, dist_state, plan = self.run, self.dist_state, self.plan
         print0(
-            f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {launch.dtype} | compile "
-            f"{self.compiled} | world {d.world_size}"
+            f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {plan.dtype} | compile "
+            f"{self.compiled} | world {dist_state.world_size}"
             + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else "")
         )
         print0(
-            f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {launch.seq_len} tokens x "
-            f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
+            f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {plan.seq_len} tokens x "
+            f"{self.loader.accum} accumulation steps x {dist_state.world_size} ranks | "
             f"{self.train_rows.rows_per_epoch} train rows per epoch"
         )
 
@@ -1277,7 +1269,7 @@ class Trainer:
         print0(
             f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
             f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
-            + per_device_rate(tok_per_gpu, self.d.world_size, self.d.device_type)
+            + per_device_rate(tok_per_gpu, self.dist_state.world_size, self.dist_state.device_type)
             + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + (f" | skipped ({r.skipped})" if r.skipped else "")
             + progress
@@ -1291,20 +1283,20 @@ class Trainer:
 # main
 
 
-def train(run: RunConfig, d: Dist, evaluated=None):
-    """Resolve the launch, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
+def train(run: RunConfig, dist_state: Dist, evaluated=None):
+    """Resolve the plan, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
     out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
-    launch = trainer = None
+    plan = trainer = None
     try:
         check_ranks_agree(launch_fingerprint(run))
-        launch, opened = resolve_launch(run, d, out_dir_lock, evaluated)
-        if launch.resume_from and launch.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
+        plan, inputs = resolve_launch(run, dist_state, out_dir_lock, evaluated)
+        if plan.resume_from and plan.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
             print0(
-                f"{launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
+                f"{plan.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
             )
             return
-        trainer = Trainer(run, launch, opened, d)
-        del opened  # (the checkpoint's tensors: now in the model and optimizer)
+        trainer = Trainer(run, plan, inputs, dist_state)
+        del inputs  # (the checkpoint's tensors: now in the model and optimizer)
         if run.eval_only:
             trainer.evaluate_only()
             return
@@ -1317,12 +1309,12 @@ def train(run: RunConfig, d: Dist, evaluated=None):
         trainer.fit()
     except Exception as e:
         if is_out_of_memory(e):
-            auto = (launch.batch_size if launch else run.batch_size) == "auto"  # B was (or was to be) auto's choice
+            auto = (plan.batch_size if plan else run.batch_size) == "auto"  # B was (or was to be) auto's choice
             micro_batch = (
-                trainer.loader.B if trainer else None if auto else launch.batch_size if launch else run.batch_size
+                trainer.loader.B if trainer else None if auto else plan.batch_size if plan else run.batch_size
             )  # the rows per micro-step it ran out at (None: auto had chosen none)
             raise out_of_memory_error(
-                e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
+                e, dist_state.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
             ) from None
         raise
     finally:
@@ -1342,14 +1334,14 @@ def main(argv=None) -> int:
 
     def setup_and_train():
         train_flags.check_flags(run)
-        with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
+        with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as dist_state:
             if run.eval_only and run.resume is not None:  # the checkpoint's own flags, where this command is silent
                 path = eval_checkpoint(run)
                 checkpoint = load_checkpoint(path, model_fields=MODEL_FIELDS, resume=True)
                 given = train_flags.given_flags(parser, argv, RunConfig)
-                train(train_flags.as_trained(run, checkpoint["run_config"], given), d, (path, checkpoint))
+                train(train_flags.as_trained(run, checkpoint["run_config"], given), dist_state, (path, checkpoint))
             else:
-                train(run, d)
+                train(run, dist_state)
 
     return exit_code_on_every_rank(setup_and_train, run.debug)
 
