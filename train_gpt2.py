@@ -7,15 +7,12 @@
 The heart is token-normalized gradient accumulation: the gradient of one optimizer step equals
 the gradient of the mean loss over every non-ignored target token of the step, on every rank,
 whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
-& the step" below). Sections, in the order a step needs them: config (RunConfig, what the user
-asked for, each flag declared once beside its field; LaunchPlan, what a launch decided from it) -> the
-GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the plan, resolved once
-(resolve_launch) -> the Trainer (built from the LaunchPlan; its train_step is README's "The step, in
-order", with what recovers from failure installed at set-up) -> main().
-What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
-the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
-trainkit/, imported below in six groups, each with a comment of what its modules bring; no trainkit module
-imports a script.
+& the step" below). Sections, in the order a step needs them: config (RunConfig: the flags;
+LaunchPlan: what a launch decided) -> the GPT-2 model -> data -> optimizer & schedule -> accumulation
+& the step -> the launch, resolved once -> the Trainer (its train_step is README's "The step, in
+order", recovery written where it happens) -> main(). What keeps long runs alive (checkpoints, the
+run folder and its log, rank agreement, signals, FSDP) and what the other scripts share lives in
+trainkit/, called from here by name; no trainkit module imports a script.
 """
 
 from __future__ import annotations
@@ -253,26 +250,19 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# The model's parts. chunked_loss: lm_head + cross-entropy, in chunks of rows (CPU) or whole; doc_mask: --doc-mask's
-# positions and masks; hf_weights: a Hugging Face GPT-2 as our config and state dict (--init-from)
+# the model's parts (README's module table says what each trainkit module holds)
 from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss
 from trainkit.doc_mask import document_attention
 from trainkit.hf_weights import gpt2_state_from_hf
 
-# The data. shards: the shard reader; shard_checks: a data folder's shards and their checks (manifest, token ids,
-# sha256s); shard_identity: the shards every rank of a launch must share; shard_scan: each shard's per-token scans,
-# done once and kept for the next launch; tokenizer: GPT-2's tokenizer and real vocabulary, token bytes
+# the data
 from trainkit.shards import open_shard
 from trainkit.shard_checks import ShardDigestCheck, check_token_ids, find_shards, no_output_for, recorded
 from trainkit.shard_identity import data_fingerprint
 from trainkit.shard_scan import scan_shards
 from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths
 
-# The step's machinery and what recovers it. optimizers: Muon + AdamW as one optimizer; precision: the autocast dtype
-# of a device; compiling: whether to compile, the GPT compiled block by block, the fallback to eager; fsdp: FSDP2
-# sharding and its no-sync; fit_batch: --batch-size auto's micro-batch, the step redone smaller after an
-# out-of-memory error; memory: the memory-fit check, what an out-of-memory is and its line, the run's peak;
-# update_guard: the non-finite and spike guard of each update (the update as the step calls it)
+# the step's machinery and what recovers it
 from trainkit.optimizers import MuonWithAdamW
 from trainkit.precision import choose_precision_and_compile
 from trainkit.compiling import compile_failure_cause, compile_model
@@ -282,10 +272,7 @@ from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_er
 from trainkit.memory import sample_peak, watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update
 
-# The ranks and what a run prints. plan: the device, the process group, rank-0 decisions, rank agreement, one line
-# per rank failure; console: printing from rank 0, control characters escaped; progress: the step line's rate per
-# device, elapsed time and eta; throughput: tok/s and MFU; stop_signal: SIGTERM/SIGINT/SIGHUP finish the step,
-# checkpoint, exit 0, and the line that says so
+# the ranks and what a run prints
 from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
 from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
 from trainkit.console import print0, print_result
@@ -293,10 +280,7 @@ from trainkit.progress import elapsed_and_eta, per_device_rate
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak
 from trainkit.stop_signal import StopSignal, stopped_line
 
-# The run's files. checkpoints: checkpoint files (atomic save, verified load), a folder's newest; training_state: a
-# run's state into a checkpoint and back; resume: what --resume continues, whose a checkpoint is, what a resume
-# keeps; out_dir: the run folder taken for a run (made, locked, its log inputs); run_log: log.jsonl;
-# save_on_failure: a failed evaluation saves the trained steps first
+# the run's files: checkpoints, resuming, the run folder and its log
 from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
 from trainkit.checkpointer import Checkpointer, resume_state
 from trainkit.resume import check_resume_compatible, data_files, eval_checkpoint
@@ -304,8 +288,7 @@ from trainkit.out_dir import OutDirLock, claim_out_dir, open_run_log
 from trainkit.run_log import RunLog
 from trainkit.save_on_failure import save_first_on_failure
 
-# The evaluations. hellaswag_eval: HellaSwag accuracy of the model it is given; hellaswag_examples and hellaswag_data:
-# its examples, from the file given or downloaded once; sampling: the in-training samples (sample.py's too)
+# the evaluations
 from trainkit import hellaswag_eval, hellaswag_examples
 from trainkit.hellaswag_data import resolve_data_file
 from trainkit.sampling import sample_text
@@ -706,7 +689,7 @@ def build_optimizer(
         dict(params=[p for p in params if p.dim() >= 2 and p not in matrices], weight_decay=weight_decay),
         dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
     ]
-    # the fused kernel does the whole update in one plan (CUDA, CPU and MPS have one)
+    # the fused kernel does the whole update in one launch (CUDA, CPU and MPS have one)
     fused = device_type in ("cuda", "cpu", "mps")
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     if not muon_lr:
@@ -822,7 +805,7 @@ def evaluate_loss(
 
 
 # -----------------------------------------------------------------------------
-# the plan: resolved once (a LaunchPlan), before the Trainer exists
+# the launch: resolved once (a LaunchPlan), before the Trainer exists
 
 
 @dataclass
