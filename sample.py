@@ -11,7 +11,7 @@ exit code 2. A sample ends with its first <|endoftext|>, as Hugging Face's gener
 eos token (--continue-past-eot: it runs on). The same seed gives the same text on
 the same device and torch version, whatever --batch-size. An empty prompt starts a new document
 (<|endoftext|>); a prompt longer than the model's block size keeps its newest tokens in view.
-Decoding uses the model's KV cache (train_gpt2.GPT.generate); sample_text (trainkit/sampling.py)
+Decoding uses the model's KV cache (trainkit/sampling.py's generate); sample_text (trainkit/sampling.py)
 is also what the trainer prints as in-training samples. Only this command's main imports the
 trainer (for its GPT).
 """

@@ -7,15 +7,12 @@
 The heart is token-normalized gradient accumulation: the gradient of one optimizer step equals
 the gradient of the mean loss over every non-ignored target token of the step, on every rank,
 whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
-& the step" below). Sections, in the order a step needs them: config (RunConfig, what the user
-asked for, each flag declared once beside its field; Launch, what a launch decided from it) -> the
-GPT-2 model -> data -> optimizer & schedule -> accumulation & the step -> the launch, resolved once
-(resolve_launch) -> the Trainer (built from the Launch; its train_step is README's "The step, in
-order", with what recovers from failure installed at set-up) -> main().
-What keeps long runs alive (checkpoint files, the out-dir, rank agreement, signals, FSDP) and what
-the other scripts share with it (shards, the tokenizer, HellaSwag's scoring, sampling) lives in
-trainkit/, imported below in six groups, each with a comment of what its modules bring; no trainkit module
-imports a script.
+& the step" below). Sections, in the order a step needs them: config (RunConfig: the flags;
+LaunchPlan: what a launch decided) -> the GPT-2 model -> data -> optimizer & schedule -> accumulation
+& the step -> the launch, resolved once -> the Trainer (its train_step is README's "The step, in
+order", recovery written where it happens) -> main(). What keeps long runs alive (checkpoints, the
+run folder and its log, rank agreement, signals, FSDP) and what the other scripts share lives in
+trainkit/, called from here by name; no trainkit module imports a script.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
@@ -32,7 +28,16 @@ from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
-from trainkit.train_flags import flag  # defines: flag(), one field of RunConfig and its flag, declared together
+from trainkit.train_flags import (
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    SEED,
+    batch_size_flag,
+    dist_timeout_range,
+    flag,
+    in_unit_interval,
+)
+from trainkit.train_flags import one_of, positive
 from trainkit.cli import UserError
 
 if __name__ == "__main__":
@@ -70,32 +75,21 @@ DATA, MODEL, BATCH, OPTIMIZATION = "data and output", "model", "batch", "optimiz
 EVALUATION = "evaluation and checkpoints (0 disables each)"
 TRACKING = "run tracking (rank 0; each gets exactly the records of log.jsonl)"
 FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
+ON_OFF = argparse.BooleanOptionalAction
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help,
-    --help group, check), in --help's order. Frozen: what a launch decides from it is a Launch."""
+    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help, --help
+    group, check), in --help's order; docs/flags.md says more of each. What a launch decides is a LaunchPlan."""
 
     data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)", DATA)
     out_dir: str = flag("out", "log.jsonl and checkpoints go here", DATA)
     align_docs: bool = flag(False, "start rows at document boundaries; pad row tails (targets -1)", DATA)
     shuffle: bool | None = flag(
-        None,
-        "seeded permutation of shard order and row order each epoch (default: on; a "
-        "resumed run keeps its checkpoint's order); --no-shuffle reads shards and rows front "
-        "to back",
-        DATA,
-        action=argparse.BooleanOptionalAction,
+        None, "seeded shard and row order each epoch (default: on; a resume keeps its own)", DATA, action=ON_OFF
     )
-    doc_mask: bool = flag(
-        False,
-        "each token attends only to its own document of the row (split at <|endoftext|>), "
-        "positions from the document's start: packed documents train as if alone; validation too "
-        "(doc_mask.py)",
-        DATA,
-    )
-    # the model's shape: a preset, each field overridable; or the shape of --init-from's weights
+    doc_mask: bool = flag(False, "each token attends only to its own document of the row (doc-mask.md)", DATA)
     model: str | None = flag(
         None, "size preset (default gpt2); the flags below override it", MODEL, choices=sorted(MODEL_PRESETS)
     )
@@ -107,23 +101,17 @@ class RunConfig:
         None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL, type=cli.positive_int
     )
     init_from: str | None = flag(
-        None,
-        "start from Hugging Face GPT-2 weights: gpt2, gpt2-medium, gpt2-large, "
-        "gpt2-xl (Hub) or a local directory; sets the model shape",
-        MODEL,
+        None, "start from Hugging Face GPT-2 weights (Hub name or folder); sets the shape", MODEL
     )
-    # batch_size rows of seq_len tokens per rank per micro-step
     batch_size: int | str | None = flag(
         None,
-        "rows per rank per micro-step (B), or auto: the largest that fits the "
-        "device, found by trying before the first step (default: auto on CUDA, 64 "
-        "elsewhere)",
+        "rows per rank per micro-step (B), or auto (default: auto on CUDA, 64 elsewhere)",
         BATCH,
-        type=train_flags.batch_size_flag,
+        type=batch_size_flag,
     )
     seq_len: int | None = flag(
         None, "tokens per row (T); default: the model's block size", BATCH, type=cli.positive_int
-    )  # (at most 1024)
+    )
     total_batch_size: int = flag(
         524288,
         "tokens per optimizer step over all ranks; a multiple of B x T x world size",
@@ -136,32 +124,23 @@ class RunConfig:
     min_lr: float | None = flag(None, "final learning rate (default: 10%% of --max-lr)", OPTIMIZATION, type=float)
     lr_schedule: str = flag(
         "cosine",
-        "decay after warmup: cosine or linear to --min-lr at --max-steps; wsd holds "
-        "--max-lr, then decays linearly over the last --cooldown-frac of the steps",
+        "decay after warmup to --min-lr: cosine, linear or wsd",
         OPTIMIZATION,
-        train_flags.one_of(train_flags.LR_SCHEDULES),
-        choices=train_flags.LR_SCHEDULES,
+        one_of(LR_SCHEDULES),
+        choices=LR_SCHEDULES,
     )
     cooldown_frac: float = flag(
-        0.2,
-        "wsd: fraction of --max-steps spent in the final linear decay",
-        OPTIMIZATION,
-        train_flags.in_unit_interval,
-        type=float,
+        0.2, "wsd: fraction of --max-steps spent in the final linear decay", OPTIMIZATION, in_unit_interval, type=float
     )
     weight_decay: float = flag(0.1, "AdamW decay on matrices and embeddings", OPTIMIZATION, type=float)
     optimizer: str = flag(
         "adamw",
-        "adamw: AdamW on every parameter (GPT-2's recipe); muon: Muon on the blocks' "
-        "weight matrices, AdamW at --max-lr on embeddings, LayerNorms and biases "
-        "(docs/optimizers.md)",
+        "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest",
         OPTIMIZATION,
-        train_flags.one_of(train_flags.OPTIMIZERS),
-        choices=train_flags.OPTIMIZERS,
+        one_of(OPTIMIZERS),
+        choices=OPTIMIZERS,
     )  # muon's lr and momentum: modded-nanogpt's, nanochat's
-    muon_lr: float = flag(
-        0.02, "Muon's peak LR; the LR schedule scales it as it scales --max-lr", OPTIMIZATION, type=float
-    )
+    muon_lr: float = flag(0.02, "Muon's peak LR, scaled by the schedule as --max-lr is", OPTIMIZATION, type=float)
     muon_momentum: float = flag(0.95, "Muon's (Nesterov) momentum", OPTIMIZATION, type=float)
     grad_clip: float = flag(1.0, "clip the gradient norm to this (0: off)", OPTIMIZATION, type=float)
     val_every: int = flag(250, "validation loss every N steps", EVALUATION, type=cli.non_negative_int)
@@ -169,8 +148,7 @@ class RunConfig:
     sample_every: int = flag(250, "print text samples every N steps", EVALUATION, type=cli.non_negative_int)
     sample_prompt: str | None = flag(
         None,
-        "the text those samples continue; fit it to the data, e.g. 'def ' for "
-        "Python ('' starts a new document; default: \"Hello, I'm a language model,\")",
+        'the text those samples continue (default: "Hello, I\'m a language model,")',
         EVALUATION,
         type=cli.may_be_empty,
     )  # None: train_flags.SAMPLE_PROMPT (English)
@@ -187,16 +165,10 @@ class RunConfig:
         const="latest",
     )
     eval_only: bool = flag(
-        False,
-        "with --resume [PATH] or --init-from: run the evaluations above once at that step "
-        "(same numbers as in training), print them, train and write nothing",
-        EVALUATION,
+        False, "with --resume [PATH] or --init-from: evaluate once, train and write nothing", EVALUATION
     )
     wandb: str | None = flag(
-        None,
-        "log to this Weights & Biases project (pip install wandb; WANDB_MODE=offline keeps the run in OUT/wandb)",
-        TRACKING,
-        metavar="PROJECT",
+        None, "log to this Weights & Biases project (pip install wandb)", TRACKING, metavar="PROJECT"
     )
     tensorboard: bool = flag(False, "write TensorBoard event files to --out-dir (pip install tensorboard)", TRACKING)
     skip_nonfinite: int = flag(
@@ -209,51 +181,27 @@ class RunConfig:
         0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", FAILURES, type=float
     )
     dist_timeout: float = flag(
-        600.0,
-        "seconds a collective may wait for a dead or stuck rank",
-        FAILURES,
-        train_flags.dist_timeout_range,
-        type=float,
+        600.0, "seconds a collective may wait for a dead or stuck rank", FAILURES, dist_timeout_range, type=float
     )
     debug: bool = flag(False, "show tracebacks for user errors", FAILURES)
-    fsdp: bool = flag(
-        False,
-        "shard parameters, gradients and AdamW state over the ranks (FSDP2, under torchrun): "
-        "for models whose 16 bytes per parameter do not fit one GPU",
-        DISTRIBUTED,
-    )
+    fsdp: bool = flag(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2)", DISTRIBUTED)
     device: str = flag("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)", RUNTIME)
     dtype: str = flag(
-        "auto",
-        "autocast dtype; auto: bfloat16 on CUDA GPUs of compute capability 8.0+, float16 (with "
-        "a GradScaler) on older ones, float32 elsewhere",
-        RUNTIME,
-        choices=["auto", "float32", "bfloat16", "float16"],
+        "auto", "autocast dtype (auto: by device)", RUNTIME, choices=["auto", "float32", "bfloat16", "float16"]
     )
-    compile: bool | None = flag(
-        None,
-        "torch.compile the model (default: on for CUDA where Triton can run, off "
-        "elsewhere); a failure to compile falls back to eager with one line",
-        RUNTIME,
-        action=argparse.BooleanOptionalAction,
-    )
+    compile: bool | None = flag(None, "torch.compile the model (default: on CUDA with Triton)", RUNTIME, action=ON_OFF)
     activation_checkpointing: bool = flag(
-        False, "recompute each block's activations in backward: less memory, about 1/3 more compute", RUNTIME
+        False, "recompute activations in backward: less memory, more compute", RUNTIME
     )
     loss_chunk: int | None = flag(
         None,
-        "compute lm_head + loss in chunks of N rows without materializing the logits "
-        f"(0: off; default {CPU_LOSS_CHUNK} on CPU, off on CUDA)",
+        f"lm_head + loss in chunks of N rows (0: off; default {CPU_LOSS_CHUNK} on CPU)",
         RUNTIME,
         type=cli.non_negative_int,
     )
-    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=train_flags.SEED)
+    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=SEED)
     peak_tflops: float | None = flag(
-        None,
-        "dense peak TFLOP/s of one device, for MFU (default: looked up by GPU name; none on CPU)",
-        RUNTIME,
-        train_flags.positive,
-        type=float,
+        None, "dense peak TFLOP/s of one device, for MFU (default: by GPU name)", RUNTIME, positive, type=float
     )
 
     @property
@@ -263,7 +211,7 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
-class Launch:
+class LaunchPlan:
     """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
     resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
     then frozen. Checkpoints keep it beside the RunConfig."""
@@ -302,39 +250,29 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# The model's parts. chunked_loss: lm_head + cross-entropy, in chunks of rows (CPU) or whole; doc_mask: --doc-mask's
-# positions and masks; hf_weights: a Hugging Face GPT-2 as our config and state dict (--init-from)
+# the model's parts (README's module table says what each trainkit module holds)
 from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss
 from trainkit.doc_mask import document_attention
 from trainkit.hf_weights import gpt2_state_from_hf
 
-# The data. shards: the shard reader; shard_checks: a data folder's shards and their checks (manifest, token ids,
-# sha256s); shard_identity: the shards every rank of a launch must share; shard_scan: each shard's per-token scans,
-# done once and kept for the next launch; tokenizer: GPT-2's tokenizer and real vocabulary, token bytes
+# the data
 from trainkit.shards import open_shard
 from trainkit.shard_checks import ShardDigestCheck, check_token_ids, find_shards, no_output_for, recorded
 from trainkit.shard_identity import data_fingerprint
 from trainkit.shard_scan import scan_shards
 from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths
 
-# The step's machinery and what recovers it. optimizers: Muon + AdamW as one optimizer; precision: the autocast dtype
-# of a device; compiling: whether to compile, the GPT compiled block by block, the fallback to eager; fsdp: FSDP2
-# sharding and its no-sync; fit_batch: --batch-size auto's micro-batch, the step redone smaller after an
-# out-of-memory error; memory: the memory-fit check, what an out-of-memory is and its line, the run's peak;
-# update_guard: the non-finite and spike guard of each update (the update as the step calls it)
+# the step's machinery and what recovers it
 from trainkit.optimizers import MuonWithAdamW
-from trainkit.precision import resolve_dtype
-from trainkit.compiling import compile_decision, compile_model, with_compile_fallback
+from trainkit.precision import choose_precision_and_compile
+from trainkit.compiling import compile_failure_cause, compile_model
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
-from trainkit.fit_batch import choose_micro_batch, with_oom_retry
-from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, peak_memory
+from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
+from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
 from trainkit.memory import sample_peak, watch_peak
-from trainkit.update_guard import UpdateGuard, guarded_update, nonfinite_state
+from trainkit.update_guard import UpdateGuard, guarded_update
 
-# The ranks and what a run prints. launch: the device, the process group, rank-0 decisions, rank agreement, one line
-# per rank failure; console: printing from rank 0, control characters escaped; progress: the step line's rate per
-# device, elapsed time and eta; throughput: tok/s and MFU; stop_signal: SIGTERM/SIGINT/SIGHUP finish the step,
-# checkpoint, exit 0, and the line that says so
+# the ranks and what a run prints
 from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
 from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
 from trainkit.console import print0, print_result
@@ -342,20 +280,15 @@ from trainkit.progress import elapsed_and_eta, per_device_rate
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak
 from trainkit.stop_signal import StopSignal, stopped_line
 
-# The run's files. checkpoints: checkpoint files (atomic save, verified load), a folder's newest; training_state: a
-# run's state into a checkpoint and back; resume: what --resume continues, whose a checkpoint is, what a resume
-# keeps; out_dir: the run folder taken for a run (made, locked, its log opened); run_log: log.jsonl;
-# save_on_failure: a failed evaluation saves the trained steps first
-from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainkit.training_state import restore_training_state, training_state
-from trainkit.resume import ResumePoint, check_resume_compatible, choose_resume_checkpoint, data_change, data_files
-from trainkit.resume import find_resume_checkpoint
-from trainkit.out_dir import OutDirLock, open_run_log, prepare_out_dir
+# the run's files: checkpoints, resuming, the run folder and its log
+from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
+from trainkit.checkpointer import Checkpointer, resume_state
+from trainkit.resume import check_resume_compatible, data_files, eval_checkpoint
+from trainkit.out_dir import OutDirLock, claim_out_dir, open_run_log
 from trainkit.run_log import RunLog
 from trainkit.save_on_failure import save_first_on_failure
 
-# The evaluations. hellaswag_eval: HellaSwag accuracy of the model it is given; hellaswag_examples and hellaswag_data:
-# its examples, from the file given or downloaded once; sampling: the in-training samples (sample.py's too)
+# the evaluations
 from trainkit import hellaswag_eval, hellaswag_examples
 from trainkit.hellaswag_data import resolve_data_file
 from trainkit.sampling import sample_text
@@ -365,25 +298,6 @@ from trainkit.sampling import sample_text
 # model
 
 
-class LayerKVCache:
-    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so
-    far, so that decoding feeds each new token once instead of the whole sequence again."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.size(2)
-
-    def append(self, k, v):
-        """Add the new tokens' keys and values; returns all of them."""
-        if self.k is not None:
-            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        self.k, self.v = k, v
-        return k, v
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -391,7 +305,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
+    def forward(self, x, attn_mask=None, kv_cache=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
@@ -431,7 +345,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, attn_mask=None, kv_cache: LayerKVCache | None = None):
+    def forward(self, x, attn_mask=None, kv_cache=None):
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -494,17 +408,7 @@ class GPT(nn.Module):
             return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
-    def blocks(self, x, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
-        """The residual stream through every block."""
-        for block, layer_cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # keep only the block's input; backward recomputes its inside (same numbers, less memory)
-                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
-            else:
-                x = block(x, attn_mask, layer_cache)
-        return x
-
-    def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache: list[LayerKVCache] | None = None):
+    def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache=None):
         """The final LayerNorm's output (B, T, n_embd) for scoring and decoding (forward's first half).
 
         By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
@@ -520,7 +424,13 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
             positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
-        return self.transformer.ln_f(self.blocks(x, attn_mask, kv_cache))
+        for block, layer_cache in zip(self.transformer.h, kv_cache or [None] * len(self.transformer.h)):
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; backward recomputes its inside (same numbers, less memory)
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask, layer_cache)
+        return self.transformer.ln_f(x)
 
     def num_params(self, without_positions=True):
         """Parameters, the tied token embedding / lm_head once. By default without the position
@@ -552,53 +462,6 @@ class GPT(nn.Module):
         model = cls(GPTConfig(**config))
         model.load_state_dict(state)
         return model.eval()
-
-    def new_kv_cache(self) -> list[LayerKVCache]:
-        return [LayerKVCache() for _ in self.transformer.h]
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True, stop_token=None):
-        """Extend idx (B, T) by up to max_new_tokens tokens, each drawn from the top_k most likely
-        of softmax(logits / temperature); the model sees the newest block_size tokens.
-
-        generator: one torch.Generator for the batch, or one per row (a row's tokens then do not
-        depend on the batch). A temperature too small for float32 is greedy, not NaN. stop_token:
-        stop once every row has drawn it (rows go on drawing after theirs: cut them there). With
-        kv_cache each step feeds only the new token, until the window slides past block_size and
-        each step runs the whole window again: both ways draw the same tokens."""
-        block_size = self.config.block_size
-        cache = None
-        # the smallest positive float32: dividing by it keeps every nonzero gap below the max
-        # logit far enough down that exp() gives 0, which is what any smaller temperature does
-        temperature = max(temperature, torch.finfo(torch.float32).tiny)
-        stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
-            new_tokens = idx[:, -block_size:]
-            if kv_cache and cache is not None and idx.size(1) <= block_size:
-                new_tokens = idx[:, cache[0].length :]
-            elif kv_cache:
-                cache = self.new_kv_cache()  # the first step, or the window slid
-            x = self.hidden_states(new_tokens, kv_cache=cache)
-            logits = self.lm_head(x[:, -1, :])[:, : real_vocab_size(self.config.vocab_size)].float()  # no padded id
-            # the max first: (logits - max) / T is in [-inf, 0], so a tiny T cannot overflow to NaN
-            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
-            probs = F.softmax(logits, dim=-1)
-            topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
-            choice = draw(topk_probs, generator)
-            idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
-            if stop_token is not None:
-                stopped |= idx[:, -1] == stop_token
-                if stopped.all():
-                    break
-        return idx
-
-
-def draw(probs, generator):
-    """One index per row of probs (B, K), drawn with the row's weights: from one generator for the
-    batch, or from a list of one generator per row."""
-    if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator)
 
 
 # -----------------------------------------------------------------------------
@@ -917,7 +780,7 @@ def evaluate_loss(
     rows: TokenRows,
     B: int,
     n_batches: int,
-    d: Dist,
+    dist_state: Dist,
     dtype: torch.dtype,
     token_bytes,
     loss_chunk: int = 0,
@@ -927,7 +790,7 @@ def evaluate_loss(
     val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
     bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
     model.eval()
-    device, rank, world = d.device, d.rank, d.world_size
+    device, rank, world = dist_state.device, dist_state.rank, dist_state.world_size
     token_bytes = torch.as_tensor(token_bytes, device=device)
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
     for i in range(n_batches):
@@ -942,12 +805,12 @@ def evaluate_loss(
 
 
 # -----------------------------------------------------------------------------
-# the launch: resolved once (a Launch), before the Trainer exists
+# the launch: resolved once (a LaunchPlan), before the Trainer exists
 
 
 @dataclass
-class Opened:
-    """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
+class LaunchInputs:
+    """What resolving a launch inputs on the way, for the Trainer: the data, the tokenizer's pieces,
     the --init-from weights and the resumed checkpoint."""
 
     train_rows: TokenRows
@@ -973,7 +836,9 @@ def model_config(run: RunConfig) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=None) -> tuple[Launch, Opened]:
+def resolve_launch(
+    run: RunConfig, dist_state: Dist, out_dir_lock: OutDirLock, evaluated=None
+) -> tuple[LaunchPlan, LaunchInputs]:
     """Everything this launch decides, in the order that makes bad input fail before any model work:
     the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
     (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order.
@@ -985,23 +850,32 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
     seq_len = run.seq_len or min(model_cfg.block_size, 1024)
-    batch_size = run.batch_size or ("auto" if d.device_type == "cuda" else 64)
-    train_flags.check_run(run, model_cfg, seq_len, batch_size, d.world_size)
-    rows_per_rank = run.total_batch_size // (seq_len * d.world_size)  # which --batch-size divides
-    check_model_fits(param_count(model_cfg), d, run.fsdp, training=not run.eval_only)
+    batch_size = run.batch_size or ("auto" if dist_state.device_type == "cuda" else 64)
+    train_flags.check_run(run, model_cfg, seq_len, batch_size, dist_state.world_size)
+    rows_per_rank = run.total_batch_size // (seq_len * dist_state.world_size)  # which --batch-size divides
+    check_model_fits(param_count(model_cfg), dist_state, run.fsdp, training=not run.eval_only)
     problem = run.hellaswag_every and hellaswag_eval.model_problem(model_cfg.vocab_size, model_cfg.block_size)
     if problem:  # refused now, not after --hellaswag-every steps of training
         raise UserError(f"--hellaswag-every {run.hellaswag_every}: {problem}; pass --hellaswag-every 0")
-    dtype, compiled = choose_precision_and_compile(run, d)
-    loss_chunk = run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if d.device_type == "cpu" else 0
+    dtype, compiled = choose_precision_and_compile(run, dist_state)
+    loss_chunk = (
+        run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if dist_state.device_type == "cpu" else 0
+    )
 
     train_rows = TokenRows(
-        run.data_dir, "train", seq_len, run.align_docs, run.shuffle, run.seed, model_cfg.vocab_size, progress=d.is_main
+        run.data_dir,
+        "train",
+        seq_len,
+        run.align_docs,
+        run.shuffle,
+        run.seed,
+        model_cfg.vocab_size,
+        progress=dist_state.is_main,
     )
-    if train_rows.rows_per_epoch < rows_per_rank * d.world_size:
+    if train_rows.rows_per_epoch < rows_per_rank * dist_state.world_size:
         raise UserError(
             f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
-            f"than one optimizer step ({rows_per_rank * d.world_size} rows): lower --total-batch-size"
+            f"than one optimizer step ({rows_per_rank * dist_state.world_size} rows): lower --total-batch-size"
         )
     val_rows = None
     if run.val_every:
@@ -1009,7 +883,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
             val_rows = TokenRows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
         except UserError as e:
             raise UserError(f"{e} (or pass --val-every 0)") from None
-        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * d.world_size
+        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * dist_state.world_size
         if val_rows.rows_per_epoch < val_rows_needed:
             raise UserError(
                 f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
@@ -1033,7 +907,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
     if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
         resume_from, checkpoint = evaluated or (eval_checkpoint(run), None)
     else:
-        resume_from, checkpoint = decided_on_rank0(d, lambda: claim_out_dir(run, out_dir_lock)), None
+        resume_from, checkpoint = decided_on_rank0(dist_state, lambda: claim_out_dir(run, out_dir_lock)), None
     start_step, shuffle = 0, run.shuffle is not False
     if resume_from:
         checkpoint = checkpoint or load_checkpoint(resume_from, model_fields=MODEL_FIELDS, resume=True)
@@ -1056,12 +930,12 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
                 "pass a larger --max-steps to train on"
             )
     train_rows.shuffle = shuffle  # (no row was read yet)
-    launch = Launch(
+    plan = LaunchPlan(
         model_cfg,
         seq_len,
         batch_size,
         rows_per_rank,
-        d.world_size,
+        dist_state.world_size,
         str(dtype).removeprefix("torch."),
         compiled,
         loss_chunk,
@@ -1070,56 +944,22 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
         start_step,
         shuffle,
     )
-    return launch, Opened(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
+    return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
 
 
-def choose_precision_and_compile(run: RunConfig, d: Dist) -> tuple[torch.dtype, bool]:
-    """The autocast dtype and whether to compile."""
-    capability = torch.cuda.get_device_capability(d.device) if d.device_type == "cuda" else None
-    dtype = resolve_dtype(run.dtype, d.device_type, capability)
-    if run.fsdp and dtype == torch.float16:  # each rank's scaler would see only its shard's overflows
-        raise UserError(
-            "--fsdp does not support float16 (its GradScaler needs every rank to agree on "
-            "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp"
-        )
-    compiled, why_not = compile_decision(
-        run.compile, d.device_type, capability, sys.platform, importlib.util.find_spec("triton") is not None
-    )
-    if why_not:
-        print0(f"compile off: {why_not}")
-    if d.device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls
-    return dtype, compiled
-
-
-def claim_out_dir(run: RunConfig, out_dir_lock: OutDirLock) -> str | None:
-    """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
-    out_dir_lock.made = prepare_out_dir(run.out_dir)
-    out_dir_lock.acquire()
-    return choose_resume_checkpoint(run)
-
-
-def eval_checkpoint(run: RunConfig) -> str | None:
-    """--eval-only's checkpoint: --resume's (None: --init-from's weights are evaluated)."""
-    path = find_resume_checkpoint(run)
-    if run.resume is not None and not path:
-        raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
-    return path
-
-
-def build_model(run: RunConfig, launch: Launch, d: Dist, pretrained: GPT | None) -> GPT:
+def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
     """The bare model (for evaluation and checkpoints), on the device. Under --fsdp it is the sharded module,
-    on which every rank evaluates; its blocks compiled when launch.compile."""
-    raw_model = (pretrained or GPT(launch.model)).train()
+    on which every rank evaluates; its blocks compiled when plan.compile."""
+    raw_model = (pretrained or GPT(plan.model)).train()
     if run.fsdp:
-        shard_model(raw_model, d, getattr(torch, launch.dtype), torch.compile if launch.compile else None)
+        shard_model(raw_model, dist_state, getattr(torch, plan.dtype), torch.compile if plan.compile else None)
     else:
-        raw_model.to(d.device)
+        raw_model.to(dist_state.device)
     raw_model.activation_checkpointing = run.activation_checkpointing
     return raw_model
 
 
-def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module:
+def wrap_model(raw_model: GPT, compiled: bool, dist_state: Dist, fsdp: bool) -> nn.Module:
     """What the step runs: raw_model compiled if compiled, in DDP under torchrun. Under --fsdp raw_model
     itself (its blocks compiled, or eager after a failed compile)."""
     if fsdp:
@@ -1127,11 +967,15 @@ def wrap_model(raw_model: GPT, compiled: bool, d: Dist, fsdp: bool) -> nn.Module
             uncompile_blocks(raw_model)
         return raw_model
     model = compile_model(raw_model) if compiled else raw_model
-    if d.enabled:
+    if dist_state.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
-        model = DDP(model, device_ids=[d.local_rank] if d.device_type == "cuda" else None, gradient_as_bucket_view=True)
+        model = DDP(
+            model,
+            device_ids=[dist_state.local_rank] if dist_state.device_type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
     return model
 
 
@@ -1153,51 +997,54 @@ class StepResult:
 
 
 class Trainer:
-    """One training run of a resolved Launch. The constructor builds the model, its optimizer and their
-    resumed state, the log, and installs what recovers from failure (forward_backward: compile fallback,
-    out-of-memory retry; update: the guard's skips); fit() is the loop; train_step() is one step."""
+    """One training run of a resolved LaunchPlan: the constructor builds the model, its optimizer and their
+    resumed state, and the log; fit() is the loop; train_step() is one step."""
 
-    def __init__(self, run: RunConfig, launch: Launch, opened: Opened, d: Dist):
-        self.run, self.launch, self.d, self.device = run, launch, d, d.device
+    def __init__(self, run: RunConfig, plan: LaunchPlan, inputs: LaunchInputs, dist_state: Dist):
+        self.run, self.plan, self.dist_state, self.device = run, plan, dist_state, dist_state.device
         watch_peak()  # the private memory the summary reports (memory.py), from here on
-        self.train_rows, self.val_rows, self.shard_check = opened.train_rows, opened.val_rows, opened.shard_check
-        self.enc, self.token_bytes = opened.enc, opened.token_bytes
+        self.train_rows, self.val_rows, self.shard_check = inputs.train_rows, inputs.val_rows, inputs.shard_check
+        self.enc, self.token_bytes = inputs.enc, inputs.token_bytes
         # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
         # shard check stops a run whose shards change under it)
         self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
-        self.dtype = getattr(torch, launch.dtype)
+        self.dtype = getattr(torch, plan.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
-        self.scaler = torch.amp.GradScaler(d.device_type) if self.dtype == torch.float16 else None
+        self.scaler = torch.amp.GradScaler(dist_state.device_type) if self.dtype == torch.float16 else None
         fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
-        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.last_ckpt)
-        torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        self.raw_model = build_model(run, launch, d, opened.pretrained)
-        self.optimizer = build_optimizer(
-            self.raw_model, run.weight_decay, run.max_lr, d.device_type, muon_lr, run.muon_momentum
+        self.guard = UpdateGuard(
+            run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.checkpointer.last
         )
-        self.resumed = opened.checkpoint and self._load_resume_state(opened.checkpoint)
-        self.compiled = launch.compile
-        self.model = wrap_model(self.raw_model, self.compiled, d, run.fsdp)
+        torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+        self.raw_model = build_model(run, plan, dist_state, inputs.pretrained)
+        self.optimizer = build_optimizer(
+            self.raw_model, run.weight_decay, run.max_lr, dist_state.device_type, muon_lr, run.muon_momentum
+        )
+        trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
+        self.resumed = None
+        if inputs.checkpoint:
+            lr_notice = lr_change_notice(inputs.checkpoint["run_config"], run, plan.start_step)
+            self.resumed = resume_state(inputs.checkpoint, run, plan, trainer_state, self.shards_read, lr_notice)
+        self.compiled = plan.compile
+        self.model = wrap_model(self.raw_model, self.compiled, dist_state, run.fsdp)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
-        decided_on_rank0(d, self._open_log)
+        decided_on_rank0(dist_state, self._open_log)
         self.stop = StopSignal(at_once=run.eval_only)
-        self.last_ckpt = launch.resume_from
-        # recovery, installed once: a failed compile goes on eagerly, an out-of-memory redoes the step smaller,
-        # and the update is skipped where the guard says so (fp16: the scaler adjusts its loss scale either way)
-        eager = self._forward_backward
-        compiling = with_compile_fallback(eager, self._compile_failed) if self.compiled else eager
-        retry = launch.rows_per_rank, d, self.optimizer, self.use_micro_batch, self.log
-        self.forward_backward = with_oom_retry(compiling, *retry)
-        self.update = guarded_update(self.optimizer, self.guard, self.scaler)  # the optimizer's step, zero_grad
-        if launch.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits (its
-            # trials see their out-of-memory errors: no retry)
-            B = choose_micro_batch(run, launch, compiling, self.model, self.optimizer, self.val_rows, d, self.log)
-            self.launch = dataclasses.replace(launch, batch_size=B)
-        self.use_micro_batch(self.launch.batch_size)
-        tokens_per_step = launch.rows_per_rank * d.world_size * launch.seq_len  # all ranks, padding included
-        flops = flops_per_token(launch.model, launch.seq_len, self.raw_model.num_params())
+        self.compile_proven = not self.compiled  # until the first compiled forward-backward has run
+        if plan.batch_size == "auto":  # the launch's last decision: the largest micro-batch that fits
+            B = choose_micro_batch(
+                run, plan, self.forward_backward, self.model, self.optimizer, self.val_rows, dist_state, self.log
+            )
+            self.plan = dataclasses.replace(plan, batch_size=B)
+        self.use_micro_batch(self.plan.batch_size)
+        rows_per_epoch = self.train_rows.rows_per_epoch
+        self.checkpointer = Checkpointer(
+            run, self.plan, dist_state, trainer_state, self.shard_check, self.log, self.shards_read, rows_per_epoch
+        )
+        tokens_per_step = plan.rows_per_rank * dist_state.world_size * plan.seq_len  # all ranks, padding included
+        flops = flops_per_token(plan.model, plan.seq_len, self.raw_model.num_params())
         peak = mfu_peak(run.peak_tflops, self.device, self.dtype)
-        self.speed = Throughput(tokens_per_step, flops, peak, d.world_size, d.device_type)
+        self.speed = Throughput(tokens_per_step, flops, peak, dist_state.world_size, dist_state.device_type)
 
     # ---- set-up
 
@@ -1205,95 +1052,43 @@ class Trainer:
         """Read the steps B rows per micro-step from now on (after an out-of-memory: fewer)."""
         if hasattr(self, "prefetcher"):  # it holds micro-batches of the old size
             self.prefetcher.close()
-        self.loader = StepLoader(self.train_rows, B, self.launch.rows_per_rank // B, self.d.rank, self.d.world_size)
-        self.prefetcher = Prefetcher(self.loader, pin_memory=self.d.device_type == "cuda")
-
-    def _forward_backward(self, micro_batches, n_tokens: int, step: int | None = None) -> torch.Tensor:
-        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad."""
-        options = self.launch.loss_chunk, self.scaler, self.run.doc_mask
-        return accumulate_gradients(
-            self.model, micro_batches, n_tokens, self.d.world_size, self.device, self.dtype, *options
+        self.loader = StepLoader(
+            self.train_rows, B, self.plan.rows_per_rank // B, self.dist_state.rank, self.dist_state.world_size
         )
+        self.prefetcher = Prefetcher(self.loader, pin_memory=self.dist_state.device_type == "cuda")
 
-    def _compile_failed(self):
-        """with_compile_fallback's way back to eager: the model unwrapped, the partial gradients dropped."""
-        self.compiled = False
+    def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
+        """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad. If the first
+        compiled call fails to compile, one line says why and it runs again eagerly (an out-of-memory is raised)."""
+        options = (
+            self.dist_state.world_size,
+            self.device,
+            self.dtype,
+            self.plan.loss_chunk,
+            self.scaler,
+            self.run.doc_mask,
+        )
+        try:
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+        except Exception as e:
+            if self.compile_proven:
+                raise
+            self.fall_back_to_eager(compile_failure_cause(e))
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+        self.compile_proven = True
+        return loss_total
+
+    def fall_back_to_eager(self, cause: BaseException):
+        """After a failed compile: the model unwrapped, the partial gradients dropped."""
+        print0(f"compile failed, continuing without it: {cli.reason_of(cause, typed=True)}")
+        self.compiled, self.compile_proven = False, True
         self.optimizer.zero_grad(set_to_none=True)  # a backward may have run in part
-        self.model = wrap_model(self.raw_model, False, self.d, self.run.fsdp)
-
-    def _load_resume_state(self, ckpt: dict) -> ResumePoint:
-        path, run, step = self.launch.resume_from, self.run, self.launch.start_step
-        objects = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
-        optimizer_notice = restore_training_state(ckpt, *objects, path)  # (this run's weight decay, ...)
-        print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
-        if not run.eval_only:
-            change = data_change(ckpt["data_files"], self.shards_read)
-            if change:
-                cli.print_warning(
-                    f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
-                    f"step {step} on this run reads other rows than the run it continues would have"
-                )
-            for notice in (lr_change_notice(ckpt["run_config"], run, step), optimizer_notice):
-                if notice:
-                    print0(notice)
-        return ResumePoint.of(path, ckpt)
+        self.model = wrap_model(self.raw_model, False, self.dist_state, self.run.fsdp)
 
     def _open_log(self):
-        """Rank 0: the run's identity (a resume of an earlier step is a branch: a new id naming its parent),
-        its log.jsonl and trackers, each record stamped with the id; every check of the folder comes before
-        its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). An
-        evaluation touches neither."""
-        run = self.run
-        self.log = (
-            RunLog(run.out_dir, enabled=False) if run.eval_only else open_run_log(run, self.launch.model, self.resumed)
-        )
-
-    # ---- checkpoints
-
-    def checkpoint_state(self, step: int) -> dict:
-        """Everything a resume needs: the training state, the log's position, the shards, and both records,
-        the RunConfig asked for and the Launch resolved."""
-        next_row = step * self.loader.rows_per_step
-        return training_state(
-            self.raw_model,
-            self.optimizer,
-            self.guard,
-            self.scaler,
-            self.device,
-            step=step,
-            model_config=dataclasses.asdict(self.launch.model),
-            run_config=dataclasses.asdict(self.run),
-            launch=dataclasses.asdict(self.launch),
-            world_size=self.d.world_size,
-            next_row=next_row,
-            epoch=next_row // self.train_rows.rows_per_epoch,
-            data_files=self.shards_read,
-            **self.log.position(),  # the log's length and sha256 at this step, and the run's identity
-        )
-
-    def save(self, step: int, stopping: bool = False):
-        """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
-        its tensors; one all-reduce makes them agree), or a rank's shards are not what their manifest
-        records (no checkpoint of steps on them; the save waits for that check to end, except a stop
-        signal's: a job's grace time is short, and a checkpoint in it is worth more)."""
-        path = checkpoint_path(self.run.out_dir, step)
-        checked_on_every_rank(self.d, lambda: self.shard_check.result(wait=not stopping))
-        where = nonfinite_state(self.raw_model, self.optimizer, self.device)
-        if where:
-            raise UserError(
-                f"step {step}: not writing {path}: the {where} hold non-finite values. "
-                f"Last good checkpoint: {self.last_ckpt or 'none'}"
-            )
-        # under --fsdp every rank takes part in gathering the state to rank 0
-        state = self.checkpoint_state(step) if self.d.is_main or self.run.fsdp else None
-        if self.d.is_main:
-            self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
-            save_checkpoint(path, state, self.run.keep_last)
-            self.last_ckpt = path  # on disk: named if a peer dies in the barrier below
-        if self.d.enabled:
-            dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
-        # on every rank, once rank 0 has written it: they decide together whether a stop needs another save
-        self.last_ckpt = self.log.last_checkpoint = path
+        """Rank 0: the run's identity, log.jsonl and trackers (out_dir.open_run_log); an evaluation opens none."""
+        if not self.run.eval_only:
+            self.log = open_run_log(self.run, self.plan.model, self.resumed)
 
     # ---- one optimizer step
 
@@ -1301,12 +1096,26 @@ class Trainer:
         """One optimizer step, in the order of README's "The step, in order". Its one host sync is the
         .tolist() after the clip; the update is queued without waiting, so dt runs from this step's start
         to the next sync and includes the GPU finishing the previous step's update: in a steady run, the
-        time per step. What recovers from failure was installed in the constructor: forward_backward goes
-        on eagerly if compiling fails and redoes the step at half the micro-batch after an out-of-memory;
-        update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
+        time per step. Recovery is written where it happens: forward_backward goes on eagerly if compiling
+        fails, the step is redone at half the micro-batch after an out-of-memory (one process), and
+        guarded_update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
         t0 = time.perf_counter()
         micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
-        loss_total = self.forward_backward(micro_batches, n_tokens, step)  # 4. each micro-batch: backward of sum*W/N
+        while True:  # 4. each micro-batch: backward of sum*W/N; out of memory: the same rows again, smaller
+            try:
+                loss_total = self.forward_backward(micro_batches, n_tokens)
+                break
+            except Exception as e:
+                smaller = size_after_failure(
+                    e, len(micro_batches[0][0]), self.plan.rows_per_rank, self.dist_state.world_size
+                )
+                if smaller is None:
+                    raise
+                reason = out_of_memory_reason(e)
+            micro_batches = redo_smaller(
+                step, micro_batches, smaller, reason, self.plan.rows_per_rank, self.optimizer, self.device, self.log
+            )
+            self.use_micro_batch(smaller)
         # 5. one all-reduce: the summed loss, the stop votes (SIGTERM/SIGINT on any rank), the shard checks' verdict.
         # torch.full fills on the device with the value as a kernel argument: unlike torch.tensor(value,
         # device=...), no copy from pageable host memory, which would block until the backward ends
@@ -1318,10 +1127,10 @@ class Trainer:
         norm = clip_gradients(self.raw_model, self.run.grad_clip, self.optimizer, self.scaler)  # 6. norm and clip
         loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
         if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
-            checked_on_every_rank(self.d, self.shard_check.result)
+            checked_on_every_rank(self.dist_state, self.shard_check.result)
         lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
         set_lr(self.optimizer, lr)
-        skipped = self.update(step, loss_sum / n_tokens, norm)  # 8. optimizer step, zero_grad (a guard may skip)
+        skipped = guarded_update(self.optimizer, self.guard, self.scaler, step, loss_sum / n_tokens, norm)  # 8. update
         return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_votes > 0, skipped)
 
     # ---- the loop
@@ -1332,16 +1141,16 @@ class Trainer:
         self.print_header()
         t_start = time.perf_counter()
         with self.running():
-            for step in range(self.launch.start_step, run.max_steps + 1):
+            for step in range(self.plan.start_step, run.max_steps + 1):
                 last_step = step == run.max_steps
-                resumed_here = step == self.launch.start_step and self.launch.resume_from
+                resumed_here = step == self.plan.start_step and self.plan.resume_from
                 if not resumed_here:  # the resumed step was evaluated before saving
-                    save_first_on_failure(self, step, lambda: self.evaluate(step, last_step))
-                    if step > self.launch.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
-                        self.save(step)
+                    save_first_on_failure(self.checkpointer, step, lambda: self.evaluate(step, last_step))
+                    if step > self.plan.start_step and (last_step or (run.ckpt_every and step % run.ckpt_every == 0)):
+                        self.checkpointer.save(step)
                 if stop_agreed:
-                    if self.last_ckpt != checkpoint_path(run.out_dir, step):
-                        self.save(step, stopping=True)
+                    if self.checkpointer.last != checkpoint_path(run.out_dir, step):
+                        self.checkpointer.save(step, stopping=True)
                     stopped_at = step
                     break
                 if last_step:
@@ -1358,16 +1167,18 @@ class Trainer:
     def evaluate(self, step: int, last_step: bool) -> dict:
         """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
         Returns what it logged."""
-        run, d = self.run, self.d
+        run, dist_state = self.run, self.dist_state
         results = {}
 
         def due(every):
             return every and (step % every == 0 or last_step)
 
         if self.val_rows and due(run.val_every):
-            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.launch.loss_chunk
+            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.plan.loss_chunk
             results.update(
-                evaluate_loss(model, rows, B, run.val_steps, d, self.dtype, self.token_bytes, chunk, run.doc_mask)
+                evaluate_loss(
+                    model, rows, B, run.val_steps, dist_state, self.dtype, self.token_bytes, chunk, run.doc_mask
+                )
             )
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
@@ -1375,10 +1186,10 @@ class Trainer:
             result = hellaswag_eval.evaluate(
                 self.raw_model,
                 self.device,
-                data_file=self.launch.hellaswag_file,
+                data_file=self.plan.hellaswag_file,
                 limit=run.hellaswag_limit or None,
-                rank=d.rank,
-                world_size=d.world_size,
+                rank=dist_state.rank,
+                world_size=dist_state.world_size,
                 dtype=self.dtype,
                 flag="--hellaswag-file",
             )
@@ -1386,7 +1197,7 @@ class Trainer:
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
         # a sharded model needs every rank in its forward; only rank 0 prints
-        if self.enc and (d.is_main or run.fsdp) and step > 0 and due(run.sample_every):
+        if self.enc and (dist_state.is_main or run.fsdp) and step > 0 and due(run.sample_every):
             prompt = train_flags.SAMPLE_PROMPT if run.sample_prompt is None else run.sample_prompt
             for text in sample_text(self.raw_model, self.enc, self.device, prompt, stop_early=not run.fsdp):
                 print0(f"sample: {text}", keep_newlines=True)  # its control characters escaped
@@ -1396,9 +1207,9 @@ class Trainer:
         """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
         printed, then one JSON line. Nothing is written to --out-dir."""
         with self.running():
-            results = self.evaluate(self.launch.start_step, last_step=True)
-            checked_on_every_rank(self.d, self.shard_check.result)
-        print_result(json.dumps(dict(step=self.launch.start_step, **results)))
+            results = self.evaluate(self.plan.start_step, last_step=True)
+            checked_on_every_rank(self.dist_state, self.shard_check.result)
+        print_result(json.dumps(dict(step=self.plan.start_step, **results)))
 
     @contextlib.contextmanager
     def running(self):
@@ -1410,9 +1221,9 @@ class Trainer:
         try:
             yield
         except Exception as e:
-            if self.d.enabled and is_lost_rank(e):
+            if self.dist_state.enabled and is_lost_rank(e):
                 self.stop.ignore_sigterm_from_now()
-                raise lost_rank_error(e, self.d.rank, self.last_ckpt) from None
+                raise lost_rank_error(e, self.dist_state.rank, self.checkpointer.last) from None
             raise
         finally:  # the run's threads end here, before the process group is destroyed
             self.shard_check.close()
@@ -1423,15 +1234,15 @@ class Trainer:
     # ---- what a step prints
 
     def print_header(self):
-        run, d, launch = self.run, self.d, self.launch
+        run, dist_state, plan = self.run, self.dist_state, self.plan
         print0(
-            f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {launch.dtype} | compile "
-            f"{self.compiled} | world {d.world_size}"
+            f"model: {self.raw_model.param_summary()} | device {self.device} | dtype {plan.dtype} | compile "
+            f"{self.compiled} | world {dist_state.world_size}"
             + (" | fsdp (sharded parameters, gradients, AdamW state)" if run.fsdp else "")
         )
         print0(
-            f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {launch.seq_len} tokens x "
-            f"{self.loader.accum} accumulation steps x {d.world_size} ranks | "
+            f"batch: {run.total_batch_size} tokens/step = {self.loader.B} rows x {plan.seq_len} tokens x "
+            f"{self.loader.accum} accumulation steps x {dist_state.world_size} ranks | "
             f"{self.train_rows.rows_per_epoch} train rows per epoch"
         )
 
@@ -1441,7 +1252,7 @@ class Trainer:
         print0(
             f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
             f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
-            + per_device_rate(tok_per_gpu, self.d.world_size, self.d.device_type)
+            + per_device_rate(tok_per_gpu, self.dist_state.world_size, self.dist_state.device_type)
             + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + (f" | skipped ({r.skipped})" if r.skipped else "")
             + progress
@@ -1455,20 +1266,20 @@ class Trainer:
 # main
 
 
-def train(run: RunConfig, d: Dist, evaluated=None):
-    """Resolve the launch, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
+def train(run: RunConfig, dist_state: Dist, evaluated=None):
+    """Resolve the plan, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
     out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
-    launch = trainer = None
+    plan = trainer = None
     try:
         check_ranks_agree(launch_fingerprint(run))
-        launch, opened = resolve_launch(run, d, out_dir_lock, evaluated)
-        if launch.resume_from and launch.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
+        plan, inputs = resolve_launch(run, dist_state, out_dir_lock, evaluated)
+        if plan.resume_from and plan.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
             print0(
-                f"{launch.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
+                f"{plan.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
             )
             return
-        trainer = Trainer(run, launch, opened, d)
-        del opened  # (the checkpoint's tensors: now in the model and optimizer)
+        trainer = Trainer(run, plan, inputs, dist_state)
+        del inputs  # (the checkpoint's tensors: now in the model and optimizer)
         if run.eval_only:
             trainer.evaluate_only()
             return
@@ -1481,12 +1292,12 @@ def train(run: RunConfig, d: Dist, evaluated=None):
         trainer.fit()
     except Exception as e:
         if is_out_of_memory(e):
-            auto = (launch.batch_size if launch else run.batch_size) == "auto"  # B was (or was to be) auto's choice
+            auto = (plan.batch_size if plan else run.batch_size) == "auto"  # B was (or was to be) auto's choice
             micro_batch = (
-                trainer.loader.B if trainer else None if auto else launch.batch_size if launch else run.batch_size
+                trainer.loader.B if trainer else None if auto else plan.batch_size if plan else run.batch_size
             )  # the rows per micro-step it ran out at (None: auto had chosen none)
             raise out_of_memory_error(
-                e, d.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
+                e, dist_state.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
             ) from None
         raise
     finally:
@@ -1506,14 +1317,14 @@ def main(argv=None) -> int:
 
     def setup_and_train():
         train_flags.check_flags(run)
-        with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as d:
+        with process_group(run.device, run.dist_timeout, lambda: latest_checkpoint(run.out_dir)) as dist_state:
             if run.eval_only and run.resume is not None:  # the checkpoint's own flags, where this command is silent
                 path = eval_checkpoint(run)
                 checkpoint = load_checkpoint(path, model_fields=MODEL_FIELDS, resume=True)
                 given = train_flags.given_flags(parser, argv, RunConfig)
-                train(train_flags.as_trained(run, checkpoint["run_config"], given), d, (path, checkpoint))
+                train(train_flags.as_trained(run, checkpoint["run_config"], given), dist_state, (path, checkpoint))
             else:
-                train(run, d)
+                train(run, dist_state)
 
     return exit_code_on_every_rank(setup_and_train, run.debug)
 

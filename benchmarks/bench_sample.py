@@ -3,9 +3,9 @@
 Three ways to draw the same tokens from the same model and generator:
 - "reference": nanoGPT's loop: a full forward pass over the whole window for every new
   token, logits at every position, the last one kept;
-- "no cache": GPT.generate(kv_cache=False): the whole window each step, lm_head on the last
+- "no cache": sampling.generate(kv_cache=False): the whole window each step, lm_head on the last
   position only;
-- "kv cache": GPT.generate(): each step feeds only the new token (what sample.py runs).
+- "kv cache": sampling.generate(): each step feeds only the new token (what sample.py runs).
 
     python benchmarks/bench_sample.py                         # cpu preset, 4 samples x 200 tokens
     python benchmarks/bench_sample.py --model gpt2 --new-tokens 100
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainkit import cli  # noqa: E402
+from trainkit import cli, sampling  # noqa: E402
 from train_gpt2 import GPT, GPTConfig, MODEL_PRESETS  # noqa: E402
 
 
@@ -67,12 +67,12 @@ def main():
 
     variants = {
         "reference": lambda: reference_generate(model, prompt, args.new_tokens, args.top_k, generator()),
-        "no cache": lambda: model.generate(
-            prompt, args.new_tokens, top_k=args.top_k, generator=generator(), kv_cache=False
+        "no cache": lambda: sampling.generate(
+            model, prompt, args.new_tokens, top_k=args.top_k, generator=generator(), kv_cache=False
         ),
-        "kv cache": lambda: model.generate(prompt, args.new_tokens, top_k=args.top_k, generator=generator()),
+        "kv cache": lambda: sampling.generate(model, prompt, args.new_tokens, top_k=args.top_k, generator=generator()),
     }
-    model.generate(prompt, 4, top_k=args.top_k)  # warm-up
+    sampling.generate(model, prompt, 4, top_k=args.top_k)  # warm-up
     best, tokens = {}, {}
     for _ in range(args.rounds):
         for name, run in variants.items():

@@ -120,7 +120,7 @@ def test_cached_logits_equal_the_full_forward():
     seq = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full, _ = model(seq)
-        cache = model.new_kv_cache()
+        cache = sampling.new_kv_cache(model)
         # a prefill, single tokens, then several new tokens at once after cached ones
         pieces = [seq[:, :7], *(seq[:, t : t + 1] for t in range(7, 20)), seq[:, 20:]]
         incremental = torch.cat([model.lm_head(model.hidden_states(p, kv_cache=cache)) for p in pieces], dim=1)
@@ -139,8 +139,8 @@ def test_cached_generation_draws_the_same_tokens(prompt_len, new_tokens):
     model = random_gpt()
     idx = torch.randint(0, 96, (4, prompt_len), generator=torch.Generator().manual_seed(2))
     runs = {
-        kv: model.generate(
-            idx, new_tokens, temperature=0.9, top_k=40, generator=torch.Generator().manual_seed(3), kv_cache=kv
+        kv: sampling.generate(
+            model, idx, new_tokens, temperature=0.9, top_k=40, generator=torch.Generator().manual_seed(3), kv_cache=kv
         )
         for kv in (True, False)
     }
@@ -159,10 +159,12 @@ def test_top_k_1_is_greedy_decoding():
             logits, _ = model(expected)
             expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     for temperature in (0.5, 1.0, 3.0):
-        assert torch.equal(model.generate(idx, 12, temperature=temperature, top_k=1), expected)
+        assert torch.equal(sampling.generate(model, idx, 12, temperature=temperature, top_k=1), expected)
     for temperature in (1e-40, 1e-300):  # the limit T -> 0, below float32's range: greedy, not NaN
         assert torch.equal(
-            model.generate(idx, 12, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(0)),
+            sampling.generate(
+                model, idx, 12, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(0)
+            ),
             expected,
         )
 
@@ -175,9 +177,9 @@ def test_temperature_scales_the_logits():
     with torch.no_grad():
         logits = model(idx[:1])[0][0, -1]
     for temperature in (0.5, 2.0):
-        drawn = model.generate(idx, 1, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(6))[
-            :, -1
-        ]
+        drawn = sampling.generate(
+            model, idx, 1, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(6)
+        )[:, -1]
         freq = torch.bincount(drawn, minlength=96).double() / len(drawn)
         expected = torch.softmax(logits.double() / temperature, dim=-1)
         assert (freq - expected).abs().max() < 0.015
@@ -192,8 +194,8 @@ def test_padded_ids_are_never_drawn():
         assert (
             model.lm_head(model.hidden_states(torch.zeros(1, 1, dtype=torch.long))).softmax(-1)[..., 50257:].sum() > 0.9
         )
-    drawn = model.generate(
-        torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=torch.Generator().manual_seed(0)
+    drawn = sampling.generate(
+        model, torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=torch.Generator().manual_seed(0)
     )
     assert drawn.max() < 50257
 

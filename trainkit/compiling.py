@@ -1,5 +1,5 @@
 """torch.compile for training: whether it can run here, the GPT compiled one block at a time, and
-the fallback to eager when the first compiled step fails."""
+the cause of a failed first compiled step (the Trainer then goes on eagerly)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import copy
 import torch
 import torch.nn as nn
 
-from trainkit.cli import reason_of
-from trainkit.console import print0
 from trainkit.memory import is_out_of_memory
 
 
@@ -57,32 +55,9 @@ def compile_model(model: nn.Module, **options) -> nn.Module:
 
 def compile_failure_cause(e: BaseException) -> BaseException:
     """The root cause of a failed first compiled step (dynamo wraps the backend's error). An
-    out-of-memory is no failure of the compiler: it is raised (fit_batch.with_oom_retry's business)."""
+    out-of-memory is no failure of the compiler: it is raised (the step redoes itself smaller: fit_batch.py)."""
     while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
         e = inner
     if is_out_of_memory(e):
         raise e from None
     return e
-
-
-def with_compile_fallback(forward_backward, fall_back):
-    """forward_backward, whose first call compiles. If that fails (dynamo, inductor, Triton and the C++
-    toolchain fail in many types), one line says why, fall_back() makes the model eager and the call
-    runs again; later calls go straight through. An out-of-memory is no compile failure: it is raised."""
-    compiled_once = False
-
-    def call(*args):
-        nonlocal compiled_once
-        if compiled_once:
-            return forward_backward(*args)
-        try:
-            result = forward_backward(*args)
-        except Exception as e:
-            e = compile_failure_cause(e)
-            print0(f"compile failed, continuing without it: {reason_of(e, typed=True)}")
-            fall_back()
-            result = forward_backward(*args)
-        compiled_once = True
-        return result
-
-    return call

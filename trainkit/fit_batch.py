@@ -27,7 +27,7 @@ from trainkit.cli import UserError
 from trainkit.fsdp import local_part
 from trainkit.console import print0
 from trainkit.launch import all_reduce_sum
-from trainkit.memory import is_out_of_memory, out_of_memory_reason
+from trainkit.memory import is_out_of_memory
 
 CPU_SEARCH_SHARE = 0.8  # on CPU a trial may take this much of the RAM the machine has available
 # What a trial leaves free for what a real step adds to it: the prefetcher's thread (8 MiB of stack on
@@ -170,32 +170,27 @@ def choose_micro_batch(run, launch, forward_backward, model, optimizer, val_rows
     return B
 
 
-def with_oom_retry(forward_backward, rows_per_rank: int, d, optimizer, use_micro_batch, log):
-    """forward_backward(micro_batches, N, step) that, on one process, survives running out of memory: the
-    failed try's gradients are dropped, the step's rows are split again at half the micro-batch (the same
-    rows in the same order: with one rank, micro-step m reads rows m*B + [0, B)), use_micro_batch(smaller)
-    makes the following steps read that many, and the step runs again, said in one line and a log record.
-    Under torchrun (d.world_size > 1), or below one row, the out-of-memory is raised."""
+def size_after_failure(e: BaseException, B: int, rows_per_rank: int, world_size: int) -> int | None:
+    """The micro-batch to redo a step at after its forward-backward raised e at B rows: half of B (or the
+    largest divisor below) when e is an out-of-memory on one process; None (raise e) for any other error,
+    under torchrun, or below one row."""
+    if not is_out_of_memory(e) or world_size > 1:
+        return None
+    return smaller_micro_batch(B, rows_per_rank)
 
-    def call(micro_batches, n_tokens, step):
-        while True:
-            B = len(micro_batches[0][0])
-            try:
-                return forward_backward(micro_batches, n_tokens, step)
-            except Exception as e:
-                smaller = smaller_micro_batch(B, rows_per_rank)
-                if not is_out_of_memory(e) or d.world_size > 1 or smaller is None:
-                    raise
-                reason = out_of_memory_reason(e)
-            optimizer.zero_grad(set_to_none=True)  # (out of the except block: the failed try's tensors are gone)
-            release_cached(d.device)
-            print0(
-                f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at "
-                f"{smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers"
-            )
-            log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
-            use_micro_batch(smaller)
-            x, y = (torch.cat([torch.as_tensor(batch[i]) for batch in micro_batches]) for i in (0, 1))
-            micro_batches = list(zip(x.split(smaller), y.split(smaller)))
 
-    return call
+def redo_smaller(
+    step: int, micro_batches: list, smaller: int, reason: str, rows_per_rank: int, optimizer, device: str, log
+) -> list:
+    """The step's micro-batches split again at smaller rows (the same rows in the same order: with one rank,
+    micro-step m reads rows m*B + [0, B)), the failed try's gradients dropped; said in one line and a log record."""
+    optimizer.zero_grad(set_to_none=True)
+    release_cached(device)
+    B = len(micro_batches[0][0])
+    print0(
+        f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at "
+        f"{smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers"
+    )
+    log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
+    x, y = (torch.cat([torch.as_tensor(batch[i]) for batch in micro_batches]) for i in (0, 1))
+    return list(zip(x.split(smaller), y.split(smaller)))

@@ -12,7 +12,7 @@ import os
 
 from trainkit.branch_folders import set_aside_later_branch, set_aside_log_without_checkpoint
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
-from trainkit.resume import ResumePoint, in_history, new_run, read_run, run_name
+from trainkit.resume import ResumePoint, choose_resume_checkpoint, in_history, new_run, read_run, run_name
 from trainkit.cli import UserError, reason_of
 from trainkit.folder_lock import FolderLock
 from trainkit.console import print0
@@ -138,3 +138,10 @@ def prepare_out_dir(out_dir: str) -> bool:
                 "rename it, or choose another --out-dir"
             )
     return made
+
+
+def claim_out_dir(run, out_dir_lock: OutDirLock) -> str | None:
+    """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
+    out_dir_lock.made = prepare_out_dir(run.out_dir)
+    out_dir_lock.acquire()
+    return choose_resume_checkpoint(run)

@@ -165,3 +165,11 @@ def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
             f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model, batch and "
             "optimizer flags (the number of GPUs may change)"
         )
+
+
+def eval_checkpoint(run) -> str | None:
+    """--eval-only's checkpoint: --resume's (None: --init-from's weights are evaluated)."""
+    path = find_resume_checkpoint(run)
+    if run.resume is not None and not path:
+        raise UserError(f"--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {run.out_dir}")
+    return path

@@ -1,15 +1,85 @@
-"""Sampling text from our GPT (its KV-cache generate), shared by sample.py and the trainer's
---sample-every: the prompt's tokens, each sample's own generator, the rows drawn at once."""
+"""Sampling text from our GPT, shared by sample.py and the trainer's --sample-every: the KV cache and
+generate() (top-k decoding), the prompt's tokens, each sample's own generator, the rows drawn at once."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from trainkit.cli import UserError
-from trainkit.tokenizer import EOT
+from trainkit.tokenizer import EOT, real_vocab_size
 from trainkit.train_flags import SAMPLE_PROMPT
+
+
+class LayerKVCache:
+    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so
+    far, so that decoding feeds each new token once instead of the whole sequence again."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.size(2)
+
+    def append(self, k, v):
+        """Add the new tokens' keys and values; returns all of them."""
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+def new_kv_cache(model) -> list[LayerKVCache]:
+    """An empty cache for each of model's layers (GPT.hidden_states's kv_cache)."""
+    return [LayerKVCache() for _ in model.transformer.h]
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True, stop_token=None):
+    """idx (B, T) extended by model (our GPT) by up to max_new_tokens tokens, each drawn from the top_k most likely
+    of softmax(logits / temperature); the model sees the newest block_size tokens.
+
+    generator: one torch.Generator for the batch, or one per row (a row's tokens then do not
+    depend on the batch). A temperature too small for float32 is greedy, not NaN. stop_token:
+    stop once every row has drawn it (rows go on drawing after theirs: cut them there). With
+    kv_cache each step feeds only the new token, until the window slides past block_size and
+    each step runs the whole window again: both ways draw the same tokens."""
+    block_size = model.config.block_size
+    cache = None
+    # the smallest positive float32: dividing by it keeps every nonzero gap below the max
+    # logit far enough down that exp() gives 0, which is what any smaller temperature does
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    for _ in range(max_new_tokens):
+        new_tokens = idx[:, -block_size:]
+        if kv_cache and cache is not None and idx.size(1) <= block_size:
+            new_tokens = idx[:, cache[0].length :]
+        elif kv_cache:
+            cache = new_kv_cache(model)  # the first step, or the window slid
+        x = model.hidden_states(new_tokens, kv_cache=cache)
+        logits = model.lm_head(x[:, -1, :])[:, : real_vocab_size(model.config.vocab_size)].float()  # no padded id
+        # the max first: (logits - max) / T is in [-inf, 0], so a tiny T cannot overflow to NaN
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+        probs = F.softmax(logits, dim=-1)
+        topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
+        choice = draw(topk_probs, generator)
+        idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
+        if stop_token is not None:
+            stopped |= idx[:, -1] == stop_token
+            if stopped.all():
+                break
+    return idx
+
+
+def draw(probs, generator):
+    """One index per row of probs (B, K), drawn with the row's weights: from one generator for the
+    batch, or from a list of one generator per row."""
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 def encode_prompt(enc, prompt: str, vocab_size: int) -> list[int]:
@@ -78,8 +148,8 @@ def sample_text(
             rows = range(first, min(n, first + batch_rows))
             idx = torch.tensor([ids] * len(rows), dtype=torch.long, device=device)
             generators = [sample_generator(seed, i, device) for i in rows]
-            out = model.generate(
-                idx, length, temperature=temperature, top_k=top_k, generator=generators, stop_token=stop_token
+            out = generate(
+                model, idx, length, temperature=temperature, top_k=top_k, generator=generators, stop_token=stop_token
             )
             for row in out[:, len(ids) :].tolist():
                 if end_at_eot and EOT in row:

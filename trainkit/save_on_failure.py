@@ -14,16 +14,16 @@ from trainkit.console import print0
 from trainkit.launch import AgreedUserError
 
 
-def save_first_on_failure(trainer, step: int, action):
-    """action() (what is due before step `step` trains: trainer.evaluate), and where it raises a UserError
-    once steps were trained since the last checkpoint (trainer.last_ckpt; none and step 0: none was),
-    trainer.save(step) before the error goes on, with one note line naming the checkpoint. Under torchrun
+def save_first_on_failure(checkpointer, step: int, action):
+    """action() (what is due before step `step` trains: the Trainer's evaluate), and where it raises a UserError
+    once steps were trained since the last checkpoint (checkpointer.last; none and step 0: none was),
+    checkpointer.save(step) before the error goes on, with one note line naming the checkpoint. Under torchrun
     the ranks save only where every rank raised alike (an AgreedUserError: they all meet in the save's
     collectives); a rank that failed alone says in its line which checkpoint is the last instead."""
     try:
         return action()
     except UserError as e:
-        last = trainer.last_ckpt
+        last = checkpointer.last
         if last is None and step == 0:  # nothing trained yet
             raise
         if dist.is_initialized() and not isinstance(e, AgreedUserError):  # the other ranks may wait elsewhere
@@ -31,7 +31,7 @@ def save_first_on_failure(trainer, step: int, action):
                 f"{e} (the steps trained since {last or 'step 0'} are not saved; last checkpoint: {last or 'none'})"
             ) from None
         try:
-            trainer.save(step)
+            checkpointer.save(step)
         except UserError as failed:
             print0(
                 f"note: step {step}'s evaluation failed (the error below), and saving the steps trained before "
@@ -40,6 +40,6 @@ def save_first_on_failure(trainer, step: int, action):
             raise e from None
         print0(
             f"note: step {step}'s evaluation failed (the error below); the steps trained before it are saved "
-            f"first in {trainer.last_ckpt}: once fixed, resume with the same command plus --resume"
+            f"first in {checkpointer.last}: once fixed, resume with the same command plus --resume"
         )
         raise

@@ -88,24 +88,19 @@ class UpdateGuard:
         self.spikes_in_a_row, self.nonfinite_skipped = state["spikes_in_a_row"], state["nonfinite_skipped"]
 
 
-def guarded_update(optimizer, guard: UpdateGuard, scaler=None):
-    """A step's update as the Trainer installs it: update(step, loss, norm) applies the optimizer's step
-    unless the guard skips it, zeroes the gradients either way, and returns why it skipped (None: applied).
-    With fp16's GradScaler the step goes through the scaler (fused AdamW takes its inf flag on the device:
-    no sync), which then adjusts the loss scale, skipped or not."""
-
-    def update(step: int, loss: float, norm: float) -> str | None:
-        skipped = guard.skip_reason(step, loss, norm)
-        if scaler:
-            if not skipped:
-                scaler.step(optimizer)
-            scaler.update()
-        elif not skipped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return skipped
-
-    return update
+def guarded_update(optimizer, guard: UpdateGuard, scaler, step: int, loss: float, norm: float) -> str | None:
+    """A step's update: the optimizer's step unless the guard skips it, the gradients zeroed either way; returns
+    why it skipped (None: applied). With fp16's GradScaler the step goes through the scaler (fused AdamW takes
+    its inf flag on the device: no sync), which then adjusts the loss scale, skipped or not."""
+    skipped = guard.skip_reason(step, loss, norm)
+    if scaler:
+        if not skipped:
+            scaler.step(optimizer)
+        scaler.update()
+    elif not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return skipped
 
 
 def nonfinite_state(model, optimizer, device) -> str | None:

@@ -1,0 +1,93 @@
+"""A run's checkpoints as the Trainer uses them: Checkpointer.save(step) writes one, checked first, and
+names the newest on disk (last); resume_state() puts a resumed checkpoint back into the live objects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from trainkit import cli
+from trainkit.checkpoints import checkpoint_path, save_checkpoint
+from trainkit.cli import UserError
+from trainkit.console import print0
+from trainkit.launch import checked_on_every_rank
+from trainkit.resume import ResumePoint, data_change
+from trainkit.training_state import restore_training_state, training_state
+from trainkit.update_guard import nonfinite_state
+
+
+class Checkpointer:
+    """Saves the run's training state with both records, the RunConfig asked for and the LaunchPlan
+    resolved; last: the newest checkpoint on disk (None: none yet), named when a run stops."""
+
+    def __init__(self, run, plan, dist_state, trainer_state, shard_check, log, shards_read: dict, rows_per_epoch: int):
+        """trainer_state: (raw model, optimizer, update guard, GradScaler or None, device), as training_state takes."""
+        self.run, self.plan, self.dist_state, self.trainer_state = run, plan, dist_state, trainer_state
+        self.shard_check, self.log, self.shards_read, self.rows_per_epoch = (
+            shard_check,
+            log,
+            shards_read,
+            rows_per_epoch,
+        )
+        self.last = plan.resume_from
+
+    def state(self, step: int) -> dict:
+        """Everything a resume needs: the training state, the log's position, the shards, and both records."""
+        next_row = step * self.plan.rows_per_rank * self.dist_state.world_size
+        return training_state(
+            *self.trainer_state,
+            step=step,
+            model_config=dataclasses.asdict(self.plan.model),
+            run_config=dataclasses.asdict(self.run),
+            launch=dataclasses.asdict(self.plan),
+            world_size=self.dist_state.world_size,
+            next_row=next_row,
+            epoch=next_row // self.rows_per_epoch,
+            data_files=self.shards_read,
+            **self.log.position(),  # the log's length and sha256 at this step, and the run's identity
+        )
+
+    def save(self, step: int, stopping: bool = False):
+        """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
+        its tensors; one all-reduce makes them agree), or a rank's shards are not what their manifest
+        records (no checkpoint of steps on them; the save waits for that check to end, except a stop
+        signal's: a job's grace time is short, and a checkpoint in it is worth more)."""
+        path = checkpoint_path(self.run.out_dir, step)
+        checked_on_every_rank(self.dist_state, lambda: self.shard_check.result(wait=not stopping))
+        model, optimizer, _, _, device = self.trainer_state
+        where = nonfinite_state(model, optimizer, device)
+        if where:
+            raise UserError(
+                f"step {step}: not writing {path}: the {where} hold non-finite values. "
+                f"Last good checkpoint: {self.last or 'none'}"
+            )
+        # under --fsdp every rank takes part in gathering the state to rank 0
+        state = self.state(step) if self.dist_state.is_main or self.run.fsdp else None
+        if self.dist_state.is_main:
+            self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
+            save_checkpoint(path, state, self.run.keep_last)
+            self.last = path  # on disk: named if a peer dies in the barrier below
+        if self.dist_state.enabled:
+            dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk
+        # on every rank, once rank 0 has written it: they decide together whether a stop needs another save
+        self.last = self.log.last_checkpoint = path
+
+
+def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, lr_notice: str | None) -> ResumePoint:
+    """The resumed checkpoint's training state put back (restore_training_state), with a line each where this
+    run reads other data, or sets another LR (lr_notice) or other optimizer hyperparameters than it did."""
+    path, step = plan.resume_from, plan.start_step
+    optimizer_notice = restore_training_state(ckpt, *trainer_state, path)  # (this run's weight decay, ...)
+    print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
+    if not run.eval_only:
+        change = data_change(ckpt["data_files"], shards_read)
+        if change:
+            cli.print_warning(
+                f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
+                f"step {step} on this run reads other rows than the run it continues would have"
+            )
+        for notice in (lr_notice, optimizer_notice):
+            if notice:
+                print0(notice)
+    return ResumePoint.of(path, ckpt)
