@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from trainkit.atomic_write import create_fresh
 from trainkit.branch_folders import set_aside_later_branch, set_aside_log_without_checkpoint
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
 from trainkit.resume import ResumePoint, in_history, new_run, read_run, run_name
@@ -118,7 +119,7 @@ def prepare_out_dir(out_dir: str) -> bool:
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
-        open(probe, "w").close()
+        os.close(create_fresh(probe))  # (a link planted at the name is replaced, never opened)
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None

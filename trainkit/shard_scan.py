@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from trainkit.atomic_write import write_atomically
 from trainkit.console import print_line
 
 MIN_CACHED_TOKENS = 1 << 22  # 8 MB of tokens: scanned in milliseconds, not worth a file
@@ -85,15 +86,17 @@ class ScanCache:
         entry = self._entry(path)
         if entry is None:
             return False
-        target, tmp = entry[1] + suffix, f"{entry[1]}{suffix}.{os.getpid()}.tmp"
+        target = entry[1] + suffix
         try:
             os.makedirs(self.folder, exist_ok=True)
-            with open(tmp, "wb") as f:
-                np.save(f, data, allow_pickle=False) if isinstance(data, np.ndarray) else f.write(data)
-            os.replace(tmp, target)
+            write_atomically(
+                target,
+                lambda f: np.save(f, data, allow_pickle=False) if isinstance(data, np.ndarray) else f.write(data),
+                fsync_file=False,
+                fsync_folder=False,
+                tmp=f"{target}.{os.getpid()}.tmp",  # (ranks of a node store at once)
+            )
         except OSError:  # a read-only or full home: the run goes on, and scans again next time
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
             return False
         for old in glob.glob(glob.escape(entry[0]) + "-*" + suffix):
             if old != target:
