@@ -948,7 +948,7 @@ def evaluate_loss(
 @dataclass
 class Opened:
     """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
-    the --init-from weights and the resumed checkpoint."""
+    the --init-from weights, the resumed checkpoint and the run folder taken."""
 
     train_rows: TokenRows
     val_rows: TokenRows | None
@@ -957,6 +957,7 @@ class Opened:
     token_bytes: object | None  # UTF-8 bytes of each token id, for val bpb
     pretrained: GPT | None
     checkpoint: dict | None
+    run_folder: OutDirLock  # rank 0's hold on --out-dir: whether the name still names the folder taken
 
 
 def model_config(run: RunConfig) -> GPTConfig:
@@ -1070,7 +1071,7 @@ def resolve_launch(run: RunConfig, d: Dist, out_dir_lock: OutDirLock, evaluated=
         start_step,
         shuffle,
     )
-    return launch, Opened(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
+    return launch, Opened(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint, out_dir_lock)
 
 
 def choose_precision_and_compile(run: RunConfig, d: Dist) -> tuple[torch.dtype, bool]:
@@ -1161,7 +1162,7 @@ class Trainer:
         self.run, self.launch, self.d, self.device = run, launch, d, d.device
         watch_peak()  # the private memory the summary reports (memory.py), from here on
         self.train_rows, self.val_rows, self.shard_check = opened.train_rows, opened.val_rows, opened.shard_check
-        self.enc, self.token_bytes = opened.enc, opened.token_bytes
+        self.enc, self.token_bytes, self.run_folder = opened.enc, opened.token_bytes, opened.run_folder
         # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
         # shard check stops a run whose shards change under it)
         self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
@@ -1244,6 +1245,7 @@ class Trainer:
         its later branch is set aside and the log cut back to the checkpoint (out_dir.open_run_log). An
         evaluation touches neither."""
         run = self.run
+        self.run_folder.check_claimed(None)  # (still the folder claimed: nothing of the run lands elsewhere)
         self.log = (
             RunLog(run.out_dir, enabled=False) if run.eval_only else open_run_log(run, self.launch.model, self.resumed)
         )
@@ -1287,8 +1289,9 @@ class Trainer:
         # under --fsdp every rank takes part in gathering the state to rank 0
         state = self.checkpoint_state(step) if self.d.is_main or self.run.fsdp else None
         if self.d.is_main:
+            self.run_folder.check_claimed(self.last_ckpt)  # --out-dir moved or replaced mid-run: stop, write nothing
             self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
-            save_checkpoint(path, state, self.run.keep_last)
+            save_checkpoint(path, state, self.run.keep_last, self.run_folder.fd)  # (into the folder held)
             self.last_ckpt = path  # on disk: named if a peer dies in the barrier below
         if self.d.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk

@@ -885,8 +885,8 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
     out.mkdir()
     create_fresh = atomic_write.create_fresh
 
-    def full_disk_for_file(tmp):  # the temporary file of `file` on a full disk: every write, ENOSPC
-        fd = create_fresh(tmp)
+    def full_disk_for_file(tmp, dir_fd=None):  # the temporary file of `file` on a full disk: every write, ENOSPC
+        fd = create_fresh(tmp, dir_fd)
         if tmp == str(out / f"{file}.tmp"):
             full = os.open("/dev/full", os.O_WRONLY)
             os.dup2(full, fd)

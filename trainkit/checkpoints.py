@@ -143,9 +143,12 @@ CKPT_NAME = re.compile(r"ckpt_(\d{7,})\.pt")
 
 def list_checkpoints(out_dir: str) -> list[str]:
     """Our checkpoints in out_dir, oldest step first."""
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    ours = sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, names) if m)
-    return [os.path.join(out_dir, name) for _, name in ours]
+    return [os.path.join(out_dir, name) for name in checkpoint_names(out_dir)] if os.path.isdir(out_dir) else []
+
+
+def checkpoint_names(folder: str | int) -> list[str]:
+    """The names of our checkpoints in folder (a path, or an open descriptor of it), oldest step first."""
+    return [name for _, name in sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, os.listdir(folder)) if m)]
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
@@ -220,11 +223,14 @@ class _WriteErrorKeeper:
         self.file.flush()
 
 
-def save_checkpoint(path: str, state: dict, keep_last: int = 0):
+def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
     """Write path.tmp, fsync it, rename it to path, fsync the folder (atomic_write): a crash, a full
     disk or a power loss leaves the new checkpoint whole or absent, and the previous one intact. The
-    sha256 of the contents goes inside (load_checkpoint checks it)."""
+    sha256 of the contents goes inside (load_checkpoint checks it). folder_fd: an open descriptor of
+    path's folder (a run's, held since it started), which the checkpoint is written into and --keep-last
+    removes from, even where the folder's name has come to name another one."""
     out_dir = os.path.dirname(path) or "."
+    name = os.path.basename(path) if folder_fd is not None else path  # (relative to folder_fd where given)
 
     def write(f):
         writer = _WriteErrorKeeper(f)
@@ -234,16 +240,16 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
             raise writer.error or e from None
 
     try:
-        write_atomically(path, write, fsync_file=True, fsync_folder=True)
+        write_atomically(name, write, fsync_file=True, fsync_folder=True, dir_fd=folder_fd)
     except (OSError, RuntimeError) as e:  # disk full, quota, permissions
         raise UserError(
             f"could not write checkpoint {path}: {reason_of(e)}; the previous checkpoint "
             f"{latest_checkpoint(out_dir) or '(none)'} is intact"
         ) from None
     if keep_last:
-        for old in list_checkpoints(out_dir)[:-keep_last]:
-            if old != path:
-                os.remove(old)
+        for old in checkpoint_names(out_dir if folder_fd is None else folder_fd)[:-keep_last]:
+            if old != os.path.basename(path):
+                os.remove(old if folder_fd is not None else os.path.join(out_dir, old), dir_fd=folder_fd)
 
 
 def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bool = False) -> dict:

@@ -99,6 +99,24 @@ class OutDirLock(FolderLock):
     def note(self, line: str):
         print0(line)
 
+    def check_claimed(self, last_checkpoint: str | None):
+        """Rank 0, before the log opens and before each checkpoint: a UserError, naming both folders, where
+        --out-dir no longer names the folder this run took (`mv OUT OUT.moved; ln -s OTHER OUT`). The run
+        writes only into the folder it holds open (its log, its checkpoints: save_checkpoint's folder_fd),
+        never into OTHER, and stops rather than go on where its --out-dir no longer shows it."""
+        moved = self.moved_to()
+        if moved is None:
+            return
+        where, now = moved
+        last = (
+            os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
+        )
+        raise UserError(
+            f"--out-dir {self.folder} was moved or replaced while this run wrote to it: the folder it took is now "
+            f"{where}, and {self.folder} names {now}; stopping, so that nothing of this run is written there. "
+            f"Last good checkpoint: {last or last_checkpoint or 'none'}"
+        )
+
     def release(self):
         held = self.fd is not None
         super().release()
