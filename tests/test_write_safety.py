@@ -21,6 +21,7 @@ import fineweb
 import plot_log
 import train_gpt2 as tg
 from conftest import REPO, assert_one_error_line, kill_group, tiny_run_args, trained_steps, tree_hashes, wait_for
+from trainkit import branch_folders
 from trainkit.shard_scan import ScanCache
 
 SHARDS = dict(n_docs=300, seed=7)
@@ -218,3 +219,72 @@ def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(da
         f"Last good checkpoint: {moved / last}",
     )
     assert trained_steps(moved)[-1] >= 8 and os.path.islink(run)
+
+
+# --- a refusal changes nothing ---------------------------------------------------------------------------
+
+
+def test_a_resume_refused_for_an_append_only_log_changes_nothing(run_a, data_dir, capsys):
+    """log.jsonl append-only (chattr +a) cannot be cut back to ckpt_0000004.pt: refused before the later
+    branch (ckpt_0000006.pt) moves, with one line."""
+    before = listing(run_a)
+    with attribute(run_a / "log.jsonl", "a"):
+        assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000004.pt"), steps=8)) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot cut {run_a / 'log.jsonl'} back to {run_a / 'ckpt_0000004.pt'}: it is append-only "
+        "(chattr +a); clear that attribute, or move it aside (the resume then starts a new log.jsonl) "
+        "(nothing was changed)\n"
+    )
+    assert listing(run_a) == before
+
+
+def test_a_resume_refused_for_an_immovable_later_checkpoint_changes_nothing(run_a, data_dir, capsys):
+    """ckpt_0000006.pt immutable (chattr +i): the later branch of a resume at step 2 cannot move whole, so
+    nothing of it moves (not ckpt_0000004.pt, nor a copy of the log)."""
+    before = listing(run_a)
+    with attribute(run_a / "ckpt_0000006.pt", "i"):
+        assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000002.pt"), steps=8)) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot resume at step 2 in {run_a}: {run_a / 'ckpt_0000006.pt'}, of the later branch that "
+        "the resume moves into a branch folder, is immutable (chattr +i) and cannot be moved; clear that "
+        "attribute, or resume into another --out-dir (nothing was changed)\n"
+    )
+    assert listing(run_a) == before
+
+
+def test_a_resume_refused_for_want_of_space_for_the_log_copy_changes_nothing(run_a, data_dir, monkeypatch, capsys):
+    """A file system with less free space than the log's copy into the branch folder (statvfs reports
+    100 bytes): refused before the branch folder is made."""
+    real_statvfs = os.statvfs
+
+    def almost_full(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, 1, st.f_blocks, 100, 100, *tuple(st)[5:]))
+
+    monkeypatch.setattr(branch_folders.os, "statvfs", almost_full)
+    before = listing(run_a)
+    size = os.path.getsize(run_a / "log.jsonl")
+    assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000004.pt"), steps=8)) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot resume at step 4 in {run_a}: the later branch moves into a branch folder with a copy "
+        f"of {run_a / 'log.jsonl'} ({size:,} bytes), and {run_a} has 100 bytes free; free space, then run the "
+        "same command again (nothing was changed)\n"
+    )
+    assert listing(run_a) == before
+
+
+def test_a_restart_refused_for_an_append_only_log_without_checkpoint_changes_nothing(run_a, data_dir, capsys):
+    """The log of a run killed before its first checkpoint, append-only: the same command cannot set it
+    aside, and says so before making the branch folder it would move it into."""
+    for path in run_a.glob("ckpt_*.pt"):
+        path.unlink()
+    before = listing(run_a)
+    with attribute(run_a / "log.jsonl", "a"):
+        assert tg.main(args_for(data_dir, run_a, steps=8)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: cannot start a new run in {run_a}: {run_a / 'log.jsonl'}, of run ")
+    assert line.endswith(
+        "(stopped before its first checkpoint), is append-only (chattr +a) and cannot be set aside; clear that "
+        "attribute, or choose another --out-dir (nothing was changed)"
+    )
+    assert listing(run_a) == before

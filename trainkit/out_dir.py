@@ -11,7 +11,7 @@ import contextlib
 import os
 
 from trainkit.atomic_write import create_fresh
-from trainkit.branch_folders import set_aside_later_branch, set_aside_log_without_checkpoint
+from trainkit.branch_folders import check_later_branch, set_aside_later_branch, set_aside_log_without_checkpoint
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
 from trainkit.resume import ResumePoint, in_history, new_run, read_run, run_name
 from trainkit.cli import UserError, reason_of
@@ -55,7 +55,8 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
     the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
-    without a login), the log (whose it is, whether it opens); only then does the later branch move
+    without a login), whether the later branch can move and its log's copy fits (check_later_branch),
+    the log (whose it is, whether it can be cut, whether it opens); only then does the later branch move
     aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
     before its first checkpoint just before its own opens; a log shared with another folder is copied
     as it opens: own_files.own_file.)"""
@@ -64,7 +65,9 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
         identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
     sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
     if resumed is None:
-        set_aside_log_without_checkpoint(run.out_dir)
+        set_aside_log_without_checkpoint(run.out_dir)  # (its checks first)
+    else:
+        check_later_branch(run.out_dir, resumed.step)  # movable, and space for the log's copy
     log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
     log.sinks = sinks  # no empty log.jsonl behind)
     try:
