@@ -83,6 +83,7 @@ if __name__ == "__main__":
 
 import torch
 
+from trainkit.atomic_write import write_bytes_atomically
 from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
 from trainkit.cli import UserError, exit_code_of, reason_of
 from trainkit.console import print_line, print_result
@@ -343,8 +344,8 @@ def run_lm_eval(args):
     for task, samples in out["samples"].items() if args.samples_dir else ():
         path = os.path.join(args.samples_dir, f"{task}.jsonl")
         try:
-            with open(path, "w") as f:
-                f.writelines(json.dumps(_sample_record(s)) + "\n" for s in samples)
+            lines = "".join(json.dumps(_sample_record(s)) + "\n" for s in samples).encode()
+            write_bytes_atomically(path, lines, fsync_file=False, fsync_folder=False)
         except OSError as e:
             raise UserError(f"cannot write {path}: {reason_of(e)}") from None
     from lm_eval.utils import make_table

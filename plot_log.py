@@ -30,6 +30,7 @@ import os
 import sys
 
 from trainkit import json_file
+from trainkit.atomic_write import write_atomically
 from trainkit.cli import UserError, reason_of
 from trainkit.console import print_line
 
@@ -360,7 +361,13 @@ def plot_log(
                 f"cannot write {out}: unknown image type .{extension} "
                 f"(use {', '.join('.' + f for f in sorted(formats))})"
             )
-        fig.savefig(out, dpi=120)
+        write_atomically(  # a new file renamed over out: a link or a file standing there is replaced, not written through
+            out,
+            lambda f: fig.savefig(f, format=extension, dpi=120),
+            fsync_file=False,
+            fsync_folder=False,
+            tmp=f"{out}.{os.getpid()}.tmp",
+        )
     except OSError as e:
         raise UserError(f"cannot write {out}: {reason_of(e)}") from None
     finally:

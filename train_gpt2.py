@@ -810,8 +810,8 @@ def evaluate_loss(
 
 @dataclass
 class LaunchInputs:
-    """What resolving a launch inputs on the way, for the Trainer: the data, the tokenizer's pieces,
-    the --init-from weights and the resumed checkpoint."""
+    """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
+    the --init-from weights, the resumed checkpoint and the run folder taken."""
 
     train_rows: TokenRows
     val_rows: TokenRows | None
@@ -820,6 +820,7 @@ class LaunchInputs:
     token_bytes: object | None  # UTF-8 bytes of each token id, for val bpb
     pretrained: GPT | None
     checkpoint: dict | None
+    run_folder: OutDirLock  # rank 0's hold on --out-dir: whether the name still names the folder taken
 
 
 def model_config(run: RunConfig) -> GPTConfig:
@@ -944,7 +945,7 @@ def resolve_launch(
         start_step,
         shuffle,
     )
-    return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint)
+    return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint, out_dir_lock)
 
 
 def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
@@ -1004,7 +1005,7 @@ class Trainer:
         self.run, self.plan, self.dist_state, self.device = run, plan, dist_state, dist_state.device
         watch_peak()  # the private memory the summary reports (memory.py), from here on
         self.train_rows, self.val_rows, self.shard_check = inputs.train_rows, inputs.val_rows, inputs.shard_check
-        self.enc, self.token_bytes = inputs.enc, inputs.token_bytes
+        self.enc, self.token_bytes, self.run_folder = inputs.enc, inputs.token_bytes, inputs.run_folder
         # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
         # shard check stops a run whose shards change under it)
         self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
@@ -1039,7 +1040,15 @@ class Trainer:
         self.use_micro_batch(self.plan.batch_size)
         rows_per_epoch = self.train_rows.rows_per_epoch
         self.checkpointer = Checkpointer(
-            run, self.plan, dist_state, trainer_state, self.shard_check, self.log, self.shards_read, rows_per_epoch
+            run,
+            self.plan,
+            dist_state,
+            trainer_state,
+            self.shard_check,
+            self.log,
+            self.shards_read,
+            rows_per_epoch,
+            self.run_folder,
         )
         tokens_per_step = plan.rows_per_rank * dist_state.world_size * plan.seq_len  # all ranks, padding included
         flops = flops_per_token(plan.model, plan.seq_len, self.raw_model.num_params())
@@ -1086,8 +1095,10 @@ class Trainer:
         self.model = wrap_model(self.raw_model, False, self.dist_state, self.run.fsdp)
 
     def _open_log(self):
-        """Rank 0: the run's identity, log.jsonl and trackers (out_dir.open_run_log); an evaluation opens none."""
+        """Rank 0: the run's identity, log.jsonl and trackers (out_dir.open_run_log), once the folder is
+        checked to be still the one claimed; an evaluation opens none."""
         if not self.run.eval_only:
+            self.run_folder.check_claimed(None)  # (nothing of the run lands elsewhere)
             self.log = open_run_log(self.run, self.plan.model, self.resumed)
 
     # ---- one optimizer step

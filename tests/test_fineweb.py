@@ -39,7 +39,7 @@ from conftest import (
     tree_hashes,
     wait_for,
 )
-from trainkit import cli, documents, tokenizer
+from trainkit import atomic_write, cli, documents, tokenizer
 from trainkit.shard_identity import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
@@ -877,15 +877,25 @@ def test_manifest_that_is_not_ours(tmp_path):
 
 
 @pytest.mark.parametrize("file", ["data_val_000000.npy", "manifest.json"])
-def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file):
+def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, monkeypatch, capsys):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
     out = tmp_path / "out"
     out.mkdir()
-    os.symlink("/dev/full", out / f"{file}.tmp")  # every write there fails with ENOSPC
-    result = run_cli("--files", path, "--out-dir", out, "--workers", "1")
-    assert error_line(result) == (
+    create_fresh = atomic_write.create_fresh
+
+    def full_disk_for_file(tmp, dir_fd=None):  # the temporary file of `file` on a full disk: every write, ENOSPC
+        fd = create_fresh(tmp, dir_fd)
+        if tmp == str(out / f"{file}.tmp"):
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, fd)
+            os.close(full)
+        return fd
+
+    monkeypatch.setattr(atomic_write, "create_fresh", full_disk_for_file)
+    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: cannot write {out / file}: no space left on device; the shards "
         "that manifest.json lists are complete: fix this and run the same command "
         "again to resume"

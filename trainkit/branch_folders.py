@@ -17,7 +17,42 @@ from trainkit.checkpoints import checkpoint_step, list_checkpoints
 from trainkit.resume import log_summary
 from trainkit.cli import UserError, reason_of
 from trainkit.console import print0
-from trainkit.own_files import move_entry
+from trainkit.own_files import move_entry, pinned, shared_as
+
+
+def later_checkpoints(out_dir: str, step: int) -> list[str]:
+    """The checkpoints in out_dir past step, oldest first: the later branch a resume at step sets aside."""
+    return [p for p in list_checkpoints(out_dir) if checkpoint_step(p) > step]
+
+
+def check_later_branch(out_dir: str, step: int):
+    """Resuming at `step`, before anything in out_dir changes: a UserError where setting its later branch
+    aside would fail part way, a later checkpoint an attribute holds in place (chattr +a or +i: no rename
+    moves it), or too little free space for the copy of log.jsonl (and for the copy of its own that a
+    log shared with another folder gets first: own_file)."""
+    later = later_checkpoints(out_dir, step)
+    for path in later:
+        held = pinned(path)
+        if held:
+            raise UserError(
+                f"cannot resume at step {step} in {out_dir}: {path}, of the later branch that the resume moves "
+                f"into a branch folder, is {held} and cannot be moved; clear that attribute, or resume "
+                "into another --out-dir (nothing was changed)"
+            )
+    log = os.path.join(out_dir, "log.jsonl")
+    if later and os.path.isfile(log):
+        need = os.path.getsize(log) * (2 if shared_as(log) else 1)
+        try:
+            st = os.statvfs(out_dir)
+        except (OSError, AttributeError):  # (no statvfs: the copy itself says so)
+            return
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize  # (root may use the reserve)
+        if free < need:
+            raise UserError(
+                f"cannot resume at step {step} in {out_dir}: the later branch moves into a branch folder with "
+                f"a copy of {log} ({need:,} bytes), and {out_dir} has {free:,} bytes free; free space, then run "
+                "the same command again (nothing was changed)"
+            )
 
 
 def set_aside_later_branch(out_dir: str, step: int):
@@ -25,8 +60,9 @@ def set_aside_later_branch(out_dir: str, step: int):
     with a copy of its log.jsonl if there is one, into a new out_dir/branch_NNNNNNN (the step that
     branch reached), a run folder of its own (--resume works on it): nothing is deleted or
     overwritten, --keep-last no longer counts them, and a plain --resume in out_dir continues the
-    new branch. (claim_run and RunLog have checked that they and the log are this run's.)"""
-    later = [p for p in list_checkpoints(out_dir) if checkpoint_step(p) > step]
+    new branch. (claim_run, check_later_branch and RunLog have checked that they and the log are this
+    run's, and that they can move; a copy that fails all the same leaves no branch folder behind.)"""
+    later = later_checkpoints(out_dir, step)
     if not later:
         return
     log = os.path.join(out_dir, "log.jsonl")
@@ -46,6 +82,8 @@ def set_aside_later_branch(out_dir: str, step: int):
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(branch)  # (where nothing was moved into it yet)
         raise UserError(
             f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} (nothing was deleted)"
         ) from None
@@ -80,6 +118,13 @@ def set_aside_log_without_checkpoint(out_dir: str):
     if not (os.path.isfile(log) and os.path.getsize(log)):
         return
     _, whose, _, trained = log_summary(log)
+    held = pinned(log)
+    if held:  # (before the branch folder is made: a refusal changes nothing)
+        raise UserError(
+            f"cannot start a new run in {out_dir}: {log}, of {whose} (stopped before its first checkpoint), is "
+            f"{held} and cannot be set aside; clear that attribute, or choose another --out-dir (nothing was changed)"
+        )
+    branch = None
     try:
         if not trained:
             os.remove(log)  # (the name only: a file it shared keeps its bytes)
@@ -94,6 +139,9 @@ def set_aside_log_without_checkpoint(out_dir: str):
         fsync_dir(branch)
         fsync_dir(out_dir)
     except OSError as e:
+        if branch:
+            with contextlib.suppress(OSError):
+                os.rmdir(branch)  # (where the log did not move into it)
         raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
     print0(
         f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "

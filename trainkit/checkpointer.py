@@ -21,15 +21,14 @@ class Checkpointer:
     """Saves the run's training state with both records, the RunConfig asked for and the LaunchPlan
     resolved; last: the newest checkpoint on disk (None: none yet), named when a run stops."""
 
-    def __init__(self, run, plan, dist_state, trainer_state, shard_check, log, shards_read: dict, rows_per_epoch: int):
-        """trainer_state: (raw model, optimizer, update guard, GradScaler or None, device), as training_state takes."""
+    def __init__(
+        self, run, plan, dist_state, trainer_state, shard_check, log, shards_read: dict, rows_per_epoch, run_folder
+    ):
+        """trainer_state: (raw model, optimizer, update guard, GradScaler or None, device), as training_state
+        takes; run_folder: the OutDirLock of --out-dir, which holds the folder this run claimed."""
         self.run, self.plan, self.dist_state, self.trainer_state = run, plan, dist_state, trainer_state
-        self.shard_check, self.log, self.shards_read, self.rows_per_epoch = (
-            shard_check,
-            log,
-            shards_read,
-            rows_per_epoch,
-        )
+        self.shard_check, self.log, self.shards_read = shard_check, log, shards_read
+        self.rows_per_epoch, self.run_folder = rows_per_epoch, run_folder
         self.last = plan.resume_from
 
     def state(self, step: int) -> dict:
@@ -65,8 +64,9 @@ class Checkpointer:
         # under --fsdp every rank takes part in gathering the state to rank 0
         state = self.state(step) if self.dist_state.is_main or self.run.fsdp else None
         if self.dist_state.is_main:
+            self.run_folder.check_claimed(self.last)  # --out-dir moved or replaced mid-run: stop, write nothing
             self.log.sync()  # the log up to the checkpoint's position is on disk before the checkpoint
-            save_checkpoint(path, state, self.run.keep_last)
+            save_checkpoint(path, state, self.run.keep_last, self.run_folder.fd)  # (into the folder held)
             self.last = path  # on disk: named if a peer dies in the barrier below
         if self.dist_state.enabled:
             dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is on disk

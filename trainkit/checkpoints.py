@@ -143,9 +143,12 @@ CKPT_NAME = re.compile(r"ckpt_(\d{7,})\.pt")
 
 def list_checkpoints(out_dir: str) -> list[str]:
     """Our checkpoints in out_dir, oldest step first."""
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    ours = sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, names) if m)
-    return [os.path.join(out_dir, name) for _, name in ours]
+    return [os.path.join(out_dir, name) for name in checkpoint_names(out_dir)] if os.path.isdir(out_dir) else []
+
+
+def checkpoint_names(folder: str | int) -> list[str]:
+    """The names of our checkpoints in folder (a path, or an open descriptor of it), oldest step first."""
+    return [name for _, name in sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, os.listdir(folder)) if m)]
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
@@ -220,11 +223,14 @@ class _WriteErrorKeeper:
         self.file.flush()
 
 
-def save_checkpoint(path: str, state: dict, keep_last: int = 0):
+def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
     """Write path.tmp, fsync it, rename it to path, fsync the folder (atomic_write): a crash, a full
     disk or a power loss leaves the new checkpoint whole or absent, and the previous one intact. The
-    sha256 of the contents goes inside (load_checkpoint checks it)."""
+    sha256 of the contents goes inside (load_checkpoint checks it). folder_fd: an open descriptor of
+    path's folder (a run's, held since it started), which the checkpoint is written into and --keep-last
+    removes from, even where the folder's name has come to name another one."""
     out_dir = os.path.dirname(path) or "."
+    name = os.path.basename(path) if folder_fd is not None else path  # (relative to folder_fd where given)
 
     def write(f):
         writer = _WriteErrorKeeper(f)
@@ -234,28 +240,30 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0):
             raise writer.error or e from None
 
     try:
-        write_atomically(path, write, fsync_file=True, fsync_folder=True)
+        write_atomically(name, write, fsync_file=True, fsync_folder=True, dir_fd=folder_fd)
     except (OSError, RuntimeError) as e:  # disk full, quota, permissions
         raise UserError(
             f"could not write checkpoint {path}: {reason_of(e)}; the previous checkpoint "
             f"{latest_checkpoint(out_dir) or '(none)'} is intact"
         ) from None
     if keep_last:
-        remove_older_checkpoints(out_dir, path, keep_last)
+        remove_older_checkpoints(out_dir, path, keep_last, folder_fd)
 
 
 _UNDELETABLE = set()  # checkpoints --keep-last could not delete, named once each
 
 
-def remove_older_checkpoints(out_dir: str, path: str, keep_last: int):
+def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd: int | None = None):
     """--keep-last: delete all but the newest keep_last of our checkpoints in out_dir (never path, just
-    written). One it may not delete (immutable, another user's on NFS, a read-only mount) stays, with one
-    warning the first time: a cleanup that fails never ends the run."""
-    for old in list_checkpoints(out_dir)[:-keep_last]:
-        if old == path or old in _UNDELETABLE:
+    written), relative to folder_fd where the run holds its folder open. One it may not delete (immutable,
+    another user's on NFS, a read-only mount) stays, with one warning the first time: a cleanup that fails
+    never ends the run."""
+    for name in checkpoint_names(out_dir if folder_fd is None else folder_fd)[:-keep_last]:
+        old = os.path.join(out_dir, name)
+        if name == os.path.basename(path) or old in _UNDELETABLE:
             continue
         try:
-            os.remove(old)
+            os.remove(name if folder_fd is not None else old, dir_fd=folder_fd)
         except FileNotFoundError:  # (deleted meanwhile)
             pass
         except OSError as e:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 from trainkit import json_file
+from trainkit.atomic_write import create_fresh
 from trainkit.cli import UserError, reason_of
 from trainkit.console import print_line
 
@@ -68,8 +69,8 @@ def check_target(out_dir: str):
 
 def write_json(path: str, value: dict, shown: str):
     """value as a JSON file of the export being written (shown: the folder its one line names)."""
-    try:
-        with open(path, "w", encoding="utf-8") as f:
+    try:  # created, not opened (a link at its name is replaced); the folder swapped in whole is the atomic step
+        with os.fdopen(create_fresh(path), "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2)  # ASCII: a path that is not UTF-8 is kept as its escapes
     except OSError as e:
         raise UserError(f"cannot write the Hugging Face model to {shown}: {reason_of(e)}") from e

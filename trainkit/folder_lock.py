@@ -27,6 +27,7 @@ class FolderLock:
 
     def __init__(self, folder: str):
         self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
+        self.identity = None  # the folder's status when taken: whether self.folder still names it (moved_to)
 
     def in_use(self, holder: str) -> str:
         """The refusal of a second writer (holder: as the .lock note names it)."""
@@ -44,6 +45,7 @@ class FolderLock:
         except ImportError:  # Windows
             return self._cannot_lock("no flock on this system")
         fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self.identity = os.fstat(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -58,6 +60,23 @@ class FolderLock:
         except UserError:
             self.release()
             raise
+
+    def moved_to(self) -> tuple[str, str] | None:
+        """Where the folder taken is now and what self.folder names instead, where the name no longer
+        names it (the folder moved, and another, or a link to one, put in its place; "unknown" where the
+        folder's new name cannot be read), else None. A writer that goes on writing by name would write
+        elsewhere."""
+        if self.identity is None:
+            return None
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(self.folder), self.identity):
+                return None
+        now = os.path.realpath(self.folder) if os.path.exists(self.folder) else "nothing"
+        try:  # (Linux names a descriptor's folder where it is now)
+            moved = os.readlink(f"/proc/self/fd/{self.fd}") if self.fd is not None else "unknown"
+        except OSError:
+            moved = "unknown"
+        return moved, now
 
     def _holder(self) -> str:
         """Who holds the lock, as its .lock says."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from trainkit.branch_folders import set_aside_later_branch, set_aside_log_without_checkpoint
+from trainkit.atomic_write import create_fresh
+from trainkit.branch_folders import check_later_branch, set_aside_later_branch, set_aside_log_without_checkpoint
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
 from trainkit.resume import ResumePoint, choose_resume_checkpoint, in_history, new_run, read_run, run_name
 from trainkit.cli import UserError, reason_of
@@ -54,7 +55,8 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
     the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
-    without a login), the log (whose it is, whether it opens); only then does the later branch move
+    without a login), whether the later branch can move and its log's copy fits (check_later_branch),
+    the log (whose it is, whether it can be cut, whether it opens); only then does the later branch move
     aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
     before its first checkpoint just before its own opens; a log shared with another folder is copied
     as it opens: own_files.own_file.)"""
@@ -63,7 +65,9 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
         identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
     sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
     if resumed is None:
-        set_aside_log_without_checkpoint(run.out_dir)
+        set_aside_log_without_checkpoint(run.out_dir)  # (its checks first)
+    else:
+        check_later_branch(run.out_dir, resumed.step)  # movable, and space for the log's copy
     log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
     log.sinks = sinks  # no empty log.jsonl behind)
     try:
@@ -98,6 +102,24 @@ class OutDirLock(FolderLock):
     def note(self, line: str):
         print0(line)
 
+    def check_claimed(self, last_checkpoint: str | None):
+        """Rank 0, before the log opens and before each checkpoint: a UserError, naming both folders, where
+        --out-dir no longer names the folder this run took (`mv OUT OUT.moved; ln -s OTHER OUT`). The run
+        writes only into the folder it holds open (its log, its checkpoints: save_checkpoint's folder_fd),
+        never into OTHER, and stops rather than go on where its --out-dir no longer shows it."""
+        moved = self.moved_to()
+        if moved is None:
+            return
+        where, now = moved
+        last = (
+            os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
+        )
+        raise UserError(
+            f"--out-dir {self.folder} was moved or replaced while this run wrote to it: the folder it took is now "
+            f"{where}, and {self.folder} names {now}; stopping, so that nothing of this run is written there. "
+            f"Last good checkpoint: {last or last_checkpoint or 'none'}"
+        )
+
     def release(self):
         held = self.fd is not None
         super().release()
@@ -118,7 +140,7 @@ def prepare_out_dir(out_dir: str) -> bool:
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
-        open(probe, "w").close()
+        os.close(create_fresh(probe))  # (a link planted at the name is replaced, never opened)
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None

@@ -4,7 +4,8 @@ folder of symbolic links points into another. A file a run changes in place (log
 cut back) is first made its own, a copy under the same name (own_file); a name a run moves (a
 checkpoint set aside into a branch folder) moves as what it is, a symbolic link still pointing at its
 file (move_entry). Removing a name (--keep-last) and renaming a new file over one (a checkpoint, the
-lock note) change no other name's bytes. Standard library only.
+lock note) change no other name's bytes. A file an attribute holds in place (pinned: append-only or
+immutable) is found before a run sets out to move or cut it. Standard library only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import struct
+import sys
 
 from trainkit.atomic_write import write_atomically
 
@@ -54,3 +57,37 @@ def move_entry(source: str, destination: str):
         os.remove(source)
         return
     os.rename(source, destination)
+
+
+# <linux/fs.h>: FS_IOC_GETFLAGS, _IOR('f', 1, long), and the two flags that hold a file in place
+_FS_IOC_GETFLAGS = 0x80006601 | struct.calcsize("l") << 16
+_FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
+
+
+def pinned(path: str) -> str | None:
+    """How an attribute holds the regular file at path in place, in words: "append-only (chattr +a)" (it
+    may only grow: no move, removal or cut) or "immutable (chattr +i)" (no change at all), for root too;
+    None where neither does, where path is no regular file (a symbolic link moves as itself), or where
+    the system cannot say (Linux's FS_IOC_GETFLAGS; BSD's and macOS's st_flags)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if hasattr(st, "st_flags"):
+            flags = st.st_flags
+            append, immutable = (
+                flags & (stat.UF_APPEND | stat.SF_APPEND),
+                flags & (stat.UF_IMMUTABLE | stat.SF_IMMUTABLE),
+            )
+        else:
+            import fcntl
+
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                flags = int.from_bytes(fcntl.ioctl(fd, _FS_IOC_GETFLAGS, bytes(8))[:4], sys.byteorder)
+            finally:
+                os.close(fd)
+            append, immutable = flags & _FS_APPEND_FL, flags & _FS_IMMUTABLE_FL
+    except (OSError, ImportError):  # gone, unreadable, or a file system without the flags (ENOTTY)
+        return None
+    return "immutable (chattr +i)" if immutable else "append-only (chattr +a)" if append else None

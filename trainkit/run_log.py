@@ -17,7 +17,7 @@ from trainkit import cli, json_file
 from trainkit.resume import ResumePoint, log_summary, run_name
 from trainkit.cli import UserError, reason_of
 from trainkit.console import print0
-from trainkit.own_files import own_file
+from trainkit.own_files import own_file, pinned, shared_as
 
 
 class RunLog:
@@ -45,6 +45,12 @@ class RunLog:
             )
         try:
             kept = read_log_up_to(self.path, resumed)
+            held = resumed and not shared_as(self.path) and pinned(self.path)  # (a shared log is cut as a copy)
+            if held and os.path.getsize(self.path) > len(kept):  # (before anything in the folder changes)
+                raise UserError(
+                    f"cannot cut {self.path} back to {resumed.path}: it is {held}; clear that attribute, or move "
+                    "it aside (the resume then starts a new log.jsonl) (nothing was changed)"
+                )
             note = own_file(self.path)  # a log shared with another run folder: this run appends to its own copy
             self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
         except OSError as e:
@@ -57,10 +63,12 @@ class RunLog:
         self.sha.update(kept)
 
     def cut_back(self):
-        """Resuming: drop what the run logged after its checkpoint."""
+        """Resuming: drop what the run logged after its checkpoint (where it logged any: an append-only log
+        that ends there resumes)."""
         if self.file and self.resumed:
             try:
-                self.file.truncate(self.size)
+                if os.fstat(self.file.fileno()).st_size > self.size:
+                    self.file.truncate(self.size)
             except OSError as e:
                 raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {reason_of(e)}") from None
 

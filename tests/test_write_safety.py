@@ -1,0 +1,290 @@
+"""What a tool writes lands only where it means to, and what it refuses it leaves as it was: a link or a
+shared file planted where a writer makes its temporary file, or at the name it writes, is replaced and
+never written through (checkpoints, the lock note and the write probe, the log's own copy in a copied run
+folder, fineweb.py's shards and manifest, the shard-scan cache, a plot, lm-eval's samples); a run whose
+--out-dir is moved and replaced mid-run stops, naming both folders, with nothing written into the other;
+a refused resume or restart leaves its folder byte for byte as it was."""
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import fineweb
+import plot_log
+import train_gpt2 as tg
+from conftest import REPO, assert_one_error_line, kill_group, tiny_run_args, trained_steps, tree_hashes, wait_for
+from trainkit import branch_folders
+from trainkit.shard_scan import ScanCache
+
+SHARDS = dict(n_docs=300, seed=7)
+OUTSIDE = b"a file of someone else's, outside every folder a tool writes\n"
+
+
+def args_for(data_dir, out_dir, *extra, steps, ckpt_every=2):
+    """A tiny run of one layer, nothing evaluated."""
+    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, n_layer=1, warmup=3)
+
+
+@pytest.fixture(scope="module")
+def finished_once(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "runA"
+    assert tg.main(args_for(data_dir, out, steps=6)) == 0
+    return out
+
+
+@pytest.fixture
+def run_a(finished_once, tmp_path):
+    """A 6-step run with checkpoints at 2, 4 and 6, in tmp_path/runA."""
+    out = tmp_path / "runA"
+    shutil.copytree(finished_once, out)
+    return out
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file outside every folder a tool writes here, that links get planted to: its bytes must stay."""
+    path = tmp_path / "outside" / "theirs.bin"
+    path.parent.mkdir()
+    path.write_bytes(OUTSIDE)
+    return path
+
+
+def listing(folder) -> dict:
+    """{path: kind, size and sha256} of every entry under folder, folders and links included: what a
+    refusal must leave as it was."""
+    found = {}
+    for parent, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = os.path.join(parent, name)
+            key = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                found[key] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                found[key] = ("folder",)
+            else:
+                with open(path, "rb") as f:
+                    found[key] = ("file", os.path.getsize(path), hashlib.sha256(f.read()).hexdigest())
+    return found
+
+
+@contextlib.contextmanager
+def attribute(path, flag):
+    """path given the attribute flag ("a": append-only, "i": immutable; chattr, as root), cleared after."""
+    if os.geteuid() != 0 or subprocess.run(["chattr", f"+{flag}", str(path)], capture_output=True).returncode:
+        pytest.skip(f"chattr +{flag} needs root and a file system with attributes")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", f"-{flag}", str(path)], check=True)
+
+
+# --- a planted link is replaced, never written through -------------------------------------------------
+
+
+@pytest.mark.parametrize("copy", ["cp -al", "cp -as"])
+def test_a_copied_run_leaves_the_leftovers_it_shares_and_links_planted_in_it_as_they_were(
+    run_a, data_dir, tmp_path, outside, copy
+):
+    """runA holds what a run killed mid-save leaves (ckpt_0000008.pt.tmp, and log.jsonl.tmp of a log's copy);
+    runB is a hard-linked or symbolic-link copy of it, with links to a file outside planted where the trainer
+    makes its write probe and its lock note. Resuming runB to step 8 writes its checkpoint, its log's copy,
+    its probe and its note as new files: runA and the outside file keep every byte."""
+    (run_a / "ckpt_0000008.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
+    (run_a / "log.jsonl.tmp").write_bytes(b'{"step": 0, "half a log')
+    before = tree_hashes(run_a)
+    run_b = tmp_path / "runB"
+    subprocess.run([*copy.split(), str(run_a), str(run_b)], check=True)
+    for name in (f".write_test_{os.getpid()}", f".lock.{os.getpid()}.tmp"):  # (in-process: this pid)
+        os.symlink(outside, run_b / name)
+    assert tg.main(args_for(data_dir, run_b, "--resume", steps=8)) == 0
+    assert tree_hashes(run_a) == before and outside.read_bytes() == OUTSIDE
+    assert os.path.isfile(run_b / "ckpt_0000008.pt") and not os.path.islink(run_b / "ckpt_0000008.pt")
+    assert trained_steps(run_b) == list(range(8)) and trained_steps(run_a) == list(range(6))
+
+
+def test_links_planted_at_fineweb_temporaries_are_replaced(tmp_path, outside):
+    """fineweb.py's shard and manifest temporaries (NAME.tmp) planted as links to a file outside: the shards
+    and manifest are written as new files, the outside file keeps its bytes."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    out = tmp_path / "shards"
+    out.mkdir()
+    for name in ("data_val_000000.npy", "data_train_000001.npy", "manifest.json"):
+        os.symlink(outside, out / f"{name}.tmp")
+    assert fineweb.main(["--files", str(docs), "--out-dir", str(out), "--shard-size", "1000", "--workers", "1"]) == 0
+    assert outside.read_bytes() == OUTSIDE
+    assert sorted(os.listdir(out)) == ["data_train_000001.npy", "data_val_000000.npy", "manifest.json"]
+    assert not any(os.path.islink(path) for path in out.iterdir())
+    shards = json.loads((out / "manifest.json").read_text())["shards"]
+    assert [(s["file"], s["bytes"]) for s in shards] == [
+        (name, os.path.getsize(out / name)) for name in ("data_val_000000.npy", "data_train_000001.npy")
+    ]
+
+
+def test_a_link_planted_at_a_shard_scan_cache_temporary_is_replaced(tmp_path, outside):
+    """ScanCache.store's temporary (ENTRY.PID.tmp) planted as a link to a file outside: the entry is a new
+    file, read back as stored, and the outside file keeps its bytes."""
+    shard = tmp_path / "shard.bin"
+    shard.write_bytes(b"\0" * 64)
+    cache = ScanCache(str(tmp_path / "cache"))
+    os.makedirs(cache.folder)
+    target = cache._entry(str(shard))[1] + ".max_id"
+    os.symlink(outside, f"{target}.{os.getpid()}.tmp")
+    assert cache.store(str(shard), ".max_id", b"50256")
+    assert outside.read_bytes() == OUTSIDE and not os.path.islink(target)
+    assert cache.max_id(str(shard)) == 50256 and os.listdir(cache.folder) == [os.path.basename(target)]
+
+
+def test_a_plot_replaces_a_link_at_its_name(run_a, outside, capsys):
+    """loss.png a link to a file outside: plot_log.py writes a new loss.png in its place."""
+    os.symlink(outside, run_a / "loss.png")
+    assert plot_log.main([str(run_a)]) == 0
+    assert outside.read_bytes() == OUTSIDE and not os.path.islink(run_a / "loss.png")
+    assert (run_a / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(run_a)) == [
+        "ckpt_0000002.pt",
+        "ckpt_0000004.pt",
+        "ckpt_0000006.pt",
+        "log.jsonl",
+        "loss.png",
+    ]
+
+
+def test_lm_eval_samples_replace_a_link_at_their_name(tmp_path, outside, monkeypatch):
+    """hf_interop.py eval --samples-dir: a task's TASK.jsonl planted as a link to a file outside is replaced
+    by a new file. (lm-eval itself stands in: what it returns is what the samples are made of.)"""
+    lm_eval_utils = pytest.importorskip("lm_eval.utils")
+    import hf_interop
+
+    sample = dict(doc_id=0, target=1, filtered_resps=[[-1.5, False], [-0.5, True]], metrics=["acc"], acc=1.0)
+    evaluated = dict(samples=dict(hellaswag=[sample]), results=dict(hellaswag={"acc,none": 1.0}))
+    monkeypatch.setattr(hf_interop, "lm_eval_results", lambda *args, **kwargs: evaluated)
+    monkeypatch.setattr(lm_eval_utils, "make_table", lambda out: "the table")
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    os.symlink(outside, samples / "hellaswag.jsonl")
+    args = ["eval", str(tmp_path / "ckpt.pt"), "--tasks", "hellaswag", "--samples-dir", str(samples)]
+    assert hf_interop.main(args) == 0
+    assert outside.read_bytes() == OUTSIDE and not os.path.islink(samples / "hellaswag.jsonl")
+    assert json.loads((samples / "hellaswag.jsonl").read_text()) == dict(
+        doc_id=0, target=1, loglikelihoods=[-1.5, -0.5], acc=1.0
+    )
+
+
+# --- a run folder moved and replaced mid-run ------------------------------------------------------------
+
+
+def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(data_dir, tmp_path):
+    """`mv RUN RUN.moved; ln -s OTHER RUN` after the run's second checkpoint: its next save stops it with one
+    line naming RUN, RUN.moved and OTHER, exit 2; OTHER is as it was, RUN.moved holds the run. (A real
+    process: the folder is swapped under it while it trains.)"""
+    run, moved, other = tmp_path / "RUN", tmp_path / "RUN.moved", tmp_path / "OTHER"
+    other.mkdir()
+    (other / "notes.txt").write_text("another folder of the user's\n")
+    before = listing(other)
+    proc = subprocess.Popen(
+        [sys.executable, "train_gpt2.py", *args_for(data_dir, run, steps=100_000, ckpt_every=4)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: os.path.exists(run / "ckpt_0000008.pt"), proc, what="the second checkpoint")
+        os.rename(run, moved)
+        os.symlink(other, run)
+        deadline = time.monotonic() + 300  # until it stops, or (unfixed) writes into OTHER
+        while proc.poll() is None and listing(other) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc, signal.SIGKILL)
+    stderr = proc.stderr.read()
+    assert listing(other) == before, stderr[-3000:]
+    last = max(name for name in os.listdir(moved) if name.startswith("ckpt_"))
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    assert_one_error_line(
+        result,
+        f"--out-dir {run} was moved or replaced while this run wrote to it: the folder it took is now {moved}, "
+        f"and {run} names {other}; stopping, so that nothing of this run is written there. "
+        f"Last good checkpoint: {moved / last}",
+    )
+    assert trained_steps(moved)[-1] >= 8 and os.path.islink(run)
+
+
+# --- a refusal changes nothing ---------------------------------------------------------------------------
+
+
+def test_a_resume_refused_for_an_append_only_log_changes_nothing(run_a, data_dir, capsys):
+    """log.jsonl append-only (chattr +a) cannot be cut back to ckpt_0000004.pt: refused before the later
+    branch (ckpt_0000006.pt) moves, with one line."""
+    before = listing(run_a)
+    with attribute(run_a / "log.jsonl", "a"):
+        assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000004.pt"), steps=8)) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot cut {run_a / 'log.jsonl'} back to {run_a / 'ckpt_0000004.pt'}: it is append-only "
+        "(chattr +a); clear that attribute, or move it aside (the resume then starts a new log.jsonl) "
+        "(nothing was changed)\n"
+    )
+    assert listing(run_a) == before
+
+
+def test_a_resume_refused_for_an_immovable_later_checkpoint_changes_nothing(run_a, data_dir, capsys):
+    """ckpt_0000006.pt immutable (chattr +i): the later branch of a resume at step 2 cannot move whole, so
+    nothing of it moves (not ckpt_0000004.pt, nor a copy of the log)."""
+    before = listing(run_a)
+    with attribute(run_a / "ckpt_0000006.pt", "i"):
+        assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000002.pt"), steps=8)) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot resume at step 2 in {run_a}: {run_a / 'ckpt_0000006.pt'}, of the later branch that "
+        "the resume moves into a branch folder, is immutable (chattr +i) and cannot be moved; clear that "
+        "attribute, or resume into another --out-dir (nothing was changed)\n"
+    )
+    assert listing(run_a) == before
+
+
+def test_a_resume_refused_for_want_of_space_for_the_log_copy_changes_nothing(run_a, data_dir, monkeypatch, capsys):
+    """A file system with less free space than the log's copy into the branch folder (statvfs reports
+    100 bytes): refused before the branch folder is made."""
+    real_statvfs = os.statvfs
+
+    def almost_full(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, 1, st.f_blocks, 100, 100, *tuple(st)[5:]))
+
+    monkeypatch.setattr(branch_folders.os, "statvfs", almost_full)
+    before = listing(run_a)
+    size = os.path.getsize(run_a / "log.jsonl")
+    assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000004.pt"), steps=8)) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot resume at step 4 in {run_a}: the later branch moves into a branch folder with a copy "
+        f"of {run_a / 'log.jsonl'} ({size:,} bytes), and {run_a} has 100 bytes free; free space, then run the "
+        "same command again (nothing was changed)\n"
+    )
+    assert listing(run_a) == before
+
+
+def test_a_restart_refused_for_an_append_only_log_without_checkpoint_changes_nothing(run_a, data_dir, capsys):
+    """The log of a run killed before its first checkpoint, append-only: the same command cannot set it
+    aside, and says so before making the branch folder it would move it into."""
+    for path in run_a.glob("ckpt_*.pt"):
+        path.unlink()
+    before = listing(run_a)
+    with attribute(run_a / "log.jsonl", "a"):
+        assert tg.main(args_for(data_dir, run_a, steps=8)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: cannot start a new run in {run_a}: {run_a / 'log.jsonl'}, of run ")
+    assert line.endswith(
+        "(stopped before its first checkpoint), is append-only (chattr +a) and cannot be set aside; clear that "
+        "attribute, or choose another --out-dir (nothing was changed)"
+    )
+    assert listing(run_a) == before
