@@ -29,13 +29,53 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module")
-def data_dir(request, tmp_path_factory) -> str:
-    """A module's folder of synthetic shards (tests/shards.py's shard_dir), made once per module from its
-    SHARDS: dict(n_docs=..., seed=..., and shard_dir's other sizes)."""
+@pytest.fixture(scope="session")
+def _shard_dirs() -> dict:
+    """The folders of synthetic shards made in this worker, by their sizes (data_dir, finished_run)."""
+    return {}
+
+
+def shared_shards(made: dict, tmp_path_factory, **sizes) -> str:
+    """The folder of tests/shards.py's shard_dir(**sizes), made once per worker: read it, never change it."""
     from shards import shard_dir
 
-    return shard_dir(tmp_path_factory, **request.module.SHARDS)
+    key = tuple(sorted(sizes.items()))
+    if key not in made:
+        made[key] = shard_dir(tmp_path_factory, **sizes)
+    return made[key]
+
+
+@pytest.fixture(scope="module")
+def data_dir(request, _shard_dirs, tmp_path_factory) -> str:
+    """A module's folder of synthetic shards (tests/shards.py's shard_dir), sized by its SHARDS: dict(n_docs=...,
+    seed=..., and shard_dir's other sizes); made once per worker and shared by the modules of the same SHARDS,
+    so read only (a test that changes data copies it)."""
+    return shared_shards(_shard_dirs, tmp_path_factory, **request.module.SHARDS)
+
+
+RUN_SHARDS = dict(n_docs=300, seed=3)  # finished_run's data: a module with these SHARDS resumes it on its data_dir
+
+
+@pytest.fixture(scope="session")
+def finished_run(_shard_dirs, tmp_path_factory):
+    """THE finished tiny run of the suite: tiny_run_args(RUN_SHARDS' folder, steps=4, ckpt_every=2), trained
+    in-process once per worker: log.jsonl and checkpoints at steps 2 and 4. Shared: a test only reads it;
+    one that changes it takes finished_copy."""
+    import train_gpt2
+
+    data = shared_shards(_shard_dirs, tmp_path_factory, **RUN_SHARDS)
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with kept_process_state():
+        assert train_gpt2.main(tiny_run_args(data, out, steps=4, ckpt_every=2)) == 0
+    return out
+
+
+@pytest.fixture
+def finished_copy(finished_run, tmp_path):
+    """A copy of finished_run of this test's own, tmp_path/"run", to resume, branch or damage."""
+    import shutil
+
+    return Path(shutil.copytree(finished_run, tmp_path / "run", symlinks=False))
 
 
 def tiny_run_args(
