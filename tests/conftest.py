@@ -134,28 +134,9 @@ def tiny_run_args(
     ]
 
 
-# a tiny model with GPT-2's vocabulary (HellaSwag's and the samples' tokens fit), 4 micro-steps of 4 rows of 32
-# tokens, max LR 1e-2 after 2 warmup steps: the start of the flags of the runs that evaluate
-TINY_GPT2_VOCAB_RUN = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "64",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "2",
-    "--max-lr",
-    "1e-2",
-]
+# tiny_run_args' sizes for a run that evaluates: GPT-2's vocabulary (HellaSwag's and the samples' tokens fit), 2
+# layers 32 wide, 4 rows of 32 tokens a step, warmup 2 steps
+GPT2_VOCAB_RUN = dict(n_embd=32, block_size=64, seq_len=32, rows=4, warmup=2)
 
 
 def log_records(out_dir) -> list:
