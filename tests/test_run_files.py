@@ -2,8 +2,8 @@
 changes nothing of the folder it was copied from; a run killed before its first checkpoint leaves a log
 that the same command sets aside and starts again; a name in --out-dir that --keep-last could not remove
 is refused at start; an evaluation that fails after trained steps saves them first; a resume applies its
-own optimizer hyperparameters; an export names the checkpoint it loaded. The real commands, as users run
-them."""
+own optimizer hyperparameters; an export names the checkpoint it loaded. The commands run through
+train_gpt2.main; the evaluation that fails mid-run is a program."""
 
 import json
 import os
@@ -19,7 +19,7 @@ import torch
 import train_gpt2 as tg
 from trainkit import checkpoints
 from trainkit import resume
-from conftest import HELLASWAG_FILE, REPO, tiny_run_args, trained_steps, tree_hashes
+from conftest import HELLASWAG_FILE, REPO, run_main, tiny_run_args, trained_steps, tree_hashes
 
 T = 16
 
@@ -29,17 +29,9 @@ def args_for(data_dir, out_dir, *extra, steps, ckpt_every):
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, n_layer=1, seq_len=T, warmup=3)
 
 
-def run(args, umask=None):
-    """`python train_gpt2.py args` (with umask, where given), as text."""
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
-    )
+def run(args):
+    """`python train_gpt2.py args`, in this process (run_main)."""
+    return run_main("train_gpt2.py", *args)
 
 
 SHARDS = dict(n_docs=300, seed=7)
@@ -126,7 +118,8 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
     killed = b"".join((run_a / "log.jsonl").read_bytes().splitlines(keepends=True)[:5])
     (out / "log.jsonl").write_bytes(killed)
     whose = json.loads(killed.splitlines()[0])["run"]
-    result = run(args_for(data_dir, out, steps=2, ckpt_every=2), umask=0o022)
+    os.umask(0o022)  # (this test's: the process's own is restored after it)
+    result = run(args_for(data_dir, out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"note: {out}/log.jsonl holds 5 trained steps of run {whose} but no checkpoint (it stopped before its "
