@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, NOT_GPT2, not_gpt2_folder, run_cli, spread_gpt, tiny_run_args, write_checkpoint
+from conftest import (
+    HELLASWAG_FILE,
+    NOT_GPT2,
+    not_gpt2_folder,
+    run_cli,
+    run_main,
+    spread_gpt,
+    tiny_run_args,
+    write_checkpoint,
+)
 from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.tokenizer import EOT
@@ -104,8 +113,8 @@ def reference_losses(model, ex, block_size):
 
 
 def run_hellaswag(*args, nproc=1, env=None):
-    """hellaswag.py args as a user runs it (torchrun with nproc > 1)."""
-    return run_cli(args, nproc, "hellaswag.py", env)
+    """hellaswag.py args through its main in this process (run_main), or as a torchrun of nproc > 1 processes."""
+    return run_cli(args, nproc, "hellaswag.py", env) if nproc > 1 else run_main("hellaswag.py", *args, env=env)
 
 
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
@@ -493,8 +502,9 @@ def test_cli_hf_model_that_is_not_gpt2(tmp_path):
 
 def test_trainer_checks_its_hellaswag_file_at_start(data_dir, tmp_path):
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    proc = run_cli(
-        tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1)
+    proc = run_main(
+        "train_gpt2.py",
+        *tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1),
     )
     assert (proc.returncode, proc.stderr) == (
         2,
@@ -560,7 +570,8 @@ def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_pa
         "no_proxy": "",
         "NO_PROXY": "",
     }
-    proc = run_cli(tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None), env=offline)
+    flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
+    proc = run_main("train_gpt2.py", *flags, env=offline)
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
