@@ -492,6 +492,18 @@ def write_checkpoint(model, path) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def model(request):
+    """The module's spread_gpt(CONFIG, SPREAD_SEED), the model its HellaSwag scores are computed from."""
+    return spread_gpt(request.module.CONFIG, seed=request.module.SPREAD_SEED)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
+    """model as a checkpoint file (weights and config only)."""
+    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
+
+
 def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
     """A Hugging Face GPT2LMHeadModel of 2 layers 32 wide, random LayerNorms too, in eval mode."""
     import torch

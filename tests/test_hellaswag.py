@@ -18,9 +18,7 @@ from conftest import (
     not_gpt2_folder,
     run_cli,
     run_main,
-    spread_gpt,
     tiny_run_args,
-    write_checkpoint,
 )
 from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
@@ -29,6 +27,7 @@ from train_gpt2 import GPTConfig
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+SPREAD_SEED = 1234  # conftest's model: spread_gpt(CONFIG, SPREAD_SEED)
 SHARDS = dict(n_docs=50, seed=0, vocab=100, shard_size=1000)  # the trainer's data, for its checks at start
 
 # The first two records of hellaswag_val.jsonl (and of its subset in fixtures/), tokenized once with tiktoken's GPT-2 BPE
@@ -82,16 +81,6 @@ def one_thread():
 @pytest.fixture
 def data_file():
     return str(HELLASWAG_FILE)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return spread_gpt(CONFIG, seed=1234)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model, tmp_path_factory):
-    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
 
 
 def reference_losses(model, ex, block_size):

@@ -14,7 +14,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
-from conftest import HELLASWAG_FILE, REPO, spread_gpt, write_checkpoint  # noqa: E402
+from conftest import HELLASWAG_FILE, REPO  # noqa: E402
 from trainkit import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
@@ -23,18 +23,9 @@ from train_gpt2 import GPTConfig  # noqa: E402
 CONFIG = GPTConfig(
     block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16
 )  # unpadded: the export keeps every row
+SPREAD_SEED = 7  # conftest's model: spread_gpt(CONFIG, SPREAD_SEED)
 N = 40
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return spread_gpt(CONFIG, seed=7)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model, tmp_path_factory):
-    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
 
 
 @pytest.fixture(scope="module")
