@@ -178,16 +178,22 @@ def resume_copy(src, dst, step):
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
 
 
+def with_env(env) -> dict:
+    """This process's environment with env's variables set on top (a value None: that variable unset)."""
+    merged = {**os.environ, **(env or {})}
+    return {key: value for key, value in merged.items() if value is not None}
+
+
 def run_command(script, *args, cwd=REPO, env=None, timeout=300, **kwargs):
-    """`python script args` as a user runs it, in cwd (default: the repo), env set on top of this process's
-    environment: the completed process, its output as text."""
+    """`python script args` as a user runs it (script "-c": args[0] is the code), in cwd (default: the repo),
+    env set on top of this process's environment (with_env): the completed process, its output as text."""
     return subprocess.run(
         [sys.executable, str(script), *map(str, args)],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env=with_env(env),
         **kwargs,
     )
 
@@ -238,7 +244,7 @@ def run_main(script, *args, cwd=None, env=None):
     """`python script args` run in this process, through the script's main(argv): the completed process
     (exit code, stdout and stderr as text, caught at the file descriptors as a subprocess's would be), as
     run_command gives it. sys.argv[0] is the script (argparse names it), cwd the current folder (default:
-    the repo), env variables set on top of the environment; all restored afterwards (kept_process_state).
+    the repo), env variables set on top of the environment (with_env); all restored afterwards (kept_process_state).
     A refusal costs milliseconds here against seconds of torch import in a new process: the many cases
     of a class run here, one real-subprocess test per script and class proves the contract end to end."""
     module = importlib.import_module(Path(script).stem)
@@ -246,7 +252,8 @@ def run_main(script, *args, cwd=None, env=None):
     with kept_process_state(), tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.argv = [str(REPO / script), *argv]
         os.chdir(cwd or REPO)
-        os.environ.update(env or {})
+        os.environ.clear()
+        os.environ.update(with_env(env))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         saved = os.dup(1), os.dup(2)
@@ -425,7 +432,7 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **(env or {})},
+        env=with_env(env),
     )
 
 
