@@ -632,19 +632,13 @@ def test_ranks_that_never_gather_are_one_line(tmp_path):
     env = dict(
         os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys\nfrom trainkit import launch\n"
-            "def join():\n    with launch.process_group('cpu', 2): pass\n"
-            "sys.exit(launch.exit_code_on_every_rank(join))",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_command(
+        "-c",
+        "import sys\nfrom trainkit import launch\n"
+        "def join():\n    with launch.process_group('cpu', 2): pass\n"
+        "sys.exit(launch.exit_code_on_every_rank(join))",
         env=env,
+        timeout=120,
     )
     assert_one_error_line(
         result,

@@ -4,7 +4,6 @@ by example."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
-from conftest import HELLASWAG_FILE, REPO  # noqa: E402
+from conftest import HELLASWAG_FILE, run_command  # noqa: E402
 from trainkit import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
@@ -38,14 +37,8 @@ def data_file(tmp_path_factory):
 
 
 def run_eval(*args):
-    return subprocess.run(
-        [sys.executable, "hf_interop.py", "eval", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **OFFLINE},
-    )
+    """`python hf_interop.py eval args`, offline: lm-eval as a user runs it."""
+    return run_command("hf_interop.py", "eval", *args, env=OFFLINE)
 
 
 def test_our_text_is_lm_evals():

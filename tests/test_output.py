@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_main, tiny_run_args, trained_steps
+from conftest import REPO, run_command, run_main, tiny_run_args, trained_steps
 from trainkit import checkpoints
 from trainkit.cli import reason_of
 from trainkit.console import shown
@@ -26,12 +26,6 @@ SHARDS = dict(n_docs=300, seed=5)
 
 def command(script, *args):
     return [sys.executable, script, *map(str, args)]
-
-
-def run(script, *args, env=None, **kwargs):
-    return subprocess.run(
-        command(script, *args), cwd=REPO, capture_output=True, timeout=300, env={**os.environ, **(env or {})}, **kwargs
-    )
 
 
 def train_args(data_dir, out_dir, steps, *extra):
@@ -216,13 +210,13 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
 
 def test_training_with_samples_on_a_terminal_without_their_characters(data_dir, tmp_path):
     """PYTHONIOENCODING=ascii: what the encoding lacks is written backslash-escaped."""
-    result = run(
+    result = run_command(
         "train_gpt2.py",
         *train_args(data_dir, tmp_path, 3, "--sample-every", "1", "--sample-prompt", "café ☕"),
         env={"PYTHONIOENCODING": "ascii"},
     )
-    assert (result.returncode, result.stderr) == (0, b"")
-    samples = [line for line in result.stdout.decode("ascii").splitlines() if line.startswith("sample: ")]
+    assert (result.returncode, result.stderr, result.stdout.isascii()) == (0, "", True)
+    samples = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
     assert len(samples) == 12 and all(line.startswith("sample: caf\\xe9 \\u2615") for line in samples)
     assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
 

@@ -31,7 +31,6 @@ from conftest import (
     run_command,
     run_main,
     tiny_run_args,
-    torchrun,
     wait_for_steps,
 )
 from shards import write_manifest
@@ -279,20 +278,12 @@ FULL_LOGITS = [
 ]
 # glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, which an
 # address-space limit counts as used: a fixed threshold makes the limit track what is allocated
-FIXED_MMAP = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def squeezed(*squeeze_and_train_args, nproc=1):
     """train_gpt2.py run by benchmarks/squeeze_memory.py, which lowers the process memory limit."""
-    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    return subprocess.run(
-        [*launcher, "benchmarks/squeeze_memory.py", *squeeze_and_train_args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=FIXED_MMAP,
-    )
+    return run_cli(squeeze_and_train_args, nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
 
 
 def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
