@@ -11,7 +11,7 @@ from shards import make_docs, write_shards
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def evaluated_run(tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
     data = tmp_path_factory.mktemp("shards")
     write_shards(data, make_docs(400, seed=5, vocab=64, max_len=60), shard_size=4000)
@@ -41,8 +41,8 @@ def logged_at(out, step):
 
 
 @pytest.mark.parametrize("which,step", [("ckpt_0000002.pt", 2), (None, 4)], ids=["path", "latest"])
-def test_eval_only_equals_what_training_logged(trained, which, step):
-    flags, out = trained
+def test_eval_only_equals_what_training_logged(evaluated_run, which, step):
+    flags, out = evaluated_run
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     resume = ["--resume", str(out / which)] if which else ["--resume"]
     result = run_main("train_gpt2.py", *flags, "--eval-only", *resume)
@@ -55,9 +55,9 @@ def test_eval_only_equals_what_training_logged(trained, which, step):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # log and checkpoints untouched
 
 
-def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained):
+def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(evaluated_run):
     # neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation
-    flags, out = trained
+    flags, out = evaluated_run
     result = run_main("train_gpt2.py", *flags, "--eval-only", "--resume", "--max-steps", "100")
     assert result.returncode == 0, result.stderr
     assert "note:" not in result.stdout
@@ -75,18 +75,18 @@ def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained)
         ),
     ],
 )
-def test_eval_only_errors_are_one_line(trained, tmp_path, extra, message):
-    flags, _ = trained
+def test_eval_only_errors_are_one_line(evaluated_run, tmp_path, extra, message):
+    flags, _ = evaluated_run
     extra = [a.replace("{empty}", str(tmp_path)) for a in extra]
     result = run_main("train_gpt2.py", *flags, "--eval-only", *extra)
     assert (result.returncode, result.stderr) == (2, f"error: {message.replace('{empty}', str(tmp_path))}\n")
     assert os.listdir(tmp_path) == []
 
 
-def test_eval_only_takes_the_checkpoints_flags(trained):
+def test_eval_only_takes_the_checkpoints_flags(evaluated_run):
     """`--eval-only --resume PATH` alone: the model, batch, data and evaluation flags are the checkpoint's run's,
     so the numbers equal what training logged; a flag the command gives still wins."""
-    _, out = trained
+    _, out = evaluated_run
     result = run_cli(["--eval-only", "--resume", str(out)])  # a program once, end to end
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)

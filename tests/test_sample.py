@@ -39,7 +39,7 @@ def random_gpt(block_size=32, vocab_size=96, seed=0):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def sampled_run(tmp_path_factory):
     """A run folder trained by the real command (GPT-2 vocabulary), with its stdout."""
     root = tmp_path_factory.mktemp("sample")
     write_shards(root / "data", make_docs(300, vocab=500), shard_size=2048)
@@ -154,8 +154,8 @@ def test_padded_ids_are_never_drawn():
 # ---- sample.py ----
 
 
-def test_sample_cli_is_plain_deterministic_text(trained):
-    out, _ = trained
+def test_sample_cli_is_plain_deterministic_text(sampled_run):
+    out, _ = sampled_run
     args = ["sample.py", "--checkpoint", out, "--num-samples", "3", "--max-new-tokens", "12", "--seed", "7"]
     first, again, other = run_command(*args), run_main(*args), run_main(*args[:-1], "8")  # a program once
     assert first.returncode == 0, first.stderr
@@ -166,11 +166,11 @@ def test_sample_cli_is_plain_deterministic_text(trained):
     assert first.stderr == ""
 
 
-def test_sample_cli_equals_sample_text_in_process(trained):
+def test_sample_cli_equals_sample_text_in_process(sampled_run):
     """sample.py adds nothing to the trainer's sampling: same texts as sampling.sample_text."""
     import train_gpt2 as tg
 
-    out, _ = trained
+    out, _ = sampled_run
     proc = run_main(
         "sample.py",
         "--checkpoint",
@@ -201,8 +201,8 @@ def test_sample_cli_equals_sample_text_in_process(trained):
     assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
 
-def test_empty_and_long_prompts(trained):
-    out, _ = trained
+def test_empty_and_long_prompts(sampled_run):
+    out, _ = sampled_run
     empty = run_main("sample.py", "--checkpoint", out, "--prompt", "", "--num-samples", "1", "--max-new-tokens", "8")
     assert empty.returncode == 0, empty.stderr
     (text,) = samples_of(empty.stdout)
@@ -232,8 +232,8 @@ BAD_FLAGS = [  # (flags, message): in-process; tests/test_cli.py runs sample.py'
 
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
-def test_bad_flags_are_one_line_errors(trained, flags, message):
-    out, _ = trained
+def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
+    out, _ = sampled_run
     proc = run_main("sample.py", "--checkpoint", out, *flags)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(prog='sample.py')}\n")
 
@@ -359,12 +359,12 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     assert stopped.endswith("<|endoftext|>") and went_on.startswith(stopped) and len(went_on) > len(stopped)
 
 
-def test_tiny_temperature_is_greedy(trained):
+def test_tiny_temperature_is_greedy(sampled_run):
     """--temperature 1e-40 divides the logits beyond float32's range: the draws are the limit, the
     argmax, for every sample (it was a NaN traceback from torch.multinomial)."""
     import train_gpt2 as tg
 
-    out, _ = trained
+    out, _ = sampled_run
     proc = run_main(
         "sample.py",
         "--checkpoint",
@@ -386,11 +386,11 @@ def test_tiny_temperature_is_greedy(trained):
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
-def test_nan_weights_are_one_line_errors(trained, tmp_path):
+def test_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    out, _ = trained
+    out, _ = sampled_run
     ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
     ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
     del ckpt["checksum"]
@@ -420,13 +420,13 @@ def test_nan_weights_are_one_line_errors(trained, tmp_path):
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
 
 
-def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
+def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
     """--num-samples 10**12: printed a batch at a time (one tensor of all rows was a MemoryError
     before anything was printed), the first ones those of --num-samples 3 with the same seed. A
     reader that stops (`| head`) stops it quietly, with a shell's code for that (128 + SIGPIPE)."""
     import train_gpt2 as tg
 
-    out, _ = trained
+    out, _ = sampled_run
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -464,15 +464,15 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
 # ---- the trainer's samples ----
 
 
-def test_trainer_prints_samples_as_plain_text(trained):
-    _, stdout = trained
+def test_trainer_prints_samples_as_plain_text(sampled_run):
+    _, stdout = sampled_run
     lines = [line for line in stdout.splitlines() if line.startswith("sample: ")]
     assert len(lines) == 4 and all(line.startswith(f"sample: {PROMPT}") for line in lines)
 
 
-def test_trainer_samples_continue_sample_prompt(trained):
+def test_trainer_samples_continue_sample_prompt(sampled_run):
     # the prompt fits the data (the quickstart's Python gets "def "); the texts are sample_text's for it
-    out, _ = trained
+    out, _ = sampled_run
     proc = run_main(
         "train_gpt2.py",
         *tiny(
