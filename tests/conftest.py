@@ -98,40 +98,14 @@ def tiny_run_args(
     """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
     in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked
     (hellaswag_every None: the trainer's default); extra last."""
-    return [
-        "--data-dir",
-        str(data_dir),
-        "--out-dir",
-        str(out_dir),
-        "--n-layer",
-        str(n_layer),
-        "--n-head",
-        "2",
-        "--n-embd",
-        str(n_embd),
-        "--block-size",
-        str(block_size),
-        "--seq-len",
-        str(seq_len),
-        "--batch-size",
-        str(B),
-        "--total-batch-size",
-        str(rows * seq_len),
-        "--max-steps",
-        str(steps),
-        "--warmup-steps",
-        str(min(3, steps) if warmup is None else warmup),
-        "--max-lr",
-        "1e-2",
-        "--val-every",
-        str(val_every),
-        "--sample-every",
-        str(sample_every),
-        *([] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]),
-        "--ckpt-every",
-        str(ckpt_every),
-        *extra,
-    ]
+    flags = (
+        f"--n-layer {n_layer} --n-head 2 --n-embd {n_embd} --block-size {block_size} --seq-len {seq_len} "
+        f"--batch-size {B} --total-batch-size {rows * seq_len} --max-steps {steps} "
+        f"--warmup-steps {min(3, steps) if warmup is None else warmup} --max-lr 1e-2 --val-every {val_every} "
+        f"--sample-every {sample_every} --ckpt-every {ckpt_every}"
+    ).split()
+    hellaswag = [] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *flags, *hellaswag, *extra]
 
 
 # tiny_run_args' sizes for a run that evaluates: GPT-2's vocabulary (HellaSwag's and the samples' tokens fit), 2
