@@ -29,13 +29,53 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module")
-def data_dir(request, tmp_path_factory) -> str:
-    """A module's folder of synthetic shards (tests/shards.py's shard_dir), made once per module from its
-    SHARDS: dict(n_docs=..., seed=..., and shard_dir's other sizes)."""
+@pytest.fixture(scope="session")
+def _shard_dirs() -> dict:
+    """The folders of synthetic shards made in this worker, by their sizes (data_dir, finished_run)."""
+    return {}
+
+
+def shared_shards(made: dict, tmp_path_factory, **sizes) -> str:
+    """The folder of tests/shards.py's shard_dir(**sizes), made once per worker: read it, never change it."""
     from shards import shard_dir
 
-    return shard_dir(tmp_path_factory, **request.module.SHARDS)
+    key = tuple(sorted(sizes.items()))
+    if key not in made:
+        made[key] = shard_dir(tmp_path_factory, **sizes)
+    return made[key]
+
+
+@pytest.fixture(scope="module")
+def data_dir(request, _shard_dirs, tmp_path_factory) -> str:
+    """A module's folder of synthetic shards (tests/shards.py's shard_dir), sized by its SHARDS: dict(n_docs=...,
+    seed=..., and shard_dir's other sizes); made once per worker and shared by the modules of the same SHARDS,
+    so read only (a test that changes data copies it)."""
+    return shared_shards(_shard_dirs, tmp_path_factory, **request.module.SHARDS)
+
+
+RUN_SHARDS = dict(n_docs=300, seed=3)  # finished_run's data: a module with these SHARDS resumes it on its data_dir
+
+
+@pytest.fixture(scope="session")
+def finished_run(_shard_dirs, tmp_path_factory):
+    """THE finished tiny run of the suite: tiny_run_args(RUN_SHARDS' folder, steps=4, ckpt_every=2), trained
+    in-process once per worker: log.jsonl and checkpoints at steps 2 and 4. Shared: a test only reads it;
+    one that changes it takes finished_copy."""
+    import train_gpt2
+
+    data = shared_shards(_shard_dirs, tmp_path_factory, **RUN_SHARDS)
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with kept_process_state():
+        assert train_gpt2.main(tiny_run_args(data, out, steps=4, ckpt_every=2)) == 0
+    return out
+
+
+@pytest.fixture
+def finished_copy(finished_run, tmp_path):
+    """A copy of finished_run of this test's own, tmp_path/"run", to resume, branch or damage."""
+    import shutil
+
+    return Path(shutil.copytree(finished_run, tmp_path / "run", symlinks=False))
 
 
 def tiny_run_args(
@@ -58,64 +98,19 @@ def tiny_run_args(
     """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
     in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked
     (hellaswag_every None: the trainer's default); extra last."""
-    return [
-        "--data-dir",
-        str(data_dir),
-        "--out-dir",
-        str(out_dir),
-        "--n-layer",
-        str(n_layer),
-        "--n-head",
-        "2",
-        "--n-embd",
-        str(n_embd),
-        "--block-size",
-        str(block_size),
-        "--seq-len",
-        str(seq_len),
-        "--batch-size",
-        str(B),
-        "--total-batch-size",
-        str(rows * seq_len),
-        "--max-steps",
-        str(steps),
-        "--warmup-steps",
-        str(min(3, steps) if warmup is None else warmup),
-        "--max-lr",
-        "1e-2",
-        "--val-every",
-        str(val_every),
-        "--sample-every",
-        str(sample_every),
-        *([] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]),
-        "--ckpt-every",
-        str(ckpt_every),
-        *extra,
-    ]
+    flags = (
+        f"--n-layer {n_layer} --n-head 2 --n-embd {n_embd} --block-size {block_size} --seq-len {seq_len} "
+        f"--batch-size {B} --total-batch-size {rows * seq_len} --max-steps {steps} "
+        f"--warmup-steps {min(3, steps) if warmup is None else warmup} --max-lr 1e-2 --val-every {val_every} "
+        f"--sample-every {sample_every} --ckpt-every {ckpt_every}"
+    ).split()
+    hellaswag = [] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *flags, *hellaswag, *extra]
 
 
-# a tiny model with GPT-2's vocabulary (HellaSwag's and the samples' tokens fit), 4 micro-steps of 4 rows of 32
-# tokens, max LR 1e-2 after 2 warmup steps: the start of the flags of the runs that evaluate
-TINY_GPT2_VOCAB_RUN = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "64",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "2",
-    "--max-lr",
-    "1e-2",
-]
+# tiny_run_args' sizes for a run that evaluates: GPT-2's vocabulary (HellaSwag's and the samples' tokens fit), 2
+# layers 32 wide, 4 rows of 32 tokens a step, warmup 2 steps
+GPT2_VOCAB_RUN = dict(n_embd=32, block_size=64, seq_len=32, rows=4, warmup=2)
 
 
 def log_records(out_dir) -> list:
@@ -157,16 +152,22 @@ def resume_copy(src, dst, step):
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
 
 
+def with_env(env) -> dict:
+    """This process's environment with env's variables set on top (a value None: that variable unset)."""
+    merged = {**os.environ, **(env or {})}
+    return {key: value for key, value in merged.items() if value is not None}
+
+
 def run_command(script, *args, cwd=REPO, env=None, timeout=300, **kwargs):
-    """`python script args` as a user runs it, in cwd (default: the repo), env set on top of this process's
-    environment: the completed process, its output as text."""
+    """`python script args` as a user runs it (script "-c": args[0] is the code), in cwd (default: the repo),
+    env set on top of this process's environment (with_env): the completed process, its output as text."""
     return subprocess.run(
         [sys.executable, str(script), *map(str, args)],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env=with_env(env),
         **kwargs,
     )
 
@@ -217,7 +218,7 @@ def run_main(script, *args, cwd=None, env=None):
     """`python script args` run in this process, through the script's main(argv): the completed process
     (exit code, stdout and stderr as text, caught at the file descriptors as a subprocess's would be), as
     run_command gives it. sys.argv[0] is the script (argparse names it), cwd the current folder (default:
-    the repo), env variables set on top of the environment; all restored afterwards (kept_process_state).
+    the repo), env variables set on top of the environment (with_env); all restored afterwards (kept_process_state).
     A refusal costs milliseconds here against seconds of torch import in a new process: the many cases
     of a class run here, one real-subprocess test per script and class proves the contract end to end."""
     module = importlib.import_module(Path(script).stem)
@@ -225,7 +226,8 @@ def run_main(script, *args, cwd=None, env=None):
     with kept_process_state(), tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.argv = [str(REPO / script), *argv]
         os.chdir(cwd or REPO)
-        os.environ.update(env or {})
+        os.environ.clear()
+        os.environ.update(with_env(env))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         saved = os.dup(1), os.dup(2)
@@ -404,7 +406,7 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **(env or {})},
+        env=with_env(env),
     )
 
 
@@ -469,6 +471,18 @@ def write_checkpoint(model, path) -> str:
 
     save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """The module's spread_gpt(CONFIG, SPREAD_SEED), the model its HellaSwag scores are computed from."""
+    return spread_gpt(request.module.CONFIG, seed=request.module.SPREAD_SEED)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
+    """model as a checkpoint file (weights and config only)."""
+    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
 
 
 def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):

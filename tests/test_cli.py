@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, interrupt_when_blocked, run_cli
+from conftest import REPO, interrupt_when_blocked, run_cli, run_main
+from trainkit.cli import UserError
 
 # Each script runs as a program (`python SCRIPT ARGS` is runpy with run_name "__main__"), all in one
 # process so that torch is imported once: its exit code, stderr and stdout per command line.
@@ -270,3 +271,21 @@ def test_a_deleted_current_folder_is_one_line(tmp_path, script):
             "and run the command again\n"
         ),
     )
+
+
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("sample.py", ["--checkpoint", "{missing}"]),
+        ("fineweb.py", ["--files", "{missing}", "--out-dir", "{out}"]),
+        ("plot_log.py", ["{missing}"]),
+    ],
+)
+def test_debug_raises_the_refusal_with_its_traceback(tmp_path, script, args):
+    """--debug: the refusal's exception leaves main (the traceback), where it was one line and exit code 2
+    (tests/test_train_cli.py runs the trainer's as a program; test_hellaswag and test_hf_interop theirs)."""
+    args = [a.format(missing=tmp_path / "missing", out=tmp_path / "out") for a in args]
+    result = run_main(script, *args)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    with pytest.raises(UserError, match=str(tmp_path / "missing")):
+        run_main(script, *args, "--debug")

@@ -10,7 +10,7 @@ import torch
 
 from trainkit import doc_mask
 import train_gpt2 as tg
-from conftest import run_cli
+from conftest import run_main, tiny_run_args
 from trainkit.tokenizer import token_byte_lengths
 from shards import EOT, make_docs, write_shards
 
@@ -107,37 +107,6 @@ def test_flex_attention_document_mask_agrees_with_sdpa():
 
 # --- through the command line -------------------------------------------------------------------
 
-TINY = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--block-size",
-    "32",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "1",
-    "--max-lr",
-    "1e-2",
-    "--val-every",
-    "2",
-    "--val-steps",
-    "2",
-    "--sample-every",
-    "0",
-    "--hellaswag-every",
-    "0",
-    "--ckpt-every",
-    "2",
-]
-
 
 @pytest.fixture(scope="module")
 def doc_mask_run(tmp_path_factory):
@@ -145,8 +114,10 @@ def doc_mask_run(tmp_path_factory):
     data = tmp_path_factory.mktemp("shards")
     write_shards(data, make_docs(300, seed=3, vocab=300, min_len=2, max_len=12), shard_size=1500)
     out = tmp_path_factory.mktemp("run")
-    flags = ["--data-dir", str(data), "--out-dir", str(out), *TINY, "--doc-mask"]
-    result = run_cli([*flags, "--max-steps", "2"])
+    flags = tiny_run_args(
+        data, out, "--val-steps", "2", "--doc-mask", steps=2, seq_len=32, rows=4, warmup=1, val_every=2, ckpt_every=2
+    )
+    result = run_main("train_gpt2.py", *flags)
     assert result.returncode == 0, result.stderr
     return flags, out
 

@@ -8,15 +8,7 @@ import os
 
 import pytest
 
-from conftest import REPO, assert_refused, run_command, run_main, tree_hashes, write_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    import train_gpt2 as tg
-
-    model = tg.GPT(tg.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    return write_checkpoint(model, tmp_path_factory.mktemp("run") / "ckpt_0000005.pt")
+from conftest import REPO, assert_refused, run_command, run_main, tree_hashes
 
 
 @pytest.fixture
@@ -33,16 +25,16 @@ def empty_value(argument, script):
     return f"argument {argument}: got an empty value ('': an unset shell variable?) (see {script} --help)"
 
 
-def test_an_empty_export_folder_deletes_nothing(project, checkpoint):
+def test_an_empty_export_folder_deletes_nothing(project, finished_run):
     before = tree_hashes(project)
-    result = run_command(REPO / "hf_interop.py", "export", checkpoint, "", cwd=project)
+    result = run_command(REPO / "hf_interop.py", "export", finished_run, "", cwd=project)
     assert_refused(result, empty_value("out_dir", "hf_interop.py export"))
     assert result.stdout == ""
     assert tree_hashes(project) == before
 
 
 @pytest.mark.parametrize("where", [".", "..", "src/..", "~", "REPO", "REPO/..", "link"])
-def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, checkpoint, tmp_path, where):
+def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, finished_run, tmp_path, where):
     """Not even when that folder is empty, or would pass as an earlier export: the folder a shell
     stands in, a home folder and the checkout are the user's, whatever they hold."""
     home = tmp_path / "home"
@@ -52,7 +44,7 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, c
         os.symlink(project, tmp_path / "link")
         out = str(tmp_path / "link")
     before, repo_before = tree_hashes(project), tree_hashes(REPO / "trainkit")
-    result = run_main("hf_interop.py", "export", checkpoint, out, cwd=project, env={"HOME": str(home)})
+    result = run_main("hf_interop.py", "export", finished_run, out, cwd=project, env={"HOME": str(home)})
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     what = {
@@ -71,17 +63,17 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, c
     assert os.listdir(home) == []
 
 
-def test_an_empty_current_folder_is_not_replaced_either(tmp_path, checkpoint):
+def test_an_empty_current_folder_is_not_replaced_either(tmp_path, finished_run):
     empty = tmp_path / "empty"
     empty.mkdir()
     inode = os.stat(empty).st_ino
-    result = run_main("hf_interop.py", "export", checkpoint, ".", cwd=empty)
+    result = run_main("hf_interop.py", "export", finished_run, ".", cwd=empty)
     assert result.returncode == 2 and "it is the current folder" in result.stderr, result.stderr[-3000:]
     assert os.stat(empty).st_ino == inode and os.listdir(empty) == []
 
 
-def test_an_export_into_a_new_folder_still_works(project, checkpoint):
-    result = run_main("hf_interop.py", "export", checkpoint, "hf", cwd=project)
+def test_an_export_into_a_new_folder_still_works(project, finished_run):
+    result = run_main("hf_interop.py", "export", finished_run, "hf", cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
     assert (project / "notes.txt").read_text() == "mine\n"
@@ -117,9 +109,9 @@ def test_every_script_refuses_an_empty_value(project, script, args, argument):
     assert tree_hashes(project) == before
 
 
-def test_an_empty_prompt_is_still_a_prompt(checkpoint):
+def test_an_empty_prompt_is_still_a_prompt(finished_run):
     """--prompt '' starts a new document: the one argument that may be empty on purpose."""
     result = run_main(
-        "sample.py", "--checkpoint", checkpoint, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2
+        "sample.py", "--checkpoint", finished_run, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2
     )
     assert result.returncode == 0, result.stderr[-3000:]

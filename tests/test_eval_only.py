@@ -6,32 +6,30 @@ import os
 
 import pytest
 
-from conftest import HELLASWAG_FILE, TINY_GPT2_VOCAB_RUN, run_cli
+from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, run_cli, run_main, tiny_run_args
 from shards import make_docs, write_shards
-
-# the model keeps GPT-2's vocabulary so that HellaSwag's tokens fit
-TINY = [
-    *TINY_GPT2_VOCAB_RUN,
-    "--val-every",
-    "2",
-    "--val-steps",
-    "3",
-    "--sample-every",
-    "0",
-    "--ckpt-every",
-    "2",
-]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def evaluated_run(tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
     data = tmp_path_factory.mktemp("shards")
     write_shards(data, make_docs(400, seed=5, vocab=64, max_len=60), shard_size=4000)
-    hellaswag = ["--hellaswag-every", "2", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
+    hellaswag = ["--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
     out = tmp_path_factory.mktemp("run")
-    flags = ["--data-dir", str(data), "--out-dir", str(out), *TINY, *hellaswag]
-    result = run_cli([*flags, "--max-steps", "4"])
+    flags = tiny_run_args(
+        data,
+        out,
+        "--val-steps",
+        "3",
+        *hellaswag,
+        steps=4,
+        ckpt_every=2,
+        val_every=2,
+        hellaswag_every=2,
+        **GPT2_VOCAB_RUN,
+    )
+    result = run_main("train_gpt2.py", *flags)
     assert result.returncode == 0, result.stderr
     return flags, out
 
@@ -43,11 +41,11 @@ def logged_at(out, step):
 
 
 @pytest.mark.parametrize("which,step", [("ckpt_0000002.pt", 2), (None, 4)], ids=["path", "latest"])
-def test_eval_only_equals_what_training_logged(trained, which, step):
-    flags, out = trained
+def test_eval_only_equals_what_training_logged(evaluated_run, which, step):
+    flags, out = evaluated_run
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     resume = ["--resume", str(out / which)] if which else ["--resume"]
-    result = run_cli([*flags, "--eval-only", *resume])
+    result = run_main("train_gpt2.py", *flags, "--eval-only", *resume)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert f"evaluating {out / (which or 'ckpt_0000004.pt')} at step {step}" in lines
@@ -57,10 +55,10 @@ def test_eval_only_equals_what_training_logged(trained, which, step):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # log and checkpoints untouched
 
 
-def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained):
+def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(evaluated_run):
     # neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation
-    flags, out = trained
-    result = run_cli([*flags, "--eval-only", "--resume", "--max-steps", "100"])
+    flags, out = evaluated_run
+    result = run_main("train_gpt2.py", *flags, "--eval-only", "--resume", "--max-steps", "100")
     assert result.returncode == 0, result.stderr
     assert "note:" not in result.stdout
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
@@ -77,22 +75,22 @@ def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(trained)
         ),
     ],
 )
-def test_eval_only_errors_are_one_line(trained, tmp_path, extra, message):
-    flags, _ = trained
+def test_eval_only_errors_are_one_line(evaluated_run, tmp_path, extra, message):
+    flags, _ = evaluated_run
     extra = [a.replace("{empty}", str(tmp_path)) for a in extra]
-    result = run_cli([*flags, "--eval-only", *extra])
+    result = run_main("train_gpt2.py", *flags, "--eval-only", *extra)
     assert (result.returncode, result.stderr) == (2, f"error: {message.replace('{empty}', str(tmp_path))}\n")
     assert os.listdir(tmp_path) == []
 
 
-def test_eval_only_takes_the_checkpoints_flags(trained):
+def test_eval_only_takes_the_checkpoints_flags(evaluated_run):
     """`--eval-only --resume PATH` alone: the model, batch, data and evaluation flags are the checkpoint's run's,
     so the numbers equal what training logged; a flag the command gives still wins."""
-    _, out = trained
-    result = run_cli(["--eval-only", "--resume", str(out)])
+    _, out = evaluated_run
+    result = run_cli(["--eval-only", "--resume", str(out)])  # a program once, end to end
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
-    result = run_cli(["--eval-only", "--resume", str(out), "--hellaswag-every", "0"])
+    result = run_main("train_gpt2.py", "--eval-only", "--resume", str(out), "--hellaswag-every", "0")
     assert result.returncode == 0, result.stderr
     evaluated = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluated == {k: v for k, v in logged_at(out, 4).items() if not k.startswith("hellaswag")}

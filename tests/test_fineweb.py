@@ -116,11 +116,6 @@ def load_shards(out_dir):
     return manifest, arrays
 
 
-def run_cli(*args):
-    """fineweb.py with args, run in-process through its main (run_main)."""
-    return run_main("fineweb.py", *args)
-
-
 def only_line(result):
     """The single line a failed run printed (errors come before any progress bar)."""
     lines = result.stderr.splitlines()
@@ -255,9 +250,7 @@ def test_import_is_light_and_silent():
         "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
         "print(sorted(heavy), fineweb.EOT, tokenizer.get_encoding().name)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(FINEWEB).parent, timeout=60
-    )
+    result = run_command("-c", code, cwd=Path(FINEWEB).parent, timeout=60)
     assert (result.stdout, result.stderr) == ("[] 50256 r50k_base\n", "")
 
 
@@ -444,7 +437,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, corpus, how):
     # the resume point splits a document, so the already-written prefix must be dropped
     assert manifest["shards"][-1]["next_document_tokens_done"] > 0
 
-    result = run_cli(*args)
+    result = run_main("fineweb.py", *args)
     assert result.returncode == 0, result.stderr
     skipped = manifest["shards"][-1]["documents_done"]
     assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
@@ -465,7 +458,7 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
         wait_for((out / "data_train_000002.npy").exists, first, what="the stall after shard 2")
         before = tree_hashes(out)
         for second in (["--files", str(other), "--out-dir", str(out), "--max-tokens", "1M"], args):
-            result = run_cli(*second)
+            result = run_main("fineweb.py", *second)
             assert (result.returncode, result.stderr) == (
                 2,
                 (
@@ -478,7 +471,7 @@ def test_a_folder_being_written_is_refused_to_a_second_run(tmp_path, corpus):
         os.kill(first.pid, signal.SIGKILL)  # (its workers end once their task pipe closes)
         assert first.wait(timeout=120) == -signal.SIGKILL
         group_gone(first.pid)
-        result = run_cli(*args)
+        result = run_main("fineweb.py", *args)
         assert result.returncode == 0, result.stderr
     finally:
         kill_group(first)  # (by now its workers may have ended, and the group with them)
@@ -515,7 +508,7 @@ def test_resume_at_a_document_boundary(tmp_path, small_chunks, capsys):
 def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, corpus):
     docs, path, reference_out = corpus
     stamps = {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()}
-    again = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "2500")
+    again = run_main("fineweb.py", "--files", path, "--out-dir", reference_out, "--shard-size", "2500")
     assert again.returncode == 0
     total = reference_tokens(docs).size
     assert again.stdout == (
@@ -523,7 +516,7 @@ def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, co
     )
     assert {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()} == stamps
 
-    other = run_cli("--files", path, "--out-dir", reference_out, "--shard-size", "3000")
+    other = run_main("fineweb.py", "--files", path, "--out-dir", reference_out, "--shard-size", "3000")
     assert other.returncode == 2
     assert only_line(other) == (
         f"error: {reference_out / 'manifest.json'} was written with other arguments "
@@ -535,14 +528,14 @@ def test_complete_run_is_not_redone_and_other_arguments_are_refused(tmp_path, co
 
 
 def test_no_matching_files(tmp_path):
-    result = run_cli("--files", tmp_path / "nothing*.jsonl", "--out-dir", tmp_path / "out")
+    result = run_main("fineweb.py", "--files", tmp_path / "nothing*.jsonl", "--out-dir", tmp_path / "out")
     assert result.returncode == 2
     assert result.stderr == f"error: --files '{tmp_path / 'nothing*.jsonl'}' matches no files\n"
 
 
 def test_no_documents(tmp_path):
     (tmp_path / "blank.txt").write_text("\n   \n\n")
-    result = run_cli("--files", tmp_path / "blank.txt", "--out-dir", tmp_path / "out", "--workers", "1")
+    result = run_main("fineweb.py", "--files", tmp_path / "blank.txt", "--out-dir", tmp_path / "out", "--workers", "1")
     assert result.returncode == 2
     assert only_line(result) == f"error: no documents in --files {tmp_path / 'blank.txt'} (1 matched)"
 
@@ -560,7 +553,7 @@ def test_missing_text_field(tmp_path, kind):
     else:
         write_jsonl(path, rows)
         where = f"{path}:1"
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
     assert result.returncode == 2
     assert only_line(result) == (f"error: {where}: no field 'text' (fields: id, content); choose one with --text-field")
 
@@ -568,14 +561,16 @@ def test_missing_text_field(tmp_path, kind):
 def test_undecodable_bytes(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes("café au lait\n".encode("latin-1"))
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
     assert result.returncode == 2
     assert only_line(result) == (
         f"error: {path} is not valid UTF-8 (byte 0xe9 cannot be decoded); "
         "convert it to UTF-8, leave it out of --files, or pass --utf8-errors replace"
     )
 
-    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace")
+    replaced = run_main(
+        "fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace"
+    )
     assert replaced.returncode == 0, replaced.stderr
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["caf\ufffd au lait"]))
@@ -589,7 +584,7 @@ def test_lone_surrogate_is_one_line_or_replaced(tmp_path, workers):
     path = tmp_path / "web.jsonl"
     path.write_text('{"text": "hello"}\n\n' + LONE_SURROGATE_LINE + '{"text": "after"}\n')
     out = tmp_path / "new" / "out"
-    result = run_cli("--files", path, "--out-dir", out, "--workers", workers)
+    result = run_main("fineweb.py", "--files", path, "--out-dir", out, "--workers", workers)
     assert error_line(result) == (
         f"error: {path}:3: the text holds a lone surrogate U+D800 (half of a UTF-16 pair, as JSON's \\ud800 "
         "without its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass "
@@ -597,7 +592,9 @@ def test_lone_surrogate_is_one_line_or_replaced(tmp_path, workers):
     )
     assert not (tmp_path / "new").exists()
 
-    replaced = run_cli("--files", path, "--out-dir", out, "--workers", workers, "--utf8-errors", "replace")
+    replaced = run_main(
+        "fineweb.py", "--files", path, "--out-dir", out, "--workers", workers, "--utf8-errors", "replace"
+    )
     assert replaced.returncode == 0, replaced.stderr
     _, arrays = load_shards(out)
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["hello", "abc \ufffd def", "after"]))
@@ -607,9 +604,11 @@ def test_lone_surrogate_in_a_document_that_quotes_endoftext(tmp_path):
     # such a document is encoded on its own: tiktoken's encode_ordinary would replace the surrogate silently
     path = tmp_path / "web.jsonl"
     path.write_text('{"text": "<|endoftext|> \\udfff"}\n')
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
     assert error_line(result).startswith(f"error: {path}:1: the text holds a lone surrogate U+DFFF (")
-    replaced = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace")
+    replaced = run_main(
+        "fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1", "--utf8-errors", "replace"
+    )
     assert replaced.returncode == 0, replaced.stderr
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(["<|endoftext|> \ufffd"]))
@@ -621,7 +620,7 @@ def test_text_tiktoken_cannot_tokenize_is_one_line_naming_it(tmp_path, workers):
     # encode_ordinary panics instead, a BaseException that would have ended a worker)
     path = tmp_path / "padded.txt"
     path.write_text("first line\n" + "a" + " " * 1_000_000 + "b\nlast line\n")
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", workers)
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", workers)
     assert error_line(result) == (
         f"error: {path}:2: tiktoken cannot tokenize this document (ValueError: Regex error while tokenizing: Error "
         "executing regex: Max stack size exceeded for backtracking); fix it or leave it out (--debug shows the "
@@ -730,7 +729,7 @@ def test_damaged_gzip_is_one_line_naming_it_and_leaves_no_folder(tmp_path, damag
     else:
         path.write_bytes(packed[:-8] + bytes([packed[-8] ^ 1]) + packed[-7:])  # the CRC
     out = tmp_path / "new" / "out"  # the error comes after the folder was made, before any shard
-    result = run_cli("--files", good, path, "--out-dir", out, "--workers", "1")
+    result = run_main("fineweb.py", "--files", good, path, "--out-dir", out, "--workers", "1")
     reason = {
         "truncated": "is truncated (the gzip data ends early)",
         "plain text": "is not valid gzip data (Not a gzipped file (b'{\"'))",
@@ -756,7 +755,7 @@ def test_damaged_parquet_is_one_line_naming_it(tmp_path, damage):
         path.write_bytes(b"id,text\n1,hello\n")
     else:  # the footer is intact, the compressed data is not
         path.write_bytes(data[:100] + bytes(b ^ 0x55 for b in data[100:2000]) + data[2000:])
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
     assert result.returncode == 2
     line = error_line(result)
     assert line.startswith(f"error: {path} is not a readable Parquet file (")
@@ -803,7 +802,7 @@ def test_changed_input_is_not_resumed(tmp_path, change):
     )
     for out in (cut, tmp_path / "full"):  # interrupted, and complete: neither is up to date
         before = sorted(p.name for p in out.iterdir())
-        result = run_cli(*args, "--out-dir", out)
+        result = run_main("fineweb.py", *args, "--out-dir", out)
         assert (result.returncode, only_line(result)) == (2, message.replace(str(cut), str(out)))
         assert sorted(p.name for p in out.iterdir()) == before
 
@@ -819,7 +818,7 @@ def test_changed_input_is_not_resumed(tmp_path, change):
 )
 def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, other):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--prefix", prefix)
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--prefix", prefix)
     assert (result.returncode, only_line(result)) == (
         2,
         (
@@ -844,15 +843,15 @@ def test_prefix_the_trainer_would_misread_is_refused(tmp_path, prefix, split, ot
 )
 def test_bad_flags_are_one_line(tmp_path, flags, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", *flags)
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", *flags)
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
 
 
 def test_out_dir_that_is_a_file_or_holds_the_input(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = run_cli("--files", path, "--out-dir", path)
+    result = run_main("fineweb.py", "--files", path, "--out-dir", path)
     assert (result.returncode, result.stderr) == (2, f"error: --out-dir '{path}' is not a folder\n")
-    result = run_cli("--files", tmp_path / "*.jsonl", "--out-dir", tmp_path)
+    result = run_main("fineweb.py", "--files", tmp_path / "*.jsonl", "--out-dir", tmp_path)
     assert (result.returncode, result.stderr) == (
         2,
         f"error: --files matches {path}, inside --out-dir {tmp_path}: the output would be read as input\n",
@@ -868,7 +867,7 @@ def test_manifest_that_is_not_ours(tmp_path):
         (b"\xff\xfe binary", " (not UTF-8 text (byte 0xff), so not JSON)"),
     ):
         (tmp_path / "out" / "manifest.json").write_bytes(text)
-        result = run_cli("--files", path, "--out-dir", tmp_path / "out")
+        result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out")
         assert (result.returncode, result.stderr) == (
             2,
             f"error: {tmp_path / 'out' / 'manifest.json'} is not a manifest written by fineweb.py{reason}; "
@@ -877,7 +876,7 @@ def test_manifest_that_is_not_ours(tmp_path):
 
 
 @pytest.mark.parametrize("file", ["data_val_000000.npy", "manifest.json"])
-def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, monkeypatch, capsys):
+def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, monkeypatch):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
@@ -894,8 +893,8 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
         return fd
 
     monkeypatch.setattr(atomic_write, "create_fresh", full_disk_for_file)
-    assert fineweb.main(["--files", str(path), "--out-dir", str(out), "--workers", "1"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
+    result = run_main("fineweb.py", "--files", path, "--out-dir", out, "--workers", "1")
+    assert error_line(result) == (
         f"error: cannot write {out / file}: no space left on device; the shards "
         "that manifest.json lists are complete: fix this and run the same command "
         "again to resume"
@@ -908,13 +907,15 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
 def test_unreadable_input_is_one_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     os.chmod(path, 0)
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--workers", "1")
     assert (result.returncode, only_line(result)) == (2, f"error: cannot read {path}: permission denied")
 
 
 def test_all_val_shards_is_said(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M")
+    result = run_main(
+        "fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M"
+    )
     assert result.returncode == 0
     tokens = reference_tokens(make_docs(10)).size
     assert result.stdout == f"wrote 1 shard, {tokens:,} tokens, 10 documents to {tmp_path / 'out'}\n"
@@ -968,7 +969,7 @@ def offline_env(tmp_path):
     """A machine without internet that has never cached the BPE: no TIKTOKEN_CACHE_DIR, an empty
     home, XDG cache and temporary folder (tiktoken's default cache is TMPDIR/data-gym-cache), and
     proxies that refuse every connection."""
-    env = {key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    env = dict(TIKTOKEN_CACHE_DIR=None, DATA_GYM_CACHE_DIR=None)  # (run_command's with_env unsets them)
     for name in ("home", "cache", "tmp"):
         (tmp_path / name).mkdir(parents=True)
     dead = "http://127.0.0.1:9"
@@ -988,13 +989,7 @@ def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
     env = offline_env(tmp_path)
     docs = ["hello world", "naïve café 🙂", "text that quotes <|endoftext|>"]
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
-    result = subprocess.run(
-        [sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out", "--workers", "2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    result = run_command(FINEWEB, "--files", path, "--out-dir", tmp_path / "out", "--workers", "2", env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     _, arrays = load_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(arrays), reference_tokens(docs))
@@ -1005,10 +1000,9 @@ def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
     )
     (tmp_path / "empty").mkdir()
     for cache in ({}, {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty")}):  # unset, or set to a folder without it
-        result = subprocess.run(
-            [sys.executable, "-c", round_trip],
-            capture_output=True,
-            text=True,
+        result = run_command(
+            "-c",
+            round_trip,
             env={**env, **cache},
             cwd=Path(FINEWEB).parent,
             timeout=60,
@@ -1039,10 +1033,12 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
     bad = data.replace(b" 1000\n", b" 1001\n") if damage == "one rank changed" else data[:-100]
     folder = copy_of_fineweb(tmp_path, bad)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = subprocess.run(
-        [sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
-        capture_output=True,
-        text=True,
+    result = run_command(
+        folder / "fineweb.py",
+        "--files",
+        path,
+        "--out-dir",
+        tmp_path / "out",
         env=offline_env(tmp_path),
         timeout=60,
     )
@@ -1059,10 +1055,12 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
     assert not (tmp_path / "out").exists()
 
     # a tiktoken cache still comes first
-    cached = subprocess.run(
-        [sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
-        capture_output=True,
-        text=True,
+    cached = run_command(
+        folder / "fineweb.py",
+        "--files",
+        path,
+        "--out-dir",
+        tmp_path / "out",
         timeout=60,
         env={**offline_env(tmp_path / "2"), "TIKTOKEN_CACHE_DIR": tiktoken_cache(tmp_path / "cache")},
     )
@@ -1072,10 +1070,12 @@ def test_damaged_shipped_bpe_is_one_line(tmp_path, damage):
 def test_missing_shipped_bpe_offline_is_one_line(tmp_path):
     folder = copy_of_fineweb(tmp_path, None)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
-    result = subprocess.run(
-        [sys.executable, folder / "fineweb.py", "--files", path, "--out-dir", tmp_path / "out"],
-        capture_output=True,
-        text=True,
+    result = run_command(
+        folder / "fineweb.py",
+        "--files",
+        path,
+        "--out-dir",
+        tmp_path / "out",
         env=offline_env(tmp_path),
         timeout=60,
     )
@@ -1161,10 +1161,12 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
     damaged = cache / hashlib.sha1(tokenizer.BPE_URL.encode()).hexdigest()
     damaged.write_bytes(Path(tokenizer.SHIPPED_BPE).read_bytes()[:-100])
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
-    result = subprocess.run(
-        [sys.executable, FINEWEB, "--files", path, "--out-dir", tmp_path / "out"],
-        capture_output=True,
-        text=True,
+    result = run_command(
+        FINEWEB,
+        "--files",
+        path,
+        "--out-dir",
+        tmp_path / "out",
         timeout=60,
         env={**offline_env(tmp_path / "offline"), "TIKTOKEN_CACHE_DIR": str(cache)},
     )
@@ -1181,7 +1183,7 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path):
 
 def test_files_that_is_a_folder_says_so(tmp_path):
     write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}])
-    result = run_cli("--files", tmp_path, "--out-dir", tmp_path / "out")
+    result = run_main("fineweb.py", "--files", tmp_path, "--out-dir", tmp_path / "out")
     assert (result.returncode, result.stderr) == (
         2,
         (
@@ -1199,7 +1201,7 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_the_trainer
     (tmp_path / "notes.txt").write_text("\n".join(lines))
     expected = reference_tokens(lines)
     out = tmp_path / "mine"
-    result = run_cli("--files", tmp_path / "notes.txt", "--out-dir", out)
+    result = run_main("fineweb.py", "--files", tmp_path / "notes.txt", "--out-dir", out)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"wrote 2 shards, {expected.size:,} tokens, {len(lines)} documents to {out}\n"
     assert "warning" not in result.stderr
@@ -1216,7 +1218,7 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_the_trainer
     finally:
         kill_group(process)
     assert len(json.loads((killed / "manifest.json").read_text())["shards"]) == 1
-    resumed = run_cli(*args)
+    resumed = run_main("fineweb.py", *args)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_output(killed, out)
 
@@ -1234,7 +1236,7 @@ def test_a_prefix_the_trainer_would_not_find_is_refused(tmp_path):
     """A --prefix starting with '.' names hidden files, which the trainer's shard search skips: refused in one
     line before anything is written."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
-    result = run_cli("--files", path, "--out-dir", tmp_path / "out", "--prefix", ".hidden")
+    result = run_main("fineweb.py", "--files", path, "--out-dir", tmp_path / "out", "--prefix", ".hidden")
     assert (result.returncode, result.stdout) == (2, "")
     assert only_line(result) == (
         "error: --prefix '.hidden' starts with '.': train_gpt2.py would not find shards "

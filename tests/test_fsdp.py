@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from trainkit import fsdp
 from trainkit import launch
 from trainkit.out_dir import OutDirLock
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, free_port, tiny_run_args, torchrun
+from conftest import HELLASWAG_FILE, REPO, assert_one_error_line, free_port, run_main, tiny_run_args, torchrun
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
@@ -262,12 +261,9 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
 
 def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
     args = ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--fsdp"]
-    result = subprocess.run(
-        [sys.executable, "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 2
-    assert result.stderr.startswith("error: --fsdp shards the model over the processes of a torchrun launch")
-    assert result.stderr.count("\n") == 1
+    result = run_main("train_gpt2.py", *args)
+    assert_one_error_line(result, "--fsdp shards the model over the processes of a torchrun launch")
+    assert result.stderr.startswith("error: --fsdp shards") and os.listdir(tmp_path) == []
 
 
 def test_fsdp_with_float16_is_refused_before_any_work(data_dir, tmp_path):

@@ -21,7 +21,7 @@ from trainkit import throughput
 from trainkit import launch
 import train_gpt2 as tg
 import conftest
-from conftest import REPO, tiny_run_args, train_records
+from conftest import REPO, run_main, tiny_run_args, train_records
 from shards import make_batch
 
 T = 16
@@ -241,7 +241,7 @@ def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, m
 def test_fp16_resume_is_bit_exact(data_dir, tmp_path, optimizer):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     fp16 = ("--dtype", "float16", "--ckpt-every", "3", "--optimizer", optimizer)
-    result = run_cli(args_for(data_dir, straight, *fp16, steps=6))  # the flag, as users run it
+    result = run_main("train_gpt2.py", *args_for(data_dir, straight, *fp16, steps=6))  # the flag, as users give it
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dtype float16" in result.stdout
     os.makedirs(resumed)
@@ -377,9 +377,10 @@ def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, 
     ],
 )
 def test_unknown_or_missing_device_is_one_line(data_dir, tmp_path, device, message):
-    result = run_cli(args_for(data_dir, tmp_path, "--device", device))
+    result = run_main("train_gpt2.py", *args_for(data_dir, tmp_path, "--device", device))
     assert result.returncode == 2
     assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "log.jsonl")
 
 
 def test_auto_device_picks_mps_when_there_is_no_cuda(monkeypatch):
@@ -407,7 +408,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_activation_checkpointing_flag_trains_identically(data_dir, tmp_path):
-    result = run_cli(args_for(data_dir, tmp_path / "ckpt", "--activation-checkpointing", B=2))
+    result = run_main("train_gpt2.py", *args_for(data_dir, tmp_path / "ckpt", "--activation-checkpointing", B=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert tg.main(args_for(data_dir, tmp_path / "plain", B=2)) == 0
     assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == [

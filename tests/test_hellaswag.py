@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, NOT_GPT2, not_gpt2_folder, run_cli, spread_gpt, tiny_run_args, write_checkpoint
+from conftest import (
+    HELLASWAG_FILE,
+    NOT_GPT2,
+    not_gpt2_folder,
+    run_cli,
+    run_main,
+    tiny_run_args,
+)
 from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.tokenizer import EOT
@@ -20,6 +27,7 @@ from train_gpt2 import GPTConfig
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+SPREAD_SEED = 1234  # conftest's model: spread_gpt(CONFIG, SPREAD_SEED)
 SHARDS = dict(n_docs=50, seed=0, vocab=100, shard_size=1000)  # the trainer's data, for its checks at start
 
 # The first two records of hellaswag_val.jsonl (and of its subset in fixtures/), tokenized once with tiktoken's GPT-2 BPE
@@ -75,16 +83,6 @@ def data_file():
     return str(HELLASWAG_FILE)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return spread_gpt(CONFIG, seed=1234)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model, tmp_path_factory):
-    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
-
-
 def reference_losses(model, ex, block_size):
     """Summed and mean loss of each ending, one unpadded row per forward pass. Where a row
     would not fit, every ending keeps the same newest context tokens, as many as the longest
@@ -104,8 +102,8 @@ def reference_losses(model, ex, block_size):
 
 
 def run_hellaswag(*args, nproc=1, env=None):
-    """hellaswag.py args as a user runs it (torchrun with nproc > 1)."""
-    return run_cli(args, nproc, "hellaswag.py", env)
+    """hellaswag.py args through its main in this process (run_main), or as a torchrun of nproc > 1 processes."""
+    return run_cli(args, nproc, "hellaswag.py", env) if nproc > 1 else run_main("hellaswag.py", *args, env=env)
 
 
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
@@ -493,8 +491,9 @@ def test_cli_hf_model_that_is_not_gpt2(tmp_path):
 
 def test_trainer_checks_its_hellaswag_file_at_start(data_dir, tmp_path):
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    proc = run_cli(
-        tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1)
+    proc = run_main(
+        "train_gpt2.py",
+        *tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1),
     )
     assert (proc.returncode, proc.stderr) == (
         2,
@@ -560,7 +559,8 @@ def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_pa
         "no_proxy": "",
         "NO_PROXY": "",
     }
-    proc = run_cli(tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None), env=offline)
+    flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
+    proc = run_main("train_gpt2.py", *flags, env=offline)
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "

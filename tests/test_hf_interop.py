@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
-from conftest import NOT_GPT2, REPO, assert_refused, not_gpt2_folder, run_main, tiny_hf, tiny_run_args  # noqa: E402
+from conftest import NOT_GPT2, REPO, assert_refused, not_gpt2_folder, run_command, run_main, tiny_hf, tiny_run_args  # noqa: E402
 from trainkit import checkpoints, export_folder  # noqa: E402
 import train_gpt2  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
@@ -517,13 +517,7 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
             )
         env["PYTHONPATH"] = os.pathsep.join([oldest_dir, *filter(None, [env.get("PYTHONPATH")])])
     long_prompt = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()[:400]
-    proc = subprocess.run(
-        [sys.executable, "-c", TRANSFORMERS_CLIENT, str(out), str(texts_file), long_prompt],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = run_command("-c", TRANSFORMERS_CLIENT, out, texts_file, long_prompt, env=env)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.splitlines()[-1])
     import transformers
@@ -567,9 +561,7 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
     out = tmp_path / "hf"
     assert export(first, out).returncode == 0
     before = folder_bytes(out)
-    proc = subprocess.run(
-        [sys.executable, *EXPORT, second, out], capture_output=True, text=True, timeout=300, preexec_fn=small_files
-    )
+    proc = run_command(*EXPORT, second, out, preexec_fn=small_files)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert folder_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == [

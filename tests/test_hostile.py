@@ -39,14 +39,6 @@ from conftest import (
 SHARDS = dict(n_docs=300, seed=3)
 
 
-@pytest.fixture(scope="module")
-def finished_run(data_dir, tmp_path_factory):
-    """A 4-step run with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("run")
-    assert tg.main(tiny_run_args(data_dir, out, steps=4, ckpt_every=2)) == 0
-    return out
-
-
 # --- flags ----------------------------------------------------------------------------------
 
 
@@ -135,9 +127,8 @@ def foreign(path, what):
         ),
     ],
 )
-def test_damaged_newest_checkpoint_names_the_earlier_one(finished_run, data_dir, tmp_path, how, message):
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+def test_damaged_newest_checkpoint_names_the_earlier_one(finished_copy, data_dir, tmp_path, how, message):
+    run = finished_copy
     damage(run / "ckpt_0000004.pt", how)
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
     assert_one_error_line(result, message.format(dir=run), "use the earlier checkpoint")
@@ -170,11 +161,10 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     assert_one_error_line(result, f"{path}: {message}")
 
 
-def test_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch):
+def test_a_checkpoint_removed_while_loading(finished_copy, tmp_path, monkeypatch):
     """--keep-last of a live run may delete the checkpoint that export, sample.py or hellaswag.py is
     loading: gone before it is opened, one line; gone once open, the open file loads whole."""
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    run = finished_copy
     found = os.path.isfile
 
     def found_then_removed(path):  # there when looked for, gone when opened
@@ -202,9 +192,8 @@ def test_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch)
     assert os.listdir(run) == ["log.jsonl"]
 
 
-def test_sample_from_a_checkpoint_removed_while_loading(finished_run, tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+def test_sample_from_a_checkpoint_removed_while_loading(finished_copy, tmp_path, monkeypatch):
+    run = finished_copy
     found = os.path.isfile
 
     def found_then_removed(path):  # the newest checkpoint removed between finding and opening it
@@ -255,9 +244,8 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
 
 
 @pytest.mark.parametrize("max_steps", [3, 4])
-def test_resume_at_or_past_max_steps_says_so(finished_run, data_dir, tmp_path, max_steps):
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+def test_resume_at_or_past_max_steps_says_so(finished_copy, data_dir, tmp_path, max_steps):
+    run = finished_copy
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
     if max_steps < 4:  # a mistake: the run is already past the requested end
@@ -644,19 +632,13 @@ def test_ranks_that_never_gather_are_one_line(tmp_path):
     env = dict(
         os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys\nfrom trainkit import launch\n"
-            "def join():\n    with launch.process_group('cpu', 2): pass\n"
-            "sys.exit(launch.exit_code_on_every_rank(join))",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_command(
+        "-c",
+        "import sys\nfrom trainkit import launch\n"
+        "def join():\n    with launch.process_group('cpu', 2): pass\n"
+        "sys.exit(launch.exit_code_on_every_rank(join))",
         env=env,
+        timeout=120,
     )
     assert_one_error_line(
         result,

@@ -19,24 +19,11 @@ from conftest import HELLASWAG_FILE, assert_refused, run_command, run_main, tiny
 from trainkit import checkpoints
 
 
-def tiny(data_dir, out, *extra, steps):
-    """The trainer's flags for a run of the tiny model (1 layer, 4 rows of 16 tokens a step), extra last."""
-    return tiny_run_args(data_dir, out, *extra, steps=steps, n_layer=1, rows=4, warmup=1)
-
-
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
 
 
 SHARDS = dict(n_docs=300, seed=3)
-
-
-@pytest.fixture(scope="module")
-def finished_run(data_dir, tmp_path_factory):
-    """A 2-step run of the tiny model with its checkpoint at step 2."""
-    out = tmp_path_factory.mktemp("run")
-    assert tg.main(tiny(data_dir, out, "--ckpt-every", "2", steps=2)) == 0
-    return out
 
 
 def edited_run(finished_run, folder, edit, checksum=True):
@@ -78,7 +65,7 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
     before = tree_hashes(tmp_path)
     cases = [
         (
-            ("train_gpt2.py", *tiny(data, tmp_path / "out", steps=1)),
+            ("train_gpt2.py", *tiny_run_args(data, tmp_path / "out", steps=1)),
             f"{data / 'manifest.json'} is not a manifest fineweb.py wrote ({DEEP_REASON}); restore it, re-create the "
             "data set with fineweb.py, or move it out of the folder",
         ),
@@ -98,7 +85,7 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
         ),
         (("sample.py", "--hf-model", hf), f"--hf-model {hf}: {hf / 'config.json'}: {DEEP_REASON}"),
         (
-            ("train_gpt2.py", *tiny(data_dir, run, steps=1)),
+            ("train_gpt2.py", *tiny_run_args(data_dir, run, steps=1)),
             f"--out-dir {run} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
             "wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose another "
             "--out-dir",
@@ -195,7 +182,7 @@ def test_a_checkpoint_whose_structure_costs_more_than_its_file(
     before = tree_hashes(tmp_path)
     line = f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
     for command in [
-        ("train_gpt2.py", *tiny(data_dir, tmp_path / "run", "--resume", steps=4)),
+        ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=4)),
         ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
         ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
         ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
@@ -250,7 +237,7 @@ def test_resume_state_of_the_wrong_types_is_one_line(finished_run, data_dir, tmp
     """A checkpoint whose checksum is right but whose resume fields are not as the trainer writes them."""
     ckpt = edited_run(finished_run, tmp_path / "run", edit)
     before = tree_hashes(tmp_path)
-    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "run", "--resume", steps=4))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=4))
     assert_refused(
         result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
     )
@@ -412,7 +399,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_not_read(data_dir, tmp_pa
     else:
         os.symlink("/dev/zero", shard)
         what = "a character device (a link to /dev/zero)"
-    result = run_command("train_gpt2.py", *tiny(data, tmp_path / "out", steps=1), timeout=120)
+    result = run_command("train_gpt2.py", *tiny_run_args(data, tmp_path / "out", steps=1), timeout=120)
     assert_refused(result, f"{shard} is {what}, not a regular file: it cannot be read as one")
     os.remove(shard)
     assert tree_hashes(tmp_path) == before

@@ -3,13 +3,11 @@ import in trainkit/, dependencies pointing one way (scripts -> the trainer's mod
 and the scripts' --help unchanged by the move."""
 
 import ast
-import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_main
 
 SCRIPTS = ["train_gpt2", "fineweb", "hellaswag", "hf_interop", "sample", "plot_log"]
 
@@ -143,10 +141,7 @@ HELPS = [[f"{script}.py"] for script in SCRIPTS] + [["hf_interop.py", command] f
 @pytest.mark.parametrize("command", HELPS, ids=["_".join(c).removesuffix(".py") for c in HELPS])
 def test_help_is_what_it_was_before_the_move(command):
     recorded = REPO / "tests" / "fixtures" / "help" / f"{'_'.join(command).replace('.py', '')}.txt"
-    env = {**os.environ, "COLUMNS": "80"}
-    result = subprocess.run(
-        [sys.executable, *command, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    result = run_main(*command, "--help", env={"COLUMNS": "80"})  # (test_cli runs each --help as a program)
     assert (result.returncode, result.stderr, result.stdout) == (0, "", recorded.read_text())
 
 

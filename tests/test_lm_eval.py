@@ -4,7 +4,6 @@ by example."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
-from conftest import HELLASWAG_FILE, REPO, spread_gpt, write_checkpoint  # noqa: E402
+from conftest import HELLASWAG_FILE, run_command  # noqa: E402
 from trainkit import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
@@ -23,18 +22,9 @@ from train_gpt2 import GPTConfig  # noqa: E402
 CONFIG = GPTConfig(
     block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16
 )  # unpadded: the export keeps every row
+SPREAD_SEED = 7  # conftest's model: spread_gpt(CONFIG, SPREAD_SEED)
 N = 40
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return spread_gpt(CONFIG, seed=7)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model, tmp_path_factory):
-    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny.pt")
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +37,8 @@ def data_file(tmp_path_factory):
 
 
 def run_eval(*args):
-    return subprocess.run(
-        [sys.executable, "hf_interop.py", "eval", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **OFFLINE},
-    )
+    """`python hf_interop.py eval args`, offline: lm-eval as a user runs it."""
+    return run_command("hf_interop.py", "eval", *args, env=OFFLINE)
 
 
 def test_our_text_is_lm_evals():

@@ -1,6 +1,7 @@
 """No run can hurt another: one live trainer per --out-dir, --resume means resume, and
-an abandoned branch is kept. The real script, run as users run it; every checkpoint written
-before a refusal or a branch still loads with its sha256 unchanged."""
+an abandoned branch is kept; every checkpoint written before a refusal or a branch still loads with
+its sha256 unchanged. Two trainers at once and the torchrun refusals are programs; the rest run
+through train_gpt2.main."""
 
 import errno
 import fcntl
@@ -21,12 +22,12 @@ from trainkit import resume
 from trainkit import out_dir
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import REPO, assert_refused, run_cli, run_main, tiny_run_args, trained_steps, tree_hashes
+from conftest import REPO, RUN_SHARDS, assert_refused, run_cli, run_main, tiny_run_args, trained_steps, tree_hashes
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-SHARDS = dict(n_docs=300, seed=7)
+SHARDS = RUN_SHARDS  # the shared finished run's data
 
 
 def start(args):
@@ -65,18 +66,25 @@ def in_use(out_dir, owner):
 
 
 @pytest.fixture(scope="module")
-def finished_once(data_dir, tmp_path_factory):
+def eight_steps(data_dir, tmp_path_factory):
+    """An 8-step run with checkpoints at 2, 4, 6, 8: a branch at step 2 moves three of them."""
     out = tmp_path_factory.mktemp("finished") / "run"
     assert tg.main(tiny_run_args(data_dir, out, steps=8, ckpt_every=2)) == 0
     return out
 
 
 @pytest.fixture
-def finished_run(finished_once, tmp_path):
-    """A copy of an 8-step run with checkpoints at 2, 4, 6, 8, and their sha256s."""
+def branched(eight_steps, tmp_path):
+    """A copy of eight_steps of this test's own, and its checkpoints' sha256s."""
     out = tmp_path / "run"
-    shutil.copytree(finished_once, out)
+    shutil.copytree(eight_steps, out)
     return out, checkpoint_hashes(out)
+
+
+@pytest.fixture
+def finished(finished_copy):
+    """A copy of the shared finished run (checkpoints at 2 and 4), and its checkpoints' sha256s."""
+    return finished_copy, checkpoint_hashes(finished_copy)
 
 
 # --- one owner per --out-dir ----------------------------------------------------------------
@@ -103,7 +111,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         edited = out / ".lock.sed"
         edited.write_text(f"pid {owner.pid} on another-host\n")
         os.replace(edited, out / ".lock")
-        result = run(tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
+        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
         assert_refused(result, in_use(out, f"pid {owner.pid} on another-host"))
         while len(checkpoints.list_checkpoints(out)) < 2:
             assert owner.poll() is None, owner.communicate()
@@ -116,7 +124,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     assert (out / ".lock").read_text() == f"pid {owner.pid} on another-host\n"
     before = checkpoint_hashes(out)
     last = checkpoints.checkpoint_step(checkpoints.latest_checkpoint(out))
-    result = run(tiny_run_args(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / f'ckpt_{last:07d}.pt'} at step {last}" in result.stdout
     assert trained_steps(out) == list(range(last + 3))  # one run's steps, in order
@@ -125,8 +133,8 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     assert not (out / ".lock").exists()  # a run that ends removes its lock file
 
 
-def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
-    out, hashes = finished_run
+def test_refused_torchrun_launch_stops_every_rank(finished, data_dir):
+    out, hashes = finished
     held = os.open(out, os.O_RDONLY)  # a live owner elsewhere: its lock on the folder, its name in .lock
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -140,7 +148,7 @@ def test_refused_torchrun_launch_stops_every_rank(finished_run, data_dir):
     message = f"error: {in_use(out, 'pid 4242 on node-7')}"
     assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
     assert 'train_gpt2.py", line' not in result.stderr  # no traceback of ours
-    assert checkpoint_hashes(out) == hashes and trained_steps(out) == list(range(8))
+    assert checkpoint_hashes(out) == hashes and trained_steps(out) == list(range(4))
 
 
 def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, capsys):
@@ -176,12 +184,12 @@ def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, c
     assert os.listdir(tmp_path) == []
 
 
-def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
-    out, _ = finished_run
+def test_odd_lock_files_are_one_line(finished, data_dir, tmp_path, capsys):
+    out, _ = finished
     lock = out / ".lock"
     lock.mkdir()
     before = tree_hashes(out)
-    result = run(tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
     assert_refused(
         result,
         f"{lock} is a directory, not the lock note this trainer writes: remove it, or choose another --out-dir",
@@ -201,11 +209,11 @@ def test_odd_lock_files_are_one_line(finished_run, data_dir, tmp_path, capsys):
 # --- whose a folder is: run ids ---------------------------------------------------------------
 
 
-def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished_run, data_dir, tmp_path):
+def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished, data_dir, tmp_path):
     """Run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
     (what the old refusal advised) used to let B write its checkpoints beside A's; A's checkpoints
     carry A's run id, so every rank stops with one line naming both runs, and nothing changes."""
-    out, _ = finished_run
+    out, _ = finished
     other = tmp_path / "other"
     assert tg.main(tiny_run_args(data_dir, other, "--seed", "5", steps=6, ckpt_every=6)) == 0
     given = other / "ckpt_0000006.pt"
@@ -262,9 +270,9 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
         out_dir.claim_run(str(tmp_path / "fresh"), at_2)
 
 
-def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, fake_wandb, capsys):
+def test_a_refused_run_changes_nothing(branched, data_dir, tmp_path, fake_wandb, capsys):
     """Every check, W&B's login too (a W&B that cannot start: no login), comes before the later branch moves."""
-    out, _ = finished_run
+    out, _ = branched
     before = tree_hashes(out)
     result = run_main(
         "train_gpt2.py",
@@ -291,11 +299,11 @@ def test_a_refused_run_changes_nothing(finished_run, data_dir, tmp_path, fake_wa
 # --- resume means resume --------------------------------------------------------------------
 
 
-def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
-    out, hashes = finished_run
+def test_resume_means_resume(finished, data_dir, tmp_path, capsys):
+    out, hashes = finished
     log = (out / "log.jsonl").read_bytes()
     # an unset $CKPT in a job script
-    result = run(tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
     assert_refused(
         result,
         "argument --resume: got an empty value ('': an unset shell variable?) (see train_gpt2.py --help)",
@@ -311,7 +319,7 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
         "trainer wrote) but no checkpoint to resume: move the log aside to start a new run there, or choose "
         "another --out-dir"
     )
-    result = run(tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, only_log, steps=10, ckpt_every=2))
     assert_refused(result, refusal)
     assert tg.main(tiny_run_args(data_dir, only_log, "--resume", steps=10, ckpt_every=2)) == 2
     assert capsys.readouterr().err == f"error: {refusal}\n"
@@ -321,14 +329,15 @@ def test_resume_means_resume(finished_run, data_dir, tmp_path, capsys):
 # --- abandoned branches are kept --------------------------------------------------------------
 
 
-def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, data_dir):
-    out, hashes = finished_run
+def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(branched, data_dir):
+    out, hashes = branched
     log = (out / "log.jsonl").read_bytes()
     # a new branch from step 2, with another learning rate
-    result = run(
-        tiny_run_args(
+    result = run_main(
+        "train_gpt2.py",
+        *tiny_run_args(
             data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8, ckpt_every=2
-        )
+        ),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     branch = out / "branch_0000008"
@@ -347,7 +356,9 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(finished_run, 
     cut = runs.index(new["id"])
     assert runs == [first["id"]] * cut + [new["id"]] * (len(runs) - cut) and cut == 2  # steps 0, 1: the first run's
     # the trainer's own advice, a plain --resume, continues the new branch
-    result = run(tiny_run_args(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2))
+    result = run_main(
+        "train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
     assert trained_steps(out) == list(range(10)) and trained_steps(branch) == list(range(8))

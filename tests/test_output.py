@@ -13,63 +13,24 @@ import time
 
 import pytest
 
-from conftest import REPO, trained_steps, write_checkpoint
+from conftest import REPO, run_command, run_main, tiny_run_args, trained_steps
 from trainkit import checkpoints
 from trainkit.cli import reason_of
 from trainkit.console import shown
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J"  # sets the terminal's title, then clears the screen
 HOSTILE_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J"
-TINY = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--block-size",
-    "32",
-    "--seq-len",
-    "16",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "2",
-    "--val-every",
-    "0",
-    "--hellaswag-every",
-    "0",
-    "--device",
-    "cpu",
-]
-
 
 SHARDS = dict(n_docs=300, seed=5)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A random tiny GPT with GPT-2's vocabulary, as a checkpoint file."""
-    from train_gpt2 import GPT, GPTConfig
-
-    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    return write_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "ckpt_0000001.pt")
 
 
 def command(script, *args):
     return [sys.executable, script, *map(str, args)]
 
 
-def run(script, *args, env=None, **kwargs):
-    return subprocess.run(
-        command(script, *args), cwd=REPO, capture_output=True, timeout=300, env={**os.environ, **(env or {})}, **kwargs
-    )
-
-
 def train_args(data_dir, out_dir, steps, *extra):
-    return [*TINY, "--data-dir", data_dir, "--out-dir", out_dir, "--max-steps", steps, "--sample-every", "0", *extra]
+    """A tiny run of one layer (tiny_run_args) for steps steps, extra last."""
+    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, n_layer=1, warmup=2)
 
 
 def saved_steps(out_dir) -> list:
@@ -102,13 +63,13 @@ def test_shown_escapes_every_control_character_and_keeps_lines_only_when_asked()
     assert shown("café ☕ \\x1b 世界 \u00a0") == "café ☕ \\x1b 世界 \u00a0"  # printable text as it is
 
 
-def test_sample_py_shows_the_control_characters_of_its_text_escaped(checkpoint):
+def test_sample_py_shows_the_control_characters_of_its_text_escaped(finished_run):
     """The prompt is echoed at the head of each sample (with no new tokens, it is the sample): its
     escape sequences come out as text, its tab and newline as they are."""
-    result = run(
+    result = run_main(
         "sample.py",
         "--checkpoint",
-        checkpoint,
+        finished_run,
         "--prompt",
         f"{HOSTILE}\tend\nnext",
         "--num-samples",
@@ -118,14 +79,16 @@ def test_sample_py_shows_the_control_characters_of_its_text_escaped(checkpoint):
         "--device",
         "cpu",
     )
-    assert (result.returncode, result.stderr) == (0, b"")
-    assert result.stdout.decode() == "".join(f"--- sample {i}/2 ---\n{HOSTILE_SHOWN}\tend\nnext\n" for i in (1, 2))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "".join(f"--- sample {i}/2 ---\n{HOSTILE_SHOWN}\tend\nnext\n" for i in (1, 2))
 
 
 def test_the_trainers_samples_show_control_characters_escaped(data_dir, tmp_path):
-    result = run("train_gpt2.py", *train_args(data_dir, tmp_path, 1, "--sample-every", "1", "--sample-prompt", HOSTILE))
+    result = run_main(
+        "train_gpt2.py", *train_args(data_dir, tmp_path, 1, "--sample-every", "1", "--sample-prompt", HOSTILE)
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    stdout = result.stdout.decode()
+    stdout = result.stdout
     samples = [line for line in stdout.splitlines() if line.startswith("sample: ")]
     assert len(samples) == 4 and all(line.startswith(f"sample: {HOSTILE_SHOWN}") for line in samples)
     assert "\x1b" not in stdout and "\x07" not in stdout
@@ -140,15 +103,15 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
 
     if case == "checkpoint keys":
         torch.save({HOSTILE: 1, "model\x9b2J": 2}, tmp_path / "ckpt_0000001.pt")
-        result = run("sample.py", "--checkpoint", tmp_path / "ckpt_0000001.pt")
+        result = run_main("sample.py", "--checkpoint", tmp_path / "ckpt_0000001.pt")
         line = (
             f"error: {tmp_path}/ckpt_0000001.pt: not a train_gpt2.py checkpoint (no model, model_config, "
             f"checksum; its keys: {HOSTILE_SHOWN}, model\\x9b2J)"
         )
     elif case == "log run id":
         (tmp_path / "log.jsonl").write_text(json.dumps({"step": 0, "loss": 5.0, "run": HOSTILE}) + "\n")
-        result = run("train_gpt2.py", *train_args(data_dir, tmp_path, 2))  # (set aside in a note: not an error)
-        said = result.stdout.decode()
+        result = run_main("train_gpt2.py", *train_args(data_dir, tmp_path, 2))  # (set aside in a note: not an error)
+        said = result.stdout
         assert result.returncode == 0 and f"holds 1 trained step of run {HOSTILE_SHOWN} but no checkpoint" in said
         assert "\x1b" not in said and "\x07" not in said
         return
@@ -159,15 +122,15 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
         manifest = json.loads((data / "manifest.json").read_text())
         manifest["shards"].append({"file": f"{HOSTILE}_train_000009.npy", "bytes": 8})
         (data / "manifest.json").write_text(json.dumps(manifest))
-        result = run("train_gpt2.py", *train_args(data, tmp_path / "out", 2))
+        result = run_main("train_gpt2.py", *train_args(data, tmp_path / "out", 2))
         line = (
             f"error: {data}/{HOSTILE_SHOWN}_train_000009.npy is missing, yet {data}/manifest.json lists it; "
             "restore it, or re-create the data set with fineweb.py"
         )
     else:
-        result = run("sample.py", "--checkpoint", "x", "--device", HOSTILE)
+        result = run_main("sample.py", "--checkpoint", "x", "--device", HOSTILE)
         line = f"error: --device {HOSTILE_SHOWN}: expected auto, cpu, cuda, cuda:N or mps"
-    assert (result.returncode, result.stdout, result.stderr.decode()) == (2, b"", line + "\n")
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", line + "\n")
 
 
 # ---- an output that goes away ------------------------------------------------------------------
@@ -247,25 +210,25 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
 
 def test_training_with_samples_on_a_terminal_without_their_characters(data_dir, tmp_path):
     """PYTHONIOENCODING=ascii: what the encoding lacks is written backslash-escaped."""
-    result = run(
+    result = run_command(
         "train_gpt2.py",
         *train_args(data_dir, tmp_path, 3, "--sample-every", "1", "--sample-prompt", "café ☕"),
         env={"PYTHONIOENCODING": "ascii"},
     )
-    assert (result.returncode, result.stderr) == (0, b"")
-    samples = [line for line in result.stdout.decode("ascii").splitlines() if line.startswith("sample: ")]
+    assert (result.returncode, result.stderr, result.stdout.isascii()) == (0, "", True)
+    samples = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
     assert len(samples) == 12 and all(line.startswith("sample: caf\\xe9 \\u2615") for line in samples)
     assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
 
 
-def test_a_command_whose_output_is_its_product_says_when_stdout_failed(checkpoint):
+def test_a_command_whose_output_is_its_product_says_when_stdout_failed(finished_run):
     """sample.py and hellaswag.py: a reader that left ends them quietly with 141 (128 + SIGPIPE, as
     a shell reports it); a full disk is one line and exit code 2, or the code alone when stderr
     is on that disk too."""
-    sample = ["--checkpoint", checkpoint, "--num-samples", "3", "--max-new-tokens", "2", "--device", "cpu"]
+    sample = ["--checkpoint", finished_run, "--num-samples", "3", "--max-new-tokens", "2", "--device", "cpu"]
     hellaswag = [
         "--checkpoint",
-        checkpoint,
+        finished_run,
         "--data-file",
         REPO / "fixtures" / "hellaswag_val_subset.jsonl",
         "--limit",

@@ -3,13 +3,12 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 import plot_log
-from conftest import REPO, tiny_run_args
+from conftest import REPO, run_command, run_main, tiny_run_args
 
 SHARDS = dict(n_docs=200, seed=0, shard_size=2048)  # the trainer's data
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -100,12 +99,9 @@ def test_cli_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     # a record without a step, and a cut last line
     log = write_log(tmp_path / "run", fake_records(), tail='{"step": null, "loss": 2.0}\n{"step": 60, "loss": 3.')
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_log.py"), str(log.parent), "--baseline-hellaswag", "0.2955"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_command(
+        REPO / "plot_log.py", str(log.parent), "--baseline-hellaswag", "0.2955"
+    )  # a program once, end to end
     assert proc.returncode == 0, proc.stderr
     png = log.parent / "loss.png"
     assert f"wrote {png}" in proc.stdout and "skipped 2 malformed line" in proc.stderr
@@ -215,31 +211,19 @@ def test_trainer_logs_its_resumes_for_the_plot(data_dir, tmp_path):
 )
 def test_non_numeric_values_are_one_line_errors(tmp_path, line, message):
     log = write_log(tmp_path / "run", fake_records(n=2, every=5, hellaswag=False)[:2], tail=line + "\n")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True, timeout=120
-    )
+    proc = run_main("plot_log.py", str(log))
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {log} {message}\n")
 
 
 def test_bad_output_type_and_smoothing_are_one_line_errors(tmp_path):
     pytest.importorskip("matplotlib")
     log = write_log(tmp_path / "run", fake_records(n=5, every=2))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "plot.xyz")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_main("plot_log.py", str(log), "-o", str(tmp_path / "plot.xyz"))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: cannot write {tmp_path / 'plot.xyz'}: unknown image type .xyz (use ")
     assert ".png" in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "plot.xyz").exists()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_log.py"), str(log), "--smooth", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_main("plot_log.py", str(log), "--smooth", "1")
     assert (proc.returncode, proc.stderr) == (2, "error: --smooth must be in [0, 1), got 1.0\n")
     assert plot_log.main([str(log), "-o", str(tmp_path / "plot.svg")]) == 0  # the extension picks the format
     assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
@@ -253,12 +237,7 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
         train[step]["loss"] = value  # json.dumps writes Infinity and NaN
     deep = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser's recursion
     log = write_log(tmp_path / "run", records, tail=deep + "\n")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_log.py"), str(log), "-o", str(tmp_path / "curve")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # no extension: a PNG, named so
+    proc = run_main("plot_log.py", str(log), "-o", str(tmp_path / "curve"))  # no extension: a PNG, named so
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         0,
         f"wrote {tmp_path / 'curve.png'}\n",
@@ -296,9 +275,7 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
 def test_files_that_are_not_logs_are_one_line_errors(tmp_path, content, message):
     log = tmp_path / "ckpt_0000004.pt"
     log.write_bytes(content)
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_log.py"), str(log)], capture_output=True, text=True, timeout=120
-    )
+    proc = run_main("plot_log.py", str(log))
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(log=log)}\n")
 
 

@@ -2,8 +2,8 @@
 changes nothing of the folder it was copied from; a run killed before its first checkpoint leaves a log
 that the same command sets aside and starts again; a name in --out-dir that --keep-last could not remove
 is refused at start; an evaluation that fails after trained steps saves them first; a resume applies its
-own optimizer hyperparameters; an export names the checkpoint it loaded. The real commands, as users run
-them."""
+own optimizer hyperparameters; an export names the checkpoint it loaded. The commands run through
+train_gpt2.main; the evaluation that fails mid-run is a program."""
 
 import json
 import os
@@ -19,44 +19,29 @@ import torch
 import train_gpt2 as tg
 from trainkit import checkpoints
 from trainkit import resume
-from conftest import HELLASWAG_FILE, REPO, tiny_run_args, trained_steps, tree_hashes
+from conftest import HELLASWAG_FILE, REPO, RUN_SHARDS, run_main, tiny_run_args, trained_steps, tree_hashes
 
 T = 16
 
 
 def args_for(data_dir, out_dir, *extra, steps, ckpt_every):
-    """A tiny run of one layer, nothing evaluated."""
-    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, n_layer=1, seq_len=T, warmup=3)
+    """The shared finished run's flags (tiny_run_args), nothing evaluated."""
+    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, seq_len=T)
 
 
-def run(args, umask=None):
-    """`python train_gpt2.py args` (with umask, where given), as text."""
-    return subprocess.run(
-        [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
-    )
+def run(args):
+    """`python train_gpt2.py args`, in this process (run_main)."""
+    return run_main("train_gpt2.py", *args)
 
 
-SHARDS = dict(n_docs=300, seed=7)
-
-
-@pytest.fixture(scope="module")
-def finished_once(data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("finished") / "runA"
-    assert tg.main(args_for(data_dir, out, steps=6, ckpt_every=2)) == 0
-    return out
+SHARDS = RUN_SHARDS  # the shared finished run's data
 
 
 @pytest.fixture
-def run_a(finished_once, tmp_path):
-    """A 6-step run with checkpoints at 2, 4 and 6, in tmp_path/runA."""
+def run_a(finished_run, tmp_path):
+    """A copy of the shared finished run (4 steps, checkpoints at 2 and 4), in tmp_path/runA."""
     out = tmp_path / "runA"
-    shutil.copytree(finished_once, out)
+    shutil.copytree(finished_run, out)
     return out
 
 
@@ -70,69 +55,70 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     before = tree_hashes(run_a)
     run_b = tmp_path / "runB"
     subprocess.run(["cp", "-al", str(run_a), str(run_b)], check=True)
-    result = run(args_for(data_dir, run_b, "--resume", steps=8, ckpt_every=2))
+    result = run(args_for(data_dir, run_b, "--resume", steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"note: {run_b}/log.jsonl was a hard link to a file with 1 other name (as `cp -al` makes): this run "
         "writes to a copy of its own, and the file it shared stays as it was"
     ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
-    assert trained_steps(run_b) == list(range(8)) and trained_steps(run_a) == list(range(6))
+    assert trained_steps(run_b) == list(range(6)) and trained_steps(run_a) == list(range(4))
     # runB goes on as a branch of runA's run, at the step it was copied at
-    first, branch = (resume.read_run(str(path)) for path in (run_a / "ckpt_0000006.pt", run_b / "ckpt_0000008.pt"))
-    assert branch == dict(id=branch["id"], parent=dict(first, step=6)) and branch["id"] != first["id"]
+    first, branch = (resume.read_run(str(path)) for path in (run_a / "ckpt_0000004.pt", run_b / "ckpt_0000006.pt"))
+    assert branch == dict(id=branch["id"], parent=dict(first, step=4)) and branch["id"] != first["id"]
     run_c = tmp_path / "runC"
     subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)
     result = run(
-        args_for(data_dir, run_c, "--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1", steps=8, ckpt_every=2)
+        args_for(data_dir, run_c, "--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1", steps=6, ckpt_every=2)
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(os.listdir(run_c)) == ["branch_0000006", "ckpt_0000008.pt", "log.jsonl"]
+    assert sorted(os.listdir(run_c)) == ["branch_0000004", "ckpt_0000006.pt", "log.jsonl"]
     assert tree_hashes(run_a) == before
     # runA can still resume: its log is as its checkpoints recorded it, and its own (runB and runC copied theirs)
-    result = run(args_for(data_dir, run_a, "--resume", steps=8, ckpt_every=2))
+    result = run(args_for(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(8))
+    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
 
 
 def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(run_a, data_dir, tmp_path):
-    """runD made of relative symbolic links to runA's files: a branch at step 4 writes its own log, and the
+    """runD made of relative symbolic links to runA's files: a branch at step 2 writes its own log, and the
     later checkpoint's link, set aside into the branch folder, still names runA's file."""
     before = tree_hashes(run_a)
     run_d = tmp_path / "runD"
     run_d.mkdir()
     for name in os.listdir(run_a):
         os.symlink(os.path.join("..", "runA", name), run_d / name)
-    result = run(args_for(data_dir, run_d, "--resume", str(run_d / "ckpt_0000004.pt"), steps=8, ckpt_every=2))
+    result = run(args_for(data_dir, run_d, "--resume", str(run_d / "ckpt_0000002.pt"), steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"note: {run_d}/log.jsonl was a symbolic link to ../runA/log.jsonl: this run writes to a copy of its "
         "own, and the file it shared stays as it was"
     ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before
-    assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(8))
-    assert os.path.samefile(run_d / "branch_0000006" / "ckpt_0000006.pt", run_a / "ckpt_0000006.pt")
+    assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(6))
+    assert os.path.samefile(run_d / "branch_0000004" / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
 
 
 # --- a run killed before its first checkpoint -----------------------------------------------------------
 
 
 def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(run_a, data_dir, tmp_path):
-    """A log of 5 trained steps and no checkpoint (an OOM kill, a preemption): the requeued command starts
-    again, keeps the old log beside (branch_0000005/log.jsonl, byte-identical), says so in one note line,
+    """A log of 3 trained steps and no checkpoint (an OOM kill, a preemption): the requeued command starts
+    again, keeps the old log beside (branch_0000003/log.jsonl, byte-identical), says so in one note line,
     and its new log.jsonl is created 0o666 less the umask."""
     out = tmp_path / "killed"
     out.mkdir()
-    killed = b"".join((run_a / "log.jsonl").read_bytes().splitlines(keepends=True)[:5])
+    killed = b"".join((run_a / "log.jsonl").read_bytes().splitlines(keepends=True)[:3])
     (out / "log.jsonl").write_bytes(killed)
     whose = json.loads(killed.splitlines()[0])["run"]
-    result = run(args_for(data_dir, out, steps=2, ckpt_every=2), umask=0o022)
+    os.umask(0o022)  # (this test's: the process's own is restored after it)
+    result = run(args_for(data_dir, out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
-        f"note: {out}/log.jsonl holds 5 trained steps of run {whose} but no checkpoint (it stopped before its "
-        f"first): moved to {out}/branch_0000005/log.jsonl, nothing was deleted; this run starts afresh"
+        f"note: {out}/log.jsonl holds 3 trained steps of run {whose} but no checkpoint (it stopped before its "
+        f"first): moved to {out}/branch_0000003/log.jsonl, nothing was deleted; this run starts afresh"
     ) in result.stdout.splitlines()
-    assert (out / "branch_0000005" / "log.jsonl").read_bytes() == killed
+    assert (out / "branch_0000003" / "log.jsonl").read_bytes() == killed
     assert trained_steps(out) == [0, 1]
     assert os.stat(out / "log.jsonl").st_mode & 0o777 == 0o644
 
@@ -242,18 +228,18 @@ def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_pat
 
     newer = tmp_path / "newer"
     newer.mkdir()
-    os.rename(run_a / "ckpt_0000006.pt", newer / "ckpt_0000006.pt")
+    os.rename(run_a / "ckpt_0000004.pt", newer / "ckpt_0000004.pt")
     real_list = checkpoints.list_checkpoints
 
     def list_then_save(folder):
         found = real_list(folder)
-        if os.path.exists(newer / "ckpt_0000006.pt"):  # the run's next save lands now
-            os.rename(newer / "ckpt_0000006.pt", run_a / "ckpt_0000006.pt")
+        if os.path.exists(newer / "ckpt_0000004.pt"):  # the run's next save lands now
+            os.rename(newer / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
         return found
 
     monkeypatch.setattr(checkpoints, "list_checkpoints", list_then_save)
     out = hf_interop.export_hf(str(run_a), str(tmp_path / "hf"))
     mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
     exported = checkpoints.load_checkpoint(mark["checkpoint"])
-    assert out == str(tmp_path / "hf") and mark["checkpoint"] == str(run_a / "ckpt_0000004.pt")
-    assert (mark["step"], mark["checksum"]) == (exported["step"], exported["checksum"]) == (4, exported["checksum"])
+    assert out == str(tmp_path / "hf") and mark["checkpoint"] == str(run_a / "ckpt_0000002.pt")
+    assert (mark["step"], mark["checksum"]) == (exported["step"], exported["checksum"]) == (2, exported["checksum"])

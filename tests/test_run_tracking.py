@@ -4,31 +4,25 @@ and compared with the log, across a resume; a missing package is one line."""
 import json
 import os
 import struct
+import sys
 from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from conftest import TINY_GPT2_VOCAB_RUN, log_records, run_cli
-
-TINY = [
-    *TINY_GPT2_VOCAB_RUN,
-    "--val-every",
-    "2",
-    "--val-steps",
-    "2",
-    "--sample-every",
-    "0",
-    "--hellaswag-every",
-    "0",
-    "--ckpt-every",
-    "4",
-]
+from conftest import GPT2_VOCAB_RUN, assert_refused, log_records, run_cli, run_main, tiny_run_args
 
 
-def run_offline(*args, env=None):
-    """train_gpt2.py args, with W&B offline and quiet (env: more variables)."""
-    return run_cli(args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})})
+def tiny(data_dir, out, *extra, steps=2):
+    """A tiny run of GPT-2's vocabulary validated every 2 steps, checkpoints every 4, extra last."""
+    return tiny_run_args(
+        data_dir, out, "--val-steps", "2", *extra, steps=steps, val_every=2, ckpt_every=4, **GPT2_VOCAB_RUN
+    )
+
+
+def run_offline(*args):
+    """train_gpt2.py args as a program, with W&B offline and quiet."""
+    return run_cli(args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
 
 
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
@@ -84,7 +78,7 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     out = tmp_path / "run"
-    flags = ["--data-dir", data_dir, "--out-dir", str(out), *TINY, "--tensorboard", "--wandb", "tracking-test"]
+    flags = tiny(data_dir, out, "--tensorboard", "--wandb", "tracking-test")
     first = run_offline(*flags, "--max-steps", "6")  # checkpoints at 4 and 6
     assert first.returncode == 0, first.stderr
     first_log = log_records(out)
@@ -114,26 +108,13 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flag,package", [(["--wandb", "p"], "wandb"), (["--tensorboard"], "tensorboard")])
-def test_missing_tracker_package_is_one_line(data_dir, tmp_path, flag, package):
-    shadow = tmp_path / "shadow"  # a module of that name that fails to import, as when it is not installed
-    shadow.mkdir()
-    (shadow / f"{package}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\")\n")
-    out = tmp_path / "out"
-    result = run_offline(
-        "--data-dir", data_dir, "--out-dir", str(out), *TINY, "--max-steps", "2", *flag, env={"PYTHONPATH": str(shadow)}
-    )
-    assert (result.returncode, result.stderr) == (
-        2,
-        f"error: {flag[0]} needs the {package} package: pip install {package}\n",
-    )
+def test_missing_tracker_package_is_one_line(data_dir, tmp_path, monkeypatch, flag, package):
+    monkeypatch.setitem(sys.modules, package, None)  # its import fails, as when it is not installed
+    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flag))
+    assert_refused(result, f"{flag[0]} needs the {package} package: pip install {package}")
     assert "| loss " not in result.stdout  # stopped before training
 
 
 def test_eval_only_refuses_trackers(data_dir, tmp_path):
-    result = run_offline(
-        "--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--eval-only", "--resume", "--tensorboard"
-    )
-    assert (result.returncode, result.stderr) == (
-        2,
-        "error: --eval-only writes nothing, so it does not log to --wandb or --tensorboard either\n",
-    )
+    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, "--eval-only", "--resume", "--tensorboard"))
+    assert_refused(result, "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")

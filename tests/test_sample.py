@@ -1,7 +1,6 @@
 """Sampling: the KV cache against full forward passes, sample.py as users run it, and the
 trainer's in-training samples as plain text."""
 
-import os
 import subprocess
 import sys
 
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_command, run_main, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit import checkpoints
 from trainkit import console
@@ -19,32 +18,14 @@ from trainkit import sampling
 from trainkit.tokenizer import EOT
 from train_gpt2 import GPT, GPTConfig
 
-TINY = [
-    "--model",
-    "cpu",
-    "--n-layer",
-    "2",
-    "--n-embd",
-    "32",
-    "--n-head",
-    "2",
-    "--block-size",
-    "64",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "128",
-    "--warmup-steps",
-    "1",
-    "--max-lr",
-    "1e-2",
-    "--val-every",
-    "0",
-    "--hellaswag-every",
-    "0",
-]
+
+def tiny(data_dir, out_dir, *extra, steps):
+    """A tiny run of GPT-2's vocabulary (tiny_run_args), 4 rows of 32 tokens a step, extra last."""
+    return tiny_run_args(
+        data_dir, out_dir, *extra, steps=steps, n_embd=32, block_size=64, seq_len=32, rows=4, warmup=1, ckpt_every=0
+    )
+
+
 PROMPT = "Hello, I'm a language model,"
 
 
@@ -57,27 +38,12 @@ def random_gpt(block_size=32, vocab_size=96, seed=0):
     return model
 
 
-def run_py(*args, timeout=120):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def sampled_run(tmp_path_factory):
     """A run folder trained by the real command (GPT-2 vocabulary), with its stdout."""
     root = tmp_path_factory.mktemp("sample")
     write_shards(root / "data", make_docs(300, vocab=500), shard_size=2048)
-    proc = run_py(
-        "train_gpt2.py",
-        *TINY,
-        "--data-dir",
-        root / "data",
-        "--out-dir",
-        root / "out",
-        "--max-steps",
-        "2",
-        "--sample-every",
-        "2",
-    )
+    proc = run_main("train_gpt2.py", *tiny(root / "data", root / "out", "--sample-every", "2", steps=2))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "out", proc.stdout
 
@@ -88,20 +54,7 @@ def small_vocab_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("small_vocab")
     rng = np.random.default_rng(0)
     write_shards(root / "data", [rng.integers(0, 128, 3000)], shard_size=1000)
-    proc = run_py(
-        "train_gpt2.py",
-        *TINY,
-        "--vocab-size",
-        "128",
-        "--data-dir",
-        root / "data",
-        "--out-dir",
-        root / "out",
-        "--max-steps",
-        "1",
-        "--sample-every",
-        "0",
-    )
+    proc = run_main("train_gpt2.py", *tiny(root / "data", root / "out", "--vocab-size", "128", steps=1))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "out"
 
@@ -203,10 +156,10 @@ def test_padded_ids_are_never_drawn():
 # ---- sample.py ----
 
 
-def test_sample_cli_is_plain_deterministic_text(trained):
-    out, _ = trained
+def test_sample_cli_is_plain_deterministic_text(sampled_run):
+    out, _ = sampled_run
     args = ["sample.py", "--checkpoint", out, "--num-samples", "3", "--max-new-tokens", "12", "--seed", "7"]
-    first, again, other = run_py(*args), run_py(*args), run_py(*args[:-1], "8")
+    first, again, other = run_command(*args), run_main(*args), run_main(*args[:-1], "8")  # a program once
     assert first.returncode == 0, first.stderr
     assert first.stdout == again.stdout and first.stdout != other.stdout
     assert first.stdout.startswith("--- sample 1/3 ---\n" + PROMPT)
@@ -215,12 +168,12 @@ def test_sample_cli_is_plain_deterministic_text(trained):
     assert first.stderr == ""
 
 
-def test_sample_cli_equals_sample_text_in_process(trained):
+def test_sample_cli_equals_sample_text_in_process(sampled_run):
     """sample.py adds nothing to the trainer's sampling: same texts as sampling.sample_text."""
     import train_gpt2 as tg
 
-    out, _ = trained
-    proc = run_py(
+    out, _ = sampled_run
+    proc = run_main(
         "sample.py",
         "--checkpoint",
         out,
@@ -250,14 +203,14 @@ def test_sample_cli_equals_sample_text_in_process(trained):
     assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
 
-def test_empty_and_long_prompts(trained):
-    out, _ = trained
-    empty = run_py("sample.py", "--checkpoint", out, "--prompt", "", "--num-samples", "1", "--max-new-tokens", "8")
+def test_empty_and_long_prompts(sampled_run):
+    out, _ = sampled_run
+    empty = run_main("sample.py", "--checkpoint", out, "--prompt", "", "--num-samples", "1", "--max-new-tokens", "8")
     assert empty.returncode == 0, empty.stderr
     (text,) = samples_of(empty.stdout)
     assert text and not text.startswith("<|endoftext|>")  # started from the token, which is not printed
     long_prompt = " ".join(["word"] * 100)  # 100 tokens, block size 64
-    proc = run_py(
+    proc = run_main(
         "sample.py", "--checkpoint", out, "--prompt", long_prompt, "--num-samples", "1", "--max-new-tokens", "5"
     )
     assert proc.returncode == 0, proc.stderr
@@ -265,37 +218,26 @@ def test_empty_and_long_prompts(trained):
     assert samples_of(proc.stdout)[0].startswith(long_prompt)
 
 
-BAD_FLAGS = [  # (flags, message, run as a subprocess: one per distinct check, the rest in-process)
-    (["--temperature", "nan"], "--temperature must be a finite number > 0, got nan", True),
-    (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0", False),
-    (["--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0", False),
-    (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf", False),
+BAD_FLAGS = [  # (flags, message): in-process; tests/test_cli.py runs sample.py's usage errors as a program
+    (["--temperature", "nan"], "--temperature must be a finite number > 0, got nan"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0"),
+    (["--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0"),
+    (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
     # the counts: cli.int_in, as every script's (tests/test_cli.py runs --top-k 0 as a program)
-    (["--num-samples", "0"], "argument --num-samples: must be in 1..2**62, got 0 (see {prog} --help)", True),
-    (["--top-k", "0"], "argument --top-k: must be in 1..2**62, got 0 (see {prog} --help)", False),
-    (["--batch-size", "0"], "argument --batch-size: must be in 1..2**62, got 0 (see {prog} --help)", False),
-    (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be in 0..2**62, got -1 (see {prog} --help)", False),
-    (["--seed", str(2**63)], f"argument --seed: must be in 0..2**63-1, got {2**63} (see {{prog}} --help)", False),
-    (["--device", "gpu"], "--device gpu: expected auto, cpu, cuda, cuda:N or mps", True),
+    (["--num-samples", "0"], "argument --num-samples: must be in 1..2**62, got 0 (see {prog} --help)"),
+    (["--top-k", "0"], "argument --top-k: must be in 1..2**62, got 0 (see {prog} --help)"),
+    (["--batch-size", "0"], "argument --batch-size: must be in 1..2**62, got 0 (see {prog} --help)"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be in 0..2**62, got -1 (see {prog} --help)"),
+    (["--seed", str(2**63)], f"argument --seed: must be in 0..2**63-1, got {2**63} (see {{prog}} --help)"),
+    (["--device", "gpu"], "--device gpu: expected auto, cpu, cuda, cuda:N or mps"),
 ]
 
 
-@pytest.mark.parametrize("flags, message, subprocess_run", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
-def test_bad_flags_are_one_line_errors(trained, capsys, flags, message, subprocess_run):
-    import sample
-
-    out, _ = trained
-    if subprocess_run:
-        proc = run_py("sample.py", "--checkpoint", out, *flags)
-        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(prog='sample.py')}\n")
-    else:
-        try:
-            code = sample.main(["--checkpoint", str(out), *flags])
-        except SystemExit as e:  # a usage error: argparse's exit, as in the program
-            code = e.code
-        assert code == 2
-        prog = os.path.basename(sys.argv[0])
-        assert capsys.readouterr() == ("", f"error: {message.format(prog=prog)}\n")
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
+def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
+    out, _ = sampled_run
+    proc = run_main("sample.py", "--checkpoint", out, *flags)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(prog='sample.py')}\n")
 
 
 def test_bad_sources_are_one_line_errors(tmp_path):
@@ -304,20 +246,20 @@ def test_bad_sources_are_one_line_errors(tmp_path):
         ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
         ("--hf-model", tmp_path / "nope", "--hf-model"),
     ]:
-        proc = run_py("sample.py", flag, path)
+        proc = run_main("sample.py", flag, path)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
 
 
 def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
-    proc = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "Hello")
+    proc = run_main("sample.py", "--checkpoint", small_vocab_run, "--prompt", "Hello")
     assert (proc.returncode, proc.stderr) == (
         2,
         "error: the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids\n",
     )
-    empty = run_py("sample.py", "--checkpoint", small_vocab_run, "--prompt", "")
+    empty = run_main("sample.py", "--checkpoint", small_vocab_run, "--prompt", "")
     assert empty.returncode == 2 and f"token {EOT} ('<|endoftext|>')" in empty.stderr
-    ok = run_py(
+    ok = run_main(
         "sample.py", "--checkpoint", small_vocab_run, "--prompt", "!#", "--num-samples", "1", "--max-new-tokens", "4"
     )  # ids 0 and 2
     assert ok.returncode == 0, ok.stderr
@@ -334,7 +276,7 @@ def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path, ca
     capsys.readouterr()
     model = sample.load_model(sample.parse_args(["--hf-model", str(tmp_path / "hf")]), "cpu")
     assert model.config.vocab_size == model.transformer.wte.weight.shape[0] == 100
-    proc = run_py("sample.py", "--hf-model", tmp_path / "hf", "--prompt", "¡")
+    proc = run_main("sample.py", "--hf-model", tmp_path / "hf", "--prompt", "¡")
     assert (proc.returncode, proc.stderr) == (
         2,
         "error: the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids\n",
@@ -353,7 +295,7 @@ def test_hf_model_greedy_equals_transformers(tmp_path):
         for p in hf.parameters():
             p.mul_(5.0)  # clear argmaxes
     hf.save_pretrained(str(tmp_path / "hf"))
-    proc = run_py(
+    proc = run_main(
         "sample.py",
         "--hf-model",
         tmp_path / "hf",
@@ -382,20 +324,11 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
     write_shards(tmp_path / "data", [np.array([EOT, 0, 1, 2, 3])] * 400, shard_size=1000)
-    proc = run_py(
-        "train_gpt2.py",
-        *TINY,
-        "--data-dir",
-        tmp_path / "data",
-        "--out-dir",
-        tmp_path / "out",
-        "--max-steps",
-        "80",
-        "--sample-every",
-        "0",
+    proc = run_main(
+        "train_gpt2.py", *tiny(tmp_path / "data", tmp_path / "out", steps=80)
     )  # past the plateau of the 5-token unigram
     assert proc.returncode == 0, proc.stderr[-2000:]
-    export = run_py("hf_interop.py", "export", tmp_path / "out", tmp_path / "hf")
+    export = run_main("hf_interop.py", "export", tmp_path / "out", tmp_path / "hf")
     assert export.returncode == 0, export.stderr
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     enc = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))  # the export's own tokenizer, as a user runs it
@@ -407,7 +340,7 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
             ref = hf.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=EOT, **eos
             )
-        proc = run_py(
+        proc = run_main(
             "sample.py",
             "--checkpoint",
             tmp_path / "out",
@@ -428,13 +361,13 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     assert stopped.endswith("<|endoftext|>") and went_on.startswith(stopped) and len(went_on) > len(stopped)
 
 
-def test_tiny_temperature_is_greedy(trained):
+def test_tiny_temperature_is_greedy(sampled_run):
     """--temperature 1e-40 divides the logits beyond float32's range: the draws are the limit, the
     argmax, for every sample (it was a NaN traceback from torch.multinomial)."""
     import train_gpt2 as tg
 
-    out, _ = trained
-    proc = run_py(
+    out, _ = sampled_run
+    proc = run_main(
         "sample.py",
         "--checkpoint",
         out,
@@ -455,11 +388,11 @@ def test_tiny_temperature_is_greedy(trained):
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
-def test_nan_weights_are_one_line_errors(trained, tmp_path):
+def test_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    out, _ = trained
+    out, _ = sampled_run
     ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
     ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
     del ckpt["checksum"]
@@ -485,17 +418,17 @@ def test_nan_weights_are_one_line_errors(trained, tmp_path):
             "(transformer.h.0.attn.c_proj.weight)",
         ),
     ]:
-        proc = run_py("sample.py", flag, source)
+        proc = run_main("sample.py", flag, source)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
 
 
-def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
+def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
     """--num-samples 10**12: printed a batch at a time (one tensor of all rows was a MemoryError
     before anything was printed), the first ones those of --num-samples 3 with the same seed. A
     reader that stops (`| head`) stops it quietly, with a shell's code for that (128 + SIGPIPE)."""
     import train_gpt2 as tg
 
-    out, _ = trained
+    out, _ = sampled_run
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -533,28 +466,28 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(trained):
 # ---- the trainer's samples ----
 
 
-def test_trainer_prints_samples_as_plain_text(trained):
-    _, stdout = trained
+def test_trainer_prints_samples_as_plain_text(sampled_run):
+    _, stdout = sampled_run
     lines = [line for line in stdout.splitlines() if line.startswith("sample: ")]
     assert len(lines) == 4 and all(line.startswith(f"sample: {PROMPT}") for line in lines)
 
 
-def test_trainer_samples_continue_sample_prompt(trained):
+def test_trainer_samples_continue_sample_prompt(sampled_run):
     # the prompt fits the data (the quickstart's Python gets "def "); the texts are sample_text's for it
-    out, _ = trained
-    proc = run_py(
+    out, _ = sampled_run
+    proc = run_main(
         "train_gpt2.py",
-        *TINY,
-        "--data-dir",
-        out.parent / "data",
-        "--out-dir",
-        out,
-        "--resume",
-        "--eval-only",
-        "--sample-every",
-        "1",
-        "--sample-prompt",
-        "def ",
+        *tiny(
+            out.parent / "data",
+            out,
+            "--resume",
+            "--eval-only",
+            "--sample-every",
+            "1",
+            "--sample-prompt",
+            "def ",
+            steps=2,
+        ),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))

@@ -9,17 +9,11 @@ import pytest
 from trainkit import cli
 from trainkit import train_flags
 import train_gpt2 as tg
-from conftest import TINY_GPT2_VOCAB_RUN, run_cli, train_records
+from conftest import GPT2_VOCAB_RUN, assert_one_error_line, run_main, tiny_run_args, train_records
 
-TINY = [
-    *TINY_GPT2_VOCAB_RUN,
-    "--val-every",
-    "0",
-    "--sample-every",
-    "0",
-    "--hellaswag-every",
-    "0",
-]
+
+def tiny(data_dir, out, *extra, steps, ckpt_every=0):
+    return tiny_run_args(data_dir, out, *extra, steps=steps, ckpt_every=ckpt_every, **GPT2_VOCAB_RUN)
 
 
 def schedule(**kw):
@@ -74,9 +68,8 @@ def test_cosine_is_the_default_and_unchanged():
     ],
 )
 def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args, message):
-    result = run_cli(["--data-dir", data_dir, "--out-dir", str(tmp_path), *TINY, "--max-steps", "10", *args])
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(f"error: {message}")
+    assert_one_error_line(run_main("train_gpt2.py", *tiny(data_dir, tmp_path, *args, steps=10)), message)
+    assert os.listdir(tmp_path) == []
 
 
 def test_the_flag_checks_name_an_unknown_schedule():
@@ -90,12 +83,10 @@ SHARDS = dict(n_docs=400, seed=3, max_len=60)
 
 def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):
     out = str(tmp_path)
-    first = run_cli(["--data-dir", data_dir, "--out-dir", out, *TINY, "--max-steps", "4", "--ckpt-every", "0"])
+    first = run_main("train_gpt2.py", *tiny(data_dir, out, steps=4))
     assert first.returncode == 0, first.stderr
     assert "note:" not in first.stdout
-    resumed = run_cli(
-        ["--data-dir", data_dir, "--out-dir", out, *TINY, "--max-steps", "8", "--ckpt-every", "0", "--resume"]
-    )
+    resumed = run_main("train_gpt2.py", *tiny(data_dir, out, "--resume", steps=8))
     assert resumed.returncode == 0, resumed.stderr
     new = tg.get_lr(4, tg.RunConfig(max_steps=8, warmup_steps=2, max_lr=1e-2))  # 3/4 of the way up the cosine
     assert new == pytest.approx(1e-3 + 0.75 * 9e-3, rel=1e-12)
@@ -105,25 +96,14 @@ def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):
 
 
 def test_wsd_run_extended_from_before_its_cooldown_equals_a_longer_run(data_dir, tmp_path):
-    wsd = [*TINY, "--lr-schedule", "wsd", "--cooldown-frac", "0.2", "--ckpt-every", "4"]
+    wsd = ["--lr-schedule", "wsd", "--cooldown-frac", "0.2"]
     short, extended, longer = (str(tmp_path / name) for name in ("short", "extended", "longer"))
-    for out, steps in ((short, "10"), (longer, "20")):  # cooldown from step 8 and from step 16
-        result = run_cli(["--data-dir", data_dir, "--out-dir", out, *wsd, "--max-steps", steps])
+    for out, steps in ((short, 10), (longer, 20)):  # cooldown from step 8 and from step 16
+        result = run_main("train_gpt2.py", *tiny(data_dir, out, *wsd, steps=steps, ckpt_every=4))
         assert result.returncode == 0, result.stderr
     # README: continue from the last checkpoint before the cooldown, into a new --out-dir
-    result = run_cli(
-        [
-            "--data-dir",
-            data_dir,
-            "--out-dir",
-            extended,
-            *wsd,
-            "--max-steps",
-            "20",
-            "--resume",
-            os.path.join(short, "ckpt_0000008.pt"),
-        ]
-    )
+    resume = ["--resume", os.path.join(short, "ckpt_0000008.pt")]
+    result = run_main("train_gpt2.py", *tiny(data_dir, extended, *wsd, *resume, steps=20, ckpt_every=4))
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout and "note:" not in result.stdout  # the LR does not move
     short_log, extended_log, longer_log = (train_records(d) for d in (short, extended, longer))

@@ -10,7 +10,7 @@ import stat
 
 import numpy as np
 import pytest
-from conftest import run_cli, tree_hashes
+from conftest import run_cli, run_main, tree_hashes
 from shards import EOT
 
 import train_gpt2 as tg
@@ -90,12 +90,14 @@ def test_a_second_launch_reads_the_kept_scans_and_a_read_only_data_folder_starts
     for path in [*data_dir.iterdir(), data_dir]:
         path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     before = tree_hashes(data_dir)
-    first = run_cli(train_args(data_dir, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache_home)})
+    first = run_main("train_gpt2.py", *train_args(data_dir, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache_home)})
     assert first.returncode == 0, first.stderr
     assert kept(cache_home) == [".max_id", ".rows16.npy"]  # of the big train shard; the val shard is too small
-    second = run_cli(train_args(data_dir, tmp_path / "b"), env={"XDG_CACHE_HOME": str(cache_home)})
+    second = run_cli(train_args(data_dir, tmp_path / "b"), env={"XDG_CACHE_HOME": str(cache_home)})  # a new process
     assert second.returncode == 0, second.stderr
-    uncached = run_cli(train_args(data_dir, tmp_path / "c"), env={"XDG_CACHE_HOME": str(unwritable / "x")})
+    uncached = run_main(
+        "train_gpt2.py", *train_args(data_dir, tmp_path / "c"), env={"XDG_CACHE_HOME": str(unwritable / "x")}
+    )
     assert uncached.returncode == 0, uncached.stderr
     assert len(step_losses(first.stdout)) == 2
     assert step_losses(first.stdout) == step_losses(second.stdout) == step_losses(uncached.stdout)
@@ -110,7 +112,7 @@ def test_a_second_launch_reads_the_kept_scans_and_a_read_only_data_folder_starts
 
 def test_a_shard_that_changed_since_its_scan_was_kept_is_scanned_again(data_dir, tmp_path):
     cache_home = tmp_path / "cache"
-    first = run_cli(train_args(data_dir, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache_home)})
+    first = run_main("train_gpt2.py", *train_args(data_dir, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache_home)})
     assert first.returncode == 0, first.stderr
     shard = data_dir / "big_train_000001.npy"
     tokens = np.load(shard)
@@ -200,6 +202,7 @@ def test_ranks_split_the_first_scan_and_train_on_the_rows_of_one_process(tmp_pat
     assert two.returncode == 0, two.stderr
     assert kept(tmp_path / "cache") == [".max_id", ".max_id", ".rows16.npy", ".rows16.npy"]
     (tmp_path / "a-file").write_text("")
-    one = run_cli(train_args(data, tmp_path / "one", *step), env={"XDG_CACHE_HOME": str(tmp_path / "a-file" / "x")})
+    uncached = {"XDG_CACHE_HOME": str(tmp_path / "a-file" / "x")}
+    one = run_main("train_gpt2.py", *train_args(data, tmp_path / "one", *step), env=uncached)
     assert one.returncode == 0, one.stderr
     assert len(step_losses(two.stdout)) == 2 and step_losses(two.stdout) == step_losses(one.stdout)

@@ -12,39 +12,30 @@ import pytest
 
 from trainkit import resume
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, TEXT_FILE, run_cli
+from conftest import HELLASWAG_FILE, REPO, TEXT_FILE, assert_refused, run_cli, run_main, tiny_run_args
 
 T = 32
-TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64"]
-QUIET = ["--val-every", "0", "--sample-every", "0", "--hellaswag-every", "0", "--ckpt-every", "0"]
-
-
 # a small alphabet, so that the loss has somewhere to go in 10 steps
 SHARDS = dict(n_docs=600, seed=1, max_len=60, shard_size=6000)
 
 
 def train_args(data_dir, out_dir, B, *extra, steps=10):
-    return [
-        "--data-dir",
+    """A tiny run of 8 rows of T tokens a step in micro-batches of B, max LR 3e-2, nothing evaluated or saved
+    on the way; extra last."""
+    return tiny_run_args(
         data_dir,
-        "--out-dir",
-        str(out_dir),
-        *TINY_MODEL,
-        "--seq-len",
-        str(T),
-        "--batch-size",
-        str(B),
-        "--total-batch-size",
-        str(8 * T),
-        "--max-steps",
-        str(steps),
-        "--warmup-steps",
-        "2",
+        out_dir,
         "--max-lr",
         "3e-2",
-        *QUIET,
         *extra,
-    ]
+        steps=steps,
+        B=B,
+        n_embd=32,
+        block_size=64,
+        seq_len=T,
+        warmup=2,
+        ckpt_every=0,
+    )
 
 
 def read_log(out_dir, key="loss"):
@@ -164,12 +155,15 @@ def test_empty_data_dir_and_missing_val(tmp_path, capsys):
     assert "no 'val' shards" in err and "(or pass --val-every 0)" in err
 
 
-def test_cli_error_has_no_traceback(tmp_path):
-    result = run_cli(["--data-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")])
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"error: --data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"
-    ]
+def test_cli_error_has_no_traceback_unless_debug(tmp_path):
+    """As a program: a refusal is one line and exit code 2; with --debug, the error's traceback instead."""
+    line = f"--data-dir {tmp_path / 'missing'} does not exist; create shards with fineweb.py"
+    args = ["--data-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")]
+    assert_refused(run_cli(args), line)
+    result = run_cli([*args, "--debug"])
+    assert result.returncode == 1 and result.stderr.startswith("Traceback (most recent call last):\n")
+    assert result.stderr.splitlines()[-1] == f"trainkit.cli.UserError: {line}"
+    assert not (tmp_path / "o").exists()
 
 
 def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
@@ -226,8 +220,9 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
     # run as `python train_gpt2.py`, a UserError raised inside hellaswag.py must still be the one
     # exit_code_of catches (one cli.UserError for every module), naming the trainer's own flag
     missing = str(tmp_path / "nonexistent.jsonl")
-    result = run_cli(
-        train_args(data_dir, tmp_path / "o", 4, steps=1) + ["--hellaswag-every", "1", "--hellaswag-file", missing]
+    result = run_main(
+        "train_gpt2.py",
+        *train_args(data_dir, tmp_path / "o", 4, "--hellaswag-every", "1", "--hellaswag-file", missing, steps=1),
     )
     assert (result.returncode, result.stderr) == (
         2,
@@ -293,7 +288,9 @@ def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import():
 
 def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):
     # the weights decide the shape: --n-layer and friends would be silently dropped
-    result = run_cli(["--init-from", "gpt2", "--model", "gpt2-xl", "--n-layer", "4", "--out-dir", str(tmp_path)])
+    result = run_main(
+        "train_gpt2.py", "--init-from", "gpt2", "--model", "gpt2-xl", "--n-layer", "4", "--out-dir", tmp_path
+    )
     assert (result.returncode, result.stderr) == (
         2,
         "error: --init-from gpt2 takes the model's shape from its "

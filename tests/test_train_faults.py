@@ -23,6 +23,7 @@ from trainkit.shard_identity import shard_files
 import train_gpt2 as tg
 from conftest import (
     REPO,
+    RUN_SHARDS,
     assert_one_error_line,
     log_records,
     losses,
@@ -30,21 +31,12 @@ from conftest import (
     run_command,
     run_main,
     tiny_run_args,
-    torchrun,
     wait_for_steps,
 )
 from shards import write_manifest
 
 
-SHARDS = dict(n_docs=300, seed=5)
-
-
-@pytest.fixture(scope="module")
-def checkpoint_run(data_dir, tmp_path_factory):
-    """A 2-step run with its checkpoint at step 2."""
-    out = tmp_path_factory.mktemp("run")
-    assert tg.main(tiny_run_args(data_dir, out, steps=2, ckpt_every=2)) == 0
-    return out
+SHARDS = RUN_SHARDS  # the shared finished run's data
 
 
 def strict_json(line: str):
@@ -218,11 +210,11 @@ def long_val_data(data_dir, tmp_path_factory):
     [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "error: stopped by SIGTERM")],
     ids=["ctrl-c", "sigterm"],
 )
-def test_eval_only_stops_at_once_on_a_signal(checkpoint_run, long_val_data, signum, code, line):
+def test_eval_only_stops_at_once_on_a_signal(finished_run, long_val_data, signum, code, line):
     args = tiny_run_args(
-        long_val_data, checkpoint_run, "--eval-only", "--resume", "--val-every", "1", "--val-steps", "100000", B=1
+        long_val_data, finished_run, "--eval-only", "--resume", "--val-every", "1", "--val-steps", "100000", B=1
     )
-    before = sorted(os.listdir(checkpoint_run))
+    before = sorted(os.listdir(finished_run))
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
     proc = subprocess.Popen(
         [sys.executable, "train_gpt2.py", *args],
@@ -241,7 +233,7 @@ def test_eval_only_stops_at_once_on_a_signal(checkpoint_run, long_val_data, sign
         if proc.poll() is None:
             proc.kill()
     assert (proc.returncode, err) == (code, line + "\n")
-    assert sorted(os.listdir(checkpoint_run)) == before
+    assert sorted(os.listdir(finished_run)) == before
 
 
 # --- memory ---------------------------------------------------------------------------------
@@ -286,20 +278,12 @@ FULL_LOGITS = [
 ]
 # glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, which an
 # address-space limit counts as used: a fixed threshold makes the limit track what is allocated
-FIXED_MMAP = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def squeezed(*squeeze_and_train_args, nproc=1):
     """train_gpt2.py run by benchmarks/squeeze_memory.py, which lowers the process memory limit."""
-    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    return subprocess.run(
-        [*launcher, "benchmarks/squeeze_memory.py", *squeeze_and_train_args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=FIXED_MMAP,
-    )
+    return run_cli(squeeze_and_train_args, nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
 
 
 def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
@@ -449,26 +433,26 @@ def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
     )
 
 
-def test_resume_after_the_shards_changed_is_a_warning(checkpoint_run, data_dir, tmp_path):
+def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tmp_path):
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(data_dir, data)
-    shutil.copytree(checkpoint_run, out)
+    shutil.copytree(finished_run, out)  # checkpoints at steps 2 and 4
     train = sorted(data.glob("*_train_*.npy"))
     np.save(train[-1], np.load(train[-1])[::-1])  # the last shard re-made with other tokens, of the same size
     size = train[-1].stat().st_size
-    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
-    saved = checkpoints.load_checkpoint(str(checkpoint_run / "ckpt_0000002.pt"))["data_files"]["train"]
+    result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=6, ckpt_every=2))
+    saved = checkpoints.load_checkpoint(str(finished_run / "ckpt_0000004.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
     now = shard_files([str(train[-1])])[0][2][:12]
     assert (result.returncode, result.stderr) == (
         0,
         (
-            f"warning: --data-dir {data} changed since {out}/ckpt_0000002.pt was written (train shard {train[-1].name}: "
-            f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 2 on this "
+            f"warning: --data-dir {data} changed since {out}/ckpt_0000004.pt was written (train shard {train[-1].name}: "
+            f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 4 on this "
             "run reads other rows than the run it continues would have\n"
         ),
     )
-    assert [s for s, _ in losses(out)] == [0, 1, 2, 3]
+    assert [s for s, _ in losses(out)] == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
