@@ -7,7 +7,6 @@ the W&B / TensorBoard sinks trainkit/run_trackers.py's.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from trainkit.atomic_write import create_fresh
@@ -15,7 +14,7 @@ from trainkit.branch_folders import check_later_branch, set_aside_later_branch, 
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
 from trainkit.resume import ResumePoint, choose_resume_checkpoint, in_history, new_run, read_run, run_name
 from trainkit.cli import UserError, reason_of
-from trainkit.folder_lock import FolderLock
+from trainkit.folder_lock import FolderLock, remove_if_same
 from trainkit.console import print0
 from trainkit.own_files import shared_as
 from trainkit.run_log import RunLog
@@ -123,9 +122,8 @@ class OutDirLock(FolderLock):
     def release(self):
         held = self.fd is not None
         super().release()
-        if held and self.made:
-            with contextlib.suppress(OSError):  # (fails unless empty)
-                os.rmdir(self.folder)
+        if held and self.made:  # (the folder it holds, never one put at its name since)
+            remove_if_same(self.folder, self.identity)
 
 
 def prepare_out_dir(out_dir: str) -> bool:
