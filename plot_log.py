@@ -351,6 +351,7 @@ def plot_log(
     records = load_records(log)
     fig = make_figure(records, baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
+    check_image_name(out)
     extension = os.path.splitext(out)[1].lower().lstrip(".")
     if not extension:  # a PNG, named as savefig would name it, so that we print the name it has
         out, extension = out.rstrip(".") + ".png", "png"
@@ -375,6 +376,18 @@ def plot_log(
 
         plt.close(fig)
     return out
+
+
+def check_image_name(out: str):
+    """A UserError for an -o that names no image file: a folder, a name ending in a separator, or an
+    extension alone (`-o r2/`, `-o r2/.png`), which would write a hidden file such as r2/.png."""
+    name = os.path.basename(out)
+    if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
+        folder = out if os.path.isdir(out) else os.path.dirname(out)
+        raise UserError(
+            f"-o {out} names a folder or an extension alone, not an image file: name the file to write "
+            f"(e.g. -o {os.path.join(folder, 'loss.png')})"
+        )
 
 
 def main(argv=None) -> int:
