@@ -8,6 +8,7 @@ the W&B / TensorBoard sinks trainkit/run_trackers.py's.
 from __future__ import annotations
 
 import os
+import re
 
 from trainkit.atomic_write import create_fresh
 from trainkit.branch_folders import check_later_branch, set_aside_later_branch, set_aside_log_without_checkpoint
@@ -126,6 +127,10 @@ class OutDirLock(FolderLock):
             remove_if_same(self.folder, self.identity)
 
 
+# the names a run writes a file through (atomic_write's temporary files: checkpoints, log.jsonl's own copy)
+_WRITTEN_THROUGH = re.compile(rf"(?:{CKPT_NAME.pattern}|log\.jsonl)\.tmp")
+
+
 def prepare_out_dir(out_dir: str) -> bool:
     """Make --out-dir if needed and check it is writable: whether it was made now (OutDirLock.release
     removes it again if the run wrote nothing there)."""
@@ -142,10 +147,10 @@ def prepare_out_dir(out_dir: str) -> bool:
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None
-    for name in sorted(filter(CKPT_NAME.fullmatch, os.listdir(out_dir))):
+    for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
-        if not os.path.isfile(path):  # --keep-last would fail to delete it mid-run, a save to write over it
-            what = (
+        if CKPT_NAME.fullmatch(name) and not os.path.isfile(path):  # --keep-last would fail to delete it
+            what = (  # mid-run, a save to write over it
                 "a folder"
                 if os.path.isdir(path)
                 else "a symbolic link to nothing"
@@ -156,6 +161,12 @@ def prepare_out_dir(out_dir: str) -> bool:
                 f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
                 "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
                 "rename it, or choose another --out-dir"
+            )
+        if _WRITTEN_THROUGH.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            raise UserError(  # (a file or a link there is replaced: atomic_write.create_fresh; a folder is not)
+                f"--out-dir {out_dir} holds a folder {name}, at the name this trainer writes a new "
+                f"{name.removesuffix('.tmp')} through: that write would fail, after the steps before it were "
+                "trained; move it away, or choose another --out-dir"
             )
     return made
 
