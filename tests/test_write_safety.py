@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -403,4 +404,24 @@ def test_a_restart_refused_for_an_append_only_log_without_checkpoint_changes_not
         "(stopped before its first checkpoint), is append-only (chattr +a) and cannot be set aside; clear that "
         "attribute, or choose another --out-dir (nothing was changed)"
     )
+    assert listing(run_a) == before
+
+
+def test_a_resume_refused_for_want_of_a_thread_changes_nothing(run_a, data_dir, monkeypatch, capsys):
+    """A system that lets the launch's threads start and no more (ulimit -v, ulimit -u): the resume at step 2
+    is refused with one line before the later branch moves and the log is cut, not at the prefetcher's
+    first step after both."""
+    start = threading.Thread.start
+
+    def only_the_launch_threads(thread):
+        if thread.name not in ("memory watch", "shard sha256"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", only_the_launch_threads)
+    before = listing(run_a)
+    assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000002.pt"), steps=8)) == 2
+    monkeypatch.undo()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: cannot start a thread (can't start new thread): each takes its stack")
     assert listing(run_a) == before

@@ -273,6 +273,16 @@ def is_thread_start_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and str(e) == "can't start new thread"
 
 
+def check_a_thread_starts():
+    """Start one thread and wait for it: where the system lets no more start (ulimit -v, ulimit -u), the
+    RuntimeError (no_thread's line) comes here, before a run changes its folder, not at its first step."""
+    import threading
+
+    probe = threading.Thread(target=lambda: None, name="thread probe")
+    probe.start()
+    probe.join()
+
+
 def no_thread(e: RuntimeError) -> str:
     """Why a thread could not start, in one line with the limits that decide it and what to raise."""
     import resource

@@ -14,7 +14,7 @@ from trainkit.atomic_write import create_fresh
 from trainkit.branch_folders import check_later_branch, set_aside_later_branch, set_aside_log_without_checkpoint
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
 from trainkit.resume import ResumePoint, choose_resume_checkpoint, in_history, new_run, read_run, run_name
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, check_a_thread_starts, reason_of
 from trainkit.folder_lock import FolderLock, remove_if_same
 from trainkit.console import print0
 from trainkit.own_files import shared_as
@@ -59,7 +59,9 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     the log (whose it is, whether it can be cut, whether it opens); only then does the later branch move
     aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
     before its first checkpoint just before its own opens; a log shared with another folder is copied
-    as it opens: own_files.own_file.)"""
+    as it opens: own_files.own_file.) A system that lets no more threads start (the prefetcher's comes
+    next) is refused first (check_a_thread_starts)."""
+    check_a_thread_starts()
     identity = claim_run(run.out_dir, resumed)
     if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
         identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
