@@ -183,19 +183,19 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
 def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
     """(name, records) of each run the log holds, in the order they first appear. Every record names the run
     that wrote it ("run"); a branch (a resume from an earlier checkpoint) is a new run whose first record is
-    its resume, after the records of the run it continues: it stays that run's curve. Any other new run (two
-    runs' logs concatenated) is a curve of its own. Records that name no run (a log of an older trainer)
-    are one run."""
-    runs, curve_of, previous = [], {}, None
+    its resume, naming the run it branched from ("parent"): where that run's records came before, it stays
+    that run's curve. Any other new run (two runs' logs concatenated, a branch of a run this log does not
+    hold) is a curve of its own. Records that name no run (a log of an older trainer) are one run."""
+    runs, curve_of = [], {}
     for record in records:
         run = record.get("run") if isinstance(record.get("run"), str) else None
         if run not in curve_of:
-            branch = runs and record.get("event") == "resume"
-            curve_of[run] = curve_of[previous] if branch else len(runs)
+            parent = record.get("parent") if record.get("event") == "resume" else None
+            branch = isinstance(parent, str) and parent in curve_of
+            curve_of[run] = curve_of[parent] if branch else len(runs)
             if not branch:
                 runs.append((f"run {run[:8]}" if run else "records naming no run", []))
         runs[curve_of[run]][1].append(record)
-        previous = run
     return runs
 
 

@@ -318,10 +318,10 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
 # --- plot_log.py: a log of two runs ---------------------------------------------------------------------------------
 
 
-def run_records(run: str, steps, loss0: float, resume_at=None) -> list:
+def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> list:
     records = [dict(step=s, loss=loss0 - 0.1 * s, lr=1e-3, run=run) for s in steps]
     if resume_at is not None:
-        records.insert(steps.index(resume_at), dict(event="resume", step=resume_at, run=run))
+        records.insert(steps.index(resume_at), dict(event="resume", step=resume_at, run=run, parent=parent))
     return records
 
 
@@ -333,7 +333,7 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
 
     a, b, branch = "a" * 32, "b" * 32, "c" * 32
     records = run_records(a, list(range(6)), 5.0)  # run a, steps 0..5
-    records += run_records(branch, [3, 4, 5], 4.0, resume_at=3)  # its branch from step 3 (as its log holds it)
+    records += run_records(branch, [3, 4, 5], 4.0, resume_at=3, parent=a)  # its branch from step 3 (its log's)
     records += run_records(b, list(range(4)), 9.0)  # run b's log appended: steps 0..3
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -358,3 +358,21 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
         plt.close(fig)
     assert plot_log.main([str(log), "-o", str(tmp_path / "both.png")]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'both.png'}\n"
+
+
+def test_plot_log_draws_a_branch_of_another_run_as_its_own_curve():
+    """`cat r1/log.jsonl r2c/log.jsonl`, r2c a branch of a run r2 this log does not hold: before, joined to
+    r1's curve (any new run starting with a resume was), its steps drawn over r1's; a resume record that
+    names no parent (an older trainer's) joins nothing either."""
+    pytest.importorskip("matplotlib")
+    import plot_log
+
+    r1, r2, r2c, old = "1" * 32, "2" * 32, "3" * 32, "4" * 32
+    records = run_records(r1, list(range(6)), 5.0)
+    records += run_records(r2c, [2, 3, 4, 5], 4.0, resume_at=2, parent=r2)
+    records += run_records(old, [4, 5], 3.0, resume_at=4)
+    assert [(name, len(rs)) for name, rs in plot_log.runs_of(records)] == [
+        ("run 11111111", 6),
+        ("run 33333333", 5),
+        ("run 44444444", 3),
+    ]

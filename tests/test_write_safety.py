@@ -425,3 +425,13 @@ def test_a_resume_refused_for_want_of_a_thread_changes_nothing(run_a, data_dir, 
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: cannot start a thread (can't start new thread): each takes its stack")
     assert listing(run_a) == before
+
+
+def test_a_branch_names_its_parent_run_in_its_resume_record(run_a, data_dir, tmp_path):
+    """A resume into another folder (a branch: a new run id) names the run it branched from in its resume
+    record, for plot_log.py to join it to that run's curve and no other."""
+    out = tmp_path / "branch"
+    assert tg.main(args_for(data_dir, out, "--resume", str(run_a / "ckpt_0000002.pt"), steps=3)) == 0
+    parent = json.loads((run_a / "log.jsonl").read_text().splitlines()[0])["run"]
+    (resume,) = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r.get("event")]
+    assert resume["parent"] == parent != resume["run"] and resume["step"] == 2

@@ -81,7 +81,9 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
         raise
     if resumed:
         log.resend_step(resumed.step)
-        log.write(event="resume", step=resumed.step)  # plot_log.py marks it on the curves
+        branch = {} if identity["id"] == resumed.run["id"] else {"parent": resumed.run["id"]}
+        log.write(event="resume", step=resumed.step, **branch)  # plot_log.py marks it on the curves (a branch's
+        # on the curve of the run it names, where the log holds it)
     return log
 
 
