@@ -256,6 +256,29 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
     assert str(refused.value) == f"{path} is not a manifest written by fineweb.py ({problem}); use an empty --out-dir"
 
 
+def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monkeypatch):
+    """manifest.json unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest",
+    so the shards of an unfinished fineweb.py run trained without a word; now one line naming why. Only a
+    missing one means none."""
+    import errno
+
+    from trainkit import shard_checks
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(shard_checks.json_file, "read", unreadable)
+    path = os.path.join(made, "manifest.json")
+    with pytest.raises(UserError) as refused:
+        shard_checks.find_shards(made, "train")
+    assert str(refused.value) == (
+        f"cannot read {path}: permission denied; the shards it lists cannot be checked: make it readable, or move "
+        "it out of the folder"
+    )
+    monkeypatch.undo()
+    assert shard_checks.folder_manifest(os.path.dirname(made)) is None  # (none there)
+
+
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
 
 SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)
