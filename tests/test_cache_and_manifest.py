@@ -170,6 +170,40 @@ def test_a_kept_row_table_is_checked_against_its_shard_and_scanned_again(big_sha
     assert capsys.readouterr() == ("", "")
 
 
+@pytest.mark.parametrize("whose", ["writable by the group", "another user's", "in a folder others may write"])
+def test_a_kept_row_table_another_user_could_have_written_is_scanned_again(big_shard, cache, capsys, whose):
+    """An entry re-sealed by another user passes every check against its shard that does not redo the scan (a
+    table of rows cut at each <|endoftext|> does): so an entry, or its folder, that another user owns or may
+    write is not trusted, as ssh trusts its files; one this user forged is (docs/data.md)."""
+    tokens, _, table = scan(big_shard)
+    entry = entry_of(cache, f".rows{T}.npy")
+    capsys.readouterr()
+    if whose == "another user's":
+        if os.geteuid() != 0:
+            pytest.skip("chown needs root")
+        os.chown(entry, 65534, -1)
+        reason = "it is owned by another user (uid 65534)"
+    elif whose == "writable by the group":
+        os.chmod(entry, 0o664)
+        reason = "it is writable by other users"
+    else:
+        os.chmod(cache, 0o777)
+        reason = "its folder is writable by other users"
+    _, _, again = scan(big_shard)
+    assert np.array_equal(again, table)
+    notes = [entry_of(cache, ".max_id")] if whose == "in a folder others may write" else []  # (its largest id's too)
+    out = capsys.readouterr()
+    assert (out.out + out.err).splitlines() == [
+        f"note: the kept scan {name} of {big_shard} cannot be used ({reason}); scanning the shard again"
+        for name in [*notes, entry]
+    ]
+    assert oct(os.stat(entry).st_mode & 0o022) == oct(os.stat(cache).st_mode & 0o022) == "0o0"  # (stored again)
+    if whose == "another user's":
+        os.chown(entry, os.geteuid(), -1)
+    _, _, again = scan(big_shard)  # trusted again: read back without a word
+    assert np.array_equal(again, table) and capsys.readouterr() == ("", "")
+
+
 # --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
 
 
