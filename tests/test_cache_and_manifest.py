@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_refused, tiny_run_args
+from conftest import REPO, assert_refused, run_main, tiny_run_args
 from shards import EOT
 
 import train_gpt2 as tg
@@ -369,6 +369,50 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
         f"the address space (ulimit -v, {address_space >> 10} KiB) and counts as a process (ulimit -u, "
         f"{'unlimited' if processes == resource.RLIM_INFINITY else processes}): raise ulimit -v or ulimit -u, or "
         "lower ulimit -s",
+    )
+
+
+@pytest.fixture
+def address_space_limit(monkeypatch) -> int:
+    """This process reported as running under `ulimit -v 700000` (KiB), without the limit itself."""
+    real = resource.getrlimit
+    monkeypatch.setattr(
+        resource, "getrlimit", lambda which: (700000 << 10,) * 2 if which == resource.RLIMIT_AS else real(which)
+    )
+    return 700000
+
+
+def test_a_memory_error_importing_a_library_mid_run_is_not_blamed_on_the_batch(
+    data_dir, tmp_path, monkeypatch, capsys, address_space_limit
+):
+    """A MemoryError raised by a lazy import inside torch under `ulimit -v` (as torch.distributed.tensor's
+    was): before, `lower --batch-size ... or pass --activation-checkpointing`; now the import and the limit."""
+    (tmp_path / "needs_memory.py").write_text("raise MemoryError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tg, "build_optimizer", lambda *args, **kwargs: __import__("needs_memory"))
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "run", steps=2)) == 2
+    assert capsys.readouterr().err == (
+        "error: out of memory while importing a library (MemoryError): under a memory limit (ulimit -v, "
+        f"{address_space_limit} KiB): raise it\n"
+    )
+
+
+def test_a_memory_error_in_fineweb_is_one_line_naming_the_limit(tmp_path, monkeypatch, address_space_limit):
+    """fineweb.py's own buffers under `ulimit -v`: before, a MemoryError traceback and exit code 1. (A limit so
+    small that numpy's OpenBLAS cannot start aborts in C at import, before any Python runs: not caught.)"""
+    import fineweb
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(fineweb, "chunk_located", no_memory)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    result = run_main("fineweb.py", "--files", docs, "--out-dir", tmp_path / "fw", "--workers", "1")
+    assert_refused(
+        result,
+        f"out of memory on the host (MemoryError): under a memory limit (ulimit -v, {address_space_limit} KiB): "
+        "raise it",
     )
 
 
