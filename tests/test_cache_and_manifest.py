@@ -313,6 +313,32 @@ def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monk
     assert shard_checks.folder_manifest(os.path.dirname(made)) is None  # (none there)
 
 
+def test_a_huge_number_in_a_manifest_is_cut_in_the_line(made, tmp_path):
+    """A shard's bytes of 4,001 digits: before, all of them in the one error line (4 KB); now its first ones and
+    its length. Another field's huge number is cut the same way (cli.clipped, as every message quotes one)."""
+    import shutil
+
+    from trainkit.shard_checks import find_shards
+
+    data = tmp_path / "data"
+    shutil.copytree(made, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["shards"][1]["bytes"] = 10**4000
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    shard = data / manifest["shards"][1]["file"]
+    with pytest.raises(UserError) as refused:
+        find_shards(str(data), "train")
+    assert str(refused.value) == (
+        f"{shard} is {os.path.getsize(shard)} bytes, not the 1{'0' * 23}... (4001 characters) that "
+        f"{data / 'manifest.json'} lists; restore it, or re-create the data set with fineweb.py"
+    )
+    manifest["shards"][1]["max_id"] = 10**4000
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as refused:
+        find_shards(str(data), "train")
+    assert f"max_id is the number 1{'0' * 23}... (4001 characters), not a token id" in str(refused.value)
+
+
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
 
 SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)

@@ -65,6 +65,16 @@ def flat(message) -> str:
     return " ".join(str(message).split())
 
 
+def clipped(value, limit: int = 24) -> str:
+    """value as a message quotes it (a number as written, anything else as repr), cut after limit characters
+    with its length where longer: a file's 4,000-digit number makes no 4 KB line."""
+    try:
+        text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+    except ValueError:  # an int beyond Python's limit of digits for str()
+        return f"a number of {value.bit_length()} bits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def print_error(message) -> None:
     """message as one `error:` line on stderr (control characters escaped), from rank 0; a
     RankLocalError from the rank that raised it."""

@@ -11,7 +11,7 @@ import os
 import threading
 
 from trainkit import json_file
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, clipped, reason_of
 from trainkit.regular_file import open_regular
 from trainkit.shards import MANIFEST, manifest_problem
 from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
@@ -89,7 +89,7 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
         if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]):
             continue
         what = (
-            f"is {os.path.getsize(path)} bytes, not the {entry['bytes']} that {where} lists"
+            f"is {os.path.getsize(path)} bytes, not the {clipped(entry['bytes'])} that {where} lists"
             if os.path.isfile(path)
             else f"is missing, yet {where} lists it"
         )
