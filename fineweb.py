@@ -37,7 +37,7 @@ from itertools import chain, islice
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
 from trainkit.cli import UserError, exit_code_of, reason_of
 from trainkit.console import print_line
-from trainkit.folder_lock import FolderLock  # one live writer per --out-dir (standard library only)
+from trainkit.folder_lock import FolderLock, remove_if_same  # one live writer per --out-dir (standard library only)
 
 
 # --- from documents to shards -------------------------------------------------------------
@@ -60,15 +60,15 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> None:
     load_worker_encoding()  # fail here, once, rather than in every worker
     source, config, inputs = describe_input(args)
-    with output_folder(args.out_dir):
-        write_data_set(args, source, config, inputs)
+    with output_folder(args.out_dir) as folder:
+        write_data_set(args, source, config, inputs, folder)
 
 
-def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) -> None:
-    """The shards of the source in args.out_dir (held by this run): a new data set, the rest of an
+def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs, folder: FolderLock) -> None:
+    """The shards of the source in args.out_dir (held by this run: folder): a new data set, the rest of an
     interrupted one, or nothing when it is complete."""
     manifest = open_manifest(args.out_dir, config, source, inputs)
-    writer = ShardWriter(args.out_dir, manifest)
+    writer = ShardWriter(folder, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
     if manifest["complete"]:
         print_line(f"{args.out_dir} is already complete ({done}); nothing to do")
@@ -86,7 +86,7 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs) 
         print_line(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)", file=sys.stderr)
     write_shards(args, writer, islice(documents, writer.documents_done, None), source)
     manifest["complete"] = True
-    save_manifest(args.out_dir, manifest)
+    save_manifest(folder, manifest)
     shards = manifest["shards"]
     print_line(
         f"wrote {len(shards)} shard{'s' if len(shards) != 1 else ''}, {writer.tokens_written:,} tokens, "
@@ -351,15 +351,18 @@ def default_prefix(args: argparse.Namespace) -> str:
 
 @contextlib.contextmanager
 def output_folder(out_dir: str):
-    """Creates out_dir (and missing parents) and holds it (FolderLock) for the block: a second run on
-    it is refused before it reads or writes anything there. If the block fails or is interrupted with
-    the new folder still empty, removes what it created: a run that wrote nothing leaves nothing behind."""
+    """Creates out_dir (and missing parents) and holds it (FolderLock, yielded: the shards are written
+    into the folder it holds) for the block: a second run on it is refused before it reads or writes
+    anything there. If the block fails or is interrupted with the new folders still empty, removes the
+    folders it created, each only where its name still names it: a run that wrote nothing leaves
+    nothing behind, and a folder put at one of those names since is left alone."""
     created, folder = [], os.path.abspath(out_dir)
     while not os.path.exists(folder):
         created.append(folder)
         folder = os.path.dirname(folder)
     try:
         os.makedirs(out_dir, exist_ok=True)
+        made = [(path, os.lstat(path)) for path in created]  # the deepest first
         if not os.access(out_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as e:
@@ -367,14 +370,11 @@ def output_folder(out_dir: str):
     lock = FolderLock(out_dir)
     lock.acquire()  # refused: the folder is the other run's, left as it is
     try:
-        yield
+        yield lock
     except BaseException:
         lock.release()  # (its .lock note goes: the folder is empty again if nothing was written)
-        for folder in created:  # the deepest first; stop at the first that is not empty
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
+        for path, identity in made:  # stops being removed at the first that is not empty
+            remove_if_same(path, identity)
         raise
     finally:
         lock.release()

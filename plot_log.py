@@ -183,19 +183,19 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
 def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
     """(name, records) of each run the log holds, in the order they first appear. Every record names the run
     that wrote it ("run"); a branch (a resume from an earlier checkpoint) is a new run whose first record is
-    its resume, after the records of the run it continues: it stays that run's curve. Any other new run (two
-    runs' logs concatenated) is a curve of its own. Records that name no run (a log of an older trainer)
-    are one run."""
-    runs, curve_of, previous = [], {}, None
+    its resume, naming the run it branched from ("parent"): where that run's records came before, it stays
+    that run's curve. Any other new run (two runs' logs concatenated, a branch of a run this log does not
+    hold) is a curve of its own. Records that name no run (a log of an older trainer) are one run."""
+    runs, curve_of = [], {}
     for record in records:
         run = record.get("run") if isinstance(record.get("run"), str) else None
         if run not in curve_of:
-            branch = runs and record.get("event") == "resume"
-            curve_of[run] = curve_of[previous] if branch else len(runs)
+            parent = record.get("parent") if record.get("event") == "resume" else None
+            branch = isinstance(parent, str) and parent in curve_of
+            curve_of[run] = curve_of[parent] if branch else len(runs)
             if not branch:
                 runs.append((f"run {run[:8]}" if run else "records naming no run", []))
         runs[curve_of[run]][1].append(record)
-        previous = run
     return runs
 
 
@@ -351,6 +351,7 @@ def plot_log(
     records = load_records(log)
     fig = make_figure(records, baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
+    check_image_name(out)
     extension = os.path.splitext(out)[1].lower().lstrip(".")
     if not extension:  # a PNG, named as savefig would name it, so that we print the name it has
         out, extension = out.rstrip(".") + ".png", "png"
@@ -375,6 +376,18 @@ def plot_log(
 
         plt.close(fig)
     return out
+
+
+def check_image_name(out: str):
+    """A UserError for an -o that names no image file: a folder, a name ending in a separator, or an
+    extension alone (`-o r2/`, `-o r2/.png`), which would write a hidden file such as r2/.png."""
+    name = os.path.basename(out)
+    if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
+        folder = out if os.path.isdir(out) else os.path.dirname(out)
+        raise UserError(
+            f"-o {out} names a folder or an extension alone, not an image file: name the file to write "
+            f"(e.g. -o {os.path.join(folder, 'loss.png')})"
+        )
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_refused, tiny_run_args
+from conftest import REPO, assert_refused, run_main, tiny_run_args
 from shards import EOT
 
 import train_gpt2 as tg
@@ -170,6 +170,40 @@ def test_a_kept_row_table_is_checked_against_its_shard_and_scanned_again(big_sha
     assert capsys.readouterr() == ("", "")
 
 
+@pytest.mark.parametrize("whose", ["writable by the group", "another user's", "in a folder others may write"])
+def test_a_kept_row_table_another_user_could_have_written_is_scanned_again(big_shard, cache, capsys, whose):
+    """An entry re-sealed by another user passes every check against its shard that does not redo the scan (a
+    table of rows cut at each <|endoftext|> does): so an entry, or its folder, that another user owns or may
+    write is not trusted, as ssh trusts its files; one this user forged is (docs/data.md)."""
+    tokens, _, table = scan(big_shard)
+    entry = entry_of(cache, f".rows{T}.npy")
+    capsys.readouterr()
+    if whose == "another user's":
+        if os.geteuid() != 0:
+            pytest.skip("chown needs root")
+        os.chown(entry, 65534, -1)
+        reason = "it is owned by another user (uid 65534)"
+    elif whose == "writable by the group":
+        os.chmod(entry, 0o664)
+        reason = "it is writable by other users"
+    else:
+        os.chmod(cache, 0o777)
+        reason = "its folder is writable by other users"
+    _, _, again = scan(big_shard)
+    assert np.array_equal(again, table)
+    notes = [entry_of(cache, ".max_id")] if whose == "in a folder others may write" else []  # (its largest id's too)
+    out = capsys.readouterr()
+    assert (out.out + out.err).splitlines() == [
+        f"note: the kept scan {name} of {big_shard} cannot be used ({reason}); scanning the shard again"
+        for name in [*notes, entry]
+    ]
+    assert oct(os.stat(entry).st_mode & 0o022) == oct(os.stat(cache).st_mode & 0o022) == "0o0"  # (stored again)
+    if whose == "another user's":
+        os.chown(entry, os.geteuid(), -1)
+    _, _, again = scan(big_shard)  # trusted again: read back without a word
+    assert np.array_equal(again, table) and capsys.readouterr() == ("", "")
+
+
 # --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
 
 
@@ -256,6 +290,55 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
     assert str(refused.value) == f"{path} is not a manifest written by fineweb.py ({problem}); use an empty --out-dir"
 
 
+def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monkeypatch):
+    """manifest.json unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest",
+    so the shards of an unfinished fineweb.py run trained without a word; now one line naming why. Only a
+    missing one means none."""
+    import errno
+
+    from trainkit import shard_checks
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(shard_checks.json_file, "read", unreadable)
+    path = os.path.join(made, "manifest.json")
+    with pytest.raises(UserError) as refused:
+        shard_checks.find_shards(made, "train")
+    assert str(refused.value) == (
+        f"cannot read {path}: permission denied; the shards it lists cannot be checked: make it readable, or move "
+        "it out of the folder"
+    )
+    monkeypatch.undo()
+    assert shard_checks.folder_manifest(os.path.dirname(made)) is None  # (none there)
+
+
+def test_a_huge_number_in_a_manifest_is_cut_in_the_line(made, tmp_path):
+    """A shard's bytes of 4,001 digits: before, all of them in the one error line (4 KB); now its first ones and
+    its length. Another field's huge number is cut the same way (cli.clipped, as every message quotes one)."""
+    import shutil
+
+    from trainkit.shard_checks import find_shards
+
+    data = tmp_path / "data"
+    shutil.copytree(made, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["shards"][1]["bytes"] = 10**4000
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    shard = data / manifest["shards"][1]["file"]
+    with pytest.raises(UserError) as refused:
+        find_shards(str(data), "train")
+    assert str(refused.value) == (
+        f"{shard} is {os.path.getsize(shard)} bytes, not the 1{'0' * 23}... (4001 characters) that "
+        f"{data / 'manifest.json'} lists; restore it, or re-create the data set with fineweb.py"
+    )
+    manifest["shards"][1]["max_id"] = 10**4000
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as refused:
+        find_shards(str(data), "train")
+    assert f"max_id is the number 1{'0' * 23}... (4001 characters), not a token id" in str(refused.value)
+
+
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
 
 SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)
@@ -315,13 +398,57 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
     )
 
 
+@pytest.fixture
+def address_space_limit(monkeypatch) -> int:
+    """This process reported as running under `ulimit -v 700000` (KiB), without the limit itself."""
+    real = resource.getrlimit
+    monkeypatch.setattr(
+        resource, "getrlimit", lambda which: (700000 << 10,) * 2 if which == resource.RLIMIT_AS else real(which)
+    )
+    return 700000
+
+
+def test_a_memory_error_importing_a_library_mid_run_is_not_blamed_on_the_batch(
+    data_dir, tmp_path, monkeypatch, capsys, address_space_limit
+):
+    """A MemoryError raised by a lazy import inside torch under `ulimit -v` (as torch.distributed.tensor's
+    was): before, `lower --batch-size ... or pass --activation-checkpointing`; now the import and the limit."""
+    (tmp_path / "needs_memory.py").write_text("raise MemoryError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tg, "build_optimizer", lambda *args, **kwargs: __import__("needs_memory"))
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "run", steps=2)) == 2
+    assert capsys.readouterr().err == (
+        "error: out of memory while importing a library (MemoryError): under a memory limit (ulimit -v, "
+        f"{address_space_limit} KiB): raise it\n"
+    )
+
+
+def test_a_memory_error_in_fineweb_is_one_line_naming_the_limit(tmp_path, monkeypatch, address_space_limit):
+    """fineweb.py's own buffers under `ulimit -v`: before, a MemoryError traceback and exit code 1. (A limit so
+    small that numpy's OpenBLAS cannot start aborts in C at import, before any Python runs: not caught.)"""
+    import fineweb
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(fineweb, "chunk_located", no_memory)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    result = run_main("fineweb.py", "--files", docs, "--out-dir", tmp_path / "fw", "--workers", "1")
+    assert_refused(
+        result,
+        f"out of memory on the host (MemoryError): under a memory limit (ulimit -v, {address_space_limit} KiB): "
+        "raise it",
+    )
+
+
 # --- plot_log.py: a log of two runs ---------------------------------------------------------------------------------
 
 
-def run_records(run: str, steps, loss0: float, resume_at=None) -> list:
+def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> list:
     records = [dict(step=s, loss=loss0 - 0.1 * s, lr=1e-3, run=run) for s in steps]
     if resume_at is not None:
-        records.insert(steps.index(resume_at), dict(event="resume", step=resume_at, run=run))
+        records.insert(steps.index(resume_at), dict(event="resume", step=resume_at, run=run, parent=parent))
     return records
 
 
@@ -333,7 +460,7 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
 
     a, b, branch = "a" * 32, "b" * 32, "c" * 32
     records = run_records(a, list(range(6)), 5.0)  # run a, steps 0..5
-    records += run_records(branch, [3, 4, 5], 4.0, resume_at=3)  # its branch from step 3 (as its log holds it)
+    records += run_records(branch, [3, 4, 5], 4.0, resume_at=3, parent=a)  # its branch from step 3 (its log's)
     records += run_records(b, list(range(4)), 9.0)  # run b's log appended: steps 0..3
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -358,3 +485,21 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
         plt.close(fig)
     assert plot_log.main([str(log), "-o", str(tmp_path / "both.png")]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'both.png'}\n"
+
+
+def test_plot_log_draws_a_branch_of_another_run_as_its_own_curve():
+    """`cat r1/log.jsonl r2c/log.jsonl`, r2c a branch of a run r2 this log does not hold: before, joined to
+    r1's curve (any new run starting with a resume was), its steps drawn over r1's; a resume record that
+    names no parent (an older trainer's) joins nothing either."""
+    pytest.importorskip("matplotlib")
+    import plot_log
+
+    r1, r2, r2c, old = "1" * 32, "2" * 32, "3" * 32, "4" * 32
+    records = run_records(r1, list(range(6)), 5.0)
+    records += run_records(r2c, [2, 3, 4, 5], 4.0, resume_at=2, parent=r2)
+    records += run_records(old, [4, 5], 3.0, resume_at=4)
+    assert [(name, len(rs)) for name, rs in plot_log.runs_of(records)] == [
+        ("run 11111111", 6),
+        ("run 33333333", 5),
+        ("run 44444444", 3),
+    ]

@@ -729,7 +729,14 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
             [sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         while proc.poll() is None and killed is None:
-            killed = next((p for p in tmp_path.iterdir() if p.name.startswith(".hf.export-")), None)
+            killed = next(  # (once it is marked: a folder killed before its mark is left as the user's)
+                (
+                    p
+                    for p in tmp_path.iterdir()
+                    if p.name.startswith(".hf.export-") and (p / export_folder.PARTIAL_MARK).exists()
+                ),
+                None,
+            )
             time.sleep(0.002)
         proc.kill()
         proc.wait()
@@ -743,6 +750,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
     lock = os.open(live, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        export_folder.mark_partial(lock)  # (as a live export marks it: only its lock keeps it)
         proc = export(second, out)
     finally:
         os.close(lock)

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,8 +21,18 @@ import pytest
 import fineweb
 import plot_log
 import train_gpt2 as tg
-from conftest import REPO, assert_one_error_line, kill_group, tiny_run_args, trained_steps, tree_hashes, wait_for
+from conftest import (
+    REPO,
+    assert_one_error_line,
+    kill_group,
+    run_main,
+    tiny_run_args,
+    trained_steps,
+    tree_hashes,
+    wait_for,
+)
 from trainkit import branch_folders
+from trainkit.out_dir import OutDirLock, prepare_out_dir
 from trainkit.shard_scan import ScanCache
 
 SHARDS = dict(n_docs=300, seed=7)
@@ -158,6 +169,18 @@ def test_a_plot_replaces_a_link_at_its_name(run_a, outside, capsys):
     ]
 
 
+@pytest.mark.parametrize("out", ["r2/", "r2", "r2/.png", "r2/..", "nofolder/.svg"])
+def test_a_plot_named_by_a_folder_or_an_extension_alone_is_refused(run_a, tmp_path, capsys, out):
+    """-o naming another run's folder (with or without its separator), or an extension alone: one line, and
+    nothing is written (no hidden r2/.png)."""
+    (tmp_path / "r2").mkdir()
+    before = listing(tmp_path)
+    out = f"{tmp_path}/{out}"  # (as typed: pathlib would drop the trailing separator)
+    assert plot_log.main([str(run_a), "-o", out]) == 2
+    assert capsys.readouterr().err.startswith(f"error: -o {out} names a folder or an extension alone")
+    assert listing(tmp_path) == before
+
+
 def test_lm_eval_samples_replace_a_link_at_their_name(tmp_path, outside, monkeypatch):
     """hf_interop.py eval --samples-dir: a task's TASK.jsonl planted as a link to a file outside is replaced
     by a new file. (lm-eval itself stands in: what it returns is what the samples are made of.)"""
@@ -219,6 +242,100 @@ def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(da
         f"Last good checkpoint: {moved / last}",
     )
     assert trained_steps(moved)[-1] >= 8 and os.path.islink(run)
+
+
+def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(tmp_path, monkeypatch):
+    """fineweb.py's --out-dir moved and replaced by a link to another data set after its first shard: the
+    next shard stops it with one line naming both folders; the other data set keeps its files and its
+    manifest, the moved folder holds the first shard and a manifest listing it."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    out, moved, other = tmp_path / "fw", tmp_path / "fw.moved", tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text('{"another": "data set"}\n')
+    (other / "data_val_000000.npy").write_bytes(b"another data set's shard")
+    before = listing(other)
+    real_finish = fineweb.ShardWriter.finish_shard
+
+    def finish_then_swap(writer, *args, **kwargs):
+        real_finish(writer, *args, **kwargs)
+        if not os.path.lexists(moved):
+            os.rename(out, moved)
+            os.symlink(other, out)
+
+    monkeypatch.setattr(fineweb.ShardWriter, "finish_shard", finish_then_swap)
+    result = run_main("fineweb.py", "--files", docs, "--out-dir", out, "--shard-size", "1000", "--workers", "1")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == (  # (after tqdm's progress bar)
+        f"error: --out-dir {out} was moved or replaced while fineweb.py wrote to it: the folder it took is now "
+        f"{moved}, and {out} names {other}; stopping, so that nothing is written there; run the same command on "
+        "the folder it took to resume"
+    )
+    assert listing(other) == before
+    assert sorted(os.listdir(moved)) == ["data_val_000000.npy", "manifest.json"]
+    assert [s["file"] for s in json.loads((moved / "manifest.json").read_text())["shards"]] == ["data_val_000000.npy"]
+
+
+def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_name(data_dir, tmp_path, monkeypatch):
+    """A run (OutDirLock) and fineweb.py that made their --out-dir and stop after it was moved and an empty
+    folder made at its name: the new folder stays, and the lock note goes from the moved one."""
+    out, moved = tmp_path / "run", tmp_path / "run.moved"
+    lock = OutDirLock(str(out))
+    lock.made = prepare_out_dir(str(out))
+    lock.acquire()
+    os.rename(out, moved)
+    out.mkdir()
+    lock.release()
+    assert out.is_dir() and os.listdir(moved) == []
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    fw, fw_moved = tmp_path / "new" / "fw", tmp_path / "fw.moved"
+
+    def swap_then_fail(*args, **kwargs):
+        os.rename(tmp_path / "new", fw_moved)
+        fw.mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fineweb, "write_shards", swap_then_fail)
+    result = run_main("fineweb.py", "--files", docs, "--out-dir", fw, "--shard-size", "1000", "--workers", "1")
+    assert result.returncode == 130 and fw.is_dir() and sorted(os.listdir(fw_moved)) == ["fw"]
+    assert os.listdir(fw_moved / "fw") == []
+
+
+def test_an_export_leaves_a_folder_that_only_looks_like_its_partial_folder(run_a, tmp_path):
+    """A folder of the user's named as an export's partial folder (.gpt2.export-20240101, a dated backup),
+    beside the target and inside it: it carries no mark of a partial export, so the export beside it
+    goes ahead and leaves it, and the target holding it is refused as one of the user's, with one line."""
+    out = tmp_path / "ex" / "gpt2"
+    for backup in (out.parent / ".gpt2.export-20240101", out / ".gpt2.export-20240102"):
+        backup.mkdir(parents=True)
+        (backup / "important.txt").write_text("my notes\n")
+    os.rename(out / ".gpt2.export-20240102", tmp_path / "aside")  # (first: beside only)
+    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000006.pt", out)
+    assert result.returncode == 0 and "removed" not in result.stderr, result.stderr
+    assert (out.parent / ".gpt2.export-20240101" / "important.txt").read_text() == "my notes\n"
+    shutil.rmtree(out)
+    out.mkdir()
+    os.rename(tmp_path / "aside", out / ".gpt2.export-20240102")
+    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000006.pt", out)
+    assert_one_error_line(result, f"{out} is not empty and is not an export of hf_interop.py")
+    assert (out / ".gpt2.export-20240102" / "important.txt").read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("name", ["ckpt_0000004.pt.tmp", "log.jsonl.tmp"])
+def test_a_folder_at_a_name_a_run_writes_through_is_refused_before_it_trains(data_dir, tmp_path, capsys, name):
+    """A folder planted at a checkpoint's temporary name, or at the log's copy's: refused at start with one
+    line, nothing trained, the folder as it was (not found at the save, after the steps were trained)."""
+    out = tmp_path / "t1"
+    (out / name).mkdir(parents=True)
+    before = listing(out)
+    assert tg.main(args_for(data_dir, out, steps=6)) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out-dir {out} holds a folder {name}, at the name this trainer writes a new "
+        f"{name.removesuffix('.tmp')} through: that write would fail, after the steps before it were trained; "
+        "move it away, or choose another --out-dir\n"
+    )
+    assert listing(out) == before
 
 
 # --- a refusal changes nothing ---------------------------------------------------------------------------
@@ -288,3 +405,33 @@ def test_a_restart_refused_for_an_append_only_log_without_checkpoint_changes_not
         "attribute, or choose another --out-dir (nothing was changed)"
     )
     assert listing(run_a) == before
+
+
+def test_a_resume_refused_for_want_of_a_thread_changes_nothing(run_a, data_dir, monkeypatch, capsys):
+    """A system that lets the launch's threads start and no more (ulimit -v, ulimit -u): the resume at step 2
+    is refused with one line before the later branch moves and the log is cut, not at the prefetcher's
+    first step after both."""
+    start = threading.Thread.start
+
+    def only_the_launch_threads(thread):
+        if thread.name not in ("memory watch", "shard sha256"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", only_the_launch_threads)
+    before = listing(run_a)
+    assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000002.pt"), steps=8)) == 2
+    monkeypatch.undo()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: cannot start a thread (can't start new thread): each takes its stack")
+    assert listing(run_a) == before
+
+
+def test_a_branch_names_its_parent_run_in_its_resume_record(run_a, data_dir, tmp_path):
+    """A resume into another folder (a branch: a new run id) names the run it branched from in its resume
+    record, for plot_log.py to join it to that run's curve and no other."""
+    out = tmp_path / "branch"
+    assert tg.main(args_for(data_dir, out, "--resume", str(run_a / "ckpt_0000002.pt"), steps=3)) == 0
+    parent = json.loads((run_a / "log.jsonl").read_text().splitlines()[0])["run"]
+    (resume,) = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r.get("event")]
+    assert resume["parent"] == parent != resume["run"] and resume["step"] == 2

@@ -57,14 +57,16 @@ def write_atomically(
         fsync_dir(os.path.dirname(path) or ".")
 
 
-def write_bytes_atomically(path: str, *blobs, fsync_file: bool, fsync_folder: bool, tmp: str | None = None):
+def write_bytes_atomically(
+    path: str, *blobs, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
+):
     """write_atomically of blobs (bytes or buffers), one after the other."""
 
     def write(f):
         for blob in blobs:
             f.write(blob)
 
-    write_atomically(path, write, fsync_file=fsync_file, fsync_folder=fsync_folder, tmp=tmp)
+    write_atomically(path, write, fsync_file=fsync_file, fsync_folder=fsync_folder, tmp=tmp, dir_fd=dir_fd)
 
 
 def fsync_dir(path: str):

@@ -65,6 +65,16 @@ def flat(message) -> str:
     return " ".join(str(message).split())
 
 
+def clipped(value, limit: int = 24) -> str:
+    """value as a message quotes it (a number as written, anything else as repr), cut after limit characters
+    with its length where longer: a file's 4,000-digit number makes no 4 KB line."""
+    try:
+        text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+    except ValueError:  # an int beyond Python's limit of digits for str()
+        return f"a number of {value.bit_length()} bits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def print_error(message) -> None:
     """message as one `error:` line on stderr (control characters escaped), from rank 0; a
     RankLocalError from the rank that raised it."""
@@ -254,6 +264,11 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
             raise
         print_error(RankLocalError(no_thread(e)))
         return 2
+    except MemoryError as e:  # (the trainer words a step's own: memory.out_of_memory_error)
+        if debug:
+            raise
+        print_error(RankLocalError(out_of_host_memory(e)))
+        return 2
     except KeyboardInterrupt as e:
         if debug:
             raise
@@ -273,19 +288,61 @@ def is_thread_start_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and str(e) == "can't start new thread"
 
 
+def check_a_thread_starts():
+    """Start one thread and wait for it: where the system lets no more start (ulimit -v, ulimit -u), the
+    RuntimeError (no_thread's line) comes here, before a run changes its folder, not at its first step."""
+    import threading
+
+    probe = threading.Thread(target=lambda: None, name="thread probe")
+    probe.start()
+    probe.join()
+
+
+def soft_limit(which: int, unit: int = 1024) -> str | None:
+    """This process's soft resource limit which (resource.RLIMIT_*) in units (KiB by default), or None."""
+    import resource
+
+    soft = resource.getrlimit(which)[0]
+    return None if soft == resource.RLIM_INFINITY else str(soft // unit)
+
+
 def no_thread(e: RuntimeError) -> str:
     """Why a thread could not start, in one line with the limits that decide it and what to raise."""
     import resource
 
     def limit(which: int, unit: int = 1024) -> str:
-        soft = resource.getrlimit(which)[0]
-        return "unlimited" if soft == resource.RLIM_INFINITY else str(soft // unit)
+        return soft_limit(which, unit) or "unlimited"
 
     return (
         f"cannot start a thread ({e}): each takes its stack (ulimit -s, {limit(resource.RLIMIT_STACK)} KiB) from "
         f"the address space (ulimit -v, {limit(resource.RLIMIT_AS)} KiB) and counts as a process (ulimit -u, "
         f"{limit(resource.RLIMIT_NPROC, 1)}): raise ulimit -v or ulimit -u, or lower ulimit -s"
     )
+
+
+def memory_limit() -> str | None:
+    """'ulimit -v, N KiB' where this process runs under an address-space limit, else None."""
+    import resource
+
+    limit = soft_limit(resource.RLIMIT_AS)
+    return f"ulimit -v, {limit} KiB" if limit else None
+
+
+def raised_in_import(e: BaseException) -> bool:
+    """Whether e was raised while a module was being imported (a lazy import inside a library too): a frame
+    of its traceback runs a module's body (Python drops importlib's own frames from it)."""
+    import traceback
+
+    return any(frame.f_code.co_name == "<module>" for frame, _ in traceback.walk_tb(e.__traceback__))
+
+
+def out_of_host_memory(e: MemoryError) -> str:
+    """The line for a MemoryError that no step of training raised (a library's import, a tool's own buffers):
+    what ran out, and the memory limit where one is set, never a flag of the step's."""
+    what = "while importing a library" if raised_in_import(e) else "on the host"
+    limit = memory_limit()
+    fix = f"under a memory limit ({limit}): raise it" if limit else "free memory and run it again"
+    return f"out of memory {what} ({reason_of(e, typed=True)}): {fix}"
 
 
 SIGPIPE_EXIT_CODE = 128 + 13  # 128 + SIGPIPE (13 on Linux and macOS; Windows has no SIGPIPE)

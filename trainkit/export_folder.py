@@ -79,7 +79,9 @@ def write_json(path: str, value: dict, shown: str):
 def write_mark(folder: str, fields: dict, shown: str):
     """EXPORT_MARK into folder, once the export's other files are written there: fields (the source
     checkpoint, its step and checksum, the vocabulary kept) and the sha256 of each file beside it."""
-    files = {name: _file_sha256(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    files = {
+        name: _file_sha256(os.path.join(folder, name)) for name in sorted(set(os.listdir(folder)) - {PARTIAL_MARK})
+    }
     mark = dict(written_by=MARK_WRITER, mark_version=MARK_VERSION, **fields, files=files)
     write_json(os.path.join(folder, EXPORT_MARK), mark, shown)
 
@@ -106,7 +108,7 @@ def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
     files = mark.get("files")
     if not isinstance(files, dict):
         return "its mark lists no files: an older hf_interop.py wrote it"
-    names = names - {EXPORT_MARK}
+    names = names - {EXPORT_MARK, PARTIAL_MARK}  # (the latter: an export killed just after its swap)
     changes = [f"{name} added" for name in sorted(names - files.keys())]
     changes += [f"{name} missing" for name in sorted(files.keys() - names)]
     for name in sorted(names & files.keys()):
@@ -127,7 +129,11 @@ def check_replaceable(out_dir: str):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} exists and is not a directory")
     target = os.path.realpath(out_dir)  # a mount point's holds the partial folders of exports to it
-    names = {name for name in os.listdir(out_dir) if not _is_partial(target, name)} if os.path.isdir(out_dir) else set()
+    names = (
+        {name for name in os.listdir(out_dir) if not _is_partial(target, out_dir, name)}
+        if os.path.isdir(out_dir)
+        else set()
+    )
     if not names:
         return
     mark = _read_mark(out_dir)
@@ -146,18 +152,55 @@ def check_replaceable(out_dir: str):
 
 
 # A partial export: the folder an export writes before it is swapped in, beside the target (inside
-# it for a mount point), named .NAME.export-XXXXXXXX (mkdtemp's 8 characters), and locked (flock)
-# by the writing process while it lives. kill -9 or a power cut leaves it, with up to gigabytes of
-# weights; the next export to NAME removes each one whose lock it can take: its writer is dead.
-# Where the file system has no flock, no lock can be taken, and partial folders are left as they are.
+# it for a mount point), named .NAME.export-XXXXXXXX (mkdtemp's 8 characters), locked (flock) by the
+# writing process while it lives, and holding PARTIAL_MARK, which names the folder's own device and
+# inode (written as it is made, removed just before the swap). kill -9 or a power cut leaves it, with
+# up to gigabytes of weights; the next export to NAME removes each one whose lock it can take (its
+# writer is dead) and whose mark names it: a folder of the user's that only looks like one by its name
+# (a dated backup), or a copy of a partial folder, is left as it is. Where the file system has no
+# flock, no lock can be taken, and partial folders are left as they are.
+PARTIAL_MARK = ".gpt2_trainer_partial_export"
+
+
 def _partial_prefix(target: str) -> str:
     return f".{os.path.basename(target)}.export-"
 
 
-def _is_partial(target: str, name: str) -> bool:
-    """Whether name is that of a partial folder of an export to target (or of an earlier export
-    set aside there by the swap without renameat2)."""
-    return re.fullmatch(re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name) is not None
+def _partial_mark(st: os.stat_result) -> bytes:
+    return f"{MARK_WRITER}: partial folder {st.st_dev}:{st.st_ino}\n".encode()
+
+
+def mark_partial(fd: int):
+    """Write PARTIAL_MARK into the folder open at fd (an export's partial folder, or an earlier export
+    set aside), naming that folder."""
+    mark = create_fresh(PARTIAL_MARK, dir_fd=fd)
+    with os.fdopen(mark, "wb") as f:
+        f.write(_partial_mark(os.fstat(fd)))
+
+
+def _unmark(fd: int):
+    """Remove PARTIAL_MARK from the folder open at fd."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(PARTIAL_MARK, dir_fd=fd)
+
+
+def _carries_partial_mark(path: str, st: os.stat_result | None = None) -> bool:
+    """Whether the folder path (st: its status, default os.lstat's) holds the PARTIAL_MARK that names it."""
+    try:
+        st = st or os.lstat(path)
+        fd = os.open(os.path.join(path, PARTIAL_MARK), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            return f.read(4096) == _partial_mark(st)
+    except OSError:
+        return False
+
+
+def _is_partial(target: str, folder: str, name: str) -> bool:
+    """Whether folder/name is a partial folder of an export to target (or an earlier export set aside
+    there by the swap without renameat2): its name, and the mark inside that only an export writes."""
+    return re.fullmatch(
+        re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name
+    ) is not None and _carries_partial_mark(os.path.join(folder, name))
 
 
 def _partial_folders(target: str) -> list[str]:
@@ -165,7 +208,7 @@ def _partial_folders(target: str) -> list[str]:
     found = []
     for folder in (os.path.dirname(target), target):
         with contextlib.suppress(OSError):
-            found += [os.path.join(folder, name) for name in os.listdir(folder) if _is_partial(target, name)]
+            found += [os.path.join(folder, name) for name in os.listdir(folder) if _is_partial(target, folder, name)]
     return [path for path in found if os.path.isdir(path) and not os.path.islink(path)]
 
 
@@ -188,7 +231,9 @@ def remove_dead_partials(out_dir: str):
     for path in _partial_folders(os.path.realpath(out_dir)):
         fd = _lock(path)
         if fd is not None:
-            try:
+            try:  # (still the folder locked, and its mark names it)
+                if not (os.path.samestat(os.fstat(fd), os.lstat(path)) and _carries_partial_mark(path, os.fstat(fd))):
+                    continue
                 shutil.rmtree(path)
                 print_line(f"removed {path}, the partial folder of an export that was killed", file=sys.stderr)
             except OSError:
@@ -207,10 +252,12 @@ def _new_partial(folder: str, target: str) -> tuple[str, int | None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.path.samestat(os.fstat(fd), os.stat(path)):
+                mark_partial(fd)
                 return path, fd
         except (BlockingIOError, FileNotFoundError):  # taken by another export's cleaning
             pass
         except OSError:  # no flock here: nothing can take it either
+            mark_partial(fd)
             return path, fd
         os.close(fd)
     raise OSError(errno.EBUSY, "other exports to the same folder keep removing this one's partial folder")
@@ -281,21 +328,33 @@ def replacing_folder(out_dir: str):
             _move_files_in(new_dir, target)
             new_dir = None
         elif os.path.isdir(target) and os.listdir(target):
-            if _exchange(new_dir, target):
-                new_dir, old_dir = None, new_dir  # which now holds the earlier export
-            else:
-                locks.append(_lock(target))  # the earlier export, aside for a moment: no one else's to remove
-                old_dir = new_dir + ".old"
-                os.rename(target, old_dir)
+            # the earlier export, once aside, is a partial folder: the next export removes it if this one is killed
+            earlier = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+            locks.append(earlier)
+            with contextlib.suppress(OSError):  # (no one else's to remove while aside)
+                fcntl.flock(earlier, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mark_partial(earlier)
+            try:
+                if _exchange(new_dir, target):
+                    new_dir, old_dir = None, new_dir  # which now holds the earlier export
+                else:
+                    old_dir = new_dir + ".old"
+                    os.rename(target, old_dir)
+            except OSError:
+                _unmark(earlier)
+                raise
         if new_dir:
             try:
                 os.replace(new_dir, target)  # over an empty folder too
             except OSError:
                 if old_dir:
                     os.rename(old_dir, target)
+                    _unmark(earlier)
                     old_dir = None
                 raise
             new_dir = None
+        if lock is not None and not in_place:
+            _unmark(lock)  # the export in place: no longer a partial folder
     except OSError as e:
         busy = " (a mount point cannot be renamed: export into a folder inside it)" if e.errno == errno.EBUSY else ""
         raise UserError(f"cannot write the Hugging Face model to {out_dir}: {reason_of(e)}{busy}") from e
@@ -313,13 +372,14 @@ def _move_files_in(new_dir: str, target: str):
     file by file, each one whole (a rename within target's file system). The earlier mark goes
     first and the new one last: a process killed in between leaves a folder that no later export
     takes for its own (one line asks to empty it), never a mark over files it did not write."""
-    earlier = {name for name in os.listdir(target) if not _is_partial(target, name)}
+    earlier = {name for name in os.listdir(target) if not _is_partial(target, target, name)}
     if EXPORT_MARK in earlier:
         os.remove(os.path.join(target, EXPORT_MARK))
-    names = sorted(set(os.listdir(new_dir)) - {EXPORT_MARK})
+    names = sorted(set(os.listdir(new_dir)) - {EXPORT_MARK, PARTIAL_MARK})
     for name in names:
         os.replace(os.path.join(new_dir, name), os.path.join(target, name))
     for name in earlier - set(names) - {EXPORT_MARK}:  # an earlier export's file this one lacks (its tokenizer)
         os.remove(os.path.join(target, name))
     os.replace(os.path.join(new_dir, EXPORT_MARK), os.path.join(target, EXPORT_MARK))
+    os.remove(os.path.join(new_dir, PARTIAL_MARK))
     os.rmdir(new_dir)

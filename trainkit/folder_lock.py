@@ -51,8 +51,8 @@ class FolderLock:
         except BlockingIOError:
             os.close(fd)
             raise UserError(self.in_use(self._holder())) from None
-        except OSError as e:  # a file system without locks (Lustre without -o flock)
-            os.close(fd)
+        except OSError as e:  # a file system without locks (Lustre without -o flock): held open, not locked
+            self.fd = fd
             return self._cannot_lock(reason_of(e))
         self.fd = fd
         try:
@@ -78,6 +78,19 @@ class FolderLock:
             moved = "unknown"
         return moved, now
 
+    def check_held(self, then: str = ""):
+        """A UserError naming both folders where self.folder no longer names the folder taken (moved_to):
+        a writer that writes by name, or reports by it, stops rather than write elsewhere (then: what to
+        do next, appended to the line)."""
+        moved = self.moved_to()
+        if moved is not None:
+            where, now = moved
+            raise UserError(
+                f"--out-dir {self.folder} was moved or replaced while {self.writer} wrote to it: the folder it "
+                f"took is now {where}, and {self.folder} names {now}; stopping, so that nothing is written "
+                f"there{then}"
+            )
+
     def _holder(self) -> str:
         """Who holds the lock, as its .lock says."""
         try:
@@ -100,14 +113,15 @@ class FolderLock:
                 f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose another --out-dir"
             )
         try:  # (a note for people: no fsync, the kernel's lock is what holds)
-            write_bytes_atomically(
-                self.path,
+            write_bytes_atomically(  # (into the folder held: self.fd)
+                ".lock",
                 f"pid {os.getpid()} on {socket.gethostname()}\n".encode(),
                 fsync_file=False,
                 fsync_folder=False,
-                tmp=f"{self.path}.{os.getpid()}.tmp",
+                tmp=f".lock.{os.getpid()}.tmp",
+                dir_fd=self.fd,
             )
-            self.written = os.stat(self.path)
+            self.written = os.stat(".lock", dir_fd=self.fd)
         except OSError as e:
             raise UserError(f"cannot write {self.path}: {reason_of(e)}") from None
 
@@ -115,11 +129,20 @@ class FolderLock:
         self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")
 
     def release(self):
+        """Unlock, removing the .lock this writer wrote from the folder it holds (wherever it is now)."""
         if self.fd is None:
             return
         if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
             with contextlib.suppress(OSError):
-                if os.path.samestat(os.stat(self.path), self.written):
-                    os.remove(self.path)
+                if os.path.samestat(os.stat(".lock", dir_fd=self.fd, follow_symlinks=False), self.written):
+                    os.remove(".lock", dir_fd=self.fd)
         os.close(self.fd)
         self.fd = self.written = None
+
+
+def remove_if_same(path: str, identity: os.stat_result):
+    """Remove the empty folder path where it still is the folder identity (its os.stat when made): one
+    moved away keeps its contents where it went, and whatever now stands at its name is left alone."""
+    with contextlib.suppress(OSError):  # (rmdir fails unless empty)
+        if os.path.samestat(os.lstat(path), identity):
+            os.rmdir(path)

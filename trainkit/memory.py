@@ -76,7 +76,10 @@ def out_of_memory_error(
     """The line for an out-of-memory that ends the run. micro_batch: the rows per micro-step it ran
     out at, which --batch-size auto chose (auto; None: before it chose) or the user did. At one row
     fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
-    shrinks a step."""
+    shrinks a step. A MemoryError raised by a library's import is no step's (cli.out_of_host_memory's line);
+    under an address-space limit (ulimit -v) the line names it too."""
+    if isinstance(e, MemoryError) and cli.raised_in_import(e):
+        return cli.RankLocalError(cli.out_of_host_memory(e))
     if auto and micro_batch is None:  # the search itself, before its first trial
         advice = (
             "--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "
@@ -97,6 +100,8 @@ def out_of_memory_error(
             "lower --batch-size (--total-batch-size stays the same through more accumulation steps) or pass "
             "--activation-checkpointing"
         )
+    limit = cli.memory_limit() if torch.device(device).type == "cpu" or isinstance(e, MemoryError) else None
+    advice += f"; or raise the memory limit this process runs under ({limit})" if limit else ""
     return cli.RankLocalError(
         f"out of memory on {device} ({out_of_memory_reason(e)}): {advice}. Last good checkpoint: {last_ckpt or 'none'}"
     )

@@ -7,15 +7,15 @@ the W&B / TensorBoard sinks trainkit/run_trackers.py's.
 
 from __future__ import annotations
 
-import contextlib
 import os
+import re
 
 from trainkit.atomic_write import create_fresh
 from trainkit.branch_folders import check_later_branch, set_aside_later_branch, set_aside_log_without_checkpoint
 from trainkit.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
 from trainkit.resume import ResumePoint, choose_resume_checkpoint, in_history, new_run, read_run, run_name
-from trainkit.cli import UserError, reason_of
-from trainkit.folder_lock import FolderLock
+from trainkit.cli import UserError, check_a_thread_starts, reason_of
+from trainkit.folder_lock import FolderLock, remove_if_same
 from trainkit.console import print0
 from trainkit.own_files import shared_as
 from trainkit.run_log import RunLog
@@ -59,7 +59,9 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     the log (whose it is, whether it can be cut, whether it opens); only then does the later branch move
     aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
     before its first checkpoint just before its own opens; a log shared with another folder is copied
-    as it opens: own_files.own_file.)"""
+    as it opens: own_files.own_file.) A system that lets no more threads start (the prefetcher's comes
+    next) is refused first (check_a_thread_starts)."""
+    check_a_thread_starts()
     identity = claim_run(run.out_dir, resumed)
     if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
         identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
@@ -79,7 +81,9 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
         raise
     if resumed:
         log.resend_step(resumed.step)
-        log.write(event="resume", step=resumed.step)  # plot_log.py marks it on the curves
+        branch = {} if identity["id"] == resumed.run["id"] else {"parent": resumed.run["id"]}
+        log.write(event="resume", step=resumed.step, **branch)  # plot_log.py marks it on the curves (a branch's
+        # on the curve of the run it names, where the log holds it)
     return log
 
 
@@ -123,9 +127,12 @@ class OutDirLock(FolderLock):
     def release(self):
         held = self.fd is not None
         super().release()
-        if held and self.made:
-            with contextlib.suppress(OSError):  # (fails unless empty)
-                os.rmdir(self.folder)
+        if held and self.made:  # (the folder it holds, never one put at its name since)
+            remove_if_same(self.folder, self.identity)
+
+
+# the names a run writes a file through (atomic_write's temporary files: checkpoints, log.jsonl's own copy)
+_WRITTEN_THROUGH = re.compile(rf"(?:{CKPT_NAME.pattern}|log\.jsonl)\.tmp")
 
 
 def prepare_out_dir(out_dir: str) -> bool:
@@ -144,10 +151,10 @@ def prepare_out_dir(out_dir: str) -> bool:
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None
-    for name in sorted(filter(CKPT_NAME.fullmatch, os.listdir(out_dir))):
+    for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
-        if not os.path.isfile(path):  # --keep-last would fail to delete it mid-run, a save to write over it
-            what = (
+        if CKPT_NAME.fullmatch(name) and not os.path.isfile(path):  # --keep-last would fail to delete it
+            what = (  # mid-run, a save to write over it
                 "a folder"
                 if os.path.isdir(path)
                 else "a symbolic link to nothing"
@@ -158,6 +165,12 @@ def prepare_out_dir(out_dir: str) -> bool:
                 f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
                 "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
                 "rename it, or choose another --out-dir"
+            )
+        if _WRITTEN_THROUGH.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            raise UserError(  # (a file or a link there is replaced: atomic_write.create_fresh; a folder is not)
+                f"--out-dir {out_dir} holds a folder {name}, at the name this trainer writes a new "
+                f"{name.removesuffix('.tmp')} through: that write would fail, after the steps before it were "
+                "trained; move it away, or choose another --out-dir"
             )
     return made
 

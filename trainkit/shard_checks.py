@@ -11,23 +11,29 @@ import os
 import threading
 
 from trainkit import json_file
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, clipped, reason_of
 from trainkit.regular_file import open_regular
 from trainkit.shards import MANIFEST, manifest_problem
 from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
 def folder_manifest(folder: str) -> dict | None:
-    """fineweb.py's manifest.json in a folder of shards, or None where there is none that can be opened (shards
-    may come from other tools): what the trainer's checks of a data folder read. One that is not JSON, or not
-    of the manifest's schema (shards.manifest_problem: a field missing or of another type), is a UserError
-    naming the field: read as no manifest, the shards it describes would go unchecked."""
+    """fineweb.py's manifest.json in a folder of shards, or None where there is none (shards may come from
+    other tools): what the trainer's checks of a data folder read. One that cannot be read (permissions, an
+    I/O error), is not JSON, or not of the manifest's schema (shards.manifest_problem: a field missing or of
+    another type), is a UserError naming why or the field: read as no manifest, the shards it describes (an
+    unfinished fineweb.py run's) would go unchecked."""
     path = os.path.join(folder, MANIFEST)
     try:
         manifest = json_file.read(path)
         problem = manifest_problem(manifest)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise UserError(
+            f"cannot read {path}: {reason_of(e)}; the shards it lists cannot be checked: make it readable, or "
+            "move it out of the folder"
+        ) from None
     except json_file.JSONFileError as e:
         problem = e.reason
     if problem:
@@ -83,7 +89,7 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
         if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]):
             continue
         what = (
-            f"is {os.path.getsize(path)} bytes, not the {entry['bytes']} that {where} lists"
+            f"is {os.path.getsize(path)} bytes, not the {clipped(entry['bytes'])} that {where} lists"
             if os.path.isfile(path)
             else f"is missing, yet {where} lists it"
         )

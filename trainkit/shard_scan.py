@@ -110,10 +110,12 @@ class ScanCache:
             return False
         target = entry[1] + suffix
         try:
-            os.makedirs(self.folder, exist_ok=True)
+            os.makedirs(self.folder, mode=0o755, exist_ok=True)
+            _keep_mine(self.folder)  # (open_entry trusts only what no other user may write)
             write_bytes_atomically(
                 target, data, fsync_file=False, fsync_folder=False, tmp=f"{target}.{os.getpid()}.tmp"
             )
+            _keep_mine(target)
         except OSError:  # a read-only or full home: the run goes on, and scans again next time
             return False
         for old in glob.glob(glob.escape(entry[0]) + "-*" + suffix):
@@ -132,9 +134,14 @@ class UnfitEntry(Exception):
 
 
 def open_entry(name: str, max_bytes: int):
-    """The cache entry at name open for binary reading, where it is a regular file of at most max_bytes; an
-    UnfitEntry otherwise. Opened with O_NOFOLLOW (a link planted there is refused, not followed) and
-    O_NONBLOCK (a named pipe returns at once, to be refused), and checked on the descriptor it opened."""
+    """The cache entry at name open for binary reading, where it is a regular file of at most max_bytes that
+    this user owns and no other may write, in a folder of the same kind (as ssh trusts its files: a seal
+    anyone can recompute guards against damage, not against another user); an UnfitEntry otherwise. Opened
+    with O_NOFOLLOW (a link planted there is refused, not followed) and O_NONBLOCK (a named pipe returns at
+    once, to be refused), and checked on the descriptor it opened."""
+    folder = os.stat(os.path.dirname(name) or ".")
+    if not _only_mine(folder):
+        raise UnfitEntry(f"its folder {_whose(folder)}")
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -147,11 +154,29 @@ def open_entry(name: str, max_bytes: int):
             raise UnfitEntry("not a regular file")
         if st.st_size > max_bytes:
             raise UnfitEntry(f"{st.st_size} bytes, more than the {max_bytes} such an entry holds")
+        if not _only_mine(st):
+            raise UnfitEntry(f"it {_whose(st)}")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
+
+
+def _only_mine(st: os.stat_result) -> bool:
+    """Whether this user owns the file or folder of status st and no other user may write it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _keep_mine(path: str):
+    """Take the write permission of group and others from path where this user owns it (a umask of 002)."""
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o022:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+
+def _whose(st: os.stat_result) -> str:
+    return f"is owned by another user (uid {st.st_uid})" if st.st_uid != os.geteuid() else "is writable by other users"
 
 
 def sealed_rows(table: np.ndarray, T: int, n_tokens: int) -> bytes:

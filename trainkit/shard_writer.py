@@ -15,16 +15,21 @@ import numpy as np
 from trainkit import json_file
 from trainkit.atomic_write import write_bytes_atomically
 from trainkit.cli import UserError, reason_of
+from trainkit.folder_lock import FolderLock
 from trainkit.shards import MANIFEST, manifest_problem, shard_header
 from trainkit.tokenizer import ENCODING_NAME, EOT
 
 
-def write_atomically(path: str, *blobs) -> None:
-    """path written whole or not at all (atomic_write), without fsync: it guards against a killed
-    process, not a power loss, and fsync cost seconds per shard on slow disks; a resumed run checks
-    the size of every shard it keeps."""
+def write_atomically(folder: FolderLock, name: str, *blobs) -> None:
+    """name written whole or not at all (atomic_write) into the folder held (by its descriptor: never
+    into another folder put at its name, which stops the run: FolderLock.check_held), without fsync: it
+    guards against a killed process, not a power loss, and fsync cost seconds per shard on slow disks;
+    a resumed run checks the size of every shard it keeps."""
+    folder.check_held("; run the same command on the folder it took to resume")
+    path = os.path.join(folder.folder, name)
+    target, fd = _in(folder, name)
     try:
-        write_bytes_atomically(path, *blobs, fsync_file=False, fsync_folder=False)
+        write_bytes_atomically(target, *blobs, fsync_file=False, fsync_folder=False, dir_fd=fd)
     except OSError as e:  # a full disk, a quota, permissions
         raise UserError(
             f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
@@ -32,8 +37,13 @@ def write_atomically(path: str, *blobs) -> None:
         ) from None
 
 
-def save_manifest(out_dir: str, manifest: dict) -> None:
-    write_atomically(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+def _in(folder: FolderLock, name: str) -> tuple[str, int | None]:
+    """name and the folder's descriptor (where it could not be opened, Windows: the path and None)."""
+    return (name, folder.fd) if folder.fd is not None else (os.path.join(folder.folder, name), None)
+
+
+def save_manifest(folder: FolderLock, manifest: dict) -> None:
+    write_atomically(folder, MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
 class ShardWriter:
@@ -41,8 +51,8 @@ class ShardWriter:
     document stream: documents fully written so far, and tokens already written of the next
     (split) document. Those two numbers are all a resumed run needs."""
 
-    def __init__(self, out_dir: str, manifest: dict):
-        self.out_dir, self.manifest = out_dir, manifest
+    def __init__(self, folder: FolderLock, manifest: dict):
+        self.folder, self.manifest = folder, manifest
         config = manifest["config"]
         self.prefix, self.fmt = config["prefix"], config["format"]
         self.val_shards = config["val_shards"]
@@ -104,7 +114,7 @@ class ShardWriter:
         name = f"{self.prefix}_{split}_{index:06d}.{self.fmt}"
         tokens = self.buffer[: self.filled]
         header = shard_header(tokens, self.fmt)
-        write_atomically(os.path.join(self.out_dir, name), header, tokens.data)
+        write_atomically(self.folder, name, header, tokens.data)
         digest = hashlib.sha256(header)
         digest.update(tokens.data)
         if ends_document and self.open_tokens:
@@ -124,10 +134,11 @@ class ShardWriter:
             }
         )
         try:
-            save_manifest(self.out_dir, self.manifest)
+            save_manifest(self.folder, self.manifest)
         except UserError:  # the folder holds exactly what the manifest lists, so a rerun resumes
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(self.out_dir, name))
+                name, fd = _in(self.folder, name)
+                os.remove(name, dir_fd=fd)
             raise
         self.tokens_written += self.filled
         self.filled = self.shard_documents = 0

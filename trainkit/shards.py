@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, clipped, reason_of
 from trainkit.regular_file import check_regular
 
 MANIFEST = "manifest.json"  # beside the shards: their sizes, checksums and where each ends in the documents
@@ -121,7 +121,7 @@ def json_kind(value) -> str:
     if value is None or isinstance(value, bool):
         return json.dumps(value)
     if isinstance(value, (int, float)):
-        return f"the number {value!r:.20}"
+        return f"the number {clipped(value)}"
     if isinstance(value, str):
         return f"the text {value[:40]!r}"
     return "a list" if isinstance(value, list) else "an object"
