@@ -11,6 +11,8 @@ import re
 
 import torch
 
+from trainkit.cli import reason_of
+
 # the run_config fields a resume must keep: which rows each step reads, and which optimizer's state it holds
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed", "optimizer")
 
@@ -86,6 +88,14 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if (t.storage_offset() + t.numel()) * t.element_size() > t.untyped_storage().nbytes():
         return f"of {shape} views more than its storage's {t.untyped_storage().nbytes()} bytes"
     return None
+
+
+def load_failure(e: Exception) -> str:
+    """Why torch.load(weights_only=True) failed, in words (never torch's unsafe weights_only=False advice)."""
+    what = reason_of(e, typed=True)
+    if "Weights only load failed" in what:
+        return "it holds pickled objects other than tensors and plain values, which are never loaded"
+    return what
 
 
 def fields_problem(ckpt: dict, resume: bool) -> str | None:

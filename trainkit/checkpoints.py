@@ -19,6 +19,7 @@ from trainkit.checkpoint_checks import (
     fields_problem,
     first_nonfinite,
     first_nonfinite_optimizer_state,
+    load_failure,
     other_file_kind,
     state_shape_problem,
     structure_problem,
@@ -257,7 +258,7 @@ def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd:
             print_warning(f"--keep-last cannot delete {old} ({reason_of(e)}); it stays, and the run goes on")
 
 
-def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bool = False) -> dict:
+def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
     """One of our checkpoints (a file, or a run's --out-dir for its newest), loaded weights_only and
     checked ours, whole, its weights of its model_config's shapes, and to resume, holding RESUME_STATE;
     else a UserError naming the earlier checkpoint. model_fields: the model_config keys the reader knows."""
@@ -291,11 +292,9 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
                 f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({instead()})"
             )
         try:
-            ckpt = torch.load(f, map_location=map_location, weights_only=True)
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
-            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else reason_of(e, typed=True)
-            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
-                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
+            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else load_failure(e)
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:

@@ -10,7 +10,7 @@ import os
 import torch
 
 from trainkit import json_file
-from trainkit.checkpoint_checks import gpt_state_shapes, structure_problem
+from trainkit.checkpoint_checks import gpt_state_shapes, load_failure, structure_problem
 from trainkit.cli import UserError, reason_of
 from trainkit.regular_file import check_regular, open_regular
 
@@ -132,10 +132,7 @@ def _tensor_headers(path: str, source: str) -> dict[str, tuple[tuple[int, ...], 
                     raise
                 state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
-            what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
-                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
-            raise UserError(f"{source}: cannot load {path} ({what})") from None
+            raise UserError(f"{source}: cannot load {path} ({load_failure(e)})") from None
         problem = structure_problem(state) if isinstance(state, dict) else f"it holds a {type(state).__name__}"
         if problem or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
             raise UserError(f"{source}: {path} is not a state dict of plain tensors ({problem or 'other values'})")
