@@ -5,22 +5,9 @@
     torchrun --nproc_per_node=8 hellaswag.py --checkpoint out/ckpt_0019073.pt
     python hellaswag.py --checkpoint out --data-file fixtures/hellaswag_val_subset.jsonl  # offline: the shipped subset
 
-Completion scoring: each example is a context and four endings. Every ending is scored by the
-model's cross-entropy on the ending's tokens given the context; the prediction is the ending
-with the lowest mean token loss (acc_norm, as build-nanogpt and llm.c compute it: about 0.2955
-for GPT-2 124M) or the lowest summed loss (acc). That scoring is trainkit/hellaswag_eval.py, which
-the trainer's --hellaswag-every calls too, on the examples of trainkit/hellaswag_examples.py; the file
-they come from (given, or downloaded once and checked) is found by trainkit/hellaswag_data.py; this
-script adds its command line and --hf-model.
-
-lm-evaluation-harness scores the same examples differently: its hellaswag task rewrites the
-text ("<activity_label>: <ctx_a> <Ctx_b>", WikiHow's bracketed tags removed) and normalizes the
-summed log-likelihood by the ending's length in characters, not tokens. The command line also
-reports those two numbers, lm_eval_acc and lm_eval_acc_norm; they equal lm-eval's acc and
-acc_norm on its hellaswag task whenever context + ending fits the model's positions (all of
-HellaSwag fits GPT-2's 1024; a shorter model cuts long contexts differently from lm-eval).
-Its text differs from the record's in every example, so each example is scored twice, under one
-progress bar; --no-lm-eval scores the record's text only, in half the time.
+Prints acc and acc_norm (lowest summed and per-token ending loss: build-nanogpt's and llm.c's, GPT-2
+124M ~0.2955) and lm-eval's lm_eval_acc, lm_eval_acc_norm (docs/hellaswag.md); the scoring is
+trainkit/hellaswag_eval.py's, the trainer's --hellaswag-every too.
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ from trainkit import cli  # the error contract shared by every script; standard 
 from trainkit.hellaswag_data import DATA_NAME, resolve_data_file  # the validation file (standard library only)
 
 
-# -----------------------------------------------------------------------------
-# command line (standard library only: --help and usage errors answer before torch is imported)
+# --- command line (standard library only: --help and usage errors answer before torch is imported)
 
 
 def parse_args(argv=None):
@@ -76,8 +62,7 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    cli.exit_on_ctrl_c_while_starting()
-    parse_args()  # --help, or a usage error: answered now, before the slow imports
+    cli.parse_before_imports(parse_args)
 
 import torch.nn as nn
 
@@ -90,8 +75,7 @@ from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, proc
 from trainkit.precision import resolve_dtype
 
 
-# -----------------------------------------------------------------------------
-# the command: our checkpoint or a Hugging Face GPT-2, scored on every rank
+# --- the command: our checkpoint or a Hugging Face GPT-2, scored on every rank
 
 
 class HFLogits(nn.Module):

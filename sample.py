@@ -3,17 +3,9 @@
     python sample.py --checkpoint out/cpu --prompt "def main(" --num-samples 2 --max-new-tokens 100
     python sample.py --hf-model gpt2_hf --temperature 0.8 --top-k 40 --seed 7
 
-Each sample is the prompt and its continuation as plain text, after a `--- sample i/N ---`
-line (control characters other than newlines and tabs written as `\\x1b`: a model trained on
-terminal escapes writes them back); notes go to stderr. A reader that stops (`| head`) stops it
-quietly with exit code 141; a stdout that fails otherwise (a full disk) is one `error:` line and
-exit code 2. A sample ends with its first <|endoftext|>, as Hugging Face's generate stops at the
-eos token (--continue-past-eot: it runs on). The same seed gives the same text on
-the same device and torch version, whatever --batch-size. An empty prompt starts a new document
-(<|endoftext|>); a prompt longer than the model's block size keeps its newest tokens in view.
-Decoding uses the model's KV cache (trainkit/sampling.py's generate); sample_text (trainkit/sampling.py)
-is also what the trainer prints as in-training samples. Only this command's main imports the
-trainer (for its GPT).
+Each sample (prompt and continuation, after a `--- sample i/N ---` line, control characters escaped)
+ends at its first <|endoftext|>; the same seed gives the same text whatever --batch-size. Output and
+exit codes: docs/sampling.md. Only this command's main imports the trainer (for its GPT).
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ from trainkit import cli  # the error contract shared by every script; standard 
 from trainkit.train_flags import SAMPLE_PROMPT  # (standard library only too)
 
 
-# -----------------------------------------------------------------------------
-# command line (standard library only: --help and usage errors answer before torch is imported)
+# --- command line (standard library only: --help and usage errors answer before torch is imported)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,8 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    cli.exit_on_ctrl_c_while_starting()
-    parse_args()  # --help, or a usage error: answered now, before the slow imports
+    cli.parse_before_imports(parse_args)
 
 from trainkit.cli import UserError, exit_code_of
 from trainkit.console import print_line, print_result
@@ -85,8 +75,7 @@ from trainkit.sampling import encode_prompt, sample_text  # what the trainer's -
 from trainkit.tokenizer import get_tokenizer_or_fail
 
 
-# -----------------------------------------------------------------------------
-# the command
+# --- the command
 
 
 def validate_args(args: argparse.Namespace):
@@ -128,8 +117,7 @@ def run(args: argparse.Namespace):
         batch_rows=args.batch_size,
     )
     for i, text in enumerate(texts, 1):  # a batch at a time: a huge --num-samples never holds them all
-        # the model's text as it is but for control characters (a model trained on terminal escapes
-        # writes them back); where stdout is gone (`| head`, a full disk), no more are drawn
+        # where stdout is gone (`| head`, a full disk), no more are drawn
         if not (print_result(f"--- sample {i}/{args.num_samples} ---") and print_result(text, keep_newlines=True)):
             return
 

@@ -302,17 +302,17 @@ def fake_wandb(monkeypatch):
 def fineweb_parked_after(shard_index: int) -> list:
     """The command prefix of `python fineweb.py` run as a program (__main__), parked for good once shard
     shard_index's file is written and before the manifest records it: where a kill leaves the most to
-    resume. The park is a patch of trainkit.shard_writer.write_atomically in that process, not a hook in fineweb."""
+    resume. The park is a patch of trainkit.shard_writer.write_whole in that process, not a hook in fineweb."""
     code = (
         "import runpy, sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "import trainkit.shard_writer as shard_writer\n"
-        "write = shard_writer.write_atomically\n"
+        "write = shard_writer.write_whole\n"
         "def write_then_park(folder, name, *blobs):\n"
         "    write(folder, name, *blobs)\n"
         f"    if name.endswith(('_{shard_index:06d}.npy', '_{shard_index:06d}.bin')):\n"
         "        time.sleep(3600)\n"
-        "shard_writer.write_atomically = write_then_park\n"
+        "shard_writer.write_whole = write_then_park\n"
         f"sys.argv[0] = {str(REPO / 'fineweb.py')!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )

@@ -1,16 +1,8 @@
-"""Writing a file whole or not at all: into a temporary file beside it, then renamed over it. Each
-caller says the durability it needs: a rename alone survives a killed process (a reader sees the old
-file or the new one, never part of one); fsync_file adds the new bytes surviving a power loss, and
-fsync_folder the rename itself.
-
-Nothing is written through a name that was there before. The temporary file is created, not opened
-(create_fresh): whatever stands at its name, a killed writer's leftover, a symbolic link planted there, or
-a name a copied folder (`cp -al`, `cp -as`) shares with another run's file, is unlinked and a new file made
-in its place with an exclusive create that follows no link. The rename then replaces the target's name,
-whatever stands there: a hard link or a symbolic link planted at it keeps what it named, and only a
-folder in its place fails the write. A writer that holds its folder open (a run its --out-dir) names
-path relative to that descriptor (dir_fd, as os.open's): the file lands in that folder even where its
-name has come to name another one. Standard library only.
+"""Writing a file whole or not at all: into a temporary file beside it, renamed over it (a killed process
+leaves the old file or the new one); fsync_file and fsync_folder add surviving a power loss. Nothing is
+written through a name that was there before: the temporary file is created fresh (create_fresh: no link
+followed, no file a `cp -al` copy shares opened), and the rename replaces whatever stands at the target.
+dir_fd: a folder a writer holds open, the file landing there even where its name now names another one.
 """
 
 from __future__ import annotations
@@ -22,10 +14,8 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | 
 
 
 def create_fresh(path: str, dir_fd: int | None = None) -> int:
-    """A descriptor, open for writing, of a new empty file at path (0o666 less the umask, as open() makes
-    one): what stood at that name is unlinked first, never opened, so a file or link another writer or
-    another run left there keeps its bytes. An OSError where the name cannot be freed or taken (a folder
-    stands there; another process took it in between)."""
+    """A descriptor, open for writing, of a new empty file at path: what stood at that name is unlinked
+    first, never opened, so a file or link left there keeps its bytes (an OSError where a folder stands)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path, dir_fd=dir_fd)  # (a folder: EISDIR or EPERM, raised)
     return os.open(path, _CREATE, 0o666, dir_fd=dir_fd)
@@ -34,10 +24,8 @@ def create_fresh(path: str, dir_fd: int | None = None) -> int:
 def write_atomically(
     path: str, write, *, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
 ):
-    """write(f) into tmp (default path + ".tmp"; one name per process where processes may write the
-    same path at once), made fresh (create_fresh) and opened for binary writing, then tmp renamed to
-    path (both relative to the folder dir_fd where given). Any failure, an interruption too, removes tmp
-    and is raised as it came (an OSError for the caller to word)."""
+    """write(f) into tmp (default path + ".tmp"), made fresh and opened binary, then renamed to path; any
+    failure, an interruption too, removes tmp and is raised as it came (an OSError for the caller to word)."""
     tmp = tmp or path + ".tmp"
     fd = create_fresh(tmp, dir_fd)
     try:

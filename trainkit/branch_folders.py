@@ -1,7 +1,6 @@
-"""Branch folders: what a run would otherwise overwrite or lose, moved into a new out_dir/branch_NNNNNNN
-(a run folder of its own), nothing deleted: the checkpoints after the step a resume starts from
-(set_aside_later_branch), and the log of a run killed before its first checkpoint when the same command
-starts afresh (set_aside_log_without_checkpoint).
+"""Branch folders: what a run would otherwise overwrite, moved into a new run folder out_dir/branch_NNNNNNN,
+nothing deleted: the checkpoints after a resume's step, and the log of a run killed before its first
+checkpoint when the same command starts afresh.
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ def later_checkpoints(out_dir: str, step: int) -> list[str]:
 
 
 def check_later_branch(out_dir: str, step: int):
-    """Resuming at `step`, before anything in out_dir changes: a UserError where setting its later branch
-    aside would fail part way, a later checkpoint an attribute holds in place (chattr +a or +i: no rename
-    moves it), or too little free space for the copy of log.jsonl (and for the copy of its own that a
-    log shared with another folder gets first: own_file)."""
+    """Before anything in out_dir changes: a UserError where setting the later branch aside would fail part
+    way (a checkpoint held by chattr +a or +i, too little space for the copies of log.jsonl)."""
     later = later_checkpoints(out_dir, step)
     for path in later:
         held = pinned(path)
@@ -56,12 +53,9 @@ def check_later_branch(out_dir: str, step: int):
 
 
 def set_aside_later_branch(out_dir: str, step: int):
-    """Resuming at `step` abandons what the run in out_dir did after it. Its later checkpoints move,
-    with a copy of its log.jsonl if there is one, into a new out_dir/branch_NNNNNNN (the step that
-    branch reached), a run folder of its own (--resume works on it): nothing is deleted or
-    overwritten, --keep-last no longer counts them, and a plain --resume in out_dir continues the
-    new branch. (claim_run, check_later_branch and RunLog have checked that they and the log are this
-    run's, and that they can move; a copy that fails all the same leaves no branch folder behind.)"""
+    """Resuming at `step`: the later checkpoints, with a copy of log.jsonl, move into a new
+    out_dir/branch_NNNNNNN (the step it reached), a run folder --resume works on; nothing is deleted, and a
+    failed copy leaves no branch folder behind (check_later_branch has checked that they can move)."""
     later = later_checkpoints(out_dir, step)
     if not later:
         return
@@ -96,8 +90,7 @@ def set_aside_later_branch(out_dir: str, step: int):
 
 
 def new_branch_folder(out_dir: str, reached: int) -> str:
-    """A new folder out_dir/branch_NNNNNNN for what a run did up to step `reached`, under a name no
-    earlier branch took (branch_NNNNNNN_2, ...)."""
+    """A new folder out_dir/branch_NNNNNNN (reached), under a name no earlier branch took (..._2, ...)."""
     branch = os.path.join(out_dir, f"branch_{reached:07d}")
     for n in itertools.count(2):
         try:
@@ -108,12 +101,8 @@ def new_branch_folder(out_dir: str, reached: int) -> str:
 
 
 def set_aside_log_without_checkpoint(out_dir: str):
-    """A run that starts afresh in out_dir (no checkpoint there to resume) where log.jsonl holds records:
-    a run killed before its first checkpoint (out of memory, preempted), whose job is run again. A log
-    with trained steps moves into a new out_dir/branch_NNNNNNN (the steps it reached), as a later branch
-    does: nothing is deleted, and the same command starts again; a log without one (a run that stopped
-    before its first step) holds nothing to keep and starts afresh. (choose_resume_checkpoint has refused
-    a log.jsonl that is not a log.)"""
+    """A fresh start in out_dir over the log.jsonl of a run killed before its first checkpoint: a log with
+    trained steps moves into a new branch folder, nothing deleted; one without any is removed."""
     log = os.path.join(out_dir, "log.jsonl")
     if not (os.path.isfile(log) and os.path.getsize(log)):
         return

@@ -1,7 +1,6 @@
-"""What a checkpoint file must be before anything trusts it, checked before any tensor's contents are read
-(load_checkpoint runs these): its structure (nesting, the tensors torch.save writes: plain, contiguous, within
-their storages), the fields a resume reads and their types, the model's tensor shapes against its config, and
-finite numbers. Each check returns the problem in words, or None.
+"""What a loaded checkpoint must be before anything trusts it (load_checkpoint runs these, before any
+tensor's contents are read): its structure, its fields and their types, its weights' shapes against its
+config, finite numbers. Each check returns the problem in words, or None.
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ import math
 import re
 
 import torch
+
+from trainkit.cli import reason_of
 
 # the run_config fields a resume must keep: which rows each step reads, and which optimizer's state it holds
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed", "optimizer")
@@ -35,12 +36,10 @@ MAX_NODES = 10_000_000  # values in all, counted as state_digest visits them (a 
 
 
 def structure_problem(ckpt: dict) -> str | None:
-    """What makes a loaded checkpoint costlier to read than its file, in words (None: nothing): nesting
-    deeper than MAX_NESTING, more than MAX_NODES values, or a tensor that is not the plain one torch.save
-    writes of a parameter or a state: strided, contiguous (an expanded tensor, strides 0, views a few bytes
-    as gigabytes), inside its storage, and each storage no larger than what its tensors view; the tensors
-    together at most twice their storages' bytes (the tied token embedding and lm_head share one). Walked
-    without recursion, so that it is safe on any structure the unpickler builds."""
+    """What makes a loaded checkpoint costlier to read than its file (None: nothing): nesting deeper than
+    MAX_NESTING, more than MAX_NODES values, a tensor that is not plain, contiguous and inside its storage
+    (an expanded one views bytes as gigabytes), storages larger than their views, or tensors viewing more
+    than twice the stored bytes (tied wte/lm_head share one). Walked without recursion."""
     stack, nodes, storages, tensor_bytes = [("", ckpt, 0)], 0, {}, 0
     while stack:
         where, value, depth = stack.pop()
@@ -91,10 +90,17 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     return None
 
 
+def load_failure(e: Exception) -> str:
+    """Why torch.load(weights_only=True) failed, in words (never torch's unsafe weights_only=False advice)."""
+    what = reason_of(e, typed=True)
+    if "Weights only load failed" in what:
+        return "it holds pickled objects other than tensors and plain values, which are never loaded"
+    return what
+
+
 def fields_problem(ckpt: dict, resume: bool) -> str | None:
-    """The one check of a checkpoint's fields besides the model (whose names and shapes state_shape_problem
-    checks): their types and ranges as the trainer writes them, and to resume (resume), that every field a
-    resume reads is there. None: they are as the trainer writes them."""
+    """The types and ranges of a checkpoint's fields but the model, as the trainer writes them, and to
+    resume, that every field a resume reads is there (None: they are)."""
     if resume:
         missing = [k for k in RESUME_STATE if k not in ckpt]
         if missing:
@@ -233,22 +239,27 @@ def _optimizer_dict(state) -> str | None:
     return None if isinstance(state, dict) else f"is {_shown(state)}, not an optimizer's state dict"
 
 
-def gpt_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of our GPT's state dict (GPT-2's layout) under a checkpoint's
-    model_config, which a checkpoint's weights must match (tests check it against GPT's own)."""
-    V, T, C, L = (config[k] for k in ("vocab_size", "block_size", "n_embd", "n_layer"))
+def gpt_state_shapes(config: dict, conv1d: bool = False) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of a GPT-2's state dict under a model_config (block_size, or HF's n_positions);
+    conv1d: Hugging Face's layout, whose Conv1D weights are stored (in, out)."""
+    V, C, L = (config[k] for k in ("vocab_size", "n_embd", "n_layer"))
+    T = config["n_positions" if conv1d else "block_size"]
+
+    def linear(n_out: int, n_in: int) -> tuple[int, int]:
+        return (n_in, n_out) if conv1d else (n_out, n_in)
+
     block = {
         "ln_1.weight": (C,),
         "ln_1.bias": (C,),
-        "attn.c_attn.weight": (3 * C, C),
+        "attn.c_attn.weight": linear(3 * C, C),
         "attn.c_attn.bias": (3 * C,),
         "attn.c_proj.weight": (C, C),
         "attn.c_proj.bias": (C,),
         "ln_2.weight": (C,),
         "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (4 * C, C),
+        "mlp.c_fc.weight": linear(4 * C, C),
         "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (C, 4 * C),
+        "mlp.c_proj.weight": linear(C, 4 * C),
         "mlp.c_proj.bias": (C,),
     }
     return {
@@ -283,8 +294,7 @@ def state_shape_problem(state, config: dict) -> str | None:
 
 
 def other_file_kind(head: bytes) -> str | None:
-    """What a file that begins with head is, where it is plainly not a checkpoint (torch.save's zip
-    archive): a token shard, a log, another text file. None: it may be one (loading says)."""
+    """What a file beginning with head is where it is plainly no checkpoint (a shard, a log, text); None: it may be."""
     if head.startswith(b"\x93NUMPY"):
         return "a NumPy array (a token shard?)"
     if not head or head.startswith(b"PK\x03\x04") or b"\x00" in head:  # (zeros: a damaged file, loading says)
@@ -310,8 +320,8 @@ def first_nonfinite(state: dict) -> str | None:
 
 
 def first_nonfinite_optimizer_state(optim_state) -> str | None:
-    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none
-    does), in each part of an optimizer made of parts (MuonWithAdamW: {"adamw": ..., "muon": ...})."""
+    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none does),
+    in each part of an optimizer made of parts (MuonWithAdamW)."""
     if isinstance(optim_state, dict) and "state" not in optim_state:
         return next(filter(None, map(first_nonfinite_optimizer_state, optim_state.values())), None)
     states = optim_state.get("state") if isinstance(optim_state, dict) else None

@@ -1,13 +1,7 @@
-"""Checkpoint files: atomic save and verified load (its structure checked first: checkpoint_checks.py),
-the state dicts of a model and its optimizer whatever wraps them, and the checkpoints of a folder. What
---resume continues, and whose a checkpoint is, are resume.py's.
-
-A checkpoint is a plain dict of tensors and plain values (model and optimizer state dicts
-without wrapper prefixes, the configs as dicts, the step, the RNG states, the log position,
-the run identity):
-written to NAME.tmp, fsynced and renamed, with the sha256 of its contents inside, and loaded
-with weights_only=True. Under FSDP the state is gathered whole (full_state), so a checkpoint
-of any mode resumes in any other.
+"""Checkpoint files: a plain dict of tensors and plain values with the sha256 of its contents inside,
+saved atomically and loaded with weights_only=True, checked (checkpoint_checks.py) before it is trusted;
+the state dicts of a model and optimizer whatever wraps them (under FSDP gathered whole, so any mode
+resumes any other); the checkpoints of a folder. docs/resume-and-failures.md tells the guarantees.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ from trainkit.checkpoint_checks import (
     fields_problem,
     first_nonfinite,
     first_nonfinite_optimizer_state,
+    load_failure,
     other_file_kind,
     state_shape_problem,
     structure_problem,
@@ -46,9 +41,8 @@ def clean_state_dict(model: nn.Module) -> dict:
 
 
 def rekey_optimizer_state(state: dict, keys: list) -> dict:
-    """An optimizer state dict with its parameters renamed in order: the i-th parameter of its
-    param_groups becomes keys[i]. optimizer.state_dict() names parameters 0, 1, 2, ... and the
-    torch.distributed.checkpoint helpers by their names, in the same order."""
+    """An optimizer state dict whose i-th parameter is renamed keys[i] (state_dict() numbers them, the
+    torch.distributed.checkpoint helpers name them, in the same order)."""
     order = [p for group in state["param_groups"] for p in group["params"]]
     new = dict(zip(order, keys, strict=True))
     return dict(
@@ -58,9 +52,8 @@ def rekey_optimizer_state(state: dict, keys: list) -> dict:
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state dicts as a single process holds them: unsharded, unprefixed,
-    the optimizer's parameters numbered. Under FSDP every rank must call this: it gathers the
-    shards to rank 0, on the CPU; the other ranks get empty dicts."""
+    """Model and optimizer state dicts as one process holds them: unsharded, unprefixed, parameters
+    numbered. Under FSDP every rank calls it; rank 0 gets them on the CPU, the others empty dicts."""
     if not is_fsdp(model):
         return clean_state_dict(model), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -73,10 +66,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups,
-    another number of parameters in one, or a state tensor (AdamW's moments, Muon's momentum) of
-    another shape than its parameter. torch's load_state_dict would raise a traceback, or take it.
-    An optimizer made of parts (MuonWithAdamW) keeps one state dict per part, named as the part."""
+    """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups or
+    sizes, or a state tensor of another shape than its parameter (torch would raise, or take it); an
+    optimizer made of parts (MuonWithAdamW) is checked part by part."""
     parts = sorted(optimizer.state_dict().keys() - {"state", "param_groups"})
     if parts:
         if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
@@ -109,8 +101,7 @@ def load_full_state(
     optim_state: dict,
     source: str = "the checkpoint",
 ):
-    """Load what full_state() returns (every rank passes the whole state; under FSDP each keeps its
-    shard), once optimizer_state_problem finds it fits (else a UserError naming source)."""
+    """Load what full_state() returns (under FSDP each rank keeps its shard) once it fits, else a UserError."""
     problem = optimizer_state_problem(optim_state, optimizer)
     if problem:
         raise UserError(f"{source}: {problem}: written by another program or edited, it cannot be resumed")
@@ -178,8 +169,8 @@ def earlier_checkpoint(path: str) -> str | None:
 
 
 def state_digest(state: dict) -> str:
-    """sha256 of a checkpoint's contents (all but its "checksum"): every tensor's dtype, shape and
-    bytes and every plain value, in order. Detects bytes flipped anywhere in the payload."""
+    """sha256 of a checkpoint's contents but its "checksum": every tensor's dtype, shape and bytes and
+    every plain value, in order."""
     h = hashlib.sha256()
 
     def visit(x):
@@ -224,11 +215,9 @@ class _WriteErrorKeeper:
 
 
 def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
-    """Write path.tmp, fsync it, rename it to path, fsync the folder (atomic_write): a crash, a full
-    disk or a power loss leaves the new checkpoint whole or absent, and the previous one intact. The
-    sha256 of the contents goes inside (load_checkpoint checks it). folder_fd: an open descriptor of
-    path's folder (a run's, held since it started), which the checkpoint is written into and --keep-last
-    removes from, even where the folder's name has come to name another one."""
+    """Write path atomically with fsyncs (a crash leaves it whole or absent, the previous one intact),
+    its sha256 inside. folder_fd: the run's held folder, written into and pruned by --keep-last even
+    where its name has come to name another folder."""
     out_dir = os.path.dirname(path) or "."
     name = os.path.basename(path) if folder_fd is not None else path  # (relative to folder_fd where given)
 
@@ -254,10 +243,8 @@ _UNDELETABLE = set()  # checkpoints --keep-last could not delete, named once eac
 
 
 def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd: int | None = None):
-    """--keep-last: delete all but the newest keep_last of our checkpoints in out_dir (never path, just
-    written), relative to folder_fd where the run holds its folder open. One it may not delete (immutable,
-    another user's on NFS, a read-only mount) stays, with one warning the first time: a cleanup that fails
-    never ends the run."""
+    """--keep-last: delete all but the newest keep_last of our checkpoints (never path, just written); one
+    it may not delete stays, with one warning the first time: a failed cleanup never ends the run."""
     for name in checkpoint_names(out_dir if folder_fd is None else folder_fd)[:-keep_last]:
         old = os.path.join(out_dir, name)
         if name == os.path.basename(path) or old in _UNDELETABLE:
@@ -271,14 +258,10 @@ def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd:
             print_warning(f"--keep-last cannot delete {old} ({reason_of(e)}); it stays, and the run goes on")
 
 
-def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bool = False) -> dict:
-    """Load one of our checkpoints (a file, or a run's --out-dir for its newest) with
-    weights_only=True (tensors and plain types, no pickled code), and check that it is ours
-    and whole, that its weights are the shapes its model_config makes (gpt_state_shapes) and,
-    to resume, that it holds the state a resume reads (RESUME_STATE); otherwise a UserError that
-    names the earlier checkpoint to use. model_fields: the model_config keys the reader
-    understands (GPTConfig's fields; an exporter's subset); a checkpoint with any other is
-    refused rather than read wrongly."""
+def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
+    """One of our checkpoints (a file, or a run's --out-dir for its newest), loaded weights_only and
+    checked ours, whole, its weights of its model_config's shapes, and to resume, holding RESUME_STATE;
+    else a UserError naming the earlier checkpoint. model_fields: the model_config keys the reader knows."""
     if os.path.isdir(path):
         newest = latest_checkpoint(path)
         if newest is None:
@@ -309,11 +292,9 @@ def load_checkpoint(path: str, model_fields=None, map_location="cpu", resume: bo
                 f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({instead()})"
             )
         try:
-            ckpt = torch.load(f, map_location=map_location, weights_only=True)
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
-            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else reason_of(e, typed=True)
-            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
-                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
+            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else load_failure(e)
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:

@@ -1,16 +1,7 @@
-"""lm_head + cross-entropy: in chunks of rows, never holding the (rows, vocab) logits, or whole.
-
-With GPT-2's 50304-token vocabulary the logits of one micro-batch dwarf every activation
-(B=64, T=1024: 13 GB in fp32). On CPU the trainer computes the loss chunk by chunk, and the
-forward pass also computes the gradients of each chunk (softmax - one-hot, as fused
-linear-cross-entropy kernels do), so backward only scales them: the logits are never stored
-nor recomputed. Returns sum(token losses) * scale over targets != IGNORE_INDEX, or with scale
-None (evaluation) each target's loss, 0 where ignored.
-
-The matmuls run over all of the weight's rows (GPT-2's 50257 ids padded to 50304, a shape the
-matmul runs faster on: against the first 50257 rows a chunk's three matmuls took 20% longer),
-and the softmax over the first n_real only: the padded ids' logits are set to -inf before it, so
-their probabilities, and the gradients of their rows, are exactly 0.
+"""lm_head + cross-entropy in chunks of rows, never holding the (rows, vocab) logits (B=64, T=1024: 13 GB
+in fp32), or whole. The forward also computes each chunk's gradients (softmax - one-hot), so backward only
+scales them. The matmuls run over all of the padded rows (against the first 50257 a chunk's three matmuls
+took 20% longer), the softmax over the first n_real: the padded ids get exactly 0 probability and gradient.
 """
 
 from __future__ import annotations
@@ -22,19 +13,16 @@ IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-d
 
 
 def exp_sums_(logits):
-    """The parts of a log-softmax over the last dim of 2-D logits in one exp pass, in place:
-    row maxes m, exps = exp(logits - m) written over the logits, and their row sums s.
-    logsumexp = m + log(s) and softmax = exps / s, with no new (rows, vocab) buffer."""
+    """(row maxes m, exps = exp(logits - m) written over the logits, row sums s) of 2-D logits in one pass:
+    logsumexp = m + log(s), softmax = exps / s, with no new (rows, vocab) buffer."""
     maxes = logits.amax(dim=-1, keepdim=True)
     exps = logits.sub_(maxes).exp_()
     return maxes.squeeze(1), exps, exps.sum(dim=-1)
 
 
 def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad):
-    """sum(token losses) * scale of lm_head + cross-entropy over rows, chunk_rows rows at a time,
-    the softmax over the first n_real of weight's rows, and, if want_grad, its gradients w.r.t. h
-    and weight (else None, None). scale None: no gradients, and the token losses (rows,) instead
-    of their sum."""
+    """sum(token losses) * scale over targets != IGNORE_INDEX, chunk_rows rows at a time, and if want_grad
+    its gradients w.r.t. h and weight (else None, None); scale None: each target's loss (rows,) instead."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     token_losses = torch.empty(h.size(0), dtype=torch.float32, device=h.device) if scale is None else None
     scale = 1.0 if scale is None else scale
@@ -73,8 +61,7 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_g
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """The autograd wrapper: forward keeps the gradients chunked_loss_and_grads computed,
-    backward scales them by the incoming gradient."""
+    """Forward keeps the gradients chunked_loss_and_grads computed; backward scales them."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, scale, chunk_rows, n_real):
@@ -89,20 +76,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_lm_loss(h, weight, targets, scale, chunk_rows, n_real):
-    """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
-    alone (scale None: each target's). Inside autograd.Function.forward grad mode is always off and
-    needs_input_grad is True for a Parameter even under no_grad, so the choice is made here."""
+    """ChunkedLinearCrossEntropy where a gradient is wanted, else the loss alone (decided here: inside
+    Function.forward grad mode is off, and needs_input_grad is True for a Parameter even under no_grad)."""
     if scale is not None and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows, n_real)
     return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad=False)[0]
 
 
 def full_lm_loss(h, weight, targets, reduction, n_real):
-    """Logits (B, T, n_real) of lm_head over h (B, T, C) and their cross-entropy over targets
-    != IGNORE_INDEX, in fp32. The matmul runs over all of weight's rows (a padded vocabulary's
-    faster shape); the first n_real, the real tokens, are the logits and the softmax. Compiled
-    (compiling.compile_model), the softmax fuses into one pass over the logits instead of a full
-    fp32 copy of them."""
+    """Logits (B, T, n_real) of lm_head over h (B, T, C) and their fp32 cross-entropy over targets !=
+    IGNORE_INDEX (compiled, the softmax fuses into one pass instead of an fp32 copy of the logits)."""
     logits = F.linear(h, weight)
     loss = F.cross_entropy(
         logits.view(-1, logits.size(-1))[:, :n_real].float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction

@@ -1,34 +1,8 @@
-"""The command-line contract every script here keeps (train_gpt2.py, fineweb.py, hellaswag.py,
-hf_interop.py, sample.py, plot_log.py):
-
-- bad input (a UserError, or a flag argparse refuses) is one `error:` line on stderr and exit
-  code 2, no traceback unless --debug; -h/--help prints the full help and exits 0;
-- flags are whole words: `--max-step` is refused, not taken for `--max-steps`;
-- Ctrl-C is `error: interrupted` and exit code 130 (128 + SIGINT, as a shell reports it), also
-  while the script is still importing torch;
-- under torchrun every rank exits with that code, but only rank 0 prints the line: the ranks run
-  the same command on the same input, and eight copies of one error would hide it. An error only
-  one rank can see (RankLocalError: a bad row of data it read, its own out-of-memory) is printed
-  by that rank, named;
-- a warning (something accepted that the user may not have meant) is one `warning:` line on
-  stderr, from rank 0;
-- every integer flag of every script is parsed by int_in (positive_int, non_negative_int): a
-  count out of its range is a usage error naming the flag, never a default taken instead;
-- no argument of any script takes an empty value (an unset shell variable: `--out-dir "$OUT"`):
-  it is a usage error naming the argument, not a path that resolves to the current folder or
-  an option silently dropped. The one exception is text that may be empty on purpose (a
-  prompt), whose argument's type is may_be_empty;
-- printing never ends a command, and nothing printed commands the terminal (trainkit/console.py,
-  installed first by exit_on_ctrl_c_while_starting): a stdout or stderr that fails (`| head`, a
-  closed terminal, `> /dev/full`) is dropped from then on and the run goes on (its log.jsonl is the
-  record); text the terminal's encoding lacks is backslash-escaped; control characters (ESC, BEL,
-  ...) in what is printed are shown as `\\x1b`; a command whose product is its output (sample.py,
-  hellaswag.py, --eval-only, hf_interop.py eval) exits 141 when its reader left (128 + SIGPIPE, as
-  a shell reports a filter stopped so; nothing printed) and 2 with `error: cannot write the output to
-  stdout: ...` when stdout failed otherwise (the exit code alone if stderr failed too);
-- a library's exception quoted inside one of our lines is reason_of(e): short, on one line.
-
-Standard library only, so that a script imports it before torch and numpy; nothing runs at import.
+"""The command-line contract every script keeps: bad input is one `error:` line and exit code 2 (no
+traceback unless --debug), Ctrl-C is exit code 130, flags are whole words, no argument takes an empty
+value, integer flags are range-checked (int_in), under torchrun rank 0 prints (RankLocalError: the rank
+that saw it). docs/resume-and-failures.md and docs/output.md state it in full. Standard library only, so
+that a script imports it before torch; nothing runs at import.
 """
 
 import argparse
@@ -43,13 +17,11 @@ from trainkit.console import guard_streams, is_rank0, print0, print_line, result
 
 
 class UserError(Exception):
-    """A problem the user can fix: exit_code_of prints it as one `error:` line, exit code 2, no
-    traceback. Every script raises this same class (they import it from here)."""
+    """A problem the user can fix: one `error:` line, exit code 2, no traceback (exit_code_of)."""
 
 
 class RankLocalError(UserError):
-    """A UserError that only the rank raising it knows of (the others stop when it leaves): that
-    rank prints it, with its rank number under a launch of several processes."""
+    """A UserError only the raising rank knows of: that rank prints it, named by its rank."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -76,8 +48,7 @@ def clipped(value, limit: int = 24) -> str:
 
 
 def print_error(message) -> None:
-    """message as one `error:` line on stderr (control characters escaped), from rank 0; a
-    RankLocalError from the rank that raised it."""
+    """message as one `error:` line on stderr, from rank 0 (a RankLocalError: from its rank)."""
     if isinstance(message, RankLocalError):  # with its rank, where RANK and WORLD_SIZE say there are several
         rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
         several = rank.isdigit() and world.isdigit() and int(world) > 1
@@ -103,8 +74,7 @@ def _bound_text(n: int) -> str:
 
 
 def check_count(value: int, low: int, high: int = MAX_COUNT) -> int:
-    """value, or argparse.ArgumentTypeError unless low <= value <= high (argparse prints it after
-    the flag's name: `error: argument --batch-size: must be in 1..2**62, got 0`)."""
+    """value, or argparse.ArgumentTypeError unless low <= value <= high (printed after the flag's name)."""
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(f"must be in {low}..{_bound_text(high)}, got {value}")
     return value
@@ -129,8 +99,7 @@ non_negative_int = int_in(0)  # counts where 0 means none or off: --max-steps, -
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except None and False (whose help says what happens instead) and
-    where the help already says its default."""
+    """Shows each flag's default, except None, False and where the help already says it."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False or "(default:" in (action.help or ""):
@@ -147,19 +116,15 @@ RANK0_GRACE_S = 3.0  # what a loaded machine may take to start rank 0's interpre
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with whole flag names only (allow_abbrev=False), no empty values (except where the
-    argument's type is may_be_empty), and a usage error as one `error:` line and exit code 2
-    (argparse prints the usage and `prog: error: ...`); -h/--help prints the full help.
-    Subcommands' parsers are of this class too."""
+    """argparse with whole flag names only, no empty values (but may_be_empty's), and a usage error as
+    one `error:` line and exit code 2 (subcommands' parsers too)."""
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def _get_value(self, action, arg_string):
-        # every value of every argument passes here: an empty one ("", or only spaces) is what an
-        # unset shell variable gives, and as a path it would name the current folder
-        # (a subcommand's action passes its parser's strings along: that parser checks them; and a
-        # default passes here too, where an empty one means that empty is what the argument takes)
+        # every value passes here: an empty one is an unset shell variable (as a path: the current folder);
+        # a subcommand's parser checks its own strings, and an empty default is what the argument takes
         if (
             not arg_string.strip()
             and action.type is not may_be_empty
@@ -169,9 +134,8 @@ class ArgumentParser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"got an empty value ({arg_string!r}: an unset shell variable?)")
         return super()._get_value(action, arg_string)
 
-    # Under torchrun every rank parses the same command line and refuses it alike, but only rank 0 prints
-    # the line, and torchrun SIGTERMs the other ranks as soon as one has exited: rank 0 ignores SIGTERM
-    # while it parses, and the other ranks leave only a moment later, once rank 0 has had time to print.
+    # under torchrun only rank 0 prints a refusal, and torchrun SIGTERMs the rest once one exits: rank 0
+    # ignores SIGTERM while it parses, and the others leave RANK0_GRACE_S later
     def parse_known_args(self, args=None, namespace=None):
         several = os.environ.get("WORLD_SIZE", "1") not in ("", "1") and is_rank0()
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if several else None
@@ -194,11 +158,8 @@ def _interrupted_while_starting(signum, frame):
 
 
 def _import_failed(kind, error, trace):
-    """sys.excepthook while a script imports its libraries: one that cannot load is one `error:`
-    line and exit code 2, not a traceback from inside torch, saying what most likely fixes it: a
-    memory limit such as `ulimit -v` too small for torch's shared libraries, the virtual environment
-    beside the script not being the python that runs it (quickstart.sh's .venv, not activated), or
-    a broken or missing install."""
+    """sys.excepthook while a script imports: a library that cannot load is one `error:` line, exit code
+    2, with the likely fix (a `ulimit -v` too small, the .venv beside the script not active, a reinstall)."""
     if not issubclass(kind, (ImportError, MemoryError)) or "--debug" in sys.argv:
         return sys.__excepthook__(kind, error, trace)
     script = sys.argv[0]
@@ -221,13 +182,10 @@ def _import_failed(kind, error, trace):
 
 
 def exit_on_ctrl_c_while_starting() -> None:
-    """For a script run as a program, first, before its slow imports (torch takes seconds): its
-    stdout and stderr are guarded (console.guard_streams: printing never ends it); Ctrl-C from
-    now until exit_code_of runs the action is `error: interrupted` and exit code 130, and a
-    library that fails to import is one `error:` line and exit code 2 (_import_failed). A
-    SIGINT that the parent left ignored (a background job) stays ignored. A current folder that was
-    deleted (under the shell that started the script) is one line: native libraries that look
-    themselves up from it would end the process with a fatal error of their own."""
+    """A script's first act, before its slow imports: streams guarded (console.guard_streams), Ctrl-C
+    `error: interrupted` and exit code 130 until exit_code_of runs (an ignored SIGINT stays ignored),
+    failed imports one line (_import_failed), and a deleted current folder one line (native libraries
+    that look themselves up from it would die with a fatal error)."""
     guard_streams()
     try:
         os.getcwd()
@@ -243,11 +201,27 @@ def exit_on_ctrl_c_while_starting() -> None:
     sys.excepthook = _import_failed
 
 
+def parse_before_imports(parse_args) -> None:
+    """For a script run as a program: exit_on_ctrl_c_while_starting, then its command line parsed, so
+    that --help and a usage error answer before the slow imports."""
+    exit_on_ctrl_c_while_starting()
+    parse_args()
+
+
+def optional_import(module: str, missing: str):
+    """An optional package, imported where a command needs it; a UserError whose line is missing (what
+    is not installed and its pip line) where it cannot be imported."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(missing) from None
+
+
 def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupted: str = "error: interrupted") -> int:
-    """Run a command-line action: 0; or 2 and one `error:` line for a UserError (or one of
-    also_catch); or 130 and the `interrupted` line for a Ctrl-C that no handler turned into a
-    clean stop (128 + signum for another Interrupted signal). With debug, the traceback instead.
-    An action whose result stdout could not take (console.print_result) ends as output_lost_code says."""
+    """Run a command-line action: 0; 2 and one `error:` line for a UserError (or also_catch); 128 + signum
+    and a line for an interrupt; with debug, the traceback instead; a lost result: output_lost_code."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # Ctrl-C unwinds the action again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.excepthook is _import_failed:  # the imports are done
@@ -282,9 +256,7 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
 
 
 def is_thread_start_failure(e: BaseException) -> bool:
-    """Whether e is threading's RuntimeError for a thread the system would not start (pthread_create failed:
-    no address space left for its stack under ulimit -v, or no thread left under ulimit -u), wherever it
-    was started: the trainer's prefetcher and shard check, a worker pool's handlers, a library's own."""
+    """Whether e is threading's error for a thread the system would not start (ulimit -v or -u), wherever started."""
     return isinstance(e, RuntimeError) and str(e) == "can't start new thread"
 
 
@@ -349,10 +321,8 @@ SIGPIPE_EXIT_CODE = 128 + 13  # 128 + SIGPIPE (13 on Linux and macOS; Windows ha
 
 
 def output_lost_code(error: OSError | None) -> int:
-    """The exit code of a command that ended well but whose result stdout could not take (error;
-    None: it took all of it, 0): 141 for a reader that left (`| head`: it has what it wanted), as a
-    shell reports a filter stopped by SIGPIPE, nothing printed; else 2 after one `error:` line on
-    stderr (which may be lost too: then the code alone)."""
+    """The exit code of a command whose result stdout could not take (error; None: 0): 141 for a reader
+    that left (`| head`), as a shell reports SIGPIPE; else 2 after one `error:` line."""
     if error is None:
         return 0
     if error.errno == errno.EPIPE:
@@ -366,11 +336,8 @@ _SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")
 
 
 def reason_of(e: BaseException, typed: bool = False) -> str:
-    """A library's exception as a short line to quote inside one of ours. An OSError: its own words,
-    lowercased, without the file name (which our line gives: 'cannot write PATH: no space left on
-    device'); another: the first line of its text (libraries give the gist there and their advice
-    after) without a C++ source location, at most 300 characters; its type name where it says
-    nothing. typed: 'ValueError: ...', where the type tells what failed."""
+    """A library's exception as a short line to quote in ours: an OSError's strerror (our line names the
+    file), else its first line without a C++ source location, at most 300 characters; typed: 'Type: ...'."""
     if isinstance(e, OSError) and e.strerror:
         text = e.strerror[:1].lower() + e.strerror[1:]
     else:

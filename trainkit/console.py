@@ -1,25 +1,7 @@
-"""The one place every script prints through: what a program prints cannot kill it, and cannot
-command the terminal it prints to.
-
-- guard_streams() (each script's first act, through cli.exit_on_ctrl_c_while_starting) puts a
-  GuardedStream around sys.stdout and sys.stderr. A write or flush that fails with an OSError (the
-  reader of a pipe left: EPIPE, `| head`; a full device: ENOSPC, `> /dev/full`; a hung-up terminal:
-  EIO) raises nothing: the stream is lost from then on, what is written to it later is dropped, and
-  its file descriptor is pointed at /dev/null so that the interpreter's flush at exit cannot fail either
-  (the SIGPIPE note of Python's signal docs). A long run goes on: its log.jsonl is the record.
-  Text that the stream's encoding lacks (PYTHONIOENCODING=ascii, a C locale) is written
-  backslash-escaped instead of raising UnicodeEncodeError.
-- shown(text) escapes the control characters of text the program did not write itself (a sample
-  of the model, a checkpoint's key, a file name): ESC, BEL and the rest of C0, DEL and C1 are
-  written as `\\x1b`, so a model trained on terminal escape sequences cannot retitle, clear or
-  reprogram the terminal that shows its samples. print_line, print0 and print_result print through
-  it; what writes to the streams directly (tqdm's progress bars, with their own \\r) is left as it is.
-- print_result(text) prints a piece of what a command exists to print (sample.py's texts,
-  hellaswag.py's score): where stdout could not take it, result_lost() says why, and cli.exit_code_of
-  turns that into the command's exit code (141 for a reader that left, else one `error:` line and 2).
-
-Standard library only, and it imports no other module of the repository: the floor that the
-error contract (trainkit/cli.py) stands on. Nothing runs at import.
+"""The one place every script prints through: printing never ends a command (a failed stream is
+dropped: GuardedStream), never commands the terminal (control characters escaped: shown), and a
+command's own output says when stdout lost it (print_result). docs/output.md states the contract.
+Standard library only, importing nothing of the repository: the floor trainkit/cli.py stands on.
 """
 
 import os
@@ -43,19 +25,15 @@ def _escape(match: re.Match) -> str:
 
 
 def shown(text: str, keep_newlines: bool = False) -> str:
-    """text with each control character written as its escape (`\\x1b`, `\\x07`, `\\x0a`, ...), so
-    that printing it cannot command a terminal; keep_newlines (a sample's text): newlines and tabs
-    stay as they are."""
+    """text with each control character escaped (`\\x1b`); keep_newlines: newlines and tabs stay."""
     if text.isprintable():  # most text holds none: this check, in C, is 3x faster than the scan below
         return text
     return (_CONTROL_BUT_LINES if keep_newlines else _CONTROL).sub(_escape, text)
 
 
 class GuardedStream:
-    """A text stream (sys.stdout, sys.stderr) whose writes raise no OSError: the first one that
-    fails makes it lost (lost: that error), what is written to it after is dropped, and its file
-    descriptor is pointed at /dev/null (the buffer that the failed write left behind is flushed
-    there at exit, silently). Everything else (fileno, isatty, encoding, buffer) is the stream's."""
+    """A text stream whose writes raise no OSError: the first failure makes it lost (lost: the error),
+    later writes are dropped, and its descriptor points at /dev/null so the flush at exit cannot fail."""
 
     def __init__(self, stream):
         self.stream, self.lost = stream, None
@@ -92,8 +70,7 @@ class GuardedStream:
 
 
 def guard_streams() -> None:
-    """sys.stdout and sys.stderr as GuardedStreams that escape what their encoding lacks (once;
-    a stream that is None, where the process has none, stays None)."""
+    """sys.stdout and sys.stderr as GuardedStreams that backslash-escape what their encoding lacks (once)."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is None or isinstance(stream, GuardedStream):
@@ -104,14 +81,12 @@ def guard_streams() -> None:
 
 
 def print_line(text: str = "", file=None, keep_newlines: bool = False) -> None:
-    """text on file (default: stdout) as one line, control characters escaped (shown), flushed:
-    from whichever rank calls it (print0: from rank 0 only)."""
+    """text on file (default: stdout), control characters escaped (shown), flushed, from any rank."""
     print(shown(text, keep_newlines), file=file or sys.stdout, flush=True)
 
 
 def print0(text: str = "", file=None, keep_newlines: bool = False) -> None:
-    """print_line from rank 0 only (RANK unset or 0): the ranks of a launch run the same command,
-    and eight copies of each line would hide it."""
+    """print_line from rank 0 only: eight copies of each line would hide it."""
     if is_rank0():
         print_line(text, file, keep_newlines)
 
@@ -120,10 +95,8 @@ _result_lost = None  # the error that kept a command's result from stdout (print
 
 
 def print_result(text: str, keep_newlines: bool = False) -> bool:
-    """A piece of what the command exists to print (sample.py's texts, hellaswag.py's score,
-    --eval-only's record), on stdout from rank 0: whether stdout took it. Where it did not,
-    result_lost() gives the error and cli.exit_code_of makes it the exit code (nothing is raised
-    here, so that every rank of a launch ends its work alike)."""
+    """A piece of what the command exists to print, on stdout from rank 0: whether stdout took it (where
+    not, cli.exit_code_of makes result_lost() the exit code; nothing is raised, so every rank ends alike)."""
     global _result_lost
     print0(text, keep_newlines=keep_newlines)
     lost = getattr(sys.stdout, "lost", None)

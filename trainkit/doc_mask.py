@@ -1,24 +1,6 @@
-"""--doc-mask: attention inside each document of a packed row, positions from the document's start.
-
-A row of T tokens usually holds pieces of several documents. With --doc-mask token t attends only to
-the earlier tokens of its own document, and its position is counted from that document's first
-token, so each document in the row computes exactly what it computes alone in a row of its own.
-
-A document begins at its <|endoftext|> (fineweb.py writes one before each), so token t belongs to
-the document opened by the last <|endoftext|> at or before t; the tokens before a row's first one
-continue a document of the previous row and form one of their own (positions from 0). The target of
-a document's last token is the next document's <|endoftext|>: it is predicted from the document
-before it, as that document alone would predict its end. --align-docs rows fit this as they are:
-their padding inputs are <|endoftext|>, each a one-token document whose target is ignored.
-
-Two kernels compute the same attention:
-- SDPA with the (B, 1, T, T) block-diagonal causal bool mask: on CPU, in eager CUDA, and wherever
-  FlexAttention is not used;
-- FlexAttention with a document BlockMask in a model compiled on CUDA (its fused kernel exists
-  only compiled; eager it is a slow reference, and on CPU it has no backward), which skips the
-  blocks that the mask empties.
-tests/test_doc_mask.py checks that they agree (forward on CPU); benchmarks/gpu_check.py times both.
-Only how rows are fed changes: the model is a plain GPT-2, exported as one.
+"""--doc-mask: attention inside each document of a packed row, positions from the document's start, so
+each document computes what it would alone. A document begins at its <|endoftext|>; SDPA's bool mask or,
+compiled on CUDA, FlexAttention's BlockMask compute the same attention (docs/doc-mask.md).
 """
 
 from __future__ import annotations
@@ -59,9 +41,8 @@ def flex_document_mask(docs: torch.Tensor):
 
 
 def document_attention(idx: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """(positions, attn_mask) of packed rows idx (B, T) for GPT.hidden_states: FlexAttention's
-    BlockMask inside a model compiled on CUDA, else SDPA's bool mask. DOC_MASK_KERNEL=sdpa in the
-    environment keeps SDPA there too (benchmarks/gpu_check.py times one against the other)."""
+    """(positions, attn_mask) of packed rows idx (B, T): FlexAttention's BlockMask compiled on CUDA (unless
+    DOC_MASK_KERNEL=sdpa, for benchmarks/gpu_check.py), else SDPA's bool mask."""
     docs = document_ids(idx)
     use_flex = idx.is_cuda and torch.compiler.is_compiling() and os.environ.get("DOC_MASK_KERNEL") != "sdpa"
     return document_positions(idx), flex_document_mask(docs) if use_flex else sdpa_document_mask(docs)

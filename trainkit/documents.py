@@ -1,7 +1,6 @@
-"""The documents fineweb.py tokenizes and the worker pool that tokenizes them. Four sources (local
-.jsonl / .json lines, .parquet, whole text files, the Hugging Face Hub), each a deterministic stream of
-(where, text); chunks of them tokenized in order by a pool of processes, a document that cannot be
-tokenized named in one UserError (file and line). Runs nothing at import."""
+"""The documents fineweb.py tokenizes and the worker pool that tokenizes them: four sources (.jsonl lines,
+.parquet, text files, the Hugging Face Hub), each a deterministic stream of (where, text), tokenized in
+order; a document that cannot be tokenized is one UserError naming it."""
 
 from __future__ import annotations
 
@@ -18,14 +17,11 @@ import numpy as np
 import tiktoken
 
 from trainkit import json_file
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, optional_import, reason_of
 from trainkit.regular_file import check_regular
 from trainkit.tokenizer import encode_documents, get_encoding
 
-# --- document sources ------------------------------------------------------------------------
-# Each source is a deterministic stream of (where, text) documents: where names the document for
-# an error message (path:line, path row N, path); the same arguments always give the same
-# documents in the same order, which is what makes resuming by document count exact.
+# --- document sources: the same arguments give the same documents in the same order (resumes count them)
 
 
 def resolve_files(patterns: list) -> list:
@@ -106,11 +102,9 @@ def _iter_json_lines(f, path: str, text_field: str):
 
 
 def _iter_parquet(path: str, text_field: str):
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
+    pa = optional_import("pyarrow", f"reading {path} needs pyarrow (pip install pyarrow)")
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
@@ -134,16 +128,13 @@ DATASETS_HINT = "streaming from the Hub needs the 'datasets' package (pip instal
 
 
 def hub_revision(dataset: str) -> str:
-    """The dataset's newest commit on the Hub, asked once without retries: offline this fails
-    at once, where the datasets client retries for ~25 s. The manifest keeps it, so that a
-    resumed run reads the same data even if the dataset has changed since."""
+    """The dataset's newest commit on the Hub (the manifest keeps it for a resume), asked once without
+    retries: offline this fails at once, where the datasets client retries for ~25 s."""
+    hub = optional_import("huggingface_hub", DATASETS_HINT)
+    from huggingface_hub.utils import RepositoryNotFoundError
+
     try:
-        from huggingface_hub import HfApi
-        from huggingface_hub.utils import RepositoryNotFoundError
-    except ImportError:
-        raise UserError(DATASETS_HINT) from None
-    try:
-        return HfApi().dataset_info(dataset, timeout=HUB_TIMEOUT_S).sha
+        return hub.HfApi().dataset_info(dataset, timeout=HUB_TIMEOUT_S).sha
     except RepositoryNotFoundError:
         raise UserError(
             f"--dataset {dataset}: no such dataset on the Hugging Face Hub (a private one needs `hf auth login`)"
@@ -163,10 +154,7 @@ def iter_hub_documents(dataset: str, name, split: str, revision, text_field: str
 
 def _iter_hub_rows(dataset: str, name, split: str, revision, debug: bool):
     where = f"--dataset {dataset} (--name {name}, --split {split}, revision {revision})"
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(DATASETS_HINT) from None
+    datasets = optional_import("datasets", DATASETS_HINT)
     if not debug:  # the Hub client logs every retry; one final line is enough
         for logger in ("huggingface_hub", "datasets", "fsspec"):
             logging.getLogger(logger).setLevel(logging.ERROR)
@@ -213,8 +201,7 @@ def init_worker():
 
 
 def load_worker_encoding() -> None:
-    """Load the encoding in the main process before the pool forks: a failure is one UserError
-    here, once, rather than in every worker, and the workers inherit it."""
+    """Load the encoding before the pool forks: a failure is one UserError, and the workers inherit it."""
     global _worker_encoding
     try:
         _worker_encoding = get_encoding()
@@ -223,10 +210,8 @@ def load_worker_encoding() -> None:
 
 
 class ChunkError(Exception):
-    """Why a chunk of documents could not be tokenized: the index of the document at fault in
-    the chunk (None: not known) and the reason, as plain values, so that it crosses the worker
-    pool intact; the main process, which knows where each document came from, makes it a
-    UserError naming the file and line."""
+    """Why a chunk could not be tokenized (the index of the document at fault or None, the reason), as
+    plain values that cross the pool; located() makes it a UserError naming the document."""
 
     def __init__(self, index, reason: str):
         super().__init__(index, reason)
@@ -243,12 +228,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents(enc, docs) at the one place where the data meets the tokenizer, in a
-    worker or (--workers 1) in the main process. Whatever the data makes fail here leaves as a
-    ChunkError (or a UserError): any other exception would cross the pool as a traceback, and a
-    BaseException (tiktoken's PanicException) would end the worker and leave the pool waiting
-    for its result forever. The failure costs the search for the document at fault; valid text
-    pays nothing."""
+    """encode_documents(enc, docs), where the data meets the tokenizer: any failure leaves as a ChunkError
+    naming the document at fault (a BaseException such as tiktoken's PanicException would end the worker
+    and leave the pool waiting forever); only a failure pays for the search."""
     try:
         return _encode_chunk(enc, docs, utf8_errors)
     except (ChunkError, UserError, KeyboardInterrupt, SystemExit):
@@ -271,9 +253,8 @@ def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.n
 
 
 def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents, and --utf8-errors for lone surrogates (JSON's "\\ud800" without its
-    other half: not Unicode and no UTF-8 form, the text's counterpart of bytes that are not
-    UTF-8): strict refuses one, replace tokenizes U+FFFD in its place."""
+    """encode_documents, with --utf8-errors for lone surrogates (no UTF-8 form): strict refuses one,
+    replace tokenizes U+FFFD in its place."""
     try:
         return encode_documents(enc, docs)
     except UnicodeEncodeError:
@@ -307,8 +288,7 @@ def _tokenize_chunk(docs: list, utf8_errors: str) -> np.ndarray:
 
 
 def chunk_located(located, chunk_chars: int):
-    """Group a stream of (where, text) documents into (texts, wheres) chunks of about
-    chunk_chars characters."""
+    """(texts, wheres) chunks of about chunk_chars characters of a stream of (where, text) documents."""
     texts, wheres, size = [], [], 0
     for where, text in located:
         texts.append(text)
@@ -328,9 +308,8 @@ def chunk_documents(docs, chunk_chars: int):
 
 
 def tokenize_in_order(chunks, pool, max_in_flight: int, utf8_errors: str = "strict"):
-    """Token arrays of the (texts, wheres) chunks, in order, with at most max_in_flight tasks in
-    the pool (with Pool.imap, finished results pile up without limit while the main process is
-    busy). A chunk that cannot be tokenized is a UserError naming the document."""
+    """Token arrays of the (texts, wheres) chunks, in order, at most max_in_flight in the pool (Pool.imap's
+    results pile up without limit); a chunk that cannot be tokenized is a UserError naming the document."""
     if pool is None:
         enc = get_encoding()
         for texts, wheres in chunks:

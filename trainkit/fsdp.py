@@ -1,8 +1,5 @@
-"""FSDP2 (--fsdp): each rank holds 1/W of every parameter, gradient and AdamW state.
-
-What the trainer's step needs of it: shard_model to build it, fsdp_no_sync as the counterpart
-of DDP's no_sync on every micro-step but the last, and local_part for checks on what a rank holds.
-Checkpoints gather the full state (checkpoints.full_state), so any mode resumes any other.
+"""FSDP2 (--fsdp): each rank holds 1/W of every parameter, gradient and AdamW state. shard_model builds it,
+fsdp_no_sync is DDP's no_sync, local_part what a rank holds; checkpoints gather the full state.
 """
 
 from __future__ import annotations
@@ -25,13 +22,9 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, d, dtype: torch.dtype, compile_block=None) -> nn.Module:
-    """FSDP2, in place, on a GPT (d: launch.Dist): every block, then the root (embeddings, the tied wte/lm_head, ln_f),
-    sharded over the ranks, each rank keeping 1/W of every parameter, gradient and AdamW state.
-    The parameters move to d.device one fully_shard call at a time, so a model built on the
-    CPU is never whole on the GPU. With a low-precision dtype, forward and backward run on
-    gathered parameters cast to it and gradients are reduced in fp32. compile_block (e.g.
-    torch.compile) wraps each block before it is sharded: torch's advice is to compile the
-    module inside FSDP, and per block as torchtitan does."""
+    """FSDP2 in place on a GPT (d: launch.Dist): each block, then the root, moved to d.device one at a time
+    (never whole on the GPU); a low-precision dtype computes in it and reduces in fp32. compile_block wraps
+    each block before it is sharded (torch's advice; per block as torchtitan)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -46,17 +39,15 @@ def shard_model(model: nn.Module, d, dtype: torch.dtype, compile_block=None) -> 
         if compile_block:
             blocks[i] = block = compile_block(block)
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    # The root keeps its parameters gathered after forward: backward needs them at once, and
-    # scoring (hellaswag.py) calls lm_head after hidden_states, which is registered as a
-    # forward so that it gathers them.
+    # the root stays gathered after forward: backward needs it at once, and scoring calls lm_head after
+    # hidden_states (registered as a forward, so that it gathers)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     register_fsdp_forward_method(model, "hidden_states")
     return model
 
 
 def uncompile_blocks(model: nn.Module):
-    """Run the blocks that shard_model compiled eagerly (after a failed compile): FSDP's hooks
-    stay on the compiled wrappers, whose forward becomes the plain block."""
+    """Run the blocks shard_model compiled eagerly (after a failed compile); FSDP's hooks stay on the wrappers."""
     compiled = [block for block in model.transformer.h if hasattr(block, "_orig_mod")]
     if compiled and hasattr(model, "reset_iter_state"):  # torch 2.13+: the failed step left FSDP mid-forward
         model.reset_iter_state()

@@ -1,6 +1,5 @@
-"""Where HellaSwag's validation file comes from: a path given on the command line, or the cache
-folder, downloaded there once and checked against its sha256. Standard library only, so that a
-script's --help can name the file before torch is imported."""
+"""Where HellaSwag's validation file comes from: a path given, or the cache folder (downloaded once, its
+sha256 checked). Standard library only: a script's --help names the file before torch is imported."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ def default_data_dir() -> str:
 
 
 def resolve_data_file(data_file: str | None = None, data_dir: str | None = None, flag: str = "--data-file") -> str:
-    """Path of the validation jsonl: data_file as given, else data_dir (or the default cache
-    dir) / hellaswag_val.jsonl, downloaded there first if it is not there yet. flag names the
-    option that passes data_file in the command being run (for its error messages)."""
+    """The validation jsonl: data_file, else data_dir (default: the cache) / hellaswag_val.jsonl,
+    downloaded first where missing. flag: the option that gave data_file, for errors."""
     if data_file:
         if os.path.isdir(data_file):
             raise UserError(

@@ -1,7 +1,5 @@
-"""HellaSwag scoring (completion style, as build-nanogpt and llm.c score it), shared by hellaswag.py
-and the trainer's --hellaswag-every: examples packed into rows, each ending's loss, and the accuracy
-(evaluate). The examples (a file's records rendered to tokens) are trainkit/hellaswag_examples.py's, the
-validation file itself is found by trainkit/hellaswag_data.py."""
+"""HellaSwag scoring, completion style as build-nanogpt and llm.c score it (hellaswag.py and
+--hellaswag-every): examples packed into rows, each ending's loss, and the accuracy (evaluate)."""
 
 from __future__ import annotations
 
@@ -22,11 +20,8 @@ from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
 def collate(examples: list[Example], block_size: int | None = None):
-    """Rows of a batch for a model that only takes token ids: 4 per example (context + ending
-    i, cut by Example.fit), right-padded to the longest row.
-
-    Returns tokens (4B, T) int64, mask (4B, T) bool that is True on ending tokens (the
-    tokens that are scored), and labels (B,) int64."""
+    """4 rows per example (context + ending i) for a model that takes token ids, right-padded: tokens
+    (4B, T), mask (4B, T) True on the scored ending tokens, labels (B,)."""
     rows = []
     for ex in examples:
         ctx, endings = ex.fit(block_size)
@@ -42,14 +37,9 @@ def collate(examples: list[Example], block_size: int | None = None):
 
 
 class Packed(NamedTuple):
-    """A batch for our GPT, one row per example: the context once, then each ending but its
-    last token (which predicts nothing that is scored). Ending i attends to the context and
-    to itself only and restarts its positions after the context, so every ending token sees
-    exactly what it would see in its own row, but the context is run once, not 4 times.
-
-    tokens, positions (B, L) int64 and attn_mask (B, 1, L, L) bool are the model's inputs.
-    Scoring: the logits at the flat (b * L + t) indices `sources` predict `targets` for the
-    ending rows `rows` (4b + i); `lengths` (4B,) counts each ending's scored tokens."""
+    """One row per example for our GPT: the context once, then each ending but its last token, attending to
+    the context and itself with positions restarted after it (each token sees what it would in its own row).
+    The logits at flat indices `sources` predict `targets` of ending rows `rows` (4b + i); `lengths` (4B,)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -130,12 +120,8 @@ LOGIT_ROWS = 128
 
 @torch.no_grad()
 def score_packed(model: nn.Module, batch: Packed, dtype: torch.dtype = torch.float32):
-    """Summed and mean cross-entropy of each ending, each (4B,) float32, for our GPT (a model with
-    hidden_states and lm_head).
-
-    The lm_head runs only at the positions that predict an ending token, once per position
-    (the context's last token predicts all four endings' first tokens), its softmax over the real
-    vocabulary as in training (the padded ids carry no probability)."""
+    """Summed and mean cross-entropy of each ending (4B,) for our GPT: lm_head runs once per position that
+    predicts an ending token, its softmax over the real vocabulary as in training."""
     device = batch.tokens.device
     sources, inverse = torch.unique(batch.sources, return_inverse=True)
     lse = torch.empty(len(sources), device=device)  # log-sum-exp of each source position's logits
@@ -157,9 +143,7 @@ def score_packed(model: nn.Module, batch: Packed, dtype: torch.dtype = torch.flo
 
 @torch.no_grad()
 def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """Summed and mean cross-entropy of each row's masked tokens, each (rows,) float32, for a
-    model that maps token ids to logits (collate's rows). The loss of token t comes from the
-    logits at t - 1."""
+    """Summed and mean cross-entropy of each row's masked tokens (rows,), for a model mapping ids to logits."""
     scored = mask[:, 1:]
     with torch.autocast(tokens.device.type, dtype, enabled=dtype != torch.float32):
         out = model(tokens)
@@ -180,13 +164,9 @@ def score_examples(
     block_size: int | None = None,
     bar=None,
 ):
-    """Per-ending (summed, mean) losses, each (n, 4) float32 on the CPU, in example order.
-
-    Our GPT scores packed rows (pack, score_packed); any other model, collate's 4 rows per
-    example through its full logits (score_rows). Examples are batched in order of length,
-    so little padding is computed. batch_size None: 16 on CUDA; 4 on CPU, where bigger
-    batches save no more per-op overhead than they add in padding and memory traffic. bar: a
-    progress bar (tqdm) that each batch advances by its examples, or None."""
+    """Per-ending (summed, mean) losses, each (n, 4) on the CPU, in example order: our GPT on packed rows,
+    another model on collate's, batched in order of length. batch_size None: 16 on CUDA; 4 on CPU, where
+    bigger batches add more padding than they save overhead. bar: a tqdm each batch advances."""
     if batch_size is None:
         batch_size = 16 if torch.device(device).type == "cuda" else 4
     longest = model_block_size(model)
@@ -238,15 +218,9 @@ def evaluate(
     flag: str = "--data-file",
     lm_eval: bool = False,
 ) -> dict:
-    """HellaSwag accuracy of model on the first limit (None or 0: all) validation examples.
-
-    model maps token ids (B, T) to logits (B, T, V), bare or as the first item of a tuple.
-    With world_size > 1 every rank must call this (it ends in one all-reduce): rank r scores
-    examples r, r + W, r + 2W, ... and all ranks return the totals.
-    flag names the option that gave data_file in the command being run (for its errors).
-    Returns {"acc": ..., "acc_norm": ..., "n": ...}: the summed and the per-token loss picks on
-    the record's own text; with lm_eval also "lm_eval_acc" and "lm_eval_acc_norm": the summed
-    and the per-character picks on lm-eval's text (its hellaswag task's acc and acc_norm)."""
+    """{"acc", "acc_norm", "n"} (with lm_eval also "lm_eval_acc", "lm_eval_acc_norm": docs/hellaswag.md) of
+    model on the first limit (None or 0: all) examples. Under world_size > 1 every rank calls it: rank r
+    scores examples r, r + W, ... and all get the totals. flag: the option that gave data_file."""
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
     config = getattr(unwrap_model(model), "config", None)

@@ -1,8 +1,6 @@
-"""HellaSwag's records as token examples, shared by hellaswag.py and the trainer's --hellaswag-every: each
-record checked (check_record) and rendered to tokens, as build-nanogpt renders it (the record's own text) or
-as lm-eval's hellaswag task does (render_lm_eval); a file's records read and rendered once per process
-(load_examples), and the line that says which of them are scored (describe_data). The scoring is
-trainkit/hellaswag_eval.py's; the validation file itself is found by trainkit/hellaswag_data.py."""
+"""HellaSwag's records as token examples (hellaswag.py and --hellaswag-every): each checked and rendered as
+build-nanogpt does or as lm-eval's task does, once per process (load_examples), and the line saying which
+are scored (describe_data)."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from trainkit.tokenizer import get_tokenizer_or_fail
 
 
 class Example(NamedTuple):
-    """One rendered example: context token ids, the four endings' token ids, the label, and
-    (lm-eval's rendering only) the endings' lengths in characters, its normalizer."""
+    """Context ids, the four endings' ids, the label, and (lm-eval's rendering) the endings' characters."""
 
     ctx: list[int]
     endings: list[list[int]]
@@ -27,9 +24,8 @@ class Example(NamedTuple):
     ending_chars: tuple[int, ...] = ()
 
     def fit(self, block_size: int | None = None) -> tuple[list[int], list[list[int]]]:
-        """Context and endings cut so that context + any ending fits in block_size: every
-        ending is scored given the same context, the newest n_ctx tokens of it, where n_ctx is
-        what the longest ending leaves (at least 1; an ending longer than that is cut)."""
+        """Context and endings cut so that context + any ending fits in block_size: every ending gets the
+        same newest tokens of the context, as many as the longest leaves (at least 1)."""
         longest = max(len(e) for e in self.endings)
         if block_size is None or len(self.ctx) + longest <= block_size:
             return self.ctx, self.endings
@@ -38,22 +34,19 @@ class Example(NamedTuple):
 
 
 def render_example(example: dict, enc) -> Example:
-    """Tokenize one HellaSwag record (ValueError saying what is wrong with it). Endings are
-    encoded with a leading space, as they follow the context's last word."""
+    """Tokenize one record (a ValueError saying what is wrong); endings with a leading space."""
     text, endings, label = check_record(example)
     return Example(enc.encode_ordinary(text), [enc.encode_ordinary(" " + e) for e in endings], label)
 
 
 def lm_eval_clean(text: str) -> str:
-    """lm-eval's hellaswag text clean-up: WikiHow's ' [title]' becomes '. ', other bracketed
-    tags ([header], [step], ...) go, one double space becomes single, the ends are stripped."""
+    """lm-eval's hellaswag clean-up: ' [title]' becomes '. ', other [tags] go, a double space one."""
     text = text.strip().replace(" [title]", ". ")
     return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
 
 
 def lm_eval_text(example: dict) -> tuple[str, list[str], int]:
-    """(query, choices, label) of a record as lm-eval's hellaswag task shows it to the model:
-    '<activity_label>: <ctx_a> <ctx_b capitalized>' and the four endings, each cleaned."""
+    """(query, choices, label) as lm-eval's task shows them: '<activity_label>: <ctx_a> <Ctx_b>', cleaned."""
     _, endings, label = check_record(example)
     fields = [example.get(key) for key in ("activity_label", "ctx_a", "ctx_b")]
     for key, value in zip(("activity_label", "ctx_a", "ctx_b"), fields):
@@ -65,9 +58,7 @@ def lm_eval_text(example: dict) -> tuple[str, list[str], int]:
 
 
 def render_lm_eval(example: dict, enc) -> Example:
-    """Tokenize one record as lm-eval does: the query alone, and query + ' ' + choice whole,
-    whose tokens after the query's are the ending (so a merge across the join, if any, is
-    split the same way)."""
+    """Tokenize one record as lm-eval does: the ending is what query + ' ' + choice adds to the query's tokens."""
     query, choices, label = lm_eval_text(example)
     ctx = enc.encode_ordinary(query)
     endings = [enc.encode_ordinary(f"{query} {choice}")[len(ctx) :] for choice in choices]
@@ -82,9 +73,8 @@ LABELS = (0, 1, 2, 3)
 
 
 def check_record(example) -> tuple[str, list[str], int]:
-    """(ctx, endings, label) of a record that has a non-empty ctx, a list of 4 non-empty
-    endings and a label 0-3 (an int, or its digit as a string as some copies store it): a
-    label of 1.9 or true, or endings given as one string, would silently score the wrong thing."""
+    """(ctx, endings, label) of a record with a non-empty ctx, 4 non-empty endings and a label 0-3 (or its
+    digit as text); anything else (a label 1.9 or true) would silently score the wrong thing."""
     if not isinstance(example, dict):
         raise ValueError(f"a JSON object is expected, not {type(example).__name__}")
     missing = [key for key in ("ctx", "endings", "label") if key not in example]
@@ -103,8 +93,7 @@ def check_record(example) -> tuple[str, list[str], int]:
 
 
 class _Rendered:
-    """The lines of one data file, rendered on demand (the first n that a caller needs).
-    Errors name the flag that gave the file (flag) and its line number."""
+    """The lines of one data file, rendered on demand; errors name the flag and the line."""
 
     def __init__(self, path: str, flag: str):
         try:
@@ -157,17 +146,14 @@ def _rendered(path: str, flag: str) -> _Rendered:
 def load_examples(
     path: str, limit: int | None = None, flag: str = "--data-file", style: str = "nanogpt"
 ) -> list[Example]:
-    """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process.
-    flag names the option that gave path in the command being run (for its error messages).
-    style: "nanogpt" (the record's ctx and endings, as build-nanogpt renders them) or
-    "lm_eval" (lm-eval's hellaswag text, see render_lm_eval)."""
+    """The first limit (None or 0: all) examples of a jsonl file, tokenized once per process, in style
+    "nanogpt" or "lm_eval" (RENDERERS). flag: the option that gave path, for errors."""
     data = _rendered(path, flag)
     return data.first(limit or len(data.lines), style)
 
 
 def describe_data(path: str, limit: int | None = None) -> str:
-    """One line that says which examples of which file are scored, and what chance scores: the
-    shipped subset is named as such, so that its score is never taken for the full set's."""
+    """Which examples of which file are scored, and chance; the shipped subset named as such."""
     total = len(_rendered(path, "--data-file").lines)
     n = min(limit or total, total)
     which = f"all {total} examples" if n == total else f"the first {n} of {total} examples"

@@ -1,7 +1,6 @@
-"""A local Hugging Face GPT-2 folder checked before transformers builds a model from it (check_hf_folder): its
-config.json's sizes, and its weight files (one, or several through their index; only regular files inside the
-folder are read) holding exactly the tensors of a GPT-2 of those sizes (hf_state_shapes) with float dtypes,
-read from the files' headers without loading the tensors. Used by trainkit/hf_weights.py's load_hf_model."""
+"""A local Hugging Face GPT-2 folder checked before transformers builds a model from it (check_hf_folder):
+config.json's sizes, and weight files inside the folder holding exactly that GPT-2's float tensors, read
+from the files' headers without loading the tensors."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import os
 import torch
 
 from trainkit import json_file
-from trainkit.checkpoint_checks import structure_problem
+from trainkit.checkpoint_checks import gpt_state_shapes, load_failure, structure_problem
 from trainkit.cli import UserError, reason_of
 from trainkit.regular_file import check_regular, open_regular
 
@@ -25,7 +24,7 @@ FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", torch.float16, torch.bfloat16, torc
 
 
 def file_holding(folder: str, key: str) -> str | None:
-    """The file of a local Hugging Face folder that holds tensor key (a shard's, through its index)."""
+    """The file of a local Hugging Face folder that holds tensor key (through its index)."""
     with contextlib.suppress(UserError, OSError):
         files = weight_files(folder, "")
         return files.get(key) or files.get(key.removeprefix("transformer.")) or files.get("")
@@ -33,15 +32,14 @@ def file_holding(folder: str, key: str) -> str | None:
 
 
 def weight_files(folder: str, source: str) -> dict[str, str]:
-    """{tensor name: the file of folder holding it} where an index names the files ({"": file} for a single
-    file): only regular files directly inside folder are read; an index naming another place (a path up
-    out of the folder, an absolute path, a subfolder) is refused."""
+    """{tensor name: its file} from the index ({"": file} for a single file); an index naming a file
+    outside folder (a path up, absolute, a subfolder) is refused."""
     for single, index in WEIGHTS:
         if os.path.exists(os.path.join(folder, single)):
             return {"": _inside(folder, single, source)}
         if os.path.exists(os.path.join(folder, index)):
             path = _inside(folder, index, source)
-            mapping = _read_json(path, source).get("weight_map")
+            mapping = json_file.read(path, CONFIG_BYTES, source).get("weight_map")
             if (
                 not isinstance(mapping, dict)
                 or not mapping
@@ -68,56 +66,15 @@ def _inside(folder: str, name: str, source: str, index: str | None = None) -> st
     return path
 
 
-def _read_json(path: str, source: str) -> dict:
-    try:
-        value = json_file.read(path, max_bytes=CONFIG_BYTES)
-    except json_file.JSONFileError as e:
-        raise UserError(f"{source}: {e}") from None
-    except OSError as e:
-        raise UserError(f"{source}: cannot read {path}: {reason_of(e)}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{source}: {path} holds a JSON {type(value).__name__}, not an object")
-    return value
-
-
-def hf_state_shapes(sizes: dict) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of a Hugging Face GPT2LMHeadModel's weights (Conv1D weights stored (in, out)),
-    lm_head.weight aside (tied: a file may hold it or not)."""
-    V, P, C, L = (sizes[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer"))
-    block = {
-        "ln_1.weight": (C,),
-        "ln_1.bias": (C,),
-        "attn.c_attn.weight": (C, 3 * C),
-        "attn.c_attn.bias": (3 * C,),
-        "attn.c_proj.weight": (C, C),
-        "attn.c_proj.bias": (C,),
-        "ln_2.weight": (C,),
-        "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (C, 4 * C),
-        "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (4 * C, C),
-        "mlp.c_proj.bias": (C,),
-    }
-    return {
-        "transformer.wte.weight": (V, C),
-        "transformer.wpe.weight": (P, C),
-        **{f"transformer.h.{i}.{name}": shape for i in range(L) for name, shape in block.items()},
-        "transformer.ln_f.weight": (C,),
-        "transformer.ln_f.bias": (C,),
-    }
-
-
 def check_hf_folder(folder: str, source: str, defaults) -> None:
-    """Refuse a local Hugging Face folder unless its config.json describes a GPT-2 of sizes that are positive
-    integers, and its weight files hold exactly the tensors that GPT-2 has, of its shapes and of a float
-    dtype: read from the files' headers (safetensors) or loaded memory-mapped (a .bin) and compared before
-    transformers allocates a model of config.json's sizes (an n_positions of 10**9 would take gigabytes
-    before the tensors were compared; an n_layer of 2 over a file of 12 layers would load 2 of them
-    silently). defaults: a GPT2Config(), whose sizes a config.json without them takes (as transformers does)."""
+    """Refuse a local Hugging Face folder unless config.json gives a GPT-2 of positive sizes and its weight
+    files hold exactly that GPT-2's tensors, of float dtypes: compared before transformers allocates a model
+    of config.json's sizes (an n_positions of 10**9: gigabytes; n_layer 2 over 12 layers: 2 loaded silently).
+    defaults: a GPT2Config(), whose sizes a config.json without them takes."""
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         return  # transformers' own error says so
-    config = _read_json(_inside(folder, "config.json", source), source)
+    config = json_file.read(_inside(folder, "config.json", source), CONFIG_BYTES, source)
     if config.get("model_type", "gpt2") != "gpt2":
         return  # refused by model type, as transformers reads it
     sizes = {k: config.get(k, getattr(defaults, k)) for k in SIZES}
@@ -139,14 +96,15 @@ def check_hf_folder(folder: str, source: str, defaults) -> None:
                 if not name.endswith(HF_BUFFERS)
             }
         )
-    expected = hf_state_shapes(sizes)
+    expected = gpt_state_shapes(sizes, conv1d=True)
+    lm_head = expected.pop("lm_head.weight")  # (tied: a file may hold it or not)
     missing = sorted(expected.keys() - found.keys())
     if missing:
         raise UserError(
             f"{source}: tensors missing from its weights ({some_names(missing)}) would be random; is it a complete GPT-2?"
         )
     if "lm_head.weight" in found:
-        expected["lm_head.weight"] = expected["transformer.wte.weight"]
+        expected["lm_head.weight"] = lm_head
     extra = sorted(found.keys() - expected.keys())
     if extra:
         raise UserError(
@@ -163,8 +121,8 @@ def check_hf_folder(folder: str, source: str, defaults) -> None:
 
 
 def _tensor_headers(path: str, source: str) -> dict[str, tuple[tuple[int, ...], object]]:
-    """{name: (shape, dtype)} of the tensors in a weight file, read without loading them: a safetensors
-    file's JSON header, or a .bin loaded memory-mapped and checked as a checkpoint is (structure_problem)."""
+    """{name: (shape, dtype)} of a weight file's tensors: a safetensors file's JSON header, or a .bin
+    loaded memory-mapped and checked as a checkpoint is (structure_problem)."""
     if path.endswith(".bin"):
         try:
             try:
@@ -174,10 +132,7 @@ def _tensor_headers(path: str, source: str) -> dict[str, tuple[tuple[int, ...], 
                     raise
                 state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
-            what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-            if "Weights only load failed" in what:  # (torch goes on to advise weights_only=False: unsafe)
-                what = "it holds pickled objects other than tensors and plain values, which are never loaded"
-            raise UserError(f"{source}: cannot load {path} ({what})") from None
+            raise UserError(f"{source}: cannot load {path} ({load_failure(e)})") from None
         problem = structure_problem(state) if isinstance(state, dict) else f"it holds a {type(state).__name__}"
         if problem or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
             raise UserError(f"{source}: {path} is not a state dict of plain tensors ({problem or 'other values'})")

@@ -1,7 +1,5 @@
-"""The tokenizer files of an export: GPT-2's tokenizer as a transformers fast tokenizer
-(tokenizer.json, tokenizer_config.json, special_tokens_map.json) that AutoTokenizer and pipeline
-load from the export's folder, built offline from the BPE the trainer encodes with, without
-transformers."""
+"""The tokenizer files of an export: GPT-2's tokenizer as a transformers fast tokenizer that AutoTokenizer
+loads, built offline from the BPE the trainer encodes with, without transformers."""
 
 from __future__ import annotations
 
@@ -12,12 +10,9 @@ from trainkit.export_folder import write_json
 from trainkit.tokenizer import EOT, EOT_TEXT, get_encoding
 
 
-# The tokenizer an export carries, written as files rather than through transformers: the same
-# bytes whatever transformers and tokenizers do the export, and loaded by every transformers that
-# requirements-dev.txt allows. Each file in the form the oldest reads: tokenizers 0.20+ writes BPE
-# merges as pairs, which tokenizers 0.19 (transformers 4.40) cannot read, and transformers 5 names
-# the class TokenizersBackend, which 4.x does not have. PreTrainedTokenizerFast exists in both and
-# takes tokenizer.json as it is (5.x's GPT2Tokenizer would rebuild its pre-tokenizer).
+# written as files, not through transformers: the same bytes whatever versions export, in the form the
+# oldest allowed reads (tokenizers 0.19 cannot read merges as pairs; 4.x has no TokenizersBackend, and
+# 5.x's GPT2Tokenizer would rebuild the pre-tokenizer): PreTrainedTokenizerFast exists in both
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
@@ -34,12 +29,9 @@ def _byte_chars() -> list[str]:
 
 
 def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
-    """GPT-2's tokenizer as a transformers fast tokenizer's files (name -> JSON value), built offline
-    from the r50k_base BPE the trainer encodes with: its 50257 ids, tiktoken's split pattern, the
-    merges that give each token from two others (transformers' TikTokenConverter's rule), and
-    <|endoftext|> as bos/eos/unk, matched in text as the special id 50256 (tiktoken's
-    encode_prompt's allowed_special; HF tokenizers always match added tokens in text).
-    model_max_length: the model's block size, which pipeline('text-generation') truncates to."""
+    """GPT-2's tokenizer as a fast tokenizer's files (name -> JSON value): r50k_base's ids, split pattern,
+    merges (TikTokenConverter's rule), <|endoftext|> as bos/eos/unk matched in text as id 50256 (as
+    encode_prompt allows). model_max_length: the block size, which pipeline truncates to."""
     try:
         enc = get_encoding()
     except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint

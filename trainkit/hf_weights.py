@@ -1,24 +1,7 @@
-"""A Hugging Face GPT-2 as our GPT's config and state dict (gpt2_state_from_hf, which
-train_gpt2.GPT.from_hf builds on for --init-from and sample.py --hf-model), from the checked
-GPT2LMHeadModel load that hellaswag.py --hf-model uses as it is (a local folder's files are checked
-first by trainkit/hf_folder.py). hf_interop.py's export goes the other way with the same layout
-facts. transformers is optional: imported only inside the functions that need it.
-
-Layout differences the conversion handles:
-- HF's GPT-2 keeps its projections in Conv1D modules whose weight is (in, out); our nn.Linear
-  weights are (out, in), so attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj are transposed.
-- HF's attention mask buffers (attn.bias, attn.masked_bias; gone in recent versions) are skipped.
-- Our vocabulary is padded (50257 -> 50304, a multiple of 64, for faster matmuls). The padded
-  ids carry no probability: every softmax of ours runs over GPT-2's 50257 ids only
-  (tokenizer.real_vocab_size), so an imported GPT-2 has the original's loss exactly, and on export
-  the padded rows are dropped. Only a model with fewer ids than GPT-2's (a test's vocabulary of
-  100, padded to 128) counts every id as real; for it matters that on import the padded rows of
-  the tied wte/lm_head matrix are set to the MEAN of the real rows, not to zero: GPT-2-like logits are
-  large and negative (tens below zero), so zero rows would give the padded ids logit 0, above
-  every real token, and nearly all the probability. With the mean row a padded logit is the mean
-  of the real logits, and by Jensen's inequality all padded ids together get at most
-  n_padded / n_real of the probability, so the loss starts within log(1 + n_padded / n_real)
-  nats of the original model's. Logits of the real ids are unchanged.
+"""A Hugging Face GPT-2 as our GPT's config and state dict (gpt2_state_from_hf: --init-from, sample.py
+--hf-model), from the checked GPT2LMHeadModel load (load_hf_model: hellaswag.py --hf-model). Conv1D
+weights are transposed, mask buffers skipped, and the vocabulary padded with rows set to the mean of
+the real ones (docs/hf.md says why). transformers is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -29,7 +12,7 @@ import os
 import torch
 
 from trainkit.checkpoint_checks import first_nonfinite
-from trainkit.cli import UserError, reason_of
+from trainkit.cli import UserError, optional_import, reason_of
 from trainkit.hf_folder import HF_BUFFERS, check_hf_folder, file_holding, some_names
 
 PAD_MULTIPLE = 64
@@ -39,11 +22,8 @@ INSTALL_HINT = "Hugging Face transformers is not installed: pip install transfor
 
 
 def import_transformers():
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        raise UserError(INSTALL_HINT) from None
-    return GPT2Config, GPT2LMHeadModel
+    transformers = optional_import("transformers", INSTALL_HINT)
+    return transformers.GPT2Config, transformers.GPT2LMHeadModel
 
 
 def _looks_like_path(name: str) -> bool:
@@ -94,9 +74,8 @@ def quiet_transformers():
 
 
 def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
-    """GPT2LMHeadModel from a Hub name or a local directory, refused unless it is a GPT-2 whose
-    every tensor came from there (transformers fills missing ones at random, so a BERT or LLaMA
-    folder would load as a random GPT-2). Errors name the user's flag."""
+    """GPT2LMHeadModel from a Hub name or a local directory, refused unless it is a GPT-2 whose every
+    tensor came from there (transformers fills missing ones at random). Errors name flag."""
     GPT2Config, GPT2LMHeadModel = import_transformers()
     local = os.path.isdir(name_or_dir)
     source = f"{flag} {name_or_dir}"
@@ -140,8 +119,7 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
 
 
 def _check_every_tensor_loaded(cfg, info: dict, source: str):
-    """Refuse a model that transformers completed at random: a tensor missing from the files,
-    or of another shape than config.json gives (loaded with ignore_mismatched_sizes to list them)."""
+    """Refuse a model that transformers completed at random: a tensor missing, or of another shape."""
     tied = getattr(cfg, "tie_word_embeddings", True)
     missing = sorted(
         k for k in info["missing_keys"] if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight")
@@ -163,16 +141,9 @@ def gpt2_state_from_hf(
     flag: str = "--init-from",
     pad_multiple: int = PAD_MULTIPLE,
 ) -> tuple[dict, dict]:
-    """(model config, state dict) of our GPT (fp32, CPU) holding the weights of a Hugging Face
-    GPT2LMHeadModel: the config's keys are GPTConfig's, the state dict's our parameter names.
-
-    name_or_dir: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hub, needs internet) or a local
-    directory written by save_pretrained. vocab_size: ours, >= the HF vocabulary (default:
-    the HF vocabulary rounded up to a multiple of pad_multiple, 64: 50304 for GPT-2; sampling
-    passes 1, the HF vocabulary itself, so that no padded id is drawn). block_size: at most
-    the HF n_positions (default: n_positions); a smaller one keeps the first positions.
-    pad_init: "mean" (default, see the module docstring) or "zero" for the padded rows.
-    flag: the command-line flag that named the model, for error messages."""
+    """(GPTConfig fields, state dict) of our GPT (fp32, CPU) holding a Hugging Face GPT2LMHeadModel's
+    weights. vocab_size: default the HF vocabulary padded to a multiple of pad_multiple (1: unpadded);
+    block_size: at most n_positions (the first positions kept); pad_init: "mean" or "zero" padded rows."""
     if pad_init not in ("mean", "zero"):
         raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
     source = f"{flag} {name_or_dir}"  # the flag of the command being run

@@ -1,9 +1,7 @@
-"""The one reader of JSON and JSON-lines documents a user can be handed (manifest.json, log.jsonl, an
-export's mark, HellaSwag lines, --files .jsonl lines, a Hugging Face folder's config.json and index):
-a document that is not JSON, or that nests deeper than MAX_DEPTH, is one JSONFileError (a UserError)
-naming the file and line, never a RecursionError from the decoder. The depth is measured before
-json.loads sees the text, by a scan that skips strings, so a `[[[[...` 200,000 deep costs two regular
-expression passes, not 200,000 recursive calls. Standard library only; nothing runs at import."""
+"""The one reader of JSON documents a user can hand us (manifests, logs, HellaSwag and --files lines, a
+Hugging Face folder's config.json): one that is not JSON, or nests deeper than MAX_DEPTH, is one
+JSONFileError naming the file and line, never a RecursionError. The depth is measured by a scan that
+skips strings before json.loads sees the text (a `[[[...` 200,000 deep: two regex passes)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import itertools
 import json
 import re
 
-from trainkit.cli import UserError
+from trainkit.cli import UserError, reason_of
 from trainkit.regular_file import open_regular
 
 # deeper than any document the project writes or reads (a manifest is 3 levels, a HellaSwag line 2), and far
@@ -24,8 +22,7 @@ _STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class JSONFileError(UserError):
-    """A document that is not JSON, or nests too deep: `where: reason`. A reader that words its own
-    message (a HellaSwag line, a --files line) uses reason; one that may skip such a document catches this."""
+    """A document that is not JSON, or nests too deep: `where: reason` (reason alone for a reader's own words)."""
 
     def __init__(self, where: str, reason: str):
         super().__init__(f"{where}: {reason}")
@@ -33,8 +30,7 @@ class JSONFileError(UserError):
 
 
 def deeper_than_allowed(text: str) -> int | None:
-    """How deep arrays and objects nest in text (brackets inside strings not counted) where that is deeper
-    than MAX_DEPTH; None where it is not."""
+    """How deep arrays and objects nest in text (brackets in strings not counted) where deeper than MAX_DEPTH."""
     if text.count("[") + text.count("{") <= MAX_DEPTH:  # the usual case: too few brackets to nest deeper
         return None
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
@@ -43,8 +39,7 @@ def deeper_than_allowed(text: str) -> int | None:
 
 
 def parse(text: str | bytes, path: str, line: int | None = None):
-    """The JSON value text holds, read from path (at line, in a JSON-lines file). NaN and Infinity are
-    accepted, as json.dumps writes them."""
+    """The JSON value text holds, read from path (at line, in a JSON-lines file); NaN and Infinity accepted."""
     where = f"{path} line {line}" if line is not None else path
     if isinstance(text, bytes):
         try:
@@ -65,20 +60,22 @@ def parse(text: str | bytes, path: str, line: int | None = None):
         raise JSONFileError(where, f"not JSON that can be read ({type(e).__name__})") from None
 
 
-def read(path: str, max_bytes: int | None = None):
+def read(path: str, max_bytes: int | None = None, source: str | None = None):
     """The JSON document in the file at path (an OSError as open() raises it; a UserError where it is not a
-    regular file). max_bytes: refuse a larger file without reading it whole (a config.json of gigabytes is no
-    config)."""
-    with open_regular(path) as f:
-        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
-    if max_bytes is not None and len(data) > max_bytes:
-        raise JSONFileError(path, f"larger than the {max_bytes} bytes such a file holds")
-    return parse(data, path)
-
-
-def lines(f, path: str):
-    """(line number, JSON value) of each non-blank line of f, a JSON-lines file open on path (binary or
-    text), read a line at a time: a long run's log is never held whole."""
-    for number, line in enumerate(f, start=1):
-        if line.strip():
-            yield number, parse(line, path, number)
+    regular file); max_bytes: a larger file is refused unread. source (the flag that named the file): any
+    failure, an OSError too, is a UserError that starts with it, and anything but an object is refused."""
+    try:
+        with open_regular(path) as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise JSONFileError(path, f"larger than the {max_bytes} bytes such a file holds")
+        value = parse(data, path)
+    except JSONFileError as e:
+        raise e if source is None else UserError(f"{source}: {e}") from None
+    except OSError as e:
+        if source is None:
+            raise
+        raise UserError(f"{source}: cannot read {path}: {reason_of(e)}") from None
+    if source is not None and not isinstance(value, dict):
+        raise UserError(f"{source}: {path} holds a JSON {type(value).__name__}, not an object")
+    return value

@@ -1,9 +1,5 @@
-"""--optimizer muon: torch.optim.Muon and AdamW on two parts of one model, stepped as one optimizer.
-
-train_gpt2.build_optimizer says which parameters each takes; this module makes the pair look like
-one torch optimizer to everything else the step touches: the trainer (step, zero_grad, the LR of
-each step), fp16's GradScaler (unscale_ and step read param_groups and call step), the non-finite
-guard (state) and the checkpoints (one state dict holding both, under the checkpoint's "optimizer").
+"""--optimizer muon: torch.optim.Muon and AdamW on two parts of one model, looking like one torch optimizer
+to the step, fp16's GradScaler, the update guard and checkpoints; and a resume's optimizer hyperparameters.
 """
 
 from __future__ import annotations
@@ -14,9 +10,8 @@ from trainkit.cli import UserError
 
 
 class MuonWithAdamW:
-    """Muon on some parameters, AdamW on the others. Muon's LR follows the LR schedule: at every
-    step it is the step's AdamW LR times --muon-lr / --max-lr, so both warm up and decay together.
-    The ratio comes from the flags of this run, not from a checkpoint."""
+    """Muon on some parameters, AdamW on the others; Muon's LR is each step's AdamW LR times this run's
+    --muon-lr / --max-lr, so both follow the schedule."""
 
     def __init__(self, adamw: torch.optim.AdamW, matrices: list, muon_lr: float, muon_momentum: float, max_lr: float):
         if not hasattr(torch.optim, "Muon"):  # requirements.txt asks for 2.6, which AdamW runs need
@@ -66,12 +61,9 @@ HYPERPARAMETER_FLAGS = {("AdamW", "weight_decay"): "--weight-decay", ("Muon", "m
 
 
 def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
-    """Before a resume loads checkpoint_state (the optimizer state dict of a checkpoint) into optimizer:
-    each hyperparameter its param_groups keep (AdamW's weight decay, Muon's momentum, ...) is set to this
-    run's, as the flags built optimizer, where torch's load_state_dict would keep the checkpoint's: a
-    resume with --weight-decay 0.0 decays nothing from then on. Returns the note line naming each value
-    that changes (None: none does). The LR is none of them: every step sets it (train_gpt2.set_lr). A state that is
-    not optimizer's kind is left as it is, for the load to refuse."""
+    """Before a resume loads checkpoint_state: each hyperparameter its param_groups keep but the LR (weight
+    decay, momentum, ...) set to this run's, where torch's load_state_dict would keep the checkpoint's.
+    Returns the note line naming what changes (None: nothing); a state of another kind is left to refuse."""
     changes = {}
 
     def adopt(part, ours: dict, theirs):

@@ -1,11 +1,6 @@
-"""A run changes only files of its own. A run folder may share files with another one: a hard-linked
-copy (`cp -al runA runB`, a cheap and common way to branch a run) shares every file's bytes, and a
-folder of symbolic links points into another. A file a run changes in place (log.jsonl: appended to,
-cut back) is first made its own, a copy under the same name (own_file); a name a run moves (a
-checkpoint set aside into a branch folder) moves as what it is, a symbolic link still pointing at its
-file (move_entry). Removing a name (--keep-last) and renaming a new file over one (a checkpoint, the
-lock note) change no other name's bytes. A file an attribute holds in place (pinned: append-only or
-immutable) is found before a run sets out to move or cut it. Standard library only.
+"""A run changes only files of its own, though a copied run folder (`cp -al`, `cp -as`) shares them: a file
+changed in place (log.jsonl) is first made its own copy (own_file), a moved symbolic link keeps pointing at
+its file (move_entry), and a file an attribute holds in place (pinned) is found before a run moves or cuts it.
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ from trainkit.atomic_write import write_atomically
 
 
 def shared_as(path: str) -> str | None:
-    """How the file at path is shared with other names, in words (None: it is its own, or missing, or not a
-    regular file: whoever opens it says what it is)."""
+    """How the file at path is shared with other names, in words (None: its own, missing, or no regular file)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -34,11 +28,8 @@ def shared_as(path: str) -> str | None:
 
 
 def own_file(path: str) -> str | None:
-    """Before a run changes the file at path in place: a file shared with other names (shared_as) is
-    replaced by a copy of its bytes, written beside it and renamed over the link, so that the run's
-    changes go to a file of its own and every other name keeps its bytes (copying, rather than refusing:
-    who copies a run folder means to branch it). Returns the note line that says so, or None when path
-    was its own already. An OSError is the caller's to word."""
+    """Before a run changes path in place: a shared file is replaced by a copy of its own (who copies a
+    run folder means to branch it); returns the note line that says so (None: it was its own)."""
     shared = shared_as(path)
     if shared is None:
         return None
@@ -48,9 +39,7 @@ def own_file(path: str) -> str | None:
 
 
 def move_entry(source: str, destination: str):
-    """Rename source to destination (one file system), a symbolic link with a relative target given
-    the target that names the same file from its new folder (renamed as it is, it would point
-    elsewhere, or nowhere)."""
+    """Rename source to destination, a symbolic link with a relative target re-aimed from its new folder."""
     if os.path.islink(source) and not os.path.isabs(os.readlink(source)):
         target = os.path.join(os.path.dirname(source), os.readlink(source))
         os.symlink(os.path.relpath(target, os.path.dirname(destination) or "."), destination)
@@ -65,10 +54,8 @@ _FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
 
 
 def pinned(path: str) -> str | None:
-    """How an attribute holds the regular file at path in place, in words: "append-only (chattr +a)" (it
-    may only grow: no move, removal or cut) or "immutable (chattr +i)" (no change at all), for root too;
-    None where neither does, where path is no regular file (a symbolic link moves as itself), or where
-    the system cannot say (Linux's FS_IOC_GETFLAGS; BSD's and macOS's st_flags)."""
+    """How an attribute holds the regular file at path in place, for root too: "append-only (chattr +a)" or
+    "immutable (chattr +i)"; None where neither does or the system cannot say."""
     try:
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):

@@ -14,8 +14,7 @@ from trainkit.console import print0
 
 
 def resolve_dtype(name: str, device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """The autocast dtype. auto: bf16 on CUDA GPUs that have bf16 tensor cores (compute capability
-    8.0+, Ampere on), fp16 with a GradScaler on older ones (T4, V100, RTX 20xx), fp32 elsewhere."""
+    """The autocast dtype; auto: bf16 on CUDA 8.0+ (Ampere on), fp16 on older GPUs, fp32 elsewhere."""
     if name == "auto":
         name = "float32"
         if device_type == "cuda":

@@ -3,8 +3,7 @@ process, and the time elapsed and left. Standard library only."""
 
 
 def per_device_rate(tok_per_device: float, world_size: int, device_type: str) -> str:
-    """' (N/gpu)' or ' (N/rank)' after the tok/s of all ranks; '' for one CPU process, where the
-    two rates are the same number and no GPU is involved."""
+    """' (N/gpu)' or ' (N/rank)' after the tok/s of all ranks; '' for one CPU process."""
     if world_size == 1 and device_type != "cuda":
         return ""
     return f" ({tok_per_device:,.0f}/{'gpu' if device_type == 'cuda' else 'rank'})"
@@ -29,10 +28,8 @@ def duration(seconds: float) -> str:
 
 
 def elapsed_and_eta(elapsed: float, step_times: list[float], steps_left: int) -> str:
-    """' | elapsed 1m02s | eta 3m10s': the time since the loop began (evaluations included), and
-    steps_left times the mean step time after this process's first step (which compiles and warms
-    up; the first step's own time where it is the only one). Evaluations still to come are not in
-    the eta. No eta once nothing is left."""
+    """' | elapsed 1m02s | eta 3m10s': the time since the loop began, and steps_left times the mean step
+    time after the first (which compiles; evaluations to come not counted)."""
     fields = f" | elapsed {duration(elapsed)}"
     timed = step_times[1:] or step_times
     if timed and steps_left > 0:

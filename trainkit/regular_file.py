@@ -1,8 +1,6 @@
-"""Files a program reads from paths a user gave or a folder holds (shards, manifests, logs, HellaSwag and
---files inputs) are regular files, links followed: a named pipe would block the read forever with no
-output, a link to /dev/zero would be read until memory runs out. check_regular refuses anything else
-in one UserError before it is opened; open_regular opens without blocking and checks what it opened,
-so a pipe swapped in between is refused too. Standard library only; nothing runs at import."""
+"""What a program reads from a path a user gave is a regular file (links followed): a named pipe would
+block forever, a link to /dev/zero read until memory runs out. open_regular opens without blocking and
+checks what it opened, so a pipe swapped in between is refused too."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def not_regular(path: str, st: os.stat_result) -> UserError | None:
 
 
 def check_regular(path: str) -> os.stat_result:
-    """path's status, links followed (an OSError as os.stat raises it), or a UserError unless it is a
-    regular file."""
+    """path's status, links followed, or a UserError unless it is a regular file."""
     st = os.stat(path)
     refusal = not_regular(path, st)
     if refusal:
@@ -40,8 +37,7 @@ def check_regular(path: str) -> os.stat_result:
 
 
 def open_regular(path: str):
-    """path open for reading in binary, or a UserError unless it is a regular file (an OSError as open()
-    raises it). Opened with O_NONBLOCK, so that opening a named pipe returns at once to be refused."""
+    """path open for binary reading, or a UserError unless it is a regular file (O_NONBLOCK: a pipe returns at once)."""
     check_regular(path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:

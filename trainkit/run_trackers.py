@@ -1,35 +1,24 @@
-"""--wandb and --tensorboard: the run trackers that get every record of a run's log.jsonl (RunLog
-sends them each record as it writes it; out_dir.open_run_log opens them before the log). Each is
-imported only when its flag asks for it.
-"""
+"""--wandb and --tensorboard: the run trackers that get every record RunLog writes to log.jsonl,
+each imported only when its flag asks for it."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from trainkit import cli
-from trainkit.cli import UserError, reason_of
-
-
-def import_extra(module: str, flag: str, package: str):
-    """An optional package, imported only when a flag asks for it: a UserError with the pip line if missing."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(f"{flag} needs the {package} package: pip install {package}") from None
+from trainkit.cli import UserError, optional_import, reason_of
 
 
 class TensorBoardSink:
-    """--tensorboard: each record's numbers as scalars and its strings as text, tagged with their
-    log.jsonl keys at the record's step, in event files in --out-dir. A resumed run hides what
-    earlier attempts logged from its step on (purge_step), as log.jsonl is cut back there."""
+    """--tensorboard: each record's numbers as scalars and strings as text at its step, in --out-dir; a
+    resumed run hides what earlier attempts logged from its step on (purge_step), as log.jsonl is cut."""
 
     flag = "--tensorboard"
 
     def __init__(self, out_dir: str, purge_step: int | None):
-        tensorboard = import_extra("torch.utils.tensorboard", "--tensorboard", "tensorboard")
+        tensorboard = optional_import(
+            "torch.utils.tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard"
+        )
         self.writer = tensorboard.SummaryWriter(out_dir, purge_step=purge_step)
 
     def write(self, record: dict):
@@ -43,14 +32,12 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """--wandb PROJECT: each record as a wandb.log at its step (W&B merges the records of one step
-    into one row). WANDB_MODE=offline keeps the run in OUT/wandb for `wandb sync`. Each launch,
-    a resume too, is a new W&B run that starts at its first step."""
+    """--wandb PROJECT: each record as a wandb.log at its step; each launch, a resume too, is a new W&B run."""
 
     flag = "--wandb"
 
     def __init__(self, project: str, out_dir: str, config: dict):
-        wandb = import_extra("wandb", "--wandb", "wandb")
+        wandb = optional_import("wandb", "--wandb needs the wandb package: pip install wandb")
         try:
             self.run = wandb.init(project=project, dir=out_dir, config=config)
         except Exception as e:  # no API key, no network, a bad project name...

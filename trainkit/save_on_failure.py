@@ -1,8 +1,5 @@
-"""A failure between optimizer steps loses no training. What runs between two steps (the validation
-loss, HellaSwag, samples and the log records they write) may fail on input that changed since the
-run started (a --hellaswag-file removed, a disk filled): the steps trained since the last checkpoint
-are then saved first, and the run stops with the failure's own line. Where they cannot be saved, the
-line says which checkpoint is the last.
+"""A failure between optimizer steps (an evaluation on input that changed, a full disk) loses no training:
+the steps trained since the last checkpoint are saved first, then the run stops with the failure's line.
 """
 
 from __future__ import annotations
@@ -15,11 +12,9 @@ from trainkit.launch import AgreedUserError
 
 
 def save_first_on_failure(checkpointer, step: int, action):
-    """action() (what is due before step `step` trains: the Trainer's evaluate), and where it raises a UserError
-    once steps were trained since the last checkpoint (checkpointer.last; none and step 0: none was),
-    checkpointer.save(step) before the error goes on, with one note line naming the checkpoint. Under torchrun
-    the ranks save only where every rank raised alike (an AgreedUserError: they all meet in the save's
-    collectives); a rank that failed alone says in its line which checkpoint is the last instead."""
+    """action() (the evaluation due before step trains); where it raises a UserError after steps were trained,
+    checkpointer.save(step) first, with a note. Under torchrun only an AgreedUserError saves (every rank
+    meets in the save); a rank that failed alone names the last checkpoint instead."""
     try:
         return action()
     except UserError as e:

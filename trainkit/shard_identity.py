@@ -1,6 +1,5 @@
-"""Which shards a run reads, as a checkpoint records them: per shard its file name, size and content
-(shard_files: a sampled sha256, and the one its manifest records), and the first file that differs between
-two such lists (differing_file), which --resume and the ranks' agreement name. Runs nothing at import."""
+"""Which shards a run reads, as a checkpoint records them (shard_files: name, size, a sampled and the
+manifest's sha256), and the first file that differs between two such lists (differing_file)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,9 @@ SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # a shard's sampled content: 1 MiB
 
 
 def sampled_sha256(path: str, size: int) -> str:
-    """sha256 of a file's size and SAMPLES slices of SAMPLE_BYTES spread evenly over it, from its
-    first byte (the header) to its last; a file of at most SAMPLES x SAMPLE_BYTES is hashed whole.
-    Two corpora cut into shards of the same sizes differ in every slice. Every rank fingerprints
-    every shard at start-up: a 100M-token shard (200 MB) takes 16 ms read from disk this way, 0.8 s
-    for a full sha256 (benchmarks/bench_shard_identity.py), 80 s for FineWeb-Edu 10B's 100 shards."""
+    """sha256 of a file's size and SAMPLES slices spread evenly from its first byte to its last (a small file
+    whole). Every rank fingerprints every shard at start-up: 16 ms for a 200 MB shard, where a full sha256
+    takes 0.8 s (benchmarks/bench_shard_identity.py), 80 s for FineWeb-Edu 10B's 100 shards."""
     digest = hashlib.sha256(str(size).encode())
     with open_regular(path) as f:
         if size <= SAMPLES * SAMPLE_BYTES:
@@ -32,8 +29,7 @@ def sampled_sha256(path: str, size: int) -> str:
 
 
 def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
-    """What tells one set of shards from another, per shard: (file name, size in bytes, its
-    sampled_sha256, the sha256 its folder's manifest.json records for a file of that size or None)."""
+    """Per shard: (file name, size, sampled_sha256, the sha256 its manifest records or None)."""
     files = []
     for path, sha256 in zip(paths, recorded(paths, "sha256")):
         size = os.path.getsize(path)
@@ -42,10 +38,8 @@ def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
 
 
 def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | None:
-    """The first file name (in order) that differs between two shard_files() lists, with what it
-    is in each: "N bytes" or "missing" when the sizes differ, else its content (the manifests'
-    sha256 where both lists have one, then the sampled one); None if they are the same. The lists
-    of checkpoints written before contents were recorded, (name, size) pairs, compare by size."""
+    """The first file name that differs between two shard_files() lists, with what it is in each (size, else
+    content: the manifests' sha256, then the sampled one); None if the same. (name, size) lists by size."""
     a_files, b_files = ({entry[0]: entry[1:] for entry in files} for files in (a, b))
     for name in sorted({*a_files, *b_files}):
         x, y = a_files.get(name), b_files.get(name)
@@ -59,8 +53,7 @@ def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | Non
 
 
 def data_fingerprint(data_dir: str) -> list[tuple[str, object]]:
-    """The shards of data_dir (names, sizes, contents) that every rank of a launch must share (a missing
-    folder or split is left to the trainer's TokenRows to refuse)."""
+    """The shards of data_dir every rank of a launch must share (a missing split left to TokenRows)."""
     items = []
     for split in ("train", "val"):
         try:

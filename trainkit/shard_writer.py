@@ -1,6 +1,5 @@
-"""fineweb.py's side of the token shards: ShardWriter cuts the token stream into shards (trainkit/shards.py's
-format) and records each in the manifest that lets a killed run resume byte-identically (open_manifest,
-save_manifest; input_listing and changed_input tell a --files input changed since). Runs nothing at import."""
+"""fineweb.py's side of the token shards: ShardWriter cuts the token stream into shards and records each
+in the manifest that lets a killed run resume byte-identically (open_manifest, save_manifest)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,10 @@ from trainkit.shards import MANIFEST, manifest_problem, shard_header
 from trainkit.tokenizer import ENCODING_NAME, EOT
 
 
-def write_atomically(folder: FolderLock, name: str, *blobs) -> None:
-    """name written whole or not at all (atomic_write) into the folder held (by its descriptor: never
-    into another folder put at its name, which stops the run: FolderLock.check_held), without fsync: it
-    guards against a killed process, not a power loss, and fsync cost seconds per shard on slow disks;
-    a resumed run checks the size of every shard it keeps."""
+def write_whole(folder: FolderLock, name: str, *blobs) -> None:
+    """name written whole or not at all into the folder held (by its descriptor: never into another folder
+    put at its name, which stops the run: FolderLock.check_held), without fsync (seconds per shard on slow
+    disks; a resume checks each shard's size), or a UserError saying that a rerun resumes."""
     folder.check_held("; run the same command on the folder it took to resume")
     path = os.path.join(folder.folder, name)
     target, fd = _in(folder, name)
@@ -43,13 +41,12 @@ def _in(folder: FolderLock, name: str) -> tuple[str, int | None]:
 
 
 def save_manifest(folder: FolderLock, manifest: dict) -> None:
-    write_atomically(folder, MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_whole(folder, MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
 class ShardWriter:
-    """Cuts the token stream into shards and records, per shard, where it ends in the
-    document stream: documents fully written so far, and tokens already written of the next
-    (split) document. Those two numbers are all a resumed run needs."""
+    """Cuts the token stream into shards and records, per shard, where it ends in the document stream:
+    documents fully written, and tokens written of the next (split) one: all a resume needs."""
 
     def __init__(self, folder: FolderLock, manifest: dict):
         self.folder, self.manifest = folder, manifest
@@ -96,9 +93,8 @@ class ShardWriter:
                 self.finish_shard(ends_document=pos == tokens.size or tokens[pos] == EOT)
 
     def finish_in_two(self, first: int) -> None:
-        """finish_shard for a stream that ended inside the first shard, cut into two shards instead:
-        its first `first` tokens and the rest, with the bookkeeping of a stream cut there (so that a
-        run interrupted between the two resumes as one that wrote the first)."""
+        """finish_shard for a stream that ended inside the first shard, cut in two there instead (the
+        first `first` tokens and the rest), each recorded as a stream cut there would be."""
         tokens = self.buffer[: self.filled].copy()
         self.filled = self.shard_documents = self.documents_done = self.open_tokens = 0
         self.add(tokens[:first])
@@ -114,7 +110,7 @@ class ShardWriter:
         name = f"{self.prefix}_{split}_{index:06d}.{self.fmt}"
         tokens = self.buffer[: self.filled]
         header = shard_header(tokens, self.fmt)
-        write_atomically(self.folder, name, header, tokens.data)
+        write_whole(self.folder, name, header, tokens.data)
         digest = hashlib.sha256(header)
         digest.update(tokens.data)
         if ends_document and self.open_tokens:
@@ -145,8 +141,7 @@ class ShardWriter:
 
 
 def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
-    """The manifest of an earlier run with the same config and inputs, or a new one (not yet
-    written: a run that fails before its first shard leaves the folder as it found it)."""
+    """The manifest of an earlier run with the same config and inputs, or a new one (not yet written)."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         pattern = f"{glob.escape(config['prefix'])}_*.{config['format']}"
@@ -205,8 +200,7 @@ def read_manifest(path: str) -> dict:
 
 
 def input_listing(files: list) -> list:
-    """[path, size, mtime_ns] of every input file: a file edited or replaced in place shows
-    in its size or modification time, without reading the data again."""
+    """[path, size, mtime_ns] of every input file: an edit shows without reading the data again."""
     listing = []
     for path in files:
         try:

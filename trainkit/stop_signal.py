@@ -13,10 +13,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SI
 
 
 class StopSignal:
-    """SIGTERM, SIGINT and SIGHUP ask the run to finish its step, checkpoint and exit 0; a second
-    SIGINT aborts. at_once (an evaluation, which has nothing to save): every one ends it there,
-    as cli.Interrupted (exit code 128 + signum). A run started with SIGHUP ignored (`nohup python
-    train_gpt2.py ... &`) was asked to outlive its terminal: it keeps ignoring it."""
+    """SIGTERM, SIGINT and SIGHUP ask the run to finish its step, checkpoint and exit 0; a second SIGINT
+    aborts; at_once (nothing to save): each ends it as cli.Interrupted. A SIGHUP ignored (nohup) stays so."""
 
     def __init__(self, at_once: bool = False):
         self.requested, self.at_once = False, at_once
@@ -35,8 +33,7 @@ class StopSignal:
         self.requested = True
 
     def leave_terminal(self):
-        """After SIGHUP the terminal is gone and writing to it fails (EIO), which would end the run
-        before its checkpoint: what went to the terminal goes to /dev/null (files and pipes still get theirs)."""
+        """After SIGHUP writing to the gone terminal fails (EIO): what went there goes to /dev/null."""
         devnull = os.open(os.devnull, os.O_WRONLY)
         for fd in self.terminal_fds:
             os.dup2(devnull, fd)
@@ -52,9 +49,8 @@ class StopSignal:
 
 
 def stopped_line(path: str, step: int) -> str:
-    """What a run stopped by a signal prints last: its checkpoint, and how to go on. Under torchrun a
-    Ctrl-C (or SIGTERM) reaches torchrun first, which passes it on to the ranks, waits for them and then
-    prints a traceback of its own, ending in SignalException, and exits 1: the line says it is harmless."""
+    """What a run stopped by a signal prints last: its checkpoint, how to go on, and under torchrun that
+    torchrun's own SignalException traceback after it is harmless."""
     line = (
         f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
         "command plus --resume"

@@ -51,8 +51,7 @@ def flops_per_token(cfg, T: int, n_params: int) -> float:
 
 
 def mfu_peak(peak_tflops: float | None, device: str, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of one device for MFU: --peak-tflops, else the table's figure for a CUDA GPU
-    running bf16/fp16 (the table holds tensor-core figures), else None (no MFU shown)."""
+    """Peak FLOP/s of one device for MFU: --peak-tflops, else the table's for a CUDA GPU in bf16/fp16, else None."""
     if peak_tflops:
         return peak_tflops * 1e12
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
@@ -61,8 +60,8 @@ def mfu_peak(peak_tflops: float | None, device: str, dtype: torch.dtype) -> floa
 
 
 class Throughput:
-    """Speed of steps that each process tokens_per_step tokens on all ranks (padding included):
-    tok/s of all ranks, per GPU, and MFU per GPU = FLOPs of all ranks / (dt x W x peak of one GPU)."""
+    """tok/s of all ranks, per GPU, and MFU = FLOPs of all ranks / (dt x W x one GPU's peak) of steps of
+    tokens_per_step tokens (padding included)."""
 
     def __init__(
         self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int, device_type: str

@@ -1,7 +1,5 @@
-"""GPT-2's tokenizer, for every script and the trainer: tiktoken's r50k_base, loaded offline from
-the copy in bpe/ (its sha256 checked) when no cache holds it; the real vocabulary of a padded model;
-the bytes of each token (bits per byte); documents encoded as [EOT] + tokens in one call. Loads the
-standard library, numpy and tiktoken, and runs nothing at import."""
+"""GPT-2's tokenizer (tiktoken's r50k_base, offline from bpe/'s checked copy when no cache holds it), the
+real vocabulary of a padded model, each token's bytes (bits per byte), and documents encoded in one call."""
 
 from __future__ import annotations
 
@@ -32,19 +30,14 @@ _encoding = None
 
 
 def real_vocab_size(vocab_size: int) -> int:
-    """The ids of a model with vocab_size rows that are tokens: GPT-2's 50257 when the vocabulary is
-    padded beyond them (50304 by default, for faster matmuls), all of a smaller one. Softmaxes in
-    training, evaluation, scoring and sampling run over these only, and an export keeps these rows,
-    so the padded ids carry no probability and our loss is the exported model's."""
+    """The ids of a vocab_size-row model that are tokens (GPT-2's 50257, or all of a smaller one): every
+    softmax runs over these only, and an export keeps these rows, so our loss is the exported model's."""
     return min(vocab_size, GPT2_VOCAB)
 
 
 def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
-    """UTF-8 bytes of the text of each of a model's vocab_size token ids (int64), the denominator of
-    bits per byte. <|endoftext|> and the padded ids have 0: a target with no bytes counts in neither
-    the loss nor the bytes of bits per byte (nanochat's definition). A model with fewer ids than
-    GPT-2's does not read GPT-2's tokens (their ids go up to 50256), so its ids get 0 bytes too, and
-    no bits per byte. hint: another way out if the tokenizer cannot be loaded."""
+    """UTF-8 bytes of each token id's text (int64), bits per byte's denominator: 0 for <|endoftext|>, the
+    padded ids, and every id of a model smaller than GPT-2's (nanochat's definition). hint: another way out."""
     lengths = np.zeros(vocab_size, dtype=np.int64)
     if vocab_size >= GPT2_VOCAB:
         enc = get_tokenizer_or_fail(hint)
@@ -53,11 +46,8 @@ def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
 
 
 def get_encoding() -> tiktoken.Encoding:
-    """The GPT-2 tokenizer (loaded once per process), from the first of: tiktoken's cache, when
-    TIKTOKEN_CACHE_DIR (or DATA_GYM_CACHE_DIR) is set and holds the rank file; the copy shipped
-    in bpe/, once its sha256 is checked; tiktoken's download, only when that copy is missing. All
-    three are the same bytes (tiktoken checks the same sha256), so no run needs the network.
-    RuntimeError with a one-line hint when it cannot be loaded."""
+    """The GPT-2 tokenizer, once per process, from tiktoken's cache (TIKTOKEN_CACHE_DIR), else bpe/'s checked
+    copy, else tiktoken's download; a RuntimeError with a one-line hint when it cannot be loaded."""
     global _encoding
     if _encoding is None:
         _encoding = _load_encoding()
@@ -65,8 +55,7 @@ def get_encoding() -> tiktoken.Encoding:
 
 
 def get_tokenizer_or_fail(hint: str | None = None):
-    """get_encoding() for a command: a UserError saying how to get the tokenizer (and `hint`,
-    another way out) instead of a RuntimeError."""
+    """get_encoding() for a command: a UserError (with hint, another way out) instead of a RuntimeError."""
     try:
         return get_encoding()
     except RuntimeError as e:
@@ -102,8 +91,7 @@ def _load_encoding() -> tiktoken.Encoding:
 
 
 def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
-    """tiktoken's r50k_base built from the rank file at path: the same ranks, split pattern and
-    special token as tiktoken_ext.openai_public.r50k_base, without its download or cache."""
+    """tiktoken's r50k_base built from the rank file at path, without its download or cache."""
     from tiktoken_ext.openai_public import r50k_pat_str
 
     try:
@@ -134,14 +122,9 @@ def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
 
 
 def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
-    """Concatenation of [EOT] + enc.encode_ordinary(doc) for each doc, as uint16.
-
-    Documents are joined with <|endoftext|> and encoded in one call, which tiktoken splits
-    at each separator exactly as if every document were encoded alone, but with much less
-    per-call overhead. A document that itself contains the literal text <|endoftext|> is
-    encoded on its own, so that the text stays ordinary text. A lone surrogate in a document
-    (no UTF-8 form) raises UnicodeEncodeError: tokenize_chunk decides what becomes of it.
-    """
+    """[EOT] + enc.encode_ordinary(doc) for each doc, as uint16, joined by <|endoftext|> and encoded in one
+    call (tiktoken splits at each separator as if each were alone); a document holding the literal text
+    <|endoftext|> is encoded on its own. A lone surrogate raises UnicodeEncodeError."""
     parts, start = [], 0
     for i, doc in enumerate(docs):
         if EOT_TEXT in doc:

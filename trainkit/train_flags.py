@@ -1,9 +1,6 @@
-"""The command line of train_gpt2.py, built from its RunConfig: each field of that dataclass declares
-its flag once (flag(): default, help, group, argparse options and the field's own check), and
-build_parser turns the fields into groups of flags, as llm.c lays them out. check_flags runs the
-fields' checks, check_run the checks between fields. Standard library only, and it imports nothing of
-the trainer, which hands it its config class: so `--help` and a usage error answer before torch is
-imported.
+"""train_gpt2.py's command line, built from its RunConfig, whose fields each declare their flag once
+(flag()); check_flags runs the fields' own checks, check_run those between fields. Standard library only,
+importing nothing of the trainer: `--help` and a usage error answer before torch is imported.
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ MIN_DIST_TIMEOUT = 30.0  # seconds
 
 
 def flag(default, help: str, group: str, check=None, **options):
-    """A RunConfig field and its flag: default, help, the --help group it is listed in, check (the
-    field's value -> the error line, or None when it is fine) and argparse's options (type, choices,
-    action, ...; a False default without an action is a switch)."""
+    """A RunConfig field and its flag: default, help, --help group, check (value -> error line or None) and
+    argparse's options (a False default without an action is a switch)."""
     return dataclasses.field(default=default, metadata=dict(help=help, group=group, check=check, options=options))
 
 
@@ -34,8 +30,7 @@ def flag_name(field_name: str) -> str:
 
 
 def given_flags(parser: argparse.ArgumentParser, argv, config_class) -> frozenset[str]:
-    """The fields of config_class whose flag the command line gives: argv parsed again over a namespace that
-    already holds every field, which argparse leaves as it is where no flag of the command sets it."""
+    """The fields of config_class whose flag argv gives (parsed over a namespace argparse leaves unset)."""
     unsaid = object()
     namespace = argparse.Namespace(**{field.name: unsaid for field in dataclasses.fields(config_class)})
     return frozenset(name for name, value in vars(parser.parse_args(argv, namespace)).items() if value is not unsaid)
@@ -49,10 +44,8 @@ EVALUATION_OWN_FLAGS = frozenset(
 
 
 def as_trained(run, saved: dict, given: frozenset[str]):
-    """--eval-only --resume: every flag this command does not give, of the model, the batch, the data and
-    the evaluations, as the checkpoint's run had it (saved: its run_config), so that `--eval-only --resume
-    PATH` alone evaluates it as its training did (flags it gives still win, and a shape that differs is
-    refused as a resume's is). The values taken are checked as the command's own are."""
+    """--eval-only --resume: every flag the command does not give (but EVALUATION_OWN_FLAGS) as the
+    checkpoint's run had it (saved: its run_config), so that it evaluates as its training did; checked."""
     taken = {f.name for f in dataclasses.fields(run)} & saved.keys() - given - EVALUATION_OWN_FLAGS
     evaluated = dataclasses.replace(run, **{name: saved[name] for name in taken})
     check_flags(evaluated)
@@ -113,10 +106,8 @@ def dist_timeout_range(name, value):
 
 
 def check_flags(run):
-    """Each field's own check, before anything uses the values (--dist-timeout is used when joining the
-    process group): first that every float is finite (argparse's float() takes nan and inf), then the
-    fields' checks in flag order, then that --init-from comes without shape flags and --eval-only without
-    trackers. Integer flags are checked as they are parsed (cli.int_in)."""
+    """Each field's own check before anything uses the values: every float finite (argparse's float() takes
+    nan), the fields' checks in flag order, --init-from without shape flags, --eval-only without trackers."""
     fields = dataclasses.fields(run)
     for field in fields:
         value = getattr(run, field.name)
@@ -148,8 +139,7 @@ def check_flags(run):
 
 
 def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
-    """The checks between fields of a run (a RunConfig) and its model (a GPTConfig), before any work;
-    seq_len and batch_size (a number of rows, or auto) as the launch resolved them."""
+    """The checks between fields of a RunConfig and its GPTConfig, with seq_len and batch_size resolved."""
     from trainkit.tokenizer import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
 
     if model.n_embd % model.n_head:

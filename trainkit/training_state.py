@@ -1,7 +1,5 @@
-"""A run's training state in a checkpoint, and back: what a resume needs besides the configs to go on
-exactly where the run was (the weights and optimizer state, the RNGs, the update guard's windows, fp16's
-loss scale), taken from the live objects by training_state() and put back by restore_training_state().
-"""
+"""What a resume needs besides the configs to go on exactly where a run was (weights, optimizer state,
+RNGs, the update guard's windows, fp16's loss scale): taken (training_state) and put back."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from trainkit.optimizers import use_run_hyperparameters
 
 
 def training_state(model, optimizer, guard, scaler, device: str, **records) -> dict:
-    """The weights and optimizer state (full_state: under FSDP every rank calls it, rank 0 gets them), the
-    RNGs, the guard's windows and fp16's loss scale, with records (the step, the configs, the log's position...)."""
+    """The live training state with records (the step, the configs, ...); under FSDP every rank calls it."""
     model_state, optimizer_state = full_state(model, optimizer)
     state = dict(model=model_state, optimizer=optimizer_state, **records)
     state.update(rng_cpu=torch.get_rng_state(), skip_state=guard.state_dict())
@@ -25,9 +22,8 @@ def training_state(model, optimizer, guard, scaler, device: str, **records) -> d
 
 
 def restore_training_state(ckpt: dict, model, optimizer, guard, scaler, device: str, path: str) -> str | None:
-    """What training_state() took, put back into the live objects (every rank: under FSDP each keeps its
-    shard). Returns the note when this run's optimizer hyperparameters (weight decay, ...) replace the
-    checkpoint's (optimizers.use_run_hyperparameters), else None."""
+    """What training_state() took, put back (every rank); the note where this run's optimizer
+    hyperparameters replace the checkpoint's (use_run_hyperparameters), else None."""
     notice = use_run_hyperparameters(optimizer, ckpt["optimizer"])
     load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], path)
     guard.load_state_dict(ckpt["skip_state"])

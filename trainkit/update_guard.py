@@ -13,10 +13,8 @@ from trainkit.launch import all_reduce_sum
 
 
 class SpikeDetector:
-    """Flags a value more than z standard deviations above the mean of a recent window.
-
-    Every value enters the window, flagged or not: after a lasting shift (new data) the window
-    moves to the new level within a few steps, instead of flagging every later value."""
+    """Flags a value more than z standard deviations above the mean of a recent window; every value enters
+    the window, flagged or not, so a lasting shift becomes the new level within a few steps."""
 
     def __init__(self, z: float, window: int = 50, warmup: int = 20):
         self.z, self.window, self.warmup, self.values = z, window, warmup, []
@@ -37,16 +35,12 @@ MAX_SPIKES_IN_A_ROW = 25
 
 
 class UpdateGuard:
-    """--skip-nonfinite N and --skip-spikes Z: whether a step's update is applied. A step whose
-    loss or grad norm is NaN or inf is skipped up to N times, then the run stops; one whose loss or
-    grad norm is a spike (SpikeDetector) is skipped, until too many in a row say the level moved.
-    An fp16 overflow is the GradScaler's business: skipped, never counted. Its state goes into
-    checkpoints, so a resumed run skips exactly what an uninterrupted one would."""
+    """--skip-nonfinite N and --skip-spikes Z: a NaN/inf loss or grad norm is skipped up to N times, a spike
+    until too many in a row; an fp16 overflow is the GradScaler's. Checkpointed, so a resume skips alike."""
 
     def __init__(self, skip_nonfinite: int, skip_spikes: float, fp16: bool, last_checkpoint=lambda: None):
-        """last_checkpoint(): the run's last good checkpoint (None: none yet), named when the guard stops it."""
         self.skip_nonfinite, self.skip_spikes, self.fp16 = skip_nonfinite, skip_spikes, fp16
-        self.last_checkpoint = last_checkpoint
+        self.last_checkpoint = last_checkpoint  # () -> the last good checkpoint, named when the guard stops
         self.loss_spikes, self.norm_spikes = SpikeDetector(skip_spikes), SpikeDetector(skip_spikes)
         self.nonfinite_skipped = self.spikes_in_a_row = 0
 
@@ -89,9 +83,8 @@ class UpdateGuard:
 
 
 def guarded_update(optimizer, guard: UpdateGuard, scaler, step: int, loss: float, norm: float) -> str | None:
-    """A step's update: the optimizer's step unless the guard skips it, the gradients zeroed either way; returns
-    why it skipped (None: applied). With fp16's GradScaler the step goes through the scaler (fused AdamW takes
-    its inf flag on the device: no sync), which then adjusts the loss scale, skipped or not."""
+    """The optimizer's step unless the guard skips it (through fp16's scaler, which then adjusts its scale),
+    gradients zeroed either way; returns why it skipped (None: applied)."""
     skipped = guard.skip_reason(step, loss, norm)
     if scaler:
         if not skipped:
@@ -104,8 +97,7 @@ def guarded_update(optimizer, guard: UpdateGuard, scaler, step: int, loss: float
 
 
 def nonfinite_state(model, optimizer, device) -> str | None:
-    """Which of the weights or optimizer state hold NaN or inf, in words (None: all finite). Every
-    rank checks what it holds (its shards under FSDP); one all-reduce makes them agree."""
+    """Which of the weights or optimizer state hold NaN or inf (None: all finite); every rank calls it."""
     params = dict(model.named_parameters())
     moments = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     finite = torch.stack([torch.isfinite(local_part(t)).all() for t in [*params.values(), *moments]])
