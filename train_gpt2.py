@@ -28,23 +28,12 @@ from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
-from trainkit.train_flags import (
-    LR_SCHEDULES,
-    OPTIMIZERS,
-    SEED,
-    batch_size_flag,
-    dist_timeout_range,
-    flag,
-    in_unit_interval,
-)
-from trainkit.train_flags import one_of, positive
+from trainkit.train_flags import CPU_LOSS_CHUNK, LR_SCHEDULES, OPTIMIZERS, SEED, batch_size_flag, dist_timeout_range
+from trainkit.train_flags import flag, in_unit_interval, one_of, positive
 from trainkit.cli import UserError
 
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
-
-CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32 logits, which malloc
-# reuses; from 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
 
 
 # -----------------------------------------------------------------------------
@@ -210,26 +199,6 @@ class RunConfig:
         return self.max_steps - round(self.cooldown_frac * self.max_steps)
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
-    resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
-    then frozen. Checkpoints keep it beside the RunConfig."""
-
-    model: GPTConfig  # the preset and --n-* flags, or --init-from's shape
-    seq_len: int  # T
-    batch_size: int | str  # B, rows per rank per micro-step; "auto" until Trainer()'s search chooses it
-    rows_per_rank: int  # rows each rank reads per optimizer step: B x accumulation steps
-    world_size: int
-    dtype: str  # autocast: float32, bfloat16, or float16 (with a GradScaler)
-    compile: bool
-    loss_chunk: int  # rows per lm_head + loss chunk (0: full logits)
-    hellaswag_file: str | None  # given, or downloaded
-    resume_from: str | None  # the checkpoint this run continues (None: from scratch)
-    start_step: int
-    shuffle: bool  # the order of the rows (a resume without --[no-]shuffle keeps its checkpoint's)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line: RunConfig's fields as flags (trainkit/train_flags.py)."""
     return train_flags.build_parser(RunConfig, "Pretrain GPT-2 on token shards (torchrun for several GPUs).")
@@ -257,24 +226,24 @@ from trainkit.hf_weights import gpt2_state_from_hf
 
 # the data
 from trainkit.shards import open_shard
-from trainkit.shard_checks import ShardDigestCheck, check_token_ids, find_shards, no_output_for, recorded
-from trainkit.shard_identity import data_fingerprint
+from trainkit.shard_checks import check_token_ids, find_shards, no_output_for, recorded
 from trainkit.shard_scan import scan_shards
-from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths
+from trainkit.tokenizer import EOT, real_vocab_size
 
 # the step's machinery and what recovers it
 from trainkit.optimizers import MuonWithAdamW
-from trainkit.precision import choose_precision_and_compile
 from trainkit.compiling import compile_failure_cause, compile_model
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
 from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
-from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
+from trainkit.memory import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
 from trainkit.memory import sample_peak, watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update
 
 # the ranks and what a run prints
 from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
 from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
+from trainkit import launch_plan
+from trainkit.launch_plan import LaunchInputs, LaunchPlan
 from trainkit.console import print0, print_result
 from trainkit.progress import elapsed_and_eta, per_device_rate
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak
@@ -283,14 +252,13 @@ from trainkit.stop_signal import StopSignal, stopped_line
 # the run's files: checkpoints, resuming, the run folder and its log
 from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
 from trainkit.checkpointer import Checkpointer, resume_state
-from trainkit.resume import check_resume_compatible, data_files, eval_checkpoint
-from trainkit.out_dir import OutDirLock, claim_out_dir, open_run_log
+from trainkit.resume import data_files, eval_checkpoint
+from trainkit.out_dir import OutDirLock, open_run_log
 from trainkit.run_log import RunLog
 from trainkit.save_on_failure import save_first_on_failure
 
 # the evaluations
-from trainkit import hellaswag_eval, hellaswag_examples
-from trainkit.hellaswag_data import resolve_data_file
+from trainkit import hellaswag_eval
 from trainkit.sampling import sample_text
 
 
@@ -808,21 +776,6 @@ def evaluate_loss(
 # the launch: resolved once (a LaunchPlan), before the Trainer exists
 
 
-@dataclass
-class LaunchInputs:
-    """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
-    the --init-from weights, the resumed checkpoint and the run folder taken."""
-
-    train_rows: TokenRows
-    val_rows: TokenRows | None
-    shard_check: ShardDigestCheck  # every shard's sha256 against its manifest's, beside the steps
-    enc: object | None  # the tokenizer, for samples
-    token_bytes: object | None  # UTF-8 bytes of each token id, for val bpb
-    pretrained: GPT | None
-    checkpoint: dict | None
-    run_folder: OutDirLock  # rank 0's hold on --out-dir: whether the name still names the folder taken
-
-
 def model_config(run: RunConfig) -> GPTConfig:
     """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
     (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
@@ -837,115 +790,17 @@ def model_config(run: RunConfig) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def resolve_launch(
-    run: RunConfig, dist_state: Dist, out_dir_lock: OutDirLock, evaluated=None
-) -> tuple[LaunchPlan, LaunchInputs]:
-    """Everything this launch decides, in the order that makes bad input fail before any model work:
-    the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
-    (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order.
-    evaluated: (path, checkpoint) that main() loaded for --eval-only --resume, not loaded again."""
-    pretrained = None
-    model_cfg = model_config(run)
+def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
+    """The model's shape (--init-from: its weights'), then the rest of the LaunchPlan (trainkit/launch_plan.py)."""
+    model_cfg, pretrained = model_config(run), None
     if run.init_from:  # the weights decide the model's shape
         pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size)
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
-    seq_len = run.seq_len or min(model_cfg.block_size, 1024)
-    batch_size = run.batch_size or ("auto" if dist_state.device_type == "cuda" else 64)
-    train_flags.check_run(run, model_cfg, seq_len, batch_size, dist_state.world_size)
-    rows_per_rank = run.total_batch_size // (seq_len * dist_state.world_size)  # which --batch-size divides
-    check_model_fits(param_count(model_cfg), dist_state, run.fsdp, training=not run.eval_only)
-    problem = run.hellaswag_every and hellaswag_eval.model_problem(model_cfg.vocab_size, model_cfg.block_size)
-    if problem:  # refused now, not after --hellaswag-every steps of training
-        raise UserError(f"--hellaswag-every {run.hellaswag_every}: {problem}; pass --hellaswag-every 0")
-    dtype, compiled = choose_precision_and_compile(run, dist_state)
-    loss_chunk = (
-        run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if dist_state.device_type == "cpu" else 0
+    n_params = param_count(model_cfg)
+    return launch_plan.resolve_launch(
+        run, dist_state, run_folder, model_cfg, pretrained, n_params, TokenRows, evaluated
     )
-
-    train_rows = TokenRows(
-        run.data_dir,
-        "train",
-        seq_len,
-        run.align_docs,
-        run.shuffle,
-        run.seed,
-        model_cfg.vocab_size,
-        progress=dist_state.is_main,
-    )
-    if train_rows.rows_per_epoch < rows_per_rank * dist_state.world_size:
-        raise UserError(
-            f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
-            f"than one optimizer step ({rows_per_rank * dist_state.world_size} rows): lower --total-batch-size"
-        )
-    val_rows = None
-    if run.val_every:
-        try:
-            val_rows = TokenRows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
-        except UserError as e:
-            raise UserError(f"{e} (or pass --val-every 0)") from None
-        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * dist_state.world_size
-        if val_rows.rows_per_epoch < val_rows_needed:
-            raise UserError(
-                f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
-                f"--batch-size x world size = {val_rows_needed}: lower --val-steps"
-            )
-    # a step or a save that finds this check failed stops
-    shard_check = ShardDigestCheck(train_rows.paths + (val_rows.paths if val_rows else []))
-    enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
-    token_bytes = token_byte_lengths(model_cfg.vocab_size, "pass --val-every 0") if val_rows else None
-    hellaswag_file = None
-    if run.hellaswag_every:
-        get_tokenizer_or_fail("pass --hellaswag-every 0")
-        # download and render now: a bad file fails here, not at the first evaluation (which
-        # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
-        try:  # offline without the file: both ways on
-            hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
-        except UserError as e:
-            raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
-        hellaswag_examples.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
-
-    if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
-        resume_from, checkpoint = evaluated or (eval_checkpoint(run), None)
-    else:
-        resume_from, checkpoint = decided_on_rank0(dist_state, lambda: claim_out_dir(run, out_dir_lock)), None
-    start_step, shuffle = 0, run.shuffle is not False
-    if resume_from:
-        checkpoint = checkpoint or load_checkpoint(resume_from, model_fields=MODEL_FIELDS, resume=True)
-        saved = checkpoint["launch"]
-        shuffle = saved["shuffle"] if run.shuffle is None else run.shuffle  # unsaid: the checkpoint's order
-        as_resumed = dataclasses.replace(run, seq_len=seq_len, shuffle=shuffle)  # compared with what it resolved
-        check_resume_compatible(
-            dict(
-                checkpoint,
-                run_config={**checkpoint["run_config"], "seq_len": saved["seq_len"], "shuffle": saved["shuffle"]},
-            ),
-            as_resumed,
-            model_cfg,
-            resume_from,
-        )
-        start_step = checkpoint["step"]
-        if start_step > run.max_steps and not run.eval_only:
-            raise UserError(
-                f"{resume_from} is at step {start_step}, past --max-steps {run.max_steps}: "
-                "pass a larger --max-steps to train on"
-            )
-    train_rows.shuffle = shuffle  # (no row was read yet)
-    plan = LaunchPlan(
-        model_cfg,
-        seq_len,
-        batch_size,
-        rows_per_rank,
-        dist_state.world_size,
-        str(dtype).removeprefix("torch."),
-        compiled,
-        loss_chunk,
-        hellaswag_file,
-        resume_from,
-        start_step,
-        shuffle,
-    )
-    return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint, out_dir_lock)
 
 
 def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
@@ -1038,18 +893,8 @@ class Trainer:
             )
             self.plan = dataclasses.replace(plan, batch_size=B)
         self.use_micro_batch(self.plan.batch_size)
-        rows_per_epoch = self.train_rows.rows_per_epoch
-        self.checkpointer = Checkpointer(
-            run,
-            self.plan,
-            dist_state,
-            trainer_state,
-            self.shard_check,
-            self.log,
-            self.shards_read,
-            rows_per_epoch,
-            self.run_folder,
-        )
+        files = self.shard_check, self.log, self.shards_read, self.train_rows.rows_per_epoch, self.run_folder
+        self.checkpointer = Checkpointer(run, self.plan, dist_state, trainer_state, *files)
         tokens_per_step = plan.rows_per_rank * dist_state.world_size * plan.seq_len  # all ranks, padding included
         flops = flops_per_token(plan.model, plan.seq_len, self.raw_model.num_params())
         peak = mfu_peak(run.peak_tflops, self.device, self.dtype)
@@ -1279,11 +1124,11 @@ class Trainer:
 
 def train(run: RunConfig, dist_state: Dist, evaluated=None):
     """Resolve the plan, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
-    out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
+    run_folder = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
     plan = trainer = None
     try:
-        check_ranks_agree(launch_fingerprint(run))
-        plan, inputs = resolve_launch(run, dist_state, out_dir_lock, evaluated)
+        check_ranks_agree(run)
+        plan, inputs = resolve_launch(run, dist_state, run_folder, evaluated)
         if plan.resume_from and plan.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
             print0(
                 f"{plan.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
@@ -1302,24 +1147,13 @@ def train(run: RunConfig, dist_state: Dist, evaluated=None):
             )
         trainer.fit()
     except Exception as e:
-        if is_out_of_memory(e):
-            auto = (plan.batch_size if plan else run.batch_size) == "auto"  # B was (or was to be) auto's choice
-            micro_batch = (
-                trainer.loader.B if trainer else None if auto else plan.batch_size if plan else run.batch_size
-            )  # the rows per micro-step it ran out at (None: auto had chosen none)
-            raise out_of_memory_error(
-                e, dist_state.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
-            ) from None
-        raise
+        if not is_out_of_memory(e):
+            raise
+        last_ckpt = None if run.eval_only else latest_checkpoint(run.out_dir)
+        asked = plan.batch_size if plan else run.batch_size  # (auto's choice: trainer.loader.B)
+        raise out_of_memory_error(e, dist_state.device, last_ckpt, asked, trainer and trainer.loader.B) from None
     finally:
-        out_dir_lock.release()
-
-
-def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:
-    """What every rank of a launch must share, in flag order: each flag, then the shards."""
-    return [(train_flags.flag_name(name), value) for name, value in dataclasses.asdict(run).items()] + data_fingerprint(
-        run.data_dir
-    )
+        run_folder.release()
 
 
 def main(argv=None) -> int:

@@ -119,7 +119,7 @@ def test_no_import_cycle_and_trainkit_imports_no_script():
         "trainkit.chunked_loss",
         "trainkit.shards",
         "trainkit.shard_checks",
-        "trainkit.shard_identity",
+        "trainkit.launch_plan",
         "trainkit.tokenizer",
         "trainkit.hellaswag_eval",
         "trainkit.sampling",

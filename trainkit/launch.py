@@ -8,6 +8,7 @@ The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, reason_of
 from trainkit.console import print_line
-from trainkit.shard_identity import differing_file
+from trainkit.shard_identity import data_fingerprint, differing_file
+from trainkit.train_flags import flag_name
 
 
 @dataclass
@@ -255,12 +257,14 @@ def first_difference(rank: int, mine: list, theirs: list) -> str | None:
     return None
 
 
-def check_ranks_agree(fingerprint: list[tuple[str, object]]):
+def check_ranks_agree(run):
     """Under torchrun, refuse a launch whose ranks got different flags or data (a different
     --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
-    replicas that silently drift apart). fingerprint: (what, value) pairs in order, "--flag"s and
-    shard lists (shard_identity.shard_files: names, sizes and contents). One all-gather; every rank raises
+    replicas that silently drift apart): each flag of run (a RunConfig), in order, then the shard
+    lists (shard_identity.shard_files: names, sizes and contents). One all-gather; every rank raises
     the same error."""
+    fingerprint = [(flag_name(name), value) for name, value in dataclasses.asdict(run).items()]
+    fingerprint += data_fingerprint(run.data_dir)
     if not dist.is_initialized():
         return
     fingerprints = [None] * dist.get_world_size()

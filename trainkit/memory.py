@@ -71,12 +71,14 @@ def out_of_memory_reason(e: BaseException) -> str:
 
 
 def out_of_memory_error(
-    e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None, auto: bool = False
+    e: BaseException, device: str, last_ckpt: str | None, asked: int | str | None, ran_at: int | None = None
 ) -> cli.RankLocalError:
-    """The line for an out-of-memory that ends the run. micro_batch: the rows per micro-step it ran
-    out at, which --batch-size auto chose (auto; None: before it chose) or the user did. At one row
-    fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
+    """The line for an out-of-memory that ends the run. asked: --batch-size as the launch had it (rows, "auto", or
+    None before it was resolved); ran_at: the rows per micro-step the steps ran at (None: no step was set up).
+    At one row fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
     shrinks a step."""
+    auto = asked == "auto"
+    micro_batch = ran_at if ran_at is not None else None if auto else asked  # (None: auto had chosen none)
     if auto and micro_batch is None:  # the search itself, before its first trial
         advice = (
             "--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "
