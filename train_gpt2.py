@@ -4,15 +4,9 @@
     python train_gpt2.py --data-dir edu_fineweb10B                    # one GPU (or a CPU)
     torchrun --nproc_per_node=8 train_gpt2.py --data-dir edu_fineweb10B
 
-The heart is token-normalized gradient accumulation: the gradient of one optimizer step equals
-the gradient of the mean loss over every non-ignored target token of the step, on every rank,
-whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
-& the step" below). Sections, in the order a step needs them: config (RunConfig: the flags;
-LaunchPlan: what a launch decided) -> the GPT-2 model -> data -> optimizer & schedule -> accumulation
-& the step -> the launch, resolved once -> the Trainer (its train_step is README's "The step, in
-order", recovery written where it happens) -> main(). What keeps long runs alive (checkpoints, the
-run folder and its log, rank agreement, signals, FSDP) and what the other scripts share lives in
-trainkit/, called from here by name; no trainkit module imports a script.
+The heart is token-normalized gradient accumulation (see "accumulation & the step"). Sections: config ->
+model -> data -> optimizer & schedule -> accumulation & the step -> the Trainer -> main(). What keeps long
+runs alive lives in trainkit/, called from here by name; no trainkit module imports a script.
 """
 
 from __future__ import annotations
@@ -209,7 +203,7 @@ if __name__ == "__main__":
 
 
 # -----------------------------------------------------------------------------
-# imports: torch, and the modules that keep long runs alive (none of them imports this file)
+# imports: torch, and the modules that keep long runs alive (README's module table says what each holds)
 
 import numpy as np
 import torch
@@ -219,46 +213,34 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# the model's parts (README's module table says what each trainkit module holds)
+from trainkit import hellaswag_eval, launch_plan
 from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss
 from trainkit.doc_mask import document_attention
 from trainkit.hf_weights import gpt2_state_from_hf
-
-# the data
 from trainkit.shards import open_shard
 from trainkit.shard_checks import check_token_ids, find_shards, no_output_for, recorded
 from trainkit.shard_scan import scan_shards
 from trainkit.tokenizer import EOT, real_vocab_size
-
-# the step's machinery and what recovers it
 from trainkit.optimizers import MuonWithAdamW
 from trainkit.compiling import compile_failure_cause, compile_model
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
 from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
-from trainkit.memory import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
-from trainkit.memory import sample_peak, watch_peak
+from trainkit.memory import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory, sample_peak
+from trainkit.memory import watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update
-
-# the ranks and what a run prints
 from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
 from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
-from trainkit import launch_plan
 from trainkit.launch_plan import LaunchInputs, LaunchPlan
 from trainkit.console import print0, print_result
 from trainkit.progress import elapsed_and_eta, per_device_rate
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak
 from trainkit.stop_signal import StopSignal, stopped_line
-
-# the run's files: checkpoints, resuming, the run folder and its log
 from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
 from trainkit.checkpointer import Checkpointer, resume_state
 from trainkit.resume import data_files, eval_checkpoint
 from trainkit.out_dir import OutDirLock, open_run_log
 from trainkit.run_log import RunLog
 from trainkit.save_on_failure import save_first_on_failure
-
-# the evaluations
-from trainkit import hellaswag_eval
 from trainkit.sampling import sample_text
 
 
@@ -358,11 +340,8 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0, doc_mask=False):
-        """Logits (B, T, real vocabulary: the padded ids carry no probability) and, with targets, the
-        cross-entropy over targets != -1: summed with reduction="sum" (token-normalized gradient
-        accumulation scales it by the step's global token count), each target's with "none" (0 if
-        ignored). loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows
-        and returns no logits. doc_mask: each document of a row attends to itself only (trainkit/doc_mask.py)."""
+        """(logits over the real vocabulary, cross-entropy over targets != -1: mean, "sum" or "none" per target);
+        loss_chunk > 0: the loss in chunks of that many rows, no logits. doc_mask: --doc-mask."""
         x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
         n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, never softmaxed
         if targets is None:
@@ -377,14 +356,8 @@ class GPT(nn.Module):
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
     def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache=None):
-        """The final LayerNorm's output (B, T, n_embd) for scoring and decoding (forward's first half).
-
-        By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
-        several sequences that share a prefix into one row (trainkit/hellaswag_eval.py): positions (B, T)
-        then gives each token's position in its own sequence and attn_mask (B, 1, T, T) bool
-        which earlier tokens it may attend to (True: attend). Decoding passes kv_cache (from
-        new_kv_cache()): idx then continues the tokens cached there, and is added to it. Under
-        --fsdp it is registered as a forward method, so that it gathers the parameters."""
+        """The final LayerNorm's output (B, T, n_embd): causal rows by default; packed scoring passes positions and
+        attn_mask (docs/hellaswag.md), decoding a kv_cache (trainkit/sampling.py) that idx continues."""
         B, T = idx.size()
         if positions is None:
             start = kv_cache[0].length if kv_cache else 0
@@ -437,12 +410,8 @@ class GPT(nn.Module):
 
 
 def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray:
-    """Row table of one shard for --align-docs: int64 (n_rows, 2) of (start, n_targets).
-
-    A row's inputs are tokens[start : start+n] and its targets tokens[start+1 : start+n+1].
-    Rows are filled with whole documents; the last target of a row is the <|endoftext|> that
-    opens the next document, which also opens the next row, so every token is a target once.
-    A document longer than a row fills whole rows and its remainder starts the next one."""
+    """--align-docs' rows of one shard, int64 (n_rows, 2) of (start, n_targets): whole documents per row, each
+    row ending on the <|endoftext|> that opens the next (every token a target once; README)."""
     n = len(tokens)
     starts = [np.flatnonzero(tokens[i : i + chunk] == EOT) + i for i in range(0, n, chunk)]
     bounds = np.concatenate([[0], *starts, [n - 1]]).astype(np.int64)  # shard edges count as boundaries
@@ -457,12 +426,8 @@ def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray
 
 
 class TokenRows:
-    """The training (or validation) stream as a sequence of rows, with a pure row -> tokens map.
-
-    Global row g lives in epoch g // rows_per_epoch. Each epoch visits the shards in order
-    (or a seeded permutation with shuffle) and each shard's rows in order (or permuted).
-    Plain rows are T+1 consecutive tokens starting at multiples of T, so a shard of n tokens
-    holds (n - 1) // T rows; aligned rows come from aligned_rows()."""
+    """A split's shards as a pure map of global row g -> tokens: epoch g // rows_per_epoch, its shards and their
+    rows in order (or seeded permutations); plain rows are T+1 tokens from multiples of T."""
 
     def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
         self.paths = find_shards(data_dir, split)
@@ -544,11 +509,8 @@ class TokenRows:
 
 
 class StepLoader:
-    """Which rows each rank reads at each micro-step of each optimizer step.
-
-    Step s consumes the rows_per_step consecutive global rows [s*R, (s+1)*R). Micro-step m of
-    rank r reads rows s*R + (m*W + r)*B + [0, B): any split B x accumulation x W of the same
-    R reads the same rows, so the loss curve does not depend on the GPU count."""
+    """Micro-step m of rank r in step s reads rows s*R + (m*W + r)*B + [0, B): any split B x accumulation x W
+    of the step's R rows reads the same rows, so the loss curve does not depend on the GPU count."""
 
     def __init__(self, rows: TokenRows, B, grad_accum_steps, rank, world_size):
         self.rows, self.B, self.accum, self.rank, self.W = rows, B, grad_accum_steps, rank, world_size
@@ -595,14 +557,9 @@ class Prefetcher:
 # optimizer & schedule
 
 
-# the fields get_lr reads: a resumed run whose values differ may find another LR at its step
-SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
-
-
 def get_lr(step: int, run: RunConfig) -> float:
-    """Linear warmup to max_lr, then the decay of run.lr_schedule down to min_lr at max_steps:
-    cosine, linear, or wsd (constant, then linear over the last cooldown_frac of the steps).
-    min_lr is held after max_steps."""
+    """Linear warmup to max_lr, then run.lr_schedule's decay (cosine, linear, or wsd: constant, then linear over
+    the last cooldown_frac) to min_lr at max_steps, held after (docs/schedules.md)."""
     min_lr = run.max_lr * 0.1 if run.min_lr is None else run.min_lr
     if step < run.warmup_steps:  # from max_lr / warmup_steps up to max_lr
         return run.max_lr * (step + 1) / run.warmup_steps
@@ -623,21 +580,6 @@ def set_lr(optimizer, lr: float):
         return optimizer.set_lr(lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str | None:
-    """One line when the schedule flags of a resumed run put another LR at the resumed step than
-    the checkpoint's run had there (e.g. a larger --max-steps stretches the cosine), else None."""
-    saved = dataclasses.replace(run, **{k: saved_run_config[k] for k in SCHEDULE_KEYS if k in saved_run_config})
-    old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
-    if old_lr == new_lr:
-        return None
-    changed = ", ".join(
-        f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
-        for k in SCHEDULE_KEYS
-        if getattr(saved, k) != getattr(run, k)
-    )
-    return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
 
 
 def build_optimizer(
@@ -683,10 +625,8 @@ def build_optimizer(
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Context in which backward does (enabled) or does not reduce gradients across ranks.
-
-    DDP's no_sync() must cover the forward too: DDP prepares its reducer there. FSDP2 keeps
-    the unsharded gradients of a backward without sync and adds them into the next one's."""
+    """Context in which backward does (enabled) or does not reduce gradients across ranks (DDP's no_sync()
+    covers the forward too: its reducer is prepared there)."""
     if enabled:
         return contextlib.nullcontext()
     if is_fsdp(model):
@@ -705,11 +645,8 @@ def accumulate_gradients(
     scaler=None,
     doc_mask=False,
 ) -> torch.Tensor:
-    """Forward and backward over one optimizer step's micro-batches on this rank, each term
-    sum(token losses) * W / N (see above); returns this rank's summed token loss (float64).
-    micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an asynchronous copy to
-    CUDA); model may be bare, DDP-wrapped or FSDP-sharded. With an fp16 GradScaler each term is
-    scaled by it (the gradients come out times its scale; unscale_ before using them). doc_mask: --doc-mask."""
+    """Forward and backward of this rank's micro-batches ((x, y) arrays or tensors), each term sum(token losses)
+    * W / N (times an fp16 GradScaler's scale); returns this rank's summed token loss (float64)."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     single = len(micro_batches) == 1 and world_size == 1
@@ -728,10 +665,8 @@ def accumulate_gradients(
 
 
 def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -> torch.Tensor:
-    """The 2-norm of all gradients as one vector before clipping (a device tensor: no host sync), the gradients
-    clipped to grad_clip in place (0: not clipped). With fp16's GradScaler they are unscaled first, so both see
-    the true gradients. Under FSDP the gradients are shards (DTensors) whose norm is a partial one: full_tensor()
-    sums it over the ranks, so every rank clips by the norm DDP computes."""
+    """The gradients' 2-norm before clipping (a device tensor: no host sync), clipped in place to grad_clip (0:
+    not); unscaled first under fp16, the whole norm under FSDP (full_tensor of the shards')."""
     if scaler:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -879,8 +814,7 @@ class Trainer:
         trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
         self.resumed = None
         if inputs.checkpoint:
-            lr_notice = lr_change_notice(inputs.checkpoint["run_config"], run, plan.start_step)
-            self.resumed = resume_state(inputs.checkpoint, run, plan, trainer_state, self.shards_read, lr_notice)
+            self.resumed = resume_state(inputs.checkpoint, run, plan, trainer_state, self.shards_read, get_lr)
         self.compiled = plan.compile
         self.model = wrap_model(self.raw_model, self.compiled, dist_state, run.fsdp)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
@@ -949,12 +883,8 @@ class Trainer:
     # ---- one optimizer step
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step, in the order of README's "The step, in order". Its one host sync is the
-        .tolist() after the clip; the update is queued without waiting, so dt runs from this step's start
-        to the next sync and includes the GPU finishing the previous step's update: in a steady run, the
-        time per step. Recovery is written where it happens: forward_backward goes on eagerly if compiling
-        fails, the step is redone at half the micro-batch after an out-of-memory (one process), and
-        guarded_update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
+        """One optimizer step, as README's "The step, in order", with one host sync (the .tolist() after the clip;
+        docs/performance.md). An out-of-memory redoes it at a smaller micro-batch (one process)."""
         t0 = time.perf_counter()
         micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
         while True:  # 4. each micro-batch: backward of sum*W/N; out of memory: the same rows again, smaller
@@ -1069,10 +999,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def running(self):
-        """Around the loop or an evaluation: a collective that failed because another rank died becomes
-        this rank's one line, and no checkpoint is written after it (the state may be half-updated, and
-        saving needs the peers); the shard check's and the prefetch threads (ended and joined), the
-        signal handlers and the log are released however it ends."""
+        """Around the loop or an evaluation: a collective failed by a dead rank becomes one line (and no save);
+        the shard check and prefetch threads, the signal handlers and the log are released however it ends."""
         self.shard_check.start()  # started here, so that every way out of the run passes its close() below
         try:
             yield
