@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
 from trainkit.train_flags import CPU_LOSS_CHUNK, LR_SCHEDULES, OPTIMIZERS, SEED, batch_size_flag, dist_timeout_range
-from trainkit.train_flags import flag, in_unit_interval, one_of, positive
+from trainkit.train_flags import flag_group, in_unit_interval, one_of, positive
 from trainkit.cli import UserError
 
 if __name__ == "__main__":
@@ -53,12 +53,13 @@ MODEL_PRESETS = {
 }
 
 
-# the groups of --help, in its order
-DATA, MODEL, BATCH, OPTIMIZATION = "data and output", "model", "batch", "optimization"
-EVALUATION = "evaluation and checkpoints (0 disables each)"
-TRACKING = "run tracking (rank 0; each gets exactly the records of log.jsonl)"
-FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
-ON_OFF = argparse.BooleanOptionalAction
+# the groups of --help, in its order: each declares its flags (train_flags.flag: default, help, check, options)
+DATA, MODEL, BATCH = flag_group("data and output"), flag_group("model"), flag_group("batch")
+OPTIMIZATION = flag_group("optimization")
+EVALUATION = flag_group("evaluation and checkpoints (0 disables each)")
+TRACKING = flag_group("run tracking (rank 0; each gets exactly the records of log.jsonl)")
+FAILURES, DISTRIBUTED, RUNTIME = flag_group("failures"), flag_group("distributed"), flag_group("runtime")
+ON_OFF, SIZE, COUNT = argparse.BooleanOptionalAction, cli.positive_int, cli.non_negative_int  # SIZE: >= 1, COUNT: >= 0
 
 
 @dataclass(frozen=True)
@@ -66,125 +67,88 @@ class RunConfig:
     """What the user asked for: one field per flag, declared once (train_flags.flag: default, help, --help
     group, check), in --help's order; docs/flags.md says more of each. What a launch decides is a LaunchPlan."""
 
-    data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)", DATA)
-    out_dir: str = flag("out", "log.jsonl and checkpoints go here", DATA)
-    align_docs: bool = flag(False, "start rows at document boundaries; pad row tails (targets -1)", DATA)
-    shuffle: bool | None = flag(
-        None, "seeded shard and row order each epoch (default: on; a resume keeps its own)", DATA, action=ON_OFF
+    data_dir: str = DATA("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
+    out_dir: str = DATA("out", "log.jsonl and checkpoints go here")
+    align_docs: bool = DATA(False, "start rows at document boundaries; pad row tails (targets -1)")
+    shuffle: bool | None = DATA(
+        None, "seeded shard and row order each epoch (default: on; a resume keeps its own)", action=ON_OFF
     )
-    doc_mask: bool = flag(False, "each token attends only to its own document of the row (doc-mask.md)", DATA)
-    model: str | None = flag(
-        None, "size preset (default gpt2); the flags below override it", MODEL, choices=sorted(MODEL_PRESETS)
+    doc_mask: bool = DATA(False, "each token attends only to its own document of the row (doc-mask.md)")
+    model: str | None = MODEL(
+        None, "size preset (default gpt2); the flags below override it", choices=sorted(MODEL_PRESETS)
     )
-    n_layer: int | None = flag(None, "transformer blocks", MODEL, type=cli.positive_int)
-    n_head: int | None = flag(None, "attention heads", MODEL, type=cli.positive_int)
-    n_embd: int | None = flag(None, "embedding width", MODEL, type=cli.positive_int)
-    block_size: int | None = flag(None, "longest sequence the model handles", MODEL, type=cli.positive_int)
-    vocab_size: int | None = flag(
-        None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL, type=cli.positive_int
+    n_layer: int | None = MODEL(None, "transformer blocks", type=SIZE)
+    n_head: int | None = MODEL(None, "attention heads", type=SIZE)
+    n_embd: int | None = MODEL(None, "embedding width", type=SIZE)
+    block_size: int | None = MODEL(None, "longest sequence the model handles", type=SIZE)
+    vocab_size: int | None = MODEL(None, "vocabulary size (default 50304: GPT-2's 50257 padded)", type=SIZE)
+    init_from: str | None = MODEL(None, "start from Hugging Face GPT-2 weights (Hub name or folder); sets the shape")
+    batch_size: int | str | None = BATCH(
+        None, "rows per rank per micro-step (B), or auto (default: auto on CUDA, 64 elsewhere)", type=batch_size_flag
     )
-    init_from: str | None = flag(
-        None, "start from Hugging Face GPT-2 weights (Hub name or folder); sets the shape", MODEL
-    )
-    batch_size: int | str | None = flag(
-        None,
-        "rows per rank per micro-step (B), or auto (default: auto on CUDA, 64 elsewhere)",
-        BATCH,
-        type=batch_size_flag,
-    )
-    seq_len: int | None = flag(
-        None, "tokens per row (T); default: the model's block size", BATCH, type=cli.positive_int
-    )
-    total_batch_size: int = flag(
-        524288,
-        "tokens per optimizer step over all ranks; a multiple of B x T x world size",
-        BATCH,
-        type=cli.positive_int,
+    seq_len: int | None = BATCH(None, "tokens per row (T); default: the model's block size", type=SIZE)
+    total_batch_size: int = BATCH(
+        524288, "tokens per optimizer step over all ranks; a multiple of B x T x world size", type=SIZE
     )  # 2**19
-    max_steps: int = flag(19073, "optimizer steps", OPTIMIZATION, type=cli.non_negative_int)  # 10B tokens / 2**19
-    warmup_steps: int = flag(715, "linear LR warmup steps", OPTIMIZATION, type=cli.non_negative_int)
-    max_lr: float = flag(6e-4, "peak learning rate", OPTIMIZATION, type=float)
-    min_lr: float | None = flag(None, "final learning rate (default: 10%% of --max-lr)", OPTIMIZATION, type=float)
-    lr_schedule: str = flag(
-        "cosine",
-        "decay after warmup to --min-lr: cosine, linear or wsd",
-        OPTIMIZATION,
-        one_of(LR_SCHEDULES),
-        choices=LR_SCHEDULES,
+    max_steps: int = OPTIMIZATION(19073, "optimizer steps", type=COUNT)  # 10B tokens / 2**19
+    warmup_steps: int = OPTIMIZATION(715, "linear LR warmup steps", type=COUNT)
+    max_lr: float = OPTIMIZATION(6e-4, "peak learning rate", type=float)
+    min_lr: float | None = OPTIMIZATION(None, "final learning rate (default: 10%% of --max-lr)", type=float)
+    lr_schedule: str = OPTIMIZATION(
+        "cosine", "decay after warmup to --min-lr: cosine, linear or wsd", one_of(LR_SCHEDULES), choices=LR_SCHEDULES
     )
-    cooldown_frac: float = flag(
-        0.2, "wsd: fraction of --max-steps spent in the final linear decay", OPTIMIZATION, in_unit_interval, type=float
+    cooldown_frac: float = OPTIMIZATION(
+        0.2, "wsd: fraction of --max-steps spent in the final linear decay", in_unit_interval, type=float
     )
-    weight_decay: float = flag(0.1, "AdamW decay on matrices and embeddings", OPTIMIZATION, type=float)
-    optimizer: str = flag(
+    weight_decay: float = OPTIMIZATION(0.1, "AdamW decay on matrices and embeddings", type=float)
+    optimizer: str = OPTIMIZATION(
         "adamw",
         "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest",
-        OPTIMIZATION,
         one_of(OPTIMIZERS),
         choices=OPTIMIZERS,
-    )  # muon's lr and momentum: modded-nanogpt's, nanochat's
-    muon_lr: float = flag(0.02, "Muon's peak LR, scaled by the schedule as --max-lr is", OPTIMIZATION, type=float)
-    muon_momentum: float = flag(0.95, "Muon's (Nesterov) momentum", OPTIMIZATION, type=float)
-    grad_clip: float = flag(1.0, "clip the gradient norm to this (0: off)", OPTIMIZATION, type=float)
-    val_every: int = flag(250, "validation loss every N steps", EVALUATION, type=cli.non_negative_int)
-    val_steps: int = flag(20, "batches per validation", EVALUATION, type=cli.non_negative_int)
-    sample_every: int = flag(250, "print text samples every N steps", EVALUATION, type=cli.non_negative_int)
-    sample_prompt: str | None = flag(
-        None,
-        'the text those samples continue (default: "Hello, I\'m a language model,")',
-        EVALUATION,
-        type=cli.may_be_empty,
+    )
+    # Muon's LR and momentum: modded-nanogpt's, nanochat's
+    muon_lr: float = OPTIMIZATION(0.02, "Muon's peak LR, scaled by the schedule as --max-lr is", type=float)
+    muon_momentum: float = OPTIMIZATION(0.95, "Muon's (Nesterov) momentum", type=float)
+    grad_clip: float = OPTIMIZATION(1.0, "clip the gradient norm to this (0: off)", type=float)
+    val_every: int = EVALUATION(250, "validation loss every N steps", type=COUNT)
+    val_steps: int = EVALUATION(20, "batches per validation", type=COUNT)
+    sample_every: int = EVALUATION(250, "print text samples every N steps", type=COUNT)
+    sample_prompt: str | None = EVALUATION(
+        None, 'the text those samples continue (default: "Hello, I\'m a language model,")', type=cli.may_be_empty
     )  # None: train_flags.SAMPLE_PROMPT (English)
-    hellaswag_every: int = flag(250, "HellaSwag accuracy every N steps", EVALUATION, type=cli.non_negative_int)
-    hellaswag_limit: int = flag(0, "examples per HellaSwag eval (0: all)", EVALUATION, type=cli.non_negative_int)
-    hellaswag_file: str | None = flag(None, "local hellaswag_val.jsonl (default: download/cache)", EVALUATION)
-    ckpt_every: int = flag(5000, "checkpoint every N steps (and at the end)", EVALUATION, type=cli.non_negative_int)
-    keep_last: int = flag(0, "keep only the newest K checkpoints (0: all)", EVALUATION, type=cli.non_negative_int)
-    resume: str | None = flag(
-        None,
-        "continue from the newest checkpoint in --out-dir (or the given path)",
-        EVALUATION,
-        nargs="?",
-        const="latest",
+    hellaswag_every: int = EVALUATION(250, "HellaSwag accuracy every N steps", type=COUNT)
+    hellaswag_limit: int = EVALUATION(0, "examples per HellaSwag eval (0: all)", type=COUNT)
+    hellaswag_file: str | None = EVALUATION(None, "local hellaswag_val.jsonl (default: download/cache)")
+    ckpt_every: int = EVALUATION(5000, "checkpoint every N steps (and at the end)", type=COUNT)
+    keep_last: int = EVALUATION(0, "keep only the newest K checkpoints (0: all)", type=COUNT)
+    resume: str | None = EVALUATION(
+        None, "continue from the newest checkpoint in --out-dir (or the given path)", nargs="?", const="latest"
     )
-    eval_only: bool = flag(
-        False, "with --resume [PATH] or --init-from: evaluate once, train and write nothing", EVALUATION
+    eval_only: bool = EVALUATION(False, "with --resume [PATH] or --init-from: evaluate once, train and write nothing")
+    wandb: str | None = TRACKING(None, "log to this Weights & Biases project (pip install wandb)", metavar="PROJECT")
+    tensorboard: bool = TRACKING(False, "write TensorBoard event files to --out-dir (pip install tensorboard)")
+    skip_nonfinite: int = FAILURES(
+        0, "skip up to N steps with a non-finite loss or grad norm instead of stopping", type=COUNT
     )
-    wandb: str | None = flag(
-        None, "log to this Weights & Biases project (pip install wandb)", TRACKING, metavar="PROJECT"
+    skip_spikes: float = FAILURES(
+        0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", type=float
     )
-    tensorboard: bool = flag(False, "write TensorBoard event files to --out-dir (pip install tensorboard)", TRACKING)
-    skip_nonfinite: int = flag(
-        0,
-        "skip up to N steps with a non-finite loss or grad norm instead of stopping",
-        FAILURES,
-        type=cli.non_negative_int,
+    dist_timeout: float = FAILURES(
+        600.0, "seconds a collective may wait for a dead or stuck rank", dist_timeout_range, type=float
     )
-    skip_spikes: float = flag(
-        0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", FAILURES, type=float
+    debug: bool = FAILURES(False, "show tracebacks for user errors")
+    fsdp: bool = DISTRIBUTED(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2)")
+    device: str = RUNTIME("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)")
+    dtype: str = RUNTIME("auto", "autocast dtype (auto: by device)", choices=["auto", "float32", "bfloat16", "float16"])
+    compile: bool | None = RUNTIME(None, "torch.compile the model (default: on CUDA with Triton)", action=ON_OFF)
+    activation_checkpointing: bool = RUNTIME(False, "recompute activations in backward: less memory, more compute")
+    loss_chunk: int | None = RUNTIME(
+        None, f"lm_head + loss in chunks of N rows (0: off; default {CPU_LOSS_CHUNK} on CPU)", type=COUNT
     )
-    dist_timeout: float = flag(
-        600.0, "seconds a collective may wait for a dead or stuck rank", FAILURES, dist_timeout_range, type=float
-    )
-    debug: bool = flag(False, "show tracebacks for user errors", FAILURES)
-    fsdp: bool = flag(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2)", DISTRIBUTED)
-    device: str = flag("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)", RUNTIME)
-    dtype: str = flag(
-        "auto", "autocast dtype (auto: by device)", RUNTIME, choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    compile: bool | None = flag(None, "torch.compile the model (default: on CUDA with Triton)", RUNTIME, action=ON_OFF)
-    activation_checkpointing: bool = flag(
-        False, "recompute activations in backward: less memory, more compute", RUNTIME
-    )
-    loss_chunk: int | None = flag(
-        None,
-        f"lm_head + loss in chunks of N rows (0: off; default {CPU_LOSS_CHUNK} on CPU)",
-        RUNTIME,
-        type=cli.non_negative_int,
-    )
-    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=SEED)
-    peak_tflops: float | None = flag(
-        None, "dense peak TFLOP/s of one device, for MFU (default: by GPU name)", RUNTIME, positive, type=float
+    seed: int = RUNTIME(1337, "seed for init and shuffling", type=SEED)
+    peak_tflops: float | None = RUNTIME(
+        None, "dense peak TFLOP/s of one device, for MFU (default: by GPU name)", positive, type=float
     )
 
     @property

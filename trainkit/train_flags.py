@@ -31,6 +31,11 @@ def flag(default, help: str, group: str, check=None, **options):
     return dataclasses.field(default=default, metadata=dict(help=help, group=group, check=check, options=options))
 
 
+def flag_group(group: str):
+    """flag() for the fields of one --help group: GROUP(default, help, check, **options)."""
+    return lambda default, help, check=None, **options: flag(default, help, group, check, **options)
+
+
 def flag_name(field_name: str) -> str:
     return f"--{field_name.replace('_', '-')}"
 
