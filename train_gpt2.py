@@ -24,7 +24,6 @@ from trainkit import cli  # defines: UserError and the error contract (one `erro
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
 from trainkit.train_flags import CPU_LOSS_CHUNK, LR_SCHEDULES, OPTIMIZERS, SEED, batch_size_flag, dist_timeout_range
 from trainkit.train_flags import flag_group, in_unit_interval, one_of, positive
-from trainkit.cli import UserError
 
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
@@ -178,12 +177,11 @@ import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainkit import hellaswag_eval, launch_plan
-from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss
+from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, evaluate_loss, full_lm_loss
 from trainkit.doc_mask import document_attention
 from trainkit.hf_weights import gpt2_state_from_hf
-from trainkit.shards import open_shard
-from trainkit.shard_checks import check_token_ids, find_shards, no_output_for, recorded
-from trainkit.shard_scan import scan_shards
+from trainkit.shard_checks import no_output_for
+from trainkit.shard_scan import open_split
 from trainkit.tokenizer import EOT, real_vocab_size
 from trainkit.optimizers import MuonWithAdamW
 from trainkit.compiling import compile_failure_cause, compile_model
@@ -192,11 +190,11 @@ from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_fail
 from trainkit.memory import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory, sample_peak
 from trainkit.memory import watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update
-from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
+from trainkit.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
 from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
 from trainkit.launch_plan import LaunchInputs, LaunchPlan
 from trainkit.console import print0, print_result
-from trainkit.progress import elapsed_and_eta, per_device_rate
+from trainkit.progress import elapsed_and_eta, step_line
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak
 from trainkit.stop_signal import StopSignal, stopped_line
 from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
@@ -394,27 +392,9 @@ class TokenRows:
     rows in order (or seeded permutations); plain rows are T+1 tokens from multiples of T."""
 
     def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
-        self.paths = find_shards(data_dir, split)
-        self.T, self.align_docs, self.shuffle, self.seed = T, align_docs, shuffle, seed
-        self.vocab_size = vocab_size
-        self.shards = [open_shard(p) for p in self.paths]
-        known_ids = recorded(self.paths, "max_id") if vocab_size is not None else [0] * len(self.paths)  # 0: no check
-        largest_ids, tables = scan_shards(
-            self.paths, self.shards, known_ids, T if align_docs else None, aligned_rows, f"{split} shards", progress
-        )  # once per shard, then kept (shard_scan.py)
-        if vocab_size is not None:
-            check_token_ids(self.paths, largest_ids, vocab_size)
-        if align_docs:
-            self.tables = tables
-            counts = [len(t) for t in self.tables]
-        else:
-            counts = [max(0, len(s) - 1) // T for s in self.shards]
-        for path, shard, count in zip(self.paths, self.shards, counts):
-            if count == 0:
-                raise UserError(
-                    f"{path}: {len(shard)} tokens, fewer than one row of --seq-len {T} + 1; "
-                    "remove it or re-create the shards"
-                )
+        self.T, self.align_docs, self.shuffle, self.seed, self.vocab_size = T, align_docs, shuffle, seed, vocab_size
+        split_files = open_split(data_dir, split, T, align_docs, aligned_rows, vocab_size, progress)  # (shard_scan.py)
+        self.paths, self.shards, self.tables, counts = split_files
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
         self._epoch_cache = {}
@@ -641,36 +621,6 @@ def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -
     return grad_norm
 
 
-@torch.no_grad()
-def evaluate_loss(
-    model: GPT,
-    rows: TokenRows,
-    B: int,
-    n_batches: int,
-    dist_state: Dist,
-    dtype: torch.dtype,
-    token_bytes,
-    loss_chunk: int = 0,
-    doc_mask=False,
-) -> dict:
-    """{val_loss: token-weighted mean loss over the first n_batches x world size x B rows of a stream,
-    val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
-    bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
-    model.eval()
-    device, rank, world = dist_state.device, dist_state.rank, dist_state.world_size
-    token_bytes = torch.as_tensor(token_bytes, device=device)
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
-    for i in range(n_batches):
-        x, y = (torch.from_numpy(a).to(device) for a in rows.batch((i * world + rank) * B, B))
-        with torch.autocast(torch.device(device).type, dtype, enabled=dtype != torch.float32):
-            _, losses = model(x, y, reduction="none", loss_chunk=loss_chunk, doc_mask=doc_mask)
-        n_bytes = (token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)).flatten()
-        totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
-    model.train()
-    loss_sum, n_targets, text_loss, n_bytes = all_reduce_sum(totals).tolist()
-    return dict(val_loss=loss_sum / n_targets, **(dict(val_bpb=text_loss / (math.log(2) * n_bytes)) if n_bytes else {}))
-
-
 # -----------------------------------------------------------------------------
 # the launch: resolved once (a LaunchPlan), before the Trainer exists
 
@@ -722,15 +672,9 @@ def wrap_model(raw_model: GPT, compiled: bool, dist_state: Dist, fsdp: bool) -> 
             uncompile_blocks(raw_model)
         return raw_model
     model = compile_model(raw_model) if compiled else raw_model
-    if dist_state.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
-        model = DDP(
-            model,
-            device_ids=[dist_state.local_rank] if dist_state.device_type == "cuda" else None,
-            gradient_as_bucket_view=True,
-        )
+    if dist_state.enabled:  # the gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
+        device_ids = [dist_state.local_rank] if dist_state.device_type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
 
 
@@ -767,9 +711,7 @@ class Trainer:
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(dist_state.device_type) if self.dtype == torch.float16 else None
         fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
-        self.guard = UpdateGuard(
-            run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.checkpointer.last
-        )
+        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, lambda: self.checkpointer.last)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, plan, dist_state, inputs.pretrained)
         self.optimizer = build_optimizer(
@@ -924,25 +866,16 @@ class Trainer:
             return every and (step % every == 0 or last_step)
 
         if self.val_rows and due(run.val_every):
-            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.plan.loss_chunk
+            options = self.dtype, self.token_bytes, self.plan.loss_chunk, run.doc_mask
             results.update(
-                evaluate_loss(
-                    model, rows, B, run.val_steps, dist_state, self.dtype, self.token_bytes, chunk, run.doc_mask
-                )
+                evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, dist_state, *options)
             )
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
-            result = hellaswag_eval.evaluate(
-                self.raw_model,
-                self.device,
-                data_file=self.plan.hellaswag_file,
-                limit=run.hellaswag_limit or None,
-                rank=dist_state.rank,
-                world_size=dist_state.world_size,
-                dtype=self.dtype,
-                flag="--hellaswag-file",
-            )
+            data = dict(data_file=self.plan.hellaswag_file, limit=run.hellaswag_limit or None, flag="--hellaswag-file")
+            ranks = dict(rank=dist_state.rank, world_size=dist_state.world_size)
+            result = hellaswag_eval.evaluate(self.raw_model, self.device, dtype=self.dtype, **data, **ranks)
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
@@ -996,18 +929,10 @@ class Trainer:
 
     def log_step(self, step: int, r: StepResult, progress: str):
         sample_peak()  # (where no thread samples the private memory: under an address-space limit)
-        tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
-        print0(
-            f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
-            f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
-            + per_device_rate(tok_per_gpu, self.dist_state.world_size, self.dist_state.device_type)
-            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-            + (f" | skipped ({r.skipped})" if r.skipped else "")
-            + progress
-        )
-        record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens, dt_ms=1000 * r.dt)
-        record.update(tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu, mfu=mfu, skipped=r.skipped)
-        self.log.write(**{k: v for k, v in record.items() if v is not None})  # (no mfu on CPU; skipped: rarely)
+        world, device_type = self.dist_state.world_size, self.dist_state.device_type
+        line, record = step_line(step, self.run.max_steps, r, self.speed.of(r.dt), world, device_type, progress)
+        print0(line)
+        self.log.write(**record)
 
 
 # -----------------------------------------------------------------------------

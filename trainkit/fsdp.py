@@ -24,10 +24,10 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: nn.Module, d, dtype: torch.dtype, compile_block=None) -> nn.Module:
-    """FSDP2, in place, on a GPT (d: launch.Dist): every block, then the root (embeddings, the tied wte/lm_head, ln_f),
+def shard_model(model: nn.Module, dist_state, dtype: torch.dtype, compile_block=None) -> nn.Module:
+    """FSDP2, in place, on a GPT (dist_state: launch.Dist): every block, then the root (embeddings, the tied wte/lm_head, ln_f),
     sharded over the ranks, each rank keeping 1/W of every parameter, gradient and AdamW state.
-    The parameters move to d.device one fully_shard call at a time, so a model built on the
+    The parameters move to dist_state.device one fully_shard call at a time, so a model built on the
     CPU is never whole on the GPU. With a low-precision dtype, forward and backward run on
     gathered parameters cast to it and gradients are reduced in fp32. compile_block (e.g.
     torch.compile) wraps each block before it is sharded: torch's advice is to compile the
@@ -35,7 +35,7 @@ def shard_model(model: nn.Module, d, dtype: torch.dtype, compile_block=None) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh(d.device_type, (d.world_size,))
+    mesh = init_device_mesh(dist_state.device_type, (dist_state.world_size,))
     policy = (
         MixedPrecisionPolicy()
         if dtype == torch.float32

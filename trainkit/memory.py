@@ -35,16 +35,16 @@ def device_memory(device: str, device_type: str) -> tuple[int, str] | None:
     return None
 
 
-def check_model_fits(n_params: int, d, fsdp: bool, training: bool):
+def check_model_fits(n_params: int, dist_state, fsdp: bool, training: bool):
     """Refuse a model of n_params parameters whose weights (evaluation) or weights, gradients and AdamW moments (training,
     16 bytes per parameter) exceed the device's memory before any of it is allocated: a huge
     allocation fails with a traceback, and many smaller ones end in the kernel's OOM killer."""
-    memory = device_memory(d.device, d.device_type)
+    memory = device_memory(dist_state.device, dist_state.device_type)
     if memory is None:
         return
     n, bytes_per_param = n_params, 16 if training else 4
-    need = n * bytes_per_param / (d.world_size if fsdp else 1)
-    if d.device_type == "cpu":  # the ranks of this node share its RAM
+    need = n * bytes_per_param / (dist_state.world_size if fsdp else 1)
+    if dist_state.device_type == "cpu":  # the ranks of this node share its RAM
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if need > memory[0]:
         what = "weights, gradients and AdamW state" if training else "weights"
@@ -52,7 +52,7 @@ def check_model_fits(n_params: int, d, fsdp: bool, training: bool):
             f"the model has {n / 1e9:.3g}B parameters: its {what} ({bytes_per_param} bytes per parameter"
             f"{', sharded by --fsdp' if fsdp else ''}) need {need / 2**30:.3g} GiB, more than "
             f"{memory[1]} ({memory[0] / 2**30:.3g} GiB): choose a smaller --model or --n-layer, "
-            "--n-embd, --vocab-size, --block-size" + ("" if fsdp or d.world_size < 2 else ", or --fsdp")
+            "--n-embd, --vocab-size, --block-size" + ("" if fsdp or dist_state.world_size < 2 else ", or --fsdp")
         )
 
 
