@@ -27,8 +27,7 @@ IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-d
 
 
 def exp_sums_(logits):
-    """The parts of a log-softmax over the last dim of 2-D logits in one exp pass, in place:
-    row maxes m, exps = exp(logits - m) written over the logits, and their row sums s.
+    """(row maxes m, exps = exp(logits - m) written over the 2-D logits, their row sums s) in one exp pass:
     logsumexp = m + log(s) and softmax = exps / s, with no new (rows, vocab) buffer."""
     maxes = logits.amax(dim=-1, keepdim=True)
     exps = logits.sub_(maxes).exp_()
@@ -36,10 +35,8 @@ def exp_sums_(logits):
 
 
 def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad):
-    """sum(token losses) * scale of lm_head + cross-entropy over rows, chunk_rows rows at a time,
-    the softmax over the first n_real of weight's rows, and, if want_grad, its gradients w.r.t. h
-    and weight (else None, None). scale None: no gradients, and the token losses (rows,) instead
-    of their sum."""
+    """(sum(token losses) * scale of lm_head + cross-entropy, chunk_rows rows at a time, the softmax over the first
+    n_real ids; its gradients w.r.t. h and weight if want_grad). scale None: each token's loss, no gradients."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     token_losses = torch.empty(h.size(0), dtype=torch.float32, device=h.device) if scale is None else None
     scale = 1.0 if scale is None else scale
@@ -94,9 +91,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_lm_loss(h, weight, targets, scale, chunk_rows, n_real):
-    """ChunkedLinearCrossEntropy where a gradient is wanted; under no_grad (evaluation) the loss
-    alone (scale None: each target's). Inside autograd.Function.forward grad mode is always off and
-    needs_input_grad is True for a Parameter even under no_grad, so the choice is made here."""
+    """ChunkedLinearCrossEntropy where a gradient is wanted, else the loss alone (scale None: each target's); chosen
+    here, as autograd.Function.forward always runs without grad mode."""
     if scale is not None and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(h, weight, targets, scale, chunk_rows, n_real)
     return chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_grad=False)[0]

@@ -89,9 +89,8 @@ class UpdateGuard:
 
 
 def guarded_update(optimizer, guard: UpdateGuard, scaler, step: int, loss: float, norm: float) -> str | None:
-    """A step's update: the optimizer's step unless the guard skips it, the gradients zeroed either way; returns
-    why it skipped (None: applied). With fp16's GradScaler the step goes through the scaler (fused AdamW takes
-    its inf flag on the device: no sync), which then adjusts the loss scale, skipped or not."""
+    """The optimizer's step unless the guard skips it (returns why; None: applied), the gradients zeroed either way;
+    under fp16 through the GradScaler (no sync), which adjusts its scale either way."""
     skipped = guard.skip_reason(step, loss, norm)
     if scaler:
         if not skipped:
