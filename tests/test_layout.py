@@ -117,7 +117,7 @@ def test_no_import_cycle_and_trainkit_imports_no_script():
         "trainkit.memory",
         "trainkit.fsdp",
         "trainkit.chunked_loss",
-        "trainkit.shards",
+        "trainkit.shard_scan",
         "trainkit.shard_checks",
         "trainkit.launch_plan",
         "trainkit.tokenizer",
