@@ -118,19 +118,19 @@ def run(args) -> dict:
             return data_file, *load_checkpoint_model(args.checkpoint, device)
         return data_file, hf_scoring_model(args.hf_model, device), f"the Hugging Face GPT-2 in {args.hf_model}"
 
-    with process_group(args.device) as d:
-        dtype = resolve_dtype(args.dtype, d.device_type)
+    with process_group(args.device) as dist_state:
+        dtype = resolve_dtype(args.dtype, dist_state.device_type)
         # each rank reads its node's files: one with a file missing or bad is named, by rank 0
-        data_file, model, scored = checked_on_every_rank(d, lambda: load_data_and_model(d.device))
+        data_file, model, scored = checked_on_every_rank(dist_state, lambda: load_data_and_model(dist_state.device))
         print0(f"hellaswag: scoring {scored}")
         result = evaluate(
             model,
-            d.device,
+            dist_state.device,
             limit=args.limit,
             batch_size=args.batch_size,
             data_file=data_file,
-            rank=d.rank,
-            world_size=d.world_size,
+            rank=dist_state.rank,
+            world_size=dist_state.world_size,
             dtype=dtype,
             progress=True,
             lm_eval=args.lm_eval,

@@ -4,15 +4,9 @@
     python train_gpt2.py --data-dir edu_fineweb10B                    # one GPU (or a CPU)
     torchrun --nproc_per_node=8 train_gpt2.py --data-dir edu_fineweb10B
 
-The heart is token-normalized gradient accumulation: the gradient of one optimizer step equals
-the gradient of the mean loss over every non-ignored target token of the step, on every rank,
-whatever the split into micro-batch size x accumulation steps x world size (see "accumulation
-& the step" below). Sections, in the order a step needs them: config (RunConfig: the flags;
-LaunchPlan: what a launch decided) -> the GPT-2 model -> data -> optimizer & schedule -> accumulation
-& the step -> the launch, resolved once -> the Trainer (its train_step is README's "The step, in
-order", recovery written where it happens) -> main(). What keeps long runs alive (checkpoints, the
-run folder and its log, rank agreement, signals, FSDP) and what the other scripts share lives in
-trainkit/, called from here by name; no trainkit module imports a script.
+The heart is token-normalized gradient accumulation (see "accumulation & the step"). Sections: config ->
+model -> data -> optimizer & schedule -> accumulation & the step -> the Trainer -> main(). What keeps long
+runs alive lives in trainkit/, called from here by name; no trainkit module imports a script.
 """
 
 from __future__ import annotations
@@ -28,23 +22,11 @@ from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
 from trainkit import train_flags  # defines: the parser built from RunConfig's fields, the checks of a run's values
-from trainkit.train_flags import (
-    LR_SCHEDULES,
-    OPTIMIZERS,
-    SEED,
-    batch_size_flag,
-    dist_timeout_range,
-    flag,
-    in_unit_interval,
-)
-from trainkit.train_flags import one_of, positive
-from trainkit.cli import UserError
+from trainkit.train_flags import CPU_LOSS_CHUNK, LR_SCHEDULES, OPTIMIZERS, SEED, batch_size_flag, dist_timeout_range
+from trainkit.train_flags import flag_group, in_unit_interval, one_of, positive
 
 if __name__ == "__main__":
     cli.exit_on_ctrl_c_while_starting()
-
-CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32 logits, which malloc
-# reuses; from 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
 
 
 # -----------------------------------------------------------------------------
@@ -70,12 +52,13 @@ MODEL_PRESETS = {
 }
 
 
-# the groups of --help, in its order
-DATA, MODEL, BATCH, OPTIMIZATION = "data and output", "model", "batch", "optimization"
-EVALUATION = "evaluation and checkpoints (0 disables each)"
-TRACKING = "run tracking (rank 0; each gets exactly the records of log.jsonl)"
-FAILURES, DISTRIBUTED, RUNTIME = "failures", "distributed", "runtime"
-ON_OFF = argparse.BooleanOptionalAction
+# the groups of --help, in its order: each declares its flags (train_flags.flag: default, help, check, options)
+DATA, MODEL, BATCH = flag_group("data and output"), flag_group("model"), flag_group("batch")
+OPTIMIZATION = flag_group("optimization")
+EVALUATION = flag_group("evaluation and checkpoints (0 disables each)")
+TRACKING = flag_group("run tracking (rank 0; each gets exactly the records of log.jsonl)")
+FAILURES, DISTRIBUTED, RUNTIME = flag_group("failures"), flag_group("distributed"), flag_group("runtime")
+ON_OFF, SIZE, COUNT = argparse.BooleanOptionalAction, cli.positive_int, cli.non_negative_int  # SIZE: >= 1, COUNT: >= 0
 
 
 @dataclass(frozen=True)
@@ -83,151 +66,94 @@ class RunConfig:
     """What the user asked for: one field per flag, declared once (train_flags.flag: default, help, --help
     group, check), in --help's order; docs/flags.md says more of each. What a launch decides is a LaunchPlan."""
 
-    data_dir: str = flag("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)", DATA)
-    out_dir: str = flag("out", "log.jsonl and checkpoints go here", DATA)
-    align_docs: bool = flag(False, "start rows at document boundaries; pad row tails (targets -1)", DATA)
-    shuffle: bool | None = flag(
-        None, "seeded shard and row order each epoch (default: on; a resume keeps its own)", DATA, action=ON_OFF
+    data_dir: str = DATA("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
+    out_dir: str = DATA("out", "log.jsonl and checkpoints go here")
+    align_docs: bool = DATA(False, "start rows at document boundaries; pad row tails (targets -1)")
+    shuffle: bool | None = DATA(
+        None, "seeded shard and row order each epoch (default: on; a resume keeps its own)", action=ON_OFF
     )
-    doc_mask: bool = flag(False, "each token attends only to its own document of the row (doc-mask.md)", DATA)
-    model: str | None = flag(
-        None, "size preset (default gpt2); the flags below override it", MODEL, choices=sorted(MODEL_PRESETS)
+    doc_mask: bool = DATA(False, "each token attends only to its own document of the row (doc-mask.md)")
+    model: str | None = MODEL(
+        None, "size preset (default gpt2); the flags below override it", choices=sorted(MODEL_PRESETS)
     )
-    n_layer: int | None = flag(None, "transformer blocks", MODEL, type=cli.positive_int)
-    n_head: int | None = flag(None, "attention heads", MODEL, type=cli.positive_int)
-    n_embd: int | None = flag(None, "embedding width", MODEL, type=cli.positive_int)
-    block_size: int | None = flag(None, "longest sequence the model handles", MODEL, type=cli.positive_int)
-    vocab_size: int | None = flag(
-        None, "vocabulary size (default 50304: GPT-2's 50257 padded)", MODEL, type=cli.positive_int
+    n_layer: int | None = MODEL(None, "transformer blocks", type=SIZE)
+    n_head: int | None = MODEL(None, "attention heads", type=SIZE)
+    n_embd: int | None = MODEL(None, "embedding width", type=SIZE)
+    block_size: int | None = MODEL(None, "longest sequence the model handles", type=SIZE)
+    vocab_size: int | None = MODEL(None, "vocabulary size (default 50304: GPT-2's 50257 padded)", type=SIZE)
+    init_from: str | None = MODEL(None, "start from Hugging Face GPT-2 weights (Hub name or folder); sets the shape")
+    batch_size: int | str | None = BATCH(
+        None, "rows per rank per micro-step (B), or auto (default: auto on CUDA, 64 elsewhere)", type=batch_size_flag
     )
-    init_from: str | None = flag(
-        None, "start from Hugging Face GPT-2 weights (Hub name or folder); sets the shape", MODEL
-    )
-    batch_size: int | str | None = flag(
-        None,
-        "rows per rank per micro-step (B), or auto (default: auto on CUDA, 64 elsewhere)",
-        BATCH,
-        type=batch_size_flag,
-    )
-    seq_len: int | None = flag(
-        None, "tokens per row (T); default: the model's block size", BATCH, type=cli.positive_int
-    )
-    total_batch_size: int = flag(
-        524288,
-        "tokens per optimizer step over all ranks; a multiple of B x T x world size",
-        BATCH,
-        type=cli.positive_int,
+    seq_len: int | None = BATCH(None, "tokens per row (T); default: the model's block size", type=SIZE)
+    total_batch_size: int = BATCH(
+        524288, "tokens per optimizer step over all ranks; a multiple of B x T x world size", type=SIZE
     )  # 2**19
-    max_steps: int = flag(19073, "optimizer steps", OPTIMIZATION, type=cli.non_negative_int)  # 10B tokens / 2**19
-    warmup_steps: int = flag(715, "linear LR warmup steps", OPTIMIZATION, type=cli.non_negative_int)
-    max_lr: float = flag(6e-4, "peak learning rate", OPTIMIZATION, type=float)
-    min_lr: float | None = flag(None, "final learning rate (default: 10%% of --max-lr)", OPTIMIZATION, type=float)
-    lr_schedule: str = flag(
-        "cosine",
-        "decay after warmup to --min-lr: cosine, linear or wsd",
-        OPTIMIZATION,
-        one_of(LR_SCHEDULES),
-        choices=LR_SCHEDULES,
+    max_steps: int = OPTIMIZATION(19073, "optimizer steps", type=COUNT)  # 10B tokens / 2**19
+    warmup_steps: int = OPTIMIZATION(715, "linear LR warmup steps", type=COUNT)
+    max_lr: float = OPTIMIZATION(6e-4, "peak learning rate", type=float)
+    min_lr: float | None = OPTIMIZATION(None, "final learning rate (default: 10%% of --max-lr)", type=float)
+    lr_schedule: str = OPTIMIZATION(
+        "cosine", "decay after warmup to --min-lr: cosine, linear or wsd", one_of(LR_SCHEDULES), choices=LR_SCHEDULES
     )
-    cooldown_frac: float = flag(
-        0.2, "wsd: fraction of --max-steps spent in the final linear decay", OPTIMIZATION, in_unit_interval, type=float
+    cooldown_frac: float = OPTIMIZATION(
+        0.2, "wsd: fraction of --max-steps spent in the final linear decay", in_unit_interval, type=float
     )
-    weight_decay: float = flag(0.1, "AdamW decay on matrices and embeddings", OPTIMIZATION, type=float)
-    optimizer: str = flag(
+    weight_decay: float = OPTIMIZATION(0.1, "AdamW decay on matrices and embeddings", type=float)
+    optimizer: str = OPTIMIZATION(
         "adamw",
         "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest",
-        OPTIMIZATION,
         one_of(OPTIMIZERS),
         choices=OPTIMIZERS,
-    )  # muon's lr and momentum: modded-nanogpt's, nanochat's
-    muon_lr: float = flag(0.02, "Muon's peak LR, scaled by the schedule as --max-lr is", OPTIMIZATION, type=float)
-    muon_momentum: float = flag(0.95, "Muon's (Nesterov) momentum", OPTIMIZATION, type=float)
-    grad_clip: float = flag(1.0, "clip the gradient norm to this (0: off)", OPTIMIZATION, type=float)
-    val_every: int = flag(250, "validation loss every N steps", EVALUATION, type=cli.non_negative_int)
-    val_steps: int = flag(20, "batches per validation", EVALUATION, type=cli.non_negative_int)
-    sample_every: int = flag(250, "print text samples every N steps", EVALUATION, type=cli.non_negative_int)
-    sample_prompt: str | None = flag(
-        None,
-        'the text those samples continue (default: "Hello, I\'m a language model,")',
-        EVALUATION,
-        type=cli.may_be_empty,
+    )
+    # Muon's LR and momentum: modded-nanogpt's, nanochat's
+    muon_lr: float = OPTIMIZATION(0.02, "Muon's peak LR, scaled by the schedule as --max-lr is", type=float)
+    muon_momentum: float = OPTIMIZATION(0.95, "Muon's (Nesterov) momentum", type=float)
+    grad_clip: float = OPTIMIZATION(1.0, "clip the gradient norm to this (0: off)", type=float)
+    val_every: int = EVALUATION(250, "validation loss every N steps", type=COUNT)
+    val_steps: int = EVALUATION(20, "batches per validation", type=COUNT)
+    sample_every: int = EVALUATION(250, "print text samples every N steps", type=COUNT)
+    sample_prompt: str | None = EVALUATION(
+        None, 'the text those samples continue (default: "Hello, I\'m a language model,")', type=cli.may_be_empty
     )  # None: train_flags.SAMPLE_PROMPT (English)
-    hellaswag_every: int = flag(250, "HellaSwag accuracy every N steps", EVALUATION, type=cli.non_negative_int)
-    hellaswag_limit: int = flag(0, "examples per HellaSwag eval (0: all)", EVALUATION, type=cli.non_negative_int)
-    hellaswag_file: str | None = flag(None, "local hellaswag_val.jsonl (default: download/cache)", EVALUATION)
-    ckpt_every: int = flag(5000, "checkpoint every N steps (and at the end)", EVALUATION, type=cli.non_negative_int)
-    keep_last: int = flag(0, "keep only the newest K checkpoints (0: all)", EVALUATION, type=cli.non_negative_int)
-    resume: str | None = flag(
-        None,
-        "continue from the newest checkpoint in --out-dir (or the given path)",
-        EVALUATION,
-        nargs="?",
-        const="latest",
+    hellaswag_every: int = EVALUATION(250, "HellaSwag accuracy every N steps", type=COUNT)
+    hellaswag_limit: int = EVALUATION(0, "examples per HellaSwag eval (0: all)", type=COUNT)
+    hellaswag_file: str | None = EVALUATION(None, "local hellaswag_val.jsonl (default: download/cache)")
+    ckpt_every: int = EVALUATION(5000, "checkpoint every N steps (and at the end)", type=COUNT)
+    keep_last: int = EVALUATION(0, "keep only the newest K checkpoints (0: all)", type=COUNT)
+    resume: str | None = EVALUATION(
+        None, "continue from the newest checkpoint in --out-dir (or the given path)", nargs="?", const="latest"
     )
-    eval_only: bool = flag(
-        False, "with --resume [PATH] or --init-from: evaluate once, train and write nothing", EVALUATION
+    eval_only: bool = EVALUATION(False, "with --resume [PATH] or --init-from: evaluate once, train and write nothing")
+    wandb: str | None = TRACKING(None, "log to this Weights & Biases project (pip install wandb)", metavar="PROJECT")
+    tensorboard: bool = TRACKING(False, "write TensorBoard event files to --out-dir (pip install tensorboard)")
+    skip_nonfinite: int = FAILURES(
+        0, "skip up to N steps with a non-finite loss or grad norm instead of stopping", type=COUNT
     )
-    wandb: str | None = flag(
-        None, "log to this Weights & Biases project (pip install wandb)", TRACKING, metavar="PROJECT"
+    skip_spikes: float = FAILURES(
+        0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", type=float
     )
-    tensorboard: bool = flag(False, "write TensorBoard event files to --out-dir (pip install tensorboard)", TRACKING)
-    skip_nonfinite: int = flag(
-        0,
-        "skip up to N steps with a non-finite loss or grad norm instead of stopping",
-        FAILURES,
-        type=cli.non_negative_int,
+    dist_timeout: float = FAILURES(
+        600.0, "seconds a collective may wait for a dead or stuck rank", dist_timeout_range, type=float
     )
-    skip_spikes: float = flag(
-        0.0, "skip updates whose loss or grad norm is Z std devs above the recent window (0: off)", FAILURES, type=float
+    debug: bool = FAILURES(False, "show tracebacks for user errors")
+    fsdp: bool = DISTRIBUTED(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2)")
+    device: str = RUNTIME("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)")
+    dtype: str = RUNTIME("auto", "autocast dtype (auto: by device)", choices=["auto", "float32", "bfloat16", "float16"])
+    compile: bool | None = RUNTIME(None, "torch.compile the model (default: on CUDA with Triton)", action=ON_OFF)
+    activation_checkpointing: bool = RUNTIME(False, "recompute activations in backward: less memory, more compute")
+    loss_chunk: int | None = RUNTIME(
+        None, f"lm_head + loss in chunks of N rows (0: off; default {CPU_LOSS_CHUNK} on CPU)", type=COUNT
     )
-    dist_timeout: float = flag(
-        600.0, "seconds a collective may wait for a dead or stuck rank", FAILURES, dist_timeout_range, type=float
-    )
-    debug: bool = flag(False, "show tracebacks for user errors", FAILURES)
-    fsdp: bool = flag(False, "shard parameters, gradients and AdamW state over the ranks (FSDP2)", DISTRIBUTED)
-    device: str = flag("auto", "auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps (Apple; untested)", RUNTIME)
-    dtype: str = flag(
-        "auto", "autocast dtype (auto: by device)", RUNTIME, choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    compile: bool | None = flag(None, "torch.compile the model (default: on CUDA with Triton)", RUNTIME, action=ON_OFF)
-    activation_checkpointing: bool = flag(
-        False, "recompute activations in backward: less memory, more compute", RUNTIME
-    )
-    loss_chunk: int | None = flag(
-        None,
-        f"lm_head + loss in chunks of N rows (0: off; default {CPU_LOSS_CHUNK} on CPU)",
-        RUNTIME,
-        type=cli.non_negative_int,
-    )
-    seed: int = flag(1337, "seed for init and shuffling", RUNTIME, type=SEED)
-    peak_tflops: float | None = flag(
-        None, "dense peak TFLOP/s of one device, for MFU (default: by GPU name)", RUNTIME, positive, type=float
+    seed: int = RUNTIME(1337, "seed for init and shuffling", type=SEED)
+    peak_tflops: float | None = RUNTIME(
+        None, "dense peak TFLOP/s of one device, for MFU (default: by GPU name)", positive, type=float
     )
 
     @property
     def cooldown_start(self) -> int:
         """First step of WSD's linear cooldown: the last cooldown_frac of max_steps."""
         return self.max_steps - round(self.cooldown_frac * self.max_steps)
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes:
-    resolved once (resolve_launch; --batch-size auto's micro-batch by the search in Trainer()),
-    then frozen. Checkpoints keep it beside the RunConfig."""
-
-    model: GPTConfig  # the preset and --n-* flags, or --init-from's shape
-    seq_len: int  # T
-    batch_size: int | str  # B, rows per rank per micro-step; "auto" until Trainer()'s search chooses it
-    rows_per_rank: int  # rows each rank reads per optimizer step: B x accumulation steps
-    world_size: int
-    dtype: str  # autocast: float32, bfloat16, or float16 (with a GradScaler)
-    compile: bool
-    loss_chunk: int  # rows per lm_head + loss chunk (0: full logits)
-    hellaswag_file: str | None  # given, or downloaded
-    resume_from: str | None  # the checkpoint this run continues (None: from scratch)
-    start_step: int
-    shuffle: bool  # the order of the rows (a resume without --[no-]shuffle keeps its checkpoint's)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,7 +166,7 @@ if __name__ == "__main__":
 
 
 # -----------------------------------------------------------------------------
-# imports: torch, and the modules that keep long runs alive (none of them imports this file)
+# imports: torch, and the modules that keep long runs alive (README's module table says what each holds)
 
 import numpy as np
 import torch
@@ -250,47 +176,33 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# the model's parts (README's module table says what each trainkit module holds)
-from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, full_lm_loss
+from trainkit import hellaswag_eval, launch_plan
+from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, evaluate_loss, full_lm_loss
 from trainkit.doc_mask import document_attention
 from trainkit.hf_weights import gpt2_state_from_hf
-
-# the data
-from trainkit.shards import open_shard
-from trainkit.shard_checks import ShardDigestCheck, check_token_ids, find_shards, no_output_for, recorded
-from trainkit.shard_identity import data_fingerprint
-from trainkit.shard_scan import scan_shards
-from trainkit.tokenizer import EOT, get_tokenizer_or_fail, real_vocab_size, token_byte_lengths
-
-# the step's machinery and what recovers it
+from trainkit.shard_checks import no_output_for
+from trainkit.shard_scan import open_split
+from trainkit.tokenizer import EOT, real_vocab_size
 from trainkit.optimizers import MuonWithAdamW
-from trainkit.precision import choose_precision_and_compile
 from trainkit.compiling import compile_failure_cause, compile_model
 from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
 from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
-from trainkit.memory import check_model_fits, is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
-from trainkit.memory import sample_peak, watch_peak
+from trainkit.memory import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory, sample_peak
+from trainkit.memory import watch_peak
 from trainkit.update_guard import UpdateGuard, guarded_update
-
-# the ranks and what a run prints
-from trainkit.launch import Dist, all_reduce_sum, check_ranks_agree, checked_on_every_rank, decided_on_rank0
+from trainkit.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
 from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
+from trainkit.launch_plan import LaunchInputs, LaunchPlan
 from trainkit.console import print0, print_result
-from trainkit.progress import elapsed_and_eta, per_device_rate
+from trainkit.progress import elapsed_and_eta, step_line
 from trainkit.throughput import Throughput, flops_per_token, mfu_peak
 from trainkit.stop_signal import StopSignal, stopped_line
-
-# the run's files: checkpoints, resuming, the run folder and its log
 from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
 from trainkit.checkpointer import Checkpointer, resume_state
-from trainkit.resume import check_resume_compatible, data_files, eval_checkpoint
-from trainkit.out_dir import OutDirLock, claim_out_dir, open_run_log
+from trainkit.resume import data_files, eval_checkpoint
+from trainkit.out_dir import OutDirLock, open_run_log
 from trainkit.run_log import RunLog
 from trainkit.save_on_failure import save_first_on_failure
-
-# the evaluations
-from trainkit import hellaswag_eval, hellaswag_examples
-from trainkit.hellaswag_data import resolve_data_file
 from trainkit.sampling import sample_text
 
 
@@ -390,11 +302,8 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, reduction="mean", loss_chunk=0, doc_mask=False):
-        """Logits (B, T, real vocabulary: the padded ids carry no probability) and, with targets, the
-        cross-entropy over targets != -1: summed with reduction="sum" (token-normalized gradient
-        accumulation scales it by the step's global token count), each target's with "none" (0 if
-        ignored). loss_chunk > 0 computes the loss with chunked_loss in chunks of that many rows
-        and returns no logits. doc_mask: each document of a row attends to itself only (trainkit/doc_mask.py)."""
+        """(logits over the real vocabulary, cross-entropy over targets != -1: mean, "sum" or "none" per target);
+        loss_chunk > 0: the loss in chunks of that many rows, no logits. doc_mask: --doc-mask."""
         x = self.hidden_states(idx, *(document_attention(idx) if doc_mask else ()))
         n_real = real_vocab_size(self.config.vocab_size)  # the padded ids' logits are computed, never softmaxed
         if targets is None:
@@ -409,14 +318,8 @@ class GPT(nn.Module):
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
 
     def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache=None):
-        """The final LayerNorm's output (B, T, n_embd) for scoring and decoding (forward's first half).
-
-        By default row b is one sequence: positions 0..T-1, causal attention. Scoring packs
-        several sequences that share a prefix into one row (trainkit/hellaswag_eval.py): positions (B, T)
-        then gives each token's position in its own sequence and attn_mask (B, 1, T, T) bool
-        which earlier tokens it may attend to (True: attend). Decoding passes kv_cache (from
-        new_kv_cache()): idx then continues the tokens cached there, and is added to it. Under
-        --fsdp it is registered as a forward method, so that it gathers the parameters."""
+        """The final LayerNorm's output (B, T, n_embd): causal rows by default; packed scoring passes positions and
+        attn_mask (docs/hellaswag.md), decoding a kv_cache (trainkit/sampling.py) that idx continues."""
         B, T = idx.size()
         if positions is None:
             start = kv_cache[0].length if kv_cache else 0
@@ -469,12 +372,8 @@ class GPT(nn.Module):
 
 
 def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray:
-    """Row table of one shard for --align-docs: int64 (n_rows, 2) of (start, n_targets).
-
-    A row's inputs are tokens[start : start+n] and its targets tokens[start+1 : start+n+1].
-    Rows are filled with whole documents; the last target of a row is the <|endoftext|> that
-    opens the next document, which also opens the next row, so every token is a target once.
-    A document longer than a row fills whole rows and its remainder starts the next one."""
+    """--align-docs' rows of one shard, int64 (n_rows, 2) of (start, n_targets): whole documents per row, each
+    row ending on the <|endoftext|> that opens the next (every token a target once; README)."""
     n = len(tokens)
     starts = [np.flatnonzero(tokens[i : i + chunk] == EOT) + i for i in range(0, n, chunk)]
     bounds = np.concatenate([[0], *starts, [n - 1]]).astype(np.int64)  # shard edges count as boundaries
@@ -489,35 +388,13 @@ def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray
 
 
 class TokenRows:
-    """The training (or validation) stream as a sequence of rows, with a pure row -> tokens map.
-
-    Global row g lives in epoch g // rows_per_epoch. Each epoch visits the shards in order
-    (or a seeded permutation with shuffle) and each shard's rows in order (or permuted).
-    Plain rows are T+1 consecutive tokens starting at multiples of T, so a shard of n tokens
-    holds (n - 1) // T rows; aligned rows come from aligned_rows()."""
+    """A split's shards as a pure map of global row g -> tokens: epoch g // rows_per_epoch, its shards and their
+    rows in order (or seeded permutations); plain rows are T+1 tokens from multiples of T."""
 
     def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
-        self.paths = find_shards(data_dir, split)
-        self.T, self.align_docs, self.shuffle, self.seed = T, align_docs, shuffle, seed
-        self.vocab_size = vocab_size
-        self.shards = [open_shard(p) for p in self.paths]
-        known_ids = recorded(self.paths, "max_id") if vocab_size is not None else [0] * len(self.paths)  # 0: no check
-        largest_ids, tables = scan_shards(
-            self.paths, self.shards, known_ids, T if align_docs else None, aligned_rows, f"{split} shards", progress
-        )  # once per shard, then kept (shard_scan.py)
-        if vocab_size is not None:
-            check_token_ids(self.paths, largest_ids, vocab_size)
-        if align_docs:
-            self.tables = tables
-            counts = [len(t) for t in self.tables]
-        else:
-            counts = [max(0, len(s) - 1) // T for s in self.shards]
-        for path, shard, count in zip(self.paths, self.shards, counts):
-            if count == 0:
-                raise UserError(
-                    f"{path}: {len(shard)} tokens, fewer than one row of --seq-len {T} + 1; "
-                    "remove it or re-create the shards"
-                )
+        self.T, self.align_docs, self.shuffle, self.seed, self.vocab_size = T, align_docs, shuffle, seed, vocab_size
+        split_files = open_split(data_dir, split, T, align_docs, aligned_rows, vocab_size, progress)  # (shard_scan.py)
+        self.paths, self.shards, self.tables, counts = split_files
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
         self._epoch_cache = {}
@@ -576,11 +453,8 @@ class TokenRows:
 
 
 class StepLoader:
-    """Which rows each rank reads at each micro-step of each optimizer step.
-
-    Step s consumes the rows_per_step consecutive global rows [s*R, (s+1)*R). Micro-step m of
-    rank r reads rows s*R + (m*W + r)*B + [0, B): any split B x accumulation x W of the same
-    R reads the same rows, so the loss curve does not depend on the GPU count."""
+    """Micro-step m of rank r in step s reads rows s*R + (m*W + r)*B + [0, B): any split B x accumulation x W
+    of the step's R rows reads the same rows, so the loss curve does not depend on the GPU count."""
 
     def __init__(self, rows: TokenRows, B, grad_accum_steps, rank, world_size):
         self.rows, self.B, self.accum, self.rank, self.W = rows, B, grad_accum_steps, rank, world_size
@@ -627,14 +501,9 @@ class Prefetcher:
 # optimizer & schedule
 
 
-# the fields get_lr reads: a resumed run whose values differ may find another LR at its step
-SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
-
-
 def get_lr(step: int, run: RunConfig) -> float:
-    """Linear warmup to max_lr, then the decay of run.lr_schedule down to min_lr at max_steps:
-    cosine, linear, or wsd (constant, then linear over the last cooldown_frac of the steps).
-    min_lr is held after max_steps."""
+    """Linear warmup to max_lr, then run.lr_schedule's decay (cosine, linear, or wsd: constant, then linear over
+    the last cooldown_frac) to min_lr at max_steps, held after (docs/schedules.md)."""
     min_lr = run.max_lr * 0.1 if run.min_lr is None else run.min_lr
     if step < run.warmup_steps:  # from max_lr / warmup_steps up to max_lr
         return run.max_lr * (step + 1) / run.warmup_steps
@@ -655,21 +524,6 @@ def set_lr(optimizer, lr: float):
         return optimizer.set_lr(lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def lr_change_notice(saved_run_config: dict, run: RunConfig, step: int) -> str | None:
-    """One line when the schedule flags of a resumed run put another LR at the resumed step than
-    the checkpoint's run had there (e.g. a larger --max-steps stretches the cosine), else None."""
-    saved = dataclasses.replace(run, **{k: saved_run_config[k] for k in SCHEDULE_KEYS if k in saved_run_config})
-    old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
-    if old_lr == new_lr:
-        return None
-    changed = ", ".join(
-        f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
-        for k in SCHEDULE_KEYS
-        if getattr(saved, k) != getattr(run, k)
-    )
-    return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
 
 
 def build_optimizer(
@@ -715,10 +569,8 @@ def build_optimizer(
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Context in which backward does (enabled) or does not reduce gradients across ranks.
-
-    DDP's no_sync() must cover the forward too: DDP prepares its reducer there. FSDP2 keeps
-    the unsharded gradients of a backward without sync and adds them into the next one's."""
+    """Context in which backward does (enabled) or does not reduce gradients across ranks (DDP's no_sync()
+    covers the forward too: its reducer is prepared there)."""
     if enabled:
         return contextlib.nullcontext()
     if is_fsdp(model):
@@ -737,11 +589,8 @@ def accumulate_gradients(
     scaler=None,
     doc_mask=False,
 ) -> torch.Tensor:
-    """Forward and backward over one optimizer step's micro-batches on this rank, each term
-    sum(token losses) * W / N (see above); returns this rank's summed token loss (float64).
-    micro_batches yields (x, y) numpy arrays or CPU tensors (pinned for an asynchronous copy to
-    CUDA); model may be bare, DDP-wrapped or FSDP-sharded. With an fp16 GradScaler each term is
-    scaled by it (the gradients come out times its scale; unscale_ before using them). doc_mask: --doc-mask."""
+    """Forward and backward of this rank's micro-batches ((x, y) arrays or tensors), each term sum(token losses)
+    * W / N (times an fp16 GradScaler's scale); returns this rank's summed token loss (float64)."""
     micro_batches = list(micro_batches)
     device_type = torch.device(device).type
     single = len(micro_batches) == 1 and world_size == 1
@@ -760,10 +609,8 @@ def accumulate_gradients(
 
 
 def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -> torch.Tensor:
-    """The 2-norm of all gradients as one vector before clipping (a device tensor: no host sync), the gradients
-    clipped to grad_clip in place (0: not clipped). With fp16's GradScaler they are unscaled first, so both see
-    the true gradients. Under FSDP the gradients are shards (DTensors) whose norm is a partial one: full_tensor()
-    sums it over the ranks, so every rank clips by the norm DDP computes."""
+    """The gradients' 2-norm before clipping (a device tensor: no host sync), clipped in place to grad_clip (0:
+    not); unscaled first under fp16, the whole norm under FSDP (full_tensor of the shards')."""
     if scaler:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -774,53 +621,8 @@ def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -
     return grad_norm
 
 
-@torch.no_grad()
-def evaluate_loss(
-    model: GPT,
-    rows: TokenRows,
-    B: int,
-    n_batches: int,
-    dist_state: Dist,
-    dtype: torch.dtype,
-    token_bytes,
-    loss_chunk: int = 0,
-    doc_mask=False,
-) -> dict:
-    """{val_loss: token-weighted mean loss over the first n_batches x world size x B rows of a stream,
-    val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
-    bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
-    model.eval()
-    device, rank, world = dist_state.device, dist_state.rank, dist_state.world_size
-    token_bytes = torch.as_tensor(token_bytes, device=device)
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
-    for i in range(n_batches):
-        x, y = (torch.from_numpy(a).to(device) for a in rows.batch((i * world + rank) * B, B))
-        with torch.autocast(torch.device(device).type, dtype, enabled=dtype != torch.float32):
-            _, losses = model(x, y, reduction="none", loss_chunk=loss_chunk, doc_mask=doc_mask)
-        n_bytes = (token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)).flatten()
-        totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
-    model.train()
-    loss_sum, n_targets, text_loss, n_bytes = all_reduce_sum(totals).tolist()
-    return dict(val_loss=loss_sum / n_targets, **(dict(val_bpb=text_loss / (math.log(2) * n_bytes)) if n_bytes else {}))
-
-
 # -----------------------------------------------------------------------------
 # the launch: resolved once (a LaunchPlan), before the Trainer exists
-
-
-@dataclass
-class LaunchInputs:
-    """What resolving a launch opened on the way, for the Trainer: the data, the tokenizer's pieces,
-    the --init-from weights, the resumed checkpoint and the run folder taken."""
-
-    train_rows: TokenRows
-    val_rows: TokenRows | None
-    shard_check: ShardDigestCheck  # every shard's sha256 against its manifest's, beside the steps
-    enc: object | None  # the tokenizer, for samples
-    token_bytes: object | None  # UTF-8 bytes of each token id, for val bpb
-    pretrained: GPT | None
-    checkpoint: dict | None
-    run_folder: OutDirLock  # rank 0's hold on --out-dir: whether the name still names the folder taken
 
 
 def model_config(run: RunConfig) -> GPTConfig:
@@ -837,115 +639,17 @@ def model_config(run: RunConfig) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def resolve_launch(
-    run: RunConfig, dist_state: Dist, out_dir_lock: OutDirLock, evaluated=None
-) -> tuple[LaunchPlan, LaunchInputs]:
-    """Everything this launch decides, in the order that makes bad input fail before any model work:
-    the model's shape, T and the rows per step, dtype and compile, the data, the HellaSwag file, then
-    (training claims --out-dir first: rank 0 makes it and locks it) the checkpoint to resume and its order.
-    evaluated: (path, checkpoint) that main() loaded for --eval-only --resume, not loaded again."""
-    pretrained = None
-    model_cfg = model_config(run)
+def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
+    """The model's shape (--init-from: its weights'), then the rest of the LaunchPlan (trainkit/launch_plan.py)."""
+    model_cfg, pretrained = model_config(run), None
     if run.init_from:  # the weights decide the model's shape
         pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size)
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
-    seq_len = run.seq_len or min(model_cfg.block_size, 1024)
-    batch_size = run.batch_size or ("auto" if dist_state.device_type == "cuda" else 64)
-    train_flags.check_run(run, model_cfg, seq_len, batch_size, dist_state.world_size)
-    rows_per_rank = run.total_batch_size // (seq_len * dist_state.world_size)  # which --batch-size divides
-    check_model_fits(param_count(model_cfg), dist_state, run.fsdp, training=not run.eval_only)
-    problem = run.hellaswag_every and hellaswag_eval.model_problem(model_cfg.vocab_size, model_cfg.block_size)
-    if problem:  # refused now, not after --hellaswag-every steps of training
-        raise UserError(f"--hellaswag-every {run.hellaswag_every}: {problem}; pass --hellaswag-every 0")
-    dtype, compiled = choose_precision_and_compile(run, dist_state)
-    loss_chunk = (
-        run.loss_chunk if run.loss_chunk is not None else CPU_LOSS_CHUNK if dist_state.device_type == "cpu" else 0
+    n_params = param_count(model_cfg)
+    return launch_plan.resolve_launch(
+        run, dist_state, run_folder, model_cfg, pretrained, n_params, TokenRows, evaluated
     )
-
-    train_rows = TokenRows(
-        run.data_dir,
-        "train",
-        seq_len,
-        run.align_docs,
-        run.shuffle,
-        run.seed,
-        model_cfg.vocab_size,
-        progress=dist_state.is_main,
-    )
-    if train_rows.rows_per_epoch < rows_per_rank * dist_state.world_size:
-        raise UserError(
-            f"the train shards hold {train_rows.rows_per_epoch} rows of {seq_len} tokens, fewer "
-            f"than one optimizer step ({rows_per_rank * dist_state.world_size} rows): lower --total-batch-size"
-        )
-    val_rows = None
-    if run.val_every:
-        try:
-            val_rows = TokenRows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
-        except UserError as e:
-            raise UserError(f"{e} (or pass --val-every 0)") from None
-        val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * dist_state.world_size
-        if val_rows.rows_per_epoch < val_rows_needed:
-            raise UserError(
-                f"the val shards hold {val_rows.rows_per_epoch} rows, fewer than --val-steps x "
-                f"--batch-size x world size = {val_rows_needed}: lower --val-steps"
-            )
-    # a step or a save that finds this check failed stops
-    shard_check = ShardDigestCheck(train_rows.paths + (val_rows.paths if val_rows else []))
-    enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
-    token_bytes = token_byte_lengths(model_cfg.vocab_size, "pass --val-every 0") if val_rows else None
-    hellaswag_file = None
-    if run.hellaswag_every:
-        get_tokenizer_or_fail("pass --hellaswag-every 0")
-        # download and render now: a bad file fails here, not at the first evaluation (which
-        # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
-        try:  # offline without the file: both ways on
-            hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
-        except UserError as e:
-            raise UserError(f"{e}, or pass --hellaswag-every 0 to train without HellaSwag") from None
-        hellaswag_examples.load_examples(hellaswag_file, run.hellaswag_limit, flag="--hellaswag-file")
-
-    if run.eval_only:  # an evaluation writes nothing, so any --out-dir will do, in use or not
-        resume_from, checkpoint = evaluated or (eval_checkpoint(run), None)
-    else:
-        resume_from, checkpoint = decided_on_rank0(dist_state, lambda: claim_out_dir(run, out_dir_lock)), None
-    start_step, shuffle = 0, run.shuffle is not False
-    if resume_from:
-        checkpoint = checkpoint or load_checkpoint(resume_from, model_fields=MODEL_FIELDS, resume=True)
-        saved = checkpoint["launch"]
-        shuffle = saved["shuffle"] if run.shuffle is None else run.shuffle  # unsaid: the checkpoint's order
-        as_resumed = dataclasses.replace(run, seq_len=seq_len, shuffle=shuffle)  # compared with what it resolved
-        check_resume_compatible(
-            dict(
-                checkpoint,
-                run_config={**checkpoint["run_config"], "seq_len": saved["seq_len"], "shuffle": saved["shuffle"]},
-            ),
-            as_resumed,
-            model_cfg,
-            resume_from,
-        )
-        start_step = checkpoint["step"]
-        if start_step > run.max_steps and not run.eval_only:
-            raise UserError(
-                f"{resume_from} is at step {start_step}, past --max-steps {run.max_steps}: "
-                "pass a larger --max-steps to train on"
-            )
-    train_rows.shuffle = shuffle  # (no row was read yet)
-    plan = LaunchPlan(
-        model_cfg,
-        seq_len,
-        batch_size,
-        rows_per_rank,
-        dist_state.world_size,
-        str(dtype).removeprefix("torch."),
-        compiled,
-        loss_chunk,
-        hellaswag_file,
-        resume_from,
-        start_step,
-        shuffle,
-    )
-    return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint, out_dir_lock)
 
 
 def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
@@ -968,15 +672,9 @@ def wrap_model(raw_model: GPT, compiled: bool, dist_state: Dist, fsdp: bool) -> 
             uncompile_blocks(raw_model)
         return raw_model
     model = compile_model(raw_model) if compiled else raw_model
-    if dist_state.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
-        model = DDP(
-            model,
-            device_ids=[dist_state.local_rank] if dist_state.device_type == "cuda" else None,
-            gradient_as_bucket_view=True,
-        )
+    if dist_state.enabled:  # the gradients live in DDP's buckets: no second copy of them (6 GB at gpt2-xl)
+        device_ids = [dist_state.local_rank] if dist_state.device_type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
 
 
@@ -1013,9 +711,7 @@ class Trainer:
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(dist_state.device_type) if self.dtype == torch.float16 else None
         fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
-        self.guard = UpdateGuard(
-            run.skip_nonfinite, run.skip_spikes, fp16, last_checkpoint=lambda: self.checkpointer.last
-        )
+        self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, lambda: self.checkpointer.last)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, plan, dist_state, inputs.pretrained)
         self.optimizer = build_optimizer(
@@ -1024,8 +720,7 @@ class Trainer:
         trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
         self.resumed = None
         if inputs.checkpoint:
-            lr_notice = lr_change_notice(inputs.checkpoint["run_config"], run, plan.start_step)
-            self.resumed = resume_state(inputs.checkpoint, run, plan, trainer_state, self.shards_read, lr_notice)
+            self.resumed = resume_state(inputs.checkpoint, run, plan, trainer_state, self.shards_read, get_lr)
         self.compiled = plan.compile
         self.model = wrap_model(self.raw_model, self.compiled, dist_state, run.fsdp)
         self.log = RunLog(run.out_dir, enabled=False)  # rank 0 opens the real one
@@ -1038,18 +733,8 @@ class Trainer:
             )
             self.plan = dataclasses.replace(plan, batch_size=B)
         self.use_micro_batch(self.plan.batch_size)
-        rows_per_epoch = self.train_rows.rows_per_epoch
-        self.checkpointer = Checkpointer(
-            run,
-            self.plan,
-            dist_state,
-            trainer_state,
-            self.shard_check,
-            self.log,
-            self.shards_read,
-            rows_per_epoch,
-            self.run_folder,
-        )
+        files = self.shard_check, self.log, self.shards_read, self.train_rows.rows_per_epoch, self.run_folder
+        self.checkpointer = Checkpointer(run, self.plan, dist_state, trainer_state, *files)
         tokens_per_step = plan.rows_per_rank * dist_state.world_size * plan.seq_len  # all ranks, padding included
         flops = flops_per_token(plan.model, plan.seq_len, self.raw_model.num_params())
         peak = mfu_peak(run.peak_tflops, self.device, self.dtype)
@@ -1104,12 +789,8 @@ class Trainer:
     # ---- one optimizer step
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step, in the order of README's "The step, in order". Its one host sync is the
-        .tolist() after the clip; the update is queued without waiting, so dt runs from this step's start
-        to the next sync and includes the GPU finishing the previous step's update: in a steady run, the
-        time per step. Recovery is written where it happens: forward_backward goes on eagerly if compiling
-        fails, the step is redone at half the micro-batch after an out-of-memory (one process), and
-        guarded_update skips a step the guard flags (--skip-nonfinite, --skip-spikes, fp16's overflows)."""
+        """One optimizer step, as README's "The step, in order", with one host sync (the .tolist() after the clip;
+        docs/performance.md). An out-of-memory redoes it at a smaller micro-batch (one process)."""
         t0 = time.perf_counter()
         micro_batches, n_tokens = self.prefetcher.get(step)  # 1-3. the step's rows, and N: known before any backward
         while True:  # 4. each micro-batch: backward of sum*W/N; out of memory: the same rows again, smaller
@@ -1185,25 +866,16 @@ class Trainer:
             return every and (step % every == 0 or last_step)
 
         if self.val_rows and due(run.val_every):
-            model, rows, B, chunk = self.raw_model, self.val_rows, self.loader.B, self.plan.loss_chunk
+            options = self.dtype, self.token_bytes, self.plan.loss_chunk, run.doc_mask
             results.update(
-                evaluate_loss(
-                    model, rows, B, run.val_steps, dist_state, self.dtype, self.token_bytes, chunk, run.doc_mask
-                )
+                evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, dist_state, *options)
             )
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
-            result = hellaswag_eval.evaluate(
-                self.raw_model,
-                self.device,
-                data_file=self.plan.hellaswag_file,
-                limit=run.hellaswag_limit or None,
-                rank=dist_state.rank,
-                world_size=dist_state.world_size,
-                dtype=self.dtype,
-                flag="--hellaswag-file",
-            )
+            data = dict(data_file=self.plan.hellaswag_file, limit=run.hellaswag_limit or None, flag="--hellaswag-file")
+            ranks = dict(rank=dist_state.rank, world_size=dist_state.world_size)
+            result = hellaswag_eval.evaluate(self.raw_model, self.device, dtype=self.dtype, **data, **ranks)
             print0(f"step {step:5d} | hellaswag acc_norm {result['acc_norm']:.4f} ({result['n']} examples)")
             results.update(hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
             self.log.write(step=step, hellaswag_acc=result["acc_norm"], hellaswag_n=result["n"])
@@ -1224,10 +896,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def running(self):
-        """Around the loop or an evaluation: a collective that failed because another rank died becomes
-        this rank's one line, and no checkpoint is written after it (the state may be half-updated, and
-        saving needs the peers); the shard check's and the prefetch threads (ended and joined), the
-        signal handlers and the log are released however it ends."""
+        """Around the loop or an evaluation: a collective failed by a dead rank becomes one line (and no save);
+        the shard check and prefetch threads, the signal handlers and the log are released however it ends."""
         self.shard_check.start()  # started here, so that every way out of the run passes its close() below
         try:
             yield
@@ -1259,18 +929,10 @@ class Trainer:
 
     def log_step(self, step: int, r: StepResult, progress: str):
         sample_peak()  # (where no thread samples the private memory: under an address-space limit)
-        tok_per_s, tok_per_gpu, mfu = self.speed.of(r.dt)
-        print0(
-            f"step {step:5d}/{self.run.max_steps} | loss {r.loss:.6f} | lr {r.lr:.4e} | norm {r.grad_norm:.4f} | "
-            f"dt {1000 * r.dt:.1f}ms | tok/s {tok_per_s:,.0f}"
-            + per_device_rate(tok_per_gpu, self.dist_state.world_size, self.dist_state.device_type)
-            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-            + (f" | skipped ({r.skipped})" if r.skipped else "")
-            + progress
-        )
-        record = dict(step=step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, tokens=r.n_tokens, dt_ms=1000 * r.dt)
-        record.update(tok_per_s=tok_per_s, tok_per_s_per_gpu=tok_per_gpu, mfu=mfu, skipped=r.skipped)
-        self.log.write(**{k: v for k, v in record.items() if v is not None})  # (no mfu on CPU; skipped: rarely)
+        world, device_type = self.dist_state.world_size, self.dist_state.device_type
+        line, record = step_line(step, self.run.max_steps, r, self.speed.of(r.dt), world, device_type, progress)
+        print0(line)
+        self.log.write(**record)
 
 
 # -----------------------------------------------------------------------------
@@ -1279,11 +941,11 @@ class Trainer:
 
 def train(run: RunConfig, dist_state: Dist, evaluated=None):
     """Resolve the plan, build the Trainer, train or evaluate (evaluated: as resolve_launch's)."""
-    out_dir_lock = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
+    run_folder = OutDirLock(run.out_dir)  # rank 0 takes it in resolve_launch(), once the input checks out
     plan = trainer = None
     try:
-        check_ranks_agree(launch_fingerprint(run))
-        plan, inputs = resolve_launch(run, dist_state, out_dir_lock, evaluated)
+        check_ranks_agree(run)
+        plan, inputs = resolve_launch(run, dist_state, run_folder, evaluated)
         if plan.resume_from and plan.start_step == run.max_steps and not run.eval_only:  # a requeued finished job
             print0(
                 f"{plan.resume_from} is already at --max-steps {run.max_steps}: nothing to train (raise --max-steps to go on)"
@@ -1302,24 +964,13 @@ def train(run: RunConfig, dist_state: Dist, evaluated=None):
             )
         trainer.fit()
     except Exception as e:
-        if is_out_of_memory(e):
-            auto = (plan.batch_size if plan else run.batch_size) == "auto"  # B was (or was to be) auto's choice
-            micro_batch = (
-                trainer.loader.B if trainer else None if auto else plan.batch_size if plan else run.batch_size
-            )  # the rows per micro-step it ran out at (None: auto had chosen none)
-            raise out_of_memory_error(
-                e, dist_state.device, None if run.eval_only else latest_checkpoint(run.out_dir), micro_batch, auto
-            ) from None
-        raise
+        if not is_out_of_memory(e):
+            raise
+        last_ckpt = None if run.eval_only else latest_checkpoint(run.out_dir)
+        asked = plan.batch_size if plan else run.batch_size  # (auto's choice: trainer.loader.B)
+        raise out_of_memory_error(e, dist_state.device, last_ckpt, asked, trainer and trainer.loader.B) from None
     finally:
-        out_dir_lock.release()
-
-
-def launch_fingerprint(run: RunConfig) -> list[tuple[str, object]]:
-    """What every rank of a launch must share, in flag order: each flag, then the shards."""
-    return [(train_flags.flag_name(name), value) for name, value in dataclasses.asdict(run).items()] + data_fingerprint(
-        run.data_dir
-    )
+        run_folder.release()
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ from trainkit import cli
 from trainkit.launch import Dist
 import train_gpt2 as tg
 from trainkit.chunked_loss import chunked_loss_and_grads
+from trainkit.shards import open_shard
 from shards import EOT, make_docs, write_shards
 
 
@@ -215,14 +216,14 @@ def test_llmc_bin_shards_read_like_npy(tmp_path):
     with open(tmp_path / "x_train_000000.bin", "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.tobytes())
-    assert np.array_equal(tg.open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
+    assert np.array_equal(open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
     (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
     with pytest.raises(cli.UserError, match="truncated or corrupt"):
-        tg.open_shard(str(tmp_path / "y_val_000000.bin"))
+        open_shard(str(tmp_path / "y_val_000000.bin"))
     header[0] = 123
     (tmp_path / "z_val_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
     with pytest.raises(cli.UserError, match="HINT: are you passing the right file"):
-        tg.open_shard(str(tmp_path / "z_val_000000.bin"))
+        open_shard(str(tmp_path / "z_val_000000.bin"))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

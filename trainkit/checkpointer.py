@@ -74,9 +74,30 @@ class Checkpointer:
         self.last = self.log.last_checkpoint = path
 
 
-def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, lr_notice: str | None) -> ResumePoint:
+# the fields the trainer's get_lr reads: a resumed run whose values differ may find another LR at its step
+SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
+
+
+def lr_change_notice(saved_run_config: dict, run, step: int, get_lr) -> str | None:
+    """One line when the schedule flags of a resumed run put another LR at the resumed step than
+    the checkpoint's run had there (e.g. a larger --max-steps stretches the cosine), else None."""
+    saved = dataclasses.replace(run, **{k: saved_run_config[k] for k in SCHEDULE_KEYS if k in saved_run_config})
+    old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
+    if old_lr == new_lr:
+        return None
+    changed = ", ".join(
+        f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
+        for k in SCHEDULE_KEYS
+        if getattr(saved, k) != getattr(run, k)
+    )
+    return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
+
+
+def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, get_lr) -> ResumePoint:
     """The resumed checkpoint's training state put back (restore_training_state), with a line each where this
-    run reads other data, or sets another LR (lr_notice) or other optimizer hyperparameters than it did."""
+    run reads other data, or sets another LR (get_lr(step, run): the trainer's schedule) or other optimizer
+    hyperparameters than it did."""
+    lr_notice = lr_change_notice(ckpt["run_config"], run, plan.start_step, get_lr)
     path, step = plan.resume_from, plan.start_step
     optimizer_notice = restore_training_state(ckpt, *trainer_state, path)  # (this run's weight decay, ...)
     print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")

@@ -1,13 +1,18 @@
 """lm_head + cross-entropy in chunks of rows, never holding the (rows, vocab) logits (B=64, T=1024: 13 GB
 in fp32), or whole. The forward also computes each chunk's gradients (softmax - one-hot), so backward only
 scales them. The matmuls run over all of the padded rows (against the first 50257 a chunk's three matmuls
-took 20% longer), the softmax over the first n_real: the padded ids get exactly 0 probability and gradient.
+took 20% longer), the softmax over the first n_real: the padded ids get exactly 0 probability and gradient. Also the validation loss the trainer
+logs (evaluate_loss).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from trainkit.launch import all_reduce_sum
 
 IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-docs rows)
 
@@ -91,3 +96,34 @@ def full_lm_loss(h, weight, targets, reduction, n_real):
         logits.view(-1, logits.size(-1))[:, :n_real].float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction
     )
     return logits[..., :n_real], loss
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: torch.nn.Module,
+    rows,
+    B: int,
+    n_batches: int,
+    dist_state,
+    dtype: torch.dtype,
+    token_bytes,
+    loss_chunk: int = 0,
+    doc_mask=False,
+) -> dict:
+    """{val_loss: token-weighted mean loss of model (the trainer's GPT) over the first n_batches x world size x B
+    rows of rows (its TokenRows),
+    val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
+    bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
+    model.eval()
+    device, rank, world = dist_state.device, dist_state.rank, dist_state.world_size
+    token_bytes = torch.as_tensor(token_bytes, device=device)
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # summed loss, targets; of the text: loss, bytes
+    for i in range(n_batches):
+        x, y = (torch.from_numpy(a).to(device) for a in rows.batch((i * world + rank) * B, B))
+        with torch.autocast(torch.device(device).type, dtype, enabled=dtype != torch.float32):
+            _, losses = model(x, y, reduction="none", loss_chunk=loss_chunk, doc_mask=doc_mask)
+        n_bytes = (token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)).flatten()
+        totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
+    model.train()
+    loss_sum, n_targets, text_loss, n_bytes = all_reduce_sum(totals).tolist()
+    return dict(val_loss=loss_sum / n_targets, **(dict(val_bpb=text_loss / (math.log(2) * n_bytes)) if n_bytes else {}))

@@ -117,16 +117,16 @@ def fits_everywhere(forward_backward, B: int, T: int, model, optimizer, device: 
     return not all_reduce_sum(torch.tensor([float(failed)], device=device)).item()
 
 
-def choose_micro_batch(run, launch, forward_backward, model, optimizer, val_rows, d, log) -> int:
-    """--batch-size auto's micro-batch: the largest divisor of launch.rows_per_rank whose micro-batch of
-    launch.seq_len-token rows fits on d (a launch.Dist) through forward_backward(micro_batches, N), and with
+def choose_micro_batch(run, plan, forward_backward, model, optimizer, val_rows, dist_state, log) -> int:
+    """--batch-size auto's micro-batch: the largest divisor of plan.rows_per_rank whose micro-batch of
+    plan.seq_len-token rows fits on dist_state (a launch.Dist) through forward_backward(micro_batches, N), and with
     which --val-steps evaluation batches fit in val_rows (the val TokenRows, or None): the largest first (it
     often does), then a binary search of the others, a handful of trials. AdamW's moments do not exist
     before the first update: tensors of their size are held during the trials, with a margin. Nothing
     of a trial stays: gradients dropped, RNG state restored, no update. Printed in one line, logged."""
-    rows_per_rank, T, device, step = launch.rows_per_rank, launch.seq_len, d.device, launch.start_step
+    rows_per_rank, T, device, step = plan.rows_per_rank, plan.seq_len, dist_state.device, plan.start_step
     t0, tried = time.perf_counter(), []
-    most = val_rows.rows_per_epoch // (run.val_steps * d.world_size) if val_rows else rows_per_rank
+    most = val_rows.rows_per_epoch // (run.val_steps * dist_state.world_size) if val_rows else rows_per_rank
     choices = [b for b in divisors(rows_per_rank) if b <= most]
     device_type = torch.device(device).type
 
@@ -137,7 +137,7 @@ def choose_micro_batch(run, launch, forward_backward, model, optimizer, val_rows
     with (
         torch.random.fork_rng(devices=[device] if device_type == "cuda" else []),
         cpu_search_limit(device_type),
-        static_shapes(launch.compile),
+        static_shapes(plan.compile),
     ):
         held = [
             torch.empty_like(local_part(p))

@@ -21,14 +21,15 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: nn.Module, d, dtype: torch.dtype, compile_block=None) -> nn.Module:
-    """FSDP2 in place on a GPT (d: launch.Dist): each block, then the root, moved to d.device one at a time
+def shard_model(model: nn.Module, dist_state, dtype: torch.dtype, compile_block=None) -> nn.Module:
+    """FSDP2 in place on a GPT (dist_state: launch.Dist): each block, then the root, moved to
+    dist_state.device one at a time
     (never whole on the GPU); a low-precision dtype computes in it and reduces in fp32. compile_block wraps
     each block before it is sharded (torch's advice; per block as torchtitan)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh(d.device_type, (d.world_size,))
+    mesh = init_device_mesh(dist_state.device_type, (dist_state.world_size,))
     policy = (
         MixedPrecisionPolicy()
         if dtype == torch.float32

@@ -8,6 +8,7 @@ The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 from trainkit.cli import RankLocalError, UserError, exit_code_of, flat, reason_of
 from trainkit.console import print_line
-from trainkit.shard_identity import differing_file
+from trainkit.shard_identity import data_fingerprint, differing_file
+from trainkit.train_flags import flag_name
 
 
 @dataclass
@@ -127,11 +129,11 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def decided_on_rank0(d: Dist, decide):
+def decided_on_rank0(dist_state: Dist, decide):
     """decide() run on rank 0 only (the rank that writes --out-dir), its result sent to every rank;
     a UserError there is raised on every rank, so that none waits in a collective for one that stopped."""
     answer = [None, None]  # (result, refusal)
-    if d.is_main:
+    if dist_state.is_main:
         try:
             answer[0] = decide()
         except UserError as e:
@@ -148,7 +150,7 @@ class AgreedUserError(UserError):
     meet, so they leave the process group together, as after a run that ends well."""
 
 
-def checked_on_every_rank(d: Dist, action):
+def checked_on_every_rank(dist_state: Dist, action):
     """action() on every rank, where each may fail on what only it sees (a file on its node's disk):
     the ranks compare outcomes (one all-gather) and, if any raised a UserError, every rank raises
     the lowest rank's, named by rank unless it is rank 0's, so that rank 0 prints it once and none
@@ -208,23 +210,23 @@ def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoin
     another rank died is a RankLost (naming last_checkpoint(), for a command that saves them); and
     after a UserError torchrun's SIGTERM, sent once one rank has exited, no longer cuts rank 0
     short of printing its line."""
-    d = setup_distributed(device, timeout_s)
+    dist_state = setup_distributed(device, timeout_s)
     try:
-        yield d
-        if d.enabled:
+        yield dist_state
+        if dist_state.enabled:
             dist.barrier()
     except UserError as e:
-        if d.enabled:
+        if dist_state.enabled:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if isinstance(e, AgreedUserError):  # every rank is here: wait for each other, as at a good end
                 with contextlib.suppress(Exception):  # (a peer gone meanwhile: the line still comes)
                     dist.barrier()
         raise
     except Exception as e:
-        if d.enabled and is_lost_rank(e):  # another rank died during set-up, evaluation or the last barrier
+        if dist_state.enabled and is_lost_rank(e):  # another rank died during set-up, evaluation or the last barrier
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the survivors: print the line first
             raise lost_rank_error(
-                e, d.rank, last_checkpoint and last_checkpoint(), saves=bool(last_checkpoint)
+                e, dist_state.rank, last_checkpoint and last_checkpoint(), saves=bool(last_checkpoint)
             ) from None
         raise
     finally:
@@ -255,12 +257,14 @@ def first_difference(rank: int, mine: list, theirs: list) -> str | None:
     return None
 
 
-def check_ranks_agree(fingerprint: list[tuple[str, object]]):
+def check_ranks_agree(run):
     """Under torchrun, refuse a launch whose ranks got different flags or data (a different
     --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
-    replicas that silently drift apart). fingerprint: (what, value) pairs in order, "--flag"s and
-    shard lists (shard_identity.shard_files: names, sizes and contents). One all-gather; every rank raises
+    replicas that silently drift apart): each flag of run (a RunConfig), in order, then the shard
+    lists (shard_identity.shard_files: names, sizes and contents). One all-gather; every rank raises
     the same error."""
+    fingerprint = [(flag_name(name), value) for name, value in dataclasses.asdict(run).items()]
+    fingerprint += data_fingerprint(run.data_dir)
     if not dist.is_initialized():
         return
     fingerprints = [None] * dist.get_world_size()

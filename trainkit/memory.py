@@ -35,16 +35,16 @@ def device_memory(device: str, device_type: str) -> tuple[int, str] | None:
     return None
 
 
-def check_model_fits(n_params: int, d, fsdp: bool, training: bool):
+def check_model_fits(n_params: int, dist_state, fsdp: bool, training: bool):
     """Refuse a model of n_params parameters whose weights (evaluation) or weights, gradients and AdamW moments (training,
     16 bytes per parameter) exceed the device's memory before any of it is allocated: a huge
     allocation fails with a traceback, and many smaller ones end in the kernel's OOM killer."""
-    memory = device_memory(d.device, d.device_type)
+    memory = device_memory(dist_state.device, dist_state.device_type)
     if memory is None:
         return
     n, bytes_per_param = n_params, 16 if training else 4
-    need = n * bytes_per_param / (d.world_size if fsdp else 1)
-    if d.device_type == "cpu":  # the ranks of this node share its RAM
+    need = n * bytes_per_param / (dist_state.world_size if fsdp else 1)
+    if dist_state.device_type == "cpu":  # the ranks of this node share its RAM
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if need > memory[0]:
         what = "weights, gradients and AdamW state" if training else "weights"
@@ -52,7 +52,7 @@ def check_model_fits(n_params: int, d, fsdp: bool, training: bool):
             f"the model has {n / 1e9:.3g}B parameters: its {what} ({bytes_per_param} bytes per parameter"
             f"{', sharded by --fsdp' if fsdp else ''}) need {need / 2**30:.3g} GiB, more than "
             f"{memory[1]} ({memory[0] / 2**30:.3g} GiB): choose a smaller --model or --n-layer, "
-            "--n-embd, --vocab-size, --block-size" + ("" if fsdp or d.world_size < 2 else ", or --fsdp")
+            "--n-embd, --vocab-size, --block-size" + ("" if fsdp or dist_state.world_size < 2 else ", or --fsdp")
         )
 
 
@@ -71,15 +71,17 @@ def out_of_memory_reason(e: BaseException) -> str:
 
 
 def out_of_memory_error(
-    e: BaseException, device: str, last_ckpt: str | None, micro_batch: int | None = None, auto: bool = False
+    e: BaseException, device: str, last_ckpt: str | None, asked: int | str | None, ran_at: int | None = None
 ) -> cli.RankLocalError:
-    """The line for an out-of-memory that ends the run. micro_batch: the rows per micro-step it ran
-    out at, which --batch-size auto chose (auto; None: before it chose) or the user did. At one row
-    fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
+    """The line for an out-of-memory that ends the run. asked: --batch-size as the launch had it (rows, "auto", or
+    None before it was resolved); ran_at: the rows per micro-step the steps ran at (None: no step was set up).
+    At one row fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
     shrinks a step. A MemoryError raised by a library's import is no step's (cli.out_of_host_memory's line);
     under an address-space limit (ulimit -v) the line names it too."""
     if isinstance(e, MemoryError) and cli.raised_in_import(e):
         return cli.RankLocalError(cli.out_of_host_memory(e))
+    auto = asked == "auto"
+    micro_batch = ran_at if ran_at is not None else None if auto else asked  # (None: auto had chosen none)
     if auto and micro_batch is None:  # the search itself, before its first trial
         advice = (
             "--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "

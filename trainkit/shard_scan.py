@@ -33,8 +33,10 @@ import time
 import numpy as np
 
 from trainkit.atomic_write import write_bytes_atomically
-from trainkit.cli import reason_of
+from trainkit.cli import UserError, reason_of
 from trainkit.console import print0, print_line
+from trainkit.shard_checks import check_token_ids, find_shards, recorded
+from trainkit.shards import open_shard
 from trainkit.tokenizer import EOT
 
 MIN_CACHED_TOKENS = 1 << 22  # 8 MB of tokens: scanned in milliseconds, not worth a file
@@ -326,3 +328,23 @@ def scan_shards(
                     if tables[i] is None:
                         tables[i] = table
     return max_ids, tables
+
+
+def open_split(data_dir: str, split: str, T: int, align_docs: bool, build_rows, vocab_size: int | None, progress):
+    """(paths, memory-mapped shards, row tables or None, rows per shard) of data_dir's split: token ids checked
+    against vocab_size (None: not checked), --align-docs' tables built by build_rows (scan_shards, once per
+    shard, then kept); a shard too short for one row of T tokens is refused."""
+    paths = find_shards(data_dir, split)
+    shards = [open_shard(p) for p in paths]
+    known_ids = recorded(paths, "max_id") if vocab_size is not None else [0] * len(paths)  # 0: no check
+    what = f"{split} shards"
+    largest_ids, tables = scan_shards(paths, shards, known_ids, T if align_docs else None, build_rows, what, progress)
+    if vocab_size is not None:
+        check_token_ids(paths, largest_ids, vocab_size)
+    counts = [len(t) for t in tables] if align_docs else [max(0, len(s) - 1) // T for s in shards]
+    for path, shard, count in zip(paths, shards, counts):
+        if count == 0:
+            raise UserError(
+                f"{path}: {len(shard)} tokens, fewer than one row of --seq-len {T} + 1; remove it or re-create the shards"
+            )
+    return paths, shards, tables, counts
