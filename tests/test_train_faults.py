@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pty
+import re
 import resource
 import select
 import shutil
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from trainkit import checkpoints
+from trainkit.fit_batch import MARGIN_CPU
 from trainkit.shard_identity import shard_files
 import train_gpt2 as tg
 from conftest import (
@@ -241,22 +243,24 @@ def test_eval_only_stops_at_once_on_a_signal(finished_run, long_val_data, signum
 
 def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     """134M parameters fit this machine's RAM (the check before building passes), but the process
-    may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit."""
+    may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit.
+    Threads get 1 MiB stacks, so that the trainer's threads start and the step is what runs out."""
 
     def limit_address_space():
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+        resource.setrlimit(resource.RLIMIT_STACK, (2**20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
 
     args = tiny_run_args(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
     result = run_command(
         "train_gpt2.py", *args, preexec_fn=limit_address_space, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
     )  # (fewer address-space reservations)
-    # at one row per micro-step, a lower --batch-size cannot help
+    # at one row per micro-step, a lower --batch-size cannot help; the limit is named beside the model's size
     assert_one_error_line(
         result,
         "out of memory on cpu (tried to allocate ",
-        " bytes): not even one row per "
-        "micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a smaller "
-        "model. Last good checkpoint: none",
+        " bytes): not even one row per micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a "
+        "smaller model; or raise the memory limit this process runs under (ulimit -v, 2097152 KiB). Last good "
+        "checkpoint: none",
     )
 
 
@@ -276,9 +280,10 @@ FULL_LOGITS = [
     "--warmup-steps",
     "3",
 ]
-# glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, which an
-# address-space limit counts as used: a fixed threshold makes the limit track what is allocated
-FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, and each thread's
+# own malloc arena reserves 64 MiB, both of which an address-space limit counts as used: a fixed threshold and
+# one arena make the limit track what is allocated
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 
 def squeezed(*squeeze_and_train_args, nproc=1):
@@ -286,73 +291,81 @@ def squeezed(*squeeze_and_train_args, nproc=1):
     return run_cli(squeeze_and_train_args, nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
 
 
+# squeeze_memory.py leaves that share of what a step took so far: the --batch-size auto trial of all of a rank's
+# rows (and its margin) or a step at them, so that half of them fit (a step's memory grows with its rows:
+# measured 101, 200 and 397 MiB at 2, 4 and 8 rows, plus fit_batch's 64 MiB margin) and all of them do not
+SQUEEZED_TO = "65%"
+# the line's addition where a process runs under an address-space limit, as a squeezed one does
+LIMIT_NAMED = re.compile(r"; or raise the memory limit this process runs under \(ulimit -v, \d+ KiB\)")
+
+
+def limit_named(line: str) -> str:
+    """line, which names the address-space limit its process ran under, without that addition."""
+    assert LIMIT_NAMED.search(line), line
+    return LIMIT_NAMED.sub("", line)
+
+
 def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
-    """With 420 MiB left, --batch-size auto finds that 8 rows do not fit and 4 do (trials 8, 2, 4). Before
-    step 2 only 150 MiB are left: the step runs out of memory at 4 rows and is redone at 2, from the
-    rows the prefetcher had loaded at 4. The losses are those of --batch-size 4, resumed at step 2
-    with --batch-size 2, bit for bit: nothing of the trials or of the failed step leaked."""
+    """--batch-size auto finds that all 8 rows fit. Before step 2 less is left than a step of 8 rows takes
+    (SQUEEZED_TO): the step runs out of memory at 8 rows and is redone at 4, from the rows the prefetcher
+    had loaded at 8. The losses are those of --batch-size 8, resumed at step 2 with --batch-size 4, bit
+    for bit: nothing of the trial or of the failed step leaked."""
     out = tmp_path / "squeezed"
     result = squeezed(
         "--squeeze",
-        "420MiB",
-        "--squeeze",
-        "2:150MiB",
+        f"2:{SQUEEZED_TO}",
         "--",
         *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
     assert lines[0].startswith(
-        "--batch-size auto: 4 rows per micro-step fit cpu, 2 accumulation steps (tried 8: "
-        "out of memory, 2: fits, 4: fits; 3 trials, "
+        "--batch-size auto: 8 rows per micro-step fit cpu, 1 accumulation steps (tried 8: fits; 1 trials, "
     )
-    # the fp32 logits of the real vocabulary, 4 rows x 64 tokens x 50257 x 4 bytes, ran out of memory
-    assert lines[1] == (
-        "step     2 | out of memory at 4 rows per micro-step (tried to allocate 51463168 bytes): the "
-        "step again at 2 rows (4 accumulation steps), the same rows and numbers"
-    )
-    assert len(lines) == 2 and "batch: 512 tokens/step = 4 rows x 64 tokens x 2 accumulation steps" in result.stdout
+    assert re.fullmatch(
+        r"step     2 \| out of memory at 8 rows per micro-step \(tried to allocate \d+ bytes\): the "
+        r"step again at 4 rows \(2 accumulation steps\), the same rows and numbers",
+        lines[1],
+    ), lines[1]
+    assert len(lines) == 2 and "batch: 512 tokens/step = 8 rows x 64 tokens x 1 accumulation steps" in result.stdout
     records = log_records(out)
     assert len({r["run"] for r in records}) == 1  # one run throughout (the step redone is not a new one)
     events = [{k: v for k, v in r.items() if k not in ("search_s", "run")} for r in records if "event" in r]
     assert events == [
-        dict(step=0, event="batch_size", batch_size=4, tried="8: out of memory, 2: fits, 4: fits"),
-        dict(step=2, event="batch_size", batch_size=2, reason="out of memory"),
+        dict(step=0, event="batch_size", batch_size=8, tried="8: fits"),
+        dict(step=2, event="batch_size", batch_size=4, reason="out of memory"),
     ]
     ref = tmp_path / "hand_picked"
-    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=2)) == 0
-    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, "--resume", steps=4, B=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=8, ckpt_every=2)) == 0
+    assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, "--resume", steps=4, B=4)) == 0
     assert losses(out) == losses(ref) and len(losses(out)) == 4
 
 
 def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(data_dir, tmp_path):
-    """Only rank 1 is squeezed: 540 MiB (gloo and DDP take ~200) fit 2 of its 4 rows per step, and rank 0
-    takes 2 too. An
-    out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the backward's
-    all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
+    """Both ranks' --batch-size auto agree on all 4 of a rank's rows; only rank 1 is squeezed, before step 2
+    (SQUEEZED_TO). An out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the
+    backward's all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
     result = squeezed(
         "--rank",
         "1",
         "--squeeze",
-        "540MiB",
-        "--squeeze",
-        "2:60MiB",
+        f"2:{SQUEEZED_TO}",
         "--",
         *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0),
         nproc=2,
     )
     assert result.returncode != 0
     assert (
-        "--batch-size auto: 2 rows per micro-step fit cpu, 2 accumulation steps (tried 4: out of memory, 1: fits, 2: fits"
+        "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
         in result.stdout
     ), result.stdout + result.stderr[-3000:]
-    assert "batch: 512 tokens/step = 2 rows x 64 tokens x 2 accumulation steps x 2 ranks" in result.stdout
+    assert "batch: 512 tokens/step = 4 rows x 64 tokens x 1 accumulation steps x 2 ranks" in result.stdout
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[1].startswith("error: rank 1: out of memory on cpu (tried to allocate ")
-    assert errors[1].endswith(
-        " bytes): --batch-size auto chose 2 rows per micro-step, which fit its trial but not this "
+    assert limit_named(errors[1]).endswith(
+        " bytes): --batch-size auto chose 4 rows per micro-step, which fit its trial but not this "
         "step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. "
         "Last good checkpoint: none"
     )
@@ -506,7 +519,7 @@ def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int, *ext
     )
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    return lines[0]
+    return limit_named(lines[0])
 
 
 # one row's fp32 logits, 64 tokens x 50257 ids x 4 bytes: one allocation that the step of a row must make
@@ -543,11 +556,14 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
 
 
 def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
-    """80 MiB free from the start: --batch-size auto runs out of memory before its first trial ends (the
-    reserve it holds beside the trial included: fit_batch's 64 MiB margin, 6 MiB of AdamW moments and
-    a row's 12.3 MiB of logits need 82 MiB on any CPU). The line says the search could not try one row,
-    not which size it chose."""
-    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", ["--squeeze", "80MiB"], steps=2)
+    """Too little free from the start for the search's first trial of one row: the reserve it holds beside
+    the trial (fit_batch's MARGIN_CPU and 6 MiB of AdamW moments) and the trial's two buffers of logits
+    (ROW_LOGITS each: the logits and their softmax), but room for the thread the run starts first (a stack
+    of ulimit -s). The line says the search could not try one row, not which size it chose."""
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else min(stack, 8 * 2**20)  # (glibc's 8 MiB at most)
+    left_free = (MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1
+    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", ["--squeeze", f"{left_free}MiB"], steps=2)
     assert line.startswith("error: out of memory on cpu (")
     assert line.endswith(
         "): --batch-size auto could not try even one row per micro-step: pass "
