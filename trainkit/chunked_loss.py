@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-
-from trainkit.launch import all_reduce_sum
 
 IGNORE_INDEX = -1  # targets with this value carry no loss (padding of --align-docs rows)
 
@@ -125,5 +124,7 @@ def evaluate_loss(
         n_bytes = (token_bytes[y.clamp(min=0)] * (y != IGNORE_INDEX)).flatten()
         totals += torch.stack([losses.sum(), (y != IGNORE_INDEX).sum(), (losses * (n_bytes > 0)).sum(), n_bytes.sum()])
     model.train()
-    loss_sum, n_targets, text_loss, n_bytes = all_reduce_sum(totals).tolist()
+    if dist.is_initialized():
+        dist.all_reduce(totals)  # summed over the ranks
+    loss_sum, n_targets, text_loss, n_bytes = totals.tolist()
     return dict(val_loss=loss_sum / n_targets, **(dict(val_bpb=text_loss / (math.log(2) * n_bytes)) if n_bytes else {}))
