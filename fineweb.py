@@ -18,8 +18,8 @@ out byte-identical.
 What is where: main, run and write_shards (just below) are the path from documents to shards;
 then the command line, answered before numpy and tiktoken load; then the checks and folder
 handling that run calls. The pieces shared with the trainer live in trainkit/: the shard format
-(shards.py) and the writer of shards and their manifest (shard_writer.py), GPT-2's tokenizer (tokenizer.py);
-and this script's document sources and worker pool are trainkit/documents.py.
+(data/shards.py) and the writer of shards and their manifest (data/shard_writer.py), GPT-2's tokenizer (data/tokenizer.py);
+and this script's document sources and worker pool are trainkit/data/documents.py.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from decimal import Decimal, InvalidOperation
 from itertools import chain, islice
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
-from trainkit.cli import UserError, exit_code_of, reason_of
-from trainkit.console import print_line
-from trainkit.folder_lock import FolderLock, remove_if_same  # one live writer per --out-dir (standard library only)
+from trainkit.cli import UserError, exit_code_of, print_line, reason_of
+from trainkit.fileio import FolderLock, remove_if_same  # one live writer per --out-dir (standard library only)
 
 
 # --- from documents to shards -------------------------------------------------------------
@@ -253,7 +252,7 @@ if __name__ == "__main__":
 
 import numpy as np
 
-from trainkit.documents import (  # defines: the four document sources, the worker pool that tokenizes in order
+from trainkit.data.documents import (  # defines: the four document sources, the worker pool that tokenizes in order
     CHUNK_CHARS,
     chunk_located,
     hub_revision,
@@ -264,8 +263,10 @@ from trainkit.documents import (  # defines: the four document sources, the work
     resolve_files,
     tokenize_in_order,
 )
-from trainkit.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest  # defines: shards, manifest
-from trainkit.tokenizer import ENCODING_NAME, EOT  # defines: GPT-2's tokenizer (r50k_base, offline from bpe/)
+
+# defines: shards, manifest
+from trainkit.data.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest
+from trainkit.data.tokenizer import ENCODING_NAME, EOT  # defines: GPT-2's tokenizer (r50k_base, offline from bpe/)
 
 
 # --- what run calls ----------------------------------------------------------------------------

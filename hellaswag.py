@@ -7,7 +7,7 @@
 
 Prints acc and acc_norm (lowest summed and per-token ending loss: build-nanogpt's and llm.c's, GPT-2
 124M ~0.2955) and lm-eval's lm_eval_acc, lm_eval_acc_norm (docs/hellaswag.md); the scoring is
-trainkit/hellaswag_eval.py's, the trainer's --hellaswag-every too.
+trainkit/evaluation/hellaswag_eval.py's, the trainer's --hellaswag-every too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import os
 import sys
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
-from trainkit.hellaswag_data import DATA_NAME, resolve_data_file  # the validation file (standard library only)
+
+# the validation file (standard library only)
+from trainkit.evaluation.hellaswag_data import DATA_NAME, resolve_data_file
 
 
 # --- command line (standard library only: --help and usage errors answer before torch is imported)
@@ -66,13 +68,15 @@ if __name__ == "__main__":
 
 import torch.nn as nn
 
-from trainkit.checkpoints import latest_checkpoint, load_checkpoint
-from trainkit.hellaswag_eval import evaluate  # the scoring the trainer uses too
-from trainkit.hellaswag_examples import RENDERERS, describe_data, load_examples  # its examples, the trainer's too
-from trainkit.hf_weights import load_hf_model
-from trainkit.console import print0, print_result
-from trainkit.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
-from trainkit.precision import resolve_dtype
+from trainkit.runfiles.checkpoints import latest_checkpoint, load_checkpoint
+from trainkit.evaluation.hellaswag_eval import evaluate  # the scoring the trainer uses too
+
+# its examples, the trainer's too
+from trainkit.evaluation.hellaswag_examples import RENDERERS, describe_data, load_examples
+from trainkit.hf.weights import load_hf_model
+from trainkit.cli import print0, print_result
+from trainkit.runtime.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
+from trainkit.runtime.device import resolve_dtype
 
 
 # --- the command: our checkpoint or a Hugging Face GPT-2, scored on every rank

@@ -5,14 +5,14 @@
 
 This script reads and writes tensors and configs; it never imports the trainer. The other
 direction, a Hugging Face GPT-2 as our config and state dict (train_gpt2.GPT.from_hf, which
---init-from and sample.py use), is trainkit/hf_weights.py, with the layout differences (transposed
+--init-from and sample.py use), is trainkit/hf/weights.py, with the layout differences (transposed
 projections, the padded vocabulary) that both directions handle:
 
     config, state = gpt2_state_from_hf("gpt2")   # Hub name (needs internet) or a local HF directory
 
 What is where: the command line (answered before torch loads); export_hf, the export itself
 (our tensors as GPT2LMHeadModel's, GPT-2's tokenizer files beside them, from
-trainkit/hf_tokenizer_files.py), written into trainkit/export_folder.py's folder: whole or not at
+trainkit/hf/export.py), written into trainkit/hf/export.py's folder: whole or not at
 all, marked so that only an export is ever replaced; then `eval`, lm-evaluation-harness on a
 temporary export; main at the end. transformers is optional: it is imported only inside the
 functions that need it.
@@ -83,22 +83,13 @@ if __name__ == "__main__":
 
 import torch
 
-from trainkit.atomic_write import write_bytes_atomically
-from trainkit.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
-from trainkit.cli import UserError, exit_code_of, reason_of
-from trainkit.console import print_line, print_result
-from trainkit.export_folder import (
-    EXPORT_MARK,
-    check_replaceable,
-    check_target,
-    remove_dead_partials,
-    replacing_folder,
-    write_mark,
-)
-from trainkit.hf_tokenizer_files import save_tokenizer
-from trainkit.hf_folder import HF_BUFFERS
-from trainkit.hf_weights import TRANSPOSED, import_transformers, quiet_transformers
-from trainkit.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
+from trainkit.fileio import write_bytes_atomically
+from trainkit.runfiles.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
+from trainkit.cli import UserError, exit_code_of, print_line, print_result, reason_of
+from trainkit.hf.export import EXPORT_MARK, check_replaceable, check_target, remove_dead_partials, replacing_folder
+from trainkit.hf.export import save_tokenizer, write_mark
+from trainkit.hf.weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
+from trainkit.data.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
 # -----------------------------------------------------------------------------
@@ -225,8 +216,8 @@ def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
     hellaswag_file through evals/hellaswag_local.yaml when it is given. A task that cannot be had
     is one line saying what to set."""
     if hellaswag_file:  # a missing file, or a bad line, named as hellaswag.py names them (not as a failed download)
-        from trainkit.hellaswag_data import resolve_data_file
-        from trainkit.hellaswag_examples import load_examples
+        from trainkit.evaluation.hellaswag_data import resolve_data_file
+        from trainkit.evaluation.hellaswag_examples import load_examples
 
         flag = "--hellaswag-file"
         load_examples(resolve_data_file(hellaswag_file, flag=flag), flag=flag, style="lm_eval")

@@ -29,10 +29,9 @@ import math
 import os
 import sys
 
-from trainkit import json_file
-from trainkit.atomic_write import write_atomically
-from trainkit.cli import UserError, reason_of
-from trainkit.console import print_line
+from trainkit import fileio
+from trainkit.fileio import write_atomically
+from trainkit.cli import UserError, print_line, reason_of
 
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")  # what the plots read
@@ -60,10 +59,10 @@ def is_drawn(value: float) -> bool:
 
 def parse_record(line: bytes):
     """A line's JSON value, or None where it is not JSON text: a write cut by a crash, bytes that
-    are not UTF-8, nesting deeper than any record (json_file.MAX_DEPTH)."""
+    are not UTF-8, nesting deeper than any record (fileio.MAX_DEPTH)."""
     try:
-        return json_file.parse(line, "log")  # accepts the NaN/Infinity that json.dumps writes
-    except json_file.JSONFileError:
+        return fileio.parse_json(line, "log")  # accepts the NaN/Infinity that json.dumps writes
+    except fileio.JSONFileError:
         return None
 
 

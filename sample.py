@@ -68,11 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     cli.parse_before_imports(parse_args)
 
-from trainkit.cli import UserError, exit_code_of
-from trainkit.console import print_line, print_result
-from trainkit.launch import resolve_device
-from trainkit.sampling import encode_prompt, sample_text  # what the trainer's --sample-every prints too
-from trainkit.tokenizer import get_tokenizer_or_fail
+from trainkit.cli import UserError, exit_code_of, print_line, print_result
+from trainkit.runtime.launch import resolve_device
+from trainkit.evaluation.sampling import encode_prompt, sample_text  # what the trainer's --sample-every prints too
+from trainkit.data.tokenizer import get_tokenizer_or_fail
 
 
 # --- the command

@@ -176,34 +176,32 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit import hellaswag_eval, launch_plan
-from trainkit.chunked_loss import IGNORE_INDEX, chunked_lm_loss, evaluate_loss, full_lm_loss
-from trainkit.doc_mask import document_attention
-from trainkit.hf_weights import gpt2_state_from_hf
-from trainkit.shard_checks import no_output_for
-from trainkit.shard_scan import open_split
-from trainkit.tokenizer import EOT, real_vocab_size
-from trainkit.optimizers import MuonWithAdamW
-from trainkit.compiling import compile_failure_cause, compile_model
-from trainkit.fsdp import fsdp_no_sync, is_fsdp, shard_model, uncompile_blocks
-from trainkit.fit_batch import choose_micro_batch, redo_smaller, size_after_failure
-from trainkit.memory import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory, sample_peak
-from trainkit.memory import watch_peak
-from trainkit.update_guard import UpdateGuard, guarded_update
-from trainkit.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
-from trainkit.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
-from trainkit.launch_plan import LaunchInputs, LaunchPlan
-from trainkit.console import print0, print_result
-from trainkit.progress import elapsed_and_eta, step_line
-from trainkit.throughput import Throughput, flops_per_token, mfu_peak
-from trainkit.stop_signal import StopSignal, stopped_line
-from trainkit.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
-from trainkit.checkpointer import Checkpointer, resume_state
-from trainkit.resume import data_files, eval_checkpoint
-from trainkit.out_dir import OutDirLock, open_run_log
-from trainkit.run_log import RunLog
-from trainkit.save_on_failure import save_first_on_failure
-from trainkit.sampling import sample_text
+from trainkit.evaluation import hellaswag_eval
+from trainkit import components
+from trainkit.runtime.kernels import IGNORE_INDEX, chunked_lm_loss, document_attention, evaluate_loss, full_lm_loss
+from trainkit.hf.weights import gpt2_state_from_hf
+from trainkit.data.shards import no_output_for
+from trainkit.data.shard_scan import open_split
+from trainkit.data.tokenizer import EOT, real_vocab_size
+from trainkit.runtime.optimizers import MuonWithAdamW
+from trainkit.runtime.device import compile_failure_cause, compile_model, fsdp_no_sync, is_fsdp, shard_model
+from trainkit.runtime.device import uncompile_blocks
+from trainkit.runtime.recovery import choose_micro_batch, redo_smaller, size_after_failure
+from trainkit.runtime.device import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
+from trainkit.runtime.device import sample_peak, watch_peak
+from trainkit.runtime.recovery import UpdateGuard, guarded_update
+from trainkit.runtime.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
+from trainkit.runtime.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
+from trainkit.components import LaunchInputs, LaunchPlan
+from trainkit.cli import print0, print_result
+from trainkit.runtime.throughput import Throughput, elapsed_and_eta, flops_per_token, mfu_peak, step_line
+from trainkit.runtime.recovery import StopSignal, stopped_line
+from trainkit.runfiles.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
+from trainkit.components import Checkpointer, resume_state
+from trainkit.runfiles.resume import data_files, eval_checkpoint
+from trainkit.runfiles.run_folder import OutDirLock, RunLog, open_run_log
+from trainkit.runtime.recovery import save_first_on_failure
+from trainkit.evaluation.sampling import sample_text
 
 
 # -----------------------------------------------------------------------------
@@ -229,7 +227,7 @@ class CausalSelfAttention(nn.Module):
             if past and T > 1:  # new tokens see every cached token and the new ones before them
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             is_causal = past == 0 and T > 1
-        # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: trainkit/doc_mask.py)
+        # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: trainkit/runtime/kernels.py)
         y = (
             flex_attention(q, k, v, block_mask=attn_mask)
             if isinstance(attn_mask, BlockMask)
@@ -319,7 +317,7 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx, positions=None, attn_mask=None, kv_cache=None):
         """The final LayerNorm's output (B, T, n_embd): causal rows by default; packed scoring passes positions and
-        attn_mask (docs/hellaswag.md), decoding a kv_cache (trainkit/sampling.py) that idx continues."""
+        attn_mask (docs/hellaswag.md), decoding a kv_cache (trainkit/evaluation/sampling.py) that idx continues."""
         B, T = idx.size()
         if positions is None:
             start = kv_cache[0].length if kv_cache else 0
@@ -360,7 +358,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, name_or_dir: str, vocab_size=None, block_size=None, **options) -> GPT:
-        """The GPT holding a Hugging Face GPT-2's weights (trainkit/hf_weights.py's gpt2_state_from_hf), fp32 on the CPU."""
+        """The GPT holding a Hugging Face GPT-2's weights (trainkit/hf/weights.py's gpt2_state_from_hf), fp32 on the CPU."""
         config, state = gpt2_state_from_hf(name_or_dir, vocab_size, block_size, **options)
         model = cls(GPTConfig(**config))
         model.load_state_dict(state)
@@ -393,7 +391,9 @@ class TokenRows:
 
     def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
         self.T, self.align_docs, self.shuffle, self.seed, self.vocab_size = T, align_docs, shuffle, seed, vocab_size
-        split_files = open_split(data_dir, split, T, align_docs, aligned_rows, vocab_size, progress)  # (shard_scan.py)
+        split_files = open_split(
+            data_dir, split, T, align_docs, aligned_rows, vocab_size, progress
+        )  # (data/shard_scan.py)
         self.paths, self.shards, self.tables, counts = split_files
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
@@ -640,16 +640,14 @@ def model_config(run: RunConfig) -> GPTConfig:
 
 
 def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
-    """The model's shape (--init-from: its weights'), then the rest of the LaunchPlan (trainkit/launch_plan.py)."""
+    """The model's shape (--init-from: its weights'), then the rest of the LaunchPlan (trainkit/components.py)."""
     model_cfg, pretrained = model_config(run), None
     if run.init_from:  # the weights decide the model's shape
         pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size)
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
     n_params = param_count(model_cfg)
-    return launch_plan.resolve_launch(
-        run, dist_state, run_folder, model_cfg, pretrained, n_params, TokenRows, evaluated
-    )
+    return components.resolve_launch(run, dist_state, run_folder, model_cfg, pretrained, n_params, TokenRows, evaluated)
 
 
 def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
@@ -701,7 +699,7 @@ class Trainer:
 
     def __init__(self, run: RunConfig, plan: LaunchPlan, inputs: LaunchInputs, dist_state: Dist):
         self.run, self.plan, self.dist_state, self.device = run, plan, dist_state, dist_state.device
-        watch_peak()  # the private memory the summary reports (memory.py), from here on
+        watch_peak()  # the private memory the summary reports (runtime/device.py), from here on
         self.train_rows, self.val_rows, self.shard_check = inputs.train_rows, inputs.val_rows, inputs.shard_check
         self.enc, self.token_bytes, self.run_folder = inputs.enc, inputs.token_bytes, inputs.run_folder
         # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
@@ -780,7 +778,7 @@ class Trainer:
         self.model = wrap_model(self.raw_model, False, self.dist_state, self.run.fsdp)
 
     def _open_log(self):
-        """Rank 0: the run's identity, log.jsonl and trackers (out_dir.open_run_log), once the folder is
+        """Rank 0: the run's identity, log.jsonl and trackers (run_folder.open_run_log), once the folder is
         checked to be still the one claimed; an evaluation opens none."""
         if not self.run.eval_only:
             self.run_folder.check_claimed(None)  # (nothing of the run lands elsewhere)
@@ -820,7 +818,7 @@ class Trainer:
         loss_sum, stop_votes, shard_faults, norm = torch.cat([stats, norm.double().view(1)]).tolist()  # (the sync)
         if shard_faults:  # a rank's copy of a shard is not the one its manifest records: every rank stops here
             checked_on_every_rank(self.dist_state, self.shard_check.result)
-        lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/optimizers.py)
+        lr = get_lr(step, self.run)  # 7. the LR of this step (Muon's follows it: trainkit/runtime/optimizers.py)
         set_lr(self.optimizer, lr)
         skipped = guarded_update(self.optimizer, self.guard, self.scaler, step, loss_sum / n_tokens, norm)  # 8. update
         return StepResult(loss_sum / n_tokens, norm, lr, n_tokens, time.perf_counter() - t0, stop_votes > 0, skipped)

@@ -1,4 +1,4 @@
-"""The trainer's torch.compile, one block at a time (compiling.compile_model), against the whole GPT
+"""The trainer's torch.compile, one block at a time (device.compile_model), against the whole GPT
 compiled as one graph (what the trainer did before) and eager; and when DDP's all-reduces start.
 
     python benchmarks/bench_compile.py              # CPU preset on CPU (GPT-2 124M on CUDA), 3 rounds
@@ -36,14 +36,14 @@ NO_CACHE = dict(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="
 def build(variant, args):
     """(bare GPT, what the step runs) for a variant, on args.device."""
     import torch
-    from trainkit import chunked_loss
+    from trainkit.runtime import kernels
     import train_gpt2 as tg
 
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**{**tg.MODEL_PRESETS[args.model], **({"n_layer": args.n_layer} if args.n_layer else {})})
     model = tg.GPT(cfg).to(args.device)
     if variant == "graph":  # as the trainer compiled before: the whole GPT, the chunked loss left eager
-        model.lm_loss = torch.compiler.disable(chunked_loss.chunked_lm_loss)
+        model.lm_loss = torch.compiler.disable(kernels.chunked_lm_loss)
         return model, torch.compile(model, backend=args.backend)
     return model, (tg.compile_model(model, backend=args.backend) if variant == "blocks" else model)
 
@@ -51,11 +51,11 @@ def build(variant, args):
 def run_variant(variant, args):
     """Train args.steps steps on fixed random batches; prints one JSON line of step times and losses."""
     import torch
-    from trainkit import precision
+    from trainkit.runtime import device
     import train_gpt2 as tg
 
     device_type = "cuda" if args.device.startswith("cuda") else "cpu"
-    dtype = precision.resolve_dtype(
+    dtype = device.resolve_dtype(
         "auto", device_type, torch.cuda.get_device_capability() if device_type == "cuda" else None
     )
     if device_type == "cuda":

@@ -87,7 +87,7 @@ def write_corpus(name, folder):
 
 def _reference_init():
     global _enc
-    from trainkit import tokenizer
+    from trainkit.data import tokenizer
 
     _enc = tokenizer.get_encoding()
 
@@ -185,7 +185,7 @@ def measure(pipeline, corpus, workers):
 def tiktoken_cpu_seconds(corpus):
     """CPU time of tiktoken alone on the corpus: one process, text already in memory, no I/O.
     No pipeline around tiktoken can spend less, so reference CPU / this bounds any speedup."""
-    from trainkit import documents, tokenizer
+    from trainkit.data import documents, tokenizer
 
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainkit import cli  # noqa: E402
-from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples  # noqa: E402
+from trainkit.evaluation import hellaswag_data, hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainkit import cli, sampling  # noqa: E402
+from trainkit import cli  # noqa: E402
+from trainkit.evaluation import sampling  # noqa: E402
 from train_gpt2 import GPT, GPTConfig, MODEL_PRESETS  # noqa: E402
 
 

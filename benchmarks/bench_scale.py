@@ -246,7 +246,7 @@ def bench_checkpoints(args) -> list[str]:
 import sys, time, os, torch
 sys.path.insert(0, sys.argv[1])
 from train_gpt2 import GPT, GPTConfig
-from trainkit.checkpoints import full_state, save_checkpoint, load_checkpoint
+from trainkit.runfiles.checkpoints import full_state, save_checkpoint, load_checkpoint
 cfg = GPTConfig(block_size=1024, vocab_size=50304, **eval(sys.argv[2]))
 model = GPT(cfg)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -1,5 +1,5 @@
 """Seconds to fingerprint one token shard for the ranks' start-up check (not a test): a full
-sha256 of the file against shard_identity.sampled_sha256 (its size and 16 slices of 64 KiB).
+sha256 of the file against shards.sampled_sha256 (its size and 16 slices of 64 KiB).
 
     python benchmarks/bench_shard_identity.py                        # a 100M-token shard (200 MB) in /tmp
     python benchmarks/bench_shard_identity.py --tokens 10M --dir /scratch
@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainkit import cli  # noqa: E402
 from fineweb import parse_size  # noqa: E402
-from trainkit.shard_identity import sampled_sha256  # noqa: E402
+from trainkit.data.shards import sampled_sha256  # noqa: E402
 
 
 def full_sha256(path: str, size: int) -> str:

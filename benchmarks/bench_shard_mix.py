@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 
 def make_corpora(root: str, shard_tokens: int) -> dict[str, str]:
     """Both layouts of the standard library's top-level *.py files, one document each."""
-    from trainkit.tokenizer import get_tokenizer_or_fail
+    from trainkit.data.tokenizer import get_tokenizer_or_fail
 
     enc = get_tokenizer_or_fail()
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))

@@ -171,17 +171,17 @@ def bench_eval(args):
     """Validation's forward under no_grad: full logits, the chunked loss, and the chunked loss made
     to do its gradient work as it did before it checked for no_grad (interleaved rounds, best of each)."""
     import torch
-    from trainkit import chunked_loss
+    from trainkit.runtime import kernels
     import train_gpt2 as tg
 
     torch.manual_seed(0)
     cfg = tg.GPTConfig(**tg.MODEL_PRESETS[args.model])
     model = tg.GPT(cfg).to(args.device).eval()
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
-    grad_work = chunked_loss.ChunkedLinearCrossEntropy.apply  # the gradient path, whatever the grad mode
+    grad_work = kernels.ChunkedLinearCrossEntropy.apply  # the gradient path, whatever the grad mode
     variants = dict(
-        full=(0, chunked_loss.chunked_lm_loss),
-        chunked=(args.loss_chunk, chunked_loss.chunked_lm_loss),
+        full=(0, kernels.chunked_lm_loss),
+        chunked=(args.loss_chunk, kernels.chunked_lm_loss),
         chunked_grad_work=(args.loss_chunk, grad_work),
     )
     best, losses = {}, {}

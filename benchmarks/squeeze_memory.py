@@ -1,5 +1,5 @@
 """train_gpt2.py on a device with less free memory than it has, from the start or from a step on:
-the out-of-memory paths of trainkit/fit_batch.py (--batch-size auto, a step redone at a smaller micro-batch)
+the out-of-memory paths of trainkit/runtime/recovery.py (--batch-size auto, a step redone at a smaller micro-batch)
 on a real allocation failure, on CPU in the tests and on a GPU in gpu_check.py.
 
     python benchmarks/squeeze_memory.py --squeeze 600MiB -- --batch-size auto ...   # from the start
@@ -25,7 +25,7 @@ held = []  # the CUDA tensors that take the memory, alive until the end
 def squeeze(amount: str):
     """Leave amount ("600MiB" or "60%" of a step's need so far) free on the trainer's device."""
     import torch
-    from trainkit.fit_batch import proc_kib
+    from trainkit.runtime.recovery import proc_kib
 
     cuda = torch.cuda.is_available()
     if amount.endswith("%"):  # a step's need: its peak above what the process holds between steps

@@ -302,11 +302,11 @@ def fake_wandb(monkeypatch):
 def fineweb_parked_after(shard_index: int) -> list:
     """The command prefix of `python fineweb.py` run as a program (__main__), parked for good once shard
     shard_index's file is written and before the manifest records it: where a kill leaves the most to
-    resume. The park is a patch of trainkit.shard_writer.write_whole in that process, not a hook in fineweb."""
+    resume. The park is a patch of trainkit.data.shard_writer.write_whole in that process, not a hook in fineweb."""
     code = (
         "import runpy, sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "import trainkit.shard_writer as shard_writer\n"
+        "import trainkit.data.shard_writer as shard_writer\n"
         "write = shard_writer.write_whole\n"
         "def write_then_park(folder, name, *blobs):\n"
         "    write(folder, name, *blobs)\n"
@@ -324,7 +324,7 @@ def tiktoken_cache(folder) -> str:
     its download (the sha1 of the URL), so tiktoken's own loader reads it and never the network."""
     import hashlib
     import shutil
-    from trainkit.tokenizer import BPE_URL
+    from trainkit.data.tokenizer import BPE_URL
 
     os.makedirs(folder, exist_ok=True)
     shutil.copyfile(
@@ -467,7 +467,7 @@ def spread_gpt(config, seed: int):
 def write_checkpoint(model, path) -> str:
     """model as a train_gpt2.py checkpoint (weights and config only) at path."""
     import dataclasses
-    from trainkit.checkpoints import save_checkpoint
+    from trainkit.runfiles.checkpoints import save_checkpoint
 
     save_checkpoint(str(path), {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)})
     return str(path)

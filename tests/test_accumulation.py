@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from conftest import free_port
 from shards import EOT, fresh_model, gloo_rank_of_one_batch, grads_of, make_batch, rank_batches, reference_grads
-from trainkit.launch import all_reduce_sum
+from trainkit.runtime.launch import all_reduce_sum
 from train_gpt2 import accumulate_gradients, build_optimizer
 
 # Two fp32 computations of one gradient element differ by their summation order: an element sums at most

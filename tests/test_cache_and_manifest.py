@@ -17,7 +17,7 @@ from conftest import REPO, assert_refused, run_main, tiny_run_args
 from shards import EOT
 
 import train_gpt2 as tg
-from trainkit import shard_scan
+from trainkit.data import shard_scan
 from trainkit.cli import UserError
 
 # --- the shard-scan cache ------------------------------------------------------------------------------------------
@@ -266,8 +266,8 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
     """Before, a manifest of other types was taken for another tool's file and its shards went unchecked (a
     `complete: "false"` run trained on, a listed shard missing or an unlisted one went unnoticed), or was
     misread; now the trainer and a resumed fineweb.py both refuse it in one line naming the field."""
-    from trainkit.shard_checks import find_shards
-    from trainkit.shard_writer import read_manifest
+    from trainkit.data.shards import find_shards
+    from trainkit.data.shard_writer import read_manifest
 
     import shutil
 
@@ -296,7 +296,7 @@ def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monk
     missing one means none."""
     import errno
 
-    from trainkit import shard_checks
+    from trainkit.data import shards as shard_checks
 
     def unreadable(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
@@ -318,7 +318,7 @@ def test_a_huge_number_in_a_manifest_is_cut_in_the_line(made, tmp_path):
     its length. Another field's huge number is cut the same way (cli.clipped, as every message quotes one)."""
     import shutil
 
-    from trainkit.shard_checks import find_shards
+    from trainkit.data.shards import find_shards
 
     data = tmp_path / "data"
     shutil.copytree(made, data)

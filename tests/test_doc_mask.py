@@ -1,4 +1,4 @@
-"""--doc-mask (trainkit/doc_mask.py): a packed row computes exactly what each of its documents computes
+"""--doc-mask (trainkit/runtime/kernels.py): a packed row computes exactly what each of its documents computes
 alone, in the model, through the command line, in validation and in --eval-only; FlexAttention's
 document mask agrees with SDPA's; a doc-mask-trained model exports as a plain GPT-2."""
 
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from trainkit import doc_mask
+from trainkit.runtime import kernels
 import train_gpt2 as tg
 from conftest import run_main, tiny_run_args
-from trainkit.tokenizer import token_byte_lengths
+from trainkit.data.tokenizer import token_byte_lengths
 from shards import EOT, make_docs, write_shards
 
 CONFIG = tg.GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
@@ -44,10 +44,10 @@ def documents(x, y):
 
 def test_positions_and_documents_restart_at_each_endoftext():
     x, _ = packed_batch()
-    assert doc_mask.document_positions(x)[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, *range(14)]
-    assert doc_mask.document_positions(x)[1].tolist() == [*range(13), *range(7), 0, 0, 0, 0]
-    assert doc_mask.document_ids(x)[0].tolist() == [0] * 5 + [1] * 4 + [2] + [3] * 14
-    mask = doc_mask.sdpa_document_mask(doc_mask.document_ids(x))
+    assert kernels.document_positions(x)[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, *range(14)]
+    assert kernels.document_positions(x)[1].tolist() == [*range(13), *range(7), 0, 0, 0, 0]
+    assert kernels.document_ids(x)[0].tolist() == [0] * 5 + [1] * 4 + [2] + [3] * 14
+    mask = kernels.sdpa_document_mask(kernels.document_ids(x))
     assert mask.shape == (2, 1, 24, 24)
     assert mask[0, 0, 8].tolist() == [False] * 5 + [True] * 4 + [False] * 15  # its own document, up to itself
     assert mask[1, 0, 22].tolist() == [False] * 22 + [True, False]  # padding attends to itself only
@@ -98,10 +98,10 @@ def test_flex_attention_document_mask_agrees_with_sdpa():
     torch.manual_seed(0)
     model = tg.GPT(CONFIG).eval()
     x, _ = packed_batch()
-    docs, positions = doc_mask.document_ids(x), doc_mask.document_positions(x)
+    docs, positions = kernels.document_ids(x), kernels.document_positions(x)
     with torch.no_grad():
-        sdpa = model.hidden_states(x, positions, doc_mask.sdpa_document_mask(docs))
-        flex = model.hidden_states(x, positions, doc_mask.flex_document_mask(docs))
+        sdpa = model.hidden_states(x, positions, kernels.sdpa_document_mask(docs))
+        flex = model.hidden_states(x, positions, kernels.flex_document_mask(docs))
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 

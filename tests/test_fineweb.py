@@ -39,8 +39,9 @@ from conftest import (
     tree_hashes,
     wait_for,
 )
-from trainkit import atomic_write, cli, documents, tokenizer
-from trainkit.shard_identity import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
+from trainkit import fileio, cli
+from trainkit.data import documents, tokenizer
+from trainkit.data.shards import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
 
 FINEWEB = str(Path(fineweb.__file__).resolve())
 EOT = 50256
@@ -246,7 +247,7 @@ def test_parse_size_rejects(text, message):
 
 def test_import_is_light_and_silent():
     code = (
-        "import sys, fineweb; from trainkit import tokenizer; "
+        "import sys, fineweb; from trainkit.data import tokenizer; "
         "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); "
         "print(sorted(heavy), fineweb.EOT, tokenizer.get_encoding().name)"
     )
@@ -882,7 +883,7 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in make_docs(10)])
     out = tmp_path / "out"
     out.mkdir()
-    create_fresh = atomic_write.create_fresh
+    create_fresh = fileio.create_fresh
 
     def full_disk_for_file(tmp, dir_fd=None):  # the temporary file of `file` on a full disk: every write, ENOSPC
         fd = create_fresh(tmp, dir_fd)
@@ -892,7 +893,7 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
             os.close(full)
         return fd
 
-    monkeypatch.setattr(atomic_write, "create_fresh", full_disk_for_file)
+    monkeypatch.setattr(fileio, "create_fresh", full_disk_for_file)
     result = run_main("fineweb.py", "--files", path, "--out-dir", out, "--workers", "1")
     assert error_line(result) == (
         f"error: cannot write {out / file}: no space left on device; the shards "
@@ -995,7 +996,7 @@ def test_offline_without_tiktoken_cache_dir_uses_the_shipped_bpe(tmp_path):
     assert np.array_equal(np.concatenate(arrays), reference_tokens(docs))
 
     round_trip = (
-        "from trainkit import tokenizer; enc = tokenizer.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
+        "from trainkit.data import tokenizer; enc = tokenizer.get_encoding(); tokens = enc.encode('naïve <|endoftext|> 🙂', "
         "allowed_special={'<|endoftext|>'}); print(tokens, enc.decode(tokens) == 'naïve <|endoftext|> 🙂')"
     )
     (tmp_path / "empty").mkdir()
@@ -1019,8 +1020,9 @@ def copy_of_fineweb(tmp_path, bpe: bytes | None):
     """fineweb.py and trainkit/ in a folder of their own, with bpe/r50k_base.tiktoken holding bpe (None: no file)."""
     folder = tmp_path / "repo"
     (folder / "bpe").mkdir(parents=True)
-    (folder / "trainkit").mkdir()
-    for name in ("fineweb.py", *(f"trainkit/{p.name}" for p in (Path(FINEWEB).parent / "trainkit").glob("*.py"))):
+    library = Path(FINEWEB).parent / "trainkit"
+    for name in ("fineweb.py", *(f"trainkit/{p.relative_to(library).as_posix()}" for p in library.rglob("*.py"))):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes((Path(FINEWEB).parent / name).read_bytes())
     if bpe is not None:
         (folder / "bpe" / "r50k_base.tiktoken").write_bytes(bpe)

@@ -14,11 +14,11 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from trainkit import checkpoints
+from trainkit.runfiles import checkpoints
 from trainkit import cli
-from trainkit import fsdp
-from trainkit import launch
-from trainkit.out_dir import OutDirLock
+from trainkit.runtime import device
+from trainkit.runtime import launch
+from trainkit.runfiles.run_folder import OutDirLock
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, assert_one_error_line, free_port, run_main, tiny_run_args, torchrun
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
@@ -28,7 +28,7 @@ from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_gr
 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds for the tensors (a DTensor's local shard)."""
-    return sum(fsdp.local_part(t).nbytes for t in tensors)
+    return sum(device.local_part(t).nbytes for t in tensors)
 
 
 def state_bytes(params, optimizer) -> dict:
@@ -44,13 +44,13 @@ def failing_backend(graph, example_inputs):
 
 def fsdp_after_failed_compile(d, batches, n_tokens, world):
     """An FSDP model whose compiled blocks failed in the first step, back to eager as the trainer does."""
-    model = fsdp.shard_model(
+    model = device.shard_model(
         fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend=failing_backend)
     )
     with pytest.raises(Exception, match="no compiler here"):
         tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
     model.zero_grad(set_to_none=True)
-    fsdp.uncompile_blocks(model)
+    device.uncompile_blocks(model)
     return model
 
 
@@ -80,8 +80,8 @@ def step_on_two_ranks(rank, world, port, out_path):
         models = dict(
             ddp=lambda: nn.parallel.DistributedDataParallel(fresh_model()),
             ddp_compiled=lambda: ddp_with_compiled_blocks(events),
-            fsdp=lambda: fsdp.shard_model(fresh_model(), d, torch.float32),
-            fsdp_compiled=lambda: fsdp.shard_model(
+            fsdp=lambda: device.shard_model(fresh_model(), d, torch.float32),
+            fsdp_compiled=lambda: device.shard_model(
                 fresh_model(), d, torch.float32, lambda block: torch.compile(block, backend="eager")
             ),
             fsdp_eager_again=lambda: fsdp_after_failed_compile(d, batches, n_tokens, world),

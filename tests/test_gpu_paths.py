@@ -14,11 +14,11 @@ import types
 import pytest
 import torch
 
-from trainkit import checkpoints
-from trainkit import chunked_loss
-from trainkit import precision
-from trainkit import throughput
-from trainkit import launch
+from trainkit.runfiles import checkpoints
+from trainkit.runtime import kernels
+from trainkit.runtime import device as precision
+from trainkit.runtime import throughput
+from trainkit.runtime import launch
 import train_gpt2 as tg
 import conftest
 from conftest import REPO, run_main, tiny_run_args, train_records
@@ -275,13 +275,13 @@ def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
     x, y = make_batch()
     with torch.no_grad():
         _, full = model(x, y, reduction="sum")
-        monkeypatch.setattr(chunked_loss.ChunkedLinearCrossEntropy, "forward", None)  # the gradient path would fail
+        monkeypatch.setattr(kernels.ChunkedLinearCrossEntropy, "forward", None)  # the gradient path would fail
         _, chunked = model(x, y, reduction="sum", loss_chunk=10)
     assert not chunked.requires_grad
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     calls = []
     monkeypatch.setattr(
-        chunked_loss,
+        kernels,
         "chunked_loss_and_grads",
         lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None),
     )

@@ -20,9 +20,9 @@ from conftest import (
     run_main,
     tiny_run_args,
 )
-from trainkit import hellaswag_data, hellaswag_eval, hellaswag_examples
+from trainkit.evaluation import hellaswag_data, hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
-from trainkit.tokenizer import EOT
+from trainkit.data.tokenizer import EOT
 from train_gpt2 import GPTConfig
 
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
@@ -576,7 +576,7 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
     """The first line names the checkpoint scored (a run folder's newest) and its step; both renderings go under
     one labelled progress bar of 2 x N examples, and --no-lm-eval scores each example once, giving acc and
     acc_norm only, the same numbers."""
-    from trainkit.checkpoints import save_checkpoint
+    from trainkit.runfiles.checkpoints import save_checkpoint
 
     run = tmp_path / "run"
     run.mkdir()

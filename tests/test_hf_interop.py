@@ -19,10 +19,11 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 from conftest import NOT_GPT2, REPO, assert_refused, not_gpt2_folder, run_command, run_main, tiny_hf, tiny_run_args  # noqa: E402
-from trainkit import checkpoints, export_folder  # noqa: E402
+from trainkit.runfiles import checkpoints  # noqa: E402
+from trainkit.hf import export as export_folder  # noqa: E402
 import train_gpt2  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
-from trainkit.tokenizer import token_byte_lengths  # noqa: E402
+from trainkit.data.tokenizer import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 SHARDS = dict(n_docs=200, seed=0, vocab=500, shard_size=3000)  # the trainer's data
@@ -413,12 +414,12 @@ print(json.dumps(dict(version=transformers.__version__, ids=[tok.encode(t) for t
 
 
 def reference_encoding():
-    """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not trainkit.tokenizer's
+    """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not trainkit.data.tokenizer's
     parser of it), with tiktoken's r50k pattern and <|endoftext|> = 50256; never the network."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext.openai_public import r50k_pat_str
-    from trainkit.tokenizer import BPE_SHA256
+    from trainkit.data.tokenizer import BPE_SHA256
 
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
     return tiktoken.Encoding(
@@ -437,7 +438,7 @@ def parity_texts():
 
     files = sorted(
         glob.glob(f"{REPO}/*.py")
-        + glob.glob(f"{REPO}/trainkit/*.py")
+        + glob.glob(f"{REPO}/trainkit/**/*.py", recursive=True)
         + glob.glob(f"{REPO}/tests/*.py")
         + glob.glob(f"{REPO}/benchmarks/*.py")
         + glob.glob(f"{REPO}/docs/*.md")

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainkit import checkpoints
-from trainkit import resume
-from trainkit import checkpoint_checks
-from trainkit import update_guard
+from trainkit.runfiles import checkpoints
+from trainkit.runfiles import resume
+from trainkit.runfiles import checkpoint_checks
+from trainkit.runtime import recovery
 import train_gpt2 as tg
 from trainkit.cli import UserError
 from conftest import (
@@ -303,10 +303,10 @@ def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
         f"for good (or Z is too low) and skipping cannot fix that; stopped before the "
         f"update. Last good checkpoint: {tmp_path / 'ckpt_0000040.pt'}",
     )
-    assert f"{update_guard.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
+    assert f"{recovery.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
     assert skipped == list(
-        range(skipped[0], skipped[0] + update_guard.MAX_SPIKES_IN_A_ROW)
+        range(skipped[0], skipped[0] + recovery.MAX_SPIKES_IN_A_ROW)
     )  # then the stop, before step 26
 
 
@@ -450,7 +450,7 @@ def test_a_shard_that_is_not_what_its_manifest_records_stops_the_run(made_data, 
 @pytest.mark.parametrize("case", ["--vocab-size 60000", "--eval-only", "the manifest's max_id"])
 def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data, finished_run, tmp_path, case):
     # before: the vocabulary check passed ids 50257..50303 (below the padded 50304 or --vocab-size 60000), and the
-    # run died when that row was first read: RuntimeError in chunked_loss.py, IndexError with --loss-chunk 0
+    # run died when that row was first read: RuntimeError in runtime/kernels.py, IndexError with --loss-chunk 0
     from shards import make_docs, write_shards
 
     data, out = tmp_path / "data", tmp_path / "out"
@@ -537,7 +537,7 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
     code = (
         "import runpy, sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "import trainkit.shards as shards\n"
+        "import trainkit.data.shards as shards\n"
         "open_shard = shards.open_shard\n"
         "def held(path):\n"
         f"    with open({str(fifo)!r}, 'rb') as f:\n"
@@ -625,7 +625,7 @@ def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, en
 
 
 def test_ranks_that_never_gather_are_one_line(tmp_path):
-    # trainkit.launch.process_group, which every script's ranks join through, with a second rank that never
+    # trainkit.runtime.launch.process_group, which every script's ranks join through, with a second rank that never
     # comes: the store's timeout (a few seconds here; --dist-timeout in the trainer)
     from conftest import free_port
 

@@ -16,7 +16,7 @@ import torch
 
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, assert_refused, run_command, run_main, tiny_run_args, tree_hashes, write_checkpoint
-from trainkit import checkpoints
+from trainkit.runfiles import checkpoints
 
 
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder

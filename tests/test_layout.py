@@ -1,6 +1,6 @@
-"""The repository's layout: the six scripts a user runs at the root, the modules they
-import in trainkit/, dependencies pointing one way (scripts -> the trainer's model -> trainkit),
-and the scripts' --help unchanged by the move."""
+"""The repository's layout: the six scripts a user runs at the root, the library they import in trainkit/
+arranged by concern (LAYERS, bottom first), dependencies pointing one way (scripts -> the trainer's model
+-> trainkit, and inside trainkit each layer on those before it), and the scripts' --help unchanged."""
 
 import ast
 import sys
@@ -11,26 +11,37 @@ from conftest import REPO, run_main
 
 SCRIPTS = ["train_gpt2", "fineweb", "hellaswag", "hf_interop", "sample", "plot_log"]
 
+# trainkit's top-level modules and folders, in the one order its imports follow: a module imports modules of
+# its own layer and of the layers before it, never of a later one
+LAYERS = ["cli", "fileio", "data", "train_flags", "runtime", "runfiles", "evaluation", "hf", "components"]
+MAX_MODULES, MAX_FLOORS = 25, 6
+
 
 def repo_files() -> dict:
     """Every Python file of the repository by the name it is imported as: a script or a tests/,
     benchmarks/ or evals/ module by its stem (each folder is on sys.path where its files run),
-    trainkit's as trainkit.NAME; hidden folders (a .venv) and caches are not the repository's."""
+    trainkit's by its dotted path (trainkit.data.shards; a folder's __init__.py as trainkit.data);
+    hidden folders (a .venv) and caches are not the repository's."""
     files = {}
     for path in sorted(REPO.rglob("*.py")):
         parts = path.relative_to(REPO).parts
         if any(part.startswith(".") or part == "__pycache__" for part in parts):
             continue
-        name = (
-            "trainkit"
-            if parts == ("trainkit", "__init__.py")
-            else f"trainkit.{path.stem}"
-            if parts[0] == "trainkit"
-            else path.stem
-        )
+        if parts[0] == "trainkit":
+            dotted = [*parts[:-1], path.stem] if path.stem != "__init__" else list(parts[:-1])
+            name = ".".join(dotted)
+        else:
+            name = path.stem
         assert name not in files, f"{path} and {files[name]} are both imported as {name}"
         files[name] = path
     return files
+
+
+def trainkit_modules() -> dict:
+    """trainkit's modules (its packages' __init__.py left out) by dotted name."""
+    return {
+        name: path for name, path in repo_files().items() if name.startswith("trainkit.") and path.stem != "__init__"
+    }
 
 
 def imports_of(path, ours: set, module_level_only: bool = False) -> set:
@@ -87,20 +98,56 @@ def cycle_in(graph: dict) -> list | None:
     return None
 
 
-def test_the_root_holds_the_scripts_and_trainkit_the_modules():
+def floors(graph: dict) -> dict:
+    """Each module's floor in an acyclic graph: 1 for a module that imports none of graph's, else one
+    more than the highest floor among its imports."""
+    floor = {}
+
+    def visit(module):
+        if module not in floor:
+            floor[module] = 1 + max((visit(dep) for dep in graph[module]), default=0)
+        return floor[module]
+
+    for module in graph:
+        visit(module)
+    return floor
+
+
+def layer(name: str) -> str:
+    return name.split(".")[1]
+
+
+def test_the_root_holds_the_scripts_and_trainkit_its_layers():
     assert sorted(p.stem for p in REPO.glob("*.py")) == sorted(SCRIPTS)
-    trainkit = {name for name in repo_files() if name.startswith("trainkit")}
-    assert {"trainkit", "trainkit.cli", "trainkit.checkpoints", "trainkit.shards", "trainkit.tokenizer"} <= trainkit
-    # nothing runs when trainkit is imported: its __init__ is a docstring alone
-    body = ast.parse((REPO / "trainkit" / "__init__.py").read_text()).body
-    assert len(body) == 1 and isinstance(body[0].value, ast.Constant)
+    modules = trainkit_modules()
+    assert {"trainkit.cli", "trainkit.runfiles.checkpoints", "trainkit.data.shards", "trainkit.data.tokenizer"} <= set(
+        modules
+    )
+    assert {name: layer(name) for name in modules if layer(name) not in LAYERS} == {}
+    # a top-level module is a layer of its own; a folder holds modules only, one level deep
+    assert {name for name in modules if len(name.split(".")) > 3} == set()
+    assert len(modules) <= MAX_MODULES, sorted(modules)
+    # nothing runs when trainkit or one of its folders is imported: each __init__ is a docstring alone
+    for init in REPO.glob("trainkit/**/__init__.py"):
+        body = ast.parse(init.read_text()).body
+        assert len(body) == 1 and isinstance(body[0].value, ast.Constant), init
 
 
-def test_no_import_cycle_and_trainkit_imports_no_script():
+def test_no_import_cycle_and_trainkit_imports_one_way():
     graph = import_graph()  # inside functions too: a cycle closed at call time is still a circle
     assert cycle_in(graph) is None, f"import cycle: {' -> '.join(cycle_in(graph))}"
     trainkit = {name: deps for name, deps in graph.items() if name.startswith("trainkit")}
+    # trainkit imports no script, and each layer only itself and the layers before it
     assert {name: deps - set(trainkit) for name, deps in trainkit.items() if deps - set(trainkit)} == {}
+    later = {
+        name: {dep for dep in deps if dep != "trainkit" and LAYERS.index(layer(dep)) > LAYERS.index(layer(name))}
+        for name, deps in trainkit.items()
+        if name != "trainkit"
+    }
+    assert {name: deps for name, deps in later.items() if deps} == {}
+    modules = trainkit_modules()
+    floor = floors({name: graph[name] & set(modules) for name in modules})
+    assert max(floor.values()) <= MAX_FLOORS, sorted(floor.items(), key=lambda item: -item[1])
     # scripts -> the trainer's model -> trainkit: the scripts that score or sample our checkpoints
     # import the trainer, none of them another script
     assert {name: graph[name] & set(SCRIPTS) for name in SCRIPTS if graph[name] & set(SCRIPTS)} == {
@@ -108,23 +155,20 @@ def test_no_import_cycle_and_trainkit_imports_no_script():
         "sample": {"train_gpt2"},
     }
     assert graph["train_gpt2"] >= {
-        "trainkit.launch",
-        "trainkit.checkpoints",
-        "trainkit.out_dir",
-        "trainkit.run_log",
-        "trainkit.memory",
-        "trainkit.fsdp",
-        "trainkit.chunked_loss",
-        "trainkit.shard_scan",
-        "trainkit.shard_checks",
-        "trainkit.launch_plan",
-        "trainkit.tokenizer",
-        "trainkit.hellaswag_eval",
-        "trainkit.sampling",
-        "trainkit.hf_weights",
+        "trainkit.runtime.launch",
+        "trainkit.runtime.device",
+        "trainkit.runtime.kernels",
+        "trainkit.runfiles.checkpoints",
+        "trainkit.runfiles.run_folder",
+        "trainkit.data.shards",
+        "trainkit.data.shard_scan",
+        "trainkit.data.tokenizer",
+        "trainkit.components",
+        "trainkit.evaluation.hellaswag_eval",
+        "trainkit.evaluation.sampling",
+        "trainkit.hf.weights",
     }
-    assert graph["trainkit.console"] == set()  # the floor: printing, standard library only
-    assert graph["trainkit.cli"] == {"trainkit.console"}  # the error contract on it, standard library only
+    assert graph["trainkit.cli"] == set()  # the floor: the error contract and the printer, standard library only
 
 
 def test_the_scripts_load_the_trainer_only_when_a_command_needs_it():
@@ -148,6 +192,13 @@ def test_help_is_what_it_was_before_the_move(command):
 def test_readme_lists_every_script_and_trainkit_module():
     readme = (REPO / "README.md").read_text()
     files = readme[readme.index("## Files") : readme.index("## Reference")]
-    listed = {line.split("`")[1] for line in files.splitlines() if line.startswith("| `")}
-    modules = {f"trainkit/{p.name}" for p in (REPO / "trainkit").glob("*.py") if p.name != "__init__.py"}
+    rows = [line.split("|")[1:-1] for line in files.splitlines() if line.startswith("| `")]
+    listed = set()
+    for row in rows:
+        where = row[0].split("`")[1]
+        if where.endswith("/"):  # a folder: its modules in the next column
+            listed |= {where + name for name in row[1].split("`")[1::2]}
+        else:
+            listed.add(where)
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "trainkit").rglob("*.py") if p.name != "__init__.py"}
     assert listed == {f"{script}.py" for script in SCRIPTS} | {"quickstart.sh", "slurm/train_gpt2.sbatch"} | modules

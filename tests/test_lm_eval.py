@@ -14,7 +14,7 @@ pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
 from conftest import HELLASWAG_FILE, run_command  # noqa: E402
-from trainkit import hellaswag_eval, hellaswag_examples  # noqa: E402
+from trainkit.evaluation import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
 # 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in

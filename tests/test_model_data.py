@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from trainkit import cli
-from trainkit.launch import Dist
+from trainkit.runtime.launch import Dist
 import train_gpt2 as tg
-from trainkit.chunked_loss import chunked_loss_and_grads
-from trainkit.shards import open_shard
+from trainkit.runtime.kernels import chunked_loss_and_grads
+from trainkit.data.shards import open_shard
 from shards import EOT, make_docs, write_shards
 
 
@@ -313,7 +313,7 @@ def test_param_counts_add_up_and_count_the_tied_embedding_once():
 def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chunk):
     """Logits all equal: every target costs ln(50257) nats, as the 47 padded ids take no probability.
     Bits per byte counts the targets with text only (not <|endoftext|>) over their UTF-8 bytes."""
-    from trainkit import tokenizer
+    from trainkit.data import tokenizer
 
     # <|endoftext|> "Hello" " world" "!" <|endoftext|> " café" " au" " l" "ait": 2 rows of 4 tokens
     np.save(tmp_path / "t_val_000000.npy", np.array([EOT, 15496, 995, 0, EOT, 40304, 35851, 300, 4548], np.uint16))

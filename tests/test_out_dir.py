@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from trainkit import checkpoints
-from trainkit import resume
-from trainkit import out_dir
+from trainkit.runfiles import checkpoints
+from trainkit.runfiles import resume
+from trainkit.runfiles import run_folder
 import train_gpt2 as tg
 from trainkit.cli import UserError
 from conftest import REPO, RUN_SHARDS, assert_refused, run_cli, run_main, tiny_run_args, trained_steps, tree_hashes
@@ -152,13 +152,13 @@ def test_refused_torchrun_launch_stops_every_rank(finished, data_dir):
 
 
 def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, capsys):
-    holder = out_dir.OutDirLock(str(tmp_path))
+    holder = run_folder.OutDirLock(str(tmp_path))
     holder.acquire()
     me = f"pid {os.getpid()} on {socket.gethostname()}"
     assert os.listdir(tmp_path) == [".lock"] and (tmp_path / ".lock").read_text() == f"{me}\n"
     os.remove(tmp_path / ".lock")  # a user who thinks it stale: the folder stays locked
     with pytest.raises(UserError) as refused:
-        out_dir.OutDirLock(str(tmp_path)).acquire()
+        run_folder.OutDirLock(str(tmp_path)).acquire()
     assert str(refused.value) == in_use(tmp_path, f"holder not recorded in {tmp_path / '.lock'}")
     assert os.listdir(tmp_path) == []  # the refused one wrote nothing
     holder.release()
@@ -175,7 +175,7 @@ def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, c
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    unlocked = out_dir.OutDirLock(str(tmp_path))
+    unlocked = run_folder.OutDirLock(str(tmp_path))
     unlocked.acquire()
     unlocked.release()
     assert capsys.readouterr().out == (
@@ -252,22 +252,22 @@ def test_whose_checkpoints_a_folder_may_hold(tmp_path):
 
     first, folder = resume.new_run(), tmp_path / "first"
     at_2, at_4 = checkpoint(folder, 2, first), checkpoint(folder, 4, first)
-    assert out_dir.claim_run(str(folder), at_4) == first  # a requeued run stays itself
-    branch = out_dir.claim_run(str(folder), at_2)  # a branch of it gets an id, naming it and the step
+    assert run_folder.claim_run(str(folder), at_4) == first  # a requeued run stays itself
+    branch = run_folder.claim_run(str(folder), at_2)  # a branch of it gets an id, naming it and the step
     assert branch["parent"] == dict(first, step=2) and len(branch["id"]) == 32
     at_6 = checkpoint(tmp_path / "branch", 6, branch)
     with pytest.raises(UserError, match=refusal(at_6, folder, "ckpt_0000004.pt", first["id"])):
-        out_dir.claim_run(str(folder), at_6)  # step 4 of the first run is not in the branch's past
+        run_folder.claim_run(str(folder), at_6)  # step 4 of the first run is not in the branch's past
     os.remove(at_4.path)
-    again = out_dir.claim_run(str(folder), at_6)  # step 2 is: the branch may go on there, as a branch again
+    again = run_folder.claim_run(str(folder), at_6)  # step 2 is: the branch may go on there, as a branch again
     assert again["parent"] == dict(branch, step=6) and again["id"] != branch["id"]
     assert resume.in_history(first["id"], 2, again, 8) and not resume.in_history(first["id"], 3, again, 8)
     # two runs never share a folder
     fresh = checkpoint(tmp_path / "fresh", 6, resume.new_run())
     with pytest.raises(UserError, match=refusal(fresh, folder, "ckpt_0000002.pt", first["id"])):
-        out_dir.claim_run(str(folder), fresh)
+        run_folder.claim_run(str(folder), fresh)
     with pytest.raises(UserError, match=refusal(at_2, tmp_path / "fresh", "ckpt_0000006.pt", fresh.run["id"])):
-        out_dir.claim_run(str(tmp_path / "fresh"), at_2)
+        run_folder.claim_run(str(tmp_path / "fresh"), at_2)
 
 
 def test_a_refused_run_changes_nothing(branched, data_dir, tmp_path, fake_wandb, capsys):

@@ -14,9 +14,8 @@ import time
 import pytest
 
 from conftest import REPO, run_command, run_main, tiny_run_args, trained_steps
-from trainkit import checkpoints
-from trainkit.cli import reason_of
-from trainkit.console import shown
+from trainkit.runfiles import checkpoints
+from trainkit.cli import reason_of, shown
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J"  # sets the terminal's title, then clears the screen
 HOSTILE_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J"

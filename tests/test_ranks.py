@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from trainkit import checkpoints
-from trainkit.shard_identity import SAMPLE_BYTES, shard_files
+from trainkit.runfiles import checkpoints
+from trainkit.data.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
 from conftest import (
     HELLASWAG_FILE,

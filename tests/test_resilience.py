@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainkit import checkpoints
-from trainkit import resume
+from trainkit.runfiles import checkpoints
+from trainkit.runfiles import resume
 import train_gpt2 as tg
 from conftest import (
     REPO,
@@ -357,7 +357,7 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
     """A run stopped by a signal while the full sha256 check of its shards is still reading them: the check
     ends with the run (stopped, its thread joined), not left hashing while the interpreter shuts down."""
     import threading
-    from trainkit.shard_checks import ShardDigestCheck
+    from trainkit.data.shards import ShardDigestCheck
 
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)

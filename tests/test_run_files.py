@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from trainkit import checkpoints
-from trainkit import resume
+from trainkit.runfiles import checkpoints
+from trainkit.runfiles import resume
 from conftest import HELLASWAG_FILE, REPO, RUN_SHARDS, run_main, tiny_run_args, trained_steps, tree_hashes
 
 T = 16

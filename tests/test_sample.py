@@ -10,12 +10,12 @@ import torch
 
 from conftest import REPO, run_command, run_main, tiny_run_args
 from shards import make_docs, write_shards
-from trainkit import checkpoints
-from trainkit import console
-from trainkit import tokenizer
+from trainkit.runfiles import checkpoints
+from trainkit import cli
+from trainkit.data import tokenizer
 import sample
-from trainkit import sampling
-from trainkit.tokenizer import EOT
+from trainkit.evaluation import sampling
+from trainkit.data.tokenizer import EOT
 from train_gpt2 import GPT, GPTConfig
 
 
@@ -493,5 +493,5 @@ def test_trainer_samples_continue_sample_prompt(sampled_run):
     expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))
     assert len(expected) == 4 and all(text.startswith("def ") for text in expected)
     # as the trainer prints them: control characters but newlines and tabs escaped (a \x0b here)
-    shown = [console.shown(text, keep_newlines=True) for text in expected]
+    shown = [cli.shown(text, keep_newlines=True) for text in expected]
     assert proc.stdout.count("sample: ") == 4 and all(f"sample: {text}\n" in proc.stdout for text in shown)

@@ -14,8 +14,9 @@ from conftest import run_cli, run_main, tree_hashes
 from shards import EOT
 
 import train_gpt2 as tg
-from trainkit import memory, shard_scan
-from trainkit.shard_checks import no_output_for
+from trainkit.runtime import device
+from trainkit.data import shard_scan
+from trainkit.data.shards import no_output_for
 
 T = 16
 BIG = shard_scan.MIN_CACHED_TOKENS + 1000  # tokens of a shard whose scans are kept
@@ -164,13 +165,13 @@ def test_the_reported_peak_is_private_memory_and_mapped_shard_pages_are_apart(tm
     written.flush()
     del written
     report = re.compile(r"(\d+\.\d\d) GiB private(?: \(\+ (\d+\.\d\d) GiB of mapped shard pages, shared page cache\))?")
-    memory.watch_peak()
-    private_before = float(report.fullmatch(memory.peak_report())[1])
-    mapped_before = memory.mapped_data_kib()
+    device.watch_peak()
+    private_before = float(report.fullmatch(device.peak_report())[1])
+    mapped_before = device.mapped_data_kib()
     tokens = np.load(path, mmap_mode="r")
     assert int(tokens.sum(dtype=np.int64)) == 32 << 20  # every page read
-    assert 63 < (memory.mapped_data_kib() - mapped_before) / 1024 < 65
-    private, mapped = report.fullmatch(memory.peak_report()).groups()
+    assert 63 < (device.mapped_data_kib() - mapped_before) / 1024 < 65
+    private, mapped = report.fullmatch(device.peak_report()).groups()
     assert float(private) - private_before < 0.03  # not the 0.06 GiB just mapped
     assert float(mapped) >= 0.06  # 64 MiB, to two digits
     del tokens

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from trainkit import resume
+from trainkit.runfiles import resume
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, TEXT_FILE, assert_refused, run_cli, run_main, tiny_run_args
 
@@ -167,7 +167,7 @@ def test_cli_error_has_no_traceback_unless_debug(tmp_path):
 
 
 def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
-    from trainkit import hellaswag_eval
+    from trainkit.evaluation import hellaswag_eval
 
     hellaswag_file = str(HELLASWAG_FILE)
     args = train_args(data_dir, tmp_path, 4, steps=2) + [
@@ -232,36 +232,26 @@ def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_di
 
 LIBRARY_MODULES = [
     "trainkit.cli",
-    "trainkit.tokenizer",
-    "trainkit.shards",
-    "trainkit.shard_writer",
-    "trainkit.shard_checks",
-    "trainkit.shard_identity",
-    "trainkit.documents",
+    "trainkit.data.tokenizer",
+    "trainkit.data.shards",
+    "trainkit.data.shard_writer",
+    "trainkit.data.documents",
     "fineweb",
-    "trainkit.launch",
-    "trainkit.fsdp",
-    "trainkit.chunked_loss",
-    "trainkit.doc_mask",
-    "trainkit.checkpoints",
-    "trainkit.out_dir",
-    "trainkit.run_log",
-    "trainkit.branch_folders",
-    "trainkit.memory",
-    "trainkit.throughput",
-    "trainkit.stop_signal",
-    "trainkit.update_guard",
-    "trainkit.precision",
-    "trainkit.compiling",
-    "trainkit.fit_batch",
-    "trainkit.optimizers",
+    "trainkit.runtime.launch",
+    "trainkit.runtime.device",
+    "trainkit.runtime.kernels",
+    "trainkit.runfiles.checkpoints",
+    "trainkit.runfiles.run_folder",
+    "trainkit.runfiles.resume",
+    "trainkit.runtime.throughput",
+    "trainkit.runtime.recovery",
+    "trainkit.runtime.optimizers",
     "trainkit.train_flags",
-    "trainkit.hellaswag_data",
-    "trainkit.hellaswag_examples",
-    "trainkit.hellaswag_eval",
-    "trainkit.hf_folder",
-    "trainkit.hf_weights",
-    "trainkit.sampling",
+    "trainkit.evaluation.hellaswag_data",
+    "trainkit.evaluation.hellaswag_examples",
+    "trainkit.evaluation.hellaswag_eval",
+    "trainkit.hf.weights",
+    "trainkit.evaluation.sampling",
     "sample",
     "hellaswag",
     "hf_interop",

@@ -19,9 +19,9 @@ import time
 import numpy as np
 import pytest
 
-from trainkit import checkpoints
-from trainkit.fit_batch import MARGIN_CPU
-from trainkit.shard_identity import shard_files
+from trainkit.runfiles import checkpoints
+from trainkit.runtime.recovery import MARGIN_CPU
+from trainkit.data.shards import shard_files
 import train_gpt2 as tg
 from conftest import (
     REPO,
@@ -264,7 +264,7 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     )
 
 
-# --- the micro-batch that fits (trainkit/fit_batch.py), on a real allocation failure -----------------------
+# --- the micro-batch that fits (trainkit/runtime/recovery.py), on a real allocation failure -----------------------
 
 # Full logits (64 x 50304 fp32 per row): a trial of B rows needs about 50 MiB per row above what the
 # process holds (measured: 8 rows 397 MiB, 4 rows 200, 2 rows 101), plus fit_batch's 64 MiB margin

@@ -31,9 +31,9 @@ from conftest import (
     tree_hashes,
     wait_for,
 )
-from trainkit import branch_folders
-from trainkit.out_dir import OutDirLock, prepare_out_dir
-from trainkit.shard_scan import ScanCache
+from trainkit.runfiles import resume as branch_folders
+from trainkit.runfiles.run_folder import OutDirLock, prepare_out_dir
+from trainkit.data.shard_scan import ScanCache
 
 SHARDS = dict(n_docs=300, seed=7)
 OUTSIDE = b"a file of someone else's, outside every folder a tool writes\n"

@@ -147,7 +147,7 @@ def check_flags(run):
 
 def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
     """The checks between fields of a RunConfig and its GPTConfig, with seq_len and batch_size resolved."""
-    from trainkit.tokenizer import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
+    from trainkit.data.tokenizer import GPT2_VOCAB  # (numpy and tiktoken: not for --help)
 
     if model.n_embd % model.n_head:
         raise UserError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}")

@@ -1,0 +1,419 @@
+"""Files across the boundary: read only when regular (JSON through one bounded reader), written whole
+or not at all, changed only where they are the run's own, and locked for the one process that writes
+a folder.
+
+Writing a file whole or not at all: into a temporary file beside it, renamed over it (a killed process
+leaves the old file or the new one); fsync_file and fsync_folder add surviving a power loss. Nothing is
+written through a name that was there before: the temporary file is created fresh (create_fresh: no link
+followed, no file a `cp -al` copy shares opened), and the rename replaces whatever stands at the target.
+dir_fd: a folder a writer holds open, the file landing there even where its name now names another one.
+
+What a program reads from a path a user gave is a regular file (links followed): a named pipe would
+block forever, a link to /dev/zero read until memory runs out. open_regular opens without blocking and
+checks what it opened, so a pipe swapped in between is refused too.
+
+The one reader of JSON documents a user can hand us (manifests, logs, HellaSwag and --files lines, a
+Hugging Face folder's config.json): one that is not JSON, or nests deeper than MAX_DEPTH, is one
+JSONFileError naming the file and line, never a RecursionError. The depth is measured by a scan that
+skips strings before json.loads sees the text (a `[[[...` 200,000 deep: two regex passes).
+
+A run changes only files of its own, though a copied run folder (`cp -al`, `cp -as`) shares them: a file
+changed in place (log.jsonl) is first made its own copy (own_file), a moved symbolic link keeps pointing at
+its file (move_entry), and a file an attribute holds in place (pinned) is found before a run moves or cuts it.
+
+The lock on a folder that one process writes: fineweb.py's --out-dir, and a training run's
+(trainkit/runfiles/run_folder.py's OutDirLock words the refusal for a run). Standard library only, so that
+fineweb.py takes it without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import struct
+import sys
+
+from trainkit.cli import UserError, print_line, reason_of
+
+# --- written whole or not at all ------------------------------------------------------------------
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def create_fresh(path: str, dir_fd: int | None = None) -> int:
+    """A descriptor, open for writing, of a new empty file at path: what stood at that name is unlinked
+    first, never opened, so a file or link left there keeps its bytes (an OSError where a folder stands)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path, dir_fd=dir_fd)  # (a folder: EISDIR or EPERM, raised)
+    return os.open(path, _CREATE, 0o666, dir_fd=dir_fd)
+
+
+def write_atomically(
+    path: str, write, *, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
+):
+    """write(f) into tmp (default path + ".tmp"), made fresh and opened binary, then renamed to path; any
+    failure, an interruption too, removes tmp and is raised as it came (an OSError for the caller to word)."""
+    tmp = tmp or path + ".tmp"
+    fd = create_fresh(tmp, dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if fsync_file:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp, dir_fd=dir_fd)
+        raise
+    if fsync_folder and dir_fd is not None:
+        os.fsync(dir_fd)
+    elif fsync_folder:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_bytes_atomically(
+    path: str, *blobs, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
+):
+    """write_atomically of blobs (bytes or buffers), one after the other."""
+
+    def write(f):
+        for blob in blobs:
+            f.write(blob)
+
+    write_atomically(path, write, fsync_file=fsync_file, fsync_folder=fsync_folder, tmp=tmp, dir_fd=dir_fd)
+
+
+def fsync_dir(path: str):
+    """Make the entries of folder path (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- read only when regular -----------------------------------------------------------------------
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_regular(path: str, st: os.stat_result) -> UserError | None:
+    """The refusal of path whose (followed) status is st, or None where it is a regular file."""
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = next((words for is_kind, words in _KINDS if is_kind(st.st_mode)), "not a file")
+    target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    return UserError(f"{path} is {kind}{target}, not a regular file: it cannot be read as one")
+
+
+def check_regular(path: str) -> os.stat_result:
+    """path's status, links followed, or a UserError unless it is a regular file."""
+    st = os.stat(path)
+    refusal = not_regular(path, st)
+    if refusal:
+        raise refusal
+    return st
+
+
+def open_regular(path: str):
+    """path open for binary reading, or a UserError unless it is a regular file (O_NONBLOCK: a pipe returns at once)."""
+    check_regular(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        refusal = not_regular(path, os.fstat(fd))
+        if refusal:
+            raise refusal
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# --- JSON read through one bounded reader ---------------------------------------------------------
+
+# deeper than any document the project writes or reads (a manifest is 3 levels, a HellaSwag line 2), and far
+# below the interpreter's recursion limit that whatever walks a decoded value runs into
+MAX_DEPTH = 64
+
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # a JSON string, escapes included
+_NOT_BRACKET = re.compile(r"[^\[\]{}]++")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+class JSONFileError(UserError):
+    """A document that is not JSON, or nests too deep: `where: reason` (reason alone for a reader's own words)."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason = where, reason
+
+
+def deeper_than_allowed(text: str) -> int | None:
+    """How deep arrays and objects nest in text (brackets in strings not counted) where deeper than MAX_DEPTH."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:  # the usual case: too few brackets to nest deeper
+        return None
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    depth = max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
+    return depth if depth > MAX_DEPTH else None
+
+
+def parse_json(text: str | bytes, path: str, line: int | None = None):
+    """The JSON value text holds, read from path (at line, in a JSON-lines file); NaN and Infinity accepted."""
+    where = f"{path} line {line}" if line is not None else path
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JSONFileError(where, f"not UTF-8 text (byte 0x{text[e.start]:02x}), so not JSON") from None
+    depth = deeper_than_allowed(text)
+    if depth:
+        raise JSONFileError(
+            where, f"JSON nested {depth} levels deep, deeper than the {MAX_DEPTH} of any file read here"
+        )
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = f"column {e.colno}" if line is not None else f"line {e.lineno} column {e.colno}"
+        raise JSONFileError(where, f"not JSON ({e.msg} at {at})") from None
+    except (ValueError, RecursionError) as e:  # a number of thousands of digits; (no nesting within MAX_DEPTH)
+        raise JSONFileError(where, f"not JSON that can be read ({type(e).__name__})") from None
+
+
+def read_json(path: str, max_bytes: int | None = None, source: str | None = None):
+    """The JSON document in the file at path (an OSError as open() raises it; a UserError where it is not a
+    regular file); max_bytes: a larger file is refused unread. source (the flag that named the file): any
+    failure, an OSError too, is a UserError that starts with it, and anything but an object is refused."""
+    try:
+        with open_regular(path) as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise JSONFileError(path, f"larger than the {max_bytes} bytes such a file holds")
+        value = parse_json(data, path)
+    except JSONFileError as e:
+        raise e if source is None else UserError(f"{source}: {e}") from None
+    except OSError as e:
+        if source is None:
+            raise
+        raise UserError(f"{source}: cannot read {path}: {reason_of(e)}") from None
+    if source is not None and not isinstance(value, dict):
+        raise UserError(f"{source}: {path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+# --- changed only where the run's own -------------------------------------------------------------
+
+
+def shared_as(path: str) -> str | None:
+    """How the file at path is shared with other names, in words (None: its own, missing, or no regular file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link to {os.readlink(path)}" if os.path.isfile(path) else None
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        return f"a hard link to a file with {st.st_nlink - 1} other name{'s' * (st.st_nlink > 2)} (as `cp -al` makes)"
+    return None
+
+
+def own_file(path: str) -> str | None:
+    """Before a run changes path in place: a shared file is replaced by a copy of its own (who copies a
+    run folder means to branch it); returns the note line that says so (None: it was its own)."""
+    shared = shared_as(path)
+    if shared is None:
+        return None
+    with open(path, "rb") as source:
+        write_atomically(path, lambda f: shutil.copyfileobj(source, f), fsync_file=True, fsync_folder=True)
+    return f"note: {path} was {shared}: this run writes to a copy of its own, and the file it shared stays as it was"
+
+
+def move_entry(source: str, destination: str):
+    """Rename source to destination, a symbolic link with a relative target re-aimed from its new folder."""
+    if os.path.islink(source) and not os.path.isabs(os.readlink(source)):
+        target = os.path.join(os.path.dirname(source), os.readlink(source))
+        os.symlink(os.path.relpath(target, os.path.dirname(destination) or "."), destination)
+        os.remove(source)
+        return
+    os.rename(source, destination)
+
+
+# <linux/fs.h>: FS_IOC_GETFLAGS, _IOR('f', 1, long), and the two flags that hold a file in place
+_FS_IOC_GETFLAGS = 0x80006601 | struct.calcsize("l") << 16
+_FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
+
+
+def pinned(path: str) -> str | None:
+    """How an attribute holds the regular file at path in place, for root too: "append-only (chattr +a)" or
+    "immutable (chattr +i)"; None where neither does or the system cannot say."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if hasattr(st, "st_flags"):
+            flags = st.st_flags
+            append, immutable = (
+                flags & (stat.UF_APPEND | stat.SF_APPEND),
+                flags & (stat.UF_IMMUTABLE | stat.SF_IMMUTABLE),
+            )
+        else:
+            import fcntl
+
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                flags = int.from_bytes(fcntl.ioctl(fd, _FS_IOC_GETFLAGS, bytes(8))[:4], sys.byteorder)
+            finally:
+                os.close(fd)
+            append, immutable = flags & _FS_APPEND_FL, flags & _FS_IMMUTABLE_FL
+    except (OSError, ImportError):  # gone, unreadable, or a file system without the flags (ENOTTY)
+        return None
+    return "immutable (chattr +i)" if immutable else "append-only (chattr +a)" if append else None
+
+
+# --- one live writer per folder -------------------------------------------------------------------
+
+
+class FolderLock:
+    """One live writer per folder: an exclusive flock on the folder itself (on a descriptor of the
+    directory), which no file in it, deleted or rewritten, can undo. FOLDER/.lock names the holder's pid
+    and host, only for the refusal of a second writer. The kernel drops the lock when the process ends,
+    however it ends, so what a killed writer leaves blocks nothing; a writer that ends removes the .lock
+    it wrote (not one that replaced it). fineweb.py holds its --out-dir with it, a training run its own
+    (run_folder.OutDirLock, which words the refusal for a run)."""
+
+    writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
+
+    def __init__(self, folder: str):
+        self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
+        self.identity = None  # the folder's status when taken: whether self.folder still names it (moved_to)
+
+    def in_use(self, holder: str) -> str:
+        """The refusal of a second writer (holder: as the .lock note names it)."""
+        return (
+            f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
+            "folder): wait for it to end, or choose another --out-dir"
+        )
+
+    def note(self, line: str):
+        print_line(line, file=sys.stderr)
+
+    def acquire(self):
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._cannot_lock("no flock on this system")
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self.identity = os.fstat(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(self.in_use(self._holder())) from None
+        except OSError as e:  # a file system without locks (Lustre without -o flock): held open, not locked
+            self.fd = fd
+            return self._cannot_lock(reason_of(e))
+        self.fd = fd
+        try:
+            self._write_holder()
+        except UserError:
+            self.release()
+            raise
+
+    def moved_to(self) -> tuple[str, str] | None:
+        """Where the folder taken is now and what self.folder names instead, where the name no longer
+        names it (the folder moved, and another, or a link to one, put in its place; "unknown" where the
+        folder's new name cannot be read), else None. A writer that goes on writing by name would write
+        elsewhere."""
+        if self.identity is None:
+            return None
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(self.folder), self.identity):
+                return None
+        now = os.path.realpath(self.folder) if os.path.exists(self.folder) else "nothing"
+        try:  # (Linux names a descriptor's folder where it is now)
+            moved = os.readlink(f"/proc/self/fd/{self.fd}") if self.fd is not None else "unknown"
+        except OSError:
+            moved = "unknown"
+        return moved, now
+
+    def check_held(self, then: str = ""):
+        """A UserError naming both folders where self.folder no longer names the folder taken (moved_to):
+        a writer that writes by name, or reports by it, stops rather than write elsewhere (then: what to
+        do next, appended to the line)."""
+        moved = self.moved_to()
+        if moved is not None:
+            where, now = moved
+            raise UserError(
+                f"--out-dir {self.folder} was moved or replaced while {self.writer} wrote to it: the folder it "
+                f"took is now {where}, and {self.folder} names {now}; stopping, so that nothing is written "
+                f"there{then}"
+            )
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its .lock says."""
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        except OSError:
+            return f"holder not recorded in {self.path}"
+
+    def _write_holder(self):
+        """FOLDER/.lock: a new file, replacing the one a writer that ended or was killed left there."""
+        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+            what = (
+                f"a symbolic link to {os.readlink(self.path)}"
+                if os.path.islink(self.path)
+                else "a directory"
+                if os.path.isdir(self.path)
+                else "not a regular file"
+            )
+            raise UserError(
+                f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose another --out-dir"
+            )
+        try:  # (a note for people: no fsync, the kernel's lock is what holds)
+            write_bytes_atomically(  # (into the folder held: self.fd)
+                ".lock",
+                f"pid {os.getpid()} on {socket.gethostname()}\n".encode(),
+                fsync_file=False,
+                fsync_folder=False,
+                tmp=f".lock.{os.getpid()}.tmp",
+                dir_fd=self.fd,
+            )
+            self.written = os.stat(".lock", dir_fd=self.fd)
+        except OSError as e:
+            raise UserError(f"cannot write {self.path}: {reason_of(e)}") from None
+
+    def _cannot_lock(self, why: str):
+        self.note(f"note: cannot lock --out-dir {self.folder} ({why}): a second run on it would not be stopped")
+
+    def release(self):
+        """Unlock, removing the .lock this writer wrote from the folder it holds (wherever it is now)."""
+        if self.fd is None:
+            return
+        if self.written:  # still the file this run wrote (same inode): removed while the folder is locked
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(".lock", dir_fd=self.fd, follow_symlinks=False), self.written):
+                    os.remove(".lock", dir_fd=self.fd)
+        os.close(self.fd)
+        self.fd = self.written = None
+
+
+def remove_if_same(path: str, identity: os.stat_result):
+    """Remove the empty folder path where it still is the folder identity (its os.stat when made): one
+    moved away keeps its contents where it went, and whatever now stands at its name is left alone."""
+    with contextlib.suppress(OSError):  # (rmdir fails unless empty)
+        if os.path.samestat(os.lstat(path), identity):
+            os.rmdir(path)

@@ -1,0 +1,357 @@
+"""Checkpoint files, written whole and read back checked, and the training state they hold.
+
+Checkpoint files: a plain dict of tensors and plain values with the sha256 of its contents inside,
+saved atomically and loaded with weights_only=True, checked (runfiles/checkpoint_checks.py) before it is trusted;
+the state dicts of a model and optimizer whatever wraps them (under FSDP gathered whole, so any mode
+resumes any other); the checkpoints of a folder. docs/resume-and-failures.md tells the guarantees.
+
+What a resume needs besides the configs to go on exactly where a run was (weights, optimizer state,
+RNGs, the update guard's windows, fp16's loss scale): taken (training_state) and put back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import torch
+import torch.nn as nn
+
+from trainkit.cli import UserError, print_warning, reason_of
+from trainkit.fileio import write_atomically
+from trainkit.runfiles.checkpoint_checks import (
+    checkpoint_problem,
+    fields_problem,
+    first_nonfinite,
+    first_nonfinite_optimizer_state,
+    load_failure,
+    other_file_kind,
+    state_shape_problem,
+    structure_problem,
+)
+from trainkit.runtime.device import is_fsdp
+from trainkit.runtime.optimizers import use_run_hyperparameters
+
+# --- checkpoint files -----------------------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def clean_state_dict(model: nn.Module) -> dict:
+    """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
+    return unwrap_model(model).state_dict()
+
+
+def rekey_optimizer_state(state: dict, keys: list) -> dict:
+    """An optimizer state dict whose i-th parameter is renamed keys[i] (state_dict() numbers them, the
+    torch.distributed.checkpoint helpers name them, in the same order)."""
+    order = [p for group in state["param_groups"] for p in group["params"]]
+    new = dict(zip(order, keys, strict=True))
+    return dict(
+        state={new[p]: s for p, s in state["state"].items()},
+        param_groups=[{**g, "params": [new[p] for p in g["params"]]} for g in state["param_groups"]],
+    )
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state dicts as one process holds them: unsharded, unprefixed, parameters
+    numbered. Under FSDP every rank calls it; rank 0 gets them on the CPU, the others empty dicts."""
+    if not is_fsdp(model):
+        return clean_state_dict(model), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    return model_state, rekey_optimizer_state(optim_state, list(range(n_params))) if optim_state else {}
+
+
+def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups or
+    sizes, or a state tensor of another shape than its parameter (torch would raise, or take it); an
+    optimizer made of parts (MuonWithAdamW) is checked part by part."""
+    parts = sorted(optimizer.state_dict().keys() - {"state", "param_groups"})
+    if parts:
+        if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
+            keys = sorted(map(str, optim_state)) if isinstance(optim_state, dict) else type(optim_state).__name__
+            return f"its optimizer state holds {keys}, this optimizer's {parts}"
+        return next(
+            filter(None, (optimizer_state_problem(optim_state[part], getattr(optimizer, part)) for part in parts)), None
+        )
+    groups = optim_state.get("param_groups") if isinstance(optim_state, dict) else None
+    if not isinstance(groups, list) or not isinstance(optim_state.get("state"), dict):
+        return "its optimizer state is not an optimizer's state dict"
+    sizes, ours = [len(g.get("params", ())) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
+        return f"its optimizer has parameter groups of {sizes} tensors, this one of {ours}"
+    shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    for i, key in enumerate(p for g in groups for p in g["params"]):
+        for name, value in optim_state["state"].get(key, {}).items():
+            if torch.is_tensor(value) and value.dim() and tuple(value.shape) != shapes[i]:
+                return (
+                    f"its optimizer's {name} of parameter {i} is {'x'.join(map(str, value.shape))}, where the "
+                    f"parameter is {'x'.join(map(str, shapes[i]))}"
+                )
+    return None
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict,
+    optim_state: dict,
+    source: str = "the checkpoint",
+):
+    """Load what full_state() returns (under FSDP each rank keeps its shard) once it fits, else a UserError."""
+    problem = optimizer_state_problem(optim_state, optimizer)
+    if problem:
+        raise UserError(f"{source}: {problem}: written by another program or edited, it cannot be resumed")
+    if not is_fsdp(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    # the parameters' names in the optimizer's order, as the helpers list them
+    names = [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
+    set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
+
+
+def checkpoint_path(out_dir: str, step: int) -> str:
+    return os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+
+
+# this trainer's checkpoint names (checkpoint_path's); anything else in --out-dir (a user's
+# ckpt_best.pt) is never picked by --resume nor deleted by --keep-last
+CKPT_NAME = re.compile(r"ckpt_(\d{7,})\.pt")
+
+
+def list_checkpoints(out_dir: str) -> list[str]:
+    """Our checkpoints in out_dir, oldest step first."""
+    return [os.path.join(out_dir, name) for name in checkpoint_names(out_dir)] if os.path.isdir(out_dir) else []
+
+
+def checkpoint_names(folder: str | int) -> list[str]:
+    """The names of our checkpoints in folder (a path, or an open descriptor of it), oldest step first."""
+    return [name for _, name in sorted((int(m[1]), m[0]) for m in map(CKPT_NAME.fullmatch, os.listdir(folder)) if m)]
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_step(path: str) -> int:
+    """The step in one of our checkpoint names (CKPT_NAME)."""
+    return int(CKPT_NAME.fullmatch(os.path.basename(path))[1])
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether a and b name one file (False when either is gone: --keep-last may delete one meanwhile)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def earlier_checkpoint(path: str) -> str | None:
+    """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
+    found = list_checkpoints(os.path.dirname(path) or ".")
+    same = [i for i, p in enumerate(found) if same_file(p, path)]
+    earlier = found[: same[0]] if same else found
+    return earlier[-1] if earlier else None
+
+
+def state_digest(state: dict) -> str:
+    """sha256 of a checkpoint's contents but its "checksum": every tensor's dtype, shape and bytes and
+    every plain value, in order."""
+    h = hashlib.sha256()
+
+    def visit(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().contiguous()
+            h.update(f"tensor {x.dtype} {tuple(x.shape)}:".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k, v in x.items():
+                visit(k)
+                visit(v)
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"(" if isinstance(x, tuple) else b"[")
+            for v in x:
+                visit(v)
+            h.update(b")")
+        else:
+            h.update(f"{type(x).__name__} {x!r};".encode())
+
+    visit({k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
+
+
+class _WriteErrorKeeper:
+    """A file for torch.save that keeps the OSError of a failed write: torch re-raises it as a
+    RuntimeError that no longer says why (e.g. that the disk is full)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.file.flush()
+
+
+def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
+    """Write path atomically with fsyncs (a crash leaves it whole or absent, the previous one intact),
+    its sha256 inside. folder_fd: the run's held folder, written into and pruned by --keep-last even
+    where its name has come to name another folder."""
+    out_dir = os.path.dirname(path) or "."
+    name = os.path.basename(path) if folder_fd is not None else path  # (relative to folder_fd where given)
+
+    def write(f):
+        writer = _WriteErrorKeeper(f)
+        try:
+            torch.save(dict(state, checksum=state_digest(state)), writer)
+        except RuntimeError as e:
+            raise writer.error or e from None
+
+    try:
+        write_atomically(name, write, fsync_file=True, fsync_folder=True, dir_fd=folder_fd)
+    except (OSError, RuntimeError) as e:  # disk full, quota, permissions
+        raise UserError(
+            f"could not write checkpoint {path}: {reason_of(e)}; the previous checkpoint "
+            f"{latest_checkpoint(out_dir) or '(none)'} is intact"
+        ) from None
+    if keep_last:
+        remove_older_checkpoints(out_dir, path, keep_last, folder_fd)
+
+
+_UNDELETABLE = set()  # checkpoints --keep-last could not delete, named once each
+
+
+def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd: int | None = None):
+    """--keep-last: delete all but the newest keep_last of our checkpoints (never path, just written); one
+    it may not delete stays, with one warning the first time: a failed cleanup never ends the run."""
+    for name in checkpoint_names(out_dir if folder_fd is None else folder_fd)[:-keep_last]:
+        old = os.path.join(out_dir, name)
+        if name == os.path.basename(path) or old in _UNDELETABLE:
+            continue
+        try:
+            os.remove(name if folder_fd is not None else old, dir_fd=folder_fd)
+        except FileNotFoundError:  # (deleted meanwhile)
+            pass
+        except OSError as e:
+            _UNDELETABLE.add(old)
+            print_warning(f"--keep-last cannot delete {old} ({reason_of(e)}); it stays, and the run goes on")
+
+
+def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
+    """One of our checkpoints (a file, or a run's --out-dir for its newest), loaded weights_only and
+    checked ours, whole, its weights of its model_config's shapes, and to resume, holding RESUME_STATE;
+    else a UserError naming the earlier checkpoint. model_fields: the model_config keys the reader knows."""
+    if os.path.isdir(path):
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise UserError(f"no checkpoint (ckpt_NNNNNNN.pt) in {path}")
+        path = newest
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+
+    def instead() -> str:
+        earlier = earlier_checkpoint(path)
+        if CKPT_NAME.fullmatch(os.path.basename(path)) is None:  # not one of ours: the newest beside it, if any
+            return f"the newest checkpoint beside it is {earlier}" if earlier else "there is no checkpoint beside it"
+        return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
+
+    try:  # one open file from here on: a run's --keep-last may delete the name meanwhile
+        f = open(path, "rb")
+    except FileNotFoundError:
+        newest = latest_checkpoint(os.path.dirname(path) or ".")
+        raise UserError(
+            f"checkpoint {path} was removed while loading (by its run's --keep-last?); "
+            + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")
+        ) from None
+    with f:
+        kind = None if CKPT_NAME.fullmatch(os.path.basename(path)) else other_file_kind(f.read(512))
+        f.seek(0)
+        if kind:
+            raise UserError(
+                f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({instead()})"
+            )
+        try:
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many types for a damaged zip or pickle
+            what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else load_failure(e)
+            raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
+    problem = checkpoint_problem(ckpt, model_fields)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    # before anything reads a tensor's contents (the checksum, a copy into the model): an expanded tensor of
+    # a few bytes on disk would ask for gigabytes there, a structure nested thousands deep overflow the stack
+    problem = structure_problem(ckpt) or state_shape_problem(ckpt["model"], ckpt["model_config"])
+    if problem:
+        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
+    if ckpt["checksum"] != state_digest(ckpt):
+        raise UserError(
+            f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): {instead()}"
+        )
+    problem = fields_problem(ckpt, resume)
+    if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
+        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
+    bad = first_nonfinite(ckpt["model"])
+    if bad:  # the trainer never writes one (check_state_finite): another program did
+        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
+    bad = resume and first_nonfinite_optimizer_state(ckpt["optimizer"])
+    if bad:  # as the weights: resumed, it would only fail at the next checkpoint, naming this one as good
+        raise UserError(f"{path}: the optimizer state holds NaN or inf ({bad}): {instead()}")
+    return ckpt
+
+
+# --- the training state ---------------------------------------------------------------------------
+
+
+def training_state(model, optimizer, guard, scaler, device: str, **records) -> dict:
+    """The live training state with records (the step, the configs, ...); under FSDP every rank calls it."""
+    model_state, optimizer_state = full_state(model, optimizer)
+    state = dict(model=model_state, optimizer=optimizer_state, **records)
+    state.update(rng_cpu=torch.get_rng_state(), skip_state=guard.state_dict())
+    if torch.device(device).type == "cuda":
+        state["rng_cuda"] = torch.cuda.get_rng_state(device)
+    if scaler:
+        state["scaler"] = scaler.state_dict()
+    return state
+
+
+def restore_training_state(ckpt: dict, model, optimizer, guard, scaler, device: str, path: str) -> str | None:
+    """What training_state() took, put back (every rank); the note where this run's optimizer
+    hyperparameters replace the checkpoint's (use_run_hyperparameters), else None."""
+    notice = use_run_hyperparameters(optimizer, ckpt["optimizer"])
+    load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], path)
+    guard.load_state_dict(ckpt["skip_state"])
+    torch.set_rng_state(ckpt["rng_cpu"])
+    if scaler and "scaler" in ckpt:
+        scaler.load_state_dict(ckpt["scaler"])
+    if "rng_cuda" in ckpt and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(ckpt["rng_cuda"], device)
+    return notice

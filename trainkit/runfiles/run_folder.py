@@ -1,0 +1,462 @@
+"""A run's folder (its --out-dir): taken for it, locked and claimed, and its log.jsonl with the
+--wandb / --tensorboard trackers that get each record.
+
+A run's --out-dir taken for it, and who may write there: made and checked (prepare_out_dir), the lock
+(OutDirLock: one live run per folder, a flock on the folder itself), whose the folder is (claim_run: its
+checkpoints must be of the resumed run's history, by run id), then its log, trackers and branch folders
+opened in order (open_run_log). log.jsonl is trainkit/runfiles/run_folder.py's, branch folders trainkit/runfiles/resume.py's,
+the W&B / TensorBoard sinks trainkit/runfiles/run_folder.py's.
+
+log.jsonl, a run's log (RunLog): one JSON record per line, each naming its run; a failed write cut back to
+the last whole record; cut back exactly on resume, where read_log_up_to refuses a log that is not the
+checkpoint run's; a copy of its own where it was shared. The W&B / TensorBoard trackers that get every
+record too are trainkit/runfiles/run_folder.py's.
+
+--wandb and --tensorboard: the run trackers that get every record RunLog writes to log.jsonl,
+each imported only when its flag asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+
+from trainkit import cli, fileio
+from trainkit.cli import UserError, check_a_thread_starts, optional_import, print0, reason_of
+from trainkit.fileio import FolderLock, create_fresh, own_file, pinned, remove_if_same, shared_as
+from trainkit.runfiles.checkpoints import CKPT_NAME, checkpoint_step, list_checkpoints, same_file
+from trainkit.runfiles.resume import (
+    ResumePoint,
+    check_later_branch,
+    choose_resume_checkpoint,
+    in_history,
+    log_summary,
+    new_run,
+    read_run,
+    run_name,
+    set_aside_later_branch,
+    set_aside_log_without_checkpoint,
+)
+
+# --- the run folder -------------------------------------------------------------------------------
+
+
+def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
+    """Rank 0, before anything in out_dir changes: the identity of the run about to write there. A
+    fresh run gets a new one; a resume of out_dir's newest checkpoint (a requeued job) keeps its run's;
+    any other resume is a branch, with a new id naming the checkpoint's run and step as its parent.
+    Every checkpoint in out_dir must belong to that history: up to the resumed step, a state the
+    resumed checkpoint went through; past it, a later branch that went through it (set aside next).
+    Any other is another run's: a UserError naming both runs, whether or not a log.jsonl is there."""
+    if resumed is None:
+        return new_run()
+    mine, later = resumed.run, False
+    for path in list_checkpoints(out_dir):
+        if same_file(path, resumed.path):
+            continue
+        theirs, step = read_run(path), checkpoint_step(path)
+        later |= step > resumed.step
+        if theirs and not (
+            in_history(theirs["id"], step, mine, resumed.step)
+            if step <= resumed.step
+            else in_history(mine["id"], resumed.step, theirs, step)
+        ):
+            raise UserError(
+                f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
+                f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
+                "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
+                "new one"
+            )
+    continues = not later and same_file(os.path.dirname(resumed.path) or ".", out_dir)
+    return mine if continues else new_run(mine, resumed.step)
+
+
+def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
+    """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
+    the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
+    without a login), whether the later branch can move and its log's copy fits (check_later_branch),
+    the log (whose it is, whether it can be cut, whether it opens); only then does the later branch move
+    aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
+    before its first checkpoint just before its own opens; a log shared with another folder is copied
+    as it opens: fileio.own_file.) A system that lets no more threads start (the prefetcher's comes
+    next) is refused first (check_a_thread_starts)."""
+    check_a_thread_starts()
+    identity = claim_run(run.out_dir, resumed)
+    if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
+        identity = new_run(resumed.run, resumed.step)  # a copied run folder (cp -al) goes on as a branch of its run
+    sinks = open_sinks(run, model_cfg, resumed.step if resumed else None)
+    if resumed is None:
+        set_aside_log_without_checkpoint(run.out_dir)  # (its checks first)
+    else:
+        check_later_branch(run.out_dir, resumed.step)  # movable, and space for the log's copy
+    log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
+    log.sinks = sinks  # no empty log.jsonl behind)
+    try:
+        if resumed:
+            set_aside_later_branch(run.out_dir, resumed.step)
+        log.cut_back()
+    except UserError:
+        log.close()
+        raise
+    if resumed:
+        log.resend_step(resumed.step)
+        branch = {} if identity["id"] == resumed.run["id"] else {"parent": resumed.run["id"]}
+        log.write(event="resume", step=resumed.step, **branch)  # plot_log.py marks it on the curves (a branch's
+        # on the curve of the run it names, where the log holds it)
+    return log
+
+
+class OutDirLock(FolderLock):
+    """One live run per --out-dir (trainkit/fileio.py's FolderLock, as fineweb.py holds its own --out-dir): rank 0
+    takes it once the input checks out, and the refusal of a second run says how to continue the first."""
+
+    writer = "this trainer"
+
+    def __init__(self, out_dir: str):
+        super().__init__(out_dir)
+        self.made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
+
+    def in_use(self, holder: str) -> str:
+        return (
+            f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
+            "folder): wait for it to end (then --resume continues it), or choose another --out-dir"
+        )
+
+    def note(self, line: str):
+        print0(line)
+
+    def check_claimed(self, last_checkpoint: str | None):
+        """Rank 0, before the log opens and before each checkpoint: a UserError, naming both folders, where
+        --out-dir no longer names the folder this run took (`mv OUT OUT.moved; ln -s OTHER OUT`). The run
+        writes only into the folder it holds open (its log, its checkpoints: save_checkpoint's folder_fd),
+        never into OTHER, and stops rather than go on where its --out-dir no longer shows it."""
+        moved = self.moved_to()
+        if moved is None:
+            return
+        where, now = moved
+        last = (
+            os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
+        )
+        raise UserError(
+            f"--out-dir {self.folder} was moved or replaced while this run wrote to it: the folder it took is now "
+            f"{where}, and {self.folder} names {now}; stopping, so that nothing of this run is written there. "
+            f"Last good checkpoint: {last or last_checkpoint or 'none'}"
+        )
+
+    def release(self):
+        held = self.fd is not None
+        super().release()
+        if held and self.made:  # (the folder it holds, never one put at its name since)
+            remove_if_same(self.folder, self.identity)
+
+
+# the names a run writes a file through (atomic_write's temporary files: checkpoints, log.jsonl's own copy)
+_WRITTEN_THROUGH = re.compile(rf"(?:{CKPT_NAME.pattern}|log\.jsonl)\.tmp")
+
+
+def prepare_out_dir(out_dir: str) -> bool:
+    """Make --out-dir if needed and check it is writable: whether it was made now (OutDirLock.release
+    removes it again if the run wrote nothing there)."""
+    made = not os.path.lexists(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(
+            f"--out-dir {out_dir} is a file, not a folder: a run writes its checkpoints and log.jsonl "
+            "into a folder; choose another --out-dir"
+        )
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        os.close(create_fresh(probe))  # (a link planted at the name is replaced, never opened)
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write to --out-dir {out_dir}: {reason_of(e)}") from None
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        if CKPT_NAME.fullmatch(name) and not os.path.isfile(path):  # --keep-last would fail to delete it
+            what = (  # mid-run, a save to write over it
+                "a folder"
+                if os.path.isdir(path)
+                else "a symbolic link to nothing"
+                if os.path.islink(path)
+                else "not a regular file"
+            )
+            raise UserError(
+                f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
+                "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
+                "rename it, or choose another --out-dir"
+            )
+        if _WRITTEN_THROUGH.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            raise UserError(  # (a file or a link there is replaced: fileio.create_fresh; a folder is not)
+                f"--out-dir {out_dir} holds a folder {name}, at the name this trainer writes a new "
+                f"{name.removesuffix('.tmp')} through: that write would fail, after the steps before it were "
+                "trained; move it away, or choose another --out-dir"
+            )
+    return made
+
+
+def claim_out_dir(run, out_dir_lock: OutDirLock) -> str | None:
+    """Rank 0: make --out-dir, lock it for this run, and pick the checkpoint to resume."""
+    out_dir_lock.made = prepare_out_dir(run.out_dir)
+    out_dir_lock.acquire()
+    return choose_resume_checkpoint(run)
+
+
+# --- log.jsonl ------------------------------------------------------------------------------------
+
+
+class RunLog:
+    """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
+    it. Other ranks write nothing.
+
+    Each record is one write, and a failed write (disk full) is cut back: the file always ends
+    with a whole record. A checkpoint stores the log's length and the sha256 of its contents up
+    to there (position()); resuming cuts the log back to that point (cut_back(), once a later
+    branch has its copy) only when the log here is that run's log (an empty or missing log starts
+    afresh), and refuses otherwise."""
+
+    sinks = ()  # run trackers that get every record too (open_sinks)
+
+    def __init__(self, out_dir: str, enabled: bool, resumed: ResumePoint | None = None, run: dict | None = None):
+        self.path, self.file, self.run, self.resumed = os.path.join(out_dir, "log.jsonl"), None, run, resumed
+        self.last_checkpoint = resumed.path if resumed else None  # named when a write fails
+        self.size, self.sha = 0, hashlib.sha256()
+        if not enabled:
+            return
+        if os.path.islink(self.path) and not os.path.exists(self.path):  # open() would create its target
+            raise UserError(
+                f"cannot open {self.path}: it is a symbolic link to {os.readlink(self.path)}, which "
+                "does not exist; remove the link or point it at a file"
+            )
+        try:
+            kept = read_log_up_to(self.path, resumed)
+            held = resumed and not shared_as(self.path) and pinned(self.path)  # (a shared log is cut as a copy)
+            if held and os.path.getsize(self.path) > len(kept):  # (before anything in the folder changes)
+                raise UserError(
+                    f"cannot cut {self.path} back to {resumed.path}: it is {held}; clear that attribute, or move "
+                    "it aside (the resume then starts a new log.jsonl) (nothing was changed)"
+                )
+            note = own_file(self.path)  # a log shared with another run folder: this run appends to its own copy
+            self.file = open_run_file(self.path, "ab", buffering=0)  # unbuffered: one write per record
+        except OSError as e:
+            raise UserError(
+                f"cannot open {self.path}: {reason_of(e)}; make it a writable file, or choose another --out-dir"
+            ) from None
+        if note:
+            print0(note)
+        self.size = len(kept)
+        self.sha.update(kept)
+
+    def cut_back(self):
+        """Resuming: drop what the run logged after its checkpoint (where it logged any: an append-only log
+        that ends there resumes)."""
+        if self.file and self.resumed:
+            try:
+                if os.fstat(self.file.fileno()).st_size > self.size:
+                    self.file.truncate(self.size)
+            except OSError as e:
+                raise UserError(f"cannot cut {self.path} back to {self.resumed.path}: {reason_of(e)}") from None
+
+    def write(self, **record):
+        if self.file:
+            mine = dict(record, run=self.run["id"]) if self.run else record
+            self._append((json.dumps(strict_json_record(mine), allow_nan=False) + "\n").encode())
+        for sink in list(self.sinks):
+            self._to_sink(sink, f"at step {record['step']}", sink.write, record)
+
+    def resend_step(self, step: int):
+        """The sinks get the records of step that the log holds: a resumed run's step was evaluated
+        before its checkpoint, so each tracker then holds what log.jsonl holds from that step on."""
+        if not self.file:
+            return
+        with open(self.path, "rb") as f:
+            for number, line in enumerate(f.read(self.size).splitlines(), start=1):
+                record = fileio.parse_json(line, self.path, number)
+                record.update(
+                    {k: float(v) for k, v in record.pop("nonfinite", {}).items()}
+                )  # strict_json_record undone
+                record.pop("run", None)  # as write() sends them: a tracker has its own run
+                if record["step"] == step:
+                    for sink in list(self.sinks):
+                        self._to_sink(sink, f"at step {step}", sink.write, record)
+
+    def _to_sink(self, sink, when: str, call, *args):
+        """A run tracker that fails (W&B's service gone, a full disk) gets no more records, with a
+        warning: the training and log.jsonl go on, and log.jsonl holds every record."""
+        try:
+            call(*args)
+        except Exception as e:
+            self.sinks = [s for s in self.sinks if s is not sink]
+            cli.print_warning(
+                f"{sink.flag} failed {when} ({reason_of(e, typed=True)}) and gets no more "
+                f"records; {self.path} has them all"
+            )
+
+    def _append(self, data: bytes):
+        try:
+            view = memoryview(data)
+            while view:  # a short write means the disk filled mid-record: the next write says why
+                view = view[self.file.write(view) :]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.file.truncate(self.size)  # back to the last whole record
+            self._fail(e)
+        self.size += len(data)
+        self.sha.update(data)
+
+    def sync(self):
+        """Make the log durable (before a checkpoint that points into it)."""
+        if self.file:
+            try:
+                os.fsync(self.file.fileno())
+            except OSError as e:
+                self._fail(e)
+
+    def _fail(self, e: OSError):
+        raise UserError(
+            f"cannot write {self.path}: {reason_of(e)} (the log ends at its last whole record). "
+            f"Last good checkpoint: {self.last_checkpoint or 'none'}"
+        ) from None
+
+    def position(self) -> dict:
+        """What a checkpoint taken now records of its run: the bytes of the log written so far and
+        their sha256 (where a resume cuts the log back), and the run's identity."""
+        return dict(log_offset=self.size, log_sha256=self.sha.hexdigest(), run=self.run)
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        for sink in list(self.sinks):
+            self._to_sink(sink, "at the end", sink.close)
+
+
+def strict_json_record(record: dict) -> dict:
+    """record with its NaN and infinite numbers as null, listed by name and value under "nonfinite":
+    JSON has no NaN or Infinity, and strict readers (jq, JavaScript, pandas' default) reject them."""
+    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
+
+
+def open_run_file(path: str, mode: str, **options):
+    """open(path, mode) for a file a run folder holds (log.jsonl), where another program may have put
+    a named pipe, a socket or a disk's block device: a UserError naming what it is, never a wait
+    forever for a pipe's other end (the open does not block: O_NONBLOCK) nor writes onto a disk.
+    A character device answers at once and stays allowed (/dev/null, /dev/full)."""
+    # (a new file gets open()'s usual 0o666 less the umask: os.open's default mode is 0o777)
+    f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
+    kind = os.fstat(f.fileno()).st_mode
+    what = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(kind)
+        else "a socket"
+        if stat.S_ISSOCK(kind)
+        else "a block device"
+        if stat.S_ISBLK(kind)
+        else None
+    )
+    if what:
+        f.close()
+        raise UserError(
+            f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
+            "(the run makes its own), or choose another --out-dir"
+        )
+    return f
+
+
+def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
+    """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
+    checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
+    empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
+    try:
+        with open_run_file(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
+            kept = f.read(min(resumed.log_offset, size) if resumed else size)
+    except FileNotFoundError:
+        return b""
+    if resumed and kept and (len(kept) != resumed.log_offset or hashlib.sha256(kept).hexdigest() != resumed.log_sha256):
+        last, whose, _, _ = log_summary(path)
+        if last != resumed.run["id"]:
+            raise UserError(
+                f"{path} is not the log of the run that wrote {resumed.path} (the log is of {whose}, the "
+                f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
+                "the --out-dir of the checkpoint's own run, or a new one"
+            )
+        change = (
+            f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
+            if len(kept) < resumed.log_offset
+            else f"its first {resumed.log_offset} bytes differ from then"
+        )
+        raise UserError(
+            f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
+            "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
+            "or move it aside (the resume then starts a new log.jsonl)"
+        )
+    return kept
+
+
+# --- the run trackers -----------------------------------------------------------------------------
+
+
+class TensorBoardSink:
+    """--tensorboard: each record's numbers as scalars and strings as text at its step, in --out-dir; a
+    resumed run hides what earlier attempts logged from its step on (purge_step), as log.jsonl is cut."""
+
+    flag = "--tensorboard"
+
+    def __init__(self, out_dir: str, purge_step: int | None):
+        tensorboard = optional_import(
+            "torch.utils.tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard"
+        )
+        self.writer = tensorboard.SummaryWriter(out_dir, purge_step=purge_step)
+
+    def write(self, record: dict):
+        for key, value in record.items():
+            if key != "step":
+                add = self.writer.add_text if isinstance(value, str) else self.writer.add_scalar
+                add(key, value, record["step"])
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbSink:
+    """--wandb PROJECT: each record as a wandb.log at its step; each launch, a resume too, is a new W&B run."""
+
+    flag = "--wandb"
+
+    def __init__(self, project: str, out_dir: str, config: dict):
+        wandb = optional_import("wandb", "--wandb needs the wandb package: pip install wandb")
+        try:
+            self.run = wandb.init(project=project, dir=out_dir, config=config)
+        except Exception as e:  # no API key, no network, a bad project name...
+            raise UserError(
+                f"--wandb: could not start a W&B run ({reason_of(e, typed=True)}); "
+                "run `wandb login` or set WANDB_MODE=offline"
+            ) from None
+        if getattr(self.run, "disabled", False):
+            cli.print_warning(
+                "--wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B "
+                "run stays empty; log.jsonl gets every record"
+            )
+
+    def write(self, record: dict):
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+def open_sinks(run, model_cfg, resumed_at: int | None) -> list:
+    """The trackers the run asked for (a resumed one's from its step on: RunLog.resend_step)."""
+    sinks = []
+    if run.tensorboard:
+        sinks.append(TensorBoardSink(run.out_dir, purge_step=resumed_at))
+    if run.wandb:
+        config = dict(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg))
+        sinks.append(WandbSink(run.wandb, run.out_dir, config))
+    return sinks

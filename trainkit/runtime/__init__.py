@@ -1,0 +1,1 @@
+"""What runs the step on the hardware: the launch and its ranks, the device (dtype, compile, FSDP, memory), the micro-batch that fits, the optimizers, the guards that keep a bad update, a stop or a failure from costing training, the loss and attention kernels, and the throughput."""
