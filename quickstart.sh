@@ -71,7 +71,7 @@ GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
 # the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it): if it cannot be loaded, why, in one line
 if ! BPE_ERROR=$("$PY" -c '
 import sys
-from trainkit import tokenizer
+from trainkit.data import tokenizer
 try:
     tokenizer.get_encoding()
 except RuntimeError as e:

@@ -301,7 +301,7 @@ def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monk
     def unreadable(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
 
-    monkeypatch.setattr(shard_checks.json_file, "read", unreadable)
+    monkeypatch.setattr(shard_checks.fileio, "read_json", unreadable)
     path = os.path.join(made, "manifest.json")
     with pytest.raises(UserError) as refused:
         shard_checks.find_shards(made, "train")

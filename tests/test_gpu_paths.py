@@ -349,7 +349,7 @@ def test_compile_traces_one_block_for_every_block_and_keeps_the_chunk_loop_out()
     ],
 )
 def test_compile_decision(requested, device, capability, platform, triton, expected):
-    assert tg.compile_decision(requested, device, capability, platform, triton) == expected
+    assert precision.compile_decision(requested, device, capability, platform, triton) == expected
 
 
 def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):

@@ -634,7 +634,7 @@ def test_ranks_that_never_gather_are_one_line(tmp_path):
     )
     result = run_command(
         "-c",
-        "import sys\nfrom trainkit import launch\n"
+        "import sys\nfrom trainkit.runtime import launch\n"
         "def join():\n    with launch.process_group('cpu', 2): pass\n"
         "sys.exit(launch.exit_code_on_every_rank(join))",
         env=env,
