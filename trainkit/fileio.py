@@ -78,6 +78,11 @@ def write_atomically(
         fsync_dir(os.path.dirname(path) or ".")
 
 
+def in_held_folder(folder: str, name: str, dir_fd: int | None) -> str:
+    """name as an os call given dir_fd takes it: relative to the held folder dir_fd, else folder's name joined."""
+    return name if dir_fd is not None else os.path.join(folder, name)
+
+
 def write_bytes_atomically(
     path: str, *blobs, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
 ):

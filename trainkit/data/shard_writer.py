@@ -25,7 +25,7 @@ def write_whole(folder: FolderLock, name: str, *blobs) -> None:
     disks; a resume checks each shard's size), or a UserError saying that a rerun resumes."""
     folder.check_held("; run the same command on the folder it took to resume")
     path = os.path.join(folder.folder, name)
-    target, fd = _in(folder, name)
+    target, fd = fileio.in_held_folder(folder.folder, name, folder.fd), folder.fd
     try:
         write_bytes_atomically(target, *blobs, fsync_file=False, fsync_folder=False, dir_fd=fd)
     except OSError as e:  # a full disk, a quota, permissions
@@ -33,11 +33,6 @@ def write_whole(folder: FolderLock, name: str, *blobs) -> None:
             f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
             "complete: fix this and run the same command again to resume"
         ) from None
-
-
-def _in(folder: FolderLock, name: str) -> tuple[str, int | None]:
-    """name and the folder's descriptor (where it could not be opened, Windows: the path and None)."""
-    return (name, folder.fd) if folder.fd is not None else (os.path.join(folder.folder, name), None)
 
 
 def save_manifest(folder: FolderLock, manifest: dict) -> None:
@@ -133,8 +128,7 @@ class ShardWriter:
             save_manifest(self.folder, self.manifest)
         except UserError:  # the folder holds exactly what the manifest lists, so a rerun resumes
             with contextlib.suppress(OSError):
-                name, fd = _in(self.folder, name)
-                os.remove(name, dir_fd=fd)
+                os.remove(fileio.in_held_folder(self.folder.folder, name, self.folder.fd), dir_fd=self.folder.fd)
             raise
         self.tokens_written += self.filled
         self.filled = self.shard_documents = 0

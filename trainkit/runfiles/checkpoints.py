@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from trainkit.cli import UserError, print_warning, reason_of
-from trainkit.fileio import write_atomically
+from trainkit.fileio import in_held_folder, write_atomically
 from trainkit.runfiles.checkpoint_checks import (
     checkpoint_problem,
     fields_problem,
@@ -227,7 +227,7 @@ def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int |
     its sha256 inside. folder_fd: the run's held folder, written into and pruned by --keep-last even
     where its name has come to name another folder."""
     out_dir = os.path.dirname(path) or "."
-    name = os.path.basename(path) if folder_fd is not None else path  # (relative to folder_fd where given)
+    name = in_held_folder(out_dir, os.path.basename(path), folder_fd)
 
     def write(f):
         writer = _WriteErrorKeeper(f)
@@ -258,7 +258,7 @@ def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd:
         if name == os.path.basename(path) or old in _UNDELETABLE:
             continue
         try:
-            os.remove(name if folder_fd is not None else old, dir_fd=folder_fd)
+            os.remove(in_held_folder(out_dir, name, folder_fd), dir_fd=folder_fd)
         except FileNotFoundError:  # (deleted meanwhile)
             pass
         except OSError as e:
