@@ -1,15 +1,7 @@
-"""The command-line contract every script keeps, and the one printer every line goes through.
-
-The command-line contract every script keeps: bad input is one `error:` line and exit code 2 (no
-traceback unless --debug), Ctrl-C is exit code 130, flags are whole words, no argument takes an empty
-value, integer flags are range-checked (int_in), under torchrun rank 0 prints (RankLocalError: the rank
-that saw it). docs/resume-and-failures.md and docs/output.md state it in full. Standard library only, so
-that a script imports it before torch; nothing runs at import.
-
-The one place every script prints through: printing never ends a command (a failed stream is
-dropped: GuardedStream), never commands the terminal (control characters escaped: shown), and a
-command's own output says when stdout lost it (print_result). docs/output.md states the contract.
-Standard library only, importing nothing of the repository: the floor trainkit/cli.py stands on.
+"""The command-line contract every script keeps (bad input: one `error:` line, exit code 2; Ctrl-C: 130;
+whole flag names, no empty values, range-checked integers; under torchrun rank 0 prints) and the one
+printer every line goes through (never ends a command, never commands the terminal). docs/output.md and
+docs/resume-and-failures.md state it. Standard library only: the floor the repository stands on.
 """
 
 import argparse
@@ -45,8 +37,7 @@ def flat(message) -> str:
 
 
 def clipped(value, limit: int = 24) -> str:
-    """value as a message quotes it (a number as written, anything else as repr), cut after limit characters
-    with its length where longer: a file's 4,000-digit number makes no 4 KB line."""
+    """value as a message quotes it (a number as written, else repr), cut after limit characters with its length."""
     try:
         text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
     except ValueError:  # an int beyond Python's limit of digits for str()
@@ -56,7 +47,7 @@ def clipped(value, limit: int = 24) -> str:
 
 def print_error(message) -> None:
     """message as one `error:` line on stderr, from rank 0 (a RankLocalError: from its rank)."""
-    if isinstance(message, RankLocalError):  # with its rank, where RANK and WORLD_SIZE say there are several
+    if isinstance(message, RankLocalError):
         rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
         several = rank.isdigit() and world.isdigit() and int(world) > 1
         print_line(f"error: {f'rank {rank}: ' * several}{flat(message)}", file=sys.stderr)
@@ -123,15 +114,13 @@ RANK0_GRACE_S = 3.0  # what a loaded machine may take to start rank 0's interpre
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with whole flag names only, no empty values (but may_be_empty's), and a usage error as
-    one `error:` line and exit code 2 (subcommands' parsers too)."""
+    """argparse with whole flag names only, no empty values (but may_be_empty's), a usage error one `error:` line."""
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def _get_value(self, action, arg_string):
-        # every value passes here: an empty one is an unset shell variable (as a path: the current folder);
-        # a subcommand's parser checks its own strings, and an empty default is what the argument takes
+        # every value passes here (an empty one: an unset shell variable); a subcommand's parser checks its own
         if (
             not arg_string.strip()
             and action.type is not may_be_empty
@@ -165,8 +154,7 @@ def _interrupted_while_starting(signum, frame):
 
 
 def _import_failed(kind, error, trace):
-    """sys.excepthook while a script imports: a library that cannot load is one `error:` line, exit code
-    2, with the likely fix (a `ulimit -v` too small, the .venv beside the script not active, a reinstall)."""
+    """sys.excepthook while a script imports: a library that cannot load is one `error:` line with the likely fix."""
     if not issubclass(kind, (ImportError, MemoryError)) or "--debug" in sys.argv:
         return sys.__excepthook__(kind, error, trace)
     script = sys.argv[0]
@@ -189,10 +177,8 @@ def _import_failed(kind, error, trace):
 
 
 def exit_on_ctrl_c_while_starting() -> None:
-    """A script's first act, before its slow imports: streams guarded (cli.guard_streams), Ctrl-C
-    `error: interrupted` and exit code 130 until exit_code_of runs (an ignored SIGINT stays ignored),
-    failed imports one line (_import_failed), and a deleted current folder one line (native libraries
-    that look themselves up from it would die with a fatal error)."""
+    """A script's first act, before its slow imports: streams guarded, Ctrl-C exit code 130 until exit_code_of
+    runs, failed imports one line, and a deleted current folder one line (native libraries would die on it)."""
     guard_streams()
     try:
         os.getcwd()
@@ -209,15 +195,13 @@ def exit_on_ctrl_c_while_starting() -> None:
 
 
 def parse_before_imports(parse_args) -> None:
-    """For a script run as a program: exit_on_ctrl_c_while_starting, then its command line parsed, so
-    that --help and a usage error answer before the slow imports."""
+    """exit_on_ctrl_c_while_starting, then the command line parsed: --help answers before the slow imports."""
     exit_on_ctrl_c_while_starting()
     parse_args()
 
 
 def optional_import(module: str, missing: str):
-    """An optional package, imported where a command needs it; a UserError whose line is missing (what
-    is not installed and its pip line) where it cannot be imported."""
+    """An optional package, imported where a command needs it; a UserError(missing) where it cannot be."""
     import importlib
 
     try:
@@ -235,41 +219,30 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
         sys.excepthook = sys.__excepthook__
     try:
         action()
-    except (UserError, *also_catch) as e:
+    except (UserError, *also_catch, RuntimeError, MemoryError, KeyboardInterrupt) as e:
         if debug:
             raise
-        print_error(e)
-        return 2
-    except RuntimeError as e:
-        if debug or not is_thread_start_failure(e):
+        if isinstance(e, KeyboardInterrupt):
+            signum = getattr(e, "signum", signal.SIGINT)
+            print0(
+                interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}",
+                file=sys.stderr,
+            )
+            return 128 + signum
+        if isinstance(e, (UserError, *also_catch)):
+            print_error(e)
+        elif isinstance(e, MemoryError):  # (the trainer words a step's own: device.out_of_memory_error)
+            print_error(RankLocalError(out_of_host_memory(e)))
+        elif str(e) == "can't start new thread":  # threading's, where the system lets no more start
+            print_error(RankLocalError(no_thread(e)))
+        else:
             raise
-        print_error(RankLocalError(no_thread(e)))
         return 2
-    except MemoryError as e:  # (the trainer words a step's own: device.out_of_memory_error)
-        if debug:
-            raise
-        print_error(RankLocalError(out_of_host_memory(e)))
-        return 2
-    except KeyboardInterrupt as e:
-        if debug:
-            raise
-        signum = getattr(e, "signum", signal.SIGINT)
-        print0(
-            interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}",
-            file=sys.stderr,
-        )
-        return 128 + signum
     return output_lost_code(result_lost())
 
 
-def is_thread_start_failure(e: BaseException) -> bool:
-    """Whether e is threading's error for a thread the system would not start (ulimit -v or -u), wherever started."""
-    return isinstance(e, RuntimeError) and str(e) == "can't start new thread"
-
-
 def check_a_thread_starts():
-    """Start one thread and wait for it: where the system lets no more start (ulimit -v, ulimit -u), the
-    RuntimeError (no_thread's line) comes here, before a run changes its folder, not at its first step."""
+    """Start one thread and wait for it: where none can start, the RuntimeError comes before a run changes files."""
     import threading
 
     probe = threading.Thread(target=lambda: None, name="thread probe")
@@ -286,7 +259,7 @@ def soft_limit(which: int, unit: int = 1024) -> str | None:
 
 
 def no_thread(e: RuntimeError) -> str:
-    """Why a thread could not start, in one line with the limits that decide it and what to raise."""
+    """Why a thread could not start, with the limits that decide it and what to raise."""
     import resource
 
     def limit(which: int, unit: int = 1024) -> str:
@@ -308,32 +281,27 @@ def memory_limit() -> str | None:
 
 
 def raised_in_import(e: BaseException) -> bool:
-    """Whether e was raised while a module was being imported (a lazy import inside a library too): a frame
-    of its traceback runs a module's body (Python drops importlib's own frames from it)."""
+    """Whether e was raised while a module was imported (a frame of its traceback runs a module's body)."""
     import traceback
 
     return any(frame.f_code.co_name == "<module>" for frame, _ in traceback.walk_tb(e.__traceback__))
 
 
 def out_of_host_memory(e: MemoryError) -> str:
-    """The line for a MemoryError that no step of training raised (a library's import, a tool's own buffers):
-    what ran out, and the memory limit where one is set, never a flag of the step's."""
+    """The line for a MemoryError no training step raised: what ran out, and the memory limit where one is set."""
     what = "while importing a library" if raised_in_import(e) else "on the host"
     limit = memory_limit()
     fix = f"under a memory limit ({limit}): raise it" if limit else "free memory and run it again"
     return f"out of memory {what} ({reason_of(e, typed=True)}): {fix}"
 
 
-SIGPIPE_EXIT_CODE = 128 + 13  # 128 + SIGPIPE (13 on Linux and macOS; Windows has no SIGPIPE)
-
-
 def output_lost_code(error: OSError | None) -> int:
-    """The exit code of a command whose result stdout could not take (error; None: 0): 141 for a reader
-    that left (`| head`), as a shell reports SIGPIPE; else 2 after one `error:` line."""
+    """The exit code of a command whose result stdout could not take (error; None: 0): 141 (128 + SIGPIPE, 13 on
+    Linux and macOS) for a reader that left (`| head`), as a shell reports it; else 2 after one `error:` line."""
     if error is None:
         return 0
     if error.errno == errno.EPIPE:
-        return SIGPIPE_EXIT_CODE
+        return 128 + 13
     print_error(f"cannot write the output to stdout: {reason_of(error)}")
     return 2
 
@@ -343,8 +311,8 @@ _SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")
 
 
 def reason_of(e: BaseException, typed: bool = False) -> str:
-    """A library's exception as a short line to quote in ours: an OSError's strerror (our line names the
-    file), else its first line without a C++ source location, at most 300 characters; typed: 'Type: ...'."""
+    """A library's exception as a short line in ours: an OSError's strerror, else its first line without a C++
+    source location, at most 300 characters; typed: 'Type: ...'."""
     if isinstance(e, OSError) and e.strerror:
         text = e.strerror[:1].lower() + e.strerror[1:]
     else:
@@ -364,8 +332,7 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") in ("", "0")
 
 
-# C0 (ESC, BEL, CR, backspace, ...), DEL and C1 (among them the one-character CSI, U+009B): the
-# characters a terminal may take as commands
+# C0 (ESC, BEL, CR, ...), DEL and C1 (the one-character CSI, U+009B among them): what a terminal may obey
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but \t (0x09) and \n (0x0a)
 
@@ -382,8 +349,8 @@ def shown(text: str, keep_newlines: bool = False) -> str:
 
 
 class GuardedStream:
-    """A text stream whose writes raise no OSError: the first failure makes it lost (lost: the error),
-    later writes are dropped, and its descriptor points at /dev/null so the flush at exit cannot fail."""
+    """A text stream whose writes raise no OSError: the first failure makes it lost (lost: the error), later
+    writes are dropped, and its descriptor points at /dev/null so the flush at exit cannot fail."""
 
     def __init__(self, stream):
         self.stream, self.lost = stream, None
@@ -445,8 +412,8 @@ _result_lost = None  # the error that kept a command's result from stdout (print
 
 
 def print_result(text: str, keep_newlines: bool = False) -> bool:
-    """A piece of what the command exists to print, on stdout from rank 0: whether stdout took it (where
-    not, cli.exit_code_of makes result_lost() the exit code; nothing is raised, so every rank ends alike)."""
+    """What the command exists to print, on stdout from rank 0: whether stdout took it (where not, exit_code_of
+    ends with output_lost_code; nothing is raised, so every rank ends alike)."""
     global _result_lost
     print0(text, keep_newlines=keep_newlines)
     lost = getattr(sys.stdout, "lost", None)

@@ -1,29 +1,7 @@
 """Files across the boundary: read only when regular (JSON through one bounded reader), written whole
-or not at all, changed only where they are the run's own, and locked for the one process that writes
-a folder.
-
-Writing a file whole or not at all: into a temporary file beside it, renamed over it (a killed process
-leaves the old file or the new one); fsync_file and fsync_folder add surviving a power loss. Nothing is
-written through a name that was there before: the temporary file is created fresh (create_fresh: no link
-followed, no file a `cp -al` copy shares opened), and the rename replaces whatever stands at the target.
-dir_fd: a folder a writer holds open, the file landing there even where its name now names another one.
-
-What a program reads from a path a user gave is a regular file (links followed): a named pipe would
-block forever, a link to /dev/zero read until memory runs out. open_regular opens without blocking and
-checks what it opened, so a pipe swapped in between is refused too.
-
-The one reader of JSON documents a user can hand us (manifests, logs, HellaSwag and --files lines, a
-Hugging Face folder's config.json): one that is not JSON, or nests deeper than MAX_DEPTH, is one
-JSONFileError naming the file and line, never a RecursionError. The depth is measured by a scan that
-skips strings before json.loads sees the text (a `[[[...` 200,000 deep: two regex passes).
-
-A run changes only files of its own, though a copied run folder (`cp -al`, `cp -as`) shares them: a file
-changed in place (log.jsonl) is first made its own copy (own_file), a moved symbolic link keeps pointing at
-its file (move_entry), and a file an attribute holds in place (pinned) is found before a run moves or cuts it.
-
-The lock on a folder that one process writes: fineweb.py's --out-dir, and a training run's
-(trainkit/runfiles/run_folder.py's OutDirLock words the refusal for a run). Standard library only, so that
-fineweb.py takes it without torch.
+or not at all through fresh files (O_EXCL|O_NOFOLLOW, never a name that was there), changed only where
+they are the run's own, and locked for the one process that writes a folder. Standard library only
+(fineweb.py takes the lock without torch). docs/resume-and-failures.md tells the guarantees.
 """
 
 from __future__ import annotations
@@ -47,8 +25,7 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | 
 
 
 def create_fresh(path: str, dir_fd: int | None = None) -> int:
-    """A descriptor, open for writing, of a new empty file at path: what stood at that name is unlinked
-    first, never opened, so a file or link left there keeps its bytes (an OSError where a folder stands)."""
+    """A descriptor of a new empty file at path: what stood there is unlinked, never opened (a folder: OSError)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path, dir_fd=dir_fd)  # (a folder: EISDIR or EPERM, raised)
     return os.open(path, _CREATE, 0o666, dir_fd=dir_fd)
@@ -57,8 +34,8 @@ def create_fresh(path: str, dir_fd: int | None = None) -> int:
 def write_atomically(
     path: str, write, *, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
 ):
-    """write(f) into tmp (default path + ".tmp"), made fresh and opened binary, then renamed to path; any
-    failure, an interruption too, removes tmp and is raised as it came (an OSError for the caller to word)."""
+    """write(f) into tmp (default path + ".tmp"), made fresh, then renamed to path; any failure removes tmp
+    and is raised as it came. dir_fd: a held folder, written into even where its name now names another."""
     tmp = tmp or path + ".tmp"
     fd = create_fresh(tmp, dir_fd)
     try:
@@ -72,10 +49,8 @@ def write_atomically(
         with contextlib.suppress(OSError):
             os.remove(tmp, dir_fd=dir_fd)
         raise
-    if fsync_folder and dir_fd is not None:
-        os.fsync(dir_fd)
-    elif fsync_folder:
-        fsync_dir(os.path.dirname(path) or ".")
+    if fsync_folder:
+        os.fsync(dir_fd) if dir_fd is not None else fsync_dir(os.path.dirname(path) or ".")
 
 
 def in_held_folder(folder: str, name: str, dir_fd: int | None) -> str:
@@ -83,16 +58,9 @@ def in_held_folder(folder: str, name: str, dir_fd: int | None) -> str:
     return name if dir_fd is not None else os.path.join(folder, name)
 
 
-def write_bytes_atomically(
-    path: str, *blobs, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
-):
+def write_bytes_atomically(path: str, *blobs, **options):
     """write_atomically of blobs (bytes or buffers), one after the other."""
-
-    def write(f):
-        for blob in blobs:
-            f.write(blob)
-
-    write_atomically(path, write, fsync_file=fsync_file, fsync_folder=fsync_folder, tmp=tmp, dir_fd=dir_fd)
+    write_atomically(path, lambda f: f.writelines(blobs), **options)
 
 
 def fsync_dir(path: str):
@@ -115,11 +83,16 @@ _KINDS = (
 )
 
 
+def file_kind(mode: int) -> str | None:
+    """What a file of st_mode mode is, in words ("a named pipe (FIFO)"); None for a regular file."""
+    return None if stat.S_ISREG(mode) else next((words for is_kind, words in _KINDS if is_kind(mode)), "not a file")
+
+
 def not_regular(path: str, st: os.stat_result) -> UserError | None:
     """The refusal of path whose (followed) status is st, or None where it is a regular file."""
-    if stat.S_ISREG(st.st_mode):
+    kind = file_kind(st.st_mode)
+    if kind is None:
         return None
-    kind = next((words for is_kind, words in _KINDS if is_kind(st.st_mode)), "not a file")
     target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
     return UserError(f"{path} is {kind}{target}, not a regular file: it cannot be read as one")
 
@@ -150,8 +123,8 @@ def open_regular(path: str):
 
 # --- JSON read through one bounded reader ---------------------------------------------------------
 
-# deeper than any document the project writes or reads (a manifest is 3 levels, a HellaSwag line 2), and far
-# below the interpreter's recursion limit that whatever walks a decoded value runs into
+# JSON nesting refused before json.loads (no RecursionError): deeper than any document read here (a manifest
+# 3 levels, a HellaSwag line 2), far below the recursion limit; a `[[[...` 200,000 deep costs two regex passes
 MAX_DEPTH = 64
 
 _STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # a JSON string, escapes included
@@ -199,9 +172,8 @@ def parse_json(text: str | bytes, path: str, line: int | None = None):
 
 
 def read_json(path: str, max_bytes: int | None = None, source: str | None = None):
-    """The JSON document in the file at path (an OSError as open() raises it; a UserError where it is not a
-    regular file); max_bytes: a larger file is refused unread. source (the flag that named the file): any
-    failure, an OSError too, is a UserError that starts with it, and anything but an object is refused."""
+    """The JSON document in the regular file at path (max_bytes: a larger one refused unread); source (the
+    flag that named it): any failure, an OSError too, is a UserError starting with it, and only an object passes."""
     try:
         with open_regular(path) as f:
             data = f.read() if max_bytes is None else f.read(max_bytes + 1)
@@ -236,8 +208,7 @@ def shared_as(path: str) -> str | None:
 
 
 def own_file(path: str) -> str | None:
-    """Before a run changes path in place: a shared file is replaced by a copy of its own (who copies a
-    run folder means to branch it); returns the note line that says so (None: it was its own)."""
+    """Before a run changes path in place: a shared file becomes a copy of its own; the note saying so, or None."""
     shared = shared_as(path)
     if shared is None:
         return None
@@ -262,8 +233,8 @@ _FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
 
 
 def pinned(path: str) -> str | None:
-    """How an attribute holds the regular file at path in place, for root too: "append-only (chattr +a)" or
-    "immutable (chattr +i)"; None where neither does or the system cannot say."""
+    """ "append-only (chattr +a)" or "immutable (chattr +i)" where an attribute holds the regular file at
+    path in place, for root too; None where neither does or the system cannot say."""
     try:
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -292,21 +263,17 @@ def pinned(path: str) -> str | None:
 
 
 class FolderLock:
-    """One live writer per folder: an exclusive flock on the folder itself (on a descriptor of the
-    directory), which no file in it, deleted or rewritten, can undo. FOLDER/.lock names the holder's pid
-    and host, only for the refusal of a second writer. The kernel drops the lock when the process ends,
-    however it ends, so what a killed writer leaves blocks nothing; a writer that ends removes the .lock
-    it wrote (not one that replaced it). fineweb.py holds its --out-dir with it, a training run its own
-    (run_folder.OutDirLock, which words the refusal for a run)."""
+    """One live writer per folder: an exclusive flock on a descriptor of the folder itself, which no file in
+    it can undo; FOLDER/.lock only names the holder (pid, host) for the refusal of a second writer."""
 
     writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
+    moved_as = ("fineweb.py", "nothing")  # who wrote, and what is not written there, when the folder moved
 
     def __init__(self, folder: str):
         self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
         self.identity = None  # the folder's status when taken: whether self.folder still names it (moved_to)
 
     def in_use(self, holder: str) -> str:
-        """The refusal of a second writer (holder: as the .lock note names it)."""
         return (
             f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
             "folder): wait for it to end, or choose another --out-dir"
@@ -338,10 +305,8 @@ class FolderLock:
             raise
 
     def moved_to(self) -> tuple[str, str] | None:
-        """Where the folder taken is now and what self.folder names instead, where the name no longer
-        names it (the folder moved, and another, or a link to one, put in its place; "unknown" where the
-        folder's new name cannot be read), else None. A writer that goes on writing by name would write
-        elsewhere."""
+        """Where the folder taken is now ("unknown" where unreadable) and what self.folder names instead,
+        where the name no longer names it; else None."""
         if self.identity is None:
             return None
         with contextlib.suppress(OSError):
@@ -355,20 +320,18 @@ class FolderLock:
         return moved, now
 
     def check_held(self, then: str = ""):
-        """A UserError naming both folders where self.folder no longer names the folder taken (moved_to):
-        a writer that writes by name, or reports by it, stops rather than write elsewhere (then: what to
-        do next, appended to the line)."""
+        """A UserError naming both folders where self.folder no longer names the folder taken: a writer
+        stops rather than write elsewhere (then: what to do next, appended)."""
         moved = self.moved_to()
         if moved is not None:
-            where, now = moved
+            who, nothing = self.moved_as
             raise UserError(
-                f"--out-dir {self.folder} was moved or replaced while {self.writer} wrote to it: the folder it "
-                f"took is now {where}, and {self.folder} names {now}; stopping, so that nothing is written "
+                f"--out-dir {self.folder} was moved or replaced while {who} wrote to it: the folder it took is "
+                f"now {moved[0]}, and {self.folder} names {moved[1]}; stopping, so that {nothing} is written "
                 f"there{then}"
             )
 
     def _holder(self) -> str:
-        """Who holds the lock, as its .lock says."""
         try:
             with open(self.path, errors="replace") as f:
                 return f.readline(200).strip() or f"holder not recorded in {self.path}"
@@ -376,7 +339,6 @@ class FolderLock:
             return f"holder not recorded in {self.path}"
 
     def _write_holder(self):
-        """FOLDER/.lock: a new file, replacing the one a writer that ended or was killed left there."""
         if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
             what = (
                 f"a symbolic link to {os.readlink(self.path)}"
@@ -388,8 +350,8 @@ class FolderLock:
             raise UserError(
                 f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose another --out-dir"
             )
-        try:  # (a note for people: no fsync, the kernel's lock is what holds)
-            write_bytes_atomically(  # (into the folder held: self.fd)
+        try:  # (a note for people, into the folder held: no fsync, the kernel's lock is what holds)
+            write_bytes_atomically(
                 ".lock",
                 f"pid {os.getpid()} on {socket.gethostname()}\n".encode(),
                 fsync_file=False,
@@ -417,8 +379,7 @@ class FolderLock:
 
 
 def remove_if_same(path: str, identity: os.stat_result):
-    """Remove the empty folder path where it still is the folder identity (its os.stat when made): one
-    moved away keeps its contents where it went, and whatever now stands at its name is left alone."""
+    """Remove the empty folder path where it still is the folder identity (its os.stat when made)."""
     with contextlib.suppress(OSError):  # (rmdir fails unless empty)
         if os.path.samestat(os.lstat(path), identity):
             os.rmdir(path)

@@ -1,6 +1,6 @@
-"""What a loaded checkpoint must be before anything trusts it (load_checkpoint runs these, before any
-tensor's contents are read): its structure, its fields and their types, its weights' shapes against its
-config, finite numbers. Each check returns the problem in words, or None.
+"""What a loaded checkpoint must be before anything trusts it, checked before any tensor's contents are read:
+its structure, fields and types, its weights' shapes against its config, finite numbers. Each check returns
+the problem in words, or None.
 """
 
 from __future__ import annotations
@@ -17,29 +17,17 @@ from trainkit.cli import reason_of
 RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed", "optimizer")
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
-RESUME_STATE = (
-    "optimizer",
-    "step",
-    "run_config",
-    "launch",
-    "data_files",
-    "rng_cpu",
-    "log_offset",
-    "log_sha256",
-    "skip_state",
-    "run",
-)
+RESUME_STATE = tuple("optimizer step run_config launch data_files rng_cpu log_offset log_sha256 skip_state run".split())
 # deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
-# branch), far below the interpreter's recursion limit that state_digest's walk would reach
+# branch), far below the recursion limit state_digest's walk would reach
 MAX_NESTING = 100
 MAX_NODES = 10_000_000  # values in all, counted as state_digest visits them (a shared list once per place)
 
 
 def structure_problem(ckpt: dict) -> str | None:
-    """What makes a loaded checkpoint costlier to read than its file (None: nothing): nesting deeper than
-    MAX_NESTING, more than MAX_NODES values, a tensor that is not plain, contiguous and inside its storage
-    (an expanded one views bytes as gigabytes), storages larger than their views, or tensors viewing more
-    than twice the stored bytes (tied wte/lm_head share one). Walked without recursion."""
+    """What makes a loaded checkpoint costlier to read than its file (None: nothing): too deep or too many
+    values, a tensor not plain, contiguous and inside its storage (an expanded one views bytes as gigabytes),
+    storage beyond its views, or views of more than twice the stored bytes (tied wte/lm_head share one)."""
     stack, nodes, storages, tensor_bytes = [("", ckpt, 0)], 0, {}, 0
     while stack:
         where, value, depth = stack.pop()
@@ -99,8 +87,8 @@ def load_failure(e: Exception) -> str:
 
 
 def fields_problem(ckpt: dict, resume: bool) -> str | None:
-    """The types and ranges of a checkpoint's fields but the model, as the trainer writes them, and to
-    resume, that every field a resume reads is there (None: they are)."""
+    """The types and ranges of a checkpoint's fields but the model, and to resume, that each field a resume
+    reads is there (None: they are)."""
     if resume:
         missing = [k for k in RESUME_STATE if k not in ckpt]
         if missing:
@@ -162,21 +150,15 @@ def _number(value) -> bool:
 
 
 def _skip_state_problem(state) -> str | None:
-    """The spike and non-finite guard's state (recovery.UpdateGuard.state_dict)."""
-    ok = (
+    ok = (  # recovery.UpdateGuard.state_dict
         isinstance(state, dict)
         and all(isinstance(state.get(k), list) and all(map(_number, state[k])) for k in ("loss_window", "norm_window"))
         and not _count(state.get("spikes_in_a_row"))
         and not _count(state.get("nonfinite_skipped"))
     )
-    return (
-        None
-        if ok
-        else (
-            "is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, "
-            "nonfinite_skipped: counts)"
-        )
-    )
+    if ok:
+        return None
+    return "is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)"
 
 
 # the run_config fields a resume reads: RESUME_KEYS and the LR schedule's
@@ -212,9 +194,8 @@ def _run_config_problem(config) -> str | None:
 
 
 def _data_files_problem(files) -> str | None:
-    """{"train": [...], "val": [...] or None} of (name, size, ...) entries (resume.data_files)."""
     entries = [*(files.get("train") or ()), *(files.get("val") or ())] if isinstance(files, dict) else None
-    ok = (
+    ok = (  # {"train": [...], "val": [...] or None} of (name, size, ...) entries (resume.data_files)
         entries is not None
         and isinstance(files.get("train"), (list, tuple))
         and isinstance(files.get("val"), (list, tuple, type(None)))
@@ -240,8 +221,8 @@ def _optimizer_dict(state) -> str | None:
 
 
 def gpt_state_shapes(config: dict, conv1d: bool = False) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of a GPT-2's state dict under a model_config (block_size, or HF's n_positions);
-    conv1d: Hugging Face's layout, whose Conv1D weights are stored (in, out)."""
+    """The names and shapes of a GPT-2's state dict under a model_config; conv1d: Hugging Face's layout
+    (n_positions; Conv1D weights stored (in, out))."""
     V, C, L = (config[k] for k in ("vocab_size", "n_embd", "n_layer"))
     T = config["n_positions" if conv1d else "block_size"]
 
@@ -309,19 +290,14 @@ def other_file_kind(head: bytes) -> str | None:
 
 def first_nonfinite(state: dict) -> str | None:
     """The name of the first floating-point tensor in state that holds a NaN or inf (None: none does)."""
-    return next(
-        (
-            name
-            for name, t in state.items()
-            if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()
-        ),
-        None,
-    )
+    for name, t in state.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
 
 
 def first_nonfinite_optimizer_state(optim_state) -> str | None:
-    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none does),
-    in each part of an optimizer made of parts (MuonWithAdamW)."""
+    """The first optimizer state tensor holding NaN or inf, as "exp_avg of parameter 3" (None: none does)."""
     if isinstance(optim_state, dict) and "state" not in optim_state:
         return next(filter(None, map(first_nonfinite_optimizer_state, optim_state.values())), None)
     states = optim_state.get("state") if isinstance(optim_state, dict) else None

@@ -1,12 +1,5 @@
-"""Checkpoint files, written whole and read back checked, and the training state they hold.
-
-Checkpoint files: a plain dict of tensors and plain values with the sha256 of its contents inside,
-saved atomically and loaded with weights_only=True, checked (runfiles/checkpoint_checks.py) before it is trusted;
-the state dicts of a model and optimizer whatever wraps them (under FSDP gathered whole, so any mode
-resumes any other); the checkpoints of a folder. docs/resume-and-failures.md tells the guarantees.
-
-What a resume needs besides the configs to go on exactly where a run was (weights, optimizer state,
-RNGs, the update guard's windows, fp16's loss scale): taken (training_state) and put back.
+"""Checkpoint files, written whole and read back checked (checkpoint_checks.py) before anything trusts them,
+and the training state they hold. docs/resume-and-failures.md tells the guarantees.
 """
 
 from __future__ import annotations
@@ -43,11 +36,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def clean_state_dict(model: nn.Module) -> dict:
-    """State dict of the bare GPT, without DDP's `module.` or torch.compile's `_orig_mod.` prefixes."""
-    return unwrap_model(model).state_dict()
-
-
 def rekey_optimizer_state(state: dict, keys: list) -> dict:
     """An optimizer state dict whose i-th parameter is renamed keys[i] (state_dict() numbers them, the
     torch.distributed.checkpoint helpers name them, in the same order)."""
@@ -63,7 +51,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     """Model and optimizer state dicts as one process holds them: unsharded, unprefixed, parameters
     numbered. Under FSDP every rank calls it; rank 0 gets them on the CPU, the others empty dicts."""
     if not is_fsdp(model):
-        return clean_state_dict(model), optimizer.state_dict()
+        return unwrap_model(model).state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -74,9 +62,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why a checkpoint's optimizer state cannot be this optimizer's (None: it fits): other groups or
-    sizes, or a state tensor of another shape than its parameter (torch would raise, or take it); an
-    optimizer made of parts (MuonWithAdamW) is checked part by part."""
+    """Why a checkpoint's optimizer state cannot be this optimizer's (other groups, sizes or state shapes;
+    None: it fits), part by part for an optimizer made of parts (MuonWithAdamW)."""
     parts = sorted(optimizer.state_dict().keys() - {"state", "param_groups"})
     if parts:
         if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
@@ -102,13 +89,7 @@ def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer)
     return None
 
 
-def load_full_state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    model_state: dict,
-    optim_state: dict,
-    source: str = "the checkpoint",
-):
+def load_full_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict, source: str):
     """Load what full_state() returns (under FSDP each rank keeps its shard) once it fits, else a UserError."""
     problem = optimizer_state_problem(optim_state, optimizer)
     if problem:
@@ -135,8 +116,7 @@ def checkpoint_path(out_dir: str, step: int) -> str:
     return os.path.join(out_dir, f"ckpt_{step:07d}.pt")
 
 
-# this trainer's checkpoint names (checkpoint_path's); anything else in --out-dir (a user's
-# ckpt_best.pt) is never picked by --resume nor deleted by --keep-last
+# checkpoint_path's names; anything else (a user's ckpt_best.pt) is never resumed nor deleted by --keep-last
 CKPT_NAME = re.compile(r"ckpt_(\d{7,})\.pt")
 
 
@@ -168,17 +148,8 @@ def same_file(a: str, b: str) -> bool:
         return False
 
 
-def earlier_checkpoint(path: str) -> str | None:
-    """What to use instead of a bad checkpoint: the newest of ours before it in its folder."""
-    found = list_checkpoints(os.path.dirname(path) or ".")
-    same = [i for i, p in enumerate(found) if same_file(p, path)]
-    earlier = found[: same[0]] if same else found
-    return earlier[-1] if earlier else None
-
-
 def state_digest(state: dict) -> str:
-    """sha256 of a checkpoint's contents but its "checksum": every tensor's dtype, shape and bytes and
-    every plain value, in order."""
+    """sha256 of a checkpoint's contents but its "checksum": each tensor's dtype, shape and bytes, each value."""
     h = hashlib.sha256()
 
     def visit(x):
@@ -223,9 +194,8 @@ class _WriteErrorKeeper:
 
 
 def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
-    """Write path atomically with fsyncs (a crash leaves it whole or absent, the previous one intact),
-    its sha256 inside. folder_fd: the run's held folder, written into and pruned by --keep-last even
-    where its name has come to name another folder."""
+    """Write path atomically with fsyncs, its sha256 inside; folder_fd: the run's held folder, written into
+    and pruned by --keep-last even where its name has come to name another folder."""
     out_dir = os.path.dirname(path) or "."
     name = in_held_folder(out_dir, os.path.basename(path), folder_fd)
 
@@ -251,8 +221,8 @@ _UNDELETABLE = set()  # checkpoints --keep-last could not delete, named once eac
 
 
 def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd: int | None = None):
-    """--keep-last: delete all but the newest keep_last of our checkpoints (never path, just written); one
-    it may not delete stays, with one warning the first time: a failed cleanup never ends the run."""
+    """--keep-last: delete all but the newest keep_last of our checkpoints (never path); one that cannot be
+    deleted stays, with one warning: a failed cleanup never ends the run."""
     for name in checkpoint_names(out_dir if folder_fd is None else folder_fd)[:-keep_last]:
         old = os.path.join(out_dir, name)
         if name == os.path.basename(path) or old in _UNDELETABLE:
@@ -267,9 +237,9 @@ def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd:
 
 
 def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
-    """One of our checkpoints (a file, or a run's --out-dir for its newest), loaded weights_only and
-    checked ours, whole, its weights of its model_config's shapes, and to resume, holding RESUME_STATE;
-    else a UserError naming the earlier checkpoint. model_fields: the model_config keys the reader knows."""
+    """The one loader of a checkpoint (a file, or a run's --out-dir for its newest): weights_only, checked
+    before anything reads its tensors, else a UserError naming the earlier checkpoint. model_fields: the
+    model_config keys the reader knows; resume: every field a resume reads must be there."""
     if os.path.isdir(path):
         newest = latest_checkpoint(path)
         if newest is None:
@@ -279,7 +249,9 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
         raise UserError(f"checkpoint {path} does not exist")
 
     def instead() -> str:
-        earlier = earlier_checkpoint(path)
+        found = list_checkpoints(os.path.dirname(path) or ".")
+        same = [i for i, p in enumerate(found) if same_file(p, path)]
+        earlier = next(reversed(found[: same[0]] if same else found), None)  # the newest of ours before it
         if CKPT_NAME.fullmatch(os.path.basename(path)) is None:  # not one of ours: the newest beside it, if any
             return f"the newest checkpoint beside it is {earlier}" if earlier else "there is no checkpoint beside it"
         return f"use the earlier checkpoint {earlier}" if earlier else "there is no earlier checkpoint next to it"
@@ -345,7 +317,7 @@ def training_state(model, optimizer, guard, scaler, device: str, **records) -> d
 
 def restore_training_state(ckpt: dict, model, optimizer, guard, scaler, device: str, path: str) -> str | None:
     """What training_state() took, put back (every rank); the note where this run's optimizer
-    hyperparameters replace the checkpoint's (use_run_hyperparameters), else None."""
+    hyperparameters replace the checkpoint's, else None."""
     notice = use_run_hyperparameters(optimizer, ckpt["optimizer"])
     load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], path)
     guard.load_state_dict(ckpt["skip_state"])

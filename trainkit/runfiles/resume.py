@@ -1,20 +1,12 @@
-"""What --resume continues and whether it may, and the branch folders that keep what a run would
-otherwise overwrite.
-
-What --resume continues and whether it may: the run identity each checkpoint carries (whose it is, and
-for a branch, whose branch), a log's summary, the checkpoint a resume chooses, and what a resume must keep
-of the run it continues.
-
-Branch folders: what a run would otherwise overwrite, moved into a new run folder out_dir/branch_NNNNNNN,
-nothing deleted: the checkpoints after a resume's step, and the log of a run killed before its first
-checkpoint when the same command starts afresh.
+"""What --resume continues and whether it may (run identities, a log's summary, the checkpoint chosen, what
+must match), and the branch folders out_dir/branch_NNNNNNN that keep, nothing deleted, what a run would
+otherwise overwrite. docs/resume-and-failures.md tells the guarantees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
 import os
 import shutil
@@ -34,8 +26,7 @@ from trainkit.runfiles.checkpoints import checkpoint_step, latest_checkpoint, li
 
 
 def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
-    """A run's identity: a random 128-bit id, and for a branch its parent run's identity and the
-    step it branched at (parent: {**parent's identity, "step": step}), back to the first run."""
+    """A run's identity: a random 128-bit id, and for a branch {**its parent's identity, "step": step}."""
     parent = dict(branched_from, step=step) if branched_from else None
     return dict(id=uuid.uuid4().hex, parent=parent)
 
@@ -45,8 +36,7 @@ def run_name(run_id: str | None) -> str:
 
 
 def read_run(path: str) -> dict | None:
-    """The run identity in checkpoint path, read without loading its tensors (they stay memory-mapped);
-    None where it cannot be read (damaged, removed meanwhile, not ours: loading it says why)."""
+    """The run identity in checkpoint path, its tensors memory-mapped, not read; None where it cannot be read."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
@@ -55,26 +45,25 @@ def read_run(path: str) -> dict | None:
     return run if run is not None and not run_problem(run) else None
 
 
-def log_summary(path: str) -> tuple[str | None, str, bool, bool]:
-    """What the log.jsonl at path holds: the "run" of its last record, whose it is in words (a run, or
-    not a log: no record names a run, or none is JSON), whether it holds any record, and whether
-    a trained step (a record with a loss). Read a line at a time: a log of a long run is big."""
-    last, trained, any_record = None, False, False
+def log_summary(path: str) -> tuple[str | None, str, bool, int | None]:
+    """What the log.jsonl at path holds, read a line at a time: the "run" of its last record, whose it is in
+    words, whether it holds any record, and the step of its last record with a loss (None: none has one)."""
+    last, trained, any_record = None, None, False
     with open_regular(path) as f:
         for line in f:
             with contextlib.suppress(fileio.JSONFileError):  # a line cut by a crash; a file of the user's
                 record = fileio.parse_json(line, path)
                 if isinstance(record, dict):
                     any_record, last = True, record.get("run")
-                    trained |= "loss" in record
+                    if "loss" in record:
+                        trained = record["step"] if type(record.get("step")) is int else trained or 0
     words = run_name(last) if any_record else "no run (no line of it is a JSON record: not a log this trainer wrote)"
     return last, words, any_record, trained
 
 
 @dataclass
 class ResumePoint:
-    """Where a resumed run takes up the run of its checkpoint: the file, its step, the length and
-    sha256 of that run's log.jsonl when it was written, and that run's identity."""
+    """Where a resumed run takes up its checkpoint's run: the file, its step, the log's length and sha256 then."""
 
     path: str
     step: int
@@ -88,8 +77,8 @@ class ResumePoint:
 
 
 def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
-    """Whether the state of run_id at step is a state that `run` went through on its way to at_step:
-    its own, or its parent's up to the step it branched at, and so on back."""
+    """Whether the state of run_id at step is one that `run` went through on its way to at_step (its own,
+    or its parent's up to the step it branched at, and so on back)."""
     until = at_step
     while run is not None:
         if run["id"] == run_id and step <= until:
@@ -98,9 +87,6 @@ def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
         until = min(until, parent["step"]) if parent else -math.inf
         run = parent
     return False
-
-
-# run_config keys that fix which rows each step reads: resuming must keep them (and the model_config)
 
 
 def find_resume_checkpoint(run) -> str | None:
@@ -115,8 +101,8 @@ def find_resume_checkpoint(run) -> str | None:
 
 
 def choose_resume_checkpoint(run) -> str | None:
-    """On rank 0, holding --out-dir's lock: the checkpoint to resume (None: start from scratch), or
-    a UserError where starting from scratch would mix a new run into an earlier one's files."""
+    """Rank 0, holding the lock: the checkpoint to resume (None: from scratch), or a UserError where starting
+    from scratch would mix a new run into an earlier one's files."""
     path = find_resume_checkpoint(run)
     if path:
         return path
@@ -152,16 +138,13 @@ def data_change(saved: dict, now: dict) -> str | None:
 
 
 def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
-    """The shards a run reads (shards.shard_files: names, sizes, contents, in order): a checkpoint keeps
-    them, and a resume compares them (data_change). What the rows are made of, not how a manifest describes
-    its inputs: shards made again, byte for byte, from a copy of the input read the same rows. (Checkpoints
-    written before kept the manifest's sha256 too; it is not compared.)"""
+    """The shards a run reads (names, sizes, contents, in order), that a checkpoint keeps and a resume compares
+    (data_change): what the rows are made of, not how a manifest describes its inputs."""
     return dict(train=shard_files(train_paths), val=shard_files(val_paths) if val_paths else None)
 
 
 def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
-    """Refuse a resume whose model, rows or optimizer differ from the checkpoint's (run: as resolved, its
-    sequence length and order decided)."""
+    """Refuse a resume whose model, rows or optimizer differ from the checkpoint's (run: as resolved)."""
     saved = ckpt["run_config"]
     diffs = [
         f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
@@ -196,7 +179,7 @@ def later_checkpoints(out_dir: str, step: int) -> list[str]:
 
 def check_later_branch(out_dir: str, step: int):
     """Before anything in out_dir changes: a UserError where setting the later branch aside would fail part
-    way (a checkpoint held by chattr +a or +i, too little space for the copies of log.jsonl)."""
+    way (a checkpoint chattr +a or +i, too little space for the log's copies)."""
     later = later_checkpoints(out_dir, step)
     for path in later:
         held = pinned(path)
@@ -223,9 +206,8 @@ def check_later_branch(out_dir: str, step: int):
 
 
 def set_aside_later_branch(out_dir: str, step: int):
-    """Resuming at `step`: the later checkpoints, with a copy of log.jsonl, move into a new
-    out_dir/branch_NNNNNNN (the step it reached), a run folder --resume works on; nothing is deleted, and a
-    failed copy leaves no branch folder behind (check_later_branch has checked that they can move)."""
+    """Resuming at `step`: the later checkpoints, with a copy of log.jsonl, move into a new run folder
+    out_dir/branch_NNNNNNN (the step it reached); nothing is deleted, a failed copy leaves no folder behind."""
     later = later_checkpoints(out_dir, step)
     if not later:
         return
@@ -271,8 +253,8 @@ def new_branch_folder(out_dir: str, reached: int) -> str:
 
 
 def set_aside_log_without_checkpoint(out_dir: str):
-    """A fresh start in out_dir over the log.jsonl of a run killed before its first checkpoint: a log with
-    trained steps moves into a new branch folder, nothing deleted; one without any is removed."""
+    """A fresh start over the log.jsonl of a run killed before its first checkpoint: a log with trained
+    steps moves into a new branch folder; one without any is removed."""
     log = os.path.join(out_dir, "log.jsonl")
     if not (os.path.isfile(log) and os.path.getsize(log)):
         return
@@ -285,14 +267,14 @@ def set_aside_log_without_checkpoint(out_dir: str):
         )
     branch = None
     try:
-        if not trained:
+        if trained is None:
             os.remove(log)  # (the name only: a file it shared keeps its bytes)
             print0(
                 f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
                 "this run starts it afresh"
             )
             return
-        reached = last_trained_step(log) + 1
+        reached = trained + 1
         branch = new_branch_folder(out_dir, reached)
         move_entry(log, os.path.join(branch, "log.jsonl"))
         fsync_dir(branch)
@@ -306,15 +288,3 @@ def set_aside_log_without_checkpoint(out_dir: str):
         f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
         f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
     )
-
-
-def last_trained_step(path: str) -> int:
-    """The step of the last record with a loss in the log.jsonl at path (log_summary found one)."""
-    last = 0
-    with open(path, "rb") as f:
-        for line in f:
-            with contextlib.suppress(ValueError, RecursionError):
-                record = json.loads(line)
-                if isinstance(record, dict) and "loss" in record and type(record.get("step")) is int:
-                    last = record["step"]
-    return last

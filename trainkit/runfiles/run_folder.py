@@ -1,19 +1,6 @@
-"""A run's folder (its --out-dir): taken for it, locked and claimed, and its log.jsonl with the
---wandb / --tensorboard trackers that get each record.
-
-A run's --out-dir taken for it, and who may write there: made and checked (prepare_out_dir), the lock
-(OutDirLock: one live run per folder, a flock on the folder itself), whose the folder is (claim_run: its
-checkpoints must be of the resumed run's history, by run id), then its log, trackers and branch folders
-opened in order (open_run_log). log.jsonl is trainkit/runfiles/run_folder.py's, branch folders trainkit/runfiles/resume.py's,
-the W&B / TensorBoard sinks trainkit/runfiles/run_folder.py's.
-
-log.jsonl, a run's log (RunLog): one JSON record per line, each naming its run; a failed write cut back to
-the last whole record; cut back exactly on resume, where read_log_up_to refuses a log that is not the
-checkpoint run's; a copy of its own where it was shared. The W&B / TensorBoard trackers that get every
-record too are trainkit/runfiles/run_folder.py's.
-
---wandb and --tensorboard: the run trackers that get every record RunLog writes to log.jsonl,
-each imported only when its flag asks for it.
+"""A run's folder (its --out-dir): made, locked (OutDirLock) and claimed for one run's history (claim_run),
+and its log.jsonl (RunLog) with the --wandb / --tensorboard trackers that get each record too.
+docs/resume-and-failures.md tells the guarantees.
 """
 
 from __future__ import annotations
@@ -48,12 +35,9 @@ from trainkit.runfiles.resume import (
 
 
 def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
-    """Rank 0, before anything in out_dir changes: the identity of the run about to write there. A
-    fresh run gets a new one; a resume of out_dir's newest checkpoint (a requeued job) keeps its run's;
-    any other resume is a branch, with a new id naming the checkpoint's run and step as its parent.
-    Every checkpoint in out_dir must belong to that history: up to the resumed step, a state the
-    resumed checkpoint went through; past it, a later branch that went through it (set aside next).
-    Any other is another run's: a UserError naming both runs, whether or not a log.jsonl is there."""
+    """Rank 0, before anything in out_dir changes: the identity of the run about to write there (new; the
+    checkpoint's run's, resuming its folder's newest; else a branch of it). A checkpoint in out_dir that is
+    not of that history (before the step, one it went through; past it, a later branch) is refused."""
     if resumed is None:
         return new_run()
     mine, later = resumed.run, False
@@ -78,14 +62,9 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
 
 
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
-    """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check comes before
-    the first change to the folder: whose its checkpoints are (claim_run), the trackers (a W&B
-    without a login), whether the later branch can move and its log's copy fits (check_later_branch),
-    the log (whose it is, whether it can be cut, whether it opens); only then does the later branch move
-    aside and the log get cut back to the checkpoint. (A fresh run sets aside the log of a run killed
-    before its first checkpoint just before its own opens; a log shared with another folder is copied
-    as it opens: fileio.own_file.) A system that lets no more threads start (the prefetcher's comes
-    next) is refused first (check_a_thread_starts)."""
+    """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check (a thread can start,
+    the checkpoints' run, the trackers, the later branch, the log) comes before the first change to the
+    folder; only then does the later branch move aside and the log get cut back to the checkpoint."""
     check_a_thread_starts()
     identity = claim_run(run.out_dir, resumed)
     if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
@@ -95,8 +74,8 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
         set_aside_log_without_checkpoint(run.out_dir)  # (its checks first)
     else:
         check_later_branch(run.out_dir, resumed.step)  # movable, and space for the log's copy
-    log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: a W&B that cannot start leaves
-    log.sinks = sinks  # no empty log.jsonl behind)
+    log = RunLog(run.out_dir, True, resumed, identity)  # (after the sinks: no empty log where W&B cannot start)
+    log.sinks = sinks
     try:
         if resumed:
             set_aside_later_branch(run.out_dir, resumed.step)
@@ -107,16 +86,15 @@ def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
     if resumed:
         log.resend_step(resumed.step)
         branch = {} if identity["id"] == resumed.run["id"] else {"parent": resumed.run["id"]}
-        log.write(event="resume", step=resumed.step, **branch)  # plot_log.py marks it on the curves (a branch's
-        # on the curve of the run it names, where the log holds it)
+        log.write(event="resume", step=resumed.step, **branch)  # plot_log.py marks it on the curves
     return log
 
 
 class OutDirLock(FolderLock):
-    """One live run per --out-dir (trainkit/fileio.py's FolderLock, as fineweb.py holds its own --out-dir): rank 0
-    takes it once the input checks out, and the refusal of a second run says how to continue the first."""
+    """One live run per --out-dir (fileio.FolderLock), taken by rank 0 once the input checks out."""
 
     writer = "this trainer"
+    moved_as = ("this run", "nothing of this run")
 
     def __init__(self, out_dir: str):
         super().__init__(out_dir)
@@ -132,22 +110,13 @@ class OutDirLock(FolderLock):
         print0(line)
 
     def check_claimed(self, last_checkpoint: str | None):
-        """Rank 0, before the log opens and before each checkpoint: a UserError, naming both folders, where
-        --out-dir no longer names the folder this run took (`mv OUT OUT.moved; ln -s OTHER OUT`). The run
-        writes only into the folder it holds open (its log, its checkpoints: save_checkpoint's folder_fd),
-        never into OTHER, and stops rather than go on where its --out-dir no longer shows it."""
-        moved = self.moved_to()
-        if moved is None:
-            return
-        where, now = moved
+        """Rank 0, before the log opens and before each checkpoint: check_held, naming the last checkpoint
+        where the folder taken is now (the run writes only into the folder it holds open)."""
+        where = (self.moved_to() or ("unknown",))[0]
         last = (
             os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
         )
-        raise UserError(
-            f"--out-dir {self.folder} was moved or replaced while this run wrote to it: the folder it took is now "
-            f"{where}, and {self.folder} names {now}; stopping, so that nothing of this run is written there. "
-            f"Last good checkpoint: {last or last_checkpoint or 'none'}"
-        )
+        self.check_held(f". Last good checkpoint: {last or last_checkpoint or 'none'}")
 
     def release(self):
         held = self.fd is not None
@@ -161,8 +130,7 @@ _WRITTEN_THROUGH = re.compile(rf"(?:{CKPT_NAME.pattern}|log\.jsonl)\.tmp")
 
 
 def prepare_out_dir(out_dir: str) -> bool:
-    """Make --out-dir if needed and check it is writable: whether it was made now (OutDirLock.release
-    removes it again if the run wrote nothing there)."""
+    """Make --out-dir if needed and check it is writable: whether it was made now (removed again if left empty)."""
     made = not os.path.lexists(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(
@@ -211,14 +179,8 @@ def claim_out_dir(run, out_dir_lock: OutDirLock) -> str | None:
 
 
 class RunLog:
-    """log.jsonl on rank 0: one JSON object per line, each with the "run" id of the run that wrote
-    it. Other ranks write nothing.
-
-    Each record is one write, and a failed write (disk full) is cut back: the file always ends
-    with a whole record. A checkpoint stores the log's length and the sha256 of its contents up
-    to there (position()); resuming cuts the log back to that point (cut_back(), once a later
-    branch has its copy) only when the log here is that run's log (an empty or missing log starts
-    afresh), and refuses otherwise."""
+    """log.jsonl on rank 0: one JSON record per line naming its run, each one write; a failed write is cut
+    back to the last whole record. A resume cuts it back to its checkpoint's position() if it is that run's."""
 
     sinks = ()  # run trackers that get every record too (open_sinks)
 
@@ -253,8 +215,7 @@ class RunLog:
         self.sha.update(kept)
 
     def cut_back(self):
-        """Resuming: drop what the run logged after its checkpoint (where it logged any: an append-only log
-        that ends there resumes)."""
+        """Resuming: drop what the run logged after its checkpoint (an append-only log that ends there resumes)."""
         if self.file and self.resumed:
             try:
                 if os.fstat(self.file.fileno()).st_size > self.size:
@@ -270,8 +231,7 @@ class RunLog:
             self._to_sink(sink, f"at step {record['step']}", sink.write, record)
 
     def resend_step(self, step: int):
-        """The sinks get the records of step that the log holds: a resumed run's step was evaluated
-        before its checkpoint, so each tracker then holds what log.jsonl holds from that step on."""
+        """The sinks get the log's records of step (evaluated before the checkpoint a run resumes at)."""
         if not self.file:
             return
         with open(self.path, "rb") as f:
@@ -286,8 +246,7 @@ class RunLog:
                         self._to_sink(sink, f"at step {step}", sink.write, record)
 
     def _to_sink(self, sink, when: str, call, *args):
-        """A run tracker that fails (W&B's service gone, a full disk) gets no more records, with a
-        warning: the training and log.jsonl go on, and log.jsonl holds every record."""
+        """A run tracker that fails gets no more records, with a warning: training and log.jsonl go on."""
         try:
             call(*args)
         except Exception as e:
@@ -324,8 +283,7 @@ class RunLog:
         ) from None
 
     def position(self) -> dict:
-        """What a checkpoint taken now records of its run: the bytes of the log written so far and
-        their sha256 (where a resume cuts the log back), and the run's identity."""
+        """What a checkpoint records of its run: the log's length and sha256 so far, and the run's identity."""
         return dict(log_offset=self.size, log_sha256=self.sha.hexdigest(), run=self.run)
 
     def close(self):
@@ -336,29 +294,17 @@ class RunLog:
 
 
 def strict_json_record(record: dict) -> dict:
-    """record with its NaN and infinite numbers as null, listed by name and value under "nonfinite":
-    JSON has no NaN or Infinity, and strict readers (jq, JavaScript, pandas' default) reject them."""
+    """record with NaN and infinities as null, listed under "nonfinite" (strict JSON readers reject them)."""
     bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
     return {**record, **dict.fromkeys(bad), "nonfinite": bad} if bad else record
 
 
 def open_run_file(path: str, mode: str, **options):
-    """open(path, mode) for a file a run folder holds (log.jsonl), where another program may have put
-    a named pipe, a socket or a disk's block device: a UserError naming what it is, never a wait
-    forever for a pipe's other end (the open does not block: O_NONBLOCK) nor writes onto a disk.
-    A character device answers at once and stays allowed (/dev/null, /dev/full)."""
-    # (a new file gets open()'s usual 0o666 less the umask: os.open's default mode is 0o777)
+    """open(path, mode) for log.jsonl, never blocking (O_NONBLOCK): a pipe, socket or block device put there
+    is a UserError; a character device stays allowed (/dev/null, /dev/full). New files: 0o666 less umask."""
     f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
-    what = (
-        "a named pipe (FIFO)"
-        if stat.S_ISFIFO(kind)
-        else "a socket"
-        if stat.S_ISSOCK(kind)
-        else "a block device"
-        if stat.S_ISBLK(kind)
-        else None
-    )
+    what = None if stat.S_ISCHR(kind) else fileio.file_kind(kind)
     if what:
         f.close()
         raise UserError(
@@ -369,9 +315,8 @@ def open_run_file(path: str, mode: str, **options):
 
 
 def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
-    """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the
-    checkpoint's recorded (offset, sha256), when it is the log of the checkpoint's run (a missing or
-    empty log is fine: a new one starts). Otherwise a UserError: cutting it would corrupt it."""
+    """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the checkpoint's
+    (offset, sha256) where it is that run's log (missing or empty: a new one starts); else a UserError."""
     try:
         with open_run_file(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
@@ -403,8 +348,7 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
 
 
 class TensorBoardSink:
-    """--tensorboard: each record's numbers as scalars and strings as text at its step, in --out-dir; a
-    resumed run hides what earlier attempts logged from its step on (purge_step), as log.jsonl is cut."""
+    """--tensorboard: numbers as scalars, strings as text, at each record's step; purge_step as log.jsonl is cut."""
 
     flag = "--tensorboard"
 
@@ -452,7 +396,7 @@ class WandbSink:
 
 
 def open_sinks(run, model_cfg, resumed_at: int | None) -> list:
-    """The trackers the run asked for (a resumed one's from its step on: RunLog.resend_step)."""
+    """The trackers the run asked for (a resumed one's from its step on)."""
     sinks = []
     if run.tensorboard:
         sinks.append(TensorBoardSink(run.out_dir, purge_step=resumed_at))
