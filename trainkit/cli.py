@@ -177,8 +177,7 @@ def _import_failed(kind, error, trace):
 
 
 def exit_on_ctrl_c_while_starting() -> None:
-    """A script's first act, before its slow imports: streams guarded, Ctrl-C exit code 130 until exit_code_of
-    runs, failed imports one line, and a deleted current folder one line (native libraries would die on it)."""
+    """A script's first act: streams guarded; Ctrl-C, a failed import, a deleted current folder one line each."""
     guard_streams()
     try:
         os.getcwd()
@@ -211,8 +210,7 @@ def optional_import(module: str, missing: str):
 
 
 def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupted: str = "error: interrupted") -> int:
-    """Run a command-line action: 0; 2 and one `error:` line for a UserError (or also_catch); 128 + signum
-    and a line for an interrupt; with debug, the traceback instead; a lost result: output_lost_code."""
+    """Run a command-line action and return its exit code, each failure one line (with debug: its traceback)."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # Ctrl-C unwinds the action again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.excepthook is _import_failed:  # the imports are done
@@ -250,33 +248,27 @@ def check_a_thread_starts():
     probe.join()
 
 
-def soft_limit(which: int, unit: int = 1024) -> str | None:
-    """This process's soft resource limit which (resource.RLIMIT_*) in units (KiB by default), or None."""
+def soft_limit(name: str, unit: int = 1024) -> str | None:
+    """This process's soft limit resource.RLIMIT_<name> in units (KiB by default), None where unlimited."""
     import resource
 
-    soft = resource.getrlimit(which)[0]
+    soft = resource.getrlimit(getattr(resource, f"RLIMIT_{name}"))[0]
     return None if soft == resource.RLIM_INFINITY else str(soft // unit)
 
 
 def no_thread(e: RuntimeError) -> str:
     """Why a thread could not start, with the limits that decide it and what to raise."""
-    import resource
-
-    def limit(which: int, unit: int = 1024) -> str:
-        return soft_limit(which, unit) or "unlimited"
-
+    stack, space, processes = (soft_limit(*limit) or "unlimited" for limit in (("STACK",), ("AS",), ("NPROC", 1)))
     return (
-        f"cannot start a thread ({e}): each takes its stack (ulimit -s, {limit(resource.RLIMIT_STACK)} KiB) from "
-        f"the address space (ulimit -v, {limit(resource.RLIMIT_AS)} KiB) and counts as a process (ulimit -u, "
-        f"{limit(resource.RLIMIT_NPROC, 1)}): raise ulimit -v or ulimit -u, or lower ulimit -s"
+        f"cannot start a thread ({e}): each takes its stack (ulimit -s, {stack} KiB) from the address space "
+        f"(ulimit -v, {space} KiB) and counts as a process (ulimit -u, {processes}): raise ulimit -v or "
+        "ulimit -u, or lower ulimit -s"
     )
 
 
 def memory_limit() -> str | None:
     """'ulimit -v, N KiB' where this process runs under an address-space limit, else None."""
-    import resource
-
-    limit = soft_limit(resource.RLIMIT_AS)
+    limit = soft_limit("AS")
     return f"ulimit -v, {limit} KiB" if limit else None
 
 
@@ -296,8 +288,7 @@ def out_of_host_memory(e: MemoryError) -> str:
 
 
 def output_lost_code(error: OSError | None) -> int:
-    """The exit code of a command whose result stdout could not take (error; None: 0): 141 (128 + SIGPIPE, 13 on
-    Linux and macOS) for a reader that left (`| head`), as a shell reports it; else 2 after one `error:` line."""
+    """0, or for a result stdout lost: 141 (128 + SIGPIPE) for a reader that left, else 2 and one line."""
     if error is None:
         return 0
     if error.errno == errno.EPIPE:
@@ -311,8 +302,7 @@ _SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")
 
 
 def reason_of(e: BaseException, typed: bool = False) -> str:
-    """A library's exception as a short line in ours: an OSError's strerror, else its first line without a C++
-    source location, at most 300 characters; typed: 'Type: ...'."""
+    """A library's exception as a short line (an OSError's strerror, else its first line); typed: 'Type: ...'."""
     if isinstance(e, OSError) and e.strerror:
         text = e.strerror[:1].lower() + e.strerror[1:]
     else:
@@ -349,24 +339,22 @@ def shown(text: str, keep_newlines: bool = False) -> str:
 
 
 class GuardedStream:
-    """A text stream whose writes raise no OSError: the first failure makes it lost (lost: the error), later
-    writes are dropped, and its descriptor points at /dev/null so the flush at exit cannot fail."""
+    """A text stream whose writes raise no OSError: after the first (lost), writes go nowhere, fd onto /dev/null."""
 
     def __init__(self, stream):
         self.stream, self.lost = stream, None
 
     def write(self, text: str) -> int:
-        if self.lost is None:
-            try:
-                self.stream.write(text)
-            except OSError as e:
-                self._lose(e)
+        self._guarded(self.stream.write, text)
         return len(text)
 
     def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    def _guarded(self, call, *args) -> None:
         if self.lost is None:
             try:
-                self.stream.flush()
+                call(*args)
             except OSError as e:
                 self._lose(e)
 
@@ -412,8 +400,7 @@ _result_lost = None  # the error that kept a command's result from stdout (print
 
 
 def print_result(text: str, keep_newlines: bool = False) -> bool:
-    """What the command exists to print, on stdout from rank 0: whether stdout took it (where not, exit_code_of
-    ends with output_lost_code; nothing is raised, so every rank ends alike)."""
+    """What the command exists to print, on stdout from rank 0: whether stdout took it (nothing is raised)."""
     global _result_lost
     print0(text, keep_newlines=keep_newlines)
     lost = getattr(sys.stdout, "lost", None)

@@ -34,8 +34,7 @@ def create_fresh(path: str, dir_fd: int | None = None) -> int:
 def write_atomically(
     path: str, write, *, fsync_file: bool, fsync_folder: bool, tmp: str | None = None, dir_fd: int | None = None
 ):
-    """write(f) into tmp (default path + ".tmp"), made fresh, then renamed to path; any failure removes tmp
-    and is raised as it came. dir_fd: a held folder, written into even where its name now names another."""
+    """write(f) into tmp (path + ".tmp"), made fresh, then renamed to path; a failure removes tmp, raised as is."""
     tmp = tmp or path + ".tmp"
     fd = create_fresh(tmp, dir_fd)
     try:
@@ -172,8 +171,8 @@ def parse_json(text: str | bytes, path: str, line: int | None = None):
 
 
 def read_json(path: str, max_bytes: int | None = None, source: str | None = None):
-    """The JSON document in the regular file at path (max_bytes: a larger one refused unread); source (the
-    flag that named it): any failure, an OSError too, is a UserError starting with it, and only an object passes."""
+    """The JSON document in the regular file at path (max_bytes: a larger one refused); source (the flag that
+    named it): any failure is a UserError starting with it, and only an object passes."""
     try:
         with open_regular(path) as f:
             data = f.read() if max_bytes is None else f.read(max_bytes + 1)
@@ -233,18 +232,14 @@ _FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
 
 
 def pinned(path: str) -> str | None:
-    """ "append-only (chattr +a)" or "immutable (chattr +i)" where an attribute holds the regular file at
-    path in place, for root too; None where neither does or the system cannot say."""
+    """How an attribute holds the file at path in place ("immutable (chattr +i)", ...), for root too; else None."""
     try:
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             return None
         if hasattr(st, "st_flags"):
-            flags = st.st_flags
-            append, immutable = (
-                flags & (stat.UF_APPEND | stat.SF_APPEND),
-                flags & (stat.UF_IMMUTABLE | stat.SF_IMMUTABLE),
-            )
+            append = st.st_flags & (stat.UF_APPEND | stat.SF_APPEND)
+            immutable = st.st_flags & (stat.UF_IMMUTABLE | stat.SF_IMMUTABLE)
         else:
             import fcntl
 
@@ -263,8 +258,7 @@ def pinned(path: str) -> str | None:
 
 
 class FolderLock:
-    """One live writer per folder: an exclusive flock on a descriptor of the folder itself, which no file in
-    it can undo; FOLDER/.lock only names the holder (pid, host) for the refusal of a second writer."""
+    """One live writer per folder: a flock on the folder itself; FOLDER/.lock only names the holder."""
 
     writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
     moved_as = ("fineweb.py", "nothing")  # who wrote, and what is not written there, when the folder moved
@@ -305,8 +299,7 @@ class FolderLock:
             raise
 
     def moved_to(self) -> tuple[str, str] | None:
-        """Where the folder taken is now ("unknown" where unreadable) and what self.folder names instead,
-        where the name no longer names it; else None."""
+        """(where the folder taken is now, what self.folder names) where they differ, else None."""
         if self.identity is None:
             return None
         with contextlib.suppress(OSError):
@@ -320,8 +313,7 @@ class FolderLock:
         return moved, now
 
     def check_held(self, then: str = ""):
-        """A UserError naming both folders where self.folder no longer names the folder taken: a writer
-        stops rather than write elsewhere (then: what to do next, appended)."""
+        """A UserError naming both folders where self.folder no longer names the folder taken (then: appended)."""
         moved = self.moved_to()
         if moved is not None:
             who, nothing = self.moved_as

@@ -25,9 +25,7 @@ MAX_NODES = 10_000_000  # values in all, counted as state_digest visits them (a 
 
 
 def structure_problem(ckpt: dict) -> str | None:
-    """What makes a loaded checkpoint costlier to read than its file (None: nothing): too deep or too many
-    values, a tensor not plain, contiguous and inside its storage (an expanded one views bytes as gigabytes),
-    storage beyond its views, or views of more than twice the stored bytes (tied wte/lm_head share one)."""
+    """What makes a loaded checkpoint costlier to read than its file (an expanded tensor, deep nesting), or None."""
     stack, nodes, storages, tensor_bytes = [("", ckpt, 0)], 0, {}, 0
     while stack:
         where, value, depth = stack.pop()
@@ -87,8 +85,7 @@ def load_failure(e: Exception) -> str:
 
 
 def fields_problem(ckpt: dict, resume: bool) -> str | None:
-    """The types and ranges of a checkpoint's fields but the model, and to resume, that each field a resume
-    reads is there (None: they are)."""
+    """What is wrong with a checkpoint's fields but the model (types, ranges; to resume, presence), or None."""
     if resume:
         missing = [k for k in RESUME_STATE if k not in ckpt]
         if missing:
@@ -158,7 +155,10 @@ def _skip_state_problem(state) -> str | None:
     )
     if ok:
         return None
-    return "is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)"
+    return (
+        "is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, "
+        "nonfinite_skipped: counts)"
+    )
 
 
 # the run_config fields a resume reads: RESUME_KEYS and the LR schedule's
@@ -221,8 +221,7 @@ def _optimizer_dict(state) -> str | None:
 
 
 def gpt_state_shapes(config: dict, conv1d: bool = False) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of a GPT-2's state dict under a model_config; conv1d: Hugging Face's layout
-    (n_positions; Conv1D weights stored (in, out))."""
+    """A GPT-2 state dict's names and shapes under a model_config; conv1d: Hugging Face's layout."""
     V, C, L = (config[k] for k in ("vocab_size", "n_embd", "n_layer"))
     T = config["n_positions" if conv1d else "block_size"]
 

@@ -37,8 +37,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def rekey_optimizer_state(state: dict, keys: list) -> dict:
-    """An optimizer state dict whose i-th parameter is renamed keys[i] (state_dict() numbers them, the
-    torch.distributed.checkpoint helpers name them, in the same order)."""
+    """An optimizer state dict whose i-th parameter is renamed keys[i] (numbers to names, or back)."""
     order = [p for group in state["param_groups"] for p in group["params"]]
     new = dict(zip(order, keys, strict=True))
     return dict(
@@ -48,8 +47,7 @@ def rekey_optimizer_state(state: dict, keys: list) -> dict:
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state dicts as one process holds them: unsharded, unprefixed, parameters
-    numbered. Under FSDP every rank calls it; rank 0 gets them on the CPU, the others empty dicts."""
+    """Model and optimizer state dicts unsharded and unprefixed (under FSDP every rank calls it; rank 0 gets them)."""
     if not is_fsdp(model):
         return unwrap_model(model).state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -62,8 +60,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why a checkpoint's optimizer state cannot be this optimizer's (other groups, sizes or state shapes;
-    None: it fits), part by part for an optimizer made of parts (MuonWithAdamW)."""
+    """Why a checkpoint's optimizer state cannot be this optimizer's (groups, sizes, shapes), or None."""
     parts = sorted(optimizer.state_dict().keys() - {"state", "param_groups"})
     if parts:
         if not isinstance(optim_state, dict) or sorted(optim_state) != parts:
@@ -176,8 +173,7 @@ def state_digest(state: dict) -> str:
 
 
 class _WriteErrorKeeper:
-    """A file for torch.save that keeps the OSError of a failed write: torch re-raises it as a
-    RuntimeError that no longer says why (e.g. that the disk is full)."""
+    """A file for torch.save that keeps a failed write's OSError (torch's RuntimeError no longer says why)."""
 
     def __init__(self, file):
         self.file, self.error = file, None
@@ -194,8 +190,7 @@ class _WriteErrorKeeper:
 
 
 def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
-    """Write path atomically with fsyncs, its sha256 inside; folder_fd: the run's held folder, written into
-    and pruned by --keep-last even where its name has come to name another folder."""
+    """Write path atomically with fsyncs, its sha256 inside, into folder_fd (the run's held folder) where given."""
     out_dir = os.path.dirname(path) or "."
     name = in_held_folder(out_dir, os.path.basename(path), folder_fd)
 
@@ -221,8 +216,7 @@ _UNDELETABLE = set()  # checkpoints --keep-last could not delete, named once eac
 
 
 def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd: int | None = None):
-    """--keep-last: delete all but the newest keep_last of our checkpoints (never path); one that cannot be
-    deleted stays, with one warning: a failed cleanup never ends the run."""
+    """--keep-last: delete all but the newest keep_last checkpoints; one that cannot be stays, warned of once."""
     for name in checkpoint_names(out_dir if folder_fd is None else folder_fd)[:-keep_last]:
         old = os.path.join(out_dir, name)
         if name == os.path.basename(path) or old in _UNDELETABLE:
@@ -237,9 +231,8 @@ def remove_older_checkpoints(out_dir: str, path: str, keep_last: int, folder_fd:
 
 
 def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
-    """The one loader of a checkpoint (a file, or a run's --out-dir for its newest): weights_only, checked
-    before anything reads its tensors, else a UserError naming the earlier checkpoint. model_fields: the
-    model_config keys the reader knows; resume: every field a resume reads must be there."""
+    """The one loader of a checkpoint (a file, or a folder's newest): weights_only and checked before anything
+    reads its tensors, else a UserError naming the earlier one. model_fields: the model_config keys known."""
     if os.path.isdir(path):
         newest = latest_checkpoint(path)
         if newest is None:
@@ -316,8 +309,7 @@ def training_state(model, optimizer, guard, scaler, device: str, **records) -> d
 
 
 def restore_training_state(ckpt: dict, model, optimizer, guard, scaler, device: str, path: str) -> str | None:
-    """What training_state() took, put back (every rank); the note where this run's optimizer
-    hyperparameters replace the checkpoint's, else None."""
+    """What training_state() took, put back; the note where this run's hyperparameters replace the saved ones."""
     notice = use_run_hyperparameters(optimizer, ckpt["optimizer"])
     load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], path)
     guard.load_state_dict(ckpt["skip_state"])

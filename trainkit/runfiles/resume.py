@@ -46,8 +46,7 @@ def read_run(path: str) -> dict | None:
 
 
 def log_summary(path: str) -> tuple[str | None, str, bool, int | None]:
-    """What the log.jsonl at path holds, read a line at a time: the "run" of its last record, whose it is in
-    words, whether it holds any record, and the step of its last record with a loss (None: none has one)."""
+    """The log.jsonl at path's last "run", whose it is in words, whether it has a record, its last trained step."""
     last, trained, any_record = None, None, False
     with open_regular(path) as f:
         for line in f:
@@ -77,8 +76,7 @@ class ResumePoint:
 
 
 def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
-    """Whether the state of run_id at step is one that `run` went through on its way to at_step (its own,
-    or its parent's up to the step it branched at, and so on back)."""
+    """Whether the state of run_id at step is one that `run` (or its parents) went through to at_step."""
     until = at_step
     while run is not None:
         if run["id"] == run_id and step <= until:
@@ -101,8 +99,7 @@ def find_resume_checkpoint(run) -> str | None:
 
 
 def choose_resume_checkpoint(run) -> str | None:
-    """Rank 0, holding the lock: the checkpoint to resume (None: from scratch), or a UserError where starting
-    from scratch would mix a new run into an earlier one's files."""
+    """Rank 0, holding the lock: the checkpoint to resume (None: from scratch, where that mixes no runs)."""
     path = find_resume_checkpoint(run)
     if path:
         return path
@@ -138,8 +135,7 @@ def data_change(saved: dict, now: dict) -> str | None:
 
 
 def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
-    """The shards a run reads (names, sizes, contents, in order), that a checkpoint keeps and a resume compares
-    (data_change): what the rows are made of, not how a manifest describes its inputs."""
+    """The shards a run reads (names, sizes, contents, in order), kept by a checkpoint for data_change."""
     return dict(train=shard_files(train_paths), val=shard_files(val_paths) if val_paths else None)
 
 
@@ -178,8 +174,7 @@ def later_checkpoints(out_dir: str, step: int) -> list[str]:
 
 
 def check_later_branch(out_dir: str, step: int):
-    """Before anything in out_dir changes: a UserError where setting the later branch aside would fail part
-    way (a checkpoint chattr +a or +i, too little space for the log's copies)."""
+    """Before anything changes: a UserError where setting the later branch aside would fail part way."""
     later = later_checkpoints(out_dir, step)
     for path in later:
         held = pinned(path)
@@ -206,33 +201,21 @@ def check_later_branch(out_dir: str, step: int):
 
 
 def set_aside_later_branch(out_dir: str, step: int):
-    """Resuming at `step`: the later checkpoints, with a copy of log.jsonl, move into a new run folder
-    out_dir/branch_NNNNNNN (the step it reached); nothing is deleted, a failed copy leaves no folder behind."""
+    """Resuming at `step`: the later checkpoints, with a copy of log.jsonl, move into a new branch folder."""
     later = later_checkpoints(out_dir, step)
     if not later:
         return
     log = os.path.join(out_dir, "log.jsonl")
-    branch = new_branch_folder(out_dir, checkpoint_step(later[-1]))
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
-    try:
-        if copied:
-            with open(log, "rb") as source:
-                write_atomically(
-                    os.path.join(branch, "log.jsonl"),
-                    lambda f: shutil.copyfileobj(source, f),
-                    fsync_file=True,
-                    fsync_folder=False,
-                )  # (the folder's fsync follows)
-        for path in later:
-            move_entry(path, os.path.join(branch, os.path.basename(path)))  # (a symbolic link stays one)
-        fsync_dir(branch)
-        fsync_dir(out_dir)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.rmdir(branch)  # (where nothing was moved into it yet)
-        raise UserError(
-            f"could not move the later checkpoints of {out_dir} into {branch}: {reason_of(e)} (nothing was deleted)"
-        ) from None
+    branch = move_into_branch(
+        out_dir,
+        checkpoint_step(later[-1]),
+        later,
+        copied,
+        lambda branch, why: (
+            f"could not move the later checkpoints of {out_dir} into {branch}: {why} (nothing was deleted)"
+        ),
+    )
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(
         f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
@@ -241,20 +224,34 @@ def set_aside_later_branch(out_dir: str, step: int):
     )
 
 
-def new_branch_folder(out_dir: str, reached: int) -> str:
-    """A new folder out_dir/branch_NNNNNNN (reached), under a name no earlier branch took (..._2, ...)."""
+def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: bool, failed) -> str:
+    """A new folder out_dir/branch_NNNNNNN (reached) with paths moved in (and a copy of log.jsonl); an OSError
+    removes it where still empty and is the UserError failed(branch, reason)."""
     branch = os.path.join(out_dir, f"branch_{reached:07d}")
-    for n in itertools.count(2):
-        try:
-            os.mkdir(branch)
-            return branch
-        except FileExistsError:
-            branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+    try:
+        for n in itertools.count(2):
+            try:
+                os.mkdir(branch)
+                break
+            except FileExistsError:
+                branch = os.path.join(out_dir, f"branch_{reached:07d}_{n}")
+        if copy_log:
+            with open(os.path.join(out_dir, "log.jsonl"), "rb") as source:
+                copy = lambda f: shutil.copyfileobj(source, f)
+                write_atomically(os.path.join(branch, "log.jsonl"), copy, fsync_file=True, fsync_folder=False)
+        for path in paths:
+            move_entry(path, os.path.join(branch, os.path.basename(path)))
+        fsync_dir(branch)
+        fsync_dir(out_dir)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(branch)  # (where nothing was moved into it yet)
+        raise UserError(failed(branch, reason_of(e))) from None
+    return branch
 
 
 def set_aside_log_without_checkpoint(out_dir: str):
-    """A fresh start over the log.jsonl of a run killed before its first checkpoint: a log with trained
-    steps moves into a new branch folder; one without any is removed."""
+    """A fresh start over a log.jsonl without checkpoint: moved into a branch folder (removed if untrained)."""
     log = os.path.join(out_dir, "log.jsonl")
     if not (os.path.isfile(log) and os.path.getsize(log)):
         return
@@ -265,26 +262,19 @@ def set_aside_log_without_checkpoint(out_dir: str):
             f"cannot start a new run in {out_dir}: {log}, of {whose} (stopped before its first checkpoint), is "
             f"{held} and cannot be set aside; clear that attribute, or choose another --out-dir (nothing was changed)"
         )
-    branch = None
+    failed = lambda branch, why: f"could not move {log} aside: {why} (nothing was deleted)"
+    if trained is not None:
+        branch = move_into_branch(out_dir, trained + 1, [log], False, failed)
+        print0(
+            f"note: {log} holds {trained + 1} trained step{'s' * (trained > 0)} of {whose} but no checkpoint (it "
+            f"stopped before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
+        )
+        return
     try:
-        if trained is None:
-            os.remove(log)  # (the name only: a file it shared keeps its bytes)
-            print0(
-                f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
-                "this run starts it afresh"
-            )
-            return
-        reached = trained + 1
-        branch = new_branch_folder(out_dir, reached)
-        move_entry(log, os.path.join(branch, "log.jsonl"))
-        fsync_dir(branch)
-        fsync_dir(out_dir)
+        os.remove(log)  # (the name only: a file it shared keeps its bytes)
     except OSError as e:
-        if branch:
-            with contextlib.suppress(OSError):
-                os.rmdir(branch)  # (where the log did not move into it)
-        raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
+        raise UserError(failed(None, reason_of(e))) from None
     print0(
-        f"note: {log} holds {reached} trained step{'s' * (reached > 1)} of {whose} but no checkpoint (it stopped "
-        f"before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
+        f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
+        "this run starts it afresh"
     )

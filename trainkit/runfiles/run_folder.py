@@ -35,9 +35,8 @@ from trainkit.runfiles.resume import (
 
 
 def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
-    """Rank 0, before anything in out_dir changes: the identity of the run about to write there (new; the
-    checkpoint's run's, resuming its folder's newest; else a branch of it). A checkpoint in out_dir that is
-    not of that history (before the step, one it went through; past it, a later branch) is refused."""
+    """Rank 0, before anything in out_dir changes: the identity of the run about to write there; a checkpoint
+    in out_dir that is not of its history (before the step, one it went through; past it, a later branch) is refused."""
     if resumed is None:
         return new_run()
     mine, later = resumed.run, False
@@ -110,8 +109,7 @@ class OutDirLock(FolderLock):
         print0(line)
 
     def check_claimed(self, last_checkpoint: str | None):
-        """Rank 0, before the log opens and before each checkpoint: check_held, naming the last checkpoint
-        where the folder taken is now (the run writes only into the folder it holds open)."""
+        """Rank 0, before the log opens and each checkpoint: check_held, naming the last checkpoint where it is now."""
         where = (self.moved_to() or ("unknown",))[0]
         last = (
             os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
@@ -179,8 +177,7 @@ def claim_out_dir(run, out_dir_lock: OutDirLock) -> str | None:
 
 
 class RunLog:
-    """log.jsonl on rank 0: one JSON record per line naming its run, each one write; a failed write is cut
-    back to the last whole record. A resume cuts it back to its checkpoint's position() if it is that run's."""
+    """log.jsonl on rank 0: one JSON record per line naming its run; a failed write is cut back to the last."""
 
     sinks = ()  # run trackers that get every record too (open_sinks)
 
@@ -300,8 +297,7 @@ def strict_json_record(record: dict) -> dict:
 
 
 def open_run_file(path: str, mode: str, **options):
-    """open(path, mode) for log.jsonl, never blocking (O_NONBLOCK): a pipe, socket or block device put there
-    is a UserError; a character device stays allowed (/dev/null, /dev/full). New files: 0o666 less umask."""
+    """open(path, mode) for log.jsonl, never blocking: a pipe, socket or block device is a UserError."""
     f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
     what = None if stat.S_ISCHR(kind) else fileio.file_kind(kind)
@@ -315,8 +311,7 @@ def open_run_file(path: str, mode: str, **options):
 
 
 def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
-    """What a run keeps of the log.jsonl at path: all of it, or resuming, its bytes up to the checkpoint's
-    (offset, sha256) where it is that run's log (missing or empty: a new one starts); else a UserError."""
+    """The bytes of log.jsonl a run keeps: all, or resuming, those up to its checkpoint's; else a UserError."""
     try:
         with open_run_file(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size  # (0 for a device: /dev/full reads zeros forever)
