@@ -62,9 +62,8 @@ def reference_encoding() -> tiktoken.Encoding:
 
 
 ENC = reference_encoding()
-WORDS = "the|quick|brown|fox|naïve|café|日本語|🙂|x = 1;|don't|it's|123|4.56|def f():|    return|\t|  |!!|über|—".split(
-    "|"
-)
+WORDS = "the|quick|brown|fox|naïve|café|日本語|🙂|x = 1;|don't|it's|123|4.56|def f():|    return|\t|  |!!|über|—"
+WORDS = WORDS.split("|")
 
 
 def make_docs(count=60, seed=0, newlines=True):
@@ -98,9 +97,9 @@ def write_jsonl(path, docs, opener=open):
     return path
 
 
-def fw(*args, **kwargs):
-    """`python fineweb.py args`, in this process (run_main)."""
-    return run_main("fineweb.py", *args, **kwargs)
+def fw(*args, env=None):
+    """`python fineweb.py args` in this process (run_main); the first argument split at spaces (a command line)."""
+    return run_main("fineweb.py", *str(args[0]).split(" "), *args[1:], env=env)
 
 
 def made(*args, **kwargs):
@@ -125,6 +124,8 @@ def check_output(out_dir, docs, shard_size, val_shards=1, prefix="data"):
         assert (shard["tokens"], shard["documents"]) == (tokens.size, int((tokens == EOT).sum()))
         assert (shard["sha256"], shard["bytes"]) == (hashlib.sha256(data).hexdigest(), len(data))
         assert shard["max_id"] == tokens.max()  # what the trainer's start-up check of token ids reads
+        np.save(saved := io.BytesIO(), tokens)
+        assert data == saved.getvalue()  # byte-identical to np.save's
         end += tokens.size
         done = int(np.searchsorted(doc_ends, end, side="right"))
         assert shard["documents_done"] == done
@@ -239,36 +240,14 @@ def test_text_lines_and_files_to_shards(tmp_path, small_chunks):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_text("\n".join(lines[20:]), encoding="utf-8")
     out = tmp_path / "lines"
-    made(
-        "--files",
-        tmp_path / "**" / "*.txt",
-        "--out-dir",
-        out,
-        "--shard-size",
-        "2K",
-        "--val-shards",
-        "2",
-        "--prefix",
-        "t",
-    )
+    made(f"--files {tmp_path}/**/*.txt --out-dir {out} --shard-size 2K --val-shards 2 --prefix t")
     check_output(out, [line for line in lines if line.strip()], 2000, val_shards=2, prefix="t")
 
     files = {"x.py": "def f():\r\n    return 1\n", "y.md": "# Title\n\nbody\n", "z.txt": ""}
     for name, text in files.items():
         (tmp_path / name).write_bytes(text.encode())
     out = tmp_path / "per_file"
-    made(
-        "--files",
-        tmp_path / "*.py",
-        tmp_path / "*.[mt][dx]*",
-        "--doc-per-file",
-        "--out-dir",
-        out,
-        "--shard-size",
-        "300",
-        "--workers",
-        "1",
-    )
+    made(f"--files {tmp_path}/*.py {tmp_path}/*.[mt][dx]* --doc-per-file --out-dir {out} --shard-size 300 --workers 1")
     # x.py first (first pattern), then a.txt, y.md, z.txt (second pattern, sorted)
     check_output(out, [files["x.py"], (tmp_path / "a.txt").read_bytes().decode(), files["y.md"], files["z.txt"]], 300)
 
@@ -276,25 +255,11 @@ def test_text_lines_and_files_to_shards(tmp_path, small_chunks):
 def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
     docs = make_docs()
     path, out = write_jsonl(tmp_path / "d.jsonl", docs), tmp_path / "bin"
-    made(
-        "--files",
-        path,
-        "--out-dir",
-        out,
-        "--shard-size",
-        "4000",
-        "--max-tokens",
-        "10.5K",
-        "--format",
-        "bin",
-        "--workers",
-        "2",
-    )
+    made(f"--files {path} --out-dir {out} --shard-size 4000 --max-tokens 10.5K --format bin --workers 2")
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] == [
         "data_val_000000.bin",
-        "data_train_000001.bin",
-        "data_train_000002.bin",
+        *(f"data_train_00000{i}.bin" for i in (1, 2)),
     ]
     tokens = []
     for shard in manifest["shards"]:
@@ -305,14 +270,6 @@ def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
         tokens.append(np.frombuffer(data[1024:], dtype="<u2"))
     assert [t.size for t in tokens] == [4000, 4000, 2500]
     assert np.array_equal(np.concatenate(tokens), reference_tokens(docs)[:10500])
-
-
-def test_npy_shards_are_byte_identical_to_np_save(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", make_docs(10))
-    made("--files", path, "--out-dir", tmp_path / "out", "--shard-size", "700", "--workers", "1")
-    for shard in sorted((tmp_path / "out").glob("*.npy")):
-        np.save(tmp_path / "np_save.npy", np.load(shard))
-        assert shard.read_bytes() == (tmp_path / "np_save.npy").read_bytes()
 
 
 def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and_resumed(tmp_path):
@@ -552,7 +509,6 @@ INPUTS = {
     },
     **{f"{d}.parquet": lambda d=d: damaged_parquet(d) for d in ("truncated", "not-parquet", "damaged-page")},
 }
-OUT = "--out-dir {t}/new/out"
 SURROGATE = (
     "{t}/web.jsonl:3: the text holds a lone surrogate U+D800 (half of a UTF-16 pair, as JSON's \\ud800 without its "
     "other half), which is not Unicode and has no UTF-8 form; fix the input, or pass --utf8-errors replace to "
@@ -563,60 +519,57 @@ TIKTOKEN_GIVES_UP = (  # tiktoken's regex gives up on ~1M characters of whitespa
     "{t}/padded.txt:2: tiktoken cannot tokenize this document (ValueError: Regex error while tokenizing: Error "
     "executing regex: Max stack size exceeded for backtracking); fix it or leave it out (--debug shows the traceback)"
 )
-# before reading any document: (the command, its one stderr line); … stands for any text
+PREFIX_MISREAD = (
+    "--prefix '{0}' would name {1} shards {0}_{1}_NNNNNN, which train_gpt2.py would read as {2} shards too "
+    "(*_{2}_*); choose a prefix without '_train' or '_val'"
+)
+# bad input before any document is read, as (the command, its one stderr line): each command --out-dir
+# {t}/new/out and --workers 1 unless it says otherwise
 REFUSED = {
-    "no matching files": ("--files {t}/nothing*.jsonl " + OUT, "--files '{t}/nothing*.jsonl' matches no files"),
-    "no documents": ("--files {t}/blank.txt --workers 1 " + OUT, "no documents in --files {t}/blank.txt (1 matched)"),
-    **{
-        f"no text field in {kind}": (
-            f"--files {{t}}/rows.{kind} --workers 1 " + OUT,
-            f"{{t}}/rows.{kind}{where}: no field 'text' (fields: id, content); choose one with --text-field",
-        )
-        for kind, where in (("jsonl", ":1"), ("parquet", ""))
-    },
+    "no matching files": ("--files {t}/nothing*.jsonl", "--files '{t}/nothing*.jsonl' matches no files"),
+    "no documents": ("--files {t}/blank.txt", "no documents in --files {t}/blank.txt (1 matched)"),
+    "no text field, jsonl": (
+        "--files {t}/rows.jsonl",
+        "{t}/rows.jsonl:1: no field 'text' (fields: id, content); choose one with --text-field",
+    ),
+    "no text field, parquet": (
+        "--files {t}/rows.parquet",
+        "{t}/rows.parquet: no field 'text' (fields: id, content); choose one with --text-field",
+    ),
     "not UTF-8": (
-        "--files {t}/latin1.txt --workers 1 " + OUT,
+        "--files {t}/latin1.txt",
         "{t}/latin1.txt is not valid UTF-8 (byte 0xe9 cannot be decoded); convert it to UTF-8, leave it out of "
         "--files, or pass --utf8-errors replace",
     ),
-    "unreadable": ("--files {t}/d.jsonl --workers 1 " + OUT, "cannot read {t}/d.jsonl: permission denied"),
+    "unreadable": ("--files {t}/d.jsonl", "cannot read {t}/d.jsonl: permission denied"),
     "files a folder": (
-        "--files {t} " + OUT,
+        "--files {t}",
         "--files '{t}' is a folder: --files takes files or globs, e.g. '{t}/*.jsonl' (or '**/*.jsonl' inside it "
         "for its subfolders)",
     ),
     "a hidden prefix": (
-        "--files {t}/d.jsonl --prefix .hidden " + OUT,
+        "--files {t}/d.jsonl --prefix .hidden",
         "--prefix '.hidden' starts with '.': train_gpt2.py would not find shards named like hidden files; choose a "
         "prefix without the leading dot",
     ),
-    **{  # a prefix the trainer would misread
-        f"prefix {prefix}": (
-            f"--files {{t}}/d.jsonl --prefix {prefix} " + OUT,
-            f"--prefix {prefix!r} would name {split} shards {prefix}_{split}_NNNNNN, which train_gpt2.py would read "
-            f"as {other} shards too (*_{other}_*); choose a prefix without '_train' or '_val'",
-        )
-        for prefix, split, other in [
-            ("a_train_b", "val", "train"),
-            ("x_train", "val", "train"),
-            ("x_val", "train", "val"),
-            ("my_val_set", "train", "val"),
-        ]
-    },
-    "prefix a path": (
-        "--files {t}/d.jsonl --prefix sub/x " + OUT,
-        "--prefix 'sub/x' is the start of a file name, not a path",
+    "prefix a_train_b": ("--files {t}/d.jsonl --prefix a_train_b", PREFIX_MISREAD.format("a_train_b", "val", "train")),
+    "prefix x_train": ("--files {t}/d.jsonl --prefix x_train", PREFIX_MISREAD.format("x_train", "val", "train")),
+    "prefix x_val": ("--files {t}/d.jsonl --prefix x_val", PREFIX_MISREAD.format("x_val", "train", "val")),
+    "prefix my_val_set": (
+        "--files {t}/d.jsonl --prefix my_val_set",
+        PREFIX_MISREAD.format("my_val_set", "train", "val"),
     ),
-    "val shards negative": (
-        "--files {t}/d.jsonl --val-shards -1 " + OUT,
+    "prefix a path": ("--files {t}/d.jsonl --prefix sub/x", "--prefix 'sub/x' is the start of a file name, not a path"),
+    "val shards -1": (
+        "--files {t}/d.jsonl --val-shards -1",
         "argument --val-shards: must be in 0..2**62, got -1 (see fineweb.py --help)",
     ),
-    "bin shards of 3G": (
-        "--files {t}/d.jsonl --format bin --shard-size 3G " + OUT,
+    "bin of 3G": (
+        "--files {t}/d.jsonl --format bin --shard-size 3G",
         "--format bin stores the token count as int32: use --shard-size below 2G",
     ),
-    "dataset with files": (
-        "--files {t}/d.jsonl --dataset x/y " + OUT,
+    "dataset and files": (
+        "--files {t}/d.jsonl --dataset x/y",
         "--files reads local files; leave out --dataset, --name and --split",
     ),
     "out-dir a file": ("--files {t}/d.jsonl --out-dir {t}/d.jsonl", "--out-dir '{t}/d.jsonl' is not a folder"),
@@ -624,7 +577,7 @@ REFUSED = {
         "--files {t}/*.jsonl --out-dir {t}",
         "--files matches {t}/d.jsonl, inside --out-dir {t}: the output would be read as input",
     ),
-    **{
+    **{  # (out/manifest.json written with the bytes after manifest.json=)
         f"manifest {reason}": (
             f"--files {{t}}/d.jsonl --out-dir {{t}}/out manifest.json={text}",
             f"{{t}}/out/manifest.json is not a manifest written by fineweb.py ({reason}); use an empty --out-dir",
@@ -636,19 +589,19 @@ REFUSED = {
         ]
     },
 }
-# after the progress bar starts: the folder made for the run is removed
+# bad input met after the progress bar starts: the folder made for the run is removed
 MID_STREAM = {
-    "lone surrogate, 1 worker": ("--files {t}/web.jsonl --workers 1 " + OUT, SURROGATE),
-    "lone surrogate, 2 workers": ("--files {t}/web.jsonl --workers 2 " + OUT, SURROGATE),
+    "lone surrogate, 1 worker": ("--files {t}/web.jsonl", SURROGATE),
+    "lone surrogate, 2 workers": ("--files {t}/web.jsonl --workers 2", SURROGATE),
     "lone surrogate quoting <|endoftext|>": (
-        "--files {t}/quotes.jsonl --workers 1 " + OUT,
+        "--files {t}/quotes.jsonl",
         "{t}/quotes.jsonl:1: the text holds a lone surrogate U+DFFF (…",
     ),
-    "tiktoken gives up, 1 worker": ("--files {t}/padded.txt --workers 1 " + OUT, TIKTOKEN_GIVES_UP),
-    "tiktoken gives up, 2 workers": ("--files {t}/padded.txt --workers 2 " + OUT, TIKTOKEN_GIVES_UP),
+    "tiktoken gives up, 1 worker": ("--files {t}/padded.txt", TIKTOKEN_GIVES_UP),
+    "tiktoken gives up, 2 workers": ("--files {t}/padded.txt --workers 2", TIKTOKEN_GIVES_UP),
     **{
         f"gzip {damage}": (
-            f"--files {{t}}/a.jsonl.gz {{t}}/{damage}.jsonl.gz --workers 1 " + OUT,
+            f"--files {{t}}/a.jsonl.gz {{t}}/{damage}.jsonl.gz",
             f"{{t}}/{damage}.jsonl.gz {reason}…re-create it or leave it out of --files",
         )
         for damage, reason in [
@@ -659,7 +612,7 @@ MID_STREAM = {
     },
     **{
         f"parquet {damage}": (
-            f"--files {{t}}/{damage}.parquet --workers 1 " + OUT,
+            f"--files {{t}}/{damage}.parquet",
             f"{{t}}/{damage}.parquet is not a readable Parquet file (…); re-create it or leave it out of --files",
         )
         for damage in ("truncated", "not-parquet", "damaged-page")
@@ -682,7 +635,8 @@ def case_args(tmp_path, command: str) -> list:
     for name, data in INPUTS.items():
         if name == "d.jsonl" or "{t}/" + name in args:
             (tmp_path / name).write_bytes(data())
-    return [arg.replace("{t}", str(tmp_path)) for arg in args]
+    args += [] if "--out-dir" in args else ["--out-dir", "{t}/new/out"]
+    return [arg.replace("{t}", str(tmp_path)) for arg in args + ([] if "--workers" in args else ["--workers", "1"])]
 
 
 @pytest.mark.parametrize("case", [*REFUSED, *MID_STREAM])
@@ -969,16 +923,8 @@ def test_a_damaged_file_in_tiktoken_cache_dir_is_kept_and_noted(tmp_path, fresh_
 def test_shard_files_tell_contents_apart(tmp_path):
     """The ranks' start-up check and a resume compare shards by content: the sha256 fineweb.py's
     manifest records and a sampled sha256 (the whole file when it is small), not only names and sizes."""
-    made(
-        "--files",
-        write_jsonl(tmp_path / "d.jsonl", make_docs()),
-        "--out-dir",
-        tmp_path / "a",
-        "--shard-size",
-        "4000",
-        "--workers",
-        "1",
-    )
+    write_jsonl(tmp_path / "d.jsonl", make_docs())
+    made(f"--files {tmp_path}/d.jsonl --out-dir {tmp_path}/a --shard-size 4000 --workers 1")
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
     a = shard_files(paths)
