@@ -736,7 +736,7 @@ def offline_env(tmp_path, **more) -> dict:
     and temporary folder (tiktoken's default cache is TMPDIR/data-gym-cache), proxies that refuse every connection."""
     env = dict(TIKTOKEN_CACHE_DIR=None, DATA_GYM_CACHE_DIR=None)  # (with_env unsets them)
     for name, variable in (("home", "HOME"), ("cache", "XDG_CACHE_HOME"), ("tmp", "TMPDIR")):
-        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
         env[variable] = str(tmp_path / name)
     dead = "http://127.0.0.1:9"
     return {**env, "HTTPS_PROXY": dead, "HTTP_PROXY": dead, "https_proxy": dead, "http_proxy": dead, **more}
@@ -748,11 +748,13 @@ def nothing_cached(tmp_path):
 
 @pytest.fixture
 def fresh_tokenizer(monkeypatch, tmp_path):
-    """The tokenizer loaded anew in this process (as in a new one): TMPDIR read again (tiktoken's default cache),
-    no r50k_base in tiktoken's registry, bpe/'s file the one ship() names (None: no file) for _load_encoding."""
+    """The tokenizer loaded anew in this process (as in a new one): no r50k_base in tiktoken's registry, the
+    temporary folder offline_env(tmp_path)'s (tiktoken's default cache: this process's was read before), bpe/'s
+    file the one ship() names (None: no file) for _load_encoding."""
     monkeypatch.setattr(tokenizer, "_encoding", None)
     monkeypatch.setattr(documents, "_worker_encoding", None)
-    monkeypatch.setattr(tempfile, "tempdir", None)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
 
     def ship(data):
