@@ -8,12 +8,10 @@ import glob
 import json
 import os
 import resource
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_refused, run_main, tiny_run_args
+from conftest import assert_refused, run_command, run_main, tiny_run_args
 from shards import EOT
 
 import train_gpt2 as tg
@@ -380,14 +378,7 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
         resource.setrlimit(resource.RLIMIT_STACK, (stack, stack))
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
-    result = subprocess.run(
-        [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", steps=2)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=limited,
-    )
+    result = run_command("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", steps=2), preexec_fn=limited)
     processes = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     assert_refused(
         result,

@@ -31,49 +31,13 @@ def documents(n_tokens: int, seed: int) -> np.ndarray:
     return tokens
 
 
-@pytest.fixture
-def data_dir(tmp_path):
-    """A small val shard and a train shard big enough for its scans to be kept."""
-    folder = tmp_path / "data"
-    folder.mkdir()
-    np.save(folder / "big_val_000000.npy", documents(20_000, seed=1))
-    np.save(folder / "big_train_000001.npy", documents(BIG, seed=2))
-    return folder
-
-
 def train_args(data_dir, out_dir, *extra):
-    return [
-        "--data-dir",
-        str(data_dir),
-        "--out-dir",
-        str(out_dir),
-        "--n-layer",
-        "1",
-        "--n-head",
-        "1",
-        "--n-embd",
-        "16",
-        "--block-size",
-        "16",
-        "--seq-len",
-        str(T),
-        "--batch-size",
-        "4",
-        "--total-batch-size",
-        str(4 * T),
-        "--max-steps",
-        "2",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-        "--ckpt-every",
-        "0",
-        "--align-docs",
-        *extra,
-    ]
+    """Two steps of 8 rows of --align-docs (4 rows x 2 ranks, or x 2 micro-steps on one) of a 1-layer model."""
+    flags = "--n-layer 1 --n-head 1 --n-embd 16 --block-size 16 --batch-size 4 --max-steps 2 --val-every 0"
+    flags += (
+        f" --sample-every 0 --hellaswag-every 0 --ckpt-every 0 --align-docs --seq-len {T} --total-batch-size {8 * T}"
+    )
+    return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *flags.split(), *extra]
 
 
 def step_losses(stdout: str) -> list[str]:
@@ -85,41 +49,65 @@ def kept(cache_home) -> list[str]:
     return sorted(re.sub(r"^\w+-\w+", "", name) for name in os.listdir(folder)) if os.path.isdir(folder) else []
 
 
-def test_a_second_launch_reads_the_kept_scans_and_a_read_only_data_folder_starts(data_dir, tmp_path):
-    cache_home, unwritable = tmp_path / "cache", tmp_path / "a-file"
-    unwritable.write_text("")
-    for path in [*data_dir.iterdir(), data_dir]:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The one launch: torchrun's two ranks on a read-only folder of a small val shard and two train shards big
+    enough for their scans to be kept, the cache empty: (data folder, its files' hashes before, cache home, run)."""
+    folder = tmp_path_factory.mktemp("scans")
+    data, cache = folder / "data", folder / "cache"
+    data.mkdir()
+    np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
+    for i in (1, 2):
+        np.save(data / f"big_train_{i:06d}.npy", documents(BIG, seed=i + 1))
+    for path in [*data.iterdir(), data]:
         path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
-    before = tree_hashes(data_dir)
-    first = run_main("train_gpt2.py", *train_args(data_dir, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache_home)})
-    assert first.returncode == 0, first.stderr
-    assert kept(cache_home) == [".max_id", ".rows16.npy"]  # of the big train shard; the val shard is too small
-    second = run_cli(train_args(data_dir, tmp_path / "b"), env={"XDG_CACHE_HOME": str(cache_home)})  # a new process
-    assert second.returncode == 0, second.stderr
+    before = tree_hashes(data)
+    run = run_cli(train_args(data, folder / "two"), nproc=2, env={"XDG_CACHE_HOME": str(cache)})
+    assert run.returncode == 0, run.stderr
+    return data, before, cache, run
+
+
+def test_ranks_split_the_first_scan_of_a_read_only_folder_and_another_process_reads_it(two_ranks, tmp_path):
+    """The ranks scan the shards between them and keep each scan once (the val shard is too small to keep); a
+    later process reads them, a run whose cache folder cannot be written scans again: one process trains on the
+    rows the two ranks did, and nothing in the read-only data folder changed."""
+    data, before, cache, two = two_ranks
+    assert kept(cache) == [".max_id", ".max_id", ".rows16.npy", ".rows16.npy"]
+    stamps = {
+        name: os.stat(cache / "gpt2-trainer" / "shards" / name).st_mtime_ns
+        for name in os.listdir(cache / "gpt2-trainer" / "shards")
+    }
+    cached = run_main("train_gpt2.py", *train_args(data, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache)})
+    assert cached.returncode == 0, cached.stderr
+    assert {name: os.stat(cache / "gpt2-trainer" / "shards" / name).st_mtime_ns for name in stamps} == stamps
+    (tmp_path / "a-file").write_text("")
     uncached = run_main(
-        "train_gpt2.py", *train_args(data_dir, tmp_path / "c"), env={"XDG_CACHE_HOME": str(unwritable / "x")}
+        "train_gpt2.py", *train_args(data, tmp_path / "b"), env={"XDG_CACHE_HOME": str(tmp_path / "a-file" / "x")}
     )
     assert uncached.returncode == 0, uncached.stderr
-    assert len(step_losses(first.stdout)) == 2
-    assert step_losses(first.stdout) == step_losses(second.stdout) == step_losses(uncached.stdout)
-    assert tree_hashes(data_dir) == before
+    assert len(step_losses(two.stdout)) == 2
+    assert step_losses(two.stdout) == step_losses(cached.stdout) == step_losses(uncached.stdout)
+    assert tree_hashes(data) == before
     assert re.search(
-        r"\| peak memory \d+\.\d\d GiB private \(\+ \d+\.\d\d GiB of mapped shard pages, shared page "
-        r"cache\)$",
-        second.stdout,
+        r"\| peak memory \d+\.\d\d GiB private \(\+ \d+\.\d\d GiB of mapped shard pages, shared page cache\)$",
+        two.stdout,
         re.MULTILINE,
-    ), second.stdout
+    ), two.stdout
 
 
-def test_a_shard_that_changed_since_its_scan_was_kept_is_scanned_again(data_dir, tmp_path):
-    cache_home = tmp_path / "cache"
-    first = run_main("train_gpt2.py", *train_args(data_dir, tmp_path / "a"), env={"XDG_CACHE_HOME": str(cache_home)})
+def test_a_shard_that_changed_since_its_scan_was_kept_is_scanned_again(tmp_path):
+    data, cache_home = tmp_path / "data", {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    data.mkdir()
+    np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
+    np.save(data / "big_train_000001.npy", documents(BIG, seed=2))
+    first = run_main("train_gpt2.py", *train_args(data, tmp_path / "a"), env=cache_home)
     assert first.returncode == 0, first.stderr
-    shard = data_dir / "big_train_000001.npy"
+    assert kept(tmp_path / "cache") == [".max_id", ".rows16.npy"]
+    shard = data / "big_train_000001.npy"
     tokens = np.load(shard)
     tokens[12345] = 50300  # an id GPT-2's softmax has no output for; same size
     np.save(shard, tokens)
-    second = run_cli(train_args(data_dir, tmp_path / "b"), env={"XDG_CACHE_HOME": str(cache_home)})
+    second = run_main("train_gpt2.py", *train_args(data, tmp_path / "b"), env=cache_home)
     assert second.returncode == 2
     assert second.stderr.strip().splitlines()[-1] == "error: " + no_output_for(str(shard), 50300, 50304)
 
@@ -190,20 +178,3 @@ def test_a_long_scan_prints_its_progress(tmp_path, monkeypatch, capsys):
         "train shards: scanning 2 shards (token ids, row tables): 1/2 shards, N s",
         "train shards: scanning 2 shards (token ids, row tables): 2/2 shards, N s",
     ]
-
-
-def test_ranks_split_the_first_scan_and_train_on_the_rows_of_one_process(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
-    for i in (1, 2):
-        np.save(data / f"big_train_{i:06d}.npy", documents(BIG, seed=i + 1))
-    step = ["--total-batch-size", str(8 * T)]  # 4 rows x 2 ranks, or x 2 micro-steps on one
-    two = run_cli(train_args(data, tmp_path / "two", *step), nproc=2, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
-    assert two.returncode == 0, two.stderr
-    assert kept(tmp_path / "cache") == [".max_id", ".max_id", ".rows16.npy", ".rows16.npy"]
-    (tmp_path / "a-file").write_text("")
-    uncached = {"XDG_CACHE_HOME": str(tmp_path / "a-file" / "x")}
-    one = run_main("train_gpt2.py", *train_args(data, tmp_path / "one", *step), env=uncached)
-    assert one.returncode == 0, one.stderr
-    assert len(step_losses(two.stdout)) == 2 and step_losses(two.stdout) == step_losses(one.stdout)
