@@ -1,21 +1,8 @@
-"""Plot a training run from its log.jsonl.
+"""Plot a training run from its log.jsonl: train and validation loss (with bits per byte where logged),
+HellaSwag accuracy and the learning rate, one colour per run (docs/plotting.md).
 
     python plot_log.py out                                   # writes out/loss.png
     python plot_log.py out/log.jsonl -o run.png --baseline-hellaswag 0.2955
-
-Panels: train and validation loss, with a right-hand axis that reads the validation curve in bits
-per byte when the log has them (val_bpb: the same validation tokens each time make it the loss times
-one factor; where the factor changed, e.g. a resume with other --val-steps, val_bpb gets its own
-line and axis instead); HellaSwag accuracy (when the log has any or a baseline
-is given; the baseline is a horizontal line labelled "GPT-2 124M"); learning rate. The train
-loss is drawn faint, step by step, under its exponential moving average (--smooth). A dotted
-vertical line marks each step where the run was resumed. The loss axis is linear
-and, by default, its top is set from the run after its first steps so that the initial
-loss (about 11 for GPT-2) does not flatten the rest of the curve (--no-clip shows it all).
-Records of other kinds in the log are ignored. A log of several runs (logs concatenated; every
-record names its run) draws each run's curves in a colour of its own (runs_of).
-
-matplotlib is optional: it is imported only when plotting, with the Agg backend (no display).
 """
 
 from __future__ import annotations
@@ -49,21 +36,8 @@ def find_log(path: str) -> str:
     return log
 
 
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def is_drawn(value: float) -> bool:
     return math.isfinite(value) and abs(value) <= LARGEST_DRAWN
-
-
-def parse_record(line: bytes):
-    """A line's JSON value, or None where it is not JSON text: a write cut by a crash, bytes that
-    are not UTF-8, nesting deeper than any record (fileio.MAX_DEPTH)."""
-    try:
-        return fileio.parse_json(line, "log")  # accepts the NaN/Infinity that json.dumps writes
-    except fileio.JSONFileError:
-        return None
 
 
 def check_numbers(record: dict, where: str) -> None:
@@ -72,7 +46,7 @@ def check_numbers(record: dict, where: str) -> None:
         value = record.get(key)
         if value is None:
             continue
-        if not is_number(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise UserError(f"{where}: {key} is {value!r}, not a number")
         try:
             value = float(value)
@@ -83,15 +57,17 @@ def check_numbers(record: dict, where: str) -> None:
 
 
 def load_records(log: str) -> list[dict]:
-    """The JSON objects of log.jsonl, in file order. Malformed lines (a write cut by a crash)
-    are skipped with a warning on stderr; a record whose step or plotted value is not a
-    number is an error naming its line."""
+    """The JSON objects of log.jsonl in order; lines not JSON are skipped with a warning, a plotted value
+    that is no number is an error naming its line."""
     records, bad = [], 0
     with open(log, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = parse_record(line)
+            try:
+                record = fileio.parse_json(line, "log")  # accepts the NaN/Infinity that json.dumps writes
+            except fileio.JSONFileError:
+                record = None
             if not isinstance(record, dict) or record.get("step") is None:
                 bad += 1
                 continue
@@ -125,9 +101,7 @@ def drawn(values: list[float]) -> list[float]:
 
 
 def ema(values: list[float], weight: float) -> list[float]:
-    """Exponential moving average, debiased so that the first points are not pulled toward 0
-    (as TensorBoard smooths); a value not drawn (inf, nan, beyond LARGEST_DRAWN) is left out and
-    the average carries over it."""
+    """Exponential moving average, debiased as TensorBoard's; values not drawn are left out (carried over)."""
     out, avg, norm = [], 0.0, 0.0
     for v in values:
         if is_drawn(v):
@@ -138,8 +112,7 @@ def ema(values: list[float], weight: float) -> list[float]:
 
 
 def resume_steps(records: list[dict]) -> list:
-    """Steps where the run was resumed: the trainer's {"event": "resume", "step": S} records,
-    and, in a log without them, each place where the training steps go back."""
+    """Steps where the run was resumed: its {"event": "resume"} records, and each place the steps go back."""
     steps = {r["step"] for r in records if r.get("event") == "resume"}
     last = None
     for r in records:
@@ -150,24 +123,15 @@ def resume_steps(records: list[dict]) -> list:
     return sorted(steps)
 
 
-def bits_per_byte_factor(val_steps: list, val_loss: list[float], bpb_steps: list, val_bpb: list[float]):
-    """val_bpb / val_loss when every evaluation logged the same ratio (to 0.1%, the log's rounding
-    aside), else None. The ratio is bytes per token's inverse (over ln 2), fixed by the validation
-    tokens, which are the same at every evaluation of a run."""
-    bpb = dict(zip(bpb_steps, val_bpb))
-    ratios = [
-        bpb[s] / v
-        for s, v in zip(val_steps, val_loss)
-        if s in bpb and is_drawn(v) and is_drawn(bpb[s]) and v > 0 and bpb[s] > 0
-    ]
-    if ratios and max(ratios) - min(ratios) <= 1e-3 * min(ratios):
-        return ratios[-1]
+def agreed(values: list):
+    """The last of values where all agree to 0.1% (the log's rounding aside), else None."""
+    if values and None not in values and max(values) - min(values) <= 1e-3 * min(values):
+        return values[-1]
     return None
 
 
 def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
-    """y-limits that ignore the first skip_frac of training steps (the initial drop from ~11),
-    or None when the run is too short for that to matter."""
+    """y-limits leaving out the first skip_frac of steps (the drop from ~11); None for a short run."""
     if len(train) < 20:
         return None
     rest = [v for v in train[max(1, int(len(train) * skip_frac)) :] + val[1:] if is_drawn(v)]
@@ -180,11 +144,8 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
 
 
 def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(name, records) of each run the log holds, in the order they first appear. Every record names the run
-    that wrote it ("run"); a branch (a resume from an earlier checkpoint) is a new run whose first record is
-    its resume, naming the run it branched from ("parent"): where that run's records came before, it stays
-    that run's curve. Any other new run (two runs' logs concatenated, a branch of a run this log does not
-    hold) is a curve of its own. Records that name no run (a log of an older trainer) are one run."""
+    """(name, records) of each run the log holds, in order; a branch (a resume naming its "parent") stays its
+    parent's curve where the log holds the parent; records naming no run are one run."""
     runs, curve_of = [], {}
     for record in records:
         run = record.get("run") if isinstance(record.get("run"), str) else None
@@ -199,24 +160,15 @@ def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
 
 
 class Series:
-    """The values a run's curves draw: (steps, values) of each plotted key, sorted by step."""
+    """A run's (steps, values) of each plotted key; factor: val_bpb / val_loss where the same at every evaluation."""
 
     def __init__(self, records: list[dict]):
         self.records = records
-        self.train = series(records, "loss")
-        self.val = series(records, "val_loss")
-        self.bpb = series(records, "val_bpb")
-        self.hs = series(records, "hellaswag_acc")
-        self.lr = series(records, "lr")
-        self.factor = bits_per_byte_factor(*self.val, *self.bpb) if self.bpb[0] else None
-
-
-def shared_factor(runs: list[Series]):
-    """The one val_bpb / val_loss factor of every run that logs val_bpb (None where they differ)."""
-    factors = [run.factor for run in runs if run.bpb[0]]
-    if not factors or None in factors or max(factors) - min(factors) > 1e-3 * min(factors):
-        return None
-    return factors[-1]
+        keys = ("loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")
+        self.train, self.val, self.bpb, self.hs, self.lr = (series(records, key) for key in keys)
+        bpb = dict(zip(*self.bpb))
+        positive = lambda v: 0 < v <= LARGEST_DRAWN  # drawn and above 0
+        self.factor = agreed([bpb[s] / v for s, v in zip(*self.val) if s in bpb and positive(v) and positive(bpb[s])])
 
 
 def make_figure(
@@ -226,17 +178,11 @@ def make_figure(
     title: str | None = None,
     smooth: float = DEFAULT_SMOOTH,
 ):
-    """A matplotlib Figure with a loss panel, a HellaSwag panel when records have any
-    hellaswag_acc, and a learning-rate panel. Axes are in that order; lines carry labels.
-    smooth: the EMA weight of the train-loss line (0: no EMA line). A log of several runs
-    (runs_of) draws each run's curves in a colour of its own, labelled with its run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("matplotlib is not installed: pip install matplotlib") from None
+    """A Figure of a loss panel, a HellaSwag panel (with any hellaswag_acc or a baseline) and a learning-rate
+    panel; smooth: the train loss's EMA weight (0: none); each run in a colour of its own."""
+    matplotlib = cli.optional_import("matplotlib", "matplotlib is not installed: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     named = runs_of(records)
     runs = [Series(run_records) for _, run_records in named]
@@ -253,7 +199,7 @@ def make_figure(
     fig, axes = plt.subplots(n_panels, 1, figsize=(9, 3.2 * n_panels), sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     ax = axes[0]
-    factor = shared_factor(runs)
+    factor = agreed([run.factor for run in runs if run.bpb[0]])  # one factor for every run, or None
     for k, run in enumerate(runs):
         (train_steps, train_loss), (val_steps, val_loss) = run.train, run.val
         if train_steps:
@@ -327,11 +273,8 @@ def summary(run: Series) -> str:
         parts.append(f"train loss {train_loss[-1]:.4f} (step {train_steps[-1]})")
     if val_steps:
         bpb = dict(zip(*run.bpb)).get(val_steps[-1])
-        parts.append(
-            f"val loss {val_loss[-1]:.4f}"
-            + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
-            + f" (step {val_steps[-1]})"
-        )
+        bits = f", {bpb:.4f} bits/byte" if bpb is not None else ""
+        parts.append(f"val loss {val_loss[-1]:.4f}{bits} (step {val_steps[-1]})")
     if hs_steps:
         parts.append(f"HellaSwag {hs_acc[-1]:.4f} (step {hs_steps[-1]})")
     return " | ".join(parts)
@@ -340,17 +283,22 @@ def summary(run: Series) -> str:
 def plot_log(
     path: str, out: str | None = None, baseline: float | None = None, clip: bool = True, smooth: float = DEFAULT_SMOOTH
 ) -> str:
-    """Read path (out dir or log.jsonl), write the image (default: loss.png beside the log; the
-    format follows the extension)."""
+    """Read path (out dir or log.jsonl) and write the image (default: loss.png beside the log)."""
     if not 0 <= smooth < 1:
         raise UserError(f"--smooth must be in [0, 1), got {smooth}")
     if baseline is not None and not is_drawn(baseline):
         raise UserError(f"--baseline-hellaswag must be a finite number, got {baseline}")
     log = find_log(path)
-    records = load_records(log)
-    fig = make_figure(records, baseline=baseline, clip=clip, title=log, smooth=smooth)
+    fig = make_figure(load_records(log), baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
-    check_image_name(out)
+    name = os.path.basename(out)
+    # a folder, or an extension alone (`-o r2/`, `-o r2/.png`), which would write a hidden file such as r2/.png
+    if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
+        folder = out if os.path.isdir(out) else os.path.dirname(out)
+        raise UserError(
+            f"-o {out} names a folder or an extension alone, not an image file: name the file to write "
+            f"(e.g. -o {os.path.join(folder, 'loss.png')})"
+        )
     extension = os.path.splitext(out)[1].lower().lstrip(".")
     if not extension:  # a PNG, named as savefig would name it, so that we print the name it has
         out, extension = out.rstrip(".") + ".png", "png"
@@ -375,18 +323,6 @@ def plot_log(
 
         plt.close(fig)
     return out
-
-
-def check_image_name(out: str):
-    """A UserError for an -o that names no image file: a folder, a name ending in a separator, or an
-    extension alone (`-o r2/`, `-o r2/.png`), which would write a hidden file such as r2/.png."""
-    name = os.path.basename(out)
-    if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
-        folder = out if os.path.isdir(out) else os.path.dirname(out)
-        raise UserError(
-            f"-o {out} names a folder or an extension alone, not an image file: name the file to write "
-            f"(e.g. -o {os.path.join(folder, 'loss.png')})"
-        )
 
 
 def main(argv=None) -> int:
