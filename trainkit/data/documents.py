@@ -12,6 +12,7 @@ import re
 import signal
 import zlib
 from collections import deque
+from functools import partial
 
 import numpy as np
 import tiktoken
@@ -128,8 +129,7 @@ DATASETS_HINT = "streaming from the Hub needs the 'datasets' package (pip instal
 
 
 def hub_revision(dataset: str) -> str:
-    """The dataset's newest commit on the Hub (the manifest keeps it for a resume), asked once without
-    retries: offline this fails at once, where the datasets client retries for ~25 s."""
+    """The dataset's newest commit on the Hub, asked once without retries (the datasets client retries ~25 s)."""
     hub = optional_import("huggingface_hub", DATASETS_HINT)
     from huggingface_hub.utils import RepositoryNotFoundError
 
@@ -210,8 +210,7 @@ def load_worker_encoding() -> None:
 
 
 class ChunkError(Exception):
-    """Why a chunk could not be tokenized (the index of the document at fault or None, the reason), as
-    plain values that cross the pool; located() makes it a UserError naming the document."""
+    """Why a chunk could not be tokenized (the document's index or None, the reason), as values that cross the pool."""
 
     def __init__(self, index, reason: str):
         super().__init__(index, reason)
@@ -228,9 +227,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents(enc, docs), where the data meets the tokenizer: any failure leaves as a ChunkError
-    naming the document at fault (a BaseException such as tiktoken's PanicException would end the worker
-    and leave the pool waiting forever); only a failure pays for the search."""
+    """encode_documents(enc, docs), any failure a ChunkError naming the document at fault (a BaseException such as
+    tiktoken's PanicException would end the worker and leave the pool waiting forever)."""
     try:
         return _encode_chunk(enc, docs, utf8_errors)
     except (ChunkError, UserError, KeyboardInterrupt, SystemExit):
@@ -240,21 +238,15 @@ def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.n
         raise ChunkError(None, f"not enough memory (the longest is {longest:,} characters)") from None
     except BaseException as e:  # e.g. tiktoken's regex giving up on ~1M characters of whitespace
         index = next((i for i, doc in enumerate(docs) if _fails(enc, doc, utf8_errors)), None)
-        error = reason_of(e, typed=True)
+        what = "failed" if index is None else "cannot tokenize this document"
+        advice = "" if index is None else "; fix it or leave it out"
         raise ChunkError(
-            index,
-            (
-                f"tiktoken failed ({error})"
-                if index is None
-                else f"tiktoken cannot tokenize this document ({error}); fix it or leave it out"
-            )
-            + " (--debug shows the traceback)",
+            index, f"tiktoken {what} ({reason_of(e, typed=True)}){advice} (--debug shows the traceback)"
         ) from e
 
 
 def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents, with --utf8-errors for lone surrogates (no UTF-8 form): strict refuses one,
-    replace tokenizes U+FFFD in its place."""
+    """encode_documents, a lone surrogate refused (--utf8-errors strict) or tokenized as U+FFFD (replace)."""
     try:
         return encode_documents(enc, docs)
     except UnicodeEncodeError:
@@ -265,10 +257,9 @@ def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.nd
             code = ord(_SURROGATE.search(docs[index]).group())
             raise ChunkError(
                 index,
-                f"the text holds a lone surrogate U+{code:04X} (half of a UTF-16 pair, as JSON's "
-                f"\\u{code:04x} without its other half), which is not Unicode and has no UTF-8 "
-                "form; fix the input, or pass --utf8-errors replace to tokenize U+FFFD in "
-                "its place",
+                f"the text holds a lone surrogate U+{code:04X} (half of a UTF-16 pair, as JSON's \\u{code:04x} without "
+                "its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass --utf8-errors "
+                "replace to tokenize U+FFFD in its place",
             ) from None
         return encode_documents(enc, [_SURROGATE.sub("\ufffd", doc) for doc in docs])
 
@@ -284,7 +275,7 @@ def _fails(enc: tiktoken.Encoding, doc: str, utf8_errors: str) -> bool:
 
 
 def _tokenize_chunk(docs: list, utf8_errors: str) -> np.ndarray:
-    return tokenize_chunk(_worker_encoding, docs, utf8_errors)
+    return tokenize_chunk(_worker_encoding or get_encoding(), docs, utf8_errors)
 
 
 def chunk_located(located, chunk_chars: int):
@@ -301,35 +292,23 @@ def chunk_located(located, chunk_chars: int):
         yield texts, wheres
 
 
-def chunk_documents(docs, chunk_chars: int):
-    """Group a stream of document strings into lists of about chunk_chars characters."""
-    for texts, _ in chunk_located(((None, doc) for doc in docs), chunk_chars):
-        yield texts
-
-
 def tokenize_in_order(chunks, pool, max_in_flight: int, utf8_errors: str = "strict"):
     """Token arrays of the (texts, wheres) chunks, in order, at most max_in_flight in the pool (Pool.imap's
     results pile up without limit); a chunk that cannot be tokenized is a UserError naming the document."""
-    if pool is None:
-        enc = get_encoding()
-        for texts, wheres in chunks:
-            try:
-                yield tokenize_chunk(enc, texts, utf8_errors)
-            except ChunkError as e:
-                raise e.located(wheres) from e
-        return
     pending = deque()
-
-    def result():
-        task, wheres = pending.popleft()
-        try:
-            return task.get()
-        except ChunkError as e:
-            raise e.located(wheres) from e
-
     for texts, wheres in chunks:
-        pending.append((pool.apply_async(_tokenize_chunk, (texts, utf8_errors)), wheres))
-        if len(pending) >= max_in_flight:
-            yield result()
+        task = (texts, utf8_errors)
+        pending.append(
+            (pool.apply_async(_tokenize_chunk, task).get if pool else partial(_tokenize_chunk, *task), wheres)
+        )
+        if len(pending) >= (max_in_flight if pool else 1):
+            yield _located_result(*pending.popleft())
     while pending:
-        yield result()
+        yield _located_result(*pending.popleft())
+
+
+def _located_result(result, wheres: list) -> np.ndarray:
+    try:
+        return result()
+    except ChunkError as e:
+        raise e.located(wheres) from e

@@ -31,14 +31,13 @@ _encoding = None
 
 
 def real_vocab_size(vocab_size: int) -> int:
-    """The ids of a vocab_size-row model that are tokens (GPT-2's 50257, or all of a smaller one): every
-    softmax runs over these only, and an export keeps these rows, so our loss is the exported model's."""
+    """The ids of a vocab_size-row model that are tokens: every softmax and an export keep these only."""
     return min(vocab_size, GPT2_VOCAB)
 
 
 def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
-    """UTF-8 bytes of each token id's text (int64), bits per byte's denominator: 0 for <|endoftext|>, the
-    padded ids, and every id of a model smaller than GPT-2's (nanochat's definition). hint: another way out."""
+    """UTF-8 bytes of each token id's text (int64; bits per byte's denominator): 0 for <|endoftext|>, the padded
+    ids, and every id of a model smaller than GPT-2's (nanochat's definition). hint: another way out."""
     lengths = np.zeros(vocab_size, dtype=np.int64)
     if vocab_size >= GPT2_VOCAB:
         enc = get_tokenizer_or_fail(hint)
@@ -47,8 +46,8 @@ def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
 
 
 def get_encoding() -> tiktoken.Encoding:
-    """The GPT-2 tokenizer, once per process, from tiktoken's cache (TIKTOKEN_CACHE_DIR), else bpe/'s checked
-    copy, else tiktoken's download; a RuntimeError with a one-line hint when it cannot be loaded."""
+    """The GPT-2 tokenizer, once per process: tiktoken's cache, else bpe/'s checked copy, else a download;
+    a RuntimeError with a one-line hint where it cannot be loaded."""
     global _encoding
     if _encoding is None:
         _encoding = _load_encoding()
@@ -67,8 +66,7 @@ def _load_encoding() -> tiktoken.Encoding:
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
     cached = os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest()) if cache_dir else None
     if cached and os.path.isfile(cached):
-        # checked here: tiktoken deletes a damaged copy (to fetch it again) and says nothing of it
-        damaged = True  # (or unreadable)
+        damaged = True  # (or unreadable) checked here: tiktoken deletes a damaged copy, saying nothing
         with contextlib.suppress(OSError), open(cached, "rb") as f:
             damaged = hashlib.sha256(f.read()).hexdigest() != BPE_SHA256
         if not damaged:
@@ -123,9 +121,8 @@ def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
 
 
 def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
-    """[EOT] + enc.encode_ordinary(doc) for each doc, as uint16, joined by <|endoftext|> and encoded in one
-    call (tiktoken splits at each separator as if each were alone); a document holding the literal text
-    <|endoftext|> is encoded on its own. A lone surrogate raises UnicodeEncodeError."""
+    """[EOT] + enc.encode_ordinary(doc) per doc as uint16, in one call (joined by <|endoftext|>, which tiktoken
+    splits at); a document holding that literal text is encoded on its own. A lone surrogate: UnicodeEncodeError."""
     parts, start = [], 0
     for i, doc in enumerate(docs):
         if EOT_TEXT in doc:
