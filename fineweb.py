@@ -1,14 +1,10 @@
-"""Tokenize a text dataset into GPT-2 token shards for train_gpt2.py (docs/data.md).
-
-Each document becomes [<|endoftext|>] + its GPT-2 BPE tokens, cut into shards of --shard-size tokens (the
-first shard the val split), each a 1-D uint16 np.save array as build-nanogpt's (or llm.c's .bin). OUT/manifest.json
-records every finished shard: the same command resumes a killed run, and the shards come out byte-identical.
+"""Tokenize a text dataset into GPT-2 token shards for train_gpt2.py (docs/data.md): each document becomes
+[<|endoftext|>] + its GPT-2 BPE tokens, cut into shards of --shard-size tokens (the first the val split), 1-D
+uint16 arrays as build-nanogpt's (or llm.c's .bin). OUT/manifest.json records every finished shard: the same
+command resumes a killed run, and the shards come out byte-identical.
 
     python fineweb.py                                   # FineWeb-Edu sample-10BT, 100M-token shards
-    python fineweb.py --max-tokens 20M --out-dir data/edu20M
     python fineweb.py --files 'corpus/**/*.parquet' --out-dir data/mine
-    python fineweb.py --files "$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py" \
-        --doc-per-file --shard-size 256K --prefix stdlib --out-dir data/stdlib   # offline
 """
 
 from __future__ import annotations
@@ -262,10 +258,9 @@ def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
 
 def validate_args(args: argparse.Namespace) -> None:
     """What argparse cannot check; fills in the Hub defaults. UserError names the flag."""
-    if args.files:
-        if args.dataset or args.name or args.split:
-            raise UserError("--files reads local files; leave out --dataset, --name and --split")
-    else:
+    if args.files and (args.dataset or args.name or args.split):
+        raise UserError("--files reads local files; leave out --dataset, --name and --split")
+    if not args.files:
         if args.dataset is None:
             args.dataset = DEFAULT_DATASET
             args.name = args.name or DEFAULT_NAME
@@ -289,8 +284,7 @@ def validate_args(args: argparse.Namespace) -> None:
         if f"_{other}_" in f"{args.prefix}_{split}_":
             raise UserError(
                 f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
-                f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
-                "choose a prefix without '_train' or '_val'"
+                f"which train_gpt2.py would read as {other} shards too (*_{other}_*); choose a prefix without '_train' or '_val'"
             )
 
 
@@ -336,8 +330,7 @@ def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
     first_document_longer = tokens.size > count and not (tokens[1 : count + 1] == EOT).any()
     if tokens[0] != EOT or not first_document_longer:
         raise UserError(
-            "the input differs from the interrupted run's (a document split across "
-            "shards is shorter now); delete the --out-dir folder and start over"
+            "the input differs from the interrupted run's (a document split across shards is shorter now); delete the --out-dir folder and start over"
         )
     return tokens[count:]
 

@@ -28,14 +28,6 @@ DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
 LARGEST_DRAWN = 3.4e38
 
 
-def find_log(path: str) -> str:
-    """path is a run's out dir or its log.jsonl."""
-    log = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(log):
-        raise UserError(f"no log at {log}: pass a run's --out-dir or its log.jsonl")
-    return log
-
-
 def is_drawn(value: float) -> bool:
     return math.isfinite(value) and abs(value) <= LARGEST_DRAWN
 
@@ -75,8 +67,7 @@ def load_records(log: str) -> list[dict]:
             records.append(record)
     if not records and bad:  # e.g. a checkpoint passed for its log
         raise UserError(
-            f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; "
-            "pass a run's --out-dir or its log.jsonl"
+            f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; pass a run's --out-dir or its log.jsonl"
         )
     if not records:
         raise UserError(f"{log} has no records yet (is the run just starting?)")
@@ -176,7 +167,7 @@ def make_figure(
     baseline: float | None = None,
     clip: bool = True,
     title: str | None = None,
-    smooth: float = DEFAULT_SMOOTH,
+    smooth=DEFAULT_SMOOTH,
 ):
     """A Figure of a loss panel, a HellaSwag panel (with any hellaswag_acc or a baseline) and a learning-rate
     panel; smooth: the train loss's EMA weight (0: none); each run in a colour of its own."""
@@ -214,8 +205,6 @@ def make_figure(
     ylims = [loss_ylim(run.train[1], run.val[1]) for run in runs] if clip else []
     if ylims and all(ylims):
         ax.set_ylim(min(lo for lo, _ in ylims), max(hi for _, hi in ylims))
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
     legend_lines = list(ax.get_lines())
     if factor:  # one curve per run, read on either axis
         bpb_axis = ax.secondary_yaxis("right", functions=(lambda y: y * factor, lambda y: y / factor))
@@ -224,8 +213,8 @@ def make_figure(
         bpb_ax = ax.twinx()
         for k, run in enumerate(runs):
             if run.bpb[0]:
-                bpb_line = look(k, "tab:red", "val bits per byte")
-                legend_lines += bpb_ax.plot(run.bpb[0], drawn(run.bpb[1]), marker="s", ms=3, ls="--", **bpb_line)
+                style = dict(marker="s", ms=3, ls="--", **look(k, "tab:red", "val bits per byte"))
+                legend_lines += bpb_ax.plot(run.bpb[0], drawn(run.bpb[1]), **style)
         bpb_ax.set_ylabel("val bits per byte")
 
     if show_hs:
@@ -235,8 +224,6 @@ def make_figure(
                 ax.plot(run.hs[0], drawn(run.hs[1]), marker="o", ms=3, **look(k, "tab:green", "HellaSwag acc"))
         if baseline is not None:
             ax.axhline(baseline, ls="--", color="tab:red", label=f"{BASELINE_LABEL} ({baseline:.4f})")
-        ax.set_ylabel("HellaSwag acc_norm")
-        ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
 
     ax = axes[-1]
@@ -244,17 +231,16 @@ def make_figure(
         if run.lr[0]:
             ax.plot(run.lr[0], drawn(run.lr[1]), **look(k, "tab:purple", "learning rate"))
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    ax.set_ylabel("learning rate")
     ax.set_xlabel("step")
-    ax.grid(alpha=0.3)
+    for ax, label in zip(axes, ["loss (nats/token)"] + ["HellaSwag acc_norm"] * show_hs + ["learning rate"]):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
 
     for n, step in enumerate(sorted({step for run in runs for step in resume_steps(run.records)})):
-        for ax in axes:
-            line = ax.axvline(
-                step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_"
-            )
-            if line.get_label() == "resumed":
-                legend_lines.append(line)
+        lines = [ax.axvline(step, ls=":", lw=1, color="gray", label="_nolegend_") for ax in axes]
+        if n == 0:
+            lines[0].set_label("resumed")
+            legend_lines.append(lines[0])
     axes[0].legend(handles=legend_lines, loc="upper right")  # one legend for both of the panel's axes
 
     summaries = [summary(run) for run in runs]
@@ -288,7 +274,9 @@ def plot_log(
         raise UserError(f"--smooth must be in [0, 1), got {smooth}")
     if baseline is not None and not is_drawn(baseline):
         raise UserError(f"--baseline-hellaswag must be a finite number, got {baseline}")
-    log = find_log(path)
+    log = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(log):
+        raise UserError(f"no log at {log}: pass a run's --out-dir or its log.jsonl")
     fig = make_figure(load_records(log), baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
     name = os.path.basename(out)
@@ -296,8 +284,7 @@ def plot_log(
     if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
         folder = out if os.path.isdir(out) else os.path.dirname(out)
         raise UserError(
-            f"-o {out} names a folder or an extension alone, not an image file: name the file to write "
-            f"(e.g. -o {os.path.join(folder, 'loss.png')})"
+            f"-o {out} names a folder or an extension alone, not an image file: name the file to write (e.g. -o {os.path.join(folder, 'loss.png')})"
         )
     extension = os.path.splitext(out)[1].lower().lstrip(".")
     if not extension:  # a PNG, named as savefig would name it, so that we print the name it has
@@ -305,17 +292,11 @@ def plot_log(
     try:
         formats = fig.canvas.get_supported_filetypes()
         if extension not in formats:
-            raise UserError(
-                f"cannot write {out}: unknown image type .{extension} "
-                f"(use {', '.join('.' + f for f in sorted(formats))})"
-            )
-        write_atomically(  # a new file renamed over out: a link or a file standing there is replaced, not written through
-            out,
-            lambda f: fig.savefig(f, format=extension, dpi=120),
-            fsync_file=False,
-            fsync_folder=False,
-            tmp=f"{out}.{os.getpid()}.tmp",
-        )
+            known = ", ".join("." + f for f in sorted(formats))
+            raise UserError(f"cannot write {out}: unknown image type .{extension} (use {known})")
+        save = lambda f: fig.savefig(f, format=extension, dpi=120)
+        # a new file renamed over out: a link or a file standing there is replaced, not written through
+        write_atomically(out, save, fsync_file=False, fsync_folder=False, tmp=f"{out}.{os.getpid()}.tmp")
     except OSError as e:
         raise UserError(f"cannot write {out}: {reason_of(e)}") from None
     finally:

@@ -29,11 +29,8 @@ def resolve_files(patterns: list) -> list:
     """Files matching the globs, in a stable order (sorted per pattern, first match wins)."""
     files = []
     for pattern in patterns:
-        matched = sorted(
-            p
-            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-            if os.path.exists(p) and not os.path.isdir(p)
-        )
+        found = glob.glob(os.path.expanduser(pattern), recursive=True)
+        matched = sorted(p for p in found if os.path.exists(p) and not os.path.isdir(p))
         for path in matched:  # a named pipe would block the read forever, a link to /dev/zero never end
             check_regular(path)
         if not matched and os.path.isdir(os.path.expanduser(pattern)):
@@ -111,12 +108,10 @@ def _iter_parquet(path: str, text_field: str):
         names = parquet.schema_arrow.names
         if text_field not in names:
             raise UserError(_missing_field(path, text_field, names))
-        row = 0
-        for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-            for text in batch.column(0).to_pylist():
-                where = f"{path} row {row}"
-                yield where, _checked_text(text, text_field, where)
-                row += 1
+        batches = parquet.iter_batches(batch_size=1024, columns=[text_field])
+        for row, text in enumerate(text for batch in batches for text in batch.column(0).to_pylist()):
+            where = f"{path} row {row}"
+            yield where, _checked_text(text, text_field, where)
     except (pa.ArrowException, OSError) as e:  # a damaged footer, page or schema; pyarrow's I/O errors
         raise UserError(
             f"{path} is not a readable Parquet file ({reason_of(e)}); re-create it or leave it out of --files"

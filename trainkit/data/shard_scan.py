@@ -58,7 +58,8 @@ class ScanCache:
             return None
         except (OSError, ValueError, UnfitEntry) as e:
             if not quiet:
-                note_unfit(name, path, e)
+                reason = e if isinstance(e, UnfitEntry) else reason_of(e)
+                print0(f"note: the kept scan {name} of {path} cannot be used ({reason}); scanning the shard again")
         return None
 
     def max_id(self, path: str) -> int | None:
@@ -135,7 +136,6 @@ def open_entry(name: str, max_bytes: int):
 
 
 def _only_mine(st: os.stat_result) -> bool:
-    """Whether this user owns the file or folder of status st and no other user may write it."""
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
@@ -179,22 +179,12 @@ def read_rows(name: str, T: int, tokens: np.ndarray) -> np.ndarray:
         raise UnfitEntry("its digest or token count is not that of its rows")
     starts, lengths = rows[:, 0], rows[:, 1]
     ends = starts + lengths
-    if (
-        starts[0] != 0
-        or ends[-1] != n - 1
-        or lengths.min() < 1
-        or lengths.max() > T
-        or not np.array_equal(starts[1:], ends[:-1])
-    ):
+    consecutive = starts[0] == 0 and ends[-1] == n - 1 and np.array_equal(starts[1:], ends[:-1])
+    if not consecutive or lengths.min() < 1 or lengths.max() > T:
         raise UnfitEntry(f"its rows are not consecutive rows of 1..{T} targets over the shard's {n} tokens")
     if not np.all((lengths == T) | (tokens[ends] == EOT) | (ends == n - 1)):
         raise UnfitEntry("a row shorter than --seq-len ends where no document starts in the shard")
     return rows
-
-
-def note_unfit(name: str, path: str, why: Exception) -> None:
-    reason = why if isinstance(why, UnfitEntry) else reason_of(why)
-    print0(f"note: the kept scan {name} of {path} cannot be used ({reason}); scanning the shard again")
 
 
 class Progress:
@@ -230,21 +220,13 @@ def _all_gather(obj) -> list:
 
 
 def scan_shards(
-    paths: list[str],
-    shards: list[np.ndarray],
-    recorded_max_ids: list,
-    T: int | None,
-    build_rows,
-    what: str,
-    progress: bool,
+    paths: list[str], shards: list[np.ndarray], known_ids: list, T: int | None, build_rows, what: str, progress: bool
 ) -> tuple[list[int], list[np.ndarray] | None]:
-    """(every shard's largest token id, its row table build_rows(tokens, T) or None without T): recorded
-    or kept where they are, else scanned once and kept. Under torchrun each rank gets every shard's results."""
+    """(every shard's largest token id, its row table build_rows(tokens, T) or None without T): known (an int in
+    known_ids) or kept where they are, else scanned once and kept. Under torchrun, every rank gets every result."""
     cache, n = ScanCache(), len(paths)
     kept = [shard.size >= MIN_CACHED_TOKENS for shard in shards]
-    max_ids = [
-        m if isinstance(m, int) else (cache.max_id(p) if k else None) for p, m, k in zip(paths, recorded_max_ids, kept)
-    ]
+    max_ids = [m if isinstance(m, int) else (cache.max_id(p) if k else None) for p, m, k in zip(paths, known_ids, kept)]
     tables = [cache.rows(p, T, s) if T and k else None for p, s, k in zip(paths, shards, kept)] if T else None
     need = [i for i in range(n) if max_ids[i] is None or (T and tables[i] is None)]
     rank, world = _ranks()
@@ -254,11 +236,8 @@ def scan_shards(
         return max_ids, tables
     mine = need[rank::world]
     share = f" over {world} ranks, rank 0's share" if world > 1 else ""
-    bar = Progress(
-        f"{what}: scanning {len(need)} shards{share} (token ids{', row tables' if T else ''})",
-        len(mine),
-        progress and rank == 0,
-    )
+    title = f"{what}: scanning {len(need)} shards{share} (token ids{', row tables' if T else ''})"
+    bar = Progress(title, len(mine), progress and rank == 0)
     found = {}  # i -> (largest id, whether its row table is in the cache)
     for done, i in enumerate(mine, 1):
         tokens = shards[i]

@@ -28,8 +28,7 @@ def write_whole(folder: FolderLock, name: str, *blobs) -> None:
         write_bytes_atomically(target, *blobs, fsync_file=False, fsync_folder=False, dir_fd=fd)
     except OSError as e:  # a full disk, a quota, permissions
         raise UserError(
-            f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
-            "complete: fix this and run the same command again to resume"
+            f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are complete: fix this and run the same command again to resume"
         ) from None
 
 
@@ -136,23 +135,18 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
         strays = glob.glob(os.path.join(glob.escape(out_dir), pattern))
         if strays:
             raise UserError(
-                f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
-                f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir"
+                f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no {MANIFEST}, so they cannot be resumed; use an empty --out-dir"
             )
         tokenizer = f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})"
         return dict(
             source=source, tokenizer=tokenizer, dtype="uint16", config=config, inputs=inputs, complete=False, shards=[]
         )
     manifest = read_manifest(path)
-    changed = [
-        f"{key} {manifest['config'].get(key)!r} -> {value!r}"
-        for key, value in config.items()
-        if manifest["config"].get(key) != value
-    ]
+    old = manifest["config"]
+    changed = [f"{key} {old.get(key)!r} -> {value!r}" for key, value in config.items() if old.get(key) != value]
     if changed:
         raise UserError(
-            f"{path} was written with other arguments ({'; '.join(changed)}); "
-            "rerun with the same arguments to resume, or use another --out-dir"
+            f"{path} was written with other arguments ({'; '.join(changed)}); rerun with the same arguments to resume, or use another --out-dir"
         )
     what = changed_input(manifest.get("inputs"), inputs)
     if what:

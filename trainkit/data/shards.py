@@ -50,24 +50,20 @@ def open_shard(path: str) -> np.ndarray:
             actual = os.path.getsize(path)
             if actual != expected:
                 raise UserError(
-                    f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
-                    f"has {actual} bytes: truncated or corrupt, re-create it"
+                    f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file has {actual} bytes: truncated or corrupt, re-create it"
                 )
             return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
         with open(path, "rb") as f:
             if f.read(6) != b"\x93NUMPY":
                 raise UserError(f"{path}: not a .npy token shard (bad magic). HINT: are you passing the right file?")
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except UserError:
-        raise
     except (ValueError, OSError, EOFError) as e:
         raise UserError(
             f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? re-create it"
         ) from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(
-            f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
-            f"{tokens.shape}. HINT: are you passing the right file?"
+            f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape {tokens.shape}. HINT: are you passing the right file?"
         )
     return tokens
 
@@ -75,30 +71,12 @@ def open_shard(path: str) -> np.ndarray:
 # --- manifest.json's schema: one check for its writer (fineweb.py resuming) and its reader (the trainer) ----------
 
 
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _file_name(value) -> bool:
-    return isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\0" not in value
-
-
-def _token_id_or_null(value) -> bool:
-    return value is None or (_count(value) and value <= np.iinfo(np.uint16).max)
-
-
-def _sha256_or_null(value) -> bool:
-    return value is None or (isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef"))
-
-
-def _input_listing(value) -> bool:
-    return value is None or (
-        isinstance(value, list)
-        and all(
-            isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and all(map(_count, item[1:]))
-            for item in value
-        )
-    )
+_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+_file_name = lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\0" not in v
+_token_id_or_null = lambda v: v is None or (_count(v) and v <= np.iinfo(np.uint16).max)
+_sha256_or_null = lambda v: v is None or (isinstance(v, str) and len(v) == 64 and set(v) <= set("0123456789abcdef"))
+_listed_input = lambda v: isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and all(map(_count, v[1:]))
+_input_listing = lambda v: v is None or (isinstance(v, list) and all(map(_listed_input, v)))
 
 
 # field: (test, what it must be, required: always / for fineweb.py to resume / never); fields not named are ignored
@@ -179,15 +157,13 @@ def folder_manifest(folder: str) -> dict | None:
         return None
     except OSError as e:
         raise UserError(
-            f"cannot read {path}: {reason_of(e)}; the shards it lists cannot be checked: make it readable, or "
-            "move it out of the folder"
+            f"cannot read {path}: {reason_of(e)}; the shards it lists cannot be checked: make it readable, or move it out of the folder"
         ) from None
     except fileio.JSONFileError as e:
         problem = e.reason
     if problem:
         raise UserError(
-            f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data "
-            "set with fineweb.py, or move it out of the folder"
+            f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data set with fineweb.py, or move it out of the folder"
         )
     return manifest
 
@@ -286,18 +262,14 @@ class ShardDigestCheck:
                         if self.stopping.is_set():
                             return
                         digest.update(memoryview(buffer)[:n])
-            except UserError as e:  # (swapped for a named pipe since start-up)
-                self.error = e
-                return
-            except OSError as e:
-                self.error = UserError(f"cannot read {path}: {reason_of(e)}")
-                return
-            if digest.hexdigest() != expected:
-                self.error = UserError(
-                    f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
-                    f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
-                    "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py"
-                )
+                if digest.hexdigest() != expected:
+                    raise UserError(
+                        f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
+                        f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
+                        "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py"
+                    )
+            except (UserError, OSError) as e:  # (UserError: swapped for a named pipe since start-up)
+                self.error = e if isinstance(e, UserError) else UserError(f"cannot read {path}: {reason_of(e)}")
                 return
 
     def failed(self) -> bool:
@@ -366,7 +338,7 @@ def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | Non
     for name in sorted({*a_files, *b_files}):
         x, y = a_files.get(name), b_files.get(name)
         if x is None or y is None or x[0] != y[0]:
-            size = lambda entry: f"{entry[0]} bytes" if entry else "missing"  # noqa: E731
+            size = lambda entry: f"{entry[0]} bytes" if entry else "missing"
             return name, size(x), size(y)
         for kind, i in (("sha256", 2), ("sampled content", 1)):
             if len(x) > i and len(y) > i and x[i] and y[i] and x[i] != y[i]:

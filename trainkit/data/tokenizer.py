@@ -106,17 +106,14 @@ def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
             f"could not load the GPT-2 tokenizer: {path} is damaged (sha256 {digest[:16]}..., expected "
             f"{BPE_SHA256[:16]}...); restore it (git checkout -- bpe), {_BPE_HINT}"
         )
-    ranks = {}
-    for line in data.splitlines():  # "base64(token bytes) rank", as tiktoken.load.load_tiktoken_bpe reads it
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+    # lines of "base64(token bytes) rank", as tiktoken.load.load_tiktoken_bpe reads them
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
     return tiktoken.Encoding(
         ENCODING_NAME,
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
         special_tokens={EOT_TEXT: EOT},
-        explicit_n_vocab=EOT + 1,
+        explicit_n_vocab=GPT2_VOCAB,
     )
 
 
