@@ -1,11 +1,7 @@
 """Tokenize a text dataset into GPT-2 token shards for train_gpt2.py (docs/data.md): each document becomes
 [<|endoftext|>] + its GPT-2 BPE tokens, cut into shards of --shard-size tokens (the first the val split), 1-D
 uint16 arrays as build-nanogpt's (or llm.c's .bin). OUT/manifest.json records every finished shard: the same
-command resumes a killed run, and the shards come out byte-identical.
-
-    python fineweb.py                                   # FineWeb-Edu sample-10BT, 100M-token shards
-    python fineweb.py --files 'corpus/**/*.parquet' --out-dir data/mine
-"""
+command resumes a killed run, and the shards come out byte-identical."""
 
 from __future__ import annotations
 
@@ -27,16 +23,15 @@ from trainkit.fileio import FolderLock, remove_if_same  # one live writer per --
 # --- from documents to shards -------------------------------------------------------------
 
 
+INTERRUPTED = "fineweb.py: interrupted; run the same command again to resume"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return exit_code_of(
-            lambda: (validate_args(args), run(args)),
-            args.debug,
-            also_catch=(OSError,),
-            interrupted="fineweb.py: interrupted; run the same command again to resume",
-        )
+        action = lambda: (validate_args(args), run(args))
+        return exit_code_of(action, args.debug, also_catch=(OSError,), interrupted=INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
 
@@ -118,8 +113,7 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
 
 DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 DEFAULT_SHARD_SIZE = 10**8
-# with the default --shard-size, an input smaller than one shard (a file of your own) is cut in two shards: this
-# fraction of its tokens the val split, the rest train (one val shard of everything would leave nothing to train on)
+# an input smaller than one default shard is cut in two: this fraction of its tokens val, the rest train
 SMALL_INPUT_VAL_FRACTION = 0.1
 
 
@@ -224,7 +218,6 @@ if __name__ == "__main__":
 
 import numpy as np
 
-# the document sources and the worker pool that tokenizes them in order; the shards' writer; GPT-2's tokenizer
 from trainkit.data.documents import CHUNK_CHARS, chunk_located, hub_revision, init_worker, iter_file_documents
 from trainkit.data.documents import iter_hub_documents, load_worker_encoding, resolve_files, tokenize_in_order
 from trainkit.data.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest
@@ -236,7 +229,7 @@ from trainkit.data.tokenizer import ENCODING_NAME, EOT
 
 def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
     """The source in words, the config (all that changes the output: a resume must match it), the inputs."""
-    inputs = None
+    source, inputs = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})", None
     if args.files:
         files = resolve_files(args.files)
         outside = os.path.realpath(args.out_dir) + os.sep
@@ -247,8 +240,6 @@ def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
             )
         source = f"--files {' '.join(args.files)} ({len(files)} matched)"
         inputs = input_listing(files)
-    else:
-        source = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})"
     file_keys = ("files", "doc_per_file", "utf8_errors") if args.files else ()
     config = {key: getattr(args, key) for key in ("dataset", "name", "split", *file_keys, "text_field")}
     config["tokenizer"] = ENCODING_NAME
@@ -271,8 +262,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--out-dir {args.out_dir!r} is not a folder")
     args.split_small_input = args.shard_size is None and args.val_shards == 1
     args.shard_size = args.shard_size or DEFAULT_SHARD_SIZE
-    if args.prefix is None:
-        args.prefix = default_prefix(args)
+    args.prefix = default_prefix(args) if args.prefix is None else args.prefix
     if "/" in args.prefix or os.sep in args.prefix:
         raise UserError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
     if args.prefix.startswith("."):  # glob's * (train_gpt2.py's *_val_*) skips hidden files
@@ -299,8 +289,7 @@ def default_prefix(args: argparse.Namespace) -> str:
 
 @contextlib.contextmanager
 def output_folder(out_dir: str):
-    """Creates out_dir (and parents) and holds it (the FolderLock yielded); where the block fails, the folders
-    it created that are still empty (and still at their names) are removed."""
+    """out_dir created and held (the FolderLock yielded); where the block fails, the folders it made go if empty."""
     created, folder = [], os.path.abspath(out_dir)
     while not os.path.exists(folder):
         created.append(folder)

@@ -1,9 +1,4 @@
-"""Plot a training run from its log.jsonl: train and validation loss (with bits per byte where logged),
-HellaSwag accuracy and the learning rate, one colour per run (docs/plotting.md).
-
-    python plot_log.py out                                   # writes out/loss.png
-    python plot_log.py out/log.jsonl -o run.png --baseline-hellaswag 0.2955
-"""
+"""Plot a run's loss, bits per byte, HellaSwag accuracy and learning rate from its log.jsonl (docs/plotting.md)."""
 
 from __future__ import annotations
 
@@ -17,14 +12,12 @@ import os
 import sys
 
 from trainkit import fileio
-from trainkit.fileio import write_atomically
 from trainkit.cli import UserError, print_line, reason_of
 
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")  # what the plots read
 DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
-# the trainer computes in float32 (or narrower): a value beyond its range is drawn as a gap, like inf,
-# since an axis reaching float64's 1e308 overflows matplotlib's tick arithmetic
+# beyond float32's range (the trainer's): a gap, like inf (an axis reaching 1e308 overflows matplotlib's ticks)
 LARGEST_DRAWN = 3.4e38
 
 
@@ -49,8 +42,7 @@ def check_numbers(record: dict, where: str) -> None:
 
 
 def load_records(log: str) -> list[dict]:
-    """The JSON objects of log.jsonl in order; lines not JSON are skipped with a warning, a plotted value
-    that is no number is an error naming its line."""
+    """log.jsonl's JSON records; lines not JSON are skipped with a warning, a value that is no number refused."""
     records, bad = [], 0
     with open(log, "rb") as f:
         for line_no, line in enumerate(f, 1):
@@ -104,14 +96,9 @@ def ema(values: list[float], weight: float) -> list[float]:
 
 def resume_steps(records: list[dict]) -> list:
     """Steps where the run was resumed: its {"event": "resume"} records, and each place the steps go back."""
-    steps = {r["step"] for r in records if r.get("event") == "resume"}
-    last = None
-    for r in records:
-        if "loss" in r:
-            if last is not None and r["step"] <= last:
-                steps.add(r["step"])
-            last = r["step"]
-    return sorted(steps)
+    train = [r["step"] for r in records if "loss" in r]
+    steps_back = {step for last, step in zip(train, train[1:]) if step <= last}
+    return sorted({r["step"] for r in records if r.get("event") == "resume"} | steps_back)
 
 
 def agreed(values: list):
@@ -135,8 +122,7 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
 
 
 def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(name, records) of each run the log holds, in order; a branch (a resume naming its "parent") stays its
-    parent's curve where the log holds the parent; records naming no run are one run."""
+    """(name, records) per run the log holds, in order; a branch stays its parent's curve where the log holds it."""
     runs, curve_of = [], {}
     for record in records:
         run = record.get("run") if isinstance(record.get("run"), str) else None
@@ -169,8 +155,7 @@ def make_figure(
     title: str | None = None,
     smooth=DEFAULT_SMOOTH,
 ):
-    """A Figure of a loss panel, a HellaSwag panel (with any hellaswag_acc or a baseline) and a learning-rate
-    panel; smooth: the train loss's EMA weight (0: none); each run in a colour of its own."""
+    """A Figure of the loss, HellaSwag (where logged or a baseline) and learning-rate panels, one colour per run."""
     matplotlib = cli.optional_import("matplotlib", "matplotlib is not installed: pip install matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -296,7 +281,7 @@ def plot_log(
             raise UserError(f"cannot write {out}: unknown image type .{extension} (use {known})")
         save = lambda f: fig.savefig(f, format=extension, dpi=120)
         # a new file renamed over out: a link or a file standing there is replaced, not written through
-        write_atomically(out, save, fsync_file=False, fsync_folder=False, tmp=f"{out}.{os.getpid()}.tmp")
+        fileio.write_atomically(out, save, fsync_file=False, fsync_folder=False, tmp=f"{out}.{os.getpid()}.tmp")
     except OSError as e:
         raise UserError(f"cannot write {out}: {reason_of(e)}") from None
     finally:

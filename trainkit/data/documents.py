@@ -1,6 +1,5 @@
-"""The documents fineweb.py tokenizes and the worker pool that tokenizes them: four sources (.jsonl lines,
-.parquet, text files, the Hugging Face Hub), each a deterministic stream of (where, text), tokenized in
-order; a document that cannot be tokenized is one UserError naming it."""
+"""The documents fineweb.py tokenizes, as deterministic streams of (where, text) from .jsonl, .parquet, text
+files or the Hugging Face Hub, and the worker pool that tokenizes them in order."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import tiktoken
 from trainkit import fileio
 from trainkit.cli import UserError, optional_import, reason_of
 from trainkit.fileio import check_regular
-from trainkit.data.tokenizer import encode_documents, get_encoding
+from trainkit.data.tokenizer import encode_documents, get_encoding, get_tokenizer_or_fail
 
 # --- document sources: the same arguments give the same documents in the same order (resumes count them)
 
@@ -186,8 +185,7 @@ _worker_encoding = None
 
 
 def init_worker():
-    # the main process handles Ctrl-C and SIGTERM and stops the pool; a worker ignores Ctrl-C
-    # and ends quietly on the SIGTERM of pool.terminate() (not via the inherited handler)
+    # the main process stops the pool: a worker ignores Ctrl-C and ends quietly on pool.terminate()'s SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _worker_encoding
@@ -198,10 +196,7 @@ def init_worker():
 def load_worker_encoding() -> None:
     """Load the encoding before the pool forks: a failure is one UserError, and the workers inherit it."""
     global _worker_encoding
-    try:
-        _worker_encoding = get_encoding()
-    except RuntimeError as e:
-        raise UserError(str(e)) from e
+    _worker_encoding = get_tokenizer_or_fail()
 
 
 class ChunkError(Exception):
@@ -222,8 +217,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents(enc, docs), any failure a ChunkError naming the document at fault (a BaseException such as
-    tiktoken's PanicException would end the worker and leave the pool waiting forever)."""
+    """encode_documents; any failure (a PanicException too: it would hang the pool) a ChunkError naming the document."""
     try:
         return _encode_chunk(enc, docs, utf8_errors)
     except (ChunkError, UserError, KeyboardInterrupt, SystemExit):
@@ -288,8 +282,8 @@ def chunk_located(located, chunk_chars: int):
 
 
 def tokenize_in_order(chunks, pool, max_in_flight: int, utf8_errors: str = "strict"):
-    """Token arrays of the (texts, wheres) chunks, in order, at most max_in_flight in the pool (Pool.imap's
-    results pile up without limit); a chunk that cannot be tokenized is a UserError naming the document."""
+    """Token arrays of the (texts, wheres) chunks in order, at most max_in_flight in the pool (Pool.imap's pile
+    up); a chunk that cannot be tokenized is a UserError naming the document."""
     pending = deque()
     for texts, wheres in chunks:
         task = (texts, utf8_errors)

@@ -1,8 +1,6 @@
-"""The passes over every token of a shard that start-up needs, done once per shard and kept (docs/data.md):
-its largest token id (fineweb.py's manifest records it, else kept in the cache) and its --align-docs row
-table, kept in a cache folder outside the data folder ($XDG_CACHE_HOME/gpt2-trainer/shards, else
-~/.cache/gpt2-trainer/shards), each entry named by the shard's path and identity and checked before use.
-Under torchrun the ranks split the scans and exchange the results. Runs nothing at import."""
+"""Start-up's passes over every token of a shard, its largest id and its --align-docs row table, done once
+and kept in $XDG_CACHE_HOME/gpt2-trainer/shards (else ~/.cache/...), each entry checked before use; under
+torchrun the ranks split the scans (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -47,7 +45,7 @@ class ScanCache:
         return os.path.join(self.folder, where), os.path.join(self.folder, f"{where}-{what}")
 
     def _read(self, path: str, suffix: str, read, quiet: bool = False):
-        """read(name) of the path's entry of that suffix; None where there is none or it is unfit (a note unless quiet)."""
+        """read(name) of the path's entry of that suffix; None where there is none or unfit (noted unless quiet)."""
         entry = self._entry(path)
         if entry is None:
             return None
@@ -109,8 +107,8 @@ def read_max_id(name: str) -> int:
 
 
 def open_entry(name: str, max_bytes: int):
-    """The cache entry at name open for reading where it is a regular file of at most max_bytes that this
-    user owns and no other may write, in such a folder (as ssh trusts its files); else an UnfitEntry."""
+    """The cache entry at name opened where a regular file of at most max_bytes only this user may write, in
+    such a folder (as ssh trusts its files); else an UnfitEntry."""
     folder = os.stat(os.path.dirname(name) or ".")
     if not _only_mine(folder):
         raise UnfitEntry(f"its folder {_whose(folder)}")
@@ -260,19 +258,17 @@ def scan_shards(
             max_ids[i] = largest
             if T and tables[i] is None and cached:
                 tables[i] = cache.rows(paths[i], T, shards[i], quiet=True)
-    if T:
-        missing = [i for i in need if tables[i] is None]
-        if any(_all_gather(bool(missing))):  # some rank cannot read another's cache: send the tables themselves
-            sent = {i: np.asarray(tables[i]) for i in mine}
-            for part in _all_gather(sent):
-                for i, table in part.items():
-                    if tables[i] is None:
-                        tables[i] = table
+    # where a rank cannot read another's cache, the tables themselves are sent
+    if T and any(_all_gather(any(tables[i] is None for i in need))):
+        for part in _all_gather({i: np.asarray(tables[i]) for i in mine}):
+            for i, table in part.items():
+                if tables[i] is None:
+                    tables[i] = table
     return max_ids, tables
 
 
 def open_split(data_dir: str, split: str, T: int, align_docs: bool, build_rows, vocab_size: int | None, progress):
-    """(paths, memory-mapped shards, row tables or None, rows per shard) of data_dir's split, token ids checked
+    """(paths, memory-mapped shards, row tables or None, rows per shard) of data_dir's split, its ids checked
     against vocab_size (None: not); a shard too short for one row is refused."""
     paths = find_shards(data_dir, split)
     shards = [open_shard(p) for p in paths]

@@ -1,5 +1,4 @@
-"""fineweb.py's side of the token shards: ShardWriter cuts the token stream into shards and records each
-in the manifest that lets a killed run resume byte-identically (open_manifest, save_manifest)."""
+"""fineweb.py's ShardWriter: the token stream cut into shards, each recorded in the manifest a resume reads."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from trainkit.data.tokenizer import ENCODING_NAME, EOT
 
 
 def write_whole(folder: FolderLock, name: str, *blobs) -> None:
-    """name written whole or not at all into the folder held (its descriptor), without fsync (seconds per shard
-    on slow disks; a resume checks each shard's size); a UserError says that a rerun resumes."""
+    """name written whole into the folder held, without fsync (seconds per shard on slow disks; a resume checks
+    sizes); a UserError says that a rerun resumes."""
     folder.check_held("; run the same command on the folder it took to resume")
     path = os.path.join(folder.folder, name)
     target, fd = fileio.in_held_folder(folder.folder, name, folder.fd), folder.fd
@@ -42,8 +41,7 @@ class ShardWriter:
     def __init__(self, folder: FolderLock, manifest: dict):
         self.folder, self.manifest = folder, manifest
         config = manifest["config"]
-        self.prefix, self.fmt = config["prefix"], config["format"]
-        self.val_shards = config["val_shards"]
+        self.prefix, self.fmt, self.val_shards = config["prefix"], config["format"], config["val_shards"]
         try:
             self.buffer = np.empty(config["shard_size"], dtype="<u2")
         except MemoryError:

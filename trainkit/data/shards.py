@@ -1,7 +1,5 @@
-"""The token shards: their format (build-nanogpt's .npy or llm.c's .bin, 1-D uint16; shard_header, open_shard),
-their checks against fineweb.py's manifest.json and the model's vocabulary, and the identity of the shards a
-run reads as a checkpoint records it (shard_files, differing_file). docs/data.md tells what is checked and why.
-"""
+"""The token shards: their format (.npy or llm.c's .bin, 1-D uint16), their checks against fineweb.py's
+manifest.json and the vocabulary (docs/data.md), and their identity as a checkpoint records it (shard_files)."""
 
 from __future__ import annotations
 
@@ -123,19 +121,16 @@ def _field_problem(record: dict, fields: dict, where: str, resume: bool) -> str 
 
 
 def manifest_problem(manifest, resume: bool = False) -> str | None:
-    """What makes manifest (decoded) not one fineweb.py writes, naming the field; None where it is one.
-    resume: the fields a resumed fineweb.py reads are required too."""
+    """What makes manifest not one fineweb.py writes, naming the field, or None; resume: its fields required too."""
     if not isinstance(manifest, dict):
         return f"it holds {json_kind(manifest)}, not an object"
-    problem = _field_problem(manifest, MANIFEST_FIELDS, "", resume)
-    if problem:
+    if problem := _field_problem(manifest, MANIFEST_FIELDS, "", resume):
         return problem
     seen = set()
     for i, shard in enumerate(manifest["shards"]):
         if not isinstance(shard, dict):
             return f"field shards[{i}] is {json_kind(shard)}, not an object"
-        problem = _field_problem(shard, SHARD_FIELDS, f"shards[{i}].", resume)
-        if problem:
+        if problem := _field_problem(shard, SHARD_FIELDS, f"shards[{i}].", resume):
             return problem
         if shard["file"] in seen:
             return f"field shards[{i}].file names {shard['file']!r} a second time"
@@ -147,8 +142,7 @@ def manifest_problem(manifest, resume: bool = False) -> str | None:
 
 
 def folder_manifest(folder: str) -> dict | None:
-    """fineweb.py's manifest.json in folder, None where there is none; one that cannot be read or is not of
-    the schema is a UserError (read as none, the shards of an unfinished run would go unchecked)."""
+    """fineweb.py's manifest.json in folder or None; one unreadable or not of the schema is a UserError."""
     path = os.path.join(folder, MANIFEST)
     try:
         manifest = fileio.read_json(path)
@@ -185,8 +179,8 @@ def recorded(paths: list[str], key: str) -> list:
 
 
 def check_against_manifest(folder: str, split: str, paths: list[str]):
-    """Where a manifest is, it lists the folder's shards: refuse an unfinished run's, a shard of the split
-    (paths) it does not list, and one it lists that is missing or of another size."""
+    """Where a manifest is, refuse an unfinished run's shards, files of the split it does not list, listed ones
+    missing or of another size."""
     manifest, where = folder_manifest(folder), os.path.join(folder, MANIFEST)
     if manifest is None:  # shards from another tool
         return
@@ -206,11 +200,9 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
         path = os.path.join(folder, name)
         if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]):
             continue
-        what = (
-            f"is {os.path.getsize(path)} bytes, not the {clipped(entry['bytes'])} that {where} lists"
-            if os.path.isfile(path)
-            else f"is missing, yet {where} lists it"
-        )
+        what = f"is missing, yet {where} lists it"
+        if os.path.isfile(path):
+            what = f"is {os.path.getsize(path)} bytes, not the {clipped(entry['bytes'])} that {where} lists"
         raise UserError(f"{path} {what}; restore it, or re-create the data set with fineweb.py")
 
 
@@ -236,8 +228,8 @@ def check_token_ids(paths: list[str], largest_ids: list[int], vocab_size: int):
 
 
 class ShardDigestCheck:
-    """Each shard's full sha256 against its manifest's, once, on a thread beside the steps (hashlib lets go of
-    the GIL: 0.4 to 0.8 s per 100M-token shard); close() ends it at the next MiB, on every way out."""
+    """Each shard's full sha256 against its manifest's, on a thread beside the steps (hashlib lets go of the GIL:
+    0.4 to 0.8 s per 100M-token shard); close() ends it at the next MiB."""
 
     CHUNK = 1 << 20
 
