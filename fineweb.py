@@ -1,26 +1,7 @@
-"""Tokenize a text dataset into GPT-2 token shards for train_gpt2.py.
-
-Each document becomes [<|endoftext|>] + its GPT-2 BPE tokens; the token stream is cut into
-shards of --shard-size tokens (a document that does not fit continues in the next shard),
-the first shard is the validation split, and each shard is a 1-D uint16 array saved with
-np.save, like build-nanogpt's edu_fineweb10B shards (or llm.c's .bin with --format bin).
-
-    python fineweb.py                                   # FineWeb-Edu sample-10BT, 100M-token shards
-    python fineweb.py --max-tokens 20M --out-dir data/edu20M
-    python fineweb.py --files 'corpus/**/*.parquet' --out-dir data/mine
-    python fineweb.py --files "$(python -c 'import os; print(os.path.dirname(os.__file__))')/*.py" \
-        --doc-per-file --shard-size 256K --prefix stdlib --out-dir data/stdlib   # offline
-
-OUT/manifest.json records every finished shard; a run that was killed resumes where it
-stopped when started again with the same arguments and unchanged input, and the shards come
-out byte-identical.
-
-What is where: main, run and write_shards (just below) are the path from documents to shards;
-then the command line, answered before numpy and tiktoken load; then the checks and folder
-handling that run calls. The pieces shared with the trainer live in trainkit/: the shard format
-(data/shards.py) and the writer of shards and their manifest (data/shard_writer.py), GPT-2's tokenizer (data/tokenizer.py);
-and this script's document sources and worker pool are trainkit/data/documents.py.
-"""
+"""Tokenize a text dataset into GPT-2 token shards for train_gpt2.py (docs/data.md): each document becomes
+[<|endoftext|>] + its GPT-2 BPE tokens, cut into shards of --shard-size tokens (the first the val split), 1-D
+uint16 arrays as build-nanogpt's (or llm.c's .bin). OUT/manifest.json records every finished shard: the same
+command resumes a killed run, and the shards come out byte-identical."""
 
 from __future__ import annotations
 
@@ -42,16 +23,15 @@ from trainkit.fileio import FolderLock, remove_if_same  # one live writer per --
 # --- from documents to shards -------------------------------------------------------------
 
 
+INTERRUPTED = "fineweb.py: interrupted; run the same command again to resume"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return exit_code_of(
-            lambda: (validate_args(args), run(args)),
-            args.debug,
-            also_catch=(OSError,),
-            interrupted="fineweb.py: interrupted; run the same command again to resume",
-        )
+        action = lambda: (validate_args(args), run(args))
+        return exit_code_of(action, args.debug, also_catch=(OSError,), interrupted=INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
 
@@ -64,8 +44,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs, folder: FolderLock) -> None:
-    """The shards of the source in args.out_dir (held by this run: folder): a new data set, the rest of an
-    interrupted one, or nothing when it is complete."""
+    """The shards of the source in args.out_dir (held: folder): new, the rest of an interrupted run, or none."""
     manifest = open_manifest(args.out_dir, config, source, inputs)
     writer = ShardWriter(folder, manifest)
     done = f"{len(manifest['shards'])} shards, {writer.tokens_written:,} tokens"
@@ -73,13 +52,10 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs, 
         print_line(f"{args.out_dir} is already complete ({done}); nothing to do")
         return
     if args.files:
-        documents = iter_file_documents(
-            [path for path, *_ in inputs], args.text_field, args.doc_per_file, args.utf8_errors
-        )
-    else:  # a resumed run reads the commit that the interrupted one started with
-        # asked of the Hub only by a new run: a resume must not depend on reaching it again
-        revision = manifest.get("hub_revision") or hub_revision(args.dataset)
-        manifest["hub_revision"] = revision
+        paths = [path for path, *_ in inputs]
+        documents = iter_file_documents(paths, args.text_field, args.doc_per_file, args.utf8_errors)
+    else:  # a resume reads the commit the interrupted run started with, without asking the Hub again
+        revision = manifest["hub_revision"] = manifest.get("hub_revision") or hub_revision(args.dataset)
         documents = iter_hub_documents(args.dataset, args.name, args.split, revision, args.text_field, args.debug)
     if manifest["shards"]:
         print_line(f"resuming after {done} (skipping the first {writer.documents_done:,} documents)", file=sys.stderr)
@@ -116,16 +92,8 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
         if first is None and not writer.manifest["shards"]:
             raise UserError(f"no documents in {source}")
         chunks = chunk_located(chain([first], documents) if first is not None else (), CHUNK_CHARS)
-        progress = stack.enter_context(
-            tqdm(
-                total=args.max_tokens,
-                initial=writer.tokens_total,
-                unit="tok",
-                unit_scale=True,
-                desc="tokenizing",
-                dynamic_ncols=True,
-            )
-        )
+        look = dict(unit="tok", unit_scale=True, desc="tokenizing", dynamic_ncols=True)
+        progress = stack.enter_context(tqdm(total=args.max_tokens, initial=writer.tokens_total, **look))
         for tokens in tokenize_in_order(chunks, pool, 2 * args.workers, args.utf8_errors):
             if drop:
                 tokens, drop = _drop_written_prefix(tokens, drop), 0
@@ -145,8 +113,7 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
 
 DEFAULT_DATASET, DEFAULT_NAME = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 DEFAULT_SHARD_SIZE = 10**8
-# with the default --shard-size, an input smaller than one shard (a file of your own) is cut in two shards: this
-# fraction of its tokens the val split, the rest train (one val shard of everything would leave nothing to train on)
+# an input smaller than one default shard is cut in two: this fraction of its tokens val, the rest train
 SMALL_INPUT_VAL_FRACTION = 0.1
 
 
@@ -247,35 +214,22 @@ def parse_size(text: str) -> int:
 
 
 if __name__ == "__main__":
-    cli.exit_on_ctrl_c_while_starting()
-    parse_args()  # --help, or a usage error: answered now, before the slow imports
+    cli.parse_before_imports(parse_args)  # --help, or a usage error: answered before the slow imports
 
 import numpy as np
 
-from trainkit.data.documents import (  # defines: the four document sources, the worker pool that tokenizes in order
-    CHUNK_CHARS,
-    chunk_located,
-    hub_revision,
-    init_worker,
-    iter_file_documents,
-    iter_hub_documents,
-    load_worker_encoding,
-    resolve_files,
-    tokenize_in_order,
-)
-
-# defines: shards, manifest
+from trainkit.data.documents import CHUNK_CHARS, chunk_located, hub_revision, init_worker, iter_file_documents
+from trainkit.data.documents import iter_hub_documents, load_worker_encoding, resolve_files, tokenize_in_order
 from trainkit.data.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest
-from trainkit.data.tokenizer import ENCODING_NAME, EOT  # defines: GPT-2's tokenizer (r50k_base, offline from bpe/)
+from trainkit.data.tokenizer import ENCODING_NAME, EOT
 
 
 # --- what run calls ----------------------------------------------------------------------------
 
 
 def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
-    """The source in words, the config (everything that changes the output: a resumed run
-    must match it exactly), and the input files' listing (None for the Hub)."""
-    inputs, file_info = None, {}
+    """The source in words, the config (all that changes the output: a resume must match it), the inputs."""
+    source, inputs = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})", None
     if args.files:
         files = resolve_files(args.files)
         outside = os.path.realpath(args.out_dir) + os.sep
@@ -286,31 +240,18 @@ def describe_input(args: argparse.Namespace) -> tuple[str, dict, list | None]:
             )
         source = f"--files {' '.join(args.files)} ({len(files)} matched)"
         inputs = input_listing(files)
-        file_info = {"files": args.files, "doc_per_file": args.doc_per_file, "utf8_errors": args.utf8_errors}
-    else:
-        source = f"Hugging Face Hub {args.dataset} (name {args.name}, split {args.split})"
-    config = {
-        "dataset": args.dataset,
-        "name": args.name,
-        "split": args.split,
-        **file_info,
-        "text_field": args.text_field,
-        "tokenizer": ENCODING_NAME,
-        "shard_size": args.shard_size,
-        "max_tokens": args.max_tokens,
-        "val_shards": args.val_shards,
-        "prefix": args.prefix,
-        "format": args.format,
-    }
+    file_keys = ("files", "doc_per_file", "utf8_errors") if args.files else ()
+    config = {key: getattr(args, key) for key in ("dataset", "name", "split", *file_keys, "text_field")}
+    config["tokenizer"] = ENCODING_NAME
+    config |= {key: getattr(args, key) for key in ("shard_size", "max_tokens", "val_shards", "prefix", "format")}
     return source, config, inputs
 
 
 def validate_args(args: argparse.Namespace) -> None:
     """What argparse cannot check; fills in the Hub defaults. UserError names the flag."""
-    if args.files:
-        if args.dataset or args.name or args.split:
-            raise UserError("--files reads local files; leave out --dataset, --name and --split")
-    else:
+    if args.files and (args.dataset or args.name or args.split):
+        raise UserError("--files reads local files; leave out --dataset, --name and --split")
+    if not args.files:
         if args.dataset is None:
             args.dataset = DEFAULT_DATASET
             args.name = args.name or DEFAULT_NAME
@@ -321,8 +262,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--out-dir {args.out_dir!r} is not a folder")
     args.split_small_input = args.shard_size is None and args.val_shards == 1
     args.shard_size = args.shard_size or DEFAULT_SHARD_SIZE
-    if args.prefix is None:
-        args.prefix = default_prefix(args)
+    args.prefix = default_prefix(args) if args.prefix is None else args.prefix
     if "/" in args.prefix or os.sep in args.prefix:
         raise UserError(f"--prefix {args.prefix!r} is the start of a file name, not a path")
     if args.prefix.startswith("."):  # glob's * (train_gpt2.py's *_val_*) skips hidden files
@@ -330,19 +270,16 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--prefix {args.prefix!r} starts with '.': train_gpt2.py would not find shards named "
             "like hidden files; choose a prefix without the leading dot"
         )
-    for split, other in (("val", "train"), ("train", "val")):
-        # train_gpt2.py finds a split's shards by the name pattern *_{split}_*
+    for split, other in (("val", "train"), ("train", "val")):  # train_gpt2.py finds a split by *_{split}_*
         if f"_{other}_" in f"{args.prefix}_{split}_":
             raise UserError(
                 f"--prefix {args.prefix!r} would name {split} shards {args.prefix}_{split}_NNNNNN, "
-                f"which train_gpt2.py would read as {other} shards too (*_{other}_*); "
-                "choose a prefix without '_train' or '_val'"
+                f"which train_gpt2.py would read as {other} shards too (*_{other}_*); choose a prefix without '_train' or '_val'"
             )
 
 
 def default_prefix(args: argparse.Namespace) -> str:
-    """build-nanogpt's edufineweb for FineWeb-Edu; another Hub dataset's name (HuggingFaceFW/fineweb: fineweb, with
-    characters other than letters, digits, '-' and '.' as '-'); local files: data."""
+    """edufineweb for FineWeb-Edu (build-nanogpt's); another Hub dataset's name, sanitized; files: data."""
     if args.files:
         return "data"
     if args.dataset == DEFAULT_DATASET:
@@ -352,11 +289,7 @@ def default_prefix(args: argparse.Namespace) -> str:
 
 @contextlib.contextmanager
 def output_folder(out_dir: str):
-    """Creates out_dir (and missing parents) and holds it (FolderLock, yielded: the shards are written
-    into the folder it holds) for the block: a second run on it is refused before it reads or writes
-    anything there. If the block fails or is interrupted with the new folders still empty, removes the
-    folders it created, each only where its name still names it: a run that wrote nothing leaves
-    nothing behind, and a folder put at one of those names since is left alone."""
+    """out_dir created and held (the FolderLock yielded); where the block fails, the folders it made go if empty."""
     created, folder = [], os.path.abspath(out_dir)
     while not os.path.exists(folder):
         created.append(folder)
@@ -386,8 +319,7 @@ def _drop_written_prefix(tokens: np.ndarray, count: int) -> np.ndarray:
     first_document_longer = tokens.size > count and not (tokens[1 : count + 1] == EOT).any()
     if tokens[0] != EOT or not first_document_longer:
         raise UserError(
-            "the input differs from the interrupted run's (a document split across "
-            "shards is shorter now); delete the --out-dir folder and start over"
+            "the input differs from the interrupted run's (a document split across shards is shorter now); delete the --out-dir folder and start over"
         )
     return tokens[count:]
 

@@ -1,22 +1,4 @@
-"""Plot a training run from its log.jsonl.
-
-    python plot_log.py out                                   # writes out/loss.png
-    python plot_log.py out/log.jsonl -o run.png --baseline-hellaswag 0.2955
-
-Panels: train and validation loss, with a right-hand axis that reads the validation curve in bits
-per byte when the log has them (val_bpb: the same validation tokens each time make it the loss times
-one factor; where the factor changed, e.g. a resume with other --val-steps, val_bpb gets its own
-line and axis instead); HellaSwag accuracy (when the log has any or a baseline
-is given; the baseline is a horizontal line labelled "GPT-2 124M"); learning rate. The train
-loss is drawn faint, step by step, under its exponential moving average (--smooth). A dotted
-vertical line marks each step where the run was resumed. The loss axis is linear
-and, by default, its top is set from the run after its first steps so that the initial
-loss (about 11 for GPT-2) does not flatten the rest of the curve (--no-clip shows it all).
-Records of other kinds in the log are ignored. A log of several runs (logs concatenated; every
-record names its run) draws each run's curves in a colour of its own (runs_of).
-
-matplotlib is optional: it is imported only when plotting, with the Agg backend (no display).
-"""
+"""Plot a run's loss, bits per byte, HellaSwag accuracy and learning rate from its log.jsonl (docs/plotting.md)."""
 
 from __future__ import annotations
 
@@ -30,40 +12,17 @@ import os
 import sys
 
 from trainkit import fileio
-from trainkit.fileio import write_atomically
 from trainkit.cli import UserError, print_line, reason_of
 
 BASELINE_LABEL = "GPT-2 124M"
 NUMERIC_KEYS = ("step", "loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")  # what the plots read
 DEFAULT_SMOOTH = 0.9  # EMA weight: about the last 10 steps
-# the trainer computes in float32 (or narrower): a value beyond its range is drawn as a gap, like inf,
-# since an axis reaching float64's 1e308 overflows matplotlib's tick arithmetic
+# beyond float32's range (the trainer's): a gap, like inf (an axis reaching 1e308 overflows matplotlib's ticks)
 LARGEST_DRAWN = 3.4e38
-
-
-def find_log(path: str) -> str:
-    """path is a run's out dir or its log.jsonl."""
-    log = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(log):
-        raise UserError(f"no log at {log}: pass a run's --out-dir or its log.jsonl")
-    return log
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def is_drawn(value: float) -> bool:
     return math.isfinite(value) and abs(value) <= LARGEST_DRAWN
-
-
-def parse_record(line: bytes):
-    """A line's JSON value, or None where it is not JSON text: a write cut by a crash, bytes that
-    are not UTF-8, nesting deeper than any record (fileio.MAX_DEPTH)."""
-    try:
-        return fileio.parse_json(line, "log")  # accepts the NaN/Infinity that json.dumps writes
-    except fileio.JSONFileError:
-        return None
 
 
 def check_numbers(record: dict, where: str) -> None:
@@ -72,7 +31,7 @@ def check_numbers(record: dict, where: str) -> None:
         value = record.get(key)
         if value is None:
             continue
-        if not is_number(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise UserError(f"{where}: {key} is {value!r}, not a number")
         try:
             value = float(value)
@@ -83,15 +42,16 @@ def check_numbers(record: dict, where: str) -> None:
 
 
 def load_records(log: str) -> list[dict]:
-    """The JSON objects of log.jsonl, in file order. Malformed lines (a write cut by a crash)
-    are skipped with a warning on stderr; a record whose step or plotted value is not a
-    number is an error naming its line."""
+    """log.jsonl's JSON records; lines not JSON are skipped with a warning, a value that is no number refused."""
     records, bad = [], 0
     with open(log, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = parse_record(line)
+            try:
+                record = fileio.parse_json(line, "log")  # accepts the NaN/Infinity that json.dumps writes
+            except fileio.JSONFileError:
+                record = None
             if not isinstance(record, dict) or record.get("step") is None:
                 bad += 1
                 continue
@@ -99,8 +59,7 @@ def load_records(log: str) -> list[dict]:
             records.append(record)
     if not records and bad:  # e.g. a checkpoint passed for its log
         raise UserError(
-            f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; "
-            "pass a run's --out-dir or its log.jsonl"
+            f"{log} is not a run's log: none of its {bad} line(s) is a JSON record; pass a run's --out-dir or its log.jsonl"
         )
     if not records:
         raise UserError(f"{log} has no records yet (is the run just starting?)")
@@ -125,9 +84,7 @@ def drawn(values: list[float]) -> list[float]:
 
 
 def ema(values: list[float], weight: float) -> list[float]:
-    """Exponential moving average, debiased so that the first points are not pulled toward 0
-    (as TensorBoard smooths); a value not drawn (inf, nan, beyond LARGEST_DRAWN) is left out and
-    the average carries over it."""
+    """Exponential moving average, debiased as TensorBoard's; values not drawn are left out (carried over)."""
     out, avg, norm = [], 0.0, 0.0
     for v in values:
         if is_drawn(v):
@@ -138,36 +95,21 @@ def ema(values: list[float], weight: float) -> list[float]:
 
 
 def resume_steps(records: list[dict]) -> list:
-    """Steps where the run was resumed: the trainer's {"event": "resume", "step": S} records,
-    and, in a log without them, each place where the training steps go back."""
-    steps = {r["step"] for r in records if r.get("event") == "resume"}
-    last = None
-    for r in records:
-        if "loss" in r:
-            if last is not None and r["step"] <= last:
-                steps.add(r["step"])
-            last = r["step"]
-    return sorted(steps)
+    """Steps where the run was resumed: its {"event": "resume"} records, and each place the steps go back."""
+    train = [r["step"] for r in records if "loss" in r]
+    steps_back = {step for last, step in zip(train, train[1:]) if step <= last}
+    return sorted({r["step"] for r in records if r.get("event") == "resume"} | steps_back)
 
 
-def bits_per_byte_factor(val_steps: list, val_loss: list[float], bpb_steps: list, val_bpb: list[float]):
-    """val_bpb / val_loss when every evaluation logged the same ratio (to 0.1%, the log's rounding
-    aside), else None. The ratio is bytes per token's inverse (over ln 2), fixed by the validation
-    tokens, which are the same at every evaluation of a run."""
-    bpb = dict(zip(bpb_steps, val_bpb))
-    ratios = [
-        bpb[s] / v
-        for s, v in zip(val_steps, val_loss)
-        if s in bpb and is_drawn(v) and is_drawn(bpb[s]) and v > 0 and bpb[s] > 0
-    ]
-    if ratios and max(ratios) - min(ratios) <= 1e-3 * min(ratios):
-        return ratios[-1]
+def agreed(values: list):
+    """The last of values where all agree to 0.1% (the log's rounding aside), else None."""
+    if values and None not in values and max(values) - min(values) <= 1e-3 * min(values):
+        return values[-1]
     return None
 
 
 def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
-    """y-limits that ignore the first skip_frac of training steps (the initial drop from ~11),
-    or None when the run is too short for that to matter."""
+    """y-limits leaving out the first skip_frac of steps (the drop from ~11); None for a short run."""
     if len(train) < 20:
         return None
     rest = [v for v in train[max(1, int(len(train) * skip_frac)) :] + val[1:] if is_drawn(v)]
@@ -180,11 +122,7 @@ def loss_ylim(train: list[float], val: list[float], skip_frac: float = 0.05):
 
 
 def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(name, records) of each run the log holds, in the order they first appear. Every record names the run
-    that wrote it ("run"); a branch (a resume from an earlier checkpoint) is a new run whose first record is
-    its resume, naming the run it branched from ("parent"): where that run's records came before, it stays
-    that run's curve. Any other new run (two runs' logs concatenated, a branch of a run this log does not
-    hold) is a curve of its own. Records that name no run (a log of an older trainer) are one run."""
+    """(name, records) per run the log holds, in order; a branch stays its parent's curve where the log holds it."""
     runs, curve_of = [], {}
     for record in records:
         run = record.get("run") if isinstance(record.get("run"), str) else None
@@ -199,24 +137,15 @@ def runs_of(records: list[dict]) -> list[tuple[str, list[dict]]]:
 
 
 class Series:
-    """The values a run's curves draw: (steps, values) of each plotted key, sorted by step."""
+    """A run's (steps, values) of each plotted key; factor: val_bpb / val_loss where the same at every evaluation."""
 
     def __init__(self, records: list[dict]):
         self.records = records
-        self.train = series(records, "loss")
-        self.val = series(records, "val_loss")
-        self.bpb = series(records, "val_bpb")
-        self.hs = series(records, "hellaswag_acc")
-        self.lr = series(records, "lr")
-        self.factor = bits_per_byte_factor(*self.val, *self.bpb) if self.bpb[0] else None
-
-
-def shared_factor(runs: list[Series]):
-    """The one val_bpb / val_loss factor of every run that logs val_bpb (None where they differ)."""
-    factors = [run.factor for run in runs if run.bpb[0]]
-    if not factors or None in factors or max(factors) - min(factors) > 1e-3 * min(factors):
-        return None
-    return factors[-1]
+        keys = ("loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")
+        self.train, self.val, self.bpb, self.hs, self.lr = (series(records, key) for key in keys)
+        bpb = dict(zip(*self.bpb))
+        positive = lambda v: 0 < v <= LARGEST_DRAWN  # drawn and above 0
+        self.factor = agreed([bpb[s] / v for s, v in zip(*self.val) if s in bpb and positive(v) and positive(bpb[s])])
 
 
 def make_figure(
@@ -224,19 +153,12 @@ def make_figure(
     baseline: float | None = None,
     clip: bool = True,
     title: str | None = None,
-    smooth: float = DEFAULT_SMOOTH,
+    smooth=DEFAULT_SMOOTH,
 ):
-    """A matplotlib Figure with a loss panel, a HellaSwag panel when records have any
-    hellaswag_acc, and a learning-rate panel. Axes are in that order; lines carry labels.
-    smooth: the EMA weight of the train-loss line (0: no EMA line). A log of several runs
-    (runs_of) draws each run's curves in a colour of its own, labelled with its run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("matplotlib is not installed: pip install matplotlib") from None
+    """A Figure of the loss, HellaSwag (where logged or a baseline) and learning-rate panels, one colour per run."""
+    matplotlib = cli.optional_import("matplotlib", "matplotlib is not installed: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     named = runs_of(records)
     runs = [Series(run_records) for _, run_records in named]
@@ -253,7 +175,7 @@ def make_figure(
     fig, axes = plt.subplots(n_panels, 1, figsize=(9, 3.2 * n_panels), sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     ax = axes[0]
-    factor = shared_factor(runs)
+    factor = agreed([run.factor for run in runs if run.bpb[0]])  # one factor for every run, or None
     for k, run in enumerate(runs):
         (train_steps, train_loss), (val_steps, val_loss) = run.train, run.val
         if train_steps:
@@ -268,8 +190,6 @@ def make_figure(
     ylims = [loss_ylim(run.train[1], run.val[1]) for run in runs] if clip else []
     if ylims and all(ylims):
         ax.set_ylim(min(lo for lo, _ in ylims), max(hi for _, hi in ylims))
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
     legend_lines = list(ax.get_lines())
     if factor:  # one curve per run, read on either axis
         bpb_axis = ax.secondary_yaxis("right", functions=(lambda y: y * factor, lambda y: y / factor))
@@ -278,8 +198,8 @@ def make_figure(
         bpb_ax = ax.twinx()
         for k, run in enumerate(runs):
             if run.bpb[0]:
-                bpb_line = look(k, "tab:red", "val bits per byte")
-                legend_lines += bpb_ax.plot(run.bpb[0], drawn(run.bpb[1]), marker="s", ms=3, ls="--", **bpb_line)
+                style = dict(marker="s", ms=3, ls="--", **look(k, "tab:red", "val bits per byte"))
+                legend_lines += bpb_ax.plot(run.bpb[0], drawn(run.bpb[1]), **style)
         bpb_ax.set_ylabel("val bits per byte")
 
     if show_hs:
@@ -289,8 +209,6 @@ def make_figure(
                 ax.plot(run.hs[0], drawn(run.hs[1]), marker="o", ms=3, **look(k, "tab:green", "HellaSwag acc"))
         if baseline is not None:
             ax.axhline(baseline, ls="--", color="tab:red", label=f"{BASELINE_LABEL} ({baseline:.4f})")
-        ax.set_ylabel("HellaSwag acc_norm")
-        ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
 
     ax = axes[-1]
@@ -298,17 +216,16 @@ def make_figure(
         if run.lr[0]:
             ax.plot(run.lr[0], drawn(run.lr[1]), **look(k, "tab:purple", "learning rate"))
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    ax.set_ylabel("learning rate")
     ax.set_xlabel("step")
-    ax.grid(alpha=0.3)
+    for ax, label in zip(axes, ["loss (nats/token)"] + ["HellaSwag acc_norm"] * show_hs + ["learning rate"]):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
 
     for n, step in enumerate(sorted({step for run in runs for step in resume_steps(run.records)})):
-        for ax in axes:
-            line = ax.axvline(
-                step, ls=":", lw=1, color="gray", label="resumed" if n == 0 and ax is axes[0] else "_nolegend_"
-            )
-            if line.get_label() == "resumed":
-                legend_lines.append(line)
+        lines = [ax.axvline(step, ls=":", lw=1, color="gray", label="_nolegend_") for ax in axes]
+        if n == 0:
+            lines[0].set_label("resumed")
+            legend_lines.append(lines[0])
     axes[0].legend(handles=legend_lines, loc="upper right")  # one legend for both of the panel's axes
 
     summaries = [summary(run) for run in runs]
@@ -327,11 +244,8 @@ def summary(run: Series) -> str:
         parts.append(f"train loss {train_loss[-1]:.4f} (step {train_steps[-1]})")
     if val_steps:
         bpb = dict(zip(*run.bpb)).get(val_steps[-1])
-        parts.append(
-            f"val loss {val_loss[-1]:.4f}"
-            + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
-            + f" (step {val_steps[-1]})"
-        )
+        bits = f", {bpb:.4f} bits/byte" if bpb is not None else ""
+        parts.append(f"val loss {val_loss[-1]:.4f}{bits} (step {val_steps[-1]})")
     if hs_steps:
         parts.append(f"HellaSwag {hs_acc[-1]:.4f} (step {hs_steps[-1]})")
     return " | ".join(parts)
@@ -340,34 +254,34 @@ def summary(run: Series) -> str:
 def plot_log(
     path: str, out: str | None = None, baseline: float | None = None, clip: bool = True, smooth: float = DEFAULT_SMOOTH
 ) -> str:
-    """Read path (out dir or log.jsonl), write the image (default: loss.png beside the log; the
-    format follows the extension)."""
+    """Read path (out dir or log.jsonl) and write the image (default: loss.png beside the log)."""
     if not 0 <= smooth < 1:
         raise UserError(f"--smooth must be in [0, 1), got {smooth}")
     if baseline is not None and not is_drawn(baseline):
         raise UserError(f"--baseline-hellaswag must be a finite number, got {baseline}")
-    log = find_log(path)
-    records = load_records(log)
-    fig = make_figure(records, baseline=baseline, clip=clip, title=log, smooth=smooth)
+    log = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(log):
+        raise UserError(f"no log at {log}: pass a run's --out-dir or its log.jsonl")
+    fig = make_figure(load_records(log), baseline=baseline, clip=clip, title=log, smooth=smooth)
     out = out or os.path.join(os.path.dirname(log), "loss.png")
-    check_image_name(out)
+    name = os.path.basename(out)
+    # a folder, or an extension alone (`-o r2/`, `-o r2/.png`), which would write a hidden file such as r2/.png
+    if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
+        folder = out if os.path.isdir(out) else os.path.dirname(out)
+        raise UserError(
+            f"-o {out} names a folder or an extension alone, not an image file: name the file to write (e.g. -o {os.path.join(folder, 'loss.png')})"
+        )
     extension = os.path.splitext(out)[1].lower().lstrip(".")
     if not extension:  # a PNG, named as savefig would name it, so that we print the name it has
         out, extension = out.rstrip(".") + ".png", "png"
     try:
         formats = fig.canvas.get_supported_filetypes()
         if extension not in formats:
-            raise UserError(
-                f"cannot write {out}: unknown image type .{extension} "
-                f"(use {', '.join('.' + f for f in sorted(formats))})"
-            )
-        write_atomically(  # a new file renamed over out: a link or a file standing there is replaced, not written through
-            out,
-            lambda f: fig.savefig(f, format=extension, dpi=120),
-            fsync_file=False,
-            fsync_folder=False,
-            tmp=f"{out}.{os.getpid()}.tmp",
-        )
+            known = ", ".join("." + f for f in sorted(formats))
+            raise UserError(f"cannot write {out}: unknown image type .{extension} (use {known})")
+        save = lambda f: fig.savefig(f, format=extension, dpi=120)
+        # a new file renamed over out: a link or a file standing there is replaced, not written through
+        fileio.write_atomically(out, save, fsync_file=False, fsync_folder=False, tmp=f"{out}.{os.getpid()}.tmp")
     except OSError as e:
         raise UserError(f"cannot write {out}: {reason_of(e)}") from None
     finally:
@@ -375,18 +289,6 @@ def plot_log(
 
         plt.close(fig)
     return out
-
-
-def check_image_name(out: str):
-    """A UserError for an -o that names no image file: a folder, a name ending in a separator, or an
-    extension alone (`-o r2/`, `-o r2/.png`), which would write a hidden file such as r2/.png."""
-    name = os.path.basename(out)
-    if os.path.isdir(out) or not name.strip(".") or (name.startswith(".") and "." not in name[1:]):
-        folder = out if os.path.isdir(out) else os.path.dirname(out)
-        raise UserError(
-            f"-o {out} names a folder or an extension alone, not an image file: name the file to write "
-            f"(e.g. -o {os.path.join(folder, 'loss.png')})"
-        )
 
 
 def main(argv=None) -> int:

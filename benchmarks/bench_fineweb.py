@@ -191,7 +191,7 @@ def tiktoken_cpu_seconds(corpus):
         docs = [json.loads(line)["text"] for line in f]
     enc = tokenizer.get_encoding()
     start = time.process_time()
-    for chunk in documents.chunk_documents(docs, documents.CHUNK_CHARS):
+    for chunk, _ in documents.chunk_located(((None, doc) for doc in docs), documents.CHUNK_CHARS):
         tokenizer.encode_documents(enc, chunk)
     return time.process_time() - start
 

@@ -1,6 +1,5 @@
-"""The documents fineweb.py tokenizes and the worker pool that tokenizes them: four sources (.jsonl lines,
-.parquet, text files, the Hugging Face Hub), each a deterministic stream of (where, text), tokenized in
-order; a document that cannot be tokenized is one UserError naming it."""
+"""The documents fineweb.py tokenizes, as deterministic streams of (where, text) from .jsonl, .parquet, text
+files or the Hugging Face Hub, and the worker pool that tokenizes them in order."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import re
 import signal
 import zlib
 from collections import deque
+from functools import partial
 
 import numpy as np
 import tiktoken
@@ -19,7 +19,7 @@ import tiktoken
 from trainkit import fileio
 from trainkit.cli import UserError, optional_import, reason_of
 from trainkit.fileio import check_regular
-from trainkit.data.tokenizer import encode_documents, get_encoding
+from trainkit.data.tokenizer import encode_documents, get_encoding, get_tokenizer_or_fail
 
 # --- document sources: the same arguments give the same documents in the same order (resumes count them)
 
@@ -28,11 +28,8 @@ def resolve_files(patterns: list) -> list:
     """Files matching the globs, in a stable order (sorted per pattern, first match wins)."""
     files = []
     for pattern in patterns:
-        matched = sorted(
-            p
-            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-            if os.path.exists(p) and not os.path.isdir(p)
-        )
+        found = glob.glob(os.path.expanduser(pattern), recursive=True)
+        matched = sorted(p for p in found if os.path.exists(p) and not os.path.isdir(p))
         for path in matched:  # a named pipe would block the read forever, a link to /dev/zero never end
             check_regular(path)
         if not matched and os.path.isdir(os.path.expanduser(pattern)):
@@ -110,12 +107,10 @@ def _iter_parquet(path: str, text_field: str):
         names = parquet.schema_arrow.names
         if text_field not in names:
             raise UserError(_missing_field(path, text_field, names))
-        row = 0
-        for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-            for text in batch.column(0).to_pylist():
-                where = f"{path} row {row}"
-                yield where, _checked_text(text, text_field, where)
-                row += 1
+        batches = parquet.iter_batches(batch_size=1024, columns=[text_field])
+        for row, text in enumerate(text for batch in batches for text in batch.column(0).to_pylist()):
+            where = f"{path} row {row}"
+            yield where, _checked_text(text, text_field, where)
     except (pa.ArrowException, OSError) as e:  # a damaged footer, page or schema; pyarrow's I/O errors
         raise UserError(
             f"{path} is not a readable Parquet file ({reason_of(e)}); re-create it or leave it out of --files"
@@ -128,8 +123,7 @@ DATASETS_HINT = "streaming from the Hub needs the 'datasets' package (pip instal
 
 
 def hub_revision(dataset: str) -> str:
-    """The dataset's newest commit on the Hub (the manifest keeps it for a resume), asked once without
-    retries: offline this fails at once, where the datasets client retries for ~25 s."""
+    """The dataset's newest commit on the Hub, asked once without retries (the datasets client retries ~25 s)."""
     hub = optional_import("huggingface_hub", DATASETS_HINT)
     from huggingface_hub.utils import RepositoryNotFoundError
 
@@ -191,8 +185,7 @@ _worker_encoding = None
 
 
 def init_worker():
-    # the main process handles Ctrl-C and SIGTERM and stops the pool; a worker ignores Ctrl-C
-    # and ends quietly on the SIGTERM of pool.terminate() (not via the inherited handler)
+    # the main process stops the pool: a worker ignores Ctrl-C and ends quietly on pool.terminate()'s SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _worker_encoding
@@ -203,15 +196,11 @@ def init_worker():
 def load_worker_encoding() -> None:
     """Load the encoding before the pool forks: a failure is one UserError, and the workers inherit it."""
     global _worker_encoding
-    try:
-        _worker_encoding = get_encoding()
-    except RuntimeError as e:
-        raise UserError(str(e)) from e
+    _worker_encoding = get_tokenizer_or_fail()
 
 
 class ChunkError(Exception):
-    """Why a chunk could not be tokenized (the index of the document at fault or None, the reason), as
-    plain values that cross the pool; located() makes it a UserError naming the document."""
+    """Why a chunk could not be tokenized (the document's index or None, the reason), as values that cross the pool."""
 
     def __init__(self, index, reason: str):
         super().__init__(index, reason)
@@ -228,9 +217,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents(enc, docs), where the data meets the tokenizer: any failure leaves as a ChunkError
-    naming the document at fault (a BaseException such as tiktoken's PanicException would end the worker
-    and leave the pool waiting forever); only a failure pays for the search."""
+    """encode_documents; any failure (a PanicException too: it would hang the pool) a ChunkError naming the document."""
     try:
         return _encode_chunk(enc, docs, utf8_errors)
     except (ChunkError, UserError, KeyboardInterrupt, SystemExit):
@@ -240,21 +227,15 @@ def tokenize_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.n
         raise ChunkError(None, f"not enough memory (the longest is {longest:,} characters)") from None
     except BaseException as e:  # e.g. tiktoken's regex giving up on ~1M characters of whitespace
         index = next((i for i, doc in enumerate(docs) if _fails(enc, doc, utf8_errors)), None)
-        error = reason_of(e, typed=True)
+        what = "failed" if index is None else "cannot tokenize this document"
+        advice = "" if index is None else "; fix it or leave it out"
         raise ChunkError(
-            index,
-            (
-                f"tiktoken failed ({error})"
-                if index is None
-                else f"tiktoken cannot tokenize this document ({error}); fix it or leave it out"
-            )
-            + " (--debug shows the traceback)",
+            index, f"tiktoken {what} ({reason_of(e, typed=True)}){advice} (--debug shows the traceback)"
         ) from e
 
 
 def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.ndarray:
-    """encode_documents, with --utf8-errors for lone surrogates (no UTF-8 form): strict refuses one,
-    replace tokenizes U+FFFD in its place."""
+    """encode_documents, a lone surrogate refused (--utf8-errors strict) or tokenized as U+FFFD (replace)."""
     try:
         return encode_documents(enc, docs)
     except UnicodeEncodeError:
@@ -265,10 +246,9 @@ def _encode_chunk(enc: tiktoken.Encoding, docs: list, utf8_errors: str) -> np.nd
             code = ord(_SURROGATE.search(docs[index]).group())
             raise ChunkError(
                 index,
-                f"the text holds a lone surrogate U+{code:04X} (half of a UTF-16 pair, as JSON's "
-                f"\\u{code:04x} without its other half), which is not Unicode and has no UTF-8 "
-                "form; fix the input, or pass --utf8-errors replace to tokenize U+FFFD in "
-                "its place",
+                f"the text holds a lone surrogate U+{code:04X} (half of a UTF-16 pair, as JSON's \\u{code:04x} without "
+                "its other half), which is not Unicode and has no UTF-8 form; fix the input, or pass --utf8-errors "
+                "replace to tokenize U+FFFD in its place",
             ) from None
         return encode_documents(enc, [_SURROGATE.sub("\ufffd", doc) for doc in docs])
 
@@ -284,7 +264,7 @@ def _fails(enc: tiktoken.Encoding, doc: str, utf8_errors: str) -> bool:
 
 
 def _tokenize_chunk(docs: list, utf8_errors: str) -> np.ndarray:
-    return tokenize_chunk(_worker_encoding, docs, utf8_errors)
+    return tokenize_chunk(_worker_encoding or get_encoding(), docs, utf8_errors)
 
 
 def chunk_located(located, chunk_chars: int):
@@ -301,35 +281,23 @@ def chunk_located(located, chunk_chars: int):
         yield texts, wheres
 
 
-def chunk_documents(docs, chunk_chars: int):
-    """Group a stream of document strings into lists of about chunk_chars characters."""
-    for texts, _ in chunk_located(((None, doc) for doc in docs), chunk_chars):
-        yield texts
-
-
 def tokenize_in_order(chunks, pool, max_in_flight: int, utf8_errors: str = "strict"):
-    """Token arrays of the (texts, wheres) chunks, in order, at most max_in_flight in the pool (Pool.imap's
-    results pile up without limit); a chunk that cannot be tokenized is a UserError naming the document."""
-    if pool is None:
-        enc = get_encoding()
-        for texts, wheres in chunks:
-            try:
-                yield tokenize_chunk(enc, texts, utf8_errors)
-            except ChunkError as e:
-                raise e.located(wheres) from e
-        return
+    """Token arrays of the (texts, wheres) chunks in order, at most max_in_flight in the pool (Pool.imap's pile
+    up); a chunk that cannot be tokenized is a UserError naming the document."""
     pending = deque()
-
-    def result():
-        task, wheres = pending.popleft()
-        try:
-            return task.get()
-        except ChunkError as e:
-            raise e.located(wheres) from e
-
     for texts, wheres in chunks:
-        pending.append((pool.apply_async(_tokenize_chunk, (texts, utf8_errors)), wheres))
-        if len(pending) >= max_in_flight:
-            yield result()
+        task = (texts, utf8_errors)
+        pending.append(
+            (pool.apply_async(_tokenize_chunk, task).get if pool else partial(_tokenize_chunk, *task), wheres)
+        )
+        if len(pending) >= (max_in_flight if pool else 1):
+            yield _located_result(*pending.popleft())
     while pending:
-        yield result()
+        yield _located_result(*pending.popleft())
+
+
+def _located_result(result, wheres: list) -> np.ndarray:
+    try:
+        return result()
+    except ChunkError as e:
+        raise e.located(wheres) from e

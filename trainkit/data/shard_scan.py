@@ -1,21 +1,6 @@
-"""The passes over every token of a shard that start-up needs: its largest token id (refused where the
-model has no output for it) and its --align-docs row table. Each is done once per shard and kept, so that
-a resume, a requeued job or another run on the same data reads it back instead of reading 10B tokens again:
-
-- fineweb.py's manifest.json records every shard's max_id as it writes it (read first, shards.recorded);
-- everything else goes to a cache folder outside the data folder (which may be read-only):
-  $XDG_CACHE_HOME/gpt2-trainer/shards, else ~/.cache/gpt2-trainer/shards. An entry is named by the shard's
-  path and identity (size, mtime_ns, inode): a shard rewritten, replaced or touched gets a new name, so it
-  is scanned again, and the entries of its earlier identity are deleted. A row table is kept as a .npy
-  that the run memory-maps (file pages, shared, not the run's own memory). A shard under MIN_CACHED_TOKENS
-  is scanned in milliseconds and not kept. An entry is a hint, checked before it is used (ScanCache): one
-  that fails is scanned again, with one note.
-
-Under torchrun the ranks first agree on which shards need a scan, split them (rank r takes every W-th),
-then exchange the results: the largest ids in one all-gather; each row table through the cache folder
-where every rank can read it there (one node, or a cache on a shared filesystem), else in one more
-all-gather. A scan that takes more than PROGRESS_AFTER_S seconds prints a progress line every
-PROGRESS_EVERY_S. Runs nothing at import."""
+"""Start-up's passes over every token of a shard, its largest id and its --align-docs row table, done once
+and kept in $XDG_CACHE_HOME/gpt2-trainer/shards (else ~/.cache/...), each entry checked before use; under
+torchrun the ranks split the scans (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -41,22 +26,13 @@ MIN_CACHED_TOKENS = 1 << 22  # 8 MB of tokens: scanned in milliseconds, not wort
 PROGRESS_AFTER_S, PROGRESS_EVERY_S = 2.0, 10.0
 
 
-def cache_folder() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gpt2-trainer", "shards")
-
-
 class ScanCache:
-    """The kept scans of shards: <path hash>-<identity hash>.max_id (the id as text) and .rows<T>.npy (the
-    row table under a seal row: the shard's token count and a digest of T, that count and the rows).
-
-    An entry is a hint, never a source of truth (another user, a stale copy or a damaged disk may have
-    changed it): each is read as a regular file of bounded size, opened without following a link or
-    waiting on a named pipe, and a row table is checked against its shard (read_rows); one that fails
-    is scanned again with one note."""
+    """The kept scans: <path hash>-<identity hash>.max_id and .rows<T>.npy (the table under a seal row).
+    An entry is a hint: read through open_entry, a row table checked (read_rows); one unfit is scanned again."""
 
     def __init__(self, folder: str | None = None):
-        self.folder = folder or cache_folder()
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        self.folder = folder or os.path.join(base, "gpt2-trainer", "shards")
 
     def _entry(self, path: str) -> tuple[str, str] | None:
         """(prefix of every entry of this path, prefix of this path's entries for the file as it is now)."""
@@ -68,43 +44,32 @@ class ScanCache:
         what = hashlib.sha256(f"{st.st_size} {st.st_mtime_ns} {st.st_ino}".encode()).hexdigest()[:20]
         return os.path.join(self.folder, where), os.path.join(self.folder, f"{where}-{what}")
 
-    def max_id(self, path: str) -> int | None:
-        """The kept largest token id of the shard at path; None where there is none or it is unfit."""
+    def _read(self, path: str, suffix: str, read, quiet: bool = False):
+        """read(name) of the path's entry of that suffix; None where there is none or unfit (noted unless quiet)."""
         entry = self._entry(path)
         if entry is None:
             return None
-        name = entry[1] + ".max_id"
+        name = entry[1] + suffix
         try:
-            with open_entry(name, MAX_ID_BYTES) as f:
-                text = f.read(MAX_ID_BYTES)
-            if not re.fullmatch(rb"\d{1,5}", text) or int(text) > np.iinfo(np.uint16).max:
-                raise UnfitEntry(f"not a token id ({text[:16]!r})")
-            return int(text)
-        except FileNotFoundError:
-            return None
-        except (OSError, UnfitEntry) as e:
-            note_unfit(name, path, e)
-        return None
-
-    def rows(self, path: str, T: int, tokens: np.ndarray, quiet: bool = False) -> np.ndarray | None:
-        """The kept row table of the shard at path (tokens), memory-mapped; None where there is none, or
-        where it is unfit (a note, unless quiet)."""
-        entry = self._entry(path)
-        if entry is None:
-            return None
-        name = f"{entry[1]}.rows{T}.npy"
-        try:
-            return read_rows(name, T, tokens)
+            return read(name)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, UnfitEntry) as e:
             if not quiet:
-                note_unfit(name, path, e)
+                reason = e if isinstance(e, UnfitEntry) else reason_of(e)
+                print0(f"note: the kept scan {name} of {path} cannot be used ({reason}); scanning the shard again")
         return None
 
+    def max_id(self, path: str) -> int | None:
+        """The kept largest token id of the shard at path, or None."""
+        return self._read(path, ".max_id", read_max_id)
+
+    def rows(self, path: str, T: int, tokens: np.ndarray, quiet: bool = False) -> np.ndarray | None:
+        """The kept row table of the shard at path (tokens), memory-mapped, or None."""
+        return self._read(path, f".rows{T}.npy", lambda name: read_rows(name, T, tokens), quiet)
+
     def store(self, path: str, suffix: str, data: bytes) -> bool:
-        """data into this path's entry of that suffix, atomically; entries of the path's
-        earlier identities with the same suffix are deleted. False where the folder cannot take it."""
+        """data into the path's entry of that suffix, atomically, its earlier identities' deleted; False on failure."""
         entry = self._entry(path)
         if entry is None:
             return False
@@ -133,12 +98,17 @@ class UnfitEntry(Exception):
     """Why a cache entry cannot be used (it is then scanned again)."""
 
 
+def read_max_id(name: str) -> int:
+    with open_entry(name, MAX_ID_BYTES) as f:
+        text = f.read(MAX_ID_BYTES)
+    if not re.fullmatch(rb"\d{1,5}", text) or int(text) > np.iinfo(np.uint16).max:
+        raise UnfitEntry(f"not a token id ({text[:16]!r})")
+    return int(text)
+
+
 def open_entry(name: str, max_bytes: int):
-    """The cache entry at name open for binary reading, where it is a regular file of at most max_bytes that
-    this user owns and no other may write, in a folder of the same kind (as ssh trusts its files: a seal
-    anyone can recompute guards against damage, not against another user); an UnfitEntry otherwise. Opened
-    with O_NOFOLLOW (a link planted there is refused, not followed) and O_NONBLOCK (a named pipe returns at
-    once, to be refused), and checked on the descriptor it opened."""
+    """The cache entry at name opened where a regular file of at most max_bytes only this user may write, in
+    such a folder (as ssh trusts its files); else an UnfitEntry."""
     folder = os.stat(os.path.dirname(name) or ".")
     if not _only_mine(folder):
         raise UnfitEntry(f"its folder {_whose(folder)}")
@@ -164,7 +134,6 @@ def open_entry(name: str, max_bytes: int):
 
 
 def _only_mine(st: os.stat_result) -> bool:
-    """Whether this user owns the file or folder of status st and no other user may write it."""
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
@@ -193,12 +162,8 @@ def table_digest(table: np.ndarray, T: int, n_tokens: int) -> int:
 
 
 def read_rows(name: str, T: int, tokens: np.ndarray) -> np.ndarray:
-    """The row table in the entry at name, memory-mapped (file pages, not the run's own memory), or an
-    UnfitEntry saying why it is not the table of tokens that aligned_rows builds: its seal (the token count,
-    the digest) and what each row must be, read against the shard: the rows follow one another from token 0
-    to the last target, each of 1..T targets, and one shorter than T ends where a document starts (an
-    <|endoftext|>) or at the shard's end. (Whether a row could have held more is not checked: that needs the
-    scan the entry saves.)"""
+    """The row table in the entry at name, memory-mapped, or an UnfitEntry unless it is one of tokens: its
+    seal, rows consecutive over the shard of 1..T targets, a shorter one ending where a document starts."""
     n = int(tokens.size)
     with open_entry(name, NPY_HEADER_BYTES + 16 * (n + 1)) as f:
         if np.lib.format.read_magic(f) != (1, 0):
@@ -212,22 +177,12 @@ def read_rows(name: str, T: int, tokens: np.ndarray) -> np.ndarray:
         raise UnfitEntry("its digest or token count is not that of its rows")
     starts, lengths = rows[:, 0], rows[:, 1]
     ends = starts + lengths
-    if (
-        starts[0] != 0
-        or ends[-1] != n - 1
-        or lengths.min() < 1
-        or lengths.max() > T
-        or not np.array_equal(starts[1:], ends[:-1])
-    ):
+    consecutive = starts[0] == 0 and ends[-1] == n - 1 and np.array_equal(starts[1:], ends[:-1])
+    if not consecutive or lengths.min() < 1 or lengths.max() > T:
         raise UnfitEntry(f"its rows are not consecutive rows of 1..{T} targets over the shard's {n} tokens")
     if not np.all((lengths == T) | (tokens[ends] == EOT) | (ends == n - 1)):
         raise UnfitEntry("a row shorter than --seq-len ends where no document starts in the shard")
     return rows
-
-
-def note_unfit(name: str, path: str, why: Exception) -> None:
-    reason = why if isinstance(why, UnfitEntry) else reason_of(why)
-    print0(f"note: the kept scan {name} of {path} cannot be used ({reason}); scanning the shard again")
 
 
 class Progress:
@@ -263,22 +218,13 @@ def _all_gather(obj) -> list:
 
 
 def scan_shards(
-    paths: list[str],
-    shards: list[np.ndarray],
-    recorded_max_ids: list,
-    T: int | None,
-    build_rows,
-    what: str,
-    progress: bool,
+    paths: list[str], shards: list[np.ndarray], known_ids: list, T: int | None, build_rows, what: str, progress: bool
 ) -> tuple[list[int], list[np.ndarray] | None]:
-    """(every shard's largest token id, every shard's row table build_rows(tokens, T), or None without T):
-    from fineweb.py's manifest (recorded_max_ids) and the cache where they are, else scanned, once, and kept.
-    Under torchrun every rank calls this with the same paths and gets every shard's results."""
+    """(every shard's largest token id, its row table build_rows(tokens, T) or None without T): known (an int in
+    known_ids) or kept where they are, else scanned once and kept. Under torchrun, every rank gets every result."""
     cache, n = ScanCache(), len(paths)
     kept = [shard.size >= MIN_CACHED_TOKENS for shard in shards]
-    max_ids = [
-        m if isinstance(m, int) else (cache.max_id(p) if k else None) for p, m, k in zip(paths, recorded_max_ids, kept)
-    ]
+    max_ids = [m if isinstance(m, int) else (cache.max_id(p) if k else None) for p, m, k in zip(paths, known_ids, kept)]
     tables = [cache.rows(p, T, s) if T and k else None for p, s, k in zip(paths, shards, kept)] if T else None
     need = [i for i in range(n) if max_ids[i] is None or (T and tables[i] is None)]
     rank, world = _ranks()
@@ -288,11 +234,8 @@ def scan_shards(
         return max_ids, tables
     mine = need[rank::world]
     share = f" over {world} ranks, rank 0's share" if world > 1 else ""
-    bar = Progress(
-        f"{what}: scanning {len(need)} shards{share} (token ids{', row tables' if T else ''})",
-        len(mine),
-        progress and rank == 0,
-    )
+    title = f"{what}: scanning {len(need)} shards{share} (token ids{', row tables' if T else ''})"
+    bar = Progress(title, len(mine), progress and rank == 0)
     found = {}  # i -> (largest id, whether its row table is in the cache)
     for done, i in enumerate(mine, 1):
         tokens = shards[i]
@@ -303,35 +246,30 @@ def scan_shards(
         if T and tables[i] is None:
             table = build_rows(tokens, T)
             cached = kept[i] and cache.store(paths[i], f".rows{T}.npy", sealed_rows(table, T, tokens.size))
-            tables[i] = cache.rows(paths[i], T, tokens, quiet=True) if cached else None
-            if tables[i] is None:
-                tables[i] = table
-            # else: memory-mapped, file pages the kernel shares and drops, not the run's own memory
+            # where kept: memory-mapped, file pages the kernel shares and drops, not the run's own memory
+            mapped = cache.rows(paths[i], T, tokens, quiet=True) if cached else None
+            tables[i] = table if mapped is None else mapped
         found[i] = (largest, cached)
         bar.update(done)
     if world == 1:
         return max_ids, tables
-    merged = {i: result for part in _all_gather(found) for i, result in part.items()}
-    for i, (largest, _) in merged.items():
-        max_ids[i] = largest
-    if T:
-        for i, (_, cached) in merged.items():
-            if tables[i] is None and cached:
+    for part in _all_gather(found):
+        for i, (largest, cached) in part.items():
+            max_ids[i] = largest
+            if T and tables[i] is None and cached:
                 tables[i] = cache.rows(paths[i], T, shards[i], quiet=True)
-        missing = [i for i in need if tables[i] is None]
-        if any(_all_gather(bool(missing))):  # some rank cannot read another's cache: send the tables themselves
-            sent = {i: np.asarray(tables[i]) for i in mine}
-            for part in _all_gather(sent):
-                for i, table in part.items():
-                    if tables[i] is None:
-                        tables[i] = table
+    # where a rank cannot read another's cache, the tables themselves are sent
+    if T and any(_all_gather(any(tables[i] is None for i in need))):
+        for part in _all_gather({i: np.asarray(tables[i]) for i in mine}):
+            for i, table in part.items():
+                if tables[i] is None:
+                    tables[i] = table
     return max_ids, tables
 
 
 def open_split(data_dir: str, split: str, T: int, align_docs: bool, build_rows, vocab_size: int | None, progress):
-    """(paths, memory-mapped shards, row tables or None, rows per shard) of data_dir's split: token ids checked
-    against vocab_size (None: not checked), --align-docs' tables built by build_rows (scan_shards, once per
-    shard, then kept); a shard too short for one row of T tokens is refused."""
+    """(paths, memory-mapped shards, row tables or None, rows per shard) of data_dir's split, its ids checked
+    against vocab_size (None: not); a shard too short for one row is refused."""
     paths = find_shards(data_dir, split)
     shards = [open_shard(p) for p in paths]
     known_ids = recorded(paths, "max_id") if vocab_size is not None else [0] * len(paths)  # 0: no check

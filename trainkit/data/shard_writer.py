@@ -1,5 +1,4 @@
-"""fineweb.py's side of the token shards: ShardWriter cuts the token stream into shards and records each
-in the manifest that lets a killed run resume byte-identically (open_manifest, save_manifest)."""
+"""fineweb.py's ShardWriter: the token stream cut into shards, each recorded in the manifest a resume reads."""
 
 from __future__ import annotations
 
@@ -12,17 +11,15 @@ import os
 import numpy as np
 
 from trainkit import fileio
-from trainkit.fileio import write_bytes_atomically
 from trainkit.cli import UserError, reason_of
-from trainkit.fileio import FolderLock
+from trainkit.fileio import FolderLock, write_bytes_atomically
 from trainkit.data.shards import MANIFEST, manifest_problem, shard_header
 from trainkit.data.tokenizer import ENCODING_NAME, EOT
 
 
 def write_whole(folder: FolderLock, name: str, *blobs) -> None:
-    """name written whole or not at all into the folder held (by its descriptor: never into another folder
-    put at its name, which stops the run: FolderLock.check_held), without fsync (seconds per shard on slow
-    disks; a resume checks each shard's size), or a UserError saying that a rerun resumes."""
+    """name written whole into the folder held, without fsync (seconds per shard on slow disks; a resume checks
+    sizes); a UserError says that a rerun resumes."""
     folder.check_held("; run the same command on the folder it took to resume")
     path = os.path.join(folder.folder, name)
     target, fd = fileio.in_held_folder(folder.folder, name, folder.fd), folder.fd
@@ -30,8 +27,7 @@ def write_whole(folder: FolderLock, name: str, *blobs) -> None:
         write_bytes_atomically(target, *blobs, fsync_file=False, fsync_folder=False, dir_fd=fd)
     except OSError as e:  # a full disk, a quota, permissions
         raise UserError(
-            f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are "
-            "complete: fix this and run the same command again to resume"
+            f"cannot write {path}: {reason_of(e)}; the shards that {MANIFEST} lists are complete: fix this and run the same command again to resume"
         ) from None
 
 
@@ -40,24 +36,20 @@ def save_manifest(folder: FolderLock, manifest: dict) -> None:
 
 
 class ShardWriter:
-    """Cuts the token stream into shards and records, per shard, where it ends in the document stream:
-    documents fully written, and tokens written of the next (split) one: all a resume needs."""
+    """Cuts the token stream into shards, recording where each ends in the documents: all a resume needs."""
 
     def __init__(self, folder: FolderLock, manifest: dict):
         self.folder, self.manifest = folder, manifest
         config = manifest["config"]
-        self.prefix, self.fmt = config["prefix"], config["format"]
-        self.val_shards = config["val_shards"]
+        self.prefix, self.fmt, self.val_shards = config["prefix"], config["format"], config["val_shards"]
         try:
             self.buffer = np.empty(config["shard_size"], dtype="<u2")
         except MemoryError:
+            size = config["shard_size"]
             raise UserError(
-                f"--shard-size {config['shard_size']:,}: not enough memory for one shard's "
-                f"buffer ({2 * config['shard_size'] / 1e9:.1f} GB); choose a smaller "
-                "--shard-size"
+                f"--shard-size {size:,}: not enough memory for one shard's buffer ({2 * size / 1e9:.1f} GB); choose a smaller --shard-size"
             ) from None
-        self.filled = 0
-        self.shard_documents = 0  # documents that start in the current shard
+        self.filled, self.shard_documents = 0, 0  # shard_documents: those that start in the current shard
         last = manifest["shards"][-1] if manifest["shards"] else {}
         self.documents_done = last.get("documents_done", 0)
         self.open_tokens = last.get("next_document_tokens_done", 0)  # of the last started document
@@ -88,8 +80,7 @@ class ShardWriter:
                 self.finish_shard(ends_document=pos == tokens.size or tokens[pos] == EOT)
 
     def finish_in_two(self, first: int) -> None:
-        """finish_shard for a stream that ended inside the first shard, cut in two there instead (the
-        first `first` tokens and the rest), each recorded as a stream cut there would be."""
+        """finish_shard for a stream that ended inside the first shard, cut in two at `first` tokens instead."""
         tokens = self.buffer[: self.filled].copy()
         self.filled = self.shard_documents = self.documents_done = self.open_tokens = 0
         self.add(tokens[:first])
@@ -142,28 +133,18 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
         strays = glob.glob(os.path.join(glob.escape(out_dir), pattern))
         if strays:
             raise UserError(
-                f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no "
-                f"{MANIFEST}, so they cannot be resumed; use an empty --out-dir"
+                f"{out_dir} holds shards ({os.path.basename(strays[0])}, ...) but no {MANIFEST}, so they cannot be resumed; use an empty --out-dir"
             )
-        return {
-            "source": source,
-            "tokenizer": f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})",
-            "dtype": "uint16",
-            "config": config,
-            "inputs": inputs,
-            "complete": False,
-            "shards": [],
-        }
+        tokenizer = f"tiktoken {ENCODING_NAME} (GPT-2 BPE, EOT={EOT})"
+        return dict(
+            source=source, tokenizer=tokenizer, dtype="uint16", config=config, inputs=inputs, complete=False, shards=[]
+        )
     manifest = read_manifest(path)
-    changed = [
-        f"{key} {manifest['config'].get(key)!r} -> {value!r}"
-        for key, value in config.items()
-        if manifest["config"].get(key) != value
-    ]
+    old = manifest["config"]
+    changed = [f"{key} {old.get(key)!r} -> {value!r}" for key, value in config.items() if old.get(key) != value]
     if changed:
         raise UserError(
-            f"{path} was written with other arguments ({'; '.join(changed)}); "
-            "rerun with the same arguments to resume, or use another --out-dir"
+            f"{path} was written with other arguments ({'; '.join(changed)}); rerun with the same arguments to resume, or use another --out-dir"
         )
     what = changed_input(manifest.get("inputs"), inputs)
     if what:
@@ -181,8 +162,7 @@ def open_manifest(out_dir: str, config: dict, source: str, inputs) -> dict:
 
 
 def read_manifest(path: str) -> dict:
-    """The manifest at path where it is one fineweb.py wrote, of the schema a resume reads
-    (shards.manifest_problem); otherwise a UserError naming the field."""
+    """The manifest at path where it is of the schema a resume reads (manifest_problem), else a UserError."""
     try:
         manifest = fileio.read_json(path)
         problem = manifest_problem(manifest, resume=True)

@@ -1,18 +1,5 @@
-"""The token shards: their format, their checks against the manifest and the vocabulary, and the
-identity of the shards a run reads.
-
-The token shard format, one format with two users: a 1-D uint16 array, build-nanogpt's .npy or llm.c's .bin
-with its header, written whole by fineweb.py (shard_header, through trainkit/data/shard_writer.py) and memory-mapped by
-the trainer (open_shard); the manifest.json beside the shards is named MANIFEST. Runs nothing at import.
-
-A data folder's shards checked for the trainer: against fineweb.py's manifest.json, the list of the folder's
-shards (check_against_manifest, before any step; each shard's full sha256 on a thread beside the steps:
-ShardDigestCheck), and their token ids against the model's vocabulary (check_token_ids); what that manifest
-records of a shard (recorded). Runs nothing at import.
-
-Which shards a run reads, as a checkpoint records them (shard_files: name, size, a sampled and the
-manifest's sha256), and the first file that differs between two such lists (differing_file).
-"""
+"""The token shards: their format (.npy or llm.c's .bin, 1-D uint16), their checks against fineweb.py's
+manifest.json and the vocabulary (docs/data.md), and their identity as a checkpoint records it (shard_files)."""
 
 from __future__ import annotations
 
@@ -47,8 +34,7 @@ def shard_header(tokens: np.ndarray, fmt: str) -> bytes:
 
 
 def open_shard(path: str) -> np.ndarray:
-    """Memory-map a token shard: build-nanogpt's .npy (uint16) or llm.c's .bin; a UserError unless it is a
-    regular file (a named pipe would block the read forever, a link to /dev/zero be read until memory runs out)."""
+    """Memory-map a token shard (.npy or .bin); a UserError unless it is a regular file holding one."""
     try:
         check_regular(path)
         if path.endswith(".bin"):
@@ -62,24 +48,20 @@ def open_shard(path: str) -> np.ndarray:
             actual = os.path.getsize(path)
             if actual != expected:
                 raise UserError(
-                    f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file "
-                    f"has {actual} bytes: truncated or corrupt, re-create it"
+                    f"{path}: header says {n_tokens} tokens ({expected} bytes) but the file has {actual} bytes: truncated or corrupt, re-create it"
                 )
             return np.memmap(path, dtype=np.uint16, mode="r", offset=4 * BIN_HEADER_INTS, shape=(n_tokens,))
         with open(path, "rb") as f:
             if f.read(6) != b"\x93NUMPY":
                 raise UserError(f"{path}: not a .npy token shard (bad magic). HINT: are you passing the right file?")
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except UserError:
-        raise
     except (ValueError, OSError, EOFError) as e:
         raise UserError(
             f"{path}: cannot read token shard ({reason_of(e)}); truncated or corrupt? re-create it"
         ) from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(
-            f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape "
-            f"{tokens.shape}. HINT: are you passing the right file?"
+            f"{path}: expected a 1-D uint16 token array, got {tokens.dtype} with shape {tokens.shape}. HINT: are you passing the right file?"
         )
     return tokens
 
@@ -87,30 +69,12 @@ def open_shard(path: str) -> np.ndarray:
 # --- manifest.json's schema: one check for its writer (fineweb.py resuming) and its reader (the trainer) ----------
 
 
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _file_name(value) -> bool:
-    return isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\0" not in value
-
-
-def _token_id_or_null(value) -> bool:
-    return value is None or (_count(value) and value <= np.iinfo(np.uint16).max)
-
-
-def _sha256_or_null(value) -> bool:
-    return value is None or (isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef"))
-
-
-def _input_listing(value) -> bool:
-    return value is None or (
-        isinstance(value, list)
-        and all(
-            isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and all(map(_count, item[1:]))
-            for item in value
-        )
-    )
+_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+_file_name = lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\0" not in v
+_token_id_or_null = lambda v: v is None or (_count(v) and v <= np.iinfo(np.uint16).max)
+_sha256_or_null = lambda v: v is None or (isinstance(v, str) and len(v) == 64 and set(v) <= set("0123456789abcdef"))
+_listed_input = lambda v: isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and all(map(_count, v[1:]))
+_input_listing = lambda v: v is None or (isinstance(v, list) and all(map(_listed_input, v)))
 
 
 # field: (test, what it must be, required: always / for fineweb.py to resume / never); fields not named are ignored
@@ -157,20 +121,16 @@ def _field_problem(record: dict, fields: dict, where: str, resume: bool) -> str 
 
 
 def manifest_problem(manifest, resume: bool = False) -> str | None:
-    """What makes manifest (a decoded manifest.json) not one fineweb.py writes, naming the field (e.g. "field
-    shards[3].file is a list, not a file name in the folder"); None where it is one. resume: the fields that a
-    resumed fineweb.py reads are required too (the trainer reads only the list of shards)."""
+    """What makes manifest not one fineweb.py writes, naming the field, or None; resume: its fields required too."""
     if not isinstance(manifest, dict):
         return f"it holds {json_kind(manifest)}, not an object"
-    problem = _field_problem(manifest, MANIFEST_FIELDS, "", resume)
-    if problem:
+    if problem := _field_problem(manifest, MANIFEST_FIELDS, "", resume):
         return problem
     seen = set()
     for i, shard in enumerate(manifest["shards"]):
         if not isinstance(shard, dict):
             return f"field shards[{i}] is {json_kind(shard)}, not an object"
-        problem = _field_problem(shard, SHARD_FIELDS, f"shards[{i}].", resume)
-        if problem:
+        if problem := _field_problem(shard, SHARD_FIELDS, f"shards[{i}].", resume):
             return problem
         if shard["file"] in seen:
             return f"field shards[{i}].file names {shard['file']!r} a second time"
@@ -182,11 +142,7 @@ def manifest_problem(manifest, resume: bool = False) -> str | None:
 
 
 def folder_manifest(folder: str) -> dict | None:
-    """fineweb.py's manifest.json in a folder of shards, or None where there is none (shards may come from
-    other tools): what the trainer's checks of a data folder read. One that cannot be read (permissions, an
-    I/O error), is not JSON, or not of the manifest's schema (shards.manifest_problem: a field missing or of
-    another type), is a UserError naming why or the field: read as no manifest, the shards it describes (an
-    unfinished fineweb.py run's) would go unchecked."""
+    """fineweb.py's manifest.json in folder or None; one unreadable or not of the schema is a UserError."""
     path = os.path.join(folder, MANIFEST)
     try:
         manifest = fileio.read_json(path)
@@ -195,29 +151,25 @@ def folder_manifest(folder: str) -> dict | None:
         return None
     except OSError as e:
         raise UserError(
-            f"cannot read {path}: {reason_of(e)}; the shards it lists cannot be checked: make it readable, or "
-            "move it out of the folder"
+            f"cannot read {path}: {reason_of(e)}; the shards it lists cannot be checked: make it readable, or move it out of the folder"
         ) from None
     except fileio.JSONFileError as e:
         problem = e.reason
     if problem:
         raise UserError(
-            f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data "
-            "set with fineweb.py, or move it out of the folder"
+            f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data set with fineweb.py, or move it out of the folder"
         )
     return manifest
 
 
-def manifest_shards(folder: str) -> dict[str, dict] | None:
-    """{file: its entry} of the shards that fineweb.py's manifest.json in folder lists (None without one)."""
-    manifest = folder_manifest(folder)
-    return None if manifest is None else {shard["file"]: shard for shard in manifest["shards"]}
+def listed_shards(manifest: dict | None) -> dict[str, dict]:
+    """{file: its entry} of the shards a manifest lists (none without one)."""
+    return {shard["file"]: shard for shard in manifest["shards"]} if manifest else {}
 
 
 def recorded(paths: list[str], key: str) -> list:
-    """What the manifest.json of each path's folder records for it under key (sha256, max_id), or None:
-    without a manifest, or where its entry is for a file of another size (not this file)."""
-    listed = {folder: manifest_shards(folder) or {} for folder in {os.path.dirname(p) for p in paths}}
+    """What each path's folder's manifest records for it under key, or None (no manifest, another size)."""
+    listed = {folder: listed_shards(folder_manifest(folder)) for folder in {os.path.dirname(p) for p in paths}}
     values = []
     for path in paths:
         entry = listed[os.path.dirname(path)].get(os.path.basename(path))
@@ -227,21 +179,17 @@ def recorded(paths: list[str], key: str) -> list:
 
 
 def check_against_manifest(folder: str, split: str, paths: list[str]):
-    """Where fineweb.py's manifest.json is, it is the list of the folder's shards: refuse the shards of an
-    unfinished run (killed, or stopped at a document it could not read: they hold only the data before
-    that point), a shard file of the split (paths: those the trainer found by name) that it does not
-    list (another data set's file, a copy in another format), and one it lists that is missing or of
-    another size."""
+    """Where a manifest is, refuse an unfinished run's shards, files of the split it does not list, listed ones
+    missing or of another size."""
     manifest, where = folder_manifest(folder), os.path.join(folder, MANIFEST)
-    if manifest is not None and not manifest["complete"]:
-        written = len(manifest["shards"])
+    if manifest is None:  # shards from another tool
+        return
+    if not manifest["complete"]:
         raise UserError(
-            f"{folder} holds an unfinished fineweb.py run ({written} shards written, {MANIFEST} says "
+            f"{folder} holds an unfinished fineweb.py run ({len(manifest['shards'])} shards written, {MANIFEST} says "
             "complete: false); finish it by running fineweb.py again as it was run"
         )
-    listed = manifest_shards(folder)
-    if listed is None:  # no manifest: shards from another tool
-        return
+    listed = listed_shards(manifest)
     for path in paths:
         if os.path.basename(path) not in listed:
             raise UserError(
@@ -252,17 +200,14 @@ def check_against_manifest(folder: str, split: str, paths: list[str]):
         path = os.path.join(folder, name)
         if f"_{split}_" not in name or (os.path.isfile(path) and os.path.getsize(path) == entry["bytes"]):
             continue
-        what = (
-            f"is {os.path.getsize(path)} bytes, not the {clipped(entry['bytes'])} that {where} lists"
-            if os.path.isfile(path)
-            else f"is missing, yet {where} lists it"
-        )
+        what = f"is missing, yet {where} lists it"
+        if os.path.isfile(path):
+            what = f"is {os.path.getsize(path)} bytes, not the {clipped(entry['bytes'])} that {where} lists"
         raise UserError(f"{path} {what}; restore it, or re-create the data set with fineweb.py")
 
 
 def no_output_for(path: str, token_id: int, vocab_size: int) -> str:
-    """Why the model (of vocab_size rows) cannot train on a shard holding token_id: as a target, no
-    output of its softmax (real_vocab_size) is that id."""
+    """Why a model of vocab_size rows cannot train on a shard holding token_id (no output of its softmax)."""
     if vocab_size >= GPT2_VOCAB:
         return (
             f"{path} holds token id {token_id}, which the model has no output for: its softmax covers GPT-2's "
@@ -276,21 +221,15 @@ def no_output_for(path: str, token_id: int, vocab_size: int) -> str:
 
 
 def check_token_ids(paths: list[str], largest_ids: list[int], vocab_size: int):
-    """Refuse, before any step, shards holding an id the model has no output for (no_output_for), which
-    would fail the loss when its row is first read. A shard's largest id is its manifest's max_id, else
-    a scan of its tokens that trainkit/data/shard_scan.py keeps for the next launch."""
+    """Refuse, before any step, shards whose largest id the model has no output for."""
     for path, largest in zip(paths, largest_ids):
         if largest >= real_vocab_size(vocab_size):
             raise UserError(no_output_for(path, largest, vocab_size))
 
 
 class ShardDigestCheck:
-    """Each shard's full sha256 against the one its folder's manifest.json records, once, on a thread
-    of its own beside the steps (hashlib lets go of the GIL: 0.4 to 0.8 s per 100M-token shard). A
-    shard without a recorded sha256 is not checked. start() starts it, where the steps start; the run
-    asks failed() (free) at each step and result() (which waits for it) where it must know; close()
-    ends it at the next MiB, on every way out, before the process group is torn down: a thread still
-    hashing while the interpreter shuts down is killed there, not ended."""
+    """Each shard's full sha256 against its manifest's, on a thread beside the steps (hashlib lets go of the GIL:
+    0.4 to 0.8 s per 100M-token shard); close() ends it at the next MiB."""
 
     CHUNK = 1 << 20
 
@@ -315,26 +254,21 @@ class ShardDigestCheck:
                         if self.stopping.is_set():
                             return
                         digest.update(memoryview(buffer)[:n])
-            except UserError as e:  # (swapped for a named pipe since start-up)
-                self.error = e
-                return
-            except OSError as e:
-                self.error = UserError(f"cannot read {path}: {reason_of(e)}")
-                return
-            if digest.hexdigest() != expected:
-                self.error = UserError(
-                    f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
-                    f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
-                    "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py"
-                )
+                if digest.hexdigest() != expected:
+                    raise UserError(
+                        f"{path} has sha256 {digest.hexdigest()[:16]}..., not the {expected[:16]}... that "
+                        f"{os.path.join(os.path.dirname(path), MANIFEST)} records: the file changed since fineweb.py "
+                        "wrote it (a damaged copy?); restore it, or re-create the data set with fineweb.py"
+                    )
+            except (UserError, OSError) as e:  # (UserError: swapped for a named pipe since start-up)
+                self.error = e if isinstance(e, UserError) else UserError(f"cannot read {path}: {reason_of(e)}")
                 return
 
     def failed(self) -> bool:
         return self.error is not None
 
     def result(self, wait: bool = True):
-        """A UserError naming the first shard that differs: once every shard is checked, or (not wait)
-        among those checked so far."""
+        """A UserError naming the first shard that differs: once all are checked, or (not wait) so far."""
         if wait and self.thread:
             self.thread.join()
         if self.error:
@@ -391,13 +325,12 @@ def shard_files(paths: list[str]) -> list[tuple[str, int, str, str | None]]:
 
 
 def differing_file(a: list[tuple], b: list[tuple]) -> tuple[str, str, str] | None:
-    """The first file name that differs between two shard_files() lists, with what it is in each (size, else
-    content: the manifests' sha256, then the sampled one); None if the same. (name, size) lists by size."""
+    """The first file that differs between two shard_files() lists, with what it is in each; None if none."""
     a_files, b_files = ({entry[0]: entry[1:] for entry in files} for files in (a, b))
     for name in sorted({*a_files, *b_files}):
         x, y = a_files.get(name), b_files.get(name)
         if x is None or y is None or x[0] != y[0]:
-            size = lambda entry: f"{entry[0]} bytes" if entry else "missing"  # noqa: E731
+            size = lambda entry: f"{entry[0]} bytes" if entry else "missing"
             return name, size(x), size(y)
         for kind, i in (("sha256", 2), ("sampled content", 1)):
             if len(x) > i and len(y) > i and x[i] and y[i] and x[i] != y[i]:

@@ -1,10 +1,10 @@
-"""GPT-2's tokenizer (tiktoken's r50k_base, offline from bpe/'s checked copy when no cache holds it), the
-real vocabulary of a padded model, each token's bytes (bits per byte), and documents encoded in one call."""
+"""GPT-2's tokenizer (r50k_base, offline from bpe/'s checked copy), the real vocabulary, each token's bytes."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import os
 import sys
@@ -20,25 +20,21 @@ GPT2_VOCAB = EOT + 1  # tokens of GPT-2's BPE: <|endoftext|> is the last
 EOT_TEXT = "<|endoftext|>"
 BPE_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # where tiktoken fetches it
 BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # what tiktoken requires of it
-# the copy this repository ships (bpe/README.md: where it came from), in bpe/ at the repository's root
-# beside trainkit/; beside the real file when a script is reached through a symbolic link
+# the copy in bpe/ beside trainkit/ (bpe/README.md: where it came from), found through a symbolic link too
 SHIPPED_BPE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "bpe", "r50k_base.tiktoken"
 )
 _BPE_HINT = "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
 
-_encoding = None
-
 
 def real_vocab_size(vocab_size: int) -> int:
-    """The ids of a vocab_size-row model that are tokens (GPT-2's 50257, or all of a smaller one): every
-    softmax runs over these only, and an export keeps these rows, so our loss is the exported model's."""
+    """The ids of a vocab_size-row model that are tokens: every softmax and an export keep these only."""
     return min(vocab_size, GPT2_VOCAB)
 
 
 def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
-    """UTF-8 bytes of each token id's text (int64), bits per byte's denominator: 0 for <|endoftext|>, the
-    padded ids, and every id of a model smaller than GPT-2's (nanochat's definition). hint: another way out."""
+    """UTF-8 bytes of each token id's text (bits per byte's denominator): 0 for <|endoftext|> and padded ids,
+    and for every id of a model smaller than GPT-2's (nanochat's definition). hint: another way out."""
     lengths = np.zeros(vocab_size, dtype=np.int64)
     if vocab_size >= GPT2_VOCAB:
         enc = get_tokenizer_or_fail(hint)
@@ -46,29 +42,13 @@ def token_byte_lengths(vocab_size: int, hint: str | None = None) -> np.ndarray:
     return lengths
 
 
+@functools.cache
 def get_encoding() -> tiktoken.Encoding:
-    """The GPT-2 tokenizer, once per process, from tiktoken's cache (TIKTOKEN_CACHE_DIR), else bpe/'s checked
-    copy, else tiktoken's download; a RuntimeError with a one-line hint when it cannot be loaded."""
-    global _encoding
-    if _encoding is None:
-        _encoding = _load_encoding()
-    return _encoding
-
-
-def get_tokenizer_or_fail(hint: str | None = None):
-    """get_encoding() for a command: a UserError (with hint, another way out) instead of a RuntimeError."""
-    try:
-        return get_encoding()
-    except RuntimeError as e:
-        raise UserError(f"{e} (or {hint})" if hint else str(e)) from None
-
-
-def _load_encoding() -> tiktoken.Encoding:
+    """The GPT-2 tokenizer, once per process (a cache, else bpe/'s copy, else a download); RuntimeError with a hint."""
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
     cached = os.path.join(cache_dir, hashlib.sha1(BPE_URL.encode()).hexdigest()) if cache_dir else None
     if cached and os.path.isfile(cached):
-        # checked here: tiktoken deletes a damaged copy (to fetch it again) and says nothing of it
-        damaged = True  # (or unreadable)
+        damaged = True  # (or unreadable) checked here: tiktoken deletes a damaged copy, saying nothing
         with contextlib.suppress(OSError), open(cached, "rb") as f:
             damaged = hashlib.sha256(f.read()).hexdigest() != BPE_SHA256
         if not damaged:
@@ -91,6 +71,14 @@ def _load_encoding() -> tiktoken.Encoding:
         ) from e
 
 
+def get_tokenizer_or_fail(hint: str | None = None):
+    """get_encoding() for a command: a UserError (with hint, another way out) instead of a RuntimeError."""
+    try:
+        return get_encoding()
+    except RuntimeError as e:
+        raise UserError(f"{e} (or {hint})" if hint else str(e)) from None
+
+
 def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
     """tiktoken's r50k_base built from the rank file at path, without its download or cache."""
     from tiktoken_ext.openai_public import r50k_pat_str
@@ -108,24 +96,20 @@ def shipped_encoding(path: str = SHIPPED_BPE) -> tiktoken.Encoding:
             f"could not load the GPT-2 tokenizer: {path} is damaged (sha256 {digest[:16]}..., expected "
             f"{BPE_SHA256[:16]}...); restore it (git checkout -- bpe), {_BPE_HINT}"
         )
-    ranks = {}
-    for line in data.splitlines():  # "base64(token bytes) rank", as tiktoken.load.load_tiktoken_bpe reads it
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+    # lines of "base64(token bytes) rank", as tiktoken.load.load_tiktoken_bpe reads them
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
     return tiktoken.Encoding(
         ENCODING_NAME,
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
         special_tokens={EOT_TEXT: EOT},
-        explicit_n_vocab=EOT + 1,
+        explicit_n_vocab=GPT2_VOCAB,
     )
 
 
 def encode_documents(enc: tiktoken.Encoding, docs: list) -> np.ndarray:
-    """[EOT] + enc.encode_ordinary(doc) for each doc, as uint16, joined by <|endoftext|> and encoded in one
-    call (tiktoken splits at each separator as if each were alone); a document holding the literal text
-    <|endoftext|> is encoded on its own. A lone surrogate raises UnicodeEncodeError."""
+    """[EOT] + enc.encode_ordinary(doc) per doc, as uint16, in one call (joined by <|endoftext|>); a document
+    holding that literal text is encoded on its own. A lone surrogate raises UnicodeEncodeError."""
     parts, start = [], 0
     for i, doc in enumerate(docs):
         if EOT_TEXT in doc:
