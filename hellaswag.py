@@ -5,9 +5,8 @@
     torchrun --nproc_per_node=8 hellaswag.py --checkpoint out/ckpt_0019073.pt
     python hellaswag.py --checkpoint out --data-file fixtures/hellaswag_val_subset.jsonl  # offline: the shipped subset
 
-Prints acc and acc_norm (lowest summed and per-token ending loss: build-nanogpt's and llm.c's, GPT-2
-124M ~0.2955) and lm-eval's lm_eval_acc, lm_eval_acc_norm (docs/hellaswag.md); the scoring is
-trainkit/evaluation/hellaswag_eval.py's, the trainer's --hellaswag-every too.
+Prints acc and acc_norm (build-nanogpt's and llm.c's, GPT-2 124M ~0.2955) and lm-eval's lm_eval_acc,
+lm_eval_acc_norm (docs/hellaswag.md), scored by trainkit/evaluation/hellaswag_eval.py as --hellaswag-every is.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ import os
 import sys
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
-
-# the validation file (standard library only)
-from trainkit.evaluation.hellaswag_data import DATA_NAME, resolve_data_file
+from trainkit.evaluation.hellaswag_examples import DATA_NAME, resolve_data_file  # (standard library only too)
 
 
 # --- command line (standard library only: --help and usage errors answer before torch is imported)
@@ -69,9 +66,7 @@ if __name__ == "__main__":
 import torch.nn as nn
 
 from trainkit.runfiles.checkpoints import latest_checkpoint, load_checkpoint
-from trainkit.evaluation.hellaswag_eval import evaluate  # the scoring the trainer uses too
-
-# its examples, the trainer's too
+from trainkit.evaluation.hellaswag_eval import evaluate
 from trainkit.evaluation.hellaswag_examples import RENDERERS, describe_data, load_examples
 from trainkit.hf.weights import load_hf_model
 from trainkit.cli import print0, print_result
@@ -92,11 +87,6 @@ class HFLogits(nn.Module):
 
     def forward(self, idx):
         return self.hf(input_ids=idx).logits
-
-
-def hf_scoring_model(path: str, device: str) -> nn.Module:
-    """The Hugging Face GPT-2 in path (--hf-model) as a module that returns logits, as our GPT does."""
-    return HFLogits(load_hf_model(path, "--hf-model")).to(device).eval()
 
 
 def load_checkpoint_model(path: str, device: str) -> tuple[nn.Module, str]:
@@ -120,7 +110,8 @@ def run(args) -> dict:
             load_examples(data_file, args.limit, style=style)  # (evaluate reuses these)
         if args.checkpoint:
             return data_file, *load_checkpoint_model(args.checkpoint, device)
-        return data_file, hf_scoring_model(args.hf_model, device), f"the Hugging Face GPT-2 in {args.hf_model}"
+        model = HFLogits(load_hf_model(args.hf_model, "--hf-model")).to(device).eval()
+        return data_file, model, f"the Hugging Face GPT-2 in {args.hf_model}"
 
     with process_group(args.device) as dist_state:
         dtype = resolve_dtype(args.dtype, dist_state.device_type)

@@ -70,16 +70,11 @@ if __name__ == "__main__":
 
 from trainkit.cli import UserError, exit_code_of, print_line, print_result
 from trainkit.runtime.launch import resolve_device
-from trainkit.evaluation.sampling import encode_prompt, sample_text  # what the trainer's --sample-every prints too
+from trainkit.evaluation.sampling import encode_prompt, sample_text  # the trainer's --sample-every too
 from trainkit.data.tokenizer import get_tokenizer_or_fail
 
 
 # --- the command
-
-
-def validate_args(args: argparse.Namespace):
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
 
 
 def load_model(args: argparse.Namespace, device: str):
@@ -92,7 +87,8 @@ def load_model(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace):
-    validate_args(args)
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
     device = resolve_device(args.device)
     enc = get_tokenizer_or_fail()
     model = load_model(args, device)

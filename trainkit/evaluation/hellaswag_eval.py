@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from trainkit.runfiles.checkpoints import unwrap_model
 from trainkit.runtime.kernels import exp_sums_
 from trainkit.cli import UserError
-from trainkit.evaluation.hellaswag_data import resolve_data_file
-from trainkit.evaluation.hellaswag_examples import Example, load_examples
+from trainkit.evaluation.hellaswag_examples import Example, load_examples, resolve_data_file
 from trainkit.runtime.launch import all_reduce_sum
 from trainkit.data.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
@@ -98,8 +97,8 @@ def model_block_size(model: nn.Module) -> int | None:
 
 
 def model_problem(vocab_size: int | None, block_size: int | None) -> str | None:
-    """Why a model of these sizes cannot be scored on HellaSwag, or None: its examples are GPT-2's tokens (ids
-    up to <|endoftext|>), and an ending's first token is predicted from at least one token of context."""
+    """Why a model of these sizes cannot be scored on HellaSwag (GPT-2's token ids; an ending's first token
+    predicted from at least one of context), or None."""
     if vocab_size is not None and vocab_size < GPT2_VOCAB:
         return (
             f"HellaSwag's examples are GPT-2's tokens (ids up to {EOT}), beyond this model's vocabulary of "
@@ -165,8 +164,7 @@ def score_examples(
     bar=None,
 ):
     """Per-ending (summed, mean) losses, each (n, 4) on the CPU, in example order: our GPT on packed rows,
-    another model on collate's, batched in order of length. batch_size None: 16 on CUDA; 4 on CPU, where
-    bigger batches add more padding than they save overhead. bar: a tqdm each batch advances."""
+    another model on collate's, batched by length (default 16 on CUDA; 4 on CPU, where more is more padding)."""
     if batch_size is None:
         batch_size = 16 if torch.device(device).type == "cuda" else 4
     longest = model_block_size(model)
@@ -180,8 +178,7 @@ def score_examples(
         return len(ctx) + sum(len(e) for e in endings)
 
     order = sorted(range(len(examples)), key=lambda i: length(examples[i]))
-    loss_sum = torch.zeros(len(examples), 4)
-    loss_mean = torch.zeros(len(examples), 4)
+    loss_sum, loss_mean = torch.zeros(len(examples), 4), torch.zeros(len(examples), 4)
     was_training = model.training
     model.eval()
     try:
@@ -209,7 +206,6 @@ def evaluate(
     limit: int | None = None,
     batch_size: int | None = None,
     data_file: str | None = None,
-    data_dir: str | None = None,
     rank: int = 0,
     world_size: int = 1,
     dtype: torch.dtype = torch.float32,
@@ -218,18 +214,17 @@ def evaluate(
     flag: str = "--data-file",
     lm_eval: bool = False,
 ) -> dict:
-    """{"acc", "acc_norm", "n"} (with lm_eval also "lm_eval_acc", "lm_eval_acc_norm": docs/hellaswag.md) of
-    model on the first limit (None or 0: all) examples. Under world_size > 1 every rank calls it: rank r
-    scores examples r, r + W, ... and all get the totals. flag: the option that gave data_file."""
+    """{"acc", "acc_norm", "n"} (lm_eval: also "lm_eval_acc", "lm_eval_acc_norm"; docs/hellaswag.md) of model
+    on the first limit (None or 0: all) examples; under world_size > 1 every rank calls it, rank r scoring
+    examples r, r + W, ..., and all get the totals. flag: the option that gave data_file."""
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
     config = getattr(unwrap_model(model), "config", None)
     problem = model_problem(getattr(config, "vocab_size", None), block_size or model_block_size(model))
     if problem:
         raise UserError(f"cannot score this model on HellaSwag: {problem}")
-    path = resolve_data_file(data_file, data_dir, flag)
-    # lm-eval's text differs from the record's in every example (it starts with the activity label), so no
-    # forward serves both renderings: the second is scored after the first, under the same progress bar
+    path = resolve_data_file(data_file, flag=flag)
+    # lm-eval's text differs from the record's in every example: the second rendering is scored after the first
     styles = ("nanogpt", "lm_eval") if lm_eval else ("nanogpt",)
     from tqdm import tqdm
 
