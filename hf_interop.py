@@ -3,19 +3,9 @@
     python hf_interop.py export out/ckpt_0019073.pt gpt2_ours_hf   # our checkpoint -> HF directory
     python hf_interop.py eval out/gpt2-124M --tasks hellaswag,arc_easy  # lm-evaluation-harness on it
 
-This script reads and writes tensors and configs; it never imports the trainer. The other
-direction, a Hugging Face GPT-2 as our config and state dict (train_gpt2.GPT.from_hf, which
---init-from and sample.py use), is trainkit/hf/weights.py, with the layout differences (transposed
-projections, the padded vocabulary) that both directions handle:
-
-    config, state = gpt2_state_from_hf("gpt2")   # Hub name (needs internet) or a local HF directory
-
-What is where: the command line (answered before torch loads); export_hf, the export itself
-(our tensors as GPT2LMHeadModel's, GPT-2's tokenizer files beside them, from
-trainkit/hf/export.py), written into trainkit/hf/export.py's folder: whole or not at
-all, marked so that only an export is ever replaced; then `eval`, lm-evaluation-harness on a
-temporary export; main at the end. transformers is optional: it is imported only inside the
-functions that need it.
+It never imports the trainer. The other direction (train_gpt2.GPT.from_hf: --init-from, sample.py) is
+trainkit/hf/weights.py; the export's folder and tokenizer files trainkit/hf/export.py (docs/hf.md).
+transformers is optional: imported only inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -41,54 +31,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 directory")
-    e.add_argument(
-        "checkpoint",
-        help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
-        "--out-dir folder for its newest checkpoint",
-    )
-    e.add_argument("out_dir", help="directory for config.json and model.safetensors")
-    e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
-    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
-    add_eval_parser(sub)
-    return p.parse_args(argv)
-
-
-def add_eval_parser(sub):
-    e = sub.add_parser(
+    v = sub.add_parser(
         "eval", help="run lm-evaluation-harness tasks on a checkpoint (exported to a temporary Hugging Face directory)"
     )
-    e.add_argument(
-        "checkpoint",
-        help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
-        "--out-dir folder for its newest checkpoint",
-    )
-    e.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
-    e.add_argument(
+    for command in (e, v):
+        command.add_argument(
+            "checkpoint",
+            help="a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's "
+            "--out-dir folder for its newest checkpoint",
+        )
+    e.add_argument("out_dir", help="directory for config.json and model.safetensors")
+    e.add_argument("--vocab-size", type=cli.positive_int, help="rows to keep (default: 50257, dropping the padding)")
+    v.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (hellaswag,arc_easy,...)")
+    v.add_argument(
         "--hellaswag-file",
         help="local hellaswag_val.jsonl: hellaswag runs from it through evals/hellaswag_local.yaml, without the Hub",
     )
-    e.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
-    e.add_argument(
+    v.add_argument("--limit", type=cli.positive_int, help="examples per task (default: all)")
+    v.add_argument(
         "--num-fewshot", type=cli.non_negative_int, help="few-shot examples (default: each task's own, 0 for hellaswag)"
     )
-    e.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
-    e.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
-    e.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
-    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    v.add_argument("--batch-size", type=cli.positive_int, default=8, help="lm-eval's batch size (default 8)")
+    v.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    v.add_argument("--samples-dir", help="write each task's per-example results to DIR/TASK.jsonl")
+    for command in (e, v):
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors"
+        )
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    cli.exit_on_ctrl_c_while_starting()
-    parse_args()  # --help, or a usage error: answered now, before the slow imports
+    cli.parse_before_imports(parse_args)
 
 import torch
 
 from trainkit.fileio import write_bytes_atomically
 from trainkit.runfiles.checkpoints import latest_checkpoint, load_checkpoint, unwrap_model
-from trainkit.cli import UserError, exit_code_of, print_line, print_result, reason_of
+from trainkit.cli import UserError, exit_code_of, optional_import, print_line, print_result, reason_of
 from trainkit.hf.export import EXPORT_MARK, check_replaceable, check_target, remove_dead_partials, replacing_folder
 from trainkit.hf.export import save_tokenizer, write_mark
-from trainkit.hf.weights import HF_BUFFERS, TRANSPOSED, import_transformers, quiet_transformers
+from trainkit.hf.weights import HF_BUFFERS, INSTALL_HINT, TRANSPOSED, quiet_transformers
 from trainkit.data.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
 
@@ -100,22 +83,15 @@ EXPORTED_CONFIG = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")  #
 
 
 def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
-    """Write a Hugging Face GPT-2 directory (config.json, model.safetensors,
-    generation_config.json) that GPT2LMHeadModel.from_pretrained(out_dir) loads.
-
-    source: one of our checkpoints (a ckpt file, or a run's folder for its newest), or a GPT
-    (DDP / torch.compile wrappers are fine). vocab_size: rows to keep; default GPT-2's 50257
-    when ours is at least that (the padded rows are dropped), else ours as it is. Beside the model
-    goes EXPORT_MARK (the source checkpoint, its step and checksum, and each file's sha256): only a
-    folder that is still exactly what an export wrote, or an empty one, is replaced by a later
-    export. Returns out_dir."""
+    """Write a Hugging Face GPT-2 directory that GPT2LMHeadModel.from_pretrained(out_dir) loads, marked
+    (EXPORT_MARK) as an export's; returns out_dir. source: one of our checkpoints (a ckpt file, or a run's
+    folder for its newest) or a GPT (wrapped too). vocab_size: rows to keep (default: the real ones)."""
     check_target(out_dir)
     remove_dead_partials(out_dir)
     check_replaceable(out_dir)  # before any work: a refusal changes nothing
     mark = dict(checkpoint=None, step=None, checksum=None)
     if isinstance(source, (str, os.PathLike)):
-        # a run's folder: its newest checkpoint, looked up once (a run saving meanwhile with --keep-last
-        # changes the newest), so that the mark names the file loaded
+        # a run's folder: its newest checkpoint, looked up once, so that the mark names the file loaded
         path = (latest_checkpoint(str(source)) or str(source)) if os.path.isdir(source) else str(source)
         ckpt = load_checkpoint(path, model_fields=EXPORTED_CONFIG)  # a field GPT-2 lacks is refused
         config, sd = argparse.Namespace(**ckpt["model_config"]), ckpt["model"]
@@ -126,9 +102,9 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     n_keep = real_vocab_size(config.vocab_size) if vocab_size is None else vocab_size
     if not 0 < n_keep <= config.vocab_size:
         raise UserError(f"--vocab-size {n_keep} must be in 1..{config.vocab_size} (the model's vocab size)")
-    GPT2Config, GPT2LMHeadModel = import_transformers()
+    transformers = optional_import("transformers", INSTALL_HINT)
     special = dict(bos_token_id=EOT, eos_token_id=EOT) if n_keep > EOT else dict(bos_token_id=None, eos_token_id=None)
-    hf_config = GPT2Config(
+    hf_config = transformers.GPT2Config(
         vocab_size=n_keep,
         n_positions=config.block_size,
         n_ctx=config.block_size,
@@ -152,7 +128,7 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
         elif key.endswith(TRANSPOSED):
             value = value.t()
         hf_sd[key] = value.contiguous()
-    hf = GPT2LMHeadModel(hf_config)
+    hf = transformers.GPT2LMHeadModel(hf_config)
     result = hf.load_state_dict(hf_sd, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(HF_BUFFERS) and k not in TIED]
     if missing or result.unexpected_keys:
@@ -169,10 +145,8 @@ def export_hf(source, out_dir: str, vocab_size: int | None = None) -> str:
     return out_dir
 
 
-def _save_pretrained(hf, out_dir: str, shown: str | None = None):
-    """hf.save_pretrained(out_dir), with the files readable like any other the user writes:
-    safetensors writes through a private temporary file (mode 0600), so the mode the umask
-    gives a new file (0644 under the usual 022) is set afterwards on every file written."""
+def _save_pretrained(hf, out_dir: str, shown: str):
+    """hf.save_pretrained(out_dir), each file written given the umask's mode (safetensors' is 0600)."""
 
     def stamps():
         with os.scandir(out_dir) as entries:
@@ -189,7 +163,7 @@ def _save_pretrained(hf, out_dir: str, shown: str | None = None):
             if before.get(name) != stamp:
                 os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
     except Exception as e:  # OSError, or safetensors' own error for a failed write (a full disk)
-        raise UserError(f"cannot write the Hugging Face model to {shown or out_dir}: {reason_of(e)}") from e
+        raise UserError(f"cannot write the Hugging Face model to {shown}: {reason_of(e)}") from e
 
 
 # -----------------------------------------------------------------------------
@@ -200,24 +174,11 @@ LM_EVAL_HINT = "lm-evaluation-harness is not installed: pip install lm_eval acce
 LOCAL_TASKS = {"hellaswag": "hellaswag_local"}  # lm-eval task -> ours in evals/ that reads a local file
 
 
-def _import_lm_eval():
-    try:
-        import accelerate  # noqa: F401  (lm-eval's hf model needs it and does not install it)
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise UserError(LM_EVAL_HINT) from None
-    return lm_eval, HFLM, TaskManager
-
-
 def _load_tasks(TaskManager, names: list[str], hellaswag_file: str | None):
-    """(task manager, lm-eval's tasks and groups by name, their data loaded): hellaswag from
-    hellaswag_file through evals/hellaswag_local.yaml when it is given. A task that cannot be had
-    is one line saying what to set."""
+    """(task manager, lm-eval's tasks and groups, their data loaded): hellaswag from hellaswag_file through
+    evals/hellaswag_local.yaml when it is given; a task that cannot be had is one line saying what to set."""
     if hellaswag_file:  # a missing file, or a bad line, named as hellaswag.py names them (not as a failed download)
-        from trainkit.evaluation.hellaswag_data import resolve_data_file
-        from trainkit.evaluation.hellaswag_examples import load_examples
+        from trainkit.evaluation.hellaswag_examples import load_examples, resolve_data_file
 
         flag = "--hellaswag-file"
         load_examples(resolve_data_file(hellaswag_file, flag=flag), flag=flag, style="lm_eval")
@@ -276,11 +237,12 @@ def lm_eval_results(
     device: str = "cpu",
     num_fewshot: int | None = None,
 ) -> dict:
-    """lm-evaluation-harness's simple_evaluate on our checkpoint (a ckpt file or a run's folder),
-    exported to a temporary Hugging Face directory: its results dict, with the per-example
-    records under "samples"."""
-    lm_eval, HFLM, TaskManager = _import_lm_eval()
-    manager, loaded = _load_tasks(TaskManager, tasks, hellaswag_file)
+    """lm-evaluation-harness's simple_evaluate on our checkpoint (a ckpt file or a run's folder), exported
+    to a temporary Hugging Face directory: its results, the per-example records under "samples"."""
+    optional_import("accelerate", LM_EVAL_HINT)  # lm-eval's hf model needs it and does not install it
+    lm_eval = optional_import("lm_eval", LM_EVAL_HINT)
+    HFLM = optional_import("lm_eval.models.huggingface", LM_EVAL_HINT).HFLM
+    manager, loaded = _load_tasks(optional_import("lm_eval.tasks", LM_EVAL_HINT).TaskManager, tasks, hellaswag_file)
     with tempfile.TemporaryDirectory(prefix="hf_export_") as hf_dir:
         export_hf(source, hf_dir)
         if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):  # transformers would make an empty one
@@ -303,15 +265,11 @@ def lm_eval_results(
 
 def _sample_record(sample: dict) -> dict:
     """One example of lm-eval's log: its id, gold answer, log-likelihoods and metric values."""
-    record = {"doc_id": sample["doc_id"], "target": sample["target"]}
-    record["loglikelihoods"] = (
-        [float(resp[0]) for resp in sample["filtered_resps"]]
-        if all(isinstance(r, (list, tuple)) for r in sample["filtered_resps"])
-        else sample["filtered_resps"]
-    )
-    for metric in sample.get("metrics", []):
-        record[metric] = sample[metric]
-    return record
+    resps = sample["filtered_resps"]
+    if all(isinstance(r, (list, tuple)) for r in resps):
+        resps = [float(resp[0]) for resp in resps]
+    record = {"doc_id": sample["doc_id"], "target": sample["target"], "loglikelihoods": resps}
+    return record | {metric: sample[metric] for metric in sample.get("metrics", [])}
 
 
 def run_lm_eval(args):
@@ -347,10 +305,8 @@ def run_lm_eval(args):
 
 def _metrics(results: dict) -> dict:
     """A task's numbers: acc, acc_norm, ... ('acc,none' for lm-eval's default filter) and n."""
-    numbers = {
-        key.removesuffix(",none"): value for key, value in results.items() if "," in key and "_stderr," not in key
-    }
-    return {**numbers, **({"n": results["sample_len"]} if "sample_len" in results else {})}
+    numbers = {key.removesuffix(",none"): v for key, v in results.items() if "," in key and "_stderr," not in key}
+    return numbers | ({"n": results["sample_len"]} if "sample_len" in results else {})
 
 
 def main(argv=None) -> int:
