@@ -44,10 +44,7 @@ def parse_args(argv=None):
         "time: each example is scored once, not twice)",
     )
     p.add_argument(
-        "--batch-size",
-        type=cli.positive_int,
-        default=None,
-        help="examples per forward pass (default: 16 on CUDA, 4 on CPU)",
+        "--batch-size", type=cli.positive_int, help="examples per forward pass (default: 16 on CUDA, 4 on CPU)"
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
     p.add_argument(
@@ -73,7 +70,6 @@ from trainkit.cli import print0, print_result
 from trainkit.runtime.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
 from trainkit.runtime.device import resolve_dtype
 
-
 # --- the command: our checkpoint or a Hugging Face GPT-2, scored on every rank
 
 
@@ -91,12 +87,10 @@ class HFLogits(nn.Module):
 
 def load_checkpoint_model(path: str, device: str) -> tuple[nn.Module, str]:
     """Our GPT from a checkpoint (a file, or a run's folder for its newest), and which file and step it is."""
-    import dataclasses
-
-    from train_gpt2 import GPT, GPTConfig  # the model class of our checkpoints (only this command imports the trainer)
+    from train_gpt2 import GPT, MODEL_FIELDS, GPTConfig  # our checkpoints' model (only this command imports it)
 
     chosen = (latest_checkpoint(path) if os.path.isdir(path) else None) or path  # (a folder without one: refused)
-    ckpt = load_checkpoint(chosen, model_fields=[field.name for field in dataclasses.fields(GPTConfig)])
+    ckpt = load_checkpoint(chosen, model_fields=MODEL_FIELDS)
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     step = f", step {ckpt['step']}" if isinstance(ckpt.get("step"), int) else " (it records no step)"
@@ -118,18 +112,9 @@ def run(args) -> dict:
         # each rank reads its node's files: one with a file missing or bad is named, by rank 0
         data_file, model, scored = checked_on_every_rank(dist_state, lambda: load_data_and_model(dist_state.device))
         print0(f"hellaswag: scoring {scored}")
-        result = evaluate(
-            model,
-            dist_state.device,
-            limit=args.limit,
-            batch_size=args.batch_size,
-            data_file=data_file,
-            rank=dist_state.rank,
-            world_size=dist_state.world_size,
-            dtype=dtype,
-            progress=True,
-            lm_eval=args.lm_eval,
-        )
+        options = dict(limit=args.limit, batch_size=args.batch_size, dtype=dtype, progress=True, lm_eval=args.lm_eval)
+        ranks = dict(rank=dist_state.rank, world_size=dist_state.world_size)
+        result = evaluate(model, dist_state.device, data_file=data_file, **options, **ranks)
         print0(describe_data(data_file, args.limit))  # stdout only once there is a result
         print_result(json.dumps(result))
         return result

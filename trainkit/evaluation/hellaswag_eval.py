@@ -74,20 +74,11 @@ def pack(examples: list[Example], block_size: int | None = None) -> Packed:
     seg = torch.from_numpy(segment)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # key in the context or my own sequence
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Packed(
-        torch.from_numpy(tokens),
-        torch.from_numpy(positions),
-        (same & causal).unsqueeze(1),
-        as_long(sources),
-        as_long(targets),
-        as_long(rows),
-        as_long(lengths),
-    )
+    flat = [torch.tensor(x, dtype=torch.long) for x in (sources, targets, rows, lengths)]
+    return Packed(torch.from_numpy(tokens), torch.from_numpy(positions), (same & causal).unsqueeze(1), *flat)
 
 
-# -----------------------------------------------------------------------------
-# scoring
+# --- scoring
 
 
 def model_block_size(model: nn.Module) -> int | None:
@@ -154,14 +145,7 @@ def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, dtype
 
 
 def score_examples(
-    model: nn.Module,
-    examples: list[Example],
-    device: str,
-    *,
-    batch_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    block_size: int | None = None,
-    bar=None,
+    model, examples: list[Example], device: str, *, batch_size=None, dtype=torch.float32, block_size=None, bar=None
 ):
     """Per-ending (summed, mean) losses, each (n, 4) on the CPU, in example order: our GPT on packed rows,
     another model on collate's, batched by length (default 16 on CUDA; 4 on CPU, where more is more padding)."""
@@ -228,27 +212,18 @@ def evaluate(
     styles = ("nanogpt", "lm_eval") if lm_eval else ("nanogpt",)
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=len(styles) * len(load_examples(path, limit, flag)[rank::world_size]),
-        unit="example",
-        desc="hellaswag, both texts" if lm_eval else "hellaswag",
-        disable=not (progress and rank == 0),
-    )
+    total = len(styles) * len(load_examples(path, limit, flag)[rank::world_size])
+    desc = "hellaswag, both texts" if lm_eval else "hellaswag"
     picks = []  # (n, 4) losses whose argmin is a prediction, one per reported accuracy
-    try:
+    with tqdm(total=total, unit="example", desc=desc, disable=not (progress and rank == 0)) as bar:
         for style in styles:
             mine = load_examples(path, limit, flag, style)[rank::world_size]
             loss_sum, loss_mean = score_examples(
                 model, mine, device, batch_size=batch_size, dtype=dtype, block_size=block_size, bar=bar
             )
-            if style == "nanogpt":
-                picks += [loss_sum, loss_mean]
-            else:
-                # (n, 4) also where n is 0: a rank of a launch with more ranks than examples gets none
-                chars = torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
-                picks += [loss_sum, loss_sum / chars]
-    finally:
-        bar.close()
+            if style == "lm_eval":  # per character; (n, 4) also where a rank gets no example
+                loss_mean = loss_sum / torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
+            picks += [loss_sum, loss_mean]
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)], device=device)
     if world_size > 1:

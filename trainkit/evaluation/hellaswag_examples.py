@@ -23,11 +23,7 @@ DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
 DATA_EXAMPLES = 10042
 DOWNLOAD_TIMEOUT_S = 10
 # 446 examples of the validation set shipped with the repository, for scoring offline (fixtures/README.md)
-SUBSET_FILE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "fixtures",
-    "hellaswag_val_subset.jsonl",
-)
+SUBSET_FILE = os.path.normpath(os.path.join(os.path.abspath(__file__), "../../../fixtures/hellaswag_val_subset.jsonl"))
 
 
 def resolve_data_file(data_file: str | None = None, data_dir: str | None = None, flag: str = "--data-file") -> str:

@@ -13,8 +13,7 @@ from trainkit.data.tokenizer import EOT, real_vocab_size
 
 
 class LayerKVCache:
-    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so
-    far, so that decoding feeds each new token once instead of the whole sequence again."""
+    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so far."""
 
     def __init__(self):
         self.k = self.v = None
@@ -42,8 +41,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=No
     per row. stop_token: stop once every row has drawn it (cut the rows there). kv_cache: the same tokens."""
     block_size = model.config.block_size
     cache = None
-    # the smallest positive float32: dividing by it keeps every nonzero gap below the max
-    # logit far enough down that exp() gives 0, which is what any smaller temperature does
+    # the smallest positive float32: exp() of every nonzero gap below the max is then 0, as for any smaller T
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
     stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
