@@ -26,9 +26,7 @@ from trainkit.fileio import create_fresh
 # an export's mark: a folder holding it, each file it lists unchanged and none added, may be replaced
 EXPORT_MARK = "gpt2_trainer_export.json"
 MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 2
-CHECKOUT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # this repository's, above trainkit/
+CHECKOUT = os.path.normpath(os.path.join(os.path.abspath(__file__), "../../.."))  # this repository's
 
 
 def check_target(out_dir: str):
@@ -84,14 +82,6 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_mark(folder: str) -> dict | None:
-    with contextlib.suppress(OSError, fileio.JSONFileError):  # not a mark: the folder is not an export's
-        mark = fileio.read_json(os.path.join(folder, EXPORT_MARK))
-        if isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER:
-            return mark
-    return None
-
-
 def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
     """What differs in folder from the files its mark lists ('model.safetensors changed, notes.txt
     added'), or None when it is as the export wrote it."""
@@ -122,8 +112,10 @@ def check_replaceable(out_dir: str):
     names = {name for name in os.listdir(out_dir) if not _is_partial(target, out_dir, name)}
     if not names:
         return
-    mark = _read_mark(out_dir)
-    if mark is None:
+    mark = None
+    with contextlib.suppress(OSError, fileio.JSONFileError):  # not a mark: the folder is not an export's
+        mark = fileio.read_json(os.path.join(out_dir, EXPORT_MARK))
+    if not (isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER):
         raise UserError(
             f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
             "so it may hold a model of your own and is left as it is: export into a new or empty folder"
@@ -174,9 +166,8 @@ def _carries_partial_mark(path: str, st: os.stat_result | None = None) -> bool:
 
 def _is_partial(target: str, folder: str, name: str) -> bool:
     """Whether folder/name is a partial folder of an export to target (or an earlier export set aside)."""
-    return re.fullmatch(
-        re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name
-    ) is not None and _carries_partial_mark(os.path.join(folder, name))
+    pattern = re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?"
+    return re.fullmatch(pattern, name) is not None and _carries_partial_mark(os.path.join(folder, name))
 
 
 def _partial_folders(target: str) -> list[str]:
@@ -189,16 +180,14 @@ def _partial_folders(target: str) -> list[str]:
 
 def _lock(folder: str) -> int | None:
     """An open descriptor of folder holding its exclusive flock, or None."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except OSError:
-        os.close(fd)
-        return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            os.close(fd)
+    return None
 
 
 def remove_dead_partials(out_dir: str):
@@ -286,7 +275,9 @@ def replacing_folder(out_dir: str):
         yield new_dir
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
+        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder,
+        for name in os.listdir(new_dir):  # its files as the umask makes them (safetensors writes 0600)
+            os.chmod(os.path.join(new_dir, name), 0o666 & ~umask)
         if in_place:
             _move_files_in(new_dir, target)
             new_dir = None
@@ -403,9 +394,3 @@ def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
     config = dict(tokenizer_class=TOKENIZER_CLASS, **specials, model_max_length=model_max_length)
     config.update(clean_up_tokenization_spaces=False)
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": specials}
-
-
-def save_tokenizer(out_dir: str, model_max_length: int, shown: str):
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
-    for name, value in gpt2_tokenizer_files(model_max_length).items():
-        write_json(os.path.join(out_dir, name), value, shown)

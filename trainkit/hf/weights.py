@@ -42,10 +42,8 @@ def weight_files(folder: str, source: str) -> dict[str, str]:
         if os.path.exists(os.path.join(folder, index)):
             path = _inside(folder, index, source)
             mapping = fileio.read_json(path, CONFIG_BYTES, source).get("weight_map")
-            if (
-                not isinstance(mapping, dict)
-                or not mapping
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())
+            if not (
+                isinstance(mapping, dict) and mapping and all(isinstance(s, str) for s in [*mapping, *mapping.values()])
             ):
                 raise UserError(f"{source}: {path} has no weight_map of tensor names to file names")
             return {name: _inside(folder, file, source, index) for name, file in mapping.items()}
@@ -171,12 +169,8 @@ INSTALL_HINT = "Hugging Face transformers is not installed: pip install transfor
 
 def _looks_like_path(name: str) -> bool:
     """Not a Hub id ('name' or 'owner/name'): meant as a local directory."""
-    return (
-        name.startswith(("/", ".", "~"))
-        or name.endswith("/")
-        or name.count("/") > 1
-        or (os.sep != "/" and os.sep in name)
-    )
+    windows = os.sep != "/" and os.sep in name
+    return name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1 or windows
 
 
 def _check_hf_config(cfg, source: str):
@@ -268,11 +262,7 @@ def _check_every_tensor_loaded(cfg, info: dict, source: str):
 
 
 def gpt2_state_from_hf(
-    name_or_dir: str,
-    vocab_size: int | None = None,
-    block_size: int | None = None,
-    flag: str = "--init-from",
-    pad_multiple: int = PAD_MULTIPLE,
+    name_or_dir: str, vocab_size=None, block_size=None, flag="--init-from", pad_multiple=PAD_MULTIPLE
 ) -> tuple[dict, dict]:
     """(GPTConfig fields, state dict) of our GPT (fp32, CPU) holding a Hugging Face GPT2LMHeadModel's
     weights. vocab_size: default the HF vocabulary padded to a multiple of pad_multiple (1: unpadded);
