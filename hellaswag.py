@@ -5,9 +5,8 @@
     torchrun --nproc_per_node=8 hellaswag.py --checkpoint out/ckpt_0019073.pt
     python hellaswag.py --checkpoint out --data-file fixtures/hellaswag_val_subset.jsonl  # offline: the shipped subset
 
-Prints acc and acc_norm (lowest summed and per-token ending loss: build-nanogpt's and llm.c's, GPT-2
-124M ~0.2955) and lm-eval's lm_eval_acc, lm_eval_acc_norm (docs/hellaswag.md); the scoring is
-trainkit/evaluation/hellaswag_eval.py's, the trainer's --hellaswag-every too.
+Prints acc and acc_norm (build-nanogpt's and llm.c's, GPT-2 124M ~0.2955) and lm-eval's lm_eval_acc,
+lm_eval_acc_norm (docs/hellaswag.md), scored by trainkit/evaluation/hellaswag_eval.py as --hellaswag-every is.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ import os
 import sys
 
 from trainkit import cli  # the error contract shared by every script; standard library only, so it comes first
-
-# the validation file (standard library only)
-from trainkit.evaluation.hellaswag_data import DATA_NAME, resolve_data_file
+from trainkit.evaluation.hellaswag_examples import DATA_NAME, resolve_data_file  # (standard library only too)
 
 
 # --- command line (standard library only: --help and usage errors answer before torch is imported)
@@ -47,10 +44,7 @@ def parse_args(argv=None):
         "time: each example is scored once, not twice)",
     )
     p.add_argument(
-        "--batch-size",
-        type=cli.positive_int,
-        default=None,
-        help="examples per forward pass (default: 16 on CUDA, 4 on CPU)",
+        "--batch-size", type=cli.positive_int, help="examples per forward pass (default: 16 on CUDA, 4 on CPU)"
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda if available)")
     p.add_argument(
@@ -69,15 +63,12 @@ if __name__ == "__main__":
 import torch.nn as nn
 
 from trainkit.runfiles.checkpoints import latest_checkpoint, load_checkpoint
-from trainkit.evaluation.hellaswag_eval import evaluate  # the scoring the trainer uses too
-
-# its examples, the trainer's too
+from trainkit.evaluation.hellaswag_eval import evaluate
 from trainkit.evaluation.hellaswag_examples import RENDERERS, describe_data, load_examples
 from trainkit.hf.weights import load_hf_model
 from trainkit.cli import print0, print_result
 from trainkit.runtime.launch import checked_on_every_rank, exit_code_on_every_rank, process_group
 from trainkit.runtime.device import resolve_dtype
-
 
 # --- the command: our checkpoint or a Hugging Face GPT-2, scored on every rank
 
@@ -94,19 +85,12 @@ class HFLogits(nn.Module):
         return self.hf(input_ids=idx).logits
 
 
-def hf_scoring_model(path: str, device: str) -> nn.Module:
-    """The Hugging Face GPT-2 in path (--hf-model) as a module that returns logits, as our GPT does."""
-    return HFLogits(load_hf_model(path, "--hf-model")).to(device).eval()
-
-
 def load_checkpoint_model(path: str, device: str) -> tuple[nn.Module, str]:
     """Our GPT from a checkpoint (a file, or a run's folder for its newest), and which file and step it is."""
-    import dataclasses
-
-    from train_gpt2 import GPT, GPTConfig  # the model class of our checkpoints (only this command imports the trainer)
+    from train_gpt2 import GPT, MODEL_FIELDS, GPTConfig  # our checkpoints' model (only this command imports it)
 
     chosen = (latest_checkpoint(path) if os.path.isdir(path) else None) or path  # (a folder without one: refused)
-    ckpt = load_checkpoint(chosen, model_fields=[field.name for field in dataclasses.fields(GPTConfig)])
+    ckpt = load_checkpoint(chosen, model_fields=MODEL_FIELDS)
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     step = f", step {ckpt['step']}" if isinstance(ckpt.get("step"), int) else " (it records no step)"
@@ -120,25 +104,17 @@ def run(args) -> dict:
             load_examples(data_file, args.limit, style=style)  # (evaluate reuses these)
         if args.checkpoint:
             return data_file, *load_checkpoint_model(args.checkpoint, device)
-        return data_file, hf_scoring_model(args.hf_model, device), f"the Hugging Face GPT-2 in {args.hf_model}"
+        model = HFLogits(load_hf_model(args.hf_model, "--hf-model")).to(device).eval()
+        return data_file, model, f"the Hugging Face GPT-2 in {args.hf_model}"
 
     with process_group(args.device) as dist_state:
         dtype = resolve_dtype(args.dtype, dist_state.device_type)
         # each rank reads its node's files: one with a file missing or bad is named, by rank 0
         data_file, model, scored = checked_on_every_rank(dist_state, lambda: load_data_and_model(dist_state.device))
         print0(f"hellaswag: scoring {scored}")
-        result = evaluate(
-            model,
-            dist_state.device,
-            limit=args.limit,
-            batch_size=args.batch_size,
-            data_file=data_file,
-            rank=dist_state.rank,
-            world_size=dist_state.world_size,
-            dtype=dtype,
-            progress=True,
-            lm_eval=args.lm_eval,
-        )
+        options = dict(limit=args.limit, batch_size=args.batch_size, dtype=dtype, progress=True, lm_eval=args.lm_eval)
+        ranks = dict(rank=dist_state.rank, world_size=dist_state.world_size)
+        result = evaluate(model, dist_state.device, data_file=data_file, **options, **ranks)
         print0(describe_data(data_file, args.limit))  # stdout only once there is a result
         print_result(json.dumps(result))
         return result

@@ -3,9 +3,8 @@
     python sample.py --checkpoint out/cpu --prompt "def main(" --num-samples 2 --max-new-tokens 100
     python sample.py --hf-model gpt2_hf --temperature 0.8 --top-k 40 --seed 7
 
-Each sample (prompt and continuation, after a `--- sample i/N ---` line, control characters escaped)
-ends at its first <|endoftext|>; the same seed gives the same text whatever --batch-size. Output and
-exit codes: docs/sampling.md. Only this command's main imports the trainer (for its GPT).
+Each sample ends at its first <|endoftext|>; the same seed gives the same text whatever --batch-size
+(docs/sampling.md). Only this command's main imports the trainer (for its GPT).
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--batch-size",
         type=cli.positive_int,
-        default=None,
         help="samples drawn at once, printed as each batch ends; the texts do not depend on it "
         "(default: as many as fit in 2 GiB, KV cache, activations and logits, at most 64)",
     )
@@ -70,16 +68,11 @@ if __name__ == "__main__":
 
 from trainkit.cli import UserError, exit_code_of, print_line, print_result
 from trainkit.runtime.launch import resolve_device
-from trainkit.evaluation.sampling import encode_prompt, sample_text  # what the trainer's --sample-every prints too
+from trainkit.evaluation.sampling import encode_prompt, sample_text  # the trainer's --sample-every too
 from trainkit.data.tokenizer import get_tokenizer_or_fail
 
 
 # --- the command
-
-
-def validate_args(args: argparse.Namespace):
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
 
 
 def load_model(args: argparse.Namespace, device: str):
@@ -92,7 +85,8 @@ def load_model(args: argparse.Namespace, device: str):
 
 
 def run(args: argparse.Namespace):
-    validate_args(args)
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
     device = resolve_device(args.device)
     enc = get_tokenizer_or_fail()
     model = load_model(args, device)
@@ -102,19 +96,9 @@ def run(args: argparse.Namespace):
             f"note: the prompt is {n_prompt} tokens; the model sees only the newest {model.config.block_size}",
             file=sys.stderr,
         )
-    texts = sample_text(
-        model,
-        enc,
-        device,
-        args.prompt,
-        n=args.num_samples,
-        length=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        end_at_eot=not args.continue_past_eot,
-        batch_rows=args.batch_size,
-    )
+    drawn = dict(n=args.num_samples, length=args.max_new_tokens, batch_rows=args.batch_size)
+    how = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed, end_at_eot=not args.continue_past_eot)
+    texts = sample_text(model, enc, device, args.prompt, **drawn, **how)
     for i, text in enumerate(texts, 1):  # a batch at a time: a huge --num-samples never holds them all
         # where stdout is gone (`| head`, a full disk), no more are drawn
         if not (print_result(f"--- sample {i}/{args.num_samples} ---") and print_result(text, keep_newlines=True)):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainkit import cli  # noqa: E402
-from trainkit.evaluation import hellaswag_data, hellaswag_eval, hellaswag_examples  # noqa: E402
+from trainkit.evaluation import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument(
         "--data-file",
-        default=hellaswag_data.SUBSET_FILE,
+        default=hellaswag_examples.SUBSET_FILE,
         help="HellaSwag jsonl (default: the subset in fixtures/, whose first 200 are the full set's)",
     )
     args = p.parse_args()
@@ -53,7 +53,7 @@ def main():
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(args.device).eval()
     examples = hellaswag_examples.load_examples(
-        hellaswag_data.resolve_data_file(args.data_file), args.examples
+        hellaswag_examples.resolve_data_file(args.data_file), args.examples
     )  # tokenized untimed
     hellaswag_eval.score_examples(model, examples[:8], args.device, batch_size=4)  # warm-up
 

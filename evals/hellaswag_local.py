@@ -1,6 +1,6 @@
 """The data of evals/hellaswag_local.yaml: rowanz's hellaswag_val.jsonl from a local file (or
-trainkit/evaluation/hellaswag_data.py's sha256-checked download), handed to lm-eval's own hellaswag process_docs, so the
-text the model sees is exactly lm-eval's."""
+trainkit/evaluation/hellaswag_examples.py's sha256-checked download), handed to lm-eval's own
+hellaswag process_docs, so the text the model sees is exactly lm-eval's."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import datasets
 from lm_eval.tasks.hellaswag.utils import process_docs  # noqa: F401  (the YAML's process_docs)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for trainkit/
-from trainkit.evaluation.hellaswag_data import resolve_data_file  # noqa: E402
+from trainkit.evaluation.hellaswag_examples import resolve_data_file  # noqa: E402
 
 FLAG = "--metadata '{\"data_file\": PATH}' (hf_interop.py eval: --hellaswag-file PATH)"
 

@@ -20,7 +20,7 @@ from conftest import (
     run_main,
     tiny_run_args,
 )
-from trainkit.evaluation import hellaswag_data, hellaswag_eval, hellaswag_examples
+from trainkit.evaluation import hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.data.tokenizer import EOT
 from train_gpt2 import GPTConfig
@@ -304,7 +304,7 @@ def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
     proc = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
     assert re.fullmatch(
-        rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
+        rf"error: cannot download HellaSwag from {re.escape(hellaswag_examples.DATA_URL)} \(\[Errno \d+\] "
         r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH "
         r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\)\n",
         proc.stderr,
@@ -355,18 +355,18 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
         served.append((url, timeout))
         return io.BytesIO(served_bytes)
 
-    monkeypatch.setattr(hellaswag_data.urllib.request, "urlopen", fake_urlopen)
-    monkeypatch.setattr(hellaswag_data, "DATA_SHA256", hashlib.sha256(good).hexdigest())
+    monkeypatch.setattr(hellaswag_examples.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(hellaswag_examples, "DATA_SHA256", hashlib.sha256(good).hexdigest())
     served_bytes = good[:-10]  # truncated: refused, nothing left behind
     with pytest.raises(UserError, match="sha256 mismatch.*--data-file"):
-        hellaswag_data.resolve_data_file(data_dir=str(tmp_path))
+        hellaswag_examples.resolve_data_file(data_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
     served_bytes = good
-    path = hellaswag_data.resolve_data_file(data_dir=str(tmp_path))
+    path = hellaswag_examples.resolve_data_file(data_dir=str(tmp_path))
     assert path == str(tmp_path / "hellaswag_val.jsonl")
     assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"] and open(path, "rb").read() == good
-    assert hellaswag_data.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
-    assert served == [(hellaswag_data.DATA_URL, hellaswag_data.DOWNLOAD_TIMEOUT_S)] * 2
+    assert hellaswag_examples.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
+    assert served == [(hellaswag_examples.DATA_URL, hellaswag_examples.DOWNLOAD_TIMEOUT_S)] * 2
     assert [ex.ctx for ex in hellaswag_examples.load_examples(path)] == [
         ex.ctx for ex in hellaswag_examples.load_examples(data_file, 3)
     ]
@@ -563,7 +563,7 @@ def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_pa
     proc = run_main("train_gpt2.py", *flags, env=offline)
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
-        rf"error: cannot download HellaSwag from {re.escape(hellaswag_data.DATA_URL)} \(\[Errno \d+\] "
+        rf"error: cannot download HellaSwag from {re.escape(hellaswag_examples.DATA_URL)} \(\[Errno \d+\] "
         r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --hellaswag-file PATH "
         r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\), or pass "
         r"--hellaswag-every 0 to train without HellaSwag\n",

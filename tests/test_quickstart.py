@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, kill_group, wait_for
-from trainkit.evaluation.hellaswag_data import DATA_URL
+from trainkit.evaluation.hellaswag_examples import DATA_URL
 
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
 FEW_EXAMPLES = "--limit 8"  # of HellaSwag (200 take 20 s on a CPU)

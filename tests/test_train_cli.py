@@ -247,7 +247,6 @@ LIBRARY_MODULES = [
     "trainkit.runtime.recovery",
     "trainkit.runtime.optimizers",
     "trainkit.train_flags",
-    "trainkit.evaluation.hellaswag_data",
     "trainkit.evaluation.hellaswag_examples",
     "trainkit.evaluation.hellaswag_eval",
     "trainkit.hf.weights",

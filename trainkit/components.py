@@ -22,7 +22,7 @@ from trainkit.cli import UserError, print0
 from trainkit.data.shards import ShardDigestCheck
 from trainkit.data.tokenizer import get_tokenizer_or_fail, token_byte_lengths
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples
-from trainkit.evaluation.hellaswag_data import resolve_data_file
+from trainkit.evaluation.hellaswag_examples import resolve_data_file
 from trainkit.runfiles.checkpoints import (
     checkpoint_path,
     load_checkpoint,

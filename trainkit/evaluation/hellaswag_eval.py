@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from trainkit.runfiles.checkpoints import unwrap_model
 from trainkit.runtime.kernels import exp_sums_
 from trainkit.cli import UserError
-from trainkit.evaluation.hellaswag_data import resolve_data_file
-from trainkit.evaluation.hellaswag_examples import Example, load_examples
+from trainkit.evaluation.hellaswag_examples import Example, load_examples, resolve_data_file
 from trainkit.runtime.launch import all_reduce_sum
 from trainkit.data.tokenizer import EOT, GPT2_VOCAB, real_vocab_size
 
@@ -75,20 +74,11 @@ def pack(examples: list[Example], block_size: int | None = None) -> Packed:
     seg = torch.from_numpy(segment)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # key in the context or my own sequence
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Packed(
-        torch.from_numpy(tokens),
-        torch.from_numpy(positions),
-        (same & causal).unsqueeze(1),
-        as_long(sources),
-        as_long(targets),
-        as_long(rows),
-        as_long(lengths),
-    )
+    flat = [torch.tensor(x, dtype=torch.long) for x in (sources, targets, rows, lengths)]
+    return Packed(torch.from_numpy(tokens), torch.from_numpy(positions), (same & causal).unsqueeze(1), *flat)
 
 
-# -----------------------------------------------------------------------------
-# scoring
+# --- scoring
 
 
 def model_block_size(model: nn.Module) -> int | None:
@@ -98,8 +88,8 @@ def model_block_size(model: nn.Module) -> int | None:
 
 
 def model_problem(vocab_size: int | None, block_size: int | None) -> str | None:
-    """Why a model of these sizes cannot be scored on HellaSwag, or None: its examples are GPT-2's tokens (ids
-    up to <|endoftext|>), and an ending's first token is predicted from at least one token of context."""
+    """Why a model of these sizes cannot be scored on HellaSwag (GPT-2's token ids; an ending's first token
+    predicted from at least one of context), or None."""
     if vocab_size is not None and vocab_size < GPT2_VOCAB:
         return (
             f"HellaSwag's examples are GPT-2's tokens (ids up to {EOT}), beyond this model's vocabulary of "
@@ -155,18 +145,10 @@ def score_rows(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, dtype
 
 
 def score_examples(
-    model: nn.Module,
-    examples: list[Example],
-    device: str,
-    *,
-    batch_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    block_size: int | None = None,
-    bar=None,
+    model, examples: list[Example], device: str, *, batch_size=None, dtype=torch.float32, block_size=None, bar=None
 ):
     """Per-ending (summed, mean) losses, each (n, 4) on the CPU, in example order: our GPT on packed rows,
-    another model on collate's, batched in order of length. batch_size None: 16 on CUDA; 4 on CPU, where
-    bigger batches add more padding than they save overhead. bar: a tqdm each batch advances."""
+    another model on collate's, batched by length (default 16 on CUDA; 4 on CPU, where more is more padding)."""
     if batch_size is None:
         batch_size = 16 if torch.device(device).type == "cuda" else 4
     longest = model_block_size(model)
@@ -180,8 +162,7 @@ def score_examples(
         return len(ctx) + sum(len(e) for e in endings)
 
     order = sorted(range(len(examples)), key=lambda i: length(examples[i]))
-    loss_sum = torch.zeros(len(examples), 4)
-    loss_mean = torch.zeros(len(examples), 4)
+    loss_sum, loss_mean = torch.zeros(len(examples), 4), torch.zeros(len(examples), 4)
     was_training = model.training
     model.eval()
     try:
@@ -209,7 +190,6 @@ def evaluate(
     limit: int | None = None,
     batch_size: int | None = None,
     data_file: str | None = None,
-    data_dir: str | None = None,
     rank: int = 0,
     world_size: int = 1,
     dtype: torch.dtype = torch.float32,
@@ -218,42 +198,32 @@ def evaluate(
     flag: str = "--data-file",
     lm_eval: bool = False,
 ) -> dict:
-    """{"acc", "acc_norm", "n"} (with lm_eval also "lm_eval_acc", "lm_eval_acc_norm": docs/hellaswag.md) of
-    model on the first limit (None or 0: all) examples. Under world_size > 1 every rank calls it: rank r
-    scores examples r, r + W, ... and all get the totals. flag: the option that gave data_file."""
+    """{"acc", "acc_norm", "n"} (lm_eval: also "lm_eval_acc", "lm_eval_acc_norm"; docs/hellaswag.md) of model
+    on the first limit (None or 0: all) examples; under world_size > 1 every rank calls it, rank r scoring
+    examples r, r + W, ..., and all get the totals. flag: the option that gave data_file."""
     if world_size > 1 and not torch.distributed.is_initialized():
         raise ValueError("world_size > 1 needs an initialized process group")
     config = getattr(unwrap_model(model), "config", None)
     problem = model_problem(getattr(config, "vocab_size", None), block_size or model_block_size(model))
     if problem:
         raise UserError(f"cannot score this model on HellaSwag: {problem}")
-    path = resolve_data_file(data_file, data_dir, flag)
-    # lm-eval's text differs from the record's in every example (it starts with the activity label), so no
-    # forward serves both renderings: the second is scored after the first, under the same progress bar
+    path = resolve_data_file(data_file, flag=flag)
+    # lm-eval's text differs from the record's in every example: the second rendering is scored after the first
     styles = ("nanogpt", "lm_eval") if lm_eval else ("nanogpt",)
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=len(styles) * len(load_examples(path, limit, flag)[rank::world_size]),
-        unit="example",
-        desc="hellaswag, both texts" if lm_eval else "hellaswag",
-        disable=not (progress and rank == 0),
-    )
+    total = len(styles) * len(load_examples(path, limit, flag)[rank::world_size])
+    desc = "hellaswag, both texts" if lm_eval else "hellaswag"
     picks = []  # (n, 4) losses whose argmin is a prediction, one per reported accuracy
-    try:
+    with tqdm(total=total, unit="example", desc=desc, disable=not (progress and rank == 0)) as bar:
         for style in styles:
             mine = load_examples(path, limit, flag, style)[rank::world_size]
             loss_sum, loss_mean = score_examples(
                 model, mine, device, batch_size=batch_size, dtype=dtype, block_size=block_size, bar=bar
             )
-            if style == "nanogpt":
-                picks += [loss_sum, loss_mean]
-            else:
-                # (n, 4) also where n is 0: a rank of a launch with more ranks than examples gets none
-                chars = torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
-                picks += [loss_sum, loss_sum / chars]
-    finally:
-        bar.close()
+            if style == "lm_eval":  # per character; (n, 4) also where a rank gets no example
+                loss_mean = loss_sum / torch.tensor([ex.ending_chars for ex in mine], dtype=torch.float32).view(-1, 4)
+            picks += [loss_sum, loss_mean]
     labels = torch.tensor([ex.label for ex in mine], dtype=torch.long)
     counts = torch.tensor([int((losses.argmin(1) == labels).sum()) for losses in picks] + [len(mine)], device=device)
     if world_size > 1:

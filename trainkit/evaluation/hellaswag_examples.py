@@ -1,18 +1,79 @@
-"""HellaSwag's records as token examples (hellaswag.py and --hellaswag-every): each checked and rendered as
-build-nanogpt does or as lm-eval's task does, once per process (load_examples), and the line saying which
-are scored (describe_data)."""
+"""HellaSwag's validation file (a path given, or the cache folder: downloaded once, its sha256 checked) and
+its records as token examples, rendered as build-nanogpt does or as lm-eval's task does, once per process.
+Standard library only at import (the tokenizer where used): a script's --help names the file before torch."""
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import os
 import re
+import urllib.request
 from typing import NamedTuple
 
 from trainkit import fileio
 from trainkit.cli import UserError, reason_of
-from trainkit.evaluation.hellaswag_data import DATA_EXAMPLES, DATA_NAME, SUBSET_FILE
-from trainkit.fileio import open_regular
-from trainkit.data.tokenizer import get_tokenizer_or_fail
+from trainkit.fileio import check_regular, open_regular, write_atomically
+
+# --- the validation file --------------------------------------------------------------------------
+
+DATA_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+DATA_NAME = "hellaswag_val.jsonl"
+DATA_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+DATA_EXAMPLES = 10042
+DOWNLOAD_TIMEOUT_S = 10
+# 446 examples of the validation set shipped with the repository, for scoring offline (fixtures/README.md)
+SUBSET_FILE = os.path.normpath(os.path.join(os.path.abspath(__file__), "../../../fixtures/hellaswag_val_subset.jsonl"))
+
+
+def resolve_data_file(data_file: str | None = None, data_dir: str | None = None, flag: str = "--data-file") -> str:
+    """The validation jsonl: data_file, else data_dir (default: the cache) / hellaswag_val.jsonl, downloaded
+    first where missing. flag: the option that gave data_file, for errors."""
+    if data_file:
+        if os.path.isdir(data_file):
+            raise UserError(
+                f"{flag} {data_file} is a folder: pass the file, e.g. {os.path.join(data_file, 'hellaswag_val.jsonl')}"
+            )
+        if not os.path.exists(data_file):
+            raise UserError(f"{flag} {data_file} does not exist")
+        try:
+            check_regular(data_file)  # a named pipe would block the read forever
+        except UserError as e:
+            raise UserError(f"{flag} {e}") from None
+        return data_file
+    cache = os.environ.get("HELLASWAG_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "gpt2-trainer", "hellaswag"
+    )
+    path = os.path.join(data_dir or cache, DATA_NAME)
+    if not os.path.isfile(path):
+        _download(path, flag)
+    return path
+
+
+def _download(path: str, flag: str):
+    def write(f):
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(DATA_URL, timeout=DOWNLOAD_TIMEOUT_S) as r:
+            while chunk := r.read(1 << 20):
+                digest.update(chunk)
+                f.write(chunk)
+        if digest.hexdigest() != DATA_SHA256:
+            raise OSError("the downloaded file is not the expected one (sha256 mismatch)")
+
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        # one temporary file per process: torchrun ranks may download at once
+        write_atomically(path, write, fsync_file=False, fsync_folder=False, tmp=f"{path}.{os.getpid()}.tmp")
+    except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, disk errors, cut-off reads
+        reason = getattr(e, "reason", None) or e
+        raise UserError(
+            f"cannot download HellaSwag from {DATA_URL} ({reason}); "
+            f"pass a local copy of {DATA_NAME} with {flag} PATH (the repository ships a subset: "
+            f"{os.path.relpath(SUBSET_FILE)})"
+        ) from None
+
+
+# --- its examples ---------------------------------------------------------------------------------
 
 
 class Example(NamedTuple):
@@ -48,12 +109,10 @@ def lm_eval_clean(text: str) -> str:
 def lm_eval_text(example: dict) -> tuple[str, list[str], int]:
     """(query, choices, label) as lm-eval's task shows them: '<activity_label>: <ctx_a> <Ctx_b>', cleaned."""
     _, endings, label = check_record(example)
-    fields = [example.get(key) for key in ("activity_label", "ctx_a", "ctx_b")]
-    for key, value in zip(("activity_label", "ctx_a", "ctx_b"), fields):
-        if not isinstance(value, str):
-            raise ValueError(f"{key!r} must be text for lm-eval's rendering, not {value!r:.40}")
-    activity, ctx_a, ctx_b = fields
-    query = lm_eval_clean(f"{activity}: {ctx_a} {ctx_b.capitalize()}")
+    for key in ("activity_label", "ctx_a", "ctx_b"):
+        if not isinstance(example.get(key), str):
+            raise ValueError(f"{key!r} must be text for lm-eval's rendering, not {example.get(key)!r:.40}")
+    query = lm_eval_clean(f"{example['activity_label']}: {example['ctx_a']} {example['ctx_b'].capitalize()}")
     return query, [lm_eval_clean(e) for e in endings], label
 
 
@@ -68,8 +127,6 @@ def render_lm_eval(example: dict, enc) -> Example:
 
 
 RENDERERS = {"nanogpt": render_example, "lm_eval": render_lm_eval}  # how a record becomes tokens
-
-LABELS = (0, 1, 2, 3)
 
 
 def check_record(example) -> tuple[str, list[str], int]:
@@ -87,7 +144,7 @@ def check_record(example) -> tuple[str, list[str], int]:
         raise ValueError(f"'endings' must be a list of 4 non-empty strings, not {endings!r:.60}")
     if isinstance(label, str) and label in ("0", "1", "2", "3"):
         label = int(label)
-    if type(label) is not int or label not in LABELS:  # not bool, float or another number
+    if type(label) is not int or label not in (0, 1, 2, 3):  # not bool, float or another number
         raise ValueError(f"'label' must be 0, 1, 2 or 3, not {label!r:.20}")
     return ctx, endings, label
 
@@ -119,6 +176,8 @@ class _Rendered:
     def first(self, n: int, style: str = "nanogpt") -> list[Example]:
         examples, render = self.examples[style], RENDERERS[style]
         if len(examples) < n:
+            from trainkit.data.tokenizer import get_tokenizer_or_fail  # (numpy and tiktoken: not for --help)
+
             enc = get_tokenizer_or_fail()
             for number, line in self.lines[len(examples) : n]:
                 try:

@@ -10,12 +10,10 @@ import torch.nn.functional as F
 
 from trainkit.cli import UserError
 from trainkit.data.tokenizer import EOT, real_vocab_size
-from trainkit.train_flags import SAMPLE_PROMPT
 
 
 class LayerKVCache:
-    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so
-    far, so that decoding feeds each new token once instead of the whole sequence again."""
+    """One attention layer's keys and values (B, n_head, length, head_size) of the tokens seen so far."""
 
     def __init__(self):
         self.k = self.v = None
@@ -24,8 +22,7 @@ class LayerKVCache:
     def length(self) -> int:
         return 0 if self.k is None else self.k.size(2)
 
-    def append(self, k, v):
-        """Add the new tokens' keys and values; returns all of them."""
+    def append(self, k, v):  # returns all of them
         if self.k is not None:
             k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
         self.k, self.v = k, v
@@ -39,18 +36,12 @@ def new_kv_cache(model) -> list[LayerKVCache]:
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, kv_cache=True, stop_token=None):
-    """idx (B, T) extended by model (our GPT) by up to max_new_tokens tokens, each drawn from the top_k most likely
-    of softmax(logits / temperature); the model sees the newest block_size tokens.
-
-    generator: one torch.Generator for the batch, or one per row (a row's tokens then do not
-    depend on the batch). A temperature too small for float32 is greedy, not NaN. stop_token:
-    stop once every row has drawn it (rows go on drawing after theirs: cut them there). With
-    kv_cache each step feeds only the new token, until the window slides past block_size and
-    each step runs the whole window again: both ways draw the same tokens."""
+    """idx (B, T) extended by model (our GPT) by up to max_new_tokens tokens, each drawn from the top_k most
+    likely of softmax(logits / temperature), seeing the newest block_size. generator: one for the batch, or one
+    per row. stop_token: stop once every row has drawn it (cut the rows there). kv_cache: the same tokens."""
     block_size = model.config.block_size
     cache = None
-    # the smallest positive float32: dividing by it keeps every nonzero gap below the max
-    # logit far enough down that exp() gives 0, which is what any smaller temperature does
+    # the smallest positive float32: exp() of every nonzero gap below the max is then 0, as for any smaller T
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
     stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
@@ -65,7 +56,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=No
         logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
         probs = F.softmax(logits, dim=-1)
         topk_probs, topk_idx = torch.topk(probs, min(top_k, probs.size(-1)), dim=-1)
-        choice = draw(topk_probs, generator)
+        if isinstance(generator, (list, tuple)):  # a row's tokens then do not depend on the batch
+            choice = torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in zip(topk_probs, generator)])
+        else:
+            choice = torch.multinomial(topk_probs, 1, generator=generator)
         idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
         if stop_token is not None:
             stopped |= idx[:, -1] == stop_token
@@ -74,17 +68,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=50, generator=No
     return idx
 
 
-def draw(probs, generator):
-    """One index per row of probs (B, K), drawn with the row's weights: from one generator for the
-    batch, or from a list of one generator per row."""
-    if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator)
-
-
 def encode_prompt(enc, prompt: str, vocab_size: int) -> list[int]:
-    """Token ids of prompt (a literal <|endoftext|> is that token; an empty prompt is <|endoftext|>
-    alone, the start of a document), or a UserError if one lies beyond the model's vocabulary."""
+    """Token ids of prompt (<|endoftext|> as that token; '' as it alone: a new document), or a UserError for
+    an id beyond the model's vocabulary."""
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
     beyond = [t for t in ids if t >= vocab_size]
     if beyond:
@@ -100,9 +86,8 @@ SAMPLE_BATCH_ROWS = 64  # and at most this many, so that the first texts come so
 
 
 def sample_batch_rows(config, tokens: int, element_size: int = 4) -> int:
-    """Rows of tokens positions (at most a block) whose sampling fits in SAMPLE_BATCH_BYTES, in
-    1..SAMPLE_BATCH_ROWS: per row, the KV cache of every layer, one layer's activations (x, qkv,
-    MLP) and attention scores of a forward over the whole window, and the logits and probabilities."""
+    """Rows of tokens positions (at most a block) whose sampling fits in SAMPLE_BATCH_BYTES, in 1..SAMPLE_BATCH_ROWS:
+    per row every layer's KV cache, one layer's activations and attention scores over the window, the logits."""
     T, C = min(tokens, config.block_size), config.n_embd
     per_row = 2 * config.n_layer * T * C + 8 * T * C + config.n_head * T * T + 4 * config.vocab_size
     return max(1, min(SAMPLE_BATCH_ROWS, SAMPLE_BATCH_BYTES // (per_row * element_size)))
@@ -118,7 +103,7 @@ def sample_text(
     model: nn.Module,
     enc,
     device: str,
-    prompt=SAMPLE_PROMPT,
+    prompt: str,
     n=4,
     length=32,
     temperature=1.0,
@@ -128,14 +113,9 @@ def sample_text(
     batch_rows=None,
     stop_early=True,
 ):
-    """Yields n continuations of prompt, each the prompt followed by up to length sampled tokens,
-    as text; with end_at_eot a continuation ends with its first <|endoftext|> (as Hugging Face's
-    generate stops at the eos token), otherwise it runs on past it.
-
-    Sample i draws from its own generator (seed, i), so the texts do not depend on batch_rows, the
-    rows drawn at once (default: sample_batch_rows; a huge n never holds more). stop_early: stop a
-    batch once all its samples have ended (a sharded model passes False: every rank must run the
-    same forwards). Padded vocabulary ids (beyond the tokenizer's) have no text and are left out."""
+    """Yields n texts, prompt and up to length sampled tokens, each ending at its first <|endoftext|> with
+    end_at_eot. Sample i draws from its own generator (seed, i): the texts do not depend on batch_rows (default:
+    sample_batch_rows). stop_early False (a sharded model): every rank runs the same forwards. Padded ids: left out."""
     was_training = model.training
     model.eval()
     ids = encode_prompt(enc, prompt, model.config.vocab_size)

@@ -1,18 +1,6 @@
-"""An export to a Hugging Face GPT-2 folder: the target replaced whole or not at all, and the
-tokenizer files it holds.
-
-An export's target folder (hf_interop.py export's out_dir), replaced whole or not at all, and
-never a folder that is not an export's. The target is checked first (never the current folder,
-the home folder, the checkout, or one above them; a file, or a folder that is neither empty nor,
-file for file, an earlier export, is refused); the export is written into a locked partial folder
-beside it and swapped in once whole (one renameat2 exchange over an earlier export, files moved in
-one by one into a mount point); the mark written last lists the sha256 of each file, so that only
-an unchanged export is replaced by the next; partial folders of killed exports are removed.
-Standard library only.
-
-The tokenizer files of an export: GPT-2's tokenizer as a transformers fast tokenizer that AutoTokenizer
-loads, built offline from the BPE the trainer encodes with, without transformers.
-"""
+"""An export's Hugging Face GPT-2 folder (hf_interop.py export): replaced whole or not at all, and never
+a folder that is not an export's (docs/hf.md: the mark, partial folders, the swap); and GPT-2's tokenizer
+files it holds, built without transformers."""
 
 from __future__ import annotations
 
@@ -35,24 +23,15 @@ from trainkit.fileio import create_fresh
 
 # --- the target folder ----------------------------------------------------------------------------
 
-# The mark of an export: a folder that holds it, with each file it lists unchanged and nothing
-# added, was written by hf_interop.py export and may be replaced by the next export; any other
-# non-empty folder is left as it is: a save_pretrained of the user's own model looks like an export
-# (the same file names), also one saved over an earlier export, where the mark survives, but its
-# files are no longer the ones the mark lists. transformers, AutoTokenizer, pipeline and lm-eval
-# read only the files they know, so one more JSON file goes unnoticed.
+# an export's mark: a folder holding it, each file it lists unchanged and none added, may be replaced
 EXPORT_MARK = "gpt2_trainer_export.json"
 MARK_WRITER, MARK_VERSION = "gpt2-trainer hf_interop.py export", 2
-CHECKOUT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # this repository's, above trainkit/
+CHECKOUT = os.path.normpath(os.path.join(os.path.abspath(__file__), "../../.."))  # this repository's
 
 
 def check_target(out_dir: str):
-    """An export goes into a folder it makes (or replaces) in an existing one: a missing parent is named.
-    It never replaces a folder that holds where the user is or what they keep: the current folder,
-    the home folder, the checkout of this repository, or any folder above one of them (an empty
-    out_dir, an unset shell variable, names the current folder once resolved)."""
+    """Refuse an out_dir that is, or holds, the current folder, the home folder or the checkout, or
+    whose parent folder is missing."""
     if not str(out_dir).strip():
         raise UserError(f"the folder to export to is empty ({out_dir!r}: an unset shell variable?): name a new folder")
     target = os.path.realpath(out_dir)
@@ -79,7 +58,7 @@ def check_target(out_dir: str):
 
 def write_json(path: str, value: dict, shown: str):
     """value as a JSON file of the export being written (shown: the folder its one line names)."""
-    try:  # created, not opened (a link at its name is replaced); the folder swapped in whole is the atomic step
+    try:  # created, not opened: a link at its name is replaced
         with os.fdopen(create_fresh(path), "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2)  # ASCII: a path that is not UTF-8 is kept as its escapes
     except OSError as e:
@@ -87,8 +66,7 @@ def write_json(path: str, value: dict, shown: str):
 
 
 def write_mark(folder: str, fields: dict, shown: str):
-    """EXPORT_MARK into folder, once the export's other files are written there: fields (the source
-    checkpoint, its step and checksum, the vocabulary kept) and the sha256 of each file beside it."""
+    """EXPORT_MARK into folder, written last: fields and the sha256 of each file beside it."""
     files = {
         name: _file_sha256(os.path.join(folder, name)) for name in sorted(set(os.listdir(folder)) - {PARTIAL_MARK})
     }
@@ -104,14 +82,6 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_mark(folder: str) -> dict | None:
-    with contextlib.suppress(OSError, fileio.JSONFileError):  # not a mark: the folder is not an export's
-        mark = fileio.read_json(os.path.join(folder, EXPORT_MARK))
-        if isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER:
-            return mark
-    return None
-
-
 def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
     """What differs in folder from the files its mark lists ('model.safetensors changed, notes.txt
     added'), or None when it is as the export wrote it."""
@@ -122,14 +92,12 @@ def _changes_since_export(folder: str, names: set, mark: dict) -> str | None:
     changes = [f"{name} added" for name in sorted(names - files.keys())]
     changes += [f"{name} missing" for name in sorted(files.keys() - names)]
     for name in sorted(names & files.keys()):
+        path = os.path.join(folder, name)
         try:
-            same = (
-                os.path.isfile(os.path.join(folder, name)) and _file_sha256(os.path.join(folder, name)) == files[name]
-            )
+            if not (os.path.isfile(path) and _file_sha256(path) == files[name]):
+                changes.append(f"{name} changed")
         except OSError as e:
-            raise UserError(f"cannot read {os.path.join(folder, name)}: {reason_of(e)}") from e
-        if not same:
-            changes.append(f"{name} changed")
+            raise UserError(f"cannot read {path}: {reason_of(e)}") from e
     return ", ".join(changes[:3]) + (f", ... ({len(changes)} in all)" if len(changes) > 3 else "") or None
 
 
@@ -138,16 +106,16 @@ def check_replaceable(out_dir: str):
     nor, file for file, an export this command wrote."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} exists and is not a directory")
+    if not os.path.isdir(out_dir):
+        return
     target = os.path.realpath(out_dir)  # a mount point's holds the partial folders of exports to it
-    names = (
-        {name for name in os.listdir(out_dir) if not _is_partial(target, out_dir, name)}
-        if os.path.isdir(out_dir)
-        else set()
-    )
+    names = {name for name in os.listdir(out_dir) if not _is_partial(target, out_dir, name)}
     if not names:
         return
-    mark = _read_mark(out_dir)
-    if mark is None:
+    mark = None
+    with contextlib.suppress(OSError, fileio.JSONFileError):  # not a mark: the folder is not an export's
+        mark = fileio.read_json(os.path.join(out_dir, EXPORT_MARK))
+    if not (isinstance(mark, dict) and mark.get("written_by") == MARK_WRITER):
         raise UserError(
             f"{out_dir} is not empty and is not an export of hf_interop.py (it has no {EXPORT_MARK}), "
             "so it may hold a model of your own and is left as it is: export into a new or empty folder"
@@ -161,14 +129,8 @@ def check_replaceable(out_dir: str):
         )
 
 
-# A partial export: the folder an export writes before it is swapped in, beside the target (inside
-# it for a mount point), named .NAME.export-XXXXXXXX (mkdtemp's 8 characters), locked (flock) by the
-# writing process while it lives, and holding PARTIAL_MARK, which names the folder's own device and
-# inode (written as it is made, removed just before the swap). kill -9 or a power cut leaves it, with
-# up to gigabytes of weights; the next export to NAME removes each one whose lock it can take (its
-# writer is dead) and whose mark names it: a folder of the user's that only looks like one by its name
-# (a dated backup), or a copy of a partial folder, is left as it is. Where the file system has no
-# flock, no lock can be taken, and partial folders are left as they are.
+# a partial folder, .NAME.export-XXXXXXXX, is flock-ed by its writer and holds PARTIAL_MARK naming its own
+# device and inode: only an unlocked one whose mark names it is removed (not a look-alike, not a copy)
 PARTIAL_MARK = ".gpt2_trainer_partial_export"
 
 
@@ -181,15 +143,12 @@ def _partial_mark(st: os.stat_result) -> bytes:
 
 
 def mark_partial(fd: int):
-    """Write PARTIAL_MARK into the folder open at fd (an export's partial folder, or an earlier export
-    set aside), naming that folder."""
-    mark = create_fresh(PARTIAL_MARK, dir_fd=fd)
-    with os.fdopen(mark, "wb") as f:
+    """Write PARTIAL_MARK, naming the folder open at fd, into it."""
+    with os.fdopen(create_fresh(PARTIAL_MARK, dir_fd=fd), "wb") as f:
         f.write(_partial_mark(os.fstat(fd)))
 
 
 def _unmark(fd: int):
-    """Remove PARTIAL_MARK from the folder open at fd."""
     with contextlib.suppress(FileNotFoundError):
         os.remove(PARTIAL_MARK, dir_fd=fd)
 
@@ -206,15 +165,12 @@ def _carries_partial_mark(path: str, st: os.stat_result | None = None) -> bool:
 
 
 def _is_partial(target: str, folder: str, name: str) -> bool:
-    """Whether folder/name is a partial folder of an export to target (or an earlier export set aside
-    there by the swap without renameat2): its name, and the mark inside that only an export writes."""
-    return re.fullmatch(
-        re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?", name
-    ) is not None and _carries_partial_mark(os.path.join(folder, name))
+    """Whether folder/name is a partial folder of an export to target (or an earlier export set aside)."""
+    pattern = re.escape(_partial_prefix(target)) + r"[a-z0-9_]{8}(\.old)?"
+    return re.fullmatch(pattern, name) is not None and _carries_partial_mark(os.path.join(folder, name))
 
 
 def _partial_folders(target: str) -> list[str]:
-    """The partial folders of exports to target, beside it and inside it."""
     found = []
     for folder in (os.path.dirname(target), target):
         with contextlib.suppress(OSError):
@@ -223,18 +179,15 @@ def _partial_folders(target: str) -> list[str]:
 
 
 def _lock(folder: str) -> int | None:
-    """An open descriptor of folder holding its exclusive flock (released when this process dies);
-    None where another process holds it, or the folder or the file system does not allow it."""
-    try:
+    """An open descriptor of folder holding its exclusive flock, or None."""
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except OSError:
-        os.close(fd)
-        return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            os.close(fd)
+    return None
 
 
 def remove_dead_partials(out_dir: str):
@@ -253,9 +206,8 @@ def remove_dead_partials(out_dir: str):
 
 
 def _new_partial(folder: str, target: str) -> tuple[str, int | None]:
-    """A new partial folder in folder for an export to target, and the descriptor holding its lock
-    (None where the file system has no flock). Another export's remove_dead_partials may take a
-    folder in the instant between its mkdtemp and its lock: then it is made anew."""
+    """A new partial folder in folder for an export to target, and the descriptor holding its lock: made
+    anew where another export's remove_dead_partials takes it between its mkdtemp and its lock."""
     for _ in range(10):
         path = tempfile.mkdtemp(prefix=_partial_prefix(target), dir=folder)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -274,9 +226,8 @@ def _new_partial(folder: str, target: str) -> tuple[str, int | None]:
 
 
 def _is_mount_point(path: str) -> bool:
-    """Whether path is a mount point, which rename and renameat2 refuse (EBUSY): also a bind mount
-    within one file system (a docker or Kubernetes volume), which os.path.ismount misses, from
-    /proc/self/mountinfo (Linux; its fifth field, with octal escapes such as \\040 for a space)."""
+    """Whether path is a mount point (rename refuses it: EBUSY), bind mounts too (/proc/self/mountinfo's
+    fifth field, octal escapes such as \\040 for a space), which os.path.ismount misses."""
     if os.path.ismount(path):
         return True
     with contextlib.suppress(OSError):
@@ -290,9 +241,8 @@ AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 
 
 def _exchange(a: str, b: str) -> bool:
-    """Swap the directory entries a and b in one step (Linux's renameat2 with RENAME_EXCHANGE): True,
-    or False where the C library or the file system lacks it (macOS, older glibc, some network file
-    systems); another failure is an OSError."""
+    """Swap the entries a and b in one step (renameat2 RENAME_EXCHANGE): True, or False where the C
+    library or the file system lacks it (macOS, some network file systems)."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError, TypeError):
@@ -308,18 +258,10 @@ def _exchange(a: str, b: str) -> bool:
 
 @contextlib.contextmanager
 def replacing_folder(out_dir: str):
-    """A new partial folder to write the export into, swapped in for out_dir only once every file
-    is written: a failed write leaves an earlier export as it was (a new config.json beside old
-    weights loads silently with random layers), and no partial folder behind. out_dir has passed
-    check_replaceable: it is missing, empty, or an earlier export.
-
-    The swap: over a missing or empty folder one rename; over an earlier export one exchange of the
-    two folders (renameat2), so that out_dir always names a whole export, old or new, for a reader
-    loading it meanwhile; the old one is then deleted under the partial folder's name. Without the
-    exchange, two renames (the old export aside, the new one in) leave out_dir missing for that
-    moment. A symbolic link is followed: the folder it points to is replaced, the link stays.
-    A mount point cannot be renamed (EBUSY): the export is written in a partial folder inside it
-    and its files are moved in one by one (_move_files_in)."""
+    """A new partial folder to write the export into, swapped in for out_dir (missing, empty or an
+    earlier export) once every file is written: a failed write leaves the earlier export as it was
+    (a new config.json beside old weights would load silently). One rename, or one renameat2 exchange
+    over an earlier export, else two renames; into a mount point file by file (_move_files_in)."""
     target = os.path.realpath(out_dir)
     in_place = os.path.isdir(target) and _is_mount_point(target)
     locks = []
@@ -333,7 +275,9 @@ def replacing_folder(out_dir: str):
         yield new_dir
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder
+        os.chmod(new_dir, 0o777 & ~umask)  # mkdtemp's folder is private; an export is a normal folder,
+        for name in os.listdir(new_dir):  # its files as the umask makes them (safetensors writes 0600)
+            os.chmod(os.path.join(new_dir, name), 0o666 & ~umask)
         if in_place:
             _move_files_in(new_dir, target)
             new_dir = None
@@ -378,10 +322,8 @@ def replacing_folder(out_dir: str):
 
 
 def _move_files_in(new_dir: str, target: str):
-    """Move the export in new_dir into target (a mount point, holding nothing or an earlier export)
-    file by file, each one whole (a rename within target's file system). The earlier mark goes
-    first and the new one last: a process killed in between leaves a folder that no later export
-    takes for its own (one line asks to empty it), never a mark over files it did not write."""
+    """Move the export in new_dir into target (a mount point) file by file, each whole: the earlier
+    mark first and the new one last, so that a kill in between leaves a folder no export takes."""
     earlier = {name for name in os.listdir(target) if not _is_partial(target, target, name)}
     if EXPORT_MARK in earlier:
         os.remove(os.path.join(target, EXPORT_MARK))
@@ -398,27 +340,22 @@ def _move_files_in(new_dir: str, target: str):
 # --- the tokenizer files --------------------------------------------------------------------------
 
 # written as files, not through transformers: the same bytes whatever versions export, in the form the
-# oldest allowed reads (tokenizers 0.19 cannot read merges as pairs; 4.x has no TokenizersBackend, and
-# 5.x's GPT2Tokenizer would rebuild the pre-tokenizer): PreTrainedTokenizerFast exists in both
+# oldest reads (docs/hf.md): PreTrainedTokenizerFast exists in 4.x and 5.x
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 def _byte_chars() -> list[str]:
     """Byte-level BPE's printable stand-in for each byte value (GPT-2's bytes_to_unicode)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\u00a1"), ord("\u00ac") + 1),
-        *range(ord("\u00ae"), ord("\u00ff") + 1),
-    ]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
     others = [b for b in range(256) if b not in printable]
     chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
     return [chars[b] for b in range(256)]
 
 
 def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
-    """GPT-2's tokenizer as a fast tokenizer's files (name -> JSON value): r50k_base's ids, split pattern,
-    merges (TikTokenConverter's rule), <|endoftext|> as bos/eos/unk matched in text as id 50256 (as
-    encode_prompt allows). model_max_length: the block size, which pipeline truncates to."""
+    """GPT-2's tokenizer as a fast tokenizer's files (name -> JSON value): r50k_base's ids, split pattern and
+    merges (TikTokenConverter's rule), <|endoftext|> as bos/eos/unk; model_max_length: the block size."""
     try:
         enc = get_encoding()
     except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: its one-line hint
@@ -435,49 +372,25 @@ def gpt2_tokenizer_files(model_max_length: int) -> dict[str, dict]:
         if token[:i] in ranks and token[i:] in ranks
     )
     byte_level = dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True, use_regex=True)
+    split = dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False)
+    eot = dict(id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+    unset = dict.fromkeys(("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix"))
     tokenizer = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [
-            dict(
-                id=EOT, content=EOT_TEXT, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True
-            )
-        ],
+        "added_tokens": [eot],
         "normalizer": None,
         "pre_tokenizer": dict(
-            type="Sequence",
-            pretokenizers=[
-                dict(type="Split", pattern=dict(Regex=enc._pat_str), behavior="Isolated", invert=False),
-                dict(byte_level, add_prefix_space=False, use_regex=False),
-            ],
+            type="Sequence", pretokenizers=[split, dict(byte_level, add_prefix_space=False, use_regex=False)]
         ),
         "post_processor": dict(byte_level, trim_offsets=False),
         "decoder": byte_level,
-        "model": dict(
-            type="BPE",
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix=None,
-            end_of_word_suffix=None,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=True,
-            vocab={text(token): rank for token, rank in ranks.items()},
-            merges=[f"{left} {right}" for *_, left, right in merges],
-        ),  # no token holds a space
+        "model": dict(type="BPE", **unset, fuse_unk=False, byte_fallback=False, ignore_merges=True),
     }
+    tokenizer["model"]["vocab"] = {text(token): rank for token, rank in ranks.items()}
+    tokenizer["model"]["merges"] = [f"{left} {right}" for *_, left, right in merges]  # no token holds a space
     specials = dict(bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT)
-    config = dict(
-        tokenizer_class=TOKENIZER_CLASS,
-        **specials,
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
+    config = dict(tokenizer_class=TOKENIZER_CLASS, **specials, model_max_length=model_max_length)
+    config.update(clean_up_tokenization_spaces=False)
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": specials}
-
-
-def save_tokenizer(out_dir: str, model_max_length: int, shown: str):
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
-    for name, value in gpt2_tokenizer_files(model_max_length).items():
-        write_json(os.path.join(out_dir, name), value, shown)

@@ -1,15 +1,6 @@
-"""A Hugging Face GPT-2's weights: a local folder checked before transformers reads it, and the
-model read as our GPT's config and state dict.
-
-A local Hugging Face GPT-2 folder checked before transformers builds a model from it (check_hf_folder):
-config.json's sizes, and weight files inside the folder holding exactly that GPT-2's float tensors, read
-from the files' headers without loading the tensors.
-
-A Hugging Face GPT-2 as our GPT's config and state dict (gpt2_state_from_hf: --init-from, sample.py
---hf-model), from the checked GPT2LMHeadModel load (load_hf_model: hellaswag.py --hf-model). Conv1D
-weights are transposed, mask buffers skipped, and the vocabulary padded with rows set to the mean of
-the real ones (docs/hf.md says why). transformers is imported only inside the functions that need it.
-"""
+"""A Hugging Face GPT-2's weights: a local folder checked from its files' headers before transformers
+reads it (check_hf_folder), the checked load (load_hf_model), and the model as our GPT's config and state
+dict (gpt2_state_from_hf; docs/hf.md: the layout and the padded rows). transformers imported where used."""
 
 from __future__ import annotations
 
@@ -35,7 +26,7 @@ FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", torch.float16, torch.bfloat16, torc
 
 
 def file_holding(folder: str, key: str) -> str | None:
-    """The file of a local Hugging Face folder that holds tensor key (through its index)."""
+    """The file of a local Hugging Face folder that holds tensor key."""
     with contextlib.suppress(UserError, OSError):
         files = weight_files(folder, "")
         return files.get(key) or files.get(key.removeprefix("transformer.")) or files.get("")
@@ -51,10 +42,8 @@ def weight_files(folder: str, source: str) -> dict[str, str]:
         if os.path.exists(os.path.join(folder, index)):
             path = _inside(folder, index, source)
             mapping = fileio.read_json(path, CONFIG_BYTES, source).get("weight_map")
-            if (
-                not isinstance(mapping, dict)
-                or not mapping
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())
+            if not (
+                isinstance(mapping, dict) and mapping and all(isinstance(s, str) for s in [*mapping, *mapping.values()])
             ):
                 raise UserError(f"{source}: {path} has no weight_map of tensor names to file names")
             return {name: _inside(folder, file, source, index) for name, file in mapping.items()}
@@ -78,10 +67,9 @@ def _inside(folder: str, name: str, source: str, index: str | None = None) -> st
 
 
 def check_hf_folder(folder: str, source: str, defaults) -> None:
-    """Refuse a local Hugging Face folder unless config.json gives a GPT-2 of positive sizes and its weight
-    files hold exactly that GPT-2's tensors, of float dtypes: compared before transformers allocates a model
-    of config.json's sizes (an n_positions of 10**9: gigabytes; n_layer 2 over 12 layers: 2 loaded silently).
-    defaults: a GPT2Config(), whose sizes a config.json without them takes."""
+    """Refuse a local Hugging Face folder unless config.json gives a GPT-2 of positive sizes and its weight files
+    hold exactly that GPT-2's float tensors, before transformers allocates a model of config.json's sizes (an
+    n_positions of 10**9; n_layer 2 over 12 layers: 2 loaded silently). defaults: a GPT2Config()."""
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         return  # transformers' own error says so
@@ -109,26 +97,15 @@ def check_hf_folder(folder: str, source: str, defaults) -> None:
         )
     expected = gpt_state_shapes(sizes, conv1d=True)
     lm_head = expected.pop("lm_head.weight")  # (tied: a file may hold it or not)
-    missing = sorted(expected.keys() - found.keys())
-    if missing:
-        raise UserError(
-            f"{source}: tensors missing from its weights ({some_names(missing)}) would be random; is it a complete GPT-2?"
-        )
+    _refuse(source, MISSING, sorted(expected.keys() - found.keys()))
     if "lm_head.weight" in found:
         expected["lm_head.weight"] = lm_head
-    extra = sorted(found.keys() - expected.keys())
-    if extra:
-        raise UserError(
-            f"{source}: its weights hold tensors that a GPT-2 of its config.json's sizes has no place "
-            f"for ({some_names(extra)}); config.json gives n_layer {sizes['n_layer']}: is it the config of "
-            "these weights?"
-        )
-    mismatched = sorted(name for name, shape in expected.items() if found[name][0] != shape)
-    if mismatched:
-        raise UserError(f"{source}: tensors of another shape than its config.json gives ({some_names(mismatched)})")
+    extra = "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for ({}); config.json"
+    extra += f" gives n_layer {sizes['n_layer']}: is it the config of these weights?"
+    _refuse(source, extra, sorted(found.keys() - expected.keys()))
+    _refuse(source, MISMATCHED, sorted(name for name, shape in expected.items() if found[name][0] != shape))
     not_float = sorted(name for name, (_, dtype) in found.items() if dtype not in FLOAT_DTYPES)
-    if not_float:
-        raise UserError(f"{source}: tensors that are not floating point ({some_names(not_float)})")
+    _refuse(source, "tensors that are not floating point ({})", not_float)
 
 
 def _tensor_headers(path: str, source: str) -> dict[str, tuple[tuple[int, ...], object]]:
@@ -171,8 +148,15 @@ def _tensor_headers(path: str, source: str) -> dict[str, tuple[tuple[int, ...], 
     return found
 
 
-def some_names(names: list) -> str:
-    return f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
+MISSING = "tensors missing from its weights ({}) would be random; is it a complete GPT-2?"
+MISMATCHED = "tensors of another shape than its config.json gives ({})"
+
+
+def _refuse(source: str, problem: str, names: list):
+    """A UserError where names is not empty: problem with its first names filled in."""
+    if names:
+        some = f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; {len(names)} in all"
+        raise UserError(f"{source}: {problem.format(some)}")
 
 
 # --- the weights as ours --------------------------------------------------------------------------
@@ -183,23 +167,10 @@ TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "ml
 INSTALL_HINT = "Hugging Face transformers is not installed: pip install transformers"
 
 
-def import_transformers():
-    transformers = optional_import("transformers", INSTALL_HINT)
-    return transformers.GPT2Config, transformers.GPT2LMHeadModel
-
-
 def _looks_like_path(name: str) -> bool:
-    """A Hub id is 'name' or 'owner/name'; anything else is meant as a local directory."""
-    return (
-        name.startswith(("/", ".", "~"))
-        or name.endswith("/")
-        or name.count("/") > 1
-        or (os.sep != "/" and os.sep in name)
-    )
-
-
-def _padded(n: int, multiple: int = PAD_MULTIPLE) -> int:
-    return -(-n // multiple) * multiple
+    """Not a Hub id ('name' or 'owner/name'): meant as a local directory."""
+    windows = os.sep != "/" and os.sep in name
+    return name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1 or windows
 
 
 def _check_hf_config(cfg, source: str):
@@ -238,7 +209,8 @@ def quiet_transformers():
 def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
     """GPT2LMHeadModel from a Hub name or a local directory, refused unless it is a GPT-2 whose every
     tensor came from there (transformers fills missing ones at random). Errors name flag."""
-    GPT2Config, GPT2LMHeadModel = import_transformers()
+    transformers = optional_import("transformers", INSTALL_HINT)
+    GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
     local = os.path.isdir(name_or_dir)
     source = f"{flag} {name_or_dir}"
     hint = (
@@ -283,31 +255,18 @@ def load_hf_model(name_or_dir: str, flag: str = "--init-from"):
 def _check_every_tensor_loaded(cfg, info: dict, source: str):
     """Refuse a model that transformers completed at random: a tensor missing, or of another shape."""
     tied = getattr(cfg, "tie_word_embeddings", True)
-    missing = sorted(
-        k for k in info["missing_keys"] if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight")
-    )
-    if missing:
-        raise UserError(
-            f"{source}: tensors missing from its weights ({some_names(missing)}) would be random; is it a complete GPT-2?"
-        )
-    mismatched = sorted(item[0] if isinstance(item, tuple) else item for item in info["mismatched_keys"])
-    if mismatched:
-        raise UserError(f"{source}: tensors of another shape than its config.json gives ({some_names(mismatched)})")
+    missing = [k for k in info["missing_keys"] if not k.endswith(HF_BUFFERS) and not (tied and k == "lm_head.weight")]
+    mismatched = [item[0] if isinstance(item, tuple) else item for item in info["mismatched_keys"]]
+    _refuse(source, MISSING, sorted(missing))
+    _refuse(source, MISMATCHED, sorted(mismatched))
 
 
 def gpt2_state_from_hf(
-    name_or_dir: str,
-    vocab_size: int | None = None,
-    block_size: int | None = None,
-    pad_init: str = "mean",
-    flag: str = "--init-from",
-    pad_multiple: int = PAD_MULTIPLE,
+    name_or_dir: str, vocab_size=None, block_size=None, flag="--init-from", pad_multiple=PAD_MULTIPLE
 ) -> tuple[dict, dict]:
     """(GPTConfig fields, state dict) of our GPT (fp32, CPU) holding a Hugging Face GPT2LMHeadModel's
     weights. vocab_size: default the HF vocabulary padded to a multiple of pad_multiple (1: unpadded);
-    block_size: at most n_positions (the first positions kept); pad_init: "mean" or "zero" padded rows."""
-    if pad_init not in ("mean", "zero"):
-        raise ValueError(f"pad_init must be 'mean' or 'zero', got {pad_init!r}")
+    block_size: at most n_positions (the first positions kept). Padded rows: the mean row (docs/hf.md)."""
     source = f"{flag} {name_or_dir}"  # the flag of the command being run
     hf = load_hf_model(name_or_dir, flag)
     cfg = hf.config
@@ -319,7 +278,7 @@ def gpt2_state_from_hf(
     if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["transformer.wte.weight"]):
         raise UserError(f"{source}: lm_head is not tied to the token embedding; our GPT ties them")
     n_real = cfg.vocab_size
-    vocab_size = _padded(n_real, pad_multiple) if vocab_size is None else vocab_size
+    vocab_size = -(-n_real // pad_multiple) * pad_multiple if vocab_size is None else vocab_size
     if vocab_size < n_real:
         raise UserError(f"--vocab-size {vocab_size} is smaller than {source}'s vocabulary of {n_real}")
     block_size = cfg.n_positions if block_size is None else block_size
@@ -329,14 +288,9 @@ def gpt2_state_from_hf(
     config = dict(
         block_size=block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd
     )
-    sd = {}
-    for key, value in hf_sd.items():
-        if key.endswith(TRANSPOSED):
-            value = value.t()
-        sd[key] = value.contiguous()
+    sd = {key: (value.t() if key.endswith(TRANSPOSED) else value).contiguous() for key, value in hf_sd.items()}
     wte = sd["transformer.wte.weight"]
-    pad_rows = wte.mean(0, keepdim=True) if pad_init == "mean" else wte.new_zeros(1, wte.size(1))
-    wte = torch.cat([wte, pad_rows.expand(vocab_size - n_real, -1)])
+    wte = torch.cat([wte, wte.mean(0, keepdim=True).expand(vocab_size - n_real, -1)])
     sd["transformer.wte.weight"] = sd["lm_head.weight"] = wte
     sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
     return config, sd
