@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, run_cli, run_main, tiny_run_args
+from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, run_main, tiny_run_args
 from shards import make_docs, write_shards
 
 
@@ -87,7 +87,7 @@ def test_eval_only_takes_the_checkpoints_flags(evaluated_run):
     """`--eval-only --resume PATH` alone: the model, batch, data and evaluation flags are the checkpoint's run's,
     so the numbers equal what training logged; a flag the command gives still wins."""
     _, out = evaluated_run
-    result = run_cli(["--eval-only", "--resume", str(out)])  # a program once, end to end
+    result = run_main("train_gpt2.py", "--eval-only", "--resume", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
     result = run_main("train_gpt2.py", "--eval-only", "--resume", str(out), "--hellaswag-every", "0")

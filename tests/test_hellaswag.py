@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -15,10 +16,13 @@ import hellaswag as hs
 from conftest import (
     HELLASWAG_FILE,
     NOT_GPT2,
+    REPO,
+    assert_refused,
+    free_port,
     not_gpt2_folder,
-    run_cli,
     run_main,
     tiny_run_args,
+    torchrun,
 )
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
@@ -40,26 +44,8 @@ ENDINGS0 = [
     [318, 4769, 257, 6437, 1134, 338, 23441, 13],  # " is holding a rub ik 's cube ."
     [4940, 10427, 510, 9753, 278, 319, 257, 9753, 13],
 ]  # ' starts pulling up roof ing on a roof .'
-CTX1 = [
-    32,
-    10846,
-    11114,
-    284,
-    257,
-    2318,
-    7923,
-    13,
-    1375,
-    44370,
-    866,
-    290,
-    22378,
-    262,
-    16825,
-    13,
-    262,
-    10846,
-]  # 'A lady walks to a barbell. She bends down and grabs the pole. the lady'
+# 'A lady walks to a barbell. She bends down and grabs the pole. the lady'
+CTX1 = [32, 10846, 11114, 284, 257, 2318, 7923, 13, 1375, 44370, 866, 290, 22378, 262, 16825, 13, 262, 10846]
 ENDINGS1 = [
     [26728, 290, 8604, 287, 607, 5101, 13],  # ' swings and lands in her arms.'
     [16194, 262, 2318, 7923, 2651, 13],  # ' pulls the barbell forward.'
@@ -101,9 +87,9 @@ def reference_losses(model, ex, block_size):
     return torch.tensor(sums), torch.tensor(means)
 
 
-def run_hellaswag(*args, nproc=1, env=None):
-    """hellaswag.py args through its main in this process (run_main), or as a torchrun of nproc > 1 processes."""
-    return run_cli(args, nproc, "hellaswag.py", env) if nproc > 1 else run_main("hellaswag.py", *args, env=env)
+def run_hellaswag(*args, env=None):
+    """hellaswag.py args through its main in this process (run_main)."""
+    return run_main("hellaswag.py", *args, env=env)
 
 
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
@@ -241,66 +227,54 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
 # command line, one process and two
 
 
-def test_cli_two_processes_match_one(model, checkpoint, data_file):
-    expected = hellaswag_eval.evaluate(model, "cpu", limit=31, data_file=data_file, lm_eval=True)  # one process
-    assert expected["n"] == 31
-    got = run_hellaswag(
-        "--checkpoint",
-        checkpoint,
-        "--data-file",
-        data_file,
-        "--limit",
-        "31",
-        "--batch-size",
-        "4",
-        "--device",
-        "cpu",
-        nproc=2,
-    )
-    assert (
-        result_line(
-            got,
-            f"hellaswag: scoring {checkpoint} (it records no step)",
-            f"hellaswag: the first 31 of 446 examples in {data_file}{SUBSET_NAMED}",
-        )
-        == expected
-    )
+# Each rank of one torchrun runs hellaswag.py's main once per command line, as `torchrun hellaswag.py` would run it
+# (argv: the repo, the command lines as JSON, a free port): one launch of two ranks serves both checks below. The
+# second run's process group has a store of its own, on that port (torchrun's store holds the first's keys).
+MAINS_ON_EVERY_RANK = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import hellaswag
+first, second = json.loads(sys.argv[2])
+code = hellaswag.main(first)
+os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=sys.argv[3])
+sys.exit(max(code, hellaswag.main(second)))
+"""
 
 
-def test_cli_more_processes_than_examples(model, checkpoint, tmp_path):
-    # --limit 1 on 2 ranks: rank 1 scores no example and the all-reduce still agrees
-    path = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
-    expected = hellaswag_eval.evaluate(model, "cpu", limit=1, data_file=path, lm_eval=True)
-    got = run_hellaswag(
-        "--checkpoint",
-        checkpoint,
-        "--data-file",
-        path,
-        "--limit",
-        "1",
-        "--device",
-        "cpu",
-        nproc=2,
-    )
-    assert (
-        result_line(
-            got,
-            f"hellaswag: scoring {checkpoint} (it records no step)",
-            f"hellaswag: the first 1 of 2 examples in {path}; chance is 0.25",
-        )
-        == expected
-    )
-    assert expected["n"] == 1
+def test_cli_two_processes_match_one(model, checkpoint, data_file, tmp_path):
+    """31 examples split over 2 ranks, and --limit 1 on 2 ranks, where rank 1 scores no example and the all-reduce
+    still agrees: the totals are one process's; only rank 0 prints, what it scores, then the result."""
+    one = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
+    commands = [[data_file, "--limit", "31", "--batch-size", "4"], [one, "--limit", "1"]]
+    (tmp_path / "mains.py").write_text(MAINS_ON_EVERY_RANK)
+    argvs = json.dumps([["--checkpoint", checkpoint, "--device", "cpu", "--data-file", *c] for c in commands])
+    launch = [*torchrun("--standalone", "--nproc_per_node=2"), tmp_path / "mains.py", REPO, argvs, str(free_port())]
+    proc = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 6, proc.stdout
+    for (path, _, limit, *_), said, described in zip(
+        commands,
+        (lines[:3], lines[3:]),
+        (
+            f"the first 31 of 446 examples in {data_file}{SUBSET_NAMED}",
+            f"the first 1 of 2 examples in {one}; chance is 0.25",
+        ),
+    ):
+        expected = hellaswag_eval.evaluate(model, "cpu", limit=int(limit), data_file=path, lm_eval=True)
+        assert expected["n"] == int(limit)
+        assert said[:2] == [f"hellaswag: scoring {checkpoint} (it records no step)", f"hellaswag: {described}"]
+        assert json.loads(said[2]) == expected
+
+
+def offline_env(cache) -> dict:
+    """Variables of a machine without internet (a proxy nobody answers) and an empty HellaSwag cache folder."""
+    proxy = "http://127.0.0.1:9"
+    return dict(HELLASWAG_DIR=str(cache), https_proxy=proxy, HTTPS_PROXY=proxy, no_proxy="", NO_PROXY="")
 
 
 def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
-    offline = {
-        "HELLASWAG_DIR": str(tmp_path / "cache"),
-        "https_proxy": "http://127.0.0.1:9",
-        "HTTPS_PROXY": "http://127.0.0.1:9",
-        "no_proxy": "",
-        "NO_PROXY": "",
-    }
+    offline = offline_env(tmp_path / "cache")
     proc = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
     assert re.fullmatch(
@@ -335,15 +309,6 @@ def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
     assert capsys.readouterr().err == f"error: --data-file {missing} does not exist\n"
     with pytest.raises(UserError):  # --debug shows the traceback
         hs.main(["--checkpoint", checkpoint, "--data-file", missing, "--debug"])
-
-
-def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
-    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2,
-        "",
-        f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n",
-    )
 
 
 def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
@@ -392,45 +357,31 @@ def write_records(path, *records, raw=b""):
     return str(path)
 
 
-@pytest.mark.parametrize(
-    "record, reason",
-    [
-        ({**GOOD, "label": 1.9}, "'label' must be 0, 1, 2 or 3, not 1.9"),
-        ({**GOOD, "endings": "abcd"}, "'endings' must be a list of 4 non-empty strings, not 'abcd'"),
-        ({"ctx": "x", "endings": GOOD["endings"]}, "no 'label' field"),
-    ],
-)
-def test_cli_bad_record_names_file_and_line(checkpoint, tmp_path, record, reason):
+BAD_RECORDS = [  # (the record on line 2, why it is refused)
+    ({**GOOD, "label": 1.9}, "'label' must be 0, 1, 2 or 3, not 1.9"),
+    ({**GOOD, "endings": "abcd"}, "'endings' must be a list of 4 non-empty strings, not 'abcd'"),
+    ({"ctx": "x", "endings": GOOD["endings"]}, "no 'label' field"),
+    ({**GOOD, "label": True}, "'label' must be 0, 1, 2 or 3, not True"),
+    ({**GOOD, "label": "1.9"}, "'label' must be 0, 1, 2 or 3, not '1.9'"),
+    ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, not 4"),
+    ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c']"),
+    (
+        {**GOOD, "endings": ["a", "b", "c", ""]},
+        "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c', '']",
+    ),
+    ({**GOOD, "ctx": ["x"]}, "'ctx' must be non-empty text, not ['x']"),
+    ({"endings": GOOD["endings"], "label": 0}, "no 'ctx' field"),
+    ([GOOD], "a JSON object is expected, not list"),
+]
+
+
+@pytest.mark.parametrize("record, reason", BAD_RECORDS)
+def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, tmp_path, record, reason):
+    """Each named by file and line, before the model loads; through the trainer's --hellaswag-file as well (below)."""
     path = write_records(tmp_path / "bad.jsonl", record)
     proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2,
-        "",
-        f"error: --data-file {path} line 2: not a HellaSwag example ({reason})\n",
-    )
-
-
-@pytest.mark.parametrize(
-    "record, reason",
-    [
-        ({**GOOD, "label": True}, "'label' must be 0, 1, 2 or 3, not True"),
-        ({**GOOD, "label": "1.9"}, "'label' must be 0, 1, 2 or 3, not '1.9'"),
-        ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, not 4"),
-        ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c']"),
-        (
-            {**GOOD, "endings": ["a", "b", "c", ""]},
-            "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c', '']",
-        ),
-        ({**GOOD, "ctx": ["x"]}, "'ctx' must be non-empty text, not ['x']"),
-        ({"endings": GOOD["endings"], "label": 0}, "no 'ctx' field"),
-        ([GOOD], "a JSON object is expected, not list"),
-    ],
-)
-def test_records_that_would_score_the_wrong_thing_are_refused(tmp_path, record, reason):
-    path = write_records(tmp_path / "bad.jsonl", record)
-    with pytest.raises(UserError) as e:
-        hellaswag_examples.load_examples(path, flag="--hellaswag-file")
-    assert str(e.value) == f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})"
+    assert_refused(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
+    assert proc.stdout == ""
 
 
 def test_lm_eval_rendering_needs_its_fields(tmp_path):
@@ -450,6 +401,24 @@ def test_label_as_a_digit_string_is_read(tmp_path):
     assert [ex.label for ex in hellaswag_examples.load_examples(path)] == [3, 2]
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file_is_one_line(tmp_path):
+    path = write_records(tmp_path / "locked.jsonl")
+    os.chmod(path, 0)
+    with pytest.raises(UserError) as e:
+        hellaswag_examples.load_examples(path)
+    assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
+
+
+def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
+    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2,
+        "",
+        f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n",
+    )
+
+
 def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
     path = write_records(
         tmp_path / "latin1.jsonl", raw=b"\n" + json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
@@ -459,15 +428,6 @@ def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
         2,
         f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n",
     )
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_file_is_one_line(tmp_path):
-    path = write_records(tmp_path / "locked.jsonl")
-    os.chmod(path, 0)
-    with pytest.raises(UserError) as e:
-        hellaswag_examples.load_examples(path)
-    assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
 
 
 def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
@@ -552,13 +512,7 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
 def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_path):
     """Offline, with the default --hellaswag-every and no --hellaswag-file, the trainer refuses to start in one line
     that names both the flag giving a local copy and --hellaswag-every 0, and trains nothing."""
-    offline = {
-        "HELLASWAG_DIR": str(tmp_path / "cache"),
-        "https_proxy": "http://127.0.0.1:9",
-        "HTTPS_PROXY": "http://127.0.0.1:9",
-        "no_proxy": "",
-        "NO_PROXY": "",
-    }
+    offline = offline_env(tmp_path / "cache")
     flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
     proc = run_main("train_gpt2.py", *flags, env=offline)
     assert proc.returncode == 2, proc.stderr

@@ -1,12 +1,13 @@
 """hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run
 in-process through each script's main (export, run_main); as programs: an export under a file size
-limit, one killed mid-way, one into a mount point, one under a folder whose name is not UTF-8, and
-transformers 4 and 5 loading an export."""
+limit, one killed mid-way, three into a mount point (one process in its mount namespace), one under
+a folder whose name is not UTF-8, and transformers 4 and 5 loading one export."""
 
 import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -18,10 +19,10 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
+import train_gpt2  # noqa: E402
 from conftest import NOT_GPT2, REPO, assert_refused, not_gpt2_folder, run_command, run_main, tiny_hf, tiny_run_args  # noqa: E402
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
-import train_gpt2  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
 from trainkit.data.tokenizer import token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
@@ -55,6 +56,13 @@ def logits_of(model, idx):
     with torch.no_grad():
         out = model(idx)
     return out.logits if hasattr(out, "logits") else out[0]
+
+
+def assert_same_logits(hf, ours, n_ids, shape=(1, 16), seed=3):
+    """hf (a GPT2LMHeadModel or its folder) gives our model's logits over its n_ids real ids, to fp32 precision."""
+    hf = GPT2LMHeadModel.from_pretrained(hf).eval() if isinstance(hf, (str, os.PathLike)) else hf
+    idx = torch.randint(0, n_ids, shape, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :n_ids], atol=1e-5, rtol=0)
 
 
 def test_import_matches_hf_logits(tmp_path):
@@ -123,8 +131,7 @@ def test_export_checkpoint_loads_in_transformers(tmp_path):
     assert cfg.n_ctx == 32 and cfg.tie_word_embeddings and cfg.activation_function == "gelu_new"
     assert cfg.bos_token_id == cfg.eos_token_id == 50256
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
-    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(logits_of(hf.eval(), idx), logits_of(model, idx)[..., :50257], atol=1e-5, rtol=0)
+    assert_same_logits(hf.eval(), model, 50257, (2, 32), seed=5)
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 24])
@@ -190,9 +197,7 @@ def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
     assert modes == dict.fromkeys(
         ["config.json", "generation_config.json", "model.safetensors", hf_interop.EXPORT_MARK], 0o666 & ~umask
     )
-    hf = GPT2LMHeadModel.from_pretrained(out).eval()  # the newest checkpoint's weights
-    idx = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(logits_of(hf, idx), logits_of(model, idx), atol=1e-5, rtol=0)
+    assert_same_logits(out, model, 100, (2, 32), seed=6)  # the newest checkpoint's weights
 
 
 def test_cli_export_help_names_both_sources(capsys):
@@ -240,22 +245,25 @@ def test_export_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
     )
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2 with a shorter position table"])
-def test_gpt_from_hf_refuses_a_folder_that_is_not_gpt2(tmp_path, kind):
-    folder = not_gpt2_folder(tmp_path / "hf", kind)
-    with pytest.raises(UserError) as e:
-        GPT.from_hf(str(folder))
-    assert str(e.value) == f"--init-from {folder}: {NOT_GPT2[kind]}"
-
-
-@pytest.mark.parametrize("kind", ["bert", "gpt2 without layer 1"])
-def test_cli_init_from_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
-    folder = not_gpt2_folder(tmp_path / "hf", kind)
-    args = tiny_run_args(data_dir, tmp_path / "out", "--init-from", folder, B=2, rows=2, steps=1)
-    for flag in ("--n-layer", "--n-head", "--n-embd", "--block-size"):  # (the weights set the shape)
+def init_from_args(data_dir, out, folder, *extra, **sizes) -> list:
+    """tiny_run_args of a run initialized from the Hugging Face folder: without the shape flags (the weights set it)."""
+    args = tiny_run_args(data_dir, out, "--init-from", folder, *extra, **sizes)
+    for flag in ("--n-layer", "--n-head", "--n-embd", "--block-size"):
         del args[args.index(flag) : args.index(flag) + 2]
-    proc = run_main("train_gpt2.py", *args)
-    assert (proc.returncode, proc.stderr) == (2, f"error: --init-from {folder}: {NOT_GPT2[kind]}\n")
+    return args
+
+
+@pytest.mark.parametrize("kind", list(NOT_GPT2))
+def test_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
+    """Through the trainer's --init-from (bert, a GPT-2 without layer 1) or GPT.from_hf (the others)."""
+    folder = not_gpt2_folder(tmp_path / "hf", kind)
+    if kind in ("llama", "gpt2 with a shorter position table"):
+        with pytest.raises(UserError) as e:
+            GPT.from_hf(str(folder))
+        assert str(e.value) == f"--init-from {folder}: {NOT_GPT2[kind]}"
+        return
+    proc = run_main("train_gpt2.py", *init_from_args(data_dir, tmp_path / "out", folder, B=2, rows=2, steps=1))
+    assert_refused(proc, f"--init-from {folder}: {NOT_GPT2[kind]}")
     assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
 
@@ -306,30 +314,9 @@ def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
 
 def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tmp_path):
     hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
-    args = [
-        "--init-from",
-        hf_dir,
-        "--data-dir",
-        data_dir,
-        "--out-dir",
-        str(tmp_path / "out"),
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "16",
-        "--total-batch-size",
-        "64",
-        "--max-steps",
-        "2",
-        "--val-every",
-        "2",
-        "--val-steps",
-        "1",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-    ]
+    args = init_from_args(
+        data_dir, tmp_path / "out", hf_dir, "--val-steps", "1", steps=2, seq_len=16, rows=4, val_every=2, ckpt_every=2
+    )
     assert train_gpt2.main(args) == 0
     records = [json.loads(line) for line in open(tmp_path / "out" / "log.jsonl")]
     # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
@@ -355,46 +342,15 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tm
 
 def test_export_of_a_muon_trained_run_has_our_logits(data_dir, tmp_path):
     out = tmp_path / "out"
-    args = [
-        "--data-dir",
-        data_dir,
-        "--out-dir",
-        str(out),
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "16",
-        "--total-batch-size",
-        "64",
-        "--max-steps",
-        "3",
-        "--warmup-steps",
-        "1",
-        "--optimizer",
-        "muon",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-    ]
+    args = tiny_run_args(
+        data_dir, out, "--optimizer", "muon", steps=3, warmup=1, n_embd=32, seq_len=16, rows=4, ckpt_every=3
+    )
     assert train_gpt2.main(args) == 0
     ours = GPT.from_checkpoint(str(out))
     torch.manual_seed(1337)  # the run's initial weights: Muon moved every block matrix away from them
     initial = GPT(ours.config).state_dict()
     assert all(not torch.equal(initial[k], v) for k, v in ours.state_dict().items() if ".h." in k and v.dim() == 2)
-    hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(str(out), str(tmp_path / "hf"))).eval()
-    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :50257], atol=1e-5, rtol=0)
+    assert_same_logits(hf_interop.export_hf(str(out), str(tmp_path / "hf")), ours, 50257, (2, 32), seed=5)
 
 
 TRANSFORMERS_CLIENT = r"""
@@ -552,6 +508,11 @@ def folder_bytes(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
+def two_checkpoints(folder, vocab_size):
+    """tiny_ours of seeds 1 and 2 saved as folder/ckpt_0000001.pt and ckpt_0000002.pt: their paths."""
+    return [save_ours(tiny_ours(vocab_size=vocab_size, seed=s), folder / f"ckpt_000000{s}.pt") for s in (1, 2)]
+
+
 def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
     import resource
     import signal
@@ -560,27 +521,21 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
-    first, second = (save_ours(tiny_ours(vocab_size=200, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    first, second = two_checkpoints(tmp_path, 200)
     out = tmp_path / "hf"
     assert export(first, out).returncode == 0
     before = folder_bytes(out)
     proc = run_command(*EXPORT, second, out, preexec_fn=small_files)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert folder_bytes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt_0000001.pt",
-        "ckpt_0000002.pt",
-        "hf",
-    ]  # the earlier export whole, no temporary folder left
-    idx = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(3))
-    want = logits_of(tiny_ours(vocab_size=200, seed=1), idx)
-    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx), want, atol=1e-5, rtol=0)
+    assert folder_bytes(out) == before  # the earlier export whole, no temporary folder left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
 
     proc = export(second, out)  # a successful one replaces it whole
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
-    want = logits_of(tiny_ours(vocab_size=200, seed=2), idx)
-    torch.testing.assert_close(logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx), want, atol=1e-5, rtol=0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    assert_same_logits(out, tiny_ours(vocab_size=200, seed=2), 200)
 
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
     before = folder_bytes(out)
@@ -593,8 +548,6 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
     """A save_pretrained folder of the user's own GPT-2 holds only file names an export writes: the
     export leaves it byte for byte (it replaced it, exit 0); it replaces only a folder holding its
     mark, and writes into an empty or missing one."""
-    import json
-
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
     before = folder_bytes(tmp_path / "mine")
@@ -637,7 +590,7 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
     export's path names a whole export. Where the exchange is missing (macOS, some network file
     systems) two renames leave the path missing for a moment: the fallback shows that this test sees it."""
     out = tmp_path / "hf"
-    first, second = (save_ours(tiny_ours(vocab_size=100, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    first, second = two_checkpoints(tmp_path, 100)
     assert hf_interop.main(["export", first, str(out)]) == 0
     whole = []  # after each rename or exchange: does out hold a whole export?
     for name in ("rename", "replace"):
@@ -650,13 +603,7 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
     assert hf_interop.main(["export", second, str(out)]) == 0
     assert whole == ([True] if exchange else [False, True])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
-    idx = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(4))
-    torch.testing.assert_close(
-        logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
-        logits_of(tiny_ours(vocab_size=100, seed=2), idx),
-        atol=1e-5,
-        rtol=0,
-    )
+    assert_same_logits(out, tiny_ours(vocab_size=100, seed=2), 100, seed=4)
 
 
 def is_whole(folder) -> bool:
@@ -674,16 +621,14 @@ def changed_since(out, changes):
 def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, capsys):
     """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
     user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
-    import json
+    import hashlib
 
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     out = tmp_path / "hf"
     assert export(ckpt, out).returncode == 0
     mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
     assert mark["files"] == {
-        p.name: __import__("hashlib").sha256(p.read_bytes()).hexdigest()
-        for p in out.iterdir()
-        if p.name != hf_interop.EXPORT_MARK
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != hf_interop.EXPORT_MARK
     }
     assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
     tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
@@ -697,12 +642,11 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, cap
     assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
 
     # the other ways a folder differs from its mark, in-process (the same code path)
-    shutil_rmtree = __import__("shutil").rmtree
     for change, expected in [
         ("missing", "generation_config.json missing"),
         ("older mark", "its mark lists no files: an older hf_interop.py wrote it"),
     ]:
-        shutil_rmtree(out)
+        shutil.rmtree(out)
         assert hf_interop.main(["export", ckpt, str(out)]) == 0
         if change == "missing":
             (out / "generation_config.json").unlink()
@@ -722,7 +666,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
     import fcntl
     import time
 
-    first, second = (save_ours(tiny_ours(vocab_size=50304, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
+    first, second = two_checkpoints(tmp_path, 50304)
     out = tmp_path / "hf"
     assert export(first, out).returncode == 0
     before = folder_bytes(out)
@@ -759,20 +703,9 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
         os.close(lock)
     assert proc.returncode == 0, proc.stderr
     assert f"removed {killed}, the partial folder of an export that was killed\n" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".hf.export-live0000",
-        "ckpt_0000001.pt",
-        "ckpt_0000002.pt",
-        "hf",
-    ]
+    assert sorted(os.listdir(tmp_path)) == [".hf.export-live0000", "ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert (live / "config.json").read_text() == "{}"
-    idx = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(
-        logits_of(GPT2LMHeadModel.from_pretrained(out).eval(), idx),
-        logits_of(tiny_ours(vocab_size=50304, seed=2), idx)[..., :50257],
-        atol=1e-5,
-        rtol=0,
-    )
+    assert_same_logits(out, tiny_ours(vocab_size=50304, seed=2), 50257)
 
 
 def in_mount_namespace(folder, *command):
@@ -786,41 +719,54 @@ def in_mount_namespace(folder, *command):
     )
 
 
+# One process in the mount namespace runs the exports of the test below through hf_interop's main, each a JSON line
+# [exit code, stderr]: argv is the repo, the volume, a folder for copies of the volume (i.before, i.after) and pairs
+# (checkpoint, a folder whose files are copied into the volume first, as a user's save_pretrained over it, or "")
+EXPORTS_IN_VOLUME = r"""
+import contextlib, io, json, os, shutil, sys
+repo, volume, copies, *steps = sys.argv[1:]
+sys.path.insert(0, repo)
+import hf_interop
+for i, (ckpt, mine) in enumerate(zip(steps[::2], steps[1::2])):
+    for name in os.listdir(mine) if mine else ():
+        shutil.copy(os.path.join(mine, name), volume)
+    shutil.copytree(volume, os.path.join(copies, f"{i}.before"))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = hf_interop.main(["export", ckpt, volume])
+    shutil.copytree(volume, os.path.join(copies, f"{i}.after"))
+    print(json.dumps([code, err.getvalue()]))
+"""
+
+
 def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
     """A mount point cannot be renamed over (EBUSY): the export is written inside it and its files
     are moved in one by one; over an earlier export there too, and a changed one is refused."""
-    import shutil
-
     if shutil.which("unshare") is None or in_mount_namespace(tmp_path, "true").returncode != 0:
         pytest.skip("needs unshare --mount and mount --bind (root)")
-    volume = tmp_path / "volume"
+    volume, copies = tmp_path / "volume", tmp_path / "copies"
     volume.mkdir()
-    first, second = (save_ours(tiny_ours(vocab_size=100, seed=s), tmp_path / f"ckpt_000000{s}.pt") for s in (1, 2))
-    idx = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(3))
-    for ckpt, seed in ((first, 1), (second, 2)):  # into the empty mount point, then over the export there
-        proc = in_mount_namespace(volume, sys.executable, *EXPORT, ckpt, volume)
-        assert proc.returncode == 0, proc.stderr
-        assert sorted(os.listdir(volume)) == [
-            "config.json",
-            "generation_config.json",
-            hf_interop.EXPORT_MARK,
-            "model.safetensors",
-        ]
-        torch.testing.assert_close(
-            logits_of(GPT2LMHeadModel.from_pretrained(volume).eval(), idx),
-            logits_of(tiny_ours(vocab_size=100, seed=seed), idx),
-            atol=1e-5,
-            rtol=0,
-        )
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "volume"]
-    tiny_hf(vocab_size=100).save_pretrained(volume)
-    before = folder_bytes(volume)
-    proc = in_mount_namespace(volume, sys.executable, *EXPORT, first, volume)
-    assert (proc.returncode, proc.stderr) == (
-        2,
-        changed_since(volume, "config.json changed, model.safetensors changed"),
-    )
-    assert folder_bytes(volume) == before
+    first, second = two_checkpoints(tmp_path, 100)
+    mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")  # the user's own model, saved over the export
+    steps = [
+        first,
+        "",
+        second,
+        "",
+        first,
+        mine,
+    ]  # into the empty mount point, over the export there, over a changed one
+    proc = in_mount_namespace(volume, sys.executable, "-c", EXPORTS_IN_VOLUME, REPO, volume, copies, *steps)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [code for code, _ in results] == [0, 0, 2], results
+    for i, seed in ((0, 1), (1, 2)):
+        names = ["config.json", "generation_config.json", hf_interop.EXPORT_MARK, "model.safetensors"]
+        assert sorted(os.listdir(copies / f"{i}.after")) == names
+        assert_same_logits(copies / f"{i}.after", tiny_ours(vocab_size=100, seed=seed), 100)
+    assert results[2][1] == changed_since(volume, "config.json changed, model.safetensors changed")
+    assert folder_bytes(volume) == folder_bytes(copies / "2.before")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "copies", "mine", "volume"]
 
 
 def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
@@ -842,25 +788,23 @@ def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
 
 
 def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(tmp_path):
-    """The export's mark keeps such a path as its escapes; a second export over the first reads it back."""
+    """The export's mark keeps such a path as its escapes; a second export over the first reads it back. The first
+    runs in-process; the second as a program, whose stdout (set up by the script, not run_main) escapes the name."""
     from conftest import write_checkpoint
 
     run = os.path.join(os.fsencode(tmp_path), b"run\xff")
     os.makedirs(run)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
     write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
-    for _ in range(2):
-        result = subprocess.run(
-            [sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"],
-            cwd=REPO,
-            capture_output=True,
-            timeout=300,
-        )
-        assert (result.returncode, result.stderr) == (0, b""), result.stderr[-3000:]
-        assert result.stdout.startswith(
-            b"wrote Hugging Face GPT-2 of "
-            + os.path.join(run, b"ckpt_0000003.pt").replace(b"\xff", b"\\udcff")
-            + b" (it records no step)"
-        )
+    assert export(os.fsdecode(run), tmp_path / "hf").returncode == 0
+    result = subprocess.run(
+        [sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"], cwd=REPO, capture_output=True, timeout=300
+    )
+    assert (result.returncode, result.stderr) == (0, b""), result.stderr[-3000:]
+    assert result.stdout.startswith(
+        b"wrote Hugging Face GPT-2 of "
+        + os.path.join(run, b"ckpt_0000003.pt").replace(b"\xff", b"\\udcff")
+        + b" (it records no step)"
+    )
     mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
     assert mark["checkpoint"] == os.fsdecode(os.path.join(run, b"ckpt_0000003.pt"))

@@ -14,6 +14,14 @@ SHARDS = dict(n_docs=200, seed=0, shard_size=2048)  # the trainer's data
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True)
+def _figures_closed():
+    """Every figure a test made closed after it (pyplot keeps each one alive until closed)."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")
+
+
 def fake_records(n=60, every=20, hellaswag=True):
     records = []
     for s in range(n):
@@ -51,43 +59,33 @@ def test_make_figure_panels_and_data_equal_the_log():
     pytest.importorskip("matplotlib")
     records = fake_records()
     fig = plot_log.make_figure(records, baseline=0.2955)
-    try:
-        loss_ax, hs_ax, lr_ax = fig.axes
-        train = [r for r in records if "loss" in r]
-        val = [r for r in records if "val_loss" in r]
-        hs = [r for r in records if "hellaswag_acc" in r]
-        lines = lines_by_label(loss_ax)
-        assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss"}
-        assert list(lines["train loss"].get_xdata()) == [r["step"] for r in train]
-        assert list(lines["train loss"].get_ydata()) == [r["loss"] for r in train]
-        assert lines["train loss"].get_alpha() == 0.3  # raw points faint under the EMA
-        assert list(lines["train loss (EMA 0.9)"].get_ydata()) == plot_log.ema([r["loss"] for r in train], 0.9)
-        assert list(lines["val loss"].get_ydata()) == [r["val_loss"] for r in val]
-        lo, hi = loss_ax.get_ylim()  # clipped: the first steps' ~11 is off the top
-        assert hi < max(r["loss"] for r in train) and lo <= min(r["loss"] for r in train)
-        lines = lines_by_label(hs_ax)
-        assert list(lines["HellaSwag acc"].get_ydata()) == [r["hellaswag_acc"] for r in hs]
-        baseline = lines["GPT-2 124M (0.2955)"]
-        assert list(baseline.get_ydata()) == [0.2955, 0.2955]
-        (lr_line,) = lr_ax.get_lines()
-        assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    loss_ax, hs_ax, lr_ax = fig.axes
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    hs = [r for r in records if "hellaswag_acc" in r]
+    lines = lines_by_label(loss_ax)
+    assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss"}
+    assert list(lines["train loss"].get_xdata()) == [r["step"] for r in train]
+    assert list(lines["train loss"].get_ydata()) == [r["loss"] for r in train]
+    assert lines["train loss"].get_alpha() == 0.3  # raw points faint under the EMA
+    assert list(lines["train loss (EMA 0.9)"].get_ydata()) == plot_log.ema([r["loss"] for r in train], 0.9)
+    assert list(lines["val loss"].get_ydata()) == [r["val_loss"] for r in val]
+    lo, hi = loss_ax.get_ylim()  # clipped: the first steps' ~11 is off the top
+    assert hi < max(r["loss"] for r in train) and lo <= min(r["loss"] for r in train)
+    lines = lines_by_label(hs_ax)
+    assert list(lines["HellaSwag acc"].get_ydata()) == [r["hellaswag_acc"] for r in hs]
+    baseline = lines["GPT-2 124M (0.2955)"]
+    assert list(baseline.get_ydata()) == [0.2955, 0.2955]
+    (lr_line,) = lr_ax.get_lines()
+    assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
 
 
 def test_make_figure_without_hellaswag_has_two_panels_and_no_clip():
     pytest.importorskip("matplotlib")
     records = fake_records(hellaswag=False)
     fig = plot_log.make_figure(records, clip=False)
-    try:
-        assert len(fig.axes) == 2
-        assert fig.axes[0].get_ylim()[1] >= max(r["loss"] for r in records if "loss" in r)
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    assert len(fig.axes) == 2
+    assert fig.axes[0].get_ylim()[1] >= max(r["loss"] for r in records if "loss" in r)
 
 
 def test_resumed_step_keeps_last_value():
@@ -159,12 +157,7 @@ def test_ema_reference_values():
 def test_smooth_0_draws_no_ema_line():
     pytest.importorskip("matplotlib")
     fig = plot_log.make_figure(fake_records(hellaswag=False), smooth=0)
-    try:
-        assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
 
 
 def test_resumes_are_marked_on_every_panel():
@@ -175,16 +168,11 @@ def test_resumes_are_marked_on_every_panel():
     records.append(dict(step=44, event="something new", note="ignored"))
     assert plot_log.resume_steps(records) == [12, 30]
     fig = plot_log.make_figure(records)
-    try:
-        for ax in fig.axes:
-            marks = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
-            assert [list(line.get_xdata()) for line in marks] == [[12, 12], [30, 30]]
-        labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-        assert labels.count("resumed") == 1
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    for ax in fig.axes:
+        marks = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+        assert [list(line.get_xdata()) for line in marks] == [[12, 12], [30, 30]]
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels.count("resumed") == 1
 
 
 def test_trainer_logs_its_resumes_for_the_plot(data_dir, tmp_path):
@@ -248,16 +236,11 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
         "run",
     ]
     fig = plot_log.make_figure(plot_log.load_records(str(log)))
-    try:
-        lines = lines_by_label(fig.axes[0])
-        drawn = list(lines["train loss"].get_ydata())
-        assert [math.isnan(v) for v in drawn[10:14]] == [True] * 4 and drawn[14] == train[14]["loss"]
-        assert fig.axes[0].get_ylim()[1] < 12  # the axis holds the finite curve
-        assert lines["train loss (EMA 0.9)"].get_ydata()[14] < 12  # the EMA carries over the gap
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    lines = lines_by_label(fig.axes[0])
+    drawn = list(lines["train loss"].get_ydata())
+    assert [math.isnan(v) for v in drawn[10:14]] == [True] * 4 and drawn[14] == train[14]["loss"]
+    assert fig.axes[0].get_ylim()[1] < 12  # the axis holds the finite curve
+    assert lines["train loss (EMA 0.9)"].get_ydata()[14] < 12  # the EMA carries over the gap
 
 
 @pytest.mark.parametrize(
@@ -291,24 +274,19 @@ def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve():
             r["val_bpb"] = round(r["val_loss"] / (4 * math.log(2)), 4)  # the same tokens each time, as logged
     records.append(dict(step=60, val_loss=3.1, val_bpb=round(3.1 / (4 * math.log(2)), 4)))  # after train step 59
     fig = plot_log.make_figure(records)
-    try:
-        loss_ax, lr_ax = fig.axes  # no twin axis: a secondary axis of the loss panel
-        lines = lines_by_label(loss_ax)
-        assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"}
-        (bpb_axis,) = loss_ax.child_axes
-        assert bpb_axis.get_ylabel() == "val bits per byte"
-        factor = 1 / (4 * math.log(2))
-        assert bpb_axis.get_ylim() == pytest.approx(tuple(v * factor for v in loss_ax.get_ylim()), rel=1e-3)
-        assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"]
-        assert len([a for a in fig.axes + loss_ax.child_axes if a.get_legend()]) == 1  # one legend on the panel
-        assert fig._suptitle.get_text().endswith(  # each number with its own step
-            f"train loss {records[-3]['loss']:.4f} (step 59) | val loss 3.1000, {records[-1]['val_bpb']:.4f} bits/byte "
-            "(step 60)"
-        )
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    loss_ax, lr_ax = fig.axes  # no twin axis: a secondary axis of the loss panel
+    lines = lines_by_label(loss_ax)
+    assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"}
+    (bpb_axis,) = loss_ax.child_axes
+    assert bpb_axis.get_ylabel() == "val bits per byte"
+    factor = 1 / (4 * math.log(2))
+    assert bpb_axis.get_ylim() == pytest.approx(tuple(v * factor for v in loss_ax.get_ylim()), rel=1e-3)
+    assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"]
+    assert len([a for a in fig.axes + loss_ax.child_axes if a.get_legend()]) == 1  # one legend on the panel
+    assert fig._suptitle.get_text().endswith(  # each number with its own step
+        f"train loss {records[-3]['loss']:.4f} (step 59) | val loss 3.1000, {records[-1]['val_bpb']:.4f} bits/byte "
+        "(step 60)"
+    )
 
 
 def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line():
@@ -318,18 +296,13 @@ def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line():
         if "val_loss" in r:
             r["val_bpb"] = r["val_loss"] / (4 * math.log(2)) + 0.01 * r["step"]  # bytes per token drifting
     fig = plot_log.make_figure(records)
-    try:
-        loss_ax, lr_ax, bpb_ax = fig.axes  # the twin axis comes last
-        val = [r for r in records if "val_bpb" in r]
-        assert "val loss" in lines_by_label(loss_ax) and not loss_ax.child_axes
-        (line,) = bpb_ax.get_lines()
-        assert (line.get_label(), list(line.get_ydata())) == ("val bits per byte", [r["val_bpb"] for r in val])
-        assert bpb_ax.get_ylabel() == "val bits per byte"
-        lo, hi = bpb_ax.get_ylim()  # its own scale, around its own values
-        assert lo <= min(r["val_bpb"] for r in val) and hi >= max(r["val_bpb"] for r in val)
-        assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss", "val bits per byte"]
-        assert bpb_ax.get_legend() is None
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    loss_ax, lr_ax, bpb_ax = fig.axes  # the twin axis comes last
+    val = [r for r in records if "val_bpb" in r]
+    assert "val loss" in lines_by_label(loss_ax) and not loss_ax.child_axes
+    (line,) = bpb_ax.get_lines()
+    assert (line.get_label(), list(line.get_ydata())) == ("val bits per byte", [r["val_bpb"] for r in val])
+    assert bpb_ax.get_ylabel() == "val bits per byte"
+    lo, hi = bpb_ax.get_ylim()  # its own scale, around its own values
+    assert lo <= min(r["val_bpb"] for r in val) and hi >= max(r["val_bpb"] for r in val)
+    assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss", "val bits per byte"]
+    assert bpb_ax.get_legend() is None

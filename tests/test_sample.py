@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_command, run_main, tiny_run_args
+from conftest import REPO, run_main, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit.runfiles import checkpoints
 from trainkit import cli
@@ -57,6 +57,11 @@ def small_vocab_run(tmp_path_factory):
     proc = run_main("train_gpt2.py", *tiny(root / "data", root / "out", "--vocab-size", "128", steps=1))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "out"
+
+
+def run_sample(source, *flags, flag="--checkpoint"):
+    """sample.py --checkpoint source (or flag source) flags, in-process (run_main)."""
+    return run_main("sample.py", flag, source, *flags)
 
 
 def samples_of(stdout):
@@ -157,9 +162,12 @@ def test_padded_ids_are_never_drawn():
 
 
 def test_sample_cli_is_plain_deterministic_text(sampled_run):
+    """The same seed, the same texts; another seed, others (sample.py runs as a program in the test of
+    --num-samples 10**12 below, which checks its texts against sample_text's)."""
     out, _ = sampled_run
-    args = ["sample.py", "--checkpoint", out, "--num-samples", "3", "--max-new-tokens", "12", "--seed", "7"]
-    first, again, other = run_command(*args), run_main(*args), run_main(*args[:-1], "8")  # a program once
+    first, again, other = (
+        run_sample(out, *f"--num-samples 3 --max-new-tokens 12 --seed {s}".split()) for s in (7, 7, 8)
+    )
     assert first.returncode == 0, first.stderr
     assert first.stdout == again.stdout and first.stdout != other.stdout
     assert first.stdout.startswith("--- sample 1/3 ---\n" + PROMPT)
@@ -173,25 +181,8 @@ def test_sample_cli_equals_sample_text_in_process(sampled_run):
     import train_gpt2 as tg
 
     out, _ = sampled_run
-    proc = run_main(
-        "sample.py",
-        "--checkpoint",
-        out,
-        "--prompt",
-        "def f(x):",
-        "--num-samples",
-        "3",
-        "--max-new-tokens",
-        "10",
-        "--temperature",
-        "0.7",
-        "--top-k",
-        "5",
-        "--seed",
-        "3",
-        "--batch-size",
-        "2",
-    )
+    flags = "--num-samples 3 --max-new-tokens 10 --temperature 0.7 --top-k 5 --seed 3 --batch-size 2"
+    proc = run_sample(out, "--prompt", "def f(x):", *flags.split())
     assert proc.returncode == 0, proc.stderr
     model = tg.GPT.from_checkpoint(str(out))
     # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
@@ -205,14 +196,12 @@ def test_sample_cli_equals_sample_text_in_process(sampled_run):
 
 def test_empty_and_long_prompts(sampled_run):
     out, _ = sampled_run
-    empty = run_main("sample.py", "--checkpoint", out, "--prompt", "", "--num-samples", "1", "--max-new-tokens", "8")
+    empty = run_sample(out, "--prompt", "", "--num-samples", "1", "--max-new-tokens", "8")
     assert empty.returncode == 0, empty.stderr
     (text,) = samples_of(empty.stdout)
     assert text and not text.startswith("<|endoftext|>")  # started from the token, which is not printed
     long_prompt = " ".join(["word"] * 100)  # 100 tokens, block size 64
-    proc = run_main(
-        "sample.py", "--checkpoint", out, "--prompt", long_prompt, "--num-samples", "1", "--max-new-tokens", "5"
-    )
+    proc = run_sample(out, "--prompt", long_prompt, "--num-samples", "1", "--max-new-tokens", "5")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "note: the prompt is 100 tokens; the model sees only the newest 64\n"
     assert samples_of(proc.stdout)[0].startswith(long_prompt)
@@ -236,7 +225,7 @@ BAD_FLAGS = [  # (flags, message): in-process; tests/test_cli.py runs sample.py'
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
 def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
     out, _ = sampled_run
-    proc = run_main("sample.py", "--checkpoint", out, *flags)
+    proc = run_sample(out, *flags)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(prog='sample.py')}\n")
 
 
@@ -246,22 +235,20 @@ def test_bad_sources_are_one_line_errors(tmp_path):
         ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
         ("--hf-model", tmp_path / "nope", "--hf-model"),
     ]:
-        proc = run_main("sample.py", flag, path)
+        proc = run_sample(path, flag=flag)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
 
 
 def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
-    proc = run_main("sample.py", "--checkpoint", small_vocab_run, "--prompt", "Hello")
+    proc = run_sample(small_vocab_run, "--prompt", "Hello")
     assert (proc.returncode, proc.stderr) == (
         2,
         "error: the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids\n",
     )
-    empty = run_main("sample.py", "--checkpoint", small_vocab_run, "--prompt", "")
+    empty = run_sample(small_vocab_run, "--prompt", "")
     assert empty.returncode == 2 and f"token {EOT} ('<|endoftext|>')" in empty.stderr
-    ok = run_main(
-        "sample.py", "--checkpoint", small_vocab_run, "--prompt", "!#", "--num-samples", "1", "--max-new-tokens", "4"
-    )  # ids 0 and 2
+    ok = run_sample(small_vocab_run, "--prompt", "!#", "--num-samples", "1", "--max-new-tokens", "4")  # ids 0 and 2
     assert ok.returncode == 0, ok.stderr
     assert samples_of(ok.stdout)[0].startswith("!#")
 
@@ -276,7 +263,7 @@ def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path, ca
     capsys.readouterr()
     model = sample.load_model(sample.parse_args(["--hf-model", str(tmp_path / "hf")]), "cpu")
     assert model.config.vocab_size == model.transformer.wte.weight.shape[0] == 100
-    proc = run_main("sample.py", "--hf-model", tmp_path / "hf", "--prompt", "¡")
+    proc = run_sample(tmp_path / "hf", "--prompt", "¡", flag="--hf-model")
     assert (proc.returncode, proc.stderr) == (
         2,
         "error: the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids\n",
@@ -295,18 +282,8 @@ def test_hf_model_greedy_equals_transformers(tmp_path):
         for p in hf.parameters():
             p.mul_(5.0)  # clear argmaxes
     hf.save_pretrained(str(tmp_path / "hf"))
-    proc = run_main(
-        "sample.py",
-        "--hf-model",
-        tmp_path / "hf",
-        "--prompt",
-        PROMPT,
-        "--num-samples",
-        "1",
-        "--max-new-tokens",
-        "12",
-        "--top-k",
-        "1",
+    proc = run_sample(
+        tmp_path / "hf", "--prompt", PROMPT, *"--num-samples 1 --max-new-tokens 12 --top-k 1".split(), flag="--hf-model"
     )
     assert proc.returncode == 0, proc.stderr
     enc = tokenizer.get_encoding()
@@ -324,9 +301,8 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
     write_shards(tmp_path / "data", [np.array([EOT, 0, 1, 2, 3])] * 400, shard_size=1000)
-    proc = run_main(
-        "train_gpt2.py", *tiny(tmp_path / "data", tmp_path / "out", steps=80)
-    )  # past the plateau of the 5-token unigram
+    # past the plateau of the 5-token unigram
+    proc = run_main("train_gpt2.py", *tiny(tmp_path / "data", tmp_path / "out", steps=80))
     assert proc.returncode == 0, proc.stderr[-2000:]
     export = run_main("hf_interop.py", "export", tmp_path / "out", tmp_path / "hf")
     assert export.returncode == 0, export.stderr
@@ -340,19 +316,8 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
             ref = hf.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=EOT, **eos
             )
-        proc = run_main(
-            "sample.py",
-            "--checkpoint",
-            tmp_path / "out",
-            "--prompt",
-            "!",
-            "--num-samples",
-            "1",
-            "--max-new-tokens",
-            "12",
-            "--top-k",
-            "1",
-            *flags,
+        proc = run_sample(
+            tmp_path / "out", "--prompt", "!", *"--num-samples 1 --max-new-tokens 12 --top-k 1".split(), *flags
         )
         assert proc.returncode == 0, proc.stderr
         texts[flags] = samples_of(proc.stdout)
@@ -367,18 +332,7 @@ def test_tiny_temperature_is_greedy(sampled_run):
     import train_gpt2 as tg
 
     out, _ = sampled_run
-    proc = run_main(
-        "sample.py",
-        "--checkpoint",
-        out,
-        "--temperature",
-        "1e-40",
-        "--num-samples",
-        "2",
-        "--max-new-tokens",
-        "12",
-        "--continue-past-eot",
-    )
+    proc = run_sample(out, *"--temperature 1e-40 --num-samples 2 --max-new-tokens 12 --continue-past-eot".split())
     assert proc.returncode == 0, proc.stderr
     model = tg.GPT.from_checkpoint(str(out))
     greedy = list(
@@ -418,7 +372,7 @@ def test_nan_weights_are_one_line_errors(sampled_run, tmp_path):
             "(transformer.h.0.attn.c_proj.weight)",
         ),
     ]:
-        proc = run_main("sample.py", flag, source)
+        proc = run_sample(source, flag=flag)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
 
 
@@ -429,19 +383,9 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
     import train_gpt2 as tg
 
     out, _ = sampled_run
+    flags = f"--checkpoint {out} --num-samples {10**12} --max-new-tokens 4 --seed 5".split()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "sample.py",
-            "--checkpoint",
-            str(out),
-            "--num-samples",
-            str(10**12),
-            "--max-new-tokens",
-            "4",
-            "--seed",
-            "5",
-        ],
+        [sys.executable, "sample.py", *flags],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -475,20 +419,8 @@ def test_trainer_prints_samples_as_plain_text(sampled_run):
 def test_trainer_samples_continue_sample_prompt(sampled_run):
     # the prompt fits the data (the quickstart's Python gets "def "); the texts are sample_text's for it
     out, _ = sampled_run
-    proc = run_main(
-        "train_gpt2.py",
-        *tiny(
-            out.parent / "data",
-            out,
-            "--resume",
-            "--eval-only",
-            "--sample-every",
-            "1",
-            "--sample-prompt",
-            "def ",
-            steps=2,
-        ),
-    )
+    flags = ["--resume", "--eval-only", "--sample-every", "1", "--sample-prompt", "def "]
+    proc = run_main("train_gpt2.py", *tiny(out.parent / "data", out, *flags, steps=2))
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))
     assert len(expected) == 4 and all(text.startswith("def ") for text in expected)
