@@ -17,24 +17,8 @@ from trainkit.evaluation.hellaswag_data import DATA_URL
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
 FEW_EXAMPLES = "--limit 8"  # of HellaSwag (200 take 20 s on a CPU)
 OUT = "out/quick[1]*"  # an out dir named like a glob pattern is still that folder
-TINY_TRAIN = [
-    "--out-dir",
-    OUT,
-    "--max-steps",
-    "3",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "512",
-    "--val-every",
-    "2",
-    "--val-steps",
-    "2",
-    "--sample-every",
-    "0",
-    "--ckpt-every",
-    "2",
-]
+TINY_TRAIN = f"--out-dir {OUT} --max-steps 3 --batch-size 4 --total-batch-size 512 --val-every 2 --val-steps 2".split()
+TINY_TRAIN += "--sample-every 0 --ckpt-every 2".split()
 
 
 @pytest.fixture(scope="module")

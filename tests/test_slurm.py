@@ -1,10 +1,12 @@
 """slurm/train_gpt2.sbatch under a real Slurm: munge, slurmctld and slurmd started on this machine, a
-one-node cluster, jobs of two CPU ranks. A preempted job (scontrol requeue) checkpoints, comes back
-by itself and ends with the losses of an uninterrupted run; a job at its time limit checkpoints
-first and requeues itself; the lock a killed attempt leaves stops no later one.
+one-node cluster, jobs of two CPU ranks. One job is stopped every way a job stops, one attempt each: the
+time limit before the first checkpoint (not requeued), a preemption (scontrol requeue), Slurm's own signal
+before the time limit, rank 0 killed outright, and the time limit of a job Slurm will not requeue; each
+attempt resumes from the checkpoint before it, the lock a killed attempt leaves stopping none, and the
+whole run has the losses of an uninterrupted one.
 
 The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
-run as root) and root (slurmd), and are skipped, saying so, without them. About five minutes on a busy
+run as root) and root (slurmd), and are skipped, saying so, without them. About three minutes on a busy
 2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
 
 import contextlib
@@ -20,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, tiny_run_args, torchrun
+from conftest import REPO, free_port, start, tiny_run_args, torchrun
 
 SCRIPT = "slurm/train_gpt2.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -276,18 +278,13 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
 def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_uninterrupted_run(
     cluster, data_dir, tmp_path
 ):
-    """One job of five attempts, each ended another way. 1: the time limit's signal (scancel --batch
-    --signal=USR1, what Slurm sends) while the run still starts: no checkpoint written, none to come, so
-    the script does not requeue a job that would meet the same limit again, and says so. Requeued by hand,
-    2: preempted (scontrol requeue): the trainer gets SIGTERM, finishes its step, checkpoints and exits,
-    and Slurm starts the job again, the script adding --resume. 3: Slurm's own signal before the time
-    limit (the script's --signal=B:USR1@N, here 170 s before a limit cut to 3 minutes): the trainer
-    checkpoints and the script requeues the job. 4: rank 0 killed outright (SIGKILL), leaving its .lock
-    and the job failed; requeued by hand, 5: resumes, not stopped by the lock, and, the job made one Slurm
-    will not requeue (as sbatch --no-requeue), at the time limit's signal checkpoints and says how to go
-    on. Each attempt resumes from the checkpoint before it; the losses of every step, each logged once,
-    are those of one uninterrupted torchrun of two ranks, bit for bit. Prints the time from each stop to
-    its checkpoint and to the resumed step."""
+    """One job of five attempts, each ended another way (the module's docstring): 1, the time limit's signal
+    (scancel --batch --signal=USR1, what Slurm sends) while the run still starts; 2, preempted: SIGTERM, the
+    trainer finishes its step and checkpoints, Slurm starts the job again and the script adds --resume; 3,
+    Slurm's own signal, 170 s before a limit cut to 3 minutes; 4, rank 0 killed outright (SIGKILL), its .lock
+    left; 5, resumed despite the lock, then the time limit of a job made one Slurm will not requeue (as
+    sbatch --no-requeue). Every step is logged once, with the losses of one uninterrupted torchrun of two
+    ranks, bit for bit. Prints the time from each stop to the resumed step."""
     out_dir, output, straight_dir = tmp_path / "out", tmp_path / "job.out", tmp_path / "straight"
     job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--time=30", "--signal=B:USR1@170")
     details, seen, times = job_details(cluster, output), 0, []
@@ -326,9 +323,8 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     wait_for(lambda: "stopped by signal" in read(output)[seen:], KILL_WAIT + 30, "the preempted run to stop", details)
     stops = [stop_step(attempt_ended(2, "the preempted job to be requeued"))]
     resumed(stops[0], 2)
-    straight = subprocess.Popen(  # the uninterrupted run, stopped once it has trained as far as the job
+    straight = start(  # the uninterrupted run, stopped once it has trained as far as the job
         [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir, 100000)],
-        cwd=REPO,
         env=cluster.env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
