@@ -372,7 +372,9 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     assert sorted(p.name for p in out_dir.glob("ckpt_*.pt")) == [f"ckpt_{step:07d}.pt" for step in stops]
     assert [step for step, _ in logged_steps(out_dir)] == list(range(stops[2]))
     assert logged_steps(out_dir) == logged_steps(straight_dir)[: stops[2]]
+    on_disk = [(out_dir / f"ckpt_{stops[i]:07d}.pt").stat().st_mtime - times[2 * i] for i in (0, 1)]
     print(
-        f"\npreempted, then resumed {times[1] - times[0]:.1f} s later; the time limit's signal, then resumed "
-        f"{times[3] - times[2]:.1f} s later (Slurm holds a requeued job {CRED_EXPIRE + 1} s here)"
+        f"\npreemption: requeue -> checkpoint on disk {on_disk[0]:.1f} s, -> the resumed job's first step "
+        f"{times[1] - times[0]:.1f} s; time limit: USR1 -> checkpoint on disk {on_disk[1]:.1f} s, -> the resumed "
+        f"job's first step {times[3] - times[2]:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here)"
     )
