@@ -598,3 +598,13 @@ def pytest_collection_modifyitems(config, items):
     """LONGEST_FILES' tests first, in that order; each file's tests stay together and in their order."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# --- suiteruns ---
+
+
+def start(command, cwd=REPO, env=None, **popen) -> subprocess.Popen:
+    """command started in cwd (default: the repo), env set on top of this process's environment (with_env), with
+    stdout and stderr pipes of text unless popen says otherwise: a run to signal, kill or read while it goes."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(command, cwd=cwd, env=with_env(env), text=True, **pipes)

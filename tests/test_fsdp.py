@@ -5,8 +5,6 @@ SIGTERM with the others in test_resilience.py."""
 
 import os
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -20,7 +18,8 @@ from trainkit.runtime import device
 from trainkit.runtime import launch
 from trainkit.runfiles.run_folder import OutDirLock
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, REPO, assert_one_error_line, free_port, run_main, tiny_run_args, torchrun
+from conftest import HELLASWAG_FILE, assert_one_error_line, free_port, log_records, resume_copy, run_cli, run_main
+from conftest import tiny_run_args
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
@@ -172,10 +171,7 @@ def run_args(data_dir, out_dir, hellaswag_file, *extra, B=2, val_steps=1, steps=
 
 
 def log_of(out_dir, key):
-    import json
-
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
+    return [(r["step"], r[key]) for r in log_records(out_dir) if key in r]
 
 
 def samples(stdout):
@@ -183,13 +179,7 @@ def samples(stdout):
 
 
 def fsdp_run(args):
-    result = subprocess.run(
-        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", "--fsdp", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_cli(["--fsdp", *args], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2 | fsdp" in result.stdout
     return result.stdout
@@ -234,9 +224,7 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
 
     # FSDP resumes its own checkpoint exactly; one process continues it with the same losses
     for resumed in (fsdp_resumed, single_resumed):
-        os.makedirs(resumed)
-        shutil.copy(os.path.join(fsdp, "ckpt_0000010.pt"), resumed)
-        shutil.copy(os.path.join(fsdp, "log.jsonl"), resumed)
+        resume_copy(fsdp, resumed, 10)
     fsdp_run(run_args(data_dir, fsdp_resumed, hellaswag_file, "--resume"))
     assert log_of(fsdp_resumed, "loss") == log_of(fsdp, "loss")
     a, b = ckpt(fsdp, 20)["model"], ckpt(fsdp_resumed, 20)["model"]
@@ -269,28 +257,9 @@ def test_fsdp_without_torchrun_is_one_line(data_dir, tmp_path):
 def test_fsdp_with_float16_is_refused_before_any_work(data_dir, tmp_path):
     """Each rank's GradScaler would see only its own shard's overflows (the check runs before the
     process group is needed, so a world size of 2 is enough here)."""
+    flags = "--model cpu --batch-size 4 --total-batch-size 2048 --fsdp --dtype float16 --device cpu".split()
     run = tg.RunConfig(
-        **vars(
-            tg.build_parser().parse_args(
-                [
-                    "--data-dir",
-                    data_dir,
-                    "--out-dir",
-                    str(tmp_path),
-                    "--model",
-                    "cpu",
-                    "--batch-size",
-                    "4",
-                    "--total-batch-size",
-                    "2048",
-                    "--fsdp",
-                    "--dtype",
-                    "float16",
-                    "--device",
-                    "cpu",
-                ]
-            )
-        )
+        **vars(tg.build_parser().parse_args(["--data-dir", data_dir, "--out-dir", str(tmp_path), *flags]))
     )
     with pytest.raises(cli.UserError, match="--fsdp does not support float16"):
         tg.resolve_launch(run, launch.Dist(rank=0, world_size=2), OutDirLock(str(tmp_path)))

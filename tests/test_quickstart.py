@@ -17,24 +17,8 @@ from trainkit.evaluation.hellaswag_examples import DATA_URL
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
 FEW_EXAMPLES = "--limit 8"  # of HellaSwag (200 take 20 s on a CPU)
 OUT = "out/quick[1]*"  # an out dir named like a glob pattern is still that folder
-TINY_TRAIN = [
-    "--out-dir",
-    OUT,
-    "--max-steps",
-    "3",
-    "--batch-size",
-    "4",
-    "--total-batch-size",
-    "512",
-    "--val-every",
-    "2",
-    "--val-steps",
-    "2",
-    "--sample-every",
-    "0",
-    "--ckpt-every",
-    "2",
-]
+TINY_TRAIN = f"--out-dir {OUT} --max-steps 3 --batch-size 4 --total-batch-size 512 --val-every 2 --val-steps 2".split()
+TINY_TRAIN += "--sample-every 0 --ckpt-every 2".split()
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +82,25 @@ def test_help_prints_the_usage_and_does_nothing(clone):
     assert not (clone / "no-venv").exists()
 
 
-def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
-    first = quickstart(clone, *TINY_TRAIN, TMPDIR=str(tmp_path))
+def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path):
+    # the later --limit of QUICKSTART_HELLASWAG_ARGS wins, as in argparse
+    first = quickstart(clone, *TINY_TRAIN, TMPDIR=str(tmp_path), QUICKSTART_HELLASWAG_ARGS=f"{FEW_EXAMPLES} --limit=3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
     assert "creating the virtual environment" not in out  # QUICKSTART_VENV is used as it is
     assert "quickstart: tokenizing the Python standard library" in out
     assert "step     2/3 | loss" in out and "step     3 | val loss" in out
     # the --limit of QUICKSTART_HELLASWAG_ARGS; offline, of the subset the repository ships, said so
-    hellaswag = out.split("quickstart: HellaSwag, first 8 examples\n", 1)[1].splitlines()[:4]
+    hellaswag = out.split("quickstart: HellaSwag, first 3 examples\n", 1)[1].splitlines()[:4]
     assert hellaswag[:3] == [
         f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset "
         "shipped in fixtures/ instead",
         f"hellaswag: scoring {OUT}/ckpt_0000003.pt, step 3",
-        "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
+        "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
         "ships, not the full 10042-example set); chance is 0.25",
     ]
-    assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 8}')
+    assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 3}')
+    assert "UserWarning" not in out + first.stderr
     run = clone / OUT
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -134,23 +120,37 @@ def test_quickstart_runs_then_resumes_and_reuses(clone, tmp_path):
         '  python sample.py --checkpoint out/quick\\[1\\]\\* --prompt "def "',
     ]
 
-    # the later value wins, as in argparse
-    again = quickstart(
-        clone,
-        *TINY_TRAIN,
-        "--max-steps",
-        "4",
-        HELLASWAG_DIR=str(tmp_path / "no-hellaswag"),
-        QUICKSTART_HELLASWAG_ARGS="--limit 8 --limit=3",
+    # the same command with more steps reuses the data and resumes; Ctrl-C (SIGINT to the whole process group, as
+    # a terminal's, which does not ignore it) once it trains stops the trainer with a checkpoint, then the script
+    proc = subprocess.Popen(
+        ["bash", "quickstart.sh", *TINY_TRAIN, "--max-steps", "100000"],
+        cwd=clone,
+        env=quickstart_env(clone, TMPDIR=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "quickstart: HellaSwag, first 3 examples\n" in again.stdout
-    assert "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl" in again.stdout
-    assert "skipping HellaSwag" not in again.stdout and "UserWarning" not in again.stdout + again.stderr
-    assert "quickstart: reusing the tokenized standard library in data/stdlib" in again.stdout
-    assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in again.stdout
-    assert "step     3/4 | loss" in again.stdout and "step     2/4" not in again.stdout
-    assert (run / "ckpt_0000004.pt").is_file()
+    try:
+        wait_for(lambda: '"step": 3, "loss"' in (run / "log.jsonl").read_text(), proc, timeout=600, what="step 3")
+        kill_group(proc, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
+    assert stderr.splitlines()[-1] == (
+        f"quickstart: interrupted; run the same command again to resume: bash quickstart.sh {same_command} "
+        "--max-steps 100000"
+    )
+    assert "quickstart: reusing the tokenized standard library in data/stdlib" in stdout
+    assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in stdout
+    assert "step     3/100000 | loss" in stdout and "step     2/100000" not in stdout
+    stopped = int(stdout.split("stopped by signal at step ")[1].split(";")[0])  # checkpointed on the way out
+    assert (run / f"ckpt_{stopped:07d}.pt").is_file()
+    assert "HellaSwag" not in stdout and "done in" not in stdout
+    assert not list(tmp_path.glob("quickstart-*"))
 
 
 def test_damaged_bpe_is_one_line(clone, tmp_path):
@@ -170,41 +170,6 @@ def test_damaged_bpe_is_one_line(clone, tmp_path):
         "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
     )
     assert "quickstart: tokenizing" not in proc.stdout
-
-
-def test_ctrl_c_during_training_stops_the_script(clone, tmp_path):
-    out = clone / "out" / "interrupted"
-    # as a terminal's Ctrl-C: SIGINT to the whole process group, which does not ignore it
-    proc = subprocess.Popen(
-        ["bash", "quickstart.sh", *TINY_TRAIN, "--max-steps", "100000", "--out-dir", str(out)],
-        cwd=clone,
-        env=quickstart_env(clone, TMPDIR=str(tmp_path)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        wait_for(
-            lambda: (out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text(),
-            proc,
-            timeout=600,
-            what="the first step",
-        )
-        kill_group(proc, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
-    same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
-    assert stderr.splitlines()[-1] == (
-        "quickstart: interrupted; run the same command again to resume: bash "
-        f"quickstart.sh {same_command} --max-steps 100000 --out-dir {out}"
-    )
-    assert "stopped by signal at step" in stdout  # the trainer checkpointed on the way out
-    assert "HellaSwag" not in stdout and "done in" not in stdout
-    assert not list(tmp_path.glob("quickstart-*"))
 
 
 def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it(tmp_path):

@@ -7,7 +7,6 @@ import glob
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -17,17 +16,8 @@ import pytest
 from trainkit.runfiles import checkpoints
 from trainkit.data.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
-from conftest import (
-    HELLASWAG_FILE,
-    REPO,
-    child_pids,
-    kill_group,
-    kill_pids,
-    tiny_run_args,
-    torchrun,
-    tree_hashes,
-    wait_for,
-)
+from conftest import HELLASWAG_FILE, REPO, child_pids, kill_group, kill_pids, tiny_run_args, torchrun, tree_hashes
+from conftest import start, wait_for
 from shards import write_manifest
 
 T = 16
@@ -38,19 +28,8 @@ SHARDS = dict(n_docs=500, seed=4)
 
 def args_for(data_dir, out_dir, *extra, steps=2, ckpt_every=2):
     """A one-block run, 4 rows a step: one micro-batch of 2 rows on each of 2 ranks."""
-    return tiny_run_args(
-        data_dir,
-        out_dir,
-        *extra,
-        steps=steps,
-        ckpt_every=ckpt_every,
-        n_layer=1,
-        block_size=16,
-        seq_len=T,
-        B=2,
-        rows=4,
-        warmup=1,
-    )
+    one_block = dict(n_layer=1, block_size=16, seq_len=T, B=2, rows=4, warmup=1)
+    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, **one_block)
 
 
 def checkpoint_hashes(out_dir) -> dict:
@@ -76,23 +55,8 @@ def error_lines(stderr) -> list:
 def launch_per_rank(shell, args, env=None, script="train_gpt2.py", **popen):
     """torchrun of 2 ranks running `bash -c shell _ python script args`: the shell can give each
     rank ($RANK) its own flags or folder, as a job script on each node might."""
-    command = [
-        *torchrun("--standalone", "--nproc_per_node=2", "--no-python"),
-        "bash",
-        "-c",
-        shell,
-        "_",
-        sys.executable,
-        str(REPO / script),
-        *args,
-    ]
-    return subprocess.Popen(
-        command,
-        cwd=REPO,
-        text=True,
-        env={**os.environ, **(env or {})},
-        **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
-    )
+    launch = torchrun("--standalone", "--nproc_per_node=2", "--no-python")
+    return start([*launch, "bash", "-c", shell, "_", sys.executable, str(REPO / script), *args], env=env, **popen)
 
 
 @pytest.fixture

@@ -14,19 +14,8 @@ import torch
 from trainkit.runfiles import checkpoints
 from trainkit.runfiles import resume
 import train_gpt2 as tg
-from conftest import (
-    REPO,
-    child_pids,
-    free_port,
-    kill_group,
-    kill_pids,
-    log_records,
-    losses,
-    resume_copy,
-    tiny_run_args,
-    torchrun,
-    wait_for_steps,
-)
+from conftest import child_pids, free_port, kill_group, kill_pids, log_records, losses, resume_copy, tiny_run_args
+from conftest import start, torchrun, wait_for_steps
 from shards import write_manifest
 
 T = 16
@@ -35,6 +24,18 @@ SHARDS = dict(n_docs=500, seed=2)
 
 def final_weights(out_dir, step):
     return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))["model"]
+
+
+def stop_after(monkeypatch, last_step):
+    """A trainer run in this process stops as on a signal during step last_step (it trains one more: a checkpoint at
+    last_step + 2): the reference of a run of --max-steps 100000 that a signal stopped in a subprocess."""
+    log_step = tg.Trainer.log_step
+
+    def log_step_then_stop(self, step, result, progress):
+        log_step(self, step, result, progress)
+        self.stop.requested |= step == last_step
+
+    monkeypatch.setattr(tg.Trainer, "log_step", log_step_then_stop)
 
 
 # --- exact resume -------------------------------------------------------------------------
@@ -53,30 +54,6 @@ def test_resume_is_bit_exact(data_dir, tmp_path, align):
     assert losses(resumed) == losses(straight)  # bit-identical, and no step logged twice
     a, b = final_weights(straight, 20), final_weights(resumed, 20)
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_resume_on_two_ranks_continues_on_the_same_rows(data_dir, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert tg.main(tiny_run_args(data_dir, one, "--align-docs", B=4)) == 0  # 4 rows x 2 micro-steps
-    resume_copy(one, two, 10)
-    args = tiny_run_args(data_dir, two, "--align-docs", "--resume", B=2)
-    result = subprocess.run(
-        [*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 accumulation steps x 2 ranks" in result.stdout
-    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(one)), zip(*losses(two))
-    assert steps_a == steps_b == tuple(range(20))
-    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
-
-
-def test_resume_with_another_model_is_refused(data_dir, tmp_path, capsys):
-    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
-    args = tiny_run_args(data_dir, tmp_path, "--resume", steps=4)
-    args[args.index("--n-embd") + 1] = "32"
-    assert tg.main(args) == 2
-    err = capsys.readouterr().err
-    assert "cannot resume from" in err and "n_embd: checkpoint 16 vs now 32" in err
 
 
 def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(data_dir, tmp_path, capsys):
@@ -108,44 +85,60 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
         )
 
 
-def test_fresh_run_refuses_to_overwrite_checkpoints(data_dir, tmp_path, capsys):
-    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
-    run_id = resume.read_run(str(tmp_path / "ckpt_0000002.pt"))["id"]
+def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_of_another_model(
+    data_dir, tmp_path, capsys
+):
+    assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "2", steps=8, ckpt_every=2)) == 0
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000006.pt", "ckpt_0000008.pt"]
+    run_id = resume.read_run(str(tmp_path / "ckpt_0000008.pt"))["id"]
     capsys.readouterr()
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
     assert capsys.readouterr().err == (
         f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
         "--resume to continue that run, or choose another --out-dir\n"
     )
-
-
-def test_keep_last(data_dir, tmp_path):
-    assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "2", steps=8, ckpt_every=2)) == 0
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000006.pt", "ckpt_0000008.pt"]
+    args = tiny_run_args(data_dir, tmp_path, "--resume", steps=10)
+    args[args.index("--n-embd") + 1] = "32"
+    assert tg.main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and "n_embd: checkpoint 16 vs now 32" in err
 
 
 # --- preemption -----------------------------------------------------------------------------
 
 
-def test_sigterm_checkpoints_and_resume_finishes_the_same_run(data_dir, tmp_path):
+def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_resumes_as_if_never_stopped(
+    data_dir, tmp_path, monkeypatch
+):
+    """`nohup python train_gpt2.py ... &` starts the run with SIGHUP ignored, asking it to outlive its terminal:
+    a SIGHUP changes nothing (it trains on). SIGTERM (a preemption) stops it after its step with one checkpoint
+    and a line saying to --resume; resumed, the run has the losses and weights of one never stopped."""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    args = tiny_run_args(data_dir, preempted, steps=60, ckpt_every=0)
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    proc = start(
+        [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, preempted, steps=100000, ckpt_every=0)],
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
     )
-    wait_for_steps(preempted, 3, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    try:
+        wait_for_steps(preempted, 3, proc)
+        proc.send_signal(signal.SIGHUP)
+        wait_for_steps(preempted, len(losses(preempted)) + 10, proc)  # still training, 10 steps later
+        assert not list(preempted.glob("ckpt_*.pt"))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, err) == (0, "")
     stop_line = [line for line in out.splitlines() if line.startswith("stopped by signal")]
     assert len(stop_line) == 1 and "--resume" in stop_line[0]
     stop_step = int(stop_line[0].split("at step ")[1].split(";")[0])
-    assert 3 <= stop_step < 60
-    assert sorted(os.listdir(preempted)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
-    assert tg.main(tiny_run_args(data_dir, preempted, "--resume", steps=60, ckpt_every=0)) == 0
-    assert tg.main(tiny_run_args(data_dir, straight, steps=60, ckpt_every=0)) == 0
+    assert stop_step >= 13 and sorted(os.listdir(preempted)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
+    stop_after(monkeypatch, stop_step + 3)
+    for out_dir, flags in ((preempted, ["--resume"]), (straight, [])):
+        assert tg.main(tiny_run_args(data_dir, out_dir, *flags, steps=100000, ckpt_every=0)) == 0
     assert losses(preempted) == losses(straight)
-    a, b = final_weights(straight, 60), final_weights(preempted, 60)
+    a, b = final_weights(straight, stop_step + 5), final_weights(preempted, stop_step + 5)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -289,33 +282,20 @@ def start_two_nodes(args, port):
         "--rdzv-id=test",
         "--max-restarts=0",
     ]
-    return [
-        subprocess.Popen(
-            [*torchrun(*rdzv), "train_gpt2.py", *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    return [start([*torchrun(*rdzv), "train_gpt2.py", *args]) for _ in range(2)]
 
 
-def test_two_node_loopback_rendezvous_matches_one_process(data_dir, tmp_path):
-    assert tg.main(tiny_run_args(data_dir, tmp_path / "single", steps=6, ckpt_every=0)) == 0
-    nodes = start_two_nodes(tiny_run_args(data_dir, tmp_path / "nodes", steps=6, ckpt_every=0), free_port())
-    outputs = [p.communicate(timeout=300) for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outputs]
-    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(tmp_path / "single")), zip(*losses(tmp_path / "nodes"))
-    assert steps_a == steps_b
-    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
-
-
-def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
-    args = tiny_run_args(data_dir, tmp_path, "--dist-timeout", "30", steps=100000, ckpt_every=0)
+def test_two_nodes_on_loopback_train_as_one_process_and_a_dead_node_makes_the_other_exit(
+    data_dir, tmp_path, monkeypatch
+):
+    """Two torchrun launches of one process each meet at a c10d rendezvous on 127.0.0.1: their losses are one
+    process's. The second node's training process dies: the first exits, within its --dist-timeout (30 s)."""
+    stop_after(monkeypatch, 4)
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "single", steps=100000, ckpt_every=0)) == 0
+    args = tiny_run_args(data_dir, tmp_path / "nodes", "--dist-timeout", "30", steps=100000, ckpt_every=0)
     nodes = start_two_nodes(args, free_port())
     try:
-        wait_for_steps(tmp_path, 3, nodes[0])
+        wait_for_steps(tmp_path / "nodes", 6, nodes[0])
         kill_pids(child_pids(nodes[1].pid))  # the second node's training process dies
         start = time.time()
         nodes[0].communicate(timeout=300)
@@ -325,19 +305,16 @@ def test_a_dead_node_makes_the_other_exit(data_dir, tmp_path):
         for p in nodes:
             kill_pids(child_pids(p.pid) + [p.pid])
             p.wait(timeout=120)
+    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(tmp_path / "single")), zip(*losses(tmp_path / "nodes")[:6])
+    assert steps_a == steps_b == tuple(range(6))
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path, mode):
     # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
     args = tiny_run_args(data_dir, tmp_path, "--keep-last", "1", *mode, steps=100000, ckpt_every=1, B=2)
-    proc = subprocess.Popen(
-        [*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args])
     wait_for_steps(tmp_path, 3, proc)
     workers = child_pids(proc.pid)
     assert len(workers) == 2
@@ -379,32 +356,39 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
     assert not [t for t in threading.enumerate() if t.name == "shard sha256"]
 
 
-def test_ctrl_c_under_torchrun_ends_with_the_checkpoint_and_how_to_resume(data_dir, tmp_path):
-    """Ctrl-C in the terminal of a torchrun launch (SIGINT to its process group; torchrun passes it on to
-    the ranks): the ranks checkpoint the step they agree on and exit 0, and rank 0's last line names the
-    checkpoint, says it is safe, how to resume, and that the traceback torchrun prints next (its
-    SignalException; torchrun exits 1) only reports the signal."""
-    args = tiny_run_args(data_dir, tmp_path, steps=100000, ckpt_every=0, B=2)
-    proc = subprocess.Popen(
+def test_a_resume_on_two_ranks_trains_on_the_same_rows_and_ctrl_c_ends_it_with_the_checkpoint(
+    data_dir, tmp_path, monkeypatch
+):
+    """A one-process run's checkpoint (step 10; 4 rows x 2 micro-steps) resumed by a torchrun of 2 ranks (2 rows
+    x 2 micro-steps each): the same rows, so the same losses. Then Ctrl-C in the terminal (SIGINT to its process
+    group; torchrun passes it on to the ranks): the ranks checkpoint the step they agree on and exit 0, and rank
+    0's last line names the checkpoint, says it is safe, how to resume, and that the traceback torchrun prints
+    next (its SignalException; torchrun exits 1) only reports the signal."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    stop_after(monkeypatch, 18)
+    assert tg.main(tiny_run_args(data_dir, one, "--align-docs", steps=100000, B=4)) == 0
+    resume_copy(one, two, 10)
+    args = tiny_run_args(data_dir, two, "--align-docs", "--resume", steps=100000, ckpt_every=0, B=2)
+    proc = start(
         [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        first = ""
-        while not first.startswith("step "):  # the first step line: training is under way
-            first = proc.stdout.readline()
-            assert first, proc.communicate()
+        header, line = [], ""
+        while not line.startswith("step    19/"):  # the steps from the checkpoint on, as the reference's
+            header.append(line := proc.stdout.readline())
+            assert line, proc.communicate()
         kill_group(proc, signal.SIGINT)
         out, err = proc.communicate(timeout=300)
     finally:
         kill_group(proc)
+    assert "batch: 128 tokens/step = 2 rows x 16 tokens x 2 accumulation steps x 2 ranks" in "".join(header) + out
+    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(one)), zip(*losses(two)[:20])
+    assert steps_a == steps_b == tuple(range(20))
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
     step = int(out.split("stopped by signal at step ")[1].split(";")[0])
-    path = tmp_path / f"ckpt_{step:07d}.pt"
+    path = two / f"ckpt_{step:07d}.pt"
     assert out.splitlines()[-1] == (
         f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command "
         "plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
@@ -413,6 +397,6 @@ def test_ctrl_c_under_torchrun_ends_with_the_checkpoint_and_how_to_resume(data_d
         "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
     )  # torchrun's, not ours
     assert "Sending process" in err and "forcefully" not in err  # the ranks ended themselves (no SIGKILL)
-    assert sorted(os.listdir(tmp_path)) == [path.name, "log.jsonl"]
+    assert sorted(os.listdir(two)) == ["ckpt_0000010.pt", path.name, "log.jsonl"]
     assert checkpoints.load_checkpoint(str(path))["step"] == step
-    assert [s for s, _ in losses(tmp_path)] == list(range(step))
+    assert [s for s, _ in losses(two)] == list(range(step))

@@ -1,10 +1,12 @@
 """slurm/train_gpt2.sbatch under a real Slurm: munge, slurmctld and slurmd started on this machine, a
-one-node cluster, jobs of two CPU ranks. A preempted job (scontrol requeue) checkpoints, comes back
-by itself and ends with the losses of an uninterrupted run; a job at its time limit checkpoints
-first and requeues itself; the lock a killed attempt leaves stops no later one.
+one-node cluster, jobs of two CPU ranks. One job is stopped every way a job stops, one attempt each: the
+time limit before the first checkpoint (not requeued), a preemption (scontrol requeue), Slurm's own signal
+before the time limit, rank 0 killed outright, and the time limit of a job Slurm will not requeue; each
+attempt resumes from the checkpoint before it, the lock a killed attempt leaves stopping none, and the
+whole run has the losses of an uninterrupted one.
 
 The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
-run as root) and root (slurmd), and are skipped, saying so, without them. About five minutes on a busy
+run as root) and root (slurmd), and are skipped, saying so, without them. About three minutes on a busy
 2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
 
 import contextlib
@@ -20,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, tiny_run_args, torchrun
+from conftest import REPO, free_port, start, tiny_run_args, torchrun
 
 SCRIPT = "slurm/train_gpt2.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -45,13 +47,8 @@ class Cluster:
         self.folder, self.conf = folder, os.path.join(folder, "slurm.conf")
         self.daemons = []
         # the job runs the Python that runs the tests (PATH), two ranks on this CPU-only node
-        self.env = {
-            **os.environ,
-            "SLURM_CONF": self.conf,
-            "NPROC_PER_NODE": "2",
-            "OMP_NUM_THREADS": "1",
-            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-        }
+        path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        self.env = {**os.environ, "SLURM_CONF": self.conf, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "PATH": path}
 
     def run(self, *command, check=True, cwd=None) -> str:
         result = subprocess.run(command, check=False, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=60)
@@ -65,16 +62,8 @@ class Cluster:
         os.chmod(key, 0o400)
         socket_path = os.path.join(self.folder, "munge.socket")
         # --force: pytest's folders are private to root, and munged wants its socket's folder open to all
-        self._daemon(
-            "munged",
-            "--force",
-            "--foreground",
-            f"--socket={socket_path}",
-            f"--key-file={key}",
-            f"--log-file={self.folder}/munged.log",
-            f"--pid-file={self.folder}/munged.pid",
-            f"--seed-file={self.folder}/munged.seed",
-        )
+        files = [f"--{kind}-file={self.folder}/munged.{kind}" for kind in ("log", "pid", "seed")]
+        self._daemon("munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}", *files)
         wait_for(lambda: os.path.exists(socket_path), 30, "munged's socket", self.logs)
         node = subprocess.run(["slurmd", "-C"], check=True, capture_output=True, text=True, timeout=60).stdout
         node = node.splitlines()[0]  # NodeName=HOST CPUs=... RealMemory=...: this machine as slurmd sees it
@@ -156,21 +145,15 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
     def submit(self, out_file, trainer_args, *sbatch_args, cwd=REPO) -> str:
         """The job id of sbatch SCRIPT, from the repository's root as a user submits it, with the
         lines its comments say to change for this cluster overridden on the command line."""
-        return (
-            self.run(
-                "sbatch",
-                "--parsable",
-                "--gpus-per-node=0",
-                "--cpus-per-task=1",
-                f"--output={out_file}",
-                *sbatch_args,
-                os.path.join(REPO, SCRIPT),
-                *trainer_args,
-                cwd=cwd,
-            )
-            .strip()
-            .split(";")[0]
-        )
+        sbatch = [
+            "sbatch",
+            "--parsable",
+            "--gpus-per-node=0",
+            "--cpus-per-task=1",
+            f"--output={out_file}",
+            *sbatch_args,
+        ]
+        return self.run(*sbatch, os.path.join(REPO, SCRIPT), *trainer_args, cwd=cwd).strip().split(";")[0]
 
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
@@ -189,12 +172,12 @@ def processes_with_env(entry: str) -> list:
 
 
 def poll(condition, timeout) -> bool:
-    """Whether condition() became true within timeout seconds (asked every 0.1 s)."""
+    """Whether condition() became true within timeout seconds (asked every 0.25 s: each scontrol is a process)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return True
-        time.sleep(0.1)
+        time.sleep(0.25)
     return False
 
 
@@ -235,12 +218,6 @@ def read(path) -> str:
 def job_details(cluster, output):
     """What a failed wait for a job prints: the ends of its output and of the daemons' logs."""
     return lambda: read(output)[-3000:] + "\n" + cluster.logs()
-
-
-def running_again(cluster, job_id) -> bool:
-    """Whether the job runs its second attempt."""
-    job = cluster.job(job_id)
-    return (job["JobState"], job["Restarts"]) == ("RUNNING", "1")
 
 
 def torchrun_started(cluster, job_id) -> bool:
@@ -298,151 +275,106 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
 
 
 @pytest.mark.slurm
-def test_a_preempted_job_checkpoints_comes_back_and_ends_as_an_uninterrupted_run(cluster, data_dir, tmp_path):
-    """scontrol requeue mid-run (what a preemption does): the trainer gets SIGTERM, finishes its step,
-    checkpoints and exits; Slurm starts the job again, the script adds --resume, and the run goes on
-    from that checkpoint to the end with the losses of one uninterrupted torchrun of two ranks, bit
-    for bit. Prints the time from the requeue to the checkpoint and to the resumed step."""
-    steps, out_dir, output = 200, tmp_path / "out", tmp_path / "job.out"
-    straight = subprocess.Popen(
-        [
-            *torchrun("--standalone", "--nproc_per_node=2"),
-            "train_gpt2.py",
-            *args_for(data_dir, tmp_path / "straight", steps),
-        ],
-        cwd=REPO,
+def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_uninterrupted_run(
+    cluster, data_dir, tmp_path
+):
+    """One job of five attempts, each ended another way (the module's docstring): 1, the time limit's signal
+    (scancel --batch --signal=USR1, what Slurm sends) while the run still starts; 2, preempted: SIGTERM, the
+    trainer finishes its step and checkpoints, Slurm starts the job again and the script adds --resume; 3,
+    Slurm's own signal, 170 s before a limit cut to 3 minutes; 4, rank 0 killed outright (SIGKILL), its .lock
+    left; 5, resumed despite the lock, then the time limit of a job made one Slurm will not requeue (as
+    sbatch --no-requeue). Every step is logged once, with the losses of one uninterrupted torchrun of two
+    ranks, bit for bit. Prints the time from each stop to the resumed step."""
+    out_dir, output, straight_dir = tmp_path / "out", tmp_path / "job.out", tmp_path / "straight"
+    job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--time=30", "--signal=B:USR1@170")
+    details, seen, times = job_details(cluster, output), 0, []
+
+    def attempt_ended(restarts, what, state=None) -> str:
+        """The output of the attempt that ended, once the job has restarted that often (and is in state)."""
+        nonlocal seen
+        ended = lambda: (lambda j: j["Restarts"] == str(restarts) and state in (None, j["JobState"]))(cluster.job(job))
+        wait_for(ended, KILL_WAIT + 90, what, details)
+        text = read(output)[seen:]
+        seen += len(text)
+        return text
+
+    def resumed(stopped, restarts):
+        """Until the attempt after restarts has trained step stopped, resumed from its checkpoint."""
+        line = f"resumed from {out_dir / f'ckpt_{stopped:07d}.pt'} at step {stopped}\n"
+        wait_for(
+            lambda: f"step {stopped:5d}/" in read(output)[seen:].partition(line)[2], 240, "a resumed step", details
+        )
+        assert cluster.job(job)["Restarts"] == str(restarts) and read(output)[seen:].count(line) == 1
+        times.append(time.time())
+
+    # 1: the time limit's signal once torchrun runs (the script's trap is set, and the SIGTERM it sends finds it)
+    wait_for(lambda: torchrun_started(cluster, job), 60, "torchrun to start", details)
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    text = attempt_ended(0, "the first attempt to fail", "FAILED")
+    assert text.startswith("train_gpt2.sbatch: the time limit is near: stopping the run\n"), text
+    assert text.endswith(f"error: the time limit came before this job wrote a checkpoint in {out_dir}: not requeued\n")
+    assert cluster.job(job)["ExitCode"] == "1:0" and not list(out_dir.glob("ckpt_*.pt"))
+    cluster.run("scontrol", "requeue", job)
+
+    # 2: preempted
+    wait_for(lambda: logged_steps(out_dir), 240, "the job's first step", details)
+    times.append(time.time())
+    cluster.run("scontrol", "requeue", job)
+    wait_for(lambda: "stopped by signal" in read(output)[seen:], KILL_WAIT + 30, "the preempted run to stop", details)
+    stops = [stop_step(attempt_ended(2, "the preempted job to be requeued"))]
+    resumed(stops[0], 2)
+    straight = start(  # the uninterrupted run, stopped once it has trained as far as the job
+        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir, 100000)],
         env=cluster.env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        job = cluster.submit(output, args_for(data_dir, out_dir, steps))
-        details = job_details(cluster, output)
-        wait_for(lambda: len(logged_steps(out_dir)) >= 10, 180, "10 steps of the job", details)
-        requeued = time.time()
-        cluster.run("scontrol", "requeue", job)
-        wait_for(lambda: "stopped by signal" in read(output), KILL_WAIT + 30, "the preempted run to stop", details)
-        stopped = stop_step(read(output))
-        checkpoint = out_dir / f"ckpt_{stopped:07d}.pt"
-        assert checkpoint.exists()
-        checkpointed = checkpoint.stat().st_mtime
-        wait_for(lambda: running_again(cluster, job), 120, "the requeued job to run", details)
-        restarted = time.time()
+        # 3: at the time limit, which the signal is due 170 s before: at Slurm's next check of the limits (every 30 s)
+        cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=3")
         wait_for(
-            lambda: any(step == stopped for step, _ in logged_steps(out_dir)),
-            180,
-            "the requeued job's first step",
-            details,
+            lambda: "the time limit is near" in read(output)[seen:], 90, "the signal before the time limit", details
         )
-        resumed = time.time()
-        wait_for(lambda: cluster.job(job)["JobState"] == "COMPLETED", 180, "the job to complete", details)
-        _, err = straight.communicate(timeout=300)
-        assert straight.returncode == 0, err[-3000:]
+        times.append(time.time())
+        text = attempt_ended(3, "the script to requeue the job")
+        cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")  # the next attempts train until stopped
+        stops.append(stop_step(text))
+        assert f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n" in text, text
+        assert "DUE TO TIME LIMIT" not in text
+        resumed(stops[1], 3)
+
+        # 4: rank 0, which holds the lock, dies at once (as by the OOM killer)
+        lock = read(out_dir / ".lock")
+        os.kill(int(lock.split()[1]), signal.SIGKILL)
+        attempt_ended(3, "the killed attempt to fail", "FAILED")
+        assert read(out_dir / ".lock") == lock
+        cluster.run("scontrol", "requeue", job)
+
+        # 5: resumed from the same checkpoint; then a job Slurm will not requeue
+        resumed(stops[1], 4)
+        cluster.run("scontrol", "update", f"JobId={job}", "Requeue=0")
+        cluster.run("scancel", "--batch", "--signal=USR1", job)
+        text = attempt_ended(4, "the last attempt to fail", "FAILED")
+        stops.append(stop_step(text))
+        assert "is in use by another training run" not in text
+        assert text.endswith(
+            f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n"
+            f"Requested operation is presently disabled for job {job}\n"
+            f"error: Slurm did not requeue job {job}: to go on, submit the same command plus --resume\n"
+        )
+        assert cluster.job(job)["ExitCode"] == "1:0"
+        wait_for(lambda: len(logged_steps(straight_dir)) >= stops[2], 300, "the straight run's steps", details)
+        straight.send_signal(signal.SIGTERM)  # (torchrun exits 1, reporting the signal it passed on)
+        straight.wait(timeout=120)
     finally:
         if straight.poll() is None:
             straight.kill()
-    text = read(output)
-    assert cluster.job(job)["Restarts"] == "1"
-    assert text.count(f"resumed from {checkpoint} at step {stopped}\n") == 1, text
-    assert sorted(os.listdir(out_dir)) == [checkpoint.name, f"ckpt_{steps:07d}.pt", "log.jsonl"]
-    assert [step for step, _ in logged_steps(out_dir)] == list(range(steps))
-    assert logged_steps(out_dir) == logged_steps(tmp_path / "straight")
+    assert sorted(p.name for p in out_dir.glob("ckpt_*.pt")) == [f"ckpt_{step:07d}.pt" for step in stops]
+    assert [step for step, _ in logged_steps(out_dir)] == list(range(stops[2]))
+    assert logged_steps(out_dir) == logged_steps(straight_dir)[: stops[2]]
+    on_disk = [(out_dir / f"ckpt_{stops[i]:07d}.pt").stat().st_mtime - times[2 * i] for i in (0, 1)]
     print(
-        f"\npreemption: requeue -> checkpoint on disk {checkpointed - requeued:.1f} s, -> the job running again "
-        f"{restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first step "
-        f"{resumed - requeued:.1f} s"
+        f"\npreemption: requeue -> checkpoint on disk {on_disk[0]:.1f} s, -> the resumed job's first step "
+        f"{times[1] - times[0]:.1f} s; time limit: USR1 -> checkpoint on disk {on_disk[1]:.1f} s, -> the resumed "
+        f"job's first step {times[3] - times[2]:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here)"
     )
-
-
-@pytest.mark.slurm
-def test_a_job_at_its_time_limit_checkpoints_and_requeues_itself_and_a_killed_attempts_lock_stops_nothing(
-    cluster, data_dir, tmp_path
-):
-    """Slurm's signal before the time limit (the script's --signal=B:USR1@N, here 60 s before a limit
-    cut to 2 minutes once the job trains) makes the script stop the run: the trainer checkpoints and
-    the script requeues the job, which resumes from that checkpoint. That attempt's rank 0 is then
-    killed outright (SIGKILL), leaving its .lock behind and the job failed; requeued by hand, the
-    job resumes again, not stopped by the lock. Prints the time from the signal to the checkpoint
-    and from the requeue to the resumed step."""
-    out_dir, output = tmp_path / "out", tmp_path / "job.out"
-    job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--time=10", "--signal=B:USR1@60")
-    details = job_details(cluster, output)
-    wait_for(lambda: logged_steps(out_dir), 180, "the job's first step", details)
-    cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=2")  # Slurm checks the limits every 30 s
-    wait_for(lambda: "the time limit is near" in read(output), 90, "the signal before the time limit", details)
-    signalled = time.time()
-    wait_for(lambda: "requeueing job" in read(output), KILL_WAIT + 60, "the script to requeue the job", details)
-    requeued = time.time()
-    cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")  # the next attempt trains until killed
-    text = read(output)
-    stopped = stop_step(text)
-    checkpoint = out_dir / f"ckpt_{stopped:07d}.pt"
-    checkpointed = checkpoint.stat().st_mtime
-    assert f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n" in text
-    assert "DUE TO TIME LIMIT" not in text
-
-    resumed_line = f"resumed from {checkpoint} at step {stopped}\n"
-    wait_for(lambda: running_again(cluster, job), 120, "the requeued job to run", details)
-    restarted = time.time()
-    wait_for(
-        lambda: any(step == stopped for step, _ in logged_steps(out_dir)), 180, "the requeued job's first step", details
-    )
-    resumed = time.time()
-    assert cluster.job(job)["Restarts"] == "1" and read(output).count(resumed_line) == 1
-
-    lock = read(out_dir / ".lock")
-    os.kill(int(lock.split()[1]), signal.SIGKILL)  # rank 0, which holds the lock, dies at once (as by the OOM killer)
-    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", KILL_WAIT + 60, "the killed attempt to fail", details)
-    assert read(out_dir / ".lock") == lock
-    cluster.run("scontrol", "requeue", job)
-    wait_for(lambda: read(output).count(resumed_line) == 2, 180, "the attempt after the kill to resume", details)
-    wait_for(lambda: len(logged_steps(out_dir)) > stopped + 1, 60, "its steps", details)
-    assert "is in use by another training run" not in read(output)
-    cluster.run("scancel", job)
-    print(
-        f"\ntime limit: signal -> checkpoint on disk {checkpointed - signalled:.1f} s, -> the run's processes gone "
-        f"and the job requeued {requeued - signalled:.1f} s; requeue -> the job running "
-        f"again {restarted - requeued:.1f} s (Slurm holds a requeued job {CRED_EXPIRE + 1} s here), -> its first "
-        f"step {resumed - requeued:.1f} s"
-    )
-
-
-@pytest.mark.slurm
-def test_a_time_limit_before_the_first_checkpoint_is_not_requeued(cluster, data_dir, tmp_path):
-    """The signal before the time limit while the run is still starting (no checkpoint written, none
-    to come): the script does not requeue a job that would meet the same limit again, and says so."""
-    out_dir, output = tmp_path / "out", tmp_path / "job.out"
-    job = cluster.submit(output, args_for(data_dir, out_dir, 100000))
-    details = job_details(cluster, output)
-    # torchrun runs (so the script's trap is set, and the SIGTERM it sends finds it): the signal Slurm sends
-    # before the time limit
-    wait_for(lambda: torchrun_started(cluster, job), 60, "torchrun to start", details)
-    cluster.run("scancel", "--batch", "--signal=USR1", job)
-    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", KILL_WAIT + 60, "the job to fail", details)
-    text = read(output)
-    assert text.startswith("train_gpt2.sbatch: the time limit is near: stopping the run\n"), text
-    assert text.endswith(f"error: the time limit came before this job wrote a checkpoint in {out_dir}: not requeued\n")
-    assert (cluster.job(job)["Restarts"], cluster.job(job)["ExitCode"]) == ("0", "1:0")
-    assert not list(out_dir.glob("ckpt_*.pt"))
-
-
-@pytest.mark.slurm
-def test_a_job_slurm_will_not_requeue_says_how_to_go_on(cluster, data_dir, tmp_path):
-    """At the time limit's signal a job sent with --no-requeue checkpoints as any other, and the script,
-    which cannot requeue it, says how to continue instead of leaving the run stopped without a word."""
-    out_dir, output = tmp_path / "out", tmp_path / "job.out"
-    job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--no-requeue")
-    details = job_details(cluster, output)
-    wait_for(lambda: logged_steps(out_dir), 180, "the job's first step", details)
-    cluster.run("scancel", "--batch", "--signal=USR1", job)  # what Slurm sends before the time limit
-    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", KILL_WAIT + 60, "the job to fail", details)
-    text = read(output)
-    stopped = stop_step(text)
-    assert (out_dir / f"ckpt_{stopped:07d}.pt").exists()
-    assert text.endswith(
-        f"train_gpt2.sbatch: checkpointed before the time limit: requeueing job {job}\n"
-        f"Requested operation is presently disabled for job {job}\n"
-        f"error: Slurm did not requeue job {job}: to go on, submit the same command plus --resume\n"
-    )
-    assert (cluster.job(job)["Restarts"], cluster.job(job)["ExitCode"]) == ("0", "1:0")

@@ -1,7 +1,8 @@
 """train_gpt2.py run as users run it, where something around the run goes wrong: a log.jsonl it
 cannot open, non-finite numbers, a closed terminal, signals during --eval-only, memory, a rank
 that alone sees bad data, changed shards, a run tracker that fails. Each case is the real script
-in a subprocess: its exit code, its one error or warning line, and what it left on disk."""
+in a subprocess where only a process shows it (a terminal, signals, memory limits, torchrun ranks), else run
+in-process through main(argv): its exit code, its one error or warning line, and what it left on disk."""
 
 import contextlib
 import json
@@ -23,18 +24,8 @@ from trainkit.runfiles import checkpoints
 from trainkit.runtime.recovery import MARGIN_CPU
 from trainkit.data.shards import shard_files
 import train_gpt2 as tg
-from conftest import (
-    REPO,
-    RUN_SHARDS,
-    assert_one_error_line,
-    log_records,
-    losses,
-    run_cli,
-    run_command,
-    run_main,
-    tiny_run_args,
-    wait_for_steps,
-)
+from conftest import RUN_SHARDS, assert_one_error_line, assert_refused, log_records, losses, run_cli
+from conftest import run_command, run_main, start, tiny_run_args, wait_for_steps
 from shards import write_manifest
 
 
@@ -66,20 +57,13 @@ def read_only(path):
         subprocess.run(["chattr", "-i", str(path)])
 
 
-def test_log_that_is_a_directory_is_one_line(data_dir, tmp_path):
-    (tmp_path / "log.jsonl").mkdir()
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
-    assert_one_error_line(
-        result,
-        f"cannot open {tmp_path}/log.jsonl: is a directory; make it a writable file, or choose another --out-dir",
-    )
-    assert not list(tmp_path.glob("ckpt_*"))
-
-
-@pytest.mark.parametrize("what", ["dangling symlink", "read-only"])
-def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys):
+@pytest.mark.parametrize("what", ["directory", "dangling symlink", "read-only"])
+def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what):
     log = tmp_path / "log.jsonl"
-    if what == "dangling symlink":  # opening it for appending would create the file it points to
+    if what == "directory":
+        log.mkdir()
+        expected = f"cannot open {log}: is a directory; make it a writable file, or choose another --out-dir"
+    elif what == "dangling symlink":  # opening it for appending would create the file it points to
         log.symlink_to(tmp_path / "gone" / "log.jsonl")
         expected = (
             f"cannot open {log}: it is a symbolic link to {tmp_path}/gone/log.jsonl, which does not exist; "
@@ -92,35 +76,15 @@ def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what, capsys)
             "make it a writable file, or choose another --out-dir"
         )
     with read_only(log) if what == "read-only" else contextlib.nullcontext():
-        assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
-    assert capsys.readouterr().err == f"error: {expected}\n"
+        assert_refused(run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2)), expected)
     assert not list(tmp_path.glob("ckpt_*")) and not (tmp_path / "gone").exists()
 
 
 def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_path, capsys):
     # the first update overflows the weights: every later loss is NaN and its update skipped, until
     # the last step's checkpoint is refused (non-finite weights are never saved)
-    assert (
-        tg.main(
-            tiny_run_args(
-                data_dir,
-                tmp_path,
-                "--max-lr",
-                "1e38",
-                "--warmup-steps",
-                "0",
-                "--skip-nonfinite",
-                "5",
-                "--val-every",
-                "1",
-                "--val-steps",
-                "1",
-                steps=3,
-                ckpt_every=0,
-            )
-        )
-        == 2
-    )
+    flags = "--max-lr 1e38 --warmup-steps 0 --skip-nonfinite 5 --val-every 1 --val-steps 1".split()
+    assert tg.main(tiny_run_args(data_dir, tmp_path, *flags, steps=3, ckpt_every=0)) == 2
     assert capsys.readouterr().err.startswith("error: step 3: not writing")
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
     records = [strict_json(line) for line in lines]  # no NaN or Infinity anywhere
@@ -142,9 +106,8 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
 def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_path):
     """ssh drops: the terminal the run writes to is gone (writes fail with EIO) and SIGHUP arrives."""
     master, terminal = pty.openpty()
-    proc = subprocess.Popen(
+    proc = start(
         [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=100000, ckpt_every=0)],
-        cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=terminal,
         stderr=terminal,
@@ -170,31 +133,6 @@ def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_pat
     assert step >= 3 and [s for s, _ in losses(tmp_path)] == list(range(step))
 
 
-def test_a_run_started_under_nohup_trains_on_through_sighup(data_dir, tmp_path):
-    """`nohup python train_gpt2.py ... &` starts the run with SIGHUP ignored, asking it to outlive its
-    terminal: a SIGHUP changes nothing (it trains on), where SIGTERM still stops it with a checkpoint."""
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=100000, ckpt_every=0)],
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
-    )
-    try:
-        wait_for_steps(tmp_path, 3, proc)
-        proc.send_signal(signal.SIGHUP)
-        wait_for_steps(tmp_path, len(losses(tmp_path)) + 10, proc)  # still training, 10 steps later
-        assert not list(tmp_path.glob("ckpt_*.pt"))
-        proc.send_signal(signal.SIGTERM)
-        assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b"")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
-    assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
-
-
 @pytest.fixture(scope="module")
 def long_val_data(data_dir, tmp_path_factory):
     """data_dir with a val split of 200k rows: --eval-only --val-steps 100000 evaluates for minutes."""
@@ -218,12 +156,8 @@ def test_eval_only_stops_at_once_on_a_signal(finished_run, long_val_data, signum
     )
     before = sorted(os.listdir(finished_run))
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
-    proc = subprocess.Popen(
+    proc = start(
         [sys.executable, "train_gpt2.py", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
@@ -268,27 +202,18 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
 
 # Full logits (64 x 50304 fp32 per row): a trial of B rows needs about 50 MiB per row above what the
 # process holds (measured: 8 rows 397 MiB, 4 rows 200, 2 rows 101), plus fit_batch's 64 MiB margin
-FULL_LOGITS = [
-    "--block-size",
-    "64",
-    "--seq-len",
-    "64",
-    "--total-batch-size",
-    str(8 * 64),
-    "--loss-chunk",
-    "0",
-    "--warmup-steps",
-    "3",
-]
+FULL_LOGITS = f"--block-size 64 --seq-len 64 --total-batch-size {8 * 64} --loss-chunk 0 --warmup-steps 3".split()
 # glibc's adaptive mmap threshold keeps up to 64 MiB of freed heap mapped after a big free, and each thread's
 # own malloc arena reserves 64 MiB, both of which an address-space limit counts as used: a fixed threshold and
 # one arena make the limit track what is allocated
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 
-def squeezed(*squeeze_and_train_args, nproc=1):
-    """train_gpt2.py run by benchmarks/squeeze_memory.py, which lowers the process memory limit."""
-    return run_cli(squeeze_and_train_args, nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
+def squeezed(data_dir, out, *squeeze, extra=(), steps=4, nproc=1):
+    """A --batch-size auto run of FULL_LOGITS' rows, run by benchmarks/squeeze_memory.py with its flags squeeze,
+    which lower the process memory limit."""
+    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0)
+    return run_cli([*squeeze, "--", *args], nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
 
 
 # squeeze_memory.py leaves that share of what a step took so far: the --batch-size auto trial of all of a rank's
@@ -311,12 +236,7 @@ def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, 
     had loaded at 8. The losses are those of --batch-size 8, resumed at step 2 with --batch-size 4, bit
     for bit: nothing of the trial or of the failed step leaked."""
     out = tmp_path / "squeezed"
-    result = squeezed(
-        "--squeeze",
-        f"2:{SQUEEZED_TO}",
-        "--",
-        *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0),
-    )
+    result = squeezed(data_dir, out, "--squeeze", f"2:{SQUEEZED_TO}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
     assert lines[0].startswith(
@@ -346,15 +266,7 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     (SQUEEZED_TO). An out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the
     backward's all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
-    result = squeezed(
-        "--rank",
-        "1",
-        "--squeeze",
-        f"2:{SQUEEZED_TO}",
-        "--",
-        *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0),
-        nproc=2,
-    )
+    result = squeezed(data_dir, out, "--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}", nproc=2)
     assert result.returncode != 0
     assert (
         "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
@@ -377,59 +289,45 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
 # --- ranks ----------------------------------------------------------------------------------
 
 
-def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
-    """Row 1 of the train shard holds a token beyond --vocab-size that the start-up check did not see (its
-    manifest records a smaller max_id, as for a shard changed since): rank 1 reads it at step 0, and only
-    rank 1 knows why it stops. It prints its line; rank 0 names the lost rank."""
-    data = tmp_path / "data"
-    data.mkdir()
+def data_with_token_600(folder, manifest: bool):
+    """Shards of ids below 64 but for one 600 in row 1 of the train shard (tokens 16..32, not row 0's 0..16); with
+    a manifest that records a max_id of 63 (as for a shard changed since), the start-up check does not see it."""
+    folder.mkdir()
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         tokens = rng.integers(0, 64, 4000).astype(np.uint16)
         if split == "train":
-            tokens[20] = 600  # in row 1 (tokens 16..32), not in row 0 (tokens 0..16)
-        np.save(data / f"synth_{split}_000000.npy", tokens)
-    write_manifest(data, **{name: {"max_id": 63, "sha256": None} for name in os.listdir(data)})
-    args = tiny_run_args(
-        str(data),
-        tmp_path / "out",
-        "--vocab-size",
-        "512",
-        "--batch-size",
-        "1",
-        "--total-batch-size",
-        "32",
-        "--no-shuffle",
-        steps=4,
+            tokens[20] = 600
+        np.save(folder / f"synth_{split}_000000.npy", tokens)
+    if manifest:
+        write_manifest(folder, **{name: {"max_id": 63, "sha256": None} for name in os.listdir(folder)})
+    return folder
+
+
+BAD_ID = "holds token id 600, which the model has no output for (--vocab-size 512: ids 0..511); wrong tokenizer or --vocab-size too small"
+
+
+def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
+    """Rank 1 reads the token beyond --vocab-size at step 0, and only rank 1 knows why it stops. It prints its line;
+    rank 0 names the lost rank."""
+    data = data_with_token_600(tmp_path / "data", manifest=True)
+    flags = (
+        "--vocab-size 512 --batch-size 1 --total-batch-size 32 --no-shuffle".split()
     )  # rows in order: row 1 is rank 1's
-    result = run_cli(args, nproc=2)
+    result = run_cli(tiny_run_args(str(data), tmp_path / "out", *flags, steps=4), nproc=2)
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert len(errors) == 2, result.stderr[-3000:]
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[0].endswith(". Last good checkpoint: none")
-    assert errors[1] == (
-        f"error: rank 1: {data}/synth_train_000000.npy holds token id 600, which the model has no "
-        "output for (--vocab-size 512: ids 0..511); wrong tokenizer or --vocab-size too small"
-    )
+    assert errors[1] == f"error: rank 1: {data}/synth_train_000000.npy {BAD_ID}"
     assert result.returncode != 0
 
 
 def test_bad_data_is_refused_at_start_up(tmp_path):
     """The same shard without a manifest: every rank finds its largest id before any step, one line."""
-    data = tmp_path / "data"
-    data.mkdir()
-    tokens = np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16)
-    np.save(data / "synth_val_000000.npy", tokens)
-    tokens[3000] = 600
-    np.save(data / "synth_train_000000.npy", tokens)
+    data = data_with_token_600(tmp_path / "data", manifest=False)
     result = run_main("train_gpt2.py", *tiny_run_args(str(data), tmp_path / "out", "--vocab-size", "512", steps=4))
-    assert (result.returncode, result.stderr) == (
-        2,
-        (
-            f"error: {data}/synth_train_000000.npy holds token id 600, which the model has no output for (--vocab-size "
-            "512: ids 0..511); wrong tokenizer or --vocab-size too small\n"
-        ),
-    )
+    assert_refused(result, f"{data}/synth_train_000000.npy {BAD_ID}")
     assert not (tmp_path / "out").exists()
 
 
@@ -510,13 +408,9 @@ def test_param_count_counts_what_the_model_builds(shape):
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
-def auto_batch_out_of_memory_line(data_dir, out, squeeze: list, steps: int, *extra) -> str:
+def auto_batch_out_of_memory_line(data_dir, out, *squeeze, extra=(), steps=4) -> str:
     """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
-    result = squeezed(
-        *squeeze,
-        "--",
-        *tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0),
-    )
+    result = squeezed(data_dir, out, *squeeze, extra=extra, steps=steps)
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     return limit_named(lines[0])
@@ -534,7 +428,9 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
     attempt."""
     out = tmp_path / "out"
     left_free = f"{ROW_LOGITS // 2**20}MiB"
-    line = auto_batch_out_of_memory_line(data_dir, out, ["--squeeze", f"0:{left_free}"], 4, "--total-batch-size", "64")
+    line = auto_batch_out_of_memory_line(
+        data_dir, out, "--squeeze", f"0:{left_free}", extra=["--total-batch-size", "64"]
+    )
     assert line.startswith("error: out of memory on cpu (tried to allocate ")
     assert line.endswith(
         "not even one row per micro-step fits (--batch-size auto chose 1): pass "
@@ -546,7 +442,7 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
         out.joinpath("log.jsonl").write_text(left)
         for path in out.glob("ckpt_*.pt"):
             os.remove(path)
-        result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=2, ckpt_every=2))
+        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=2, ckpt_every=2))
         assert result.returncode == 0, result.stderr[-3000:]
         assert (
             f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
@@ -563,7 +459,7 @@ def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
     stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
     stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else min(stack, 8 * 2**20)  # (glibc's 8 MiB at most)
     left_free = (MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1
-    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", ["--squeeze", f"{left_free}MiB"], steps=2)
+    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", "--squeeze", f"{left_free}MiB", steps=2)
     assert line.startswith("error: out of memory on cpu (")
     assert line.endswith(
         "): --batch-size auto could not try even one row per micro-step: pass "
