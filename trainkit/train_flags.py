@@ -113,7 +113,7 @@ def dist_timeout_range(name, value):
 
 
 def check_flags(run):
-    """Each field's own check before anything uses the values: every float finite (argparse's float() takes
+    """Each field's own check, before anything uses the values: every float finite (argparse's float() takes
     nan), the fields' checks in flag order, --init-from without shape flags, --eval-only without trackers."""
     fields = dataclasses.fields(run)
     for field in fields:
@@ -126,16 +126,7 @@ def check_flags(run):
         if problem:
             raise UserError(problem)
     if run.init_from:  # the weights set the shape: --n-layer and friends would be silently dropped
-        shape_flags = [
-            flag
-            for flag, value in (
-                ("--model", run.model),
-                ("--n-layer", run.n_layer),
-                ("--n-head", run.n_head),
-                ("--n-embd", run.n_embd),
-            )
-            if value
-        ]
+        shape_flags = [flag_name(name) for name in ("model", "n_layer", "n_head", "n_embd") if getattr(run, name)]
         if shape_flags:
             raise UserError(
                 f"--init-from {run.init_from} takes the model's shape from its weights: drop "
@@ -177,11 +168,7 @@ def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
     if run.val_every and not run.val_steps:
         raise UserError("--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or --val-every 0")
-    text_flags = [
-        flag
-        for flag, on in (("--sample-every 0", run.sample_every), ("--hellaswag-every 0", run.hellaswag_every))
-        if on
-    ]
+    text_flags = [f"{flag_name(name)} 0" for name in ("sample_every", "hellaswag_every") if getattr(run, name)]
     if model.vocab_size < GPT2_VOCAB and text_flags:
         raise UserError(
             f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "

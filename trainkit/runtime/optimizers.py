@@ -82,19 +82,13 @@ def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
 
     ours = optimizer.state_dict()
     parts = sorted(ours.keys() - {"state", "param_groups"})  # MuonWithAdamW: one state dict per part
+    saved_parts = checkpoint_state if isinstance(checkpoint_state, dict) else {}
     for name in parts:
-        adopt(
-            getattr(optimizer, name),
-            ours[name],
-            checkpoint_state.get(name) if isinstance(checkpoint_state, dict) else None,
-        )
+        adopt(getattr(optimizer, name), ours[name], saved_parts.get(name))
     if not parts:
         adopt(optimizer, ours, checkpoint_state)
-    return (
-        f"note: the optimizer takes this run's values, not its checkpoint's: {', '.join(changes.values())}"
-        if changes
-        else None
-    )
+    changed = ", ".join(changes.values())
+    return f"note: the optimizer takes this run's values, not its checkpoint's: {changed}" if changes else None
 
 
 def same_value(a, b) -> bool:
