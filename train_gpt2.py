@@ -52,7 +52,7 @@ MODEL_PRESETS = {
 }
 
 
-# the groups of --help, in its order: each declares its flags (train_flags.flag: default, help, check, options)
+# the groups of --help, in its order: each declares its flags (train_flags.flag_group: default, help, check, options)
 DATA, MODEL, BATCH = flag_group("data and output"), flag_group("model"), flag_group("batch")
 OPTIMIZATION = flag_group("optimization")
 EVALUATION = flag_group("evaluation and checkpoints (0 disables each)")
@@ -63,7 +63,7 @@ ON_OFF, SIZE, COUNT = argparse.BooleanOptionalAction, cli.positive_int, cli.non_
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help, --help
+    """What the user asked for: one field per flag, declared once (train_flags.flag_group: default, help, --help
     group, check), in --help's order; docs/flags.md says more of each. What a launch decides is a LaunchPlan."""
 
     data_dir: str = DATA("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
@@ -176,32 +176,28 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.evaluation import hellaswag_eval
 from trainkit import components
-from trainkit.runtime.kernels import IGNORE_INDEX, chunked_lm_loss, document_attention, evaluate_loss, full_lm_loss
-from trainkit.hf.weights import gpt2_state_from_hf
-from trainkit.data.shards import no_output_for
-from trainkit.data.shard_scan import open_split
-from trainkit.data.tokenizer import EOT, real_vocab_size
-from trainkit.runtime.optimizers import MuonWithAdamW
-from trainkit.runtime.device import compile_failure_cause, compile_model, fsdp_no_sync, is_fsdp, shard_model
-from trainkit.runtime.device import uncompile_blocks
-from trainkit.runtime.recovery import choose_micro_batch, redo_smaller, size_after_failure
-from trainkit.runtime.device import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
-from trainkit.runtime.device import sample_peak, watch_peak
-from trainkit.runtime.recovery import UpdateGuard, guarded_update
-from trainkit.runtime.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
-from trainkit.runtime.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
-from trainkit.components import LaunchInputs, LaunchPlan
 from trainkit.cli import print0, print_result
-from trainkit.runtime.throughput import Throughput, elapsed_and_eta, flops_per_token, mfu_peak, step_line
-from trainkit.runtime.recovery import StopSignal, stopped_line
+from trainkit.components import Checkpointer, LaunchInputs, LaunchPlan, resume_state
+from trainkit.data.shard_scan import open_split
+from trainkit.data.shards import no_output_for
+from trainkit.data.tokenizer import EOT, real_vocab_size
+from trainkit.evaluation import hellaswag_eval
+from trainkit.evaluation.sampling import sample_text
+from trainkit.hf.weights import gpt2_state_from_hf
 from trainkit.runfiles.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
-from trainkit.components import Checkpointer, resume_state
 from trainkit.runfiles.resume import data_files, eval_checkpoint
 from trainkit.runfiles.run_folder import OutDirLock, RunLog, open_run_log
-from trainkit.runtime.recovery import save_first_on_failure
-from trainkit.evaluation.sampling import sample_text
+from trainkit.runtime.device import compile_failure_cause, compile_model, fsdp_no_sync, is_fsdp, is_out_of_memory
+from trainkit.runtime.device import out_of_memory_error, out_of_memory_reason, peak_memory, sample_peak, shard_model
+from trainkit.runtime.device import uncompile_blocks, watch_peak
+from trainkit.runtime.kernels import IGNORE_INDEX, chunked_lm_loss, document_attention, evaluate_loss, full_lm_loss
+from trainkit.runtime.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
+from trainkit.runtime.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
+from trainkit.runtime.optimizers import MuonWithAdamW
+from trainkit.runtime.recovery import StopSignal, UpdateGuard, choose_micro_batch, guarded_update, redo_smaller
+from trainkit.runtime.recovery import save_first_on_failure, size_after_failure, stopped_line
+from trainkit.runtime.throughput import Throughput, elapsed_and_eta, flops_per_token, mfu_peak, step_line
 
 
 # -----------------------------------------------------------------------------
@@ -308,9 +304,7 @@ class GPT(nn.Module):
             return self.lm_head(x)[..., :n_real], None
         targets = targets.reshape(-1)
         if loss_chunk:
-            scale = (
-                dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
-            )
+            scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1 / (targets != IGNORE_INDEX).sum()
             h = x.view(-1, x.size(-1))  # every matmul on the padded rows, their faster shape
             return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
@@ -391,9 +385,7 @@ class TokenRows:
 
     def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
         self.T, self.align_docs, self.shuffle, self.seed, self.vocab_size = T, align_docs, shuffle, seed, vocab_size
-        split_files = open_split(
-            data_dir, split, T, align_docs, aligned_rows, vocab_size, progress
-        )  # (data/shard_scan.py)
+        split_files = open_split(data_dir, split, T, align_docs, aligned_rows, vocab_size, progress)
         self.paths, self.shards, self.tables, counts = split_files
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
@@ -526,14 +518,7 @@ def set_lr(optimizer, lr: float):
         group["lr"] = lr
 
 
-def build_optimizer(
-    model: nn.Module,
-    weight_decay: float,
-    learning_rate: float,
-    device_type: str,
-    muon_lr: float | None = None,
-    muon_momentum: float = 0.95,
-):
+def build_optimizer(model, weight_decay: float, learning_rate: float, device_type, muon_lr=None, muon_momentum=0.95):
     """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms. With muon_lr,
     Muon takes the blocks' weight matrices, as modded-nanogpt and nanochat split them, and AdamW the
     rest: the tied token embedding / lm_head, the positions, LayerNorms and biases."""
@@ -579,15 +564,7 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 def accumulate_gradients(
-    model: nn.Module,
-    micro_batches,
-    n_tokens: int,
-    world_size: int,
-    device: str,
-    dtype: torch.dtype,
-    loss_chunk: int = 0,
-    scaler=None,
-    doc_mask=False,
+    model, micro_batches, n_tokens: int, world_size: int, device, dtype, loss_chunk=0, scaler=None, doc_mask=False
 ) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches ((x, y) arrays or tensors), each term sum(token losses)
     * W / N (times an fp16 GradScaler's scale); returns this rank's summed token loss (float64)."""
@@ -629,14 +606,8 @@ def model_config(run: RunConfig) -> GPTConfig:
     """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
     (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
     fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
-    fields.update(
-        {
-            name: getattr(run, name)
-            for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-            if getattr(run, name) is not None
-        }
-    )
-    return GPTConfig(**fields)
+    given = {name: getattr(run, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    return GPTConfig(**fields | {name: value for name, value in given.items() if value is not None})
 
 
 def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
@@ -708,13 +679,12 @@ class Trainer:
         self.dtype = getattr(torch, plan.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(dist_state.device_type) if self.dtype == torch.float16 else None
-        fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
+        fp16 = self.scaler is not None
         self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, lambda: self.checkpointer.last)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, plan, dist_state, inputs.pretrained)
-        self.optimizer = build_optimizer(
-            self.raw_model, run.weight_decay, run.max_lr, dist_state.device_type, muon_lr, run.muon_momentum
-        )
+        muon = dict(muon_lr=run.muon_lr, muon_momentum=run.muon_momentum) if run.optimizer == "muon" else {}
+        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, dist_state.device_type, **muon)
         trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
         self.resumed = None
         if inputs.checkpoint:
@@ -752,21 +722,14 @@ class Trainer:
     def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad. If the first
         compiled call fails to compile, one line says why and it runs again eagerly (an out-of-memory is raised)."""
-        options = (
-            self.dist_state.world_size,
-            self.device,
-            self.dtype,
-            self.plan.loss_chunk,
-            self.scaler,
-            self.run.doc_mask,
-        )
+        W, options = self.dist_state.world_size, (self.plan.loss_chunk, self.scaler, self.run.doc_mask)
         try:
-            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, W, self.device, self.dtype, *options)
         except Exception as e:
             if self.compile_proven:
                 raise
             self.fall_back_to_eager(compile_failure_cause(e))
-            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, W, self.device, self.dtype, *options)
         self.compile_proven = True
         return loss_total
 
@@ -796,9 +759,7 @@ class Trainer:
                 loss_total = self.forward_backward(micro_batches, n_tokens)
                 break
             except Exception as e:
-                smaller = size_after_failure(
-                    e, len(micro_batches[0][0]), self.plan.rows_per_rank, self.dist_state.world_size
-                )
+                smaller = size_after_failure(e, micro_batches, self.plan.rows_per_rank, self.dist_state.world_size)
                 if smaller is None:
                     raise
                 reason = out_of_memory_reason(e)
@@ -865,9 +826,7 @@ class Trainer:
 
         if self.val_rows and due(run.val_every):
             options = self.dtype, self.token_bytes, self.plan.loss_chunk, run.doc_mask
-            results.update(
-                evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, dist_state, *options)
-            )
+            results = evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, dist_state, *options)
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):

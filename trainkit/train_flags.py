@@ -1,7 +1,5 @@
-"""train_gpt2.py's command line, built from its RunConfig, whose fields each declare their flag once
-(flag()); check_flags runs the fields' own checks, check_run those between fields. Standard library only,
-importing nothing of the trainer: `--help` and a usage error answer before torch is imported.
-"""
+"""train_gpt2.py's command line, built from RunConfig's fields (each declares its flag once), and the checks of
+its values. Standard library only: `--help` and a usage error answer before torch is imported."""
 
 from __future__ import annotations
 
@@ -21,15 +19,12 @@ CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32
 # reuses; from 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
 
 
-def flag(default, help: str, group: str, check=None, **options):
-    """A RunConfig field and its flag: default, help, --help group, check (value -> error line or None) and
-    argparse's options (a False default without an action is a switch)."""
-    return dataclasses.field(default=default, metadata=dict(help=help, group=group, check=check, options=options))
-
-
 def flag_group(group: str):
-    """flag() for the fields of one --help group: GROUP(default, help, check, **options)."""
-    return lambda default, help, check=None, **options: flag(default, help, group, check, **options)
+    """GROUP(default, help, check=None, **options): a RunConfig field and its flag in this --help group; check:
+    (name, value) -> error line or None; argparse's options (a False default without an action: a switch)."""
+    return lambda default, help, check=None, **options: dataclasses.field(
+        default=default, metadata=dict(help=help, group=group, check=check, options=options)
+    )
 
 
 def flag_name(field_name: str) -> str:
@@ -84,7 +79,7 @@ def batch_size_flag(text: str) -> int | str:
     return cli.check_count(value, 1)
 
 
-# the checks of one field (flag(check=...)): its value -> the error line, or None
+# the checks of one field (flag_group's check): its value -> the error line, or None
 
 
 def one_of(choices):

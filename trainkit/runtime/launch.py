@@ -58,12 +58,14 @@ def resolve_device(device: str) -> str:
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def launch_variables() -> tuple[int, int, int] | None:
-    """(rank, local rank, world size) from torchrun's variables, None where none is set (one process); a
-    RankLocalError (each process sees its own environment) names one missing or wrong."""
+def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Join torchrun's process group where its variables are set (NCCL on CUDA, gloo elsewhere), else one process.
+    One line each for a variable missing or wrong (RankLocalError: each process sees its own environment) and for
+    ranks that do not all arrive within timeout_s."""
+    device = resolve_device(device)
     env = {k: os.environ.get(k, "") for k in LAUNCH_VARIABLES}
     if not any(env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return None
+        return Dist(device=device)
     how = "launch with torchrun, which sets them all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process"
     given = [f"{k}={v}" for k, v in env.items() if v]
     for name, value in env.items():
@@ -76,17 +78,6 @@ def launch_variables() -> tuple[int, int, int] | None:
     rank, local_rank, world = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if rank >= world:
         raise RankLocalError(f"RANK={rank} with WORLD_SIZE={world}: the ranks are 0..WORLD_SIZE-1; {how}")
-    return rank, local_rank, world
-
-
-def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
-    """Join torchrun's process group (NCCL on CUDA, gloo elsewhere), else a single process; ranks that do not
-    all arrive within timeout_s are one line, not a store's traceback."""
-    device = resolve_device(device)
-    ranks = launch_variables()
-    if ranks is None:
-        return Dist(device=device)
-    rank, local_rank, world = ranks
     cuda = device.startswith("cuda")
     if cuda:
         device = f"cuda:{local_rank}"

@@ -1,6 +1,5 @@
-"""What keeps an out-of-memory, a bad update, a stop signal or a failed evaluation from costing training:
---batch-size auto's search and the smaller redo (docs/gpus.md), the update guard, stop signals, a save
-before a failure between steps (docs/resume-and-failures.md)."""
+"""What keeps an out-of-memory (docs/gpus.md), a bad update, a stop signal or a failed evaluation from costing
+training (docs/resume-and-failures.md)."""
 
 from __future__ import annotations
 
@@ -124,12 +123,12 @@ def choose_micro_batch(run, plan, forward_backward, model, optimizer, val_rows, 
     return B
 
 
-def size_after_failure(e: BaseException, B: int, rows_per_rank: int, world_size: int) -> int | None:
-    """The micro-batch to redo a step at after an out-of-memory at B rows on one process: half of B (or the
+def size_after_failure(e: BaseException, micro_batches: list, rows_per_rank: int, world_size: int) -> int | None:
+    """The micro-batch to redo a step at after an out-of-memory on one process: half of the failed one (or the
     largest divisor below); None (raise e) for any other error, under torchrun, or below one row."""
     if not is_out_of_memory(e) or world_size > 1:
         return None
-    return max((b for b in divisors(rows_per_rank) if b <= B // 2), default=None)
+    return max((b for b in divisors(rows_per_rank) if b <= len(micro_batches[0][0]) // 2), default=None)
 
 
 def redo_smaller(step, micro_batches: list, smaller: int, reason: str, rows_per_rank: int, optimizer, device, log):
@@ -207,12 +206,8 @@ class UpdateGuard:
         return None
 
     def state_dict(self) -> dict:
-        return dict(
-            loss_window=self.loss_spikes.values,
-            norm_window=self.norm_spikes.values,
-            spikes_in_a_row=self.spikes_in_a_row,
-            nonfinite_skipped=self.nonfinite_skipped,
-        )
+        windows = dict(loss_window=self.loss_spikes.values, norm_window=self.norm_spikes.values)
+        return dict(windows, spikes_in_a_row=self.spikes_in_a_row, nonfinite_skipped=self.nonfinite_skipped)
 
     def load_state_dict(self, state: dict):
         self.loss_spikes.values, self.norm_spikes.values = list(state["loss_window"]), list(state["norm_window"])
@@ -287,12 +282,9 @@ class StopSignal:
 
 
 def stopped_line(path: str, step: int) -> str:
-    """What a run stopped by a signal prints last: its checkpoint, how to go on, and under torchrun that
-    torchrun's own SignalException traceback after it is harmless."""
-    line = (
-        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
-        "command plus --resume"
-    )
+    """What a run stopped by a signal prints last: its checkpoint, how to go on (and that torchrun's traceback is
+    harmless)."""
+    line = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume"
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
         line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
     return line
