@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
@@ -224,11 +225,10 @@ class CausalSelfAttention(nn.Module):
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             is_causal = past == 0 and T > 1
         # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: trainkit/runtime/kernels.py)
-        y = (
-            flex_attention(q, k, v, block_mask=attn_mask)
-            if isinstance(attn_mask, BlockMask)
-            else F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
-        )
+        if isinstance(attn_mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=attn_mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -257,8 +257,7 @@ class Block(nn.Module):
 
 
 def param_count(cfg: GPTConfig) -> int:
-    """The parameters of GPT(cfg), counted without building it: the tied token embedding once,
-    positions, and per block two LayerNorms (4C), attention (4C^2 + 4C) and MLP (8C^2 + 5C); ln_f."""
+    """The parameters of GPT(cfg) without building it: the tied embedding once, per block 12C^2 + 13C, ln_f."""
     C = cfg.n_embd
     return (cfg.vocab_size + cfg.block_size) * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
 
@@ -369,8 +368,7 @@ def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray
     n = len(tokens)
     starts = [np.flatnonzero(tokens[i : i + chunk] == EOT) + i for i in range(0, n, chunk)]
     bounds = np.concatenate([[0], *starts, [n - 1]]).astype(np.int64)  # shard edges count as boundaries
-    rows = []
-    start = 0
+    rows, start = [], 0
     while start < n - 1:
         j = np.searchsorted(bounds, start + T, side="right") - 1  # last boundary within reach
         end = int(bounds[j]) if bounds[j] > start else start + T
@@ -462,12 +460,9 @@ class StepLoader:
 
 
 class Prefetcher:
-    """Prepares step s+1's micro-batches (and its token count) on a background thread while
-    step s computes; on CUDA they are pinned so the host-to-device copies are asynchronous."""
+    """Loads step s+1's micro-batches and N on a thread while step s computes (pinned on CUDA: async copies)."""
 
     def __init__(self, loader: StepLoader, pin_memory: bool):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.loader, self.pin_memory = loader, pin_memory
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.pending = {}
@@ -519,9 +514,8 @@ def set_lr(optimizer, lr: float):
 
 
 def build_optimizer(model, weight_decay: float, learning_rate: float, device_type, muon_lr=None, muon_momentum=0.95):
-    """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms. With muon_lr,
-    Muon takes the blocks' weight matrices, as modded-nanogpt and nanochat split them, and AdamW the
-    rest: the tied token embedding / lm_head, the positions, LayerNorms and biases."""
+    """AdamW decaying matrices and embeddings (dim >= 2), not biases and LayerNorms. With muon_lr, Muon takes
+    the blocks' matrices (as modded-nanogpt and nanochat split them) and AdamW the rest."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied weight appears once
     matrices = {p for p in model.transformer.h.parameters() if p.dim() == 2} if muon_lr else set()
     groups = [
@@ -539,23 +533,20 @@ def build_optimizer(model, weight_decay: float, learning_rate: float, device_typ
 # -----------------------------------------------------------------------------
 # accumulation & the step
 #
-# Why the loss is scaled by W / N, and nothing else. One optimizer step's gradient must be the
-# gradient of the mean loss over all N non-ignored target tokens of the step: its R rows, split
-# into micro-batches of B rows, accumulation steps and W ranks. Averaging each micro-batch's
-# mean loss (loss / grad_accum_steps, as build-nanogpt does) is exact only when every
-# micro-batch holds as many targets as every other; with --align-docs padding they do not, and
-# the micro-batch with fewer targets would weigh as much as a full one. So each micro-batch
-# backpropagates its *summed* token loss times W / N: backward adds the micro-steps' gradients
-# in .grad, DDP (and FSDP's reduce-scatter) divides the ranks' sum by W, and what is left is
-# d(sum of all token losses) / N, exactly. N is known before the first backward (the loader
-# counts targets from its row table), so no pass over the gradients is ever needed after
-# backward. With one micro-batch on one rank, W / N times a sum is the plain mean: the model
-# returns its mean loss and no scaling op is added at all.
+# Why the loss is scaled by W / N, and nothing else. One optimizer step's gradient must be the gradient of the mean
+# loss over all N non-ignored target tokens of the step: its R rows, split into micro-batches of B rows, accumulation
+# steps and W ranks. Averaging each micro-batch's mean loss (loss / grad_accum_steps, as build-nanogpt does) is exact
+# only when every micro-batch holds as many targets as every other; with --align-docs padding they do not, and the
+# micro-batch with fewer targets would weigh as much as a full one. So each micro-batch backpropagates its *summed*
+# token loss times W / N: backward adds the micro-steps' gradients in .grad, DDP (and FSDP's reduce-scatter) divides
+# the ranks' sum by W, and what is left is d(sum of all token losses) / N, exactly. N is known before the first
+# backward (the loader counts targets from its row table), so no pass over the gradients is ever needed after
+# backward. With one micro-batch on one rank, W / N times a sum is the plain mean: the model returns its mean loss and
+# no scaling op is added at all.
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Context in which backward does (enabled) or does not reduce gradients across ranks (DDP's no_sync()
-    covers the forward too: its reducer is prepared there)."""
+    """A context where backward does (enabled) or does not reduce gradients across ranks (DDP: forward too)."""
     if enabled:
         return contextlib.nullcontext()
     if is_fsdp(model):
@@ -602,18 +593,13 @@ def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -
 # the launch: resolved once (a LaunchPlan), before the Trainer exists
 
 
-def model_config(run: RunConfig) -> GPTConfig:
-    """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
-    (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
+def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
+    """The model's shape: the preset (default gpt2) and the --n-* flags, or --init-from's weights (which only
+    --block-size and --vocab-size may shrink or pad); then the rest of the LaunchPlan (trainkit/components.py)."""
     fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
     given = {name: getattr(run, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
-    return GPTConfig(**fields | {name: value for name, value in given.items() if value is not None})
-
-
-def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
-    """The model's shape (--init-from: its weights'), then the rest of the LaunchPlan (trainkit/components.py)."""
-    model_cfg, pretrained = model_config(run), None
-    if run.init_from:  # the weights decide the model's shape
+    model_cfg, pretrained = GPTConfig(**fields | {k: v for k, v in given.items() if v is not None}), None
+    if run.init_from:  # the weights decide the model's shape (block_size None: theirs)
         pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size)
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
@@ -622,8 +608,7 @@ def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, eva
 
 
 def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
-    """The bare model (for evaluation and checkpoints), on the device. Under --fsdp it is the sharded module,
-    on which every rank evaluates; its blocks compiled when plan.compile."""
+    """The bare model (evaluation, checkpoints) on the device; under --fsdp sharded, blocks compiled if plan.compile."""
     raw_model = (pretrained or GPT(plan.model)).train()
     if run.fsdp:
         shard_model(raw_model, dist_state, getattr(torch, plan.dtype), torch.compile if plan.compile else None)
@@ -634,8 +619,7 @@ def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: 
 
 
 def wrap_model(raw_model: GPT, compiled: bool, dist_state: Dist, fsdp: bool) -> nn.Module:
-    """What the step runs: raw_model compiled if compiled, in DDP under torchrun. Under --fsdp raw_model
-    itself (its blocks compiled, or eager after a failed compile)."""
+    """What the step runs: raw_model compiled if compiled, in DDP under torchrun; under --fsdp raw_model itself."""
     if fsdp:
         if not compiled:
             uncompile_blocks(raw_model)
@@ -665,16 +649,14 @@ class StepResult:
 
 
 class Trainer:
-    """One training run of a resolved LaunchPlan: the constructor builds the model, its optimizer and their
-    resumed state, and the log; fit() is the loop; train_step() is one step."""
+    """One run of a resolved LaunchPlan: __init__ builds the model, optimizer, resumed state and log; fit() loops."""
 
     def __init__(self, run: RunConfig, plan: LaunchPlan, inputs: LaunchInputs, dist_state: Dist):
         self.run, self.plan, self.dist_state, self.device = run, plan, dist_state, dist_state.device
         watch_peak()  # the private memory the summary reports (runtime/device.py), from here on
         self.train_rows, self.val_rows, self.shard_check = inputs.train_rows, inputs.val_rows, inputs.shard_check
         self.enc, self.token_bytes, self.run_folder = inputs.enc, inputs.token_bytes, inputs.run_folder
-        # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
-        # shard check stops a run whose shards change under it)
+        # the shards read, as checkpoints record them: sampled once (the shard check stops a run whose shards change)
         self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
         self.dtype = getattr(torch, plan.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
@@ -714,9 +696,8 @@ class Trainer:
         """Read the steps B rows per micro-step from now on (after an out-of-memory: fewer)."""
         if hasattr(self, "prefetcher"):  # it holds micro-batches of the old size
             self.prefetcher.close()
-        self.loader = StepLoader(
-            self.train_rows, B, self.plan.rows_per_rank // B, self.dist_state.rank, self.dist_state.world_size
-        )
+        rank, W = self.dist_state.rank, self.dist_state.world_size
+        self.loader = StepLoader(self.train_rows, B, self.plan.rows_per_rank // B, rank, W)
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.dist_state.device_type == "cuda")
 
     def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
@@ -741,8 +722,7 @@ class Trainer:
         self.model = wrap_model(self.raw_model, False, self.dist_state, self.run.fsdp)
 
     def _open_log(self):
-        """Rank 0: the run's identity, log.jsonl and trackers (run_folder.open_run_log), once the folder is
-        checked to be still the one claimed; an evaluation opens none."""
+        """Rank 0: the run's identity, log.jsonl and trackers, in the folder still the one claimed (not --eval-only)."""
         if not self.run.eval_only:
             self.run_folder.check_claimed(None)  # (nothing of the run lands elsewhere)
             self.log = open_run_log(self.run, self.plan.model, self.resumed)
@@ -816,8 +796,7 @@ class Trainer:
             print0(stopped_line(checkpoint_path(run.out_dir, stopped_at), stopped_at))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
-        """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
-        Returns what it logged."""
+        """Validation loss, HellaSwag and samples, each on its schedule and at the last step; returns what it logged."""
         run, dist_state = self.run, self.dist_state
         results = {}
 
@@ -844,8 +823,7 @@ class Trainer:
         return results
 
     def evaluate_only(self):
-        """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
-        printed, then one JSON line. Nothing is written to --out-dir."""
+        """--eval-only: training's evaluations at the loaded step, printed, then one JSON line; writes nothing."""
         with self.running():
             results = self.evaluate(self.plan.start_step, last_step=True)
             checked_on_every_rank(self.dist_state, self.shard_check.result)

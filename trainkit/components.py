@@ -67,9 +67,8 @@ class LaunchInputs:
 def resolve_launch(
     run, dist_state, run_folder: OutDirLock, model_cfg, pretrained, n_params: int, token_rows, evaluated=None
 ) -> tuple[LaunchPlan, LaunchInputs]:
-    """The launch's decisions for a model of shape model_cfg, bad input failing first: T and the rows per step,
-    dtype and compile, the data (token_rows: the TokenRows class), the HellaSwag file, then (training claims
-    --out-dir first) the checkpoint to resume. evaluated: (path, checkpoint) main() loaded for --eval-only."""
+    """The launch's decisions for a model of shape model_cfg, bad input first: T, dtype, compile, the data
+    (token_rows: TokenRows), HellaSwag, then --out-dir and the checkpoint to resume (evaluated: main()'s)."""
     seq_len = run.seq_len or min(model_cfg.block_size, 1024)
     batch_size = run.batch_size or ("auto" if dist_state.device_type == "cuda" else 64)
     train_flags.check_run(run, model_cfg, seq_len, batch_size, dist_state.world_size)
@@ -110,8 +109,7 @@ def resolve_launch(
     hellaswag_file = None
     if run.hellaswag_every:
         get_tokenizer_or_fail("pass --hellaswag-every 0")
-        # download and render now: a bad file fails here, not at the first evaluation (which
-        # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
+        # rendered now: a bad file fails here, not at the first evaluation (which reuses the examples)
         try:  # offline without the file: both ways on
             hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
         except UserError as e:
@@ -148,8 +146,7 @@ def resolve_launch(
 
 
 class Checkpointer:
-    """Saves the run's training state with both records, the RunConfig asked for and the LaunchPlan
-    resolved; last: the newest checkpoint on disk (None: none yet), named when a run stops."""
+    """Saves the training state with the RunConfig and the LaunchPlan; last: the newest checkpoint on disk or None."""
 
     def __init__(self, run, plan, dist_state, trainer_state, shard_check, log, shards_read, rows_per_epoch, run_folder):
         """trainer_state: (raw model, optimizer, update guard, GradScaler or None, device), as training_state takes."""
@@ -203,25 +200,17 @@ class Checkpointer:
 SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
 
 
-def lr_change_notice(saved_run_config: dict, run, step: int, get_lr) -> str | None:
-    """One line where the resumed run's schedule flags put another LR at its step (a larger --max-steps)."""
-    saved = dataclasses.replace(run, **{k: saved_run_config[k] for k in SCHEDULE_KEYS if k in saved_run_config})
-    old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
-    if old_lr == new_lr:
-        return None
-    changed = ", ".join(
-        f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
-        for k in SCHEDULE_KEYS
-        if getattr(saved, k) != getattr(run, k)
-    )
-    return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
-
-
 def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, get_lr) -> ResumePoint:
     """The checkpoint's training state put back, with a line each where this run reads other data, or sets
-    another LR (get_lr: the trainer's schedule) or other optimizer hyperparameters than it did."""
-    lr_notice = lr_change_notice(ckpt["run_config"], run, plan.start_step, get_lr)
+    another LR (get_lr: the trainer's schedule; a larger --max-steps, say) or other optimizer hyperparameters."""
     path, step = plan.resume_from, plan.start_step
+    saved = {k: ckpt["run_config"][k] for k in SCHEDULE_KEYS if k in ckpt["run_config"]}
+    saved_run = dataclasses.replace(run, **saved)
+    old_lr, new_lr = get_lr(step, saved_run), get_lr(step, run)
+    changed = [
+        f"{train_flags.flag_name(k)} {saved[k]} -> {getattr(run, k)}" for k in saved if saved[k] != getattr(run, k)
+    ]
+    lr_notice = f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({', '.join(changed)})"
     optimizer_notice = restore_training_state(ckpt, *trainer_state, path)  # (this run's weight decay, ...)
     print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
     if not run.eval_only:
@@ -231,7 +220,7 @@ def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, get_lr
                 f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
                 f"step {step} on this run reads other rows than the run it continues would have"
             )
-        for notice in (lr_notice, optimizer_notice):
+        for notice in (lr_notice if old_lr != new_lr else None, optimizer_notice):
             if notice:
                 print0(notice)
     return ResumePoint.of(path, ckpt)

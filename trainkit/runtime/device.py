@@ -1,7 +1,5 @@
-"""The device: the autocast dtype and whether to compile, whether a model fits and the line an out-of-memory
-ends a run with, the run's peak memory (on the host its private memory, apart from the shards' mapped pages:
-docs/output.md), torch.compile one block at a time (docs/performance.md), and FSDP2's sharding (docs/fsdp.md).
-"""
+"""The device: autocast dtype and compile, whether a model fits, the out-of-memory line, the run's peak memory
+(docs/output.md), torch.compile one block at a time (docs/performance.md) and FSDP2's sharding (docs/fsdp.md)."""
 
 from __future__ import annotations
 
@@ -42,9 +40,8 @@ def choose_precision_and_compile(run, dist_state) -> tuple[torch.dtype, bool]:
             "--fsdp does not support float16 (its GradScaler needs every rank to agree on "
             "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp"
         )
-    compiled, why_not = compile_decision(
-        run.compile, dist_state.device_type, capability, sys.platform, importlib.util.find_spec("triton") is not None
-    )
+    triton = importlib.util.find_spec("triton") is not None
+    compiled, why_not = compile_decision(run.compile, dist_state.device_type, capability, sys.platform, triton)
     if why_not:
         print0(f"compile off: {why_not}")
     if dist_state.device_type == "cuda":
@@ -55,21 +52,16 @@ def choose_precision_and_compile(run, dist_state) -> tuple[torch.dtype, bool]:
 # --- memory ---------------------------------------------------------------------------------------
 
 
-def device_memory(device: str, device_type: str) -> tuple[int, str] | None:
-    """(bytes, what they are) of the memory the model lives in, None where unknown (MPS)."""
-    if device_type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return props.total_memory, f"the {props.name}'s memory"
-    if device_type == "cpu" and hasattr(os, "sysconf"):
-        with contextlib.suppress(ValueError, OSError):
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-    return None
-
-
 def check_model_fits(n_params: int, dist_state, fsdp: bool, training: bool):
     """Refuse, before allocating, a model whose weights (evaluation) or weights, gradients and AdamW moments
     (training: 16 bytes per parameter) exceed the device's memory (else a traceback, or the OOM killer)."""
-    memory = device_memory(dist_state.device, dist_state.device_type)
+    memory = None  # (bytes, what they are): unknown on MPS
+    if dist_state.device_type == "cuda":
+        props = torch.cuda.get_device_properties(dist_state.device)
+        memory = props.total_memory, f"the {props.name}'s memory"
+    elif dist_state.device_type == "cpu" and hasattr(os, "sysconf"):
+        with contextlib.suppress(ValueError, OSError):
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
     if memory is None:
         return
     n, bytes_per_param = n_params, 16 if training else 4
@@ -87,9 +79,8 @@ def check_model_fits(n_params: int, dist_state, fsdp: bool, training: bool):
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )  # the CPU allocator's message
+    cpu_allocator = isinstance(e, RuntimeError) and "can't allocate memory" in str(e)  # (its message)
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or cpu_allocator
 
 
 def out_of_memory_reason(e: BaseException) -> str:
@@ -163,9 +154,8 @@ def sample_peak():
 
 
 def watch_peak():
-    """Sample the private memory every SAMPLE_EVERY_S on a daemon thread from now on (once). Not under an
-    address-space limit (ulimit -v): the thread's stack and malloc arena (~72 MB of address space) would be
-    taken from what --batch-size auto measured; there each step samples it (sample_peak)."""
+    """Sample the private memory every SAMPLE_EVERY_S on a daemon thread (once); not under ulimit -v, where its
+    stack and arena (~72 MB of address space) would shrink what --batch-size auto measured (sample_peak then)."""
     import resource
 
     limited = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY

@@ -1,7 +1,6 @@
-"""What the GPT's forward computes beyond torch's ops: lm_head + cross-entropy in chunks of rows, never holding
-the (rows, vocab) logits (B=64, T=1024: 13 GB in fp32), their gradients computed in the forward; the validation
-loss; --doc-mask's attention inside each document (docs/doc-mask.md). The matmuls run over all the padded rows
-(on the first 50257 a chunk's three took 20% longer), the softmax over the real ones (the padded get 0)."""
+"""The GPT's forward beyond torch's ops: lm_head + cross-entropy in chunks, never holding the (rows, vocab) logits
+(B=64, T=1024: 13 GB in fp32), gradients made in the forward, matmuls on all padded rows (on the first 50257 a chunk's
+three took 20% longer), softmax on the real ones; the validation loss; --doc-mask's attention (docs/doc-mask.md)."""
 
 from __future__ import annotations
 
@@ -45,11 +44,10 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_g
     )  # (a matmul in another dtype returns its own logits; .float() copies them)
     for start in range(0, h.size(0), chunk_rows):
         hc, tc = h[start : start + chunk_rows], targets[start : start + chunk_rows]
-        logits = (
-            (hc @ weight.t()).float()
-            if logits_buffer is None
-            else torch.mm(hc, weight.t(), out=logits_buffer[: hc.size(0)])
-        )
+        if logits_buffer is None:
+            logits = (hc @ weight.t()).float()
+        else:
+            logits = torch.mm(hc, weight.t(), out=logits_buffer[: hc.size(0)])
         logits[:, n_real:] = float("-inf")  # exp gives 0: no probability, no gradient
         weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
         safe_t = tc.clamp(min=0).unsqueeze(1)

@@ -59,9 +59,8 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_P
 
 
 def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
-    """Join torchrun's process group where its variables are set (NCCL on CUDA, gloo elsewhere), else one process.
-    One line each for a variable missing or wrong (RankLocalError: each process sees its own environment) and for
-    ranks that do not all arrive within timeout_s."""
+    """Join torchrun's process group where its variables are set (NCCL on CUDA, else gloo), else one process; one
+    line for a variable missing or wrong (each rank's own: RankLocalError) or ranks not all there by timeout_s."""
     device = resolve_device(device)
     env = {k: os.environ.get(k, "") for k in LAUNCH_VARIABLES}
     if not any(env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
@@ -170,9 +169,8 @@ def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: b
 
 @contextlib.contextmanager
 def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoint=None):
-    """One command's work on every rank inside the process group, each fault one line: the ranks meet before the
-    group is torn down; a dead peer is a RankLost (naming last_checkpoint(), for a command that saves); after a
-    UserError torchrun's SIGTERM no longer cuts rank 0 short of printing its line."""
+    """One command's work in the process group, each fault one line: the ranks meet before teardown, a dead peer
+    is a RankLost (naming last_checkpoint()), and after a UserError torchrun's SIGTERM cannot cut rank 0 short."""
     dist_state = setup_distributed(device, timeout_s)
     try:
         yield dist_state
@@ -232,8 +230,7 @@ def check_ranks_agree(run):
     for rank, fingerprint in enumerate(fingerprints[1:], start=1):
         difference = first_difference(rank, fingerprint, fingerprints[0])
         if difference:
-            # torchrun SIGTERMs the other ranks once one has exited: none exits before every rank
-            # ignores it, so that rank 0 lives to print the line
+            # torchrun SIGTERMs the others once one has exited: every rank ignores it first, so rank 0 prints the line
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             dist.barrier()
             raise UserError(

@@ -59,8 +59,7 @@ def release_cached(device: str):
 
 
 def fits_everywhere(forward_backward, B: int, T: int, model, optimizer, device: str) -> bool:
-    """B rows of T zeros ran through forward_backward without an out-of-memory on any rank (any other error
-    is raised); its gradients are dropped."""
+    """B rows of T zeros ran through forward_backward with no out-of-memory on any rank; the gradients dropped."""
     x, failed = torch.zeros(B, T, dtype=torch.long), False
     # under DDP without gradient sync: no collective inside, which a rank that fails would leave half-done
     with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
@@ -132,8 +131,7 @@ def size_after_failure(e: BaseException, micro_batches: list, rows_per_rank: int
 
 
 def redo_smaller(step, micro_batches: list, smaller: int, reason: str, rows_per_rank: int, optimizer, device, log):
-    """The step's micro-batches split again at smaller rows (the same rows in order), the failed try's gradients
-    dropped; said in one line and a log record."""
+    """The step's micro-batches re-split at smaller rows (the same rows in order), gradients dropped; said, logged."""
     optimizer.zero_grad(set_to_none=True)
     release_cached(device)
     print0(
@@ -215,8 +213,7 @@ class UpdateGuard:
 
 
 def guarded_update(optimizer, guard: UpdateGuard, scaler, step: int, loss: float, norm: float) -> str | None:
-    """The optimizer's step unless the guard skips it (through fp16's scaler, which then adjusts its scale),
-    gradients zeroed either way; returns why it skipped (None: applied)."""
+    """The optimizer's step unless the guard skips it (fp16: through the scaler), gradients zeroed; why skipped."""
     skipped = guard.skip_reason(step, loss, norm)
     if scaler:
         if not skipped:
@@ -243,6 +240,7 @@ def nonfinite_state(model, optimizer, device) -> str | None:
 
 # a stop as requested: preemption, Ctrl-C, and a closed terminal or ssh session (no SIGHUP on Windows)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+SIGHUP = getattr(signal, "SIGHUP", None)
 
 
 class StopSignal:
@@ -252,25 +250,18 @@ class StopSignal:
     def __init__(self, at_once: bool = False):
         self.requested, self.at_once = False, at_once
         self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]  # a hung-up terminal no longer says it is one
-        self.previous = {
-            s: signal.signal(s, self._handle)
-            for s in STOP_SIGNALS
-            if not (s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN)  # nohup's
-        }
+        nohup = [s for s in STOP_SIGNALS if s == SIGHUP and signal.getsignal(s) == signal.SIG_IGN]
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS if s not in nohup}
 
     def _handle(self, signum, frame):
-        if signum == getattr(signal, "SIGHUP", None):
-            self.leave_terminal()
+        if signum == SIGHUP:  # writing to the gone terminal would fail (EIO): what went there goes to /dev/null
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in self.terminal_fds:
+                os.dup2(devnull, fd)
+            os.close(devnull)
         if self.at_once or (self.requested and signum == signal.SIGINT):
             raise cli.Interrupted(signum)
         self.requested = True
-
-    def leave_terminal(self):
-        """After SIGHUP writing to the gone terminal fails (EIO): what went there goes to /dev/null."""
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for fd in self.terminal_fds:
-            os.dup2(devnull, fd)
-        os.close(devnull)
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -282,8 +273,7 @@ class StopSignal:
 
 
 def stopped_line(path: str, step: int) -> str:
-    """What a run stopped by a signal prints last: its checkpoint, how to go on (and that torchrun's traceback is
-    harmless)."""
+    """What a run stopped by a signal prints last: its checkpoint, how to go on (torchrun's traceback: harmless)."""
     line = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume"
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
         line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
@@ -294,9 +284,8 @@ def stopped_line(path: str, step: int) -> str:
 
 
 def save_first_on_failure(checkpointer, step: int, action):
-    """action() (the evaluation due before step trains); where it raises a UserError after steps were trained,
-    checkpointer.save(step) first, with a note. Under torchrun only an AgreedUserError saves (every rank
-    meets in the save); a rank that failed alone names the last checkpoint instead."""
+    """action() (the evaluation due at step); where it raises a UserError after steps trained, they are saved first,
+    with a note. Under torchrun only an AgreedUserError saves (every rank meets there); else the line names the last."""
     try:
         return action()
     except UserError as e:

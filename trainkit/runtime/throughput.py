@@ -60,8 +60,7 @@ def mfu_peak(peak_tflops: float | None, device: str, dtype: torch.dtype) -> floa
 
 
 class Throughput:
-    """tok/s of all ranks, per GPU, and MFU = FLOPs of all ranks / (dt x W x one GPU's peak) of steps of
-    tokens_per_step tokens (padding included)."""
+    """tok/s of all ranks and per GPU, and MFU = FLOPs / (dt x W x one GPU's peak), of tokens_per_step-token steps."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak, world_size: int, device_type: str):
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
@@ -83,9 +82,8 @@ class Throughput:
             rates = ", ".join(part for part in (per_device, f"mfu {100 * mfu:.1f}%" if mfu else "") if part)
             speed = f" | mean {tok_per_s:,.0f} tok/s" + (f" ({rates})" if rates else "")
             speed += f" over {'steps after the first' if len(step_times) > 1 else 'the only step'}"
-        return (
-            f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | peak memory {peak_mem}"
-        )
+        done = f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s"
+        return f"{done}{speed} | peak memory {peak_mem}"
 
 
 # --- the step line's fields -----------------------------------------------------------------------
@@ -100,17 +98,12 @@ def per_device_rate(tok_per_device: float, world_size: int, device_type: str) ->
 
 def duration(seconds: float) -> str:
     """'42s', '3m07s', '2h05m': short, and to the second only below an hour."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    s = max(0, round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def elapsed_and_eta(elapsed: float, step_times: list[float], steps_left: int) -> str:
-    """' | elapsed 1m02s | eta 3m10s': the time since the loop began, and steps_left times the mean step
-    time after the first (which compiles; evaluations to come not counted)."""
+    """' | elapsed 1m02s | eta 3m10s': eta = steps_left x the mean step after the first (evaluations not counted)."""
     fields = f" | elapsed {duration(elapsed)}"
     timed = step_times[1:] or step_times
     if timed and steps_left > 0:
