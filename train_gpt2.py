@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from trainkit import cli  # defines: UserError and the error contract (one `error:` line, exit codes); stdlib only
@@ -52,7 +53,7 @@ MODEL_PRESETS = {
 }
 
 
-# the groups of --help, in its order: each declares its flags (train_flags.flag: default, help, check, options)
+# the groups of --help, in its order: each declares its flags (train_flags.flag_group: default, help, check, options)
 DATA, MODEL, BATCH = flag_group("data and output"), flag_group("model"), flag_group("batch")
 OPTIMIZATION = flag_group("optimization")
 EVALUATION = flag_group("evaluation and checkpoints (0 disables each)")
@@ -63,7 +64,7 @@ ON_OFF, SIZE, COUNT = argparse.BooleanOptionalAction, cli.positive_int, cli.non_
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What the user asked for: one field per flag, declared once (train_flags.flag: default, help, --help
+    """What the user asked for: one field per flag, declared once (train_flags.flag_group: default, help, --help
     group, check), in --help's order; docs/flags.md says more of each. What a launch decides is a LaunchPlan."""
 
     data_dir: str = DATA("edu_fineweb10B", "folder of *_train_*/*_val_* shards (.npy or llm.c .bin)")
@@ -176,32 +177,28 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainkit.evaluation import hellaswag_eval
 from trainkit import components
-from trainkit.runtime.kernels import IGNORE_INDEX, chunked_lm_loss, document_attention, evaluate_loss, full_lm_loss
-from trainkit.hf.weights import gpt2_state_from_hf
-from trainkit.data.shards import no_output_for
-from trainkit.data.shard_scan import open_split
-from trainkit.data.tokenizer import EOT, real_vocab_size
-from trainkit.runtime.optimizers import MuonWithAdamW
-from trainkit.runtime.device import compile_failure_cause, compile_model, fsdp_no_sync, is_fsdp, shard_model
-from trainkit.runtime.device import uncompile_blocks
-from trainkit.runtime.recovery import choose_micro_batch, redo_smaller, size_after_failure
-from trainkit.runtime.device import is_out_of_memory, out_of_memory_error, out_of_memory_reason, peak_memory
-from trainkit.runtime.device import sample_peak, watch_peak
-from trainkit.runtime.recovery import UpdateGuard, guarded_update
-from trainkit.runtime.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
-from trainkit.runtime.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
-from trainkit.components import LaunchInputs, LaunchPlan
 from trainkit.cli import print0, print_result
-from trainkit.runtime.throughput import Throughput, elapsed_and_eta, flops_per_token, mfu_peak, step_line
-from trainkit.runtime.recovery import StopSignal, stopped_line
+from trainkit.components import Checkpointer, LaunchInputs, LaunchPlan, resume_state
+from trainkit.data.shard_scan import open_split
+from trainkit.data.shards import no_output_for
+from trainkit.data.tokenizer import EOT, real_vocab_size
+from trainkit.evaluation import hellaswag_eval
+from trainkit.evaluation.sampling import sample_text
+from trainkit.hf.weights import gpt2_state_from_hf
 from trainkit.runfiles.checkpoints import checkpoint_path, latest_checkpoint, load_checkpoint
-from trainkit.components import Checkpointer, resume_state
 from trainkit.runfiles.resume import data_files, eval_checkpoint
 from trainkit.runfiles.run_folder import OutDirLock, RunLog, open_run_log
-from trainkit.runtime.recovery import save_first_on_failure
-from trainkit.evaluation.sampling import sample_text
+from trainkit.runtime.device import compile_failure_cause, compile_model, fsdp_no_sync, is_fsdp, is_out_of_memory
+from trainkit.runtime.device import out_of_memory_error, out_of_memory_reason, peak_memory, sample_peak, shard_model
+from trainkit.runtime.device import uncompile_blocks, watch_peak
+from trainkit.runtime.kernels import IGNORE_INDEX, chunked_lm_loss, document_attention, evaluate_loss, full_lm_loss
+from trainkit.runtime.launch import Dist, check_ranks_agree, checked_on_every_rank, decided_on_rank0
+from trainkit.runtime.launch import exit_code_on_every_rank, is_lost_rank, lost_rank_error, process_group
+from trainkit.runtime.optimizers import MuonWithAdamW
+from trainkit.runtime.recovery import StopSignal, UpdateGuard, choose_micro_batch, guarded_update, redo_smaller
+from trainkit.runtime.recovery import save_first_on_failure, size_after_failure, stopped_line
+from trainkit.runtime.throughput import Throughput, elapsed_and_eta, flops_per_token, mfu_peak, step_line
 
 
 # -----------------------------------------------------------------------------
@@ -228,11 +225,10 @@ class CausalSelfAttention(nn.Module):
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             is_causal = past == 0 and T > 1
         # causal: flash attention on CUDA; a mask where sequences are packed (scoring, --doc-mask: trainkit/runtime/kernels.py)
-        y = (
-            flex_attention(q, k, v, block_mask=attn_mask)
-            if isinstance(attn_mask, BlockMask)
-            else F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
-        )
+        if isinstance(attn_mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=attn_mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -261,8 +257,7 @@ class Block(nn.Module):
 
 
 def param_count(cfg: GPTConfig) -> int:
-    """The parameters of GPT(cfg), counted without building it: the tied token embedding once,
-    positions, and per block two LayerNorms (4C), attention (4C^2 + 4C) and MLP (8C^2 + 5C); ln_f."""
+    """The parameters of GPT(cfg) without building it: the tied embedding once, per block 12C^2 + 13C, ln_f."""
     C = cfg.n_embd
     return (cfg.vocab_size + cfg.block_size) * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
 
@@ -308,9 +303,7 @@ class GPT(nn.Module):
             return self.lm_head(x)[..., :n_real], None
         targets = targets.reshape(-1)
         if loss_chunk:
-            scale = (
-                dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1.0 / (targets != IGNORE_INDEX).sum()
-            )
+            scale = dict(sum=1.0, none=None)[reduction] if reduction != "mean" else 1 / (targets != IGNORE_INDEX).sum()
             h = x.view(-1, x.size(-1))  # every matmul on the padded rows, their faster shape
             return None, self.lm_loss(h, self.lm_head.weight, targets, scale, loss_chunk, n_real)
         return self.full_loss(x, self.lm_head.weight, targets, reduction, n_real)
@@ -375,8 +368,7 @@ def aligned_rows(tokens: np.ndarray, T: int, chunk: int = 1 << 24) -> np.ndarray
     n = len(tokens)
     starts = [np.flatnonzero(tokens[i : i + chunk] == EOT) + i for i in range(0, n, chunk)]
     bounds = np.concatenate([[0], *starts, [n - 1]]).astype(np.int64)  # shard edges count as boundaries
-    rows = []
-    start = 0
+    rows, start = [], 0
     while start < n - 1:
         j = np.searchsorted(bounds, start + T, side="right") - 1  # last boundary within reach
         end = int(bounds[j]) if bounds[j] > start else start + T
@@ -391,9 +383,7 @@ class TokenRows:
 
     def __init__(self, data_dir, split, T, align_docs=False, shuffle=False, seed=0, vocab_size=None, progress=False):
         self.T, self.align_docs, self.shuffle, self.seed, self.vocab_size = T, align_docs, shuffle, seed, vocab_size
-        split_files = open_split(
-            data_dir, split, T, align_docs, aligned_rows, vocab_size, progress
-        )  # (data/shard_scan.py)
+        split_files = open_split(data_dir, split, T, align_docs, aligned_rows, vocab_size, progress)
         self.paths, self.shards, self.tables, counts = split_files
         self.shard_rows = np.array(counts, dtype=np.int64)
         self.rows_per_epoch = int(self.shard_rows.sum())
@@ -470,12 +460,9 @@ class StepLoader:
 
 
 class Prefetcher:
-    """Prepares step s+1's micro-batches (and its token count) on a background thread while
-    step s computes; on CUDA they are pinned so the host-to-device copies are asynchronous."""
+    """Loads step s+1's micro-batches and N on a thread while step s computes (pinned on CUDA: async copies)."""
 
     def __init__(self, loader: StepLoader, pin_memory: bool):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.loader, self.pin_memory = loader, pin_memory
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.pending = {}
@@ -526,17 +513,9 @@ def set_lr(optimizer, lr: float):
         group["lr"] = lr
 
 
-def build_optimizer(
-    model: nn.Module,
-    weight_decay: float,
-    learning_rate: float,
-    device_type: str,
-    muon_lr: float | None = None,
-    muon_momentum: float = 0.95,
-):
-    """AdamW that decays matrices and embeddings (dim >= 2) but not biases and LayerNorms. With muon_lr,
-    Muon takes the blocks' weight matrices, as modded-nanogpt and nanochat split them, and AdamW the
-    rest: the tied token embedding / lm_head, the positions, LayerNorms and biases."""
+def build_optimizer(model, weight_decay: float, learning_rate: float, device_type, muon_lr=None, muon_momentum=0.95):
+    """AdamW decaying matrices and embeddings (dim >= 2), not biases and LayerNorms. With muon_lr, Muon takes
+    the blocks' matrices (as modded-nanogpt and nanochat split them) and AdamW the rest."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied weight appears once
     matrices = {p for p in model.transformer.h.parameters() if p.dim() == 2} if muon_lr else set()
     groups = [
@@ -554,23 +533,20 @@ def build_optimizer(
 # -----------------------------------------------------------------------------
 # accumulation & the step
 #
-# Why the loss is scaled by W / N, and nothing else. One optimizer step's gradient must be the
-# gradient of the mean loss over all N non-ignored target tokens of the step: its R rows, split
-# into micro-batches of B rows, accumulation steps and W ranks. Averaging each micro-batch's
-# mean loss (loss / grad_accum_steps, as build-nanogpt does) is exact only when every
-# micro-batch holds as many targets as every other; with --align-docs padding they do not, and
-# the micro-batch with fewer targets would weigh as much as a full one. So each micro-batch
-# backpropagates its *summed* token loss times W / N: backward adds the micro-steps' gradients
-# in .grad, DDP (and FSDP's reduce-scatter) divides the ranks' sum by W, and what is left is
-# d(sum of all token losses) / N, exactly. N is known before the first backward (the loader
-# counts targets from its row table), so no pass over the gradients is ever needed after
-# backward. With one micro-batch on one rank, W / N times a sum is the plain mean: the model
-# returns its mean loss and no scaling op is added at all.
+# Why the loss is scaled by W / N, and nothing else. One optimizer step's gradient must be the gradient of the mean
+# loss over all N non-ignored target tokens of the step: its R rows, split into micro-batches of B rows, accumulation
+# steps and W ranks. Averaging each micro-batch's mean loss (loss / grad_accum_steps, as build-nanogpt does) is exact
+# only when every micro-batch holds as many targets as every other; with --align-docs padding they do not, and the
+# micro-batch with fewer targets would weigh as much as a full one. So each micro-batch backpropagates its *summed*
+# token loss times W / N: backward adds the micro-steps' gradients in .grad, DDP (and FSDP's reduce-scatter) divides
+# the ranks' sum by W, and what is left is d(sum of all token losses) / N, exactly. N is known before the first
+# backward (the loader counts targets from its row table), so no pass over the gradients is ever needed after
+# backward. With one micro-batch on one rank, W / N times a sum is the plain mean: the model returns its mean loss and
+# no scaling op is added at all.
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Context in which backward does (enabled) or does not reduce gradients across ranks (DDP's no_sync()
-    covers the forward too: its reducer is prepared there)."""
+    """A context where backward does (enabled) or does not reduce gradients across ranks (DDP: forward too)."""
     if enabled:
         return contextlib.nullcontext()
     if is_fsdp(model):
@@ -579,15 +555,7 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 def accumulate_gradients(
-    model: nn.Module,
-    micro_batches,
-    n_tokens: int,
-    world_size: int,
-    device: str,
-    dtype: torch.dtype,
-    loss_chunk: int = 0,
-    scaler=None,
-    doc_mask=False,
+    model, micro_batches, n_tokens: int, world_size: int, device, dtype, loss_chunk=0, scaler=None, doc_mask=False
 ) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches ((x, y) arrays or tensors), each term sum(token losses)
     * W / N (times an fp16 GradScaler's scale); returns this rank's summed token loss (float64)."""
@@ -625,24 +593,13 @@ def clip_gradients(model: nn.Module, grad_clip: float, optimizer, scaler=None) -
 # the launch: resolved once (a LaunchPlan), before the Trainer exists
 
 
-def model_config(run: RunConfig) -> GPTConfig:
-    """The model's shape: the preset (default gpt2) and the --n-* flags; under --init-from the weights set it
-    (block_size None: theirs) and only --block-size and --vocab-size may shrink or pad it."""
-    fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
-    fields.update(
-        {
-            name: getattr(run, name)
-            for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-            if getattr(run, name) is not None
-        }
-    )
-    return GPTConfig(**fields)
-
-
 def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, evaluated=None):
-    """The model's shape (--init-from: its weights'), then the rest of the LaunchPlan (trainkit/components.py)."""
-    model_cfg, pretrained = model_config(run), None
-    if run.init_from:  # the weights decide the model's shape
+    """The model's shape: the preset (default gpt2) and the --n-* flags, or --init-from's weights (which only
+    --block-size and --vocab-size may shrink or pad); then the rest of the LaunchPlan (trainkit/components.py)."""
+    fields = dict(block_size=None) if run.init_from else dict(MODEL_PRESETS[run.model or "gpt2"])
+    given = {name: getattr(run, name) for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")}
+    model_cfg, pretrained = GPTConfig(**fields | {k: v for k, v in given.items() if v is not None}), None
+    if run.init_from:  # the weights decide the model's shape (block_size None: theirs)
         pretrained = GPT.from_hf(run.init_from, model_cfg.vocab_size, model_cfg.block_size)
         model_cfg = pretrained.config
         print0(f"--init-from {run.init_from}: {model_cfg}")
@@ -651,8 +608,7 @@ def resolve_launch(run: RunConfig, dist_state: Dist, run_folder: OutDirLock, eva
 
 
 def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: GPT | None) -> GPT:
-    """The bare model (for evaluation and checkpoints), on the device. Under --fsdp it is the sharded module,
-    on which every rank evaluates; its blocks compiled when plan.compile."""
+    """The bare model (evaluation, checkpoints) on the device; under --fsdp sharded, blocks compiled if plan.compile."""
     raw_model = (pretrained or GPT(plan.model)).train()
     if run.fsdp:
         shard_model(raw_model, dist_state, getattr(torch, plan.dtype), torch.compile if plan.compile else None)
@@ -663,8 +619,7 @@ def build_model(run: RunConfig, plan: LaunchPlan, dist_state: Dist, pretrained: 
 
 
 def wrap_model(raw_model: GPT, compiled: bool, dist_state: Dist, fsdp: bool) -> nn.Module:
-    """What the step runs: raw_model compiled if compiled, in DDP under torchrun. Under --fsdp raw_model
-    itself (its blocks compiled, or eager after a failed compile)."""
+    """What the step runs: raw_model compiled if compiled, in DDP under torchrun; under --fsdp raw_model itself."""
     if fsdp:
         if not compiled:
             uncompile_blocks(raw_model)
@@ -694,27 +649,24 @@ class StepResult:
 
 
 class Trainer:
-    """One training run of a resolved LaunchPlan: the constructor builds the model, its optimizer and their
-    resumed state, and the log; fit() is the loop; train_step() is one step."""
+    """One run of a resolved LaunchPlan: __init__ builds the model, optimizer, resumed state and log; fit() loops."""
 
     def __init__(self, run: RunConfig, plan: LaunchPlan, inputs: LaunchInputs, dist_state: Dist):
         self.run, self.plan, self.dist_state, self.device = run, plan, dist_state, dist_state.device
         watch_peak()  # the private memory the summary reports (runtime/device.py), from here on
         self.train_rows, self.val_rows, self.shard_check = inputs.train_rows, inputs.val_rows, inputs.shard_check
         self.enc, self.token_bytes, self.run_folder = inputs.enc, inputs.token_bytes, inputs.run_folder
-        # the shards this run reads, as every checkpoint records them: sampled once here, not at each save (the
-        # shard check stops a run whose shards change under it)
+        # the shards read, as checkpoints record them: sampled once (the shard check stops a run whose shards change)
         self.shards_read = data_files(self.train_rows.paths, self.val_rows.paths if self.val_rows else None)
         self.dtype = getattr(torch, plan.dtype)
         # fp16's narrow range needs a dynamic loss scale; a skipped step lowers it
         self.scaler = torch.amp.GradScaler(dist_state.device_type) if self.dtype == torch.float16 else None
-        fp16, muon_lr = self.scaler is not None, run.muon_lr if run.optimizer == "muon" else None
+        fp16 = self.scaler is not None
         self.guard = UpdateGuard(run.skip_nonfinite, run.skip_spikes, fp16, lambda: self.checkpointer.last)
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         self.raw_model = build_model(run, plan, dist_state, inputs.pretrained)
-        self.optimizer = build_optimizer(
-            self.raw_model, run.weight_decay, run.max_lr, dist_state.device_type, muon_lr, run.muon_momentum
-        )
+        muon = dict(muon_lr=run.muon_lr, muon_momentum=run.muon_momentum) if run.optimizer == "muon" else {}
+        self.optimizer = build_optimizer(self.raw_model, run.weight_decay, run.max_lr, dist_state.device_type, **muon)
         trainer_state = self.raw_model, self.optimizer, self.guard, self.scaler, self.device
         self.resumed = None
         if inputs.checkpoint:
@@ -744,29 +696,21 @@ class Trainer:
         """Read the steps B rows per micro-step from now on (after an out-of-memory: fewer)."""
         if hasattr(self, "prefetcher"):  # it holds micro-batches of the old size
             self.prefetcher.close()
-        self.loader = StepLoader(
-            self.train_rows, B, self.plan.rows_per_rank // B, self.dist_state.rank, self.dist_state.world_size
-        )
+        rank, W = self.dist_state.rank, self.dist_state.world_size
+        self.loader = StepLoader(self.train_rows, B, self.plan.rows_per_rank // B, rank, W)
         self.prefetcher = Prefetcher(self.loader, pin_memory=self.dist_state.device_type == "cuda")
 
     def forward_backward(self, micro_batches, n_tokens: int) -> torch.Tensor:
         """This rank's summed token loss; leaves d(step token-mean loss)/d(param) in .grad. If the first
         compiled call fails to compile, one line says why and it runs again eagerly (an out-of-memory is raised)."""
-        options = (
-            self.dist_state.world_size,
-            self.device,
-            self.dtype,
-            self.plan.loss_chunk,
-            self.scaler,
-            self.run.doc_mask,
-        )
+        W, options = self.dist_state.world_size, (self.plan.loss_chunk, self.scaler, self.run.doc_mask)
         try:
-            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, W, self.device, self.dtype, *options)
         except Exception as e:
             if self.compile_proven:
                 raise
             self.fall_back_to_eager(compile_failure_cause(e))
-            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, *options)
+            loss_total = accumulate_gradients(self.model, micro_batches, n_tokens, W, self.device, self.dtype, *options)
         self.compile_proven = True
         return loss_total
 
@@ -778,8 +722,7 @@ class Trainer:
         self.model = wrap_model(self.raw_model, False, self.dist_state, self.run.fsdp)
 
     def _open_log(self):
-        """Rank 0: the run's identity, log.jsonl and trackers (run_folder.open_run_log), once the folder is
-        checked to be still the one claimed; an evaluation opens none."""
+        """Rank 0: the run's identity, log.jsonl and trackers, in the folder still the one claimed (not --eval-only)."""
         if not self.run.eval_only:
             self.run_folder.check_claimed(None)  # (nothing of the run lands elsewhere)
             self.log = open_run_log(self.run, self.plan.model, self.resumed)
@@ -796,9 +739,7 @@ class Trainer:
                 loss_total = self.forward_backward(micro_batches, n_tokens)
                 break
             except Exception as e:
-                smaller = size_after_failure(
-                    e, len(micro_batches[0][0]), self.plan.rows_per_rank, self.dist_state.world_size
-                )
+                smaller = size_after_failure(e, micro_batches, self.plan.rows_per_rank, self.dist_state.world_size)
                 if smaller is None:
                     raise
                 reason = out_of_memory_reason(e)
@@ -855,8 +796,7 @@ class Trainer:
             print0(stopped_line(checkpoint_path(run.out_dir, stopped_at), stopped_at))
 
     def evaluate(self, step: int, last_step: bool) -> dict:
-        """Validation loss, HellaSwag and samples, each on its own schedule (and at the last step).
-        Returns what it logged."""
+        """Validation loss, HellaSwag and samples, each on its schedule and at the last step; returns what it logged."""
         run, dist_state = self.run, self.dist_state
         results = {}
 
@@ -865,9 +805,7 @@ class Trainer:
 
         if self.val_rows and due(run.val_every):
             options = self.dtype, self.token_bytes, self.plan.loss_chunk, run.doc_mask
-            results.update(
-                evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, dist_state, *options)
-            )
+            results = evaluate_loss(self.raw_model, self.val_rows, self.loader.B, run.val_steps, dist_state, *options)
             print0(f"step {step:5d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
             self.log.write(step=step, **results)
         if due(run.hellaswag_every):
@@ -885,8 +823,7 @@ class Trainer:
         return results
 
     def evaluate_only(self):
-        """--eval-only: the evaluations training runs at the loaded step, with the same numbers;
-        printed, then one JSON line. Nothing is written to --out-dir."""
+        """--eval-only: training's evaluations at the loaded step, printed, then one JSON line; writes nothing."""
         with self.running():
             results = self.evaluate(self.plan.start_step, last_step=True)
             checked_on_every_rank(self.dist_state, self.shard_check.result)

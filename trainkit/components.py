@@ -1,14 +1,6 @@
-"""What the Trainer is handed and saves through: the LaunchPlan a launch resolves once, and the
-Checkpointer that saves a step and puts a resumed one back.
-
-What a launch decides, once, before the Trainer exists: the LaunchPlan (T, the rows per step, dtype,
-compile, the loss chunk, the resumed step and row order) and what deciding it opened (LaunchInputs). Bad
-input fails here, in an order that spends no model work on it. The trainer passes in its model's shape
-and its row-stream class; this module imports no script.
-
-A run's checkpoints as the Trainer uses them: Checkpointer.save(step) writes one, checked first, and
-names the newest on disk (last); resume_state() puts a resumed checkpoint back into the live objects.
-"""
+"""What the Trainer is handed and saves through: the LaunchPlan a launch resolves once, before the Trainer
+exists (bad input failing first, before any model work), and the Checkpointer that saves a step; resume_state()
+puts a resumed checkpoint back. The trainer passes in its model's shape and row class: no script imported."""
 
 from __future__ import annotations
 
@@ -41,8 +33,8 @@ from trainkit.runtime.recovery import nonfinite_state
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes: resolved
-    once, then frozen (--batch-size auto's B by the Trainer's search). Checkpoints keep it beside the RunConfig."""
+    """What this launch decided from its RunConfig, the machine and the checkpoint it resumes, once (but
+    --batch-size auto's B, the Trainer's search). Checkpoints keep it beside the RunConfig."""
 
     model: object  # the GPTConfig: the preset and --n-* flags, or --init-from's shape
     seq_len: int  # T
@@ -75,10 +67,8 @@ class LaunchInputs:
 def resolve_launch(
     run, dist_state, run_folder: OutDirLock, model_cfg, pretrained, n_params: int, token_rows, evaluated=None
 ) -> tuple[LaunchPlan, LaunchInputs]:
-    """The launch's decisions for a model of shape model_cfg (n_params parameters; pretrained: --init-from's),
-    in the order that makes bad input fail first: T and the rows per step, dtype and compile, the data
-    (token_rows: the TokenRows class), the HellaSwag file, then (training claims --out-dir first) the checkpoint
-    to resume and its order. evaluated: (path, checkpoint) main() loaded for --eval-only --resume."""
+    """The launch's decisions for a model of shape model_cfg, bad input first: T, dtype, compile, the data
+    (token_rows: TokenRows), HellaSwag, then --out-dir and the checkpoint to resume (evaluated: main()'s)."""
     seq_len = run.seq_len or min(model_cfg.block_size, 1024)
     batch_size = run.batch_size or ("auto" if dist_state.device_type == "cuda" else 64)
     train_flags.check_run(run, model_cfg, seq_len, batch_size, dist_state.world_size)
@@ -91,15 +81,9 @@ def resolve_launch(
     cpu_chunk = train_flags.CPU_LOSS_CHUNK if dist_state.device_type == "cpu" else 0
     loss_chunk = run.loss_chunk if run.loss_chunk is not None else cpu_chunk
 
+    vocab_size = model_cfg.vocab_size
     train_rows = token_rows(
-        run.data_dir,
-        "train",
-        seq_len,
-        run.align_docs,
-        run.shuffle,
-        run.seed,
-        model_cfg.vocab_size,
-        progress=dist_state.is_main,
+        run.data_dir, "train", seq_len, run.align_docs, run.shuffle, run.seed, vocab_size, dist_state.is_main
     )
     if train_rows.rows_per_epoch < rows_per_rank * dist_state.world_size:
         raise UserError(
@@ -109,7 +93,7 @@ def resolve_launch(
     val_rows = None
     if run.val_every:
         try:
-            val_rows = token_rows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=model_cfg.vocab_size)
+            val_rows = token_rows(run.data_dir, "val", seq_len, run.align_docs, vocab_size=vocab_size)
         except UserError as e:
             raise UserError(f"{e} (or pass --val-every 0)") from None
         val_rows_needed = run.val_steps * (1 if batch_size == "auto" else batch_size) * dist_state.world_size
@@ -121,12 +105,11 @@ def resolve_launch(
     # a step or a save that finds this check failed stops
     shard_check = ShardDigestCheck(train_rows.paths + (val_rows.paths if val_rows else []))
     enc = get_tokenizer_or_fail("pass --sample-every 0") if run.sample_every else None
-    token_bytes = token_byte_lengths(model_cfg.vocab_size, "pass --val-every 0") if val_rows else None
+    token_bytes = token_byte_lengths(vocab_size, "pass --val-every 0") if val_rows else None
     hellaswag_file = None
     if run.hellaswag_every:
         get_tokenizer_or_fail("pass --hellaswag-every 0")
-        # download and render now: a bad file fails here, not at the first evaluation (which
-        # a resumed run reaches only after --hellaswag-every steps); evaluate() reuses the examples
+        # rendered now: a bad file fails here, not at the first evaluation (which reuses the examples)
         try:  # offline without the file: both ways on
             hellaswag_file = resolve_data_file(run.hellaswag_file, flag="--hellaswag-file")
         except UserError as e:
@@ -144,15 +127,8 @@ def resolve_launch(
         saved = checkpoint["launch"]
         shuffle = saved["shuffle"] if run.shuffle is None else run.shuffle  # unsaid: the checkpoint's order
         as_resumed = dataclasses.replace(run, seq_len=seq_len, shuffle=shuffle)  # compared with what it resolved
-        check_resume_compatible(
-            dict(
-                checkpoint,
-                run_config={**checkpoint["run_config"], "seq_len": saved["seq_len"], "shuffle": saved["shuffle"]},
-            ),
-            as_resumed,
-            model_cfg,
-            resume_from,
-        )
+        as_saved = {**checkpoint["run_config"], "seq_len": saved["seq_len"], "shuffle": saved["shuffle"]}
+        check_resume_compatible(dict(checkpoint, run_config=as_saved), as_resumed, model_cfg, resume_from)
         start_step = checkpoint["step"]
         if start_step > run.max_steps and not run.eval_only:
             raise UserError(
@@ -160,20 +136,9 @@ def resolve_launch(
                 "pass a larger --max-steps to train on"
             )
     train_rows.shuffle = shuffle  # (no row was read yet)
-    plan = LaunchPlan(
-        model_cfg,
-        seq_len,
-        batch_size,
-        rows_per_rank,
-        dist_state.world_size,
-        str(dtype).removeprefix("torch."),
-        compiled,
-        loss_chunk,
-        hellaswag_file,
-        resume_from,
-        start_step,
-        shuffle,
-    )
+    dtype, world_size = str(dtype).removeprefix("torch."), dist_state.world_size
+    sizes = model_cfg, seq_len, batch_size, rows_per_rank, world_size
+    plan = LaunchPlan(*sizes, dtype, compiled, loss_chunk, hellaswag_file, resume_from, start_step, shuffle)
     return plan, LaunchInputs(train_rows, val_rows, shard_check, enc, token_bytes, pretrained, checkpoint, run_folder)
 
 
@@ -181,14 +146,10 @@ def resolve_launch(
 
 
 class Checkpointer:
-    """Saves the run's training state with both records, the RunConfig asked for and the LaunchPlan
-    resolved; last: the newest checkpoint on disk (None: none yet), named when a run stops."""
+    """Saves the training state with the RunConfig and the LaunchPlan; last: the newest checkpoint on disk or None."""
 
-    def __init__(
-        self, run, plan, dist_state, trainer_state, shard_check, log, shards_read: dict, rows_per_epoch, run_folder
-    ):
-        """trainer_state: (raw model, optimizer, update guard, GradScaler or None, device), as training_state
-        takes; run_folder: the OutDirLock of --out-dir, which holds the folder this run claimed."""
+    def __init__(self, run, plan, dist_state, trainer_state, shard_check, log, shards_read, rows_per_epoch, run_folder):
+        """trainer_state: (raw model, optimizer, update guard, GradScaler or None, device), as training_state takes."""
         self.run, self.plan, self.dist_state, self.trainer_state = run, plan, dist_state, trainer_state
         self.shard_check, self.log, self.shards_read = shard_check, log, shards_read
         self.rows_per_epoch, self.run_folder = rows_per_epoch, run_folder
@@ -211,10 +172,8 @@ class Checkpointer:
         )
 
     def save(self, step: int, stopping: bool = False):
-        """Checkpoint at step, unless the weights or optimizer state hold NaN or inf (every rank checks
-        its tensors; one all-reduce makes them agree), or a rank's shards are not what their manifest
-        records (no checkpoint of steps on them; the save waits for that check to end, except a stop
-        signal's: a job's grace time is short, and a checkpoint in it is worth more)."""
+        """Checkpoint at step, unless any rank's weights or optimizer state hold NaN or inf, or its shards are
+        not what their manifest records (waited for, but by a stop's save: its grace time is short)."""
         path = checkpoint_path(self.run.out_dir, step)
         checked_on_every_rank(self.dist_state, lambda: self.shard_check.result(wait=not stopping))
         model, optimizer, _, _, device = self.trainer_state
@@ -241,27 +200,17 @@ class Checkpointer:
 SCHEDULE_KEYS = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac")
 
 
-def lr_change_notice(saved_run_config: dict, run, step: int, get_lr) -> str | None:
-    """One line when the schedule flags of a resumed run put another LR at the resumed step than
-    the checkpoint's run had there (e.g. a larger --max-steps stretches the cosine), else None."""
-    saved = dataclasses.replace(run, **{k: saved_run_config[k] for k in SCHEDULE_KEYS if k in saved_run_config})
-    old_lr, new_lr = get_lr(step, saved), get_lr(step, run)
-    if old_lr == new_lr:
-        return None
-    changed = ", ".join(
-        f"--{k.replace('_', '-')} {getattr(saved, k)} -> {getattr(run, k)}"
-        for k in SCHEDULE_KEYS
-        if getattr(saved, k) != getattr(run, k)
-    )
-    return f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({changed})"
-
-
 def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, get_lr) -> ResumePoint:
-    """The resumed checkpoint's training state put back (restore_training_state), with a line each where this
-    run reads other data, or sets another LR (get_lr(step, run): the trainer's schedule) or other optimizer
-    hyperparameters than it did."""
-    lr_notice = lr_change_notice(ckpt["run_config"], run, plan.start_step, get_lr)
+    """The checkpoint's training state put back, with a line each where this run reads other data, or sets
+    another LR (get_lr: the trainer's schedule; a larger --max-steps, say) or other optimizer hyperparameters."""
     path, step = plan.resume_from, plan.start_step
+    saved = {k: ckpt["run_config"][k] for k in SCHEDULE_KEYS if k in ckpt["run_config"]}
+    saved_run = dataclasses.replace(run, **saved)
+    old_lr, new_lr = get_lr(step, saved_run), get_lr(step, run)
+    changed = [
+        f"{train_flags.flag_name(k)} {saved[k]} -> {getattr(run, k)}" for k in saved if saved[k] != getattr(run, k)
+    ]
+    lr_notice = f"note: the LR at step {step} moves from {old_lr:.4e} to {new_lr:.4e} ({', '.join(changed)})"
     optimizer_notice = restore_training_state(ckpt, *trainer_state, path)  # (this run's weight decay, ...)
     print0(f"{'evaluating' if run.eval_only else 'resumed from'} {path} at step {step}")
     if not run.eval_only:
@@ -271,7 +220,7 @@ def resume_state(ckpt: dict, run, plan, trainer_state, shards_read: dict, get_lr
                 f"--data-dir {run.data_dir} changed since {path} was written ({change}): from "
                 f"step {step} on this run reads other rows than the run it continues would have"
             )
-        for notice in (lr_notice, optimizer_notice):
+        for notice in (lr_notice if old_lr != new_lr else None, optimizer_notice):
             if notice:
                 print0(notice)
     return ResumePoint.of(path, ckpt)

@@ -1,7 +1,5 @@
-"""train_gpt2.py's command line, built from its RunConfig, whose fields each declare their flag once
-(flag()); check_flags runs the fields' own checks, check_run those between fields. Standard library only,
-importing nothing of the trainer: `--help` and a usage error answer before torch is imported.
-"""
+"""train_gpt2.py's command line, built from RunConfig's fields (each declares its flag once), and the checks of
+its values. Standard library only: `--help` and a usage error answer before torch is imported."""
 
 from __future__ import annotations
 
@@ -21,15 +19,12 @@ CPU_LOSS_CHUNK = 128  # rows per chunk of the chunked loss on CPU: 26 MB of fp32
 # reuses; from 32 MB glibc maps every allocation afresh (256 rows: 16x the page faults, ~12% slower)
 
 
-def flag(default, help: str, group: str, check=None, **options):
-    """A RunConfig field and its flag: default, help, --help group, check (value -> error line or None) and
-    argparse's options (a False default without an action is a switch)."""
-    return dataclasses.field(default=default, metadata=dict(help=help, group=group, check=check, options=options))
-
-
 def flag_group(group: str):
-    """flag() for the fields of one --help group: GROUP(default, help, check, **options)."""
-    return lambda default, help, check=None, **options: flag(default, help, group, check, **options)
+    """GROUP(default, help, check=None, **options): a RunConfig field and its flag in this --help group; check:
+    (name, value) -> error line or None; argparse's options (a False default without an action: a switch)."""
+    return lambda default, help, check=None, **options: dataclasses.field(
+        default=default, metadata=dict(help=help, group=group, check=check, options=options)
+    )
 
 
 def flag_name(field_name: str) -> str:
@@ -84,7 +79,7 @@ def batch_size_flag(text: str) -> int | str:
     return cli.check_count(value, 1)
 
 
-# the checks of one field (flag(check=...)): its value -> the error line, or None
+# the checks of one field (flag_group's check): its value -> the error line, or None
 
 
 def one_of(choices):
@@ -113,7 +108,7 @@ def dist_timeout_range(name, value):
 
 
 def check_flags(run):
-    """Each field's own check before anything uses the values: every float finite (argparse's float() takes
+    """Each field's own check, before anything uses the values: every float finite (argparse's float() takes
     nan), the fields' checks in flag order, --init-from without shape flags, --eval-only without trackers."""
     fields = dataclasses.fields(run)
     for field in fields:
@@ -126,16 +121,7 @@ def check_flags(run):
         if problem:
             raise UserError(problem)
     if run.init_from:  # the weights set the shape: --n-layer and friends would be silently dropped
-        shape_flags = [
-            flag
-            for flag, value in (
-                ("--model", run.model),
-                ("--n-layer", run.n_layer),
-                ("--n-head", run.n_head),
-                ("--n-embd", run.n_embd),
-            )
-            if value
-        ]
+        shape_flags = [flag_name(name) for name in ("model", "n_layer", "n_head", "n_embd") if getattr(run, name)]
         if shape_flags:
             raise UserError(
                 f"--init-from {run.init_from} takes the model's shape from its weights: drop "
@@ -177,11 +163,7 @@ def check_run(run, model, seq_len: int, batch_size: int | str, world_size: int):
         raise UserError("--grad-clip, --weight-decay and --skip-spikes must be >= 0")
     if run.val_every and not run.val_steps:
         raise UserError("--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or --val-every 0")
-    text_flags = [
-        flag
-        for flag, on in (("--sample-every 0", run.sample_every), ("--hellaswag-every 0", run.hellaswag_every))
-        if on
-    ]
+    text_flags = [f"{flag_name(name)} 0" for name in ("sample_every", "hellaswag_every") if getattr(run, name)]
     if model.vocab_size < GPT2_VOCAB and text_flags:
         raise UserError(
             f"--vocab-size {model.vocab_size} is smaller than GPT-2's {GPT2_VOCAB} tokens, which "

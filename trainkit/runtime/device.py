@@ -1,28 +1,5 @@
-"""The device: the autocast dtype, whether a model fits and what an out-of-memory error is, the run's
-peak memory, torch.compile, and FSDP2's sharding.
-
-The autocast dtype of a device: bf16, fp16 with a GradScaler, or fp32 (where autocast is off), and
-whether a run compiles.
-
-Memory: whether a model fits the device before anything is allocated, what an out-of-memory error
-is and the one line that ends a run on it, and the most memory a run held (on the host: its own, apart
-from the token shards' pages it maps).
-
-The host's part: a process's RSS (and its peak, ru_maxrss / VmHWM) counts the pages of every file it maps:
-a run that reads 10B tokens of memory-mapped shards shows ~20 GB of RSS that are the kernel's page cache,
-shared with every other process and dropped under pressure, not memory the run needs. The run's own memory
-is its anonymous (private) memory, RssAnon in /proc/self/status; the kernel keeps no peak of it alone, so
-watch_peak() samples it every SAMPLE_EVERY_S on a daemon thread (a spike shorter than that can be missed)
-and peak_report() adds a last sample. The mapped data pages (.bin / .npy files: shards, kept row tables)
-are summed from /proc/self/smaps and reported apart. Where /proc is not there (macOS), the peak RSS.
-Runs nothing at import.
-
-torch.compile for training: whether it can run here, the GPT compiled one block at a time, and
-the cause of a failed first compiled step (the Trainer then goes on eagerly).
-
-FSDP2 (--fsdp): each rank holds 1/W of every parameter, gradient and AdamW state. shard_model builds it,
-fsdp_no_sync is DDP's no_sync, local_part what a rank holds; checkpoints gather the full state.
-"""
+"""The device: autocast dtype and compile, whether a model fits, the out-of-memory line, the run's peak memory
+(docs/output.md), torch.compile one block at a time (docs/performance.md) and FSDP2's sharding (docs/fsdp.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +10,8 @@ import os
 import re
 import sys
 import threading
+import time
+import types
 
 import torch
 import torch.nn as nn
@@ -61,9 +40,8 @@ def choose_precision_and_compile(run, dist_state) -> tuple[torch.dtype, bool]:
             "--fsdp does not support float16 (its GradScaler needs every rank to agree on "
             "overflows): pass --dtype bfloat16 on Ampere or newer, --dtype float32, or drop --fsdp"
         )
-    compiled, why_not = compile_decision(
-        run.compile, dist_state.device_type, capability, sys.platform, importlib.util.find_spec("triton") is not None
-    )
+    triton = importlib.util.find_spec("triton") is not None
+    compiled, why_not = compile_decision(run.compile, dist_state.device_type, capability, sys.platform, triton)
     if why_not:
         print0(f"compile off: {why_not}")
     if dist_state.device_type == "cuda":
@@ -74,22 +52,16 @@ def choose_precision_and_compile(run, dist_state) -> tuple[torch.dtype, bool]:
 # --- memory ---------------------------------------------------------------------------------------
 
 
-def device_memory(device: str, device_type: str) -> tuple[int, str] | None:
-    """(bytes, what they are) of the memory the model lives in, None where unknown (MPS)."""
-    if device_type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return props.total_memory, f"the {props.name}'s memory"
-    if device_type == "cpu" and hasattr(os, "sysconf"):
-        with contextlib.suppress(ValueError, OSError):
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-    return None
-
-
 def check_model_fits(n_params: int, dist_state, fsdp: bool, training: bool):
-    """Refuse a model of n_params parameters whose weights (evaluation) or weights, gradients and AdamW moments (training,
-    16 bytes per parameter) exceed the device's memory before any of it is allocated: a huge
-    allocation fails with a traceback, and many smaller ones end in the kernel's OOM killer."""
-    memory = device_memory(dist_state.device, dist_state.device_type)
+    """Refuse, before allocating, a model whose weights (evaluation) or weights, gradients and AdamW moments
+    (training: 16 bytes per parameter) exceed the device's memory (else a traceback, or the OOM killer)."""
+    memory = None  # (bytes, what they are): unknown on MPS
+    if dist_state.device_type == "cuda":
+        props = torch.cuda.get_device_properties(dist_state.device)
+        memory = props.total_memory, f"the {props.name}'s memory"
+    elif dist_state.device_type == "cpu" and hasattr(os, "sysconf"):
+        with contextlib.suppress(ValueError, OSError):
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
     if memory is None:
         return
     n, bytes_per_param = n_params, 16 if training else 4
@@ -107,9 +79,8 @@ def check_model_fits(n_params: int, dist_state, fsdp: bool, training: bool):
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )  # the CPU allocator's message
+    cpu_allocator = isinstance(e, RuntimeError) and "can't allocate memory" in str(e)  # (its message)
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or cpu_allocator
 
 
 def out_of_memory_reason(e: BaseException) -> str:
@@ -123,35 +94,24 @@ def out_of_memory_reason(e: BaseException) -> str:
 def out_of_memory_error(
     e: BaseException, device: str, last_ckpt: str | None, asked: int | str | None, ran_at: int | None = None
 ) -> cli.RankLocalError:
-    """The line for an out-of-memory that ends the run. asked: --batch-size as the launch had it (rows, "auto", or
-    None before it was resolved); ran_at: the rows per micro-step the steps ran at (None: no step was set up).
-    At one row fewer rows cannot help, and under auto the user named no --batch-size: the advice names what else
-    shrinks a step. A MemoryError raised by a library's import is no step's (cli.out_of_host_memory's line);
-    under an address-space limit (ulimit -v) the line names it too."""
+    """The line for an out-of-memory that ends the run; asked: --batch-size as launched (rows, "auto", None before
+    it was resolved), ran_at: the rows the steps ran at (None: none set up). The advice names what else can shrink."""
     if isinstance(e, MemoryError) and cli.raised_in_import(e):
         return cli.RankLocalError(cli.out_of_host_memory(e))
     auto = asked == "auto"
     micro_batch = ran_at if ran_at is not None else None if auto else asked  # (None: auto had chosen none)
+    smaller = "--activation-checkpointing, a shorter --seq-len or a smaller model"
     if auto and micro_batch is None:  # the search itself, before its first trial
-        advice = (
-            "--batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, "
-            "a shorter --seq-len or a smaller model"
-        )
+        advice = f"--batch-size auto could not try even one row per micro-step: pass {smaller}"
     elif micro_batch == 1:
-        advice = (
-            f"not even one row per micro-step fits{' (--batch-size auto chose 1)' * auto}: pass "
-            "--activation-checkpointing, a shorter --seq-len or a smaller model"
-        )
+        advice = f"not even one row per micro-step fits{' (--batch-size auto chose 1)' * auto}: pass {smaller}"
     elif auto:
         advice = (
             f"--batch-size auto chose {micro_batch} rows per micro-step, which fit its trial but not this step: "
             "pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len"
         )
     else:
-        advice = (
-            "lower --batch-size (--total-batch-size stays the same through more accumulation steps) or pass "
-            "--activation-checkpointing"
-        )
+        advice = "lower --batch-size (--total-batch-size stays the same through more accumulation steps) or pass --activation-checkpointing"
     limit = cli.memory_limit() if torch.device(device).type == "cpu" or isinstance(e, MemoryError) else None
     advice += f"; or raise the memory limit this process runs under ({limit})" if limit else ""
     return cli.RankLocalError(
@@ -170,57 +130,44 @@ def peak_memory(device: str) -> str:
 
 SAMPLE_EVERY_S = 0.05
 DATA_SUFFIXES = (".bin", ".npy")
+_watch = types.SimpleNamespace(peak=0, thread=None)  # the private memory's peak (bytes) and its sampler
 
 
-def _status_kib(key: str) -> int | None:
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
+def proc_kib(path: str, key: str) -> int | None:
+    """A `key:  N kB` line of a /proc file, in bytes (None where there is none)."""
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration), open(path) as f:
+        return 1024 * int(next(line.split()[1] for line in f if line.startswith(key + ":")))
     return None
 
 
-class _PeakWatch:
-    def __init__(self):
-        self.peak_kib = 0
-        self.thread = None
-
-    def sample(self) -> bool:
-        kib = _status_kib("RssAnon")
-        if kib is None:
-            return False
-        self.peak_kib = max(self.peak_kib, kib)
-        return True
-
-    def start(self):
-        # Under an address-space limit (ulimit -v, RLIMIT_AS) a thread's stack and malloc arena (some 72 MB of
-        # address space) would be taken from what --batch-size auto's search measured: there the peak is
-        # sampled where the steps end (sample_peak) and where it is reported
-        import resource
-
-        limited = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
-        if self.thread is None and self.sample() and not limited:
-            self.thread = threading.Thread(target=self._run, name="memory watch", daemon=True)
-            self.thread.start()
-
-    def _run(self):
-        stop = threading.Event()  # never set: the thread ends with the process
-        while not stop.wait(SAMPLE_EVERY_S):
-            self.sample()
-
-
-_watch = _PeakWatch()
-
-
-def watch_peak():
-    """Start sampling this process's private memory (once; a no-op where /proc is not there)."""
-    _watch.start()
+def _sample() -> bool:
+    """One sample of the private memory (RssAnon) into the peak; False where /proc is not there."""
+    now = proc_kib("/proc/self/status", "RssAnon")
+    _watch.peak = max(_watch.peak, now or 0)
+    return now is not None
 
 
 def sample_peak():
-    """One sample of the private memory now (where no thread samples it: an address-space limit)."""
+    """One sample where no thread takes them (under an address-space limit)."""
     if _watch.thread is None:
-        _watch.sample()
+        _sample()
+
+
+def watch_peak():
+    """Sample the private memory every SAMPLE_EVERY_S on a daemon thread (once); not under ulimit -v, where its
+    stack and arena (~72 MB of address space) would shrink what --batch-size auto measured (sample_peak then)."""
+    import resource
+
+    limited = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    if _watch.thread is None and _sample() and not limited:
+        _watch.thread = threading.Thread(target=_sample_forever, name="memory watch", daemon=True)
+        _watch.thread.start()
+
+
+def _sample_forever():
+    while True:  # (a daemon thread: it ends with the process)
+        time.sleep(SAMPLE_EVERY_S)
+        _sample()
 
 
 def mapped_data_kib() -> int:
@@ -237,17 +184,15 @@ def mapped_data_kib() -> int:
 
 
 def peak_report() -> str:
-    """ "X GiB private (+ Y GiB of mapped shard pages, shared)": the run's own peak, and the data pages
-    it maps apart; the peak RSS where /proc is not there."""
-    if not _watch.sample():
+    """ "X GiB private (+ Y GiB of mapped shard pages, shared)"; the peak RSS where /proc is not there."""
+    if not _sample():
         import resource
-        import sys
 
         scale = 2**30 if sys.platform == "darwin" else 2**20  # ru_maxrss: bytes on macOS, KiB on Linux
         return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale:.2f} GiB RSS"
     mapped = mapped_data_kib()
     shards = f" (+ {mapped / 2**20:.2f} GiB of mapped shard pages, shared page cache)" if mapped else ""
-    return f"{_watch.peak_kib / 2**20:.2f} GiB private{shards}"
+    return f"{_watch.peak / 2**30:.2f} GiB private{shards}"
 
 
 # --- compiling ------------------------------------------------------------------------------------
@@ -256,8 +201,7 @@ def peak_report() -> str:
 def compile_decision(
     requested: bool | None, device_type: str, capability: tuple[int, int] | None, platform: str, has_triton: bool
 ) -> tuple[bool, str | None]:
-    """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot, why not (Triton needs compute
-    capability 7.0+ and an install)."""
+    """Whether to torch.compile (default: on CUDA only) and, when CUDA cannot (Triton: 7.0+, installed), why not."""
     if requested is False or (requested is None and device_type != "cuda"):
         return False, None
     if device_type == "cuda":
@@ -270,10 +214,8 @@ def compile_decision(
 
 
 def compile_model(model: nn.Module, **options) -> nn.Module:
-    """The GPT the training step runs, compiled one block at a time (dynamo traces one block, the others
-    reuse its code) with its full_loss: a shallow copy of model sharing its parameters; model stays eager
-    for evaluation, sampling and checkpoints. The embeddings and chunked loss stay eager (traced, 64
-    chunks took 105 s to compile on CPU). Why, and DDP's overlap: docs/performance.md."""
+    """The GPT the step runs: a shallow copy of model (which stays eager) with each block and full_loss compiled;
+    the embeddings and chunked loss stay eager (traced, 64 chunks took 105 s to compile on CPU)."""
     # the blocks already overlap DDP's all-reduce; its graph cuts (25 MB buckets, 28 MB blocks) cost fusion
     torch._dynamo.config.optimize_ddp = False  # read when a block is first traced
     compiled = copy.copy(model)
@@ -309,19 +251,14 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, dist_state, dtype: torch.dtype, compile_block=None) -> nn.Module:
-    """FSDP2 in place on a GPT (dist_state: launch.Dist): each block, then the root, moved to
-    dist_state.device one at a time
-    (never whole on the GPU); a low-precision dtype computes in it and reduces in fp32. compile_block wraps
-    each block before it is sharded (torch's advice; per block as torchtitan)."""
+    """FSDP2 in place on a GPT: each block, then the root, sharded onto the device (never whole on it); a low
+    precision computes in dtype, reduces in fp32. compile_block wraps each block first (as torchtitan)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(dist_state.device_type, (dist_state.world_size,))
-    policy = (
-        MixedPrecisionPolicy()
-        if dtype == torch.float32
-        else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    )
+    low_precision = {} if dtype == torch.float32 else dict(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(**low_precision)
     blocks = model.transformer.h
     for i, block in enumerate(blocks):
         if compile_block:

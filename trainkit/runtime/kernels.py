@@ -1,16 +1,6 @@
-"""What the GPT's forward computes beyond torch's own ops: lm_head + cross-entropy in chunks, and
---doc-mask's attention inside each document.
-
-lm_head + cross-entropy in chunks of rows, never holding the (rows, vocab) logits (B=64, T=1024: 13 GB
-in fp32), or whole. The forward also computes each chunk's gradients (softmax - one-hot), so backward only
-scales them. The matmuls run over all of the padded rows (against the first 50257 a chunk's three matmuls
-took 20% longer), the softmax over the first n_real: the padded ids get exactly 0 probability and gradient. Also the validation loss the trainer
-logs (evaluate_loss).
-
---doc-mask: attention inside each document of a packed row, positions from the document's start, so
-each document computes what it would alone. A document begins at its <|endoftext|>; SDPA's bool mask or,
-compiled on CUDA, FlexAttention's BlockMask compute the same attention (docs/doc-mask.md).
-"""
+"""The GPT's forward beyond torch's ops: lm_head + cross-entropy in chunks, never holding the (rows, vocab) logits
+(B=64, T=1024: 13 GB in fp32), gradients made in the forward, matmuls on all padded rows (on the first 50257 a chunk's
+three took 20% longer), softmax on the real ones; the validation loss; --doc-mask's attention (docs/doc-mask.md)."""
 
 from __future__ import annotations
 
@@ -54,11 +44,10 @@ def chunked_loss_and_grads(h, weight, targets, scale, chunk_rows, n_real, want_g
     )  # (a matmul in another dtype returns its own logits; .float() copies them)
     for start in range(0, h.size(0), chunk_rows):
         hc, tc = h[start : start + chunk_rows], targets[start : start + chunk_rows]
-        logits = (
-            (hc @ weight.t()).float()
-            if logits_buffer is None
-            else torch.mm(hc, weight.t(), out=logits_buffer[: hc.size(0)])
-        )
+        if logits_buffer is None:
+            logits = (hc @ weight.t()).float()
+        else:
+            logits = torch.mm(hc, weight.t(), out=logits_buffer[: hc.size(0)])
         logits[:, n_real:] = float("-inf")  # exp gives 0: no probability, no gradient
         weights = (tc != IGNORE_INDEX).float() * scale  # per-row loss weight, 0 for ignored
         safe_t = tc.clamp(min=0).unsqueeze(1)
@@ -111,21 +100,9 @@ def full_lm_loss(h, weight, targets, reduction, n_real):
 
 
 @torch.no_grad()
-def evaluate_loss(
-    model: torch.nn.Module,
-    rows,
-    B: int,
-    n_batches: int,
-    dist_state,
-    dtype: torch.dtype,
-    token_bytes,
-    loss_chunk: int = 0,
-    doc_mask=False,
-) -> dict:
-    """{val_loss: token-weighted mean loss of model (the trainer's GPT) over the first n_batches x world size x B
-    rows of rows (its TokenRows),
-    val_bpb: its bits per byte, the summed loss of the targets with text, in bits, over their UTF-8
-    bytes (token_bytes: of each id, tokenizer.token_byte_lengths); left out if no target has any}."""
+def evaluate_loss(model, rows, B: int, n_batches: int, dist_state, dtype, token_bytes, loss_chunk=0, doc_mask=False):
+    """{val_loss: the token mean loss over rows' first n_batches x world size x B rows, val_bpb: the loss of the
+    targets with text in bits over their UTF-8 bytes (token_bytes: of each id), left out where none has any}."""
     model.eval()
     device, rank, world = dist_state.device, dist_state.rank, dist_state.world_size
     token_bytes = torch.as_tensor(token_bytes, device=device)
@@ -174,8 +151,8 @@ def flex_document_mask(docs: torch.Tensor):
 
 
 def document_attention(idx: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """(positions, attn_mask) of packed rows idx (B, T): FlexAttention's BlockMask compiled on CUDA (unless
-    DOC_MASK_KERNEL=sdpa, for benchmarks/gpu_check.py), else SDPA's bool mask."""
+    """(positions, attn_mask) of packed rows idx (B, T): a FlexAttention BlockMask compiled on CUDA (unless
+    DOC_MASK_KERNEL=sdpa: benchmarks/gpu_check.py), else SDPA's bool mask; the same attention."""
     docs = document_ids(idx)
     use_flex = idx.is_cuda and torch.compiler.is_compiling() and os.environ.get("DOC_MASK_KERNEL") != "sdpa"
     return document_positions(idx), flex_document_mask(docs) if use_flex else sdpa_document_mask(docs)

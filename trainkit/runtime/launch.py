@@ -1,14 +1,11 @@
-"""One launch on one or many processes: the device, the torchrun process group, what rank 0 decides
-for all, the ranks' agreement on flags and data, and one line per rank failure (a rank that died is
-a RankLost on the survivors, not a gloo traceback).
-
-The trainer, hellaswag.py and hf_interop.py use it; it imports none of them.
-"""
+"""One launch on one or many processes: the device, the torchrun process group, what rank 0 decides for all,
+the ranks' agreement on flags and data, and one line per rank failure (a dead peer: a RankLost, no traceback)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 import re
 import signal
@@ -61,13 +58,13 @@ def resolve_device(device: str) -> str:
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def launch_variables() -> tuple[int, int, int] | None:
-    """(rank, local rank, world size) from the variables a torchrun launch sets, None where none of
-    RANK, LOCAL_RANK, WORLD_SIZE is set (one process); a RankLocalError (each process sees its own
-    environment) naming the variable that is missing or not a number, or a RANK past WORLD_SIZE."""
+def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Join torchrun's process group where its variables are set (NCCL on CUDA, else gloo), else one process; one
+    line for a variable missing or wrong (each rank's own: RankLocalError) or ranks not all there by timeout_s."""
+    device = resolve_device(device)
     env = {k: os.environ.get(k, "") for k in LAUNCH_VARIABLES}
     if not any(env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return None
+        return Dist(device=device)
     how = "launch with torchrun, which sets them all, or unset RANK, LOCAL_RANK and WORLD_SIZE to run one process"
     given = [f"{k}={v}" for k, v in env.items() if v]
     for name, value in env.items():
@@ -80,25 +77,10 @@ def launch_variables() -> tuple[int, int, int] | None:
     rank, local_rank, world = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if rank >= world:
         raise RankLocalError(f"RANK={rank} with WORLD_SIZE={world}: the ranks are 0..WORLD_SIZE-1; {how}")
-    return rank, local_rank, world
-
-
-def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
-    """Join the torchrun process group if launched by torchrun (launch_variables), else a single
-    process; ranks that do not all arrive within timeout_s are one line, not a store's traceback.
-
-    NCCL on CUDA, gloo elsewhere. device is "auto", "cpu", "cuda", "cuda:N" or "mps"."""
-    device = resolve_device(device)
-    ranks = launch_variables()
-    if ranks is None:
-        return Dist(device=device)
-    rank, local_rank, world = ranks
-    if device.startswith("cuda"):
+    cuda = device.startswith("cuda")
+    if cuda:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    import datetime
-
-    cuda = device.startswith("cuda")
     try:  # device_id binds NCCL's communicator to this rank's GPU (else barrier() warns and guesses it)
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
@@ -116,11 +98,6 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> Dist:
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
-def cleanup_distributed():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks in place (gloo has no AVG; callers divide themselves)."""
     if dist.is_initialized():
@@ -129,8 +106,8 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def decided_on_rank0(dist_state: Dist, decide):
-    """decide() run on rank 0 only (the rank that writes --out-dir), its result sent to every rank;
-    a UserError there is raised on every rank, so that none waits in a collective for one that stopped."""
+    """decide() on rank 0 only (which writes --out-dir), its result sent to every rank; a UserError there is
+    raised on every rank, so that none waits in a collective for one that stopped."""
     answer = [None, None]  # (result, refusal)
     if dist_state.is_main:
         try:
@@ -145,15 +122,12 @@ def decided_on_rank0(dist_state: Dist, decide):
 
 
 class AgreedUserError(UserError):
-    """A UserError that every rank of the launch raised alike (checked_on_every_rank): they can still
-    meet, so they leave the process group together, as after a run that ends well."""
+    """A UserError every rank raised alike (checked_on_every_rank): they leave the group together."""
 
 
 def checked_on_every_rank(dist_state: Dist, action):
-    """action() on every rank, where each may fail on what only it sees (a file on its node's disk):
-    the ranks compare outcomes (one all-gather) and, if any raised a UserError, every rank raises
-    the lowest rank's, named by rank unless it is rank 0's, so that rank 0 prints it once and none
-    waits in a collective for one that stopped. Returns this rank's action()."""
+    """This rank's action(), where each rank may fail on what only it sees: after one all-gather, if any raised
+    a UserError every rank raises the lowest rank's (named by rank but rank 0's), which rank 0 prints once."""
     result, refusal = None, None
     try:
         result = action()
@@ -170,14 +144,12 @@ def checked_on_every_rank(dist_state: Dist, action):
 
 
 class RankLost(Exception):
-    """Another rank of the launch died (or stopped answering) and a collective here failed: every
-    surviving rank prints this as its one `error:` line and exits 1 (not a UserError: the input
-    was fine, and rank 0 may be the rank that died)."""
+    """Another rank died (or stopped answering) and a collective failed: each survivor prints its one `error:`
+    line and exits 1 (not a UserError: the input was fine, and rank 0 may be the rank that died)."""
 
 
 def is_lost_rank(e: BaseException) -> bool:
-    """A collective failed because a peer is gone: gloo raises a RuntimeError naming its socket
-    (connection closed or reset, timed out), NCCL a DistBackendError."""
+    """A collective failed because a peer is gone (gloo: a RuntimeError naming its socket; NCCL: a DistError)."""
     return isinstance(e, dist.DistError) or (
         isinstance(e, RuntimeError) and re.search(r"gloo|nccl|connection (closed|reset)|timed out", str(e), re.I)
     )
@@ -187,14 +159,8 @@ def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: b
     """The line for a failed collective; saves: the command writes checkpoints (so name the last)."""
     # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:14728. This is typically ..."
     reason = reason_of(e).split(". ")[0]
-    checkpoint = (
-        (
-            f". Last good checkpoint: {last_ckpt or 'none'}"
-            + (" (resume with the same command plus --resume)" if last_ckpt else "")
-        )
-        if saves
-        else ""
-    )
+    checkpoint = f". Last good checkpoint: {last_ckpt or 'none'}" if saves else ""
+    checkpoint += " (resume with the same command plus --resume)" if saves and last_ckpt else ""
     return RankLost(
         f"rank {rank}: another rank of this launch died or stopped answering ({reason}), so this rank "
         f"stopped too; torchrun's report below names the rank that failed first{checkpoint}"
@@ -203,12 +169,8 @@ def lost_rank_error(e: BaseException, rank: int, last_ckpt: str | None, saves: b
 
 @contextlib.contextmanager
 def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoint=None):
-    """setup_distributed and cleanup_distributed around one command's work on every rank, with the
-    faults of a launch as one line each: the ranks wait for each other before any tears the group
-    down (ranks that left at different times aborted at exit); a collective that failed because
-    another rank died is a RankLost (naming last_checkpoint(), for a command that saves them); and
-    after a UserError torchrun's SIGTERM, sent once one rank has exited, no longer cuts rank 0
-    short of printing its line."""
+    """One command's work in the process group, each fault one line: the ranks meet before teardown, a dead peer
+    is a RankLost (naming last_checkpoint()), and after a UserError torchrun's SIGTERM cannot cut rank 0 short."""
     dist_state = setup_distributed(device, timeout_s)
     try:
         yield dist_state
@@ -229,12 +191,12 @@ def process_group(device: str = "auto", timeout_s: float = 600.0, last_checkpoin
             ) from None
         raise
     finally:
-        cleanup_distributed()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def exit_code_on_every_rank(action, debug: bool = False) -> int:
-    """exit_code_of(action) for a command torchrun may launch: a RankLost is printed by every
-    surviving rank (rank 0 may be the one lost), exit code 1 (the input was fine)."""
+    """exit_code_of(action), where a RankLost is printed by every surviving rank and exits 1."""
     try:
         return exit_code_of(action, debug)
     except RankLost as e:
@@ -257,11 +219,8 @@ def first_difference(rank: int, mine: list, theirs: list) -> str | None:
 
 
 def check_ranks_agree(run):
-    """Under torchrun, refuse a launch whose ranks got different flags or data (a different
-    --max-steps ends in a collective waiting for a rank that left; a different --max-lr trains
-    replicas that silently drift apart): each flag of run (a RunConfig), in order, then the shard
-    lists (shards.shard_files: names, sizes and contents). One all-gather; every rank raises
-    the same error."""
+    """Under torchrun, refuse ranks started with other flags or data (a rank that leaves early hangs a
+    collective; another --max-lr drifts silently): one all-gather; every rank raises the same error."""
     fingerprint = [(flag_name(name), value) for name, value in dataclasses.asdict(run).items()]
     fingerprint += data_fingerprint(run.data_dir)
     if not dist.is_initialized():
@@ -271,8 +230,7 @@ def check_ranks_agree(run):
     for rank, fingerprint in enumerate(fingerprints[1:], start=1):
         difference = first_difference(rank, fingerprint, fingerprints[0])
         if difference:
-            # torchrun SIGTERMs the other ranks once one has exited: none exits before every rank
-            # ignores it, so that rank 0 lives to print the line
+            # torchrun SIGTERMs the others once one has exited: every rank ignores it first, so rank 0 prints the line
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             dist.barrier()
             raise UserError(

@@ -10,8 +10,7 @@ from trainkit.cli import UserError
 
 
 class MuonWithAdamW:
-    """Muon on some parameters, AdamW on the others; Muon's LR is each step's AdamW LR times this run's
-    --muon-lr / --max-lr, so both follow the schedule."""
+    """Muon on some parameters, AdamW on the rest; Muon's LR is AdamW's scheduled LR x --muon-lr / --max-lr."""
 
     def __init__(self, adamw: torch.optim.AdamW, matrices: list, muon_lr: float, muon_momentum: float, max_lr: float):
         if not hasattr(torch.optim, "Muon"):  # requirements.txt asks for 2.6, which AdamW runs need
@@ -55,15 +54,13 @@ class MuonWithAdamW:
         self.muon.load_state_dict(state["muon"])
 
 
-# the flag that sets each hyperparameter an optimizer keeps in its param_groups, by optimizer; the
-# others (betas, eps, ...) have none and differ only where the code that built the checkpoint's did
+# the flag setting each hyperparameter an optimizer keeps in its param_groups (betas, eps, ...: none, only code)
 HYPERPARAMETER_FLAGS = {("AdamW", "weight_decay"): "--weight-decay", ("Muon", "momentum"): "--muon-momentum"}
 
 
 def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
-    """Before a resume loads checkpoint_state: each hyperparameter its param_groups keep but the LR (weight
-    decay, momentum, ...) set to this run's, where torch's load_state_dict would keep the checkpoint's.
-    Returns the note line naming what changes (None: nothing); a state of another kind is left to refuse."""
+    """Before a resume loads checkpoint_state: its hyperparameters but the LR set to this run's (torch would keep
+    the checkpoint's); the note naming what changes, or None. A state of another kind is left to refuse."""
     changes = {}
 
     def adopt(part, ours: dict, theirs):
@@ -82,19 +79,13 @@ def use_run_hyperparameters(optimizer, checkpoint_state) -> str | None:
 
     ours = optimizer.state_dict()
     parts = sorted(ours.keys() - {"state", "param_groups"})  # MuonWithAdamW: one state dict per part
+    saved_parts = checkpoint_state if isinstance(checkpoint_state, dict) else {}
     for name in parts:
-        adopt(
-            getattr(optimizer, name),
-            ours[name],
-            checkpoint_state.get(name) if isinstance(checkpoint_state, dict) else None,
-        )
+        adopt(getattr(optimizer, name), ours[name], saved_parts.get(name))
     if not parts:
         adopt(optimizer, ours, checkpoint_state)
-    return (
-        f"note: the optimizer takes this run's values, not its checkpoint's: {', '.join(changes.values())}"
-        if changes
-        else None
-    )
+    changed = ", ".join(changes.values())
+    return f"note: the optimizer takes this run's values, not its checkpoint's: {changed}" if changes else None
 
 
 def same_value(a, b) -> bool:

@@ -1,30 +1,5 @@
-"""What keeps a step too big for memory, a bad update, a stop signal or a failed evaluation from
-costing training.
-
-The micro-batch that fits the device. `--batch-size auto` tries a step's forward and backward at
-the run's real shapes (compile, dtype, activation checkpointing, FSDP, with AdamW's moments
-counted) and keeps the largest number of rows per micro-step that does not run out of memory;
-an out-of-memory during training (one process) redoes the step from the same rows at half the
-micro-batch. Neither changes the numbers: a step reads the same rows and the same token count N
-whatever the split B x accumulation x W (the trainer's token-normalized accumulation), so the
-loss curve is the one a hand-picked --batch-size gives.
-
-Under torchrun every trial is agreed by all ranks (one all-reduce of a flag), so they all keep
-the same micro-batch. A trial under DDP runs without gradient sync (no collective a failing rank
-could leave half-done); under FSDP its forward and backward gather and reduce-scatter, so an
-out-of-memory on one rank alone ends the launch as a lost rank. An out-of-memory *during
-training* under torchrun cannot be recovered safely: the other ranks are already inside the
-backward's all-reduce, which the failed rank will never join. There it stays one error line
-naming --batch-size (device.out_of_memory_error).
-
-What keeps a bad step from doing harm: the non-finite and spike guard on each update
-(--skip-nonfinite, --skip-spikes), and the check that no checkpoint holds NaN or inf.
-
-Stop signals: SIGTERM, SIGINT and SIGHUP finish the step, checkpoint and exit 0.
-
-A failure between optimizer steps (an evaluation on input that changed, a full disk) loses no training:
-the steps trained since the last checkpoint are saved first, then the run stops with the failure's line.
-"""
+"""What keeps an out-of-memory (docs/gpus.md), a bad update, a stop signal or a failed evaluation from costing
+training (docs/resume-and-failures.md)."""
 
 from __future__ import annotations
 
@@ -39,7 +14,7 @@ import torch.distributed as dist
 
 from trainkit import cli
 from trainkit.cli import UserError, print0
-from trainkit.runtime.device import is_out_of_memory, local_part
+from trainkit.runtime.device import is_out_of_memory, local_part, proc_kib
 from trainkit.runtime.launch import AgreedUserError, all_reduce_sum
 
 # --- the micro-batch that fits --------------------------------------------------------------------
@@ -58,23 +33,10 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // b for b in small]))
 
 
-def smaller_micro_batch(B: int, rows_per_rank: int) -> int | None:
-    """Half of B, or the largest divisor of rows_per_rank below that; None below one row."""
-    return max((b for b in divisors(rows_per_rank) if b <= B // 2), default=None)
-
-
-def proc_kib(path: str, key: str) -> int:
-    """A `key:  N kB` line of a /proc file, in bytes."""
-    with open(path) as f:
-        return 1024 * int(next(line.split()[1] for line in f if line.startswith(key + ":")))
-
-
 @contextlib.contextmanager
 def cpu_search_limit(device_type: str):
-    """On CPU a trial too big for the RAM does not fail: the kernel's OOM killer ends this process,
-    or another one. While the search runs, the address space may grow only by CPU_SEARCH_SHARE of
-    the memory the machine has available, shared by the node's ranks (or less, under a limit set
-    before), so that a trial too big fails as an allocation error, which the search catches."""
+    """On CPU a trial too big for the RAM would call the OOM killer: while the search runs, the address space
+    may grow by CPU_SEARCH_SHARE of the available memory (shared by the node's ranks), so it fails as an error."""
     if device_type != "cpu" or not os.path.exists("/proc/meminfo"):  # (Linux: /proc and RLIMIT_AS)
         yield
         return
@@ -90,34 +52,14 @@ def cpu_search_limit(device_type: str):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def static_shapes(compiled: bool):
-    """Each trial compiles for its own B, as a run with that --batch-size would: the graph training
-    then runs at the chosen B is the one a hand-picked run compiles (after a second shape dynamo
-    would otherwise recompile for any batch size)."""
-    if not compiled:
-        return contextlib.nullcontext()
-    import torch._dynamo
-
-    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
-
-
-def margin_bytes(device: str) -> int:
-    if torch.device(device).type == "cuda":
-        return int(MARGIN_CUDA_SHARE * torch.cuda.get_device_properties(device).total_memory)
-    return MARGIN_CPU
-
-
 def release_cached(device: str):
-    """What a failed attempt left in the CUDA allocator's cache goes back to the device: the next try
-    gets unfragmented memory."""
+    """A failed try's cached CUDA blocks go back to the device: the next try gets unfragmented memory."""
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
 
 
 def fits_everywhere(forward_backward, B: int, T: int, model, optimizer, device: str) -> bool:
-    """One micro-batch of B rows of T tokens (zeros: the values do not change the memory) ran through
-    forward_backward without running out of memory on any rank. Its gradients are dropped; any
-    other error is raised."""
+    """B rows of T zeros ran through forward_backward with no out-of-memory on any rank; the gradients dropped."""
     x, failed = torch.zeros(B, T, dtype=torch.long), False
     # under DDP without gradient sync: no collective inside, which a rank that fails would leave half-done
     with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
@@ -133,36 +75,31 @@ def fits_everywhere(forward_backward, B: int, T: int, model, optimizer, device: 
 
 
 def choose_micro_batch(run, plan, forward_backward, model, optimizer, val_rows, dist_state, log) -> int:
-    """--batch-size auto's micro-batch: the largest divisor of plan.rows_per_rank whose micro-batch of
-    plan.seq_len-token rows fits on dist_state (a launch.Dist) through forward_backward(micro_batches, N), and with
-    which --val-steps evaluation batches fit in val_rows (the val TokenRows, or None): the largest first (it
-    often does), then a binary search of the others, a handful of trials. AdamW's moments do not exist
-    before the first update: tensors of their size are held during the trials, with a margin. Nothing
-    of a trial stays: gradients dropped, RNG state restored, no update. Printed in one line, logged."""
-    rows_per_rank, T, device, step = plan.rows_per_rank, plan.seq_len, dist_state.device, plan.start_step
-    t0, tried = time.perf_counter(), []
+    """--batch-size auto: the largest divisor of plan.rows_per_rank that fits (and lets --val-steps batches fit
+    val_rows): the largest first, then a binary search, AdamW's moments and a margin held. Printed, logged."""
+    rows_per_rank, T, device = plan.rows_per_rank, plan.seq_len, dist_state.device
+    t0, tried, device_type = time.perf_counter(), [], torch.device(device).type
     most = val_rows.rows_per_epoch // (run.val_steps * dist_state.world_size) if val_rows else rows_per_rank
     choices = [b for b in divisors(rows_per_rank) if b <= most]
-    device_type = torch.device(device).type
 
     def fits(i):
         tried.append((choices[i], fits_everywhere(forward_backward, choices[i], T, model, optimizer, device)))
         return tried[-1][1]
 
+    # each trial compiles for its own B, as a run with that --batch-size would (else dynamo goes dynamic)
+    static_shapes = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if plan.compile else None
     with (
         torch.random.fork_rng(devices=[device] if device_type == "cuda" else []),
         cpu_search_limit(device_type),
-        static_shapes(plan.compile),
+        static_shapes or contextlib.nullcontext(),
     ):
-        held = [
-            torch.empty_like(local_part(p))
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p not in optimizer.state and not run.eval_only
-            for _ in range(2)
-        ]  # AdamW's moments, as the first
-        # update allocates them (--eval-only updates nothing: its micro-batch is the one validation uses)
-        held.append(torch.empty(margin_bytes(device), dtype=torch.uint8, device=device))
+        # AdamW's moments as the first update allocates them (--eval-only updates nothing), and the margin
+        moments = [p for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state]
+        held = [torch.empty_like(local_part(p)) for p in moments * 2 if not run.eval_only]
+        cuda_margin = (
+            device_type == "cuda" and MARGIN_CUDA_SHARE * torch.cuda.get_device_properties(device).total_memory
+        )
+        held.append(torch.empty(int(cuda_margin or MARGIN_CPU), dtype=torch.uint8, device=device))
         best, fail = (len(choices) - 1, None) if fits(len(choices) - 1) else (-1, len(choices) - 1)
         while fail is not None and fail - best > 1:  # choices[best] fits (-1: none yet), choices[fail] does not
             mid = (best + fail) // 2
@@ -181,30 +118,25 @@ def choose_micro_batch(run, plan, forward_backward, model, optimizer, val_rows, 
         f"--batch-size auto: {B} rows per micro-step fit {device}, {rows_per_rank // B} accumulation steps "
         f"(tried {summary}; {len(tried)} trials, {seconds:.1f}s)"
     )
-    log.write(step=step, event="batch_size", batch_size=B, tried=summary, search_s=round(seconds, 3))
+    log.write(step=plan.start_step, event="batch_size", batch_size=B, tried=summary, search_s=round(seconds, 3))
     return B
 
 
-def size_after_failure(e: BaseException, B: int, rows_per_rank: int, world_size: int) -> int | None:
-    """The micro-batch to redo a step at after its forward-backward raised e at B rows: half of B (or the
-    largest divisor below) when e is an out-of-memory on one process; None (raise e) for any other error,
-    under torchrun, or below one row."""
+def size_after_failure(e: BaseException, micro_batches: list, rows_per_rank: int, world_size: int) -> int | None:
+    """The micro-batch to redo a step at after an out-of-memory on one process: half of the failed one (or the
+    largest divisor below); None (raise e) for any other error, under torchrun, or below one row."""
     if not is_out_of_memory(e) or world_size > 1:
         return None
-    return smaller_micro_batch(B, rows_per_rank)
+    return max((b for b in divisors(rows_per_rank) if b <= len(micro_batches[0][0]) // 2), default=None)
 
 
-def redo_smaller(
-    step: int, micro_batches: list, smaller: int, reason: str, rows_per_rank: int, optimizer, device: str, log
-) -> list:
-    """The step's micro-batches split again at smaller rows (the same rows in the same order: with one rank,
-    micro-step m reads rows m*B + [0, B)), the failed try's gradients dropped; said in one line and a log record."""
+def redo_smaller(step, micro_batches: list, smaller: int, reason: str, rows_per_rank: int, optimizer, device, log):
+    """The step's micro-batches re-split at smaller rows (the same rows in order), gradients dropped; said, logged."""
     optimizer.zero_grad(set_to_none=True)
     release_cached(device)
-    B = len(micro_batches[0][0])
     print0(
-        f"step {step:5d} | out of memory at {B} rows per micro-step ({reason}): the step again at "
-        f"{smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers"
+        f"step {step:5d} | out of memory at {len(micro_batches[0][0])} rows per micro-step ({reason}): the step "
+        f"again at {smaller} rows ({rows_per_rank // smaller} accumulation steps), the same rows and numbers"
     )
     log.write(step=step, event="batch_size", batch_size=smaller, reason="out of memory")
     x, y = (torch.cat([torch.as_tensor(batch[i]) for batch in micro_batches]) for i in (0, 1))
@@ -272,12 +204,8 @@ class UpdateGuard:
         return None
 
     def state_dict(self) -> dict:
-        return dict(
-            loss_window=self.loss_spikes.values,
-            norm_window=self.norm_spikes.values,
-            spikes_in_a_row=self.spikes_in_a_row,
-            nonfinite_skipped=self.nonfinite_skipped,
-        )
+        windows = dict(loss_window=self.loss_spikes.values, norm_window=self.norm_spikes.values)
+        return dict(windows, spikes_in_a_row=self.spikes_in_a_row, nonfinite_skipped=self.nonfinite_skipped)
 
     def load_state_dict(self, state: dict):
         self.loss_spikes.values, self.norm_spikes.values = list(state["loss_window"]), list(state["norm_window"])
@@ -285,8 +213,7 @@ class UpdateGuard:
 
 
 def guarded_update(optimizer, guard: UpdateGuard, scaler, step: int, loss: float, norm: float) -> str | None:
-    """The optimizer's step unless the guard skips it (through fp16's scaler, which then adjusts its scale),
-    gradients zeroed either way; returns why it skipped (None: applied)."""
+    """The optimizer's step unless the guard skips it (fp16: through the scaler), gradients zeroed; why skipped."""
     skipped = guard.skip_reason(step, loss, norm)
     if scaler:
         if not skipped:
@@ -313,6 +240,7 @@ def nonfinite_state(model, optimizer, device) -> str | None:
 
 # a stop as requested: preemption, Ctrl-C, and a closed terminal or ssh session (no SIGHUP on Windows)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+SIGHUP = getattr(signal, "SIGHUP", None)
 
 
 class StopSignal:
@@ -322,25 +250,18 @@ class StopSignal:
     def __init__(self, at_once: bool = False):
         self.requested, self.at_once = False, at_once
         self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]  # a hung-up terminal no longer says it is one
-        self.previous = {
-            s: signal.signal(s, self._handle)
-            for s in STOP_SIGNALS
-            if not (s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN)  # nohup's
-        }
+        nohup = [s for s in STOP_SIGNALS if s == SIGHUP and signal.getsignal(s) == signal.SIG_IGN]
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS if s not in nohup}
 
     def _handle(self, signum, frame):
-        if signum == getattr(signal, "SIGHUP", None):
-            self.leave_terminal()
+        if signum == SIGHUP:  # writing to the gone terminal would fail (EIO): what went there goes to /dev/null
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in self.terminal_fds:
+                os.dup2(devnull, fd)
+            os.close(devnull)
         if self.at_once or (self.requested and signum == signal.SIGINT):
             raise cli.Interrupted(signum)
         self.requested = True
-
-    def leave_terminal(self):
-        """After SIGHUP writing to the gone terminal fails (EIO): what went there goes to /dev/null."""
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for fd in self.terminal_fds:
-            os.dup2(devnull, fd)
-        os.close(devnull)
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -352,12 +273,8 @@ class StopSignal:
 
 
 def stopped_line(path: str, step: int) -> str:
-    """What a run stopped by a signal prints last: its checkpoint, how to go on, and under torchrun that
-    torchrun's own SignalException traceback after it is harmless."""
-    line = (
-        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same "
-        "command plus --resume"
-    )
+    """What a run stopped by a signal prints last: its checkpoint, how to go on (torchrun's traceback: harmless)."""
+    line = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume"
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # set by torchrun in every process it starts
         line += " (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
     return line
@@ -367,9 +284,8 @@ def stopped_line(path: str, step: int) -> str:
 
 
 def save_first_on_failure(checkpointer, step: int, action):
-    """action() (the evaluation due before step trains); where it raises a UserError after steps were trained,
-    checkpointer.save(step) first, with a note. Under torchrun only an AgreedUserError saves (every rank
-    meets in the save); a rank that failed alone names the last checkpoint instead."""
+    """action() (the evaluation due at step); where it raises a UserError after steps trained, they are saved first,
+    with a note. Under torchrun only an AgreedUserError saves (every rank meets there); else the line names the last."""
     try:
         return action()
     except UserError as e:

@@ -1,11 +1,5 @@
-"""How fast a run goes: tokens per second, MFU, and the step line's rate, elapsed time and eta.
-
-How well a run uses its hardware: tokens per second, and MFU against the GPU's dense peak (a
-table of datasheet figures, or --peak-tflops).
-
-The step line and its log record: the loss and speed fields, the per-device rate where there is more
-than one process, and the time elapsed and left. Standard library only.
-"""
+"""How fast a run goes: tokens per second, MFU against a GPU's dense peak (datasheets, or --peak-tflops), and
+the step line and its log record (docs/output.md)."""
 
 from __future__ import annotations
 
@@ -66,21 +60,11 @@ def mfu_peak(peak_tflops: float | None, device: str, dtype: torch.dtype) -> floa
 
 
 class Throughput:
-    """tok/s of all ranks, per GPU, and MFU = FLOPs of all ranks / (dt x W x one GPU's peak) of steps of
-    tokens_per_step tokens (padding included)."""
+    """tok/s of all ranks and per GPU, and MFU = FLOPs / (dt x W x one GPU's peak), of tokens_per_step-token steps."""
 
-    def __init__(
-        self, tokens_per_step: int, flops_per_token: float, peak: float | None, world_size: int, device_type: str
-    ):
-        self.tokens_per_step, self.flops_per_token, self.peak, self.W = (
-            tokens_per_step,
-            flops_per_token,
-            peak,
-            world_size,
-        )
-        self.device_type = (
-            device_type  # the per-device rate reads /gpu on CUDA, /rank elsewhere (trainkit/runtime/throughput.py)
-        )
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak, world_size: int, device_type: str):
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.W, self.device_type = world_size, device_type  # the per-device rate: /gpu on CUDA, /rank elsewhere
 
     def of(self, dt: float) -> tuple[float, float, float | None]:
         """(tok/s of all ranks, tok/s per GPU, MFU per GPU or None) of a step that took dt."""
@@ -94,14 +78,12 @@ class Throughput:
         speed = ""
         if timed:
             tok_per_s, tok_per_gpu, mfu = self.of(sum(timed) / len(timed))
-            speed = (
-                f" | mean {tok_per_s:,.0f} tok/s"
-                + per_device_and_mfu(tok_per_gpu, self.W, self.device_type, mfu)
-                + f" over {'steps after the first' if len(step_times) > 1 else 'the only step'}"
-            )
-        return (
-            f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s{speed} | peak memory {peak_mem}"
-        )
+            per_device = per_device_rate(tok_per_gpu, self.W, self.device_type).strip(" ()")
+            rates = ", ".join(part for part in (per_device, f"mfu {100 * mfu:.1f}%" if mfu else "") if part)
+            speed = f" | mean {tok_per_s:,.0f} tok/s" + (f" ({rates})" if rates else "")
+            speed += f" over {'steps after the first' if len(step_times) > 1 else 'the only step'}"
+        done = f"done: {len(step_times) * self.tokens_per_step:,} tokens in {elapsed:.1f}s"
+        return f"{done}{speed} | peak memory {peak_mem}"
 
 
 # --- the step line's fields -----------------------------------------------------------------------
@@ -114,27 +96,14 @@ def per_device_rate(tok_per_device: float, world_size: int, device_type: str) ->
     return f" ({tok_per_device:,.0f}/{'gpu' if device_type == 'cuda' else 'rank'})"
 
 
-def per_device_and_mfu(tok_per_device: float, world_size: int, device_type: str, mfu: float | None) -> str:
-    """' (N/gpu, mfu X%)' for the run's summary line: per_device_rate's number and the MFU, whichever there are."""
-    parts = [per_device_rate(tok_per_device, world_size, device_type).strip(" ()")] + (
-        [f"mfu {100 * mfu:.1f}%"] if mfu else []
-    )
-    return f" ({', '.join(part for part in parts if part)})" if any(parts) else ""
-
-
 def duration(seconds: float) -> str:
     """'42s', '3m07s', '2h05m': short, and to the second only below an hour."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    s = max(0, round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def elapsed_and_eta(elapsed: float, step_times: list[float], steps_left: int) -> str:
-    """' | elapsed 1m02s | eta 3m10s': the time since the loop began, and steps_left times the mean step
-    time after the first (which compiles; evaluations to come not counted)."""
+    """' | elapsed 1m02s | eta 3m10s': eta = steps_left x the mean step after the first (evaluations not counted)."""
     fields = f" | elapsed {duration(elapsed)}"
     timed = step_times[1:] or step_times
     if timed and steps_left > 0:
