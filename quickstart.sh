@@ -67,17 +67,24 @@ PIP=("$PY" -m pip install -q)
 # numpy (requirements.txt) is in, or it warns "Failed to initialize NumPy"
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' || install_torch
 "${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
-GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
-# the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it): if it cannot be loaded, why, in one line
-if ! BPE_ERROR=$("$PY" -c '
-import sys
+# one probe, torch imported once: the GPU, the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it: if it
+# cannot be loaded, why, in one line), whether data/stdlib is complete, and where the standard library is
+if ! PROBE=$("$PY" -c '
+import json, os, sys
+import torch
 from trainkit.data import tokenizer
 try:
     tokenizer.get_encoding()
 except RuntimeError as e:
-    sys.exit(str(e))' 2>&1 | tail -n 1); then
-  die "${BPE_ERROR:-could not load the GPT-2 BPE}"
+    sys.exit(str(e))
+try:
+    complete = bool(json.load(open("data/stdlib/manifest.json"))["complete"])
+except Exception:
+    complete = False
+print(int(torch.cuda.is_available()), int(complete), os.path.dirname(os.__file__))' 2>&1 | tail -n 1); then
+  die "${PROBE:-could not load the GPT-2 BPE}"
 fi
+read -r GPU STDLIB_COMPLETE STDLIB <<< "$PROBE"
 
 # ---- 2. data
 
@@ -101,11 +108,9 @@ for arg in "$@"; do  # the later steps follow an --out-dir or --data-dir given t
 done
 
 if [ "$DATA" = data/stdlib ]; then
-  if "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["complete"])' \
-      data/stdlib/manifest.json 2>/dev/null; then
+  if [ "$STDLIB_COMPLETE" = 1 ]; then
     say "reusing the tokenized standard library in data/stdlib"
   else
-    STDLIB=$("$PY" -c 'import os; print(os.path.dirname(os.__file__))')
     say "tokenizing the Python standard library ($STDLIB/*.py) into data/stdlib"
     # shellcheck disable=SC2086  # QUICKSTART_FINEWEB_ARGS is a list of arguments
     "$PY" fineweb.py --files "$STDLIB/*.py" --doc-per-file --shard-size 256K --prefix stdlib \
