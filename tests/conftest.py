@@ -658,8 +658,11 @@ for case in cases:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
     except BaseException:
-        traceback.print_exc()
         code = 1
+        try:
+            traceback.print_exc()
+        except OSError:  # a stderr that fails too
+            pass
     for stream in (sys.stdout, sys.stderr):  # as the interpreter's exit flushes them: a failure is exit code 120
         try:
             stream.flush()
