@@ -670,37 +670,6 @@ def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(
     assert tree_hashes(tmp_path) == before
 
 
-def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    lines = out.joinpath("log.jsonl").read_bytes().splitlines(keepends=True)
-    out.joinpath("log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
-    before = tree_hashes(out)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    run_id = json.loads(lines[0])["run"]
-    assert_one_error_line(
-        result,
-        f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
-        f"{out}/ckpt_0000004.pt was written (it holds ",
-        "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
-        "it, or move it aside (the resume then starts a new log.jsonl)",
-    )
-    assert tree_hashes(out) == before
-
-
-def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
-    tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
-    before = tree_hashes(tmp_path)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
-    assert_one_error_line(
-        result,
-        f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
-        "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
-        "log aside",
-    )
-    assert tree_hashes(tmp_path) == before
-
-
 @pytest.mark.parametrize(
     "source,kind", [("log.jsonl", "a JSON text file (a log.jsonl?)"), ("shard", "a NumPy array (a token shard?)")]
 )
@@ -730,58 +699,69 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
     assert tree_hashes(finished_run) == before
 
 
-def test_out_dir_that_is_a_file(data_dir, tmp_path):
-    tmp_path.joinpath("notes.txt").write_text("mine")
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "notes.txt", steps=2))
-    assert_one_error_line(
-        result,
-        f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
-        "checkpoints and log.jsonl into a folder; choose another --out-dir",
-    )
-    assert tmp_path.joinpath("notes.txt").read_text() == "mine"
+def plant_nan(ckpt):
+    ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
 
 
-def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run, data_dir, tmp_path):
-    out = tmp_path / "run"
+@pytest.mark.parametrize(
+    "case", ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file", "export"]
+)
+def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(finished_run, data_dir, tmp_path, case):
+    out, ckpt = tmp_path / "run", finished_run / "ckpt_0000004.pt"
     shutil.copytree(finished_run, out)
-
-    def plant_nan(ckpt):
-        ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
-
-    re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
-    before = tree_hashes(out)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    assert_one_error_line(
-        result,
-        f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
-        f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt",
-    )
-    assert tree_hashes(out) == before
-
-
-def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, data_dir, tmp_path):
-    ckpt = finished_run / "ckpt_0000004.pt"
-    args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
-    for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
-        del args[args.index(flag) : args.index(flag) + 2]
-    result = run_main("train_gpt2.py", *args)
-    assert_one_error_line(
-        result,
-        f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
-        "a Hub name (gpt2, ...) or a folder written by save_pretrained; --resume PATH "
-        "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
-        "export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
-    )
-    assert os.listdir(tmp_path) == []
-
-
-def test_an_export_into_a_missing_folder_names_that_folder(finished_run, tmp_path):
-    before = tree_hashes(finished_run)
-    result = run_main("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
-    assert_one_error_line(
-        result,
-        f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "
-        f"it goes into, {tmp_path}/missing, does not exist; create it, or choose another "
-        "output folder",
-    )
-    assert os.listdir(tmp_path) == [] and tree_hashes(finished_run) == before
+    resume = ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
+    if case == "log cut short":
+        lines = (out / "log.jsonl").read_bytes().splitlines(keepends=True)
+        (out / "log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
+        command, line = (
+            resume,
+            (
+                f"{out}/log.jsonl is the log of run {json.loads(lines[0])['run']}, but not as it was when "
+                f"{out}/ckpt_0000004.pt was written (it holds ",
+                "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
+                "it, or move it aside (the resume then starts a new log.jsonl)",
+            ),
+        )
+    elif case == "log not JSON":
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / "log.jsonl").write_bytes(bytes(range(256)))
+        command = ("train_gpt2.py", *tiny_run_args(data_dir, out, steps=2))
+        line = (
+            f"--out-dir {out} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
+            "wrote) but no checkpoint to resume: move the log aside",
+        )
+    elif case == "out-dir a file":
+        command = ("train_gpt2.py", *tiny_run_args(data_dir, out / "log.jsonl", steps=2))
+        line = (
+            f"--out-dir {out}/log.jsonl is a file, not a folder: a run writes its checkpoints and log.jsonl into a "
+            "folder; choose another --out-dir",
+        )
+    elif case == "NaN in the optimizer":
+        re_summed(ckpt, out / "ckpt_0000004.pt", plant_nan)
+        command, line = (
+            resume,
+            (
+                f"{out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of parameter 3): use the "
+                f"earlier checkpoint {out}/ckpt_0000002.pt",
+            ),
+        )
+    elif case == "init-from a file":
+        args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
+        for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
+            del args[args.index(flag) : args.index(flag) + 2]
+        command = ("train_gpt2.py", *args)
+        line = (
+            f"--init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: a Hub name (gpt2, ...) or a "
+            "folder written by save_pretrained; --resume PATH continues a train_gpt2.py checkpoint's run; to start "
+            "a new run from its weights, export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
+        )
+    else:  # an export into a missing folder
+        command = ("hf_interop.py", "export", out, tmp_path / "missing" / "hf")
+        line = (
+            f"cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder it goes into, "
+            f"{tmp_path}/missing, does not exist; create it, or choose another output folder",
+        )
+    before = tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))  # (no folder made either)
+    assert_one_error_line(run_main(*command), f"error: {line[0]}", *line[1:])
+    assert (tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))) == before
