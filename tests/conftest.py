@@ -608,3 +608,121 @@ def start(command, cwd=REPO, env=None, **popen) -> subprocess.Popen:
     stdout and stderr pipes of text unless popen says otherwise: a run to signal, kill or read while it goes."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
     return subprocess.Popen(command, cwd=cwd, env=with_env(env), text=True, **pipes)
+
+
+# --- suitecli ---
+# Scripts run as programs (runpy with run_name "__main__", as `python SCRIPT` runs them) one after another in ONE new
+# interpreter, so that torch is imported once for many command lines. Each case starts afresh: this repository's
+# modules unloaded, its own argv, environment, current folder and output files, SIGINT and sys.excepthook as at start.
+AS_PROGRAMS = r"""
+import io, json, os, runpy, signal, sys, tempfile, traceback
+cases, watch, report = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+repo = os.getcwd()
+ours = {"trainkit", *(name[:-3] for name in os.listdir(repo) if name.endswith(".py"))}
+streams, results = (sys.stdout, sys.stderr), []
+
+def target(kind, caught):
+    if kind == "full":
+        return os.open("/dev/full", os.O_WRONLY)
+    if kind == "left":  # a pipe whose reader has left, as after `| head -1`
+        reader, writer = os.pipe()
+        os.close(reader)
+        return writer
+    return os.dup(caught.fileno())
+
+for case in cases:
+    for name in [m for m in sys.modules if m.split(".")[0] in ours]:
+        del sys.modules[name]
+    env = dict(os.environ)
+    os.environ.update({k: v for k, v in case.get("env", {}).items() if v is not None})
+    for k in [k for k, v in case.get("env", {}).items() if v is None]:
+        os.environ.pop(k, None)
+    if case.get("cwd") == "deleted":
+        os.chdir(tempfile.mkdtemp())
+        os.rmdir(os.getcwd())
+    else:
+        os.chdir(case.get("cwd") or repo)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.excepthook = sys.__excepthook__
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    fd_out = target(case.get("stdout"), out)
+    fd_err = fd_out if case.get("stderr") == "stdout" else target(case.get("stderr"), err)
+    saved = os.dup(1), os.dup(2)
+    os.dup2(fd_out, 1)
+    os.dup2(fd_err, 2)
+    encoding = case.get("encoding", "utf-8")
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding=encoding)
+    sys.stderr = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding=encoding, errors="backslashreplace",
+        line_buffering=True,
+    )
+    argv, code = case["argv"], 0
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            script = os.path.join(repo, argv[0])  # as `python SCRIPT` names it: relative in the repo only
+            sys.argv = [script if case.get("cwd") else argv[0], *argv[1:]]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+        code = 1
+        try:
+            traceback.print_exc()
+        except OSError:  # a stderr that fails too
+            pass
+    for stream in (sys.stdout, sys.stderr):  # as the interpreter's exit flushes them: a failure is exit code 120
+        try:
+            stream.flush()
+        except Exception as e:
+            code = 120
+            os.write(2, f"Exception ignored on flushing {stream}: {e!r}\n".encode())
+    own = sys.modules.get(os.path.basename(argv[0]).removesuffix(".py"))
+    loaded = sorted(m for m in watch if m in sys.modules)
+    sys.stdout, sys.stderr = streams
+    for fd, saved_fd in zip((1, 2), saved):
+        os.dup2(saved_fd, fd)
+        os.close(saved_fd)
+    for fd in {fd_out, fd_err}:
+        os.close(fd)
+    os.chdir(repo)
+    os.environ.clear()
+    os.environ.update(env)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode(errors="backslashreplace"))
+    results.append([code or 0, *texts, loaded, own and own.__name__])
+with open(report, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_as_programs(cases, watch=(), timeout=600) -> list:
+    """Each case run as a program, in turn, in ONE new interpreter (AS_PROGRAMS): a dict of argv ([script, *args],
+    the script's path relative to the repo; or ["-c", code, *args]) and optionally env (variables set on top; None
+    unsets one), cwd (the current folder, default the repo; "deleted": one deleted under the program), stdout and
+    stderr (default caught; "full": /dev/full; "left": a pipe whose reader has left; stderr "stdout": the same
+    file as stdout) and encoding (stdout's and stderr's, as PYTHONIOENCODING sets it). Returns a CompletedProcess
+    per case (exit code: SystemExit's; 1 and the traceback for an exception) with .loaded, the modules of watch
+    imported by then, and .own, the __name__ of a module the script's own name gives (None: no second copy)."""
+    with tempfile.TemporaryDirectory() as folder:
+        report = os.path.join(folder, "report.json")
+        proc = subprocess.run(
+            [sys.executable, "-c", AS_PROGRAMS, json.dumps(cases), json.dumps(list(watch)), report],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(report) as f:
+            results = json.load(f)
+    completed = []
+    for case, (code, out, err, loaded, own) in zip(cases, results):
+        result = subprocess.CompletedProcess(case["argv"], code, out, err)
+        result.loaded, result.own = loaded, own
+        completed.append(result)
+    return completed

@@ -1,7 +1,7 @@
 """Hostile input to the trainer: one `error:` line, exit code 2, no traceback; never a checkpoint or log
 lost, corrupted or filled with non-finite numbers. The refusals run in-process through each script's main
-(run_main); what only a process shows runs as one: Ctrl-C, ranks that never gather, memory and file-size
-limits, a log that is a named pipe."""
+(run_main); what only a process shows runs as one: Ctrl-C during start-up, memory and file-size limits (a log
+that is a named pipe: test_hostile_inputs, with the other files that are not regular files)."""
 
 import hashlib
 import json
@@ -83,10 +83,8 @@ def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
 
 @pytest.mark.parametrize("flag", ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout", "--muon-lr"])
 def test_every_float_flag_must_be_finite(data_dir, tmp_path, flag):
-    assert_refused(
-        run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, flag, "nan")),
-        f"{flag} must be a finite number, got nan",
-    )
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, flag, "nan"))
+    assert_refused(result, f"{flag} must be a finite number, got nan")
 
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -161,11 +159,11 @@ def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, 
     assert_one_error_line(result, f"{path}: {message}")
 
 
-def test_a_checkpoint_removed_while_loading(finished_copy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("via", ["load_checkpoint", "sample.py"])
+def test_a_checkpoint_removed_while_loading(finished_copy, monkeypatch, via):
     """--keep-last of a live run may delete the checkpoint that export, sample.py or hellaswag.py is
     loading: gone before it is opened, one line; gone once open, the open file loads whole."""
-    run = finished_copy
-    found = os.path.isfile
+    run, found = finished_copy, os.path.isfile
 
     def found_then_removed(path):  # there when looked for, gone when opened
         there = found(path)
@@ -174,12 +172,16 @@ def test_a_checkpoint_removed_while_loading(finished_copy, tmp_path, monkeypatch
         return there
 
     monkeypatch.setattr(os.path, "isfile", found_then_removed)
+    line = (
+        f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's --keep-last?); the newest "
+        f"beside it now: {run / 'ckpt_0000002.pt'}"
+    )
+    if via == "sample.py":
+        result = run_main("sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
+        return assert_one_error_line(result, line)
     with pytest.raises(UserError) as removed:
         checkpoints.load_checkpoint(str(run))
-    assert str(removed.value) == (
-        f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
-        f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}"
-    )
+    assert str(removed.value) == line
     monkeypatch.undo()
     loaded = torch.load
 
@@ -190,25 +192,6 @@ def test_a_checkpoint_removed_while_loading(finished_copy, tmp_path, monkeypatch
     monkeypatch.setattr(torch, "load", removed_once_open)
     assert checkpoints.load_checkpoint(str(run / "ckpt_0000002.pt"))["step"] == 2
     assert os.listdir(run) == ["log.jsonl"]
-
-
-def test_sample_from_a_checkpoint_removed_while_loading(finished_copy, tmp_path, monkeypatch):
-    run = finished_copy
-    found = os.path.isfile
-
-    def found_then_removed(path):  # the newest checkpoint removed between finding and opening it
-        there = found(path)
-        if there and os.path.basename(path) == "ckpt_0000004.pt":
-            os.remove(path)
-        return there
-
-    monkeypatch.setattr(os.path, "isfile", found_then_removed)
-    result = run_main("sample.py", "--checkpoint", run, "--max-new-tokens", 1, "--num-samples", 1)
-    assert_one_error_line(
-        result,
-        f"checkpoint {run / 'ckpt_0000004.pt'} was removed while loading (by its run's "
-        f"--keep-last?); the newest beside it now: {run / 'ckpt_0000002.pt'}",
-    )
 
 
 def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
@@ -323,21 +306,8 @@ def made_data(tmp_path_factory):
     rng = np.random.default_rng(0)
     lines = [" ".join(rng.choice(words, rng.integers(5, 80))) for _ in range(400)]
     (folder / "docs.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    assert (
-        fineweb.main(
-            [
-                "--files",
-                str(folder / "docs.jsonl"),
-                "--out-dir",
-                str(folder / "data"),
-                "--shard-size",
-                "4000",
-                "--workers",
-                "1",
-            ]
-        )
-        == 0
-    )
+    flags = ["--out-dir", str(folder / "data"), "--shard-size", "4000", "--workers", "1"]
+    assert fineweb.main(["--files", str(folder / "docs.jsonl"), *flags]) == 0
     return folder / "data"
 
 
@@ -399,21 +369,8 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr
     shutil.copy(made_data.parent / "docs.jsonl", tmp_path / "copy.jsonl")  # the same text, another path and mtime
-    assert (
-        fineweb.main(
-            [
-                "--files",
-                str(tmp_path / "copy.jsonl"),
-                "--out-dir",
-                str(tmp_path / "again"),
-                "--shard-size",
-                "4000",
-                "--workers",
-                "1",
-            ]
-        )
-        == 0
-    )
+    flags = ["--out-dir", str(tmp_path / "again"), "--shard-size", "4000", "--workers", "1"]
+    assert fineweb.main(["--files", str(tmp_path / "copy.jsonl"), *flags]) == 0
     shutil.rmtree(data)
     os.rename(tmp_path / "again", data)
     assert (data / "manifest.json").read_bytes() != (made_data / "manifest.json").read_bytes()
@@ -580,19 +537,6 @@ def test_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_one(data_dir
 # --- processes and environments -------------------------------------------------
 
 
-def snapshot(folder) -> dict:
-    """Every file under folder (relative name -> its bytes' sha256): what must stay byte-identical."""
-
-    def digest(path):  # (a named pipe is never opened: that would wait for a writer)
-        return hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else "not a file"
-
-    return {
-        os.path.relpath(os.path.join(root, name), folder): digest(os.path.join(root, name))
-        for root, _, names in os.walk(folder)
-        for name in names
-    }
-
-
 @pytest.mark.parametrize(
     "env,message",
     [
@@ -614,36 +558,37 @@ def snapshot(folder) -> dict:
     ids=["no MASTER_ADDR", "RANK alone", "WORLD_SIZE=two", "RANK past WORLD_SIZE"],
 )
 def test_rank_variables_without_torchrun_are_one_line(finished_run, data_dir, env, message):
-    before = snapshot(finished_run)
+    before = tree_hashes(finished_run)
     for script, args in [
         ("train_gpt2.py", tiny_run_args(data_dir, finished_run, "--resume", steps=6)),
         ("hellaswag.py", ["--checkpoint", finished_run, "--limit", "1"]),
     ]:
         result = run_main(script, *args, env={**os.environ, **env})
         assert_one_error_line(result, message)
-    assert snapshot(finished_run) == before
+    assert tree_hashes(finished_run) == before
 
 
-def test_ranks_that_never_gather_are_one_line(tmp_path):
+def test_ranks_that_never_gather_are_one_line(monkeypatch, capsys):
     # trainkit.runtime.launch.process_group, which every script's ranks join through, with a second rank that never
-    # comes: the store's timeout (a few seconds here; --dist-timeout in the trainer)
+    # comes: the store's timeout (2 s here; --dist-timeout in the trainer)
     from conftest import free_port
+    from trainkit.runtime import launch
 
-    env = dict(
-        os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
-    result = run_command(
-        "-c",
-        "import sys\nfrom trainkit.runtime import launch\n"
-        "def join():\n    with launch.process_group('cpu', 2): pass\n"
-        "sys.exit(launch.exit_code_on_every_rank(join))",
-        env=env,
-        timeout=120,
-    )
+    port = str(free_port())
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    ).items():
+        monkeypatch.setenv(name, value)
+
+    def join():
+        with launch.process_group("cpu", 2):
+            pass
+
+    result = subprocess.CompletedProcess([], launch.exit_code_on_every_rank(join), "", capsys.readouterr().err)
     assert_one_error_line(
         result,
-        f"error: rank 0: could not gather the WORLD_SIZE=2 ranks of this launch at "
-        f"127.0.0.1:{env['MASTER_PORT']} within 2 s (DistStoreError: ",
+        f"error: rank 0: could not gather the WORLD_SIZE=2 ranks of this launch at 127.0.0.1:{port} within 2 s "
+        "(DistStoreError: ",
         "start all 2 ranks (torchrun does), or unset RANK, LOCAL_RANK and WORLD_SIZE",
     )
 
@@ -663,25 +608,6 @@ def test_libraries_that_cannot_load_under_a_memory_limit_are_one_line(data_dir, 
             "under a memory limit (ulimit -v) raise it, otherwise reinstall them",
         )
     assert os.listdir(tmp_path) == []
-
-
-def test_a_log_that_is_a_named_pipe_is_refused_not_waited_on(finished_run, data_dir, tmp_path):
-    for out, extra in [(tmp_path / "new", ()), (tmp_path / "resumed", ("--resume",))]:
-        if extra:
-            shutil.copytree(finished_run, out)
-            os.remove(out / "log.jsonl")
-        else:
-            out.mkdir()
-        os.mkfifo(out / "log.jsonl")
-        before = snapshot(out)
-        result = run_command("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=6), timeout=120)
-        assert_one_error_line(
-            result,
-            f"error: {out}/log.jsonl is a named pipe (FIFO), not a regular file: a run "
-            "would wait on it or write over it; remove it (the run makes its own), or "
-            "choose another --out-dir",
-        )
-        assert snapshot(out) == before
 
 
 def test_gpt_state_shapes_are_the_models():
@@ -730,63 +656,18 @@ def test_a_checkpoint_with_a_valid_checksum_but_the_wrong_structure(
     out.mkdir()
     shutil.copy(finished_run / "log.jsonl", out)
     re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", edit)
-    examples = tmp_path / "hellaswag.jsonl"
-    examples.write_text(
-        json.dumps(
-            dict(
-                ctx="A man is on a roof. he",
-                ctx_a="A man is on a roof.",
-                ctx_b="he",
-                activity_label="Roofing",
-                endings=["a", "b", "c", "d"],
-                label=0,
-            )
-        )
-        + "\n"
-    )
-    before = snapshot(tmp_path)
+    before = tree_hashes(tmp_path)
     ckpt = out / "ckpt_0000004.pt"
     lines = {
         "train": ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6)),
         "sample": ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "2"),
-        "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", examples),
+        "hellaswag": ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
         "export": ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
     }
     for command in commands:
         result = run_main(*lines[command])
         assert_one_error_line(result, f"error: {ckpt}: {what}")
-    assert snapshot(tmp_path) == before
-
-
-def test_a_log_cut_short_or_edited_says_so(finished_run, data_dir, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    lines = out.joinpath("log.jsonl").read_bytes().splitlines(keepends=True)
-    out.joinpath("log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
-    before = snapshot(out)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    run_id = json.loads(lines[0])["run"]
-    assert_one_error_line(
-        result,
-        f"error: {out}/log.jsonl is the log of run {run_id}, but not as it was when "
-        f"{out}/ckpt_0000004.pt was written (it holds ",
-        "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
-        "it, or move it aside (the resume then starts a new log.jsonl)",
-    )
-    assert snapshot(out) == before
-
-
-def test_a_log_that_is_not_json_is_not_called_a_run(data_dir, tmp_path):
-    tmp_path.joinpath("log.jsonl").write_bytes(bytes(range(256)))
-    before = snapshot(tmp_path)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2))
-    assert_one_error_line(
-        result,
-        f"error: --out-dir {tmp_path} holds a log.jsonl of no run (no line of it is a "
-        "JSON record: not a log this trainer wrote) but no checkpoint to resume: move the "
-        "log aside",
-    )
-    assert snapshot(tmp_path) == before
+    assert tree_hashes(tmp_path) == before
 
 
 @pytest.mark.parametrize(
@@ -803,7 +684,7 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
         if source == "log.jsonl"
         else "there is no checkpoint beside it"
     )
-    before = snapshot(finished_run)
+    before = tree_hashes(finished_run)
     for command in [
         ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6)),
         ("hf_interop.py", "export", path, tmp_path / "hf"),
@@ -815,61 +696,72 @@ def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_d
         )
         assert "weights_only" not in result.stderr
     assert os.listdir(tmp_path) == []  # the refused resume left no empty --out-dir behind
-    assert snapshot(finished_run) == before
+    assert tree_hashes(finished_run) == before
 
 
-def test_out_dir_that_is_a_file(data_dir, tmp_path):
-    tmp_path.joinpath("notes.txt").write_text("mine")
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "notes.txt", steps=2))
-    assert_one_error_line(
-        result,
-        f"error: --out-dir {tmp_path}/notes.txt is a file, not a folder: a run writes its "
-        "checkpoints and log.jsonl into a folder; choose another --out-dir",
-    )
-    assert tmp_path.joinpath("notes.txt").read_text() == "mine"
+def plant_nan(ckpt):
+    ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
 
 
-def test_nan_in_the_optimizer_state_names_the_checkpoint_before_it(finished_run, data_dir, tmp_path):
-    out = tmp_path / "run"
+@pytest.mark.parametrize(
+    "case", ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file", "export"]
+)
+def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(finished_run, data_dir, tmp_path, case):
+    out, ckpt = tmp_path / "run", finished_run / "ckpt_0000004.pt"
     shutil.copytree(finished_run, out)
-
-    def plant_nan(ckpt):
-        ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
-
-    re_summed(finished_run / "ckpt_0000004.pt", out / "ckpt_0000004.pt", plant_nan)
-    before = snapshot(out)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    assert_one_error_line(
-        result,
-        f"error: {out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of "
-        f"parameter 3): use the earlier checkpoint {out}/ckpt_0000002.pt",
-    )
-    assert snapshot(out) == before
-
-
-def test_init_from_a_checkpoint_file_says_what_init_from_takes(finished_run, data_dir, tmp_path):
-    ckpt = finished_run / "ckpt_0000004.pt"
-    args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
-    for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
-        del args[args.index(flag) : args.index(flag) + 2]
-    result = run_main("train_gpt2.py", *args)
-    assert_one_error_line(
-        result,
-        f"error: --init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: "
-        "a Hub name (gpt2, ...) or a folder written by save_pretrained; --resume PATH "
-        "continues a train_gpt2.py checkpoint's run; to start a new run from its weights, "
-        "export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
-    )
-    assert os.listdir(tmp_path) == []
-
-
-def test_an_export_into_a_missing_folder_names_that_folder(finished_run, tmp_path):
-    before = snapshot(finished_run)
-    result = run_main("hf_interop.py", "export", finished_run, tmp_path / "missing" / "hf")
-    assert_one_error_line(
-        result,
-        f"error: cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder "
-        f"it goes into, {tmp_path}/missing, does not exist; create it, or choose another "
-        "output folder",
-    )
-    assert os.listdir(tmp_path) == [] and snapshot(finished_run) == before
+    resume = ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
+    if case == "log cut short":
+        lines = (out / "log.jsonl").read_bytes().splitlines(keepends=True)
+        (out / "log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
+        command, line = (
+            resume,
+            (
+                f"{out}/log.jsonl is the log of run {json.loads(lines[0])['run']}, but not as it was when "
+                f"{out}/ckpt_0000004.pt was written (it holds ",
+                "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
+                "it, or move it aside (the resume then starts a new log.jsonl)",
+            ),
+        )
+    elif case == "log not JSON":
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / "log.jsonl").write_bytes(bytes(range(256)))
+        command = ("train_gpt2.py", *tiny_run_args(data_dir, out, steps=2))
+        line = (
+            f"--out-dir {out} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
+            "wrote) but no checkpoint to resume: move the log aside",
+        )
+    elif case == "out-dir a file":
+        command = ("train_gpt2.py", *tiny_run_args(data_dir, out / "log.jsonl", steps=2))
+        line = (
+            f"--out-dir {out}/log.jsonl is a file, not a folder: a run writes its checkpoints and log.jsonl into a "
+            "folder; choose another --out-dir",
+        )
+    elif case == "NaN in the optimizer":
+        re_summed(ckpt, out / "ckpt_0000004.pt", plant_nan)
+        command, line = (
+            resume,
+            (
+                f"{out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of parameter 3): use the "
+                f"earlier checkpoint {out}/ckpt_0000002.pt",
+            ),
+        )
+    elif case == "init-from a file":
+        args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
+        for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
+            del args[args.index(flag) : args.index(flag) + 2]
+        command = ("train_gpt2.py", *args)
+        line = (
+            f"--init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: a Hub name (gpt2, ...) or a "
+            "folder written by save_pretrained; --resume PATH continues a train_gpt2.py checkpoint's run; to start "
+            "a new run from its weights, export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
+        )
+    else:  # an export into a missing folder
+        command = ("hf_interop.py", "export", out, tmp_path / "missing" / "hf")
+        line = (
+            f"cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder it goes into, "
+            f"{tmp_path}/missing, does not exist; create it, or choose another output folder",
+        )
+    before = tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))  # (no folder made either)
+    assert_one_error_line(run_main(*command), f"error: {line[0]}", *line[1:])
+    assert (tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))) == before

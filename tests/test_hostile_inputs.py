@@ -9,13 +9,23 @@ regression would block the test's own process), proving the contract end to end.
 import json
 import os
 import shutil
+import stat
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, assert_refused, run_command, run_main, tiny_run_args, tree_hashes, write_checkpoint
+from conftest import (
+    HELLASWAG_FILE,
+    assert_refused,
+    run_as_programs,
+    run_main,
+    tiny_run_args,
+    tree_hashes,
+    write_checkpoint,
+)
 from trainkit.runfiles import checkpoints
 
 
@@ -352,29 +362,9 @@ def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
     folder = hf_folder(tmp_path / "hf")
     index_to(str(tmp_path / "elsewhere" / "x.safetensors"))(folder)
     before = tree_hashes(tmp_path)
-    result = run_main(
-        "train_gpt2.py",
-        "--init-from",
-        folder,
-        "--data-dir",
-        data_dir,
-        "--out-dir",
-        tmp_path / "out",
-        "--seq-len",
-        "16",
-        "--batch-size",
-        "4",
-        "--total-batch-size",
-        "64",
-        "--max-steps",
-        "1",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-    )
+    flags = "--seq-len 16 --batch-size 4 --total-batch-size 64 --max-steps 1 --val-every 0 --sample-every 0"
+    args = ["--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out", *flags.split()]
+    result = run_main("train_gpt2.py", *args, "--hellaswag-every", "0")
     assert_refused(
         result,
         f"--init-from {folder}: its model.safetensors.index.json names the weight file "
@@ -387,33 +377,69 @@ def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
 # --- files that are not regular files ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
-def test_a_shard_that_is_not_a_regular_file_is_refused_not_read(data_dir, tmp_path, kind):
-    data = tmp_path / "data"
-    shutil.copytree(data_dir, data)
-    before = tree_hashes(tmp_path)
-    shard = data / "x_train_000009.npy"
-    if kind == "fifo":
-        os.mkfifo(shard)
-        what = "a named pipe (FIFO)"
-    else:
-        os.symlink("/dev/zero", shard)
-        what = "a character device (a link to /dev/zero)"
-    result = run_command("train_gpt2.py", *tiny_run_args(data, tmp_path / "out", steps=1), timeout=120)
-    assert_refused(result, f"{shard} is {what}, not a regular file: it cannot be read as one")
-    os.remove(shard)
-    assert tree_hashes(tmp_path) == before
+@pytest.fixture(scope="module")
+def not_files(finished_run, data_dir, tmp_path_factory):
+    """Shards, logs and inputs that are named pipes or a link to /dev/zero, given to the scripts run as programs in
+    one interpreter (run_as_programs), not in the test's process: a regression would block on the pipe, or read
+    /dev/zero without end, where a process's timeout ends it. {case: (CompletedProcess, its special file, the
+    folder's tree_hashes before it was made)}."""
+    tmp = tmp_path_factory.mktemp("not_files")
+    fifo_data, zero_data = (Path(shutil.copytree(data_dir, tmp / name)) for name in ("fifo_data", "zero_data"))
+    new, resumed = tmp / "new", tmp / "resumed"
+    new.mkdir()
+    shutil.copytree(finished_run, resumed)
+    os.remove(resumed / "log.jsonl")
+    docs = tmp / "docs.jsonl"
+    train = lambda data, out, *extra: ["train_gpt2.py", *tiny_run_args(data, out, *extra, steps=6)]
+    cases = {
+        "shard fifo": (fifo_data / "x_train_000009.npy", train(fifo_data, tmp / "o1")),
+        "shard /dev/zero": (zero_data / "x_train_000009.npy", train(zero_data, tmp / "o2")),
+        "new log fifo": (new / "log.jsonl", train(data_dir, new)),
+        "resumed log fifo": (resumed / "log.jsonl", train(data_dir, resumed, "--resume")),
+        "fineweb --files": (docs, ["fineweb.py", "--files", docs, "--out-dir", tmp / "o3"]),
+        "hellaswag --data-file": (docs, ["hellaswag.py", "--data-file", docs, "--checkpoint", finished_run]),
+    }
+    before = tree_hashes(tmp)
+    os.mkfifo(docs)
+    for case, (path, _) in cases.items():
+        if case == "shard /dev/zero":
+            os.symlink("/dev/zero", path)
+        elif path != docs:
+            os.mkfifo(path)
+    results = run_as_programs([dict(argv=[str(a) for a in argv]) for _, argv in cases.values()], timeout=300)
+    special = {case: path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for case, (path, _) in cases.items()}
+    for path in {path for path, _ in cases.values()}:
+        os.remove(path)
+    results = {case: (result, path) for (case, (path, _)), result in zip(cases.items(), results)}
+    return results, special, tree_hashes(tmp) == before
 
 
-def test_inputs_that_are_named_pipes_are_refused_not_waited_on(finished_run, tmp_path):
-    """fineweb.py --files and hellaswag.py --data-file."""
-    fifo = tmp_path / "docs.jsonl"
-    os.mkfifo(fifo)
-    result = run_command("fineweb.py", "--files", fifo, "--out-dir", tmp_path / "out", timeout=120)
-    assert_refused(result, f"{fifo} is a named pipe (FIFO), not a regular file: it cannot be read as one")
-    result = run_command("hellaswag.py", "--data-file", fifo, "--checkpoint", finished_run, timeout=120)
-    assert_refused(result, f"--data-file {fifo} is a named pipe (FIFO), not a regular file: it cannot be read as one")
-    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
+FIFO = "a named pipe (FIFO), not a regular file: it cannot be read as one"
+LOG_FIFO = (
+    "a named pipe (FIFO), not a regular file: a run would wait on it or write over it; remove it (the run makes "
+    "its own), or choose another --out-dir"
+)
+
+
+@pytest.mark.parametrize(
+    "case, line",
+    [
+        ("shard fifo", "{path} is " + FIFO),
+        (
+            "shard /dev/zero",
+            "{path} is a character device (a link to /dev/zero), not a regular file: it cannot be read as one",
+        ),
+        ("new log fifo", "{path} is " + LOG_FIFO),
+        ("resumed log fifo", "{path} is " + LOG_FIFO),
+        ("fineweb --files", "{path} is " + FIFO),
+        ("hellaswag --data-file", "--data-file {path} is " + FIFO),
+    ],
+)
+def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case, line):
+    results, special, unchanged = not_files
+    result, path = results[case]
+    assert_refused(result, line.format(path=path))
+    assert special[case] and unchanged  # the pipe or link left as it was, and every other file
 
 
 # --- models HellaSwag cannot score --------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_command, run_main, tiny_run_args, trained_steps
+from conftest import HELLASWAG_FILE, REPO, run_as_programs, run_main, tiny_run_args, trained_steps
 from trainkit.runfiles import checkpoints
 from trainkit.cli import reason_of, shown
 
@@ -23,10 +23,6 @@ HOSTILE_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J"
 SHARDS = dict(n_docs=300, seed=5)
 
 
-def command(script, *args):
-    return [sys.executable, script, *map(str, args)]
-
-
 def train_args(data_dir, out_dir, steps, *extra):
     """A tiny run of one layer (tiny_run_args) for steps steps, extra last."""
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, n_layer=1, warmup=2)
@@ -34,21 +30,6 @@ def train_args(data_dir, out_dir, steps, *extra):
 
 def saved_steps(out_dir) -> list:
     return [checkpoints.load_checkpoint(str(p))["step"] for p in sorted(out_dir.glob("ckpt_*.pt"))]
-
-
-def run_with_dead_stdout(script, *args, stderr_too=False):
-    """script with its stdout (and stderr_too) a pipe whose reader has left, as after `| head -1`
-    (closed before the command writes, so that every write it makes fails): (exit code, stderr)."""
-    reader, writer = os.pipe()
-    os.close(reader)
-    try:
-        proc = subprocess.Popen(
-            command(script, *args), cwd=REPO, stdout=writer, stderr=writer if stderr_too else subprocess.PIPE
-        )
-    finally:
-        os.close(writer)
-    _, err = proc.communicate(timeout=300)
-    return proc.returncode, err
 
 
 # ---- what is shown -----------------------------------------------------------------------------
@@ -135,40 +116,92 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
 # ---- an output that goes away ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stderr_too", [False, True], ids=["stdout", "stdout-and-stderr"])
-def test_training_goes_on_after_its_reader_left(data_dir, tmp_path, stderr_too):
-    """`train_gpt2.py ... | head -1` (and `2>&1 | head -1`): every step trained and saved, exit 0."""
-    code, err = run_with_dead_stdout(
-        "train_gpt2.py", *train_args(data_dir, tmp_path, 4, "--ckpt-every", "2"), stderr_too=stderr_too
-    )
-    assert (code, err) == (0, None if stderr_too else b"")
-    assert trained_steps(tmp_path) == [0, 1, 2, 3] and saved_steps(tmp_path) == [2, 4]
+@pytest.fixture(scope="module")
+def gone(data_dir, finished_run, tmp_path_factory):
+    """The scripts as programs, in one interpreter (run_as_programs), with a stdout that fails: a reader that left
+    ("left"), /dev/full ("full"), or an encoding without the characters: {name: (CompletedProcess, out_dir)}."""
+    tmp = tmp_path_factory.mktemp("gone")
+    sample = ["sample.py", "--checkpoint", finished_run, "--num-samples", 3, "--max-new-tokens", 2, "--device", "cpu"]
+    hellaswag = ["hellaswag.py", "--checkpoint", finished_run, "--data-file", HELLASWAG_FILE, "--limit", 2]
+    (tmp / "plot").mkdir()
+    log = "".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(3))
+    (tmp / "plot" / "log.jsonl").write_text(log)
+    cases = {
+        "train left": (["train_gpt2.py", *train_args(data_dir, tmp / "left", 4, "--ckpt-every", 2)], "left", None),
+        "train left 2>&1": (
+            ["train_gpt2.py", *train_args(data_dir, tmp / "both", 4, "--ckpt-every", 2)],
+            "left",
+            "stdout",
+        ),
+        "train full": (["train_gpt2.py", *train_args(data_dir, tmp / "full", 3)], "full", None),
+        "eval-only full": (
+            ["train_gpt2.py", *train_args(data_dir, tmp / "full", 3, "--eval-only", "--resume", "--val-every", 1)],
+            "full",
+            None,
+        ),
+        "ascii": (
+            [
+                "train_gpt2.py",
+                *train_args(data_dir, tmp / "ascii", 3, "--sample-every", 1, "--sample-prompt", "café ☕"),
+            ],
+            None,
+            None,
+        ),
+        "sample left": (sample, "left", None),
+        "sample full": (sample, "full", None),
+        "sample full 2>&1": (sample, "full", "full"),
+        "hellaswag full": (hellaswag, "full", None),
+        "hellaswag left": (hellaswag, "left", None),
+        "plot full": (["plot_log.py", tmp / "plot"], "full", None),
+    }
+    runs = [
+        dict(
+            argv=[str(a) for a in argv],
+            stdout=stdout,
+            stderr=stderr,
+            **({"encoding": "ascii"} if name == "ascii" else {}),
+        )
+        for name, (argv, stdout, stderr) in cases.items()
+    ]
+    return dict(zip(cases, run_as_programs(runs))), tmp
 
 
-def test_training_goes_on_with_stdout_on_a_full_disk(data_dir, tmp_path):
-    """`train_gpt2.py ... > /dev/full` trains and saves (exit 0); --eval-only, whose printed record is
-    all it makes, says that it could not write it."""
-    with open("/dev/full", "w") as full:
-        result = subprocess.run(
-            command("train_gpt2.py", *train_args(data_dir, tmp_path, 3)),
-            cwd=REPO,
-            stdout=full,
-            stderr=subprocess.PIPE,
-            timeout=300,
-        )
-        assert (result.returncode, result.stderr) == (0, b"")
-        assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
-        result = subprocess.run(
-            command("train_gpt2.py", *train_args(data_dir, tmp_path, 3, "--eval-only", "--resume", "--val-every", "1")),
-            cwd=REPO,
-            stdout=full,
-            stderr=subprocess.PIPE,
-            timeout=300,
-        )
-    assert (result.returncode, result.stderr) == (
-        2,
-        b"error: cannot write the output to stdout: no space left on device\n",
-    )
+FULL = "error: cannot write the output to stdout: no space left on device\n"
+
+
+@pytest.mark.parametrize("case", ["train left", "train left 2>&1", "train full"])
+def test_training_goes_on_when_its_output_goes_away(gone, case):
+    """`train_gpt2.py ... | head -1` (and `2>&1 | head -1`), `> /dev/full`: every step trained and saved, exit 0."""
+    results, tmp = gone
+    out = tmp / {"train left": "left", "train left 2>&1": "both", "train full": "full"}[case]
+    assert (results[case].returncode, results[case].stderr) == (0, "")
+    steps = 3 if case == "train full" else 4
+    assert trained_steps(out) == list(range(steps)) and saved_steps(out) == ([3] if steps == 3 else [2, 4])
+
+
+def test_a_command_whose_output_is_its_product_says_when_stdout_failed(gone):
+    """--eval-only, sample.py and hellaswag.py: a reader that left ends them quietly with 141 (128 + SIGPIPE, as a
+    shell reports it); a full disk is one line and exit code 2, or the code alone when stderr is on that disk too.
+    plot_log.py's product is its plot: written, exit 0."""
+    results, tmp = gone
+    outcome = {name: (r.returncode, r.stderr) for name, r in results.items()}
+    assert outcome["eval-only full"] == outcome["sample full"] == (2, FULL)
+    assert outcome["sample left"] == (141, "") and outcome["sample full 2>&1"] == (2, "")
+    # (before it, hellaswag.py's progress bar, which ends each of its updates with \r)
+    code, err = outcome["hellaswag full"]
+    assert (code, err.endswith("\n" + FULL), err.count("error:")) == (2, True, 1)
+    assert outcome["hellaswag left"][0] == 141
+    assert outcome["plot full"] == (0, "") and (tmp / "plot" / "loss.png").stat().st_size > 0
+
+
+def test_training_with_samples_on_a_terminal_without_their_characters(gone):
+    """PYTHONIOENCODING=ascii: what the encoding lacks is written backslash-escaped."""
+    results, tmp = gone
+    result = results["ascii"]
+    assert (result.returncode, result.stderr, result.stdout.isascii()) == (0, "", True)
+    samples = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
+    assert len(samples) == 12 and all(line.startswith("sample: caf\\xe9 \\u2615") for line in samples)
+    assert trained_steps(tmp / "ascii") == [0, 1, 2] and saved_steps(tmp / "ascii") == [3]
 
 
 def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp_path):
@@ -182,7 +215,7 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
         preexec_fn=lambda: (signal.signal(signal.SIGHUP, signal.SIG_DFL), os.setpgid(0, 0)),
     )  # a process group of its own, as a shell's job (in a terminal: not under nohup)
     trainer = subprocess.Popen(
-        command("train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")),
+        [sys.executable, "train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")],
         cwd=REPO,
         stdout=tee.stdin,
         stderr=subprocess.PIPE,
@@ -205,63 +238,6 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
     [step] = saved_steps(out)
     assert step >= 3 and trained_steps(out) == list(range(step))
     assert (tmp_path / "run.txt").read_text().startswith("model: ")
-
-
-def test_training_with_samples_on_a_terminal_without_their_characters(data_dir, tmp_path):
-    """PYTHONIOENCODING=ascii: what the encoding lacks is written backslash-escaped."""
-    result = run_command(
-        "train_gpt2.py",
-        *train_args(data_dir, tmp_path, 3, "--sample-every", "1", "--sample-prompt", "café ☕"),
-        env={"PYTHONIOENCODING": "ascii"},
-    )
-    assert (result.returncode, result.stderr, result.stdout.isascii()) == (0, "", True)
-    samples = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
-    assert len(samples) == 12 and all(line.startswith("sample: caf\\xe9 \\u2615") for line in samples)
-    assert trained_steps(tmp_path) == [0, 1, 2] and saved_steps(tmp_path) == [3]
-
-
-def test_a_command_whose_output_is_its_product_says_when_stdout_failed(finished_run):
-    """sample.py and hellaswag.py: a reader that left ends them quietly with 141 (128 + SIGPIPE, as
-    a shell reports it); a full disk is one line and exit code 2, or the code alone when stderr
-    is on that disk too."""
-    sample = ["--checkpoint", finished_run, "--num-samples", "3", "--max-new-tokens", "2", "--device", "cpu"]
-    hellaswag = [
-        "--checkpoint",
-        finished_run,
-        "--data-file",
-        REPO / "fixtures" / "hellaswag_val_subset.jsonl",
-        "--limit",
-        "2",
-        "--device",
-        "cpu",
-    ]
-    line = b"error: cannot write the output to stdout: no space left on device\n"
-    assert run_with_dead_stdout("sample.py", *sample) == (141, b"")
-    with open("/dev/full", "w") as full:
-        result = subprocess.run(
-            command("sample.py", *sample), cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300
-        )
-        assert (result.returncode, result.stderr) == (2, line)
-        assert (
-            subprocess.run(command("sample.py", *sample), cwd=REPO, stdout=full, stderr=full, timeout=300).returncode
-            == 2
-        )
-        result = subprocess.run(
-            command("hellaswag.py", *hellaswag), cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300
-        )
-    # (before it, hellaswag.py's progress bar, which ends each of its updates with \r)
-    assert (result.returncode, result.stderr.endswith(b"\n" + line), result.stderr.count(b"error:")) == (2, True, 1)
-    assert run_with_dead_stdout("hellaswag.py", *hellaswag)[0] == 141
-
-
-def test_plot_log_with_stdout_on_a_full_disk_writes_its_plot(tmp_path):
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(3)))
-    with open("/dev/full", "w") as full:
-        result = subprocess.run(
-            command("plot_log.py", tmp_path), cwd=REPO, stdout=full, stderr=subprocess.PIPE, timeout=300
-        )
-    assert (result.returncode, result.stderr) == (0, b"")
-    assert (tmp_path / "loss.png").stat().st_size > 0
 
 
 # ---- a library's exception in one of our lines -------------------------------------------------

@@ -18,7 +18,6 @@ FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here f
 
 # Appended to each quickstart command (argparse keeps the last value): same commands, tiny sizes.
 SMALLER = {
-    "fineweb.py": "--max-tokens 40K --shard-size 8K",
     "train_gpt2.py": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
     "--total-batch-size 512 --warmup-steps 2",
     "train_gpt2.py --resume": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
@@ -57,8 +56,22 @@ def test_readme_flags_table_matches_the_cli():
     assert documented == parser_flags
 
 
-def test_quickstart_runs_as_written(tmp_path):
-    work = tmp_path / "repo"
+def as_a_user(command, work, timeout=300):
+    """command run by a shell in work, as a user runs it: no TIKTOKEN_CACHE_DIR (the BPE ships in bpe/)."""
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
+    result = subprocess.run(command, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """A folder of the scripts (linked) where the quickstart's first command ran as written: its data, which both
+    tests below train on, and what it printed."""
+    work = tmp_path_factory.mktemp("quickstart") / "repo"
     work.mkdir()
     for name in (
         "train_gpt2.py",
@@ -70,33 +83,17 @@ def test_quickstart_runs_as_written(tmp_path):
         "fixtures",
     ):
         (work / name).symlink_to(REPO / name)
-    # as a user runs them: no TIKTOKEN_CACHE_DIR (the BPE ships in bpe/)
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
-        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-    }
+    return work, as_a_user(quickstart_commands()[0], work).stdout
+
+
+def test_quickstart_runs_as_written(quickstart):
+    work, _ = quickstart
     commands = quickstart_commands()
-    assert [c.split()[1] for c in commands] == [
-        "fineweb.py",
-        "train_gpt2.py",
-        "plot_log.py",
-        "hellaswag.py",
-        "sample.py",
-        "hf_interop.py",
-        "train_gpt2.py",
-    ]
-    for command in commands:
+    order = "fineweb.py train_gpt2.py plot_log.py hellaswag.py sample.py hf_interop.py train_gpt2.py"
+    assert [c.split()[1] for c in commands] == order.split()
+    for command in commands[1:]:  # (the first ran in the fixture)
         script = command.split()[1] + (" --resume" if command.endswith("--resume") else "")
-        result = subprocess.run(
-            f"{command} {SMALLER.get(script, '')}",
-            shell=True,
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        result = as_a_user(f"{command} {SMALLER.get(script, '')}", work)
         if script == "hellaswag.py":  # offline: the subset the repository ships, said so
             assert result.stdout.splitlines()[:2] == [
                 "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
@@ -110,11 +107,7 @@ def test_quickstart_runs_as_written(tmp_path):
             assert "resumed from out/cpu/ckpt_0000003.pt at step 3" in result.stdout
     assert (work / "out" / "cpu" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "out" / "cpu_hf" / "config.json").is_file()
-    assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [
-        "ckpt_0000002.pt",
-        "ckpt_0000003.pt",
-        "ckpt_0000004.pt",
-    ]
+    assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [f"ckpt_000000{i}.pt" for i in (2, 3, 4)]
 
 
 def heading_anchor(heading):
@@ -165,7 +158,7 @@ def shape(line):
     return re.sub(r" +", " ", re.sub(r"\d[\d,.]*(e[-+]\d+)?", "#", line))
 
 
-def test_the_transcript_holds_what_the_first_two_commands_print_today(tmp_path):
+def test_the_transcript_holds_what_the_first_two_commands_print_today(quickstart):
     """Every number of the README's transcript that is exactly reproducible (across runs and thread counts, on the
     Python whose standard library it records) is what the quickstart's fineweb and training commands print today
     under OMP_NUM_THREADS=1: fineweb's count, the model and batch lines, step 0's validation line, and the loss, lr
@@ -176,34 +169,10 @@ def test_the_transcript_holds_what_the_first_two_commands_print_today(tmp_path):
     if this != recorded:
         pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
     lines = transcript_lines()
-    fineweb, train = quickstart_commands()[:2]
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
-        "OMP_NUM_THREADS": "1",
-        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-    }
-    made = subprocess.run(
-        f"{fineweb.replace('python ', f'python {REPO}/', 1)}",
-        shell=True,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert made.returncode == 0, made.stderr[-2000:]
-    assert made.stdout.splitlines() == [lines[0]]
+    work, made = quickstart
+    assert made.splitlines() == [lines[0]]
     # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
-    ran = subprocess.run(
-        f"{train.replace('python ', f'python {REPO}/', 1)} --max-steps 2 --sample-every 0",
-        shell=True,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert ran.returncode == 0, ran.stderr[-2000:]
+    ran = as_a_user(f"{quickstart_commands()[1]} --max-steps 2 --sample-every 0 --out-dir out/transcript", work, 600)
     printed = ran.stdout.splitlines()
     assert printed[:3] == lines[1:4]  # model, batch, step 0's validation
     for step in (0, 1):
