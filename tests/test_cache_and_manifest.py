@@ -123,6 +123,9 @@ FAULTS = {
     ("rows", "middle rows shifted in place"): SEALED,
     ("rows", "shifted middle rows"): "a row shorter than --seq-len ends where no document starts in the shard",
     ("rows", "rows longer than T"): LONGER,
+    ("rows", "writable by the group"): "it is writable by other users",
+    ("rows", "another user's"): "it is owned by another user (uid 65534)",
+    ("rows", "in a folder others may write"): "its folder is writable by other users",
 }
 
 
@@ -130,7 +133,9 @@ FAULTS = {
 def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, capsys, time_limit, kind, fault):
     """Shifted middle rows would train on other rows than --align-docs makes (another step-0 loss); rows longer
     than --seq-len would fail the first batch. Edited in place they break the entry's seal; written with a seal
-    that matches them (as another user could), it is the check against the shard that refuses them."""
+    that matches them (as another user could), it is the check against the shard that refuses them. An entry
+    re-sealed by another user passes every check against its shard that does not redo the scan: so an entry, or
+    its folder, that another user owns or may write is not trusted, as ssh trusts its files (docs/data.md)."""
     rows = kind == "rows"
     tokens = np.load(big_shard, mmap_mode="r")
     n, built = tokens.size, tg.aligned_rows(tokens, T)
@@ -145,6 +150,7 @@ def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, ca
     capsys.readouterr()
     size = 16 * n + 8192 if rows else 1 << 20  # larger than any table of the shard, or than any id as text
     bound = shard_scan.NPY_HEADER_BYTES + 16 * (n + 1) if rows else shard_scan.MAX_ID_BYTES
+    noted = [entry_of(cache, ".max_id")] if fault == "in a folder others may write" else []  # (its largest id too)
     if fault in ("shifted middle rows", "rows longer than T"):
         replace(entry, shard_scan.sealed_rows(forged(tokens, fault), T, n))
     elif fault == "middle rows shifted in place":
@@ -156,42 +162,22 @@ def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, ca
         data = bytearray(open(entry, "rb").read())
         data[-16 * 1000] ^= 1  # a row's start, 1000 rows from the end
         replace(entry, bytes(data))
-    else:
-        replace(entry, {"oversize": b"\0" * size if rows else "1" * size, "not a number": "12e3"}.get(fault, fault))
-    rescanned()
-    assert_notes(capsys, big_shard, FAULTS[kind, fault].format(size=size, bound=bound, n=n), entry)
-    table = rescanned()  # rebuilt: read back without a word
-    assert_notes(capsys, big_shard, "")
-    assert not rows or isinstance(table, np.memmap)
-
-
-@pytest.mark.parametrize("whose", ["writable by the group", "another user's", "in a folder others may write"])
-def test_a_kept_row_table_another_user_could_have_written_is_scanned_again(big_shard, cache, capsys, whose):
-    """An entry re-sealed by another user passes every check against its shard that does not redo the scan (a
-    table of rows cut at each <|endoftext|> does): so an entry, or its folder, that another user owns or may
-    write is not trusted, as ssh trusts its files; one this user forged is (docs/data.md)."""
-    _, _, table = scan(big_shard)
-    entry = entry_of(cache, f".rows{T}.npy")
-    capsys.readouterr()
-    if whose == "another user's":
+    elif fault == "another user's":
         if os.geteuid() != 0:
             pytest.skip("chown needs root")
         os.chown(entry, 65534, -1)
-        reason = "it is owned by another user (uid 65534)"
-    elif whose == "writable by the group":
-        os.chmod(entry, 0o664)
-        reason = "it is writable by other users"
+    elif fault in ("writable by the group", "in a folder others may write"):
+        os.chmod(*((entry, 0o664) if fault == "writable by the group" else (cache, 0o777)))
     else:
-        os.chmod(cache, 0o777)
-        reason = "its folder is writable by other users"
-    assert np.array_equal(scan(big_shard)[2], table)
-    folder_wide = whose == "in a folder others may write"  # (its largest id's entry too)
-    assert_notes(capsys, big_shard, reason, *[entry_of(cache, ".max_id")] * folder_wide, entry)
+        replace(entry, {"oversize": b"\0" * size if rows else "1" * size, "not a number": "12e3"}.get(fault, fault))
+    rescanned()
+    assert_notes(capsys, big_shard, FAULTS[kind, fault].format(size=size, bound=bound, n=n), *noted, entry)
     assert oct(os.stat(entry).st_mode & 0o022) == oct(os.stat(cache).st_mode & 0o022) == "0o0"  # (stored again)
-    if whose == "another user's":
+    if fault == "another user's":
         os.chown(entry, os.geteuid(), -1)
-    assert np.array_equal(scan(big_shard)[2], table)  # trusted again: read back without a word
+    table = rescanned()  # rebuilt (or trusted again): read back without a word
     assert_notes(capsys, big_shard, "")
+    assert not rows or isinstance(table, np.memmap)
 
 
 # --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
