@@ -20,7 +20,7 @@ SHARDS = dict(n_docs=300, seed=3, vocab=1000, max_len=40, shard_size=1500)  # co
 # --- model --------------------------------------------------------------------------------
 
 
-def test_gpt2_124m_parameter_names_shapes_and_count():
+def test_parameter_names_shapes_and_counts_of_gpt2_124m_and_the_cpu_preset():
     with torch.device("meta"):  # shapes, ties and counts without 500 MB of weights to initialize
         model = tg.GPT(tg.GPTConfig())
     sd = model.state_dict()
@@ -37,6 +37,15 @@ def test_gpt2_124m_parameter_names_shapes_and_count():
         for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
         for p in ("weight", "bias")
     }
+    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))  # the counts add up, the tied embedding counted once
+    C, V, L = 128, 50304, 4
+    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
+    assert model.num_params(without_positions=False) == total == 7_265_024
+    assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
+    assert (
+        model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
+    )
 
 
 def test_init_scales_residual_projections():
@@ -275,18 +284,6 @@ def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
     with torch.no_grad():  # evaluation: each target's loss
         _, token_losses = model(x, y, reduction="none", loss_chunk=loss_chunk)
         torch.testing.assert_close(token_losses, real_vocabulary_loss("none"), rtol=1e-5, atol=1e-6)
-
-
-def test_param_counts_add_up_and_count_the_tied_embedding_once():
-    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))
-    C, V, L = 128, 50304, 4
-    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
-    total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
-    assert model.num_params(without_positions=False) == total == 7_265_024
-    assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
-    assert (
-        model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
-    )
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 3])
