@@ -354,43 +354,31 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
     )
 
 
-@pytest.fixture
-def address_space_limit(monkeypatch) -> int:
-    """This process reported as running under `ulimit -v 700000` (KiB), without the limit itself."""
-    real = resource.getrlimit
+@pytest.mark.parametrize("script", ["train_gpt2.py", "fineweb.py"])
+def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tmp_path, monkeypatch, script):
+    """train_gpt2.py: a MemoryError raised by a lazy import inside torch (as torch.distributed.tensor's was): before,
+    `lower --batch-size ... or pass --activation-checkpointing`, now the import; fineweb.py's own buffers: before, a
+    traceback and exit code 1. (A limit so small that numpy's OpenBLAS cannot start aborts in C at import, before
+    any Python runs: not caught.)"""
+    real = resource.getrlimit  # reported as running under `ulimit -v 700000` (KiB), without the limit itself
     monkeypatch.setattr(
-        resource, "getrlimit", lambda which: (700000 << 10,) * 2 if which == resource.RLIMIT_AS else real(which)
+        resource, "getrlimit", lambda what: (700000 << 10,) * 2 if what == resource.RLIMIT_AS else real(what)
     )
-    return 700000
+    if script == "fineweb.py":
+        import fineweb
 
-
-def test_a_memory_error_importing_a_library_mid_run_is_not_blamed_on_the_batch(
-    data_dir, tmp_path, monkeypatch, capsys, address_space_limit
-):
-    """A MemoryError raised by a lazy import inside torch under `ulimit -v` (as torch.distributed.tensor's
-    was): before, `lower --batch-size ... or pass --activation-checkpointing`; now the import and the limit."""
-    (tmp_path / "needs_memory.py").write_text("raise MemoryError\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(tg, "build_optimizer", lambda *args, **kwargs: __import__("needs_memory"))
-    assert tg.main(tiny_run_args(data_dir, tmp_path / "run", steps=2)) == 2
-    assert capsys.readouterr().err == (
-        "error: out of memory while importing a library (MemoryError): under a memory limit (ulimit -v, "
-        f"{address_space_limit} KiB): raise it\n"
-    )
-
-
-def test_a_memory_error_in_fineweb_is_one_line_naming_the_limit(tmp_path, monkeypatch, address_space_limit):
-    """fineweb.py's own buffers under `ulimit -v`: before, a MemoryError traceback and exit code 1. (A limit so
-    small that numpy's OpenBLAS cannot start aborts in C at import, before any Python runs: not caught.)"""
-    import fineweb
-
-    monkeypatch.setattr(fineweb, "chunk_located", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+        monkeypatch.setattr(fineweb, "chunk_located", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
+        docs = tmp_path / "docs.jsonl"
+        docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+        args, where = ["--files", docs, "--out-dir", tmp_path / "fw", "--workers", "1"], "on the host"
+    else:
+        (tmp_path / "needs_memory.py").write_text("raise MemoryError\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setattr(tg, "build_optimizer", lambda *args, **kwargs: __import__("needs_memory"))
+        args, where = tiny_run_args(data_dir, tmp_path / "run", steps=2), "while importing a library"
     assert_refused(
-        run_main("fineweb.py", "--files", docs, "--out-dir", tmp_path / "fw", "--workers", "1"),
-        f"out of memory on the host (MemoryError): under a memory limit (ulimit -v, {address_space_limit} KiB): "
-        "raise it",
+        run_main(script, *args),
+        f"out of memory {where} (MemoryError): under a memory limit (ulimit -v, 700000 KiB): raise it",
     )
 
 
@@ -431,12 +419,9 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
     fig = plot_log.make_figure(records, smooth=0)
     try:
         lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-        assert list(lines["train loss (run aaaaaaaa)"].get_xdata()) == [0, 1, 2, 3, 4, 5]
-        assert list(lines["train loss (run aaaaaaaa)"].get_ydata()) == [5.0 - 0.1 * s for s in (0, 1, 2)] + [
-            4.0 - 0.1 * s for s in (3, 4, 5)
-        ]
-        assert list(lines["train loss (run bbbbbbbb)"].get_xdata()) == [0, 1, 2, 3]
-        assert list(lines["train loss (run bbbbbbbb)"].get_ydata()) == [9.0 - 0.1 * s for s in range(4)]
+        curve = lambda run: [(x, y) for x, y in zip(*lines[f"train loss (run {run * 8})"].get_data())]
+        assert curve("a") == [(s, 5.0 - 0.1 * s) for s in (0, 1, 2)] + [(s, 4.0 - 0.1 * s) for s in (3, 4, 5)]
+        assert curve("b") == [(s, 9.0 - 0.1 * s) for s in range(4)]
         assert [line.get_xdata()[0] for line in lines.values() if line.get_label() == "resumed"] == [3]
         assert fig._suptitle.get_text().splitlines() == [
             "run aaaaaaaa: train loss 3.5000 (step 5)",

@@ -791,54 +791,52 @@ def test_import_is_light_and_silent_and_a_machine_without_a_tokenizer_cache_need
     assert nothing_cached(tmp_path)
 
 
-@pytest.mark.parametrize("damage", ["one rank changed", "cut short", "missing"])
-def test_a_damaged_or_missing_shipped_bpe_offline_is_one_line_a_tiktoken_cache_still_first(
-    tmp_path, fresh_tokenizer, damage
+SHIPPED_FAULTS = ["one rank changed", "cut short", "missing"]
+CACHES = ["unset", "a folder without it", "a damaged file"]  # TIKTOKEN_CACHE_DIR
+
+
+@pytest.mark.parametrize(
+    "shipped_bpe,cache",
+    [*(("intact", c) for c in CACHES), *((f, c) for f in SHIPPED_FAULTS for c in ("unset", "good"))],
+)
+def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else_one_line(
+    tmp_path, fresh_tokenizer, shipped_bpe, cache
 ):
+    """TIKTOKEN_CACHE_DIR's r50k_base first, else bpe/'s copy (a damaged file in the cache kept, with one note); a
+    damaged or missing bpe/ copy and no cache: one error line, nothing written. Nothing is cached."""
     data = Path(tokenizer.SHIPPED_BPE).read_bytes()
-    bad = {"one rank changed": data.replace(b" 1000\n", b" 1001\n"), "cut short": data[:-100]}.get(damage)
-    shipped = fresh_tokenizer(bad)
-    path = write_jsonl(tmp_path / "d.jsonl", ["hello"])
-    result = fw("--files", path, "--out-dir", tmp_path / "out", env=offline_env(tmp_path))
-    why = "is missing and tiktoken could not fetch 'r50k_base' (…); restore the file"
-    if bad is not None:
-        why = f"is damaged (sha256 {hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it"
-    assert not refused_like(
-        result,
-        f"could not load the GPT-2 tokenizer: {shipped} {why} (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a "
-        "folder that holds tiktoken's cached r50k_base file",
-    )
-    assert not (tmp_path / "out").exists()
-    cache = {"TIKTOKEN_CACHE_DIR": tiktoken_cache(tmp_path / "cache")}
-    made("--files", path, "--out-dir", tmp_path / "out", env=offline_env(tmp_path / "2", **cache))
-
-
-@pytest.mark.parametrize("cache", ["unset", "a folder without it", "a damaged file"])
-def test_offline_without_a_usable_tokenizer_cache_the_shipped_bpe_is_used(tmp_path, fresh_tokenizer, cache):
-    """TIKTOKEN_CACHE_DIR unset, a folder without r50k_base, or one whose file is damaged (kept, with one note):
-    the shipped bpe/ copy tokenizes, and nothing is cached."""
-    bpe = Path(tokenizer.SHIPPED_BPE).read_bytes()
-    fresh_tokenizer(bpe)
+    bad = {"one rank changed": data.replace(b" 1000\n", b" 1001\n"), "cut short": data[:-100], "missing": None}
+    shipped = fresh_tokenizer(bad.get(shipped_bpe, data))
     folder = tmp_path / "tiktoken_cache"
     damaged = folder / hashlib.sha1(tokenizer.BPE_URL.encode()).hexdigest()
     if cache != "unset":
         folder.mkdir()
-    if cache == "a damaged file":
-        damaged.write_bytes(bpe[:-100])
-    docs = ["hello world", "naïve café 🙂", "text that quotes <|endoftext|>"]
-    path, env = write_jsonl(tmp_path / "d.jsonl", docs), {} if cache == "unset" else {"TIKTOKEN_CACHE_DIR": str(folder)}
-    result = made("--files", path, "--out-dir", tmp_path / "out", "--workers", "2", env=offline_env(tmp_path, **env))
-    assert np.array_equal(np.concatenate(load_shards(tmp_path / "out")[1]), reference_tokens(docs)) and nothing_cached(
-        tmp_path
-    )
+    if cache in ("good", "a damaged file"):  # (named as tiktoken names its download: conftest's tiktoken_cache)
+        damaged.write_bytes(data if cache == "good" else data[:-100])
+    docs, out = ["hello world", "naïve café 🙂", "text that quotes <|endoftext|>"], tmp_path / "out"
+    env = offline_env(tmp_path, **({} if cache == "unset" else {"TIKTOKEN_CACHE_DIR": str(folder)}))
+    result = fw("--files", write_jsonl(tmp_path / "d.jsonl", docs), "--out-dir", out, "--workers", "2", env=env)
+    if shipped_bpe != "intact" and cache == "unset":
+        why = "is missing and tiktoken could not fetch 'r50k_base' (…); restore the file"
+        if shipped_bpe != "missing":
+            sha = hashlib.sha256(bad[shipped_bpe]).hexdigest()[:16]
+            why = f"is damaged (sha256 {sha}..., expected 306cd27f03c1a714...); restore it"
+        message = (
+            f"could not load the GPT-2 tokenizer: {shipped} {why} (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR"
+        )
+        assert not refused_like(result, message + " to a folder that holds tiktoken's cached r50k_base file")
+        assert not out.exists() and nothing_cached(tmp_path)
+        return
+    assert result.returncode == 0, result.stderr
+    assert np.array_equal(np.concatenate(load_shards(out)[1]), reference_tokens(docs)) and nothing_cached(tmp_path)
     if cache == "a damaged file":
         assert result.stderr.startswith(
             f"note: the GPT-2 tokenizer file {damaged} in TIKTOKEN_CACHE_DIR is damaged (another sha256); using "
             f"{tokenizer.SHIPPED_BPE} instead (delete the damaged file to silence this)\n"
         )
-        assert result.stderr.count("note:") == 1 and damaged.read_bytes() == bpe[:-100]  # not deleted by tiktoken
+        assert result.stderr.count("note:") == 1 and damaged.read_bytes() == data[:-100]  # not deleted by tiktoken
     else:
-        assert "note:" not in result.stderr and list(folder.glob("*")) == []
+        assert "note:" not in result.stderr and sorted(folder.glob("*")) == [damaged] * (cache == "good")
 
 
 # --- telling shards apart ----------------------------------------------------------------------
