@@ -10,7 +10,7 @@ import torch
 
 from trainkit.runtime import kernels
 import train_gpt2 as tg
-from conftest import log_records, run_main, tiny_run_args
+from conftest import log_records, tiny_run_args
 from trainkit.data.tokenizer import token_byte_lengths
 from shards import EOT, loss_and_grads
 
@@ -96,24 +96,15 @@ def test_flex_attention_document_mask_agrees_with_sdpa():
 # --- through the command line -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def doc_mask_run(data_dir, tmp_path_factory):
-    """Two steps of --doc-mask on plain packed rows of data_dir's short documents: (flags, out)."""
-    out = tmp_path_factory.mktemp("run")
+def test_validation_and_eval_only_equal_each_document_alone_and_export_is_plain_gpt2(data_dir, tmp_path, capsys):
+    """Two steps of --doc-mask on plain packed rows of data_dir's short documents, validated at step 2."""
+    out = tmp_path / "run"
     sizes = dict(steps=2, seq_len=32, rows=4, warmup=1, val_every=2, ckpt_every=2)
     flags = tiny_run_args(data_dir, out, "--val-steps", "2", "--doc-mask", **sizes)
-    result = run_main("train_gpt2.py", *flags)
-    assert result.returncode == 0, result.stderr
-    return flags, out
-
-
-def test_cli_validation_equals_each_document_alone(doc_mask_run):
-    flags, out = doc_mask_run
-    logged = [r for r in log_records(out) if "val_loss" in r][-1]
-    assert logged["step"] == 2
+    assert tg.main(flags) == 0
+    capsys.readouterr()
     model = tg.GPT.from_checkpoint(str(out / "ckpt_0000002.pt"))
-    rows = tg.TokenRows(flags[1], "val", 32)
-    x, y = (torch.from_numpy(a) for a in rows.batch(0, 8))  # --val-steps 2 x --batch-size 4
+    x, y = (torch.from_numpy(a) for a in tg.TokenRows(data_dir, "val", 32).batch(0, 8))  # --val-steps 2 x -B 4
     nats, n_targets, text_nats = 0.0, 0, 0.0
     with torch.no_grad():
         for b, s, e in documents(x, y):
@@ -122,21 +113,18 @@ def test_cli_validation_equals_each_document_alone(doc_mask_run):
             text_nats += losses[y[b, s:e] != EOT].sum().item()
             n_targets += e - s
     n_bytes = int(token_byte_lengths(50304)[y.flatten()].sum())  # GPT-2's ids below 300: 1 to 7 bytes each
-    assert logged["val_loss"] == pytest.approx(nats / n_targets, rel=1e-6)
-    assert logged["val_bpb"] == pytest.approx(text_nats / (math.log(2) * n_bytes), rel=1e-6)
-
-
-def test_eval_only_uses_the_mask_and_export_is_plain_gpt2(doc_mask_run, tmp_path, capsys):
+    alone = dict(val_loss=nats / n_targets, val_bpb=text_nats / (math.log(2) * n_bytes))
+    logged = [r for r in log_records(out) if "val_loss" in r][-1]
+    assert logged["step"] == 2 and {k: logged[k] for k in alone} == pytest.approx(alone, rel=1e-6)
+    assert tg.main([*flags, "--max-steps", "2", "--eval-only", "--resume"]) == 0  # --eval-only: the mask too
+    logged = [r for r in log_records(out) if "val_loss" in r][-1]
+    del logged["run"]  # the run id of the log's records: no part of an evaluation's result
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == logged
+    assert {k: logged[k] for k in alone} == pytest.approx(alone, rel=1e-6)
     pytest.importorskip("transformers")
     import hf_interop
     from transformers import GPT2LMHeadModel
 
-    flags, out = doc_mask_run
-    assert tg.main([*flags, "--max-steps", "2", "--eval-only", "--resume"]) == 0
-    logged = [r for r in log_records(out) if "val_loss" in r][-1]
-    del logged["run"]  # the run id of the log's records: no part of an evaluation's result
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == logged
-    model = tg.GPT.from_checkpoint(str(out / "ckpt_0000002.pt"))
     hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(str(out / "ckpt_0000002.pt"), str(tmp_path / "hf")))
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -690,29 +690,6 @@ def nothing_cached(tmp_path):
     return [p for name in ("home", "cache", "tmp") for p in (tmp_path / name).rglob("*")] == []
 
 
-@pytest.fixture
-def fresh_tokenizer(monkeypatch, tmp_path):
-    """The tokenizer loaded anew in this process (as in a new one): no r50k_base in tiktoken's registry, the
-    temporary folder offline_env(tmp_path)'s (tiktoken's default cache: this process's was read before), bpe/'s
-    file the one ship() names (None: no file) for _load_encoding."""
-    monkeypatch.setattr(tokenizer, "_encoding", None)
-    monkeypatch.setattr(documents, "_worker_encoding", None)
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
-
-    def ship(data):
-        path = tmp_path / "repo" / "bpe" / "r50k_base.tiktoken"
-        path.parent.mkdir(parents=True)
-        if data is not None:
-            path.write_bytes(data)
-        monkeypatch.setattr(tokenizer, "SHIPPED_BPE", str(path))
-        monkeypatch.setattr(tokenizer.shipped_encoding, "__defaults__", (str(path),))
-        return path
-
-    return ship
-
-
 @pytest.mark.parametrize("offline", ["dead proxy", "HF_HUB_OFFLINE"])
 def test_hub_unreachable_fails_at_once_and_leaves_no_folder(tmp_path, monkeypatch, offline):
     """One probe without retries (the datasets client alone retried for ~25 s before its error). The Hub's client
@@ -800,13 +777,25 @@ CACHES = ["unset", "a folder without it", "a damaged file"]  # TIKTOKEN_CACHE_DI
     [*(("intact", c) for c in CACHES), *((f, c) for f in SHIPPED_FAULTS for c in ("unset", "good"))],
 )
 def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else_one_line(
-    tmp_path, fresh_tokenizer, shipped_bpe, cache
+    tmp_path, monkeypatch, shipped_bpe, cache
 ):
     """TIKTOKEN_CACHE_DIR's r50k_base first, else bpe/'s copy (a damaged file in the cache kept, with one note); a
-    damaged or missing bpe/ copy and no cache: one error line, nothing written. Nothing is cached."""
+    damaged or missing bpe/ copy and no cache: one error line, nothing written. Nothing is cached. The tokenizer
+    is loaded anew, as in a new process: no r50k_base in tiktoken's registry, the temporary folder offline_env's
+    (tiktoken's default cache: this process's was read before), bpe/'s file at `shipped`."""
     data = Path(tokenizer.SHIPPED_BPE).read_bytes()
     bad = {"one rank changed": data.replace(b" 1000\n", b" 1001\n"), "cut short": data[:-100], "missing": None}
-    shipped = fresh_tokenizer(bad.get(shipped_bpe, data))
+    shipped = tmp_path / "repo" / "bpe" / "r50k_base.tiktoken"
+    shipped.parent.mkdir(parents=True)
+    if shipped_bpe != "missing":
+        shipped.write_bytes(bad.get(shipped_bpe, data))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tokenizer, "_encoding", None)
+    monkeypatch.setattr(documents, "_worker_encoding", None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setattr(tokenizer, "SHIPPED_BPE", str(shipped))
+    monkeypatch.setattr(tokenizer.shipped_encoding, "__defaults__", (str(shipped),))
     folder = tmp_path / "tiktoken_cache"
     damaged = folder / hashlib.sha1(tokenizer.BPE_URL.encode()).hexdigest()
     if cache != "unset":
