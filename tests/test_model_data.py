@@ -32,20 +32,16 @@ def test_parameter_names_shapes_and_counts_of_gpt2_124m_and_the_cpu_preset():
     # 124,475,904 with the 50304 vocab (GPT-2's 124,439,808 + 47 padded rows x 768)
     assert sum(p.numel() for p in model.parameters()) == 124_439_808 + 47 * 768
     names = {k.split(".", 3)[-1] for k in sd if k.startswith("transformer.h.0.")}
-    assert names == {
-        f"{m}.{p}"
-        for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-        for p in ("weight", "bias")
-    }
+    modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    assert names == {f"{m}.{p}" for m in modules for p in ("weight", "bias")}
     model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))  # the counts add up, the tied embedding counted once
     C, V, L = 128, 50304, 4
     block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
     total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
     assert model.num_params(without_positions=False) == total == 7_265_024
     assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
-    assert (
-        model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
-    )
+    summary = "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
+    assert model.param_summary() == summary
 
 
 def test_init_scales_residual_projections():
@@ -103,14 +99,11 @@ def test_adamw_decays_matrices_only_and_muon_takes_the_blocks_matrices():
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8 and opt.defaults["fused"]
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == n_params
-
     opt = tg.build_optimizer(model, 0.1, 6e-4, "cpu", muon_lr=0.02, muon_momentum=0.9)
     names = {p: n for n, p in model.named_parameters()}  # the tied lm_head is transformer.wte.weight
-    assert sorted(names[p] for p in opt.muon.param_groups[0]["params"]) == sorted(
-        f"transformer.h.{i}.{m}.weight"
-        for i in range(2)
-        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    )
+    matrices = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    muon_names = sorted(names[p] for p in opt.muon.param_groups[0]["params"])
+    assert muon_names == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2) for m in matrices)
     decay, no_decay = opt.adamw.param_groups
     assert [names[p] for p in decay["params"]] == ["transformer.wte.weight", "transformer.wpe.weight"]
     assert all(p.dim() == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 8 * cfg.n_layer + 2
@@ -124,12 +117,10 @@ def test_adamw_decays_matrices_only_and_muon_takes_the_blocks_matrices():
 
 def test_lr_schedule_three_phases():
     run = tg.RunConfig(max_lr=6e-4, warmup_steps=10, max_steps=110)
-    assert tg.get_lr(0, run) == pytest.approx(6e-5)
-    assert tg.get_lr(9, run) == pytest.approx(6e-4)
-    assert tg.get_lr(10, run) == pytest.approx(6e-4)
-    assert tg.get_lr(60, run) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
-    assert tg.get_lr(110, run) == pytest.approx(6e-5)
-    assert tg.get_lr(500, run) == pytest.approx(6e-5)  # held after max_steps
+    steps = (0, 9, 10, 60, 110, 500)  # the last one held after max_steps
+    assert [tg.get_lr(s, run) for s in steps] == pytest.approx(
+        [6e-5, 6e-4, 6e-4, 6e-5 + 0.5 * (6e-4 - 6e-5), 6e-5, 6e-5]
+    )
     assert tg.get_lr(500, tg.RunConfig(max_lr=1e-3, min_lr=0.0, warmup_steps=1, max_steps=10)) == 0.0
 
 
@@ -213,9 +204,7 @@ def test_llmc_bin_shards_read_like_npy(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16)
     header = np.zeros(256, dtype=np.int32)
     header[:3] = [20240520, 1, len(tokens)]
-    with open(tmp_path / "x_train_000000.bin", "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
+    (tmp_path / "x_train_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
     assert np.array_equal(open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
     (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
     with pytest.raises(cli.UserError, match="truncated or corrupt"):
