@@ -26,10 +26,8 @@ def write_shards(data_dir, docs, shard_size, prefix="synth"):
     stream = np.concatenate(docs).astype(np.uint16)
     paths = []
     for i, start in enumerate(range(0, len(stream), shard_size)):
-        split = "val" if i == 0 else "train"
-        path = os.path.join(data_dir, f"{prefix}_{split}_{i:06d}.npy")
-        np.save(path, stream[start : start + shard_size])
-        paths.append(path)
+        paths.append(os.path.join(data_dir, f"{prefix}_{'train' if i else 'val'}_{i:06d}.npy"))
+        np.save(paths[-1], stream[start : start + shard_size])
     return paths
 
 
@@ -64,13 +62,11 @@ def write_manifest(data_dir, **recorded) -> dict:
     import json
 
     shards = []
-    for name in sorted(os.listdir(data_dir)):
-        if name.endswith(".npy"):
-            with open(os.path.join(data_dir, name), "rb") as f:
-                data = f.read()
-            shards.append(
-                {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **recorded.get(name, {})}
-            )
+    for name in sorted(name for name in os.listdir(data_dir) if name.endswith(".npy")):
+        with open(os.path.join(data_dir, name), "rb") as f:
+            data = f.read()
+        shards.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        shards[-1].update(recorded.get(name, {}))
     manifest = {"complete": True, "shards": shards}
     with open(os.path.join(data_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f)
