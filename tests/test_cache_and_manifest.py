@@ -1,8 +1,6 @@
-"""What a run reads that it did not write itself is checked before it is used, and what it cleans up may fail
-without ending it: the shard-scan cache is a hint (each faulty entry scanned again with one note, never trained
-from), every manifest.json goes through one schema check (one error line naming the field), --keep-last meeting a
-checkpoint it may not delete warns and trains on, no thread to start is one error line, and plot_log.py draws each
-run of a log of two runs as its own curve."""
+"""What a run did not write is checked before use: a kept shard scan is a hint (a faulty one scanned again, one
+note), manifest.json has one schema check (one line naming the field); a checkpoint --keep-last may not delete, no
+thread to start, a MemoryError under ulimit -v: a warning or one line; plot_log.py draws each run of a log apart."""
 
 import errno
 import glob
@@ -131,11 +129,9 @@ FAULTS = {
 
 @pytest.mark.parametrize("kind,fault", FAULTS)
 def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, capsys, time_limit, kind, fault):
-    """Shifted middle rows would train on other rows than --align-docs makes (another step-0 loss); rows longer
-    than --seq-len would fail the first batch. Edited in place they break the entry's seal; written with a seal
-    that matches them (as another user could), it is the check against the shard that refuses them. An entry
-    re-sealed by another user passes every check against its shard that does not redo the scan: so an entry, or
-    its folder, that another user owns or may write is not trusted, as ssh trusts its files (docs/data.md)."""
+    """Shifted rows would train on other rows than --align-docs makes, longer ones fail the first batch: edited in
+    place they break the seal, re-sealed the check against the shard refuses them. What another user owns or may
+    write could be re-sealed to pass every check short of a scan: not trusted, as ssh trusts files (docs/data.md)."""
     rows = kind == "rows"
     tokens = np.load(big_shard, mmap_mode="r")
     n, built = tokens.size, tg.aligned_rows(tokens, T)
@@ -356,10 +352,8 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
 
 @pytest.mark.parametrize("script", ["train_gpt2.py", "fineweb.py"])
 def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tmp_path, monkeypatch, script):
-    """train_gpt2.py: a MemoryError raised by a lazy import inside torch (as torch.distributed.tensor's was): before,
-    `lower --batch-size ... or pass --activation-checkpointing`, now the import; fineweb.py's own buffers: before, a
-    traceback and exit code 1. (A limit so small that numpy's OpenBLAS cannot start aborts in C at import, before
-    any Python runs: not caught.)"""
+    """A lazy import inside torch (as torch.distributed.tensor's): before, `lower --batch-size ...`; fineweb.py's own
+    buffers: before, a traceback and exit code 1. (A limit too small for OpenBLAS aborts in C at import: not caught.)"""
     real = resource.getrlimit  # reported as running under `ulimit -v 700000` (KiB), without the limit itself
     monkeypatch.setattr(
         resource, "getrlimit", lambda what: (700000 << 10,) * 2 if what == resource.RLIMIT_AS else real(what)

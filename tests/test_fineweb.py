@@ -770,10 +770,9 @@ CACHES = ["unset", "a folder without it", "a damaged file"]  # TIKTOKEN_CACHE_DI
 def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else_one_line(
     tmp_path, monkeypatch, shipped_bpe, cache
 ):
-    """TIKTOKEN_CACHE_DIR's r50k_base first, else bpe/'s copy (a damaged file in the cache kept, with one note); a
-    damaged or missing bpe/ copy and no cache: one error line, nothing written. Nothing is cached. The tokenizer
-    is loaded anew, as in a new process: no r50k_base in tiktoken's registry, the temporary folder offline_env's
-    (tiktoken's default cache: this process's was read before), bpe/'s file at `shipped`."""
+    """TIKTOKEN_CACHE_DIR's r50k_base first, else bpe/'s copy (a damaged cached file kept, one note); neither: one
+    error line, nothing written; nothing cached. Loaded anew as in a new process: tiktoken's registry emptied, the
+    temporary folder offline_env's (tiktoken's default cache), bpe/'s file at `shipped`."""
     data = Path(tokenizer.SHIPPED_BPE).read_bytes()
     bad = {"one rank changed": data.replace(b" 1000\n", b" 1001\n"), "cut short": data[:-100], "missing": None}
     shipped = tmp_path / "repo" / "bpe" / "r50k_base.tiktoken"
