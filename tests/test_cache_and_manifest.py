@@ -266,38 +266,27 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
     assert str(refused.value) == f"{path} is not a manifest written by fineweb.py ({problem}); use an empty --out-dir"
 
 
-def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monkeypatch):
-    """manifest.json unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest",
-    so the shards of an unfinished fineweb.py run trained without a word; now one line naming why. Only a
-    missing one means none."""
-
-    def unreadable(path, *args, **kwargs):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-
-    monkeypatch.setattr(shard_checks.fileio, "read_json", unreadable)
-    with pytest.raises(UserError) as refused:
-        shard_checks.find_shards(made, "train")
-    assert str(refused.value) == (
-        f"cannot read {os.path.join(made, 'manifest.json')}: permission denied; the shards it lists cannot be "
-        "checked: make it readable, or move it out of the folder"
-    )
-    monkeypatch.undo()
-    assert shard_checks.folder_manifest(os.path.dirname(made)) is None  # (none there)
-
-
-def test_a_shard_of_other_bytes_than_a_huge_listed_number_cuts_it_in_the_line(made, tmp_path):
-    """A shard's bytes of 4,001 digits: before, all of them in the one error line (4 KB); now its first ones and
-    its length."""
+@pytest.mark.parametrize("case", ["unreadable", "a shard's bytes of 4,001 digits"])
+def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(made, tmp_path, monkeypatch, case):
+    """Unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest", so an unfinished
+    run's shards trained without a word (only a missing one means none). A huge number: before, all in the line."""
     data, manifest = copy_of(made, tmp_path)
-    manifest["shards"][1]["bytes"] = 10**4000
-    (data / "manifest.json").write_text(json.dumps(manifest))
-    shard = data / manifest["shards"][1]["file"]
+    path, shard = data / "manifest.json", data / manifest["shards"][1]["file"]
+    if case == "unreadable":
+        error = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        monkeypatch.setattr(shard_checks.fileio, "read_json", lambda *args, **kwargs: (_ for _ in ()).throw(error))
+        why = f"cannot read {path}: permission denied; the shards it lists cannot be checked: make it readable, or"
+        why += " move it out of the folder"
+    else:
+        manifest["shards"][1]["bytes"] = 10**4000
+        path.write_text(json.dumps(manifest))
+        why = f"{shard} is {shard.stat().st_size} bytes, not the 1{'0' * 23}... (4001 characters) that {path} lists;"
+        why += " restore it, or re-create the data set with fineweb.py"
     with pytest.raises(UserError) as refused:
         shard_checks.find_shards(str(data), "train")
-    assert str(refused.value) == (
-        f"{shard} is {os.path.getsize(shard)} bytes, not the 1{'0' * 23}... (4001 characters) that "
-        f"{data / 'manifest.json'} lists; restore it, or re-create the data set with fineweb.py"
-    )
+    assert str(refused.value) == why
+    monkeypatch.undo()
+    assert shard_checks.folder_manifest(str(tmp_path)) is None  # (none there)
 
 
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------

@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -163,8 +164,6 @@ def test_encode_documents_matches_encode_ordinary_per_document():
 
 
 def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
-    import multiprocessing
-
     pulled = []
 
     def chunks():
@@ -606,8 +605,6 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case):
 
 
 def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch):
-    import multiprocessing
-
     class PanicException(BaseException):  # as tiktoken's Rust panics arrive: not an Exception
         pass
 
@@ -629,7 +626,6 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
         "value); fix it or leave it out (--debug shows the traceback)"
     )
     assert "in encode_to_numpy" in str(raised.value.__cause__.__cause__)  # the worker's own traceback, for --debug
-
     monkeypatch.setattr(documents, "encode_documents", lambda enc, docs: (_ for _ in ()).throw(MemoryError()))
     with pytest.raises(documents.ChunkError) as raised:
         documents.tokenize_chunk(None, ["a" * 10, "b" * 30, "c"], "strict")
