@@ -26,17 +26,15 @@ def write_shards(data_dir, docs, shard_size, prefix="synth"):
     stream = np.concatenate(docs).astype(np.uint16)
     paths = []
     for i, start in enumerate(range(0, len(stream), shard_size)):
-        split = "val" if i == 0 else "train"
-        path = os.path.join(data_dir, f"{prefix}_{split}_{i:06d}.npy")
-        np.save(path, stream[start : start + shard_size])
-        paths.append(path)
+        paths.append(os.path.join(data_dir, f"{prefix}_{'train' if i else 'val'}_{i:06d}.npy"))
+        np.save(paths[-1], stream[start : start + shard_size])
     return paths
 
 
-def shard_dir(tmp_path_factory, n_docs, seed, vocab=64, max_len=50, shard_size=4000) -> str:
+def shard_dir(tmp_path_factory, n_docs, seed, vocab=64, min_len=3, max_len=50, shard_size=4000) -> str:
     """A fresh folder of shards of n_docs random documents (a module's data_dir fixture)."""
     path = tmp_path_factory.mktemp("shards")
-    write_shards(path, make_docs(n_docs, seed=seed, vocab=vocab, max_len=max_len), shard_size=shard_size)
+    write_shards(path, make_docs(n_docs, seed, min_len, max_len, vocab), shard_size=shard_size)
     return str(path)
 
 
@@ -64,13 +62,11 @@ def write_manifest(data_dir, **recorded) -> dict:
     import json
 
     shards = []
-    for name in sorted(os.listdir(data_dir)):
-        if name.endswith(".npy"):
-            with open(os.path.join(data_dir, name), "rb") as f:
-                data = f.read()
-            shards.append(
-                {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **recorded.get(name, {})}
-            )
+    for name in sorted(name for name in os.listdir(data_dir) if name.endswith(".npy")):
+        with open(os.path.join(data_dir, name), "rb") as f:
+            data = f.read()
+        shards.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        shards[-1].update(recorded.get(name, {}))
     manifest = {"complete": True, "shards": shards}
     with open(os.path.join(data_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f)
@@ -87,16 +83,23 @@ def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def loss_and_grads(model, loss_fn, upstream=1.0):
+    """(loss, gradients) of model's parameters for loss_fn()'s loss, backpropagated times upstream."""
+    model.zero_grad()
+    loss = loss_fn()
+    (loss * upstream).backward()
+    return loss.item(), grads_of(model)
+
+
 def fresh_model(doc_mask=False):
     torch.manual_seed(1)
     return GPT(DOC_TINY if doc_mask else TINY)
 
 
 def reference_grads(x, y, doc_mask=False):
-    model = fresh_model(doc_mask)
-    _, loss = model(x, y, doc_mask=doc_mask)  # token mean over every non-ignored target of the 8 rows
-    loss.backward()
-    return grads_of(model), loss.item()
+    model = fresh_model(doc_mask)  # the token mean over every non-ignored target of the 8 rows:
+    loss, grads = loss_and_grads(model, lambda: model(x, y, doc_mask=doc_mask)[1])
+    return grads, loss
 
 
 @contextlib.contextmanager

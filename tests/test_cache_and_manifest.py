@@ -1,22 +1,25 @@
-"""What a run reads that it did not write itself is checked before it is used, and what it cleans up may fail
-without ending it: the shard-scan cache is a hint (each faulty entry scanned again with one note, never trained
-from), every manifest.json goes through one schema check (one error line naming the field), --keep-last meeting a
-checkpoint it may not delete warns and trains on, no thread to start is one error line, and plot_log.py draws each
-run of a log of two runs as its own curve."""
+"""What a run did not write is checked before use: a kept shard scan is a hint (a faulty one scanned again, one
+note), manifest.json has one schema check (one line naming the field); a checkpoint --keep-last may not delete, no
+thread to start, a MemoryError under ulimit -v: a warning or one line; plot_log.py draws each run of a log apart."""
 
+import errno
 import glob
 import json
 import os
 import resource
+import shutil
+import signal
 
 import numpy as np
 import pytest
-from conftest import assert_refused, run_command, run_main, tiny_run_args
+from conftest import TEXT_FILE, assert_refused, run_command, run_main, tiny_run_args
 from shards import EOT
 
 import train_gpt2 as tg
-from trainkit.data import shard_scan
 from trainkit.cli import UserError
+from trainkit.data import shard_scan
+from trainkit.data import shards as shard_checks
+from trainkit.data.shard_writer import read_manifest
 
 # --- the shard-scan cache ------------------------------------------------------------------------------------------
 
@@ -45,7 +48,6 @@ def cache(tmp_path, monkeypatch) -> str:
 @pytest.fixture
 def time_limit():
     """A read that blocks (a named pipe) fails the test after 60 s instead of hanging it."""
-    import signal
 
     def expire(signum, frame):
         pytest.fail("the scan blocked (on a named pipe?)")  # not an OSError: no reader may take it for a failed read
@@ -58,7 +60,7 @@ def time_limit():
 
 
 def scan(path: str, with_rows: bool = True):
-    """(largest id, row table) of the shard at path, as start-up gets them (the cache read first)."""
+    """(tokens, largest id, row table or None) of the shard at path, as start-up gets them (the cache read first)."""
     tokens = np.load(path, mmap_mode="r")
     largest, tables = shard_scan.scan_shards(
         [path], [tokens], [None], T if with_rows else None, tg.aligned_rows, "train shards", progress=False
@@ -71,7 +73,7 @@ def entry_of(cache: str, suffix: str) -> str:
     return entry
 
 
-def replace(entry: str, how: str):
+def replace(entry: str, how):
     os.remove(entry)
     if how == "fifo":
         os.mkfifo(entry)
@@ -98,52 +100,53 @@ def forged(tokens: np.ndarray, case: str) -> np.ndarray:
     return table
 
 
-def one_note(capsys, entry: str, shard: str, reason: str):
+def assert_notes(capsys, shard: str, reason: str, *entries):
+    """What was printed is one note per entry (none: nothing), each saying it is scanned again and why."""
     out = capsys.readouterr()
-    lines = (out.out + out.err).splitlines()
-    assert lines == [f"note: the kept scan {entry} of {shard} cannot be used ({reason}); scanning the shard again"]
+    assert (out.out + out.err).splitlines() == [
+        f"note: the kept scan {entry} of {shard} cannot be used ({reason}); scanning the shard again"
+        for entry in entries
+    ]
 
 
-@pytest.mark.parametrize("fault", ["fifo", "link to /dev/zero", "oversize", "not a number"])
-def test_a_kept_largest_id_that_is_not_a_small_file_is_scanned_again(big_shard, cache, capsys, time_limit, fault):
-    tokens, largest, _ = scan(big_shard, with_rows=False)
-    entry = entry_of(cache, ".max_id")
-    capsys.readouterr()
-    replace(entry, {"oversize": "1" * (1 << 20), "not a number": "12e3"}.get(fault, fault))
-    assert scan(big_shard, with_rows=False)[1] == largest == int(tokens.max())
-    reason = {
-        "fifo": "not a regular file",
-        "link to /dev/zero": "a symbolic link",
-        "oversize": f"{1 << 20} bytes, more than the {shard_scan.MAX_ID_BYTES} such an entry holds",
-        "not a number": "not a token id (b'12e3')",
-    }[fault]
-    one_note(capsys, entry, big_shard, reason)
-    assert scan(big_shard, with_rows=False)[1] == largest  # rebuilt: read back without a word
-    assert capsys.readouterr() == ("", "")
-
-
-ROW_FAULTS = {
-    "fifo": "not a regular file",
-    "link to /dev/zero": "a symbolic link",
-    "oversize": "{size} bytes, more than the {bound} such an entry holds",
-    "a byte changed": "its digest or token count is not that of its rows",
-    "middle rows shifted in place": "its digest or token count is not that of its rows",
-    "shifted middle rows": "a row shorter than --seq-len ends where no document starts in the shard",
-    "rows longer than T": f"its rows are not consecutive rows of 1..{T} targets over the shard's {{n}} tokens",
+# (the kept scan, its fault): the note's reason, {size} the entry's bytes, {bound} what it may hold, {n} the tokens
+EITHER = {"fifo": "not a regular file", "link to /dev/zero": "a symbolic link"}
+EITHER["oversize"] = "{size} bytes, more than the {bound} such an entry holds"
+SEALED = "its digest or token count is not that of its rows"
+LONGER = f"its rows are not consecutive rows of 1..{T} targets over the shard's {{n}} tokens"
+FAULTS = {
+    **{(kind, fault): reason for kind in ("max_id", "rows") for fault, reason in EITHER.items()},
+    ("max_id", "not a number"): "not a token id (b'12e3')",
+    ("rows", "a byte changed"): SEALED,
+    ("rows", "middle rows shifted in place"): SEALED,
+    ("rows", "shifted middle rows"): "a row shorter than --seq-len ends where no document starts in the shard",
+    ("rows", "rows longer than T"): LONGER,
+    ("rows", "writable by the group"): "it is writable by other users",
+    ("rows", "another user's"): "it is owned by another user (uid 65534)",
+    ("rows", "in a folder others may write"): "its folder is writable by other users",
 }
 
 
-@pytest.mark.parametrize("fault", ROW_FAULTS)
-def test_a_kept_row_table_is_checked_against_its_shard_and_scanned_again(big_shard, cache, capsys, time_limit, fault):
-    """Shifted middle rows would train on other rows than --align-docs makes (another step-0 loss); rows longer
-    than --seq-len would fail the first batch. Edited in place they break the entry's seal; written with a seal
-    that matches them (as another user could), it is the check against the shard that refuses them."""
-    tokens, _, table = scan(big_shard)
-    built = tg.aligned_rows(tokens, T)
-    assert np.array_equal(table, built)
-    entry = entry_of(cache, f".rows{T}.npy")
+@pytest.mark.parametrize("kind,fault", FAULTS)
+def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, capsys, time_limit, kind, fault):
+    """Shifted rows would train on other rows than --align-docs makes, longer ones fail the first batch: edited in
+    place they break the seal, re-sealed the check against the shard refuses them. What another user owns or may
+    write could be re-sealed to pass every check short of a scan: not trusted, as ssh trusts files (docs/data.md)."""
+    rows = kind == "rows"
+    tokens = np.load(big_shard, mmap_mode="r")
+    n, built = tokens.size, tg.aligned_rows(tokens, T)
+
+    def rescanned():
+        _, largest, table = scan(big_shard, rows)
+        assert largest == int(tokens.max()) and (not rows or np.array_equal(table, built))
+        return table
+
+    rescanned()
+    entry = entry_of(cache, f".rows{T}.npy" if rows else ".max_id")
     capsys.readouterr()
-    n, size = tokens.size, 16 * tokens.size + 8192  # larger than any table of the shard
+    size = 16 * n + 8192 if rows else 1 << 20  # larger than any table of the shard, or than any id as text
+    bound = shard_scan.NPY_HEADER_BYTES + 16 * (n + 1) if rows else shard_scan.MAX_ID_BYTES
+    noted = [entry_of(cache, ".max_id")] if fault == "in a folder others may write" else []  # (its largest id too)
     if fault in ("shifted middle rows", "rows longer than T"):
         replace(entry, shard_scan.sealed_rows(forged(tokens, fault), T, n))
     elif fault == "middle rows shifted in place":
@@ -155,51 +158,22 @@ def test_a_kept_row_table_is_checked_against_its_shard_and_scanned_again(big_sha
         data = bytearray(open(entry, "rb").read())
         data[-16 * 1000] ^= 1  # a row's start, 1000 rows from the end
         replace(entry, bytes(data))
-    elif fault == "oversize":
-        replace(entry, b"\0" * size)
-    else:
-        replace(entry, fault)
-    _, _, table = scan(big_shard)
-    assert np.array_equal(table, built)
-    bound = shard_scan.NPY_HEADER_BYTES + 16 * (n + 1)
-    one_note(capsys, entry, big_shard, ROW_FAULTS[fault].format(size=size, bound=bound, n=n))
-    _, _, table = scan(big_shard)  # rebuilt: read back without a word
-    assert isinstance(table, np.memmap) and np.array_equal(table, built)
-    assert capsys.readouterr() == ("", "")
-
-
-@pytest.mark.parametrize("whose", ["writable by the group", "another user's", "in a folder others may write"])
-def test_a_kept_row_table_another_user_could_have_written_is_scanned_again(big_shard, cache, capsys, whose):
-    """An entry re-sealed by another user passes every check against its shard that does not redo the scan (a
-    table of rows cut at each <|endoftext|> does): so an entry, or its folder, that another user owns or may
-    write is not trusted, as ssh trusts its files; one this user forged is (docs/data.md)."""
-    tokens, _, table = scan(big_shard)
-    entry = entry_of(cache, f".rows{T}.npy")
-    capsys.readouterr()
-    if whose == "another user's":
+    elif fault == "another user's":
         if os.geteuid() != 0:
             pytest.skip("chown needs root")
         os.chown(entry, 65534, -1)
-        reason = "it is owned by another user (uid 65534)"
-    elif whose == "writable by the group":
-        os.chmod(entry, 0o664)
-        reason = "it is writable by other users"
+    elif fault in ("writable by the group", "in a folder others may write"):
+        os.chmod(*((entry, 0o664) if fault == "writable by the group" else (cache, 0o777)))
     else:
-        os.chmod(cache, 0o777)
-        reason = "its folder is writable by other users"
-    _, _, again = scan(big_shard)
-    assert np.array_equal(again, table)
-    notes = [entry_of(cache, ".max_id")] if whose == "in a folder others may write" else []  # (its largest id's too)
-    out = capsys.readouterr()
-    assert (out.out + out.err).splitlines() == [
-        f"note: the kept scan {name} of {big_shard} cannot be used ({reason}); scanning the shard again"
-        for name in [*notes, entry]
-    ]
+        replace(entry, {"oversize": b"\0" * size if rows else "1" * size, "not a number": "12e3"}.get(fault, fault))
+    rescanned()
+    assert_notes(capsys, big_shard, FAULTS[kind, fault].format(size=size, bound=bound, n=n), *noted, entry)
     assert oct(os.stat(entry).st_mode & 0o022) == oct(os.stat(cache).st_mode & 0o022) == "0o0"  # (stored again)
-    if whose == "another user's":
+    if fault == "another user's":
         os.chown(entry, os.geteuid(), -1)
-    _, _, again = scan(big_shard)  # trusted again: read back without a word
-    assert np.array_equal(again, table) and capsys.readouterr() == ("", "")
+    table = rescanned()  # rebuilt (or trusted again): read back without a word
+    assert_notes(capsys, big_shard, "")
+    assert not rows or isinstance(table, np.memmap)
 
 
 # --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
@@ -209,7 +183,6 @@ def test_a_kept_row_table_another_user_could_have_written_is_scanned_again(big_s
 def made(tmp_path_factory) -> str:
     """A data set fineweb.py made (its manifest lists data_val_000000.npy and train shards 1..): read, not changed."""
     import fineweb
-    from conftest import TEXT_FILE
 
     out = str(tmp_path_factory.mktemp("made") / "data")
     argv = ["--files", str(TEXT_FILE), "--doc-per-file", "--out-dir", out, "--shard-size", "4000", "--workers", "1"]
@@ -237,6 +210,7 @@ def with_field(manifest: dict, case: str) -> dict:
         "bytes true": ("bytes", True),
         "sha256 not 64 hex digits": ("sha256", shards[1]["sha256"][:63] + "g"),
         "max_id beyond uint16": ("max_id", 70000),
+        "max_id of 4,001 digits": ("max_id", 10**4000),
         "file listed twice": ("file", shards[0]["file"]),
     }[case]
     return {**manifest, "shards": [shards[0], {**shards[1], key: value}, *shards[2:]]}
@@ -255,8 +229,17 @@ MANIFEST_CASES = {
     "bytes true": "field shards[1].bytes is true, not a whole number of bytes",
     "sha256 not 64 hex digits": "field shards[1].sha256 is the text '{sha}', not 64 hexadecimal digits or null",
     "max_id beyond uint16": "field shards[1].max_id is the number 70000, not a token id (0..65535) or null",
+    # a huge number cut in the line (cli.clipped, as every message quotes one): before, all 4 KB of it
+    "max_id of 4,001 digits": f"field shards[1].max_id is the number 1{'0' * 23}... (4001 characters), not a token id "
+    "(0..65535) or null",
     "file listed twice": "field shards[1].file names 'data_val_000000.npy' a second time",
 }
+
+
+def copy_of(made, tmp_path):
+    """made's data set copied to tmp_path/"data", to change: (the folder, its manifest as fineweb.py wrote it)."""
+    data = shutil.copytree(made, tmp_path / "data")
+    return data, json.loads((data / "manifest.json").read_text())
 
 
 @pytest.mark.parametrize("case", MANIFEST_CASES)
@@ -264,21 +247,16 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
     """Before, a manifest of other types was taken for another tool's file and its shards went unchecked (a
     `complete: "false"` run trained on, a listed shard missing or an unlisted one went unnoticed), or was
     misread; now the trainer and a resumed fineweb.py both refuse it in one line naming the field."""
-    from trainkit.data.shards import find_shards
-    from trainkit.data.shard_writer import read_manifest
-
-    import shutil
-
-    data = tmp_path / "data"
-    shutil.copytree(made, data)
+    data, manifest = copy_of(made, tmp_path)
     path = data / "manifest.json"
-    manifest = read_manifest(str(path))  # as fineweb.py wrote it: both readers take it
-    assert [os.path.basename(p) for p in find_shards(str(data), "train")] == [s["file"] for s in manifest["shards"][1:]]
-    (data / "manifest.json").write_text(json.dumps(with_field(manifest, case)))
+    assert read_manifest(str(path)) == manifest  # as fineweb.py wrote it: both readers take it
+    train = [s["file"] for s in manifest["shards"][1:]]
+    assert [os.path.basename(p) for p in shard_checks.find_shards(str(data), "train")] == train
+    path.write_text(json.dumps(with_field(manifest, case)))
     second = manifest["shards"][1]
     problem = MANIFEST_CASES[case].format(bytes=second["bytes"], sha=second["sha256"][:40])
     with pytest.raises(UserError) as refused:
-        find_shards(str(data), "train")
+        shard_checks.find_shards(str(data), "train")
     assert str(refused.value) == (
         f"{path} is not a manifest fineweb.py wrote ({problem}); restore it, re-create the data set with "
         "fineweb.py, or move it out of the folder"
@@ -288,53 +266,27 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
     assert str(refused.value) == f"{path} is not a manifest written by fineweb.py ({problem}); use an empty --out-dir"
 
 
-def test_a_manifest_that_cannot_be_read_is_refused_not_taken_for_none(made, monkeypatch):
-    """manifest.json unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest",
-    so the shards of an unfinished fineweb.py run trained without a word; now one line naming why. Only a
-    missing one means none."""
-    import errno
-
-    from trainkit.data import shards as shard_checks
-
-    def unreadable(path, *args, **kwargs):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-
-    monkeypatch.setattr(shard_checks.fileio, "read_json", unreadable)
-    path = os.path.join(made, "manifest.json")
+@pytest.mark.parametrize("case", ["unreadable", "a shard's bytes of 4,001 digits"])
+def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(made, tmp_path, monkeypatch, case):
+    """Unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest", so an unfinished
+    run's shards trained without a word (only a missing one means none). A huge number: before, all in the line."""
+    data, manifest = copy_of(made, tmp_path)
+    path, shard = data / "manifest.json", data / manifest["shards"][1]["file"]
+    if case == "unreadable":
+        error = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        monkeypatch.setattr(shard_checks.fileio, "read_json", lambda *args, **kwargs: (_ for _ in ()).throw(error))
+        why = f"cannot read {path}: permission denied; the shards it lists cannot be checked: make it readable, or"
+        why += " move it out of the folder"
+    else:
+        manifest["shards"][1]["bytes"] = 10**4000
+        path.write_text(json.dumps(manifest))
+        why = f"{shard} is {shard.stat().st_size} bytes, not the 1{'0' * 23}... (4001 characters) that {path} lists;"
+        why += " restore it, or re-create the data set with fineweb.py"
     with pytest.raises(UserError) as refused:
-        shard_checks.find_shards(made, "train")
-    assert str(refused.value) == (
-        f"cannot read {path}: permission denied; the shards it lists cannot be checked: make it readable, or move "
-        "it out of the folder"
-    )
+        shard_checks.find_shards(str(data), "train")
+    assert str(refused.value) == why
     monkeypatch.undo()
-    assert shard_checks.folder_manifest(os.path.dirname(made)) is None  # (none there)
-
-
-def test_a_huge_number_in_a_manifest_is_cut_in_the_line(made, tmp_path):
-    """A shard's bytes of 4,001 digits: before, all of them in the one error line (4 KB); now its first ones and
-    its length. Another field's huge number is cut the same way (cli.clipped, as every message quotes one)."""
-    import shutil
-
-    from trainkit.data.shards import find_shards
-
-    data = tmp_path / "data"
-    shutil.copytree(made, data)
-    manifest = json.loads((data / "manifest.json").read_text())
-    manifest["shards"][1]["bytes"] = 10**4000
-    (data / "manifest.json").write_text(json.dumps(manifest))
-    shard = data / manifest["shards"][1]["file"]
-    with pytest.raises(UserError) as refused:
-        find_shards(str(data), "train")
-    assert str(refused.value) == (
-        f"{shard} is {os.path.getsize(shard)} bytes, not the 1{'0' * 23}... (4001 characters) that "
-        f"{data / 'manifest.json'} lists; restore it, or re-create the data set with fineweb.py"
-    )
-    manifest["shards"][1]["max_id"] = 10**4000
-    (data / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError) as refused:
-        find_shards(str(data), "train")
-    assert f"max_id is the number 1{'0' * 23}... (4001 characters), not a token id" in str(refused.value)
+    assert shard_checks.folder_manifest(str(tmp_path)) is None  # (none there)
 
 
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
@@ -347,8 +299,6 @@ def test_keep_last_meeting_a_checkpoint_it_may_not_delete_warns_once_and_trains_
 ):
     """As an immutable file, another user's on NFS or a read-only mount refuse it: before, a PermissionError
     traceback ended the run at its next save."""
-    import errno
-
     out = tmp_path / "run"
     undeletable = str(out / "ckpt_0000002.pt")
     remove = os.remove
@@ -389,47 +339,29 @@ def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
     )
 
 
-@pytest.fixture
-def address_space_limit(monkeypatch) -> int:
-    """This process reported as running under `ulimit -v 700000` (KiB), without the limit itself."""
-    real = resource.getrlimit
+@pytest.mark.parametrize("script", ["train_gpt2.py", "fineweb.py"])
+def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tmp_path, monkeypatch, script):
+    """A lazy import inside torch (as torch.distributed.tensor's): before, `lower --batch-size ...`; fineweb.py's own
+    buffers: before, a traceback and exit code 1. (A limit too small for OpenBLAS aborts in C at import: not caught.)"""
+    real = resource.getrlimit  # reported as running under `ulimit -v 700000` (KiB), without the limit itself
     monkeypatch.setattr(
-        resource, "getrlimit", lambda which: (700000 << 10,) * 2 if which == resource.RLIMIT_AS else real(which)
+        resource, "getrlimit", lambda what: (700000 << 10,) * 2 if what == resource.RLIMIT_AS else real(what)
     )
-    return 700000
+    if script == "fineweb.py":
+        import fineweb
 
-
-def test_a_memory_error_importing_a_library_mid_run_is_not_blamed_on_the_batch(
-    data_dir, tmp_path, monkeypatch, capsys, address_space_limit
-):
-    """A MemoryError raised by a lazy import inside torch under `ulimit -v` (as torch.distributed.tensor's
-    was): before, `lower --batch-size ... or pass --activation-checkpointing`; now the import and the limit."""
-    (tmp_path / "needs_memory.py").write_text("raise MemoryError\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(tg, "build_optimizer", lambda *args, **kwargs: __import__("needs_memory"))
-    assert tg.main(tiny_run_args(data_dir, tmp_path / "run", steps=2)) == 2
-    assert capsys.readouterr().err == (
-        "error: out of memory while importing a library (MemoryError): under a memory limit (ulimit -v, "
-        f"{address_space_limit} KiB): raise it\n"
-    )
-
-
-def test_a_memory_error_in_fineweb_is_one_line_naming_the_limit(tmp_path, monkeypatch, address_space_limit):
-    """fineweb.py's own buffers under `ulimit -v`: before, a MemoryError traceback and exit code 1. (A limit so
-    small that numpy's OpenBLAS cannot start aborts in C at import, before any Python runs: not caught.)"""
-    import fineweb
-
-    def no_memory(*args, **kwargs):
-        raise MemoryError
-
-    monkeypatch.setattr(fineweb, "chunk_located", no_memory)
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
-    result = run_main("fineweb.py", "--files", docs, "--out-dir", tmp_path / "fw", "--workers", "1")
+        monkeypatch.setattr(fineweb, "chunk_located", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
+        docs = tmp_path / "docs.jsonl"
+        docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+        args, where = ["--files", docs, "--out-dir", tmp_path / "fw", "--workers", "1"], "on the host"
+    else:
+        (tmp_path / "needs_memory.py").write_text("raise MemoryError\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setattr(tg, "build_optimizer", lambda *args, **kwargs: __import__("needs_memory"))
+        args, where = tiny_run_args(data_dir, tmp_path / "run", steps=2), "while importing a library"
     assert_refused(
-        result,
-        f"out of memory on the host (MemoryError): under a memory limit (ulimit -v, {address_space_limit} KiB): "
-        "raise it",
+        run_main(script, *args),
+        f"out of memory {where} (MemoryError): under a memory limit (ulimit -v, 700000 KiB): raise it",
     )
 
 
@@ -445,52 +377,40 @@ def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> l
 
 def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path, capsys):
     """`cat a/log.jsonl b/log.jsonl`: before, one curve that went back to step 0 midway (marked as a resume);
-    a branch (a new run id that starts with its resume record) stays its parent's curve."""
+    a branch (a new run id that starts with its resume record) stays its parent's curve. A branch of a run the
+    log does not hold (before: joined to the run before it, its steps drawn over that run's) and a resume record
+    that names no parent (an older trainer's) join nothing."""
     pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
     import plot_log
 
-    a, b, branch = "a" * 32, "b" * 32, "c" * 32
+    a, b, branch, orphan, old = "a" * 32, "b" * 32, "c" * 32, "3" * 32, "4" * 32
     records = run_records(a, list(range(6)), 5.0)  # run a, steps 0..5
     records += run_records(branch, [3, 4, 5], 4.0, resume_at=3, parent=a)  # its branch from step 3 (its log's)
     records += run_records(b, list(range(4)), 9.0)  # run b's log appended: steps 0..3
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert [(name, len(rs)) for name, rs in plot_log.runs_of(records)] == [("run aaaaaaaa", 10), ("run bbbbbbbb", 4)]
+    unjoined = run_records(orphan, [2, 3, 4, 5], 4.0, resume_at=2, parent="2" * 32) + run_records(
+        old, [4, 5], 3.0, resume_at=4
+    )
+    assert [(name, len(rs)) for name, rs in plot_log.runs_of(run_records(a, list(range(6)), 5.0) + unjoined)] == [
+        ("run aaaaaaaa", 6),
+        ("run 33333333", 5),
+        ("run 44444444", 3),
+    ]
     fig = plot_log.make_figure(records, smooth=0)
     try:
         lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-        assert list(lines["train loss (run aaaaaaaa)"].get_xdata()) == [0, 1, 2, 3, 4, 5]
-        assert list(lines["train loss (run aaaaaaaa)"].get_ydata()) == [5.0 - 0.1 * s for s in (0, 1, 2)] + [
-            4.0 - 0.1 * s for s in (3, 4, 5)
-        ]
-        assert list(lines["train loss (run bbbbbbbb)"].get_xdata()) == [0, 1, 2, 3]
-        assert list(lines["train loss (run bbbbbbbb)"].get_ydata()) == [9.0 - 0.1 * s for s in range(4)]
+        curve = lambda run: [(x, y) for x, y in zip(*lines[f"train loss (run {run * 8})"].get_data())]
+        assert curve("a") == [(s, 5.0 - 0.1 * s) for s in (0, 1, 2)] + [(s, 4.0 - 0.1 * s) for s in (3, 4, 5)]
+        assert curve("b") == [(s, 9.0 - 0.1 * s) for s in range(4)]
         assert [line.get_xdata()[0] for line in lines.values() if line.get_label() == "resumed"] == [3]
         assert fig._suptitle.get_text().splitlines() == [
             "run aaaaaaaa: train loss 3.5000 (step 5)",
             "run bbbbbbbb: train loss 8.7000 (step 3)",
         ]
     finally:
-        import matplotlib.pyplot as plt
-
         plt.close(fig)
     assert plot_log.main([str(log), "-o", str(tmp_path / "both.png")]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'both.png'}\n"
-
-
-def test_plot_log_draws_a_branch_of_another_run_as_its_own_curve():
-    """`cat r1/log.jsonl r2c/log.jsonl`, r2c a branch of a run r2 this log does not hold: before, joined to
-    r1's curve (any new run starting with a resume was), its steps drawn over r1's; a resume record that
-    names no parent (an older trainer's) joins nothing either."""
-    pytest.importorskip("matplotlib")
-    import plot_log
-
-    r1, r2, r2c, old = "1" * 32, "2" * 32, "3" * 32, "4" * 32
-    records = run_records(r1, list(range(6)), 5.0)
-    records += run_records(r2c, [2, 3, 4, 5], 4.0, resume_at=2, parent=r2)
-    records += run_records(old, [4, 5], 3.0, resume_at=4)
-    assert [(name, len(rs)) for name, rs in plot_log.runs_of(records)] == [
-        ("run 11111111", 6),
-        ("run 33333333", 5),
-        ("run 44444444", 3),
-    ]

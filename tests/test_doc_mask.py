@@ -10,11 +10,13 @@ import torch
 
 from trainkit.runtime import kernels
 import train_gpt2 as tg
-from conftest import run_main, tiny_run_args
+from conftest import log_records, tiny_run_args
 from trainkit.data.tokenizer import token_byte_lengths
-from shards import EOT, make_docs, write_shards
+from shards import EOT, loss_and_grads
 
 CONFIG = tg.GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
+# conftest's data_dir: short documents, several to a packed row
+SHARDS = dict(n_docs=300, seed=3, vocab=300, min_len=2, max_len=12, shard_size=1500)
 
 
 def packed_batch():
@@ -53,13 +55,6 @@ def test_positions_and_documents_restart_at_each_endoftext():
     assert mask[1, 0, 22].tolist() == [False] * 22 + [True, False]  # padding attends to itself only
 
 
-def loss_and_grads(model, fn):
-    model.zero_grad()
-    loss = fn()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("loss_chunk", [0, 16])
 def test_packed_rows_equal_each_document_alone(loss_chunk):
     x, y = packed_batch()
@@ -70,16 +65,9 @@ def test_packed_rows_equal_each_document_alone(loss_chunk):
         model = tg.GPT(CONFIG).to(dtype)
         packed_loss, packed = loss_and_grads(model, lambda: model(x, y, loss_chunk=loss_chunk, doc_mask=True)[1])
 
-        def alone():  # each document in a row of its own: plain causal attention, positions from 0
-            return (
-                sum(
-                    model(x[b : b + 1, s:e], y[b : b + 1, s:e], reduction="sum", loss_chunk=loss_chunk)[1]
-                    for b, s, e in documents(x, y)
-                )
-                / n
-            )
-
-        alone_loss, separate = loss_and_grads(model, alone)
+        # each document in a row of its own: plain causal attention, positions from 0
+        each = lambda b, s, e: model(x[b : b + 1, s:e], y[b : b + 1, s:e], reduction="sum", loss_chunk=loss_chunk)[1]
+        alone_loss, separate = loss_and_grads(model, lambda: sum(each(*doc) for doc in documents(x, y)) / n)
         assert packed_loss == pytest.approx(alone_loss, rel=tolerance)
         # fp32: relative to the whole gradient (a small tensor's sums cancel to a few ulps more);
         # fp64: each tensor on its own
@@ -108,27 +96,15 @@ def test_flex_attention_document_mask_agrees_with_sdpa():
 # --- through the command line -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def doc_mask_run(tmp_path_factory):
-    """Two steps of --doc-mask on plain packed rows of short documents (several per row): (flags, out)."""
-    data = tmp_path_factory.mktemp("shards")
-    write_shards(data, make_docs(300, seed=3, vocab=300, min_len=2, max_len=12), shard_size=1500)
-    out = tmp_path_factory.mktemp("run")
-    flags = tiny_run_args(
-        data, out, "--val-steps", "2", "--doc-mask", steps=2, seq_len=32, rows=4, warmup=1, val_every=2, ckpt_every=2
-    )
-    result = run_main("train_gpt2.py", *flags)
-    assert result.returncode == 0, result.stderr
-    return flags, out
-
-
-def test_cli_validation_equals_each_document_alone(doc_mask_run):
-    flags, out = doc_mask_run
-    logged = [json.loads(line) for line in open(out / "log.jsonl") if "val_loss" in line][-1]
-    assert logged["step"] == 2
+def test_validation_and_eval_only_equal_each_document_alone_and_export_is_plain_gpt2(data_dir, tmp_path, capsys):
+    """Two steps of --doc-mask on plain packed rows of data_dir's short documents, validated at step 2."""
+    out = tmp_path / "run"
+    sizes = dict(steps=2, seq_len=32, rows=4, warmup=1, val_every=2, ckpt_every=2)
+    flags = tiny_run_args(data_dir, out, "--val-steps", "2", "--doc-mask", **sizes)
+    assert tg.main(flags) == 0
+    capsys.readouterr()
     model = tg.GPT.from_checkpoint(str(out / "ckpt_0000002.pt"))
-    rows = tg.TokenRows(flags[1], "val", 32)
-    x, y = (torch.from_numpy(a) for a in rows.batch(0, 8))  # --val-steps 2 x --batch-size 4
+    x, y = (torch.from_numpy(a) for a in tg.TokenRows(data_dir, "val", 32).batch(0, 8))  # --val-steps 2 x -B 4
     nats, n_targets, text_nats = 0.0, 0, 0.0
     with torch.no_grad():
         for b, s, e in documents(x, y):
@@ -137,21 +113,18 @@ def test_cli_validation_equals_each_document_alone(doc_mask_run):
             text_nats += losses[y[b, s:e] != EOT].sum().item()
             n_targets += e - s
     n_bytes = int(token_byte_lengths(50304)[y.flatten()].sum())  # GPT-2's ids below 300: 1 to 7 bytes each
-    assert logged["val_loss"] == pytest.approx(nats / n_targets, rel=1e-6)
-    assert logged["val_bpb"] == pytest.approx(text_nats / (math.log(2) * n_bytes), rel=1e-6)
-
-
-def test_eval_only_uses_the_mask_and_export_is_plain_gpt2(doc_mask_run, tmp_path, capsys):
+    alone = dict(val_loss=nats / n_targets, val_bpb=text_nats / (math.log(2) * n_bytes))
+    logged = [r for r in log_records(out) if "val_loss" in r][-1]
+    assert logged["step"] == 2 and {k: logged[k] for k in alone} == pytest.approx(alone, rel=1e-6)
+    assert tg.main([*flags, "--max-steps", "2", "--eval-only", "--resume"]) == 0  # --eval-only: the mask too
+    logged = [r for r in log_records(out) if "val_loss" in r][-1]
+    del logged["run"]  # the run id of the log's records: no part of an evaluation's result
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == logged
+    assert {k: logged[k] for k in alone} == pytest.approx(alone, rel=1e-6)
     pytest.importorskip("transformers")
     import hf_interop
     from transformers import GPT2LMHeadModel
 
-    flags, out = doc_mask_run
-    assert tg.main([*flags, "--max-steps", "2", "--eval-only", "--resume"]) == 0
-    logged = [json.loads(line) for line in open(out / "log.jsonl") if "val_loss" in line][-1]
-    del logged["run"]  # the run id of the log's records: no part of an evaluation's result
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == logged
-    model = tg.GPT.from_checkpoint(str(out / "ckpt_0000002.pt"))
     hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(str(out / "ckpt_0000002.pt"), str(tmp_path / "hf")))
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -12,14 +12,17 @@ from trainkit.runtime.launch import Dist
 import train_gpt2 as tg
 from trainkit.runtime.kernels import chunked_loss_and_grads
 from trainkit.data.shards import open_shard
-from shards import EOT, make_docs, write_shards
+from shards import EOT, loss_and_grads
+
+SHARDS = dict(n_docs=300, seed=3, vocab=1000, max_len=40, shard_size=1500)  # conftest's data_dir: the row tests'
 
 
 # --- model --------------------------------------------------------------------------------
 
 
-def test_gpt2_124m_parameter_names_shapes_and_count():
-    model = tg.GPT(tg.GPTConfig())
+def test_parameter_names_shapes_and_counts_of_gpt2_124m_and_the_cpu_preset():
+    with torch.device("meta"):  # shapes, ties and counts without 500 MB of weights to initialize
+        model = tg.GPT(tg.GPTConfig())
     sd = model.state_dict()
     assert sd["transformer.wte.weight"].shape == (50304, 768)
     assert sd["transformer.wpe.weight"].shape == (1024, 768)
@@ -29,11 +32,16 @@ def test_gpt2_124m_parameter_names_shapes_and_count():
     # 124,475,904 with the 50304 vocab (GPT-2's 124,439,808 + 47 padded rows x 768)
     assert sum(p.numel() for p in model.parameters()) == 124_439_808 + 47 * 768
     names = {k.split(".", 3)[-1] for k in sd if k.startswith("transformer.h.0.")}
-    assert names == {
-        f"{m}.{p}"
-        for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-        for p in ("weight", "bias")
-    }
+    modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    assert names == {f"{m}.{p}" for m in modules for p in ("weight", "bias")}
+    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))  # the counts add up, the tied embedding counted once
+    C, V, L = 128, 50304, 4
+    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
+    assert model.num_params(without_positions=False) == total == 7_265_024
+    assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
+    summary = "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
+    assert model.param_summary() == summary
 
 
 def test_init_scales_residual_projections():
@@ -78,9 +86,10 @@ def test_loss_ignores_minus_one_targets_and_sum_reduction():
 # --- optimizer and schedule ---------------------------------------------------------------
 
 
-def test_adamw_decays_matrices_only():
+def test_adamw_decays_matrices_only_and_muon_takes_the_blocks_matrices():
     cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
     model = tg.GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
     opt = tg.build_optimizer(model, 0.1, 6e-4, "cpu")
     decay, no_decay = opt.param_groups
     # by hand: wte (tied with lm_head), wpe, and per block c_attn, attn c_proj, c_fc, mlp c_proj
@@ -89,39 +98,29 @@ def test_adamw_decays_matrices_only():
     assert len(no_decay["params"]) == 8 * cfg.n_layer + 2
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8 and opt.defaults["fused"]
-    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
-    assert n == sum(p.numel() for p in model.parameters())
-
-
-def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
-    cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
-    model = tg.GPT(cfg)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == n_params
     opt = tg.build_optimizer(model, 0.1, 6e-4, "cpu", muon_lr=0.02, muon_momentum=0.9)
     names = {p: n for n, p in model.named_parameters()}  # the tied lm_head is transformer.wte.weight
-    assert sorted(names[p] for p in opt.muon.param_groups[0]["params"]) == sorted(
-        f"transformer.h.{i}.{m}.weight"
-        for i in range(2)
-        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    )
+    matrices = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    muon_names = sorted(names[p] for p in opt.muon.param_groups[0]["params"])
+    assert muon_names == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2) for m in matrices)
     decay, no_decay = opt.adamw.param_groups
     assert [names[p] for p in decay["params"]] == ["transformer.wte.weight", "transformer.wpe.weight"]
     assert all(p.dim() == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 8 * cfg.n_layer + 2
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     muon = opt.muon.param_groups[0]
     assert [muon[k] for k in ("lr", "momentum", "nesterov", "weight_decay", "ns_steps")] == [0.02, 0.9, True, 0.0, 5]
-    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == n_params
     tg.set_lr(opt, 3e-4)  # half of --max-lr: Muon's LR follows the schedule
     assert [g["lr"] for g in opt.param_groups] == [3e-4, 3e-4, 0.01]
 
 
 def test_lr_schedule_three_phases():
     run = tg.RunConfig(max_lr=6e-4, warmup_steps=10, max_steps=110)
-    assert tg.get_lr(0, run) == pytest.approx(6e-5)
-    assert tg.get_lr(9, run) == pytest.approx(6e-4)
-    assert tg.get_lr(10, run) == pytest.approx(6e-4)
-    assert tg.get_lr(60, run) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
-    assert tg.get_lr(110, run) == pytest.approx(6e-5)
-    assert tg.get_lr(500, run) == pytest.approx(6e-5)  # held after max_steps
+    steps = (0, 9, 10, 60, 110, 500)  # the last one held after max_steps
+    assert [tg.get_lr(s, run) for s in steps] == pytest.approx(
+        [6e-5, 6e-4, 6e-4, 6e-5 + 0.5 * (6e-4 - 6e-5), 6e-5, 6e-5]
+    )
     assert tg.get_lr(500, tg.RunConfig(max_lr=1e-3, min_lr=0.0, warmup_steps=1, max_steps=10)) == 0.0
 
 
@@ -179,9 +178,8 @@ def step_rows(loader, step):
 
 
 @pytest.mark.parametrize("align_docs,shuffle", [(False, False), (True, False), (False, True), (True, True)])
-def test_every_split_reads_the_same_rows_each_step(tmp_path, align_docs, shuffle):
-    write_shards(tmp_path, make_docs(300, seed=3), shard_size=1500)
-    rows = tg.TokenRows(str(tmp_path), "train", T=16, align_docs=align_docs, shuffle=shuffle, seed=7)
+def test_every_split_reads_the_same_rows_each_step(data_dir, align_docs, shuffle):
+    rows = tg.TokenRows(data_dir, "train", T=16, align_docs=align_docs, shuffle=shuffle, seed=7)
     splits = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2)]  # B, accumulation, world: 8 rows
     for step in (0, 1, 5, rows.rows_per_epoch // 8 + 1):  # the last one is in the second epoch
         seen = [step_rows(tg.StepLoader(rows, B, a, 0, W), step) for B, a, W in splits]
@@ -190,16 +188,15 @@ def test_every_split_reads_the_same_rows_each_step(tmp_path, align_docs, shuffle
         assert n == sum(sum(t != -1 for t in r[16:]) for r in seen[0])
 
 
-def test_shuffle_permutes_rows_and_epochs_differ(tmp_path):
-    write_shards(tmp_path, make_docs(300, seed=3), shard_size=1500)
-    plain = tg.TokenRows(str(tmp_path), "train", T=16)
-    shuffled = tg.TokenRows(str(tmp_path), "train", T=16, shuffle=True, seed=7)
+def test_shuffle_permutes_rows_and_epochs_differ(data_dir):
+    plain = tg.TokenRows(data_dir, "train", T=16)
+    shuffled = tg.TokenRows(data_dir, "train", T=16, shuffle=True, seed=7)
     n = plain.rows_per_epoch
     order = lambda r, epoch: [r.locate(epoch * n + g) for g in range(n)]
     assert sorted(order(shuffled, 0)) == order(plain, 0)  # a permutation of the same rows
     assert order(shuffled, 0) != order(plain, 0)
     assert order(shuffled, 1) != order(shuffled, 0)
-    again = tg.TokenRows(str(tmp_path), "train", T=16, shuffle=True, seed=7)
+    again = tg.TokenRows(data_dir, "train", T=16, shuffle=True, seed=7)
     assert order(again, 1) == order(shuffled, 1)  # seeded: reproducible
 
 
@@ -207,9 +204,7 @@ def test_llmc_bin_shards_read_like_npy(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16)
     header = np.zeros(256, dtype=np.int32)
     header[:3] = [20240520, 1, len(tokens)]
-    with open(tmp_path / "x_train_000000.bin", "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
+    (tmp_path / "x_train_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
     assert np.array_equal(open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
     (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
     with pytest.raises(cli.UserError, match="truncated or corrupt"):
@@ -227,22 +222,17 @@ def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
     x = torch.randint(0, 300, (3, 32))
     y = torch.randint(0, 300, (3, 32))
     y[1, 7:] = -1
-
-    def loss_and_grads(**kwargs):
-        model.zero_grad()
-        _, loss = model(x, y, reduction=reduction, **kwargs)
-        (loss * 0.37).backward()  # an incoming gradient other than 1 must be applied too
-        return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    full_loss, full = loss_and_grads()
-    chunked_loss, chunked = loss_and_grads(loss_chunk=20)  # 96 rows: 4 full chunks and one of 16
-    assert chunked_loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    # an incoming gradient other than 1 (0.37) must be applied too
+    full_loss, full = loss_and_grads(model, lambda: model(x, y, reduction=reduction)[1], 0.37)
+    # 96 rows: 4 full chunks and one of 16
+    chunked_loss, chunked = loss_and_grads(model, lambda: model(x, y, reduction=reduction, loss_chunk=20)[1], 0.37)
+    assert chunked_loss == pytest.approx(full_loss, rel=1e-6)
     for k in full:  # fp32 rounding, relative to each gradient's scale (sums reach ~5 here)
         scale = full[k].abs().max().item()
         torch.testing.assert_close(chunked[k], full[k], atol=1e-6 * scale, rtol=1e-5, msg=k)
     with torch.no_grad():  # evaluation: no gradient work, same loss
         logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
-    assert logits is None and loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    assert logits is None and loss.item() == pytest.approx(full_loss, rel=1e-6)
 
 
 def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
@@ -270,18 +260,12 @@ def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
     x, y = torch.randint(0, 50257, (2, 3, 16))
     y[1, 5:] = -1
 
-    def loss_and_grads(loss_fn):
-        model.zero_grad()
-        loss = loss_fn()
-        (loss * 0.37).backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
     def real_vocabulary_loss(reduction="sum"):
         logits = model.hidden_states(x) @ model.lm_head.weight[:50257].t()
         return F.cross_entropy(logits.view(-1, 50257), y.view(-1), ignore_index=-1, reduction=reduction)
 
-    ref_loss, ref = loss_and_grads(real_vocabulary_loss)
-    loss, grads = loss_and_grads(lambda: model(x, y, reduction="sum", loss_chunk=loss_chunk)[1])
+    ref_loss, ref = loss_and_grads(model, real_vocabulary_loss, 0.37)
+    loss, grads = loss_and_grads(model, lambda: model(x, y, reduction="sum", loss_chunk=loss_chunk)[1], 0.37)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for k in ref:  # fp32 rounding: the chunked softmax's gradient reaches 1.2e-5 of the largest, as before padding
         torch.testing.assert_close(grads[k], ref[k], atol=2e-5 * ref[k].abs().max().item(), rtol=1e-5, msg=k)
@@ -289,18 +273,6 @@ def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
     with torch.no_grad():  # evaluation: each target's loss
         _, token_losses = model(x, y, reduction="none", loss_chunk=loss_chunk)
         torch.testing.assert_close(token_losses, real_vocabulary_loss("none"), rtol=1e-5, atol=1e-6)
-
-
-def test_param_counts_add_up_and_count_the_tied_embedding_once():
-    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS["cpu"]))
-    C, V, L = 128, 50304, 4
-    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
-    total = V * C + 256 * C + L * block + 2 * C  # wte (= lm_head), wpe, blocks, ln_f
-    assert model.num_params(without_positions=False) == total == 7_265_024
-    assert model.num_params() == total - 256 * C  # the 6·P of the FLOPs: lm_head in, position lookup out
-    assert (
-        model.param_summary() == "7.27M params (6.44M token embedding = lm_head, 0.03M positions, 0.79M blocks + ln_f)"
-    )
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 3])
