@@ -726,3 +726,12 @@ def run_as_programs(cases, watch=(), timeout=600) -> list:
         result.loaded, result.own = loaded, own
         completed.append(result)
     return completed
+
+
+# --- linesa ---
+
+
+def assert_refused_quietly(result, message):
+    """assert_refused(result, message), and nothing on stdout."""
+    assert_refused(result, message)
+    assert result.stdout == ""

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, run_main, tiny_run_args
+from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, assert_refused, run_main, tiny_run_args
 from shards import make_docs, write_shards
 
 
@@ -15,20 +15,10 @@ def evaluated_run(tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
     data = tmp_path_factory.mktemp("shards")
     write_shards(data, make_docs(400, seed=5, vocab=64, max_len=60), shard_size=4000)
-    hellaswag = ["--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
+    evaluations = ["--val-steps", "3", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
     out = tmp_path_factory.mktemp("run")
-    flags = tiny_run_args(
-        data,
-        out,
-        "--val-steps",
-        "3",
-        *hellaswag,
-        steps=4,
-        ckpt_every=2,
-        val_every=2,
-        hellaswag_every=2,
-        **GPT2_VOCAB_RUN,
-    )
+    sizes = dict(steps=4, ckpt_every=2, val_every=2, hellaswag_every=2, **GPT2_VOCAB_RUN)
+    flags = tiny_run_args(data, out, *evaluations, **sizes)
     result = run_main("train_gpt2.py", *flags)
     assert result.returncode == 0, result.stderr
     return flags, out
@@ -40,28 +30,25 @@ def logged_at(out, step):
     return {k: v for r in records for k, v in r.items() if k != "run"}  # (the log's: an evaluation writes none)
 
 
-@pytest.mark.parametrize("which,step", [("ckpt_0000002.pt", 2), (None, 4)], ids=["path", "latest"])
-def test_eval_only_equals_what_training_logged(evaluated_run, which, step):
+@pytest.mark.parametrize(
+    "which, step, extra",
+    [("ckpt_0000002.pt", 2, []), (None, 4, []), (None, 4, ["--max-steps", "100"])],
+    ids=["path", "latest", "longer-schedule"],
+)
+def test_eval_only_equals_what_training_logged(evaluated_run, which, step, extra):
+    """Neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation."""
     flags, out = evaluated_run
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     resume = ["--resume", str(out / which)] if which else ["--resume"]
-    result = run_main("train_gpt2.py", *flags, "--eval-only", *resume)
+    result = run_main("train_gpt2.py", *flags, "--eval-only", *resume, *extra)
     assert result.returncode == 0, result.stderr
+    assert "note:" not in result.stdout
     lines = result.stdout.strip().splitlines()
     assert f"evaluating {out / (which or 'ckpt_0000004.pt')} at step {step}" in lines
     assert json.loads(lines[-1]) == logged_at(out, step)  # exact: the same weights, rows and kernels
     assert set(json.loads(lines[-1])) >= {"step", "val_loss"}
     assert f"step {step:5d} | val loss " in result.stdout and "| loss " not in result.stdout  # no training step
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # log and checkpoints untouched
-
-
-def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(evaluated_run):
-    # neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation
-    flags, out = evaluated_run
-    result = run_main("train_gpt2.py", *flags, "--eval-only", "--resume", "--max-steps", "100")
-    assert result.returncode == 0, result.stderr
-    assert "note:" not in result.stdout
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
 
 
 @pytest.mark.parametrize(
@@ -78,8 +65,7 @@ def test_eval_only_into_a_folder_with_checkpoints_and_a_longer_schedule(evaluate
 def test_eval_only_errors_are_one_line(evaluated_run, tmp_path, extra, message):
     flags, _ = evaluated_run
     extra = [a.replace("{empty}", str(tmp_path)) for a in extra]
-    result = run_main("train_gpt2.py", *flags, "--eval-only", *extra)
-    assert (result.returncode, result.stderr) == (2, f"error: {message.replace('{empty}', str(tmp_path))}\n")
+    assert_refused(run_main("train_gpt2.py", *flags, "--eval-only", *extra), message.replace("{empty}", str(tmp_path)))
     assert os.listdir(tmp_path) == []
 
 

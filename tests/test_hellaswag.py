@@ -13,17 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import (
-    HELLASWAG_FILE,
-    NOT_GPT2,
-    REPO,
-    assert_refused,
-    free_port,
-    not_gpt2_folder,
-    run_main,
-    tiny_run_args,
-    torchrun,
-)
+from conftest import HELLASWAG_FILE, NOT_GPT2, REPO, assert_refused, assert_refused_quietly, free_port
+from conftest import not_gpt2_folder, run_main, tiny_hf, tiny_run_args, torchrun
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.data.tokenizer import EOT
@@ -32,6 +23,7 @@ from train_gpt2 import GPTConfig
 BLOCK = 64  # short enough that some of the first 100 examples have rows to truncate
 CONFIG = GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 SPREAD_SEED = 1234  # conftest's model: spread_gpt(CONFIG, SPREAD_SEED)
+DATA_FILE = str(HELLASWAG_FILE)  # the shipped subset, as --data-file takes it
 SHARDS = dict(n_docs=50, seed=0, vocab=100, shard_size=1000)  # the trainer's data, for its checks at start
 
 # The first two records of hellaswag_val.jsonl (and of its subset in fixtures/), tokenized once with tiktoken's GPT-2 BPE
@@ -54,25 +46,9 @@ ENDINGS1 = [
 ]  # ' stands and lifts the weight over her head.'
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's many small forward passes run fastest on one thread, and a second
-    thread spinning at every op slows them down several times when the machine is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def data_file():
-    return str(HELLASWAG_FILE)
-
-
 def reference_losses(model, ex, block_size):
-    """Summed and mean loss of each ending, one unpadded row per forward pass. Where a row
-    would not fit, every ending keeps the same newest context tokens, as many as the longest
-    ending leaves."""
+    """Summed and mean loss of each ending, one unpadded row per forward pass. Where a row would not fit, every ending
+    keeps the same newest context tokens, as many as the longest ending leaves."""
     longest = max(len(end) for end in ex.endings)
     keep = len(ex.ctx) if len(ex.ctx) + longest <= block_size else max(1, block_size - longest)
     ctx = ex.ctx[len(ex.ctx) - keep :]
@@ -102,15 +78,13 @@ def result_line(proc, model_line, data_line):
     return json.loads(lines[-1])
 
 
-# -----------------------------------------------------------------------------
-# rendering
-
-
-def test_render_first_two_examples(data_file):
-    ex0, ex1 = hellaswag_examples.load_examples(data_file, 2)
+# ---- rendering ----
+def test_render_first_two_examples():
+    ex0, ex1 = hellaswag_examples.load_examples(DATA_FILE, 2)
+    again = hellaswag_examples.load_examples(DATA_FILE, 5)  # the rendered examples are cached
+    assert len(again) == 5 and again[0] is ex0 and again[1] is ex1
     assert ex0 == hellaswag_examples.Example(CTX0, ENDINGS0, 3)
     assert ex1 == hellaswag_examples.Example(CTX1, ENDINGS1, 3)
-
     tokens, mask, labels = hellaswag_eval.collate([ex0, ex1])
     T = len(CTX1) + 9  # the longest row: 18 context + 9 ending tokens
     assert tokens.shape == mask.shape == (8, T) and tokens.dtype == torch.int64
@@ -122,8 +96,8 @@ def test_render_first_two_examples(data_file):
     assert labels.tolist() == [3, 3]
 
 
-def test_collate_truncates_context_from_the_left(data_file):
-    ex1 = hellaswag_examples.load_examples(data_file, 2)[1]
+def test_collate_truncates_context_from_the_left():
+    ex1 = hellaswag_examples.load_examples(DATA_FILE, 2)[1]
     tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)
     assert tokens.shape == (4, 12)
     # the longest endings (9 tokens) leave 3 context tokens, the same 3 for every ending
@@ -154,18 +128,9 @@ def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
     assert p.lengths.tolist() == [2, 1, 3, 1] + [1, 1, 1, 1]
 
 
-def test_rendered_examples_are_cached(data_file):
-    first = hellaswag_examples.load_examples(data_file, 3)
-    again = hellaswag_examples.load_examples(data_file, 5)
-    assert len(again) == 5 and all(a is b for a, b in zip(first, again))
-
-
-# -----------------------------------------------------------------------------
-# scoring
-
-
-def test_batched_scores_equal_one_row_at_a_time(model, data_file):
-    examples = hellaswag_examples.load_examples(data_file, 100)
+# ---- scoring ----
+def test_batched_scores_equal_one_row_at_a_time(model):
+    examples = hellaswag_examples.load_examples(DATA_FILE, 100)
     assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
     ref = [reference_losses(model, ex, BLOCK) for ex in examples]
     ref_sum = torch.stack([r[0] for r in ref])
@@ -173,38 +138,36 @@ def test_batched_scores_equal_one_row_at_a_time(model, data_file):
     # the reference has no near-ties that rounding could flip
     gaps = ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values
     assert gaps.min() > 1e-4
-
     loss_sum, loss_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=6)
     assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1))
     assert torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
     # fp32 rounding differs by CPU kernel: 1.1e-5 (3.4e-7 relative) seen at loss ~34
     torch.testing.assert_close(loss_mean, ref_mean, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-6, atol=1e-5)
-
     labels = torch.tensor([ex.label for ex in examples])
     expected = {
         "acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
         "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100,
         "n": 100,
     }
-    assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=data_file) == expected
+    assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=DATA_FILE) == expected
 
 
-def test_block_size_longer_than_the_model_is_refused(model, data_file):
-    examples = hellaswag_examples.load_examples(data_file, 2)
+def test_block_size_longer_than_the_model_is_refused(model):
+    examples = hellaswag_examples.load_examples(DATA_FILE, 2)
     with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
         hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
 
 
-def test_logits_in_chunks_score_the_same(model, data_file, monkeypatch):
-    examples = hellaswag_examples.load_examples(data_file, 12)
+def test_logits_in_chunks_score_the_same(model, monkeypatch):
+    examples = hellaswag_examples.load_examples(DATA_FILE, 12)
     whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
     chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
 
 
-def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
+def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
     class BareLogits(torch.nn.Module):
         def __init__(self, gpt):
             super().__init__()
@@ -213,20 +176,17 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model, data_file):
         def forward(self, idx):
             return self.gpt(idx)[0]
 
-    expected = hellaswag_eval.evaluate(model, "cpu", limit=12, data_file=data_file)
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=12, data_file=DATA_FILE)
     assert not model.training
     wrapped = BareLogits(model).train()
     try:
-        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=12, data_file=data_file, block_size=BLOCK) == expected
+        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=12, data_file=DATA_FILE, block_size=BLOCK) == expected
         assert wrapped.training and model.training
     finally:
         model.eval()
 
 
-# -----------------------------------------------------------------------------
-# command line, one process and two
-
-
+# ---- command line, one process and two ----
 # Each rank of one torchrun runs hellaswag.py's main once per command line, as `torchrun hellaswag.py` would run it
 # (argv: the repo, the command lines as JSON, a free port): one launch of two ranks serves both checks below. The
 # second run's process group has a store of its own, on that port (torchrun's store holds the first's keys).
@@ -241,11 +201,11 @@ sys.exit(max(code, hellaswag.main(second)))
 """
 
 
-def test_cli_two_processes_match_one(model, checkpoint, data_file, tmp_path):
+def test_cli_two_processes_match_one(model, checkpoint, tmp_path):
     """31 examples split over 2 ranks, and --limit 1 on 2 ranks, where rank 1 scores no example and the all-reduce
     still agrees: the totals are one process's; only rank 0 prints, what it scores, then the result."""
     one = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
-    commands = [[data_file, "--limit", "31", "--batch-size", "4"], [one, "--limit", "1"]]
+    commands = [[DATA_FILE, "--limit", "31", "--batch-size", "4"], [one, "--limit", "1"]]
     (tmp_path / "mains.py").write_text(MAINS_ON_EVERY_RANK)
     argvs = json.dumps([["--checkpoint", checkpoint, "--device", "cpu", "--data-file", *c] for c in commands])
     launch = [*torchrun("--standalone", "--nproc_per_node=2"), tmp_path / "mains.py", REPO, argvs, str(free_port())]
@@ -253,14 +213,11 @@ def test_cli_two_processes_match_one(model, checkpoint, data_file, tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 6, proc.stdout
-    for (path, _, limit, *_), said, described in zip(
-        commands,
-        (lines[:3], lines[3:]),
-        (
-            f"the first 31 of 446 examples in {data_file}{SUBSET_NAMED}",
-            f"the first 1 of 2 examples in {one}; chance is 0.25",
-        ),
-    ):
+    descriptions = [
+        f"the first 31 of 446 examples in {DATA_FILE}{SUBSET_NAMED}",
+        f"the first 1 of 2 examples in {one}; chance is 0.25",
+    ]
+    for (path, _, limit, *_), said, described in zip(commands, (lines[:3], lines[3:]), descriptions):
         expected = hellaswag_eval.evaluate(model, "cpu", limit=int(limit), data_file=path, lm_eval=True)
         assert expected["n"] == int(limit)
         assert said[:2] == [f"hellaswag: scoring {checkpoint} (it records no step)", f"hellaswag: {described}"]
@@ -289,30 +246,23 @@ def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
 def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
     copy = tmp_path / "hellaswag_val.jsonl"  # the first 3 records, elsewhere: not the subset
     copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
-    for limit in (0, 3, 50):
-        assert (
-            hellaswag_examples.describe_data(str(copy), limit) == f"hellaswag: all 3 examples in {copy}; chance is 0.25"
-        )
-    assert (
-        hellaswag_examples.describe_data(str(copy), 2)
-        == f"hellaswag: the first 2 of 3 examples in {copy}; chance is 0.25"
-    )
-    assert (
-        hellaswag_examples.describe_data(str(HELLASWAG_FILE), 0)
-        == f"hellaswag: all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"
-    )
+    for path, limit, said in [
+        *((copy, limit, f"all 3 examples in {copy}; chance is 0.25") for limit in (0, 3, 50)),
+        (copy, 2, f"the first 2 of 3 examples in {copy}; chance is 0.25"),
+        (HELLASWAG_FILE, 0, f"all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"),
+    ]:
+        assert hellaswag_examples.describe_data(str(path), limit) == f"hellaswag: {said}"
 
 
-def test_cli_missing_data_file(checkpoint, tmp_path, capsys):
-    missing = str(tmp_path / "nope.jsonl")
-    assert hs.main(["--checkpoint", checkpoint, "--data-file", missing]) == 2
-    assert capsys.readouterr().err == f"error: --data-file {missing} does not exist\n"
+def test_cli_missing_data_file(checkpoint, tmp_path):
+    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", tmp_path / "nope.jsonl")
+    assert_refused(proc, f"--data-file {tmp_path / 'nope.jsonl'} does not exist")
     with pytest.raises(UserError):  # --debug shows the traceback
-        hs.main(["--checkpoint", checkpoint, "--data-file", missing, "--debug"])
+        hs.main(["--checkpoint", checkpoint, "--data-file", str(tmp_path / "nope.jsonl"), "--debug"])
 
 
-def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
-    with open(data_file, "rb") as f:
+def test_download_checks_the_file(monkeypatch, tmp_path):
+    with open(DATA_FILE, "rb") as f:
         good = b"".join(next(f) for _ in range(3))
     served = []
 
@@ -332,15 +282,11 @@ def test_download_checks_the_file(monkeypatch, tmp_path, data_file):
     assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"] and open(path, "rb").read() == good
     assert hellaswag_examples.resolve_data_file(data_dir=str(tmp_path)) == path  # cached: no second download
     assert served == [(hellaswag_examples.DATA_URL, hellaswag_examples.DOWNLOAD_TIMEOUT_S)] * 2
-    assert [ex.ctx for ex in hellaswag_examples.load_examples(path)] == [
-        ex.ctx for ex in hellaswag_examples.load_examples(data_file, 3)
-    ]
+    first3 = hellaswag_examples.load_examples(DATA_FILE, 3)
+    assert [ex.ctx for ex in hellaswag_examples.load_examples(path)] == [ex.ctx for ex in first3]
 
 
-# -----------------------------------------------------------------------------
-# hostile input: one line naming the flag, the file and the line
-
-
+# ---- hostile input: one line naming the flag, the file and the line ----
 GOOD = {
     "ctx": "A man is sitting on a roof. he",
     "endings": ["a", "b", "c", "d"],
@@ -357,18 +303,16 @@ def write_records(path, *records, raw=b""):
     return str(path)
 
 
+ENDINGS = "'endings' must be a list of 4 non-empty strings, not "
 BAD_RECORDS = [  # (the record on line 2, why it is refused)
     ({**GOOD, "label": 1.9}, "'label' must be 0, 1, 2 or 3, not 1.9"),
-    ({**GOOD, "endings": "abcd"}, "'endings' must be a list of 4 non-empty strings, not 'abcd'"),
+    ({**GOOD, "endings": "abcd"}, ENDINGS + "'abcd'"),
     ({"ctx": "x", "endings": GOOD["endings"]}, "no 'label' field"),
     ({**GOOD, "label": True}, "'label' must be 0, 1, 2 or 3, not True"),
     ({**GOOD, "label": "1.9"}, "'label' must be 0, 1, 2 or 3, not '1.9'"),
     ({**GOOD, "label": 4}, "'label' must be 0, 1, 2 or 3, not 4"),
-    ({**GOOD, "endings": ["a", "b", "c"]}, "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c']"),
-    (
-        {**GOOD, "endings": ["a", "b", "c", ""]},
-        "'endings' must be a list of 4 non-empty strings, not ['a', 'b', 'c', '']",
-    ),
+    ({**GOOD, "endings": ["a", "b", "c"]}, ENDINGS + "['a', 'b', 'c']"),
+    ({**GOOD, "endings": ["a", "b", "c", ""]}, ENDINGS + "['a', 'b', 'c', '']"),
     ({**GOOD, "ctx": ["x"]}, "'ctx' must be non-empty text, not ['x']"),
     ({"endings": GOOD["endings"], "label": 0}, "no 'ctx' field"),
     ([GOOD], "a JSON object is expected, not list"),
@@ -380,25 +324,19 @@ def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, tmp_pa
     """Each named by file and line, before the model loads; through the trainer's --hellaswag-file as well (below)."""
     path = write_records(tmp_path / "bad.jsonl", record)
     proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
-    assert_refused(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
-    assert proc.stdout == ""
+    assert_refused_quietly(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
 
 
 def test_lm_eval_rendering_needs_its_fields(tmp_path):
-    """lm-eval's text is built from activity_label, ctx_a and ctx_b: a record without one is
-    refused for that rendering (the other still reads it)."""
-    path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None})
-    assert len(hellaswag_examples.load_examples(path)) == 2
+    """lm-eval's text is built from activity_label, ctx_a and ctx_b: a record without one is refused for that
+    rendering (the other still reads it, and a label as a digit string)."""
+    path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None, "label": "2"})
+    assert [ex.label for ex in hellaswag_examples.load_examples(path)] == [3, 2]
     with pytest.raises(UserError) as e:
         hellaswag_examples.load_examples(path, style="lm_eval")
     assert str(e.value) == (
         f"--data-file {path} line 2: not a HellaSwag example ('ctx_b' must be text for lm-eval's rendering, not None)"
     )
-
-
-def test_label_as_a_digit_string_is_read(tmp_path):
-    path = write_records(tmp_path / "ok.jsonl", {**GOOD, "label": "2"})
-    assert [ex.label for ex in hellaswag_examples.load_examples(path)] == [3, 2]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
@@ -410,77 +348,43 @@ def test_unreadable_file_is_one_line(tmp_path):
     assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
 
 
-def test_cli_data_file_that_is_a_folder(checkpoint, tmp_path):
-    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", tmp_path, "--device", "cpu")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2,
-        "",
-        f"error: --data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}\n",
-    )
-
-
-def test_cli_file_that_is_not_utf8(checkpoint, tmp_path):
-    path = write_records(
-        tmp_path / "latin1.jsonl", raw=b"\n" + json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
-    )
-    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
-    assert (proc.returncode, proc.stderr) == (
-        2,
-        f"error: --data-file {path} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl\n",
-    )
-
-
-def test_cli_checkpoint_that_is_not_ours(tmp_path, capsys):
-    path = tmp_path / "tensor.pt"
-    torch.save(torch.zeros(3), path)
-    data = write_records(tmp_path / "ok.jsonl")
-    proc = run_hellaswag("--checkpoint", path, "--data-file", data, "--device", "cpu")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2,
-        "",
-        f"error: {path}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)\n",
-    )
-
-
-def test_cli_hf_model_that_is_not_gpt2(tmp_path):
-    pytest.importorskip("transformers")
-    folder = not_gpt2_folder(tmp_path / "llama", "llama")
-    proc = run_hellaswag("--hf-model", folder, "--data-file", write_records(tmp_path / "ok.jsonl"), "--device", "cpu")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: --hf-model {folder}: {NOT_GPT2['llama']}\n")
+@pytest.mark.parametrize("case", ["data file a folder", "data file not UTF-8", "checkpoint not ours", "llama"])
+def test_cli_sources_it_cannot_score_are_one_line(checkpoint, tmp_path, case):
+    """A --data-file that is a folder or not UTF-8, a --checkpoint not train_gpt2.py's, an --hf-model not GPT-2."""
+    data, model = write_records(tmp_path / "ok.jsonl"), ["--checkpoint", checkpoint]
+    if case == "data file a folder":
+        data = tmp_path
+        message = f"--data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"
+    elif case == "data file not UTF-8":
+        latin1 = json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
+        data = write_records(tmp_path / "latin1.jsonl", raw=b"\n" + latin1)
+        message = f"--data-file {data} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl"
+    elif case == "checkpoint not ours":
+        torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+        model = ["--checkpoint", tmp_path / "tensor.pt"]
+        message = f"{tmp_path / 'tensor.pt'}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)"
+    else:
+        pytest.importorskip("transformers")
+        folder = not_gpt2_folder(tmp_path / "llama", "llama")
+        model, message = ["--hf-model", folder], f"--hf-model {folder}: {NOT_GPT2['llama']}"
+    assert_refused_quietly(run_hellaswag(*model, "--data-file", data, "--device", "cpu"), message)
 
 
 def test_trainer_checks_its_hellaswag_file_at_start(data_dir, tmp_path):
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    proc = run_main(
-        "train_gpt2.py",
-        *tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1),
-    )
-    assert (proc.returncode, proc.stderr) == (
-        2,
-        f"error: --hellaswag-file {path} line 2: not a HellaSwag example ('label' must be 0, 1, 2 or 3, not 1.9)\n",
-    )
+    flags = tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1)
+    reason = "'label' must be 0, 1, 2 or 3, not 1.9"
+    proc = run_main("train_gpt2.py", *flags)
+    assert_refused(proc, f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})")
     assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
 
 
-# -----------------------------------------------------------------------------
-# Hugging Face GPT2LMHeadModel parity
-
-
-def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    hf_config = transformers.GPT2Config(
-        n_positions=BLOCK,
-        vocab_size=50257,
-        n_embd=CONFIG.n_embd,
-        n_layer=CONFIG.n_layer,  # our export's
-        n_head=CONFIG.n_head,
-        activation_function="gelu_new",
-        layer_norm_epsilon=1e-5,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+# ---- Hugging Face GPT2LMHeadModel parity ----
+def test_hf_model_matches_ours(model, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    hf = tiny_hf(
+        n_positions=BLOCK
+    )  # our export's config (CONFIG's sizes, GELU and LayerNorm eps); ours are its weights
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     ours = {
         k: v.t() if k.endswith(conv1d) else v[:50257] if k.endswith("wte.weight") or k == "lm_head.weight" else v
@@ -488,24 +392,22 @@ def test_hf_model_matches_ours(model, data_file, tmp_path, capsys):
     }  # GPT-2's ids: our padded ones carry no probability
     missing, unexpected = hf.load_state_dict(ours, strict=False)
     assert missing == [] and unexpected == []
-
     wrapped = hs.HFLogits(hf)
-    examples = hellaswag_examples.load_examples(data_file, 20)
+    examples = hellaswag_examples.load_examples(DATA_FILE, 20)
     ours_sum, ours_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=8)
     hf_sum, hf_mean = hellaswag_eval.score_examples(wrapped, examples, "cpu", batch_size=8)
     assert torch.equal(hf_mean.argmin(1), ours_mean.argmin(1))
     assert torch.equal(hf_sum.argmin(1), ours_sum.argmin(1))
     torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
-
     hf.save_pretrained(tmp_path / "hf")
     assert (
-        hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", data_file, "--limit", "20", "--device", "cpu"]) == 0
+        hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", DATA_FILE, "--limit", "20", "--device", "cpu"]) == 0
     )
     model_line, data_line, result = capsys.readouterr().out.splitlines()
     assert model_line == f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
-    assert data_line == f"hellaswag: the first 20 of 446 examples in {data_file}{SUBSET_NAMED}"
+    assert data_line == f"hellaswag: the first 20 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
     got = json.loads(result)
-    assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=data_file, lm_eval=True)
+    assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=DATA_FILE, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
 
 
@@ -526,7 +428,7 @@ def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_pa
     assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
 
 
-def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once(model, data_file, tmp_path):
+def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once(model, tmp_path):
     """The first line names the checkpoint scored (a run folder's newest) and its step; both renderings go under
     one labelled progress bar of 2 x N examples, and --no-lm-eval scores each example once, giving acc and
     acc_norm only, the same numbers."""
@@ -534,29 +436,17 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
 
     run = tmp_path / "run"
     run.mkdir()
+    ckpt = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}
     for step in (5, 12):
-        save_checkpoint(
-            str(run / f"ckpt_{step:07d}.pt"),
-            {"model": model.state_dict(), "step": step, "model_config": dataclasses.asdict(model.config)},
-        )
-    both = run_hellaswag("--checkpoint", run, "--data-file", data_file, "--limit", "6", "--device", "cpu")
-    expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=data_file, lm_eval=True)
-    data_line = f"hellaswag: the first 6 of 446 examples in {data_file}{SUBSET_NAMED}"
+        save_checkpoint(str(run / f"ckpt_{step:07d}.pt"), {**ckpt, "step": step})
+    flags = ["--data-file", DATA_FILE, "--limit", "6", "--device", "cpu"]
+    both = run_hellaswag("--checkpoint", run, *flags)
+    expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=DATA_FILE, lm_eval=True)
+    data_line = f"hellaswag: the first 6 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
     assert result_line(both, f"hellaswag: scoring {run / 'ckpt_0000012.pt'}, step 12", data_line) == expected
     bars = both.stderr.replace("\r", "\n")
     assert "hellaswag, both texts: 100%" in bars and "12/12 [" in bars and "6/6 [" not in bars
-
-    once = run_hellaswag(
-        "--checkpoint",
-        run / "ckpt_0000005.pt",
-        "--data-file",
-        data_file,
-        "--limit",
-        "6",
-        "--device",
-        "cpu",
-        "--no-lm-eval",
-    )
+    once = run_hellaswag("--checkpoint", run / "ckpt_0000005.pt", *flags, "--no-lm-eval")
     got = result_line(once, f"hellaswag: scoring {run / 'ckpt_0000005.pt'}, step 5", data_line)
     assert got == {key: expected[key] for key in ("acc", "acc_norm", "n")}
     bars = once.stderr.replace("\r", "\n")

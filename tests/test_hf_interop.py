@@ -20,7 +20,8 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 import train_gpt2  # noqa: E402
-from conftest import NOT_GPT2, REPO, assert_refused, not_gpt2_folder, run_command, run_main, tiny_hf, tiny_run_args  # noqa: E402
+from conftest import NOT_GPT2, REPO, assert_one_error_line, assert_refused, assert_refused_quietly  # noqa: E402
+from conftest import log_records, not_gpt2_folder, run_command, run_main, start, tiny_hf, tiny_run_args  # noqa: E402
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
@@ -107,13 +108,11 @@ def test_padded_rows_take_little_probability(tmp_path):
     hf_logits = logits_of(hf, idx)
     assert hf_logits.max() < -5  # every real logit well below zero, as in GPT-2
     hf_loss = torch.nn.functional.cross_entropy(hf_logits.view(-1, 100), targets.view(-1))
-
     model = GPT.from_hf(path)  # vocab 128: 28 padded rows
     pad_mass = logits_of(model, idx).softmax(-1)[..., 100:].sum(-1)
     assert pad_mass.max() <= 28 / 100 + 1e-6  # Jensen's bound
     _, loss = model(idx, targets)
     assert hf_loss <= loss <= hf_loss + math.log(1 + 28 / 100) + 1e-5
-
     zero = GPT.from_hf(path)
     with torch.no_grad():
         zero.transformer.wte.weight[100:] = 0  # the padded rows zero instead (tied: lm_head too)
@@ -181,68 +180,32 @@ def export(*args, cwd=None):
     return run_main("hf_interop.py", "export", *args, cwd=cwd)
 
 
-def test_cli_export_a_run_folder_with_the_files_mode_the_umask_gives(tmp_path):
-    umask = 0o027  # not the usual 022, so that the test tells honouring it from a fixed 0644
+def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_full_disk(tmp_path, monkeypatch):
+    """load_checkpoint's checks seen through the export, a missing checkpoint, a full disk: one line each."""
     model = tiny_ours(vocab_size=100)
-    (tmp_path / "run").mkdir()
-    save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
-    save_ours(model, tmp_path / "run" / "ckpt_0000007.pt")
-    out = tmp_path / "exported"
-    os.umask(umask)  # (the process's umask is restored after the test)
-    proc = export(tmp_path / "run", out, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert str(out) in proc.stdout and "wrote" in proc.stdout
-    # safetensors writes through a private temporary file; the export gives it a normal file's mode
-    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
-    assert modes == dict.fromkeys(
-        ["config.json", "generation_config.json", "model.safetensors", hf_interop.EXPORT_MARK], 0o666 & ~umask
-    )
-    assert_same_logits(out, model, 100, (2, 32), seed=6)  # the newest checkpoint's weights
-
-
-def test_cli_export_help_names_both_sources(capsys):
-    with pytest.raises(SystemExit):
-        hf_interop.main(["export", "--help"])
-    assert (
-        "a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's --out-dir folder for its newest checkpoint"
-    ) in " ".join(capsys.readouterr().out.split())
-
-
-def test_cli_export_refuses_torch_files_that_are_not_ours(tmp_path):
-    model = tiny_ours(vocab_size=100)
-    config = dataclasses.asdict(model.config)
-    files = {  # load_checkpoint's checks, seen through the export
-        "nanogpt.pt": (
-            {"model": model.state_dict(), "model_args": config, "iter_num": 5},
-            "no model_config, checksum; its keys: model, model_args, iter_num",
-        ),
-        "tensor.pt": (torch.zeros(3), "it holds a Tensor, not a dict"),
-        "unknown_key.pt": (
-            {"model": model.state_dict(), "model_config": {**config, "bias": True}, "checksum": ""},
-            "unknown model_config bias",
-        ),
-    }
-    for name, (obj, _) in files.items():
-        torch.save(obj, tmp_path / name)
-    for name, (_, reason) in files.items():
-        proc = export(tmp_path / name, tmp_path / "out")
-        assert_refused(proc, f"{tmp_path / name}: not a train_gpt2.py checkpoint ({reason})")
+    state, config = model.state_dict(), dataclasses.asdict(model.config)
+    x, nanogpt = tmp_path / "x.pt", {"model": state, "model_args": config, "iter_num": 5}
+    for obj, reason in [
+        (nanogpt, "no model_config, checksum; its keys: model, model_args, iter_num"),
+        (torch.zeros(3), "it holds a Tensor, not a dict"),
+        ({"model": state, "model_config": {**config, "bias": True}, "checksum": ""}, "unknown model_config bias"),
+    ]:
+        torch.save(obj, x)
+        assert_refused(export(x, tmp_path / "out"), f"{x}: not a train_gpt2.py checkpoint ({reason})")
+    missing = str(tmp_path / "nope.pt")
+    assert_one_error_line(export(missing, tmp_path / "out"), "does not exist")
     assert not (tmp_path / "out").exists()
-
-
-def test_export_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
+    with pytest.raises(UserError):
+        hf_interop.main(["export", missing, str(tmp_path / "out"), "--debug"])
     import errno
 
     def full_disk(self, out_dir, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full_disk)
-    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
-    assert hf_interop.main(["export", ckpt, str(tmp_path / "out")]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"error: cannot write the Hugging Face model to {tmp_path / 'out'}: no space left on device\n"
-    )
+    ckpt = save_ours(model, tmp_path / "ckpt.pt")
+    out = tmp_path / "out"
+    assert_refused(export(ckpt, out), f"cannot write the Hugging Face model to {out}: no space left on device")
 
 
 def init_from_args(data_dir, out, folder, *extra, **sizes) -> list:
@@ -267,16 +230,6 @@ def test_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
     assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
 
-def test_cli_missing_checkpoint_is_one_line(tmp_path, capsys):
-    missing = str(tmp_path / "nope.pt")
-    assert hf_interop.main(["export", missing, str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err
-    assert not (tmp_path / "out").exists()
-    with pytest.raises(UserError):
-        hf_interop.main(["export", missing, str(tmp_path / "out"), "--debug"])
-
-
 @pytest.mark.parametrize("name", ["missing_dir", "./missing", "empty"])
 def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
@@ -290,10 +243,7 @@ def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
 
 @pytest.mark.parametrize(
     "overrides, match",
-    [
-        (dict(activation_function="relu"), "activation_function"),
-        (dict(tie_word_embeddings=False), "not tied"),
-    ],
+    [({"activation_function": "relu"}, "activation_function"), ({"tie_word_embeddings": False}, "not tied")],
 )
 def test_import_refuses_what_we_cannot_reproduce(tmp_path, overrides, match):
     hf = tiny_hf(vocab_size=100, **overrides)
@@ -318,7 +268,7 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tm
         data_dir, tmp_path / "out", hf_dir, "--val-steps", "1", steps=2, seq_len=16, rows=4, val_every=2, ckpt_every=2
     )
     assert train_gpt2.main(args) == 0
-    records = [json.loads(line) for line in open(tmp_path / "out" / "log.jsonl")]
+    records = log_records(tmp_path / "out")
     # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
     # 47 padded ids carry no probability), and its bits per byte come from that model's token losses
     rows = train_gpt2.TokenRows(data_dir, "val", 16)
@@ -329,14 +279,9 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tm
         )
     n_bytes = torch.from_numpy(token_byte_lengths(50304))[y.flatten()]
     ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
-    assert records[0] == {
-        "step": 0,
-        "val_loss": pytest.approx(hf_losses.mean().item(), rel=1e-6),
-        "val_bpb": pytest.approx(
-            (hf_losses * (n_bytes > 0)).sum().item() / (math.log(2) * n_bytes.sum().item()), rel=1e-6
-        ),
-        "run": ckpt["run"]["id"],
-    }
+    loss, bpb = hf_losses.mean().item(), (hf_losses * (n_bytes > 0)).sum().item() / (math.log(2) * n_bytes.sum().item())
+    approx = dict(val_loss=pytest.approx(loss, rel=1e-6), val_bpb=pytest.approx(bpb, rel=1e-6))
+    assert records[0] == {"step": 0, **approx, "run": ckpt["run"]["id"]}
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
 
@@ -394,35 +339,16 @@ def parity_texts():
     and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
     import glob
 
-    files = sorted(
-        glob.glob(f"{REPO}/*.py")
-        + glob.glob(f"{REPO}/trainkit/**/*.py", recursive=True)
-        + glob.glob(f"{REPO}/tests/*.py")
-        + glob.glob(f"{REPO}/benchmarks/*.py")
-        + glob.glob(f"{REPO}/docs/*.md")
-        + [f"{REPO}/README.md"]
-    )
+    patterns = ("*.py", "trainkit/**/*.py", "tests/*.py", "benchmarks/*.py", "docs/*.md", "README.md")
+    files = sorted(path for pattern in patterns for path in glob.glob(f"{REPO}/{pattern}", recursive=True))
     whole = [open(path, encoding="utf-8").read() for path in files]
     return (
         [line for text in whole for line in text.splitlines()]
         + whole
-        + [
-            "Hello world",
-            "",
-            " ",
-            "\t\t  \t",
-            "   many    spaces     ",
-            "a\r\nb\r\n\r\n",
-            "\n\n\n",
-            "naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧",
-            "1234567890 3.14159 1e-9",
-            "<|endoftext|>",
-            "x<|endoftext|>y <|endoftext|> z",
-            "<|endoftext|><|endoftext|>",
-            "don't I'll we've THEY'RE",
-            "\u00a0\u2003nbsp\u200b",
-            "Ω≈ç√∫ ∑ ¡™£¢",
-        ]
+        + ["Hello world", "", " ", "\t\t  \t", "   many    spaces     ", "a\r\nb\r\n\r\n", "\n\n\n"]
+        + ["naïve café 世界 こんにちは 안녕하세요 🎉👍🏽 👨‍👩‍👧", "1234567890 3.14159 1e-9", "don't I'll we've THEY'RE"]
+        + ["<|endoftext|>", "x<|endoftext|>y <|endoftext|> z", "<|endoftext|><|endoftext|>"]
+        + ["\u00a0\u2003nbsp\u200b", "Ω≈ç√∫ ∑ ¡™£¢"]
     )
 
 
@@ -446,15 +372,8 @@ def exported_for_clients(tmp_path_factory):
     proc = export(tmp / "ckpt_0000007.pt", out)
     assert proc.returncode == 0, proc.stderr
     texts = parity_texts()
-    (tmp / "texts.json").write_text(__import__("json").dumps(texts))
+    (tmp / "texts.json").write_text(json.dumps(texts))
     return out, tmp / "texts.json", texts
-
-
-def oldest_transformers() -> str:
-    """The oldest transformers requirements-dev.txt allows (its `transformers>=X`)."""
-    import re
-
-    return re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
 
 
 @pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
@@ -463,7 +382,9 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     alone, offline, as a user runs them: with the transformers installed (the newest 5.x in CI)
     and with the oldest requirements-dev.txt allows, which .ci/run installs into the folder
     OLDEST_TRANSFORMERS_DIR (put first on PYTHONPATH; torch and the rest are this environment's)."""
-    import json
+    import re
+
+    import transformers
     from packaging.version import Version
 
     out, texts_file, texts = exported_for_clients
@@ -471,26 +392,19 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     if transformers_release == "oldest allowed":
         oldest_dir = os.environ.get("OLDEST_TRANSFORMERS_DIR")
         if not oldest_dir or not os.path.isdir(oldest_dir):
-            pytest.skip(
-                "OLDEST_TRANSFORMERS_DIR is not set to a folder holding the oldest transformers (.ci/run installs it)"
-            )
+            pytest.skip("OLDEST_TRANSFORMERS_DIR is not a folder holding the oldest transformers (.ci/run installs it)")
         env["PYTHONPATH"] = os.pathsep.join([oldest_dir, *filter(None, [env.get("PYTHONPATH")])])
     long_prompt = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()[:400]
     proc = run_command("-c", TRANSFORMERS_CLIENT, out, texts_file, long_prompt, env=env)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.splitlines()[-1])
-    import transformers
-
-    assert Version(r["version"]) == Version(
-        transformers.__version__ if transformers_release == "installed" else oldest_transformers()
-    )
+    # the oldest release requirements-dev.txt allows: its `transformers>=X`
+    oldest = re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
+    release = transformers.__version__ if transformers_release == "installed" else oldest
+    assert Version(r["version"]) == Version(release)
     enc = reference_encoding()
     want = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]
     diff = [t for t, a, b in zip(texts, want, r["ids"]) if a != b]
-    print(
-        f"transformers {r['version']}: tokenizer parity on {len(texts)} strings, {sum(map(len, texts))} chars, "
-        f"{len(diff)} differences"
-    )
     assert len(texts) > 10000 and sum(map(len, texts)) > 300_000
     assert (len(diff), diff[:3]) == (0, [])
     assert (r["vocab"], r["special"], r["model"]) == (50257, [50256] * 3, "GPT2LMHeadModel")
@@ -531,20 +445,17 @@ def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
     assert folder_bytes(out) == before  # the earlier export whole, no temporary folder left
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
-
     proc = export(second, out)  # a successful one replaces it whole
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=2), 200)
-
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
     before = folder_bytes(out)
-    proc = export(first, out)
-    assert proc.returncode == 2 and "notes.txt" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert_one_error_line(export(first, out), "notes.txt")
     assert folder_bytes(out) == before
 
 
-def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
+def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path):
     """A save_pretrained folder of the user's own GPT-2 holds only file names an export writes: the
     export leaves it byte for byte (it replaced it, exit 0); it replaces only a folder holding its
     mark, and writes into an empty or missing one."""
@@ -552,35 +463,22 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path, capsys):
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
     before = folder_bytes(tmp_path / "mine")
     assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
-    proc = export(ckpt, mine)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2,
-        "",
-        (
-            f"error: {mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
-            "so it may hold a model of your own and is left as it is: export into a new or empty folder\n"
-        ),
+    assert_refused_quietly(
+        export(ckpt, mine),
+        f"{mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
+        "so it may hold a model of your own and is left as it is: export into a new or empty folder",
     )
     assert folder_bytes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
-
     (tmp_path / "empty").mkdir()
     for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
         assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
         mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
-        assert mark == dict(
-            written_by="gpt2-trainer hf_interop.py export",
-            mark_version=2,
-            checkpoint=ckpt,
-            step=7,
-            checksum=checkpoints.load_checkpoint(ckpt)["checksum"],
-            vocab_size=100,
-            files=mark["files"],
-        )
-    capsys.readouterr()
+        written = dict(written_by="gpt2-trainer hf_interop.py export", mark_version=2, checkpoint=ckpt, step=7)
+        checksum = checkpoints.load_checkpoint(ckpt)["checksum"]
+        assert mark == dict(written, checksum=checksum, vocab_size=100, files=mark["files"])
     (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
     before = folder_bytes(tmp_path / "missing")
-    assert hf_interop.main(["export", ckpt, str(tmp_path / "missing")]) == 2
-    assert "is not an export of hf_interop.py" in capsys.readouterr().err
+    assert_one_error_line(export(ckpt, tmp_path / "missing"), "is not an export of hf_interop.py")
     assert folder_bytes(tmp_path / "missing") == before
 
 
@@ -612,13 +510,13 @@ def is_whole(folder) -> bool:
 
 def changed_since(out, changes):
     return (
-        f"error: {out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
+        f"{out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
         f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
-        "into a new or empty folder\n"
+        "into a new or empty folder"
     )
 
 
-def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, capsys):
+def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path):
     """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
     user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
     import hashlib
@@ -633,14 +531,8 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, cap
     assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
     tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
     before = folder_bytes(out)
-    proc = export(ckpt, out)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2,
-        "",
-        changed_since(out, "config.json changed, model.safetensors changed"),
-    )
+    assert_refused_quietly(export(ckpt, out), changed_since(out, "config.json changed, model.safetensors changed"))
     assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
-
     # the other ways a folder differs from its mark, in-process (the same code path)
     for change, expected in [
         ("missing", "generation_config.json missing"),
@@ -653,16 +545,13 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path, cap
         else:
             (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
         before = folder_bytes(out)
-        capsys.readouterr()
-        assert hf_interop.main(["export", ckpt, str(out)]) == 2
-        assert capsys.readouterr().err == changed_since(out, expected)
+        assert_refused(export(ckpt, out), changed_since(out, expected))
         assert folder_bytes(out) == before
 
 
 def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
-    """kill -9 while an export writes leaves its hidden partial folder (and the earlier export
-    whole); the next export to the same folder removes it, as no live process holds its lock, and
-    leaves one that a live process holds."""
+    """kill -9 while an export writes leaves its hidden partial folder (and the earlier export whole); the next export
+    to the same folder removes it, as no live process holds its lock, and leaves one that a live process holds."""
     import fcntl
     import time
 
@@ -672,18 +561,11 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
     before = folder_bytes(out)
     killed = None
     for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
-        proc = subprocess.Popen(
-            [sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        proc = start([sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while proc.poll() is None and killed is None:
-            killed = next(  # (once it is marked: a folder killed before its mark is left as the user's)
-                (
-                    p
-                    for p in tmp_path.iterdir()
-                    if p.name.startswith(".hf.export-") and (p / export_folder.PARTIAL_MARK).exists()
-                ),
-                None,
-            )
+            # (once it is marked: a folder killed before its mark is left as the user's)
+            marked = [p for p in tmp_path.glob(".hf.export-*") if (p / export_folder.PARTIAL_MARK).exists()]
+            killed = marked[0] if marked else None
             time.sleep(0.002)
         proc.kill()
         proc.wait()
@@ -764,27 +646,39 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
         names = ["config.json", "generation_config.json", hf_interop.EXPORT_MARK, "model.safetensors"]
         assert sorted(os.listdir(copies / f"{i}.after")) == names
         assert_same_logits(copies / f"{i}.after", tiny_ours(vocab_size=100, seed=seed), 100)
-    assert results[2][1] == changed_since(volume, "config.json changed, model.safetensors changed")
+    assert results[2][1] == f"error: {changed_since(volume, 'config.json changed, model.safetensors changed')}\n"
     assert folder_bytes(volume) == folder_bytes(copies / "2.before")
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "copies", "mine", "volume"]
 
 
-def test_cli_export_names_the_checkpoint_and_step_it_wrote(tmp_path):
-    """An export of a run folder says which checkpoint (the newest) and which step it wrote, relative to where it
-    was run; --help says that the script exports and evaluates."""
+def test_cli_export_of_a_run_folder_names_its_newest_checkpoint_and_step(tmp_path):
+    """An export of a run folder writes its newest checkpoint and says which, relative to where it was run, and its
+    step, into files of the mode the umask gives; --help says that the script exports and evaluates, export's --help
+    both sources it takes."""
+    umask = 0o027  # not the usual 022, so that the test tells honouring it from a fixed 0644
     (tmp_path / "run").mkdir()
     save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
     save_ours(tiny_ours(vocab_size=100), tmp_path / "run" / "ckpt_0000012.pt", step=12)
-    proc = export("run", "run_hf", cwd=tmp_path)
-    assert (proc.returncode, proc.stderr) == (0, "")
-    assert proc.stdout == (
-        "wrote Hugging Face GPT-2 of run/ckpt_0000012.pt (step 12) to run_hf (load with "
-        "GPT2LMHeadModel.from_pretrained('run_hf') and AutoTokenizer.from_pretrained('run_hf'))\n"
-    )
-    usage = run_main("hf_interop.py", "--help")
+    os.umask(umask)  # (the process's umask is restored after the test)
+    for run, out in [("run", "run_hf"), (str(tmp_path / "run"), str(tmp_path / "exported"))]:
+        proc = export(run, out, cwd=tmp_path)
+        assert (proc.returncode, proc.stderr) == (0, "")
+        assert proc.stdout == (
+            f"wrote Hugging Face GPT-2 of run/ckpt_0000012.pt (step 12) to {out} (load with "
+            f"GPT2LMHeadModel.from_pretrained({out!r}) and AutoTokenizer.from_pretrained({out!r}))\n"
+        )
+        # safetensors writes through a private temporary file; the export gives it a normal file's mode
+        names = ["config.json", "generation_config.json", "model.safetensors", hf_interop.EXPORT_MARK]
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / out).iterdir()}
+        assert modes == dict.fromkeys(names, 0o666 & ~umask)
+        assert_same_logits(tmp_path / out, tiny_ours(vocab_size=100), 100, (2, 32), seed=6)
+    usage, export_usage = (" ".join(run_main("hf_interop.py", *a, "--help").stdout.split()) for a in ([], ["export"]))
     assert (
         "Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, or evaluate one with lm-evaluation-harness."
-    ) in " ".join(usage.stdout.split())  # however wide the terminal
+    ) in usage  # however wide the terminal
+    assert (
+        "a checkpoint written by train_gpt2.py: a ckpt_*.pt file, or a run's --out-dir folder for its newest checkpoint"
+    ) in export_usage
 
 
 def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(tmp_path):

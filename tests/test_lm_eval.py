@@ -1,6 +1,5 @@
-"""lm-evaluation-harness on our export (hf_interop.py eval, evals/hellaswag_local.yaml), offline:
-its HellaSwag acc and acc_norm equal hellaswag.py's lm_eval_acc and lm_eval_acc_norm, example
-by example."""
+"""lm-evaluation-harness on our export (hf_interop.py eval, evals/hellaswag_local.yaml), offline: its HellaSwag acc
+and acc_norm equal hellaswag.py's lm_eval_acc and lm_eval_acc_norm, example by example."""
 
 import json
 import os
@@ -13,15 +12,13 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
-from conftest import HELLASWAG_FILE, run_command  # noqa: E402
+from conftest import HELLASWAG_FILE, assert_refused, run_command, run_main  # noqa: E402
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
-# 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in
-# lm-eval's rendering), so lm-eval and we cut nothing
-CONFIG = GPTConfig(
-    block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16
-)  # unpadded: the export keeps every row
+# 128 positions: every one of the first 200 examples fits whole (at most 96 tokens in lm-eval's rendering), so
+# lm-eval and we cut nothing; vocabulary unpadded: the export keeps every row
+CONFIG = GPTConfig(block_size=128, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
 SPREAD_SEED = 7  # conftest's model: spread_gpt(CONFIG, SPREAD_SEED)
 N = 40
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -61,23 +58,13 @@ def test_our_text_is_lm_evals():
 
 
 def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_file, tmp_path):
-    proc = run_eval(
-        checkpoint,
-        "--tasks",
-        "hellaswag",
-        "--hellaswag-file",
-        data_file,
-        "--device",
-        "cpu",
-        "--samples-dir",
-        str(tmp_path),
-    )
+    flags = ["--tasks", "hellaswag", "--hellaswag-file", data_file, "--device", "cpu", "--samples-dir", tmp_path]
+    proc = run_eval(checkpoint, *flags)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])["hellaswag_local"]
     with open(tmp_path / "hellaswag_local.jsonl") as f:
         samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
     assert [s["doc_id"] for s in samples] == list(range(N)) and result["n"] == N
-
     examples = hellaswag_examples.load_examples(data_file, style="lm_eval")
     loss_sum, _ = hellaswag_eval.score_examples(model, examples, "cpu")
     per_char = loss_sum / torch.tensor([ex.ending_chars for ex in examples], dtype=torch.float32)
@@ -87,7 +74,6 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_fi
     assert [s["target"] for s in samples] == labels
     assert [s["acc"] for s in samples] == [float(p == y) for p, y in zip(loss_sum.argmin(1).tolist(), labels)]
     assert [s["acc_norm"] for s in samples] == [float(p == y) for p, y in zip(per_char.argmin(1).tolist(), labels)]
-
     ours = hellaswag_eval.evaluate(model, "cpu", data_file=data_file, lm_eval=True)
     assert (ours["lm_eval_acc"], ours["lm_eval_acc_norm"]) == (result["acc"], result["acc_norm"])
     assert ours["acc_norm"] != ours["lm_eval_acc_norm"]  # two metrics, on this tiny set too
@@ -100,38 +86,23 @@ def test_hub_unreachable_names_the_flag_to_set(checkpoint):
     assert "pass --hellaswag-file PATH" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def write_garbage(path) -> str:
-    path.write_text("GARBAGE\n")
-    return str(path)
-
-
-def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch):
     """The refusals in-process; the Hub unreachable above runs as a program (one line, no traceback)."""
-    cases = [
-        (
-            ["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path / "missing.jsonl")],
-            f"error: --hellaswag-file {tmp_path / 'missing.jsonl'} does not exist",
-        ),
-        (
-            ["--tasks", "hellaswag", "--hellaswag-file", write_garbage(tmp_path / "bad.jsonl")],
-            f"error: --hellaswag-file {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (not JSON (Expecting "
-            "value at column 1))",
-        ),  # named as hellaswag.py names it, not blamed on the network (nothing written beside it: below)
-        (
-            ["--tasks", "hellaswag", "--hellaswag-file", str(tmp_path)],
-            f"error: --hellaswag-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}",
-        ),
-        (["--tasks", " , "], "error: --tasks names no task"),
-        (
-            ["--tasks", "hellaswag", "--samples-dir", str(tmp_path / "a_file" / "samples")],
-            f"error: --samples-dir {tmp_path / 'a_file' / 'samples'}: not a directory",
-        ),
-    ]
+    missing, samples, file = tmp_path / "missing.jsonl", tmp_path / "a_file" / "samples", "--hellaswag-file"
+    (tmp_path / "bad.jsonl").write_text("GARBAGE\n")
     (tmp_path / "a_file").write_text("")
-    for args, message in cases:
-        assert hf_interop.main(["eval", checkpoint, *args]) == 2
-        assert capsys.readouterr().err == message + "\n"
+    for args, message in [
+        ([file, missing], f"{file} {missing} does not exist"),
+        # named as hellaswag.py names it, not blamed on the network (nothing written beside it: below)
+        (
+            [file, tmp_path / "bad.jsonl"],
+            f"{file} {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (not JSON (Expecting value at column 1))",
+        ),
+        ([file, tmp_path], f"{file} {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"),
+        (["--tasks", " , "], "--tasks names no task"),
+        (["--samples-dir", samples], f"--samples-dir {samples}: not a directory"),
+    ]:
+        assert_refused(run_main("hf_interop.py", "eval", checkpoint, "--tasks", "hellaswag", *args), message)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "bad.jsonl"]
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
-    assert hf_interop.main(["eval", checkpoint, "--tasks", "hellaswag"]) == 2
-    assert capsys.readouterr().err == f"error: {hf_interop.LM_EVAL_HINT}\n"
+    assert_refused(run_main("hf_interop.py", "eval", checkpoint, "--tasks", "hellaswag"), hf_interop.LM_EVAL_HINT)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import plot_log
-from conftest import REPO, run_command, run_main, tiny_run_args
+from conftest import REPO, assert_one_error_line, assert_refused, assert_refused_quietly, run_command, run_main
+from conftest import tiny_run_args
 
 SHARDS = dict(n_docs=200, seed=0, shard_size=2048)  # the trainer's data
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -25,17 +26,8 @@ def _figures_closed():
 def fake_records(n=60, every=20, hellaswag=True):
     records = []
     for s in range(n):
-        records.append(
-            dict(
-                step=s,
-                loss=3 + 8 * math.exp(-s / 5) + 0.01 * (s % 3),
-                lr=6e-4 * min(1, (s + 1) / 10),
-                grad_norm=1.0,
-                tokens=4096,
-                dt_ms=10.0,
-                tok_per_s=4e5,
-            )
-        )
+        loss, lr = 3 + 8 * math.exp(-s / 5) + 0.01 * (s % 3), 6e-4 * min(1, (s + 1) / 10)
+        records.append(dict(step=s, loss=loss, lr=lr, grad_norm=1.0, tokens=4096, dt_ms=10.0, tok_per_s=4e5))
         if s % every == 0 or s == n - 1:
             records.append(dict(step=s, val_loss=3.1 + 8 * math.exp(-s / 5)))
             if hellaswag:
@@ -80,26 +72,21 @@ def test_make_figure_panels_and_data_equal_the_log():
     assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
 
 
-def test_make_figure_without_hellaswag_has_two_panels_and_no_clip():
+def test_make_figure_without_hellaswag_has_two_panels_and_no_clip_and_smooth_0_no_ema_line():
     pytest.importorskip("matplotlib")
     records = fake_records(hellaswag=False)
     fig = plot_log.make_figure(records, clip=False)
     assert len(fig.axes) == 2
     assert fig.axes[0].get_ylim()[1] >= max(r["loss"] for r in records if "loss" in r)
-
-
-def test_resumed_step_keeps_last_value():
-    steps, values = plot_log.series([dict(step=2, loss=5.0), dict(step=1, loss=6.0), dict(step=2, loss=4.0)], "loss")
-    assert (steps, values) == ([1, 2], [6.0, 4.0])
+    fig = plot_log.make_figure(records, smooth=0)
+    assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
 
 
 def test_cli_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     # a record without a step, and a cut last line
     log = write_log(tmp_path / "run", fake_records(), tail='{"step": null, "loss": 2.0}\n{"step": 60, "loss": 3.')
-    proc = run_command(
-        REPO / "plot_log.py", str(log.parent), "--baseline-hellaswag", "0.2955"
-    )  # a program once, end to end
+    proc = run_command(REPO / "plot_log.py", str(log.parent), "--baseline-hellaswag", "0.2955")  # a program, once
     assert proc.returncode == 0, proc.stderr
     png = log.parent / "loss.png"
     assert f"wrote {png}" in proc.stdout and "skipped 2 malformed line" in proc.stderr
@@ -107,57 +94,37 @@ def test_cli_writes_png(tmp_path):
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
 
 
-def test_main_output_path_and_log_file_argument(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    log = write_log(tmp_path / "run", fake_records(n=5, every=2))
-    out = tmp_path / "plot.png"
-    assert plot_log.main([str(log), "-o", str(out)]) == 0
-    assert out.read_bytes()[:8] == PNG_MAGIC
-    assert capsys.readouterr().out.strip() == f"wrote {out}"
+BAD_LOGS = [("missing", "no log at"), ("empty", "has no records"), ("no_curves", "no loss, val_loss or hellaswag_acc")]
 
 
-@pytest.mark.parametrize(
-    "setup, message",
-    [
-        ("missing", "no log at"),
-        ("empty", "has no records"),
-        ("no_curves", "no loss, val_loss or hellaswag_acc"),
-    ],
-)
-def test_bad_logs_are_one_line_errors(tmp_path, capsys, setup, message):
+@pytest.mark.parametrize("setup, message", BAD_LOGS)
+def test_bad_logs_are_one_line_errors(tmp_path, setup, message):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     if setup == "empty":
         write_log(run, [])
     elif setup == "no_curves":
         write_log(run, [dict(step=0, lr=1e-4)])
-    assert plot_log.main([str(run)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert_one_error_line(run_main("plot_log.py", run), message)
     assert not (run / "loss.png").exists()
 
 
-def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):
     write_log(tmp_path, fake_records(n=3))
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    assert plot_log.main([str(tmp_path)]) == 2
-    assert capsys.readouterr().err == "error: matplotlib is not installed: pip install matplotlib\n"
+    assert_refused(run_main("plot_log.py", tmp_path), "matplotlib is not installed: pip install matplotlib")
 
 
-def test_ema_reference_values():
+def test_ema_reference_values_and_a_resumed_step_keeps_its_last_value():
+    steps, values = plot_log.series([dict(step=2, loss=5.0), dict(step=1, loss=6.0), dict(step=2, loss=4.0)], "loss")
+    assert (steps, values) == ([1, 2], [6.0, 4.0])
     assert plot_log.ema([3.0, 3.0, 3.0], 0.9) == pytest.approx([3.0, 3.0, 3.0], abs=1e-12)  # no pull toward 0
     assert plot_log.ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 5.0 / 0.75], abs=1e-12)
     smoothed = plot_log.ema([float("nan"), 2.0, float("inf"), 4.0], 0.5)
     assert math.isnan(smoothed[0])
     assert smoothed[1:] == pytest.approx([2.0, 2.0, (0.5 + 2.0) / 0.75], abs=1e-12)  # carried over inf
-
-
-def test_smooth_0_draws_no_ema_line():
-    pytest.importorskip("matplotlib")
-    fig = plot_log.make_figure(fake_records(hellaswag=False), smooth=0)
-    assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
 
 
 def test_resumes_are_marked_on_every_panel():
@@ -199,20 +166,21 @@ def test_trainer_logs_its_resumes_for_the_plot(data_dir, tmp_path):
 )
 def test_non_numeric_values_are_one_line_errors(tmp_path, line, message):
     log = write_log(tmp_path / "run", fake_records(n=2, every=5, hellaswag=False)[:2], tail=line + "\n")
-    proc = run_main("plot_log.py", str(log))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {log} {message}\n")
+    assert_refused_quietly(run_main("plot_log.py", str(log)), f"{log} {message}")
 
 
-def test_bad_output_type_and_smoothing_are_one_line_errors(tmp_path):
+def test_output_paths_by_extension_and_bad_output_type_or_smoothing_are_one_line_errors(tmp_path):
     pytest.importorskip("matplotlib")
     log = write_log(tmp_path / "run", fake_records(n=5, every=2))
+    proc = run_main("plot_log.py", str(log), "-o", str(tmp_path / "plot.png"))
+    assert (proc.returncode, proc.stdout) == (0, f"wrote {tmp_path / 'plot.png'}\n"), proc.stderr
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_MAGIC
     proc = run_main("plot_log.py", str(log), "-o", str(tmp_path / "plot.xyz"))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: cannot write {tmp_path / 'plot.xyz'}: unknown image type .xyz (use ")
     assert ".png" in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "plot.xyz").exists()
-    proc = run_main("plot_log.py", str(log), "--smooth", "1")
-    assert (proc.returncode, proc.stderr) == (2, "error: --smooth must be in [0, 1), got 1.0\n")
+    assert_refused(run_main("plot_log.py", str(log), "--smooth", "1"), "--smooth must be in [0, 1), got 1.0")
     assert plot_log.main([str(log), "-o", str(tmp_path / "plot.svg")]) == 0  # the extension picks the format
     assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
 
@@ -231,10 +199,8 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
         f"wrote {tmp_path / 'curve.png'}\n",
         f"warning: skipped 1 malformed line(s) in {log}\n",
     )
-    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC and sorted(os.listdir(tmp_path)) == [
-        "curve.png",
-        "run",
-    ]
+    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC
+    assert sorted(os.listdir(tmp_path)) == ["curve.png", "run"]
     fig = plot_log.make_figure(plot_log.load_records(str(log)))
     lines = lines_by_label(fig.axes[0])
     drawn = list(lines["train loss"].get_ydata())
@@ -258,8 +224,7 @@ def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
 def test_files_that_are_not_logs_are_one_line_errors(tmp_path, content, message):
     log = tmp_path / "ckpt_0000004.pt"
     log.write_bytes(content)
-    proc = run_main("plot_log.py", str(log))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(log=log)}\n")
+    assert_refused_quietly(run_main("plot_log.py", str(log)), message.format(log=log))
 
 
 def legend_labels(ax):

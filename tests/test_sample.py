@@ -1,14 +1,13 @@
 """Sampling: the KV cache against full forward passes, sample.py as users run it, and the
 trainer's in-training samples as plain text."""
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_main, tiny_run_args
+from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, start, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit.runfiles import checkpoints
 from trainkit import cli
@@ -64,6 +63,11 @@ def run_sample(source, *flags, flag="--checkpoint"):
     return run_main("sample.py", flag, source, *flags)
 
 
+def texts_of(out, prompt=PROMPT, **kwargs) -> list:
+    """sampling.sample_text's texts (n, length, ...: kwargs) from the newest checkpoint of the run folder out."""
+    return list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", prompt, **kwargs))
+
+
 def samples_of(stdout):
     """The texts of sample.py's output, split at its `--- sample i/N ---` lines."""
     parts = stdout.split("--- sample ")[1:]
@@ -71,8 +75,6 @@ def samples_of(stdout):
 
 
 # ---- the model's KV cache ----
-
-
 def test_cached_logits_equal_the_full_forward():
     model = random_gpt()
     seq = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(1))
@@ -119,12 +121,8 @@ def test_top_k_1_is_greedy_decoding():
     for temperature in (0.5, 1.0, 3.0):
         assert torch.equal(sampling.generate(model, idx, 12, temperature=temperature, top_k=1), expected)
     for temperature in (1e-40, 1e-300):  # the limit T -> 0, below float32's range: greedy, not NaN
-        assert torch.equal(
-            sampling.generate(
-                model, idx, 12, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(0)
-            ),
-            expected,
-        )
+        g = torch.Generator().manual_seed(0)
+        assert torch.equal(sampling.generate(model, idx, 12, temperature=temperature, top_k=96, generator=g), expected)
 
 
 def test_temperature_scales_the_logits():
@@ -135,9 +133,8 @@ def test_temperature_scales_the_logits():
     with torch.no_grad():
         logits = model(idx[:1])[0][0, -1]
     for temperature in (0.5, 2.0):
-        drawn = sampling.generate(
-            model, idx, 1, temperature=temperature, top_k=96, generator=torch.Generator().manual_seed(6)
-        )[:, -1]
+        g = torch.Generator().manual_seed(6)
+        drawn = sampling.generate(model, idx, 1, temperature=temperature, top_k=96, generator=g)[:, -1]
         freq = torch.bincount(drawn, minlength=96).double() / len(drawn)
         expected = torch.softmax(logits.double() / temperature, dim=-1)
         assert (freq - expected).abs().max() < 0.015
@@ -149,18 +146,14 @@ def test_padded_ids_are_never_drawn():
     model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
     with torch.no_grad():
         model.transformer.wte.weight[50257:] = 100 * model.transformer.wte.weight[:47]
-        assert (
-            model.lm_head(model.hidden_states(torch.zeros(1, 1, dtype=torch.long))).softmax(-1)[..., 50257:].sum() > 0.9
-        )
-    drawn = sampling.generate(
-        model, torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=torch.Generator().manual_seed(0)
-    )
+        probs = model.lm_head(model.hidden_states(torch.zeros(1, 1, dtype=torch.long))).softmax(-1)
+        assert probs[..., 50257:].sum() > 0.9
+    g = torch.Generator().manual_seed(0)
+    drawn = sampling.generate(model, torch.zeros(64, 1, dtype=torch.long), 8, top_k=200, generator=g)
     assert drawn.max() < 50257
 
 
 # ---- sample.py ----
-
-
 def test_sample_cli_is_plain_deterministic_text(sampled_run):
     """The same seed, the same texts; another seed, others (sample.py runs as a program in the test of
     --num-samples 10**12 below, which checks its texts against sample_text's)."""
@@ -178,19 +171,12 @@ def test_sample_cli_is_plain_deterministic_text(sampled_run):
 
 def test_sample_cli_equals_sample_text_in_process(sampled_run):
     """sample.py adds nothing to the trainer's sampling: same texts as sampling.sample_text."""
-    import train_gpt2 as tg
-
     out, _ = sampled_run
     flags = "--num-samples 3 --max-new-tokens 10 --temperature 0.7 --top-k 5 --seed 3 --batch-size 2"
     proc = run_sample(out, "--prompt", "def f(x):", *flags.split())
     assert proc.returncode == 0, proc.stderr
-    model = tg.GPT.from_checkpoint(str(out))
     # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
-    expected = list(
-        sampling.sample_text(
-            model, tokenizer.get_encoding(), "cpu", "def f(x):", n=3, length=10, temperature=0.7, top_k=5, seed=3
-        )
-    )
+    expected = texts_of(out, "def f(x):", n=3, length=10, temperature=0.7, top_k=5, seed=3)
     assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
 
 
@@ -224,9 +210,7 @@ BAD_FLAGS = [  # (flags, message): in-process; tests/test_cli.py runs sample.py'
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
 def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
-    out, _ = sampled_run
-    proc = run_sample(out, *flags)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message.format(prog='sample.py')}\n")
+    assert_refused_quietly(run_sample(sampled_run[0], *flags), message.format(prog="sample.py"))
 
 
 def test_bad_sources_are_one_line_errors(tmp_path):
@@ -236,16 +220,13 @@ def test_bad_sources_are_one_line_errors(tmp_path):
         ("--hf-model", tmp_path / "nope", "--hf-model"),
     ]:
         proc = run_sample(path, flag=flag)
-        assert proc.returncode == 2 and proc.stdout == ""
-        assert proc.stderr.startswith("error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
+        assert_one_error_line(proc, message)
+        assert proc.stdout == ""
 
 
 def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
     proc = run_sample(small_vocab_run, "--prompt", "Hello")
-    assert (proc.returncode, proc.stderr) == (
-        2,
-        "error: the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids\n",
-    )
+    assert_refused(proc, "the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids")
     empty = run_sample(small_vocab_run, "--prompt", "")
     assert empty.returncode == 2 and f"token {EOT} ('<|endoftext|>')" in empty.stderr
     ok = run_sample(small_vocab_run, "--prompt", "!#", "--num-samples", "1", "--max-new-tokens", "4")  # ids 0 and 2
@@ -253,38 +234,38 @@ def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
     assert samples_of(ok.stdout)[0].startswith("!#")
 
 
-def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path, capsys):
+def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path):
     """An export with --vocab-size 100 is a model of 100 ids, not the 128 that padding to a multiple of
     64 would give: '¡' is ids 126, 94, beyond it (it was accepted, and padded ids could be drawn)."""
     pytest.importorskip("transformers")
-    import hf_interop
-
-    assert hf_interop.main(["export", str(small_vocab_run), str(tmp_path / "hf"), "--vocab-size", "100"]) == 0
-    capsys.readouterr()
+    assert run_main("hf_interop.py", "export", small_vocab_run, tmp_path / "hf", "--vocab-size", "100").returncode == 0
     model = sample.load_model(sample.parse_args(["--hf-model", str(tmp_path / "hf")]), "cpu")
     assert model.config.vocab_size == model.transformer.wte.weight.shape[0] == 100
     proc = run_sample(tmp_path / "hf", "--prompt", "¡", flag="--hf-model")
-    assert (proc.returncode, proc.stderr) == (
-        2,
-        "error: the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids\n",
+    assert_refused(proc, "the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids")
+
+
+GREEDY_12 = ["--num-samples", "1", "--max-new-tokens", "12", "--top-k", "1"]  # one greedy text of 12 tokens
+
+
+def hf_gpt2():
+    """A Hugging Face GPT-2 of GPT-2's ids, 64 positions, 2 layers 32 wide, its config's eos <|endoftext|>."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu_new")
     )
 
 
 def test_hf_model_greedy_equals_transformers(tmp_path):
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(
-        GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu_new")
-    ).eval()
+    hf = hf_gpt2().eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(5.0)  # clear argmaxes
     hf.save_pretrained(str(tmp_path / "hf"))
-    proc = run_sample(
-        tmp_path / "hf", "--prompt", PROMPT, *"--num-samples 1 --max-new-tokens 12 --top-k 1".split(), flag="--hf-model"
-    )
+    proc = run_sample(tmp_path / "hf", "--prompt", PROMPT, *GREEDY_12, flag="--hf-model")
     assert proc.returncode == 0, proc.stderr
     enc = tokenizer.get_encoding()
     ids = torch.tensor([enc.encode(PROMPT)])
@@ -316,9 +297,7 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
             ref = hf.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=EOT, **eos
             )
-        proc = run_sample(
-            tmp_path / "out", "--prompt", "!", *"--num-samples 1 --max-new-tokens 12 --top-k 1".split(), *flags
-        )
+        proc = run_sample(tmp_path / "out", "--prompt", "!", *GREEDY_12, *flags)
         assert proc.returncode == 0, proc.stderr
         texts[flags] = samples_of(proc.stdout)
         assert texts[flags] == [enc.decode(ref[0].tolist())]
@@ -329,68 +308,47 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
 def test_tiny_temperature_is_greedy(sampled_run):
     """--temperature 1e-40 divides the logits beyond float32's range: the draws are the limit, the
     argmax, for every sample (it was a NaN traceback from torch.multinomial)."""
-    import train_gpt2 as tg
-
     out, _ = sampled_run
     proc = run_sample(out, *"--temperature 1e-40 --num-samples 2 --max-new-tokens 12 --continue-past-eot".split())
     assert proc.returncode == 0, proc.stderr
-    model = tg.GPT.from_checkpoint(str(out))
-    greedy = list(
-        sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=1, length=12, top_k=1, end_at_eot=False)
-    )
-    drawn = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=2, length=12, end_at_eot=False))
+    greedy = texts_of(out, n=1, length=12, top_k=1, end_at_eot=False)
+    drawn = texts_of(out, n=2, length=12, end_at_eot=False)
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
 def test_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     out, _ = sampled_run
     ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
     ckpt["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
     del ckpt["checksum"]
     (tmp_path / "run").mkdir()
     torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), tmp_path / "run" / "ckpt_0000002.pt")
-    hf = GPT2LMHeadModel(
-        GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu_new")
-    )
+    hf = hf_gpt2()
     with torch.no_grad():
         hf.transformer.h[0].attn.c_proj.weight[0, 0] = float("inf")
     hf.save_pretrained(str(tmp_path / "hf"))
+    ckpt_said = (
+        "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it"
+    )
     for flag, source, message in [
-        (
-            "--checkpoint",
-            tmp_path / "run",
-            f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: the model weights hold NaN "
-            "or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it",
-        ),
+        ("--checkpoint", tmp_path / "run", f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {ckpt_said}"),
         (
             "--hf-model",
             tmp_path / "hf",
-            f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf "
-            "(transformer.h.0.attn.c_proj.weight)",
+            f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)",
         ),
     ]:
-        proc = run_sample(source, flag=flag)
-        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {message}\n")
+        assert_refused_quietly(run_sample(source, flag=flag), message)
 
 
 def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
     """--num-samples 10**12: printed a batch at a time (one tensor of all rows was a MemoryError
     before anything was printed), the first ones those of --num-samples 3 with the same seed. A
     reader that stops (`| head`) stops it quietly, with a shell's code for that (128 + SIGPIPE)."""
-    import train_gpt2 as tg
-
     out, _ = sampled_run
     flags = f"--checkpoint {out} --num-samples {10**12} --max-new-tokens 4 --seed 5".split()
-    proc = subprocess.Popen(
-        [sys.executable, "sample.py", *flags],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start([sys.executable, "sample.py", *flags])
     try:
         lines = []
         while not lines or not lines[-1].startswith("--- sample 4/"):
@@ -402,27 +360,19 @@ def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
         proc.kill()
         proc.wait()
     assert lines[0] == f"--- sample 1/{10**12} ---\n"
-    model = tg.GPT.from_checkpoint(str(out))
-    expected = list(sampling.sample_text(model, tokenizer.get_encoding(), "cpu", PROMPT, n=3, length=4, seed=5))
-    assert samples_of("".join(lines))[:3] == expected
+    assert samples_of("".join(lines))[:3] == texts_of(out, n=3, length=4, seed=5)
 
 
 # ---- the trainer's samples ----
-
-
-def test_trainer_prints_samples_as_plain_text(sampled_run):
-    _, stdout = sampled_run
+def test_trainer_prints_samples_as_plain_text_that_continue_sample_prompt(sampled_run):
+    out, stdout = sampled_run
     lines = [line for line in stdout.splitlines() if line.startswith("sample: ")]
     assert len(lines) == 4 and all(line.startswith(f"sample: {PROMPT}") for line in lines)
-
-
-def test_trainer_samples_continue_sample_prompt(sampled_run):
     # the prompt fits the data (the quickstart's Python gets "def "); the texts are sample_text's for it
-    out, _ = sampled_run
     flags = ["--resume", "--eval-only", "--sample-every", "1", "--sample-prompt", "def "]
     proc = run_main("train_gpt2.py", *tiny(out.parent / "data", out, *flags, steps=2))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    expected = list(sampling.sample_text(GPT.from_checkpoint(str(out)), tokenizer.get_encoding(), "cpu", "def "))
+    expected = texts_of(out, "def ")
     assert len(expected) == 4 and all(text.startswith("def ") for text in expected)
     # as the trainer prints them: control characters but newlines and tabs escaped (a \x0b here)
     shown = [cli.shown(text, keep_newlines=True) for text in expected]
