@@ -483,34 +483,26 @@ def test_gpu_check_runs_in_the_lease_order(gpu_check):
     assert on_two[: len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix) :]} == {2}
 
 
-@pytest.fixture(scope="module")
-def without_datasets(tmp_path_factory):
-    """A PYTHONPATH on which `import datasets` fails, as on the lent GPU machine."""
-    path = tmp_path_factory.mktemp("no_datasets")
-    (path / "datasets").mkdir()
-    (path / "datasets" / "__init__.py").write_text("raise ImportError('no datasets here')\n")
-    return str(path)
+def in_process(cmd, env, timeout):
+    """gpu_check's run_command for its CPU subset: each trainer command through train_gpt2.main here."""
+    assert cmd[:2] == [sys.executable, "train_gpt2.py"], cmd
+    result = run_main("train_gpt2.py", *cmd[2:], env=env)
+    return result.returncode, result.stdout, result.stderr
 
 
-def gpu_check_run(*args, env):
-    """gpu_check.py's CPU subset, a GPU or not (CUDA hidden)."""
-    return subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env},
-    )
-
-
-def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
-    """The CPU subset, in the lease's order, without `datasets`; the report in $OUT."""
-    result = gpu_check_run("--steps", "2", env={"OUT": str(tmp_path), "PYTHONPATH": without_datasets})
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if "| loss drift" in line]
-    assert [line[:4] for line in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], result.stdout
-    assert all(" ok " in line and "tok/s" in line and "GiB private" in line for line in lines), result.stdout
+def test_gpu_check_runs_its_cpu_subset(gpu_check, tmp_path, monkeypatch, capsys):
+    """The CPU subset, in the lease's order, without `datasets`; the report in $OUT. The trainer commands
+    run in-process; the budget test below runs the script and its commands as processes."""
+    monkeypatch.setattr(gpu_check, "run_command", in_process)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not on the lent GPU machine
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/gpu_check.py", "--steps", "2"])
+    assert gpu_check.main(sys.argv[1:]) == 0
+    stdout = capsys.readouterr().out
+    lines = [line for line in stdout.splitlines() if "| loss drift" in line]
+    assert [line[:4] for line in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], stdout
+    assert all(" ok " in line and "tok/s" in line and "GiB private" in line for line in lines), stdout
     assert "--batch-size auto" in lines[0] and "| B=4 |" in lines[0]  # a step's 4 rows fit
     assert "--optimizer muon" in lines[1] and "--doc-mask" in lines[2] and "--activation-checkpointing" in lines[4]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -528,7 +520,15 @@ def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
 
 
 def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
-    result = gpu_check_run("--steps", "2", "--budget-s", "0", "--report", str(tmp_path), env={})
+    """As a program: its commands as processes, CUDA hidden."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--steps", "2", "--budget-s", "0", "--report", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert [line[:4] for line in result.stdout.splitlines() if "| loss drift" in line] == ["[1] "]
     assert (
@@ -544,9 +544,7 @@ def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
     )
 
 
-def test_gpu_check_names_a_missing_package_first(tmp_path):
-    (tmp_path / "tiktoken").mkdir()
-    (tmp_path / "tiktoken" / "__init__.py").write_text("raise ImportError('no tiktoken here')\n")
-    result = gpu_check_run(env={"PYTHONPATH": str(tmp_path)})
-    assert result.returncode == 2
-    assert result.stdout.splitlines()[0] == "gpu_check: missing tiktoken: pip install tiktoken"
+def test_gpu_check_names_a_missing_package_first(gpu_check, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().out.splitlines()[0] == "gpu_check: missing tiktoken: pip install tiktoken"
