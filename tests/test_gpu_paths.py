@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -448,36 +449,13 @@ def test_gpu_check_runs_in_the_lease_order(gpu_check):
         steps=5, recipe_steps=3, seq_len=1024, model_flags=["--model", "gpt2"], peak_tflops=None, cuda=True
     )
     default = gpu_check.train_command(matrix[0], args, "D", "O", 64)
-    assert default[1:] == [
-        "train_gpt2.py",
-        "--data-dir",
-        "D",
-        "--out-dir",
-        "O",
-        "--model",
-        "gpt2",
-        "--max-steps",
-        "3",
-        "--warmup-steps",
-        "2",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-        "--ckpt-every",
-        "0",
-    ]  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
-    assert gpu_check.train_command(matrix[0], args, "D", "O", 64, ref=True)[-7:] == [
-        "--batch-size",
-        "16",
-        "--dtype",
-        "float32",
-        "--no-compile",
-        "--loss-chunk",
-        "0",
-    ]  # 32 micro-steps, same rows
+    assert shlex.join(default[1:]) == (
+        "train_gpt2.py --data-dir D --out-dir O --model gpt2 --max-steps 3 --warmup-steps 2 --val-every 0 "
+        "--sample-every 0 --hellaswag-every 0 --ckpt-every 0"
+    )  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
+    reference = gpu_check.train_command(matrix[0], args, "D", "O", 64, ref=True)
+    assert shlex.join(reference[-7:]) == "--batch-size 16 --dtype float32 --no-compile --loss-chunk 0"
+    # (32 micro-steps, same rows)
     assert sum(v["est_s"] for v in matrix if v["group"] <= 5) <= 400
     on_two = gpu_check.plan(cuda=True, n_gpus=2)
     assert on_two[: len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix) :]} == {2}

@@ -212,7 +212,8 @@ def test_odd_lock_files_are_one_line(finished, data_dir, tmp_path, capsys):
 def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished, data_dir, tmp_path):
     """Run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
     (what the old refusal advised) used to let B write its checkpoints beside A's; A's checkpoints
-    carry A's run id, so every rank stops with one line naming both runs, and nothing changes."""
+    carry A's run id, so the run stops with one line naming both runs, and nothing changes. (In-process:
+    test_refused_torchrun_launch_stops_every_rank proves that a refusal under torchrun stops every rank.)"""
     out, _ = finished
     other = tmp_path / "other"
     assert tg.main(tiny_run_args(data_dir, other, "--seed", "5", steps=6, ckpt_every=6)) == 0
@@ -220,15 +221,13 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished, data_di
     os.rename(out / "log.jsonl", tmp_path / "a_log.jsonl")
     before = tree_hashes(out)
     a, b = (resume.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
-    result = run(tiny_run_args(data_dir, out, "--resume", str(given), "--seed", "5", steps=10, B=2), nproc=2)
-    message = (
-        f"error: cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", given, "--seed", "5", steps=10))
+    assert_refused(
+        result,
+        f"cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
         f"run's (run {a}), and one folder holds one run; resume into the --out-dir of the checkpoint's own "
-        "run, or a new one"
+        "run, or a new one",
     )
-    assert result.returncode != 0
-    assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
-    assert 'train_gpt2.py", line' not in result.stderr
     assert tree_hashes(out) == before
 
 
