@@ -3,15 +3,12 @@ changes nothing of the folder it was copied from; a run killed before its first 
 that the same command sets aside and starts again; a name in --out-dir that --keep-last could not remove
 is refused at start; an evaluation that fails after trained steps saves them first; a resume applies its
 own optimizer hyperparameters; an export names the checkpoint it loaded. The commands run through
-train_gpt2.main; the evaluation that fails mid-run is a program."""
+train_gpt2.main."""
 
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ import torch
 import train_gpt2 as tg
 from trainkit.runfiles import checkpoints
 from trainkit.runfiles import resume
-from conftest import HELLASWAG_FILE, REPO, RUN_SHARDS, run_main, tiny_run_args, trained_steps, tree_hashes
+from conftest import HELLASWAG_FILE, RUN_SHARDS, run_main, tiny_run_args, trained_steps, tree_hashes
 
 T = 16
 
@@ -146,7 +143,7 @@ def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path
 # --- a failure after training loses no training -----------------------------------------------------------
 
 
-def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path):
+def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path, monkeypatch):
     """--hellaswag-every 20 with the file removed after step 1: the evaluation at step 20 fails, the 20
     trained steps are saved first (one note line), the run stops with the evaluation's line; once the
     file is back, --resume goes on from step 20."""
@@ -155,22 +152,21 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     args = args_for(data_dir, out, steps=24, ckpt_every=100)
     args[args.index("--hellaswag-every") + 1] = "20"
     args += ["--hellaswag-file", str(hellaswag), "--hellaswag-limit", "4"]
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    train_step = tg.Trainer.train_step
+
+    def removing_the_file_after_step_1(trainer, step):
+        if step == 2:
+            os.remove(hellaswag)
+        return train_step(trainer, step)
+
+    monkeypatch.setattr(tg.Trainer, "train_step", removing_the_file_after_step_1)
+    result = run(args)
+    monkeypatch.undo()
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [f"error: --hellaswag-file {hellaswag} does not exist"],
     )
-    try:
-        deadline = time.time() + 240
-        while not (out / "log.jsonl").exists() or 1 not in trained_steps(out):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.05)
-        os.remove(hellaswag)
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-    assert (proc.returncode, stderr.splitlines()) == (2, [f"error: --hellaswag-file {hellaswag} does not exist"])
-    assert stdout.splitlines()[-1] == (
+    assert result.stdout.splitlines()[-1] == (
         f"note: step 20's evaluation failed (the error below); the steps trained "
         f"before it are saved first in {out}/ckpt_0000020.pt: once fixed, resume "
         "with the same command plus --resume"
