@@ -410,19 +410,22 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
     )
 
 
-def tree_hashes(folder):
-    """{path: sha256} of every file under folder (symbolic links as where they point): what a refused
-    run must leave byte-identical."""
+def tree_hashes(folder, folders=False):
+    """{path: sha256} of every file under folder (symbolic links as where they point; with folders, every
+    folder too): what a refused run must leave byte-identical."""
     found = {}
     for parent, dirs, names in os.walk(folder):
-        for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
+        for name in dirs + names:
             path = os.path.join(parent, name)
             key = os.path.relpath(path, folder)
-            found[key] = (
-                ("-> " + os.readlink(path))
-                if os.path.islink(path)
-                else hashlib.sha256(open(path, "rb").read()).hexdigest()
-            )
+            if os.path.islink(path):
+                found[key] = "-> " + os.readlink(path)
+            elif os.path.isdir(path):
+                if folders:
+                    found[key] = "folder"
+            else:
+                with open(path, "rb") as f:
+                    found[key] = hashlib.sha256(f.read()).hexdigest()
     return found
 
 
