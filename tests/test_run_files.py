@@ -25,9 +25,6 @@ def run_a(finished_copy):
     return finished_copy
 
 
-# --- a run killed before its first checkpoint -----------------------------------------------------------
-
-
 def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(run_a, data_dir, tmp_path):
     """A log of 3 trained steps and no checkpoint (an OOM kill, a preemption): the requeued command starts
     again, keeps the old log beside (branch_0000003/log.jsonl, byte-identical), says so in one note line,
@@ -49,9 +46,6 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
     assert os.stat(out / "log.jsonl").st_mode & 0o777 == 0o644
 
 
-# --- names --keep-last and --resume would take for checkpoints --------------------------------------------
-
-
 def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path):
     """A folder ckpt_0000003.pt in --out-dir, which --keep-last would fail to delete mid-training: refused
     before anything is written, in one line."""
@@ -67,9 +61,6 @@ def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path
     )
     assert (result.returncode, result.stderr.splitlines()) == (2, [refusal])
     assert tree_hashes(out) == before and sorted(os.listdir(out)) == ["ckpt_0000003.pt"]
-
-
-# --- a failure after training loses no training -----------------------------------------------------------
 
 
 def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path, monkeypatch):
@@ -116,9 +107,6 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     assert trained_steps(out) == list(range(24))
 
 
-# --- a resume does what its flags say -------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "optimizer, flags, note",
     [
@@ -151,9 +139,6 @@ def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, 
         tg.main(tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=6, ckpt_every=2)) == 0
     )
     assert "note: the optimizer" not in capsys.readouterr().out
-
-
-# --- an export names what it loaded ---------------------------------------------------------------------
 
 
 def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_path, monkeypatch):
