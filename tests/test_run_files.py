@@ -1,7 +1,7 @@
 """What a run writes is its own: a run killed before its first checkpoint leaves a log that the same command
-sets aside and starts again; a name in --out-dir that --keep-last could not remove is refused at start; an
-evaluation that fails after trained steps saves them first; a resume applies its own optimizer
-hyperparameters; an export names the checkpoint it loaded. (Copied run folders: test_write_safety.)"""
+sets aside and starts again; an evaluation that fails after trained steps saves them first; a resume applies
+its own optimizer hyperparameters; an export names the checkpoint it loaded. (Copied run folders and folders
+at a checkpoint's name: test_write_safety.)"""
 
 import functools
 import json
@@ -13,7 +13,7 @@ import torch
 
 import train_gpt2 as tg
 from trainkit.runfiles import checkpoints
-from conftest import HELLASWAG_FILE, RUN_SHARDS, run_main, tiny_run_args, trained_steps, tree_hashes
+from conftest import HELLASWAG_FILE, RUN_SHARDS, run_main, tiny_run_args, trained_steps
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
 run = functools.partial(run_main, "train_gpt2.py")
@@ -44,23 +44,6 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
     assert (out / "branch_0000003" / "log.jsonl").read_bytes() == killed
     assert trained_steps(out) == [0, 1]
     assert os.stat(out / "log.jsonl").st_mode & 0o777 == 0o644
-
-
-def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path):
-    """A folder ckpt_0000003.pt in --out-dir, which --keep-last would fail to delete mid-training: refused
-    before anything is written, in one line."""
-    out = tmp_path / "out"
-    (out / "ckpt_0000003.pt").mkdir(parents=True)
-    (out / "ckpt_0000003.pt" / "notes.txt").write_text("mine")
-    before = tree_hashes(out)
-    result = run(*tiny_run_args(data_dir, out, "--keep-last", "2", steps=8, ckpt_every=1))
-    refusal = (
-        f"error: --out-dir {out} holds ckpt_0000003.pt, a folder named as this trainer names its checkpoints: "
-        "--resume, --keep-last and the save of its step would take it for one; rename it, or choose another "
-        "--out-dir"
-    )
-    assert (result.returncode, result.stderr.splitlines()) == (2, [refusal])
-    assert tree_hashes(out) == before and sorted(os.listdir(out)) == ["ckpt_0000003.pt"]
 
 
 def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ import pytest
 import fineweb
 import plot_log
 import train_gpt2 as tg
-from conftest import RUN_SHARDS, assert_one_error_line, run_main, tiny_run_args, trained_steps, tree_hashes
+from conftest import RUN_SHARDS, assert_one_error_line, assert_refused, run_main, tiny_run_args, trained_steps
+from conftest import tree_hashes
 from trainkit.runfiles import resume as branch_folders
 from trainkit.runfiles.resume import read_run
 from trainkit.runfiles.run_folder import OutDirLock, prepare_out_dir
@@ -307,19 +308,29 @@ def test_an_export_leaves_a_folder_that_only_looks_like_its_partial_folder(run_a
     assert (out / ".gpt2.export-20240102" / "important.txt").read_text() == "my notes\n"
 
 
-@pytest.mark.parametrize("name", ["ckpt_0000004.pt.tmp", "log.jsonl.tmp"])
-def test_a_folder_at_a_name_a_run_writes_through_is_refused_before_it_trains(data_dir, tmp_path, capsys, name):
-    """A folder planted at a checkpoint's temporary name, or at the log's copy's: refused at start with one
-    line, nothing trained, the folder as it was (not found at the save, after the steps were trained)."""
-    out = tmp_path / "t1"
+WRITES_THROUGH = (
+    "holds a folder {name}, at the name this trainer writes a new {written} through: that write would fail, after "
+    "the steps before it were trained; move it away, or choose another --out-dir"
+)
+AT_A_NAME = {  # a folder at a name the trainer writes: the line
+    "ckpt_0000004.pt.tmp": WRITES_THROUGH,
+    "log.jsonl.tmp": WRITES_THROUGH,
+    "ckpt_0000003.pt": "holds ckpt_0000003.pt, a folder named as this trainer names its checkpoints: --resume, "
+    "--keep-last and the save of its step would take it for one; rename it, or choose another --out-dir",
+}
+
+
+@pytest.mark.parametrize("name", AT_A_NAME)
+def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, tmp_path, name):
+    """A folder (of the user's notes) at a checkpoint's or the log copy's temporary name, or at a checkpoint's
+    name (which --keep-last would fail to delete): refused at start with one line, not at the save after the
+    steps were trained; nothing written."""
+    out = tmp_path / "out"
     (out / name).mkdir(parents=True)
+    (out / name / "notes.txt").write_text("mine")
     before = tree_hashes(out, folders=True)
-    assert tg.main(tiny_run_args(data_dir, out, steps=6)) == 2
-    assert capsys.readouterr().err == (
-        f"error: --out-dir {out} holds a folder {name}, at the name this trainer writes a new "
-        f"{name.removesuffix('.tmp')} through: that write would fail, after the steps before it were trained; "
-        "move it away, or choose another --out-dir\n"
-    )
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--keep-last", "2", steps=8, ckpt_every=1))
+    assert_refused(result, f"--out-dir {out} " + AT_A_NAME[name].format(name=name, written=name.removesuffix(".tmp")))
     assert tree_hashes(out, folders=True) == before
 
 
