@@ -23,7 +23,8 @@ from trainkit.runfiles import resume
 from trainkit.runfiles import run_folder
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import REPO, RUN_SHARDS, assert_refused, run_cli, run_main, tiny_run_args, trained_steps, tree_hashes
+from conftest import REPO, RUN_SHARDS, assert_refused, run_cli, run_main, tiny_run_args, trained_steps
+from conftest import tree_hashes, wait_for
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
 
@@ -89,9 +90,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         owned_by = f"pid {owner.pid} on {socket.gethostname()}"
         _, err = refused.communicate()
         assert (refused.returncode, err) == (2, f"error: {in_use(out, owned_by)}\n"), err[-3000:]
-        while len(checkpoints.list_checkpoints(out)) < 1:
-            assert owner.poll() is None, owner.communicate()
-            time.sleep(0.05)
+        wait_for(lambda: checkpoints.list_checkpoints(out), owner, what="a checkpoint")
         # so is a --resume while the owner runs, even once .lock is rewritten (sed -i on its host field
         # writes a new file): the lock is on the folder, and .lock only names its holder
         edited = out / ".lock.sed"
@@ -99,9 +98,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         os.replace(edited, out / ".lock")
         result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
         assert_refused(result, in_use(out, f"pid {owner.pid} on another-host"))
-        while len(checkpoints.list_checkpoints(out)) < 2:
-            assert owner.poll() is None, owner.communicate()
-            time.sleep(0.05)
+        wait_for(lambda: len(checkpoints.list_checkpoints(out)) >= 2, owner, what="two checkpoints")
     finally:
         for p in trainers:
             if p.poll() is None:
