@@ -184,10 +184,8 @@ def test_odd_lock_files_are_one_line(finished, data_dir, tmp_path):
 
 
 def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished, eight_steps, data_dir, tmp_path):
-    """Run B's checkpoint resumed into run A's folder. Moving A's log.jsonl away
-    (what the old refusal advised) used to let B write its checkpoints beside A's; A's checkpoints
-    carry A's run id, so the run stops with one line naming both runs, and nothing changes. (In-process:
-    test_refused_torchrun_launch_stops_every_rank proves that a refusal under torchrun stops every rank.)"""
+    """Run B's checkpoint resumed into run A's folder, A's log.jsonl moved away: A's checkpoints carry A's run
+    id, so the run stops with one line naming both runs, and nothing changes."""
     out, given = finished[0], eight_steps / "ckpt_0000006.pt"
     os.rename(out / "log.jsonl", tmp_path / "a_log.jsonl")
     before = tree_hashes(out)

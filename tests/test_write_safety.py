@@ -322,9 +322,8 @@ AT_A_NAME = {  # a folder at a name the trainer writes: the line
 
 @pytest.mark.parametrize("name", AT_A_NAME)
 def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, tmp_path, name):
-    """A folder (of the user's notes) at a checkpoint's or the log copy's temporary name, or at a checkpoint's
-    name (which --keep-last would fail to delete): refused at start with one line, not at the save after the
-    steps were trained; nothing written."""
+    """A folder of the user's at a checkpoint's or the log copy's temporary name, or at a checkpoint's name
+    (--keep-last would fail to delete it): refused at start, not at the save after trained steps."""
     out = tmp_path / "out"
     (out / name).mkdir(parents=True)
     (out / name / "notes.txt").write_text("mine")
