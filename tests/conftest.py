@@ -8,6 +8,7 @@ import importlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,8 +74,6 @@ def finished_run(_shard_dirs, tmp_path_factory):
 @pytest.fixture
 def finished_copy(finished_run, tmp_path):
     """A copy of finished_run of this test's own, tmp_path/"run", to resume, branch or damage."""
-    import shutil
-
     return Path(shutil.copytree(finished_run, tmp_path / "run", symlinks=False))
 
 
@@ -145,8 +144,6 @@ def wait_for_steps(out_dir, n, proc):
 
 def resume_copy(src, dst, step):
     """What a run killed after checkpoint `step` leaves: that checkpoint and a log that ran past it."""
-    import shutil
-
     os.makedirs(dst)
     shutil.copy(os.path.join(src, f"ckpt_{step:07d}.pt"), dst)
     shutil.copy(os.path.join(src, "log.jsonl"), dst)
@@ -215,12 +212,10 @@ def _process_state_restored():
 
 
 def run_main(script, *args, cwd=None, env=None):
-    """`python script args` run in this process, through the script's main(argv): the completed process
-    (exit code, stdout and stderr as text, caught at the file descriptors as a subprocess's would be), as
-    run_command gives it. sys.argv[0] is the script (argparse names it), cwd the current folder (default:
-    the repo), env variables set on top of the environment (with_env); all restored afterwards (kept_process_state).
-    A refusal costs milliseconds here against seconds of torch import in a new process: the many cases
-    of a class run here, one real-subprocess test per script and class proves the contract end to end."""
+    """`python script args` run in this process through the script's main(argv): run_command's completed process
+    (stdout and stderr caught at the file descriptors), sys.argv[0] the script, cwd the current folder (default:
+    the repo), env set on top (with_env); all restored afterwards (kept_process_state). The many cases of a
+    class run here; one real-subprocess test per script and class proves the contract end to end."""
     module = importlib.import_module(Path(script).stem)
     argv = [str(a) for a in args]
     with kept_process_state(), tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -322,8 +317,6 @@ def fineweb_parked_after(shard_index: int) -> list:
 def tiktoken_cache(folder) -> str:
     """folder made a tiktoken cache that holds r50k_base: bpe/'s file under the name tiktoken gives
     its download (the sha1 of the URL), so tiktoken's own loader reads it and never the network."""
-    import hashlib
-    import shutil
     from trainkit.data.tokenizer import BPE_URL
 
     os.makedirs(folder, exist_ok=True)
@@ -397,32 +390,27 @@ def wait_for(condition, proc, timeout=300, what="the condition"):
 
 
 def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
-    """`python script args`, or a torchrun of nproc processes, in the repo: the completed process
-    with its output as text. env: variables to set on top of this process's environment."""
-    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}") if nproc > 1 else [sys.executable]
-    return subprocess.run(
-        [*launcher, script, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=with_env(env),
-    )
+    """`python script args`, or a torchrun of nproc processes, in the repo: run_command's completed process."""
+    launcher = torchrun("--standalone", f"--nproc_per_node={nproc}")[1:] if nproc > 1 else []
+    return run_command(*launcher, script, *args, env=env)
 
 
-def tree_hashes(folder):
-    """{path: sha256} of every file under folder (symbolic links as where they point): what a refused
-    run must leave byte-identical."""
+def tree_hashes(folder, folders=False):
+    """{path: sha256} of every file under folder (symbolic links as where they point; with folders, every
+    folder too): what a refused run must leave byte-identical."""
     found = {}
     for parent, dirs, names in os.walk(folder):
-        for name in names + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
+        for name in dirs + names:
             path = os.path.join(parent, name)
             key = os.path.relpath(path, folder)
-            found[key] = (
-                ("-> " + os.readlink(path))
-                if os.path.islink(path)
-                else hashlib.sha256(open(path, "rb").read()).hexdigest()
-            )
+            if os.path.islink(path):
+                found[key] = "-> " + os.readlink(path)
+            elif os.path.isdir(path):
+                if folders:
+                    found[key] = "folder"
+            else:
+                with open(path, "rb") as f:
+                    found[key] = hashlib.sha256(f.read()).hexdigest()
     return found
 
 

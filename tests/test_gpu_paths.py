@@ -3,11 +3,10 @@ per step, fp16 with a GradScaler, the chunked loss in evaluation and under compi
 fallback, activation checkpointing, device validation and benchmarks/gpu_check.py."""
 
 import dataclasses
-import functools
 import json
 import os
 import re
-import subprocess
+import shlex
 import sys
 import types
 
@@ -20,21 +19,15 @@ from trainkit.runtime import device as precision
 from trainkit.runtime import throughput
 from trainkit.runtime import launch
 import train_gpt2 as tg
-import conftest
-from conftest import REPO, run_main, tiny_run_args, train_records
+from conftest import REPO, resume_copy, run_cli, run_command, run_main, tiny_run_args, train_records
 from shards import make_batch
 
 T = 16
-
-
 SHARDS = dict(n_docs=400, seed=3, vocab=100)
 
 
 def args_for(data_dir, out_dir, *extra, steps=4, B=4):
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, B=B, ckpt_every=0, seq_len=T, warmup=2)
-
-
-run_cli = functools.partial(conftest.run_cli, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- MFU and throughput ------------------------------------------------------------------------
@@ -71,44 +64,18 @@ def test_mfu_under_two_ranks_is_per_gpu(two_ranks):
     assert "over steps after the first" in summary
 
 
-def test_no_mfu_on_cpu_without_peak(data_dir, tmp_path):
-    assert tg.main(args_for(data_dir, tmp_path, steps=1)) == 0
-    assert "mfu" not in train_records(tmp_path)[0]
+# (GPU name, its dense bf16 TFLOPS; "-": a name of no entry, not to be taken for the one it starts with)
+PEAKS = """NVIDIA H100 80GB HBM3 989; NVIDIA H100 PCIe 756; NVIDIA H100 NVL 835; NVIDIA GH200 480GB 989;
+NVIDIA H200 989; NVIDIA H200 NVL 835; NVIDIA B200 2250; NVIDIA A100-SXM4-80GB 312; NVIDIA A100-PCIE-40GB 312;
+NVIDIA A10 125; NVIDIA A10G -; NVIDIA L4 121; NVIDIA L40S 362; NVIDIA L40 181; NVIDIA RTX A6000 154.8;
+NVIDIA GeForce RTX 3090 71; NVIDIA GeForce RTX 3090 Ti -; NVIDIA GeForce RTX 4090 165.2;
+NVIDIA GeForce RTX 4090 D -; NVIDIA GeForce RTX 5090 209.5; Tesla V100-SXM2-16GB 125; Tesla V100-PCIE-32GB 112;
+Tesla V100S-PCIE-32GB 130; Tesla T4 65; NVIDIA GeForce GTX 1080 Ti -; Tesla P100-PCIE-16GB -"""
 
 
-@pytest.mark.parametrize(
-    "name,tflops",
-    [
-        ("NVIDIA H100 80GB HBM3", 989),
-        ("NVIDIA H100 PCIe", 756),
-        ("NVIDIA H100 NVL", 835),
-        ("NVIDIA GH200 480GB", 989),
-        ("NVIDIA H200", 989),
-        ("NVIDIA H200 NVL", 835),
-        ("NVIDIA B200", 2250),
-        ("NVIDIA A100-SXM4-80GB", 312),
-        ("NVIDIA A100-PCIE-40GB", 312),
-        ("NVIDIA A10", 125),
-        ("NVIDIA A10G", None),
-        ("NVIDIA L4", 121),
-        ("NVIDIA L40S", 362),
-        ("NVIDIA L40", 181),
-        ("NVIDIA RTX A6000", 154.8),
-        ("NVIDIA GeForce RTX 3090", 71),
-        ("NVIDIA GeForce RTX 3090 Ti", None),
-        ("NVIDIA GeForce RTX 4090", 165.2),
-        ("NVIDIA GeForce RTX 4090 D", None),
-        ("NVIDIA GeForce RTX 5090", 209.5),
-        ("Tesla V100-SXM2-16GB", 125),
-        ("Tesla V100-PCIE-32GB", 112),
-        ("Tesla V100S-PCIE-32GB", 130),
-        ("Tesla T4", 65),
-        ("NVIDIA GeForce GTX 1080 Ti", None),
-        ("Tesla P100-PCIE-16GB", None),
-    ],
-)
+@pytest.mark.parametrize("name,tflops", [entry.strip().rsplit(" ", 1) for entry in PEAKS.split(";")])
 def test_peak_table_matches_names_carefully(name, tflops):
-    assert throughput.peak_flops(name) == (None if tflops is None else pytest.approx(tflops * 1e12))
+    assert throughput.peak_flops(name) == (None if tflops == "-" else pytest.approx(float(tflops) * 1e12))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -205,7 +172,10 @@ def test_fp16_without_token_normalization_would_be_caught():
 
 
 def test_fp16_two_ranks_log_the_losses_of_one_batch(data_dir, tmp_path, two_ranks):
+    """2 fp16 ranks x 2 micro-steps log the losses of one 8-row batch on one process, which (on CPU, without
+    --peak-tflops) logs no MFU."""
     assert tg.main(args_for(data_dir, tmp_path, "--dtype", "float16", B=8)) == 0  # 8 rows x 1 micro-step
+    assert not any("mfu" in r for r in train_records(tmp_path))
     one, ddp = [r["loss"] for r in train_records(tmp_path)], [r["loss"] for r in train_records(two_ranks[1])]
     assert len(one) == 4 and ddp == pytest.approx(one, rel=2e-3)
     assert ddp != pytest.approx([one[0]] * 4, rel=2e-3)  # the losses move: the comparison is not vacuous
@@ -226,34 +196,25 @@ def overflow_at(monkeypatch, at_call):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_fp16_overflow_is_skipped_and_logged_not_a_failure(data_dir, tmp_path, monkeypatch, optimizer):
-    overflow_at(monkeypatch, 2)
-    args = args_for(data_dir, tmp_path, "--dtype", "float16", "--optimizer", optimizer, steps=4)
-    assert tg.main(args) == 0  # --skip-nonfinite 0
-    records = train_records(tmp_path)
-    assert [r.get("skipped") for r in records] == [None, None, "overflow", None]
-    assert all(map(lambda r: r["loss"] == r["loss"], records))
-    ckpt = checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000004.pt"))
-    assert ckpt["scaler"]["scale"] == 2.0**16 * 0.5  # the scaler backed off once
-
-
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_fp16_resume_is_bit_exact(data_dir, tmp_path, optimizer):
+def test_fp16_overflow_is_skipped_and_a_resume_after_it_is_bit_exact(data_dir, tmp_path, monkeypatch, optimizer):
+    """An inf in step 2's gradients (--skip-nonfinite 0): the step is skipped and logged, the scaler backs off
+    once, the run goes on; a resume from its step-3 checkpoint trains what it trained, bit for bit."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    overflow_at(monkeypatch, 2)
     fp16 = ("--dtype", "float16", "--ckpt-every", "3", "--optimizer", optimizer)
     result = run_main("train_gpt2.py", *args_for(data_dir, straight, *fp16, steps=6))  # the flag, as users give it
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dtype float16" in result.stdout
-    os.makedirs(resumed)
-    for name in ("ckpt_0000003.pt", "log.jsonl"):
-        (resumed / name).write_bytes((straight / name).read_bytes())
+    monkeypatch.undo()
+    records = train_records(straight)
+    assert [r.get("skipped") for r in records] == [None, None, "overflow", None, None, None]
+    assert all(r["loss"] == r["loss"] for r in records)
+    resume_copy(straight, resumed, 3)
     assert tg.main(args_for(data_dir, resumed, *fp16, "--resume", steps=6)) == 0
-    assert [(r["step"], r["loss"]) for r in train_records(resumed)] == [
-        (r["step"], r["loss"]) for r in train_records(straight)
-    ]
+    assert [(r["step"], r["loss"]) for r in train_records(resumed)] == [(r["step"], r["loss"]) for r in records]
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert a["scaler"] == b["scaler"]
+    assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] == 2.0**16 * 0.5  # the scaler backed off once
     assert set(a["optimizer"]) == ({"adamw", "muon"} if optimizer == "muon" else {"state", "param_groups"})
 
 
@@ -330,7 +291,7 @@ def test_compile_traces_one_block_for_every_block_and_keeps_the_chunk_loop_out()
     assert full_loss == pytest.approx(eager_loss(4, 0), rel=1e-6)
 
 
-# --- compile that falls back, devices -------------------------------------------------------------
+# --- compile that falls back, activation checkpointing, devices -----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -352,10 +313,15 @@ def test_compile_decision(requested, device, capability, platform, triton, expec
     assert precision.compile_decision(requested, device, capability, platform, triton) == expected
 
 
-def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
+def test_a_failing_compile_and_activation_checkpointing_train_as_eager_does(data_dir, tmp_path, monkeypatch, capsys):
+    """A compile that fails falls back to eager, with one line; --activation-checkpointing (the flag as users
+    give it, through run_main) recomputes the same activations: both log eager's losses, bit for bit."""
+
     def failing_backend(gm, example_inputs):
         raise RuntimeError("Cannot find a working triton installation\nmore detail")
 
+    result = run_main("train_gpt2.py", *args_for(data_dir, tmp_path / "ckpt", "--activation-checkpointing", B=2))
+    assert result.returncode == 0, result.stderr[-3000:]
     monkeypatch.setattr(tg, "compile_model", lambda model: torch.compile(model, backend=failing_backend))
     torch._dynamo.reset()
     assert tg.main(args_for(data_dir, tmp_path / "fallback", "--compile", B=2)) == 0
@@ -363,9 +329,9 @@ def test_a_failing_compile_falls_back_to_eager(data_dir, tmp_path, monkeypatch, 
     assert out.count("compile failed, continuing without it") == 1
     assert "Cannot find a working triton installation" in out and "more detail" not in out
     assert tg.main(args_for(data_dir, tmp_path / "eager", "--no-compile", B=2)) == 0
-    assert [r["loss"] for r in train_records(tmp_path / "fallback")] == [
-        r["loss"] for r in train_records(tmp_path / "eager")
-    ]
+    eager = [r["loss"] for r in train_records(tmp_path / "eager")]
+    assert [r["loss"] for r in train_records(tmp_path / "fallback")] == eager
+    assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == eager
 
 
 @pytest.mark.parametrize(
@@ -391,9 +357,6 @@ def test_auto_device_picks_mps_when_there_is_no_cuda(monkeypatch):
     assert launch.resolve_device("auto") == "cpu"
 
 
-# --- activation checkpointing ----------------------------------------------------------------------
-
-
 def test_activation_checkpointing_gives_the_same_gradients():
     x, y = make_batch()
     grads = []
@@ -405,15 +368,6 @@ def test_activation_checkpointing_gives_the_same_gradients():
         loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
-
-
-def test_activation_checkpointing_flag_trains_identically(data_dir, tmp_path):
-    result = run_main("train_gpt2.py", *args_for(data_dir, tmp_path / "ckpt", "--activation-checkpointing", B=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert tg.main(args_for(data_dir, tmp_path / "plain", B=2)) == 0
-    assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == [
-        r["loss"] for r in train_records(tmp_path / "plain")
-    ]
 
 
 # --- benchmarks/gpu_check.py ------------------------------------------------------------------------
@@ -435,82 +389,47 @@ def test_gpu_check_runs_in_the_lease_order(gpu_check):
     multi-GPU variants last; on estimates, groups 1-5 fit the default budget."""
     matrix = gpu_check.plan(cuda=True, n_gpus=1)
     assert [v["group"] for v in matrix] == sorted(v["group"] for v in matrix)
-    assert [v["name"] for v in matrix[:7]] == [
-        "default path: --model gpt2, 524,288 tok/step",
-        "AdamW bf16 compiled (the yardstick)",
-        "--optimizer muon bf16 compiled",
-        "--doc-mask FlexAttention compiled",
-        "fp16 + GradScaler eager",
-        "out of memory before step 2 (bf16 compiled)",
-        "bench_compile.py: blocks vs graph vs eager",
-    ]
+    assert "; ".join(v["name"] for v in matrix[:7]) == (
+        "default path: --model gpt2, 524,288 tok/step; AdamW bf16 compiled (the yardstick); --optimizer muon bf16 "
+        "compiled; --doc-mask FlexAttention compiled; fp16 + GradScaler eager; out of memory before step 2 (bf16 "
+        "compiled); bench_compile.py: blocks vs graph vs eager"
+    )
     args = types.SimpleNamespace(
         steps=5, recipe_steps=3, seq_len=1024, model_flags=["--model", "gpt2"], peak_tflops=None, cuda=True
     )
     default = gpu_check.train_command(matrix[0], args, "D", "O", 64)
-    assert default[1:] == [
-        "train_gpt2.py",
-        "--data-dir",
-        "D",
-        "--out-dir",
-        "O",
-        "--model",
-        "gpt2",
-        "--max-steps",
-        "3",
-        "--warmup-steps",
-        "2",
-        "--val-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--hellaswag-every",
-        "0",
-        "--ckpt-every",
-        "0",
-    ]  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
-    assert gpu_check.train_command(matrix[0], args, "D", "O", 64, ref=True)[-7:] == [
-        "--batch-size",
-        "16",
-        "--dtype",
-        "float32",
-        "--no-compile",
-        "--loss-chunk",
-        "0",
-    ]  # 32 micro-steps, same rows
+    assert shlex.join(default[1:]) == (
+        "train_gpt2.py --data-dir D --out-dir O --model gpt2 --max-steps 3 --warmup-steps 2 --val-every 0 "
+        "--sample-every 0 --hellaswag-every 0 --ckpt-every 0"
+    )  # bf16, compile, --batch-size auto, 524,288 tokens: the defaults
+    reference = gpu_check.train_command(matrix[0], args, "D", "O", 64, ref=True)
+    assert shlex.join(reference[-7:]) == "--batch-size 16 --dtype float32 --no-compile --loss-chunk 0"
+    # (32 micro-steps, same rows)
     assert sum(v["est_s"] for v in matrix if v["group"] <= 5) <= 400
     on_two = gpu_check.plan(cuda=True, n_gpus=2)
     assert on_two[: len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix) :]} == {2}
 
 
-@pytest.fixture(scope="module")
-def without_datasets(tmp_path_factory):
-    """A PYTHONPATH on which `import datasets` fails, as on the lent GPU machine."""
-    path = tmp_path_factory.mktemp("no_datasets")
-    (path / "datasets").mkdir()
-    (path / "datasets" / "__init__.py").write_text("raise ImportError('no datasets here')\n")
-    return str(path)
+def in_process(cmd, env, timeout):
+    """gpu_check's run_command for its CPU subset: each trainer command through train_gpt2.main here."""
+    assert cmd[:2] == [sys.executable, "train_gpt2.py"], cmd
+    result = run_main("train_gpt2.py", *cmd[2:], env=env)
+    return result.returncode, result.stdout, result.stderr
 
 
-def gpu_check_run(*args, env):
-    """gpu_check.py's CPU subset, a GPU or not (CUDA hidden)."""
-    return subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env},
-    )
-
-
-def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
-    """The CPU subset, in the lease's order, without `datasets`; the report in $OUT."""
-    result = gpu_check_run("--steps", "2", env={"OUT": str(tmp_path), "PYTHONPATH": without_datasets})
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if "| loss drift" in line]
-    assert [line[:4] for line in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], result.stdout
-    assert all(" ok " in line and "tok/s" in line and "GiB private" in line for line in lines), result.stdout
+def test_gpu_check_runs_its_cpu_subset(gpu_check, tmp_path, monkeypatch, capsys):
+    """The CPU subset, in the lease's order, without `datasets`; the report in $OUT. The trainer commands
+    run in-process; the budget test below runs the script and its commands as processes."""
+    monkeypatch.setattr(gpu_check, "run_command", in_process)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not on the lent GPU machine
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/gpu_check.py", "--steps", "2"])
+    assert gpu_check.main(sys.argv[1:]) == 0
+    stdout = capsys.readouterr().out
+    lines = [line for line in stdout.splitlines() if "| loss drift" in line]
+    assert [line[:4] for line in lines] == ["[1] ", "[2] ", "[3] ", "[4] ", "[7] "], stdout
+    assert all(" ok " in line and "tok/s" in line and "GiB private" in line for line in lines), stdout
     assert "--batch-size auto" in lines[0] and "| B=4 |" in lines[0]  # a step's 4 rows fit
     assert "--optimizer muon" in lines[1] and "--doc-mask" in lines[2] and "--activation-checkpointing" in lines[4]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -528,7 +447,9 @@ def test_gpu_check_runs_its_cpu_subset(tmp_path, without_datasets):
 
 
 def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
-    result = gpu_check_run("--steps", "2", "--budget-s", "0", "--report", str(tmp_path), env={})
+    """As a program: its commands as processes, CUDA hidden."""
+    args = ("--steps", "2", "--budget-s", "0", "--report", tmp_path)
+    result = run_command("benchmarks/gpu_check.py", *args, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert [line[:4] for line in result.stdout.splitlines() if "| loss drift" in line] == ["[1] "]
     assert (
@@ -544,9 +465,7 @@ def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
     )
 
 
-def test_gpu_check_names_a_missing_package_first(tmp_path):
-    (tmp_path / "tiktoken").mkdir()
-    (tmp_path / "tiktoken" / "__init__.py").write_text("raise ImportError('no tiktoken here')\n")
-    result = gpu_check_run(env={"PYTHONPATH": str(tmp_path)})
-    assert result.returncode == 2
-    assert result.stdout.splitlines()[0] == "gpu_check: missing tiktoken: pip install tiktoken"
+def test_gpu_check_names_a_missing_package_first(gpu_check, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().out.splitlines()[0] == "gpu_check: missing tiktoken: pip install tiktoken"

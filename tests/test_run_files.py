@@ -1,105 +1,28 @@
-"""What a run writes is its own: a run folder copied with hard links (cp -al) or made of symbolic links
-changes nothing of the folder it was copied from; a run killed before its first checkpoint leaves a log
-that the same command sets aside and starts again; a name in --out-dir that --keep-last could not remove
-is refused at start; an evaluation that fails after trained steps saves them first; a resume applies its
-own optimizer hyperparameters; an export names the checkpoint it loaded. The commands run through
-train_gpt2.main; the evaluation that fails mid-run is a program."""
+"""What a run writes is its own: a run killed before its first checkpoint leaves a log that the same command
+sets aside and starts again; an evaluation that fails after trained steps saves them first; a resume applies
+its own optimizer hyperparameters; an export names the checkpoint it loaded. (Copied run folders and folders
+at a checkpoint's name: test_write_safety.)"""
 
+import functools
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 import train_gpt2 as tg
 from trainkit.runfiles import checkpoints
-from trainkit.runfiles import resume
-from conftest import HELLASWAG_FILE, REPO, RUN_SHARDS, run_main, tiny_run_args, trained_steps, tree_hashes
-
-T = 16
-
-
-def args_for(data_dir, out_dir, *extra, steps, ckpt_every):
-    """The shared finished run's flags (tiny_run_args), nothing evaluated."""
-    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, seq_len=T)
-
-
-def run(args):
-    """`python train_gpt2.py args`, in this process (run_main)."""
-    return run_main("train_gpt2.py", *args)
-
+from conftest import HELLASWAG_FILE, RUN_SHARDS, run_main, tiny_run_args, trained_steps
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
+run = functools.partial(run_main, "train_gpt2.py")
 
 
 @pytest.fixture
-def run_a(finished_run, tmp_path):
-    """A copy of the shared finished run (4 steps, checkpoints at 2 and 4), in tmp_path/runA."""
-    out = tmp_path / "runA"
-    shutil.copytree(finished_run, out)
-    return out
-
-
-# --- a copied run folder changes nothing of the one it was copied from ----------------------------------
-
-
-def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(run_a, data_dir, tmp_path):
-    """cp -al runA runB: resuming runB appends to a copy of its own of the log, branching runB at an
-    earlier checkpoint with --keep-last cuts and moves only runB's names; runA stays byte-identical,
-    and goes on."""
-    before = tree_hashes(run_a)
-    run_b = tmp_path / "runB"
-    subprocess.run(["cp", "-al", str(run_a), str(run_b)], check=True)
-    result = run(args_for(data_dir, run_b, "--resume", steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"note: {run_b}/log.jsonl was a hard link to a file with 1 other name (as `cp -al` makes): this run "
-        "writes to a copy of its own, and the file it shared stays as it was"
-    ) in result.stdout.splitlines()
-    assert tree_hashes(run_a) == before
-    assert trained_steps(run_b) == list(range(6)) and trained_steps(run_a) == list(range(4))
-    # runB goes on as a branch of runA's run, at the step it was copied at
-    first, branch = (resume.read_run(str(path)) for path in (run_a / "ckpt_0000004.pt", run_b / "ckpt_0000006.pt"))
-    assert branch == dict(id=branch["id"], parent=dict(first, step=4)) and branch["id"] != first["id"]
-    run_c = tmp_path / "runC"
-    subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)
-    result = run(
-        args_for(data_dir, run_c, "--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1", steps=6, ckpt_every=2)
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(os.listdir(run_c)) == ["branch_0000004", "ckpt_0000006.pt", "log.jsonl"]
-    assert tree_hashes(run_a) == before
-    # runA can still resume: its log is as its checkpoints recorded it, and its own (runB and runC copied theirs)
-    result = run(args_for(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
-
-
-def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(run_a, data_dir, tmp_path):
-    """runD made of relative symbolic links to runA's files: a branch at step 2 writes its own log, and the
-    later checkpoint's link, set aside into the branch folder, still names runA's file."""
-    before = tree_hashes(run_a)
-    run_d = tmp_path / "runD"
-    run_d.mkdir()
-    for name in os.listdir(run_a):
-        os.symlink(os.path.join("..", "runA", name), run_d / name)
-    result = run(args_for(data_dir, run_d, "--resume", str(run_d / "ckpt_0000002.pt"), steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"note: {run_d}/log.jsonl was a symbolic link to ../runA/log.jsonl: this run writes to a copy of its "
-        "own, and the file it shared stays as it was"
-    ) in result.stdout.splitlines()
-    assert tree_hashes(run_a) == before
-    assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(6))
-    assert os.path.samefile(run_d / "branch_0000004" / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
-
-
-# --- a run killed before its first checkpoint -----------------------------------------------------------
+def run_a(finished_copy):
+    """A copy of the shared finished run (4 steps, checkpoints at 2 and 4), in tmp_path/"run"."""
+    return finished_copy
 
 
 def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(run_a, data_dir, tmp_path):
@@ -112,7 +35,7 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
     (out / "log.jsonl").write_bytes(killed)
     whose = json.loads(killed.splitlines()[0])["run"]
     os.umask(0o022)  # (this test's: the process's own is restored after it)
-    result = run(args_for(data_dir, out, steps=2, ckpt_every=2))
+    result = run(*tiny_run_args(data_dir, out, steps=2, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"note: {out}/log.jsonl holds 3 trained steps of run {whose} but no checkpoint (it stopped before its "
@@ -123,67 +46,48 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
     assert os.stat(out / "log.jsonl").st_mode & 0o777 == 0o644
 
 
-# --- names --keep-last and --resume would take for checkpoints --------------------------------------------
-
-
-def test_a_folder_named_like_a_checkpoint_is_refused_at_start(data_dir, tmp_path):
-    """A folder ckpt_0000003.pt in --out-dir, which --keep-last would fail to delete mid-training: refused
-    before anything is written, in one line."""
-    out = tmp_path / "out"
-    (out / "ckpt_0000003.pt").mkdir(parents=True)
-    (out / "ckpt_0000003.pt" / "notes.txt").write_text("mine")
-    before = tree_hashes(out)
-    result = run(args_for(data_dir, out, "--keep-last", "2", steps=8, ckpt_every=1))
-    refusal = (
-        f"error: --out-dir {out} holds ckpt_0000003.pt, a folder named as this trainer names its checkpoints: "
-        "--resume, --keep-last and the save of its step would take it for one; rename it, or choose another "
-        "--out-dir"
-    )
-    assert (result.returncode, result.stderr.splitlines()) == (2, [refusal])
-    assert tree_hashes(out) == before and sorted(os.listdir(out)) == ["ckpt_0000003.pt"]
-
-
-# --- a failure after training loses no training -----------------------------------------------------------
-
-
-def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path):
+def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path, monkeypatch):
     """--hellaswag-every 20 with the file removed after step 1: the evaluation at step 20 fails, the 20
     trained steps are saved first (one note line), the run stops with the evaluation's line; once the
     file is back, --resume goes on from step 20."""
     out, hellaswag = tmp_path / "out", tmp_path / "hellaswag.jsonl"
     shutil.copyfile(HELLASWAG_FILE, hellaswag)
-    args = args_for(data_dir, out, steps=24, ckpt_every=100)
-    args[args.index("--hellaswag-every") + 1] = "20"
-    args += ["--hellaswag-file", str(hellaswag), "--hellaswag-limit", "4"]
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    args = tiny_run_args(
+        data_dir,
+        out,
+        "--hellaswag-file",
+        hellaswag,
+        "--hellaswag-limit",
+        "4",
+        steps=24,
+        ckpt_every=100,
+        hellaswag_every=20,
     )
-    try:
-        deadline = time.time() + 240
-        while not (out / "log.jsonl").exists() or 1 not in trained_steps(out):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.05)
-        os.remove(hellaswag)
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate()
-    assert (proc.returncode, stderr.splitlines()) == (2, [f"error: --hellaswag-file {hellaswag} does not exist"])
-    assert stdout.splitlines()[-1] == (
+    train_step = tg.Trainer.train_step
+
+    def removing_the_file_after_step_1(trainer, step):
+        if step == 2:
+            os.remove(hellaswag)
+        return train_step(trainer, step)
+
+    monkeypatch.setattr(tg.Trainer, "train_step", removing_the_file_after_step_1)
+    result = run(*args)
+    monkeypatch.undo()
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [f"error: --hellaswag-file {hellaswag} does not exist"],
+    )
+    assert result.stdout.splitlines()[-1] == (
         f"note: step 20's evaluation failed (the error below); the steps trained "
         f"before it are saved first in {out}/ckpt_0000020.pt: once fixed, resume "
         "with the same command plus --resume"
     )
     assert sorted(os.listdir(out)) == ["ckpt_0000020.pt", "log.jsonl"]
     shutil.copyfile(HELLASWAG_FILE, hellaswag)
-    result = run(args + ["--resume"])
+    result = run(*args, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out}/ckpt_0000020.pt at step 20" in result.stdout
     assert trained_steps(out) == list(range(24))
-
-
-# --- a resume does what its flags say -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -201,8 +105,8 @@ def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, 
     """--resume --weight-decay 0.0 (--muon-momentum 0.5): the optimizer takes the new values, not the
     checkpoint's, and one note line says so; a resume with the same flags says nothing."""
     out = tmp_path / "out"
-    assert tg.main(args_for(data_dir, out, "--optimizer", optimizer, steps=2, ckpt_every=2)) == 0
-    result = run(args_for(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=4, ckpt_every=2))
+    assert tg.main(tiny_run_args(data_dir, out, "--optimizer", optimizer, steps=2, ckpt_every=2)) == 0
+    result = run(*tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=4, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert [line for line in result.stdout.splitlines() if line.startswith("note: the optimizer")] == [
         f"note: the optimizer takes this run's values, not its checkpoint's: {note}"
@@ -214,11 +118,10 @@ def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, 
     if muon:
         assert [(g["momentum"], g["weight_decay"]) for g in muon["param_groups"]] == [(0.5, 0.0)]
     capsys.readouterr()
-    assert tg.main(args_for(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=6, ckpt_every=2)) == 0
+    assert (
+        tg.main(tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=6, ckpt_every=2)) == 0
+    )
     assert "note: the optimizer" not in capsys.readouterr().out
-
-
-# --- an export names what it loaded ---------------------------------------------------------------------
 
 
 def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_path, monkeypatch):

@@ -1,62 +1,35 @@
 """What a tool writes lands only where it means to, and what it refuses it leaves as it was: a link or a
 shared file planted where a writer makes its temporary file, or at the name it writes, is replaced and
-never written through (checkpoints, the lock note and the write probe, the log's own copy in a copied run
-folder, fineweb.py's shards and manifest, the shard-scan cache, a plot, lm-eval's samples); a run whose
---out-dir is moved and replaced mid-run stops, naming both folders, with nothing written into the other;
-a refused resume or restart leaves its folder byte for byte as it was."""
+never written through; a --out-dir moved and replaced mid-run stops the writer, naming both folders, with
+nothing written into the other; a refused resume or restart leaves its folder byte for byte as it was."""
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
 import fineweb
 import plot_log
 import train_gpt2 as tg
-from conftest import (
-    REPO,
-    assert_one_error_line,
-    kill_group,
-    run_main,
-    tiny_run_args,
-    trained_steps,
-    tree_hashes,
-    wait_for,
-)
+from conftest import RUN_SHARDS, assert_one_error_line, assert_refused, run_main, tiny_run_args, trained_steps
+from conftest import tree_hashes
 from trainkit.runfiles import resume as branch_folders
+from trainkit.runfiles.resume import read_run
 from trainkit.runfiles.run_folder import OutDirLock, prepare_out_dir
 from trainkit.data.shard_scan import ScanCache
 
-SHARDS = dict(n_docs=300, seed=7)
+SHARDS = RUN_SHARDS  # the shared finished run's data
 OUTSIDE = b"a file of someone else's, outside every folder a tool writes\n"
 
 
-def args_for(data_dir, out_dir, *extra, steps, ckpt_every=2):
-    """A tiny run of one layer, nothing evaluated."""
-    return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, n_layer=1, warmup=3)
-
-
-@pytest.fixture(scope="module")
-def finished_once(data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("finished") / "runA"
-    assert tg.main(args_for(data_dir, out, steps=6)) == 0
-    return out
-
-
 @pytest.fixture
-def run_a(finished_once, tmp_path):
-    """A 6-step run with checkpoints at 2, 4 and 6, in tmp_path/runA."""
-    out = tmp_path / "runA"
-    shutil.copytree(finished_once, out)
-    return out
+def run_a(finished_copy):
+    """A copy of the shared finished run: 4 steps, checkpoints at 2 and 4."""
+    return finished_copy
 
 
 @pytest.fixture
@@ -68,22 +41,16 @@ def outside(tmp_path):
     return path
 
 
-def listing(folder) -> dict:
-    """{path: kind, size and sha256} of every entry under folder, folders and links included: what a
-    refusal must leave as it was."""
-    found = {}
-    for parent, dirs, names in os.walk(folder):
-        for name in dirs + names:
-            path = os.path.join(parent, name)
-            key = os.path.relpath(path, folder)
-            if os.path.islink(path):
-                found[key] = ("link", os.readlink(path))
-            elif os.path.isdir(path):
-                found[key] = ("folder",)
-            else:
-                with open(path, "rb") as f:
-                    found[key] = ("file", os.path.getsize(path), hashlib.sha256(f.read()).hexdigest())
-    return found
+@pytest.fixture
+def docs(tmp_path):
+    """40 documents for fineweb.py --files: two shards of --shard-size 1000."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    return path
+
+
+def fineweb_args(docs, out):
+    return ["--files", str(docs), "--out-dir", str(out), "--shard-size", "1000", "--workers", "1"]
 
 
 @contextlib.contextmanager
@@ -100,37 +67,78 @@ def attribute(path, flag):
 # --- a planted link is replaced, never written through -------------------------------------------------
 
 
-@pytest.mark.parametrize("copy", ["cp -al", "cp -as"])
-def test_a_copied_run_leaves_the_leftovers_it_shares_and_links_planted_in_it_as_they_were(
-    run_a, data_dir, tmp_path, outside, copy
-):
-    """runA holds what a run killed mid-save leaves (ckpt_0000008.pt.tmp, and log.jsonl.tmp of a log's copy);
-    runB is a hard-linked or symbolic-link copy of it, with links to a file outside planted where the trainer
-    makes its write probe and its lock note. Resuming runB to step 8 writes its checkpoint, its log's copy,
-    its probe and its note as new files: runA and the outside file keep every byte."""
-    (run_a / "ckpt_0000008.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
+def killed_mid_save_copied(run_a, run_b, copy, outside):
+    """runA given what a run killed mid-save leaves (ckpt_0000006.pt.tmp, a log copy's log.jsonl.tmp), copied to
+    runB by `copy`, and links to outside planted in runB where the trainer makes its write probe and lock note
+    (in-process: this pid's names)."""
+    (run_a / "ckpt_0000006.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
     (run_a / "log.jsonl.tmp").write_bytes(b'{"step": 0, "half a log')
-    before = tree_hashes(run_a)
-    run_b = tmp_path / "runB"
     subprocess.run([*copy.split(), str(run_a), str(run_b)], check=True)
-    for name in (f".write_test_{os.getpid()}", f".lock.{os.getpid()}.tmp"):  # (in-process: this pid)
+    for name in (f".write_test_{os.getpid()}", f".lock.{os.getpid()}.tmp"):
         os.symlink(outside, run_b / name)
-    assert tg.main(args_for(data_dir, run_b, "--resume", steps=8)) == 0
+    return tree_hashes(run_a)
+
+
+def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(run_a, data_dir, tmp_path, outside):
+    """cp -al runA runB (killed_mid_save_copied): resuming runB writes its checkpoint, its log, its probe and
+    its note as files of its own, and branching runC at an earlier checkpoint with --keep-last cuts and moves
+    only runC's names; runA and the outside file keep every byte, and runA goes on."""
+    run_b, run_c = tmp_path / "runB", tmp_path / "runC"
+    before = killed_mid_save_copied(run_a, run_b, "cp -al", outside)
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_b, "--resume", steps=6, ckpt_every=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"note: {run_b}/log.jsonl was a hard link to a file with 1 other name (as `cp -al` makes): this run "
+        "writes to a copy of its own, and the file it shared stays as it was"
+    ) in result.stdout.splitlines()
     assert tree_hashes(run_a) == before and outside.read_bytes() == OUTSIDE
-    assert os.path.isfile(run_b / "ckpt_0000008.pt") and not os.path.islink(run_b / "ckpt_0000008.pt")
-    assert trained_steps(run_b) == list(range(8)) and trained_steps(run_a) == list(range(6))
+    assert os.path.isfile(run_b / "ckpt_0000006.pt") and not os.path.islink(run_b / "ckpt_0000006.pt")
+    assert trained_steps(run_b) == list(range(6)) and trained_steps(run_a) == list(range(4))
+    # runB goes on as a branch of runA's run, at the step it was copied at
+    first, branch = (read_run(str(p)) for p in (run_a / "ckpt_0000004.pt", run_b / "ckpt_0000006.pt"))
+    assert branch == dict(id=branch["id"], parent=dict(first, step=4)) and branch["id"] != first["id"]
+    subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)
+    resume = ["--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1"]
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_c, *resume, steps=6, ckpt_every=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(run_c)) == ["branch_0000004", "ckpt_0000006.pt", "log.jsonl"]
+    assert tree_hashes(run_a) == before
+    # runA can still resume: its log is as its checkpoints recorded it, and its own (runB and runC copied theirs)
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
 
 
-def test_links_planted_at_fineweb_temporaries_are_replaced(tmp_path, outside):
+def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(run_a, data_dir, tmp_path, outside):
+    """cp -as runA runD (killed_mid_save_copied), its log and checkpoints then relative links: a branch at step 2
+    writes its own log, checkpoints, probe and note, and the later checkpoint's link, set aside into the branch
+    folder, still names runA's file; runA and the outside file keep every byte."""
+    run_d = tmp_path / "runD"
+    before = killed_mid_save_copied(run_a, run_d, "cp -as", outside)
+    for name in ("log.jsonl", "ckpt_0000002.pt", "ckpt_0000004.pt"):
+        os.remove(run_d / name)
+        os.symlink(os.path.join("..", "run", name), run_d / name)
+    resume = ["--resume", str(run_d / "ckpt_0000002.pt")]
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_d, *resume, steps=6, ckpt_every=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"note: {run_d}/log.jsonl was a symbolic link to ../run/log.jsonl: this run writes to a copy of its "
+        "own, and the file it shared stays as it was"
+    ) in result.stdout.splitlines()
+    assert tree_hashes(run_a) == before and outside.read_bytes() == OUTSIDE
+    assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(6))
+    assert not any(os.path.islink(run_d / f"ckpt_{step:07d}.pt") for step in (4, 6))
+    assert os.path.samefile(run_d / "branch_0000004" / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
+
+
+def test_links_planted_at_fineweb_temporaries_are_replaced(tmp_path, outside, docs):
     """fineweb.py's shard and manifest temporaries (NAME.tmp) planted as links to a file outside: the shards
     and manifest are written as new files, the outside file keeps its bytes."""
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
     out = tmp_path / "shards"
     out.mkdir()
     for name in ("data_val_000000.npy", "data_train_000001.npy", "manifest.json"):
         os.symlink(outside, out / f"{name}.tmp")
-    assert fineweb.main(["--files", str(docs), "--out-dir", str(out), "--shard-size", "1000", "--workers", "1"]) == 0
+    assert fineweb.main(fineweb_args(docs, out)) == 0
     assert outside.read_bytes() == OUTSIDE
     assert sorted(os.listdir(out)) == ["data_train_000001.npy", "data_val_000000.npy", "manifest.json"]
     assert not any(os.path.islink(path) for path in out.iterdir())
@@ -160,13 +168,7 @@ def test_a_plot_replaces_a_link_at_its_name(run_a, outside, capsys):
     assert plot_log.main([str(run_a)]) == 0
     assert outside.read_bytes() == OUTSIDE and not os.path.islink(run_a / "loss.png")
     assert (run_a / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(os.listdir(run_a)) == [
-        "ckpt_0000002.pt",
-        "ckpt_0000004.pt",
-        "ckpt_0000006.pt",
-        "log.jsonl",
-        "loss.png",
-    ]
+    assert sorted(os.listdir(run_a)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl", "loss.png"]
 
 
 @pytest.mark.parametrize("out", ["r2/", "r2", "r2/.png", "r2/..", "nofolder/.svg"])
@@ -174,11 +176,11 @@ def test_a_plot_named_by_a_folder_or_an_extension_alone_is_refused(run_a, tmp_pa
     """-o naming another run's folder (with or without its separator), or an extension alone: one line, and
     nothing is written (no hidden r2/.png)."""
     (tmp_path / "r2").mkdir()
-    before = listing(tmp_path)
+    before = tree_hashes(tmp_path, folders=True)
     out = f"{tmp_path}/{out}"  # (as typed: pathlib would drop the trailing separator)
     assert plot_log.main([str(run_a), "-o", out]) == 2
     assert capsys.readouterr().err.startswith(f"error: -o {out} names a folder or an extension alone")
-    assert listing(tmp_path) == before
+    assert tree_hashes(tmp_path, folders=True) == before
 
 
 def test_lm_eval_samples_replace_a_link_at_their_name(tmp_path, outside, monkeypatch):
@@ -205,56 +207,42 @@ def test_lm_eval_samples_replace_a_link_at_their_name(tmp_path, outside, monkeyp
 # --- a run folder moved and replaced mid-run ------------------------------------------------------------
 
 
-def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(data_dir, tmp_path):
+def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(data_dir, tmp_path, monkeypatch):
     """`mv RUN RUN.moved; ln -s OTHER RUN` after the run's second checkpoint: its next save stops it with one
-    line naming RUN, RUN.moved and OTHER, exit 2; OTHER is as it was, RUN.moved holds the run. (A real
-    process: the folder is swapped under it while it trains.)"""
+    line naming RUN, RUN.moved and OTHER, exit 2; OTHER is as it was, RUN.moved holds the run."""
     run, moved, other = tmp_path / "RUN", tmp_path / "RUN.moved", tmp_path / "OTHER"
     other.mkdir()
     (other / "notes.txt").write_text("another folder of the user's\n")
-    before = listing(other)
-    proc = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *args_for(data_dir, run, steps=100_000, ckpt_every=4)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        wait_for(lambda: os.path.exists(run / "ckpt_0000008.pt"), proc, what="the second checkpoint")
-        os.rename(run, moved)
-        os.symlink(other, run)
-        deadline = time.monotonic() + 300  # until it stops, or (unfixed) writes into OTHER
-        while proc.poll() is None and listing(other) == before and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc, signal.SIGKILL)
-    stderr = proc.stderr.read()
-    assert listing(other) == before, stderr[-3000:]
-    last = max(name for name in os.listdir(moved) if name.startswith("ckpt_"))
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    before = tree_hashes(other, folders=True)
+    train_step = tg.Trainer.train_step
+
+    def swapping_after_the_second_checkpoint(trainer, step):
+        if step == 10:
+            os.rename(run, moved)
+            os.symlink(other, run)
+        return train_step(trainer, step)
+
+    monkeypatch.setattr(tg.Trainer, "train_step", swapping_after_the_second_checkpoint)
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, steps=16, ckpt_every=4, n_layer=1))
+    assert tree_hashes(other, folders=True) == before, result.stderr[-3000:]
     assert_one_error_line(
         result,
         f"--out-dir {run} was moved or replaced while this run wrote to it: the folder it took is now {moved}, "
         f"and {run} names {other}; stopping, so that nothing of this run is written there. "
-        f"Last good checkpoint: {moved / last}",
+        f"Last good checkpoint: {moved / 'ckpt_0000008.pt'}",
     )
-    assert trained_steps(moved)[-1] >= 8 and os.path.islink(run)
+    assert trained_steps(moved) == list(range(12)) and os.path.islink(run)
 
 
-def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(tmp_path, monkeypatch):
+def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(tmp_path, monkeypatch, docs):
     """fineweb.py's --out-dir moved and replaced by a link to another data set after its first shard: the
     next shard stops it with one line naming both folders; the other data set keeps its files and its
     manifest, the moved folder holds the first shard and a manifest listing it."""
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
     out, moved, other = tmp_path / "fw", tmp_path / "fw.moved", tmp_path / "other"
     other.mkdir()
     (other / "manifest.json").write_text('{"another": "data set"}\n')
     (other / "data_val_000000.npy").write_bytes(b"another data set's shard")
-    before = listing(other)
+    before = tree_hashes(other, folders=True)
     real_finish = fineweb.ShardWriter.finish_shard
 
     def finish_then_swap(writer, *args, **kwargs):
@@ -264,18 +252,18 @@ def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other
             os.symlink(other, out)
 
     monkeypatch.setattr(fineweb.ShardWriter, "finish_shard", finish_then_swap)
-    result = run_main("fineweb.py", "--files", docs, "--out-dir", out, "--shard-size", "1000", "--workers", "1")
+    result = run_main("fineweb.py", *fineweb_args(docs, out))
     assert result.returncode == 2 and result.stderr.splitlines()[-1] == (  # (after tqdm's progress bar)
         f"error: --out-dir {out} was moved or replaced while fineweb.py wrote to it: the folder it took is now "
         f"{moved}, and {out} names {other}; stopping, so that nothing is written there; run the same command on "
         "the folder it took to resume"
     )
-    assert listing(other) == before
+    assert tree_hashes(other, folders=True) == before
     assert sorted(os.listdir(moved)) == ["data_val_000000.npy", "manifest.json"]
     assert [s["file"] for s in json.loads((moved / "manifest.json").read_text())["shards"]] == ["data_val_000000.npy"]
 
 
-def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_name(data_dir, tmp_path, monkeypatch):
+def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_name(tmp_path, monkeypatch, docs):
     """A run (OutDirLock) and fineweb.py that made their --out-dir and stop after it was moved and an empty
     folder made at its name: the new folder stays, and the lock note goes from the moved one."""
     out, moved = tmp_path / "run", tmp_path / "run.moved"
@@ -287,8 +275,6 @@ def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_n
     lock.release()
     assert out.is_dir() and os.listdir(moved) == []
 
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
     fw, fw_moved = tmp_path / "new" / "fw", tmp_path / "fw.moved"
 
     def swap_then_fail(*args, **kwargs):
@@ -297,7 +283,7 @@ def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_n
         raise KeyboardInterrupt
 
     monkeypatch.setattr(fineweb, "write_shards", swap_then_fail)
-    result = run_main("fineweb.py", "--files", docs, "--out-dir", fw, "--shard-size", "1000", "--workers", "1")
+    result = run_main("fineweb.py", *fineweb_args(docs, fw))
     assert result.returncode == 130 and fw.is_dir() and sorted(os.listdir(fw_moved)) == ["fw"]
     assert os.listdir(fw_moved / "fw") == []
 
@@ -311,106 +297,58 @@ def test_an_export_leaves_a_folder_that_only_looks_like_its_partial_folder(run_a
         backup.mkdir(parents=True)
         (backup / "important.txt").write_text("my notes\n")
     os.rename(out / ".gpt2.export-20240102", tmp_path / "aside")  # (first: beside only)
-    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000006.pt", out)
+    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000004.pt", out)
     assert result.returncode == 0 and "removed" not in result.stderr, result.stderr
     assert (out.parent / ".gpt2.export-20240101" / "important.txt").read_text() == "my notes\n"
     shutil.rmtree(out)
     out.mkdir()
     os.rename(tmp_path / "aside", out / ".gpt2.export-20240102")
-    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000006.pt", out)
+    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000004.pt", out)
     assert_one_error_line(result, f"{out} is not empty and is not an export of hf_interop.py")
     assert (out / ".gpt2.export-20240102" / "important.txt").read_text() == "my notes\n"
 
 
-@pytest.mark.parametrize("name", ["ckpt_0000004.pt.tmp", "log.jsonl.tmp"])
-def test_a_folder_at_a_name_a_run_writes_through_is_refused_before_it_trains(data_dir, tmp_path, capsys, name):
-    """A folder planted at a checkpoint's temporary name, or at the log's copy's: refused at start with one
-    line, nothing trained, the folder as it was (not found at the save, after the steps were trained)."""
-    out = tmp_path / "t1"
+WRITES_THROUGH = (
+    "holds a folder {name}, at the name this trainer writes a new {written} through: that write would fail, after "
+    "the steps before it were trained; move it away, or choose another --out-dir"
+)
+AT_A_NAME = {  # a folder at a name the trainer writes: the line
+    "ckpt_0000004.pt.tmp": WRITES_THROUGH,
+    "log.jsonl.tmp": WRITES_THROUGH,
+    "ckpt_0000003.pt": "holds ckpt_0000003.pt, a folder named as this trainer names its checkpoints: --resume, "
+    "--keep-last and the save of its step would take it for one; rename it, or choose another --out-dir",
+}
+
+
+@pytest.mark.parametrize("name", AT_A_NAME)
+def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, tmp_path, name):
+    """A folder of the user's at a checkpoint's or the log copy's temporary name, or at a checkpoint's name
+    (--keep-last would fail to delete it): refused at start, not at the save after trained steps."""
+    out = tmp_path / "out"
     (out / name).mkdir(parents=True)
-    before = listing(out)
-    assert tg.main(args_for(data_dir, out, steps=6)) == 2
-    assert capsys.readouterr().err == (
-        f"error: --out-dir {out} holds a folder {name}, at the name this trainer writes a new "
-        f"{name.removesuffix('.tmp')} through: that write would fail, after the steps before it were trained; "
-        "move it away, or choose another --out-dir\n"
-    )
-    assert listing(out) == before
+    (out / name / "notes.txt").write_text("mine")
+    before = tree_hashes(out, folders=True)
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--keep-last", "2", steps=8, ckpt_every=1))
+    assert_refused(result, f"--out-dir {out} " + AT_A_NAME[name].format(name=name, written=name.removesuffix(".tmp")))
+    assert tree_hashes(out, folders=True) == before
 
 
 # --- a refusal changes nothing ---------------------------------------------------------------------------
 
 
-def test_a_resume_refused_for_an_append_only_log_changes_nothing(run_a, data_dir, capsys):
-    """log.jsonl append-only (chattr +a) cannot be cut back to ckpt_0000004.pt: refused before the later
-    branch (ckpt_0000006.pt) moves, with one line."""
-    before = listing(run_a)
-    with attribute(run_a / "log.jsonl", "a"):
-        assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000004.pt"), steps=8)) == 2
-    assert capsys.readouterr().err == (
-        f"error: cannot cut {run_a / 'log.jsonl'} back to {run_a / 'ckpt_0000004.pt'}: it is append-only "
-        "(chattr +a); clear that attribute, or move it aside (the resume then starts a new log.jsonl) "
-        "(nothing was changed)\n"
-    )
-    assert listing(run_a) == before
-
-
-def test_a_resume_refused_for_an_immovable_later_checkpoint_changes_nothing(run_a, data_dir, capsys):
-    """ckpt_0000006.pt immutable (chattr +i): the later branch of a resume at step 2 cannot move whole, so
-    nothing of it moves (not ckpt_0000004.pt, nor a copy of the log)."""
-    before = listing(run_a)
-    with attribute(run_a / "ckpt_0000006.pt", "i"):
-        assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000002.pt"), steps=8)) == 2
-    assert capsys.readouterr().err == (
-        f"error: cannot resume at step 2 in {run_a}: {run_a / 'ckpt_0000006.pt'}, of the later branch that "
-        "the resume moves into a branch folder, is immutable (chattr +i) and cannot be moved; clear that "
-        "attribute, or resume into another --out-dir (nothing was changed)\n"
-    )
-    assert listing(run_a) == before
-
-
-def test_a_resume_refused_for_want_of_space_for_the_log_copy_changes_nothing(run_a, data_dir, monkeypatch, capsys):
-    """A file system with less free space than the log's copy into the branch folder (statvfs reports
-    100 bytes): refused before the branch folder is made."""
-    real_statvfs = os.statvfs
+def no_space(request):
+    """statvfs reporting 100 bytes free, to the resume's branch folder."""
+    real = os.statvfs
 
     def almost_full(path):
-        st = real_statvfs(path)
+        st = real(path)
         return os.statvfs_result((st.f_bsize, 1, st.f_blocks, 100, 100, *tuple(st)[5:]))
 
-    monkeypatch.setattr(branch_folders.os, "statvfs", almost_full)
-    before = listing(run_a)
-    size = os.path.getsize(run_a / "log.jsonl")
-    assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000004.pt"), steps=8)) == 2
-    assert capsys.readouterr().err == (
-        f"error: cannot resume at step 4 in {run_a}: the later branch moves into a branch folder with a copy "
-        f"of {run_a / 'log.jsonl'} ({size:,} bytes), and {run_a} has 100 bytes free; free space, then run the "
-        "same command again (nothing was changed)\n"
-    )
-    assert listing(run_a) == before
+    request.getfixturevalue("monkeypatch").setattr(branch_folders.os, "statvfs", almost_full)
 
 
-def test_a_restart_refused_for_an_append_only_log_without_checkpoint_changes_nothing(run_a, data_dir, capsys):
-    """The log of a run killed before its first checkpoint, append-only: the same command cannot set it
-    aside, and says so before making the branch folder it would move it into."""
-    for path in run_a.glob("ckpt_*.pt"):
-        path.unlink()
-    before = listing(run_a)
-    with attribute(run_a / "log.jsonl", "a"):
-        assert tg.main(args_for(data_dir, run_a, steps=8)) == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"error: cannot start a new run in {run_a}: {run_a / 'log.jsonl'}, of run ")
-    assert line.endswith(
-        "(stopped before its first checkpoint), is append-only (chattr +a) and cannot be set aside; clear that "
-        "attribute, or choose another --out-dir (nothing was changed)"
-    )
-    assert listing(run_a) == before
-
-
-def test_a_resume_refused_for_want_of_a_thread_changes_nothing(run_a, data_dir, monkeypatch, capsys):
-    """A system that lets the launch's threads start and no more (ulimit -v, ulimit -u): the resume at step 2
-    is refused with one line before the later branch moves and the log is cut, not at the prefetcher's
-    first step after both."""
+def no_thread(request):
+    """Threads past the launch's own refused, as under ulimit -v or ulimit -u."""
     start = threading.Thread.start
 
     def only_the_launch_threads(thread):
@@ -418,20 +356,77 @@ def test_a_resume_refused_for_want_of_a_thread_changes_nothing(run_a, data_dir, 
             raise RuntimeError("can't start new thread")
         start(thread)
 
-    monkeypatch.setattr(threading.Thread, "start", only_the_launch_threads)
-    before = listing(run_a)
-    assert tg.main(args_for(data_dir, run_a, "--resume", str(run_a / "ckpt_0000002.pt"), steps=8)) == 2
-    monkeypatch.undo()
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: cannot start a thread (can't start new thread): each takes its stack")
-    assert listing(run_a) == before
+    request.getfixturevalue("monkeypatch").setattr(threading.Thread, "start", only_the_launch_threads)
+
+
+def no_wandb_login(request):
+    """--wandb with a W&B that cannot start a run (conftest's fake_wandb, as without a login)."""
+    request.getfixturevalue("fake_wandb")
+    return ["--wandb", "no-such-entity"]
+
+
+AT_2 = "cannot resume at step 2 in {run}: "
+REFUSED = {  # what stands in the way (a file's chattr flag, or a patch), and the line ("...": its start)
+    "append-only log": (
+        ("log.jsonl", "a"),
+        "cannot cut {log} back to {run}/ckpt_0000002.pt: it is append-only (chattr +a); clear that attribute, "
+        "or move it aside (the resume then starts a new log.jsonl) (nothing was changed)",
+    ),
+    "immutable later checkpoint": (
+        ("ckpt_0000004.pt", "i"),
+        AT_2 + "{run}/ckpt_0000004.pt, of the later branch that the resume moves into a branch folder, is "
+        "immutable (chattr +i) and cannot be moved; clear that attribute, or resume into another --out-dir "
+        "(nothing was changed)",
+    ),
+    "no space for the log's copy": (
+        no_space,
+        AT_2 + "the later branch moves into a branch folder with a copy of {log} ({size:,} bytes), and {run} has "
+        "100 bytes free; free space, then run the same command again (nothing was changed)",
+    ),
+    "append-only log, no checkpoint": (
+        ("log.jsonl", "a"),
+        "cannot start a new run in {run}: {log}, of run {whose} (stopped before its first checkpoint), is "
+        "append-only (chattr +a) and cannot be set aside; clear that attribute, or choose another --out-dir "
+        "(nothing was changed)",
+    ),
+    "no thread": (no_thread, "cannot start a thread (can't start new thread): each takes its stack..."),
+    "no W&B login": (
+        no_wandb_login,
+        "--wandb: could not start a W&B run (RuntimeError: permission denied for entity); run `wandb login` or "
+        "set WANDB_MODE=offline",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, request, capsys, case):
+    """A resume at step 2 (without checkpoints: the same command again) that cannot go through is refused
+    with one line before the later branch moves, the log is cut or a branch folder is made (not at the
+    prefetcher's first step, after those): the folder is left as it was."""
+    blocker, message = REFUSED[case]
+    log, restart = run_a / "log.jsonl", case.endswith("no checkpoint")
+    for path in run_a.glob("ckpt_*.pt") if restart else ():
+        path.unlink()
+    whose = json.loads(log.read_text().splitlines()[-1])["run"]
+    message = message.format(run=run_a, log=log, size=log.stat().st_size, whose=whose)
+    flags = [] if restart else ["--resume", str(run_a / "ckpt_0000002.pt")]
+    before = tree_hashes(run_a, folders=True)
+    with attribute(run_a / blocker[0], blocker[1]) if isinstance(blocker, tuple) else contextlib.nullcontext():
+        extra = blocker(request) if callable(blocker) else None
+        assert tg.main(tiny_run_args(data_dir, run_a, *flags, *(extra or []), steps=8, ckpt_every=2)) == 2
+    err = capsys.readouterr().err
+    if message.endswith("..."):
+        assert err.startswith(f"error: {message[:-3]}") and err.count("\n") == 1, err
+    else:
+        assert err == f"error: {message}\n"
+    assert tree_hashes(run_a, folders=True) == before
 
 
 def test_a_branch_names_its_parent_run_in_its_resume_record(run_a, data_dir, tmp_path):
     """A resume into another folder (a branch: a new run id) names the run it branched from in its resume
     record, for plot_log.py to join it to that run's curve and no other."""
     out = tmp_path / "branch"
-    assert tg.main(args_for(data_dir, out, "--resume", str(run_a / "ckpt_0000002.pt"), steps=3)) == 0
+    assert tg.main(tiny_run_args(data_dir, out, "--resume", str(run_a / "ckpt_0000002.pt"), steps=3)) == 0
     parent = json.loads((run_a / "log.jsonl").read_text().splitlines()[0])["run"]
     (resume,) = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r.get("event")]
     assert resume["parent"] == parent != resume["run"] and resume["step"] == 2
