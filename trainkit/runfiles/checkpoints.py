@@ -1,6 +1,4 @@
-"""Checkpoint files, written whole and read back checked (checkpoint_checks.py) before anything trusts them,
-and the training state they hold. docs/resume-and-failures.md tells the guarantees.
-"""
+"""Checkpoint files, written whole and read back checked (checkpoint_checks.py), and the training state they hold."""
 
 from __future__ import annotations
 
@@ -272,24 +270,22 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
     problem = checkpoint_problem(ckpt, model_fields)
     if problem:
         raise UserError(f"{path}: {problem}")
-    # before anything reads a tensor's contents (the checksum, a copy into the model): an expanded tensor of
-    # a few bytes on disk would ask for gigabytes there, a structure nested thousands deep overflow the stack
-    problem = structure_problem(ckpt) or state_shape_problem(ckpt["model"], ckpt["model_config"])
-    if problem:
-        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
-    if ckpt["checksum"] != state_digest(ckpt):
-        raise UserError(
-            f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): {instead()}"
-        )
-    problem = fields_problem(ckpt, resume)
-    if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
-        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
-    bad = first_nonfinite(ckpt["model"])
-    if bad:  # the trainer never writes one (check_state_finite): another program did
-        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
-    bad = resume and first_nonfinite_optimizer_state(ckpt["optimizer"])
-    if bad:  # as the weights: resumed, it would only fail at the next checkpoint, naming this one as good
-        raise UserError(f"{path}: the optimizer state holds NaN or inf ({bad}): {instead()}")
+    not_ours, nonfinite = "{}: not as train_gpt2.py writes them; {instead}", "NaN or inf ({}): {instead}"
+    damaged = "damaged checkpoint (its contents do not match the sha256 written with it): {instead}"
+    refusals = (  # in this order; the first before anything reads a tensor's contents (docs/resume-and-failures.md)
+        (lambda: structure_problem(ckpt) or state_shape_problem(ckpt["model"], ckpt["model_config"]), not_ours),
+        (lambda: ckpt["checksum"] != state_digest(ckpt), damaged),
+        (lambda: fields_problem(ckpt, resume), not_ours),  # (a right checksum: another program, or re-summed)
+        (lambda: first_nonfinite(ckpt["model"]), "the model weights hold " + nonfinite),  # (never the trainer's)
+        (
+            lambda: resume and first_nonfinite_optimizer_state(ckpt["optimizer"]),
+            "the optimizer state holds " + nonfinite,
+        ),
+    )
+    for problem_of, words in refusals:
+        problem = problem_of()
+        if problem:
+            raise UserError(f"{path}: {words.format(problem, instead=instead())}")
     return ckpt
 
 
