@@ -1,8 +1,5 @@
-"""The command-line contract every script keeps (bad input: one `error:` line, exit code 2; Ctrl-C: 130;
-whole flag names, no empty values, range-checked integers; under torchrun rank 0 prints) and the one
-printer every line goes through (never ends a command, never commands the terminal). docs/output.md and
-docs/resume-and-failures.md state it. Standard library only: the floor the repository stands on.
-"""
+"""The command-line contract every script keeps (one `error:` line, exit code 2; docs/resume-and-failures.md) and the one
+printer every line goes through. Standard library only: the floor the repository stands on."""
 
 import argparse
 import errno
@@ -236,7 +233,7 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
         else:
             raise
         return 2
-    return output_lost_code(result_lost())
+    return output_lost_code(_result_lost)
 
 
 def check_a_thread_starts():
@@ -407,8 +404,3 @@ def print_result(text: str, keep_newlines: bool = False) -> bool:
     if lost is not None and is_rank0():
         _result_lost = lost
     return _result_lost is None
-
-
-def result_lost() -> OSError | None:
-    """The error that kept a result from stdout (print_result), None while all of it was written."""
-    return _result_lost

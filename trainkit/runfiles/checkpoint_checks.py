@@ -28,26 +28,20 @@ def structure_problem(ckpt: dict) -> str | None:
     while stack:
         where, value, depth = stack.pop()
         nodes += 1
-        if depth > MAX_NESTING or nodes > MAX_NODES:
-            return (
-                f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)"
-                if depth > MAX_NESTING
-                else f"its structure holds more than {MAX_NODES} values"
-            )
+        if depth > MAX_NESTING:
+            return f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)"
+        if nodes > MAX_NODES:
+            return f"its structure holds more than {MAX_NODES} values"
         if isinstance(value, dict):
             stack.extend((f"{where}[{k!r:.40}]", v, depth + 1) for k, v in value.items())
             stack.extend((where, k, depth + 1) for k in value if isinstance(k, (tuple, torch.Tensor)))
         elif isinstance(value, (list, tuple)):
             stack.extend((f"{where}[{i}]", v, depth + 1) for i, v in enumerate(value))
         elif isinstance(value, torch.Tensor):
-            problem = _tensor_problem(value)
-            if problem:
+            if problem := _tensor_problem(value):
                 return f"its tensor {where or '(top)'} {problem}"
-            storage = value.untyped_storage()
-            storages[storage.data_ptr(), storage.nbytes()] = max(
-                storages.get((storage.data_ptr(), storage.nbytes()), 0),
-                (value.storage_offset() + value.numel()) * value.element_size(),
-            )
+            key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
+            storages[key] = max(storages.get(key, 0), (value.storage_offset() + value.numel()) * value.element_size())
             tensor_bytes += value.numel() * value.element_size()
     for (_, nbytes), viewed in storages.items():
         if nbytes > viewed:
@@ -190,12 +184,10 @@ _FIELD_CHECKS = dict(
 def fields_problem(ckpt: dict, resume: bool) -> str | None:
     """What is wrong with a checkpoint's fields but the model (types, ranges; to resume, presence), or None."""
     if resume:
-        missing = [k for k in RESUME_STATE if k not in ckpt]
-        if missing:
+        if missing := [k for k in RESUME_STATE if k not in ckpt]:
             return f"it holds no {', '.join(missing)} to resume from (weights only)"
     for key, check in _FIELD_CHECKS.items():
-        problem = check(ckpt[key]) if key in ckpt else None
-        if problem:
+        if key in ckpt and (problem := check(ckpt[key])):
             return f"its {key} {problem}"
     return None
 
@@ -275,8 +267,7 @@ def first_nonfinite_optimizer_state(optim_state) -> str | None:
         return next(filter(None, map(first_nonfinite_optimizer_state, optim_state.values())), None)
     states = optim_state.get("state") if isinstance(optim_state, dict) else None
     for i, state in (states if isinstance(states, dict) else {}).items():
-        name = first_nonfinite(state) if isinstance(state, dict) else None
-        if name:
+        if isinstance(state, dict) and (name := first_nonfinite(state)):
             return f"{name} of parameter {i}"
     return None
 

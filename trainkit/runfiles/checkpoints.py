@@ -86,8 +86,7 @@ def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer)
 
 def load_full_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict, source: str):
     """Load what full_state() returns (under FSDP each rank keeps its shard) once it fits, else a UserError."""
-    problem = optimizer_state_problem(optim_state, optimizer)
-    if problem:
+    if problem := optimizer_state_problem(optim_state, optimizer):
         raise UserError(f"{source}: {problem}: written by another program or edited, it cannot be resumed")
     if not is_fsdp(model):
         model.load_state_dict(model_state)
@@ -126,8 +125,7 @@ def checkpoint_names(folder: str | int) -> list[str]:
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
-    found = list_checkpoints(out_dir)
-    return found[-1] if found else None
+    return (list_checkpoints(out_dir) or [None])[-1]
 
 
 def checkpoint_step(path: str) -> int:
@@ -267,8 +265,7 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
         except Exception as e:  # torch raises many types for a damaged zip or pickle
             what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else load_failure(e)
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
-    problem = checkpoint_problem(ckpt, model_fields)
-    if problem:
+    if problem := checkpoint_problem(ckpt, model_fields):
         raise UserError(f"{path}: {problem}")
     not_ours, nonfinite = "{}: not as train_gpt2.py writes them; {instead}", "NaN or inf ({}): {instead}"
     damaged = "damaged checkpoint (its contents do not match the sha256 written with it): {instead}"
@@ -283,8 +280,7 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
         ),
     )
     for problem_of, words in refusals:
-        problem = problem_of()
-        if problem:
+        if problem := problem_of():
             raise UserError(f"{path}: {words.format(problem, instead=instead())}")
     return ckpt
 

@@ -1,7 +1,5 @@
-"""What --resume continues and whether it may (run identities, a log's summary, the checkpoint chosen, what
-must match), and the branch folders out_dir/branch_NNNNNNN that keep, nothing deleted, what a run would
-otherwise overwrite. docs/resume-and-failures.md tells the guarantees.
-"""
+"""What --resume continues and whether it may, and the branch folders (out_dir/branch_NNNNNNN) that keep,
+nothing deleted, what a run would otherwise overwrite. docs/resume-and-failures.md tells the guarantees."""
 
 from __future__ import annotations
 
@@ -100,8 +98,7 @@ def find_resume_checkpoint(run) -> str | None:
 
 def choose_resume_checkpoint(run) -> str | None:
     """Rank 0, holding the lock: the checkpoint to resume (None: from scratch, where that mixes no runs)."""
-    path = find_resume_checkpoint(run)
-    if path:
+    if path := find_resume_checkpoint(run):
         return path
     found = list_checkpoints(run.out_dir)
     if run.resume is None and found:
@@ -141,15 +138,9 @@ def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
 
 def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
     """Refuse a resume whose model, rows or optimizer differ from the checkpoint's (run: as resolved)."""
-    saved = ckpt["run_config"]
-    diffs = [
-        f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
-        for k, v in ckpt["model_config"].items()
-        if getattr(model_cfg, k) != v
-    ]
-    diffs += [
-        f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}" for k in RESUME_KEYS if saved[k] != getattr(run, k)
-    ]
+    pairs = [(k, v, getattr(model_cfg, k)) for k, v in ckpt["model_config"].items()]
+    pairs += [(k, ckpt["run_config"][k], getattr(run, k)) for k in RESUME_KEYS]
+    diffs = [f"{k}: checkpoint {then} vs now {now}" for k, then, now in pairs if then != now]
     if diffs:
         raise UserError(
             f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model, batch and "
@@ -177,8 +168,7 @@ def check_later_branch(out_dir: str, step: int):
     """Before anything changes: a UserError where setting the later branch aside would fail part way."""
     later = later_checkpoints(out_dir, step)
     for path in later:
-        held = pinned(path)
-        if held:
+        if held := pinned(path):
             raise UserError(
                 f"cannot resume at step {step} in {out_dir}: {path}, of the later branch that the resume moves "
                 f"into a branch folder, is {held} and cannot be moved; clear that attribute, or resume "
@@ -207,15 +197,10 @@ def set_aside_later_branch(out_dir: str, step: int):
         return
     log = os.path.join(out_dir, "log.jsonl")
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
-    branch = move_into_branch(
-        out_dir,
-        checkpoint_step(later[-1]),
-        later,
-        copied,
-        lambda branch, why: (
-            f"could not move the later checkpoints of {out_dir} into {branch}: {why} (nothing was deleted)"
-        ),
+    failed = lambda branch, why: (
+        f"could not move the later checkpoints of {out_dir} into {branch}: {why} (nothing was deleted)"
     )
+    branch = move_into_branch(out_dir, checkpoint_step(later[-1]), later, copied, failed)
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(
         f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
@@ -256,8 +241,7 @@ def set_aside_log_without_checkpoint(out_dir: str):
     if not (os.path.isfile(log) and os.path.getsize(log)):
         return
     _, whose, _, trained = log_summary(log)
-    held = pinned(log)
-    if held:  # (before the branch folder is made: a refusal changes nothing)
+    if held := pinned(log):  # (before the branch folder is made: a refusal changes nothing)
         raise UserError(
             f"cannot start a new run in {out_dir}: {log}, of {whose} (stopped before its first checkpoint), is "
             f"{held} and cannot be set aside; clear that attribute, or choose another --out-dir (nothing was changed)"

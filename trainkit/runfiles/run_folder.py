@@ -1,7 +1,5 @@
-"""A run's folder (its --out-dir): made, locked (OutDirLock) and claimed for one run's history (claim_run),
-and its log.jsonl (RunLog) with the --wandb / --tensorboard trackers that get each record too.
-docs/resume-and-failures.md tells the guarantees.
-"""
+"""A run's folder (--out-dir): made, locked (OutDirLock) and claimed for one run's history (claim_run), and its
+log.jsonl (RunLog) with the --wandb / --tensorboard trackers. docs/resume-and-failures.md tells the guarantees."""
 
 from __future__ import annotations
 
@@ -61,9 +59,8 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
 
 
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
-    """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check (a thread can start,
-    the checkpoints' run, the trackers, the later branch, the log) comes before the first change to the
-    folder; only then does the later branch move aside and the log get cut back to the checkpoint."""
+    """Rank 0, for a run that trains: its identity, log.jsonl and trackers, every check before the first change
+    to the folder (then the later branch moves aside and the log is cut back to the checkpoint)."""
     check_a_thread_starts()
     identity = claim_run(run.out_dir, resumed)
     if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
@@ -111,10 +108,9 @@ class OutDirLock(FolderLock):
     def check_claimed(self, last_checkpoint: str | None):
         """Rank 0, before the log opens and each checkpoint: check_held, naming the last checkpoint where it is now."""
         where = (self.moved_to() or ("unknown",))[0]
-        last = (
-            os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
-        )
-        self.check_held(f". Last good checkpoint: {last or last_checkpoint or 'none'}")
+        if last_checkpoint and where != "unknown":
+            last_checkpoint = os.path.join(where, os.path.basename(last_checkpoint))
+        self.check_held(f". Last good checkpoint: {last_checkpoint or 'none'}")
 
     def release(self):
         held = self.fd is not None
@@ -145,13 +141,8 @@ def prepare_out_dir(out_dir: str) -> bool:
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
         if CKPT_NAME.fullmatch(name) and not os.path.isfile(path):  # --keep-last would fail to delete it
-            what = (  # mid-run, a save to write over it
-                "a folder"
-                if os.path.isdir(path)
-                else "a symbolic link to nothing"
-                if os.path.islink(path)
-                else "not a regular file"
-            )
+            what = "a symbolic link to nothing" if os.path.islink(path) else "not a regular file"
+            what = "a folder" if os.path.isdir(path) else what  # (mid-run, a save to write over it)
             raise UserError(
                 f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
                 "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
@@ -234,9 +225,7 @@ class RunLog:
         with open(self.path, "rb") as f:
             for number, line in enumerate(f.read(self.size).splitlines(), start=1):
                 record = fileio.parse_json(line, self.path, number)
-                record.update(
-                    {k: float(v) for k, v in record.pop("nonfinite", {}).items()}
-                )  # strict_json_record undone
+                record |= {k: float(v) for k, v in record.pop("nonfinite", {}).items()}  # strict_json_record undone
                 record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
                     for sink in list(self.sinks):
@@ -300,8 +289,7 @@ def open_run_file(path: str, mode: str, **options):
     """open(path, mode) for log.jsonl, never blocking: a pipe, socket or block device is a UserError."""
     f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
-    what = None if stat.S_ISCHR(kind) else fileio.file_kind(kind)
-    if what:
+    if what := (None if stat.S_ISCHR(kind) else fileio.file_kind(kind)):
         f.close()
         raise UserError(
             f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
