@@ -254,36 +254,32 @@ class FolderLock:
 
     writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
     moved_as = ("fineweb.py", "nothing")  # who wrote, and what is not written there, when the folder moved
+    in_use_as = ("being written by another process", "")  # who holds the lock, and what waiting for it gives
+    note = staticmethod(lambda line: print_line(line, file=sys.stderr))  # how a note is printed
 
     def __init__(self, folder: str):
         self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
         self.identity = None  # the folder's status when taken: whether self.folder still names it (moved_to)
-
-    def in_use(self, holder: str) -> str:
-        return (
-            f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
-            "folder): wait for it to end, or choose another --out-dir"
-        )
-
-    def note(self, line: str):
-        print_line(line, file=sys.stderr)
 
     def acquire(self):
         try:
             import fcntl
         except ImportError:  # Windows
             return self._cannot_lock("no flock on this system")
-        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        self.identity = os.fstat(fd)
+        self.fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self.identity = os.fstat(self.fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise UserError(self.in_use(self._holder())) from None
+            os.close(self.fd)
+            self.fd = None
+            who, then = self.in_use_as
+            raise UserError(
+                f"--out-dir {self.folder} is {who} ({self._holder()}; it holds a lock on the folder): wait for it "
+                f"to end{then}, or choose another --out-dir"
+            ) from None
         except OSError as e:  # a file system without locks (Lustre without -o flock): held open, not locked
-            self.fd = fd
             return self._cannot_lock(reason_of(e))
-        self.fd = fd
         try:
             self._write_holder()
         except UserError:
@@ -309,17 +305,14 @@ class FolderLock:
         if (moved := self.moved_to()) is not None:
             who, nothing = self.moved_as
             raise UserError(
-                f"--out-dir {self.folder} was moved or replaced while {who} wrote to it: the folder it took is "
-                f"now {moved[0]}, and {self.folder} names {moved[1]}; stopping, so that {nothing} is written "
-                f"there{then}"
+                f"--out-dir {self.folder} was moved or replaced while {who} wrote to it: the folder it took is now "
+                f"{moved[0]}, and {self.folder} names {moved[1]}; stopping, so that {nothing} is written there{then}"
             )
 
     def _holder(self) -> str:
-        try:
-            with open(self.path, errors="replace") as f:
-                return f.readline(200).strip() or f"holder not recorded in {self.path}"
-        except OSError:
-            return f"holder not recorded in {self.path}"
+        with contextlib.suppress(OSError), open(self.path, errors="replace") as f:
+            return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        return f"holder not recorded in {self.path}"
 
     def _write_holder(self):
         if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):

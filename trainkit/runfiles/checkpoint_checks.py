@@ -16,8 +16,8 @@ RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed", "
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
 RESUME_STATE = tuple("optimizer step run_config launch data_files rng_cpu log_offset log_sha256 skip_state run".split())
-# deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
-# branch), far below the recursion limit state_digest's walk would reach
+# deeper than any checkpoint written (an optimizer state 5 levels, a run identity +1 per branch), far below
+# the recursion limit state_digest's walk would reach
 MAX_NESTING = 100
 MAX_NODES = 10_000_000  # values in all, counted as state_digest visits them (a shared list once per place)
 
@@ -46,11 +46,8 @@ def structure_problem(ckpt: dict) -> str | None:
     for (_, nbytes), viewed in storages.items():
         if nbytes > viewed:
             return f"a tensor's storage holds {nbytes} bytes, of which its tensors view {viewed}"
-    if tensor_bytes > 2 * sum(nbytes for _, nbytes in storages):
-        return (
-            f"its tensors view {tensor_bytes} bytes of {sum(n for _, n in storages)} stored (one storage "
-            "viewed by many tensors)"
-        )
+    if tensor_bytes > 2 * (stored := sum(nbytes for _, nbytes in storages)):
+        return f"its tensors view {tensor_bytes} bytes of {stored} stored (one storage viewed by many tensors)"
     return None
 
 
@@ -58,9 +55,7 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
         return f"is a {t.layout} {t.device.type} tensor, not a plain one"
     shape = "x".join(map(str, t.shape)) or "a scalar"
-    expected = [1] * t.dim()
-    for i in range(t.dim() - 2, -1, -1):
-        expected[i] = expected[i + 1] * max(t.shape[i + 1], 1)
+    expected = torch.empty(t.shape, device="meta").stride()  # a stored (contiguous) tensor's
     if any(stride != want for stride, want, size in zip(t.stride(), expected, t.shape) if size > 1):
         return f"of {shape} has strides {tuple(t.stride())}, not those of a stored tensor (expanded or a view)"
     if (t.storage_offset() + t.numel()) * t.element_size() > t.untyped_storage().nbytes():
@@ -159,6 +154,9 @@ def _run_config_problem(config) -> str | None:
     return None
 
 
+_GUARDS_STATE = (
+    "the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)"
+)
 # each field a checkpoint may hold but the model, checked in this order where present
 _FIELD_CHECKS = dict(
     step=_count,
@@ -167,11 +165,7 @@ _FIELD_CHECKS = dict(
     log_sha256=_must_be(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v), "a sha256 in hex"),
     rng_cpu=_rng,
     rng_cuda=_rng,
-    skip_state=_must_be(
-        _is_skip_state,
-        "the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)",
-        show=False,
-    ),
+    skip_state=_must_be(_is_skip_state, _GUARDS_STATE, show=False),
     run_config=_run_config_problem,
     data_files=_must_be(_is_shard_list, "a list of shards (name, size, sha256)", show=False),
     scaler=_must_be(
@@ -183,9 +177,8 @@ _FIELD_CHECKS = dict(
 
 def fields_problem(ckpt: dict, resume: bool) -> str | None:
     """What is wrong with a checkpoint's fields but the model (types, ranges; to resume, presence), or None."""
-    if resume:
-        if missing := [k for k in RESUME_STATE if k not in ckpt]:
-            return f"it holds no {', '.join(missing)} to resume from (weights only)"
+    if resume and (missing := [k for k in RESUME_STATE if k not in ckpt]):
+        return f"it holds no {', '.join(missing)} to resume from (weights only)"
     for key, check in _FIELD_CHECKS.items():
         if key in ckpt and (problem := check(ckpt[key])):
             return f"its {key} {problem}"
@@ -198,14 +191,9 @@ def gpt_state_shapes(config: dict, conv1d: bool = False) -> dict[str, tuple[int,
     T = config["n_positions" if conv1d else "block_size"]
 
     block = {}  # each layer's weight and bias: (n_out, n_in), or 0 for n_in where a layer norm's weight is (C,)
-    for name, n_out, n_in in (
-        ("ln_1", C, 0),
-        ("attn.c_attn", 3 * C, C),
-        ("attn.c_proj", C, C),
-        ("ln_2", C, 0),
-        ("mlp.c_fc", 4 * C, C),
-        ("mlp.c_proj", C, 4 * C),
-    ):
+    attn = {"ln_1": (C, 0), "attn.c_attn": (3 * C, C), "attn.c_proj": (C, C)}
+    mlp = {"ln_2": (C, 0), "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}
+    for name, (n_out, n_in) in {**attn, **mlp}.items():
         weight = (C,) if not n_in else (n_in, n_out) if conv1d else (n_out, n_in)
         block |= {f"{name}.weight": weight, f"{name}.bias": (n_out,)}
     return {

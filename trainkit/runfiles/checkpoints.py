@@ -92,18 +92,13 @@ def load_full_state(model: nn.Module, optimizer, model_state: dict, optim_state:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint import state_dict as dsd
 
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    options = dsd.StateDictOptions(full_state_dict=True)
+    dsd.set_model_state_dict(model, model_state, options=options)
     # the parameters' names in the optimizer's order, as the helpers list them
-    names = [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
-    set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
+    names = [n for g in dsd.get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
+    dsd.set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
 
 
 def checkpoint_path(out_dir: str, step: int) -> str:
@@ -172,7 +167,7 @@ class _WriteErrorKeeper:
     """A file for torch.save that keeps a failed write's OSError (torch's RuntimeError no longer says why)."""
 
     def __init__(self, file):
-        self.file, self.error = file, None
+        self.file, self.error, self.flush = file, None, file.flush
 
     def write(self, data):
         try:
@@ -180,9 +175,6 @@ class _WriteErrorKeeper:
         except OSError as e:
             self.error = e
             raise
-
-    def flush(self):
-        self.file.flush()
 
 
 def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
@@ -230,8 +222,7 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
     """The one loader of a checkpoint (a file, or a folder's newest): weights_only and checked before anything
     reads its tensors, else a UserError naming the earlier one. model_fields: the model_config keys known."""
     if os.path.isdir(path):
-        newest = latest_checkpoint(path)
-        if newest is None:
+        if (newest := latest_checkpoint(path)) is None:
             raise UserError(f"no checkpoint (ckpt_NNNNNNN.pt) in {path}")
         path = newest
     if not os.path.isfile(path):
@@ -254,12 +245,11 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
             + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")
         ) from None
     with f:
-        kind = None if CKPT_NAME.fullmatch(os.path.basename(path)) else other_file_kind(f.read(512))
-        f.seek(0)
-        if kind:
+        if not CKPT_NAME.fullmatch(os.path.basename(path)) and (kind := other_file_kind(f.read(512))):
             raise UserError(
                 f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({instead()})"
             )
+        f.seek(0)
         try:
             ckpt = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle

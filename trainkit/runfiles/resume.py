@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import shutil
 import uuid
@@ -79,9 +78,8 @@ def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
     while run is not None:
         if run["id"] == run_id and step <= until:
             return True
-        parent = run["parent"]
-        until = min(until, parent["step"]) if parent else -math.inf
-        run = parent
+        run = run["parent"]
+        until = min(until, run["step"]) if run else until
     return False
 
 
@@ -197,10 +195,8 @@ def set_aside_later_branch(out_dir: str, step: int):
         return
     log = os.path.join(out_dir, "log.jsonl")
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
-    failed = lambda branch, why: (
-        f"could not move the later checkpoints of {out_dir} into {branch}: {why} (nothing was deleted)"
-    )
-    branch = move_into_branch(out_dir, checkpoint_step(later[-1]), later, copied, failed)
+    moved = lambda branch: f"the later checkpoints of {out_dir} into {branch}"
+    branch = move_into_branch(out_dir, checkpoint_step(later[-1]), later, copied, moved)
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(
         f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
@@ -209,9 +205,9 @@ def set_aside_later_branch(out_dir: str, step: int):
     )
 
 
-def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: bool, failed) -> str:
+def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: bool, moved) -> str:
     """A new folder out_dir/branch_NNNNNNN (reached) with paths moved in (and a copy of log.jsonl); an OSError
-    removes it where still empty and is the UserError failed(branch, reason)."""
+    removes it where still empty and is a UserError saying what moved(branch) failed to move."""
     branch = os.path.join(out_dir, f"branch_{reached:07d}")
     try:
         for n in itertools.count(2):
@@ -231,7 +227,7 @@ def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: boo
     except OSError as e:
         with contextlib.suppress(OSError):
             os.rmdir(branch)  # (where nothing was moved into it yet)
-        raise UserError(failed(branch, reason_of(e))) from None
+        raise UserError(f"could not move {moved(branch)}: {reason_of(e)} (nothing was deleted)") from None
     return branch
 
 
@@ -246,9 +242,8 @@ def set_aside_log_without_checkpoint(out_dir: str):
             f"cannot start a new run in {out_dir}: {log}, of {whose} (stopped before its first checkpoint), is "
             f"{held} and cannot be set aside; clear that attribute, or choose another --out-dir (nothing was changed)"
         )
-    failed = lambda branch, why: f"could not move {log} aside: {why} (nothing was deleted)"
     if trained is not None:
-        branch = move_into_branch(out_dir, trained + 1, [log], False, failed)
+        branch = move_into_branch(out_dir, trained + 1, [log], False, lambda branch: f"{log} aside")
         print0(
             f"note: {log} holds {trained + 1} trained step{'s' * (trained > 0)} of {whose} but no checkpoint (it "
             f"stopped before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
@@ -257,7 +252,7 @@ def set_aside_log_without_checkpoint(out_dir: str):
     try:
         os.remove(log)  # (the name only: a file it shared keeps its bytes)
     except OSError as e:
-        raise UserError(failed(None, reason_of(e))) from None
+        raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
     print0(
         f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
         "this run starts it afresh"

@@ -49,10 +49,9 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
             else in_history(mine["id"], resumed.step, theirs, step)
         ):
             raise UserError(
-                f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
-                f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
-                "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
-                "new one"
+                f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir {out_dir}: "
+                f"its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and one folder holds one "
+                "run; resume into the --out-dir of the checkpoint's own run, or a new one"
             )
     continues = not later and same_file(os.path.dirname(resumed.path) or ".", out_dir)
     return mine if continues else new_run(mine, resumed.step)
@@ -91,19 +90,9 @@ class OutDirLock(FolderLock):
 
     writer = "this trainer"
     moved_as = ("this run", "nothing of this run")
-
-    def __init__(self, out_dir: str):
-        super().__init__(out_dir)
-        self.made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
-
-    def in_use(self, holder: str) -> str:
-        return (
-            f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
-            "folder): wait for it to end (then --resume continues it), or choose another --out-dir"
-        )
-
-    def note(self, line: str):
-        print0(line)
+    in_use_as = ("in use by another training run", " (then --resume continues it)")
+    note = staticmethod(print0)
+    made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
 
     def check_claimed(self, last_checkpoint: str | None):
         """Rank 0, before the log opens and each checkpoint: check_held, naming the last checkpoint where it is now."""
@@ -144,9 +133,8 @@ def prepare_out_dir(out_dir: str) -> bool:
             what = "a symbolic link to nothing" if os.path.islink(path) else "not a regular file"
             what = "a folder" if os.path.isdir(path) else what  # (mid-run, a save to write over it)
             raise UserError(
-                f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
-                "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
-                "rename it, or choose another --out-dir"
+                f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its checkpoints: --resume, "
+                "--keep-last and the save of its step would take it for one; rename it, or choose another --out-dir"
             )
         if _WRITTEN_THROUGH.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
             raise UserError(  # (a file or a link there is replaced: fileio.create_fresh; a folder is not)
@@ -204,7 +192,7 @@ class RunLog:
 
     def cut_back(self):
         """Resuming: drop what the run logged after its checkpoint (an append-only log that ends there resumes)."""
-        if self.file and self.resumed:
+        if self.resumed:
             try:
                 if os.fstat(self.file.fileno()).st_size > self.size:
                     self.file.truncate(self.size)
@@ -220,8 +208,6 @@ class RunLog:
 
     def resend_step(self, step: int):
         """The sinks get the log's records of step (evaluated before the checkpoint a run resumes at)."""
-        if not self.file:
-            return
         with open(self.path, "rb") as f:
             for number, line in enumerate(f.read(self.size).splitlines(), start=1):
                 record = fileio.parse_json(line, self.path, number)
@@ -314,11 +300,9 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
                 f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
                 "the --out-dir of the checkpoint's own run, or a new one"
             )
-        change = (
-            f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
-            if len(kept) < resumed.log_offset
-            else f"its first {resumed.log_offset} bytes differ from then"
-        )
+        change = f"its first {resumed.log_offset} bytes differ from then"
+        if len(kept) < resumed.log_offset:
+            change = f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
         raise UserError(
             f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
             "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
