@@ -24,8 +24,7 @@ from trainkit.runfiles.checkpoints import checkpoint_step, latest_checkpoint, li
 
 def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
     """A run's identity: a random 128-bit id, and for a branch {**its parent's identity, "step": step}."""
-    parent = dict(branched_from, step=step) if branched_from else None
-    return dict(id=uuid.uuid4().hex, parent=parent)
+    return dict(id=uuid.uuid4().hex, parent=dict(branched_from, step=step) if branched_from else None)
 
 
 def run_name(run_id: str | None) -> str:
