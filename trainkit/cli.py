@@ -1,8 +1,5 @@
-"""The command-line contract every script keeps (bad input: one `error:` line, exit code 2; Ctrl-C: 130;
-whole flag names, no empty values, range-checked integers; under torchrun rank 0 prints) and the one
-printer every line goes through (never ends a command, never commands the terminal). docs/output.md and
-docs/resume-and-failures.md state it. Standard library only: the floor the repository stands on.
-"""
+"""The command-line contract every script keeps (one `error:` line, exit code 2; docs/resume-and-failures.md) and the one
+printer every line goes through. Standard library only: the floor the repository stands on."""
 
 import argparse
 import errno
@@ -182,10 +179,9 @@ def exit_on_ctrl_c_while_starting() -> None:
     try:
         os.getcwd()
     except FileNotFoundError:
-        print0(
-            "error: the current folder no longer exists (deleted while the shell was in it): cd to an existing "
-            "folder and run the command again",
-            file=sys.stderr,
+        print_error(
+            "the current folder no longer exists (deleted while the shell was in it): cd to an existing folder "
+            "and run the command again"
         )
         sys.exit(2)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -222,10 +218,8 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
             raise
         if isinstance(e, KeyboardInterrupt):
             signum = getattr(e, "signum", signal.SIGINT)
-            print0(
-                interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}",
-                file=sys.stderr,
-            )
+            line = interrupted if signum == signal.SIGINT else f"error: stopped by {signal.Signals(signum).name}"
+            print0(line, file=sys.stderr)
             return 128 + signum
         if isinstance(e, (UserError, *also_catch)):
             print_error(e)
@@ -236,7 +230,7 @@ def exit_code_of(action, debug: bool = False, also_catch: tuple = (), interrupte
         else:
             raise
         return 2
-    return output_lost_code(result_lost())
+    return output_lost_code(_result_lost)
 
 
 def check_a_thread_starts():
@@ -268,8 +262,7 @@ def no_thread(e: RuntimeError) -> str:
 
 def memory_limit() -> str | None:
     """'ulimit -v, N KiB' where this process runs under an address-space limit, else None."""
-    limit = soft_limit("AS")
-    return f"ulimit -v, {limit} KiB" if limit else None
+    return f"ulimit -v, {limit} KiB" if (limit := soft_limit("AS")) else None
 
 
 def raised_in_import(e: BaseException) -> bool:
@@ -282,8 +275,7 @@ def raised_in_import(e: BaseException) -> bool:
 def out_of_host_memory(e: MemoryError) -> str:
     """The line for a MemoryError no training step raised: what ran out, and the memory limit where one is set."""
     what = "while importing a library" if raised_in_import(e) else "on the host"
-    limit = memory_limit()
-    fix = f"under a memory limit ({limit}): raise it" if limit else "free memory and run it again"
+    fix = f"under a memory limit ({limit}): raise it" if (limit := memory_limit()) else "free memory and run it again"
     return f"out of memory {what} ({reason_of(e, typed=True)}): {fix}"
 
 
@@ -403,12 +395,6 @@ def print_result(text: str, keep_newlines: bool = False) -> bool:
     """What the command exists to print, on stdout from rank 0: whether stdout took it (nothing is raised)."""
     global _result_lost
     print0(text, keep_newlines=keep_newlines)
-    lost = getattr(sys.stdout, "lost", None)
-    if lost is not None and is_rank0():
+    if (lost := getattr(sys.stdout, "lost", None)) is not None and is_rank0():
         _result_lost = lost
     return _result_lost is None
-
-
-def result_lost() -> OSError | None:
-    """The error that kept a result from stdout (print_result), None while all of it was written."""
-    return _result_lost

@@ -1,8 +1,5 @@
-"""Files across the boundary: read only when regular (JSON through one bounded reader), written whole
-or not at all through fresh files (O_EXCL|O_NOFOLLOW, never a name that was there), changed only where
-they are the run's own, and locked for the one process that writes a folder. Standard library only
-(fineweb.py takes the lock without torch). docs/resume-and-failures.md tells the guarantees.
-"""
+"""Files across the boundary: read only when regular, written whole through fresh files (O_EXCL|O_NOFOLLOW),
+changed only where the run's own, locked for one writer. Standard library only (fineweb.py locks without torch)."""
 
 from __future__ import annotations
 
@@ -89,8 +86,7 @@ def file_kind(mode: int) -> str | None:
 
 def not_regular(path: str, st: os.stat_result) -> UserError | None:
     """The refusal of path whose (followed) status is st, or None where it is a regular file."""
-    kind = file_kind(st.st_mode)
-    if kind is None:
+    if (kind := file_kind(st.st_mode)) is None:
         return None
     target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
     return UserError(f"{path} is {kind}{target}, not a regular file: it cannot be read as one")
@@ -99,8 +95,7 @@ def not_regular(path: str, st: os.stat_result) -> UserError | None:
 def check_regular(path: str) -> os.stat_result:
     """path's status, links followed, or a UserError unless it is a regular file."""
     st = os.stat(path)
-    refusal = not_regular(path, st)
-    if refusal:
+    if refusal := not_regular(path, st):
         raise refusal
     return st
 
@@ -110,8 +105,7 @@ def open_regular(path: str):
     check_regular(path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        refusal = not_regular(path, os.fstat(fd))
-        if refusal:
+        if refusal := not_regular(path, os.fstat(fd)):
             raise refusal
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -156,8 +150,7 @@ def parse_json(text: str | bytes, path: str, line: int | None = None):
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise JSONFileError(where, f"not UTF-8 text (byte 0x{text[e.start]:02x}), so not JSON") from None
-    depth = deeper_than_allowed(text)
-    if depth:
+    if depth := deeper_than_allowed(text):
         raise JSONFileError(
             where, f"JSON nested {depth} levels deep, deeper than the {MAX_DEPTH} of any file read here"
         )
@@ -208,8 +201,7 @@ def shared_as(path: str) -> str | None:
 
 def own_file(path: str) -> str | None:
     """Before a run changes path in place: a shared file becomes a copy of its own; the note saying so, or None."""
-    shared = shared_as(path)
-    if shared is None:
+    if (shared := shared_as(path)) is None:
         return None
     with open(path, "rb") as source:
         write_atomically(path, lambda f: shutil.copyfileobj(source, f), fsync_file=True, fsync_folder=True)
@@ -262,36 +254,32 @@ class FolderLock:
 
     writer = "fineweb.py"  # who writes the .lock note, for the refusal of a file in its place
     moved_as = ("fineweb.py", "nothing")  # who wrote, and what is not written there, when the folder moved
+    in_use_as = ("being written by another process", "")  # who holds the lock, and what waiting for it gives
+    note = staticmethod(lambda line: print_line(line, file=sys.stderr))  # how a note is printed
 
     def __init__(self, folder: str):
         self.folder, self.path, self.fd, self.written = folder, os.path.join(folder, ".lock"), None, None
         self.identity = None  # the folder's status when taken: whether self.folder still names it (moved_to)
-
-    def in_use(self, holder: str) -> str:
-        return (
-            f"--out-dir {self.folder} is being written by another process ({holder}; it holds a lock on the "
-            "folder): wait for it to end, or choose another --out-dir"
-        )
-
-    def note(self, line: str):
-        print_line(line, file=sys.stderr)
 
     def acquire(self):
         try:
             import fcntl
         except ImportError:  # Windows
             return self._cannot_lock("no flock on this system")
-        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        self.identity = os.fstat(fd)
+        self.fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self.identity = os.fstat(self.fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise UserError(self.in_use(self._holder())) from None
+            os.close(self.fd)
+            self.fd = None
+            who, then = self.in_use_as
+            raise UserError(
+                f"--out-dir {self.folder} is {who} ({self._holder()}; it holds a lock on the folder): wait for it "
+                f"to end{then}, or choose another --out-dir"
+            ) from None
         except OSError as e:  # a file system without locks (Lustre without -o flock): held open, not locked
-            self.fd = fd
             return self._cannot_lock(reason_of(e))
-        self.fd = fd
         try:
             self._write_holder()
         except UserError:
@@ -314,31 +302,22 @@ class FolderLock:
 
     def check_held(self, then: str = ""):
         """A UserError naming both folders where self.folder no longer names the folder taken (then: appended)."""
-        moved = self.moved_to()
-        if moved is not None:
+        if (moved := self.moved_to()) is not None:
             who, nothing = self.moved_as
             raise UserError(
-                f"--out-dir {self.folder} was moved or replaced while {who} wrote to it: the folder it took is "
-                f"now {moved[0]}, and {self.folder} names {moved[1]}; stopping, so that {nothing} is written "
-                f"there{then}"
+                f"--out-dir {self.folder} was moved or replaced while {who} wrote to it: the folder it took is now "
+                f"{moved[0]}, and {self.folder} names {moved[1]}; stopping, so that {nothing} is written there{then}"
             )
 
     def _holder(self) -> str:
-        try:
-            with open(self.path, errors="replace") as f:
-                return f.readline(200).strip() or f"holder not recorded in {self.path}"
-        except OSError:
-            return f"holder not recorded in {self.path}"
+        with contextlib.suppress(OSError), open(self.path, errors="replace") as f:
+            return f.readline(200).strip() or f"holder not recorded in {self.path}"
+        return f"holder not recorded in {self.path}"
 
     def _write_holder(self):
         if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
-            what = (
-                f"a symbolic link to {os.readlink(self.path)}"
-                if os.path.islink(self.path)
-                else "a directory"
-                if os.path.isdir(self.path)
-                else "not a regular file"
-            )
+            what = "a directory" if os.path.isdir(self.path) else "not a regular file"
+            what = f"a symbolic link to {os.readlink(self.path)}" if os.path.islink(self.path) else what
             raise UserError(
                 f"{self.path} is {what}, not the lock note {self.writer} writes: remove it, or choose another --out-dir"
             )

@@ -1,7 +1,5 @@
-"""What a loaded checkpoint must be before anything trusts it, checked before any tensor's contents are read:
-its structure, fields and types, its weights' shapes against its config, finite numbers. Each check returns
-the problem in words, or None.
-"""
+"""What a loaded checkpoint must be before anything trusts it (structure, fields, shapes, finite numbers),
+checked before any tensor's contents are read; each check returns the problem in words, or None."""
 
 from __future__ import annotations
 
@@ -18,8 +16,8 @@ RESUME_KEYS = ("seq_len", "total_batch_size", "align_docs", "shuffle", "seed", "
 
 # what a resume reads besides the model: a checkpoint without one of them only evaluates, samples, exports
 RESUME_STATE = tuple("optimizer step run_config launch data_files rng_cpu log_offset log_sha256 skip_state run".split())
-# deeper than any checkpoint the trainer writes (an optimizer state 5 levels, a run identity one more per
-# branch), far below the recursion limit state_digest's walk would reach
+# deeper than any checkpoint written (an optimizer state 5 levels, a run identity +1 per branch), far below
+# the recursion limit state_digest's walk would reach
 MAX_NESTING = 100
 MAX_NODES = 10_000_000  # values in all, counted as state_digest visits them (a shared list once per place)
 
@@ -30,35 +28,26 @@ def structure_problem(ckpt: dict) -> str | None:
     while stack:
         where, value, depth = stack.pop()
         nodes += 1
-        if depth > MAX_NESTING or nodes > MAX_NODES:
-            return (
-                f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)"
-                if depth > MAX_NESTING
-                else f"its structure holds more than {MAX_NODES} values"
-            )
+        if depth > MAX_NESTING:
+            return f"its structure nests deeper than {MAX_NESTING} levels (at {where[:80]}...)"
+        if nodes > MAX_NODES:
+            return f"its structure holds more than {MAX_NODES} values"
         if isinstance(value, dict):
             stack.extend((f"{where}[{k!r:.40}]", v, depth + 1) for k, v in value.items())
             stack.extend((where, k, depth + 1) for k in value if isinstance(k, (tuple, torch.Tensor)))
         elif isinstance(value, (list, tuple)):
             stack.extend((f"{where}[{i}]", v, depth + 1) for i, v in enumerate(value))
         elif isinstance(value, torch.Tensor):
-            problem = _tensor_problem(value)
-            if problem:
+            if problem := _tensor_problem(value):
                 return f"its tensor {where or '(top)'} {problem}"
-            storage = value.untyped_storage()
-            storages[storage.data_ptr(), storage.nbytes()] = max(
-                storages.get((storage.data_ptr(), storage.nbytes()), 0),
-                (value.storage_offset() + value.numel()) * value.element_size(),
-            )
+            key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
+            storages[key] = max(storages.get(key, 0), (value.storage_offset() + value.numel()) * value.element_size())
             tensor_bytes += value.numel() * value.element_size()
     for (_, nbytes), viewed in storages.items():
         if nbytes > viewed:
             return f"a tensor's storage holds {nbytes} bytes, of which its tensors view {viewed}"
-    if tensor_bytes > 2 * sum(nbytes for _, nbytes in storages):
-        return (
-            f"its tensors view {tensor_bytes} bytes of {sum(n for _, n in storages)} stored (one storage "
-            "viewed by many tensors)"
-        )
+    if tensor_bytes > 2 * (stored := sum(nbytes for _, nbytes in storages)):
+        return f"its tensors view {tensor_bytes} bytes of {stored} stored (one storage viewed by many tensors)"
     return None
 
 
@@ -66,9 +55,7 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
         return f"is a {t.layout} {t.device.type} tensor, not a plain one"
     shape = "x".join(map(str, t.shape)) or "a scalar"
-    expected = [1] * t.dim()
-    for i in range(t.dim() - 2, -1, -1):
-        expected[i] = expected[i + 1] * max(t.shape[i + 1], 1)
+    expected = torch.empty(t.shape, device="meta").stride()  # a stored (contiguous) tensor's
     if any(stride != want for stride, want, size in zip(t.stride(), expected, t.shape) if size > 1):
         return f"of {shape} has strides {tuple(t.stride())}, not those of a stored tensor (expanded or a view)"
     if (t.storage_offset() + t.numel()) * t.element_size() > t.untyped_storage().nbytes():
@@ -84,49 +71,24 @@ def load_failure(e: Exception) -> str:
     return what
 
 
-def fields_problem(ckpt: dict, resume: bool) -> str | None:
-    """What is wrong with a checkpoint's fields but the model (types, ranges; to resume, presence), or None."""
-    if resume:
-        missing = [k for k in RESUME_STATE if k not in ckpt]
-        if missing:
-            return f"it holds no {', '.join(missing)} to resume from (weights only)"
-    checks = dict(
-        step=_count,
-        run=run_problem,
-        log_offset=_count,
-        log_sha256=_sha256_text,
-        rng_cpu=_rng_problem,
-        rng_cuda=_rng_problem,
-        skip_state=_skip_state_problem,
-        run_config=_run_config_problem,
-        data_files=_data_files_problem,
-        scaler=_scaler_problem,
-        optimizer=_optimizer_dict,
-    )
-    for key, check in checks.items():
-        if key in ckpt:
-            problem = check(ckpt[key])
-            if problem:
-                return f"its {key} {problem}"
-    return None
-
-
-def _count(value) -> str | None:
-    return None if type(value) is int and value >= 0 else f"is {_shown(value)}, not a count (an integer >= 0)"
-
-
 def _shown(value) -> str:
     return f"a {type(value).__name__}" if isinstance(value, (dict, list, tuple, torch.Tensor)) else f"{value!r:.40}"
 
 
-def _sha256_text(value) -> str | None:
-    ok = isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)
-    return None if ok else f"is {_shown(value)}, not a sha256 in hex"
+def _must_be(ok, what: str, show: bool = True):
+    """A field's check: None where ok(value), else "is <value>, not <what>" (show=False: "is not <what>")."""
+    return lambda value: None if ok(value) else f"is {_shown(value)}, not {what}" if show else f"is not {what}"
 
 
-def _rng_problem(value) -> str | None:
-    ok = torch.is_tensor(value) and value.dtype == torch.uint8 and value.dim() == 1 and value.numel() > 0
-    return None if ok else f"is {_shown(value)}, not a random generator's state (a 1-D uint8 tensor)"
+_count = _must_be(lambda v: type(v) is int and v >= 0, "a count (an integer >= 0)")
+_rng = _must_be(
+    lambda v: torch.is_tensor(v) and v.dtype == torch.uint8 and v.dim() == 1 and v.numel() > 0,
+    "a random generator's state (a 1-D uint8 tensor)",
+)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def run_problem(run) -> str | None:
@@ -142,39 +104,38 @@ def run_problem(run) -> str | None:
     return None
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _skip_state_problem(state) -> str | None:
-    ok = (  # recovery.UpdateGuard.state_dict
+def _is_skip_state(state) -> bool:  # recovery.UpdateGuard.state_dict
+    return (
         isinstance(state, dict)
         and all(isinstance(state.get(k), list) and all(map(_number, state[k])) for k in ("loss_window", "norm_window"))
         and not _count(state.get("spikes_in_a_row"))
         and not _count(state.get("nonfinite_skipped"))
     )
-    if ok:
-        return None
+
+
+def _is_shard_list(files) -> bool:  # {"train": [...], "val": [...] or None} of (name, size, sha256...) entries
     return (
-        "is not the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, "
-        "nonfinite_skipped: counts)"
+        isinstance(files, dict)
+        and isinstance(files.get("train"), (list, tuple))
+        and isinstance(files.get("val"), (list, tuple, type(None)))
+        and all(
+            isinstance(e, (list, tuple))
+            and len(e) >= 2
+            and isinstance(e[0], str)
+            and not _count(e[1])
+            and all(isinstance(x, (str, type(None))) for x in e[2:])
+            for e in [*files["train"], *(files["val"] or ())]
+        )
     )
 
 
-# the run_config fields a resume reads: RESUME_KEYS and the LR schedule's
+_NUMBER, _NONE = (int, float), type(None)
+# the run_config fields a resume reads (RESUME_KEYS and the LR schedule's), and the types each may hold
 _RUN_CONFIG_TYPES = dict(
-    seq_len=int,
-    total_batch_size=int,
-    align_docs=bool,
-    shuffle=(bool, type(None)),
-    seed=int,
-    optimizer=str,
-    lr_schedule=str,
-    max_steps=int,
-    warmup_steps=int,
-    max_lr=(int, float),
-    min_lr=(int, float, type(None)),
-    cooldown_frac=(int, float),
+    zip(
+        (*RESUME_KEYS, "lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr", "cooldown_frac"),
+        (int, int, bool, (bool, _NONE), int, str, str, int, int, _NUMBER, (*_NUMBER, _NONE), _NUMBER),
+    )
 )
 
 
@@ -193,31 +154,35 @@ def _run_config_problem(config) -> str | None:
     return None
 
 
-def _data_files_problem(files) -> str | None:
-    entries = [*(files.get("train") or ()), *(files.get("val") or ())] if isinstance(files, dict) else None
-    ok = (  # {"train": [...], "val": [...] or None} of (name, size, ...) entries (resume.data_files)
-        entries is not None
-        and isinstance(files.get("train"), (list, tuple))
-        and isinstance(files.get("val"), (list, tuple, type(None)))
-        and all(
-            isinstance(e, (list, tuple))
-            and len(e) >= 2
-            and isinstance(e[0], str)
-            and not _count(e[1])
-            and all(isinstance(x, (str, type(None))) for x in e[2:])
-            for e in entries
-        )
-    )
-    return None if ok else "is not a list of shards (name, size, sha256)"
+_GUARDS_STATE = (
+    "the guards' state (loss_window, norm_window: lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)"
+)
+# each field a checkpoint may hold but the model, checked in this order where present
+_FIELD_CHECKS = dict(
+    step=_count,
+    run=run_problem,
+    log_offset=_count,
+    log_sha256=_must_be(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v), "a sha256 in hex"),
+    rng_cpu=_rng,
+    rng_cuda=_rng,
+    skip_state=_must_be(_is_skip_state, _GUARDS_STATE, show=False),
+    run_config=_run_config_problem,
+    data_files=_must_be(_is_shard_list, "a list of shards (name, size, sha256)", show=False),
+    scaler=_must_be(
+        lambda v: isinstance(v, dict) and all(map(_number, v.values())), "a gradient scaler's state", False
+    ),
+    optimizer=_must_be(lambda v: isinstance(v, dict), "an optimizer's state dict"),
+)
 
 
-def _scaler_problem(state) -> str | None:
-    ok = isinstance(state, dict) and all(_number(v) for v in state.values())
-    return None if ok else "is not a gradient scaler's state"
-
-
-def _optimizer_dict(state) -> str | None:
-    return None if isinstance(state, dict) else f"is {_shown(state)}, not an optimizer's state dict"
+def fields_problem(ckpt: dict, resume: bool) -> str | None:
+    """What is wrong with a checkpoint's fields but the model (types, ranges; to resume, presence), or None."""
+    if resume and (missing := [k for k in RESUME_STATE if k not in ckpt]):
+        return f"it holds no {', '.join(missing)} to resume from (weights only)"
+    for key, check in _FIELD_CHECKS.items():
+        if key in ckpt and (problem := check(ckpt[key])):
+            return f"its {key} {problem}"
+    return None
 
 
 def gpt_state_shapes(config: dict, conv1d: bool = False) -> dict[str, tuple[int, ...]]:
@@ -225,23 +190,12 @@ def gpt_state_shapes(config: dict, conv1d: bool = False) -> dict[str, tuple[int,
     V, C, L = (config[k] for k in ("vocab_size", "n_embd", "n_layer"))
     T = config["n_positions" if conv1d else "block_size"]
 
-    def linear(n_out: int, n_in: int) -> tuple[int, int]:
-        return (n_in, n_out) if conv1d else (n_out, n_in)
-
-    block = {
-        "ln_1.weight": (C,),
-        "ln_1.bias": (C,),
-        "attn.c_attn.weight": linear(3 * C, C),
-        "attn.c_attn.bias": (3 * C,),
-        "attn.c_proj.weight": (C, C),
-        "attn.c_proj.bias": (C,),
-        "ln_2.weight": (C,),
-        "ln_2.bias": (C,),
-        "mlp.c_fc.weight": linear(4 * C, C),
-        "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": linear(C, 4 * C),
-        "mlp.c_proj.bias": (C,),
-    }
+    block = {}  # each layer's weight and bias: (n_out, n_in), or 0 for n_in where a layer norm's weight is (C,)
+    attn = {"ln_1": (C, 0), "attn.c_attn": (3 * C, C), "attn.c_proj": (C, C)}
+    mlp = {"ln_2": (C, 0), "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}
+    for name, (n_out, n_in) in {**attn, **mlp}.items():
+        weight = (C,) if not n_in else (n_in, n_out) if conv1d else (n_out, n_in)
+        block |= {f"{name}.weight": weight, f"{name}.bias": (n_out,)}
     return {
         "transformer.wte.weight": (V, C),
         "transformer.wpe.weight": (T, C),
@@ -301,8 +255,7 @@ def first_nonfinite_optimizer_state(optim_state) -> str | None:
         return next(filter(None, map(first_nonfinite_optimizer_state, optim_state.values())), None)
     states = optim_state.get("state") if isinstance(optim_state, dict) else None
     for i, state in (states if isinstance(states, dict) else {}).items():
-        name = first_nonfinite(state) if isinstance(state, dict) else None
-        if name:
+        if isinstance(state, dict) and (name := first_nonfinite(state)):
             return f"{name} of parameter {i}"
     return None
 

@@ -1,6 +1,4 @@
-"""Checkpoint files, written whole and read back checked (checkpoint_checks.py) before anything trusts them,
-and the training state they hold. docs/resume-and-failures.md tells the guarantees.
-"""
+"""Checkpoint files, written whole and read back checked (checkpoint_checks.py), and the training state they hold."""
 
 from __future__ import annotations
 
@@ -88,25 +86,19 @@ def optimizer_state_problem(optim_state: dict, optimizer: torch.optim.Optimizer)
 
 def load_full_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict, source: str):
     """Load what full_state() returns (under FSDP each rank keeps its shard) once it fits, else a UserError."""
-    problem = optimizer_state_problem(optim_state, optimizer)
-    if problem:
+    if problem := optimizer_state_problem(optim_state, optimizer):
         raise UserError(f"{source}: {problem}: written by another program or edited, it cannot be resumed")
     if not is_fsdp(model):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint import state_dict as dsd
 
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    options = dsd.StateDictOptions(full_state_dict=True)
+    dsd.set_model_state_dict(model, model_state, options=options)
     # the parameters' names in the optimizer's order, as the helpers list them
-    names = [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
-    set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
+    names = [n for g in dsd.get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
+    dsd.set_optimizer_state_dict(model, optimizer, rekey_optimizer_state(optim_state, names), options=options)
 
 
 def checkpoint_path(out_dir: str, step: int) -> str:
@@ -128,8 +120,7 @@ def checkpoint_names(folder: str | int) -> list[str]:
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
-    found = list_checkpoints(out_dir)
-    return found[-1] if found else None
+    return (list_checkpoints(out_dir) or [None])[-1]
 
 
 def checkpoint_step(path: str) -> int:
@@ -176,7 +167,7 @@ class _WriteErrorKeeper:
     """A file for torch.save that keeps a failed write's OSError (torch's RuntimeError no longer says why)."""
 
     def __init__(self, file):
-        self.file, self.error = file, None
+        self.file, self.error, self.flush = file, None, file.flush
 
     def write(self, data):
         try:
@@ -184,9 +175,6 @@ class _WriteErrorKeeper:
         except OSError as e:
             self.error = e
             raise
-
-    def flush(self):
-        self.file.flush()
 
 
 def save_checkpoint(path: str, state: dict, keep_last: int = 0, folder_fd: int | None = None):
@@ -234,8 +222,7 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
     """The one loader of a checkpoint (a file, or a folder's newest): weights_only and checked before anything
     reads its tensors, else a UserError naming the earlier one. model_fields: the model_config keys known."""
     if os.path.isdir(path):
-        newest = latest_checkpoint(path)
-        if newest is None:
+        if (newest := latest_checkpoint(path)) is None:
             raise UserError(f"no checkpoint (ckpt_NNNNNNN.pt) in {path}")
         path = newest
     if not os.path.isfile(path):
@@ -258,38 +245,33 @@ def load_checkpoint(path: str, model_fields=None, resume: bool = False) -> dict:
             + (f"the newest beside it now: {newest}" if newest else "no checkpoint is left beside it")
         ) from None
     with f:
-        kind = None if CKPT_NAME.fullmatch(os.path.basename(path)) else other_file_kind(f.read(512))
-        f.seek(0)
-        if kind:
+        if not CKPT_NAME.fullmatch(os.path.basename(path)) and (kind := other_file_kind(f.read(512))):
             raise UserError(
                 f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({instead()})"
             )
+        f.seek(0)
         try:
             ckpt = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a damaged zip or pickle
             what = "empty file (0 bytes)" if os.fstat(f.fileno()).st_size == 0 else load_failure(e)
             raise UserError(f"{path}: cannot load checkpoint ({what}); truncated or corrupt: {instead()}") from None
-    problem = checkpoint_problem(ckpt, model_fields)
-    if problem:
+    if problem := checkpoint_problem(ckpt, model_fields):
         raise UserError(f"{path}: {problem}")
-    # before anything reads a tensor's contents (the checksum, a copy into the model): an expanded tensor of
-    # a few bytes on disk would ask for gigabytes there, a structure nested thousands deep overflow the stack
-    problem = structure_problem(ckpt) or state_shape_problem(ckpt["model"], ckpt["model_config"])
-    if problem:
-        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
-    if ckpt["checksum"] != state_digest(ckpt):
-        raise UserError(
-            f"{path}: damaged checkpoint (its contents do not match the sha256 written with it): {instead()}"
-        )
-    problem = fields_problem(ckpt, resume)
-    if problem:  # its checksum is right: another program wrote it so, or it was edited and re-summed
-        raise UserError(f"{path}: {problem}: not as train_gpt2.py writes them; {instead()}")
-    bad = first_nonfinite(ckpt["model"])
-    if bad:  # the trainer never writes one (check_state_finite): another program did
-        raise UserError(f"{path}: the model weights hold NaN or inf ({bad}): {instead()}")
-    bad = resume and first_nonfinite_optimizer_state(ckpt["optimizer"])
-    if bad:  # as the weights: resumed, it would only fail at the next checkpoint, naming this one as good
-        raise UserError(f"{path}: the optimizer state holds NaN or inf ({bad}): {instead()}")
+    not_ours, nonfinite = "{}: not as train_gpt2.py writes them; {instead}", "NaN or inf ({}): {instead}"
+    damaged = "damaged checkpoint (its contents do not match the sha256 written with it): {instead}"
+    refusals = (  # in this order; the first before anything reads a tensor's contents (docs/resume-and-failures.md)
+        (lambda: structure_problem(ckpt) or state_shape_problem(ckpt["model"], ckpt["model_config"]), not_ours),
+        (lambda: ckpt["checksum"] != state_digest(ckpt), damaged),
+        (lambda: fields_problem(ckpt, resume), not_ours),  # (a right checksum: another program, or re-summed)
+        (lambda: first_nonfinite(ckpt["model"]), "the model weights hold " + nonfinite),  # (never the trainer's)
+        (
+            lambda: resume and first_nonfinite_optimizer_state(ckpt["optimizer"]),
+            "the optimizer state holds " + nonfinite,
+        ),
+    )
+    for problem_of, words in refusals:
+        if problem := problem_of():
+            raise UserError(f"{path}: {words.format(problem, instead=instead())}")
     return ckpt
 
 

@@ -1,13 +1,10 @@
-"""What --resume continues and whether it may (run identities, a log's summary, the checkpoint chosen, what
-must match), and the branch folders out_dir/branch_NNNNNNN that keep, nothing deleted, what a run would
-otherwise overwrite. docs/resume-and-failures.md tells the guarantees.
-"""
+"""What --resume continues and whether it may, and the branch folders (out_dir/branch_NNNNNNN) that keep,
+nothing deleted, what a run would otherwise overwrite. docs/resume-and-failures.md tells the guarantees."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import shutil
 import uuid
@@ -27,8 +24,7 @@ from trainkit.runfiles.checkpoints import checkpoint_step, latest_checkpoint, li
 
 def new_run(branched_from: dict | None = None, step: int | None = None) -> dict:
     """A run's identity: a random 128-bit id, and for a branch {**its parent's identity, "step": step}."""
-    parent = dict(branched_from, step=step) if branched_from else None
-    return dict(id=uuid.uuid4().hex, parent=parent)
+    return dict(id=uuid.uuid4().hex, parent=dict(branched_from, step=step) if branched_from else None)
 
 
 def run_name(run_id: str | None) -> str:
@@ -81,9 +77,8 @@ def in_history(run_id: str | None, step: int, run: dict, at_step: int) -> bool:
     while run is not None:
         if run["id"] == run_id and step <= until:
             return True
-        parent = run["parent"]
-        until = min(until, parent["step"]) if parent else -math.inf
-        run = parent
+        run = run["parent"]
+        until = min(until, run["step"]) if run else until
     return False
 
 
@@ -100,8 +95,7 @@ def find_resume_checkpoint(run) -> str | None:
 
 def choose_resume_checkpoint(run) -> str | None:
     """Rank 0, holding the lock: the checkpoint to resume (None: from scratch, where that mixes no runs)."""
-    path = find_resume_checkpoint(run)
-    if path:
+    if path := find_resume_checkpoint(run):
         return path
     found = list_checkpoints(run.out_dir)
     if run.resume is None and found:
@@ -141,15 +135,9 @@ def data_files(train_paths: list[str], val_paths: list[str] | None) -> dict:
 
 def check_resume_compatible(ckpt: dict, run, model_cfg, path: str):
     """Refuse a resume whose model, rows or optimizer differ from the checkpoint's (run: as resolved)."""
-    saved = ckpt["run_config"]
-    diffs = [
-        f"{k}: checkpoint {v} vs now {getattr(model_cfg, k)}"
-        for k, v in ckpt["model_config"].items()
-        if getattr(model_cfg, k) != v
-    ]
-    diffs += [
-        f"{k}: checkpoint {saved[k]} vs now {getattr(run, k)}" for k in RESUME_KEYS if saved[k] != getattr(run, k)
-    ]
+    pairs = [(k, v, getattr(model_cfg, k)) for k, v in ckpt["model_config"].items()]
+    pairs += [(k, ckpt["run_config"][k], getattr(run, k)) for k in RESUME_KEYS]
+    diffs = [f"{k}: checkpoint {then} vs now {now}" for k, then, now in pairs if then != now]
     if diffs:
         raise UserError(
             f"cannot resume from {path}: {'; '.join(diffs)}. Use the same model, batch and "
@@ -177,8 +165,7 @@ def check_later_branch(out_dir: str, step: int):
     """Before anything changes: a UserError where setting the later branch aside would fail part way."""
     later = later_checkpoints(out_dir, step)
     for path in later:
-        held = pinned(path)
-        if held:
+        if held := pinned(path):
             raise UserError(
                 f"cannot resume at step {step} in {out_dir}: {path}, of the later branch that the resume moves "
                 f"into a branch folder, is {held} and cannot be moved; clear that attribute, or resume "
@@ -207,15 +194,8 @@ def set_aside_later_branch(out_dir: str, step: int):
         return
     log = os.path.join(out_dir, "log.jsonl")
     copied = os.path.isfile(log) and os.path.getsize(log) > 0  # (RunLog may just have made it, empty)
-    branch = move_into_branch(
-        out_dir,
-        checkpoint_step(later[-1]),
-        later,
-        copied,
-        lambda branch, why: (
-            f"could not move the later checkpoints of {out_dir} into {branch}: {why} (nothing was deleted)"
-        ),
-    )
+    moved = lambda branch: f"the later checkpoints of {out_dir} into {branch}"
+    branch = move_into_branch(out_dir, checkpoint_step(later[-1]), later, copied, moved)
     names = os.path.basename(later[0]) + (f" ... {os.path.basename(later[-1])}" if len(later) > 1 else "")
     print0(
         f"resuming at step {step}: moved the later branch of this run ({len(later)} checkpoint"
@@ -224,9 +204,9 @@ def set_aside_later_branch(out_dir: str, step: int):
     )
 
 
-def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: bool, failed) -> str:
+def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: bool, moved) -> str:
     """A new folder out_dir/branch_NNNNNNN (reached) with paths moved in (and a copy of log.jsonl); an OSError
-    removes it where still empty and is the UserError failed(branch, reason)."""
+    removes it where still empty and is a UserError saying what moved(branch) failed to move."""
     branch = os.path.join(out_dir, f"branch_{reached:07d}")
     try:
         for n in itertools.count(2):
@@ -246,7 +226,7 @@ def move_into_branch(out_dir: str, reached: int, paths: list[str], copy_log: boo
     except OSError as e:
         with contextlib.suppress(OSError):
             os.rmdir(branch)  # (where nothing was moved into it yet)
-        raise UserError(failed(branch, reason_of(e))) from None
+        raise UserError(f"could not move {moved(branch)}: {reason_of(e)} (nothing was deleted)") from None
     return branch
 
 
@@ -256,15 +236,13 @@ def set_aside_log_without_checkpoint(out_dir: str):
     if not (os.path.isfile(log) and os.path.getsize(log)):
         return
     _, whose, _, trained = log_summary(log)
-    held = pinned(log)
-    if held:  # (before the branch folder is made: a refusal changes nothing)
+    if held := pinned(log):  # (before the branch folder is made: a refusal changes nothing)
         raise UserError(
             f"cannot start a new run in {out_dir}: {log}, of {whose} (stopped before its first checkpoint), is "
             f"{held} and cannot be set aside; clear that attribute, or choose another --out-dir (nothing was changed)"
         )
-    failed = lambda branch, why: f"could not move {log} aside: {why} (nothing was deleted)"
     if trained is not None:
-        branch = move_into_branch(out_dir, trained + 1, [log], False, failed)
+        branch = move_into_branch(out_dir, trained + 1, [log], False, lambda branch: f"{log} aside")
         print0(
             f"note: {log} holds {trained + 1} trained step{'s' * (trained > 0)} of {whose} but no checkpoint (it "
             f"stopped before its first): moved to {branch}/log.jsonl, nothing was deleted; this run starts afresh"
@@ -273,7 +251,7 @@ def set_aside_log_without_checkpoint(out_dir: str):
     try:
         os.remove(log)  # (the name only: a file it shared keeps its bytes)
     except OSError as e:
-        raise UserError(failed(None, reason_of(e))) from None
+        raise UserError(f"could not move {log} aside: {reason_of(e)} (nothing was deleted)") from None
     print0(
         f"note: {log} holds no trained step (of {whose}, which stopped before its first step): "
         "this run starts it afresh"

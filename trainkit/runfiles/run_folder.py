@@ -1,7 +1,5 @@
-"""A run's folder (its --out-dir): made, locked (OutDirLock) and claimed for one run's history (claim_run),
-and its log.jsonl (RunLog) with the --wandb / --tensorboard trackers that get each record too.
-docs/resume-and-failures.md tells the guarantees.
-"""
+"""A run's folder (--out-dir): made, locked (OutDirLock) and claimed for one run's history (claim_run), and its
+log.jsonl (RunLog) with the --wandb / --tensorboard trackers. docs/resume-and-failures.md tells the guarantees."""
 
 from __future__ import annotations
 
@@ -51,19 +49,17 @@ def claim_run(out_dir: str, resumed: ResumePoint | None) -> dict:
             else in_history(mine["id"], resumed.step, theirs, step)
         ):
             raise UserError(
-                f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir "
-                f"{out_dir}: its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and "
-                "one folder holds one run; resume into the --out-dir of the checkpoint's own run, or a "
-                "new one"
+                f"cannot resume {resumed.path} ({run_name(mine['id'])}, step {resumed.step}) in --out-dir {out_dir}: "
+                f"its {os.path.basename(path)} is another run's ({run_name(theirs['id'])}), and one folder holds one "
+                "run; resume into the --out-dir of the checkpoint's own run, or a new one"
             )
     continues = not later and same_file(os.path.dirname(resumed.path) or ".", out_dir)
     return mine if continues else new_run(mine, resumed.step)
 
 
 def open_run_log(run, model_cfg, resumed: ResumePoint | None) -> RunLog:
-    """Rank 0, for a run that trains: its identity, log.jsonl and trackers. Every check (a thread can start,
-    the checkpoints' run, the trackers, the later branch, the log) comes before the first change to the
-    folder; only then does the later branch move aside and the log get cut back to the checkpoint."""
+    """Rank 0, for a run that trains: its identity, log.jsonl and trackers, every check before the first change
+    to the folder (then the later branch moves aside and the log is cut back to the checkpoint)."""
     check_a_thread_starts()
     identity = claim_run(run.out_dir, resumed)
     if resumed and identity["id"] == resumed.run["id"] and shared_as(os.path.join(run.out_dir, "log.jsonl")):
@@ -94,27 +90,16 @@ class OutDirLock(FolderLock):
 
     writer = "this trainer"
     moved_as = ("this run", "nothing of this run")
-
-    def __init__(self, out_dir: str):
-        super().__init__(out_dir)
-        self.made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
-
-    def in_use(self, holder: str) -> str:
-        return (
-            f"--out-dir {self.folder} is in use by another training run ({holder}; it holds a lock on the "
-            "folder): wait for it to end (then --resume continues it), or choose another --out-dir"
-        )
-
-    def note(self, line: str):
-        print0(line)
+    in_use_as = ("in use by another training run", " (then --resume continues it)")
+    note = staticmethod(print0)
+    made = False  # the folder was made by this run: one it left empty (a refused resume) goes again
 
     def check_claimed(self, last_checkpoint: str | None):
         """Rank 0, before the log opens and each checkpoint: check_held, naming the last checkpoint where it is now."""
         where = (self.moved_to() or ("unknown",))[0]
-        last = (
-            os.path.join(where, os.path.basename(last_checkpoint)) if last_checkpoint and where != "unknown" else None
-        )
-        self.check_held(f". Last good checkpoint: {last or last_checkpoint or 'none'}")
+        if last_checkpoint and where != "unknown":
+            last_checkpoint = os.path.join(where, os.path.basename(last_checkpoint))
+        self.check_held(f". Last good checkpoint: {last_checkpoint or 'none'}")
 
     def release(self):
         held = self.fd is not None
@@ -145,17 +130,11 @@ def prepare_out_dir(out_dir: str) -> bool:
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
         if CKPT_NAME.fullmatch(name) and not os.path.isfile(path):  # --keep-last would fail to delete it
-            what = (  # mid-run, a save to write over it
-                "a folder"
-                if os.path.isdir(path)
-                else "a symbolic link to nothing"
-                if os.path.islink(path)
-                else "not a regular file"
-            )
+            what = "a symbolic link to nothing" if os.path.islink(path) else "not a regular file"
+            what = "a folder" if os.path.isdir(path) else what  # (mid-run, a save to write over it)
             raise UserError(
-                f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its "
-                "checkpoints: --resume, --keep-last and the save of its step would take it for one; "
-                "rename it, or choose another --out-dir"
+                f"--out-dir {out_dir} holds {name}, {what} named as this trainer names its checkpoints: --resume, "
+                "--keep-last and the save of its step would take it for one; rename it, or choose another --out-dir"
             )
         if _WRITTEN_THROUGH.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
             raise UserError(  # (a file or a link there is replaced: fileio.create_fresh; a folder is not)
@@ -213,7 +192,7 @@ class RunLog:
 
     def cut_back(self):
         """Resuming: drop what the run logged after its checkpoint (an append-only log that ends there resumes)."""
-        if self.file and self.resumed:
+        if self.resumed:
             try:
                 if os.fstat(self.file.fileno()).st_size > self.size:
                     self.file.truncate(self.size)
@@ -229,14 +208,10 @@ class RunLog:
 
     def resend_step(self, step: int):
         """The sinks get the log's records of step (evaluated before the checkpoint a run resumes at)."""
-        if not self.file:
-            return
         with open(self.path, "rb") as f:
             for number, line in enumerate(f.read(self.size).splitlines(), start=1):
                 record = fileio.parse_json(line, self.path, number)
-                record.update(
-                    {k: float(v) for k, v in record.pop("nonfinite", {}).items()}
-                )  # strict_json_record undone
+                record |= {k: float(v) for k, v in record.pop("nonfinite", {}).items()}  # strict_json_record undone
                 record.pop("run", None)  # as write() sends them: a tracker has its own run
                 if record["step"] == step:
                     for sink in list(self.sinks):
@@ -300,8 +275,7 @@ def open_run_file(path: str, mode: str, **options):
     """open(path, mode) for log.jsonl, never blocking: a pipe, socket or block device is a UserError."""
     f = open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK, 0o666), **options)
     kind = os.fstat(f.fileno()).st_mode
-    what = None if stat.S_ISCHR(kind) else fileio.file_kind(kind)
-    if what:
+    if what := (None if stat.S_ISCHR(kind) else fileio.file_kind(kind)):
         f.close()
         raise UserError(
             f"{path} is {what}, not a regular file: a run would wait on it or write over it; remove it "
@@ -326,11 +300,9 @@ def read_log_up_to(path: str, resumed: ResumePoint | None) -> bytes:
                 f"checkpoint of {run_name(resumed.run['id'])}): resuming would corrupt it; resume into "
                 "the --out-dir of the checkpoint's own run, or a new one"
             )
-        change = (
-            f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
-            if len(kept) < resumed.log_offset
-            else f"its first {resumed.log_offset} bytes differ from then"
-        )
+        change = f"its first {resumed.log_offset} bytes differ from then"
+        if len(kept) < resumed.log_offset:
+            change = f"it holds {len(kept)} bytes, and was {resumed.log_offset} long then"
         raise UserError(
             f"{path} is the log of {whose}, but not as it was when {resumed.path} was written ({change}): "
             "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, "
