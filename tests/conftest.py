@@ -734,7 +734,7 @@ def run_as_programs(cases, watch=(), timeout=600) -> list:
 # torchrun's store holds the first group's keys), its rank's own argv and current folder, and its output caught
 # at the file descriptors; the signal handlers, sys.excepthook, environment and folder are restored after it.
 MAINS_ON_RANKS = r"""
-import importlib, io, json, os, signal, sys, tempfile, traceback
+import importlib, io, json, os, shutil, signal, sys, tempfile, traceback
 repo, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 sys.path.insert(0, repo)
 import torch.distributed as dist
@@ -744,6 +744,9 @@ env, streams = dict(os.environ), (sys.stdout, sys.stderr)
 for case in cases:
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(case["port"]))
     os.chdir(case["cwd"][rank])
+    for src, dst in case["copy"] if rank == 0 else ():  # the others wait for rank 0 in the group's set-up
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy(src, dst)
     caught = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     saved = os.dup(1), os.dup(2)
     for fd, f in zip((1, 2), caught):
@@ -783,7 +786,7 @@ with open(f"{report}.{rank}", "w") as f:
 
 def run_on_ranks(cases, nproc=2, timeout=600) -> list:
     """Each case, a dict of script (a module of the repo: "train_gpt2"), argv (one list per rank) and optionally cwd
-    (one folder per rank; default the repo), run in turn on every rank of ONE torchrun launch of nproc processes
+    (one folder per rank; default the repo) and copy ([src, dst] files rank 0 copies before the case), run in turn on every rank of ONE torchrun launch of nproc processes
     (MAINS_ON_RANKS): a case's start-up refusals, trainings and evaluations as `torchrun SCRIPT` would run them,
     without a launch each. Returns per case a list of each rank's CompletedProcess (its exit code, stdout, stderr)."""
     with tempfile.TemporaryDirectory() as folder:
@@ -793,6 +796,7 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
         ]
         for case in cases:
             case["cwd"] = [str(cwd) for cwd in case.get("cwd", [REPO] * nproc)]
+            case["copy"] = [[str(src), str(dst)] for src, dst in case.get("copy", [])]
         launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python")
         proc = subprocess.run(
             [*launch, sys.executable, "-c", MAINS_ON_RANKS, str(REPO), json.dumps(cases), report],
