@@ -730,19 +730,37 @@ def run_as_programs(cases, watch=(), timeout=600) -> list:
 
 # --- ranksdrv ---
 # Each rank of ONE torchrun launch runs several command lines one after another through the script's main(argv),
-# as `torchrun SCRIPT ARGS` would run each: every case gets a process group of its own (a store on its own port:
-# torchrun's store holds the first group's keys), its rank's own argv and current folder, and its output caught
-# at the file descriptors; the signal handlers, sys.excepthook, environment and folder are restored after it.
+# as `torchrun SCRIPT ARGS` would run each: every case gets a process group of its own (a store on a port rank 0
+# takes just before the case: torchrun's store holds the first group's keys), its rank's own argv and current
+# folder, and its output caught at the file descriptors; the signal handlers, sys.excepthook, environment and
+# folder are restored after it.
 MAINS_ON_RANKS = r"""
-import importlib, io, json, os, shutil, signal, sys, tempfile, traceback
+import importlib, io, json, os, shutil, signal, socket, sys, tempfile, time, traceback
 repo, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 sys.path.insert(0, repo)
 import torch.distributed as dist
 rank, results = int(os.environ["RANK"]), []
 handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 env, streams = dict(os.environ), (sys.stdout, sys.stderr)
-for case in cases:
-    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(case["port"]))
+
+def port_of_case(i):  # rank 0 takes a free port just before the case and tells the others through a file
+    path = f"{report}.port{i}"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.rename(path + ".tmp", path)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no port from rank 0 for case {i}"
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read()
+
+for i, case in enumerate(cases):
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=port_of_case(i))
     os.chdir(case["cwd"][rank])
     for src, dst in case["copy"] if rank == 0 else ():  # the others wait for rank 0 in the group's set-up
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -791,9 +809,7 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
     without a launch each. Returns per case a list of each rank's CompletedProcess (its exit code, stdout, stderr)."""
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "report")
-        cases = [
-            {**case, "argv": [[str(a) for a in argv] for argv in case["argv"]], "port": free_port()} for case in cases
-        ]
+        cases = [{**case, "argv": [[str(a) for a in argv] for argv in case["argv"]]} for case in cases]
         for case in cases:
             case["cwd"] = [str(cwd) for cwd in case.get("cwd", [REPO] * nproc)]
             case["copy"] = [[str(src), str(dst)] for src, dst in case.get("copy", [])]
