@@ -10,7 +10,6 @@ import os
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,7 +94,7 @@ def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, train
 
 
 # The other start-up refusals: each set up in a folder of its own, then all run as cases of ONE torchrun launch
-# (conftest's run_on_ranks); each setup gives its case and what its test needs.
+# (conftest's run_on_ranks). A setup gives its case, the one line expected, and a check of what the case left.
 
 
 def different_data_of_the_same_sizes(data_dir, folder):
@@ -106,15 +105,23 @@ def different_data_of_the_same_sizes(data_dir, folder):
         shutil.copytree(data_dir, folder / f"rank{rank}" / "data")
     shard = sorted(glob.glob(str(folder / "rank1" / "data" / "*_train_*.npy")))[-1]
     np.save(shard, np.load(shard)[::-1])  # the same tokens in another order: same size
-    args = args_for("data", out, "--resume")
-    return dict(script="train_gpt2", argv=[args, args], cwd=[folder / "rank0", folder / "rank1"]), dict(
-        out=out, hashes=hashes, shard=shard
+    name, size = os.path.basename(shard), os.path.getsize(shard)
+    sampled = [shard_files([str(folder / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
+    line = (
+        f"error: the ranks of this launch were started differently: train shards in "
+        f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
+        f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
+        "command and the same --data-dir files"
     )
+    args = args_for("data", out, "--resume")
+    case = dict(script="train_gpt2", argv=[args, args], cwd=[folder / "rank0", folder / "rank1"])
+    return case, line, lambda ranks: assert_checkpoints_intact(out, hashes) is None  # (it asserts)
 
 
 def a_copy_that_differs_outside_the_sampled_slices(data_dir, folder):
     """One byte differs between two nodes' copies of a shard, outside the 16 slices the ranks compare at
-    start-up (before: trained on, the manifest's sha256 never checked)."""
+    start-up (before: trained on, the manifest's sha256 never checked): rank 1's full check of its copy,
+    beside the steps, stops every rank before a checkpoint, in one line naming the shard and the rank."""
     rng = np.random.default_rng(5)
     copies = [folder / f"rank{rank}" / "data" for rank in (0, 1)]
     copies[0].mkdir(parents=True)
@@ -127,24 +134,24 @@ def a_copy_that_differs_outside_the_sampled_slices(data_dir, folder):
     damaged[SAMPLE_BYTES + 10] ^= 1  # a token's low byte, between the first two slices
     shard.write_bytes(bytes(damaged))
     assert len({shard_files([str(copy / shard.name)])[0][2] for copy in copies}) == 1  # sampled: the same
-    args = args_for("data", folder / "out", steps=4)
-    return dict(script="train_gpt2", argv=[args, args], cwd=[copy.parent for copy in copies]), dict(
-        out=folder / "out",
-        copies=copies,
-        before=[tree_hashes(copy) for copy in copies],
-        line=f"error: rank 1: data/{shard.name} has sha256 {hashlib.sha256(damaged).hexdigest()[:16]}..., not the "
+    before, out = [tree_hashes(copy) for copy in copies], folder / "out"
+    line = (
+        f"error: rank 1: data/{shard.name} has sha256 {hashlib.sha256(damaged).hexdigest()[:16]}..., not the "
         f"{recorded[:16]}... that data/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
-        "copy?); restore it, or re-create the data set with fineweb.py",
+        "copy?); restore it, or re-create the data set with fineweb.py"
     )
+    args = args_for("data", out, steps=4)
+    case = dict(script="train_gpt2", argv=[args, args], cwd=[copy.parent for copy in copies])
+    return case, line, lambda ranks: [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*"))
 
 
 def a_file_that_only_one_rank_lacks(data_dir, folder):
     # each node reads its own disk: rank 1's missing copy is printed by rank 0, once (before: no line)
     out, _ = trained_run(data_dir, folder / "out")
     args = ["--checkpoint", out, "--data-file", HELLASWAG_FILE, "--limit", "6"]
-    return dict(script="hellaswag", argv=[args, [*args, "--data-file", folder / "missing.jsonl"]]), dict(
-        missing=folder / "missing.jsonl"
-    )
+    case = dict(script="hellaswag", argv=[args, [*args, "--data-file", folder / "missing.jsonl"]])
+    line = f"error: rank 1: --data-file {folder / 'missing.jsonl'} does not exist"
+    return case, line, lambda ranks: [rank.stdout for rank in ranks] == ["", ""]
 
 
 REFUSED = (
@@ -156,47 +163,21 @@ REFUSED = (
 
 @pytest.fixture(scope="module")
 def refused(data_dir, tmp_path_factory) -> dict:
-    """By setup's name in REFUSED: what it gave its test, and its case's result on each rank."""
+    """By setup's name in REFUSED: its line, its check, and its case's result on each rank."""
     setups = [setup(data_dir, tmp_path_factory.mktemp(setup.__name__)) for setup in REFUSED]
-    results = run_on_ranks([case for case, _ in setups])
-    return {setup.__name__: (facts, ranks) for setup, (_, facts), ranks in zip(REFUSED, setups, results)}
+    results = run_on_ranks([case for case, _, _ in setups])
+    return {setup.__name__: (*rest, ranks) for setup, (_, *rest), ranks in zip(REFUSED, setups, results)}
 
 
-def assert_every_rank_refused(ranks, line):
-    """Every rank exited 2, and their stderr together holds the one `error:` line and no traceback."""
+@pytest.mark.parametrize("setup", [setup.__name__ for setup in REFUSED])
+def test_ranks_that_see_different_inputs_stop_alike_with_one_line(refused, setup):
+    """Every rank exits 2, their stderr together holds the one `error:` line and no traceback, and what was
+    there before is left as it was (setup's check)."""
+    line, check, ranks = refused[setup]
     err = "".join(rank.stderr for rank in ranks)
     assert [rank.returncode for rank in ranks] == [2, 2] and error_lines(err) == [line], err[-3000:]
     assert "[rank" not in err and "Traceback" not in err and "terminate called" not in err, err[-3000:]
-
-
-def test_ranks_with_different_data_of_the_same_sizes_are_refused(refused):
-    facts, ranks = refused["different_data_of_the_same_sizes"]
-    shard = facts["shard"]
-    name, size = os.path.basename(shard), os.path.getsize(shard)
-    sampled = [shard_files([str(Path(shard).parents[2] / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
-    assert_every_rank_refused(
-        ranks,
-        f"error: the ranks of this launch were started differently: train shards in "
-        f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
-        f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
-        "command and the same --data-dir files",
-    )
-    assert_checkpoints_intact(facts["out"], facts["hashes"])
-
-
-def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(refused):
-    """rank 1's full check of its copy, beside the steps, stops every rank before a checkpoint, in one line
-    naming the shard and the rank."""
-    facts, ranks = refused["a_copy_that_differs_outside_the_sampled_slices"]
-    assert_every_rank_refused(ranks, facts["line"])
-    assert [tree_hashes(copy) for copy in facts["copies"]] == facts["before"]
-    assert not list(facts["out"].glob("ckpt_*.pt"))
-
-
-def test_a_file_that_only_one_rank_lacks_is_named_once(refused):
-    facts, ranks = refused["a_file_that_only_one_rank_lacks"]
-    assert_every_rank_refused(ranks, f"error: rank 1: --data-file {facts['missing']} does not exist")
-    assert [rank.stdout for rank in ranks] == ["", ""]
+    assert check(ranks)
 
 
 # --- a rank that dies ----------------------------------------------------------------------------
