@@ -723,3 +723,110 @@ def assert_refused_quietly(result, message):
     """assert_refused(result, message), and nothing on stdout."""
     assert_refused(result, message)
     assert result.stdout == ""
+
+
+# --- ranksdrv ---
+# Each rank of ONE torchrun launch runs several command lines one after another through the script's main(argv),
+# as `torchrun SCRIPT ARGS` would run each: every case gets a process group of its own (a store on a port rank 0
+# takes just before the case: torchrun's store holds the first group's keys), its rank's own argv and current
+# folder, and its output caught at the file descriptors; the signal handlers, sys.excepthook, environment and
+# folder are restored after it.
+MAINS_ON_RANKS = r"""
+import importlib, io, json, os, shutil, signal, socket, sys, tempfile, time, traceback
+repo, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+sys.path.insert(0, repo)
+import torch.distributed as dist
+rank, results = int(os.environ["RANK"]), []
+handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+env, streams = dict(os.environ), (sys.stdout, sys.stderr)
+
+def port_of_case(i):  # rank 0 takes a free port just before the case and tells the others through a file
+    path = f"{report}.port{i}"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.rename(path + ".tmp", path)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no port from rank 0 for case {i}"
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read()
+
+for i, case in enumerate(cases):
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=port_of_case(i))
+    os.chdir(case["cwd"][rank])
+    for src, dst in case["copy"] if rank == 0 else ():  # the others wait for rank 0 in the group's set-up
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy(src, dst)
+    caught = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    saved = os.dup(1), os.dup(2)
+    for fd, f in zip((1, 2), caught):
+        os.dup2(f.fileno(), fd)
+    sys.stdout, sys.stderr = (
+        io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), errors="backslashreplace", write_through=True)
+        for fd in (1, 2)
+    )
+    try:
+        code = importlib.import_module(case["script"]).main(case["argv"][rank])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+    except BaseException:
+        code = 1
+        traceback.print_exc()
+    sys.stdout, sys.stderr = streams
+    for fd, saved_fd in zip((1, 2), saved):
+        os.dup2(saved_fd, fd)
+        os.close(saved_fd)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    sys.excepthook = sys.__excepthook__
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(repo)
+    texts = []
+    for f in caught:
+        f.seek(0)
+        texts.append(f.read().decode(errors="backslashreplace"))
+    results.append([code or 0, *texts])
+with open(f"{report}.{rank}", "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_on_ranks(cases, nproc=2, timeout=600) -> list:
+    """Each case, a dict of script (a module of the repo: "train_gpt2"), argv (one list per rank) and optionally cwd
+    (one folder per rank; default the repo) and copy ([src, dst] files rank 0 copies before the case), run in turn on every rank of ONE torchrun launch of nproc processes
+    (MAINS_ON_RANKS): a case's start-up refusals, trainings and evaluations as `torchrun SCRIPT` would run them,
+    without a launch each. Returns per case a list of each rank's CompletedProcess (its exit code, stdout, stderr)."""
+    with tempfile.TemporaryDirectory() as folder:
+        report = os.path.join(folder, "report")
+        cases = [{**case, "argv": [[str(a) for a in argv] for argv in case["argv"]]} for case in cases]
+        for case in cases:
+            case["cwd"] = [str(cwd) for cwd in case.get("cwd", [REPO] * nproc)]
+            case["copy"] = [[str(src), str(dst)] for src, dst in case.get("copy", [])]
+        launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python")
+        proc = subprocess.run(
+            [*launch, sys.executable, "-c", MAINS_ON_RANKS, str(REPO), json.dumps(cases), report],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        per_rank = []
+        for rank in range(nproc):
+            with open(f"{report}.{rank}") as f:
+                per_rank.append(json.load(f))
+    return [
+        [
+            subprocess.CompletedProcess([case["script"], *case["argv"][rank]], *per_rank[rank][i])
+            for rank in range(nproc)
+        ]
+        for i, case in enumerate(cases)
+    ]

@@ -18,8 +18,8 @@ from trainkit.runtime import device
 from trainkit.runtime import launch
 from trainkit.runfiles.run_folder import OutDirLock
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, assert_one_error_line, free_port, log_records, resume_copy, run_cli, run_main
-from conftest import tiny_run_args
+from conftest import HELLASWAG_FILE, assert_one_error_line, free_port, log_records, resume_copy, run_main
+from conftest import run_on_ranks, tiny_run_args
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
@@ -178,13 +178,6 @@ def samples(stdout):
     return re.findall(r"^sample: .*$", stdout, flags=re.M)
 
 
-def fsdp_run(args):
-    result = run_cli(["--fsdp", *args], nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "world 2 | fsdp" in result.stdout
-    return result.stdout
-
-
 def ckpt(out_dir, step):
     return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
 
@@ -209,8 +202,21 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks
     assert tg.main(run_args(data_dir, single, hellaswag_file, val_steps=2)) == 0
     single_out = capsys.readouterr().out
-    fsdp_out = fsdp_run(run_args(data_dir, fsdp, hellaswag_file))
-
+    # FSDP's run, then one resuming a copy of its checkpoint 10 and the log that ran past it (as resume_copy leaves
+    # it): cases of ONE torchrun launch (conftest's run_on_ranks)
+    cases = [
+        dict(script="train_gpt2", argv=[["--fsdp", *run_args(data_dir, fsdp, hellaswag_file)]] * 2),
+        dict(
+            script="train_gpt2",
+            argv=[["--fsdp", *run_args(data_dir, fsdp_resumed, hellaswag_file, "--resume")]] * 2,
+            copy=[(fsdp / name, fsdp_resumed / name) for name in ("ckpt_0000010.pt", "log.jsonl")],
+        ),
+    ]
+    results = run_on_ranks(cases)
+    for ranks in results:
+        assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+        assert "world 2 | fsdp" in ranks[0].stdout
+    fsdp_out = results[0][0].stdout  # rank 0's, the one that prints
     # every rank took part in evaluation: the same numbers and texts as one process
     for key in ("loss", "val_loss", "hellaswag_acc"):
         (steps_a, a), (steps_b, b) = zip(*log_of(single, key)), zip(*log_of(fsdp, key))
@@ -223,9 +229,7 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     assert_same_layout(ckpt(fsdp, 10), ckpt(single, 10))
 
     # FSDP resumes its own checkpoint exactly; one process continues it with the same losses
-    for resumed in (fsdp_resumed, single_resumed):
-        resume_copy(fsdp, resumed, 10)
-    fsdp_run(run_args(data_dir, fsdp_resumed, hellaswag_file, "--resume"))
+    resume_copy(fsdp, single_resumed, 10)
     assert log_of(fsdp_resumed, "loss") == log_of(fsdp, "loss")
     a, b = ckpt(fsdp, 20)["model"], ckpt(fsdp_resumed, 20)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,7 +1,8 @@
 """No rank can hurt another: ranks started differently are refused with one line, and
-a rank that dies leaves the survivors one line naming the last good checkpoint. Every case is a
-real torchrun launch of 2 gloo ranks on the CPU; the checkpoints already in --out-dir must still
-load, byte for byte the same."""
+a rank that dies leaves the survivors one line naming the last good checkpoint. 2 gloo ranks on the
+CPU: a killed rank, the launcher's report and teardown are real torchrun launches; the other start-up
+refusals are cases of one launch (run_on_ranks). The checkpoints already in --out-dir must still load,
+byte for byte the same."""
 
 import glob
 import hashlib
@@ -17,7 +18,7 @@ from trainkit.runfiles import checkpoints
 from trainkit.data.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, child_pids, kill_group, kill_pids, tiny_run_args, torchrun, tree_hashes
-from conftest import start, wait_for
+from conftest import run_on_ranks, start, wait_for
 from shards import write_manifest
 
 T = 16
@@ -59,19 +60,23 @@ def launch_per_rank(shell, args, env=None, script="train_gpt2.py", **popen):
     return start([*launch, "bash", "-c", shell, "_", sys.executable, str(REPO / script), *args], env=env, **popen)
 
 
-@pytest.fixture
-def trained(data_dir, tmp_path):
-    """An out dir holding one checkpoint (step 2), and its hashes."""
-    out = tmp_path / "out"
+def trained_run(data_dir, out) -> tuple:
+    """out holding one checkpoint (step 2), and its hashes."""
     assert tg.main(args_for(data_dir, out)) == 0
     return out, checkpoint_hashes(out)
+
+
+@pytest.fixture
+def trained(data_dir, tmp_path):
+    return trained_run(data_dir, tmp_path / "out")
 
 
 # --- ranks that agree --------------------------------------------------------------------------
 
 
 def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, trained):
-    # before: a different --max-steps ended in a gloo SIGABRT (83 lines); a different --max-lr trained on
+    # before: a different --max-steps ended in a gloo SIGABRT (83 lines); a different --max-lr trained on.
+    # The launcher's side of every start-up refusal: torchrun exits 1, one line, each rank's exit code 2
     out, hashes = trained
     proc = launch_per_rank(
         'exec "$@" --max-steps $((4 + RANK)) --max-lr 1e-$((2 + RANK))', args_for(data_dir, out, "--resume")
@@ -88,37 +93,37 @@ def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, train
     assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
 
 
-def test_ranks_with_different_data_of_the_same_sizes_are_refused(data_dir, trained, tmp_path):
+# The other start-up refusals: each set up in a folder of its own, then all run as cases of ONE torchrun launch
+# (conftest's run_on_ranks). A setup gives its case, the one line expected, and a check of what the case left.
+
+
+def different_data_of_the_same_sizes(data_dir, folder):
     # the same --data-dir holds another corpus on each rank, cut into shards of the same names and
     # sizes, as two nodes' local copies might: it trained on (the ranks compared names and sizes)
-    out, hashes = trained
+    out, hashes = trained_run(data_dir, folder / "out")
     for rank in (0, 1):
-        shutil.copytree(data_dir, tmp_path / f"rank{rank}" / "data")
-    shard = sorted(glob.glob(str(tmp_path / "rank1" / "data" / "*_train_*.npy")))[-1]
+        shutil.copytree(data_dir, folder / f"rank{rank}" / "data")
+    shard = sorted(glob.glob(str(folder / "rank1" / "data" / "*_train_*.npy")))[-1]
     np.save(shard, np.load(shard)[::-1])  # the same tokens in another order: same size
-    proc = launch_per_rank(
-        'cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, "--resume"), env={"BASE": str(tmp_path)}
-    )
-    _, err = proc.communicate(timeout=300)
-    name = os.path.basename(shard)
-    size = os.path.getsize(shard)
-    sampled = [shard_files([str(tmp_path / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
-    assert proc.returncode == 1
-    assert error_lines(err) == [
+    name, size = os.path.basename(shard), os.path.getsize(shard)
+    sampled = [shard_files([str(folder / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
+    line = (
         f"error: the ranks of this launch were started differently: train shards in "
         f"--data-dir: {name} is {size} bytes of sampled content {sampled[0]} on rank 0 but "
         f"{size} bytes of sampled content {sampled[1]} on rank 1; every rank needs the same "
         "command and the same --data-dir files"
-    ], err[-3000:]
-    assert_checkpoints_intact(out, hashes)
+    )
+    args = args_for("data", out, "--resume")
+    case = dict(script="train_gpt2", argv=[args, args], cwd=[folder / "rank0", folder / "rank1"])
+    return case, line, lambda ranks: assert_checkpoints_intact(out, hashes) is None  # (it asserts)
 
 
-def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(data_dir, tmp_path):
+def a_copy_that_differs_outside_the_sampled_slices(data_dir, folder):
     """One byte differs between two nodes' copies of a shard, outside the 16 slices the ranks compare at
     start-up (before: trained on, the manifest's sha256 never checked): rank 1's full check of its copy,
     beside the steps, stops every rank before a checkpoint, in one line naming the shard and the rank."""
     rng = np.random.default_rng(5)
-    copies = [tmp_path / f"rank{rank}" / "data" for rank in (0, 1)]
+    copies = [folder / f"rank{rank}" / "data" for rank in (0, 1)]
     copies[0].mkdir(parents=True)
     np.save(copies[0] / "synth_val_000000.npy", rng.integers(0, 64, 2000).astype(np.uint16))
     np.save(copies[0] / "synth_train_000001.npy", rng.integers(0, 64, 600_000).astype(np.uint16))  # 1.2 MB
@@ -129,20 +134,50 @@ def test_a_copy_that_differs_outside_the_sampled_slices_stops_every_rank(data_di
     damaged[SAMPLE_BYTES + 10] ^= 1  # a token's low byte, between the first two slices
     shard.write_bytes(bytes(damaged))
     assert len({shard_files([str(copy / shard.name)])[0][2] for copy in copies}) == 1  # sampled: the same
-    before = [tree_hashes(copy) for copy in copies]
-    out = tmp_path / "out"
-    proc = launch_per_rank(
-        'cd "$BASE/rank$RANK" && exec "$@"', args_for("data", out, steps=4), env={"BASE": str(tmp_path)}
-    )
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1
-    assert error_lines(err) == [
+    before, out = [tree_hashes(copy) for copy in copies], folder / "out"
+    line = (
         f"error: rank 1: data/{shard.name} has sha256 {hashlib.sha256(damaged).hexdigest()[:16]}..., not the "
         f"{recorded[:16]}... that data/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
         "copy?); restore it, or re-create the data set with fineweb.py"
-    ], err[-3000:]
-    assert err.count("exitcode  : 2") == 2 and "[rank" not in err, err[-3000:]  # both ranks stopped, no traceback
-    assert [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*.pt"))
+    )
+    args = args_for("data", out, steps=4)
+    case = dict(script="train_gpt2", argv=[args, args], cwd=[copy.parent for copy in copies])
+    return case, line, lambda ranks: [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*"))
+
+
+def a_file_that_only_one_rank_lacks(data_dir, folder):
+    # each node reads its own disk: rank 1's missing copy is printed by rank 0, once (before: no line)
+    out, _ = trained_run(data_dir, folder / "out")
+    args = ["--checkpoint", out, "--data-file", HELLASWAG_FILE, "--limit", "6"]
+    case = dict(script="hellaswag", argv=[args, [*args, "--data-file", folder / "missing.jsonl"]])
+    line = f"error: rank 1: --data-file {folder / 'missing.jsonl'} does not exist"
+    return case, line, lambda ranks: [rank.stdout for rank in ranks] == ["", ""]
+
+
+REFUSED = (
+    different_data_of_the_same_sizes,
+    a_copy_that_differs_outside_the_sampled_slices,
+    a_file_that_only_one_rank_lacks,
+)
+
+
+@pytest.fixture(scope="module")
+def refused(data_dir, tmp_path_factory) -> dict:
+    """By setup's name in REFUSED: its line, its check, and its case's result on each rank."""
+    setups = [setup(data_dir, tmp_path_factory.mktemp(setup.__name__)) for setup in REFUSED]
+    results = run_on_ranks([case for case, _, _ in setups])
+    return {setup.__name__: (*rest, ranks) for setup, (_, *rest), ranks in zip(REFUSED, setups, results)}
+
+
+@pytest.mark.parametrize("setup", [setup.__name__ for setup in REFUSED])
+def test_ranks_that_see_different_inputs_stop_alike_with_one_line(refused, setup):
+    """Every rank exits 2, their stderr together holds the one `error:` line and no traceback, and what was
+    there before is left as it was (setup's check)."""
+    line, check, ranks = refused[setup]
+    err = "".join(rank.stderr for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [2, 2] and error_lines(err) == [line], err[-3000:]
+    assert "[rank" not in err and "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    assert check(ranks)
 
 
 # --- a rank that dies ----------------------------------------------------------------------------
@@ -195,14 +230,6 @@ def hellaswag_per_rank(out, rank1_args, **popen):
         script="hellaswag.py",
         **popen,
     )
-
-
-def test_a_file_that_only_one_rank_lacks_is_named_once(trained, tmp_path):
-    # each node reads its own disk: rank 1's missing copy is printed by rank 0, once (before: no line)
-    missing = tmp_path / "missing.jsonl"
-    out, err = hellaswag_per_rank(trained[0], f"--data-file {missing}").communicate(timeout=300)
-    assert out == "" and error_lines(err) == [f"error: rank 1: --data-file {missing} does not exist"], err[-3000:]
-    assert "exitcode  : 2" in err and "exitcode  : 1" not in err  # both ranks refused, as for a bad flag
 
 
 def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):

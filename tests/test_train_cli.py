@@ -10,7 +10,7 @@ import pytest
 
 from trainkit.runfiles import resume
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, TEXT_FILE, run_cli, run_main, tiny_run_args
+from conftest import HELLASWAG_FILE, TEXT_FILE, run_main, run_on_ranks, tiny_run_args
 
 T = 32
 # a small alphabet, so that the loss has somewhere to go in 10 steps
@@ -42,31 +42,49 @@ def read_log(out_dir, key="loss"):
 
 
 # Each variant runs FSDP in one of its two splits (4 rows x 1 step on each of 2 ranks, or 2 rows x
-# 2 steps): together they cover both, and every torchrun launch costs ~10 s of the suite. The second
-# also masks attention to each document of its rows (--doc-mask), as modded-nanogpt pairs them.
-@pytest.mark.parametrize(
-    "align,fsdp_rows", [([], 4), (["--align-docs", "--doc-mask"], 2)], ids=["plain", "align-docs+doc-mask"]
-)
-def test_every_split_logs_the_same_loss(data_dir, tmp_path, align, fsdp_rows):
+# 2 steps): together they cover both. The second also masks attention to each document of its rows
+# (--doc-mask), as modded-nanogpt pairs them.
+SPLITS = {"plain": ([], 4), "align-docs+doc-mask": (["--align-docs", "--doc-mask"], 2)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(data_dir, tmp_path_factory) -> dict:
+    """By variant of SPLITS: the out dirs of its DDP run (2 rows x 2 ranks) and FSDP run, and each one's rank 0
+    output; all four runs cases of ONE torchrun launch (conftest's run_on_ranks)."""
+    folder = tmp_path_factory.mktemp("splits")
+    runs = [
+        (variant, name, train_args(data_dir, folder / variant / name, B, *align, *mode))
+        for variant, (align, fsdp_rows) in SPLITS.items()
+        for name, B, mode in (("ddp", 2, []), ("fsdp", fsdp_rows, ["--fsdp"]))
+    ]
+    results = run_on_ranks([dict(script="train_gpt2", argv=[args, args]) for _, _, args in runs])
+    found = {variant: {} for variant in SPLITS}
+    for (variant, name, _), ranks in zip(runs, results):
+        assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+        found[variant][name] = (folder / variant / name, ranks[0].stdout)
+    return found
+
+
+@pytest.mark.parametrize("variant", SPLITS)
+def test_every_split_logs_the_same_loss(data_dir, tmp_path, two_rank_runs, variant):
+    align, fsdp_rows = SPLITS[variant]
     assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
     assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
-    for name, B, mode in (("ddp", 2, []), ("fsdp", fsdp_rows, ["--fsdp"])):
-        result = run_cli(train_args(data_dir, tmp_path / name, B, *align, *mode), nproc=2)  # B rows x 2 ranks
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in result.stdout
+    for name, B in (("ddp", 2), ("fsdp", fsdp_rows)):  # B rows x 2 ranks
+        assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in two_rank_runs[variant][name][1]
+    ddp_dir, fsdp_dir = (two_rank_runs[variant][name][0] for name in ("ddp", "fsdp"))
     if align:  # the mask changes what is computed: step 0's loss is not --align-docs' alone
         assert tg.main(train_args(data_dir, tmp_path / "unmasked", 8, "--align-docs", steps=1)) == 0
         assert abs(read_log(tmp_path / "unmasked")[0] - read_log(tmp_path / "b8")[0]) > 1e-4  # 9.5e-4 at init
-    one, accum, world, fsdp = (read_log(tmp_path / d) for d in ("b8", "b2", "ddp", "fsdp"))
+    one, accum = (read_log(tmp_path / d) for d in ("b8", "b2"))
+    world, fsdp = read_log(ddp_dir), read_log(fsdp_dir)
     assert len(one) == 10
     for losses in (accum, world, fsdp):
         np.testing.assert_allclose(losses, one, rtol=2e-5)
     np.testing.assert_allclose(fsdp, world, rtol=2e-5)
     # the norm FSDP clips by is DDP's, up to fp32 rounding of the 1.6M-entry wte gradient's norm,
     # which sums differently in two shards (step 0: DDP's 5.4e-6, FSDP's 2.7e-6 below float64's)
-    np.testing.assert_allclose(
-        read_log(tmp_path / "fsdp", "grad_norm"), read_log(tmp_path / "ddp", "grad_norm"), rtol=1e-3
-    )
+    np.testing.assert_allclose(read_log(fsdp_dir, "grad_norm"), read_log(ddp_dir, "grad_norm"), rtol=1e-3)
     tokens = read_log(tmp_path / "b8", "tokens")
     if align:
         assert len(set(tokens)) > 1 and max(tokens) < 8 * T  # padding makes the counts vary
