@@ -1,13 +1,7 @@
-"""slurm/train_gpt2.sbatch under a real Slurm: munge, slurmctld and slurmd started on this machine, a
-one-node cluster, jobs of two CPU ranks. One job is stopped every way a job stops, one attempt each: the
-time limit before the first checkpoint (not requeued), a preemption (scontrol requeue), Slurm's own signal
-before the time limit, rank 0 killed outright, and the time limit of a job Slurm will not requeue; each
-attempt resumes from the checkpoint before it, the lock a killed attempt leaves stopping none, and the
-whole run has the losses of an uninterrupted one.
-
-The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
-run as root) and root (slurmd), and are skipped, saying so, without them. About three minutes on a busy
-2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
+"""slurm/train_gpt2.sbatch under a real Slurm started here (munged, slurmctld, slurmd; one node, jobs of two CPU
+ranks): one job stopped every way a job stops, each attempt resuming, with the losses of an uninterrupted run.
+The tests marked slurm need Slurm (apt-get install slurm-wlm munge; .ci/run installs it as root) and root, else are
+skipped, saying so. About three minutes on a busy 2-core machine (`-m slurm` alone, `-m "not slurm"` left out)."""
 
 import contextlib
 import json
@@ -22,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, start, tiny_run_args, torchrun
+from conftest import REPO, assert_refused, free_port, kill_pids, start, tiny_run_args, torchrun
 
 SCRIPT = "slurm/train_gpt2.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -101,12 +95,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
         self._daemon("slurmctld", "-D", "-i")
         self._daemon("slurmd", "-D")
-        wait_for(
-            lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle",
-            60,
-            "the node to be idle",
-            self.logs,
-        )
+        idle = lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle"
+        wait_for(idle, 60, "the node to be idle", self.logs)
 
     def _daemon(self, name, *args):
         with open(os.path.join(self.folder, f"{name}.out"), "w") as out:
@@ -122,17 +112,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                     self.run("scancel", *jobs, check=False)
                     poll(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).split(), KILL_WAIT + 30)
         for daemon in reversed(self.daemons):
-            with contextlib.suppress(ProcessLookupError):
-                daemon.terminate()
+            daemon.terminate()  # (Popen's terminate and kill: no error for a process gone already)
             try:
                 daemon.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    daemon.kill()
+                daemon.kill()
                 daemon.wait(timeout=20)
-        for pid in processes_with_env(f"SLURM_CONF={self.conf}"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        kill_pids(processes_with_env(f"SLURM_CONF={self.conf}"))
 
     def logs(self) -> str:
         """The daemons' logs, ends only: what a failed wait prints."""
@@ -247,20 +233,10 @@ def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
     """Run with bash instead of sbatch, the script starts nothing: one line, exit code 2."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(
-        ["bash", SCRIPT, "--out-dir", str(tmp_path / "out")],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        ["bash", SCRIPT, "--out-dir", tmp_path / "out"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
-    assert (result.returncode, result.stdout, result.stderr) == (
-        2,
-        "",
-        "error: no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch\n",
-    )
-    assert os.listdir(tmp_path) == []
+    assert_refused(result, "no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch")
+    assert result.stdout == "" and os.listdir(tmp_path) == []
 
 
 @pytest.mark.slurm
@@ -323,12 +299,9 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     wait_for(lambda: "stopped by signal" in read(output)[seen:], KILL_WAIT + 30, "the preempted run to stop", details)
     stops = [stop_step(attempt_ended(2, "the preempted job to be requeued"))]
     resumed(stops[0], 2)
-    straight = start(  # the uninterrupted run, stopped once it has trained as far as the job
-        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir, 100000)],
-        env=cluster.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    # the uninterrupted run, stopped once it has trained as far as the job
+    cmd = [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir, 100000)]
+    straight = start(cmd, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # 3: at the time limit, which the signal is due 170 s before: at Slurm's next check of the limits (every 30 s)
         cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=3")

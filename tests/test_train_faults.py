@@ -1,8 +1,6 @@
-"""train_gpt2.py run as users run it, where something around the run goes wrong: a log.jsonl it
-cannot open, non-finite numbers, a closed terminal, signals during --eval-only, memory, a rank
-that alone sees bad data, changed shards, a run tracker that fails. Each case is the real script
-in a subprocess where only a process shows it (a terminal, signals, memory limits, torchrun ranks), else run
-in-process through main(argv): its exit code, its one error or warning line, and what it left on disk."""
+"""train_gpt2.py where something around the run goes wrong: a log.jsonl it cannot open, non-finite numbers, a closed
+terminal, signals during --eval-only, memory, a rank that alone sees bad data, changed shards, a failing run tracker.
+A subprocess where only a process shows it (terminal, signals, memory limits, ranks), else main(argv) in-process."""
 
 import contextlib
 import json
@@ -32,16 +30,7 @@ from shards import write_manifest
 SHARDS = RUN_SHARDS  # the shared finished run's data
 
 
-def strict_json(line: str):
-    def refuse(constant):
-        raise ValueError(f"{constant} is not JSON")
-
-    return json.loads(line, parse_constant=refuse)
-
-
 # --- log.jsonl ------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def read_only(path):
     """path made unwritable, for root too (chattr +i; root ignores file modes)."""
@@ -87,8 +76,8 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
     assert tg.main(tiny_run_args(data_dir, tmp_path, *flags, steps=3, ckpt_every=0)) == 2
     assert capsys.readouterr().err.startswith("error: step 3: not writing")
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
-    records = [strict_json(line) for line in lines]  # no NaN or Infinity anywhere
-    assert "NaN" not in "".join(lines) and "Infinity" not in "".join(lines)
+    assert "NaN" not in "".join(lines) and "Infinity" not in "".join(lines)  # the constants JSON has not
+    records = [json.loads(line) for line in lines]
     skipped = [r for r in records if "skipped" in r]
     assert [r["step"] for r in skipped] == [1, 2]
     for r in skipped:
@@ -101,8 +90,6 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
 
 
 # --- signals --------------------------------------------------------------------------------
-
-
 def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_path):
     """ssh drops: the terminal the run writes to is gone (writes fail with EIO) and SIGHUP arrives."""
     master, terminal = pty.openpty()
@@ -173,8 +160,6 @@ def test_eval_only_stops_at_once_on_a_signal(finished_run, long_val_data, signum
 
 
 # --- memory ---------------------------------------------------------------------------------
-
-
 def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     """134M parameters fit this machine's RAM (the check before building passes), but the process
     may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit.
@@ -185,9 +170,8 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
         resource.setrlimit(resource.RLIMIT_STACK, (2**20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
 
     args = tiny_run_args(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
-    result = run_command(
-        "train_gpt2.py", *args, preexec_fn=limit_address_space, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
-    )  # (fewer address-space reservations)
+    # (MALLOC_ARENA_MAX: fewer address-space reservations)
+    result = run_command("train_gpt2.py", *args, preexec_fn=limit_address_space, env={"MALLOC_ARENA_MAX": "2"})
     # at one row per micro-step, a lower --batch-size cannot help; the limit is named beside the model's size
     assert_one_error_line(
         result,
@@ -287,8 +271,6 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
 
 
 # --- ranks ----------------------------------------------------------------------------------
-
-
 def data_with_token_600(folder, manifest: bool):
     """Shards of ids below 64 but for one 600 in row 1 of the train shard (tokens 16..32, not row 0's 0..16); with
     a manifest that records a max_id of 63 (as for a shard changed since), the start-up check does not see it."""
@@ -311,9 +293,7 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
     """Rank 1 reads the token beyond --vocab-size at step 0, and only rank 1 knows why it stops. It prints its line;
     rank 0 names the lost rank."""
     data = data_with_token_600(tmp_path / "data", manifest=True)
-    flags = (
-        "--vocab-size 512 --batch-size 1 --total-batch-size 32 --no-shuffle".split()
-    )  # rows in order: row 1 is rank 1's
+    flags = "--vocab-size 512 --batch-size 1 --total-batch-size 32 --no-shuffle".split()  # row 1 is rank 1's
     result = run_cli(tiny_run_args(str(data), tmp_path / "out", *flags, steps=4), nproc=2)
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert len(errors) == 2, result.stderr[-3000:]
@@ -332,15 +312,11 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
 
 
 # --- warnings -------------------------------------------------------------------------------
-
-
 def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
     assert (result.returncode, result.stderr) == (
         0,
-        "warning: --warmup-steps 10 is longer than --max-steps 4: the "
-        "learning rate only rises, to 0.004 at the last step, and never "
-        "reaches --max-lr 0.01\n",
+        "warning: --warmup-steps 10 is longer than --max-steps 4: the learning rate only rises, to 0.004 at the last step, and never reaches --max-lr 0.01\n",
     )
 
 
@@ -355,14 +331,12 @@ def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tm
     saved = checkpoints.load_checkpoint(str(finished_run / "ckpt_0000004.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
     now = shard_files([str(train[-1])])[0][2][:12]
-    assert (result.returncode, result.stderr) == (
-        0,
-        (
-            f"warning: --data-dir {data} changed since {out}/ckpt_0000004.pt was written (train shard {train[-1].name}: "
-            f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 4 on this "
-            "run reads other rows than the run it continues would have\n"
-        ),
+    warning = (
+        f"warning: --data-dir {data} changed since {out}/ckpt_0000004.pt was written (train shard {train[-1].name}: "
+        f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 4 on this "
+        "run reads other rows than the run it continues would have\n"
     )
+    assert (result.returncode, result.stderr) == (0, warning)
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3, 4, 5]
 
 
@@ -376,13 +350,8 @@ def test_wandb_failures(data_dir, tmp_path, fake_wandb, case):
         assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
         assert not (out / "log.jsonl").exists()
         return
-    assert (result.returncode, result.stderr) == (
-        0,
-        (
-            f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more "
-            f"records; {out}/log.jsonl has them all\n"
-        ),
-    )
+    warning = f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more records; {out}/log.jsonl has them all\n"
+    assert (result.returncode, result.stderr) == (0, warning)
     assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
 
 
@@ -396,15 +365,9 @@ def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
     )
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [
-        dict(n_layer=3, n_head=4, n_embd=48, block_size=40, vocab_size=300),
-        dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=50304),
-    ],
-)
+@pytest.mark.parametrize("shape", [(3, 4, 48, 40, 300), (1, 1, 8, 8, 50304)])
 def test_param_count_counts_what_the_model_builds(shape):
-    model = tg.GPT(tg.GPTConfig(**shape))
+    model = tg.GPT(tg.GPTConfig(**dict(zip(("n_layer", "n_head", "n_embd", "block_size", "vocab_size"), shape))))
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
