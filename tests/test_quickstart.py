@@ -84,9 +84,8 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     samples = out.split("quickstart: samples\n", 1)[1]
-    assert [line for line in samples.splitlines() if line.startswith("---")] == [
-        f"--- sample {i}/3 ---" for i in (1, 2, 3)
-    ]
+    headers = [line for line in samples.splitlines() if line.startswith("---")]
+    assert headers == [f"--- sample {i}/3 ---" for i in (1, 2, 3)]
     assert samples.split("--- sample 1/3 ---\n", 1)[1].startswith("def ")
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt", "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
@@ -153,15 +152,9 @@ def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it
     for name in ("sample.py", "trainkit"):
         (tmp_path / name).symlink_to(REPO / name)
     start = "error: cannot import the libraries this script needs (ModuleNotFoundError: No module named 'torch'): "
-    for venv, fix in [
-        (False, "reinstall them (pip install -r requirements.txt)"),
-        (
-            True,
-            "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` "
-            "first, or .venv/bin/python sample.py",
-        ),
-    ]:
-        if venv:
+    venv = "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` first, or .venv/bin/python sample.py"
+    for fix in ("reinstall them (pip install -r requirements.txt)", venv):
+        if fix == venv:
             (tmp_path / ".venv" / "bin").mkdir(parents=True)
             (tmp_path / ".venv" / "bin" / "python").touch()
         # -S: no site-packages, as a python that lacks the libraries
@@ -184,10 +177,7 @@ def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
     fake_python.chmod(0o755)
 
     def install(*version):
-        script = (
-            'say() { echo "say: $*"; }; PY=' + str(fake_python) + "; PIP=(echo pip install); "
-            '. .ci/install_torch.sh; install_torch "$@"'
-        )
+        script = f'say() {{ echo "say: $*"; }}; PY={fake_python}; PIP=(echo pip install); . .ci/install_torch.sh; install_torch "$@"'
         proc = bash("-c", script, "install", *version, **OFFLINE)
         assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
         return proc.stdout.splitlines()

@@ -23,15 +23,13 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo")
 KILL_WAIT = 15  # seconds a job's processes get between SIGTERM and SIGKILL
 CRED_EXPIRE = 5  # seconds a requeued job waits before it may start again (Slurm's default: 120)
-T = 16
 SHARDS = dict(n_docs=500, seed=4)
 
 
-def args_for(data_dir, out_dir, steps):
-    """The tests' tiny model; every step's loss logged, a checkpoint only at the end or on a stop."""
-    return tiny_run_args(
-        data_dir, out_dir, steps=steps, n_layer=1, block_size=16, seq_len=T, B=2, rows=4, warmup=1, ckpt_every=0
-    )
+def args_for(data_dir, out_dir):
+    """The tests' tiny model, trained until stopped; every step's loss logged, a checkpoint only on a stop."""
+    tiny = dict(n_layer=1, block_size=16, seq_len=16, B=2, rows=4, warmup=1, ckpt_every=0)
+    return tiny_run_args(data_dir, out_dir, steps=100000, **tiny)
 
 
 class Cluster:
@@ -131,15 +129,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
     def submit(self, out_file, trainer_args, *sbatch_args, cwd=REPO) -> str:
         """The job id of sbatch SCRIPT, from the repository's root as a user submits it, with the
         lines its comments say to change for this cluster overridden on the command line."""
-        sbatch = [
-            "sbatch",
-            "--parsable",
-            "--gpus-per-node=0",
-            "--cpus-per-task=1",
-            f"--output={out_file}",
-            *sbatch_args,
-        ]
-        return self.run(*sbatch, os.path.join(REPO, SCRIPT), *trainer_args, cwd=cwd).strip().split(";")[0]
+        sbatch = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out_file}"]
+        return self.run(*sbatch, *sbatch_args, f"{REPO}/{SCRIPT}", *trainer_args, cwd=cwd).strip().split(";")[0]
 
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
@@ -175,11 +166,9 @@ def wait_for(condition, timeout, what, details):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
-    missing = [name for name in DAEMONS + CLIENTS if not shutil.which(name)]
-    if missing:
+    if missing := [name for name in DAEMONS + CLIENTS if not shutil.which(name)]:
         pytest.skip(
-            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, "
-            "as .ci/run does when run as root"
+            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, as .ci/run does when run as root"
         )
     if os.geteuid() != 0:
         pytest.skip("slurmd runs as root, and these tests run as another user")
@@ -262,7 +251,7 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     sbatch --no-requeue). Every step is logged once, with the losses of one uninterrupted torchrun of two
     ranks, bit for bit. Prints the time from each stop to the resumed step."""
     out_dir, output, straight_dir = tmp_path / "out", tmp_path / "job.out", tmp_path / "straight"
-    job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--time=30", "--signal=B:USR1@170")
+    job = cluster.submit(output, args_for(data_dir, out_dir), "--time=30", "--signal=B:USR1@170")
     details, seen, times = job_details(cluster, output), 0, []
 
     def attempt_ended(restarts, what, state=None) -> str:
@@ -300,7 +289,7 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     stops = [stop_step(attempt_ended(2, "the preempted job to be requeued"))]
     resumed(stops[0], 2)
     # the uninterrupted run, stopped once it has trained as far as the job
-    cmd = [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir, 100000)]
+    cmd = [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir)]
     straight = start(cmd, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # 3: at the time limit, which the signal is due 170 s before: at Slurm's next check of the limits (every 30 s)
