@@ -72,11 +72,9 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
     # the --limit of QUICKSTART_HELLASWAG_ARGS; offline, of the subset the repository ships, said so
     hellaswag = out.split("quickstart: HellaSwag, first 3 examples\n", 1)[1].splitlines()[:4]
     assert hellaswag[:3] == [
-        f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset "
-        "shipped in fixtures/ instead",
+        f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset shipped in fixtures/ instead",
         f"hellaswag: scoring {OUT}/ckpt_0000003.pt, step 3",
-        "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
-        "ships, not the full 10042-example set); chance is 0.25",
+        "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository ships, not the full 10042-example set); chance is 0.25",
     ]
     assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 3}')
     assert "UserWarning" not in out + first.stderr
@@ -113,10 +111,8 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
         kill_group(proc)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
     same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
-    assert stderr.splitlines()[-1] == (
-        f"quickstart: interrupted; run the same command again to resume: bash quickstart.sh {same_command} "
-        "--max-steps 100000"
-    )
+    expected = f"quickstart: interrupted; run the same command again to resume: bash quickstart.sh {same_command} --max-steps 100000"
+    assert stderr.splitlines()[-1] == expected
     assert "quickstart: reusing the tokenized standard library in data/stdlib" in stdout
     assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in stdout
     assert "step     3/100000 | loss" in stdout and "step     2/100000" not in stdout
@@ -137,11 +133,8 @@ def test_damaged_bpe_is_one_line(clone, tmp_path):
     finally:
         bpe.write_bytes(good)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == (
-        f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 "
-        f"{hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), "
-        "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
-    )
+    expected = f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 {hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
+    assert proc.stderr.splitlines()[-1] == expected
     assert "quickstart: tokenizing" not in proc.stdout
 
 
@@ -191,7 +184,6 @@ def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
     assert install()[1] == "pip install torch==2.13.0+cpu"  # the newest CPU build
     offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0\n")  # PyPI's list: no +cpu
     assert install("2.13.0") == [
-        "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA "
-        "libraries, larger, and runs on the CPU too)",
+        "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA libraries, larger, and runs on the CPU too)",
         "pip install torch==2.13.0",
     ]

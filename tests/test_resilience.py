@@ -63,9 +63,8 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
     model = tg.GPT(tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32))
     for name, shuffle in (("default", True), ("shuffle", True), ("no-shuffle", False)):
         x, y = tg.TokenRows(data_dir, "train", 16, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
-        assert losses(tmp_path / name)[0][1] == pytest.approx(
-            model(torch.from_numpy(x), torch.from_numpy(y))[1].item(), rel=1e-6
-        ), name
+        loss = model(torch.from_numpy(x), torch.from_numpy(y))[1].item()
+        assert losses(tmp_path / name)[0][1] == pytest.approx(loss, rel=1e-6), name
         assert checkpoints.load_checkpoint(str(tmp_path / name))["launch"]["shuffle"] == shuffle
     assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
     # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
@@ -90,10 +89,8 @@ def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_
     run_id = resume.read_run(str(tmp_path / "ckpt_0000008.pt"))["id"]
     capsys.readouterr()
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
-    assert capsys.readouterr().err == (
-        f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
-        "--resume to continue that run, or choose another --out-dir\n"
-    )
+    expected = f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass --resume to continue that run, or choose another --out-dir\n"
+    assert capsys.readouterr().err == expected
     args = tiny_run_args(data_dir, tmp_path, "--resume", steps=10)
     args[args.index("--n-embd") + 1] = "32"
     assert tg.main(args) == 2
@@ -349,13 +346,10 @@ def test_a_resume_on_two_ranks_trains_on_the_same_rows_and_ctrl_c_ends_it_with_t
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
     step = int(out.split("stopped by signal at step ")[1].split(";")[0])
     path = two / f"ckpt_{step:07d}.pt"
-    assert out.splitlines()[-1] == (
-        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command "
-        "plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
-    )
-    assert proc.returncode == 1 and err.splitlines()[-1].startswith(
-        "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
-    )  # torchrun's, not ours
+    expected = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    assert out.splitlines()[-1] == expected
+    traceback = "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
+    assert proc.returncode == 1 and err.splitlines()[-1].startswith(traceback)  # torchrun's, not ours
     assert "Sending process" in err and "forcefully" not in err  # the ranks ended themselves (no SIGKILL)
     assert sorted(os.listdir(two)) == ["ckpt_0000010.pt", path.name, "log.jsonl"]
     assert checkpoints.load_checkpoint(str(path))["step"] == step

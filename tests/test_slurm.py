@@ -134,8 +134,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
-        line = self.run("scontrol", "show", "job", "-o", job_id)
-        return dict(re.findall(r"(\w+)=(\S*)", line))
+        return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
 
 
 def processes_with_env(entry: str) -> list:
@@ -266,9 +265,8 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     def resumed(stopped, restarts):
         """Until the attempt after restarts has trained step stopped, resumed from its checkpoint."""
         line = f"resumed from {out_dir / f'ckpt_{stopped:07d}.pt'} at step {stopped}\n"
-        wait_for(
-            lambda: f"step {stopped:5d}/" in read(output)[seen:].partition(line)[2], 240, "a resumed step", details
-        )
+        trained = lambda: f"step {stopped:5d}/" in read(output)[seen:].partition(line)[2]
+        wait_for(trained, 240, "a resumed step", details)
         assert cluster.job(job)["Restarts"] == str(restarts) and read(output)[seen:].count(line) == 1
         times.append(time.time())
 
@@ -294,9 +292,8 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     try:
         # 3: at the time limit, which the signal is due 170 s before: at Slurm's next check of the limits (every 30 s)
         cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=3")
-        wait_for(
-            lambda: "the time limit is near" in read(output)[seen:], 90, "the signal before the time limit", details
-        )
+        near = lambda: "the time limit is near" in read(output)[seen:]
+        wait_for(near, 90, "the signal before the time limit", details)
         times.append(time.time())
         text = attempt_ended(3, "the script to requeue the job")
         cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")  # the next attempts train until stopped
