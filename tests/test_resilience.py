@@ -29,8 +29,7 @@ def same_weights(a, b, step) -> bool:
 
 def stop_after(monkeypatch, last_step, each_step=lambda trainer: None):
     """A trainer run in this process stops as on a signal during step last_step (it trains one more: a checkpoint at
-    last_step + 2): the reference of a run of --max-steps 100000 that a signal stopped in a subprocess. each_step(trainer)
-    is called after each step is logged."""
+    last_step + 2), calling each_step(trainer) after each logged step: the reference of a run a signal stopped."""
     log_step = tg.Trainer.log_step
 
     def log_step_then_stop(self, step, result, progress):

@@ -242,7 +242,7 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
 def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_uninterrupted_run(
     cluster, data_dir, tmp_path
 ):
-    """One job of five attempts, each ended another way (the module's docstring): 1, the time limit's signal
+    """One job of five attempts, each ended another way: 1, the time limit's signal
     (scancel --batch --signal=USR1, what Slurm sends) while the run still starts; 2, preempted: SIGTERM, the
     trainer finishes its step and checkpoints, Slurm starts the job again and the script adds --resume; 3,
     Slurm's own signal, 170 s before a limit cut to 3 minutes; 4, rank 0 killed outright (SIGKILL), its .lock
