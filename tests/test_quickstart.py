@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, kill_group, wait_for
+from conftest import REPO, kill_group, run_command, start, wait_for, with_env
 from trainkit.evaluation.hellaswag_examples import DATA_URL
 
 TINY_DATA = "--max-tokens 40K --shard-size 8K"  # 5 shards of 8K tokens (the first is validation)
@@ -32,50 +32,29 @@ def clone(tmp_path_factory):
     return path
 
 
-DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a machine without internet
+# proxies that refuse every connection: a machine without internet
+OFFLINE = dict.fromkeys(("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"), "http://127.0.0.1:9")
 
 
-def quickstart_env(clone, **env):
+def quickstart_env(clone, **env) -> dict:
     """As on a machine without internet (the packages are installed already): no TIKTOKEN_CACHE_DIR,
-    so the GPT-2 BPE comes from the clone's bpe/, and proxies that refuse every connection."""
-    offline = {
-        key: value for key, value in os.environ.items() if key not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
-    }
-    return {
-        **offline,
-        "QUICKSTART_VENV": sys.prefix,
-        "QUICKSTART_FINEWEB_ARGS": TINY_DATA,
-        "QUICKSTART_HELLASWAG_ARGS": FEW_EXAMPLES,
-        "HELLASWAG_DIR": str(clone / "hellaswag"),
-        "OMP_NUM_THREADS": "1",
-        "HTTPS_PROXY": DEAD_PROXY,
-        "HTTP_PROXY": DEAD_PROXY,
-        "https_proxy": DEAD_PROXY,
-        "http_proxy": DEAD_PROXY,
-        **env,
-    }
+    so the GPT-2 BPE comes from the clone's bpe/, and OFFLINE's proxies; env on top (with_env's)."""
+    tiny = dict(QUICKSTART_FINEWEB_ARGS=TINY_DATA, QUICKSTART_HELLASWAG_ARGS=FEW_EXAMPLES, OMP_NUM_THREADS="1")
+    cache = dict(TIKTOKEN_CACHE_DIR=None, DATA_GYM_CACHE_DIR=None, HELLASWAG_DIR=str(clone / "hellaswag"))
+    return {**OFFLINE, **tiny, **cache, "QUICKSTART_VENV": sys.prefix, **env}
+
+
+def bash(*args, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProcess:
+    """`bash args` in cwd, env set on top of this process's environment (with_env): the completed process, as text."""
+    return subprocess.run(["bash", *args], cwd=cwd, env=with_env(env), capture_output=True, text=True, timeout=timeout)
 
 
 def quickstart(clone, *args, **env):
-    return subprocess.run(
-        ["bash", "quickstart.sh", *args],
-        cwd=clone,
-        env=quickstart_env(clone, **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return bash("quickstart.sh", *args, cwd=clone, timeout=600, **quickstart_env(clone, **env))
 
 
 def test_help_prints_the_usage_and_does_nothing(clone):
-    proc = subprocess.run(
-        ["bash", "quickstart.sh", "--max-steps", "5", "--help"],
-        cwd=clone,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "QUICKSTART_VENV": str(clone / "no-venv")},
-    )
+    proc = bash("quickstart.sh", "--max-steps", "5", "--help", cwd=clone, QUICKSTART_VENV=str(clone / "no-venv"))
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout.startswith("From a fresh clone to a trained GPT-2")
     assert "(python train_gpt2.py --help lists them)" in proc.stdout and "QUICKSTART_VENV" in proc.stdout
@@ -93,11 +72,9 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
     # the --limit of QUICKSTART_HELLASWAG_ARGS; offline, of the subset the repository ships, said so
     hellaswag = out.split("quickstart: HellaSwag, first 3 examples\n", 1)[1].splitlines()[:4]
     assert hellaswag[:3] == [
-        f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset "
-        "shipped in fixtures/ instead",
+        f"quickstart: cannot download HellaSwag from {DATA_URL} ([Errno 111] Connection refused): scoring the subset shipped in fixtures/ instead",
         f"hellaswag: scoring {OUT}/ckpt_0000003.pt, step 3",
-        "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository "
-        "ships, not the full 10042-example set); chance is 0.25",
+        "hellaswag: the first 3 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the repository ships, not the full 10042-example set); chance is 0.25",
     ]
     assert hellaswag[3].startswith('{"acc": ') and hellaswag[3].endswith(', "n": 3}')
     assert "UserWarning" not in out + first.stderr
@@ -105,11 +82,8 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
     assert f"wrote {run.relative_to(clone) / 'loss.png'}" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     samples = out.split("quickstart: samples\n", 1)[1]
-    assert [line for line in samples.splitlines() if line.startswith("---")] == [
-        "--- sample 1/3 ---",
-        "--- sample 2/3 ---",
-        "--- sample 3/3 ---",
-    ]
+    headers = [line for line in samples.splitlines() if line.startswith("---")]
+    assert headers == [f"--- sample {i}/3 ---" for i in (1, 2, 3)]
     assert samples.split("--- sample 1/3 ---\n", 1)[1].startswith("def ")
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_0000002.pt", "ckpt_0000003.pt"]
     assert not list(tmp_path.glob("quickstart-*"))  # HellaSwag's stderr, kept in a temporary file, is gone
@@ -122,13 +96,10 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
 
     # the same command with more steps reuses the data and resumes; Ctrl-C (SIGINT to the whole process group, as
     # a terminal's, which does not ignore it) once it trains stops the trainer with a checkpoint, then the script
-    proc = subprocess.Popen(
+    proc = start(
         ["bash", "quickstart.sh", *TINY_TRAIN, "--max-steps", "100000"],
         cwd=clone,
         env=quickstart_env(clone, TMPDIR=str(tmp_path)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -140,10 +111,8 @@ def test_quickstart_runs_then_reuses_resumes_and_stops_on_ctrl_c(clone, tmp_path
         kill_group(proc)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
     same_command = " ".join(TINY_TRAIN).replace(OUT, "out/quick\\[1\\]\\*")  # quoted as bash's printf %q does
-    assert stderr.splitlines()[-1] == (
-        f"quickstart: interrupted; run the same command again to resume: bash quickstart.sh {same_command} "
-        "--max-steps 100000"
-    )
+    expected = f"quickstart: interrupted; run the same command again to resume: bash quickstart.sh {same_command} --max-steps 100000"
+    assert stderr.splitlines()[-1] == expected
     assert "quickstart: reusing the tokenized standard library in data/stdlib" in stdout
     assert f"resumed from {OUT}/ckpt_0000003.pt at step 3" in stdout
     assert "step     3/100000 | loss" in stdout and "step     2/100000" not in stdout
@@ -164,11 +133,8 @@ def test_damaged_bpe_is_one_line(clone, tmp_path):
     finally:
         bpe.write_bytes(good)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == (
-        f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 "
-        f"{hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), "
-        "or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
-    )
+    expected = f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 {hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
+    assert proc.stderr.splitlines()[-1] == expected
     assert "quickstart: tokenizing" not in proc.stdout
 
 
@@ -179,25 +145,13 @@ def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it
     for name in ("sample.py", "trainkit"):
         (tmp_path / name).symlink_to(REPO / name)
     start = "error: cannot import the libraries this script needs (ModuleNotFoundError: No module named 'torch'): "
-    for venv, fix in [
-        (False, "reinstall them (pip install -r requirements.txt)"),
-        (
-            True,
-            "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` "
-            "first, or .venv/bin/python sample.py",
-        ),
-    ]:
-        if venv:
+    venv = "the virtual environment .venv beside it is not active: run `. .venv/bin/activate` first, or .venv/bin/python sample.py"
+    for fix in ("reinstall them (pip install -r requirements.txt)", venv):
+        if fix == venv:
             (tmp_path / ".venv" / "bin").mkdir(parents=True)
             (tmp_path / ".venv" / "bin" / "python").touch()
         # -S: no site-packages, as a python that lacks the libraries
-        proc = subprocess.run(
-            [sys.executable, "-S", "sample.py", "--checkpoint", "out/quickstart"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = run_command("-S", "sample.py", "--checkpoint", "out/quickstart", cwd=tmp_path, timeout=60)
         assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", start + fix + "\n")
 
 
@@ -216,18 +170,8 @@ def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
     fake_python.chmod(0o755)
 
     def install(*version):
-        script = (
-            'say() { echo "say: $*"; }; PY=' + str(fake_python) + "; PIP=(echo pip install); "
-            '. .ci/install_torch.sh; install_torch "$@"'
-        )
-        proc = subprocess.run(
-            ["bash", "-c", script, "install", *version],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "HTTPS_PROXY": DEAD_PROXY, "https_proxy": DEAD_PROXY},
-        )
+        script = f'say() {{ echo "say: $*"; }}; PY={fake_python}; PIP=(echo pip install); . .ci/install_torch.sh; install_torch "$@"'
+        proc = bash("-c", script, "install", *version, **OFFLINE)
         assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
         return proc.stdout.splitlines()
 
@@ -240,7 +184,6 @@ def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
     assert install()[1] == "pip install torch==2.13.0+cpu"  # the newest CPU build
     offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0\n")  # PyPI's list: no +cpu
     assert install("2.13.0") == [
-        "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA "
-        "libraries, larger, and runs on the CPU too)",
+        "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA libraries, larger, and runs on the CPU too)",
         "pip install torch==2.13.0",
     ]

@@ -18,29 +18,29 @@ from conftest import child_pids, free_port, kill_group, kill_pids, log_records, 
 from conftest import start, torchrun, wait_for_steps
 from shards import write_manifest
 
-T = 16
 SHARDS = dict(n_docs=500, seed=2)
 
 
-def final_weights(out_dir, step):
-    return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))["model"]
+def same_weights(a, b, step) -> bool:
+    """Whether runs a and b saved bit-identical weights at step."""
+    a, b = (checkpoints.load_checkpoint(os.path.join(d, f"ckpt_{step:07d}.pt"))["model"] for d in (a, b))
+    return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def stop_after(monkeypatch, last_step):
+def stop_after(monkeypatch, last_step, each_step=lambda trainer: None):
     """A trainer run in this process stops as on a signal during step last_step (it trains one more: a checkpoint at
-    last_step + 2): the reference of a run of --max-steps 100000 that a signal stopped in a subprocess."""
+    last_step + 2), calling each_step(trainer) after each logged step: the reference of a run a signal stopped."""
     log_step = tg.Trainer.log_step
 
     def log_step_then_stop(self, step, result, progress):
         log_step(self, step, result, progress)
-        self.stop.requested |= step == last_step
+        each_step(self)
+        self.stop.requested |= step >= last_step
 
     monkeypatch.setattr(tg.Trainer, "log_step", log_step_then_stop)
 
 
 # --- exact resume -------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "align",
     [[], ["--align-docs"], ["--optimizer", "muon"], ["--doc-mask"]],
@@ -51,9 +51,7 @@ def test_resume_is_bit_exact(data_dir, tmp_path, align):
     assert tg.main(tiny_run_args(data_dir, straight, *align)) == 0
     resume_copy(straight, resumed, 10)
     assert tg.main(tiny_run_args(data_dir, resumed, *align, "--resume")) == 0
-    assert losses(resumed) == losses(straight)  # bit-identical, and no step logged twice
-    a, b = final_weights(straight, 20), final_weights(resumed, 20)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(resumed) == losses(straight) and same_weights(straight, resumed, 20)  # no step logged twice
 
 
 def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(data_dir, tmp_path, capsys):
@@ -63,10 +61,9 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
     torch.manual_seed(1337)  # the trainer's init: --seed's default
     model = tg.GPT(tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32))
     for name, shuffle in (("default", True), ("shuffle", True), ("no-shuffle", False)):
-        x, y = tg.TokenRows(data_dir, "train", T, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
-        assert losses(tmp_path / name)[0][1] == pytest.approx(
-            model(torch.from_numpy(x), torch.from_numpy(y))[1].item(), rel=1e-6
-        ), name
+        x, y = tg.TokenRows(data_dir, "train", 16, shuffle=shuffle, seed=1337).batch(0, 8)  # step 0's rows
+        loss = model(torch.from_numpy(x), torch.from_numpy(y))[1].item()
+        assert losses(tmp_path / name)[0][1] == pytest.approx(loss, rel=1e-6), name
         assert checkpoints.load_checkpoint(str(tmp_path / name))["launch"]["shuffle"] == shuffle
     assert losses(tmp_path / "default") != losses(tmp_path / "no-shuffle")
     # a resume that does not say goes on in its checkpoint's order; one that says otherwise is refused
@@ -79,10 +76,8 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
     ):
         assert tg.main(tiny_run_args(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
         key = flags[0].strip("-").replace("no-", "")
-        assert (
-            f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags"
-            in capsys.readouterr().err
-        )
+        err = capsys.readouterr().err
+        assert f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags" in err
 
 
 def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_of_another_model(
@@ -93,10 +88,8 @@ def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_
     run_id = resume.read_run(str(tmp_path / "ckpt_0000008.pt"))["id"]
     capsys.readouterr()
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
-    assert capsys.readouterr().err == (
-        f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass "
-        "--resume to continue that run, or choose another --out-dir\n"
-    )
+    expected = f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass --resume to continue that run, or choose another --out-dir\n"
+    assert capsys.readouterr().err == expected
     args = tiny_run_args(data_dir, tmp_path, "--resume", steps=10)
     args[args.index("--n-embd") + 1] = "32"
     assert tg.main(args) == 2
@@ -105,8 +98,6 @@ def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_
 
 
 # --- preemption -----------------------------------------------------------------------------
-
-
 def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_resumes_as_if_never_stopped(
     data_dir, tmp_path, monkeypatch
 ):
@@ -137,14 +128,10 @@ def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_r
     stop_after(monkeypatch, stop_step + 3)
     for out_dir, flags in ((preempted, ["--resume"]), (straight, [])):
         assert tg.main(tiny_run_args(data_dir, out_dir, *flags, steps=100000, ckpt_every=0)) == 0
-    assert losses(preempted) == losses(straight)
-    a, b = final_weights(straight, stop_step + 5), final_weights(preempted, stop_step + 5)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(preempted) == losses(straight) and same_weights(straight, preempted, stop_step + 5)
 
 
 # --- bad numbers ----------------------------------------------------------------------------
-
-
 def inject(monkeypatch, at_call, how):
     """Make the accumulate_gradients call number at_call (0-based) produce bad numbers."""
     original, calls = tg.accumulate_gradients, []
@@ -176,40 +163,23 @@ def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_skip_nonfinite_skips_the_update(data_dir, tmp_path, monkeypatch, optimizer):
-    inject(monkeypatch, 5, "nan")
-    args = tiny_run_args(data_dir, tmp_path, "--skip-nonfinite", "1", "--optimizer", optimizer, steps=10, ckpt_every=0)
-    assert tg.main(args) == 0
-    skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
-    assert skipped == [5]
-    assert all_finite(tmp_path / "ckpt_0000010.pt")
-
-
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_skip_spikes_skips_an_outlier_update(data_dir, tmp_path, monkeypatch, optimizer):
-    inject(monkeypatch, 30, "spike")
-    args = tiny_run_args(data_dir, tmp_path, "--skip-spikes", "6", "--optimizer", optimizer, steps=35, ckpt_every=0)
-    assert tg.main(args) == 0
+@pytest.mark.parametrize(
+    "how,flag,at,steps", [("nan", "--skip-nonfinite 1", 5, 10), ("spike", "--skip-spikes 6", 30, 35)]
+)
+def test_skip_flags_skip_that_update(data_dir, tmp_path, monkeypatch, optimizer, how, flag, at, steps):
+    """--skip-nonfinite skips the update of a non-finite step, --skip-spikes that of a loss spike: that step only."""
+    inject(monkeypatch, at, how)
+    assert (
+        tg.main(tiny_run_args(data_dir, tmp_path, *flag.split(), "--optimizer", optimizer, steps=steps, ckpt_every=0))
+        == 0
+    )
     records = [r for r in log_records(tmp_path) if "loss" in r]
-    assert [r["step"] for r in records if r.get("skipped")] == [30]
-    assert records[30]["skipped"] == "spike"
+    assert [r["step"] for r in log_records(tmp_path) if r.get("skipped")] == [at]
+    assert records[at]["skipped"] == {"nan": "nonfinite", "spike": "spike"}[how]
+    assert all_finite(tmp_path / f"ckpt_{steps:07d}.pt")
 
 
 # --- bad files --------------------------------------------------------------------------------
-
-
-def bad_shard_dir(tmp_path, name, data):
-    path = tmp_path / name
-    path.mkdir()
-    np.save(path / "good_train_000000.npy", np.arange(2000, dtype=np.uint16) % 64)
-    target = path / "bad_train_000001.npy"
-    if isinstance(data, bytes):
-        target.write_bytes(data)
-    else:
-        np.save(target, data)
-    return str(path), str(target)
-
-
 @pytest.mark.parametrize(
     "name,data,message",
     [
@@ -229,9 +199,11 @@ def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, mes
         full = tmp_path / "full.npy"
         np.save(full, np.arange(1000, dtype=np.uint16))
         data = full.read_bytes()[:500]
-    data_dir, bad = bad_shard_dir(tmp_path, name, data)
-    args = tiny_run_args(data_dir, tmp_path / "out", steps=300, ckpt_every=0)
-    assert tg.main(args) == 2
+    (tmp_path / name).mkdir()  # a good shard, then the bad one
+    np.save(tmp_path / name / "good_train_000000.npy", np.arange(2000, dtype=np.uint16) % 64)
+    bad = tmp_path / name / "bad_train_000001.npy"
+    bad.write_bytes(data) if isinstance(data, bytes) else np.save(bad, data)
+    assert tg.main(tiny_run_args(tmp_path / name, tmp_path / "out", steps=300, ckpt_every=0)) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}") and message in err and err.count("\n") == 1
 
@@ -271,18 +243,9 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
 
 
 # --- multi-node -------------------------------------------------------------------------------
-
-
 def start_two_nodes(args, port):
-    rdzv = [
-        "--nnodes=2",
-        "--nproc_per_node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=test",
-        "--max-restarts=0",
-    ]
-    return [start([*torchrun(*rdzv), "train_gpt2.py", *args]) for _ in range(2)]
+    rdzv = f"--nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id=test"
+    return [start([*torchrun(*rdzv.split(), "--max-restarts=0"), "train_gpt2.py", *args]) for _ in range(2)]
 
 
 def test_two_nodes_on_loopback_train_as_one_process_and_a_dead_node_makes_the_other_exit(
@@ -341,15 +304,8 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
     np.save(data / "synth_train_000099.npy", np.random.default_rng(0).integers(0, 64, 2_000_000).astype(np.uint16))
     write_manifest(data)
     monkeypatch.setattr(ShardDigestCheck, "CHUNK", 16)  # 4 MB in 16-byte reads: seconds, not milliseconds
-    hashing_at_stop = []
-    log_step = tg.Trainer.log_step
-
-    def log_step_then_stop(self, step, result, progress):  # as a SIGTERM after the first step (the next one stops)
-        log_step(self, step, result, progress)
-        hashing_at_stop.append(self.shard_check.thread.is_alive())
-        self.stop.requested = True
-
-    monkeypatch.setattr(tg.Trainer, "log_step", log_step_then_stop)
+    hashing_at_stop = []  # a SIGTERM during the first step (the next one stops)
+    stop_after(monkeypatch, 0, lambda trainer: hashing_at_stop.append(trainer.shard_check.thread.is_alive()))
     assert tg.main(tiny_run_args(str(data), tmp_path / "out", steps=100000, ckpt_every=0)) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("stopped by signal at step 2; ")
     assert hashing_at_stop[-1] is True  # still hashing when the run stopped
@@ -389,13 +345,10 @@ def test_a_resume_on_two_ranks_trains_on_the_same_rows_and_ctrl_c_ends_it_with_t
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
     step = int(out.split("stopped by signal at step ")[1].split(";")[0])
     path = two / f"ckpt_{step:07d}.pt"
-    assert out.splitlines()[-1] == (
-        f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command "
-        "plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
-    )
-    assert proc.returncode == 1 and err.splitlines()[-1].startswith(
-        "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
-    )  # torchrun's, not ours
+    expected = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    assert out.splitlines()[-1] == expected
+    traceback = "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
+    assert proc.returncode == 1 and err.splitlines()[-1].startswith(traceback)  # torchrun's, not ours
     assert "Sending process" in err and "forcefully" not in err  # the ranks ended themselves (no SIGKILL)
     assert sorted(os.listdir(two)) == ["ckpt_0000010.pt", path.name, "log.jsonl"]
     assert checkpoints.load_checkpoint(str(path))["step"] == step

@@ -1,13 +1,7 @@
-"""slurm/train_gpt2.sbatch under a real Slurm: munge, slurmctld and slurmd started on this machine, a
-one-node cluster, jobs of two CPU ranks. One job is stopped every way a job stops, one attempt each: the
-time limit before the first checkpoint (not requeued), a preemption (scontrol requeue), Slurm's own signal
-before the time limit, rank 0 killed outright, and the time limit of a job Slurm will not requeue; each
-attempt resumes from the checkpoint before it, the lock a killed attempt leaves stopping none, and the
-whole run has the losses of an uninterrupted one.
-
-The tests marked slurm need Slurm (Debian: apt-get install slurm-wlm munge; .ci/run installs it when
-run as root) and root (slurmd), and are skipped, saying so, without them. About three minutes on a busy
-2-core machine: alone with `python -m pytest -q -m slurm tests`, left out with `-m "not slurm"`."""
+"""slurm/train_gpt2.sbatch under a real Slurm started here (munged, slurmctld, slurmd; one node, jobs of two CPU
+ranks): one job stopped every way a job stops, each attempt resuming, with the losses of an uninterrupted run.
+The tests marked slurm need Slurm (apt-get install slurm-wlm munge; .ci/run installs it as root) and root, else are
+skipped, saying so. About three minutes on a busy 2-core machine (`-m slurm` alone, `-m "not slurm"` left out)."""
 
 import contextlib
 import json
@@ -22,22 +16,20 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, start, tiny_run_args, torchrun
+from conftest import REPO, assert_refused, free_port, kill_pids, start, tiny_run_args, torchrun
 
 SCRIPT = "slurm/train_gpt2.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo")
 KILL_WAIT = 15  # seconds a job's processes get between SIGTERM and SIGKILL
 CRED_EXPIRE = 5  # seconds a requeued job waits before it may start again (Slurm's default: 120)
-T = 16
 SHARDS = dict(n_docs=500, seed=4)
 
 
-def args_for(data_dir, out_dir, steps):
-    """The tests' tiny model; every step's loss logged, a checkpoint only at the end or on a stop."""
-    return tiny_run_args(
-        data_dir, out_dir, steps=steps, n_layer=1, block_size=16, seq_len=T, B=2, rows=4, warmup=1, ckpt_every=0
-    )
+def args_for(data_dir, out_dir):
+    """The tests' tiny model, trained until stopped; every step's loss logged, a checkpoint only on a stop."""
+    tiny = dict(n_layer=1, block_size=16, seq_len=16, B=2, rows=4, warmup=1, ckpt_every=0)
+    return tiny_run_args(data_dir, out_dir, steps=100000, **tiny)
 
 
 class Cluster:
@@ -101,12 +93,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
         self._daemon("slurmctld", "-D", "-i")
         self._daemon("slurmd", "-D")
-        wait_for(
-            lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle",
-            60,
-            "the node to be idle",
-            self.logs,
-        )
+        idle = lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle"
+        wait_for(idle, 60, "the node to be idle", self.logs)
 
     def _daemon(self, name, *args):
         with open(os.path.join(self.folder, f"{name}.out"), "w") as out:
@@ -122,17 +110,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                     self.run("scancel", *jobs, check=False)
                     poll(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).split(), KILL_WAIT + 30)
         for daemon in reversed(self.daemons):
-            with contextlib.suppress(ProcessLookupError):
-                daemon.terminate()
+            daemon.terminate()  # (Popen's terminate and kill: no error for a process gone already)
             try:
                 daemon.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    daemon.kill()
+                daemon.kill()
                 daemon.wait(timeout=20)
-        for pid in processes_with_env(f"SLURM_CONF={self.conf}"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        kill_pids(processes_with_env(f"SLURM_CONF={self.conf}"))
 
     def logs(self) -> str:
         """The daemons' logs, ends only: what a failed wait prints."""
@@ -145,20 +129,12 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
     def submit(self, out_file, trainer_args, *sbatch_args, cwd=REPO) -> str:
         """The job id of sbatch SCRIPT, from the repository's root as a user submits it, with the
         lines its comments say to change for this cluster overridden on the command line."""
-        sbatch = [
-            "sbatch",
-            "--parsable",
-            "--gpus-per-node=0",
-            "--cpus-per-task=1",
-            f"--output={out_file}",
-            *sbatch_args,
-        ]
-        return self.run(*sbatch, os.path.join(REPO, SCRIPT), *trainer_args, cwd=cwd).strip().split(";")[0]
+        sbatch = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out_file}"]
+        return self.run(*sbatch, *sbatch_args, f"{REPO}/{SCRIPT}", *trainer_args, cwd=cwd).strip().split(";")[0]
 
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
-        line = self.run("scontrol", "show", "job", "-o", job_id)
-        return dict(re.findall(r"(\w+)=(\S*)", line))
+        return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
 
 
 def processes_with_env(entry: str) -> list:
@@ -189,11 +165,9 @@ def wait_for(condition, timeout, what, details):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
-    missing = [name for name in DAEMONS + CLIENTS if not shutil.which(name)]
-    if missing:
+    if missing := [name for name in DAEMONS + CLIENTS if not shutil.which(name)]:
         pytest.skip(
-            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, "
-            "as .ci/run does when run as root"
+            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, as .ci/run does when run as root"
         )
     if os.geteuid() != 0:
         pytest.skip("slurmd runs as root, and these tests run as another user")
@@ -247,20 +221,10 @@ def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
     """Run with bash instead of sbatch, the script starts nothing: one line, exit code 2."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(
-        ["bash", SCRIPT, "--out-dir", str(tmp_path / "out")],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        ["bash", SCRIPT, "--out-dir", tmp_path / "out"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
-    assert (result.returncode, result.stdout, result.stderr) == (
-        2,
-        "",
-        "error: no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch\n",
-    )
-    assert os.listdir(tmp_path) == []
+    assert_refused(result, "no Slurm job here (SLURM_JOB_ID is not set): submit this script with sbatch")
+    assert result.stdout == "" and os.listdir(tmp_path) == []
 
 
 @pytest.mark.slurm
@@ -278,7 +242,7 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
 def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_uninterrupted_run(
     cluster, data_dir, tmp_path
 ):
-    """One job of five attempts, each ended another way (the module's docstring): 1, the time limit's signal
+    """One job of five attempts, each ended another way: 1, the time limit's signal
     (scancel --batch --signal=USR1, what Slurm sends) while the run still starts; 2, preempted: SIGTERM, the
     trainer finishes its step and checkpoints, Slurm starts the job again and the script adds --resume; 3,
     Slurm's own signal, 170 s before a limit cut to 3 minutes; 4, rank 0 killed outright (SIGKILL), its .lock
@@ -286,7 +250,7 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     sbatch --no-requeue). Every step is logged once, with the losses of one uninterrupted torchrun of two
     ranks, bit for bit. Prints the time from each stop to the resumed step."""
     out_dir, output, straight_dir = tmp_path / "out", tmp_path / "job.out", tmp_path / "straight"
-    job = cluster.submit(output, args_for(data_dir, out_dir, 100000), "--time=30", "--signal=B:USR1@170")
+    job = cluster.submit(output, args_for(data_dir, out_dir), "--time=30", "--signal=B:USR1@170")
     details, seen, times = job_details(cluster, output), 0, []
 
     def attempt_ended(restarts, what, state=None) -> str:
@@ -301,9 +265,8 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     def resumed(stopped, restarts):
         """Until the attempt after restarts has trained step stopped, resumed from its checkpoint."""
         line = f"resumed from {out_dir / f'ckpt_{stopped:07d}.pt'} at step {stopped}\n"
-        wait_for(
-            lambda: f"step {stopped:5d}/" in read(output)[seen:].partition(line)[2], 240, "a resumed step", details
-        )
+        trained = lambda: f"step {stopped:5d}/" in read(output)[seen:].partition(line)[2]
+        wait_for(trained, 240, "a resumed step", details)
         assert cluster.job(job)["Restarts"] == str(restarts) and read(output)[seen:].count(line) == 1
         times.append(time.time())
 
@@ -323,18 +286,14 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     wait_for(lambda: "stopped by signal" in read(output)[seen:], KILL_WAIT + 30, "the preempted run to stop", details)
     stops = [stop_step(attempt_ended(2, "the preempted job to be requeued"))]
     resumed(stops[0], 2)
-    straight = start(  # the uninterrupted run, stopped once it has trained as far as the job
-        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir, 100000)],
-        env=cluster.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    # the uninterrupted run, stopped once it has trained as far as the job
+    cmd = [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args_for(data_dir, straight_dir)]
+    straight = start(cmd, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # 3: at the time limit, which the signal is due 170 s before: at Slurm's next check of the limits (every 30 s)
         cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=3")
-        wait_for(
-            lambda: "the time limit is near" in read(output)[seen:], 90, "the signal before the time limit", details
-        )
+        near = lambda: "the time limit is near" in read(output)[seen:]
+        wait_for(near, 90, "the signal before the time limit", details)
         times.append(time.time())
         text = attempt_ended(3, "the script to requeue the job")
         cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")  # the next attempts train until stopped

@@ -1,10 +1,9 @@
-"""train_gpt2.py run as users run it, where something around the run goes wrong: a log.jsonl it
-cannot open, non-finite numbers, a closed terminal, signals during --eval-only, memory, a rank
-that alone sees bad data, changed shards, a run tracker that fails. Each case is the real script
-in a subprocess where only a process shows it (a terminal, signals, memory limits, torchrun ranks), else run
-in-process through main(argv): its exit code, its one error or warning line, and what it left on disk."""
+"""train_gpt2.py where something around the run goes wrong: a log.jsonl it cannot open, non-finite numbers, a closed
+terminal, signals during --eval-only, memory, a rank that alone sees bad data, changed shards, a failing run tracker.
+A subprocess where only a process shows it (terminal, signals, memory limits, ranks), else main(argv) in-process."""
 
 import contextlib
+import glob
 import json
 import os
 import pty
@@ -32,16 +31,7 @@ from shards import write_manifest
 SHARDS = RUN_SHARDS  # the shared finished run's data
 
 
-def strict_json(line: str):
-    def refuse(constant):
-        raise ValueError(f"{constant} is not JSON")
-
-    return json.loads(line, parse_constant=refuse)
-
-
 # --- log.jsonl ------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def read_only(path):
     """path made unwritable, for root too (chattr +i; root ignores file modes)."""
@@ -59,21 +49,17 @@ def read_only(path):
 
 @pytest.mark.parametrize("what", ["directory", "dangling symlink", "read-only"])
 def test_log_that_cannot_be_opened_is_one_line(data_dir, tmp_path, what):
-    log = tmp_path / "log.jsonl"
+    log, fix = tmp_path / "log.jsonl", "make it a writable file, or choose another --out-dir"
     if what == "directory":
         log.mkdir()
-        expected = f"cannot open {log}: is a directory; make it a writable file, or choose another --out-dir"
+        expected = f"cannot open {log}: is a directory; {fix}"
     elif what == "dangling symlink":  # opening it for appending would create the file it points to
         log.symlink_to(tmp_path / "gone" / "log.jsonl")
-        expected = (
-            f"cannot open {log}: it is a symbolic link to {tmp_path}/gone/log.jsonl, which does not exist; "
-            "remove the link or point it at a file"
-        )
+        expected = f"cannot open {log}: it is a symbolic link to {tmp_path}/gone/log.jsonl, which does not exist; remove the link or point it at a file"
     else:
         log.write_bytes(b"")
         expected = (
-            f"cannot open {log}: {'operation not permitted' if os.geteuid() == 0 else 'permission denied'}; "
-            "make it a writable file, or choose another --out-dir"
+            f"cannot open {log}: {'operation not permitted' if os.geteuid() == 0 else 'permission denied'}; {fix}"
         )
     with read_only(log) if what == "read-only" else contextlib.nullcontext():
         assert_refused(run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=2)), expected)
@@ -87,8 +73,8 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
     assert tg.main(tiny_run_args(data_dir, tmp_path, *flags, steps=3, ckpt_every=0)) == 2
     assert capsys.readouterr().err.startswith("error: step 3: not writing")
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
-    records = [strict_json(line) for line in lines]  # no NaN or Infinity anywhere
-    assert "NaN" not in "".join(lines) and "Infinity" not in "".join(lines)
+    assert "NaN" not in "".join(lines) and "Infinity" not in "".join(lines)  # the constants JSON has not
+    records = [json.loads(line) for line in lines]
     skipped = [r for r in records if "skipped" in r]
     assert [r["step"] for r in skipped] == [1, 2]
     for r in skipped:
@@ -101,8 +87,6 @@ def test_log_stays_strict_json_when_the_numbers_are_not_finite(data_dir, tmp_pat
 
 
 # --- signals --------------------------------------------------------------------------------
-
-
 def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_path):
     """ssh drops: the terminal the run writes to is gone (writes fail with EIO) and SIGHUP arrives."""
     master, terminal = pty.openpty()
@@ -127,8 +111,7 @@ def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_pat
             os.close(master)
         if proc.poll() is None:
             proc.kill()
-    ckpts = list(tmp_path.glob("ckpt_*.pt"))
-    assert len(ckpts) == 1
+    assert len(ckpts := list(tmp_path.glob("ckpt_*.pt"))) == 1
     step = checkpoints.load_checkpoint(str(ckpts[0]))["step"]
     assert step >= 3 and [s for s, _ in losses(tmp_path)] == list(range(step))
 
@@ -137,9 +120,8 @@ def test_sighup_from_a_closed_terminal_stops_with_a_checkpoint(data_dir, tmp_pat
 def long_val_data(data_dir, tmp_path_factory):
     """data_dir with a val split of 200k rows: --eval-only --val-steps 100000 evaluates for minutes."""
     path = tmp_path_factory.mktemp("long_val")
-    for name in os.listdir(data_dir):
-        if "_train_" in name:
-            shutil.copy(os.path.join(data_dir, name), path)
+    for name in glob.glob(os.path.join(data_dir, "*_train_*")):
+        shutil.copy(name, path)
     rng = np.random.default_rng(0)
     np.save(path / "synth_val_000000.npy", rng.integers(0, 1000, 200_000 * 16 + 1).astype(np.uint16))
     return str(path)
@@ -151,9 +133,8 @@ def long_val_data(data_dir, tmp_path_factory):
     ids=["ctrl-c", "sigterm"],
 )
 def test_eval_only_stops_at_once_on_a_signal(finished_run, long_val_data, signum, code, line):
-    args = tiny_run_args(
-        long_val_data, finished_run, "--eval-only", "--resume", "--val-every", "1", "--val-steps", "100000", B=1
-    )
+    flags = "--eval-only --resume --val-every 1 --val-steps 100000".split()
+    args = tiny_run_args(long_val_data, finished_run, *flags, B=1)
     before = sorted(os.listdir(finished_run))
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
     proc = start(
@@ -173,8 +154,6 @@ def test_eval_only_stops_at_once_on_a_signal(finished_run, long_val_data, signum
 
 
 # --- memory ---------------------------------------------------------------------------------
-
-
 def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
     """134M parameters fit this machine's RAM (the check before building passes), but the process
     may only map 2 GiB: a Python with torch, the weights, gradients and AdamW moments (4 x 0.54 GB) do not fit.
@@ -185,17 +164,11 @@ def test_out_of_memory_while_training_is_one_line(data_dir, tmp_path):
         resource.setrlimit(resource.RLIMIT_STACK, (2**20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
 
     args = tiny_run_args(data_dir, tmp_path, "--n-embd", "1536", "--n-head", "16", B=1, steps=2)
-    result = run_command(
-        "train_gpt2.py", *args, preexec_fn=limit_address_space, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
-    )  # (fewer address-space reservations)
+    # (MALLOC_ARENA_MAX: fewer address-space reservations)
+    result = run_command("train_gpt2.py", *args, preexec_fn=limit_address_space, env={"MALLOC_ARENA_MAX": "2"})
     # at one row per micro-step, a lower --batch-size cannot help; the limit is named beside the model's size
-    assert_one_error_line(
-        result,
-        "out of memory on cpu (tried to allocate ",
-        " bytes): not even one row per micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a "
-        "smaller model; or raise the memory limit this process runs under (ulimit -v, 2097152 KiB). Last good "
-        "checkpoint: none",
-    )
+    rest = " bytes): not even one row per micro-step fits: pass --activation-checkpointing, a shorter --seq-len or a smaller model; or raise the memory limit this process runs under (ulimit -v, 2097152 KiB). Last good checkpoint: none"
+    assert_one_error_line(result, "out of memory on cpu (tried to allocate ", rest)
 
 
 # --- the micro-batch that fits (trainkit/runtime/recovery.py), on a real allocation failure -----------------------
@@ -239,14 +212,9 @@ def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, 
     result = squeezed(data_dir, out, "--squeeze", f"2:{SQUEEZED_TO}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
-    assert lines[0].startswith(
-        "--batch-size auto: 8 rows per micro-step fit cpu, 1 accumulation steps (tried 8: fits; 1 trials, "
-    )
-    assert re.fullmatch(
-        r"step     2 \| out of memory at 8 rows per micro-step \(tried to allocate \d+ bytes\): the "
-        r"step again at 4 rows \(2 accumulation steps\), the same rows and numbers",
-        lines[1],
-    ), lines[1]
+    chose = "--batch-size auto: 8 rows per micro-step fit cpu, 1 accumulation steps (tried 8: fits; 1 trials, "
+    redone = r"step     2 \| out of memory at 8 rows per micro-step \(tried to allocate \d+ bytes\): the step again at 4 rows \(2 accumulation steps\), the same rows and numbers"
+    assert lines[0].startswith(chose) and re.fullmatch(redone, lines[1]), lines
     assert len(lines) == 2 and "batch: 512 tokens/step = 8 rows x 64 tokens x 1 accumulation steps" in result.stdout
     records = log_records(out)
     assert len({r["run"] for r in records}) == 1  # one run throughout (the step redone is not a new one)
@@ -268,27 +236,20 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     out = tmp_path / "ddp"
     result = squeezed(data_dir, out, "--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}", nproc=2)
     assert result.returncode != 0
-    assert (
-        "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
-        in result.stdout
-    ), result.stdout + result.stderr[-3000:]
+    chose = "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
+    assert chose in result.stdout, result.stdout + result.stderr[-3000:]
     assert "batch: 512 tokens/step = 4 rows x 64 tokens x 1 accumulation steps x 2 ranks" in result.stdout
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert errors[0].startswith("error: rank 0: another rank of this launch died or stopped answering (")
     assert errors[1].startswith("error: rank 1: out of memory on cpu (tried to allocate ")
-    assert limit_named(errors[1]).endswith(
-        " bytes): --batch-size auto chose 4 rows per micro-step, which fit its trial but not this "
-        "step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. "
-        "Last good checkpoint: none"
-    )
+    expected = " bytes): --batch-size auto chose 4 rows per micro-step, which fit its trial but not this step: pass a smaller --batch-size, --activation-checkpointing or a shorter --seq-len. Last good checkpoint: none"
+    assert limit_named(errors[1]).endswith(expected)
     ref = tmp_path / "one_process"
     assert tg.main(tiny_run_args(data_dir, ref, *FULL_LOGITS, steps=2, B=4, ckpt_every=0)) == 0
     np.testing.assert_allclose([loss for _, loss in losses(out)], [loss for _, loss in losses(ref)], rtol=2e-5)
 
 
 # --- ranks ----------------------------------------------------------------------------------
-
-
 def data_with_token_600(folder, manifest: bool):
     """Shards of ids below 64 but for one 600 in row 1 of the train shard (tokens 16..32, not row 0's 0..16); with
     a manifest that records a max_id of 63 (as for a shard changed since), the start-up check does not see it."""
@@ -311,9 +272,7 @@ def test_bad_data_seen_by_one_rank_is_printed_by_that_rank(tmp_path):
     """Rank 1 reads the token beyond --vocab-size at step 0, and only rank 1 knows why it stops. It prints its line;
     rank 0 names the lost rank."""
     data = data_with_token_600(tmp_path / "data", manifest=True)
-    flags = (
-        "--vocab-size 512 --batch-size 1 --total-batch-size 32 --no-shuffle".split()
-    )  # rows in order: row 1 is rank 1's
+    flags = "--vocab-size 512 --batch-size 1 --total-batch-size 32 --no-shuffle".split()  # row 1 is rank 1's
     result = run_cli(tiny_run_args(str(data), tmp_path / "out", *flags, steps=4), nproc=2)
     errors = sorted(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert len(errors) == 2, result.stderr[-3000:]
@@ -332,15 +291,11 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
 
 
 # --- warnings -------------------------------------------------------------------------------
-
-
 def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
     assert (result.returncode, result.stderr) == (
         0,
-        "warning: --warmup-steps 10 is longer than --max-steps 4: the "
-        "learning rate only rises, to 0.004 at the last step, and never "
-        "reaches --max-lr 0.01\n",
+        "warning: --warmup-steps 10 is longer than --max-steps 4: the learning rate only rises, to 0.004 at the last step, and never reaches --max-lr 0.01\n",
     )
 
 
@@ -355,14 +310,9 @@ def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tm
     saved = checkpoints.load_checkpoint(str(finished_run / "ckpt_0000004.pt"))["data_files"]["train"]
     was = {name: content for name, _, content, _ in saved}[train[-1].name][:12]
     now = shard_files([str(train[-1])])[0][2][:12]
-    assert (result.returncode, result.stderr) == (
-        0,
-        (
-            f"warning: --data-dir {data} changed since {out}/ckpt_0000004.pt was written (train shard {train[-1].name}: "
-            f"{size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now): from step 4 on this "
-            "run reads other rows than the run it continues would have\n"
-        ),
-    )
+    changed = f"(train shard {train[-1].name}: {size} bytes of sampled content {was} then, {size} bytes of sampled content {now} now)"
+    warning = f"warning: --data-dir {data} changed since {out}/ckpt_0000004.pt was written {changed}: from step 4 on this run reads other rows than the run it continues would have\n"
+    assert (result.returncode, result.stderr) == (0, warning)
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3, 4, 5]
 
 
@@ -376,13 +326,8 @@ def test_wandb_failures(data_dir, tmp_path, fake_wandb, case):
         assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
         assert not (out / "log.jsonl").exists()
         return
-    assert (result.returncode, result.stderr) == (
-        0,
-        (
-            f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more "
-            f"records; {out}/log.jsonl has them all\n"
-        ),
-    )
+    warning = f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more records; {out}/log.jsonl has them all\n"
+    assert (result.returncode, result.stderr) == (0, warning)
     assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
 
 
@@ -390,21 +335,13 @@ def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert tg.main(tiny_run_args(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
-    assert capsys.readouterr().err == (
-        "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), "
-        "so the W&B run stays empty; log.jsonl gets every record\n"
-    )
+    warning = "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B run stays empty; log.jsonl gets every record\n"
+    assert capsys.readouterr().err == warning
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [
-        dict(n_layer=3, n_head=4, n_embd=48, block_size=40, vocab_size=300),
-        dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=50304),
-    ],
-)
+@pytest.mark.parametrize("shape", [(3, 4, 48, 40, 300), (1, 1, 8, 8, 50304)])
 def test_param_count_counts_what_the_model_builds(shape):
-    model = tg.GPT(tg.GPTConfig(**shape))
+    model = tg.GPT(tg.GPTConfig(**dict(zip(("n_layer", "n_head", "n_embd", "block_size", "vocab_size"), shape))))
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
@@ -427,15 +364,11 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
     and the folder, which holds no checkpoint and a log of one batch-size record, does not refuse the next
     attempt."""
     out = tmp_path / "out"
-    left_free = f"{ROW_LOGITS // 2**20}MiB"
-    line = auto_batch_out_of_memory_line(
-        data_dir, out, "--squeeze", f"0:{left_free}", extra=["--total-batch-size", "64"]
-    )
+    left_free = f"0:{ROW_LOGITS // 2**20}MiB"  # before step 0
+    line = auto_batch_out_of_memory_line(data_dir, out, "--squeeze", left_free, extra=["--total-batch-size", "64"])
     assert line.startswith("error: out of memory on cpu (tried to allocate ")
-    assert line.endswith(
-        "not even one row per micro-step fits (--batch-size auto chose 1): pass "
-        "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
-    )
+    expected = "not even one row per micro-step fits (--batch-size auto chose 1): pass --activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
+    assert line.endswith(expected)
     left = out.joinpath("log.jsonl").read_text()
     assert [r["event"] for r in log_records(out)] == ["batch_size"]
     for extra in [(), ("--resume",)]:  # a rerun, and a resume, of the run that never wrote a checkpoint
@@ -444,10 +377,8 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
             os.remove(path)
         result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=2, ckpt_every=2))
         assert result.returncode == 0, result.stderr[-3000:]
-        assert (
-            f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped "
-            "before its first step): this run starts it afresh"
-        ) in result.stdout
+        note = f"note: {out}/log.jsonl holds no trained step (of run {json.loads(left)['run']}, which stopped before its first step): this run starts it afresh"
+        assert note in result.stdout
         assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1]
 
 
@@ -461,7 +392,5 @@ def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
     left_free = (MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1
     line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", "--squeeze", f"{left_free}MiB", steps=2)
     assert line.startswith("error: out of memory on cpu (")
-    assert line.endswith(
-        "): --batch-size auto could not try even one row per micro-step: pass "
-        "--activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
-    )
+    expected = "): --batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
+    assert line.endswith(expected)
