@@ -1,10 +1,7 @@
-"""Files from elsewhere are checked before they cost anything, run as users run the commands: a JSON
-document nested 200,000 deep in any reader, a checkpoint holding an expanded tensor or a structure
-nested thousands deep or resume fields of the wrong types, a Hugging Face folder whose config.json
-and weights disagree or whose index points outside it, and shards or inputs that are not regular
-files. Each is exit code 2, one `error:` line, no traceback, and every file left byte-identical. The
-commands run in-process through each script's main (run_main); the named pipes run as programs (a
-regression would block the test's own process), proving the contract end to end."""
+"""Files from elsewhere are checked before they cost anything: deep JSON in any reader, checkpoints whose structure
+or resume fields are not the trainer's, Hugging Face folders whose config and weights disagree or whose index points
+outside, files that are not regular files: exit code 2, one `error:` line, every file byte-identical. In-process
+(run_main), but the named pipes: as programs (a regression would block the test's own process)."""
 
 import json
 import os
@@ -17,22 +14,13 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import (
-    HELLASWAG_FILE,
-    assert_refused,
-    run_as_programs,
-    run_main,
-    tiny_run_args,
-    tree_hashes,
-    write_checkpoint,
-)
+from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main, tiny_run_args, tree_hashes
+from conftest import write_checkpoint
 from trainkit.runfiles import checkpoints
 
 
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
-
-
 SHARDS = dict(n_docs=300, seed=3)
 
 
@@ -151,38 +139,77 @@ def nested(depth):
     return edit
 
 
-@pytest.mark.parametrize(
-    "edit,checksum,problem",
-    [
-        (
-            expanded_embedding,
-            True,
-            "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
-            "those of a stored tensor (expanded or a view)",
-        ),
-        (
-            expanded_51gb,
-            False,
-            "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
-            "those of a stored tensor (expanded or a view)",
-        ),
-        (
-            lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]),
-            True,
-            "a tensor's storage holds 4000 bytes, of which its tensors view 64",
-        ),
-        (
-            nested(3000),
-            False,
-            "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
-        ),
-    ],
-    ids=["expanded embedding", "expanded 51 GB", "storage larger than its view", "nested 3000 deep"],
-)
-def test_a_checkpoint_whose_structure_costs_more_than_its_file(
-    finished_run, data_dir, tmp_path, edit, checksum, problem
+STRUCTURES = {  # {case: (edit, its sha256 made up (where computing it reads the tensor whole), the problem)}
+    "expanded embedding": (
+        expanded_embedding,
+        True,
+        "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
+        "those of a stored tensor (expanded or a view)",
+    ),
+    "expanded 51 GB": (
+        expanded_51gb,
+        False,
+        "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
+        "those of a stored tensor (expanded or a view)",
+    ),
+    "storage larger than its view": (
+        lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]),
+        True,
+        "a tensor's storage holds 4000 bytes, of which its tensors view 64",
+    ),
+    "nested 3000 deep": (
+        nested(3000),
+        False,
+        "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
+    ),
+}
+
+
+def without_seq_len(ckpt):
+    del ckpt["run_config"]["seq_len"]
+
+
+WRONG_TYPES = {
+    "no seq_len": (without_seq_len, "its run_config has no seq_len"),
+    "negative step": (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
+    "text step": (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
+    "float rng state": (
+        lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
+        "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)",
+    ),
+    "empty skip state": (
+        lambda c: c.__setitem__("skip_state", {}),
+        "its skip_state is not the guards' state (loss_window, norm_window: "
+        "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)",
+    ),
+    "run not a mapping": (
+        lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
+        "its run is a list, not a run identity (a mapping of id and parent)",
+    ),
+    "fractional log offset": (
+        lambda c: c.__setitem__("log_offset", 1.5),
+        "its log_offset is 1.5, not a count (an integer >= 0)",
+    ),
+    "text shuffle": (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
+    "negative shard size": (
+        lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
+        "its data_files is not a list of shards (name, size, sha256)",
+    ),
+}
+
+
+# the structures in every loader, the resume fields of the wrong types (the sha256 right) in the trainer's
+CHECKPOINTS = {case: (edit, checksum, problem, 4) for case, (edit, checksum, problem) in STRUCTURES.items()}
+CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in WRONG_TYPES.items()})
+
+
+@pytest.mark.parametrize("edit,checksum,problem,loaders", CHECKPOINTS.values(), ids=list(CHECKPOINTS))
+def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_contents_are_read(
+    finished_run, data_dir, tmp_path, edit, checksum, problem, loaders
 ):
-    """Every loader (--resume, sample.py, hellaswag.py, export) refuses it before reading a tensor's contents."""
+    """A checkpoint whose structure costs more than its file, or whose resume fields are not of the types the trainer
+    writes (its sha256 right): every loader of it (--resume, sample.py, hellaswag.py, export) refuses it in one line
+    before reading a tensor's contents."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
     try:
@@ -196,61 +223,8 @@ def test_a_checkpoint_whose_structure_costs_more_than_its_file(
         ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
         ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
         ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
-    ]:
+    ][:loaders]:
         assert_refused(run_main(*command), line)
-    assert tree_hashes(tmp_path) == before
-
-
-def without_seq_len(ckpt):
-    del ckpt["run_config"]["seq_len"]
-
-
-@pytest.mark.parametrize(
-    "edit,problem",
-    [
-        (without_seq_len, "its run_config has no seq_len"),
-        (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
-        (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
-        (
-            lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
-            "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)",
-        ),
-        (
-            lambda c: c.__setitem__("skip_state", {}),
-            "its skip_state is not the guards' state (loss_window, norm_window: "
-            "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)",
-        ),
-        (
-            lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
-            "its run is a list, not a run identity (a mapping of id and parent)",
-        ),
-        (lambda c: c.__setitem__("log_offset", 1.5), "its log_offset is 1.5, not a count (an integer >= 0)"),
-        (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
-        (
-            lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
-            "its data_files is not a list of shards (name, size, sha256)",
-        ),
-    ],
-    ids=[
-        "no seq_len",
-        "negative step",
-        "text step",
-        "float rng state",
-        "empty skip state",
-        "run not a mapping",
-        "fractional log offset",
-        "text shuffle",
-        "negative shard size",
-    ],
-)
-def test_resume_state_of_the_wrong_types_is_one_line(finished_run, data_dir, tmp_path, edit, problem):
-    """A checkpoint whose checksum is right but whose resume fields are not as the trainer writes them."""
-    ckpt = edited_run(finished_run, tmp_path / "run", edit)
-    before = tree_hashes(tmp_path)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=4))
-    assert_refused(
-        result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
-    )
     assert tree_hashes(tmp_path) == before
 
 
@@ -298,60 +272,54 @@ def unsafe_bin(folder):
     torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
 
 
-@pytest.mark.parametrize(
-    "config,edit,problem",
-    [
-        (
-            dict(n_layer=1),
-            None,
-            "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
-            "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
-            "n_layer 1: is it the config of these weights?",
-        ),
-        (dict(n_layer=-1), None, "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)"),
-        (dict(n_embd="16"), None, "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)"),
-        (
-            dict(n_positions=10**9),
-            None,
-            "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
-        ),
-        (
-            {},
-            index_to("../elsewhere/x.safetensors"),
-            "its model.safetensors.index.json names the weight file "
-            "'../elsewhere/x.safetensors', outside the folder: only files inside it are read",
-        ),
-        (
-            {},
-            index_to("sub/x.safetensors"),
-            "its model.safetensors.index.json names the weight file "
-            "'sub/x.safetensors', outside the folder: only files inside it are read",
-        ),
-        (
-            {},
-            unsafe_bin,
-            "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
-            "plain values, which are never loaded)",
-        ),
-    ],
-    ids=[
-        "fewer layers than its weights",
-        "negative n_layer",
-        "text n_embd",
-        "absurd n_positions",
-        "index up out",
-        "index into a subfolder",
-        "unsafe pytorch_model.bin",
-    ],
-)
-def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, config, edit, problem):
+def outside(where):
+    return f"its model.safetensors.index.json names the weight file '{where}', outside the folder: only files inside it are read"
+
+
+HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
+    "fewer layers than its weights": (
+        dict(n_layer=1),
+        None,
+        "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
+        "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
+        "n_layer 1: is it the config of these weights?",
+    ),
+    "negative n_layer": (
+        dict(n_layer=-1),
+        None,
+        "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)",
+    ),
+    "text n_embd": (
+        dict(n_embd="16"),
+        None,
+        "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)",
+    ),
+    "absurd n_positions": (
+        dict(n_positions=10**9),
+        None,
+        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
+    ),
+    "index up out": ({}, index_to("../elsewhere/x.safetensors"), outside("../elsewhere/x.safetensors")),
+    "index into a subfolder": ({}, index_to("sub/x.safetensors"), outside("sub/x.safetensors")),
+    "unsafe pytorch_model.bin": (
+        {},
+        unsafe_bin,
+        "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
+        "plain values, which are never loaded)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HF_FOLDERS)
+def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, case):
+    config, edit, problem = HF_FOLDERS[case]
     folder = hf_folder(tmp_path / "hf", **config)
     if edit:
         edit(folder)
     before = tree_hashes(tmp_path)
     line = f"--hf-model {folder}: {problem.format(folder=folder)}"
     assert_refused(run_main("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
-    if not edit and config.get("n_layer") == 1:  # also where the other commands take a Hugging Face GPT-2
+    if case == "fewer layers than its weights":  # also where the other commands take a Hugging Face GPT-2
         assert_refused(
             run_main("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
         )
@@ -365,12 +333,7 @@ def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
     flags = "--seq-len 16 --batch-size 4 --total-batch-size 64 --max-steps 1 --val-every 0 --sample-every 0"
     args = ["--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out", *flags.split()]
     result = run_main("train_gpt2.py", *args, "--hellaswag-every", "0")
-    assert_refused(
-        result,
-        f"--init-from {folder}: its model.safetensors.index.json names the weight file "
-        f"'{tmp_path / 'elsewhere' / 'x.safetensors'}', outside the folder: only files inside it "
-        "are read",
-    )
+    assert_refused(result, f"--init-from {folder}: {outside(tmp_path / 'elsewhere' / 'x.safetensors')}")
     assert tree_hashes(tmp_path) == before
 
 
