@@ -42,8 +42,6 @@ def edited_run(finished_run, folder, edit, checksum=True):
 
 
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
-
-
 def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
     """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
     --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log."""
@@ -118,8 +116,6 @@ def test_an_export_mark_nested_deep_is_no_mark(finished_run, tmp_path):
 
 
 # --- checkpoints: structure before contents --------------------------------------------------
-
-
 def expanded_embedding(ckpt):
     """The token embedding as one float broadcast to 50304 x 16: two bytes' worth of file."""
     ckpt["model"]["transformer.wte.weight"] = torch.zeros(1, 1).expand(50304, 16)
@@ -162,6 +158,11 @@ STRUCTURES = {  # {case: (edit, its sha256 made up (where computing it reads the
         False,
         "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
     ),
+    "model tensor shape": (
+        lambda c: c["model"].__setitem__("transformer.h.0.attn.c_attn.weight", torch.zeros(48, 15)),
+        True,
+        "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16",
+    ),
 }
 
 
@@ -170,6 +171,12 @@ def without_seq_len(ckpt):
 
 
 WRONG_TYPES = {
+    "no optimizer": (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only)"),
+    "optimizer tensor shape": (
+        lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)),
+        "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
+        "edited, it cannot be resumed",  # (the whole line)
+    ),
     "no seq_len": (without_seq_len, "its run_config has no seq_len"),
     "negative step": (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
     "text step": (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
@@ -198,7 +205,7 @@ WRONG_TYPES = {
 }
 
 
-# the structures in every loader, the resume fields of the wrong types (the sha256 right) in the trainer's
+# the structures in every loader, the resume fields (the sha256 right) in the trainer's
 CHECKPOINTS = {case: (edit, checksum, problem, 4) for case, (edit, checksum, problem) in STRUCTURES.items()}
 CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in WRONG_TYPES.items()})
 
@@ -207,8 +214,8 @@ CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in 
 def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_contents_are_read(
     finished_run, data_dir, tmp_path, edit, checksum, problem, loaders
 ):
-    """A checkpoint whose structure costs more than its file, or whose resume fields are not of the types the trainer
-    writes (its sha256 right): every loader of it (--resume, sample.py, hellaswag.py, export) refuses it in one line
+    """A checkpoint whose structure costs more than its file or whose tensors have other shapes than its config
+    gives, or whose resume fields are not of the types the trainer writes (its sha256 right): every loader of it (--resume, sample.py, hellaswag.py, export) refuses it in one line
     before reading a tensor's contents."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
@@ -218,6 +225,8 @@ def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_content
         sys.setrecursionlimit(limit)
     before = tree_hashes(tmp_path)
     line = f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
+    if problem.endswith("cannot be resumed"):
+        line = f"{ckpt}: {problem}"
     for command in [
         ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=4)),
         ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
@@ -229,8 +238,6 @@ def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_content
 
 
 # --- Hugging Face folders: config and weights compared before a model is built ----------------
-
-
 def hf_folder(path, **config_edits):
     """A save_pretrained folder of a tiny GPT-2 (2 layers, 100 ids, 32 positions), config.json then edited."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -338,8 +345,6 @@ def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
 
 
 # --- files that are not regular files ----------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def not_files(finished_run, data_dir, tmp_path_factory):
     """Shards, logs and inputs that are named pipes or a link to /dev/zero, given to the scripts run as programs in
