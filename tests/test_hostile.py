@@ -18,7 +18,7 @@ import torch
 
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, assert_one_error_line, assert_refused, interrupt_when_blocked, log_records
-from conftest import resume_copy, run_command, run_main, start, tiny_run_args, tree_hashes
+from conftest import resume_copy, run_command, run_main, start, tiny_run_args, train_records, trained_steps, tree_hashes
 from trainkit.cli import UserError
 from trainkit.runfiles import checkpoint_checks, checkpoints, resume
 from trainkit.runtime import recovery
@@ -85,17 +85,18 @@ def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
 
 
 # --- checkpoints ----------------------------------------------------------------------------
-def damage(path, how):
+EARLIER = "use the earlier checkpoint {run}/ckpt_0000002.pt"
+
+
+def spoil(path, what):
+    """Checkpoint path damaged (empty, flipped) or replaced by another program's (nanogpt, tensor, unknown-key)."""
     data = path.read_bytes()
-    if how == "empty":  # what a power loss leaves of a file that was never fsynced
+    if what == "empty":  # what a power loss leaves of a file that was never fsynced
         path.write_bytes(b"")
-    elif how == "flipped":  # bytes flipped in the middle: inside the tensor data, it still loads
+    elif what == "flipped":  # bytes flipped in the middle: inside the tensor data, it still loads
         mid = len(data) // 2
         path.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 8]) + data[mid + 8 :])
-
-
-def foreign(path, what):
-    if what == "nanogpt":
+    elif what == "nanogpt":
         torch.save(dict(model={"lm_head.weight": torch.zeros(2, 2)}, model_args=dict(n_layer=2), iter_num=5), path)
     elif what == "tensor":
         torch.save(torch.zeros(3), path)
@@ -103,20 +104,6 @@ def foreign(path, what):
         ckpt = checkpoints.load_checkpoint(str(path))
         ckpt["model_config"]["rotary"] = True
         torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), path)
-
-
-@pytest.mark.parametrize(
-    "how,problem",
-    [
-        ("empty", "cannot load checkpoint (empty file (0 bytes)); truncated or corrupt"),
-        ("flipped", "damaged checkpoint (its contents do not match the sha256 written with it)"),
-    ],
-)
-def test_damaged_newest_checkpoint_names_the_earlier_one(finished_copy, data_dir, tmp_path, how, problem):
-    run = finished_copy
-    damage(run / "ckpt_0000004.pt", how)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
-    assert_one_error_line(result, f"ckpt_0000004.pt: {problem}: use the earlier checkpoint {run}/ckpt_0000002.pt")
 
 
 @pytest.mark.parametrize(
@@ -131,19 +118,30 @@ def test_damaged_newest_checkpoint_names_the_earlier_one(finished_copy, data_dir
         ("resume", "unknown-key", "not a train_gpt2.py checkpoint (unknown model_config rotary)"),
         ("export", "flipped", "damaged checkpoint"),
         ("hellaswag", "flipped", "damaged checkpoint"),
+        # the newest checkpoint of the run resumed: the line names the earlier one
+        ("resume the run", "empty", "cannot load checkpoint (empty file (0 bytes)); truncated or corrupt: " + EARLIER),
+        (
+            "resume the run",
+            "flipped",
+            "damaged checkpoint (its contents do not match the sha256 written with it): " + EARLIER,
+        ),
     ],
 )
 def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, tmp_path, command, what, message):
-    path = tmp_path / "given.pt"
+    path, run = tmp_path / "given.pt", tmp_path / "run"
     shutil.copy(finished_run / "ckpt_0000004.pt", path)
-    damage(path, what) if what == "flipped" else foreign(path, what)
-    if command == "resume":
+    if command == "resume the run":
+        path = shutil.copytree(finished_run, run) / "ckpt_0000004.pt"
+    spoil(path, what)
+    if command == "resume the run":
+        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
+    elif command == "resume":
         result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "out", "--resume", path, steps=6))
     elif command == "export":
         result = run_main("hf_interop.py", "export", path, tmp_path / "hf")
     else:
         result = run_main("hellaswag.py", "--checkpoint", path, "--data-file", HELLASWAG_FILE, "--limit", 2)
-    assert_one_error_line(result, f"{path}: {message}")
+    assert_one_error_line(result, f"{path}: {message.format(run=run)}")
 
 
 @pytest.mark.parametrize("via", ["load_checkpoint", "sample.py"])
@@ -187,7 +185,7 @@ def test_only_numbered_checkpoints_are_ours(data_dir, tmp_path):
     assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "1", "--resume", steps=6, ckpt_every=2)) == 0
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000006.pt", "ckpt_best.pt", "log.jsonl"]
     assert (tmp_path / "ckpt_best.pt").read_bytes() == b"the user's own file"
-    assert [r["step"] for r in log_records(tmp_path) if "loss" in r] == list(range(6))
+    assert trained_steps(tmp_path) == list(range(6))
 
 
 # --- resume edge cases ----------------------------------------------------------------------
@@ -208,7 +206,7 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     # into a folder without a log, the resumed run starts a log of its own
     assert tg.main(tiny_run_args(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
-    assert [r["step"] for r in log_records(tmp_path / "new") if "loss" in r] == [4, 5]
+    assert trained_steps(tmp_path / "new") == [4, 5]
 
 
 @pytest.mark.parametrize("max_steps", [3, 4])
@@ -245,7 +243,7 @@ def shift_data(tmp_path_factory):
 def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert tg.main(tiny_run_args(shift_data, straight, "--skip-spikes", "3", steps=60, ckpt_every=20)) == 0
-    records = [r for r in log_records(straight) if "loss" in r]
+    records = train_records(straight)
     skipped = [r["step"] for r in records if r.get("skipped")]
     # a few updates skipped at the shift, then the window has moved and learning goes on
     assert skipped == list(range(SHIFT_STEP, SHIFT_STEP + len(skipped))) and 0 < len(skipped) < 10
@@ -253,9 +251,8 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
     # resumed before the shift, the restored window skips exactly the same steps
     resume_copy(straight, resumed, 20)
     assert tg.main(tiny_run_args(shift_data, resumed, "--skip-spikes", "3", "--resume", steps=60, ckpt_every=20)) == 0
-    assert [(r["step"], r["loss"], r.get("skipped")) for r in log_records(resumed) if "loss" in r] == [
-        (r["step"], r["loss"], r.get("skipped")) for r in records
-    ]
+    fields = lambda records: [(r["step"], r["loss"], r.get("skipped")) for r in records]
+    assert fields(train_records(resumed)) == fields(records)
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000060.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and a["skip_state"] == b["skip_state"]
 
@@ -366,7 +363,7 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     }
     result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (0, "")
-    assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
+    assert trained_steps(out) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("case", ["--vocab-size 60000", "--eval-only", "the manifest's max_id"])
@@ -444,7 +441,7 @@ def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path
     assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
     assert checkpoints.load_checkpoint(last)["step"] >= 2
     assert tg.main(tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2)) == 0  # space freed
-    assert [r["step"] for r in log_records(tmp_path)[1:] if "loss" in r] == list(range(20))
+    assert trained_steps(tmp_path) == list(range(20))
 
 
 def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
@@ -529,10 +526,8 @@ def test_ranks_that_never_gather_are_one_line(monkeypatch, capsys):
     from trainkit.runtime import launch
 
     port = str(free_port())
-    for name, value in dict(
-        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
-    ).items():
-        monkeypatch.setenv(name, value)
+    for variable in f"RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}".split():
+        monkeypatch.setenv(*variable.split("="))
 
     def join():
         with launch.process_group("cpu", 2):
@@ -580,42 +575,30 @@ def re_summed(src, dst, edit):
     checkpoints.save_checkpoint(str(dst), {k: v for k, v in ckpt.items() if k != "checksum"})
 
 
-@pytest.mark.parametrize(
-    "source,kind", [("log.jsonl", "a JSON text file (a log.jsonl?)"), ("shard", "a NumPy array (a token shard?)")]
-)
-def test_a_resume_or_export_of_a_file_that_is_no_checkpoint(finished_run, data_dir, tmp_path, source, kind):
-    path, beside = (
-        finished_run / "log.jsonl",
-        f"the newest checkpoint beside it is {finished_run / 'ckpt_0000004.pt'}",
-    )
-    if source == "shard":
-        path, beside = os.path.join(data_dir, min(p for p in os.listdir(data_dir) if "_train_" in p)), "there is no"
-        beside += " checkpoint beside it"
-    before = tree_hashes(finished_run)
-    for command in [
-        ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6)),
-        ("hf_interop.py", "export", path, tmp_path / "hf"),
-    ]:
-        result = run_main(*command)
-        line = f"error: {path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({beside})"
-        assert_one_error_line(result, line)
-        assert "weights_only" not in result.stderr
-    assert os.listdir(tmp_path) == []  # the refused resume left no empty --out-dir behind
-    assert tree_hashes(finished_run) == before
-
-
 def plant_nan(ckpt):
     ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
 
 
-@pytest.mark.parametrize(
-    "case", ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file", "export"]
-)
+CANNOT_USE = ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file", "export"]
+NO_CHECKPOINT = [f"{command} of a {what}" for command in ("resume", "export") for what in ("log", "shard")]
+
+
+@pytest.mark.parametrize("case", CANNOT_USE + NO_CHECKPOINT)
 def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(finished_run, data_dir, tmp_path, case):
     out, ckpt = tmp_path / "run", finished_run / "ckpt_0000004.pt"
     shutil.copytree(finished_run, out)
     command = ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    if case == "log cut short":
+    if case in NO_CHECKPOINT:  # a --resume PATH (into a new --out-dir) or an export of a file that is no checkpoint
+        path, kind = out / "log.jsonl", "a JSON text file (a log.jsonl?)"
+        beside = f"the newest checkpoint beside it is {out / 'ckpt_0000004.pt'}"
+        if case.endswith("shard"):
+            path, kind = os.path.join(data_dir, min(p for p in os.listdir(data_dir) if "_train_" in p)), "a NumPy array"
+            kind, beside = kind + " (a token shard?)", "there is no checkpoint beside it"
+        command = ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6))
+        if case.startswith("export"):
+            command = ("hf_interop.py", "export", path, tmp_path / "hf")
+        line = (f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({beside})",)
+    elif case == "log cut short":
         lines = (out / "log.jsonl").read_bytes().splitlines(keepends=True)
         (out / "log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
         line = (
@@ -662,5 +645,7 @@ def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(fi
             f"{tmp_path}/missing, does not exist; create it, or choose another output folder",
         )
     before = tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))  # (no folder made either)
-    assert_one_error_line(run_main(*command), f"error: {line[0]}", *line[1:])
+    result = run_main(*command)
+    assert_one_error_line(result, f"error: {line[0]}", *line[1:])
+    assert "weights_only" not in result.stderr
     assert (tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))) == before

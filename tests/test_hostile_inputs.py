@@ -34,17 +34,18 @@ def edited_run(finished_run, folder, edit, checksum=True):
     edit(ckpt)
     state = {k: v for k, v in ckpt.items() if k != "checksum"}
     path = folder / "ckpt_0000002.pt"
-    if checksum:
-        checkpoints.save_checkpoint(str(path), state)
-    else:
-        torch.save(dict(state, checksum="0" * 64), path)
+    checkpoints.save_checkpoint(str(path), state) if checksum else torch.save(dict(state, checksum="0" * 64), path)
     return path
 
 
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
 def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
     """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
-    --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log."""
+    --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log; and an
+    export folder whose mark is nested deep is not replaced: as a folder of the user's own files."""
+    export = tmp_path / "export"
+    assert run_main("hf_interop.py", "export", finished_run, export).returncode == 0
+    (export / "gpt2_trainer_export.json").write_text(DEEP)
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     (data / "manifest.json").write_text(DEEP)
@@ -92,6 +93,9 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
             "or its log.jsonl",
         ),
     ]
+    result = run_main("hf_interop.py", "export", finished_run, export)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {export} ") and "Traceback" not in result.stderr
     for command, line in cases:
         result = run_main(*command)
         if command[0] == "fineweb.py" and "fineweb_new" in str(command[4]):  # its progress bar comes first
@@ -100,18 +104,6 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
             shutil.rmtree(tmp_path / "fineweb_new", ignore_errors=True)  # (what fineweb.py keeps of a failed run)
             continue
         assert_refused(result, line)
-    assert tree_hashes(tmp_path) == before
-
-
-def test_an_export_mark_nested_deep_is_no_mark(finished_run, tmp_path):
-    """An export folder whose mark cannot be read is not replaced: as a folder of the user's own files."""
-    out = tmp_path / "hf"
-    assert run_main("hf_interop.py", "export", finished_run, out).returncode == 0
-    (out / "gpt2_trainer_export.json").write_text(DEEP)
-    before = tree_hashes(tmp_path)
-    result = run_main("hf_interop.py", "export", finished_run, out)
-    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith(f"error: {out} ") and "Traceback" not in result.stderr
     assert tree_hashes(tmp_path) == before
 
 
