@@ -1,8 +1,6 @@
-"""An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in
-one line naming the argument, before anything is read or written; and an export never replaces a
-folder that holds the current folder, the home folder or the repository's checkout, whatever the
-path that names it. The cases run in-process through each script's main (run_main);
-test_an_empty_export_folder_deletes_nothing is the one that runs as a program, end to end."""
+"""An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in one line naming it,
+before anything is read or written; an export never replaces a folder that is or holds the current folder, the home
+folder or the checkout, whatever names it. In-process (run_main), but one export as a program, end to end."""
 
 import os
 

@@ -1,7 +1,6 @@
-"""Hostile input to the trainer: one `error:` line, exit code 2, no traceback; never a checkpoint or log
-lost, corrupted or filled with non-finite numbers. The refusals run in-process through each script's main
-(run_main); what only a process shows runs as one: Ctrl-C during start-up, memory and file-size limits (a log
-that is a named pipe: test_hostile_inputs, with the other files that are not regular files)."""
+"""Hostile input to the trainer: one `error:` line, exit code 2, no traceback; never a checkpoint or log lost,
+corrupted or filled with non-finite numbers. In-process (run_main) but what only a process shows: Ctrl-C during
+start-up, memory and file-size limits (a log that is a named pipe: test_hostile_inputs)."""
 
 import hashlib
 import json
@@ -215,9 +214,8 @@ def test_resume_at_or_past_max_steps_says_so(finished_copy, data_dir, tmp_path, 
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
     if max_steps < 4:  # a mistake: the run is already past the requested end
-        assert_one_error_line(
-            result, f"{run / 'ckpt_0000004.pt'} is at step 4, past --max-steps 3: pass a larger --max-steps to train on"
-        )
+        past = "is at step 4, past --max-steps 3: pass a larger --max-steps to train on"
+        assert_one_error_line(result, f"{run / 'ckpt_0000004.pt'} {past}")
     else:  # a finished run started again (a requeued job): nothing to do
         assert result.returncode == 0 and result.stderr == ""
         assert f"{run / 'ckpt_0000004.pt'} is already at --max-steps 4: nothing to train" in result.stdout
@@ -259,9 +257,8 @@ def test_skip_spikes_adapts_to_a_lasting_shift_and_resumes_bit_exact(shift_data,
 
 def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     # Z = 0.5 is too low to let the window catch up with the shift: the bound stops the run
-    result = run_main(
-        "train_gpt2.py", *tiny_run_args(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80, ckpt_every=10)
-    )
+    args = tiny_run_args(shift_data, tmp_path, "--skip-spikes", "0.5", steps=80, ckpt_every=10)
+    result = run_main("train_gpt2.py", *args)
     assert_one_error_line(
         result,
         f"updates in a row flagged by --skip-spikes 0.5: the loss or grad norm has moved "
@@ -270,8 +267,7 @@ def test_skip_spikes_cannot_skip_forever(shift_data, tmp_path):
     )
     assert f"{recovery.MAX_SPIKES_IN_A_ROW + 1} updates in a row" in result.stderr
     skipped = [r["step"] for r in log_records(tmp_path) if r.get("skipped")]
-    # then the stop, before step 26
-    assert skipped == list(range(skipped[0], skipped[0] + recovery.MAX_SPIKES_IN_A_ROW))
+    assert skipped == list(range(skipped[0], skipped[0] + recovery.MAX_SPIKES_IN_A_ROW))  # then the stop
 
 
 # --- data sets: the manifest, token ids, shard digests -------------------------------------------------------------------
@@ -575,10 +571,6 @@ def re_summed(src, dst, edit):
     checkpoints.save_checkpoint(str(dst), {k: v for k, v in ckpt.items() if k != "checksum"})
 
 
-def plant_nan(ckpt):
-    ckpt["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
-
-
 CANNOT_USE = ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file", "export"]
 NO_CHECKPOINT = [f"{command} of a {what}" for command in ("resume", "export") for what in ("log", "shard")]
 
@@ -623,6 +615,7 @@ def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(fi
             "folder; choose another --out-dir",
         )
     elif case == "NaN in the optimizer":
+        plant_nan = lambda c: c["optimizer"]["state"][3]["exp_avg"].__setitem__(0, float("nan"))
         re_summed(ckpt, out / "ckpt_0000004.pt", plant_nan)
         line = (
             f"{out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of parameter 3): use the "

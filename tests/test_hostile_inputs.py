@@ -108,15 +108,6 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
 
 
 # --- checkpoints: structure before contents --------------------------------------------------
-def expanded_embedding(ckpt):
-    """The token embedding as one float broadcast to 50304 x 16: two bytes' worth of file."""
-    ckpt["model"]["transformer.wte.weight"] = torch.zeros(1, 1).expand(50304, 16)
-
-
-def expanded_51gb(ckpt):
-    ckpt["optimizer"]["state"][0]["exp_avg_sq"] = torch.zeros(1).expand(12_800_000_000)  # 51.2 GB as float32
-
-
 def nested(depth):
     def edit(ckpt):
         value = 0
@@ -127,15 +118,16 @@ def nested(depth):
     return edit
 
 
-STRUCTURES = {  # {case: (edit, its sha256 made up (where computing it reads the tensor whole), the problem)}
+STRUCTURES = {  # {case: (edit, a true sha256 (False: made up, where computing it reads a tensor whole), the problem)}
     "expanded embedding": (
-        expanded_embedding,
+        # the token embedding as one float broadcast to 50304 x 16: two bytes' worth of file
+        lambda c: c["model"].__setitem__("transformer.wte.weight", torch.zeros(1, 1).expand(50304, 16)),
         True,
         "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
         "those of a stored tensor (expanded or a view)",
     ),
-    "expanded 51 GB": (
-        expanded_51gb,
+    "expanded 51 GB": (  # as float32
+        lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg_sq", torch.zeros(1).expand(12_800_000_000)),
         False,
         "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
         "those of a stored tensor (expanded or a view)",
@@ -158,10 +150,6 @@ STRUCTURES = {  # {case: (edit, its sha256 made up (where computing it reads the
 }
 
 
-def without_seq_len(ckpt):
-    del ckpt["run_config"]["seq_len"]
-
-
 WRONG_TYPES = {
     "no optimizer": (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only)"),
     "optimizer tensor shape": (
@@ -169,7 +157,7 @@ WRONG_TYPES = {
         "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
         "edited, it cannot be resumed",  # (the whole line)
     ),
-    "no seq_len": (without_seq_len, "its run_config has no seq_len"),
+    "no seq_len": (lambda c: c["run_config"].pop("seq_len"), "its run_config has no seq_len"),
     "negative step": (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
     "text step": (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
     "float rng state": (
@@ -245,17 +233,17 @@ def hf_folder(path, **config_edits):
 
 
 def index_to(where):
-    """The folder's weights moved to where (relative to it, or absolute) and named there by an index."""
+    """The folder's weights moved to where (relative to it, or absolute: {tmp} its parent) and named there by an index."""
 
     def edit(folder):
         from safetensors.torch import load_file
 
-        names = list(load_file(folder / "model.safetensors"))
-        target = folder / where
+        names, where_now = list(load_file(folder / "model.safetensors")), where.format(tmp=folder.parent)
+        target = folder / where_now
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(folder / "model.safetensors", target)
         (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": {name: where for name in names}})
+            json.dumps({"metadata": {}, "weight_map": {name: where_now for name in names}})
         )
 
     return edit
@@ -271,8 +259,9 @@ def unsafe_bin(folder):
     torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
 
 
-def outside(where):
-    return f"its model.safetensors.index.json names the weight file '{where}', outside the folder: only files inside it are read"
+outside = lambda where: (
+    f"its model.safetensors.index.json names the weight file '{where}', outside the folder: only files inside it are read"
+)
 
 
 HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
@@ -300,6 +289,8 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     ),
     "index up out": ({}, index_to("../elsewhere/x.safetensors"), outside("../elsewhere/x.safetensors")),
     "index into a subfolder": ({}, index_to("sub/x.safetensors"), outside("sub/x.safetensors")),
+    # (for --init-from: the trainer's own flags)
+    "absolute index": ({}, index_to("{tmp}/elsewhere/x.safetensors"), outside("{tmp}/elsewhere/x.safetensors")),
     "unsafe pytorch_model.bin": (
         {},
         unsafe_bin,
@@ -310,29 +301,23 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
 
 
 @pytest.mark.parametrize("case", HF_FOLDERS)
-def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, case):
+def test_a_hugging_face_folder_is_checked_before_a_model_is_built(data_dir, tmp_path, case):
     config, edit, problem = HF_FOLDERS[case]
     folder = hf_folder(tmp_path / "hf", **config)
     if edit:
         edit(folder)
     before = tree_hashes(tmp_path)
-    line = f"--hf-model {folder}: {problem.format(folder=folder)}"
-    assert_refused(run_main("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
+    line = f"--hf-model {folder}: {problem.format(folder=folder, tmp=tmp_path)}"
+    command = ("sample.py", "--hf-model", folder, "--max-new-tokens", "1")
+    if case == "absolute index":
+        flags = "--seq-len 16 --batch-size 4 --total-batch-size 64 --max-steps 1 --val-every 0 --sample-every 0"
+        command = ("train_gpt2.py", "--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out")
+        command, line = (*command, *flags.split(), "--hellaswag-every", "0"), line.replace("--hf-model", "--init-from")
+    assert_refused(run_main(*command), line)
     if case == "fewer layers than its weights":  # also where the other commands take a Hugging Face GPT-2
         assert_refused(
             run_main("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
         )
-    assert tree_hashes(tmp_path) == before
-
-
-def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
-    folder = hf_folder(tmp_path / "hf")
-    index_to(str(tmp_path / "elsewhere" / "x.safetensors"))(folder)
-    before = tree_hashes(tmp_path)
-    flags = "--seq-len 16 --batch-size 4 --total-batch-size 64 --max-steps 1 --val-every 0 --sample-every 0"
-    args = ["--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out", *flags.split()]
-    result = run_main("train_gpt2.py", *args, "--hellaswag-every", "0")
-    assert_refused(result, f"--init-from {folder}: {outside(tmp_path / 'elsewhere' / 'x.safetensors')}")
     assert tree_hashes(tmp_path) == before
 
 
@@ -403,7 +388,6 @@ def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case, 
 
 
 # --- models HellaSwag cannot score --------------------------------------------------------------
-
 BLOCK_1 = (
     "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs "
     "at least 2 positions)"
@@ -426,9 +410,8 @@ BLOCK_1 = (
 def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, problem, trainer_line):
     """hellaswag.py on its checkpoint, and the trainer asked to score it every N steps (refused before the
     first step, not after N steps of training): one line each, nothing written."""
-    checkpoint = write_checkpoint(
-        tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape)), tmp_path / "ckpt_0000001.pt"
-    )
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape))
+    checkpoint = write_checkpoint(model, tmp_path / "ckpt_0000001.pt")
     result = run_main("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
     assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
     out = tmp_path / "out"
