@@ -1,18 +1,16 @@
-"""The command-line contract of every script (trainkit/cli.py), as programs: whole flag names only, a usage error
-and a refusal as one `error:` line and exit code 2, -h/--help the full help, both answered before torch, numpy,
-tiktoken and matplotlib are imported, one line under torchrun (rank 0's), a deleted current folder one line, and
-Ctrl-C while the script imports `error: interrupted`, exit code 130. One interpreter runs the command lines that
-need no process of their own (run_as_programs); torchrun and each Ctrl-C are processes of their own."""
+"""The command-line contract of every script (trainkit/cli.py), as programs: whole flag names only; a usage error, a
+refusal and a deleted current folder one `error:` line and exit code 2 (under torchrun, rank 0's); -h/--help the full
+help; both answered before torch, numpy, tiktoken and matplotlib are imported; Ctrl-C while importing `error:
+interrupted`, 130. One interpreter runs the lines that need no process of their own (run_as_programs)."""
 
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, assert_refused, interrupt_when_blocked, run_as_programs, run_cli, run_main
+from conftest import REPO, assert_refused, interrupt_when_blocked, run_as_programs, run_cli, run_main, start
 from trainkit.cli import UserError
 
 SCRIPTS = sorted(p.name for p in REPO.glob("*.py"))
@@ -20,36 +18,26 @@ HEAVY = ("torch", "numpy", "tiktoken", "matplotlib")
 EXTRAS = ("torch._dynamo", "transformers", "datasets", "matplotlib")  # what only some commands use
 
 
-def unrecognized(script, args):
-    return 2, f"error: unrecognized arguments: {args} (see {script} --help)\n", ""
-
-
-def bad_count(script, flag, values, value):
-    return 2, f"error: argument {flag}: must be in {values}, got {value} (see {script} --help)\n", ""
+# (exit code, stderr, stdout) of a usage error
+usage_error = lambda script, message: (2, f"error: {message} (see {script} --help)\n", "")
+unrecognized = lambda script, args: usage_error(script, f"unrecognized arguments: {args}")
+bad_count = lambda script, flag, values, value: usage_error(
+    script, f"argument {flag}: must be in {values}, got {value}"
+)
 
 
 USAGE_ERRORS = {  # command line -> (exit code, stderr, stdout)
     "train_gpt2.py --max-step 5": unrecognized("train_gpt2.py", "--max-step 5"),  # was --max-steps 5
     "train_gpt2.py --warm 3": unrecognized("train_gpt2.py", "--warm 3"),  # was --warmup-steps 3
-    "train_gpt2.py --max-steps x": (
-        2,
-        "error: argument --max-steps: invalid int value: 'x' (see train_gpt2.py --help)\n",
-        "",
-    ),
-    "train_gpt2.py --batch-size x": (
-        2,
-        "error: argument --batch-size: expected a number of rows or auto, got 'x' (see train_gpt2.py --help)\n",
-        "",
+    "train_gpt2.py --max-steps x": usage_error("train_gpt2.py", "argument --max-steps: invalid int value: 'x'"),
+    "train_gpt2.py --batch-size x": usage_error(
+        "train_gpt2.py", "argument --batch-size: expected a number of rows or auto, got 'x'"
     ),
     "fineweb.py --max-tok 5": unrecognized("fineweb.py", "--max-tok 5"),
     "hellaswag.py --checkpoint c.pt --lim 3": unrecognized("hellaswag.py", "--lim 3"),
     "hf_interop.py export c.pt hf --vocab 5": unrecognized("hf_interop.py", "--vocab 5"),
-    "hf_interop.py": (2, "error: the following arguments are required: command (see hf_interop.py --help)\n", ""),
-    "hf_interop.py export c.pt": (
-        2,
-        "error: the following arguments are required: out_dir (see hf_interop.py export --help)\n",
-        "",
-    ),
+    "hf_interop.py": usage_error("hf_interop.py", "the following arguments are required: command"),
+    "hf_interop.py export c.pt": usage_error("hf_interop.py export", "the following arguments are required: out_dir"),
     "sample.py --checkpoint c.pt --temp 0.5": unrecognized("sample.py", "--temp 0.5"),
     # every script's integer flags go through cli.int_in: a bad count is refused, never replaced
     "train_gpt2.py --keep-last -1": bad_count("train_gpt2.py", "--keep-last", "0..2**62", -1),
@@ -70,10 +58,8 @@ USAGE_ERRORS = {  # command line -> (exit code, stderr, stdout)
     "benchmarks/bench_train.py --work x": unrecognized("bench_train.py", "--work x"),  # hidden --worker
     "benchmarks/bench_sample.py --step 3": unrecognized("bench_sample.py", "--step 3"),
     "benchmarks/bench_compile.py --round 3": unrecognized("bench_compile.py", "--round 3"),  # was --rounds 3
-    "benchmarks/bench_revision.py no-such-rev": (
-        2,
-        f"error: no-such-rev is not a commit of the git repository at {REPO} (see bench_revision.py --help)\n",
-        "",
+    "benchmarks/bench_revision.py no-such-rev": usage_error(
+        "bench_revision.py", f"no-such-rev is not a commit of the git repository at {REPO}"
     ),
 }
 # each script's --help and an unknown flag, first in the interpreter: nothing heavy is imported yet
@@ -87,6 +73,12 @@ ON_RANK = {
     ("1", "train_gpt2.py --max-lr nan"): (2, "", ""),
     ("0", "train_gpt2.py --max-lr nan"): (2, "error: --max-lr must be a finite number, got nan\n", ""),
 }
+DELETED = (
+    2,
+    "error: the current folder no longer exists (deleted while the shell was in it): cd to an existing folder and run "
+    "the command again\n",
+    "",
+)
 # importing any library module (each checked right after its import) loads no train_gpt2, and no script, the
 # trainer included, imports EXTRAS (torch._dynamo: 2 s at every start of every rank; compile_model imports it)
 LIBRARY = sorted(
@@ -94,14 +86,8 @@ LIBRARY = sorted(
     for p in (REPO / "trainkit").rglob("*.py")
     if p.stem != "__init__"
 ) + [s.removesuffix(".py") for s in SCRIPTS if s != "train_gpt2.py"]
-PROBE = (
-    "import importlib, sys\n"
-    "for m in sys.argv[1:]:\n"
-    "    importlib.import_module(m)\n"
-    "    print(m, 'train_gpt2' in sys.modules)\n"
-    "import train_gpt2\n"
-    f"print(*[m for m in {EXTRAS!r} if m in sys.modules])"
-)
+PROBE = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n    print(m, 'train_gpt2' in sys.modules)\n"
+PROBE += f"import train_gpt2\nprint(*[m for m in {EXTRAS!r} if m in sys.modules])"
 
 
 @pytest.fixture(scope="module")
@@ -142,37 +128,22 @@ def test_help_and_usage_errors_answer_before_torch_numpy_tiktoken_and_matplotlib
             assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, line
 
 
-def test_no_library_module_loads_the_trainer_and_no_extras_load_at_import(programs):
+def test_no_library_module_loads_the_trainer_nor_extras_and_no_script_a_second_copy(programs):
     result = programs[0]["probe"]
     assert (result.returncode, result.stdout.splitlines()) == (0, [f"{m} False" for m in LIBRARY] + [""]), result.stderr
     assert {"trainkit.cli", "sample", "hf_interop"} <= set(LIBRARY)
-
-
-def test_scripts_that_load_the_trainer_load_no_second_copy_of_themselves(programs):
-    results, tmp = programs
-    for name in ("sample run", "hellaswag run"):
-        result = results[name]
+    for name in ("sample run", "hellaswag run"):  # scripts that load the trainer load no second copy of themselves
+        result = programs[0][name]
         assert (result.returncode, result.own) == (2, None), result.stderr
         assert "missing.pt" in result.stderr and result.loaded == ["numpy", "tiktoken", "torch"]
 
 
 def test_usage_errors_are_one_line_and_flags_are_never_abbreviated(programs):
+    """Also under torchrun (rank 0 alone) and started in a folder deleted under the shell (where torch's native
+    libraries would end in a fatal error)."""
     results, _ = programs
-    assert {line: (r.returncode, r.stderr, r.stdout) for line, r in results.items() if line in USAGE_ERRORS} == (
-        USAGE_ERRORS
-    )
-    assert {key: (results[key].returncode, results[key].stderr, results[key].stdout) for key in ON_RANK} == ON_RANK
-
-
-def test_a_deleted_current_folder_is_one_line(programs):
-    """Started in a folder deleted under the shell (torch's native libraries would end in a fatal error)."""
-    line = (
-        "error: the current folder no longer exists (deleted while the shell was in it): cd to an existing folder "
-        "and run the command again\n"
-    )
-    for script in SCRIPTS:
-        result = programs[0][("deleted", script)]
-        assert (result.returncode, result.stdout, result.stderr) == (2, "", line), script
+    expected = {**USAGE_ERRORS, **ON_RANK, **{("deleted", script): DELETED for script in SCRIPTS}}
+    assert {key: (results[key].returncode, results[key].stderr, results[key].stdout) for key in expected} == expected
 
 
 def test_a_refusal_is_one_line_as_a_program_and_debug_is_its_traceback(programs):
@@ -223,33 +194,22 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path, script, args, blocked):
     os.mkfifo(fifo)
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 0, "loss": 5.0}\n')
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "BLOCKING_FIFO": str(fifo), "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(tmp_path), "BLOCKING_FIFO": str(fifo), "OMP_NUM_THREADS": "1"}
     # as from a terminal: a shell running the tests in the background would leave SIGINT ignored
-    proc = subprocess.Popen(
-        [sys.executable, script, *(a.format(log=log) for a in args)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    command = [sys.executable, script, *(a.format(log=log) for a in args)]
+    proc = start(command, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, err = interrupt_when_blocked(proc, fifo)
     assert (proc.returncode, err, out) == (130, "error: interrupted\n", "")
 
 
 @pytest.mark.parametrize(
-    "script, args",
-    [
-        ("sample.py", ["--checkpoint", "{missing}"]),
-        ("fineweb.py", ["--files", "{missing}", "--out-dir", "{out}"]),
-        ("plot_log.py", ["{missing}"]),
-    ],
+    "command",
+    ["sample.py --checkpoint {missing}", "fineweb.py --files {missing} --out-dir {out}", "plot_log.py {missing}"],
 )
-def test_debug_raises_the_refusal_with_its_traceback(tmp_path, script, args):
+def test_debug_raises_the_refusal_with_its_traceback(tmp_path, command):
     """--debug: the refusal's exception leaves main (the traceback), where it was one line and exit code 2
     (the trainer's as a program above; test_hellaswag and test_hf_interop theirs)."""
-    args = [a.format(missing=tmp_path / "missing", out=tmp_path / "out") for a in args]
+    script, *args = command.format(missing=tmp_path / "missing", out=tmp_path / "out").split()
     result = run_main(script, *args)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     with pytest.raises(UserError, match=str(tmp_path / "missing")):

@@ -1,8 +1,6 @@
-"""An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in
-one line naming the argument, before anything is read or written; and an export never replaces a
-folder that holds the current folder, the home folder or the repository's checkout, whatever the
-path that names it. The cases run in-process through each script's main (run_main);
-test_an_empty_export_folder_deletes_nothing is the one that runs as a program, end to end."""
+"""An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in one line naming it,
+before anything is read or written; an export never replaces a folder that is or holds the current folder, the home
+folder or the checkout, whatever names it. In-process (run_main), but one export as a program, end to end."""
 
 import os
 
@@ -33,7 +31,7 @@ def test_an_empty_export_folder_deletes_nothing(project, finished_run):
     assert tree_hashes(project) == before
 
 
-@pytest.mark.parametrize("where", [".", "..", "src/..", "~", "REPO", "REPO/..", "link"])
+@pytest.mark.parametrize("where", [".", "..", "src/..", "~", "REPO", "REPO/..", "link", "empty ."])
 def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, finished_run, tmp_path, where):
     """Not even when that folder is empty, or would pass as an earlier export: the folder a shell
     stands in, a home folder and the checkout are the user's, whatever they hold."""
@@ -43,7 +41,11 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, f
     if where == "link":  # a symbolic link to the current folder, beside it
         os.symlink(project, tmp_path / "link")
         out = str(tmp_path / "link")
-    before, repo_before = tree_hashes(project), tree_hashes(REPO / "trainkit")
+    elif where == "empty .":  # an empty current folder
+        project, out = tmp_path / "empty", "."
+        project.mkdir()
+    before, inode = (tree_hashes(project), sorted(project.rglob("*"))), os.stat(project).st_ino
+    repo_before = tree_hashes(REPO / "trainkit")
     result = run_main("hf_interop.py", "export", finished_run, out, cwd=project, env={"HOME": str(home)})
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
@@ -55,23 +57,17 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, f
         "REPO": "is this repository's checkout",
         "REPO/..": "holds this repository's checkout",
         "link": "is the current folder",
+        "empty .": "is the current folder",
     }[where]
     if where == "REPO/.." and project.resolve().is_relative_to(REPO.resolve().parent):  # (a clone in /tmp)
         what = "holds the current folder"  # the current folder is named first, where one folder holds both
     assert lines[0].startswith(f"error: cannot export into {out}: it {what} (") and lines[0].endswith(
         "which an export would replace; export into a new folder"
     ), lines[0]
-    assert tree_hashes(project) == before and tree_hashes(REPO / "trainkit") == repo_before
-    assert os.listdir(home) == []
-
-
-def test_an_empty_current_folder_is_not_replaced_either(tmp_path, finished_run):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    inode = os.stat(empty).st_ino
-    result = run_main("hf_interop.py", "export", finished_run, ".", cwd=empty)
-    assert result.returncode == 2 and "it is the current folder" in result.stderr, result.stderr[-3000:]
-    assert os.stat(empty).st_ino == inode and os.listdir(empty) == []
+    assert (tree_hashes(project), sorted(project.rglob("*"))) == before and tree_hashes(
+        REPO / "trainkit"
+    ) == repo_before
+    assert os.stat(project).st_ino == inode and os.listdir(home) == []
 
 
 def test_an_export_into_a_new_folder_still_works(project, finished_run):

@@ -1,10 +1,7 @@
-"""Files from elsewhere are checked before they cost anything, run as users run the commands: a JSON
-document nested 200,000 deep in any reader, a checkpoint holding an expanded tensor or a structure
-nested thousands deep or resume fields of the wrong types, a Hugging Face folder whose config.json
-and weights disagree or whose index points outside it, and shards or inputs that are not regular
-files. Each is exit code 2, one `error:` line, no traceback, and every file left byte-identical. The
-commands run in-process through each script's main (run_main); the named pipes run as programs (a
-regression would block the test's own process), proving the contract end to end."""
+"""Files from elsewhere are checked before they cost anything: deep JSON in any reader, checkpoints whose structure
+or resume fields are not the trainer's, Hugging Face folders whose config and weights disagree or whose index points
+outside, files that are not regular files: exit code 2, one `error:` line, every file byte-identical. In-process
+(run_main), but the named pipes: as programs (a regression would block the test's own process)."""
 
 import json
 import os
@@ -17,22 +14,13 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import (
-    HELLASWAG_FILE,
-    assert_refused,
-    run_as_programs,
-    run_main,
-    tiny_run_args,
-    tree_hashes,
-    write_checkpoint,
-)
+from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main, tiny_run_args, tree_hashes
+from conftest import write_checkpoint
 from trainkit.runfiles import checkpoints
 
 
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
-
-
 SHARDS = dict(n_docs=300, seed=3)
 
 
@@ -46,19 +34,18 @@ def edited_run(finished_run, folder, edit, checksum=True):
     edit(ckpt)
     state = {k: v for k, v in ckpt.items() if k != "checksum"}
     path = folder / "ckpt_0000002.pt"
-    if checksum:
-        checkpoints.save_checkpoint(str(path), state)
-    else:
-        torch.save(dict(state, checksum="0" * 64), path)
+    checkpoints.save_checkpoint(str(path), state) if checksum else torch.save(dict(state, checksum="0" * 64), path)
     return path
 
 
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
-
-
 def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
     """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
-    --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log."""
+    --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log; and an
+    export folder whose mark is nested deep is not replaced: as a folder of the user's own files."""
+    export = tmp_path / "export"
+    assert run_main("hf_interop.py", "export", finished_run, export).returncode == 0
+    (export / "gpt2_trainer_export.json").write_text(DEEP)
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     (data / "manifest.json").write_text(DEEP)
@@ -106,6 +93,9 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
             "or its log.jsonl",
         ),
     ]
+    result = run_main("hf_interop.py", "export", finished_run, export)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {export} ") and "Traceback" not in result.stderr
     for command, line in cases:
         result = run_main(*command)
         if command[0] == "fineweb.py" and "fineweb_new" in str(command[4]):  # its progress bar comes first
@@ -117,30 +107,7 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
     assert tree_hashes(tmp_path) == before
 
 
-def test_an_export_mark_nested_deep_is_no_mark(finished_run, tmp_path):
-    """An export folder whose mark cannot be read is not replaced: as a folder of the user's own files."""
-    out = tmp_path / "hf"
-    assert run_main("hf_interop.py", "export", finished_run, out).returncode == 0
-    (out / "gpt2_trainer_export.json").write_text(DEEP)
-    before = tree_hashes(tmp_path)
-    result = run_main("hf_interop.py", "export", finished_run, out)
-    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith(f"error: {out} ") and "Traceback" not in result.stderr
-    assert tree_hashes(tmp_path) == before
-
-
 # --- checkpoints: structure before contents --------------------------------------------------
-
-
-def expanded_embedding(ckpt):
-    """The token embedding as one float broadcast to 50304 x 16: two bytes' worth of file."""
-    ckpt["model"]["transformer.wte.weight"] = torch.zeros(1, 1).expand(50304, 16)
-
-
-def expanded_51gb(ckpt):
-    ckpt["optimizer"]["state"][0]["exp_avg_sq"] = torch.zeros(1).expand(12_800_000_000)  # 51.2 GB as float32
-
-
 def nested(depth):
     def edit(ckpt):
         value = 0
@@ -151,38 +118,85 @@ def nested(depth):
     return edit
 
 
-@pytest.mark.parametrize(
-    "edit,checksum,problem",
-    [
-        (
-            expanded_embedding,
-            True,
-            "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
-            "those of a stored tensor (expanded or a view)",
-        ),
-        (
-            expanded_51gb,
-            False,
-            "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
-            "those of a stored tensor (expanded or a view)",
-        ),
-        (
-            lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]),
-            True,
-            "a tensor's storage holds 4000 bytes, of which its tensors view 64",
-        ),
-        (
-            nested(3000),
-            False,
-            "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
-        ),
-    ],
-    ids=["expanded embedding", "expanded 51 GB", "storage larger than its view", "nested 3000 deep"],
-)
-def test_a_checkpoint_whose_structure_costs_more_than_its_file(
-    finished_run, data_dir, tmp_path, edit, checksum, problem
+STRUCTURES = {  # {case: (edit, a true sha256 (False: made up, where computing it reads a tensor whole), the problem)}
+    "expanded embedding": (
+        # the token embedding as one float broadcast to 50304 x 16: two bytes' worth of file
+        lambda c: c["model"].__setitem__("transformer.wte.weight", torch.zeros(1, 1).expand(50304, 16)),
+        True,
+        "its tensor ['model']['transformer.wte.weight'] of 50304x16 has strides (0, 0), not "
+        "those of a stored tensor (expanded or a view)",
+    ),
+    "expanded 51 GB": (  # as float32
+        lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg_sq", torch.zeros(1).expand(12_800_000_000)),
+        False,
+        "its tensor ['optimizer']['state'][0]['exp_avg_sq'] of 12800000000 has strides (0,), not "
+        "those of a stored tensor (expanded or a view)",
+    ),
+    "storage larger than its view": (
+        lambda c: c["model"].__setitem__("transformer.ln_f.bias", torch.zeros(1000)[:16]),
+        True,
+        "a tensor's storage holds 4000 bytes, of which its tensors view 64",
+    ),
+    "nested 3000 deep": (
+        nested(3000),
+        False,
+        "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
+    ),
+    "model tensor shape": (
+        lambda c: c["model"].__setitem__("transformer.h.0.attn.c_attn.weight", torch.zeros(48, 15)),
+        True,
+        "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16",
+    ),
+}
+
+
+WRONG_TYPES = {
+    "no optimizer": (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only)"),
+    "optimizer tensor shape": (
+        lambda c: c["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)),
+        "its optimizer's exp_avg of parameter 0 is 3, where the parameter is 50304x16: written by another program or "
+        "edited, it cannot be resumed",  # (the whole line)
+    ),
+    "no seq_len": (lambda c: c["run_config"].pop("seq_len"), "its run_config has no seq_len"),
+    "negative step": (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
+    "text step": (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
+    "float rng state": (
+        lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
+        "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)",
+    ),
+    "empty skip state": (
+        lambda c: c.__setitem__("skip_state", {}),
+        "its skip_state is not the guards' state (loss_window, norm_window: "
+        "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)",
+    ),
+    "run not a mapping": (
+        lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
+        "its run is a list, not a run identity (a mapping of id and parent)",
+    ),
+    "fractional log offset": (
+        lambda c: c.__setitem__("log_offset", 1.5),
+        "its log_offset is 1.5, not a count (an integer >= 0)",
+    ),
+    "text shuffle": (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
+    "negative shard size": (
+        lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
+        "its data_files is not a list of shards (name, size, sha256)",
+    ),
+}
+
+
+# the structures in every loader, the resume fields (the sha256 right) in the trainer's
+CHECKPOINTS = {case: (edit, checksum, problem, 4) for case, (edit, checksum, problem) in STRUCTURES.items()}
+CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in WRONG_TYPES.items()})
+
+
+@pytest.mark.parametrize("edit,checksum,problem,loaders", CHECKPOINTS.values(), ids=list(CHECKPOINTS))
+def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_contents_are_read(
+    finished_run, data_dir, tmp_path, edit, checksum, problem, loaders
 ):
-    """Every loader (--resume, sample.py, hellaswag.py, export) refuses it before reading a tensor's contents."""
+    """A checkpoint whose structure costs more than its file or whose tensors have other shapes than its config
+    gives, or whose resume fields are not of the types the trainer writes (its sha256 right): every loader of it (--resume, sample.py, hellaswag.py, export) refuses it in one line
+    before reading a tensor's contents."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
     try:
@@ -191,72 +205,19 @@ def test_a_checkpoint_whose_structure_costs_more_than_its_file(
         sys.setrecursionlimit(limit)
     before = tree_hashes(tmp_path)
     line = f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
+    if problem.endswith("cannot be resumed"):
+        line = f"{ckpt}: {problem}"
     for command in [
         ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=4)),
         ("sample.py", "--checkpoint", ckpt, "--max-new-tokens", "1"),
         ("hellaswag.py", "--checkpoint", ckpt, "--data-file", HELLASWAG_FILE, "--limit", "1"),
         ("hf_interop.py", "export", ckpt, tmp_path / "hf"),
-    ]:
+    ][:loaders]:
         assert_refused(run_main(*command), line)
     assert tree_hashes(tmp_path) == before
 
 
-def without_seq_len(ckpt):
-    del ckpt["run_config"]["seq_len"]
-
-
-@pytest.mark.parametrize(
-    "edit,problem",
-    [
-        (without_seq_len, "its run_config has no seq_len"),
-        (lambda c: c.__setitem__("step", -2), "its step is -2, not a count (an integer >= 0)"),
-        (lambda c: c.__setitem__("step", "2"), "its step is '2', not a count (an integer >= 0)"),
-        (
-            lambda c: c.__setitem__("rng_cpu", c["rng_cpu"].float()),
-            "its rng_cpu is a Tensor, not a random generator's state (a 1-D uint8 tensor)",
-        ),
-        (
-            lambda c: c.__setitem__("skip_state", {}),
-            "its skip_state is not the guards' state (loss_window, norm_window: "
-            "lists of numbers; spikes_in_a_row, nonfinite_skipped: counts)",
-        ),
-        (
-            lambda c: c.__setitem__("run", ["not", "a", "mapping"]),
-            "its run is a list, not a run identity (a mapping of id and parent)",
-        ),
-        (lambda c: c.__setitem__("log_offset", 1.5), "its log_offset is 1.5, not a count (an integer >= 0)"),
-        (lambda c: c["run_config"].__setitem__("shuffle", "yes"), "its run_config shuffle is 'yes'"),
-        (
-            lambda c: c.__setitem__("data_files", {"train": [("x", -1)], "val": None}),
-            "its data_files is not a list of shards (name, size, sha256)",
-        ),
-    ],
-    ids=[
-        "no seq_len",
-        "negative step",
-        "text step",
-        "float rng state",
-        "empty skip state",
-        "run not a mapping",
-        "fractional log offset",
-        "text shuffle",
-        "negative shard size",
-    ],
-)
-def test_resume_state_of_the_wrong_types_is_one_line(finished_run, data_dir, tmp_path, edit, problem):
-    """A checkpoint whose checksum is right but whose resume fields are not as the trainer writes them."""
-    ckpt = edited_run(finished_run, tmp_path / "run", edit)
-    before = tree_hashes(tmp_path)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=4))
-    assert_refused(
-        result, f"{ckpt}: {problem}: not as train_gpt2.py writes them; there is no earlier checkpoint next to it"
-    )
-    assert tree_hashes(tmp_path) == before
-
-
 # --- Hugging Face folders: config and weights compared before a model is built ----------------
-
-
 def hf_folder(path, **config_edits):
     """A save_pretrained folder of a tiny GPT-2 (2 layers, 100 ids, 32 positions), config.json then edited."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -272,17 +233,17 @@ def hf_folder(path, **config_edits):
 
 
 def index_to(where):
-    """The folder's weights moved to where (relative to it, or absolute) and named there by an index."""
+    """The folder's weights moved to where (relative to it, or absolute: {tmp} its parent) and named there by an index."""
 
     def edit(folder):
         from safetensors.torch import load_file
 
-        names = list(load_file(folder / "model.safetensors"))
-        target = folder / where
+        names, where_now = list(load_file(folder / "model.safetensors")), where.format(tmp=folder.parent)
+        target = folder / where_now
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(folder / "model.safetensors", target)
         (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": {name: where for name in names}})
+            json.dumps({"metadata": {}, "weight_map": {name: where_now for name in names}})
         )
 
     return edit
@@ -298,85 +259,69 @@ def unsafe_bin(folder):
     torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
 
 
-@pytest.mark.parametrize(
-    "config,edit,problem",
-    [
-        (
-            dict(n_layer=1),
-            None,
-            "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
-            "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
-            "n_layer 1: is it the config of these weights?",
-        ),
-        (dict(n_layer=-1), None, "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)"),
-        (dict(n_embd="16"), None, "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)"),
-        (
-            dict(n_positions=10**9),
-            None,
-            "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
-        ),
-        (
-            {},
-            index_to("../elsewhere/x.safetensors"),
-            "its model.safetensors.index.json names the weight file "
-            "'../elsewhere/x.safetensors', outside the folder: only files inside it are read",
-        ),
-        (
-            {},
-            index_to("sub/x.safetensors"),
-            "its model.safetensors.index.json names the weight file "
-            "'sub/x.safetensors', outside the folder: only files inside it are read",
-        ),
-        (
-            {},
-            unsafe_bin,
-            "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
-            "plain values, which are never loaded)",
-        ),
-    ],
-    ids=[
-        "fewer layers than its weights",
-        "negative n_layer",
-        "text n_embd",
-        "absurd n_positions",
-        "index up out",
-        "index into a subfolder",
-        "unsafe pytorch_model.bin",
-    ],
+outside = lambda where: (
+    f"its model.safetensors.index.json names the weight file '{where}', outside the folder: only files inside it are read"
 )
-def test_a_hugging_face_folder_is_checked_before_a_model_is_built(tmp_path, config, edit, problem):
+
+
+HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
+    "fewer layers than its weights": (
+        dict(n_layer=1),
+        None,
+        "its weights hold tensors that a GPT-2 of its config.json's sizes has no place for "
+        "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
+        "n_layer 1: is it the config of these weights?",
+    ),
+    "negative n_layer": (
+        dict(n_layer=-1),
+        None,
+        "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)",
+    ),
+    "text n_embd": (
+        dict(n_embd="16"),
+        None,
+        "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)",
+    ),
+    "absurd n_positions": (
+        dict(n_positions=10**9),
+        None,
+        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
+    ),
+    "index up out": ({}, index_to("../elsewhere/x.safetensors"), outside("../elsewhere/x.safetensors")),
+    "index into a subfolder": ({}, index_to("sub/x.safetensors"), outside("sub/x.safetensors")),
+    # (for --init-from: the trainer's own flags)
+    "absolute index": ({}, index_to("{tmp}/elsewhere/x.safetensors"), outside("{tmp}/elsewhere/x.safetensors")),
+    "unsafe pytorch_model.bin": (
+        {},
+        unsafe_bin,
+        "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
+        "plain values, which are never loaded)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HF_FOLDERS)
+def test_a_hugging_face_folder_is_checked_before_a_model_is_built(data_dir, tmp_path, case):
+    config, edit, problem = HF_FOLDERS[case]
     folder = hf_folder(tmp_path / "hf", **config)
     if edit:
         edit(folder)
     before = tree_hashes(tmp_path)
-    line = f"--hf-model {folder}: {problem.format(folder=folder)}"
-    assert_refused(run_main("sample.py", "--hf-model", folder, "--max-new-tokens", "1"), line)
-    if not edit and config.get("n_layer") == 1:  # also where the other commands take a Hugging Face GPT-2
+    line = f"--hf-model {folder}: {problem.format(folder=folder, tmp=tmp_path)}"
+    command = ("sample.py", "--hf-model", folder, "--max-new-tokens", "1")
+    if case == "absolute index":
+        flags = "--seq-len 16 --batch-size 4 --total-batch-size 64 --max-steps 1 --val-every 0 --sample-every 0"
+        command = ("train_gpt2.py", "--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out")
+        command, line = (*command, *flags.split(), "--hellaswag-every", "0"), line.replace("--hf-model", "--init-from")
+    assert_refused(run_main(*command), line)
+    if case == "fewer layers than its weights":  # also where the other commands take a Hugging Face GPT-2
         assert_refused(
             run_main("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
         )
     assert tree_hashes(tmp_path) == before
 
 
-def test_an_absolute_index_path_is_refused_for_init_from(data_dir, tmp_path):
-    folder = hf_folder(tmp_path / "hf")
-    index_to(str(tmp_path / "elsewhere" / "x.safetensors"))(folder)
-    before = tree_hashes(tmp_path)
-    flags = "--seq-len 16 --batch-size 4 --total-batch-size 64 --max-steps 1 --val-every 0 --sample-every 0"
-    args = ["--init-from", folder, "--data-dir", data_dir, "--out-dir", tmp_path / "out", *flags.split()]
-    result = run_main("train_gpt2.py", *args, "--hellaswag-every", "0")
-    assert_refused(
-        result,
-        f"--init-from {folder}: its model.safetensors.index.json names the weight file "
-        f"'{tmp_path / 'elsewhere' / 'x.safetensors'}', outside the folder: only files inside it "
-        "are read",
-    )
-    assert tree_hashes(tmp_path) == before
-
-
 # --- files that are not regular files ----------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def not_files(finished_run, data_dir, tmp_path_factory):
     """Shards, logs and inputs that are named pipes or a link to /dev/zero, given to the scripts run as programs in
@@ -443,7 +388,6 @@ def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case, 
 
 
 # --- models HellaSwag cannot score --------------------------------------------------------------
-
 BLOCK_1 = (
     "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs "
     "at least 2 positions)"
@@ -466,9 +410,8 @@ BLOCK_1 = (
 def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, problem, trainer_line):
     """hellaswag.py on its checkpoint, and the trainer asked to score it every N steps (refused before the
     first step, not after N steps of training): one line each, nothing written."""
-    checkpoint = write_checkpoint(
-        tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape)), tmp_path / "ckpt_0000001.pt"
-    )
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape))
+    checkpoint = write_checkpoint(model, tmp_path / "ckpt_0000001.pt")
     result = run_main("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
     assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
     out = tmp_path / "out"

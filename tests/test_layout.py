@@ -1,9 +1,9 @@
-"""The repository's layout: the six scripts a user runs at the root, the library they import in trainkit/
-arranged by concern (its top-level modules and folders: its layers), dependencies pointing one way (scripts ->
-the trainer's model -> trainkit, and between trainkit's layers no circle), and the scripts' --help unchanged.
-Every check is derived from the tree, so that modules may move between the layers."""
+"""The repository's layout: the six scripts at the root, the library in trainkit/ arranged by concern (its top-level
+modules and folders: its layers), dependencies one way (scripts -> the trainer's model -> trainkit; no circle between
+trainkit's layers), the scripts' --help unchanged; every check derived from the tree, so that modules may move."""
 
 import ast
+import graphlib
 import sys
 
 import pytest
@@ -11,7 +11,6 @@ import pytest
 from conftest import REPO, run_main
 
 SCRIPTS = ["train_gpt2", "fineweb", "hellaswag", "hf_interop", "sample", "plot_log"]
-
 MAX_MODULES, MAX_FLOORS = 25, 6
 
 
@@ -25,11 +24,8 @@ def repo_files() -> dict:
         parts = path.relative_to(REPO).parts
         if any(part.startswith(".") or part == "__pycache__" for part in parts):
             continue
-        if parts[0] == "trainkit":
-            dotted = [*parts[:-1], path.stem] if path.stem != "__init__" else list(parts[:-1])
-            name = ".".join(dotted)
-        else:
-            name = path.stem
+        dotted = [*parts[:-1], path.stem] if path.stem != "__init__" else list(parts[:-1])
+        name = ".".join(dotted) if parts[0] == "trainkit" else path.stem
         assert name not in files, f"{path} and {files[name]} are both imported as {name}"
         files[name] = path
     return files
@@ -37,9 +33,8 @@ def repo_files() -> dict:
 
 def trainkit_modules() -> dict:
     """trainkit's modules (its packages' __init__.py left out) by dotted name."""
-    return {
-        name: path for name, path in repo_files().items() if name.startswith("trainkit.") and path.stem != "__init__"
-    }
+    modules = {name: path for name, path in repo_files().items() if name.startswith("trainkit.")}
+    return {name: path for name, path in modules.items() if path.stem != "__init__"}
 
 
 def imports_of(path, ours: set, module_level_only: bool = False) -> set:
@@ -53,12 +48,8 @@ def imports_of(path, ours: set, module_level_only: bool = False) -> set:
             node = todo.pop()
             nodes.append(node)
             if isinstance(node, (ast.If, ast.Try)):
-                todo += (
-                    node.body
-                    + node.orelse
-                    + getattr(node, "finalbody", [])
-                    + [n for h in getattr(node, "handlers", []) for n in h.body]
-                )
+                todo += node.body + node.orelse + getattr(node, "finalbody", [])
+                todo += [n for handler in getattr(node, "handlers", []) for n in handler.body]
     else:
         nodes = list(ast.walk(tree))
     found = set()
@@ -77,22 +68,11 @@ def import_graph(module_level_only: bool = False) -> dict:
 
 
 def cycle_in(graph: dict) -> list | None:
-    """One import cycle of graph, as the list of modules around it, or None."""
-    state = {}  # module -> "open" while its imports are being followed, "done" after
-
-    def visit(module, path):
-        state[module] = "open"
-        for dep in sorted(graph[module]):
-            if state.get(dep) == "open":
-                return path[path.index(dep) :] + [dep]
-            if dep not in state and (found := visit(dep, path + [dep])):
-                return found
-        state[module] = "done"
-        return None
-
-    for module in sorted(graph):
-        if module not in state and (found := visit(module, [module])):
-            return found
+    """One import cycle of graph, as the list of modules around it (the first again at its end), or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as cycle:
+        return cycle.args[1][::-1]
     return None
 
 
@@ -100,19 +80,12 @@ def floors(graph: dict) -> dict:
     """Each module's floor in an acyclic graph: 1 for a module that imports none of graph's, else one
     more than the highest floor among its imports."""
     floor = {}
-
-    def visit(module):
-        if module not in floor:
-            floor[module] = 1 + max((visit(dep) for dep in graph[module]), default=0)
-        return floor[module]
-
-    for module in graph:
-        visit(module)
+    for module in graphlib.TopologicalSorter(graph).static_order():  # each module after its imports
+        floor[module] = 1 + max((floor[dep] for dep in graph.get(module, ())), default=0)
     return floor
 
 
-def layer(name: str) -> str:
-    return name.split(".")[1]
+layer = lambda name: name.split(".")[1]  # a trainkit module's layer
 
 
 def test_the_root_holds_the_scripts_and_trainkit_its_layers():
@@ -141,11 +114,8 @@ def test_no_import_cycle_and_trainkit_imports_one_way():
     assert max(floor.values()) <= MAX_FLOORS, sorted(floor.items(), key=lambda item: -item[1])
     # scripts -> the trainer's model -> trainkit: a script imports no script but the trainer, which imports none;
     # and every trainkit module is used, by a script or another module
-    assert {
-        name: graph[name] & set(SCRIPTS) - {"train_gpt2"}
-        for name in SCRIPTS
-        if graph[name] & set(SCRIPTS) - {"train_gpt2"}
-    } == {}
+    scripts_imported = {name: graph[name] & set(SCRIPTS) - {"train_gpt2"} for name in SCRIPTS}
+    assert {name: found for name, found in scripts_imported.items() if found} == {}
     assert graph["train_gpt2"] & set(SCRIPTS) == set() and graph["train_gpt2"] & set(modules)
     used = set().union(*(graph[name] for name in [*SCRIPTS, *modules]))
     assert set(modules) - used == set()

@@ -1,8 +1,7 @@
-"""What the scripts print, run as users run them: control characters in text the programs did not
-write (the model's samples, a checkpoint's keys, a log's run id, a manifest's file names) are shown
-escaped, and an output that goes away (a reader that left, a closed terminal, a full disk, an
-encoding without the characters) never ends a training run: it trains on, saves, and exits 0; a
-command whose only product is its output says so in its exit code."""
+"""What the scripts print: control characters in text they did not write (samples, a checkpoint's keys, a log's run
+id, a manifest's file names) shown escaped; an output that goes away (a reader that left, a closed terminal, a full
+disk, an encoding without the characters) never ends a training run (it trains on, saves, exits 0), and a command
+whose only product is its output says so in its exit code."""
 
 import json
 import os
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import HELLASWAG_FILE, REPO, run_as_programs, run_main, tiny_run_args, trained_steps
+from conftest import HELLASWAG_FILE, run_as_programs, run_main, start, tiny_run_args, trained_steps
 from trainkit.runfiles import checkpoints
 from trainkit.cli import reason_of, shown
 
@@ -28,13 +27,10 @@ def train_args(data_dir, out_dir, steps, *extra):
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, n_layer=1, warmup=2)
 
 
-def saved_steps(out_dir) -> list:
-    return [checkpoints.load_checkpoint(str(p))["step"] for p in sorted(out_dir.glob("ckpt_*.pt"))]
+saved_steps = lambda out_dir: [checkpoints.load_checkpoint(str(p))["step"] for p in sorted(out_dir.glob("ckpt_*.pt"))]
 
 
 # ---- what is shown -----------------------------------------------------------------------------
-
-
 def test_shown_escapes_every_control_character_and_keeps_lines_only_when_asked():
     controls = "".join(map(chr, [*range(0x20), 0x7F, *range(0x80, 0xA0)]))
     assert shown(controls) == "".join(f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)])
@@ -43,35 +39,19 @@ def test_shown_escapes_every_control_character_and_keeps_lines_only_when_asked()
     assert shown("café ☕ \\x1b 世界 \u00a0") == "café ☕ \\x1b 世界 \u00a0"  # printable text as it is
 
 
-def test_sample_py_shows_the_control_characters_of_its_text_escaped(finished_run):
-    """The prompt is echoed at the head of each sample (with no new tokens, it is the sample): its
-    escape sequences come out as text, its tab and newline as they are."""
-    result = run_main(
-        "sample.py",
-        "--checkpoint",
-        finished_run,
-        "--prompt",
-        f"{HOSTILE}\tend\nnext",
-        "--num-samples",
-        "2",
-        "--max-new-tokens",
-        "0",
-        "--device",
-        "cpu",
-    )
+def test_samples_show_their_control_characters_escaped(finished_run, data_dir, tmp_path):
+    """sample.py echoes the prompt at the head of each sample (with no new tokens, it is the sample): its escape
+    sequences come out as text, its tab and newline as they are; so do the trainer's samples."""
+    flags = "--num-samples 2 --max-new-tokens 0 --device cpu".split()
+    result = run_main("sample.py", "--checkpoint", finished_run, "--prompt", f"{HOSTILE}\tend\nnext", *flags)
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == "".join(f"--- sample {i}/2 ---\n{HOSTILE_SHOWN}\tend\nnext\n" for i in (1, 2))
-
-
-def test_the_trainers_samples_show_control_characters_escaped(data_dir, tmp_path):
-    result = run_main(
-        "train_gpt2.py", *train_args(data_dir, tmp_path, 1, "--sample-every", "1", "--sample-prompt", HOSTILE)
-    )
+    flags = "--sample-every", "1", "--sample-prompt", HOSTILE
+    result = run_main("train_gpt2.py", *train_args(data_dir, tmp_path, 1, *flags))
     assert result.returncode == 0, result.stderr[-2000:]
-    stdout = result.stdout
-    samples = [line for line in stdout.splitlines() if line.startswith("sample: ")]
+    samples = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
     assert len(samples) == 4 and all(line.startswith(f"sample: {HOSTILE_SHOWN}") for line in samples)
-    assert "\x1b" not in stdout and "\x07" not in stdout
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
 
 
 @pytest.mark.parametrize("case", ["checkpoint keys", "log run id", "manifest file name", "flag value"])
@@ -114,8 +94,6 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
 
 
 # ---- an output that goes away ------------------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def gone(data_dir, finished_run, tmp_path_factory):
     """The scripts as programs, in one interpreter (run_as_programs), with a stdout that fails: a reader that left
@@ -126,27 +104,13 @@ def gone(data_dir, finished_run, tmp_path_factory):
     (tmp / "plot").mkdir()
     log = "".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(3))
     (tmp / "plot" / "log.jsonl").write_text(log)
+    train = lambda out, steps, *extra: ["train_gpt2.py", *train_args(data_dir, tmp / out, steps, *extra)]
     cases = {
-        "train left": (["train_gpt2.py", *train_args(data_dir, tmp / "left", 4, "--ckpt-every", 2)], "left", None),
-        "train left 2>&1": (
-            ["train_gpt2.py", *train_args(data_dir, tmp / "both", 4, "--ckpt-every", 2)],
-            "left",
-            "stdout",
-        ),
-        "train full": (["train_gpt2.py", *train_args(data_dir, tmp / "full", 3)], "full", None),
-        "eval-only full": (
-            ["train_gpt2.py", *train_args(data_dir, tmp / "full", 3, "--eval-only", "--resume", "--val-every", 1)],
-            "full",
-            None,
-        ),
-        "ascii": (
-            [
-                "train_gpt2.py",
-                *train_args(data_dir, tmp / "ascii", 3, "--sample-every", 1, "--sample-prompt", "café ☕"),
-            ],
-            None,
-            None,
-        ),
+        "train left": (train("left", 4, "--ckpt-every", 2), "left", None),
+        "train left 2>&1": (train("both", 4, "--ckpt-every", 2), "left", "stdout"),
+        "train full": (train("full", 3), "full", None),
+        "eval-only full": (train("full", 3, "--eval-only", "--resume", "--val-every", 1), "full", None),
+        "ascii": (train("ascii", 3, "--sample-every", 1, "--sample-prompt", "café ☕"), None, None),
         "sample left": (sample, "left", None),
         "sample full": (sample, "full", None),
         "sample full 2>&1": (sample, "full", "full"),
@@ -154,15 +118,8 @@ def gone(data_dir, finished_run, tmp_path_factory):
         "hellaswag left": (hellaswag, "left", None),
         "plot full": (["plot_log.py", tmp / "plot"], "full", None),
     }
-    runs = [
-        dict(
-            argv=[str(a) for a in argv],
-            stdout=stdout,
-            stderr=stderr,
-            **({"encoding": "ascii"} if name == "ascii" else {}),
-        )
-        for name, (argv, stdout, stderr) in cases.items()
-    ]
+    runs = [dict(argv=[str(a) for a in argv], stdout=stdout, stderr=stderr) for argv, stdout, stderr in cases.values()]
+    runs[list(cases).index("ascii")]["encoding"] = "ascii"
     return dict(zip(cases, run_as_programs(runs))), tmp
 
 
@@ -208,19 +165,11 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
     """`train_gpt2.py ... | tee run.txt` in a terminal that closes: SIGHUP to the process group ends
     tee, and the trainer stops as a signal stops it, writing nothing more to the pipe tee left."""
     out = tmp_path / "out"
-    tee = subprocess.Popen(
-        ["tee", str(tmp_path / "run.txt")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        preexec_fn=lambda: (signal.signal(signal.SIGHUP, signal.SIG_DFL), os.setpgid(0, 0)),
-    )  # a process group of its own, as a shell's job (in a terminal: not under nohup)
-    trainer = subprocess.Popen(
-        [sys.executable, "train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")],
-        cwd=REPO,
-        stdout=tee.stdin,
-        stderr=subprocess.PIPE,
-        preexec_fn=lambda: (signal.signal(signal.SIGHUP, signal.SIG_DFL), os.setpgid(0, tee.pid)),
-    )
+    hup = lambda group: lambda: (signal.signal(signal.SIGHUP, signal.SIG_DFL), os.setpgid(0, group))
+    # a process group of its own, as a shell's job (in a terminal: not under nohup)
+    tee = start(["tee", str(tmp_path / "run.txt")], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=hup(0))
+    command = [sys.executable, "train_gpt2.py", *train_args(data_dir, out, 100000, "--ckpt-every", "0")]
+    trainer = start(command, stdout=tee.stdin, preexec_fn=hup(tee.pid))
     tee.stdin.close()
     try:
         deadline = time.time() + 120
@@ -229,7 +178,7 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
             time.sleep(0.05)
         os.killpg(tee.pid, signal.SIGHUP)
         _, err = trainer.communicate(timeout=120)
-        assert (trainer.returncode, err, tee.wait(timeout=60)) == (0, b"", -signal.SIGHUP)
+        assert (trainer.returncode, err, tee.wait(timeout=60)) == (0, "", -signal.SIGHUP)
     finally:
         for proc in (trainer, tee):
             if proc.poll() is None:
@@ -241,18 +190,12 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
 
 
 # ---- a library's exception in one of our lines -------------------------------------------------
-
-
 def test_reason_of_a_library_error_is_its_gist_on_one_line():
     assert reason_of(OSError(28, "No space left on device")) == "no space left on device"
     assert reason_of(PermissionError(13, "Permission denied", "/x"), typed=True) == "PermissionError: permission denied"
-    assert (
-        reason_of(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer\nadvice"))
-        == "Connection closed by peer"
-    )
-    assert (
-        reason_of(ValueError("  bad   value \n\t(1) retry with weights_only=False"), typed=True)
-        == "ValueError: bad value"
-    )
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer\nadvice")
+    assert reason_of(gloo) == "Connection closed by peer"
+    torch_advice = ValueError("  bad   value \n\t(1) retry with weights_only=False")
+    assert reason_of(torch_advice, typed=True) == "ValueError: bad value"
     assert reason_of(MemoryError(), typed=True) == "MemoryError" and reason_of(KeyError()) == "KeyError"
     assert reason_of(ValueError("x" * 400)) == "x" * 297 + "..."

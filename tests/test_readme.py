@@ -1,6 +1,5 @@
-"""The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's,
-every link between README.md and docs/*.md leads somewhere, and fixtures/README.md describes the
-files beside it."""
+"""The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's, every link between
+README.md and docs/*.md leads somewhere, and fixtures/README.md describes the files beside it."""
 
 import hashlib
 import os
@@ -17,18 +16,17 @@ README = (REPO / "README.md").read_text()
 FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here from the README
 
 # Appended to each quickstart command (argparse keeps the last value): same commands, tiny sizes.
+SMALL_RUN = "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
+SMALL_RUN += "--total-batch-size 512 --warmup-steps 2"
 SMALLER = {
-    "train_gpt2.py": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
-    "--total-batch-size 512 --warmup-steps 2",
-    "train_gpt2.py --resume": "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
-    "--total-batch-size 512 --warmup-steps 2 --max-steps 4",
+    "train_gpt2.py": SMALL_RUN,
+    "train_gpt2.py --resume": f"{SMALL_RUN} --max-steps 4",
     "hellaswag.py": "--limit 8",
     "sample.py": "--num-samples 2 --max-new-tokens 8",
 }
 
 
-def section(start, end, text=README):
-    return text[text.index(start) : text.index(end)]
+section = lambda start, end, text=README: text[text.index(start) : text.index(end)]
 
 
 def section_from(heading, text):
@@ -47,13 +45,8 @@ def quickstart_commands():
 def test_readme_flags_table_matches_the_cli():
     table = section_from("## Flags", FLAGS_DOC.read_text())
     documented = set(re.findall(r"`(--[a-z-]+)", table))
-    parser_flags = {
-        opt
-        for action in tg.build_parser()._actions
-        for opt in action.option_strings
-        if opt.startswith("--") and opt != "--help"
-    }
-    assert documented == parser_flags
+    options = [option for action in tg.build_parser()._actions for option in action.option_strings]
+    assert documented == {option for option in options if option.startswith("--") and option != "--help"}
 
 
 def as_a_user(command, work, timeout=300):
@@ -73,15 +66,7 @@ def quickstart(tmp_path_factory):
     tests below train on, and what it printed."""
     work = tmp_path_factory.mktemp("quickstart") / "repo"
     work.mkdir()
-    for name in (
-        "train_gpt2.py",
-        "fineweb.py",
-        "hellaswag.py",
-        "hf_interop.py",
-        "plot_log.py",
-        "sample.py",
-        "fixtures",
-    ):
+    for name in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures".split():
         (work / name).symlink_to(REPO / name)
     return work, as_a_user(quickstart_commands()[0], work).stdout
 
@@ -118,13 +103,10 @@ def heading_anchor(heading):
 def test_links_between_readme_and_docs_resolve():
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     assert len(pages) > 10  # the reference lives in docs/
-    anchors = {}
-    for page in pages:
-        text = re.sub(r"(?ms)^```.*?^```", "", page.read_text())  # headings and links outside code blocks
-        anchors[page.resolve()] = {heading_anchor(h) for h in re.findall(r"(?m)^#+ (.+)$", text)}
+    texts = {page: re.sub(r"(?ms)^```.*?^```", "", page.read_text()) for page in pages}  # outside code blocks
+    anchors = {page.resolve(): {heading_anchor(h) for h in re.findall(r"(?m)^#+ (.+)$", texts[page])} for page in pages}
     broken, linked = [], set()
-    for page in pages:
-        text = re.sub(r"(?ms)^```.*?^```", "", page.read_text())
+    for page, text in texts.items():
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):
                 continue
@@ -179,8 +161,7 @@ def test_the_transcript_holds_what_the_first_two_commands_print_today(quickstart
         shown = next(line for line in lines if line.startswith(f"step {step:5d}/"))
         got = next(line for line in printed if line.startswith(f"step {step:5d}/"))
         assert got.replace("/2 |", "/100 |").split(" | dt ")[0] == shown.split(" | dt ")[0]
-    step_lines = [line for line in printed if re.match(r"step +\d+/", line)]
-    shown_step_lines = [line for line in lines if re.match(r"step +\d+/", line)]
-    assert shape(step_lines[0]) == shape(shown_step_lines[0])
-    assert shape(step_lines[-1]) == shape(shown_step_lines[-1])  # the last step: no eta
+    step_shapes = lambda text: [shape(line) for line in text if re.match(r"step +\d+/", line)]
+    printed_steps, recorded_steps = step_shapes(printed), step_shapes(lines)
+    assert (printed_steps[0], printed_steps[-1]) == (recorded_steps[0], recorded_steps[-1])  # (the last: no eta)
     assert shape(printed[-1]) == shape(lines[-1]) and lines[-1].startswith("done: ")
