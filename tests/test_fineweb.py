@@ -764,7 +764,7 @@ CACHES = ["unset", "a folder without it", "a damaged file"]  # TIKTOKEN_CACHE_DI
     [*(("intact", c) for c in CACHES), *((f, c) for f in SHIPPED_FAULTS for c in ("unset", "good"))],
 )
 def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else_one_line(
-    tmp_path, monkeypatch, shipped_bpe, cache
+    tmp_path, monkeypatch, request, shipped_bpe, cache
 ):
     """TIKTOKEN_CACHE_DIR's r50k_base first, else bpe/'s copy (a damaged cached file kept, one note); neither: one
     error line, nothing written; nothing cached. Loaded anew as in a new process: tiktoken's registry emptied, the
@@ -776,7 +776,8 @@ def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else
     if shipped_bpe != "missing":
         shipped.write_bytes(bad.get(shipped_bpe, data))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(tokenizer, "_encoding", None)
+    tokenizer.get_encoding.cache_clear()  # loaded anew here, and again by the tests after this one
+    request.addfinalizer(tokenizer.get_encoding.cache_clear)
     monkeypatch.setattr(documents, "_worker_encoding", None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
