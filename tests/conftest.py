@@ -546,29 +546,29 @@ NOT_GPT2 = {
 
 # The files of longest wall time, longest first: they start first, so that the last files to end are short ones
 # and the two workers end together. pytest-xdist's --dist loadfile would hand out the files with the most tests
-# first, and so test_slurm.py (six tests, minutes mostly spent waiting on Slurm) and the other long files of few
+# first, and so test_slurm.py (a few tests, minutes mostly spent waiting on Slurm) and the other long files of few
 # tests last, one worker running them while the other had ended. The order is that of the files' summed test
 # durations (pytest --durations=0, two workers on the project's 2-core machine), test_slurm.py first as its
 # worker mostly waits; a file not named here runs after these, in the order collected.
 LONGEST_FILES = (
     "test_slurm.py",
-    "test_hostile.py",
-    "test_hostile_inputs.py",
     "test_hf_interop.py",
     "test_resilience.py",
-    "test_output.py",
-    "test_sample.py",
     "test_ranks.py",
-    "test_out_dir.py",
     "test_train_faults.py",
-    "test_gpu_paths.py",
     "test_readme.py",
-    "test_fineweb.py",
-    "test_train_cli.py",
-    "test_quickstart.py",
-    "test_run_files.py",
-    "test_hellaswag.py",
     "test_fsdp.py",
+    "test_lm_eval.py",
+    "test_quickstart.py",
+    "test_gpu_paths.py",
+    "test_train_cli.py",
+    "test_hostile.py",
+    "test_hellaswag.py",
+    "test_shard_scan.py",
+    "test_sample.py",
+    "test_run_tracking.py",
+    "test_out_dir.py",
+    "test_output.py",
 )
 
 
