@@ -218,11 +218,12 @@ def run_main(script, *args, cwd=None, env=None):
     class run here; one real-subprocess test per script and class proves the contract end to end."""
     module = importlib.import_module(Path(script).stem)
     argv = [str(a) for a in args]
+    environment = with_env(env)  # (read before the clear below: this process's variables, env's on top)
     with kept_process_state(), tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.argv = [str(REPO / script), *argv]
         os.chdir(cwd or REPO)
         os.environ.clear()
-        os.environ.update(with_env(env))
+        os.environ.update(environment)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         saved = os.dup(1), os.dup(2)
