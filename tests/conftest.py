@@ -727,19 +727,16 @@ def assert_refused_quietly(result, message):
 
 
 # --- ranksdrv ---
-# Each rank of ONE torchrun launch runs several command lines one after another through the script's main(argv),
-# as `torchrun SCRIPT ARGS` would run each: every case gets a process group of its own (a store on a port rank 0
-# takes just before the case: torchrun's store holds the first group's keys), its rank's own argv and current
-# folder, and its output caught at the file descriptors; the signal handlers, sys.excepthook, environment and
-# folder are restored after it.
+# Each rank of ONE torchrun launch runs several command lines one after another through run_main (this file's, as
+# the tests use it in-process), as `torchrun SCRIPT ARGS` would run each: every case gets a process group of its
+# own (a store on a port rank 0 takes just before the case: torchrun's store holds the first group's keys), its
+# rank's own argv and current folder, its output caught; run_main restores what the case changed.
 MAINS_ON_RANKS = r"""
-import importlib, io, json, os, shutil, signal, socket, sys, tempfile, time, traceback
-repo, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-sys.path.insert(0, repo)
-import torch.distributed as dist
+import json, os, shutil, socket, sys, time, traceback
+tests, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+sys.path.insert(0, tests)
+from conftest import run_main
 rank, results = int(os.environ["RANK"]), []
-handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-env, streams = dict(os.environ), (sys.stdout, sys.stderr)
 
 def port_of_case(i):  # rank 0 takes a free port just before the case and tells the others through a file
     path = f"{report}.port{i}"
@@ -758,43 +755,15 @@ def port_of_case(i):  # rank 0 takes a free port just before the case and tells 
         return f.read()
 
 for i, case in enumerate(cases):
-    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=port_of_case(i))
-    os.chdir(case["cwd"][rank])
+    env = dict(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=port_of_case(i))
     for src, dst in case["copy"] if rank == 0 else ():  # the others wait for rank 0 in the group's set-up
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copy(src, dst)
-    caught = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    saved = os.dup(1), os.dup(2)
-    for fd, f in zip((1, 2), caught):
-        os.dup2(f.fileno(), fd)
-    sys.stdout, sys.stderr = (
-        io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), errors="backslashreplace", write_through=True)
-        for fd in (1, 2)
-    )
     try:
-        code = importlib.import_module(case["script"]).main(case["argv"][rank])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) or e.code is None else 1
-    except BaseException:
-        code = 1
-        traceback.print_exc()
-    sys.stdout, sys.stderr = streams
-    for fd, saved_fd in zip((1, 2), saved):
-        os.dup2(saved_fd, fd)
-        os.close(saved_fd)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-    sys.excepthook = sys.__excepthook__
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(repo)
-    texts = []
-    for f in caught:
-        f.seek(0)
-        texts.append(f.read().decode(errors="backslashreplace"))
-    results.append([code or 0, *texts])
+        result = run_main(case["script"] + ".py", *case["argv"][rank], cwd=case["cwd"][rank], env=env)
+        results.append([result.returncode, result.stdout, result.stderr])
+    except BaseException:  # (a main that raised: exit code 1 and its traceback, as a process would end)
+        results.append([1, "", traceback.format_exc()])
 with open(f"{report}.{rank}", "w") as f:
     json.dump(results, f)
 """
@@ -813,7 +782,7 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
             case["copy"] = [[str(src), str(dst)] for src, dst in case.get("copy", [])]
         launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python")
         proc = subprocess.run(
-            [*launch, sys.executable, "-c", MAINS_ON_RANKS, str(REPO), json.dumps(cases), report],
+            [*launch, sys.executable, "-c", MAINS_ON_RANKS, str(REPO / "tests"), json.dumps(cases), report],
             cwd=REPO,
             capture_output=True,
             text=True,
