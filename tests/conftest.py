@@ -1,6 +1,5 @@
-"""Shared test setup: the repo on sys.path, the data the repository ships in fixtures/ (the GPT-2 BPE in bpe/),
-each module's synthetic shards (data_dir, sized by the module's SHARDS), a tiny run's flags, running the scripts
-as programs and reading what a run wrote."""
+"""Shared test setup: the repo on sys.path, each module's synthetic shards (data_dir), the finished tiny run, a
+tiny run's flags, the scripts run in-process, as programs or on torchrun's ranks, and reading what a run wrote."""
 
 import contextlib
 import hashlib
@@ -24,47 +23,41 @@ TEXT_FILE = REPO / "fixtures" / "tinyshakespeare_first4000lines.txt"  # plain te
 HELLASWAG_FILE = REPO / "fixtures" / "hellaswag_val_subset.jsonl"  # 446 validation examples, the first 200 first
 sys.path.insert(0, str(REPO))
 
-# One thread per process, in the test workers and every command they start: the suite runs two
-# workers (and their subprocesses) side by side on two cores, where two OpenMP threads per process
-# only contend (measured on test_sample + test_hostile: 17% more CPU time, 14% longer)
+# One thread per process, in the workers and every command they start: two workers share two cores, where two
+# OpenMP threads a process only contend (test_sample + test_hostile: 17% more CPU time, 14% longer)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
-def _shard_dirs() -> dict:
-    """The folders of synthetic shards made in this worker, by their sizes (data_dir, finished_run)."""
-    return {}
+SHARD_DIRS = {}  # the folders of synthetic shards made in this worker, by their sizes
 
 
-def shared_shards(made: dict, tmp_path_factory, **sizes) -> str:
-    """The folder of tests/shards.py's shard_dir(**sizes), made once per worker: read it, never change it."""
+def shared_shards(tmp_path_factory, **sizes) -> str:
+    """tests/shards.py's shard_dir(**sizes), made once per worker: read it, never change it."""
     from shards import shard_dir
 
     key = tuple(sorted(sizes.items()))
-    if key not in made:
-        made[key] = shard_dir(tmp_path_factory, **sizes)
-    return made[key]
+    if key not in SHARD_DIRS:
+        SHARD_DIRS[key] = shard_dir(tmp_path_factory, **sizes)
+    return SHARD_DIRS[key]
 
 
 @pytest.fixture(scope="module")
-def data_dir(request, _shard_dirs, tmp_path_factory) -> str:
-    """A module's folder of synthetic shards (tests/shards.py's shard_dir), sized by its SHARDS: dict(n_docs=...,
-    seed=..., and shard_dir's other sizes); made once per worker and shared by the modules of the same SHARDS,
+def data_dir(request, tmp_path_factory) -> str:
+    """The module's shards, sized by its SHARDS (shard_dir's arguments); shared by the modules of the same SHARDS,
     so read only (a test that changes data copies it)."""
-    return shared_shards(_shard_dirs, tmp_path_factory, **request.module.SHARDS)
+    return shared_shards(tmp_path_factory, **request.module.SHARDS)
 
 
 RUN_SHARDS = dict(n_docs=300, seed=3)  # finished_run's data: a module with these SHARDS resumes it on its data_dir
 
 
 @pytest.fixture(scope="session")
-def finished_run(_shard_dirs, tmp_path_factory):
-    """THE finished tiny run of the suite: tiny_run_args(RUN_SHARDS' folder, steps=4, ckpt_every=2), trained
-    in-process once per worker: log.jsonl and checkpoints at steps 2 and 4. Shared: a test only reads it;
-    one that changes it takes finished_copy."""
+def finished_run(tmp_path_factory):
+    """THE finished tiny run, trained in-process once per worker: tiny_run_args(RUN_SHARDS' folder, steps=4,
+    ckpt_every=2), checkpoints at steps 2 and 4. Read only; a test that changes it takes finished_copy."""
     import train_gpt2
 
-    data = shared_shards(_shard_dirs, tmp_path_factory, **RUN_SHARDS)
+    data = shared_shards(tmp_path_factory, **RUN_SHARDS)
     out = tmp_path_factory.mktemp("finished") / "run"
     with kept_process_state():
         assert train_gpt2.main(tiny_run_args(data, out, steps=4, ckpt_every=2)) == 0
@@ -77,38 +70,28 @@ def finished_copy(finished_run, tmp_path):
     return Path(shutil.copytree(finished_run, tmp_path / "run", symlinks=False))
 
 
-def tiny_run_args(
-    data_dir,
-    out_dir,
-    *extra,
-    steps=20,
-    B=4,
-    ckpt_every=10,
-    n_layer=2,
-    n_embd=16,
-    block_size=32,
-    seq_len=16,
-    rows=8,
-    warmup=None,
-    val_every=0,
-    sample_every=0,
-    hellaswag_every=0,
-) -> list:
-    """The trainer's flags for a tiny run: n_layer blocks n_embd wide, rows of seq_len tokens, `rows` rows a step
-    in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no evaluation unless asked
-    (hellaswag_every None: the trainer's default); extra last."""
+TINY_RUN = dict(steps=20, B=4, ckpt_every=10, n_layer=2, n_embd=16, block_size=32, seq_len=16, rows=8)
+TINY_RUN.update(warmup=None, val_every=0, sample_every=0, hellaswag_every=0)  # tiny_run_args' defaults
+
+
+def tiny_run_args(data_dir, out_dir, *extra, **sizes) -> list:
+    """The trainer's flags for a tiny run (sizes: TINY_RUN's keys): n_layer blocks n_embd wide, rows of seq_len
+    tokens, `rows` rows a step in micro-batches of B, max LR 1e-2 after `warmup` steps (default min(3, steps)); no
+    evaluation unless asked (hellaswag_every None: the trainer's default); extra last."""
+    assert set(sizes) <= set(TINY_RUN), set(sizes) - set(TINY_RUN)
+    s = {**TINY_RUN, **sizes}
+    warmup = min(3, s["steps"]) if s["warmup"] is None else s["warmup"]
     flags = (
-        f"--n-layer {n_layer} --n-head 2 --n-embd {n_embd} --block-size {block_size} --seq-len {seq_len} "
-        f"--batch-size {B} --total-batch-size {rows * seq_len} --max-steps {steps} "
-        f"--warmup-steps {min(3, steps) if warmup is None else warmup} --max-lr 1e-2 --val-every {val_every} "
-        f"--sample-every {sample_every} --ckpt-every {ckpt_every}"
+        f"--n-layer {s['n_layer']} --n-head 2 --n-embd {s['n_embd']} --block-size {s['block_size']} "
+        f"--seq-len {s['seq_len']} --batch-size {s['B']} --total-batch-size {s['rows'] * s['seq_len']} "
+        f"--max-steps {s['steps']} --warmup-steps {warmup} --max-lr 1e-2 --val-every {s['val_every']} "
+        f"--sample-every {s['sample_every']} --ckpt-every {s['ckpt_every']}"
     ).split()
-    hellaswag = [] if hellaswag_every is None else ["--hellaswag-every", str(hellaswag_every)]
+    hellaswag = [] if s["hellaswag_every"] is None else ["--hellaswag-every", str(s["hellaswag_every"])]
     return ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *flags, *hellaswag, *extra]
 
 
-# tiny_run_args' sizes for a run that evaluates: GPT-2's vocabulary (HellaSwag's and the samples' tokens fit), 2
-# layers 32 wide, 4 rows of 32 tokens a step, warmup 2 steps
+# tiny_run_args' sizes for a run that evaluates: GPT-2's vocabulary (HellaSwag's tokens fit), 4 rows of 32 a step
 GPT2_VOCAB_RUN = dict(n_embd=32, block_size=64, seq_len=32, rows=4, warmup=2)
 
 
@@ -119,27 +102,23 @@ def log_records(out_dir) -> list:
 
 
 def train_records(out_dir) -> list:
-    """The records of a run's log.jsonl that a trained step wrote (those with a loss)."""
+    """The records of a run's log that a trained step wrote (those with a loss)."""
     return [r for r in log_records(out_dir) if "loss" in r]
 
 
 def trained_steps(out_dir) -> list:
-    """The step of each trained step in a run's log."""
     return [r["step"] for r in train_records(out_dir)]
 
 
 def losses(out_dir) -> list:
-    """(step, loss) of each trained step in a run's log."""
+    """(step, loss) of each trained step."""
     return [(r["step"], r["loss"]) for r in train_records(out_dir)]
 
 
 def wait_for_steps(out_dir, n, proc):
     """Until the run proc writes to out_dir has logged n trained steps (wait_for's limits)."""
-    wait_for(
-        lambda: os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n,
-        proc,
-        what=f"{n} steps",
-    )
+    logged = lambda: os.path.exists(os.path.join(out_dir, "log.jsonl")) and len(losses(out_dir)) >= n
+    wait_for(logged, proc, what=f"{n} steps")
 
 
 def resume_copy(src, dst, step):
@@ -156,17 +135,18 @@ def with_env(env) -> dict:
 
 
 def run_command(script, *args, cwd=REPO, env=None, timeout=300, **kwargs):
-    """`python script args` as a user runs it (script "-c": args[0] is the code), in cwd (default: the repo),
-    env set on top of this process's environment (with_env): the completed process, its output as text."""
+    """`python script args` as a user runs it (script "-c": args[0] is the code), in cwd, env on top (with_env):
+    the completed process, its output as text."""
+    command = [sys.executable, str(script), *map(str, args)]
     return subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=with_env(env),
-        **kwargs,
+        command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=with_env(env), **kwargs
     )
+
+
+def start(command, cwd=REPO, env=None, **popen) -> subprocess.Popen:
+    """command started in cwd, env on top (with_env), stdout and stderr text pipes unless popen says otherwise."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(command, cwd=cwd, env=with_env(env), text=True, **pipes)
 
 
 SIGNALS_KEPT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE)
@@ -174,9 +154,9 @@ SIGNALS_KEPT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, si
 
 @contextlib.contextmanager
 def kept_process_state():
-    """What a script's main may change in this process, as it was before: the current folder, the
-    environment, sys.argv and sys.excepthook, the signal handlers, the umask, torch's thread count,
-    matmul precision and random state, and no torch.distributed process group left behind."""
+    """What a script's main may change in this process restored: the current folder, the environment, sys.argv and
+    sys.excepthook, the signal handlers, the umask, torch's threads, matmul precision and random state; no
+    torch.distributed process group left behind."""
     cwd, env, argv, hook = os.getcwd(), dict(os.environ), list(sys.argv), sys.excepthook
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS_KEPT}
     umask = os.umask(0o022)
@@ -212,10 +192,8 @@ def _process_state_restored():
 
 
 def run_main(script, *args, cwd=None, env=None):
-    """`python script args` run in this process through the script's main(argv): run_command's completed process
-    (stdout and stderr caught at the file descriptors), sys.argv[0] the script, cwd the current folder (default:
-    the repo), env set on top (with_env); all restored afterwards (kept_process_state). The many cases of a
-    class run here; one real-subprocess test per script and class proves the contract end to end."""
+    """`python script args` run in this process through the script's main(argv), as run_command's completed process
+    (output caught at the file descriptors), in cwd (default: the repo), env on top; all restored afterwards."""
     module = importlib.import_module(Path(script).stem)
     argv = [str(a) for a in args]
     environment = with_env(env)  # (read before the clear below: this process's variables, env's on top)
@@ -224,12 +202,10 @@ def run_main(script, *args, cwd=None, env=None):
         os.chdir(cwd or REPO)
         os.environ.clear()
         os.environ.update(environment)
-        for stream in (sys.stdout, sys.stderr):
+        streams, saved = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
+        for fd, caught, stream in zip((1, 2), (out, err), streams):
             stream.flush()
-        saved = os.dup(1), os.dup(2)
-        streams = sys.stdout, sys.stderr
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
+            os.dup2(caught.fileno(), fd)
         sys.stdout, sys.stderr = (
             io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), errors="backslashreplace", write_through=True)
             for fd in (1, 2)
@@ -239,13 +215,11 @@ def run_main(script, *args, cwd=None, env=None):
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) or e.code is None else 1
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for fd, saved_fd, stream in zip((1, 2), saved, (sys.stdout, sys.stderr)):
+                stream.flush()
+                os.dup2(saved_fd, fd)
+                os.close(saved_fd)
             sys.stdout, sys.stderr = streams
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
         out.seek(0)
         err.seek(0)
         texts = [f.read().decode(errors="backslashreplace") for f in (out, err)]
@@ -265,40 +239,43 @@ def assert_refused(result, message):
     assert (result.returncode, result.stderr) == (2, f"error: {message}\n"), result.stderr[-3000:]
 
 
-# A stand-in for the wandb package (put first on PYTHONPATH): its project "no-such-entity" cannot start a run,
-# and its third log() call fails as a dead W&B service does
-FAKE_WANDB = """
-class Run:
-    disabled = False
-    calls = 0
-    def log(self, row, step):
-        Run.calls += 1
-        if Run.calls == 3:
-            raise ConnectionError("wandb service process exited")
-    def finish(self):
-        pass
-def init(project, dir, config):
-    if project == "no-such-entity":
-        raise RuntimeError("permission denied for entity")
-    return Run()
-"""
+def assert_refused_quietly(result, message):
+    """assert_refused(result, message), and nothing on stdout."""
+    assert_refused(result, message)
+    assert result.stdout == ""
 
 
 @pytest.fixture
 def fake_wandb(monkeypatch):
-    """FAKE_WANDB as the wandb module this test's process imports (a fresh one: its calls count from 0)."""
+    """A fresh stand-in for the wandb module: project "no-such-entity" cannot start a run, and the third log() call
+    fails as a dead W&B service does."""
     import types
 
+    class Run:
+        disabled, calls = False, 0
+
+        def log(self, row, step):
+            Run.calls += 1
+            if Run.calls == 3:
+                raise ConnectionError("wandb service process exited")
+
+        def finish(self):
+            pass
+
+    def init(project, dir, config):
+        if project == "no-such-entity":
+            raise RuntimeError("permission denied for entity")
+        return Run()
+
     module = types.ModuleType("wandb")
-    exec(FAKE_WANDB, module.__dict__)
+    module.init, module.Run = init, Run
     monkeypatch.setitem(sys.modules, "wandb", module)
     return module
 
 
 def fineweb_parked_after(shard_index: int) -> list:
-    """The command prefix of `python fineweb.py` run as a program (__main__), parked for good once shard
-    shard_index's file is written and before the manifest records it: where a kill leaves the most to
-    resume. The park is a patch of trainkit.data.shard_writer.write_whole in that process, not a hook in fineweb."""
+    """The command prefix of `python fineweb.py` as a program, parked for good once shard shard_index's file is
+    written and before the manifest records it (a patch of shard_writer.write_whole, not a hook in fineweb)."""
     code = (
         "import runpy, sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
@@ -316,8 +293,7 @@ def fineweb_parked_after(shard_index: int) -> list:
 
 
 def tiktoken_cache(folder) -> str:
-    """folder made a tiktoken cache that holds r50k_base: bpe/'s file under the name tiktoken gives
-    its download (the sha1 of the URL), so tiktoken's own loader reads it and never the network."""
+    """folder made a tiktoken cache that holds r50k_base (bpe/'s file under the sha1 of its URL): no network."""
     from trainkit.data.tokenizer import BPE_URL
 
     os.makedirs(folder, exist_ok=True)
@@ -350,9 +326,8 @@ def child_pids(pid) -> list:
 
 
 def kill_group(proc, signum=signal.SIGKILL, timeout=120):
-    """signum to the process group proc leads (started with start_new_session=True); a group whose
-    processes have all exited already is no error. After SIGKILL, proc is reaped (its exit code set) and
-    the group's other processes are gone."""
+    """signum to the process group proc leads (start_new_session=True), gone already or not; after SIGKILL, proc
+    is reaped and the group's other processes are gone."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signum)
     if signum == signal.SIGKILL:
@@ -373,16 +348,15 @@ def group_gone(pgid, timeout=120):
 
 
 def kill_pids(pids, signum=signal.SIGKILL):
-    """signum to each process of pids; one that has exited already is skipped (on a busy machine a
-    worker may end between being listed and being signalled)."""
+    """signum to each process of pids; one that has exited already (since it was listed) is skipped."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
 
 def wait_for(condition, proc, timeout=300, what="the condition"):
-    """Poll condition() until it holds; fails, with proc's output, if proc exits first or if timeout
-    seconds pass (generous: a subprocess that imports torch on a loaded 2-core machine takes a minute)."""
+    """Poll condition() until it holds; fails, with proc's output, if proc exits first or after timeout seconds
+    (generous: importing torch on a loaded 2-core machine takes a minute)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert proc.poll() is None, (f"exited with {proc.returncode} before {what}", proc.communicate())
@@ -397,8 +371,7 @@ def run_cli(args, nproc=1, script="train_gpt2.py", env=None):
 
 
 def tree_hashes(folder, folders=False):
-    """{path: sha256} of every file under folder (symbolic links as where they point; with folders, every
-    folder too): what a refused run must leave byte-identical."""
+    """{path: sha256} of every file under folder (a link: where it points; with folders, each folder too)."""
     found = {}
     for parent, dirs, names in os.walk(folder):
         for name in dirs + names:
@@ -416,9 +389,8 @@ def tree_hashes(folder, folders=False):
 
 
 def interrupt_when_blocked(proc, fifo, timeout=120):
-    """Ctrl-C for proc once it blocks reading the fifo (our open for writing succeeds once it has
-    the fifo open for reading), then (stdout, stderr). After the signal the read is ended (empty):
-    another thread of the process may have taken the signal, leaving the main thread in the read."""
+    """Ctrl-C for proc once it has the fifo open for reading, then the read ended (empty: another thread may have
+    taken the signal, leaving the main thread in the read): (stdout, stderr)."""
     writer = None
     try:
         deadline = time.time() + timeout
@@ -441,8 +413,8 @@ def interrupt_when_blocked(proc, fifo, timeout=120):
 
 
 def spread_gpt(config, seed: int):
-    """Our GPT in eval mode with an N(0, 1) token embedding: GPT-2's init gives near-uniform
-    logits, and spread ones keep the endings of a multiple-choice example from nearly tying."""
+    """Our GPT in eval mode with an N(0, 1) token embedding: spread logits keep a multiple-choice example's
+    endings from nearly tying."""
     import torch
     from train_gpt2 import GPT
 
@@ -480,21 +452,9 @@ def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    fields = dict(
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu_new",
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    cfg = GPT2Config(**{**fields, **overrides})
-    model = GPT2LMHeadModel(cfg).eval()
+    fields = dict(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0)
+    fields.update(embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new", bos_token_id=None, eos_token_id=None)
+    model = GPT2LMHeadModel(GPT2Config(**{**fields, **overrides})).eval()
     with torch.no_grad():  # random LayerNorm affine too, so a swapped weight/bias shows
         for name, p in model.named_parameters():
             if ".ln_" in name:
@@ -505,21 +465,12 @@ def tiny_hf(vocab_size=50257, n_positions=32, seed=0, **overrides):
 def not_gpt2_folder(path, kind):
     """A folder that GPT2LMHeadModel.from_pretrained loads without an error, as random weights."""
     from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
-    if kind == "bert":
-        from transformers import BertConfig, BertModel
-
-        BertModel(
-            BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-        ).save_pretrained(path)
-    elif kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
-            )
-        ).save_pretrained(path)
+    sizes = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    if kind in ("bert", "llama"):
+        model, config = (BertModel, BertConfig) if kind == "bert" else (LlamaForCausalLM, LlamaConfig)
+        model(config(**sizes)).save_pretrained(path)
     else:
         tiny_hf(vocab_size=100).save_pretrained(str(path))
         weights = load_file(path / "model.safetensors")
@@ -534,51 +485,23 @@ def not_gpt2_folder(path, kind):
 NOT_GPT2 = {
     "bert": "its config.json describes a 'bert' model, not GPT-2",
     "llama": "its config.json describes a 'llama' model, not GPT-2",
-    "gpt2 without layer 1": (
-        "tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
-        "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; "
-        "is it a complete GPT-2?"
-    ),
-    "gpt2 with a shorter position table": (
-        "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)"
-    ),
+    "gpt2 without layer 1": "tensors missing from its weights (transformer.h.1.attn.c_attn.bias, "
+    "transformer.h.1.attn.c_attn.weight, ...; 12 in all) would be random; is it a complete GPT-2?",
+    "gpt2 with a shorter position table": "tensors of another shape than its config.json gives "
+    "(transformer.wpe.weight; 1 in all)",
 }
 
 
-# The files of longest wall time, longest first: they start first, so that the last files to end are short ones
-# and the two workers end together. pytest-xdist's --dist loadfile would hand out the files with the most tests
-# first, and so test_slurm.py (a few tests, minutes mostly spent waiting on Slurm) and the other long files of few
-# tests last, one worker running them while the other had ended. The order is that of the files' summed test
-# durations (pytest --durations=0, two workers on the project's 2-core machine), test_slurm.py first as its
-# worker mostly waits; a file not named here runs after these, in the order collected.
-LONGEST_FILES = (
-    "test_slurm.py",
-    "test_hf_interop.py",
-    "test_resilience.py",
-    "test_ranks.py",
-    "test_train_faults.py",
-    "test_readme.py",
-    "test_fsdp.py",
-    "test_lm_eval.py",
-    "test_quickstart.py",
-    "test_gpu_paths.py",
-    "test_train_cli.py",
-    "test_hostile.py",
-    "test_hellaswag.py",
-    "test_shard_scan.py",
-    "test_sample.py",
-    "test_run_tracking.py",
-    "test_out_dir.py",
-    "test_output.py",
-)
+# The files of longest wall time (summed --durations, two workers on the 2-core machine) start first, so that the
+# two workers end together (xdist's loadfile hands out the files of most tests first); the rest follow as collected
+LONGEST_FILES = """test_slurm test_hf_interop test_resilience test_ranks test_train_faults test_readme test_fsdp
+test_lm_eval test_quickstart test_gpu_paths test_train_cli test_hostile test_hellaswag test_shard_scan test_sample
+test_run_tracking test_out_dir test_output""".split()
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "slurm: jobs under a real Slurm that the test starts (tests/test_slurm.py, "
-        "minutes; -m 'not slurm' leaves them out)",
-    )
+    slurm = "slurm: jobs under a real Slurm that the test starts (test_slurm.py, minutes; -m 'not slurm' skips them)"
+    config.addinivalue_line("markers", slurm)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out the files in the order collected
         config.option.loadscopereorder = False
 
@@ -586,23 +509,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """LONGEST_FILES' tests first, in that order; each file's tests stay together and in their order."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
-# --- suiteruns ---
-
-
-def start(command, cwd=REPO, env=None, **popen) -> subprocess.Popen:
-    """command started in cwd (default: the repo), env set on top of this process's environment (with_env), with
-    stdout and stderr pipes of text unless popen says otherwise: a run to signal, kill or read while it goes."""
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
-    return subprocess.Popen(command, cwd=cwd, env=with_env(env), text=True, **pipes)
-
-
-# --- suitecli ---
-# Scripts run as programs (runpy with run_name "__main__", as `python SCRIPT` runs them) one after another in ONE new
-# interpreter, so that torch is imported once for many command lines. Each case starts afresh: this repository's
-# modules unloaded, its own argv, environment, current folder and output files, SIGINT and sys.excepthook as at start.
+# Scripts run as programs (runpy, run_name "__main__") one after another in ONE new interpreter, torch imported once:
+# each case afresh, the repository's modules unloaded, its own argv, environment, current folder and output files,
+# SIGINT and sys.excepthook as at start.
 AS_PROGRAMS = r"""
 import io, json, os, runpy, signal, sys, tempfile, traceback
 cases, watch, report = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
@@ -691,21 +603,14 @@ with open(report, "w") as f:
 
 def run_as_programs(cases, watch=(), timeout=600) -> list:
     """Each case run as a program, in turn, in ONE new interpreter (AS_PROGRAMS): a dict of argv ([script, *args],
-    the script's path relative to the repo; or ["-c", code, *args]) and optionally env (variables set on top; None
-    unsets one), cwd (the current folder, default the repo; "deleted": one deleted under the program), stdout and
-    stderr (default caught; "full": /dev/full; "left": a pipe whose reader has left; stderr "stdout": the same
-    file as stdout) and encoding (stdout's and stderr's, as PYTHONIOENCODING sets it). Returns a CompletedProcess
-    per case (exit code: SystemExit's; 1 and the traceback for an exception) with .loaded, the modules of watch
-    imported by then, and .own, the __name__ of a module the script's own name gives (None: no second copy)."""
+    the script relative to the repo; or ["-c", code, *args]) and optionally env (on top; None unsets), cwd (default
+    the repo; "deleted": deleted under the program), stdout and stderr (default caught; "full": /dev/full; "left": a
+    pipe whose reader has left; stderr "stdout": stdout's file) and encoding (as PYTHONIOENCODING). Per case a
+    CompletedProcess (an exception: exit code 1 and its traceback) with .loaded, the modules of watch imported by
+    then, and .own, the __name__ of a module the script's own name gives (None: no second copy)."""
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "report.json")
-        proc = subprocess.run(
-            [sys.executable, "-c", AS_PROGRAMS, json.dumps(cases), json.dumps(list(watch)), report],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        proc = run_command("-c", AS_PROGRAMS, json.dumps(cases), json.dumps(list(watch)), report, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(report) as f:
             results = json.load(f)
@@ -717,20 +622,9 @@ def run_as_programs(cases, watch=(), timeout=600) -> list:
     return completed
 
 
-# --- linesa ---
-
-
-def assert_refused_quietly(result, message):
-    """assert_refused(result, message), and nothing on stdout."""
-    assert_refused(result, message)
-    assert result.stdout == ""
-
-
-# --- ranksdrv ---
-# Each rank of ONE torchrun launch runs several command lines one after another through run_main (this file's, as
-# the tests use it in-process), as `torchrun SCRIPT ARGS` would run each: every case gets a process group of its
-# own (a store on a port rank 0 takes just before the case: torchrun's store holds the first group's keys), its
-# rank's own argv and current folder, its output caught; run_main restores what the case changed.
+# Each rank of ONE torchrun launch runs several command lines in turn through run_main, as `torchrun SCRIPT ARGS`
+# would run each: each case its own process group (a store on a port rank 0 takes just before the case: torchrun's
+# store holds the first group's keys), its rank's argv and current folder, its output caught.
 MAINS_ON_RANKS = r"""
 import json, os, shutil, socket, sys, time, traceback
 tests, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
@@ -771,23 +665,16 @@ with open(f"{report}.{rank}", "w") as f:
 
 def run_on_ranks(cases, nproc=2, timeout=600) -> list:
     """Each case, a dict of script (a module of the repo: "train_gpt2"), argv (one list per rank) and optionally cwd
-    (one folder per rank; default the repo) and copy ([src, dst] files rank 0 copies before the case), run in turn on every rank of ONE torchrun launch of nproc processes
-    (MAINS_ON_RANKS): a case's start-up refusals, trainings and evaluations as `torchrun SCRIPT` would run them,
-    without a launch each. Returns per case a list of each rank's CompletedProcess (its exit code, stdout, stderr)."""
+    (one folder per rank; default the repo) and copy ([src, dst] files rank 0 copies first), run in turn on every
+    rank of ONE torchrun launch of nproc processes (MAINS_ON_RANKS): per case, each rank's CompletedProcess."""
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "report")
         cases = [{**case, "argv": [[str(a) for a in argv] for argv in case["argv"]]} for case in cases]
         for case in cases:
             case["cwd"] = [str(cwd) for cwd in case.get("cwd", [REPO] * nproc)]
             case["copy"] = [[str(src), str(dst)] for src, dst in case.get("copy", [])]
-        launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python")
-        proc = subprocess.run(
-            [*launch, sys.executable, "-c", MAINS_ON_RANKS, str(REPO / "tests"), json.dumps(cases), report],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable)[1:]
+        proc = run_command(*launch, "-c", MAINS_ON_RANKS, REPO / "tests", json.dumps(cases), report, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-3000:]
         per_rank = []
         for rank in range(nproc):

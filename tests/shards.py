@@ -3,6 +3,8 @@ proofs train on them, for tests that don't need real text."""
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -39,8 +41,7 @@ def shard_dir(tmp_path_factory, n_docs, seed, vocab=64, min_len=3, max_len=50, s
 
 
 def make_batch(rows=8, T=16, seed=0, vocab=128):
-    """(x, y) of random tokens below vocab (the tests' tiny GPTConfig has 128), with a different
-    number of ignored targets (-1) in every row."""
+    """(x, y) of random tokens below vocab (TINY's 128), a different number of ignored targets (-1) in each row."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab, (rows, T), generator=g)
     y = torch.randint(0, vocab, (rows, T), generator=g)
@@ -50,17 +51,14 @@ def make_batch(rows=8, T=16, seed=0, vocab=128):
 
 
 def rank_batches(x, y, rank, world, B, accum):
-    """The micro-batches of one rank as numpy (x, y) pairs, with the trainer's row assignment:
-    micro-step m of rank r reads rows (m*W + r)*B + [0, B)."""
+    """One rank's micro-batches as numpy (x, y), as the trainer assigns rows: micro-step m of rank r reads rows
+    (m*W + r)*B + [0, B)."""
     return [(x[(m * world + rank) * B :][:B].numpy(), y[(m * world + rank) * B :][:B].numpy()) for m in range(accum)]
 
 
 def write_manifest(data_dir, **recorded) -> dict:
     """A fineweb.py manifest.json listing every shard in data_dir with its size and sha256 (complete),
     as fineweb.py would write for them; recorded: {file: {key: value}} to add to or change an entry."""
-    import hashlib
-    import json
-
     shards = []
     for name in sorted(name for name in os.listdir(data_dir) if name.endswith(".npy")):
         with open(os.path.join(data_dir, name), "rb") as f:
@@ -104,8 +102,8 @@ def reference_grads(x, y, doc_mask=False):
 
 @contextlib.contextmanager
 def gloo_rank_of_one_batch(rank, world, port):
-    """In a gloo group of world processes, this rank's micro-batches (2 rows x 2 micro-steps) of
-    make_batch()'s 8 rows and the step's token count N: (batches, n_tokens)."""
+    """In a gloo group of world processes: (this rank's micro-batches of make_batch()'s 8 rows, 2 rows x 2
+    micro-steps; the step's token count)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
