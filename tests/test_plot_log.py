@@ -8,17 +8,16 @@ import sys
 import pytest
 
 import plot_log
-from conftest import REPO, assert_one_error_line, assert_refused, assert_refused_quietly, run_command, run_main
-from conftest import tiny_run_args
+from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, tiny_run_args
 
 SHARDS = dict(n_docs=200, seed=0, shard_size=2048)  # the trainer's data
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _figures_closed():
-    """Every figure a test made closed after it (pyplot keeps each one alive until closed)."""
-    yield
+@pytest.fixture
+def mpl():
+    """The test skipped without matplotlib; every figure it made closed after it (pyplot keeps each one alive)."""
+    yield pytest.importorskip("matplotlib")
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].close("all")
 
@@ -47,8 +46,7 @@ def lines_by_label(ax):
     return {line.get_label(): line for line in ax.get_lines()}
 
 
-def test_make_figure_panels_and_data_equal_the_log():
-    pytest.importorskip("matplotlib")
+def test_make_figure_panels_and_data_equal_the_log(mpl):
     records = fake_records()
     fig = plot_log.make_figure(records, baseline=0.2955)
     loss_ax, hs_ax, lr_ax = fig.axes
@@ -72,8 +70,7 @@ def test_make_figure_panels_and_data_equal_the_log():
     assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
 
 
-def test_make_figure_without_hellaswag_has_two_panels_and_no_clip_and_smooth_0_no_ema_line():
-    pytest.importorskip("matplotlib")
+def test_make_figure_without_hellaswag_has_two_panels_and_no_clip_and_smooth_0_no_ema_line(mpl):
     records = fake_records(hellaswag=False)
     fig = plot_log.make_figure(records, clip=False)
     assert len(fig.axes) == 2
@@ -82,11 +79,11 @@ def test_make_figure_without_hellaswag_has_two_panels_and_no_clip_and_smooth_0_n
     assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
 
 
-def test_cli_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_cli_writes_png(tmp_path, mpl):
     # a record without a step, and a cut last line
     log = write_log(tmp_path / "run", fake_records(), tail='{"step": null, "loss": 2.0}\n{"step": 60, "loss": 3.')
-    proc = run_command(REPO / "plot_log.py", str(log.parent), "--baseline-hellaswag", "0.2955")  # a program, once
+    # (as a program: test_cli's Ctrl-C while importing and test_output's full disk, in their launches)
+    proc = run_main("plot_log.py", str(log.parent), "--baseline-hellaswag", "0.2955")
     assert proc.returncode == 0, proc.stderr
     png = log.parent / "loss.png"
     assert f"wrote {png}" in proc.stdout and "skipped 2 malformed line" in proc.stderr
@@ -98,8 +95,7 @@ BAD_LOGS = [("missing", "no log at"), ("empty", "has no records"), ("no_curves",
 
 
 @pytest.mark.parametrize("setup, message", BAD_LOGS)
-def test_bad_logs_are_one_line_errors(tmp_path, setup, message):
-    pytest.importorskip("matplotlib")
+def test_bad_logs_are_one_line_errors(tmp_path, setup, message, mpl):
     run = tmp_path / "run"
     if setup == "empty":
         write_log(run, [])
@@ -127,8 +123,7 @@ def test_ema_reference_values_and_a_resumed_step_keeps_its_last_value():
     assert smoothed[1:] == pytest.approx([2.0, 2.0, (0.5 + 2.0) / 0.75], abs=1e-12)  # carried over inf
 
 
-def test_resumes_are_marked_on_every_panel():
-    pytest.importorskip("matplotlib")
+def test_resumes_are_marked_on_every_panel(mpl):
     records = fake_records(n=40, hellaswag=False)
     records.insert(25, dict(event="resume", step=12))  # the trainer's record
     records += [dict(step=s, loss=3.0, lr=1e-4) for s in range(30, 45)]  # an older log: steps go back to 30
@@ -142,8 +137,7 @@ def test_resumes_are_marked_on_every_panel():
     assert labels.count("resumed") == 1
 
 
-def test_trainer_logs_its_resumes_for_the_plot(data_dir, tmp_path):
-    pytest.importorskip("matplotlib")
+def test_trainer_logs_its_resumes_for_the_plot(data_dir, tmp_path, mpl):
     import train_gpt2 as tg
 
     out = tmp_path / "out"
@@ -169,8 +163,7 @@ def test_non_numeric_values_are_one_line_errors(tmp_path, line, message):
     assert_refused_quietly(run_main("plot_log.py", str(log)), f"{log} {message}")
 
 
-def test_output_paths_by_extension_and_bad_output_type_or_smoothing_are_one_line_errors(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_output_paths_by_extension_and_bad_output_type_or_smoothing_are_one_line_errors(tmp_path, mpl):
     log = write_log(tmp_path / "run", fake_records(n=5, every=2))
     proc = run_main("plot_log.py", str(log), "-o", str(tmp_path / "plot.png"))
     assert (proc.returncode, proc.stdout) == (0, f"wrote {tmp_path / 'plot.png'}\n"), proc.stderr
@@ -185,8 +178,7 @@ def test_output_paths_by_extension_and_bad_output_type_or_smoothing_are_one_line
     assert (tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
 
 
-def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_numbers_no_axis_holds_are_gaps_and_odd_lines_are_skipped(tmp_path, mpl):
     records = fake_records(n=30, hellaswag=False)
     train = [r for r in records if "loss" in r]
     for step, value in [(10, 1e308), (11, 1.7e308), (12, math.inf), (13, math.nan)]:
@@ -231,8 +223,7 @@ def legend_labels(ax):
     return [t.get_text() for t in ax.get_legend().get_texts()]
 
 
-def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve():
-    pytest.importorskip("matplotlib")
+def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve(mpl):
     records = fake_records(hellaswag=False)
     for r in records:
         if "val_loss" in r:
@@ -254,8 +245,7 @@ def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve():
     )
 
 
-def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line():
-    pytest.importorskip("matplotlib")
+def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line(mpl):
     records = fake_records(hellaswag=False)
     for r in records:
         if "val_loss" in r:

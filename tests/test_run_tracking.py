@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from conftest import GPT2_VOCAB_RUN, assert_refused, log_records, run_cli, run_main, tiny_run_args
+from conftest import GPT2_VOCAB_RUN, assert_refused, log_records, run_main, tiny_run_args
 
 
 def tiny(data_dir, out, *extra, steps=2):
@@ -21,8 +21,8 @@ def tiny(data_dir, out, *extra, steps=2):
 
 
 def run_offline(*args):
-    """train_gpt2.py args as a program, with W&B offline and quiet."""
-    return run_cli(args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    """train_gpt2.py args in-process, with W&B offline and quiet."""
+    return run_main("train_gpt2.py", *args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
 
 
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
@@ -109,6 +109,8 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
 
 @pytest.mark.parametrize("flag,package", [(["--wandb", "p"], "wandb"), (["--tensorboard"], "tensorboard")])
 def test_missing_tracker_package_is_one_line(data_dir, tmp_path, monkeypatch, flag, package):
+    for name in [name for name in sys.modules if package in name.split(".")]:  # (loaded by an in-process run)
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, package, None)  # its import fails, as when it is not installed
     result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flag))
     assert_refused(result, f"{flag[0]} needs the {package} package: pip install {package}")
