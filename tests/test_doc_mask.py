@@ -93,11 +93,8 @@ def test_flex_attention_document_mask_agrees_with_sdpa():
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
-# --- through the command line -------------------------------------------------------------------
-
-
 def test_validation_and_eval_only_equal_each_document_alone_and_export_is_plain_gpt2(data_dir, tmp_path, capsys):
-    """Two steps of --doc-mask on plain packed rows of data_dir's short documents, validated at step 2."""
+    """Through the command line: two steps of --doc-mask on packed rows of data_dir's short documents, validated."""
     out = tmp_path / "run"
     sizes = dict(steps=2, seq_len=32, rows=4, warmup=1, val_every=2, ckpt_every=2)
     flags = tiny_run_args(data_dir, out, "--val-steps", "2", "--doc-mask", **sizes)

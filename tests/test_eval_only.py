@@ -6,28 +6,27 @@ import os
 
 import pytest
 
-from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, assert_refused, run_main, tiny_run_args
-from shards import make_docs, write_shards
+from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, assert_refused, log_records, run_main, tiny_run_args
+
+SHARDS = dict(n_docs=400, seed=5, max_len=60)
 
 
 @pytest.fixture(scope="module")
-def evaluated_run(tmp_path_factory):
+def evaluated_run(data_dir, tmp_path_factory):
     """A 4-step run with checkpoints at steps 2 and 4: (command flags, out dir)."""
-    data = tmp_path_factory.mktemp("shards")
-    write_shards(data, make_docs(400, seed=5, vocab=64, max_len=60), shard_size=4000)
     evaluations = ["--val-steps", "3", "--hellaswag-limit", "6", "--hellaswag-file", str(HELLASWAG_FILE)]
-    out = tmp_path_factory.mktemp("run")
     sizes = dict(steps=4, ckpt_every=2, val_every=2, hellaswag_every=2, **GPT2_VOCAB_RUN)
-    flags = tiny_run_args(data, out, *evaluations, **sizes)
+    out = tmp_path_factory.mktemp("run")
+    flags = tiny_run_args(data_dir, out, *evaluations, **sizes)
     result = run_main("train_gpt2.py", *flags)
     assert result.returncode == 0, result.stderr
     return flags, out
 
 
 def logged_at(out, step):
-    with open(out / "log.jsonl") as f:
-        records = [r for r in map(json.loads, f) if r["step"] == step and "loss" not in r]
-    return {k: v for r in records for k, v in r.items() if k != "run"}  # (the log's: an evaluation writes none)
+    """The evaluations logged at step, without the log's run id (an evaluation writes none)."""
+    records = [r for r in log_records(out) if r["step"] == step and "loss" not in r]
+    return {k: v for r in records for k, v in r.items() if k != "run"}
 
 
 @pytest.mark.parametrize(
@@ -51,21 +50,19 @@ def test_eval_only_equals_what_training_logged(evaluated_run, which, step, extra
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # log and checkpoints untouched
 
 
-@pytest.mark.parametrize(
-    "extra,message",
-    [
-        ([], "--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR"),
-        (["--resume", "--out-dir", "{empty}"], "--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {empty}"),
-        (
-            ["--resume", "--val-every", "0", "--hellaswag-every", "0"],
-            "--eval-only with --val-every 0, --hellaswag-every 0 and --sample-every 0 has nothing to do",
-        ),
-    ],
-)
-def test_eval_only_errors_are_one_line(evaluated_run, tmp_path, extra, message):
+REFUSALS = {  # the flags after --eval-only: the error ({empty}: an empty folder)
+    "": "--eval-only needs weights to evaluate: --resume [PATH] or --init-from NAME_OR_DIR",
+    "--resume --out-dir {empty}": "--eval-only --resume: no checkpoint (ckpt_*.pt) in --out-dir {empty}",
+    "--resume --val-every 0 --hellaswag-every 0": "--eval-only with --val-every 0, --hellaswag-every 0 and "
+    "--sample-every 0 has nothing to do",
+}
+
+
+@pytest.mark.parametrize("extra", REFUSALS)
+def test_eval_only_errors_are_one_line(evaluated_run, tmp_path, extra):
     flags, _ = evaluated_run
-    extra = [a.replace("{empty}", str(tmp_path)) for a in extra]
-    assert_refused(run_main("train_gpt2.py", *flags, "--eval-only", *extra), message.replace("{empty}", str(tmp_path)))
+    extra, message = (text.replace("{empty}", str(tmp_path)) for text in (extra, REFUSALS[extra]))
+    assert_refused(run_main("train_gpt2.py", *flags, "--eval-only", *extra.split()), message)
     assert os.listdir(tmp_path) == []
 
 

@@ -15,10 +15,8 @@ MAX_MODULES, MAX_FLOORS = 25, 6
 
 
 def repo_files() -> dict:
-    """Every Python file of the repository by the name it is imported as: a script or a tests/,
-    benchmarks/ or evals/ module by its stem (each folder is on sys.path where its files run),
-    trainkit's by its dotted path (trainkit.data.shards; a folder's __init__.py as trainkit.data);
-    hidden folders (a .venv) and caches are not the repository's."""
+    """Every Python file of the repository (not of hidden folders or caches) by the name it is imported as: trainkit's
+    by its dotted path (a folder's __init__.py as the folder), any other by its stem (its folder is on sys.path)."""
     files = {}
     for path in sorted(REPO.rglob("*.py")):
         parts = path.relative_to(REPO).parts
@@ -33,14 +31,14 @@ def repo_files() -> dict:
 
 def trainkit_modules() -> dict:
     """trainkit's modules (its packages' __init__.py left out) by dotted name."""
-    modules = {name: path for name, path in repo_files().items() if name.startswith("trainkit.")}
-    return {name: path for name, path in modules.items() if path.stem != "__init__"}
+    return {
+        name: path for name, path in repo_files().items() if name.startswith("trainkit.") and path.stem != "__init__"
+    }
 
 
 def imports_of(path, ours: set, module_level_only: bool = False) -> set:
-    """The repository modules a file imports: every import statement, inside functions too
-    (module_level_only: those that run when the file is imported, at its top level and in the
-    bodies of its top-level if/try)."""
+    """The repository modules a file imports, inside functions too (module_level_only: those that run when the file
+    is imported, at its top level and in its top-level if/try)."""
     tree = ast.parse(path.read_text(), str(path))
     if module_level_only:
         nodes, todo = [], list(tree.body)
@@ -77,8 +75,7 @@ def cycle_in(graph: dict) -> list | None:
 
 
 def floors(graph: dict) -> dict:
-    """Each module's floor in an acyclic graph: 1 for a module that imports none of graph's, else one
-    more than the highest floor among its imports."""
+    """Each module's floor in an acyclic graph: 1 + the highest floor among its imports (1 with none)."""
     floor = {}
     for module in graphlib.TopologicalSorter(graph).static_order():  # each module after its imports
         floor[module] = 1 + max((floor[dep] for dep in graph.get(module, ())), default=0)

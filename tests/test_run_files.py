@@ -13,25 +13,19 @@ import torch
 
 import train_gpt2 as tg
 from trainkit.runfiles import checkpoints
-from conftest import HELLASWAG_FILE, RUN_SHARDS, run_main, tiny_run_args, trained_steps
+from conftest import HELLASWAG_FILE, RUN_SHARDS, assert_refused, run_main, tiny_run_args, trained_steps
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
 run = functools.partial(run_main, "train_gpt2.py")
 
 
-@pytest.fixture
-def run_a(finished_copy):
-    """A copy of the shared finished run (4 steps, checkpoints at 2 and 4), in tmp_path/"run"."""
-    return finished_copy
-
-
-def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(run_a, data_dir, tmp_path):
+def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(finished_copy, data_dir, tmp_path):
     """A log of 3 trained steps and no checkpoint (an OOM kill, a preemption): the requeued command starts
     again, keeps the old log beside (branch_0000003/log.jsonl, byte-identical), says so in one note line,
     and its new log.jsonl is created 0o666 less the umask."""
     out = tmp_path / "killed"
     out.mkdir()
-    killed = b"".join((run_a / "log.jsonl").read_bytes().splitlines(keepends=True)[:3])
+    killed = b"".join((finished_copy / "log.jsonl").read_bytes().splitlines(keepends=True)[:3])
     (out / "log.jsonl").write_bytes(killed)
     whose = json.loads(killed.splitlines()[0])["run"]
     os.umask(0o022)  # (this test's: the process's own is restored after it)
@@ -52,17 +46,8 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     file is back, --resume goes on from step 20."""
     out, hellaswag = tmp_path / "out", tmp_path / "hellaswag.jsonl"
     shutil.copyfile(HELLASWAG_FILE, hellaswag)
-    args = tiny_run_args(
-        data_dir,
-        out,
-        "--hellaswag-file",
-        hellaswag,
-        "--hellaswag-limit",
-        "4",
-        steps=24,
-        ckpt_every=100,
-        hellaswag_every=20,
-    )
+    evaluation = ["--hellaswag-file", hellaswag, "--hellaswag-limit", "4"]
+    args = tiny_run_args(data_dir, out, *evaluation, steps=24, ckpt_every=100, hellaswag_every=20)
     train_step = tg.Trainer.train_step
 
     def removing_the_file_after_step_1(trainer, step):
@@ -73,14 +58,10 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     monkeypatch.setattr(tg.Trainer, "train_step", removing_the_file_after_step_1)
     result = run(*args)
     monkeypatch.undo()
-    assert (result.returncode, result.stderr.splitlines()) == (
-        2,
-        [f"error: --hellaswag-file {hellaswag} does not exist"],
-    )
+    assert_refused(result, f"--hellaswag-file {hellaswag} does not exist")
     assert result.stdout.splitlines()[-1] == (
-        f"note: step 20's evaluation failed (the error below); the steps trained "
-        f"before it are saved first in {out}/ckpt_0000020.pt: once fixed, resume "
-        "with the same command plus --resume"
+        f"note: step 20's evaluation failed (the error below); the steps trained before it are saved first in "
+        f"{out}/ckpt_0000020.pt: once fixed, resume with the same command plus --resume"
     )
     assert sorted(os.listdir(out)) == ["ckpt_0000020.pt", "log.jsonl"]
     shutil.copyfile(HELLASWAG_FILE, hellaswag)
@@ -90,21 +71,17 @@ def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir,
     assert trained_steps(out) == list(range(24))
 
 
-@pytest.mark.parametrize(
-    "optimizer, flags, note",
-    [
-        ("adamw", ["--weight-decay", "0.0"], "--weight-decay 0.1 -> 0.0"),
-        (
-            "muon",
-            ["--muon-momentum", "0.5", "--weight-decay", "0.05"],
-            "--weight-decay 0.1 -> 0.05, --muon-momentum 0.95 -> 0.5",
-        ),
-    ],
-)
-def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, optimizer, flags, note, capsys):
+NEW_HYPERPARAMETERS = [  # optimizer, the resume's flags, the note
+    ("adamw", "--weight-decay 0.0", "--weight-decay 0.1 -> 0.0"),
+    ("muon", "--muon-momentum 0.5 --weight-decay 0.05", "--weight-decay 0.1 -> 0.05, --muon-momentum 0.95 -> 0.5"),
+]
+
+
+@pytest.mark.parametrize("optimizer, flags, note", NEW_HYPERPARAMETERS)
+def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, optimizer, flags, note):
     """--resume --weight-decay 0.0 (--muon-momentum 0.5): the optimizer takes the new values, not the
     checkpoint's, and one note line says so; a resume with the same flags says nothing."""
-    out = tmp_path / "out"
+    out, flags = tmp_path / "out", flags.split()
     assert tg.main(tiny_run_args(data_dir, out, "--optimizer", optimizer, steps=2, ckpt_every=2)) == 0
     result = run(*tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=4, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -117,32 +94,29 @@ def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, 
     assert [g["weight_decay"] for g in adamw["param_groups"]] == [decay, 0.0]
     if muon:
         assert [(g["momentum"], g["weight_decay"]) for g in muon["param_groups"]] == [(0.5, 0.0)]
-    capsys.readouterr()
-    assert (
-        tg.main(tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=6, ckpt_every=2)) == 0
-    )
-    assert "note: the optimizer" not in capsys.readouterr().out
+    again = run(*tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=6, ckpt_every=2))
+    assert again.returncode == 0 and "note: the optimizer" not in again.stdout, again.stderr[-3000:]
 
 
-def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(run_a, tmp_path, monkeypatch):
-    """Exporting runA's folder while its run saves a newer checkpoint (simulated: one appears right after
+def test_an_export_of_a_run_folder_names_the_checkpoint_it_loaded(finished_copy, tmp_path, monkeypatch):
+    """Exporting a run's folder while its run saves a newer checkpoint (simulated: one appears right after
     the export looks the newest up): the mark names the checkpoint whose step and checksum it holds."""
     import hf_interop
 
     newer = tmp_path / "newer"
     newer.mkdir()
-    os.rename(run_a / "ckpt_0000004.pt", newer / "ckpt_0000004.pt")
+    os.rename(finished_copy / "ckpt_0000004.pt", newer / "ckpt_0000004.pt")
     real_list = checkpoints.list_checkpoints
 
     def list_then_save(folder):
         found = real_list(folder)
         if os.path.exists(newer / "ckpt_0000004.pt"):  # the run's next save lands now
-            os.rename(newer / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
+            os.rename(newer / "ckpt_0000004.pt", finished_copy / "ckpt_0000004.pt")
         return found
 
     monkeypatch.setattr(checkpoints, "list_checkpoints", list_then_save)
-    out = hf_interop.export_hf(str(run_a), str(tmp_path / "hf"))
+    out = hf_interop.export_hf(str(finished_copy), str(tmp_path / "hf"))
     mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
     exported = checkpoints.load_checkpoint(mark["checkpoint"])
-    assert out == str(tmp_path / "hf") and mark["checkpoint"] == str(run_a / "ckpt_0000002.pt")
+    assert out == str(tmp_path / "hf") and mark["checkpoint"] == str(finished_copy / "ckpt_0000002.pt")
     assert (mark["step"], mark["checksum"]) == (exported["step"], exported["checksum"]) == (2, exported["checksum"])
