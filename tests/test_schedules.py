@@ -1,5 +1,5 @@
-"""LR schedules (cosine, linear, wsd), the one-line notice when a resume moves the LR, and
-extending a finished WSD run from a checkpoint taken before its cooldown."""
+"""LR schedules (cosine, linear, wsd), the one-line notice when a resume moves the LR, and extending a finished
+WSD run from a checkpoint taken before its cooldown."""
 
 import math
 import os
@@ -56,9 +56,8 @@ BAD_FLAGS = {
 
 @pytest.mark.parametrize("args", BAD_FLAGS)
 def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args):
-    assert_one_error_line(
-        run_main("train_gpt2.py", *tiny(data_dir, tmp_path, *args.split(), steps=10)), BAD_FLAGS[args]
-    )
+    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, *args.split(), steps=10))
+    assert_one_error_line(result, BAD_FLAGS[args])
     assert os.listdir(tmp_path) == []
 
 
