@@ -84,7 +84,7 @@ def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, tmp_p
 
 # --- the cases of ONE torchrun launch (run_on_ranks) ------------------------------------------------------------
 # Each set up in a folder of its own: setup(data_dir, folder) -> (its case, the one `error:` line expected or None
-# for exit 0 on every rank, check(ranks) asserting what the case left).
+# for exit 0 on every rank, check(ranks) of what the case left: it asserts, or returns whether it holds).
 
 
 def different_data_of_the_same_sizes(data_dir, folder):
@@ -130,12 +130,9 @@ def a_copy_that_differs_outside_the_sampled_slices(data_dir, folder):
         f"{recorded[:16]}... that data/manifest.json records: the file changed since fineweb.py wrote it (a damaged "
         "copy?); restore it, or re-create the data set with fineweb.py"
     )
-
-    def check(ranks):
-        assert [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*"))
-
     args = args_for("data", out, steps=4)
-    return dict(script="train_gpt2", argv=[args, args], cwd=[copy.parent for copy in copies]), line, check
+    case = dict(script="train_gpt2", argv=[args, args], cwd=[copy.parent for copy in copies])
+    return case, line, lambda ranks: [tree_hashes(copy) for copy in copies] == before and not list(out.glob("ckpt_*"))
 
 
 def a_file_that_only_one_rank_lacks(data_dir, folder):
@@ -143,16 +140,14 @@ def a_file_that_only_one_rank_lacks(data_dir, folder):
     out, _ = trained_run(data_dir, folder / "out")
     args = ["--checkpoint", out, "--data-file", HELLASWAG_FILE, "--limit", "6"]
     case = dict(script="hellaswag", argv=[args, [*args, "--data-file", folder / "missing.jsonl"]])
-
-    def check(ranks):
-        assert [rank.stdout for rank in ranks] == ["", ""]
-
-    return case, f"error: rank 1: --data-file {folder / 'missing.jsonl'} does not exist", check
+    line = f"error: rank 1: --data-file {folder / 'missing.jsonl'} does not exist"
+    return case, line, lambda ranks: [rank.stdout for rank in ranks] == ["", ""]
 
 
 def a_folder_another_run_holds(data_dir, folder):
-    """A live owner elsewhere (its lock on the folder, the launch fixture's; its name in .lock): rank 0's line,
-    once, every rank stopped within --dist-timeout 60 (none left waiting in a collective), the run unchanged."""
+    """A live owner elsewhere (its lock on the folder: the launch fixture holds the case's "held"; its name in
+    .lock): rank 0's line, once, every rank stopped within --dist-timeout 60 (none left waiting in a collective),
+    the run unchanged."""
     out, hashes = trained_run(data_dir, folder / "out")
     (out / ".lock").write_text("pid 4242 on node-7\n")
     args = args_for(data_dir, out, "--resume", "--dist-timeout", "60", steps=10)
@@ -160,18 +155,15 @@ def a_folder_another_run_holds(data_dir, folder):
         f"error: --out-dir {out} is in use by another training run (pid 4242 on node-7; it holds a lock on the "
         "folder): wait for it to end (then --resume continues it), or choose another --out-dir"
     )
-
-    def check(ranks):
-        assert checkpoint_hashes(out) == hashes and trained_steps(out) == [0, 1]
-
-    return dict(script="train_gpt2", argv=[args, args], held=out), line, check
+    case = dict(script="train_gpt2", argv=[args, args], held=out)
+    return case, line, lambda ranks: checkpoint_hashes(out) == hashes and trained_steps(out) == [0, 1]
 
 
 def the_ranks_split_the_first_scan_of_a_read_only_folder(data_dir, folder):
     """The ranks scan the shards between them and keep each scan once (the val shard is too small to keep); a
     later process reads them, a run whose cache folder cannot be written scans again: one process trains on the
-    rows the two ranks did, and nothing in the read-only data folder changed. (The launch's XDG_CACHE_HOME is
-    folder/"cache".) The memory a run reports is its own, the mapped shards' pages apart."""
+    rows the two ranks did, and nothing in the read-only data folder changed. (The case's "cache": the launch's
+    XDG_CACHE_HOME.) The memory a run reports is its own, the mapped shards' pages apart."""
     data, cache = folder / "data", folder / "cache"
     data.mkdir()
     np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
@@ -197,7 +189,7 @@ def the_ranks_split_the_first_scan_of_a_read_only_folder(data_dir, folder):
         peak = r"\| peak memory \d+\.\d\d GiB private \(\+ \d+\.\d\d GiB of mapped shard pages, shared page cache\)$"
         assert re.search(peak, two, re.MULTILINE), two
 
-    return dict(script="train_gpt2", argv=[args, args]), None, check
+    return dict(script="train_gpt2", argv=[args, args], cache=cache), None, check
 
 
 def fsdp_eval_only_ends_cleanly_on_every_rank(data_dir, folder):
@@ -229,14 +221,14 @@ ON_RANKS = (
 @pytest.fixture(scope="module")
 def on_ranks(data_dir, tmp_path_factory) -> dict:
     """By setup's name in ON_RANKS: its line, its check, and its case's result on each rank."""
-    folders = {setup: tmp_path_factory.mktemp(setup.__name__) for setup in ON_RANKS}
-    setups = [setup(data_dir, folders[setup]) for setup in ON_RANKS]
+    setups = [setup(data_dir, tmp_path_factory.mktemp(setup.__name__)) for setup in ON_RANKS]
     held = [os.open(case.pop("held"), os.O_RDONLY) for case, _, _ in setups if "held" in case]
+    (cache,) = [case.pop("cache") for case, _, _ in setups if "cache" in case] or [tmp_path_factory.mktemp("cache")]
     try:
         for fd in held:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("XDG_CACHE_HOME", str(folders[the_ranks_split_the_first_scan_of_a_read_only_folder] / "cache"))
+            patch.setenv("XDG_CACHE_HOME", str(cache))
             results = run_on_ranks([case for case, _, _ in setups])
     finally:
         for fd in held:
@@ -255,7 +247,7 @@ def test_a_case_on_two_ranks(on_ranks, setup):
     else:
         assert [rank.returncode for rank in ranks] == [2, 2] and error_lines(err) == [line], err[-3000:]
     assert "[rank" not in err and "Traceback" not in err and "terminate called" not in err, err[-3000:]
-    check(ranks)
+    assert check(ranks) is not False
 
 
 # --- a rank that dies ----------------------------------------------------------------------------
