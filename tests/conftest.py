@@ -837,3 +837,16 @@ def kept_scans(cache_home) -> list:
 
     folder = os.path.join(cache_home, "gpt2-trainer", "shards")
     return sorted(re.sub(r"^\w+-\w+", "", name) for name in os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def checkpoint_hashes(out_dir) -> dict:
+    """{path under out_dir: sha256} of every checkpoint there, each checked to load (its stored sha256 verified)
+    as the step its name gives."""
+    from trainkit.runfiles import checkpoints
+
+    found = {
+        path: sha for path, sha in tree_hashes(out_dir).items() if checkpoints.CKPT_NAME.fullmatch(Path(path).name)
+    }
+    for path in found:
+        assert checkpoints.load_checkpoint(os.path.join(out_dir, path))["step"] == checkpoints.checkpoint_step(path)
+    return found

@@ -11,7 +11,6 @@ import shutil
 import socket
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,19 +20,9 @@ from trainkit.runfiles import run_folder
 import train_gpt2 as tg
 from trainkit.cli import UserError
 from conftest import RUN_SHARDS, assert_refused, log_records, run_main, tiny_run_args, trained_steps
-from conftest import start, tree_hashes, wait_for
+from conftest import checkpoint_hashes, start, tree_hashes, wait_for
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
-
-
-def checkpoint_hashes(out_dir):
-    """{path under out_dir: sha256} of every checkpoint there, each checked to load (its stored sha256 verified)."""
-    found = {
-        path: sha for path, sha in tree_hashes(out_dir).items() if checkpoints.CKPT_NAME.fullmatch(Path(path).name)
-    }
-    for path in found:
-        checkpoints.load_checkpoint(os.path.join(out_dir, path))
-    return found
 
 
 def run(data_dir, out, *extra, **sizes):

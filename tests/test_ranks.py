@@ -16,13 +16,12 @@ import time
 import numpy as np
 import pytest
 
-from trainkit.runfiles import checkpoints
 from trainkit.data import shard_scan
 from trainkit.data.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, child_pids, kill_group, kill_pids, tiny_run_args, torchrun, tree_hashes
 from conftest import documents, kept_scans, run_main, run_on_ranks, scan_args, start, step_losses, trained_steps
-from conftest import wait_for
+from conftest import checkpoint_hashes, wait_for
 from shards import write_manifest
 
 SHARDS = dict(n_docs=500, seed=4)
@@ -34,16 +33,10 @@ def args_for(data_dir, out_dir, *extra, steps=2, ckpt_every=2):
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, **one_block)
 
 
-def checkpoint_hashes(out_dir) -> dict:
-    return {name: sha for name, sha in tree_hashes(out_dir).items() if name.startswith("ckpt_")}
-
-
 def assert_checkpoints_intact(out_dir, before: dict):
-    """Each checkpoint there before is unchanged and loads; any other one loads too."""
+    """Each checkpoint there before is unchanged; every one loads (checkpoint_hashes)."""
     after = checkpoint_hashes(out_dir)
     assert {name: after.get(name) for name in before} == before
-    for name in after:
-        assert checkpoints.load_checkpoint(os.path.join(out_dir, name))["step"] == int(name[5:12])
 
 
 def error_lines(stderr) -> list:
