@@ -33,12 +33,14 @@ def test_a_shard_that_changed_since_its_scan_was_kept_is_scanned_again(tmp_path)
     assert second.stderr.strip().splitlines()[-1] == "error: " + no_output_for(str(shard), 50300, 50304)
 
 
-def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp_path, monkeypatch):
+def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp_path, monkeypatch, capsys):
+    """Each shard's scans are kept apart and redone for the one that changed only; a scan prints its progress (here
+    at once), a read-back nothing."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    paths = []
-    for i in range(2):
-        paths.append(str(tmp_path / f"s_train_{i:06d}.npy"))
-        np.save(paths[-1], documents(BIG, seed=i))
+    monkeypatch.setattr(shard_scan, "PROGRESS_AFTER_S", 0.0)
+    paths = [str(tmp_path / f"s_train_{i:06d}.npy") for i in range(2)]
+    for i, path in enumerate(paths):
+        np.save(path, documents(BIG, seed=i))
     built = []
 
     def build_rows(tokens, T):
@@ -47,7 +49,7 @@ def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp
 
     def scan():
         shards = [np.load(p, mmap_mode="r") for p in paths]
-        return shards, shard_scan.scan_shards(paths, shards, [None, None], T, build_rows, "train", progress=False)
+        return shards, shard_scan.scan_shards(paths, shards, [None, None], T, build_rows, "train shards", progress=True)
 
     shards, (largest, tables) = scan()
     assert len(built) == 2 and largest == [int(s.max()) for s in shards]
@@ -63,6 +65,12 @@ def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp
     assert len(built) == 3  # the changed shard only
     assert np.array_equal(tables[1], tg.aligned_rows(shards[1], T)) and not np.array_equal(tables[1], tables_again[1])
     assert len(kept_scans(tmp_path / "cache")) == 4  # the changed shard's old entries are gone
+    lines = [re.sub(r", \d+ s$", ", N s", line) for line in capsys.readouterr().err.splitlines()]
+    assert lines == [
+        "train shards: scanning 2 shards (token ids, row tables): 1/2 shards, N s",
+        "train shards: scanning 2 shards (token ids, row tables): 2/2 shards, N s",
+        "train shards: scanning 1 shards (token ids, row tables): 1/1 shards, N s",
+    ]
 
 
 def test_the_reported_peak_is_private_memory_and_mapped_shard_pages_are_apart(tmp_path):
@@ -82,18 +90,3 @@ def test_the_reported_peak_is_private_memory_and_mapped_shard_pages_are_apart(tm
     assert float(private) - private_before < 0.03  # not the 0.06 GiB just mapped
     assert float(mapped) >= 0.06  # 64 MiB, to two digits
     del tokens
-
-
-def test_a_long_scan_prints_its_progress(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(shard_scan, "PROGRESS_AFTER_S", 0.0)
-    paths = [str(tmp_path / f"s_train_{i:06d}.npy") for i in range(2)]
-    for i, path in enumerate(paths):
-        np.save(path, documents(1000, seed=i))
-    shards = [np.load(p, mmap_mode="r") for p in paths]
-    shard_scan.scan_shards(paths, shards, [None, None], T, tg.aligned_rows, "train shards", progress=True)
-    lines = [re.sub(r", \d+ s$", ", N s", line) for line in capsys.readouterr().err.splitlines()]
-    assert lines == [
-        "train shards: scanning 2 shards (token ids, row tables): 1/2 shards, N s",
-        "train shards: scanning 2 shards (token ids, row tables): 2/2 shards, N s",
-    ]
