@@ -687,3 +687,53 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
         ]
         for i, case in enumerate(cases)
     ]
+
+
+# --- s2ranks ---
+# The shard-scan cases' data (test_shard_scan, and test_ranks' two ranks splitting the first scan)
+SCAN_T = 16
+
+
+def documents(n_tokens: int, seed: int):
+    """n_tokens of small ids with an <|endoftext|> opening a document every ~40 tokens."""
+    import numpy as np
+    from shards import EOT
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 64, n_tokens).astype(np.uint16)
+    tokens[rng.integers(0, n_tokens, n_tokens // 40)] = EOT
+    tokens[0] = EOT
+    return tokens
+
+
+def scan_args(data_dir, out_dir) -> list:
+    """Two steps of 8 rows of --align-docs (4 rows x 2 ranks, or x 2 micro-steps on one) of a 1-layer model."""
+    one_layer = dict(steps=2, B=4, ckpt_every=0, n_layer=1, block_size=16, seq_len=SCAN_T, rows=8)
+    return tiny_run_args(data_dir, out_dir, "--align-docs", **one_layer)
+
+
+def step_losses(stdout: str) -> list:
+    import re
+
+    return re.findall(r"^step\s+\d+/\d+ \| loss (\S+)", stdout, re.MULTILINE)
+
+
+def kept_scans(cache_home) -> list:
+    """The names of the scans kept under cache_home, each without its shard's key."""
+    import re
+
+    folder = os.path.join(cache_home, "gpt2-trainer", "shards")
+    return sorted(re.sub(r"^\w+-\w+", "", name) for name in os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def checkpoint_hashes(out_dir) -> dict:
+    """{path under out_dir: sha256} of every checkpoint there, each checked to load (its stored sha256 verified)
+    as the step its name gives."""
+    from trainkit.runfiles import checkpoints
+
+    found = {
+        path: sha for path, sha in tree_hashes(out_dir).items() if checkpoints.CKPT_NAME.fullmatch(Path(path).name)
+    }
+    for path in found:
+        assert checkpoints.load_checkpoint(os.path.join(out_dir, path))["step"] == checkpoints.checkpoint_step(path)
+    return found

@@ -1,18 +1,14 @@
 """No run can hurt another: one live trainer per --out-dir, --resume means resume, and
 an abandoned branch is kept; every checkpoint written before a refusal or a branch still loads with
-its sha256 unchanged. Two trainers at once and the torchrun refusals are programs; the rest run
-through train_gpt2.main."""
+its sha256 unchanged. Two trainers at once are programs (a torchrun launch on a held folder: a case of
+test_ranks' launch); the rest run through train_gpt2.main."""
 
 import errno
 import fcntl
-import hashlib
-import json
 import os
 import re
 import shutil
 import socket
-import subprocess
-from subprocess import PIPE
 import sys
 import time
 
@@ -23,23 +19,15 @@ from trainkit.runfiles import resume
 from trainkit.runfiles import run_folder
 import train_gpt2 as tg
 from trainkit.cli import UserError
-from conftest import REPO, RUN_SHARDS, assert_refused, run_cli, run_main, tiny_run_args, trained_steps
-from conftest import tree_hashes, wait_for
+from conftest import RUN_SHARDS, assert_refused, log_records, run_main, tiny_run_args, trained_steps
+from conftest import checkpoint_hashes, start, tree_hashes, wait_for
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
 
 
-def checkpoint_hashes(out_dir):
-    """{file name: sha256 of its bytes} of every checkpoint anywhere under out_dir, after checking
-    that each loads (load_checkpoint verifies the sha256 stored inside)."""
-    found = {}
-    for folder, _, names in os.walk(out_dir):
-        for name in names:
-            if checkpoints.CKPT_NAME.fullmatch(name):
-                path = os.path.join(folder, name)
-                checkpoints.load_checkpoint(path)
-                found[os.path.relpath(path, out_dir)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return found
+def run(data_dir, out, *extra, **sizes):
+    """train_gpt2.py on tiny_run_args, in this process (run_main)."""
+    return run_main("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, **sizes))
 
 
 def in_use(out_dir, owner):
@@ -78,10 +66,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     out = tmp_path / "out"
     forever = tiny_run_args(data_dir, out, steps=10**6, ckpt_every=5)
     # two launches at once: one owns the folder, the other is refused naming it
-    trainers = [
-        subprocess.Popen([sys.executable, "train_gpt2.py", *forever], cwd=REPO, stdout=PIPE, stderr=PIPE, text=True)
-        for _ in range(2)
-    ]
+    trainers = [start([sys.executable, "train_gpt2.py", *forever]) for _ in range(2)]
     try:
         while all(p.poll() is None for p in trainers):
             time.sleep(0.05)
@@ -96,7 +81,7 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
         edited = out / ".lock.sed"
         edited.write_text(f"pid {owner.pid} on another-host\n")
         os.replace(edited, out / ".lock")
-        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=10**6, ckpt_every=5))
+        result = run(data_dir, out, "--resume", steps=10**6, ckpt_every=5)
         assert_refused(result, in_use(out, f"pid {owner.pid} on another-host"))
         wait_for(lambda: len(checkpoints.list_checkpoints(out)) >= 2, owner, what="two checkpoints")
     finally:
@@ -107,31 +92,13 @@ def test_two_trainers_on_one_folder(data_dir, tmp_path):
     assert (out / ".lock").read_text() == f"pid {owner.pid} on another-host\n"
     before = checkpoint_hashes(out)
     last = checkpoints.checkpoint_step(checkpoints.latest_checkpoint(out))
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=last + 3, ckpt_every=5))
+    result = run(data_dir, out, "--resume", steps=last + 3, ckpt_every=5)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / f'ckpt_{last:07d}.pt'} at step {last}" in result.stdout
     assert trained_steps(out) == list(range(last + 3))  # one run's steps, in order
     after = checkpoint_hashes(out)
     assert {k: after[k] for k in before} == before and f"ckpt_{last + 3:07d}.pt" in after
     assert not (out / ".lock").exists()  # a run that ends removes its lock file
-
-
-def test_refused_torchrun_launch_stops_every_rank(finished, data_dir):
-    out, hashes = finished
-    held = os.open(out, os.O_RDONLY)  # a live owner elsewhere: its lock on the folder, its name in .lock
-    try:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        (out / ".lock").write_text("pid 4242 on node-7\n")
-        start_time = time.time()
-        result = run_cli(tiny_run_args(data_dir, out, "--resume", steps=10, B=2), nproc=2)
-        elapsed = time.time() - start_time
-    finally:
-        os.close(held)
-    assert result.returncode != 0 and elapsed < 60  # not a rank left waiting in a collective
-    message = f"error: {in_use(out, 'pid 4242 on node-7')}"
-    assert [line for line in result.stderr.splitlines() if "error:" in line] == [message]  # rank 0's, once
-    assert 'train_gpt2.py", line' not in result.stderr  # no traceback of ours
-    assert checkpoint_hashes(out) == hashes and trained_steps(out) == list(range(4))
 
 
 def test_the_lock_is_on_the_folder_not_on_its_lock_file(tmp_path, monkeypatch, capsys):
@@ -174,7 +141,7 @@ def test_odd_lock_files_are_one_line(finished, data_dir, tmp_path):
     for make, what in ((lock.mkdir, "is a directory"), (link, f"is a symbolic link to {gone}")):
         make()
         before = tree_hashes(out, folders=True)
-        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=10, ckpt_every=2))
+        result = run(data_dir, out, "--resume", steps=10, ckpt_every=2)
         refusal = f"{lock} {what}, not the lock note this trainer writes: remove it, or choose another --out-dir"
         assert_refused(result, refusal)
         assert tree_hashes(out, folders=True) == before and not gone.parent.exists()
@@ -190,7 +157,7 @@ def test_another_runs_checkpoint_is_refused_whatever_was_moved(finished, eight_s
     os.rename(out / "log.jsonl", tmp_path / "a_log.jsonl")
     before = tree_hashes(out)
     a, b = (resume.read_run(str(path))["id"] for path in (out / "ckpt_0000002.pt", given))
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", given, steps=10))
+    result = run(data_dir, out, "--resume", given, steps=10)
     assert_refused(
         result,
         f"cannot resume {given} (run {b}, step 6) in --out-dir {out}: its ckpt_0000002.pt is another "
@@ -257,10 +224,9 @@ def test_resume_means_resume(finished, data_dir, tmp_path):
     out, hashes = finished
     log = (out / "log.jsonl").read_bytes()
     # an unset $CKPT in a job script
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", "", steps=10, ckpt_every=2))
+    result = run(data_dir, out, "--resume", "", steps=10, ckpt_every=2)
     assert_refused(
-        result,
-        "argument --resume: got an empty value ('': an unset shell variable?) (see train_gpt2.py --help)",
+        result, "argument --resume: got an empty value ('': an unset shell variable?) (see train_gpt2.py --help)"
     )
     assert checkpoint_hashes(out) == hashes and (out / "log.jsonl").read_bytes() == log
     # a folder holding a log.jsonl that no run wrote and no checkpoint: neither a fresh run nor --resume
@@ -274,7 +240,7 @@ def test_resume_means_resume(finished, data_dir, tmp_path):
         "another --out-dir"
     )
     for resume_flag in ([], ["--resume"]):
-        assert_refused(run_main("train_gpt2.py", *tiny_run_args(data_dir, only_log, *resume_flag, steps=10)), refusal)
+        assert_refused(run(data_dir, only_log, *resume_flag, steps=10), refusal)
     assert sorted(os.listdir(only_log)) == ["log.jsonl"] and (only_log / "log.jsonl").read_text() == "my notes\n"
 
 
@@ -285,12 +251,7 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(branched, data
     out, hashes = branched
     log = (out / "log.jsonl").read_bytes()
     # a new branch from step 2, with another learning rate
-    result = run_main(
-        "train_gpt2.py",
-        *tiny_run_args(
-            data_dir, out, "--resume", str(out / "ckpt_0000002.pt"), "--max-lr", "5e-3", steps=8, ckpt_every=2
-        ),
-    )
+    result = run(data_dir, out, "--resume", out / "ckpt_0000002.pt", "--max-lr", "5e-3", steps=8, ckpt_every=2)
     assert result.returncode == 0, result.stderr[-3000:]
     branch = out / "branch_0000008"
     assert (
@@ -304,13 +265,11 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_later_branch(branched, data
     first, new = (resume.read_run(str(path)) for path in (out / "ckpt_0000002.pt", out / "ckpt_0000004.pt"))
     assert new == dict(id=new["id"], parent=dict(first, step=2)) and first["parent"] is None
     assert resume.read_run(str(branch / "ckpt_0000008.pt")) == first
-    runs = [r["run"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
+    runs = [record["run"] for record in log_records(out)]
     cut = runs.index(new["id"])
     assert runs == [first["id"]] * cut + [new["id"]] * (len(runs) - cut) and cut == 2  # steps 0, 1: the first run's
     # the trainer's own advice, a plain --resume, continues the new branch
-    result = run_main(
-        "train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2)
-    )
+    result = run(data_dir, out, "--resume", "--max-lr", "5e-3", steps=10, ckpt_every=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {out / 'ckpt_0000008.pt'} at step 8" in result.stdout and "branch" not in result.stdout
     assert trained_steps(out) == list(range(10)) and trained_steps(branch) == list(range(8))

@@ -1,52 +1,42 @@
-"""No rank can hurt another: ranks started differently are refused with one line, and
-a rank that dies leaves the survivors one line naming the last good checkpoint. 2 gloo ranks on the
-CPU: a killed rank, the launcher's report and teardown are real torchrun launches; the other start-up
-refusals are cases of one launch (run_on_ranks). The checkpoints already in --out-dir must still load,
-byte for byte the same."""
+"""No rank can hurt another: ranks started differently are refused with one line, and a rank that dies leaves the
+survivors one line naming the last good checkpoint. 2 gloo ranks on the CPU: a killed rank and the launcher's report
+of a refusal are real torchrun launches; the other 2-rank cases (refusals, a folder another run holds, the first
+shard scan split between the ranks, FSDP --eval-only ending cleanly) are cases of ONE launch (run_on_ranks). The
+checkpoints already in --out-dir must still load, byte for byte the same."""
 
-import glob
+import fcntl
 import hashlib
 import os
+import re
 import shutil
+import stat
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from trainkit.runfiles import checkpoints
+from trainkit.data import shard_scan
 from trainkit.data.shards import SAMPLE_BYTES, shard_files
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, REPO, child_pids, kill_group, kill_pids, tiny_run_args, torchrun, tree_hashes
-from conftest import run_on_ranks, start, wait_for
+from conftest import documents, kept_scans, run_main, run_on_ranks, scan_args, start, step_losses, trained_steps
+from conftest import checkpoint_hashes, wait_for
 from shards import write_manifest
-
-T = 16
-
 
 SHARDS = dict(n_docs=500, seed=4)
 
 
 def args_for(data_dir, out_dir, *extra, steps=2, ckpt_every=2):
     """A one-block run, 4 rows a step: one micro-batch of 2 rows on each of 2 ranks."""
-    one_block = dict(n_layer=1, block_size=16, seq_len=T, B=2, rows=4, warmup=1)
+    one_block = dict(n_layer=1, block_size=16, seq_len=16, B=2, rows=4, warmup=1)
     return tiny_run_args(data_dir, out_dir, *extra, steps=steps, ckpt_every=ckpt_every, **one_block)
 
 
-def checkpoint_hashes(out_dir) -> dict:
-    hashes = {}
-    for path in sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt"))):
-        with open(path, "rb") as f:
-            hashes[os.path.basename(path)] = hashlib.sha256(f.read()).hexdigest()
-    return hashes
-
-
 def assert_checkpoints_intact(out_dir, before: dict):
-    """Each checkpoint there before is unchanged and loads; any other one loads too."""
+    """Each checkpoint there before is unchanged; every one loads (checkpoint_hashes)."""
     after = checkpoint_hashes(out_dir)
     assert {name: after.get(name) for name in before} == before
-    for name in after:
-        assert checkpoints.load_checkpoint(os.path.join(out_dir, name))["step"] == int(name[5:12])
 
 
 def error_lines(stderr) -> list:
@@ -66,18 +56,10 @@ def trained_run(data_dir, out) -> tuple:
     return out, checkpoint_hashes(out)
 
 
-@pytest.fixture
-def trained(data_dir, tmp_path):
-    return trained_run(data_dir, tmp_path / "out")
-
-
-# --- ranks that agree --------------------------------------------------------------------------
-
-
-def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, trained):
+def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, tmp_path):
     # before: a different --max-steps ended in a gloo SIGABRT (83 lines); a different --max-lr trained on.
     # The launcher's side of every start-up refusal: torchrun exits 1, one line, each rank's exit code 2
-    out, hashes = trained
+    out, hashes = trained_run(data_dir, tmp_path / "out")
     proc = launch_per_rank(
         'exec "$@" --max-steps $((4 + RANK)) --max-lr 1e-$((2 + RANK))', args_for(data_dir, out, "--resume")
     )
@@ -93,8 +75,9 @@ def test_ranks_with_different_flags_are_refused_naming_the_first(data_dir, train
     assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
 
 
-# The other start-up refusals: each set up in a folder of its own, then all run as cases of ONE torchrun launch
-# (conftest's run_on_ranks). A setup gives its case, the one line expected, and a check of what the case left.
+# --- the cases of ONE torchrun launch (run_on_ranks) ------------------------------------------------------------
+# Each set up in a folder of its own: setup(data_dir, folder) -> (its case, the one `error:` line expected or None
+# for exit 0 on every rank, check(ranks) of what the case left: it asserts, or returns whether it holds).
 
 
 def different_data_of_the_same_sizes(data_dir, folder):
@@ -103,9 +86,9 @@ def different_data_of_the_same_sizes(data_dir, folder):
     out, hashes = trained_run(data_dir, folder / "out")
     for rank in (0, 1):
         shutil.copytree(data_dir, folder / f"rank{rank}" / "data")
-    shard = sorted(glob.glob(str(folder / "rank1" / "data" / "*_train_*.npy")))[-1]
+    shard = sorted((folder / "rank1" / "data").glob("*_train_*.npy"))[-1]
     np.save(shard, np.load(shard)[::-1])  # the same tokens in another order: same size
-    name, size = os.path.basename(shard), os.path.getsize(shard)
+    name, size = shard.name, shard.stat().st_size
     sampled = [shard_files([str(folder / f"rank{rank}" / "data" / name)])[0][2][:12] for rank in (0, 1)]
     line = (
         f"error: the ranks of this launch were started differently: train shards in "
@@ -115,7 +98,7 @@ def different_data_of_the_same_sizes(data_dir, folder):
     )
     args = args_for("data", out, "--resume")
     case = dict(script="train_gpt2", argv=[args, args], cwd=[folder / "rank0", folder / "rank1"])
-    return case, line, lambda ranks: assert_checkpoints_intact(out, hashes) is None  # (it asserts)
+    return case, line, lambda ranks: assert_checkpoints_intact(out, hashes)
 
 
 def a_copy_that_differs_outside_the_sampled_slices(data_dir, folder):
@@ -154,30 +137,110 @@ def a_file_that_only_one_rank_lacks(data_dir, folder):
     return case, line, lambda ranks: [rank.stdout for rank in ranks] == ["", ""]
 
 
-REFUSED = (
+def a_folder_another_run_holds(data_dir, folder):
+    """A live owner elsewhere (its lock on the folder: the launch fixture holds the case's "held"; its name in
+    .lock): rank 0's line, once, every rank stopped within --dist-timeout 60 (none left waiting in a collective),
+    the run unchanged."""
+    out, hashes = trained_run(data_dir, folder / "out")
+    (out / ".lock").write_text("pid 4242 on node-7\n")
+    args = args_for(data_dir, out, "--resume", "--dist-timeout", "60", steps=10)
+    line = (
+        f"error: --out-dir {out} is in use by another training run (pid 4242 on node-7; it holds a lock on the "
+        "folder): wait for it to end (then --resume continues it), or choose another --out-dir"
+    )
+    case = dict(script="train_gpt2", argv=[args, args], held=out)
+    return case, line, lambda ranks: checkpoint_hashes(out) == hashes and trained_steps(out) == [0, 1]
+
+
+def the_ranks_split_the_first_scan_of_a_read_only_folder(data_dir, folder):
+    """The ranks scan the shards between them and keep each scan once (the val shard is too small to keep); a
+    later process reads them, a run whose cache folder cannot be written scans again: one process trains on the
+    rows the two ranks did, and nothing in the read-only data folder changed. (The case's "cache": the launch's
+    XDG_CACHE_HOME.) The memory a run reports is its own, the mapped shards' pages apart."""
+    data, cache = folder / "data", folder / "cache"
+    data.mkdir()
+    np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
+    for i in (1, 2):
+        np.save(data / f"big_train_{i:06d}.npy", documents(shard_scan.MIN_CACHED_TOKENS + 1000, seed=i + 1))
+    for path in [*data.iterdir(), data]:
+        path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    before, args = tree_hashes(data), scan_args(data, folder / "two")
+
+    def check(ranks):
+        assert kept_scans(cache) == [".max_id", ".max_id", ".rows16.npy", ".rows16.npy"]
+        stamps = {path: path.stat().st_mtime_ns for path in (cache / "gpt2-trainer" / "shards").iterdir()}
+        cached = run_main("train_gpt2.py", *scan_args(data, folder / "a"), env={"XDG_CACHE_HOME": str(cache)})
+        assert cached.returncode == 0, cached.stderr
+        assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
+        (folder / "a-file").write_text("")
+        unwritable = {"XDG_CACHE_HOME": str(folder / "a-file" / "x")}
+        uncached = run_main("train_gpt2.py", *scan_args(data, folder / "b"), env=unwritable)
+        assert uncached.returncode == 0, uncached.stderr
+        two = ranks[0].stdout
+        assert len(step_losses(two)) == 2 and step_losses(two) == step_losses(cached.stdout)
+        assert step_losses(two) == step_losses(uncached.stdout) and tree_hashes(data) == before
+        peak = r"\| peak memory \d+\.\d\d GiB private \(\+ \d+\.\d\d GiB of mapped shard pages, shared page cache\)$"
+        assert re.search(peak, two, re.MULTILINE), two
+
+    return dict(script="train_gpt2", argv=[args, args], cache=cache), None, check
+
+
+def fsdp_eval_only_ends_cleanly_on_every_rank(data_dir, folder):
+    # reported: 4 of 13 such runs aborted at exit ("terminate called without an active exception"); the ranks
+    # left at different times (no barrier, unlike training's last save), now they meet first. The LAST case:
+    # the launch's own clean exit (run_on_ranks asserts exit 0) proves the processes' end
+    out, hashes = trained_run(data_dir, folder / "out")
+    args = args_for(data_dir, out, "--fsdp", "--eval-only", "--resume", "--val-every", "1", "--val-steps", "1")
+
+    def check(ranks):
+        json_lines = [line for rank in ranks for line in rank.stdout.splitlines() if line.startswith("{")]
+        assert len(json_lines) == 1 and json_lines[0].startswith('{"step": 2, "val_loss": '), ranks[0].stdout
+        assert_checkpoints_intact(out, hashes)
+        assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
+
+    return dict(script="train_gpt2", argv=[args, args]), None, check
+
+
+ON_RANKS = (
     different_data_of_the_same_sizes,
     a_copy_that_differs_outside_the_sampled_slices,
     a_file_that_only_one_rank_lacks,
+    a_folder_another_run_holds,
+    the_ranks_split_the_first_scan_of_a_read_only_folder,
+    fsdp_eval_only_ends_cleanly_on_every_rank,
 )
 
 
 @pytest.fixture(scope="module")
-def refused(data_dir, tmp_path_factory) -> dict:
-    """By setup's name in REFUSED: its line, its check, and its case's result on each rank."""
-    setups = [setup(data_dir, tmp_path_factory.mktemp(setup.__name__)) for setup in REFUSED]
-    results = run_on_ranks([case for case, _, _ in setups])
-    return {setup.__name__: (*rest, ranks) for setup, (_, *rest), ranks in zip(REFUSED, setups, results)}
+def on_ranks(data_dir, tmp_path_factory) -> dict:
+    """By setup's name in ON_RANKS: its line, its check, and its case's result on each rank."""
+    setups = [setup(data_dir, tmp_path_factory.mktemp(setup.__name__)) for setup in ON_RANKS]
+    held = [os.open(case.pop("held"), os.O_RDONLY) for case, _, _ in setups if "held" in case]
+    (cache,) = [case.pop("cache") for case, _, _ in setups if "cache" in case] or [tmp_path_factory.mktemp("cache")]
+    try:
+        for fd in held:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("XDG_CACHE_HOME", str(cache))
+            results = run_on_ranks([case for case, _, _ in setups])
+    finally:
+        for fd in held:
+            os.close(fd)
+    return {setup.__name__: (*rest, ranks) for setup, (_, *rest), ranks in zip(ON_RANKS, setups, results)}
 
 
-@pytest.mark.parametrize("setup", [setup.__name__ for setup in REFUSED])
-def test_ranks_that_see_different_inputs_stop_alike_with_one_line(refused, setup):
-    """Every rank exits 2, their stderr together holds the one `error:` line and no traceback, and what was
-    there before is left as it was (setup's check)."""
-    line, check, ranks = refused[setup]
+@pytest.mark.parametrize("setup", [setup.__name__ for setup in ON_RANKS])
+def test_a_case_on_two_ranks(on_ranks, setup):
+    """Every rank exits 2 and their stderr together holds the one `error:` line (or every rank exits 0 and none
+    prints an error), no traceback; what the case left is as its setup's check says."""
+    line, check, ranks = on_ranks[setup]
     err = "".join(rank.stderr for rank in ranks)
-    assert [rank.returncode for rank in ranks] == [2, 2] and error_lines(err) == [line], err[-3000:]
+    if line is None:
+        assert [rank.returncode for rank in ranks] == [0, 0] and "error" not in err, err[-3000:]
+    else:
+        assert [rank.returncode for rank in ranks] == [2, 2] and error_lines(err) == [line], err[-3000:]
     assert "[rank" not in err and "Traceback" not in err and "terminate called" not in err, err[-3000:]
-    assert check(ranks)
+    assert check(ranks) is not False
 
 
 # --- a rank that dies ----------------------------------------------------------------------------
@@ -196,7 +259,7 @@ def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir,
         'exec "$@"', args_for(data_dir, out, *mode, steps=100000, ckpt_every=1), start_new_session=True
     )
     try:
-        wait_for(lambda: len(glob.glob(str(out / "ckpt_*.pt"))) >= 3, proc, what="three checkpoints")
+        wait_for(lambda: len(list(out.glob("ckpt_*.pt"))) >= 3, proc, what="three checkpoints")
         workers = child_pids(proc.pid)
         assert len(workers) == 2
         hashes = checkpoint_hashes(out)
@@ -210,8 +273,7 @@ def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir,
     assert proc.returncode == 1
     lines = error_lines(err)
     assert len(lines) == 1, err[-3000:]
-    survivor = 1 - victim
-    assert lines[0].startswith(f"error: rank {survivor}: another rank of this launch died or stopped answering (")
+    assert lines[0].startswith(f"error: rank {1 - victim}: another rank of this launch died or stopped answering (")
     named = lines[0].split("Last good checkpoint: ")[1].split(" (resume with")[0]
     assert os.path.basename(named) in checkpoint_hashes(out)
     assert int(named[-10:-3]) >= max(int(name[5:12]) for name in hashes)
@@ -220,23 +282,18 @@ def test_a_killed_rank_leaves_one_line_naming_the_last_good_checkpoint(data_dir,
     assert_checkpoints_intact(out, hashes)
 
 
-def hellaswag_per_rank(out, rank1_args, **popen):
-    """hellaswag.py under torchrun on 2 ranks, on out's checkpoint: rank 1 gets rank1_args on top."""
-    shell = 'if [ "$RANK" = 1 ]; then exec "$@" $RANK1_ARGS; else exec "$@"; fi'
-    return launch_per_rank(
-        shell,
-        ["--checkpoint", str(out), "--data-file", str(HELLASWAG_FILE), "--limit", "6"],
-        env={"RANK1_ARGS": rank1_args},
-        script="hellaswag.py",
-        **popen,
-    )
-
-
-def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):
+def test_a_killed_rank_during_hellaswag_is_one_line(data_dir, tmp_path):
     # rank 1 has all 446 examples to score (rank 0: 6): rank 0 scores its share and waits for rank 1
     # in the final all-reduce, where rank 1's death fails it (before: a gloo traceback)
+    out, _ = trained_run(data_dir, tmp_path / "out")
     with open(tmp_path / "stderr", "w") as stderr:
-        proc = hellaswag_per_rank(trained[0], "--limit 0", stderr=stderr, start_new_session=True)
+        proc = launch_per_rank(
+            'if [ "$RANK" = 1 ]; then exec "$@" --limit 0; else exec "$@"; fi',
+            ["--checkpoint", str(out), "--data-file", str(HELLASWAG_FILE), "--limit", "6"],
+            script="hellaswag.py",
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:  # rank 0's scoring done (both renderings, under one progress bar):
         wait_for(lambda: "100%" in (tmp_path / "stderr").read_text(), proc, what="rank 0's scoring")
         time.sleep(0.5)  # (a few tensor operations from there to the all-reduce; later is the same failure)
@@ -253,23 +310,3 @@ def test_a_killed_rank_during_hellaswag_is_one_line(trained, tmp_path):
     ), err[-3000:]
     assert lines[0].endswith("so this rank stopped too; torchrun's report below names the rank that failed first")
     assert "RuntimeError" not in err and "pair.cc" not in err and "terminate called" not in err  # no gloo traceback
-
-
-# --- teardown --------------------------------------------------------------------------------
-
-
-def test_fsdp_eval_only_ends_cleanly_on_every_rank(data_dir, trained):
-    # reported: 4 of 13 such runs aborted at exit ("terminate called without an active exception");
-    # the ranks left at different times (no barrier, unlike training's last save), now they meet first
-    out, hashes = trained
-    proc = launch_per_rank(
-        'exec "$@"',
-        args_for(data_dir, out, "--fsdp", "--eval-only", "--resume", "--val-every", "1", "--val-steps", "1"),
-    )
-    stdout, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    json_lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert len(json_lines) == 1 and json_lines[0].startswith('{"step": 2, "val_loss": '), stdout
-    assert "terminate called" not in err and "Traceback" not in err and "error" not in err, err[-3000:]
-    assert_checkpoints_intact(out, hashes)
-    assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
