@@ -800,3 +800,43 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
         ]
         for i, case in enumerate(cases)
     ]
+
+
+# --- s2fsdp ---
+# The 2-rank cases of every collected module that defines rank_cases(folder, data_dir of its SHARDS or None) ->
+# run_on_ranks' cases run
+# in ONE torchrun launch per suite run: the first pytest-xdist worker to ask launches it under a lock in the
+# folder the workers share; the others read what it wrote.
+
+
+@pytest.fixture(scope="session")
+def shared_rank_runs(request, _shard_dirs, tmp_path_factory) -> dict:
+    """{module name: (its folder, run_on_ranks' results of its rank_cases)} for the collected modules."""
+    import fcntl
+
+    modules = {item.module.__name__: item.module for item in request.session.items}
+    modules = {name: m for name, m in sorted(modules.items()) if hasattr(m, "rank_cases")}
+    xdist = "PYTEST_XDIST_WORKER" in os.environ
+    root = tmp_path_factory.getbasetemp().parent if xdist else tmp_path_factory.getbasetemp()
+    done = root / "shared_rank_runs.json"
+    with open(root / "shared_rank_runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder, cases, owners = root / "shared_rank_runs", [], []
+            for name, module in modules.items():
+                sizes = getattr(module, "SHARDS", None)
+                data = sizes and shared_shards(_shard_dirs, tmp_path_factory, **sizes)
+                (folder / name).mkdir(parents=True)
+                own = module.rank_cases(folder / name, data)
+                cases += own
+                owners += [name] * len(own)
+            found = {name: [str(folder / name), []] for name in modules}
+            for name, ranks in zip(owners, run_on_ranks(cases)):
+                found[name][1].append([[r.args, r.returncode, r.stdout, r.stderr] for r in ranks])
+            done.with_suffix(".tmp").write_text(json.dumps(found))
+            done.with_suffix(".tmp").rename(done)
+        found = json.loads(done.read_text())
+    return {
+        name: (Path(folder), [[subprocess.CompletedProcess(*rank) for rank in ranks] for ranks in results])
+        for name, (folder, results) in found.items()
+    }

@@ -19,7 +19,7 @@ from trainkit.runtime import device as precision
 from trainkit.runtime import throughput
 from trainkit.runtime import launch
 import train_gpt2 as tg
-from conftest import REPO, resume_copy, run_cli, run_command, run_main, tiny_run_args, train_records
+from conftest import REPO, resume_copy, run_command, run_main, tiny_run_args, train_records
 from shards import make_batch
 
 T = 16
@@ -33,13 +33,22 @@ def args_for(data_dir, out_dir, *extra, steps=4, B=4):
 # --- MFU and throughput ------------------------------------------------------------------------
 
 
+def rank_cases(folder, data_dir):
+    """2 gloo ranks x 2 micro-steps of 2 rows, fp16, with --peak-tflops."""
+    return [
+        dict(
+            script="train_gpt2",
+            argv=[args_for(data_dir, folder, "--peak-tflops", "0.001", "--dtype", "float16", B=2)] * 2,
+        )
+    ]
+
+
 @pytest.fixture(scope="module")
-def two_ranks(data_dir, tmp_path_factory):
-    """One torchrun of 2 gloo ranks x 2 micro-steps of 2 rows, fp16, with --peak-tflops: (stdout, out dir)."""
-    out_dir = tmp_path_factory.mktemp("two_ranks")
-    result = run_cli(args_for(data_dir, out_dir, "--peak-tflops", "0.001", "--dtype", "float16", B=2), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout, out_dir
+def two_ranks(shared_rank_runs):
+    """rank_cases' run, a case of conftest's shared_rank_runs: (rank 0's stdout, out dir)."""
+    folder, [ranks] = shared_rank_runs[__name__]
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+    return ranks[0].stdout, folder
 
 
 def test_mfu_under_two_ranks_is_per_gpu(two_ranks):

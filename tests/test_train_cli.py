@@ -10,7 +10,7 @@ import pytest
 
 from trainkit.runfiles import resume
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, TEXT_FILE, run_main, run_on_ranks, tiny_run_args
+from conftest import HELLASWAG_FILE, TEXT_FILE, run_main, tiny_run_args
 
 T = 32
 # a small alphabet, so that the loss has somewhere to go in 10 steps
@@ -47,19 +47,27 @@ def read_log(out_dir, key="loss"):
 SPLITS = {"plain": ([], 4), "align-docs+doc-mask": (["--align-docs", "--doc-mask"], 2)}
 
 
+RUNS = [(variant, name) for variant in SPLITS for name in ("ddp", "fsdp")]
+
+
+def rank_cases(folder, data_dir):
+    """By variant of SPLITS: its DDP run (2 rows x 2 ranks) and FSDP run."""
+    cases = []
+    for variant, name in RUNS:
+        align, fsdp_rows = SPLITS[variant]
+        B, mode = (2, []) if name == "ddp" else (fsdp_rows, ["--fsdp"])
+        cases.append(
+            dict(script="train_gpt2", argv=[train_args(data_dir, folder / variant / name, B, *align, *mode)] * 2)
+        )
+    return cases
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(data_dir, tmp_path_factory) -> dict:
-    """By variant of SPLITS: the out dirs of its DDP run (2 rows x 2 ranks) and FSDP run, and each one's rank 0
-    output; all four runs cases of ONE torchrun launch (conftest's run_on_ranks)."""
-    folder = tmp_path_factory.mktemp("splits")
-    runs = [
-        (variant, name, train_args(data_dir, folder / variant / name, B, *align, *mode))
-        for variant, (align, fsdp_rows) in SPLITS.items()
-        for name, B, mode in (("ddp", 2, []), ("fsdp", fsdp_rows, ["--fsdp"]))
-    ]
-    results = run_on_ranks([dict(script="train_gpt2", argv=[args, args]) for _, _, args in runs])
+def two_rank_runs(shared_rank_runs) -> dict:
+    """{variant: {name: (out dir, rank 0's stdout)}} of rank_cases' runs, cases of conftest's shared_rank_runs."""
+    folder, results = shared_rank_runs[__name__]
     found = {variant: {} for variant in SPLITS}
-    for (variant, name, _), ranks in zip(runs, results):
+    for (variant, name), ranks in zip(RUNS, results):
         assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
         found[variant][name] = (folder / variant / name, ranks[0].stdout)
     return found
