@@ -811,7 +811,8 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
 
 @pytest.fixture(scope="session")
 def shared_rank_runs(request, _shard_dirs, tmp_path_factory) -> dict:
-    """{module name: (its folder, run_on_ranks' results of its rank_cases)} for the collected modules."""
+    """{module name: (its folder, run_on_ranks' results of its rank_cases)} for the collected modules; every rank
+    of every case exited 0."""
     import fcntl
 
     modules = {item.module.__name__: item.module for item in request.session.items}
@@ -832,6 +833,7 @@ def shared_rank_runs(request, _shard_dirs, tmp_path_factory) -> dict:
                 owners += [name] * len(own)
             found = {name: [str(folder / name), []] for name in modules}
             for name, ranks in zip(owners, run_on_ranks(cases)):
+                assert [r.returncode for r in ranks] == [0] * len(ranks), "".join(r.stderr[-3000:] for r in ranks)
                 found[name][1].append([[r.args, r.returncode, r.stdout, r.stderr] for r in ranks])
             done.with_suffix(".tmp").write_text(json.dumps(found))
             done.with_suffix(".tmp").rename(done)

@@ -46,11 +46,6 @@ def stepped_weights(model, grads=None, extra=None) -> dict:
     return {n: p.detach().clone() for n, p in copied.named_parameters()}
 
 
-def weights_after_one_step(model) -> dict:
-    """{optimizer name: stepped_weights of model with it}."""
-    return {name: stepped_weights(model, extra=extra) for name, extra in OPTIMIZERS.items()}
-
-
 def adamw_bound(g, g_ref, w):
     """How far apart AdamW's first step may put one weight w from the gradients g and g_ref, elementwise.
     That step moves w by LR * g / (|g| + EPS) (its moments hold g and g^2 alone, bias-corrected), whose
@@ -190,15 +185,14 @@ def main(argv):
             results[doc_mask] = dict(
                 grads=grads_of(model.module),
                 loss=all_reduce_sum(loss_sum).item() / n_tokens,
-                stepped=weights_after_one_step(model.module),
+                stepped={name: stepped_weights(model.module, extra=extra) for name, extra in OPTIMIZERS.items()},
             )
     torch.save(results, f"{argv[0]}.{rank}")
     return 0
 
 
 def test_ddp_two_ranks_two_micro_steps_match_one_batch(shared_rank_runs):
-    folder, [ranks] = shared_rank_runs[__name__]
-    assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+    folder = shared_rank_runs[__name__][0]
     results, other_rank = (torch.load(folder / f"ddp.pt.{rank}", weights_only=True) for rank in (0, 1))
     for doc_mask in (False, True):
         x, y = batch(doc_mask)

@@ -13,15 +13,13 @@ import torch.nn as nn
 
 from trainkit.runfiles import checkpoints
 from trainkit import cli
-from trainkit.runtime import device
-from trainkit.runtime import launch
+from trainkit.runtime import device, launch
 from trainkit.runfiles.run_folder import OutDirLock
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, assert_one_error_line, log_records, resume_copy, run_main, tiny_run_args
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
 
 SHARDS = dict(n_docs=500, seed=3)
-T = 16
 
 
 def run_args(data_dir, out_dir, *extra, B=2, val_steps=1):
@@ -45,28 +43,14 @@ def rank_cases(folder, data_dir):
     ]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(shared_rank_runs):
-    """(the folder of rank_cases, rank 0's stdout of each case); every rank exited 0."""
-    folder, results = shared_rank_runs[__name__]
-    for ranks in results:
-        assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
-    return folder, [ranks[0].stdout for ranks in results]
-
-
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
 
 
-def local_bytes(tensors) -> int:
-    """Bytes this rank holds for the tensors (a DTensor's local shard)."""
-    return sum(device.local_part(t).nbytes for t in tensors)
-
-
 def state_bytes(params, optimizer) -> dict:
+    """Bytes this rank holds (a DTensor's local shard) of the parameters, their gradients and optimizer state."""
     optimizer_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return dict(
-        params=local_bytes(params), grads=local_bytes(p.grad for p in params), optimizer=local_bytes(optimizer_state)
-    )
+    kinds = dict(params=params, grads=[p.grad for p in params], optimizer=optimizer_state)
+    return {kind: sum(device.local_part(t).nbytes for t in tensors) for kind, tensors in kinds.items()}
 
 
 def failing_backend(graph, example_inputs):
@@ -145,11 +129,11 @@ def main(argv):
     return 0
 
 
-def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(two_ranks):
+def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(shared_rank_runs):
     """DDP, DDP around compiled blocks, FSDP, FSDP with compiled blocks and FSDP back to eager after
     a failed compile, on 2 ranks x 2 micro-steps (main), each against the gradient of one batch of the
     same 8 rows."""
-    results = torch.load(two_ranks[0] / "step.pt", weights_only=True)
+    results = torch.load(shared_rank_runs[__name__][0] / "step.pt", weights_only=True)
     ref, ref_loss = reference_grads(*make_batch())
     ref_norm = torch.nn.utils.get_total_norm(list(ref.values()))
     for mode in ("ddp", "ddp_compiled", "fsdp", "fsdp_compiled", "fsdp_eager_again"):
@@ -203,8 +187,11 @@ def assert_same_layout(a, b):
             assert value.shape == other.shape and value.dtype == other.dtype and value.device == other.device
 
 
-def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(data_dir, tmp_path, capsys, two_ranks):
-    folder, (_, fsdp_out, resumed_out) = two_ranks  # rank 0's stdout, the one that prints
+def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
+    data_dir, tmp_path, capsys, shared_rank_runs
+):
+    folder, results = shared_rank_runs[__name__]
+    fsdp_out, resumed_out = (ranks[0].stdout for ranks in results[1:])  # rank 0's, the one that prints
     single, fsdp, fsdp_resumed, single_resumed = tmp_path / "single", folder / "fsdp", folder / "fsdp2", tmp_path / "s2"
     # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks
     assert tg.main(run_args(data_dir, single, val_steps=2)) == 0
