@@ -804,9 +804,9 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
 
 # --- s2fsdp ---
 # The 2-rank cases of every collected module that defines rank_cases(folder, data_dir of its SHARDS or None) ->
-# run_on_ranks' cases run
-# in ONE torchrun launch per suite run: the first pytest-xdist worker to ask launches it under a lock in the
-# folder the workers share; the others read what it wrote.
+# run_on_ranks' cases, in ONE torchrun launch per suite run: the first pytest-xdist worker to ask launches it under
+# a lock in the folder the workers share; the others read what it wrote. A module's main(argv) can be a case's
+# script, for a check that needs its own code on the ranks.
 
 
 @pytest.fixture(scope="session")
@@ -827,7 +827,7 @@ def shared_rank_runs(request, _shard_dirs, tmp_path_factory) -> dict:
             for name, module in modules.items():
                 sizes = getattr(module, "SHARDS", None)
                 data = sizes and shared_shards(_shard_dirs, tmp_path_factory, **sizes)
-                (folder / name).mkdir(parents=True)
+                (folder / name).mkdir(parents=True, exist_ok=True)
                 own = module.rank_cases(folder / name, data)
                 cases += own
                 owners += [name] * len(own)
