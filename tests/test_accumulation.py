@@ -1,5 +1,5 @@
 """Token-normalized gradient accumulation equals one big batch, for every split (micro-batches on one process,
-DDP across gloo processes, with and without --doc-mask), and so does the update each optimizer makes of it
+DDP on 2 gloo ranks of conftest's shared_rank_runs launch, with and without --doc-mask), and so does the update each optimizer makes of it
 (AdamW, and Muon with AdamW)."""
 
 import copy
@@ -165,10 +165,11 @@ def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
     assert max_diff(ref, grads_of(model)) > 1e-4
 
 
-# --- 3. DDP, 2 gloo processes x 2 accumulation steps == one batch -----------------------------
+# --- 3. DDP, 2 gloo ranks x 2 accumulation steps == one batch ----------------------------------
 
 
 def rank_cases(folder, data_dir):
+    """main on each rank of conftest's shared_rank_runs launch."""
     return [dict(script="test_accumulation", argv=[[folder / "ddp.pt"]] * 2)]
 
 

@@ -231,11 +231,8 @@ def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
     assert not chunked.requires_grad
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     calls = []
-    monkeypatch.setattr(
-        kernels,
-        "chunked_loss_and_grads",
-        lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None),
-    )
+    fake = lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None)
+    monkeypatch.setattr(kernels, "chunked_loss_and_grads", fake)
     with torch.no_grad():
         model(x, y, loss_chunk=10)
     assert calls == [False]
