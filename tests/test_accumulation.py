@@ -1,6 +1,6 @@
 """Token-normalized gradient accumulation equals one big batch, for every split (micro-batches on one process,
-DDP on 2 gloo ranks of conftest's shared_rank_runs launch, with and without --doc-mask), and so does the update each optimizer makes of it
-(AdamW, and Muon with AdamW)."""
+DDP on 2 gloo ranks of conftest's shared_rank_runs launch, with and without --doc-mask), and so does the update
+each optimizer makes of it (AdamW, and Muon with AdamW)."""
 
 import copy
 import os
