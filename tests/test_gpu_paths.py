@@ -433,19 +433,15 @@ def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
     """As a program: its commands as processes, CUDA hidden."""
     args = ("--steps", "2", "--budget-s", "0", "--report", tmp_path)
     result = run_command("benchmarks/gpu_check.py", *args, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert [line[:4] for line in result.stdout.splitlines() if "| loss drift" in line] == ["[1] "]
-    assert (
-        "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing"
-        in result.stdout
-    )
-    assert "run them on another lease: python benchmarks/gpu_check.py --groups 2,3,4,7" in result.stdout
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr[-3000:]
+    assert [line[:4] for line in out.splitlines() if "| loss drift" in line] == ["[1] "]
+    assert "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing" in out
+    assert "run them on another lease: python benchmarks/gpu_check.py --groups 2,3,4,7" in out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [r["group"] for r in report["rows"]] == [1] and len(report["skipped"]) == 4 and report["finished"]
-    assert (
-        "Not run (the time budget, or the lease ended first): --optimizer muon;"
-        in (tmp_path / "gpu_check.md").read_text()
-    )
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "Not run (the time budget, or the lease ended first): --optimizer muon;" in markdown
 
 
 def test_gpu_check_names_a_missing_package_first(gpu_check, monkeypatch, capsys):

@@ -31,39 +31,31 @@ def read_log(out_dir, key="loss"):
 # 2 steps): together they cover both. The second also masks attention to each document of its rows
 # (--doc-mask), as modded-nanogpt pairs them.
 SPLITS = {"plain": ([], 4), "align-docs+doc-mask": (["--align-docs", "--doc-mask"], 2)}
-RUNS = [(variant, name) for variant in SPLITS for name in ("ddp", "fsdp")]
+RUNS = [
+    (v, name, B) for v, (_, rows) in SPLITS.items() for name, B in (("ddp", 2), ("fsdp", rows))
+]  # (variant, run, B)
 
 
 def rank_cases(folder, data_dir):
-    """By variant of SPLITS: its DDP run (2 rows x 2 ranks) and FSDP run."""
+    """RUNS, cases of conftest's shared_rank_runs launch: by variant of SPLITS, DDP and FSDP in B rows x 2 ranks."""
     cases = []
-    for variant, name in RUNS:
-        align, fsdp_rows = SPLITS[variant]
-        B, mode = (2, []) if name == "ddp" else (fsdp_rows, ["--fsdp"])
-        cases.append(
-            dict(script="train_gpt2", argv=[train_args(data_dir, folder / variant / name, B, *align, *mode)] * 2)
-        )
+    for variant, name, B in RUNS:
+        mode = ["--fsdp"] if name == "fsdp" else []
+        args = train_args(data_dir, folder / variant / name, B, *SPLITS[variant][0], *mode)
+        cases.append(dict(script="train_gpt2", argv=[args, args]))
     return cases
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(shared_rank_runs) -> dict:
-    """{variant: {name: (out dir, rank 0's stdout)}} of rank_cases' runs, cases of conftest's shared_rank_runs."""
-    folder, results = shared_rank_runs[__name__]
-    found = {variant: {} for variant in SPLITS}
-    for (variant, name), ranks in zip(RUNS, results):
-        found[variant][name] = (folder / variant / name, ranks[0].stdout)
-    return found
-
-
 @pytest.mark.parametrize("variant", SPLITS)
-def test_every_split_logs_the_same_loss(data_dir, tmp_path, two_rank_runs, variant):
-    align, fsdp_rows = SPLITS[variant]
+def test_every_split_logs_the_same_loss(data_dir, tmp_path, shared_rank_runs, variant):
+    align, _ = SPLITS[variant]
     assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
     assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
-    for name, B in (("ddp", 2), ("fsdp", fsdp_rows)):  # B rows x 2 ranks
-        assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in two_rank_runs[variant][name][1]
-    ddp_dir, fsdp_dir = (two_rank_runs[variant][name][0] for name in ("ddp", "fsdp"))
+    folder, results = shared_rank_runs[__name__]
+    for (v, name, B), ranks in zip(RUNS, results):
+        if v == variant:  # rank 0's output, the one that prints
+            assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in ranks[0].stdout, name
+    ddp_dir, fsdp_dir = folder / variant / "ddp", folder / variant / "fsdp"
     if align:  # the mask changes what is computed: step 0's loss is not --align-docs' alone
         assert tg.main(train_args(data_dir, tmp_path / "unmasked", 8, "--align-docs", steps=1)) == 0
         assert abs(read_log(tmp_path / "unmasked")[0] - read_log(tmp_path / "b8")[0]) > 1e-4  # 9.5e-4 at init
