@@ -24,7 +24,7 @@ SHARDS = dict(n_docs=500, seed=3)
 
 def run_args(data_dir, out_dir, *extra, B=2, val_steps=1):
     """A tiny model with GPT-2's vocabulary (for HellaSwag and samples), 20 steps, evaluated every 10."""
-    evals = f"--val-steps {val_steps} --hellaswag-limit 4 --hellaswag-file {HELLASWAG_FILE}".split()
+    evals = ["--val-steps", str(val_steps), "--hellaswag-limit", "4", "--hellaswag-file", str(HELLASWAG_FILE)]
     return tiny_run_args(data_dir, out_dir, *evals, *extra, B=B, val_every=10, sample_every=10, hellaswag_every=10)
 
 
