@@ -127,10 +127,10 @@ def fp16_grads(B, loss_chunk=0):
     optimizer = tg.build_optimizer(model, 0.0, 1e-3, "cpu")
     scaler = torch.amp.GradScaler("cpu")
     x, y = make_batch()
-    batches, n = [(x[i : i + B], y[i : i + B]) for i in range(0, 8, B)], int((y != -1).sum())
-    loss_sum = tg.accumulate_gradients(model, batches, n, 1, "cpu", torch.float16, loss_chunk, scaler)
+    batches, n_tokens = [(x[i : i + B], y[i : i + B]) for i in range(0, 8, B)], int((y != -1).sum())
+    loss_sum = tg.accumulate_gradients(model, batches, n_tokens, 1, "cpu", torch.float16, loss_chunk, scaler)
     scaler.unscale_(optimizer)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / n
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / n_tokens
 
 
 def fp32_reference():
