@@ -737,3 +737,45 @@ def checkpoint_hashes(out_dir) -> dict:
     for path in found:
         assert checkpoints.load_checkpoint(os.path.join(out_dir, path))["step"] == checkpoints.checkpoint_step(path)
     return found
+
+
+# --- s2fsdp ---
+# The 2-rank cases of every collected module that defines rank_cases(folder, data_dir of its SHARDS or None) ->
+# run_on_ranks' cases, in ONE torchrun launch per suite run: the first pytest-xdist worker to ask launches it under
+# a lock in the folder the workers share; the others read what it wrote. A module's main(argv) can be a case's
+# script, for a check that needs its own code on the ranks.
+
+
+@pytest.fixture(scope="session")
+def shared_rank_runs(request, tmp_path_factory) -> dict:
+    """{module name: (its folder, run_on_ranks' results of its rank_cases)} for the collected modules; every rank
+    of every case exited 0."""
+    import fcntl
+
+    modules = {item.module.__name__: item.module for item in request.session.items}
+    modules = {name: m for name, m in sorted(modules.items()) if hasattr(m, "rank_cases")}
+    xdist = "PYTEST_XDIST_WORKER" in os.environ
+    root = tmp_path_factory.getbasetemp().parent if xdist else tmp_path_factory.getbasetemp()
+    done = root / "shared_rank_runs.json"
+    with open(root / "shared_rank_runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder, cases, owners = root / "shared_rank_runs", [], []
+            for name, module in modules.items():
+                sizes = getattr(module, "SHARDS", None)
+                data = sizes and shared_shards(tmp_path_factory, **sizes)
+                (folder / name).mkdir(parents=True, exist_ok=True)
+                own = module.rank_cases(folder / name, data)
+                cases += own
+                owners += [name] * len(own)
+            found = {name: [str(folder / name), []] for name in modules}
+            for name, ranks in zip(owners, run_on_ranks(cases)):
+                assert [r.returncode for r in ranks] == [0] * len(ranks), "".join(r.stderr[-3000:] for r in ranks)
+                found[name][1].append([[r.args, r.returncode, r.stdout, r.stderr] for r in ranks])
+            done.with_suffix(".tmp").write_text(json.dumps(found))
+            done.with_suffix(".tmp").rename(done)
+        found = json.loads(done.read_text())
+    return {
+        name: (Path(folder), [[subprocess.CompletedProcess(*rank) for rank in ranks] for ranks in results])
+        for name, (folder, results) in found.items()
+    }

@@ -1,15 +1,14 @@
 """Token-normalized gradient accumulation equals one big batch, for every split (micro-batches on one process,
-DDP across gloo processes, with and without --doc-mask), and so does the update each optimizer makes of it
-(AdamW, and Muon with AdamW)."""
+DDP on 2 gloo ranks of conftest's shared_rank_runs launch, with and without --doc-mask), and so does the update
+each optimizer makes of it (AdamW, and Muon with AdamW)."""
 
 import copy
+import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-from conftest import free_port
 from shards import EOT, fresh_model, gloo_rank_of_one_batch, grads_of, make_batch, rank_batches, reference_grads
 from trainkit.runtime.launch import all_reduce_sum
 from train_gpt2 import accumulate_gradients, build_optimizer
@@ -45,11 +44,6 @@ def stepped_weights(model, grads=None, extra=None) -> dict:
         p.grad = (original.grad if grads is None else grads[name]).clone()
     build_optimizer(copied, WEIGHT_DECAY, LR, "cpu", **(extra or {})).step()
     return {n: p.detach().clone() for n, p in copied.named_parameters()}
-
-
-def weights_after_one_step(model) -> dict:
-    """{optimizer name: stepped_weights of model with it}."""
-    return {name: stepped_weights(model, extra=extra) for name, extra in OPTIMIZERS.items()}
 
 
 def adamw_bound(g, g_ref, w):
@@ -171,28 +165,36 @@ def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
     assert max_diff(ref, grads_of(model)) > 1e-4
 
 
-# --- 3. DDP, 2 gloo processes x 2 accumulation steps == one batch -----------------------------
+# --- 3. DDP, 2 gloo ranks x 2 accumulation steps == one batch ----------------------------------
 
 
-def ddp_worker(rank, world, port, out_path):
+def rank_cases(folder, data_dir):
+    """main on each rank of conftest's shared_rank_runs launch."""
+    return [dict(script="test_accumulation", argv=[[folder / "ddp.pt"]] * 2)]
+
+
+def main(argv):
+    """On each rank of a 2-rank launch (rank_cases): DDP's gradients, loss and stepped weights, saved to
+    argv[0].RANK."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = {}
-    with gloo_rank_of_one_batch(rank, world, port) as (_, n_tokens):
-        for doc_mask in (False, True):  # one process group for both: each spawn costs seconds
+    with gloo_rank_of_one_batch(rank, world, os.environ["MASTER_PORT"]) as (_, n_tokens):
+        for doc_mask in (False, True):  # one process group for both
             batches = rank_batches(*batch(doc_mask), rank, world, B=2, accum=2)
             model = nn.parallel.DistributedDataParallel(fresh_model(doc_mask))
             loss_sum = accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32, doc_mask=doc_mask)
             results[doc_mask] = dict(
                 grads=grads_of(model.module),
                 loss=all_reduce_sum(loss_sum).item() / n_tokens,
-                stepped=weights_after_one_step(model.module),
+                stepped={name: stepped_weights(model.module, extra=extra) for name, extra in OPTIMIZERS.items()},
             )
-    torch.save(results, f"{out_path}.{rank}")
+    torch.save(results, f"{argv[0]}.{rank}")
+    return 0
 
 
-def test_ddp_two_ranks_two_micro_steps_match_one_batch(tmp_path):
-    out = tmp_path / "ddp.pt"
-    mp.spawn(ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    results, other_rank = (torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1))
+def test_ddp_two_ranks_two_micro_steps_match_one_batch(shared_rank_runs):
+    folder = shared_rank_runs[__name__][0]
+    results, other_rank = (torch.load(folder / f"ddp.pt.{rank}", weights_only=True) for rank in (0, 1))
     for doc_mask in (False, True):
         x, y = batch(doc_mask)
         result = results[doc_mask]

@@ -1,7 +1,7 @@
 """--fsdp (FSDP2): the exact token-normalized gradient with half the state per rank on 2 ranks,
-checkpoints any mode resumes, and evaluation that matches one process.
-The loss of every split under --fsdp is checked with the others in test_train_cli.py, and
-SIGTERM with the others in test_resilience.py."""
+checkpoints any mode resumes, and evaluation that matches one process; the 2-rank parts are cases of
+conftest's shared_rank_runs launch (rank_cases). The loss of every split under --fsdp is checked with the
+others in test_train_cli.py, and SIGTERM with the others in test_resilience.py."""
 
 import os
 import re
@@ -9,32 +9,48 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from trainkit.runfiles import checkpoints
 from trainkit import cli
-from trainkit.runtime import device
-from trainkit.runtime import launch
+from trainkit.runtime import device, launch
 from trainkit.runfiles.run_folder import OutDirLock
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, assert_one_error_line, free_port, log_records, resume_copy, run_main
-from conftest import run_on_ranks, tiny_run_args
+from conftest import HELLASWAG_FILE, assert_one_error_line, log_records, resume_copy, run_main, tiny_run_args
 from shards import fresh_model, gloo_rank_of_one_batch, make_batch, reference_grads
+
+SHARDS = dict(n_docs=500, seed=3)
+
+
+def run_args(data_dir, out_dir, *extra, B=2, val_steps=1):
+    """A tiny model with GPT-2's vocabulary (for HellaSwag and samples), 20 steps, evaluated every 10."""
+    evals = ["--val-steps", str(val_steps), "--hellaswag-limit", "4", "--hellaswag-file", str(HELLASWAG_FILE)]
+    return tiny_run_args(data_dir, out_dir, *evals, *extra, B=B, val_every=10, sample_every=10, hellaswag_every=10)
+
+
+def rank_cases(folder, data_dir):
+    """The step of every mode on 2 ranks (main), FSDP's run, and one resuming a copy of its checkpoint 10 and
+    the log that ran past it (as resume_copy leaves it)."""
+    fsdp, resumed = folder / "fsdp", folder / "fsdp2"
+    return [
+        dict(script="test_fsdp", argv=[[folder / "step.pt"]] * 2),
+        dict(script="train_gpt2", argv=[["--fsdp", *run_args(data_dir, fsdp)]] * 2),
+        dict(
+            script="train_gpt2",
+            argv=[["--fsdp", *run_args(data_dir, resumed, "--resume")]] * 2,
+            copy=[(fsdp / name, resumed / name) for name in ("ckpt_0000010.pt", "log.jsonl")],
+        ),
+    ]
+
 
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
 
 
-def local_bytes(tensors) -> int:
-    """Bytes this rank holds for the tensors (a DTensor's local shard)."""
-    return sum(device.local_part(t).nbytes for t in tensors)
-
-
 def state_bytes(params, optimizer) -> dict:
+    """Bytes this rank holds (a DTensor's local shard) of the parameters, their gradients and optimizer state."""
     optimizer_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return dict(
-        params=local_bytes(params), grads=local_bytes(p.grad for p in params), optimizer=local_bytes(optimizer_state)
-    )
+    kinds = dict(params=params, grads=[p.grad for p in params], optimizer=optimizer_state)
+    return {kind: sum(device.local_part(t).nbytes for t in tensors) for kind, tensors in kinds.items()}
 
 
 def failing_backend(graph, example_inputs):
@@ -72,8 +88,11 @@ def ddp_with_compiled_blocks(events: list):
     return ddp
 
 
-def step_on_two_ranks(rank, world, port, out_path):
-    with gloo_rank_of_one_batch(rank, world, port) as (batches, n_tokens):
+def main(argv):
+    """On each rank of a 2-rank launch: one step of every mode of the test below; rank 0 saves the
+    results to argv[0]."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with gloo_rank_of_one_batch(rank, world, os.environ["MASTER_PORT"]) as (batches, n_tokens):
         d = launch.Dist(rank=rank, world_size=world, device="cpu")
         results, events = {}, []
         models = dict(
@@ -106,16 +125,15 @@ def step_on_two_ranks(rank, world, port, out_path):
             )
         results["ddp_compiled"]["events"] = events
         if rank == 0:
-            torch.save(results, out_path)
+            torch.save(results, argv[0])
+    return 0
 
 
-def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_path):
+def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(shared_rank_runs):
     """DDP, DDP around compiled blocks, FSDP, FSDP with compiled blocks and FSDP back to eager after
-    a failed compile, on 2 ranks x 2 micro-steps, each against the gradient of one batch of the
+    a failed compile, on 2 ranks x 2 micro-steps (main), each against the gradient of one batch of the
     same 8 rows."""
-    out = tmp_path / "results.pt"
-    mp.spawn(step_on_two_ranks, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    results = torch.load(out, weights_only=True)
+    results = torch.load(shared_rank_runs[__name__][0] / "step.pt", weights_only=True)
     ref, ref_loss = reference_grads(*make_batch())
     ref_norm = torch.nn.utils.get_total_norm(list(ref.values()))
     for mode in ("ddp", "ddp_compiled", "fsdp", "fsdp_compiled", "fsdp_eager_again"):
@@ -141,33 +159,6 @@ def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(tmp_
 
 
 # --- through the command line ----------------------------------------------------------------
-
-T = 16
-
-
-SHARDS = dict(n_docs=500, seed=3)
-
-
-def run_args(data_dir, out_dir, hellaswag_file, *extra, B=2, val_steps=1, steps=20):
-    """A tiny model with GPT-2's vocabulary (for HellaSwag and samples), evaluated every 10 steps."""
-    return tiny_run_args(
-        data_dir,
-        out_dir,
-        "--val-steps",
-        str(val_steps),
-        "--hellaswag-limit",
-        "4",
-        "--hellaswag-file",
-        hellaswag_file,
-        *extra,
-        steps=steps,
-        B=B,
-        seq_len=T,
-        warmup=3,
-        val_every=10,
-        sample_every=10,
-        hellaswag_every=10,
-    )
 
 
 def log_of(out_dir, key):
@@ -196,27 +187,16 @@ def assert_same_layout(a, b):
             assert value.shape == other.shape and value.dtype == other.dtype and value.device == other.device
 
 
-def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(data_dir, tmp_path, capsys):
-    hellaswag_file = str(HELLASWAG_FILE)
-    single, fsdp, fsdp_resumed, single_resumed = (tmp_path / d for d in ("single", "fsdp", "fsdp2", "single2"))
+def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
+    data_dir, tmp_path, capsys, shared_rank_runs
+):
+    folder, results = shared_rank_runs[__name__]
+    fsdp_out, resumed_out = (ranks[0].stdout for ranks in results[1:])  # rank 0's, the one that prints
+    single, fsdp, fsdp_resumed, single_resumed = tmp_path / "single", folder / "fsdp", folder / "fsdp2", tmp_path / "s2"
     # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks
-    assert tg.main(run_args(data_dir, single, hellaswag_file, val_steps=2)) == 0
+    assert tg.main(run_args(data_dir, single, val_steps=2)) == 0
     single_out = capsys.readouterr().out
-    # FSDP's run, then one resuming a copy of its checkpoint 10 and the log that ran past it (as resume_copy leaves
-    # it): cases of ONE torchrun launch (conftest's run_on_ranks)
-    cases = [
-        dict(script="train_gpt2", argv=[["--fsdp", *run_args(data_dir, fsdp, hellaswag_file)]] * 2),
-        dict(
-            script="train_gpt2",
-            argv=[["--fsdp", *run_args(data_dir, fsdp_resumed, hellaswag_file, "--resume")]] * 2,
-            copy=[(fsdp / name, fsdp_resumed / name) for name in ("ckpt_0000010.pt", "log.jsonl")],
-        ),
-    ]
-    results = run_on_ranks(cases)
-    for ranks in results:
-        assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
-        assert "world 2 | fsdp" in ranks[0].stdout
-    fsdp_out = results[0][0].stdout  # rank 0's, the one that prints
+    assert "world 2 | fsdp" in fsdp_out and "world 2 | fsdp" in resumed_out
     # every rank took part in evaluation: the same numbers and texts as one process
     for key in ("loss", "val_loss", "hellaswag_acc"):
         (steps_a, a), (steps_b, b) = zip(*log_of(single, key)), zip(*log_of(fsdp, key))
@@ -233,7 +213,7 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     assert log_of(fsdp_resumed, "loss") == log_of(fsdp, "loss")
     a, b = ckpt(fsdp, 20)["model"], ckpt(fsdp_resumed, 20)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert tg.main(run_args(data_dir, single_resumed, hellaswag_file, "--resume", B=4, val_steps=1)) == 0
+    assert tg.main(run_args(data_dir, single_resumed, "--resume", B=4)) == 0
     (steps_a, a), (steps_b, b) = zip(*log_of(fsdp, "loss")), zip(*log_of(single_resumed, "loss"))
     assert steps_a == steps_b == tuple(range(20))
     np.testing.assert_allclose(b, a, rtol=2e-5)

@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from trainkit.runfiles import checkpoints
-from trainkit.runtime import kernels
-from trainkit.runtime import device as precision
-from trainkit.runtime import throughput
-from trainkit.runtime import launch
+from trainkit.runtime import device as precision, kernels, launch, throughput
 import train_gpt2 as tg
-from conftest import REPO, resume_copy, run_cli, run_command, run_main, tiny_run_args, train_records
+from conftest import REPO, assert_one_error_line, losses, resume_copy, run_command, run_main, tiny_run_args
+from conftest import train_records
 from shards import make_batch
 
 T = 16
@@ -33,17 +31,17 @@ def args_for(data_dir, out_dir, *extra, steps=4, B=4):
 # --- MFU and throughput ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_ranks(data_dir, tmp_path_factory):
-    """One torchrun of 2 gloo ranks x 2 micro-steps of 2 rows, fp16, with --peak-tflops: (stdout, out dir)."""
-    out_dir = tmp_path_factory.mktemp("two_ranks")
-    result = run_cli(args_for(data_dir, out_dir, "--peak-tflops", "0.001", "--dtype", "float16", B=2), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout, out_dir
+def rank_cases(folder, data_dir):
+    """2 gloo ranks x 2 micro-steps of 2 rows, fp16, with --peak-tflops."""
+    args = args_for(data_dir, folder, "--peak-tflops", "0.001", "--dtype", "float16", B=2)
+    return [dict(script="train_gpt2", argv=[args, args])]
 
 
-def test_mfu_under_two_ranks_is_per_gpu(two_ranks):
-    stdout, out_dir = two_ranks
+def test_two_fp16_ranks_log_mfu_per_gpu_and_the_losses_of_one_batch(data_dir, tmp_path, shared_rank_runs):
+    """rank_cases' run (a case of conftest's shared_rank_runs) logs MFU and tok/s per GPU and the losses of one
+    8-row batch on one process, which (on CPU, without --peak-tflops) logs no MFU."""
+    out_dir, [ranks] = shared_rank_runs[__name__]
+    stdout = ranks[0].stdout  # rank 0's, the one that prints
     n_params = tg.GPT(tg.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=16)).num_params()
     flops_per_token = 6 * n_params + 12 * 2 * 16 * T
     tokens = 8 * T  # all ranks' tokens of one step
@@ -62,6 +60,11 @@ def test_mfu_under_two_ranks_is_per_gpu(two_ranks):
     shown = int(re.search(r"mean ([\d,]+) tok/s", summary).group(1).replace(",", ""))
     assert shown == round(tokens / mean_dt)
     assert "over steps after the first" in summary
+    assert tg.main(args_for(data_dir, tmp_path, "--dtype", "float16", B=8)) == 0  # 8 rows x 1 micro-step
+    assert not any("mfu" in r for r in train_records(tmp_path))
+    one, ddp = [r["loss"] for r in train_records(tmp_path)], [r["loss"] for r in records]
+    assert len(one) == 4 and ddp == pytest.approx(one, rel=2e-3)
+    assert ddp != pytest.approx([one[0]] * 4, rel=2e-3)  # the losses move: the comparison is not vacuous
 
 
 # (GPU name, its dense bf16 TFLOPS; "-": a name of no entry, not to be taken for the one it starts with)
@@ -124,19 +127,16 @@ def fp16_grads(B, loss_chunk=0):
     optimizer = tg.build_optimizer(model, 0.0, 1e-3, "cpu")
     scaler = torch.amp.GradScaler("cpu")
     x, y = make_batch()
-    batches = [(x[i : i + B], y[i : i + B]) for i in range(0, 8, B)]
-    loss_sum = tg.accumulate_gradients(
-        model, batches, int((y != -1).sum()), 1, "cpu", torch.float16, loss_chunk, scaler
-    )
+    batches, n_tokens = [(x[i : i + B], y[i : i + B]) for i in range(0, 8, B)], int((y != -1).sum())
+    loss_sum = tg.accumulate_gradients(model, batches, n_tokens, 1, "cpu", torch.float16, loss_chunk, scaler)
     scaler.unscale_(optimizer)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / int((y != -1).sum())
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / n_tokens
 
 
 def fp32_reference():
     torch.manual_seed(1)
     model = tg.GPT(SMALL)
-    x, y = make_batch()
-    _, loss = model(x, y)
+    _, loss = model(*make_batch())
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item()
 
@@ -171,16 +171,6 @@ def test_fp16_without_token_normalization_would_be_caught():
     assert worst_relative_error(wrong, ref) > 0.1  # measured 1.6
 
 
-def test_fp16_two_ranks_log_the_losses_of_one_batch(data_dir, tmp_path, two_ranks):
-    """2 fp16 ranks x 2 micro-steps log the losses of one 8-row batch on one process, which (on CPU, without
-    --peak-tflops) logs no MFU."""
-    assert tg.main(args_for(data_dir, tmp_path, "--dtype", "float16", B=8)) == 0  # 8 rows x 1 micro-step
-    assert not any("mfu" in r for r in train_records(tmp_path))
-    one, ddp = [r["loss"] for r in train_records(tmp_path)], [r["loss"] for r in train_records(two_ranks[1])]
-    assert len(one) == 4 and ddp == pytest.approx(one, rel=2e-3)
-    assert ddp != pytest.approx([one[0]] * 4, rel=2e-3)  # the losses move: the comparison is not vacuous
-
-
 def overflow_at(monkeypatch, at_call):
     """Make accumulate_gradients call number at_call put an inf into a gradient (the loss stays finite)."""
     original, calls = tg.accumulate_gradients, []
@@ -211,7 +201,7 @@ def test_fp16_overflow_is_skipped_and_a_resume_after_it_is_bit_exact(data_dir, t
     assert all(r["loss"] == r["loss"] for r in records)
     resume_copy(straight, resumed, 3)
     assert tg.main(args_for(data_dir, resumed, *fp16, "--resume", steps=6)) == 0
-    assert [(r["step"], r["loss"]) for r in train_records(resumed)] == [(r["step"], r["loss"]) for r in records]
+    assert losses(resumed) == losses(straight)
     a, b = (checkpoints.load_checkpoint(str(d / "ckpt_0000006.pt")) for d in (straight, resumed))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] == 2.0**16 * 0.5  # the scaler backed off once
@@ -241,11 +231,8 @@ def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
     assert not chunked.requires_grad
     torch.testing.assert_close(chunked, full, rtol=1e-6, atol=0)
     calls = []
-    monkeypatch.setattr(
-        kernels,
-        "chunked_loss_and_grads",
-        lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None),
-    )
+    fake = lambda *args, want_grad: calls.append(want_grad) or (torch.zeros(()), None, None)
+    monkeypatch.setattr(kernels, "chunked_loss_and_grads", fake)
     with torch.no_grad():
         model(x, y, loss_chunk=10)
     assert calls == [False]
@@ -329,23 +316,19 @@ def test_a_failing_compile_and_activation_checkpointing_train_as_eager_does(data
     assert out.count("compile failed, continuing without it") == 1
     assert "Cannot find a working triton installation" in out and "more detail" not in out
     assert tg.main(args_for(data_dir, tmp_path / "eager", "--no-compile", B=2)) == 0
-    eager = [r["loss"] for r in train_records(tmp_path / "eager")]
-    assert [r["loss"] for r in train_records(tmp_path / "fallback")] == eager
-    assert [r["loss"] for r in train_records(tmp_path / "ckpt")] == eager
+    assert losses(tmp_path / "fallback") == losses(tmp_path / "ckpt") == losses(tmp_path / "eager")
 
 
 @pytest.mark.parametrize(
     "device,message",
     [
-        ("foo", "error: --device foo: expected auto, cpu, cuda, cuda:N or mps"),
-        ("mps", "error: --device mps asked for, but torch sees no MPS device"),
-        ("cuda:x", "error: --device cuda:x: expected auto, cpu, cuda, cuda:N or mps"),
+        ("foo", "--device foo: expected auto, cpu, cuda, cuda:N or mps"),
+        ("mps", "--device mps asked for, but torch sees no MPS device"),
+        ("cuda:x", "--device cuda:x: expected auto, cpu, cuda, cuda:N or mps"),
     ],
 )
 def test_unknown_or_missing_device_is_one_line(data_dir, tmp_path, device, message):
-    result = run_main("train_gpt2.py", *args_for(data_dir, tmp_path, "--device", device))
-    assert result.returncode == 2
-    assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+    assert_one_error_line(run_main("train_gpt2.py", *args_for(data_dir, tmp_path, "--device", device)), message)
     assert not os.path.exists(tmp_path / "log.jsonl")
 
 
@@ -450,19 +433,15 @@ def test_gpu_check_budget_stops_after_the_first_variant(tmp_path):
     """As a program: its commands as processes, CUDA hidden."""
     args = ("--steps", "2", "--budget-s", "0", "--report", tmp_path)
     result = run_command("benchmarks/gpu_check.py", *args, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert [line[:4] for line in result.stdout.splitlines() if "| loss drift" in line] == ["[1] "]
-    assert (
-        "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing"
-        in result.stdout
-    )
-    assert "run them on another lease: python benchmarks/gpu_check.py --groups 2,3,4,7" in result.stdout
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr[-3000:]
+    assert [line[:4] for line in out.splitlines() if "| loss drift" in line] == ["[1] "]
+    assert "not started (4): --optimizer muon; --doc-mask; fp16 + GradScaler; fp32 --activation-checkpointing" in out
+    assert "run them on another lease: python benchmarks/gpu_check.py --groups 2,3,4,7" in out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [r["group"] for r in report["rows"]] == [1] and len(report["skipped"]) == 4 and report["finished"]
-    assert (
-        "Not run (the time budget, or the lease ended first): --optimizer muon;"
-        in (tmp_path / "gpu_check.md").read_text()
-    )
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "Not run (the time budget, or the lease ended first): --optimizer muon;" in markdown
 
 
 def test_gpu_check_names_a_missing_package_first(gpu_check, monkeypatch, capsys):

@@ -1,7 +1,6 @@
 """End to end through the command line: every split of a step logs the same loss,
 and bad input is one clear line with a non-zero exit."""
 
-import json
 import os
 import re
 
@@ -10,7 +9,7 @@ import pytest
 
 from trainkit.runfiles import resume
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, TEXT_FILE, run_main, run_on_ranks, tiny_run_args
+from conftest import HELLASWAG_FILE, TEXT_FILE, log_records, run_main, tiny_run_args
 
 T = 32
 # a small alphabet, so that the loss has somewhere to go in 10 steps
@@ -20,59 +19,43 @@ SHARDS = dict(n_docs=600, seed=1, max_len=60, shard_size=6000)
 def train_args(data_dir, out_dir, B, *extra, steps=10):
     """A tiny run of 8 rows of T tokens a step in micro-batches of B, max LR 3e-2, nothing evaluated or saved
     on the way; extra last."""
-    return tiny_run_args(
-        data_dir,
-        out_dir,
-        "--max-lr",
-        "3e-2",
-        *extra,
-        steps=steps,
-        B=B,
-        n_embd=32,
-        block_size=64,
-        seq_len=T,
-        warmup=2,
-        ckpt_every=0,
-    )
+    sizes = dict(n_embd=32, block_size=64, seq_len=T, warmup=2, ckpt_every=0)
+    return tiny_run_args(data_dir, out_dir, "--max-lr", "3e-2", *extra, steps=steps, B=B, **sizes)
 
 
 def read_log(out_dir, key="loss"):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [r[key] for r in map(json.loads, f) if key in r]
+    return [r[key] for r in log_records(out_dir) if key in r]
 
 
 # Each variant runs FSDP in one of its two splits (4 rows x 1 step on each of 2 ranks, or 2 rows x
 # 2 steps): together they cover both. The second also masks attention to each document of its rows
 # (--doc-mask), as modded-nanogpt pairs them.
 SPLITS = {"plain": ([], 4), "align-docs+doc-mask": (["--align-docs", "--doc-mask"], 2)}
+RUNS = [
+    (v, name, B) for v, (_, rows) in SPLITS.items() for name, B in (("ddp", 2), ("fsdp", rows))
+]  # (variant, run, B)
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(data_dir, tmp_path_factory) -> dict:
-    """By variant of SPLITS: the out dirs of its DDP run (2 rows x 2 ranks) and FSDP run, and each one's rank 0
-    output; all four runs cases of ONE torchrun launch (conftest's run_on_ranks)."""
-    folder = tmp_path_factory.mktemp("splits")
-    runs = [
-        (variant, name, train_args(data_dir, folder / variant / name, B, *align, *mode))
-        for variant, (align, fsdp_rows) in SPLITS.items()
-        for name, B, mode in (("ddp", 2, []), ("fsdp", fsdp_rows, ["--fsdp"]))
-    ]
-    results = run_on_ranks([dict(script="train_gpt2", argv=[args, args]) for _, _, args in runs])
-    found = {variant: {} for variant in SPLITS}
-    for (variant, name, _), ranks in zip(runs, results):
-        assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
-        found[variant][name] = (folder / variant / name, ranks[0].stdout)
-    return found
+def rank_cases(folder, data_dir):
+    """RUNS, cases of conftest's shared_rank_runs launch: by variant of SPLITS, DDP and FSDP in B rows x 2 ranks."""
+    cases = []
+    for variant, name, B in RUNS:
+        mode = ["--fsdp"] if name == "fsdp" else []
+        args = train_args(data_dir, folder / variant / name, B, *SPLITS[variant][0], *mode)
+        cases.append(dict(script="train_gpt2", argv=[args, args]))
+    return cases
 
 
 @pytest.mark.parametrize("variant", SPLITS)
-def test_every_split_logs_the_same_loss(data_dir, tmp_path, two_rank_runs, variant):
-    align, fsdp_rows = SPLITS[variant]
+def test_every_split_logs_the_same_loss(data_dir, tmp_path, shared_rank_runs, variant):
+    align, _ = SPLITS[variant]
     assert tg.main(train_args(data_dir, tmp_path / "b8", 8, *align)) == 0  # 8 rows x 1 step
     assert tg.main(train_args(data_dir, tmp_path / "b2", 2, *align)) == 0  # 2 rows x 4 steps
-    for name, B in (("ddp", 2), ("fsdp", fsdp_rows)):  # B rows x 2 ranks
-        assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in two_rank_runs[variant][name][1]
-    ddp_dir, fsdp_dir = (two_rank_runs[variant][name][0] for name in ("ddp", "fsdp"))
+    folder, results = shared_rank_runs[__name__]
+    for (v, name, B), ranks in zip(RUNS, results):
+        if v == variant:  # rank 0's output, the one that prints
+            assert f"{8 // (2 * B)} accumulation steps x 2 ranks" in ranks[0].stdout, name
+    ddp_dir, fsdp_dir = folder / variant / "ddp", folder / variant / "fsdp"
     if align:  # the mask changes what is computed: step 0's loss is not --align-docs' alone
         assert tg.main(train_args(data_dir, tmp_path / "unmasked", 8, "--align-docs", steps=1)) == 0
         assert abs(read_log(tmp_path / "unmasked")[0] - read_log(tmp_path / "b8")[0]) > 1e-4  # 9.5e-4 at init
@@ -97,20 +80,10 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     args = train_args(data_dir, tmp_path, 4, steps=4)
     args += ["--val-every", "2", "--val-steps", "2", "--ckpt-every", "2"]
     assert tg.main(args) == 0
-    records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    records = log_records(tmp_path)
     assert [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
     train = [r for r in records if "loss" in r]
-    assert set(train[0]) == {
-        "step",
-        "loss",
-        "lr",
-        "grad_norm",
-        "tokens",
-        "dt_ms",
-        "tok_per_s",
-        "tok_per_s_per_gpu",
-        "run",
-    }
+    assert set(train[0]) == set("step loss lr grad_norm tokens dt_ms tok_per_s tok_per_s_per_gpu run".split())
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl"]
     # every record and checkpoint names the run: one random 128-bit id
     run = resume.read_run(str(tmp_path / "ckpt_0000004.pt"))
@@ -120,29 +93,23 @@ def test_log_has_evals_and_checkpoints_have_clean_names(data_dir, tmp_path):
     assert model.config.n_embd == 32 and all(not k.startswith(("module.", "_orig_mod.")) for k in model.state_dict())
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--total-batch-size", "1000"], "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
-        (
-            ["--batch-size", "auto", "--total-batch-size", "1000"],
-            "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32",
-        ),
-        (["--seq-len", "128"], "--seq-len 128 is longer than the model's --block-size 64"),
-        (["--n-head", "3"], "--n-embd 32 is not divisible by --n-head 3"),
-        (
-            ["--vocab-size", "100"],
-            "holds token id 50256, which the model has no output for (--vocab-size 100: ids 0..99)",
-        ),
-        (["--data-dir", "/nonexistent/shards"], "--data-dir /nonexistent/shards does not exist"),
-        (
-            ["--optimizer", "muon", "--muon-momentum", "1"],
-            "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)",
-        ),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, args, message):
-    assert tg.main(train_args(data_dir, tmp_path, 4, *args, steps=2)) == 2
+BAD_INPUT = [  # (flags, the error line's message)
+    ("--total-batch-size 1000", "--total-batch-size 1000 is not divisible by batch_size x seq_len"),
+    (
+        "--batch-size auto --total-batch-size 1000",
+        "--total-batch-size 1000 is not divisible by seq_len x world_size = 32 x 1 = 32",
+    ),
+    ("--seq-len 128", "--seq-len 128 is longer than the model's --block-size 64"),
+    ("--n-head 3", "--n-embd 32 is not divisible by --n-head 3"),
+    ("--vocab-size 100", "holds token id 50256, which the model has no output for (--vocab-size 100: ids 0..99)"),
+    ("--data-dir /nonexistent/shards", "--data-dir /nonexistent/shards does not exist"),
+    ("--optimizer muon --muon-momentum 1", "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, capsys, flags, message):
+    assert tg.main(train_args(data_dir, tmp_path, 4, *flags.split(), steps=2)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
 
@@ -178,7 +145,7 @@ def test_hellaswag_is_logged_during_training(data_dir, tmp_path):
     args = train_args(data_dir, tmp_path, 4, "--hellaswag-every", "2", "--hellaswag-limit", "8", steps=2)
     args += ["--hellaswag-file", hellaswag_file]
     assert tg.main(args) == 0
-    records = [json.loads(line) for line in open(tmp_path / "log.jsonl") if "hellaswag_acc" in line]
+    records = [r for r in log_records(tmp_path) if "hellaswag_acc" in r]
     assert [(r["step"], r["hellaswag_n"]) for r in records] == [(0, 8), (2, 8)]
     # the logged accuracy is hellaswag.py's on the same weights
     model = tg.GPT.from_checkpoint(str(tmp_path))
@@ -198,28 +165,22 @@ def test_trains_identically_from_fineweb_npy_and_llmc_bin_shards(tmp_path, align
     assert read_log(tmp_path / "out_npy") == read_log(tmp_path / "out_bin")  # bit-identical
 
 
-def test_a_user_error_raised_in_a_sibling_module_is_the_scripts_one_line(data_dir, tmp_path):
-    # run as `python train_gpt2.py`, a UserError raised inside hellaswag.py must still be the one
-    # exit_code_of catches (one cli.UserError for every module), naming the trainer's own flag
+def test_refusals_of_the_script_as_users_run_it(data_dir, tmp_path):
+    """As `python train_gpt2.py` (run_main): a UserError raised inside hellaswag.py is still the one exit_code_of
+    catches (one cli.UserError for every module), naming the trainer's own flag; --init-from refuses the shape
+    flags the weights would silently override."""
     missing = str(tmp_path / "nonexistent.jsonl")
-    result = run_main(
-        "train_gpt2.py",
-        *train_args(data_dir, tmp_path / "o", 4, "--hellaswag-every", "1", "--hellaswag-file", missing, steps=1),
-    )
-    assert (result.returncode, result.stderr) == (
-        2,
-        f"error: --hellaswag-file {missing} does not exist, or pass --hellaswag-every 0 to train without HellaSwag\n",
-    )
-
-
-def test_init_from_refuses_shape_flags_it_would_ignore(tmp_path):
-    # the weights decide the shape: --n-layer and friends would be silently dropped
-    result = run_main(
-        "train_gpt2.py", "--init-from", "gpt2", "--model", "gpt2-xl", "--n-layer", "4", "--out-dir", tmp_path
-    )
-    assert (result.returncode, result.stderr) == (
-        2,
-        "error: --init-from gpt2 takes the model's shape from its "
-        "weights: drop --model, --n-layer (--block-size and "
-        "--vocab-size may still shrink or pad it)\n",
-    )
+    cases = [
+        (
+            train_args(data_dir, tmp_path / "o", 4, "--hellaswag-every", "1", "--hellaswag-file", missing, steps=1),
+            f"--hellaswag-file {missing} does not exist, or pass --hellaswag-every 0 to train without HellaSwag",
+        ),
+        (
+            ["--init-from", "gpt2", "--model", "gpt2-xl", "--n-layer", "4", "--out-dir", tmp_path],
+            "--init-from gpt2 takes the model's shape from its weights: drop --model, --n-layer (--block-size and "
+            "--vocab-size may still shrink or pad it)",
+        ),
+    ]
+    for args, message in cases:
+        result = run_main("train_gpt2.py", *args)
+        assert (result.returncode, result.stderr) == (2, f"error: {message}\n")
