@@ -5,16 +5,19 @@ whose only product is its output says so in its exit code."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from conftest import HELLASWAG_FILE, run_as_programs, run_main, start, tiny_run_args, trained_steps
 from trainkit.runfiles import checkpoints
 from trainkit.cli import reason_of, shown
+from shards import write_manifest
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J"  # sets the terminal's title, then clears the screen
 HOSTILE_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J"
@@ -57,10 +60,6 @@ def test_samples_show_their_control_characters_escaped(finished_run, data_dir, t
 @pytest.mark.parametrize("case", ["checkpoint keys", "log run id", "manifest file name", "flag value"])
 def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
     """Names that come from files someone else may have written, or from the command line."""
-    import shutil
-    import torch
-    from shards import write_manifest
-
     if case == "checkpoint keys":
         torch.save({HOSTILE: 1, "model\x9b2J": 2}, tmp_path / "ckpt_0000001.pt")
         result = run_main("sample.py", "--checkpoint", tmp_path / "ckpt_0000001.pt")

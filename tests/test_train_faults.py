@@ -290,13 +290,32 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# --- warnings -------------------------------------------------------------------------------
-def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
-    assert (result.returncode, result.stderr) == (
-        0,
-        "warning: --warmup-steps 10 is longer than --max-steps 4: the learning rate only rises, to 0.004 at the last step, and never reaches --max-lr 0.01\n",
-    )
+# --- warnings ---
+WARNINGS = {
+    "warmup": "warning: --warmup-steps 10 is longer than --max-steps 4: the learning rate only rises, to 0.004 at the last step, and never reaches --max-lr 0.01\n",
+    "W&B fails mid-run": "warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more records; {out}/log.jsonl has them all\n",
+    "W&B disabled": "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B run stays empty; log.jsonl gets every record\n",
+    "W&B cannot start": None,
+}
+
+
+@pytest.mark.parametrize("case", WARNINGS)
+def test_a_warning_is_one_line_and_the_run_trains_on(data_dir, tmp_path, request, case):
+    """A warmup longer than the run; a W&B whose service fails the way a network or a crash would (a stand-in:
+    fake_wandb), or that is disabled (the real one); one that cannot start is refused before log.jsonl exists."""
+    if case == "W&B disabled":
+        pytest.importorskip("wandb")
+    elif case != "warmup":
+        request.getfixturevalue("fake_wandb")
+    flags = {"warmup": ["--warmup-steps", "10"], "W&B cannot start": ["--wandb", "no-such-entity"]}
+    args = tiny_run_args(data_dir, tmp_path, *flags.get(case, ["--wandb", "p"]), steps=4, ckpt_every=0)
+    result = run_main("train_gpt2.py", *args, env={"WANDB_MODE": "disabled"} if case == "W&B disabled" else None)
+    if case == "W&B cannot start":
+        assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
+        assert not (tmp_path / "log.jsonl").exists()
+        return
+    assert (result.returncode, result.stderr) == (0, WARNINGS[case].format(out=tmp_path))
+    assert [r["step"] for r in log_records(tmp_path) if "loss" in r] == [0, 1, 2, 3]
 
 
 def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tmp_path):
@@ -314,29 +333,6 @@ def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tm
     warning = f"warning: --data-dir {data} changed since {out}/ckpt_0000004.pt was written {changed}: from step 4 on this run reads other rows than the run it continues would have\n"
     assert (result.returncode, result.stderr) == (0, warning)
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3, 4, 5]
-
-
-@pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
-def test_wandb_failures(data_dir, tmp_path, fake_wandb, case):
-    """A W&B whose service fails the way a network or a crash would."""
-    project = "no-such-entity" if case == "cannot start" else "p"
-    out = tmp_path / "out"
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0))
-    if case == "cannot start":  # refused before log.jsonl is created
-        assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
-        assert not (out / "log.jsonl").exists()
-        return
-    warning = f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more records; {out}/log.jsonl has them all\n"
-    assert (result.returncode, result.stderr) == (0, warning)
-    assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
-
-
-def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert tg.main(tiny_run_args(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
-    warning = "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B run stays empty; log.jsonl gets every record\n"
-    assert capsys.readouterr().err == warning
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 48, 40, 300), (1, 1, 8, 8, 50304)])
