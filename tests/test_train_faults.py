@@ -24,7 +24,7 @@ from trainkit.runtime.recovery import MARGIN_CPU
 from trainkit.data.shards import shard_files
 import train_gpt2 as tg
 from conftest import RUN_SHARDS, assert_one_error_line, assert_refused, log_records, losses, run_cli
-from conftest import run_command, run_main, start, tiny_run_args, wait_for_steps
+from conftest import run_as_programs, run_command, run_main, start, tiny_run_args, wait_for_steps
 from shards import write_manifest
 
 
@@ -182,11 +182,11 @@ FULL_LOGITS = f"--block-size 64 --seq-len 64 --total-batch-size {8 * 64} --loss-
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 
-def squeezed(data_dir, out, *squeeze, extra=(), steps=4, nproc=1):
-    """A --batch-size auto run of FULL_LOGITS' rows, run by benchmarks/squeeze_memory.py with its flags squeeze,
-    which lower the process memory limit."""
-    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0)
-    return run_cli([*squeeze, "--", *args], nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
+def squeezed(data_dir, out, *squeeze):
+    """A --batch-size auto run of FULL_LOGITS' rows under torchrun, by benchmarks/squeeze_memory.py with its flags
+    squeeze, which lower the process memory limit."""
+    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0)
+    return run_cli([*squeeze, "--", *args], 2, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
 
 
 # squeeze_memory.py leaves that share of what a step took so far: the --batch-size auto trial of all of a rank's
@@ -203,13 +203,58 @@ def limit_named(line: str) -> str:
     return LIMIT_NAMED.sub("", line)
 
 
-def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
+# one row's fp32 logits, 64 tokens x 50257 ids x 4 bytes: one allocation that the step of a row must make
+ROW_LOGITS = 64 * 50257 * 4
+# squeeze_memory.py as `python benchmarks/squeeze_memory.py` runs it, from the hard address-space limit (a program
+# before it in the same interpreter may have lowered the soft one)
+SQUEEZE_AFRESH = """
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_AS, (resource.getrlimit(resource.RLIMIT_AS)[1],) * 2)
+sys.argv[0] = "benchmarks/squeeze_memory.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def squeezed_alone(data_dir, tmp_path_factory):
+    """The three one-process runs under squeeze_memory.py's limits, as programs in one interpreter (run_as_programs),
+    the one squeezed tightest first: {name: (CompletedProcess, out_dir)}. Each squeeze is measured from what the
+    process holds when it is applied (an amount left free), and an allocation of a tensor's size is a mapping of its
+    own (FIXED_MMAP), so the freed memory of a run before cannot serve it."""
+    tmp = tmp_path_factory.mktemp("squeezed")
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else min(stack, 8 * 2**20)  # (glibc's 8 MiB at most)
+    runs = {  # name: (squeeze, extra flags, steps); see each test for the amount
+        "no_trial": (f"{(MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1}MiB", [], 2),
+        "one_row": (f"0:{ROW_LOGITS // 2**20}MiB", ["--total-batch-size", "64"], 4),
+        "a_step": (f"2:{SQUEEZED_TO}", [], 4),
+    }
+    cases = []
+    for name, (squeeze, extra, steps) in runs.items():
+        args = tiny_run_args(
+            data_dir, tmp / name, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0
+        )
+        cases.append(dict(argv=["-c", SQUEEZE_AFRESH, "--squeeze", squeeze, "--", *args]))
+    with pytest.MonkeyPatch.context() as env:  # (read by glibc when the interpreter starts)
+        for name, value in FIXED_MMAP.items():
+            env.setenv(name, value)
+        results = run_as_programs(cases)
+    return {name: (result, tmp / name) for name, result in zip(runs, results)}
+
+
+def out_of_memory_line(result) -> str:
+    """The one stderr line of a squeezed run, which must exit 2, without the limit it names."""
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    return limit_named(lines[0])
+
+
+def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path, squeezed_alone):
     """--batch-size auto finds that all 8 rows fit. Before step 2 less is left than a step of 8 rows takes
     (SQUEEZED_TO): the step runs out of memory at 8 rows and is redone at 4, from the rows the prefetcher
     had loaded at 8. The losses are those of --batch-size 8, resumed at step 2 with --batch-size 4, bit
     for bit: nothing of the trial or of the failed step leaked."""
-    out = tmp_path / "squeezed"
-    result = squeezed(data_dir, out, "--squeeze", f"2:{SQUEEZED_TO}")
+    result, out = squeezed_alone["a_step"]
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
     chose = "--batch-size auto: 8 rows per micro-step fit cpu, 1 accumulation steps (tried 8: fits; 1 trials, "
@@ -234,7 +279,7 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     (SQUEEZED_TO). An out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the
     backward's all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
-    result = squeezed(data_dir, out, "--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}", nproc=2)
+    result = squeezed(data_dir, out, "--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}")
     assert result.returncode != 0
     chose = "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
     assert chose in result.stdout, result.stdout + result.stderr[-3000:]
@@ -341,27 +386,14 @@ def test_param_count_counts_what_the_model_builds(shape):
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
-def auto_batch_out_of_memory_line(data_dir, out, *squeeze, extra=(), steps=4) -> str:
-    """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
-    result = squeezed(data_dir, out, *squeeze, extra=extra, steps=steps)
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    return limit_named(lines[0])
-
-
-# one row's fp32 logits, 64 tokens x 50257 ids x 4 bytes: one allocation that the step of a row must make
-ROW_LOGITS = 64 * 50257 * 4
-
-
-def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, tmp_path):
+def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, squeezed_alone):
     """A step of one row (--total-batch-size 64): --batch-size auto has one row to try, which fits; before
     step 0 less is left than the row's logits take (ROW_LOGITS, 12.27 MiB: whatever the CPU's kernels
     allocate besides), and the step runs out of memory at 1 row. The line names what else shrinks a step,
     and the folder, which holds no checkpoint and a log of one batch-size record, does not refuse the next
     attempt."""
-    out = tmp_path / "out"
-    left_free = f"0:{ROW_LOGITS // 2**20}MiB"  # before step 0
-    line = auto_batch_out_of_memory_line(data_dir, out, "--squeeze", left_free, extra=["--total-batch-size", "64"])
+    result, out = squeezed_alone["one_row"]  # ROW_LOGITS in whole MiB left free before step 0
+    line = out_of_memory_line(result)
     assert line.startswith("error: out of memory on cpu (tried to allocate ")
     expected = "not even one row per micro-step fits (--batch-size auto chose 1): pass --activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
     assert line.endswith(expected)
@@ -378,15 +410,12 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
         assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1]
 
 
-def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
+def test_auto_batch_size_that_cannot_try_one_row_says_so(squeezed_alone):
     """Too little free from the start for the search's first trial of one row: the reserve it holds beside
     the trial (fit_batch's MARGIN_CPU and 6 MiB of AdamW moments) and the trial's two buffers of logits
     (ROW_LOGITS each: the logits and their softmax), but room for the thread the run starts first (a stack
-    of ulimit -s). The line says the search could not try one row, not which size it chose."""
-    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
-    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else min(stack, 8 * 2**20)  # (glibc's 8 MiB at most)
-    left_free = (MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1
-    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", "--squeeze", f"{left_free}MiB", steps=2)
+    of ulimit -s), 1 MiB short. The line says the search could not try one row, not which size it chose."""
+    line = out_of_memory_line(squeezed_alone["no_trial"][0])
     assert line.startswith("error: out of memory on cpu (")
     expected = "): --batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
     assert line.endswith(expected)
