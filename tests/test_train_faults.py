@@ -182,13 +182,6 @@ FULL_LOGITS = f"--block-size 64 --seq-len 64 --total-batch-size {8 * 64} --loss-
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 
-def squeezed(data_dir, out, *squeeze):
-    """A --batch-size auto run of FULL_LOGITS' rows under torchrun, by benchmarks/squeeze_memory.py with its flags
-    squeeze, which lower the process memory limit."""
-    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0)
-    return run_cli([*squeeze, "--", *args], 2, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
-
-
 # squeeze_memory.py leaves that share of what a step took so far: the --batch-size auto trial of all of a rank's
 # rows (and its margin) or a step at them, so that half of them fit (a step's memory grows with its rows:
 # measured 101, 200 and 397 MiB at 2, 4 and 8 rows, plus fit_batch's 64 MiB margin) and all of them do not
@@ -231,9 +224,8 @@ def squeezed_alone(data_dir, tmp_path_factory):
     }
     cases = []
     for name, (squeeze, extra, steps) in runs.items():
-        args = tiny_run_args(
-            data_dir, tmp / name, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0
-        )
+        flags = [*FULL_LOGITS, "--batch-size", "auto", *extra]
+        args = tiny_run_args(data_dir, tmp / name, *flags, steps=steps, ckpt_every=0)
         cases.append(dict(argv=["-c", SQUEEZE_AFRESH, "--squeeze", squeeze, "--", *args]))
     with pytest.MonkeyPatch.context() as env:  # (read by glibc when the interpreter starts)
         for name, value in FIXED_MMAP.items():
@@ -279,7 +271,9 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     (SQUEEZED_TO). An out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the
     backward's all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
-    result = squeezed(data_dir, out, "--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}")
+    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0)
+    squeeze = ["--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}", "--", *args]
+    result = run_cli(squeeze, 2, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
     assert result.returncode != 0
     chose = "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
     assert chose in result.stdout, result.stdout + result.stderr[-3000:]
