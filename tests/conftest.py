@@ -779,3 +779,30 @@ def shared_rank_runs(request, tmp_path_factory) -> dict:
         name: (Path(folder), [[subprocess.CompletedProcess(*rank) for rank in ranks] for ranks in results])
         for name, (folder, results) in found.items()
     }
+
+
+# --- s2faults ---
+def start_on_ranks(cases, report, nproc=2, **popen) -> subprocess.Popen:
+    """run_on_ranks' launch of cases, started (start's Popen, popen passed on) rather than waited for: to signal
+    its ranks while a case runs. Each rank writes its results to f"{report}.{rank}": read them with ranks_report."""
+    cases = [
+        {
+            **case,
+            "argv": [[str(a) for a in argv] for argv in case["argv"]],
+            "cwd": [str(cwd) for cwd in case.get("cwd", [REPO] * nproc)],
+            "copy": [[str(src), str(dst)] for src, dst in case.get("copy", [])],
+        }
+        for case in cases
+    ]
+    launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python")
+    command = [*launch, sys.executable, "-c", MAINS_ON_RANKS, str(REPO / "tests"), json.dumps(cases), str(report)]
+    return start(command, **popen)
+
+
+def ranks_report(report, nproc=2) -> list:
+    """Per case of an ended start_on_ranks launch, each rank's CompletedProcess (exit code, stdout, stderr)."""
+    per_rank = []
+    for rank in range(nproc):
+        with open(f"{report}.{rank}") as f:
+            per_rank.append(json.load(f))
+    return [[subprocess.CompletedProcess([], *result) for result in case] for case in zip(*per_rank)]

@@ -14,8 +14,8 @@ import torch
 from trainkit.runfiles import checkpoints
 from trainkit.runfiles import resume
 import train_gpt2 as tg
-from conftest import child_pids, free_port, kill_group, kill_pids, log_records, losses, resume_copy, tiny_run_args
-from conftest import start, torchrun, wait_for_steps
+from conftest import child_pids, free_port, kill_group, kill_pids, log_records, losses, ranks_report, resume_copy
+from conftest import start, start_on_ranks, tiny_run_args, torchrun, train_records, wait_for, wait_for_steps
 from shards import write_manifest
 
 SHARDS = dict(n_docs=500, seed=2)
@@ -133,18 +133,17 @@ def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_r
 
 # --- bad numbers ----------------------------------------------------------------------------
 def inject(monkeypatch, at_call, how):
-    """Make the accumulate_gradients call number at_call (0-based) produce bad numbers."""
+    """Make the accumulate_gradients call number at_call (0-based) produce bad numbers: NaNs, or a loss spike."""
     original, calls = tg.accumulate_gradients, []
 
     def patched(model, *args, **kwargs):
         loss = original(model, *args, **kwargs)
         calls.append(1)
-        if len(calls) - 1 == at_call:
-            if how == "nan":
-                next(model.parameters()).grad.fill_(float("nan"))
-                return loss * float("nan")
-            return loss * 50  # a loss spike
-        return loss
+        if len(calls) - 1 != at_call:
+            return loss
+        if how == "nan":
+            next(model.parameters()).grad.fill_(float("nan"))
+        return loss * (float("nan") if how == "nan" else 50)
 
     monkeypatch.setattr(tg, "accumulate_gradients", patched)
 
@@ -169,10 +168,8 @@ def test_nan_stops_the_run_before_the_update(data_dir, tmp_path, monkeypatch, ca
 def test_skip_flags_skip_that_update(data_dir, tmp_path, monkeypatch, optimizer, how, flag, at, steps):
     """--skip-nonfinite skips the update of a non-finite step, --skip-spikes that of a loss spike: that step only."""
     inject(monkeypatch, at, how)
-    assert (
-        tg.main(tiny_run_args(data_dir, tmp_path, *flag.split(), "--optimizer", optimizer, steps=steps, ckpt_every=0))
-        == 0
-    )
+    args = tiny_run_args(data_dir, tmp_path, *flag.split(), "--optimizer", optimizer, steps=steps, ckpt_every=0)
+    assert tg.main(args) == 0
     records = [r for r in log_records(tmp_path) if "loss" in r]
     assert [r["step"] for r in log_records(tmp_path) if r.get("skipped")] == [at]
     assert records[at]["skipped"] == {"nan": "nonfinite", "spike": "spike"}[how]
@@ -273,26 +270,6 @@ def test_two_nodes_on_loopback_train_as_one_process_and_a_dead_node_makes_the_ot
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(data_dir, tmp_path, mode):
-    # a checkpoint every step: the stop lands on a step that was just saved, which every rank must agree on
-    args = tiny_run_args(data_dir, tmp_path, "--keep-last", "1", *mode, steps=100000, ckpt_every=1, B=2)
-    proc = start([*torchrun("--nproc_per_node=2"), "train_gpt2.py", *args])
-    wait_for_steps(tmp_path, 3, proc)
-    workers = child_pids(proc.pid)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGTERM)  # as if only one node were preempted
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        kill_pids(child_pids(proc.pid) + [proc.pid])
-    assert proc.returncode == 0, err[-3000:]
-    stop_step = int(out.split("stopped by signal at step ")[1].split(";")[0])
-    assert sorted(os.listdir(tmp_path)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
-    assert [s for s, _ in losses(tmp_path)] == list(range(stop_step))
-    assert checkpoints.load_checkpoint(str(tmp_path / f"ckpt_{stop_step:07d}.pt"))["step"] == stop_step
-
-
 def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypatch, capsys):
     """A run stopped by a signal while the full sha256 check of its shards is still reading them: the check
     ends with the run (stopped, its thread joined), not left hashing while the interpreter shuts down."""
@@ -312,44 +289,61 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
     assert not [t for t in threading.enumerate() if t.name == "shard sha256"]
 
 
-def test_a_resume_on_two_ranks_trains_on_the_same_rows_and_ctrl_c_ends_it_with_the_checkpoint(
+def test_on_two_ranks_a_signal_stops_every_rank_at_one_step_and_a_resume_trains_on_the_same_rows(
     data_dir, tmp_path, monkeypatch
 ):
-    """A one-process run's checkpoint (step 10; 4 rows x 2 micro-steps) resumed by a torchrun of 2 ranks (2 rows
-    x 2 micro-steps each): the same rows, so the same losses. Then Ctrl-C in the terminal (SIGINT to its process
-    group; torchrun passes it on to the ranks): the ranks checkpoint the step they agree on and exit 0, and rank
-    0's last line names the checkpoint, says it is safe, how to resume, and that the traceback torchrun prints
-    next (its SignalException; torchrun exits 1) only reports the signal."""
+    """One torchrun launch of three cases (start_on_ranks). DDP, then FSDP, with a checkpoint every step: SIGTERM to
+    rank 1 alone (as if only one node were preempted) stops both ranks at the step just saved, which they agree on,
+    and each exits 0. Then a one-process run's checkpoint (step 10; 4 rows x 2 micro-steps) resumed on the 2 ranks
+    (2 rows x 2 micro-steps each): the same rows, so the same losses. Ctrl-C in the terminal (SIGINT to its process
+    group; torchrun passes it on) ends it: the ranks checkpoint the step they agree on and exit 0, and rank 0's last
+    line names the checkpoint, says it is safe, how to resume, and that the traceback torchrun prints next (its
+    SignalException; torchrun exits 1) only reports the signal."""
     one, two = tmp_path / "one", tmp_path / "two"
     stop_after(monkeypatch, 18)
     assert tg.main(tiny_run_args(data_dir, one, "--align-docs", steps=100000, B=4)) == 0
     resume_copy(one, two, 10)
-    args = tiny_run_args(data_dir, two, "--align-docs", "--resume", steps=100000, ckpt_every=0, B=2)
-    proc = start(
-        [*torchrun("--standalone", "--nproc_per_node=2"), "train_gpt2.py", *args],
+    stopped = {mode: tmp_path / mode for mode in ("ddp", "fsdp")}
+    cases = [
+        tiny_run_args(data_dir, stopped["ddp"], "--keep-last", "1", steps=100000, ckpt_every=1, B=2),
+        tiny_run_args(data_dir, stopped["fsdp"], "--keep-last", "1", "--fsdp", steps=100000, ckpt_every=1, B=2),
+        tiny_run_args(data_dir, two, "--align-docs", "--resume", steps=100000, ckpt_every=0, B=2),
+    ]
+    proc = start_on_ranks(
+        [dict(script="train_gpt2", argv=[args, args]) for args in cases],
+        tmp_path / "report",
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        header, line = [], ""
-        while not line.startswith("step    19/"):  # the steps from the checkpoint on, as the reference's
-            header.append(line := proc.stdout.readline())
-            assert line, proc.communicate()
+        for out in stopped.values():
+            wait_for_steps(out, 3, proc)
+            workers = child_pids(proc.pid)
+            assert len(workers) == 2
+            os.kill(workers[1], signal.SIGTERM)
+        # the steps from the checkpoint on, as the reference's: step 19 logged by this launch, not the copied one
+        copied = train_records(one)[19]
+        wait_for(lambda: len(records := train_records(two)) >= 20 and records[19] != copied, proc, what="step 19")
         kill_group(proc, signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=300)
     finally:
         kill_group(proc)
-    assert "batch: 128 tokens/step = 2 rows x 16 tokens x 2 accumulation steps x 2 ranks" in "".join(header) + out
-    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(one)), zip(*losses(two)[:20])
-    assert steps_a == steps_b == tuple(range(20))
-    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
-    step = int(out.split("stopped by signal at step ")[1].split(";")[0])
-    path = two / f"ckpt_{step:07d}.pt"
-    expected = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
-    assert out.splitlines()[-1] == expected
     traceback = "torch.distributed.elastic.multiprocessing.api.SignalException: Process "
     assert proc.returncode == 1 and err.splitlines()[-1].startswith(traceback)  # torchrun's, not ours
     assert "Sending process" in err and "forcefully" not in err  # the ranks ended themselves (no SIGKILL)
-    assert sorted(os.listdir(two)) == ["ckpt_0000010.pt", path.name, "log.jsonl"]
-    assert checkpoints.load_checkpoint(str(path))["step"] == step
-    assert [s for s, _ in losses(two)] == list(range(step))
+    results = ranks_report(tmp_path / "report")
+    for out, ranks in zip([*stopped.values(), two], results):
+        assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-3000:] for r in ranks]
+        step = int(ranks[0].stdout.split("stopped by signal at step ")[1].split(";")[0])
+        path = out / f"ckpt_{step:07d}.pt"
+        assert checkpoints.load_checkpoint(str(path))["step"] == step
+        assert [s for s, _ in losses(out)] == list(range(step))
+        resumed = ["ckpt_0000010.pt"] if out == two else []  # (--keep-last 1 in the others)
+        assert sorted(os.listdir(out)) == [*resumed, path.name, "log.jsonl"]
+    out = results[2][0].stdout
+    assert "batch: 128 tokens/step = 2 rows x 16 tokens x 2 accumulation steps x 2 ranks" in out
+    (steps_a, loss_a), (steps_b, loss_b) = zip(*losses(one)), zip(*losses(two)[:20])
+    assert steps_a == steps_b == tuple(range(20))
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
+    expected = f"stopped by signal at step {step}; checkpoint {path} is complete and safe. Resume with the same command plus --resume (torchrun's SignalException traceback, if one follows, only reports the signal it passed on)"
+    assert out.splitlines()[-1] == expected

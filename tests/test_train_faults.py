@@ -24,7 +24,7 @@ from trainkit.runtime.recovery import MARGIN_CPU
 from trainkit.data.shards import shard_files
 import train_gpt2 as tg
 from conftest import RUN_SHARDS, assert_one_error_line, assert_refused, log_records, losses, run_cli
-from conftest import run_command, run_main, start, tiny_run_args, wait_for_steps
+from conftest import run_as_programs, run_command, run_main, start, tiny_run_args, wait_for_steps
 from shards import write_manifest
 
 
@@ -182,13 +182,6 @@ FULL_LOGITS = f"--block-size 64 --seq-len 64 --total-batch-size {8 * 64} --loss-
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 
-def squeezed(data_dir, out, *squeeze, extra=(), steps=4, nproc=1):
-    """A --batch-size auto run of FULL_LOGITS' rows, run by benchmarks/squeeze_memory.py with its flags squeeze,
-    which lower the process memory limit."""
-    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", *extra, steps=steps, ckpt_every=0)
-    return run_cli([*squeeze, "--", *args], nproc, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
-
-
 # squeeze_memory.py leaves that share of what a step took so far: the --batch-size auto trial of all of a rank's
 # rows (and its margin) or a step at them, so that half of them fit (a step's memory grows with its rows:
 # measured 101, 200 and 397 MiB at 2, 4 and 8 rows, plus fit_batch's 64 MiB margin) and all of them do not
@@ -203,13 +196,57 @@ def limit_named(line: str) -> str:
     return LIMIT_NAMED.sub("", line)
 
 
-def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path):
+# one row's fp32 logits, 64 tokens x 50257 ids x 4 bytes: one allocation that the step of a row must make
+ROW_LOGITS = 64 * 50257 * 4
+# squeeze_memory.py as `python benchmarks/squeeze_memory.py` runs it, from the hard address-space limit (a program
+# before it in the same interpreter may have lowered the soft one)
+SQUEEZE_AFRESH = """
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_AS, (resource.getrlimit(resource.RLIMIT_AS)[1],) * 2)
+sys.argv[0] = "benchmarks/squeeze_memory.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def squeezed_alone(data_dir, tmp_path_factory):
+    """The three one-process runs under squeeze_memory.py's limits, as programs in one interpreter (run_as_programs),
+    the one squeezed tightest first: {name: (CompletedProcess, out_dir)}. Each squeeze is measured from what the
+    process holds when it is applied (an amount left free), and an allocation of a tensor's size is a mapping of its
+    own (FIXED_MMAP), so the freed memory of a run before cannot serve it."""
+    tmp = tmp_path_factory.mktemp("squeezed")
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else min(stack, 8 * 2**20)  # (glibc's 8 MiB at most)
+    runs = {  # name: (squeeze, extra flags, steps); see each test for the amount
+        "no_trial": (f"{(MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1}MiB", [], 2),
+        "one_row": (f"0:{ROW_LOGITS // 2**20}MiB", ["--total-batch-size", "64"], 4),
+        "a_step": (f"2:{SQUEEZED_TO}", [], 4),
+    }
+    cases = []
+    for name, (squeeze, extra, steps) in runs.items():
+        flags = [*FULL_LOGITS, "--batch-size", "auto", *extra]
+        args = tiny_run_args(data_dir, tmp / name, *flags, steps=steps, ckpt_every=0)
+        cases.append(dict(argv=["-c", SQUEEZE_AFRESH, "--squeeze", squeeze, "--", *args]))
+    with pytest.MonkeyPatch.context() as env:  # (read by glibc when the interpreter starts)
+        for name, value in FIXED_MMAP.items():
+            env.setenv(name, value)
+        results = run_as_programs(cases)
+    return {name: (result, tmp / name) for name, result in zip(runs, results)}
+
+
+def out_of_memory_line(result) -> str:
+    """The one stderr line of a squeezed run, which must exit 2, without the limit it names."""
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    return limit_named(lines[0])
+
+
+def test_auto_batch_size_and_a_step_out_of_memory_keep_the_loss_curve(data_dir, tmp_path, squeezed_alone):
     """--batch-size auto finds that all 8 rows fit. Before step 2 less is left than a step of 8 rows takes
     (SQUEEZED_TO): the step runs out of memory at 8 rows and is redone at 4, from the rows the prefetcher
     had loaded at 8. The losses are those of --batch-size 8, resumed at step 2 with --batch-size 4, bit
     for bit: nothing of the trial or of the failed step leaked."""
-    out = tmp_path / "squeezed"
-    result = squeezed(data_dir, out, "--squeeze", f"2:{SQUEEZED_TO}")
+    result, out = squeezed_alone["a_step"]
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "rows per micro-step" in line]
     chose = "--batch-size auto: 8 rows per micro-step fit cpu, 1 accumulation steps (tried 8: fits; 1 trials, "
@@ -234,7 +271,9 @@ def test_under_torchrun_the_ranks_agree_and_a_step_out_of_memory_is_one_line(dat
     (SQUEEZED_TO). An out-of-memory in a step cannot be redone under torchrun (rank 0 waits in the
     backward's all-reduce): rank 1 names --batch-size in one line, rank 0 says it lost a peer."""
     out = tmp_path / "ddp"
-    result = squeezed(data_dir, out, "--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}", nproc=2)
+    args = tiny_run_args(data_dir, out, *FULL_LOGITS, "--batch-size", "auto", steps=4, ckpt_every=0)
+    squeeze = ["--rank", "1", "--squeeze", f"2:{SQUEEZED_TO}", "--", *args]
+    result = run_cli(squeeze, 2, "benchmarks/squeeze_memory.py", env=FIXED_MMAP)
     assert result.returncode != 0
     chose = "--batch-size auto: 4 rows per micro-step fit cpu, 1 accumulation steps (tried 4: fits; 1 trials"
     assert chose in result.stdout, result.stdout + result.stderr[-3000:]
@@ -290,13 +329,32 @@ def test_bad_data_is_refused_at_start_up(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# --- warnings -------------------------------------------------------------------------------
-def test_warmup_longer_than_the_run_is_a_warning(data_dir, tmp_path):
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, "--warmup-steps", "10", steps=4))
-    assert (result.returncode, result.stderr) == (
-        0,
-        "warning: --warmup-steps 10 is longer than --max-steps 4: the learning rate only rises, to 0.004 at the last step, and never reaches --max-lr 0.01\n",
-    )
+# --- warnings ---
+WARNINGS = {
+    "warmup": "warning: --warmup-steps 10 is longer than --max-steps 4: the learning rate only rises, to 0.004 at the last step, and never reaches --max-lr 0.01\n",
+    "W&B fails mid-run": "warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more records; {out}/log.jsonl has them all\n",
+    "W&B disabled": "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B run stays empty; log.jsonl gets every record\n",
+    "W&B cannot start": None,
+}
+
+
+@pytest.mark.parametrize("case", WARNINGS)
+def test_a_warning_is_one_line_and_the_run_trains_on(data_dir, tmp_path, request, case):
+    """A warmup longer than the run; a W&B whose service fails the way a network or a crash would (a stand-in:
+    fake_wandb), or that is disabled (the real one); one that cannot start is refused before log.jsonl exists."""
+    if case == "W&B disabled":
+        pytest.importorskip("wandb")
+    elif case != "warmup":
+        request.getfixturevalue("fake_wandb")
+    flags = {"warmup": ["--warmup-steps", "10"], "W&B cannot start": ["--wandb", "no-such-entity"]}
+    args = tiny_run_args(data_dir, tmp_path, *flags.get(case, ["--wandb", "p"]), steps=4, ckpt_every=0)
+    result = run_main("train_gpt2.py", *args, env={"WANDB_MODE": "disabled"} if case == "W&B disabled" else None)
+    if case == "W&B cannot start":
+        assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
+        assert not (tmp_path / "log.jsonl").exists()
+        return
+    assert (result.returncode, result.stderr) == (0, WARNINGS[case].format(out=tmp_path))
+    assert [r["step"] for r in log_records(tmp_path) if "loss" in r] == [0, 1, 2, 3]
 
 
 def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tmp_path):
@@ -316,56 +374,20 @@ def test_resume_after_the_shards_changed_is_a_warning(finished_run, data_dir, tm
     assert [s for s, _ in losses(out)] == [0, 1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("case", ["fails mid-run", "cannot start"])
-def test_wandb_failures(data_dir, tmp_path, fake_wandb, case):
-    """A W&B whose service fails the way a network or a crash would."""
-    project = "no-such-entity" if case == "cannot start" else "p"
-    out = tmp_path / "out"
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--wandb", project, steps=4, ckpt_every=0))
-    if case == "cannot start":  # refused before log.jsonl is created
-        assert_one_error_line(result, "--wandb: could not start a W&B run (RuntimeError: permission denied")
-        assert not (out / "log.jsonl").exists()
-        return
-    warning = f"warning: --wandb failed at step 2 (ConnectionError: wandb service process exited) and gets no more records; {out}/log.jsonl has them all\n"
-    assert (result.returncode, result.stderr) == (0, warning)
-    assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1, 2, 3]
-
-
-def test_disabled_wandb_is_a_warning(data_dir, tmp_path, monkeypatch, capsys):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert tg.main(tiny_run_args(data_dir, tmp_path, "--wandb", "p", steps=2, ckpt_every=0)) == 0
-    warning = "warning: --wandb: W&B is disabled here (WANDB_MODE=disabled or WANDB_DISABLED), so the W&B run stays empty; log.jsonl gets every record\n"
-    assert capsys.readouterr().err == warning
-
-
 @pytest.mark.parametrize("shape", [(3, 4, 48, 40, 300), (1, 1, 8, 8, 50304)])
 def test_param_count_counts_what_the_model_builds(shape):
     model = tg.GPT(tg.GPTConfig(**dict(zip(("n_layer", "n_head", "n_embd", "block_size", "vocab_size"), shape))))
     assert tg.param_count(model.config) == sum(p.numel() for p in model.parameters())
 
 
-def auto_batch_out_of_memory_line(data_dir, out, *squeeze, extra=(), steps=4) -> str:
-    """The one stderr line of a --batch-size auto run squeezed as `squeeze` says, which must exit 2."""
-    result = squeezed(data_dir, out, *squeeze, extra=extra, steps=steps)
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    return limit_named(lines[0])
-
-
-# one row's fp32 logits, 64 tokens x 50257 ids x 4 bytes: one allocation that the step of a row must make
-ROW_LOGITS = 64 * 50257 * 4
-
-
-def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, tmp_path):
+def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step(data_dir, squeezed_alone):
     """A step of one row (--total-batch-size 64): --batch-size auto has one row to try, which fits; before
     step 0 less is left than the row's logits take (ROW_LOGITS, 12.27 MiB: whatever the CPU's kernels
     allocate besides), and the step runs out of memory at 1 row. The line names what else shrinks a step,
     and the folder, which holds no checkpoint and a log of one batch-size record, does not refuse the next
     attempt."""
-    out = tmp_path / "out"
-    left_free = f"0:{ROW_LOGITS // 2**20}MiB"  # before step 0
-    line = auto_batch_out_of_memory_line(data_dir, out, "--squeeze", left_free, extra=["--total-batch-size", "64"])
+    result, out = squeezed_alone["one_row"]  # ROW_LOGITS in whole MiB left free before step 0
+    line = out_of_memory_line(result)
     assert line.startswith("error: out of memory on cpu (tried to allocate ")
     expected = "not even one row per micro-step fits (--batch-size auto chose 1): pass --activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
     assert line.endswith(expected)
@@ -382,15 +404,12 @@ def test_auto_batch_size_of_one_row_out_of_memory_names_what_else_shrinks_a_step
         assert [r["step"] for r in log_records(out) if "loss" in r] == [0, 1]
 
 
-def test_auto_batch_size_that_cannot_try_one_row_says_so(data_dir, tmp_path):
+def test_auto_batch_size_that_cannot_try_one_row_says_so(squeezed_alone):
     """Too little free from the start for the search's first trial of one row: the reserve it holds beside
     the trial (fit_batch's MARGIN_CPU and 6 MiB of AdamW moments) and the trial's two buffers of logits
     (ROW_LOGITS each: the logits and their softmax), but room for the thread the run starts first (a stack
-    of ulimit -s). The line says the search could not try one row, not which size it chose."""
-    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
-    stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else min(stack, 8 * 2**20)  # (glibc's 8 MiB at most)
-    left_free = (MARGIN_CPU + 2 * ROW_LOGITS + stack) // 2**20 - 1
-    line = auto_batch_out_of_memory_line(data_dir, tmp_path / "out", "--squeeze", f"{left_free}MiB", steps=2)
+    of ulimit -s), 1 MiB short. The line says the search could not try one row, not which size it chose."""
+    line = out_of_memory_line(squeezed_alone["no_trial"][0])
     assert line.startswith("error: out of memory on cpu (")
     expected = "): --batch-size auto could not try even one row per micro-step: pass --activation-checkpointing, a shorter --seq-len or a smaller model. Last good checkpoint: none"
     assert line.endswith(expected)
