@@ -1,16 +1,16 @@
 """The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's, every link between
 README.md and docs/*.md leads somewhere, and fixtures/README.md describes the files beside it."""
 
+import contextlib
 import hashlib
-import os
+import io
 import re
-import subprocess
-import sys
+import shlex
 
 import pytest
 
 import train_gpt2 as tg
-from conftest import REPO
+from conftest import REPO, run_as_programs
 
 README = (REPO / "README.md").read_text()
 FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here from the README
@@ -49,47 +49,58 @@ def test_readme_flags_table_matches_the_cli():
     assert documented == {option for option in options if option.startswith("--") and option != "--help"}
 
 
-def as_a_user(command, work, timeout=300):
-    """command run by a shell in work, as a user runs it: no TIKTOKEN_CACHE_DIR (the BPE ships in bpe/)."""
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
-        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-    }
-    result = subprocess.run(command, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-    return result
+def as_programs(command):
+    """A README command's argv, as a shell splits it (shlex), each `$(python -c 'CODE')` replaced by what CODE prints."""
+
+    def printed(match):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            exec(match[1], {})
+        return out.getvalue().strip()
+
+    return shlex.split(re.sub(r"\$\(python -c '([^']*)'\)", printed, command))[1:]
 
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
-    """A folder of the scripts (linked) where the quickstart's first command ran as written: its data, which both
-    tests below train on, and what it printed."""
+    """The quickstart's commands (smaller) as a user runs them in a folder of the scripts (linked), without
+    TIKTOKEN_CACHE_DIR (the BPE ships in bpe/), all in ONE interpreter (run_as_programs), the transcript's
+    training (test_the_transcript_...) second: the folder and {command: CompletedProcess}."""
     work = tmp_path_factory.mktemp("quickstart") / "repo"
     work.mkdir()
-    for name in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures".split():
+    for (
+        name
+    ) in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures trainkit bpe".split():
         (work / name).symlink_to(REPO / name)
-    return work, as_a_user(quickstart_commands()[0], work).stdout
+    first, *others = quickstart_commands()
+    # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
+    transcript = f"{others[0]} --max-steps 2 --sample-every 0 --out-dir out/transcript"
+    commands = [first, transcript] + [
+        f"{c} {SMALLER.get(c.split()[1] + ' --resume' * c.endswith('--resume'), '')}" for c in others
+    ]
+    env = {"TIKTOKEN_CACHE_DIR": None}
+    results = run_as_programs([dict(argv=as_programs(c), cwd=str(work), env=env) for c in commands])
+    for command, result in zip(commands, results):
+        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    return work, dict(zip([first, "transcript", *others], results))
 
 
 def test_quickstart_runs_as_written(quickstart):
-    work, _ = quickstart
+    work, results = quickstart
     commands = quickstart_commands()
     order = "fineweb.py train_gpt2.py plot_log.py hellaswag.py sample.py hf_interop.py train_gpt2.py"
     assert [c.split()[1] for c in commands] == order.split()
-    for command in commands[1:]:  # (the first ran in the fixture)
-        script = command.split()[1] + (" --resume" if command.endswith("--resume") else "")
-        result = as_a_user(f"{command} {SMALLER.get(script, '')}", work)
-        if script == "hellaswag.py":  # offline: the subset the repository ships, said so
-            assert result.stdout.splitlines()[:2] == [
-                "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
-                "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
-                "repository ships, not the full 10042-example set); chance is 0.25",
-            ]
-            assert result.stdout.splitlines()[2].endswith('"n": 8}')
-        if script == "sample.py":
-            assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
-        if script == "train_gpt2.py --resume":
-            assert "resumed from out/cpu/ckpt_0000003.pt at step 3" in result.stdout
+    stdout = {
+        command.split()[1] + " --resume" * command.endswith("--resume"): results[command].stdout
+        for command in commands[1:]
+    }
+    assert stdout["hellaswag.py"].splitlines()[:2] == [  # offline: the subset the repository ships, said so
+        "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
+        "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
+        "repository ships, not the full 10042-example set); chance is 0.25",
+    ]
+    assert stdout["hellaswag.py"].splitlines()[2].endswith('"n": 8}')
+    assert "--- sample 1/2 ---\ndef " in stdout["sample.py"] and "--- sample 2/2 ---\ndef " in stdout["sample.py"]
+    assert "resumed from out/cpu/ckpt_0000003.pt at step 3" in stdout["train_gpt2.py --resume"]
     assert (work / "out" / "cpu" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "out" / "cpu_hf" / "config.json").is_file()
     assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [f"ckpt_000000{i}.pt" for i in (2, 3, 4)]
@@ -150,12 +161,9 @@ def test_the_transcript_holds_what_the_first_two_commands_print_today(quickstart
     recorded, this = re.search(r"recorded with Python (3\.\d+\.\d+)", README)[1], platform.python_version()
     if this != recorded:
         pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
-    lines = transcript_lines()
-    work, made = quickstart
-    assert made.splitlines() == [lines[0]]
-    # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
-    ran = as_a_user(f"{quickstart_commands()[1]} --max-steps 2 --sample-every 0 --out-dir out/transcript", work, 600)
-    printed = ran.stdout.splitlines()
+    lines, (_, results) = transcript_lines(), quickstart
+    assert results[quickstart_commands()[0]].stdout.splitlines() == [lines[0]]
+    printed = results["transcript"].stdout.splitlines()
     assert printed[:3] == lines[1:4]  # model, batch, step 0's validation
     for step in (0, 1):
         shown = next(line for line in lines if line.startswith(f"step {step:5d}/"))
