@@ -18,12 +18,8 @@ FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here f
 # Appended to each quickstart command (argparse keeps the last value): same commands, tiny sizes.
 SMALL_RUN = "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
 SMALL_RUN += "--total-batch-size 512 --warmup-steps 2"
-SMALLER = {
-    "train_gpt2.py": SMALL_RUN,
-    "train_gpt2.py --resume": f"{SMALL_RUN} --max-steps 4",
-    "hellaswag.py": "--limit 8",
-    "sample.py": "--num-samples 2 --max-new-tokens 8",
-}
+SMALLER = {"train_gpt2.py": SMALL_RUN, "train_gpt2.py --resume": f"{SMALL_RUN} --max-steps 4"}
+SMALLER |= {"hellaswag.py": "--limit 8", "sample.py": "--num-samples 2 --max-new-tokens 8"}
 
 
 section = lambda start, end, text=README: text[text.index(start) : text.index(end)]
@@ -37,9 +33,11 @@ def section_from(heading, text):
     return text[start : start + len(heading) + following.start()] if following else text[start:]
 
 
-def quickstart_commands():
+def quickstart_commands() -> dict:
+    """{its script (" --resume" added to a resume's): command} of each quickstart command, in order."""
     block = section("<!-- quickstart-begin -->", "<!-- quickstart-end -->")
-    return [line for line in block.splitlines() if line.startswith("python ")]
+    commands = [line for line in block.splitlines() if line.startswith("python ")]
+    return {c.split()[1] + " --resume" * c.endswith("--resume"): c for c in commands}
 
 
 def test_readme_flags_table_matches_the_cli():
@@ -67,32 +65,24 @@ def quickstart(tmp_path_factory):
     training (test_the_transcript_...) second: the folder and {command: CompletedProcess}."""
     work = tmp_path_factory.mktemp("quickstart") / "repo"
     work.mkdir()
-    for (
-        name
-    ) in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures trainkit bpe".split():
+    for name in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures trainkit".split():
         (work / name).symlink_to(REPO / name)
-    first, *others = quickstart_commands()
+    (work / "bpe").symlink_to(REPO / "bpe")
+    commands = {key: f"{command} {SMALLER.get(key, '')}" for key, command in quickstart_commands().items()}
     # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
-    transcript = f"{others[0]} --max-steps 2 --sample-every 0 --out-dir out/transcript"
-    commands = [first, transcript] + [
-        f"{c} {SMALLER.get(c.split()[1] + ' --resume' * c.endswith('--resume'), '')}" for c in others
-    ]
+    transcript = f"{quickstart_commands()['train_gpt2.py']} --max-steps 2 --sample-every 0 --out-dir out/transcript"
+    commands = {"fineweb.py": commands.pop("fineweb.py"), "transcript": transcript, **commands}
     env = {"TIKTOKEN_CACHE_DIR": None}
-    results = run_as_programs([dict(argv=as_programs(c), cwd=str(work), env=env) for c in commands])
-    for command, result in zip(commands, results):
+    results = run_as_programs([dict(argv=as_programs(c), cwd=str(work), env=env) for c in commands.values()])
+    for command, result in zip(commands.values(), results):
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-    return work, dict(zip([first, "transcript", *others], results))
+    return work, {key: result.stdout for key, result in zip(commands, results)}
 
 
 def test_quickstart_runs_as_written(quickstart):
-    work, results = quickstart
-    commands = quickstart_commands()
+    work, stdout = quickstart
     order = "fineweb.py train_gpt2.py plot_log.py hellaswag.py sample.py hf_interop.py train_gpt2.py"
-    assert [c.split()[1] for c in commands] == order.split()
-    stdout = {
-        command.split()[1] + " --resume" * command.endswith("--resume"): results[command].stdout
-        for command in commands[1:]
-    }
+    assert [c.split()[1] for c in quickstart_commands().values()] == order.split()
     assert stdout["hellaswag.py"].splitlines()[:2] == [  # offline: the subset the repository ships, said so
         "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
         "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
@@ -161,9 +151,9 @@ def test_the_transcript_holds_what_the_first_two_commands_print_today(quickstart
     recorded, this = re.search(r"recorded with Python (3\.\d+\.\d+)", README)[1], platform.python_version()
     if this != recorded:
         pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
-    lines, (_, results) = transcript_lines(), quickstart
-    assert results[quickstart_commands()[0]].stdout.splitlines() == [lines[0]]
-    printed = results["transcript"].stdout.splitlines()
+    lines, (_, stdout) = transcript_lines(), quickstart
+    assert stdout["fineweb.py"].splitlines() == [lines[0]]
+    printed = stdout["transcript"].splitlines()
     assert printed[:3] == lines[1:4]  # model, batch, step 0's validation
     for step in (0, 1):
         shown = next(line for line in lines if line.startswith(f"step {step:5d}/"))
