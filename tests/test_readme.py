@@ -25,14 +25,6 @@ SMALLER |= {"hellaswag.py": "--limit 8", "sample.py": "--num-samples 2 --max-new
 section = lambda start, end, text=README: text[text.index(start) : text.index(end)]
 
 
-def section_from(heading, text):
-    """From `heading` to the next heading of its level, or to the end of the text."""
-    start = text.index(heading)
-    level = heading.split(" ")[0] + " "
-    following = re.search(rf"(?m)^{re.escape(level)}", text[start + len(heading) :])
-    return text[start : start + len(heading) + following.start()] if following else text[start:]
-
-
 def quickstart_commands() -> dict:
     """{its script (" --resume" added to a resume's): command} of each quickstart command, in order."""
     block = section("<!-- quickstart-begin -->", "<!-- quickstart-end -->")
@@ -41,7 +33,7 @@ def quickstart_commands() -> dict:
 
 
 def test_readme_flags_table_matches_the_cli():
-    table = section_from("## Flags", FLAGS_DOC.read_text())
+    table = re.search(r"(?ms)^## Flags.*?(?=^## |\Z)", FLAGS_DOC.read_text())[0]  # to the next such heading
     documented = set(re.findall(r"`(--[a-z-]+)", table))
     options = [option for action in tg.build_parser()._actions for option in action.option_strings]
     assert documented == {option for option in options if option.startswith("--") and option != "--help"}
