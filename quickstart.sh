@@ -63,14 +63,15 @@ PIP=("$PY" -m pip install -q)
 # install_torch: the CPU build where there is no NVIDIA GPU (.ci/install_torch.sh, which .ci/run uses too)
 . .ci/install_torch.sh
 
-# torch first, so that requirements.txt does not pull the CUDA build; torch is imported only once
-# numpy (requirements.txt) is in, or it warns "Failed to initialize NumPy"
-"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' || install_torch
-"${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
 # one probe, torch imported once: the GPU, the GPT-2 BPE (bpe/, unless TIKTOKEN_CACHE_DIR holds it: if it
-# cannot be loaded, why, in one line), whether data/stdlib is complete, and where the standard library is
-if ! PROBE=$("$PY" -c '
-import json, os, sys
+# cannot be loaded, why, in one line), whether data/stdlib is complete, and where the standard library is;
+# or, before the first installs, which of the modules it imports are missing ("missing torch ...")
+probe() {
+  "$PY" -c '
+import importlib.util, json, os, sys
+missing = [m for m in ("torch", "numpy", "tiktoken") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(print("missing", *missing))
 import torch
 from trainkit.data import tokenizer
 try:
@@ -81,8 +82,16 @@ try:
     complete = bool(json.load(open("data/stdlib/manifest.json"))["complete"])
 except Exception:
     complete = False
-print(int(torch.cuda.is_available()), int(complete), os.path.dirname(os.__file__))' 2>&1 | tail -n 1); then
-  die "${PROBE:-could not load the GPT-2 BPE}"
+print(int(torch.cuda.is_available()), int(complete), os.path.dirname(os.__file__))' 2>&1 | tail -n 1
+}
+PROBE=$(probe) || die "${PROBE:-could not load the GPT-2 BPE}"
+# torch first, so that requirements.txt does not pull the CUDA build; torch is imported only once
+# numpy (requirements.txt) is in, or it warns "Failed to initialize NumPy"
+[[ "$PROBE " != "missing"*" torch "* ]] || install_torch
+"${PIP[@]}" -r requirements.txt "$(grep '^matplotlib' requirements-dev.txt)"
+if [[ "$PROBE" == "missing "* ]]; then
+  PROBE=$(probe) || die "${PROBE:-could not load the GPT-2 BPE}"
+  [[ "$PROBE" != "missing "* ]] || die "the installs left out: ${PROBE#missing }"
 fi
 read -r GPU STDLIB_COMPLETE STDLIB <<< "$PROBE"
 

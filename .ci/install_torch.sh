@@ -9,14 +9,17 @@
 
 cpu_torch_offered() {
   # the "+cpu" build of torch VERSION (or, with none, the newest torch>=2.6 built for CPU) that pip's
-  # configured sources offer, if any
-  "$PY" -m pip index versions torch 2>/dev/null | "$PY" -c '
-import re, sys
-want = sys.argv[1]
-found = re.search(r"Available versions: (.*)", sys.stdin.read())
-versions = [v.strip() for v in found.group(1).split(",")] if found else []
-cpu = [v for v in versions if v.endswith("+cpu") and tuple(map(int, v.split(".")[:2])) >= (2, 6)]
-print(next((v for v in cpu if not want or v == want + "+cpu"), ""))' "${1:-}"
+  # configured sources offer (pip lists the newest first), if any; read by bash: no second Python start
+  local listed version
+  listed=$("$PY" -m pip index versions torch 2>/dev/null | sed -n 's/.*Available versions: //p')
+  for version in ${listed//,/ }; do
+    [[ $version =~ ^([0-9]+)\.([0-9]+)(\..*)?\+cpu$ ]] || continue
+    (( BASH_REMATCH[1] > 2 || (BASH_REMATCH[1] == 2 && BASH_REMATCH[2] >= 6) )) || continue
+    if [ -z "${1:-}" ] || [ "$version" = "$1+cpu" ]; then
+      echo "$version"
+      return
+    fi
+  done
 }
 
 install_torch() {

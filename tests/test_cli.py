@@ -21,9 +21,7 @@ EXTRAS = ("torch._dynamo", "transformers", "datasets", "matplotlib")  # what onl
 # (exit code, stderr, stdout) of a usage error
 usage_error = lambda script, message: (2, f"error: {message} (see {script} --help)\n", "")
 unrecognized = lambda script, args: usage_error(script, f"unrecognized arguments: {args}")
-bad_count = lambda script, flag, values, value: usage_error(
-    script, f"argument {flag}: must be in {values}, got {value}"
-)
+bad_count = lambda script, flag, range_, got: usage_error(script, f"argument {flag}: must be in {range_}, got {got}")
 
 
 USAGE_ERRORS = {  # command line -> (exit code, stderr, stdout)
@@ -73,12 +71,8 @@ ON_RANK = {
     ("1", "train_gpt2.py --max-lr nan"): (2, "", ""),
     ("0", "train_gpt2.py --max-lr nan"): (2, "error: --max-lr must be a finite number, got nan\n", ""),
 }
-DELETED = (
-    2,
-    "error: the current folder no longer exists (deleted while the shell was in it): cd to an existing folder and run "
-    "the command again\n",
-    "",
-)
+GONE = "the current folder no longer exists (deleted while the shell was in it): cd to an existing folder and run"
+DELETED = (2, f"error: {GONE} the command again\n", "")
 # importing any library module (each checked right after its import) loads no train_gpt2, and no script, the
 # trainer included, imports EXTRAS (torch._dynamo: 2 s at every start of every rank; compile_model imports it)
 LIBRARY = sorted(

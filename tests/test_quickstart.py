@@ -159,14 +159,17 @@ def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it
 def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
     """.ci/install_torch.sh, which quickstart.sh and .ci/run share: on Linux without a GPU, the pinned version's
     "+cpu" build where pip's sources offer one (the newest +cpu without a pin); else, download.pytorch.org being
-    unreachable, PyPI's torch, said so."""
+    unreachable, PyPI's torch, said so. quickstart.sh with none of the libraries: torch so, then the requirements,
+    then its probe again (here still without them: one line)."""
     if os.uname().sysname != "Linux":
         pytest.skip("the CPU build is looked for on Linux only (PyPI's is the CPU one elsewhere)")
     offered = tmp_path / "offered.txt"
-    fake_python = tmp_path / "python"  # answers `-m pip index versions torch` from offered.txt, else is python
-    fake_python.write_text(
-        f'#!/bin/sh\nif [ "$1 $2 $3" = "-m pip index" ]; then cat {offered}; exit 0; fi\nexec {sys.executable} "$@"\n'
-    )
+    # a venv's python without the libraries (-S): `pip index versions torch` answers offered.txt, `pip install` echoes
+    fake_python = tmp_path / "venv" / "bin" / "python"
+    fake_python.parent.mkdir(parents=True)
+    fake_python.write_text(f"""#!/bin/sh
+case "$1 $2 $3" in "-m pip index") cat {offered} ;; "-m pip install") echo "$*" ;; *) exec {sys.executable} -S "$@" ;; esac
+""")
     fake_python.chmod(0o755)
 
     def install(*version):
@@ -186,4 +189,12 @@ def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
     assert install("2.13.0") == [
         "say: download.pytorch.org is unreachable: installing PyPI's torch==2.13.0 (its Linux build carries CUDA libraries, larger, and runs on the CPU too)",
         "pip install torch==2.13.0",
+    ]
+    offered.write_text("torch (2.14.0)\nAvailable versions: 2.14.0, 2.13.0+cpu, 2.13.0\n")
+    proc = bash("quickstart.sh", QUICKSTART_VENV=str(fake_python.parent.parent), TMPDIR=str(tmp_path), **OFFLINE)
+    assert (proc.returncode, proc.stderr) == (2, "error: the installs left out: torch numpy tiktoken\n")
+    assert proc.stdout.splitlines() == [
+        "quickstart: installing torch 2.13.0+cpu (no NVIDIA GPU: the CPU build)",
+        "-m pip install -q torch==2.13.0+cpu",
+        "-m pip install -q -r requirements.txt matplotlib>=3.7",
     ]

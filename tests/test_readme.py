@@ -1,16 +1,16 @@
 """The README's quickstart runs as written (with fewer steps), docs/flags.md's table is the CLI's, every link between
 README.md and docs/*.md leads somewhere, and fixtures/README.md describes the files beside it."""
 
+import contextlib
 import hashlib
-import os
+import io
 import re
-import subprocess
-import sys
+import shlex
 
 import pytest
 
 import train_gpt2 as tg
-from conftest import REPO
+from conftest import REPO, run_as_programs
 
 README = (REPO / "README.md").read_text()
 FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here from the README
@@ -18,78 +18,71 @@ FLAGS_DOC = REPO / "docs" / "flags.md"  # the trainer's flags table moved here f
 # Appended to each quickstart command (argparse keeps the last value): same commands, tiny sizes.
 SMALL_RUN = "--max-steps 3 --val-every 2 --val-steps 2 --sample-every 2 --ckpt-every 2 --batch-size 4 "
 SMALL_RUN += "--total-batch-size 512 --warmup-steps 2"
-SMALLER = {
-    "train_gpt2.py": SMALL_RUN,
-    "train_gpt2.py --resume": f"{SMALL_RUN} --max-steps 4",
-    "hellaswag.py": "--limit 8",
-    "sample.py": "--num-samples 2 --max-new-tokens 8",
-}
+SMALLER = {"train_gpt2.py": SMALL_RUN, "train_gpt2.py --resume": f"{SMALL_RUN} --max-steps 4"}
+SMALLER |= {"hellaswag.py": "--limit 8", "sample.py": "--num-samples 2 --max-new-tokens 8"}
 
 
 section = lambda start, end, text=README: text[text.index(start) : text.index(end)]
 
 
-def section_from(heading, text):
-    """From `heading` to the next heading of its level, or to the end of the text."""
-    start = text.index(heading)
-    level = heading.split(" ")[0] + " "
-    following = re.search(rf"(?m)^{re.escape(level)}", text[start + len(heading) :])
-    return text[start : start + len(heading) + following.start()] if following else text[start:]
-
-
-def quickstart_commands():
+def quickstart_commands() -> dict:
+    """{its script (" --resume" added to a resume's): command} of each quickstart command, in order."""
     block = section("<!-- quickstart-begin -->", "<!-- quickstart-end -->")
-    return [line for line in block.splitlines() if line.startswith("python ")]
+    commands = [line for line in block.splitlines() if line.startswith("python ")]
+    return {c.split()[1] + " --resume" * c.endswith("--resume"): c for c in commands}
 
 
 def test_readme_flags_table_matches_the_cli():
-    table = section_from("## Flags", FLAGS_DOC.read_text())
+    table = re.search(r"(?ms)^## Flags.*?(?=^## |\Z)", FLAGS_DOC.read_text())[0]  # to the next such heading
     documented = set(re.findall(r"`(--[a-z-]+)", table))
     options = [option for action in tg.build_parser()._actions for option in action.option_strings]
     assert documented == {option for option in options if option.startswith("--") and option != "--help"}
 
 
-def as_a_user(command, work, timeout=300):
-    """command run by a shell in work, as a user runs it: no TIKTOKEN_CACHE_DIR (the BPE ships in bpe/)."""
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"},
-        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-    }
-    result = subprocess.run(command, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-    return result
+def as_programs(command):
+    """A README command's argv, as a shell splits it (shlex), each `$(python -c 'CODE')` replaced by what CODE prints."""
+
+    def printed(match):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            exec(match[1], {})
+        return out.getvalue().strip()
+
+    return shlex.split(re.sub(r"\$\(python -c '([^']*)'\)", printed, command))[1:]
 
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
-    """A folder of the scripts (linked) where the quickstart's first command ran as written: its data, which both
-    tests below train on, and what it printed."""
+    """The quickstart's commands (smaller) as a user runs them in a folder of the scripts (linked), without
+    TIKTOKEN_CACHE_DIR (the BPE ships in bpe/), all in ONE interpreter (run_as_programs), the transcript's
+    training (test_the_transcript_...) second: the folder and {command: CompletedProcess}."""
     work = tmp_path_factory.mktemp("quickstart") / "repo"
     work.mkdir()
-    for name in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures".split():
+    for name in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures trainkit".split():
         (work / name).symlink_to(REPO / name)
-    return work, as_a_user(quickstart_commands()[0], work).stdout
+    (work / "bpe").symlink_to(REPO / "bpe")
+    commands = {key: f"{command} {SMALLER.get(key, '')}" for key, command in quickstart_commands().items()}
+    # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
+    transcript = f"{quickstart_commands()['train_gpt2.py']} --max-steps 2 --sample-every 0 --out-dir out/transcript"
+    commands = {"fineweb.py": commands.pop("fineweb.py"), "transcript": transcript, **commands}
+    env = {"TIKTOKEN_CACHE_DIR": None}
+    results = run_as_programs([dict(argv=as_programs(c), cwd=str(work), env=env) for c in commands.values()])
+    for command, result in zip(commands.values(), results):
+        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    return work, {key: result.stdout for key, result in zip(commands, results)}
 
 
 def test_quickstart_runs_as_written(quickstart):
-    work, _ = quickstart
-    commands = quickstart_commands()
+    work, stdout = quickstart
     order = "fineweb.py train_gpt2.py plot_log.py hellaswag.py sample.py hf_interop.py train_gpt2.py"
-    assert [c.split()[1] for c in commands] == order.split()
-    for command in commands[1:]:  # (the first ran in the fixture)
-        script = command.split()[1] + (" --resume" if command.endswith("--resume") else "")
-        result = as_a_user(f"{command} {SMALLER.get(script, '')}", work)
-        if script == "hellaswag.py":  # offline: the subset the repository ships, said so
-            assert result.stdout.splitlines()[:2] == [
-                "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
-                "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
-                "repository ships, not the full 10042-example set); chance is 0.25",
-            ]
-            assert result.stdout.splitlines()[2].endswith('"n": 8}')
-        if script == "sample.py":
-            assert "--- sample 1/2 ---\ndef " in result.stdout and "--- sample 2/2 ---\ndef " in result.stdout
-        if script == "train_gpt2.py --resume":
-            assert "resumed from out/cpu/ckpt_0000003.pt at step 3" in result.stdout
+    assert [c.split()[1] for c in quickstart_commands().values()] == order.split()
+    assert stdout["hellaswag.py"].splitlines()[:2] == [  # offline: the subset the repository ships, said so
+        "hellaswag: scoring out/cpu/ckpt_0000003.pt, step 3",
+        "hellaswag: the first 8 of 446 examples in fixtures/hellaswag_val_subset.jsonl (the subset the "
+        "repository ships, not the full 10042-example set); chance is 0.25",
+    ]
+    assert stdout["hellaswag.py"].splitlines()[2].endswith('"n": 8}')
+    assert "--- sample 1/2 ---\ndef " in stdout["sample.py"] and "--- sample 2/2 ---\ndef " in stdout["sample.py"]
+    assert "resumed from out/cpu/ckpt_0000003.pt at step 3" in stdout["train_gpt2.py --resume"]
     assert (work / "out" / "cpu" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "out" / "cpu_hf" / "config.json").is_file()
     assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [f"ckpt_000000{i}.pt" for i in (2, 3, 4)]
@@ -150,12 +143,9 @@ def test_the_transcript_holds_what_the_first_two_commands_print_today(quickstart
     recorded, this = re.search(r"recorded with Python (3\.\d+\.\d+)", README)[1], platform.python_version()
     if this != recorded:
         pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
-    lines = transcript_lines()
-    work, made = quickstart
-    assert made.splitlines() == [lines[0]]
-    # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
-    ran = as_a_user(f"{quickstart_commands()[1]} --max-steps 2 --sample-every 0 --out-dir out/transcript", work, 600)
-    printed = ran.stdout.splitlines()
+    lines, (_, stdout) = transcript_lines(), quickstart
+    assert stdout["fineweb.py"].splitlines() == [lines[0]]
+    printed = stdout["transcript"].splitlines()
     assert printed[:3] == lines[1:4]  # model, batch, step 0's validation
     for step in (0, 1):
         shown = next(line for line in lines if line.startswith(f"step {step:5d}/"))

@@ -62,15 +62,11 @@ class Cluster:
         host = node.split()[0].removeprefix("NodeName=")
         for name in ("state", "spool"):
             os.makedirs(os.path.join(self.folder, name))
-        with open(self.conf, "w") as f:
+        with open(self.conf, "w") as f:  # Slurm's defaults: root, munge, requeue, no MPI
             f.write(f"""ClusterName=test
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
 AuthInfo=socket={socket_path},cred_expire={CRED_EXPIRE}
 StateSaveLocation={self.folder}/state
 SlurmdSpoolDir={self.folder}/spool
@@ -84,9 +80,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
 SchedulerParameters=sched_interval=1
-JobRequeue=1
 KillWait={KILL_WAIT}
-MpiDefault=none
 ReturnToService=2
 {node} NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
@@ -108,14 +102,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                 jobs = self.run("squeue", "-h", "-o", "%i", check=False).split()
                 if jobs:
                     self.run("scancel", *jobs, check=False)
-                    poll(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).split(), KILL_WAIT + 30)
-        for daemon in reversed(self.daemons):
-            daemon.terminate()  # (Popen's terminate and kill: no error for a process gone already)
-            try:
+                    wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).split(), KILL_WAIT + 30)
+        for daemon in reversed(self.daemons):  # (Popen's terminate and kill: no error for a process gone already)
+            daemon.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 daemon.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait(timeout=20)
+            daemon.kill()
+            daemon.wait(timeout=20)
         kill_pids(processes_with_env(f"SLURM_CONF={self.conf}"))
 
     def logs(self) -> str:
@@ -132,6 +125,10 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         sbatch = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out_file}"]
         return self.run(*sbatch, *sbatch_args, f"{REPO}/{SCRIPT}", *trainer_args, cwd=cwd).strip().split(";")[0]
 
+    def details(self, output):
+        """What a failed wait for a job prints: the ends of its output and of the daemons' logs."""
+        return lambda: read(output)[-3000:] + "\n" + self.logs()
+
     def job(self, job_id) -> dict:
         """scontrol's fields of the job (JobState, Restarts, ...)."""
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
@@ -147,20 +144,17 @@ def processes_with_env(entry: str) -> list:
     return found
 
 
-def poll(condition, timeout) -> bool:
-    """Whether condition() became true within timeout seconds (asked every 0.25 s: each scontrol is a process)."""
+def wait_for(condition, timeout, what=None, details=None) -> bool:
+    """Whether condition() became true within timeout seconds (asked every 0.25 s: each scontrol is a process);
+    with what, a failure after timeout saying what it waited for, and details()."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
+    while not condition():
+        if time.monotonic() > deadline:
+            if what:
+                pytest.fail(f"gave up after {timeout} s waiting for {what}\n{details()}")
+            return False
         time.sleep(0.25)
-    return False
-
-
-def wait_for(condition, timeout, what, details):
-    """poll, failing after timeout seconds with what it waited for and details()."""
-    if not poll(condition, timeout):
-        pytest.fail(f"gave up after {timeout} s waiting for {what}\n{details()}")
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +181,6 @@ def read(path) -> str:
     with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
         return f.read()
     return ""
-
-
-def job_details(cluster, output):
-    """What a failed wait for a job prints: the ends of its output and of the daemons' logs."""
-    return lambda: read(output)[-3000:] + "\n" + cluster.logs()
 
 
 def torchrun_started(cluster, job_id) -> bool:
@@ -233,7 +222,7 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
     exit code 2, with one line in its output."""
     output = tmp_path / "job.out"
     job = cluster.submit(output, [], cwd=tmp_path)
-    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", 60, "the job to fail", job_details(cluster, output))
+    wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", 60, "the job to fail", cluster.details(output))
     assert cluster.job(job)["ExitCode"] == "2:0"
     assert read(output) == f"error: no train_gpt2.py in {tmp_path}: submit the job from the repository's root\n"
 
@@ -251,7 +240,7 @@ def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_unint
     ranks, bit for bit. Prints the time from each stop to the resumed step."""
     out_dir, output, straight_dir = tmp_path / "out", tmp_path / "job.out", tmp_path / "straight"
     job = cluster.submit(output, args_for(data_dir, out_dir), "--time=30", "--signal=B:USR1@170")
-    details, seen, times = job_details(cluster, output), 0, []
+    details, seen, times = cluster.details(output), 0, []
 
     def attempt_ended(restarts, what, state=None) -> str:
         """The output of the attempt that ended, once the job has restarted that often (and is in state)."""
