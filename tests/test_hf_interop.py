@@ -21,7 +21,8 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 import hf_interop  # noqa: E402
 import train_gpt2  # noqa: E402
 from conftest import NOT_GPT2, REPO, assert_one_error_line, assert_refused, assert_refused_quietly  # noqa: E402
-from conftest import log_records, not_gpt2_folder, run_command, run_main, start, tiny_hf, tiny_run_args  # noqa: E402
+from conftest import log_records, not_gpt2_folder, run_as_programs, run_command, run_main, start  # noqa: E402
+from conftest import tiny_hf, tiny_run_args, write_checkpoint  # noqa: E402
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
@@ -427,27 +428,54 @@ def two_checkpoints(folder, vocab_size):
     return [save_ours(tiny_ours(vocab_size=vocab_size, seed=s), folder / f"ckpt_000000{s}.pt") for s in (1, 2)]
 
 
-def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
-    import resource
-    import signal
+# An export under a file size limit (a write error mid-way: model.safetensors, ~100 KB, over 20,000 bytes), run as a
+# program (-c's argv: the script and its arguments) in an interpreter it leaves as it found it
+SIZE_LIMITED = r"""
+import resource, runpy, signal, sys
+handler, (soft, hard) = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+"""
 
-    def small_files():  # a write error mid-way: model.safetensors (~100 KB) over the file size limit
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
-    first, second = two_checkpoints(tmp_path, 200)
-    out = tmp_path / "hf"
-    assert export(first, out).returncode == 0
-    before = folder_bytes(out)
-    proc = run_command(*EXPORT, second, out, preexec_fn=small_files)
+@pytest.fixture(scope="module")
+def exports_as_programs(tmp_path_factory):
+    """Two exports over an earlier one, as programs in one interpreter (run_as_programs): under a folder whose name is
+    not UTF-8 (tmp/run\\xff, to tmp/hf), and under a file size limit (tmp/limited/hf). Returns tmp, the limited
+    folder's bytes before, and the two completed programs."""
+    tmp = tmp_path_factory.mktemp("programs")
+    run, limited = os.path.join(os.fsencode(tmp), b"run\xff"), tmp / "limited"
+    os.makedirs(run)
+    limited.mkdir()
+    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
+    first, second = two_checkpoints(limited, 200)
+    assert export(os.fsdecode(run), tmp / "hf").returncode == export(first, limited / "hf").returncode == 0
+    before = folder_bytes(limited / "hf")
+    cases = [
+        ["hf_interop.py", "export", os.fsdecode(run), tmp / "hf"],
+        ["-c", SIZE_LIMITED, *EXPORT, second, limited / "hf"],
+    ]
+    return tmp, before, *run_as_programs([dict(argv=[str(a) for a in argv]) for argv in cases])
+
+
+def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
+    tmp, before, _, proc = exports_as_programs
+    out = tmp / "limited" / "hf"
+    first, second = (str(tmp / "limited" / f"ckpt_000000{s}.pt") for s in (1, 2))
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert folder_bytes(out) == before  # the earlier export whole, no temporary folder left
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
     proc = export(second, out)  # a successful one replaces it whole
     assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=2), 200)
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
     before = folder_bytes(out)
@@ -681,24 +709,13 @@ def test_cli_export_of_a_run_folder_names_its_newest_checkpoint_and_step(tmp_pat
     ) in export_usage
 
 
-def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(tmp_path):
+def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(exports_as_programs):
     """The export's mark keeps such a path as its escapes; a second export over the first reads it back. The first
     runs in-process; the second as a program, whose stdout (set up by the script, not run_main) escapes the name."""
-    from conftest import write_checkpoint
-
-    run = os.path.join(os.fsencode(tmp_path), b"run\xff")
-    os.makedirs(run)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
-    assert export(os.fsdecode(run), tmp_path / "hf").returncode == 0
-    result = subprocess.run(
-        [sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"], cwd=REPO, capture_output=True, timeout=300
-    )
-    assert (result.returncode, result.stderr) == (0, b""), result.stderr[-3000:]
+    tmp, _, result, _ = exports_as_programs
+    ckpt = os.path.join(os.fsencode(tmp), b"run\xff", b"ckpt_0000003.pt")
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr[-3000:]
     assert result.stdout.startswith(
-        b"wrote Hugging Face GPT-2 of "
-        + os.path.join(run, b"ckpt_0000003.pt").replace(b"\xff", b"\\udcff")
-        + b" (it records no step)"
+        f"wrote Hugging Face GPT-2 of {os.fsdecode(ckpt)} (it records no step)".replace("\udcff", "\\udcff")
     )
-    mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
-    assert mark["checkpoint"] == os.fsdecode(os.path.join(run, b"ckpt_0000003.pt"))
+    assert json.loads((tmp / "hf" / hf_interop.EXPORT_MARK).read_text())["checkpoint"] == os.fsdecode(ckpt)
