@@ -1,9 +1,10 @@
-"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run
-in-process through each script's main (export, run_main); as programs: an export under a file size
-limit, one killed mid-way, three into a mount point (one process in its mount namespace), one under
-a folder whose name is not UTF-8, and transformers 4 and 5 loading one export."""
+"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run in-process through
+each script's main (export, run_main); as programs: an export under a file size limit and one under a folder whose name
+is not UTF-8 (in one interpreter), one killed mid-way, three into a mount point (one process in its mount namespace),
+and transformers 4 and 5 loading one export."""
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -67,7 +68,7 @@ def assert_same_logits(hf, ours, n_ids, shape=(1, 16), seed=3):
     torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :n_ids], atol=1e-5, rtol=0)
 
 
-def test_import_matches_hf_logits(tmp_path):
+def test_import_matches_hf_logits_in_any_vocabulary(tmp_path):
     hf = tiny_hf()
     model = GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     assert model.config == GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -78,11 +79,8 @@ def test_import_matches_hf_logits(tmp_path):
     wte = model.transformer.wte.weight
     assert model.lm_head.weight is wte  # still tied
     torch.testing.assert_close(wte[50257:], wte[:50257].mean(0).expand(47, -1))
-
-
-def test_import_small_vocab_crop_and_bad_sizes(tmp_path):
-    hf = tiny_hf(vocab_size=100)
-    path = save_hf(hf, tmp_path / "hf")
+    hf = tiny_hf(vocab_size=100)  # a small vocabulary, padded or cropped, and sizes beyond the model's
+    path = save_hf(hf, tmp_path / "hf100")
     assert GPT.from_hf(path).config.vocab_size == 128  # padded to a multiple of 64
     model = GPT.from_hf(path, vocab_size=100, block_size=16)
     assert (model.config.vocab_size, model.config.block_size) == (100, 16)
@@ -198,7 +196,6 @@ def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_ful
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError):
         hf_interop.main(["export", missing, str(tmp_path / "out"), "--debug"])
-    import errno
 
     def full_disk(self, out_dir, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -231,31 +228,25 @@ def test_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
     assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
 
-@pytest.mark.parametrize("name", ["missing_dir", "./missing", "empty"])
-def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
+def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, monkeypatch):
+    """A missing or empty folder; a GPT-2 of another activation, or untied; transformers missing: one line each."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
-    arg = str(tmp_path / name) if name == "missing_dir" else name
-    with pytest.raises(UserError) as e:
-        GPT.from_hf(arg)
-    msg = str(e.value)
-    assert "--init-from" in msg and "local Hugging Face directory" in msg and "\n" not in msg
-
-
-@pytest.mark.parametrize(
-    "overrides, match",
-    [({"activation_function": "relu"}, "activation_function"), ({"tie_word_embeddings": False}, "not tied")],
-)
-def test_import_refuses_what_we_cannot_reproduce(tmp_path, overrides, match):
-    hf = tiny_hf(vocab_size=100, **overrides)
-    if not overrides.get("tie_word_embeddings", True):
-        with torch.no_grad():
-            hf.lm_head.weight.normal_()
-    with pytest.raises(UserError, match=match):
-        GPT.from_hf(save_hf(hf, tmp_path / "hf"))
-
-
-def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
+    for name in (str(tmp_path / "missing_dir"), "./missing", "empty"):
+        with pytest.raises(UserError) as e:
+            GPT.from_hf(name)
+        assert "--init-from" in str(e.value) and "local Hugging Face directory" in str(e.value)
+        assert "\n" not in str(e.value)
+    for overrides, match in [
+        ({"activation_function": "relu"}, "activation_function"),
+        ({"tie_word_embeddings": False}, "not tied"),
+    ]:
+        hf = tiny_hf(vocab_size=100, **overrides)
+        if not overrides.get("tie_word_embeddings", True):
+            with torch.no_grad():
+                hf.lm_head.weight.normal_()
+        with pytest.raises(UserError, match=match):
+            GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(UserError, match="pip install transformers"):
         GPT.from_hf(str(tmp_path))
@@ -326,13 +317,8 @@ def reference_encoding():
     from trainkit.data.tokenizer import BPE_SHA256
 
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
-    return tiktoken.Encoding(
-        "r50k_base_reference",
-        pat_str=r50k_pat_str,
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": 50256},
-        explicit_n_vocab=50257,
-    )
+    tables = dict(pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
+    return tiktoken.Encoding("r50k_base_reference", explicit_n_vocab=50257, **tables)
 
 
 def parity_texts():
@@ -368,13 +354,11 @@ def greedy(model, ids, n):
 def exported_for_clients(tmp_path_factory):
     """A tiny model of ours (32 positions) exported by the real command, with the texts to encode."""
     tmp = tmp_path_factory.mktemp("clients")
-    save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt")
-    out = tmp / "hf"
-    proc = export(tmp / "ckpt_0000007.pt", out)
+    proc = export(save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt"), tmp / "hf")
     assert proc.returncode == 0, proc.stderr
     texts = parity_texts()
     (tmp / "texts.json").write_text(json.dumps(texts))
-    return out, tmp / "texts.json", texts
+    return tmp / "hf", tmp / "texts.json", texts
 
 
 @pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
@@ -619,8 +603,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
 
 
 def in_mount_namespace(folder, *command):
-    """command in a mount namespace of its own where folder is a mount point (a bind mount onto
-    itself: rename and renameat2 refuse it with EBUSY, as a docker or Kubernetes volume)."""
+    """command in a mount namespace where folder is a bind mount onto itself: renames refuse it (EBUSY) as a volume."""
     return subprocess.run(
         ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && exec "$@"', str(folder), *map(str, command)],
         capture_output=True,
@@ -629,9 +612,8 @@ def in_mount_namespace(folder, *command):
     )
 
 
-# One process in the mount namespace runs the exports of the test below through hf_interop's main, each a JSON line
-# [exit code, stderr]: argv is the repo, the volume, a folder for copies of the volume (i.before, i.after) and pairs
-# (checkpoint, a folder whose files are copied into the volume first, as a user's save_pretrained over it, or "")
+# The exports of the test below through hf_interop's main, each a JSON line [exit code, stderr]; argv: the repo, the
+# volume, a folder for its copies (i.before, i.after), pairs (checkpoint, a folder copied into the volume first or "")
 EXPORTS_IN_VOLUME = r"""
 import contextlib, io, json, os, shutil, sys
 repo, volume, copies, *steps = sys.argv[1:]
