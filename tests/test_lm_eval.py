@@ -94,15 +94,13 @@ def test_hub_unreachable_names_the_flag_to_set(evals):
 def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch):
     """The refusals in-process; the Hub unreachable above runs as a program (one line, no traceback)."""
     missing, samples, file = tmp_path / "missing.jsonl", tmp_path / "a_file" / "samples", "--hellaswag-file"
-    (tmp_path / "bad.jsonl").write_text("GARBAGE\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("GARBAGE\n")
     (tmp_path / "a_file").write_text("")
     for args, message in [
         ([file, missing], f"{file} {missing} does not exist"),
         # named as hellaswag.py names it, not blamed on the network (nothing written beside it: below)
-        (
-            [file, tmp_path / "bad.jsonl"],
-            f"{file} {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (not JSON (Expecting value at column 1))",
-        ),
+        ([file, bad], f"{file} {bad} line 1: not a HellaSwag example (not JSON (Expecting value at column 1))"),
         ([file, tmp_path], f"{file} {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"),
         (["--tasks", " , "], "--tasks names no task"),
         (["--samples-dir", samples], f"--samples-dir {samples}: not a directory"),
