@@ -1,9 +1,10 @@
-"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run
-in-process through each script's main (export, run_main); as programs: an export under a file size
-limit, one killed mid-way, three into a mount point (one process in its mount namespace), one under
-a folder whose name is not UTF-8, and transformers 4 and 5 loading one export."""
+"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run in-process through
+each script's main (export, run_main); as programs: an export under a file size limit and one under a folder whose name
+is not UTF-8 (in one interpreter), one killed mid-way, three into a mount point (one process in its mount namespace),
+and transformers 4 and 5 loading one export."""
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -21,7 +22,8 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 import hf_interop  # noqa: E402
 import train_gpt2  # noqa: E402
 from conftest import NOT_GPT2, REPO, assert_one_error_line, assert_refused, assert_refused_quietly  # noqa: E402
-from conftest import log_records, not_gpt2_folder, run_command, run_main, start, tiny_hf, tiny_run_args  # noqa: E402
+from conftest import log_records, not_gpt2_folder, run_as_programs, run_command, run_main, start  # noqa: E402
+from conftest import tiny_hf, tiny_run_args, write_checkpoint  # noqa: E402
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
@@ -66,7 +68,7 @@ def assert_same_logits(hf, ours, n_ids, shape=(1, 16), seed=3):
     torch.testing.assert_close(logits_of(hf, idx), logits_of(ours, idx)[..., :n_ids], atol=1e-5, rtol=0)
 
 
-def test_import_matches_hf_logits(tmp_path):
+def test_import_matches_hf_logits_in_any_vocabulary(tmp_path):
     hf = tiny_hf()
     model = GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     assert model.config == GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -77,11 +79,8 @@ def test_import_matches_hf_logits(tmp_path):
     wte = model.transformer.wte.weight
     assert model.lm_head.weight is wte  # still tied
     torch.testing.assert_close(wte[50257:], wte[:50257].mean(0).expand(47, -1))
-
-
-def test_import_small_vocab_crop_and_bad_sizes(tmp_path):
-    hf = tiny_hf(vocab_size=100)
-    path = save_hf(hf, tmp_path / "hf")
+    hf = tiny_hf(vocab_size=100)  # a small vocabulary, padded or cropped, and sizes beyond the model's
+    path = save_hf(hf, tmp_path / "hf100")
     assert GPT.from_hf(path).config.vocab_size == 128  # padded to a multiple of 64
     model = GPT.from_hf(path, vocab_size=100, block_size=16)
     assert (model.config.vocab_size, model.config.block_size) == (100, 16)
@@ -197,7 +196,6 @@ def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_ful
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError):
         hf_interop.main(["export", missing, str(tmp_path / "out"), "--debug"])
-    import errno
 
     def full_disk(self, out_dir, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -230,31 +228,25 @@ def test_a_folder_that_is_not_gpt2_is_refused(data_dir, tmp_path, kind):
     assert not (tmp_path / "out" / "ckpt_0000001.pt").exists()
 
 
-@pytest.mark.parametrize("name", ["missing_dir", "./missing", "empty"])
-def test_init_from_missing_dir_is_one_line(tmp_path, monkeypatch, name):
+def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, monkeypatch):
+    """A missing or empty folder; a GPT-2 of another activation, or untied; transformers missing: one line each."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
-    arg = str(tmp_path / name) if name == "missing_dir" else name
-    with pytest.raises(UserError) as e:
-        GPT.from_hf(arg)
-    msg = str(e.value)
-    assert "--init-from" in msg and "local Hugging Face directory" in msg and "\n" not in msg
-
-
-@pytest.mark.parametrize(
-    "overrides, match",
-    [({"activation_function": "relu"}, "activation_function"), ({"tie_word_embeddings": False}, "not tied")],
-)
-def test_import_refuses_what_we_cannot_reproduce(tmp_path, overrides, match):
-    hf = tiny_hf(vocab_size=100, **overrides)
-    if not overrides.get("tie_word_embeddings", True):
-        with torch.no_grad():
-            hf.lm_head.weight.normal_()
-    with pytest.raises(UserError, match=match):
-        GPT.from_hf(save_hf(hf, tmp_path / "hf"))
-
-
-def test_transformers_missing_is_one_line(tmp_path, monkeypatch):
+    for name in (str(tmp_path / "missing_dir"), "./missing", "empty"):
+        with pytest.raises(UserError) as e:
+            GPT.from_hf(name)
+        assert "--init-from" in str(e.value) and "local Hugging Face directory" in str(e.value)
+        assert "\n" not in str(e.value)
+    for overrides, match in [
+        ({"activation_function": "relu"}, "activation_function"),
+        ({"tie_word_embeddings": False}, "not tied"),
+    ]:
+        hf = tiny_hf(vocab_size=100, **overrides)
+        if not overrides.get("tie_word_embeddings", True):
+            with torch.no_grad():
+                hf.lm_head.weight.normal_()
+        with pytest.raises(UserError, match=match):
+            GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(UserError, match="pip install transformers"):
         GPT.from_hf(str(tmp_path))
@@ -325,13 +317,8 @@ def reference_encoding():
     from trainkit.data.tokenizer import BPE_SHA256
 
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
-    return tiktoken.Encoding(
-        "r50k_base_reference",
-        pat_str=r50k_pat_str,
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": 50256},
-        explicit_n_vocab=50257,
-    )
+    tables = dict(pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
+    return tiktoken.Encoding("r50k_base_reference", explicit_n_vocab=50257, **tables)
 
 
 def parity_texts():
@@ -367,13 +354,11 @@ def greedy(model, ids, n):
 def exported_for_clients(tmp_path_factory):
     """A tiny model of ours (32 positions) exported by the real command, with the texts to encode."""
     tmp = tmp_path_factory.mktemp("clients")
-    save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt")
-    out = tmp / "hf"
-    proc = export(tmp / "ckpt_0000007.pt", out)
+    proc = export(save_ours(tiny_ours(vocab_size=50304), tmp / "ckpt_0000007.pt"), tmp / "hf")
     assert proc.returncode == 0, proc.stderr
     texts = parity_texts()
     (tmp / "texts.json").write_text(json.dumps(texts))
-    return out, tmp / "texts.json", texts
+    return tmp / "hf", tmp / "texts.json", texts
 
 
 @pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
@@ -427,27 +412,54 @@ def two_checkpoints(folder, vocab_size):
     return [save_ours(tiny_ours(vocab_size=vocab_size, seed=s), folder / f"ckpt_000000{s}.pt") for s in (1, 2)]
 
 
-def test_cli_export_over_an_earlier_one_is_atomic(tmp_path):
-    import resource
-    import signal
+# An export under a file size limit (a write error mid-way: model.safetensors, ~100 KB, over 20,000 bytes), run as a
+# program (-c's argv: the script and its arguments) in an interpreter it leaves as it found it
+SIZE_LIMITED = r"""
+import resource, runpy, signal, sys
+handler, (soft, hard) = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+"""
 
-    def small_files():  # a write error mid-way: model.safetensors (~100 KB) over the file size limit
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
-    first, second = two_checkpoints(tmp_path, 200)
-    out = tmp_path / "hf"
-    assert export(first, out).returncode == 0
-    before = folder_bytes(out)
-    proc = run_command(*EXPORT, second, out, preexec_fn=small_files)
+@pytest.fixture(scope="module")
+def exports_as_programs(tmp_path_factory):
+    """Two exports over an earlier one, as programs in one interpreter (run_as_programs): under a folder whose name is
+    not UTF-8 (tmp/run\\xff, to tmp/hf), and under a file size limit (tmp/limited/hf). Returns tmp, the limited
+    folder's bytes before, and the two completed programs."""
+    tmp = tmp_path_factory.mktemp("programs")
+    run, limited = os.path.join(os.fsencode(tmp), b"run\xff"), tmp / "limited"
+    os.makedirs(run)
+    limited.mkdir()
+    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
+    first, second = two_checkpoints(limited, 200)
+    assert export(os.fsdecode(run), tmp / "hf").returncode == export(first, limited / "hf").returncode == 0
+    before = folder_bytes(limited / "hf")
+    cases = [
+        ["hf_interop.py", "export", os.fsdecode(run), tmp / "hf"],
+        ["-c", SIZE_LIMITED, *EXPORT, second, limited / "hf"],
+    ]
+    return tmp, before, *run_as_programs([dict(argv=[str(a) for a in argv]) for argv in cases])
+
+
+def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
+    tmp, before, _, proc = exports_as_programs
+    out = tmp / "limited" / "hf"
+    first, second = (str(tmp / "limited" / f"ckpt_000000{s}.pt") for s in (1, 2))
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert folder_bytes(out) == before  # the earlier export whole, no temporary folder left
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
     proc = export(second, out)  # a successful one replaces it whole
     assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
+    assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=2), 200)
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
     before = folder_bytes(out)
@@ -591,8 +603,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
 
 
 def in_mount_namespace(folder, *command):
-    """command in a mount namespace of its own where folder is a mount point (a bind mount onto
-    itself: rename and renameat2 refuse it with EBUSY, as a docker or Kubernetes volume)."""
+    """command in a mount namespace where folder is a bind mount onto itself: renames refuse it (EBUSY) as a volume."""
     return subprocess.run(
         ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && exec "$@"', str(folder), *map(str, command)],
         capture_output=True,
@@ -601,9 +612,8 @@ def in_mount_namespace(folder, *command):
     )
 
 
-# One process in the mount namespace runs the exports of the test below through hf_interop's main, each a JSON line
-# [exit code, stderr]: argv is the repo, the volume, a folder for copies of the volume (i.before, i.after) and pairs
-# (checkpoint, a folder whose files are copied into the volume first, as a user's save_pretrained over it, or "")
+# The exports of the test below through hf_interop's main, each a JSON line [exit code, stderr]; argv: the repo, the
+# volume, a folder for its copies (i.before, i.after), pairs (checkpoint, a folder copied into the volume first or "")
 EXPORTS_IN_VOLUME = r"""
 import contextlib, io, json, os, shutil, sys
 repo, volume, copies, *steps = sys.argv[1:]
@@ -681,24 +691,13 @@ def test_cli_export_of_a_run_folder_names_its_newest_checkpoint_and_step(tmp_pat
     ) in export_usage
 
 
-def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(tmp_path):
+def test_a_run_under_a_folder_whose_name_is_not_utf8_exports(exports_as_programs):
     """The export's mark keeps such a path as its escapes; a second export over the first reads it back. The first
     runs in-process; the second as a program, whose stdout (set up by the script, not run_main) escapes the name."""
-    from conftest import write_checkpoint
-
-    run = os.path.join(os.fsencode(tmp_path), b"run\xff")
-    os.makedirs(run)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
-    assert export(os.fsdecode(run), tmp_path / "hf").returncode == 0
-    result = subprocess.run(
-        [sys.executable, "hf_interop.py", "export", run, tmp_path / "hf"], cwd=REPO, capture_output=True, timeout=300
-    )
-    assert (result.returncode, result.stderr) == (0, b""), result.stderr[-3000:]
+    tmp, _, result, _ = exports_as_programs
+    ckpt = os.path.join(os.fsencode(tmp), b"run\xff", b"ckpt_0000003.pt")
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr[-3000:]
     assert result.stdout.startswith(
-        b"wrote Hugging Face GPT-2 of "
-        + os.path.join(run, b"ckpt_0000003.pt").replace(b"\xff", b"\\udcff")
-        + b" (it records no step)"
+        f"wrote Hugging Face GPT-2 of {os.fsdecode(ckpt)} (it records no step)".replace("\udcff", "\\udcff")
     )
-    mark = json.loads((tmp_path / "hf" / hf_interop.EXPORT_MARK).read_text())
-    assert mark["checkpoint"] == os.fsdecode(os.path.join(run, b"ckpt_0000003.pt"))
+    assert json.loads((tmp / "hf" / hf_interop.EXPORT_MARK).read_text())["checkpoint"] == os.fsdecode(ckpt)

@@ -1,5 +1,6 @@
 """lm-evaluation-harness on our export (hf_interop.py eval, evals/hellaswag_local.yaml), offline: its HellaSwag acc
-and acc_norm equal hellaswag.py's lm_eval_acc and lm_eval_acc_norm, example by example."""
+and acc_norm equal hellaswag.py's lm_eval_acc and lm_eval_acc_norm, example by example. Two `python hf_interop.py
+eval` command lines run as programs in one interpreter (an evaluation, the Hub unreachable); the refusals in-process."""
 
 import json
 import os
@@ -12,7 +13,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
 import hf_interop  # noqa: E402
-from conftest import HELLASWAG_FILE, assert_refused, run_command, run_main  # noqa: E402
+from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main  # noqa: E402
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
 
@@ -33,9 +34,14 @@ def data_file(tmp_path_factory):
     return str(path)
 
 
-def run_eval(*args):
-    """`python hf_interop.py eval args`, offline: lm-eval as a user runs it."""
-    return run_command("hf_interop.py", "eval", *args, env=OFFLINE)
+@pytest.fixture(scope="module")
+def evals(checkpoint, data_file, tmp_path_factory):
+    """`python hf_interop.py eval` offline, as a user runs it: on data_file (its samples in the folder returned), and
+    with no --hellaswag-file (the Hub unreachable); both as programs in one interpreter (run_as_programs)."""
+    samples = tmp_path_factory.mktemp("samples")
+    local = ["--hellaswag-file", data_file, "--samples-dir", str(samples)]
+    cases = [["eval", checkpoint, "--tasks", "hellaswag", "--device", "cpu", *extra] for extra in (local, [])]
+    return samples, *run_as_programs([dict(argv=["hf_interop.py", *argv], env=OFFLINE) for argv in cases])
 
 
 def test_our_text_is_lm_evals():
@@ -57,12 +63,11 @@ def test_our_text_is_lm_evals():
     assert mismatched == []
 
 
-def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_file, tmp_path):
-    flags = ["--tasks", "hellaswag", "--hellaswag-file", data_file, "--device", "cpu", "--samples-dir", tmp_path]
-    proc = run_eval(checkpoint, *flags)
+def test_lm_eval_scores_equal_ours_example_by_example(model, data_file, evals):
+    samples_dir, proc, _ = evals
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])["hellaswag_local"]
-    with open(tmp_path / "hellaswag_local.jsonl") as f:
+    with open(samples_dir / "hellaswag_local.jsonl") as f:
         samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
     assert [s["doc_id"] for s in samples] == list(range(N)) and result["n"] == N
     examples = hellaswag_examples.load_examples(data_file, style="lm_eval")
@@ -79,8 +84,8 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, checkpoint, data_fi
     assert ours["acc_norm"] != ours["lm_eval_acc_norm"]  # two metrics, on this tiny set too
 
 
-def test_hub_unreachable_names_the_flag_to_set(checkpoint):
-    proc = run_eval(checkpoint, "--tasks", "hellaswag", "--device", "cpu")
+def test_hub_unreachable_names_the_flag_to_set(evals):
+    proc = evals[2]
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks hellaswag: cannot load its data (")
     assert "pass --hellaswag-file PATH" in proc.stderr and "Traceback" not in proc.stderr
@@ -89,15 +94,13 @@ def test_hub_unreachable_names_the_flag_to_set(checkpoint):
 def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch):
     """The refusals in-process; the Hub unreachable above runs as a program (one line, no traceback)."""
     missing, samples, file = tmp_path / "missing.jsonl", tmp_path / "a_file" / "samples", "--hellaswag-file"
-    (tmp_path / "bad.jsonl").write_text("GARBAGE\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("GARBAGE\n")
     (tmp_path / "a_file").write_text("")
     for args, message in [
         ([file, missing], f"{file} {missing} does not exist"),
         # named as hellaswag.py names it, not blamed on the network (nothing written beside it: below)
-        (
-            [file, tmp_path / "bad.jsonl"],
-            f"{file} {tmp_path / 'bad.jsonl'} line 1: not a HellaSwag example (not JSON (Expecting value at column 1))",
-        ),
+        ([file, bad], f"{file} {bad} line 1: not a HellaSwag example (not JSON (Expecting value at column 1))"),
         ([file, tmp_path], f"{file} {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"),
         (["--tasks", " , "], "--tasks names no task"),
         (["--samples-dir", samples], f"--samples-dir {samples}: not a directory"),

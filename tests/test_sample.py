@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, start, tiny_run_args
+from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, start
+from conftest import tiny_hf, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit.runfiles import checkpoints
 from trainkit import cli
@@ -154,30 +155,21 @@ def test_padded_ids_are_never_drawn():
 
 
 # ---- sample.py ----
-def test_sample_cli_is_plain_deterministic_text(sampled_run):
-    """The same seed, the same texts; another seed, others (sample.py runs as a program in the test of
-    --num-samples 10**12 below, which checks its texts against sample_text's)."""
+def test_sample_cli_is_plain_deterministic_text_of_sample_text(sampled_run):
+    """The same seed, the same texts; another seed, others; and sample.py adds nothing to the trainer's sampling: its
+    texts are sampling.sample_text's (all three in one batch there, in batches of 2 and 1 here: each its generator)."""
     out, _ = sampled_run
     first, again, other = (
         run_sample(out, *f"--num-samples 3 --max-new-tokens 12 --seed {s}".split()) for s in (7, 7, 8)
     )
-    assert first.returncode == 0, first.stderr
-    assert first.stdout == again.stdout and first.stdout != other.stdout
-    assert first.stdout.startswith("--- sample 1/3 ---\n" + PROMPT)
+    assert (first.returncode, first.stderr) == (0, "")
+    assert first.stdout == again.stdout != other.stdout and first.stdout.startswith("--- sample 1/3 ---\n" + PROMPT)
     texts = samples_of(first.stdout)
     assert len(texts) == 3 and all(t.startswith(PROMPT) and len(t) > len(PROMPT) for t in texts)
-    assert first.stderr == ""
-
-
-def test_sample_cli_equals_sample_text_in_process(sampled_run):
-    """sample.py adds nothing to the trainer's sampling: same texts as sampling.sample_text."""
-    out, _ = sampled_run
     flags = "--num-samples 3 --max-new-tokens 10 --temperature 0.7 --top-k 5 --seed 3 --batch-size 2"
     proc = run_sample(out, "--prompt", "def f(x):", *flags.split())
-    assert proc.returncode == 0, proc.stderr
-    # all three in one batch here, in batches of 2 and 1 there: sample i has its own generator
     expected = texts_of(out, "def f(x):", n=3, length=10, temperature=0.7, top_k=5, seed=3)
-    assert samples_of(proc.stdout) == expected and len(set(expected)) == 3
+    assert (proc.returncode, samples_of(proc.stdout)) == (0, expected) and len(set(expected)) == 3, proc.stderr
 
 
 def test_empty_and_long_prompts(sampled_run):
@@ -213,18 +205,7 @@ def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
     assert_refused_quietly(run_sample(sampled_run[0], *flags), message.format(prog="sample.py"))
 
 
-def test_bad_sources_are_one_line_errors(tmp_path):
-    for flag, path, message in [
-        ("--checkpoint", tmp_path, f"no checkpoint (ckpt_NNNNNNN.pt) in {tmp_path}"),
-        ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
-        ("--hf-model", tmp_path / "nope", "--hf-model"),
-    ]:
-        proc = run_sample(path, flag=flag)
-        assert_one_error_line(proc, message)
-        assert proc.stdout == ""
-
-
-def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
+def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run, tmp_path):
     proc = run_sample(small_vocab_run, "--prompt", "Hello")
     assert_refused(proc, "the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids")
     empty = run_sample(small_vocab_run, "--prompt", "")
@@ -232,11 +213,8 @@ def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run):
     ok = run_sample(small_vocab_run, "--prompt", "!#", "--num-samples", "1", "--max-new-tokens", "4")  # ids 0 and 2
     assert ok.returncode == 0, ok.stderr
     assert samples_of(ok.stdout)[0].startswith("!#")
-
-
-def test_hf_model_has_the_vocabulary_of_its_config(small_vocab_run, tmp_path):
-    """An export with --vocab-size 100 is a model of 100 ids, not the 128 that padding to a multiple of
-    64 would give: '¡' is ids 126, 94, beyond it (it was accepted, and padded ids could be drawn)."""
+    # an export with --vocab-size 100 is a model of 100 ids, not the 128 that padding to a multiple of 64 would
+    # give: '¡' is ids 126, 94, beyond it (it was accepted, and padded ids could be drawn)
     pytest.importorskip("transformers")
     assert run_main("hf_interop.py", "export", small_vocab_run, tmp_path / "hf", "--vocab-size", "100").returncode == 0
     model = sample.load_model(sample.parse_args(["--hf-model", str(tmp_path / "hf")]), "cpu")
@@ -250,17 +228,12 @@ GREEDY_12 = ["--num-samples", "1", "--max-new-tokens", "12", "--top-k", "1"]  # 
 
 def hf_gpt2():
     """A Hugging Face GPT-2 of GPT-2's ids, 64 positions, 2 layers 32 wide, its config's eos <|endoftext|>."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(
-        GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu_new")
-    )
+    return tiny_hf(n_positions=64, bos_token_id=EOT, eos_token_id=EOT)
 
 
 def test_hf_model_greedy_equals_transformers(tmp_path):
     pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf = hf_gpt2().eval()
+    hf = hf_gpt2()
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(5.0)  # clear argmaxes
@@ -316,7 +289,15 @@ def test_tiny_temperature_is_greedy(sampled_run):
     assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
-def test_nan_weights_are_one_line_errors(sampled_run, tmp_path):
+def test_bad_sources_and_nan_weights_are_one_line_errors(sampled_run, tmp_path):
+    for flag, path, message in [
+        ("--checkpoint", tmp_path, f"no checkpoint (ckpt_NNNNNNN.pt) in {tmp_path}"),
+        ("--checkpoint", tmp_path / "nope.pt", "does not exist"),
+        ("--hf-model", tmp_path / "nope", "--hf-model"),
+    ]:
+        proc = run_sample(path, flag=flag)
+        assert_one_error_line(proc, message)
+        assert proc.stdout == ""
     pytest.importorskip("transformers")
     out, _ = sampled_run
     ckpt = torch.load(checkpoints.latest_checkpoint(str(out)), weights_only=True)
@@ -328,18 +309,12 @@ def test_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     with torch.no_grad():
         hf.transformer.h[0].attn.c_proj.weight[0, 0] = float("inf")
     hf.save_pretrained(str(tmp_path / "hf"))
-    ckpt_said = (
-        "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it"
-    )
-    for flag, source, message in [
-        ("--checkpoint", tmp_path / "run", f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {ckpt_said}"),
-        (
-            "--hf-model",
-            tmp_path / "hf",
-            f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)",
-        ),
-    ]:
-        assert_refused_quietly(run_sample(source, flag=flag), message)
+    ckpt_said = "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint"
+    hf_said = "the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)"
+    said = f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {ckpt_said} next to it"
+    assert_refused_quietly(run_sample(tmp_path / "run"), said)
+    said = f"{tmp_path / 'hf' / 'model.safetensors'}: {hf_said}"
+    assert_refused_quietly(run_sample(tmp_path / "hf", flag="--hf-model"), said)
 
 
 def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
