@@ -24,20 +24,6 @@ DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file re
 SHARDS = dict(n_docs=300, seed=3)
 
 
-def edited_run(finished_run, folder, edit, checksum=True):
-    """folder holding the finished run's log and its checkpoint edited by edit(ckpt), with the sha256 of
-    its new contents inside (another program wrote it so) or, where that would mean reading an expanded
-    tensor whole, a made-up one. Returns the checkpoint's path."""
-    folder.mkdir()
-    shutil.copy(finished_run / "log.jsonl", folder)
-    ckpt = torch.load(finished_run / "ckpt_0000002.pt", weights_only=True)
-    edit(ckpt)
-    state = {k: v for k, v in ckpt.items() if k != "checksum"}
-    path = folder / "ckpt_0000002.pt"
-    checkpoints.save_checkpoint(str(path), state) if checksum else torch.save(dict(state, checksum="0" * 64), path)
-    return path
-
-
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
 def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
     """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
@@ -46,19 +32,17 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
     export = tmp_path / "export"
     assert run_main("hf_interop.py", "export", finished_run, export).returncode == 0
     (export / "gpt2_trainer_export.json").write_text(DEEP)
-    data = tmp_path / "data"
-    shutil.copytree(data_dir, data)
-    (data / "manifest.json").write_text(DEEP)
-    (tmp_path / "fineweb_out").mkdir()
-    (tmp_path / "fineweb_out" / "manifest.json").write_text(DEEP)
-    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + DEEP + "\n")
-    (tmp_path / "hellaswag.jsonl").write_text(HELLASWAG_FILE.read_text().splitlines()[0] + "\n" + DEEP + "\n")
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(DEEP)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "log.jsonl").write_text(DEEP + "\n")
+    data, hf, run = shutil.copytree(data_dir, tmp_path / "data"), tmp_path / "hf", tmp_path / "run"
+    for path, text in [
+        (data / "manifest.json", DEEP),
+        (tmp_path / "fineweb_out" / "manifest.json", DEEP),
+        (tmp_path / "docs.jsonl", json.dumps({"text": "fine"}) + "\n" + DEEP + "\n"),
+        (tmp_path / "hellaswag.jsonl", HELLASWAG_FILE.read_text().splitlines()[0] + "\n" + DEEP + "\n"),
+        (hf / "config.json", DEEP),
+        (run / "log.jsonl", DEEP + "\n"),
+    ]:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
     before = tree_hashes(tmp_path)
     cases = [
         (
@@ -194,13 +178,17 @@ CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in 
 def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_contents_are_read(
     finished_run, data_dir, tmp_path, edit, checksum, problem, loaders
 ):
-    """A checkpoint whose structure costs more than its file or whose tensors have other shapes than its config
-    gives, or whose resume fields are not of the types the trainer writes (its sha256 right): every loader of it (--resume, sample.py, hellaswag.py, export) refuses it in one line
-    before reading a tensor's contents."""
+    """A checkpoint whose structure costs more than its file, whose tensors' shapes are not its config's or whose
+    resume fields' types are not the trainer's: each loader refuses it in one line before reading a tensor."""
+    (tmp_path / "run").mkdir()
+    shutil.copy(finished_run / "log.jsonl", tmp_path / "run")
+    state, ckpt = torch.load(finished_run / "ckpt_0000002.pt", weights_only=True), tmp_path / "run" / "ckpt_0000002.pt"
+    edit(state)
+    state.pop("checksum")
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
-    try:
-        ckpt = edited_run(finished_run, tmp_path / "run", edit, checksum)
+    try:  # with its true sha256 (another program wrote it so) or, where that reads an expanded tensor whole, made up
+        checkpoints.save_checkpoint(str(ckpt), state) if checksum else torch.save(dict(state, checksum="0" * 64), ckpt)
     finally:
         sys.setrecursionlimit(limit)
     before = tree_hashes(tmp_path)
@@ -264,6 +252,7 @@ outside = lambda where: (
 )
 
 
+NOT_SIZES = "its config.json gives {}: not the sizes of a GPT-2 (positive integers)"
 HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     "fewer layers than its weights": (
         dict(n_layer=1),
@@ -272,16 +261,8 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
         "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
         "n_layer 1: is it the config of these weights?",
     ),
-    "negative n_layer": (
-        dict(n_layer=-1),
-        None,
-        "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)",
-    ),
-    "text n_embd": (
-        dict(n_embd="16"),
-        None,
-        "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)",
-    ),
+    "negative n_layer": (dict(n_layer=-1), None, NOT_SIZES.format("n_layer -1")),
+    "text n_embd": (dict(n_embd="16"), None, NOT_SIZES.format("n_embd '16'")),
     "absurd n_positions": (
         dict(n_positions=10**9),
         None,
@@ -294,8 +275,8 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     "unsafe pytorch_model.bin": (
         {},
         unsafe_bin,
-        "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
-        "plain values, which are never loaded)",
+        "cannot load {folder}/pytorch_model.bin (it holds pickled objects "
+        "other than tensors and plain values, which are never loaded)",
     ),
 }
 
