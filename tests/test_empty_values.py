@@ -61,13 +61,6 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, f
     assert state() == before and tree_hashes(REPO / "trainkit") == checkout and os.listdir(home) == []
 
 
-def test_an_export_into_a_new_folder_still_works(project, finished_run):
-    result = run_main("hf_interop.py", "export", finished_run, "hf", cwd=project)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
-    assert (project / "notes.txt").read_text() == "mine\n"
-
-
 @pytest.mark.parametrize(
     "script, args, argument",
     [
@@ -99,9 +92,13 @@ def test_every_script_refuses_an_empty_value(project, finished_run, script, args
     assert tree_hashes(project) == before
 
 
-def test_an_empty_prompt_is_still_a_prompt(finished_run):
-    """--prompt '' starts a new document: the one argument that may be empty on purpose."""
-    result = run_main(
-        "sample.py", "--checkpoint", finished_run, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2
-    )
+def test_an_export_into_a_new_folder_and_an_empty_prompt_still_work(project, finished_run):
+    """The refusals' controls: an export into a new folder, and --prompt '' (it starts a new document: the one
+    argument that may be empty on purpose)."""
+    result = run_main("hf_interop.py", "export", finished_run, "hf", cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
+    assert (project / "notes.txt").read_text() == "mine\n"
+    args = ["--checkpoint", finished_run, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2]
+    result = run_main("sample.py", *args)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -164,7 +164,7 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     given = finished_run / "ckpt_0000004.pt"
     theirs, mine = (resume.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
     os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
-    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    before = tree_hashes(other)
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
     assert_one_error_line(
         result,
@@ -172,7 +172,7 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
         f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
         "into the --out-dir of the checkpoint's own run, or a new one",
     )
-    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    assert tree_hashes(other) == before
     # into a folder without a log, the resumed run starts a log of its own: a branch, its resume record naming the
     # run it branched from (for plot_log.py to join it to that run's curve and no other)
     assert tg.main(tiny_run_args(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
@@ -181,18 +181,16 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     assert record["parent"] == mine == log_records(finished_run)[0]["run"] != record["run"] and record["step"] == 4
 
 
-@pytest.mark.parametrize("max_steps", [3, 4])
-def test_resume_at_or_past_max_steps_says_so(finished_copy, data_dir, tmp_path, max_steps):
-    run = finished_copy
-    before = {p.name: p.read_bytes() for p in run.iterdir()}
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
-    if max_steps < 4:  # a mistake: the run is already past the requested end
-        past = "is at step 4, past --max-steps 3: pass a larger --max-steps to train on"
-        assert_one_error_line(result, f"{run / 'ckpt_0000004.pt'} {past}")
-    else:  # a finished run started again (a requeued job): nothing to do
-        assert result.returncode == 0 and result.stderr == ""
-        assert f"{run / 'ckpt_0000004.pt'} is already at --max-steps 4: nothing to train" in result.stdout
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+def test_resume_at_or_past_max_steps_says_so(finished_copy, data_dir):
+    """Past it, a mistake: one line; at it, a finished run started again (a requeued job): nothing to do."""
+    run, ckpt, before = finished_copy, finished_copy / "ckpt_0000004.pt", tree_hashes(finished_copy)
+    past = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=3))
+    assert_one_error_line(past, f"{ckpt} is at step 4, past --max-steps 3: pass a larger --max-steps to train on")
+    assert tree_hashes(run) == before
+    at = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=4))
+    assert (at.returncode, at.stderr) == (0, "")
+    assert f"{ckpt} is already at --max-steps 4: nothing to train" in at.stdout
+    assert tree_hashes(run) == before
 
 
 # --- skip-spikes ----------------------------------------------------------------------------
@@ -298,12 +296,9 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
         tokens = np.load(shard)
         tokens[int(np.flatnonzero(tokens < 50000)[100])] ^= 1  # another real token
         np.save(shard, tokens)
-        digests = (
-            hashlib.sha256(shard.read_bytes()).hexdigest(),
-            json.loads(manifest.read_text())["shards"][3]["sha256"],
-        )
+        now, listed = hashlib.sha256(shard.read_bytes()).hexdigest(), json.loads(manifest.read_text())["shards"][3]
         message = (
-            f"{shard} has sha256 {digests[0][:16]}..., not the {digests[1][:16]}... that {manifest} records: the file "
+            f"{shard} has sha256 {now[:16]}..., not the {listed['sha256'][:16]}... that {manifest} records: the file "
             f"changed since fineweb.py wrote it (a damaged copy?); {again}"
         )
     before = tree_hashes(data)
@@ -327,9 +322,8 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     shutil.rmtree(data)
     os.rename(tmp_path / "again", data)
     assert (data / "manifest.json").read_bytes() != (made_data / "manifest.json").read_bytes()
-    assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == {
-        k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")
-    }
+    npy = lambda folder: {k: v for k, v in tree_hashes(folder).items() if k.endswith(".npy")}
+    assert npy(data) == npy(made_data)
     result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (0, "")
     assert trained_steps(out) == [0, 1, 2, 3]
@@ -369,17 +363,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
     assert out.exists() == (case == "--eval-only")
 
 
-# --- full disk, signals ---------------------------------------------------------------------
-def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
-    tmp_path.joinpath("log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=4))
-    assert_one_error_line(
-        result,
-        f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
-        "its last whole record). Last good checkpoint: none",
-    )
-
-
+# --- file-size limits, signals ---------------------------------------------------------------------
 def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path):
     limit = 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it after a few steps
     padding = (json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n").encode()
@@ -537,7 +521,8 @@ def test_gpt_state_shapes_are_the_models():
         assert checkpoint_checks.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
 
 
-CANNOT_USE = ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file"]
+CANNOT_USE = ["log cut short", "log not JSON", "log on a full disk", "out-dir a file", "NaN in the optimizer"]
+CANNOT_USE += ["init-from a file"]
 CANNOT_USE += ["export into a missing folder"] + [
     f"{c} of a {what}" for c in ("resume", "export") for what in ("log", "shard")
 ]
@@ -574,6 +559,11 @@ def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(fi
             f"--out-dir {out} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
             "wrote) but no checkpoint to resume: move the log aside",
         ),
+        "log on a full disk": (  # every write: ENOSPC
+            train(out, steps=4),
+            f"cannot write {log}: no space left on device (the log ends at its last whole record). Last good "
+            "checkpoint: none",
+        ),
         "out-dir a file": (
             train(log, steps=2),
             f"--out-dir {log} is a file, not a folder: a run writes its checkpoints and log.jsonl into a folder; "
@@ -599,10 +589,10 @@ def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(fi
     if case == "log cut short":
         lines = log.read_bytes().splitlines(keepends=True)
         log.write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
-    elif case == "log not JSON":
+    elif case in ("log not JSON", "log on a full disk"):
         shutil.rmtree(out)
         out.mkdir()
-        log.write_bytes(bytes(range(256)))
+        log.write_bytes(bytes(range(256))) if case == "log not JSON" else log.symlink_to("/dev/full")
     elif case == "NaN in the optimizer":  # saved with a valid checksum, as by another program
         state = torch.load(ckpt, weights_only=True)
         state["optimizer"]["state"][3]["exp_avg"][0] = float("nan")

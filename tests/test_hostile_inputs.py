@@ -303,19 +303,32 @@ def test_a_hugging_face_folder_is_checked_before_a_model_is_built(data_dir, tmp_
 
 
 # --- files that are not regular files ----------------------------------------------------------
+FIFO = "a named pipe (FIFO), not a regular file: it cannot be read as one"
+LOG_FIFO = (
+    "a named pipe (FIFO), not a regular file: a run would wait on it or write over it; remove it (the run makes "
+    "its own), or choose another --out-dir"
+)
+NOT_FILES = {  # {case: the line}
+    "shard fifo": "{path} is " + FIFO,
+    "shard /dev/zero": "{path} is a character device (a link to /dev/zero), not a regular file: it cannot be read as one",
+    "new log fifo": "{path} is " + LOG_FIFO,
+    "resumed log fifo": "{path} is " + LOG_FIFO,
+    "fineweb --files": "{path} is " + FIFO,
+    "hellaswag --data-file": "--data-file {path} is " + FIFO,
+}
+
+
 @pytest.fixture(scope="module")
 def not_files(finished_run, data_dir, tmp_path_factory):
-    """Shards, logs and inputs that are named pipes or a link to /dev/zero, given to the scripts run as programs in
-    one interpreter (run_as_programs), not in the test's process: a regression would block on the pipe, or read
-    /dev/zero without end, where a process's timeout ends it. {case: (CompletedProcess, its special file, the
-    folder's tree_hashes before it was made)}."""
+    """NOT_FILES' special files given to the scripts as programs in one interpreter (run_as_programs), not in the
+    test's process: a regression would block on the pipe or read /dev/zero without end, where a timeout ends a
+    process. {case: (CompletedProcess, its special file, whether it was still one)}, whether all else is unchanged."""
     tmp = tmp_path_factory.mktemp("not_files")
     fifo_data, zero_data = (Path(shutil.copytree(data_dir, tmp / name)) for name in ("fifo_data", "zero_data"))
-    new, resumed = tmp / "new", tmp / "resumed"
+    new, resumed, docs = tmp / "new", tmp / "resumed", tmp / "docs.jsonl"
     new.mkdir()
     shutil.copytree(finished_run, resumed)
     os.remove(resumed / "log.jsonl")
-    docs = tmp / "docs.jsonl"
     train = lambda data, out, *extra: ["train_gpt2.py", *tiny_run_args(data, out, *extra, steps=6)]
     cases = {
         "shard fifo": (fifo_data / "x_train_000009.npy", train(fifo_data, tmp / "o1")),
@@ -326,46 +339,23 @@ def not_files(finished_run, data_dir, tmp_path_factory):
         "hellaswag --data-file": (docs, ["hellaswag.py", "--data-file", docs, "--checkpoint", finished_run]),
     }
     before = tree_hashes(tmp)
-    os.mkfifo(docs)
-    for case, (path, _) in cases.items():
-        if case == "shard /dev/zero":
-            os.symlink("/dev/zero", path)
-        elif path != docs:
-            os.mkfifo(path)
+    for path in {path for path, _ in cases.values()}:
+        os.symlink("/dev/zero", path) if path.parent == zero_data else os.mkfifo(path)
     results = run_as_programs([dict(argv=[str(a) for a in argv]) for _, argv in cases.values()], timeout=300)
-    special = {case: path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for case, (path, _) in cases.items()}
+    special = [path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for path, _ in cases.values()]
     for path in {path for path, _ in cases.values()}:
         os.remove(path)
-    results = {case: (result, path) for (case, (path, _)), result in zip(cases.items(), results)}
-    return results, special, tree_hashes(tmp) == before
+    unchanged = tree_hashes(tmp) == before
+    return {
+        case: (result, path, still) for (case, (path, _)), result, still in zip(cases.items(), results, special)
+    }, unchanged
 
 
-FIFO = "a named pipe (FIFO), not a regular file: it cannot be read as one"
-LOG_FIFO = (
-    "a named pipe (FIFO), not a regular file: a run would wait on it or write over it; remove it (the run makes "
-    "its own), or choose another --out-dir"
-)
-
-
-@pytest.mark.parametrize(
-    "case, line",
-    [
-        ("shard fifo", "{path} is " + FIFO),
-        (
-            "shard /dev/zero",
-            "{path} is a character device (a link to /dev/zero), not a regular file: it cannot be read as one",
-        ),
-        ("new log fifo", "{path} is " + LOG_FIFO),
-        ("resumed log fifo", "{path} is " + LOG_FIFO),
-        ("fineweb --files", "{path} is " + FIFO),
-        ("hellaswag --data-file", "--data-file {path} is " + FIFO),
-    ],
-)
-def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case, line):
-    results, special, unchanged = not_files
-    result, path = results[case]
-    assert_refused(result, line.format(path=path))
-    assert special[case] and unchanged  # the pipe or link left as it was, and every other file
+@pytest.mark.parametrize("case", NOT_FILES)
+def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case):
+    (result, path, still_special), unchanged = not_files[0][case], not_files[1]
+    assert_refused(result, NOT_FILES[case].format(path=path))
+    assert still_special and unchanged  # the pipe or link left as it was, and every other file
 
 
 # --- models HellaSwag cannot score --------------------------------------------------------------
@@ -373,31 +363,28 @@ BLOCK_1 = (
     "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs "
     "at least 2 positions)"
 )
+CANNOT_SCORE = {  # {case: (the model's block_size and vocab_size, hellaswag.py's problem, the trainer's line)}
+    "block-size-1": ((1, 50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
+    "vocab-size-1000": (
+        (32, 1000),
+        "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this model's vocabulary of 1000 ids",
+        "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and HellaSwag feed the model: pass "
+        "--hellaswag-every 0",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "shape, problem, trainer_line",
-    [
-        (dict(block_size=1, vocab_size=50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
-        (
-            dict(block_size=32, vocab_size=1000),
-            "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this model's vocabulary of 1000 ids",
-            "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and "
-            "HellaSwag feed the model: pass --hellaswag-every 0",
-        ),
-    ],
-    ids=["block-size-1", "vocab-size-1000"],
-)
-def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, problem, trainer_line):
+@pytest.mark.parametrize("case", CANNOT_SCORE)
+def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, case):
     """hellaswag.py on its checkpoint, and the trainer asked to score it every N steps (refused before the
     first step, not after N steps of training): one line each, nothing written."""
-    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape))
+    (block_size, vocab_size), problem, trainer_line = CANNOT_SCORE[case]
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=block_size, vocab_size=vocab_size))
     checkpoint = write_checkpoint(model, tmp_path / "ckpt_0000001.pt")
     result = run_main("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
     assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
     out = tmp_path / "out"
-    flags = ["--vocab-size", shape["vocab_size"], "--hellaswag-every", 1, "--hellaswag-file", HELLASWAG_FILE]
-    args = tiny_run_args(data_dir, out, *flags, steps=2, n_layer=1, block_size=shape["block_size"], seq_len=1, rows=4)
-    result = run_main("train_gpt2.py", *args)
-    assert_refused(result, trainer_line)
+    flags = ["--vocab-size", vocab_size, "--hellaswag-every", 1, "--hellaswag-file", HELLASWAG_FILE]
+    args = tiny_run_args(data_dir, out, *flags, steps=2, n_layer=1, block_size=block_size, seq_len=1, rows=4)
+    assert_refused(run_main("train_gpt2.py", *args), trainer_line)
     assert not out.exists()
