@@ -15,7 +15,7 @@ import torch
 
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main, tiny_run_args, tree_hashes
-from conftest import write_checkpoint
+from conftest import tiny_hf, write_checkpoint
 from trainkit.runfiles import checkpoints
 
 
@@ -207,16 +207,10 @@ def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_content
 
 # --- Hugging Face folders: config and weights compared before a model is built ----------------
 def hf_folder(path, **config_edits):
-    """A save_pretrained folder of a tiny GPT-2 (2 layers, 100 ids, 32 positions), config.json then edited."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    GPT2LMHeadModel(
-        GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=None, eos_token_id=None)
-    ).save_pretrained(str(path))
-    if config_edits:
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **config_edits}))
+    """conftest's tiny_hf of 100 ids as a save_pretrained folder, config.json then edited."""
+    tiny_hf(vocab_size=100).save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **config_edits}))
     return path
 
 
@@ -296,9 +290,8 @@ def test_a_hugging_face_folder_is_checked_before_a_model_is_built(data_dir, tmp_
         command, line = (*command, *flags.split(), "--hellaswag-every", "0"), line.replace("--hf-model", "--init-from")
     assert_refused(run_main(*command), line)
     if case == "fewer layers than its weights":  # also where the other commands take a Hugging Face GPT-2
-        assert_refused(
-            run_main("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
-        )
+        command = ("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1")
+        assert_refused(run_main(*command), line)
     assert tree_hashes(tmp_path) == before
 
 

@@ -66,22 +66,24 @@ def attribute(path, flag):
 # --- a planted link is replaced, never written through -------------------------------------------------
 
 
-def killed_mid_save_copied(run_a, run_b, copy, outside):
-    """runA with what a kill mid-save leaves (*.tmp), copied to runB by `copy`; links to outside planted in runB at
-    the trainer's write probe and lock note (in-process: this pid's names). Returns runA's tree_hashes."""
+def test_copies_of_a_run_resumed_and_branched_leave_the_original_as_it_was(run_a, data_dir, tmp_path, outside):
+    """runA, with what a kill mid-save leaves (*.tmp), copied by cp -al to runB and runC and by cp -as to runD (its
+    log and checkpoints then relative links); links to outside planted in runB and runD at the trainer's write probe
+    and lock note (in-process: this pid's names). Resuming runB, and branching runC (with --keep-last) and runD at
+    step 2, write files of their own and move only their own names; runA and the outside file keep every byte, and
+    runA goes on."""
     (run_a / "ckpt_0000006.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
     (run_a / "log.jsonl.tmp").write_bytes(b'{"step": 0, "half a log')
-    subprocess.run([*copy.split(), str(run_a), str(run_b)], check=True)
-    for name in (f".write_test_{os.getpid()}", f".lock.{os.getpid()}.tmp"):
-        os.symlink(outside, run_b / name)
-    return tree_hashes(run_a)
-
-
-def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(run_a, data_dir, tmp_path, outside):
-    """cp -al runA runB: resuming runB writes its files as its own, branching runC (cp -al) at step 2 with
-    --keep-last cuts and moves only runC's names; runA and the outside file keep every byte, and runA goes on."""
-    run_b, run_c = tmp_path / "runB", tmp_path / "runC"
-    before = killed_mid_save_copied(run_a, run_b, "cp -al", outside)
+    run_b, run_c, run_d = tmp_path / "runB", tmp_path / "runC", tmp_path / "runD"
+    for copy, run in [("cp -al", run_b), ("cp -as", run_d)]:  # (runC after runB's resume: one other name)
+        subprocess.run([*copy.split(), str(run_a), str(run)], check=True)
+    for run in (run_b, run_d):
+        os.symlink(outside, run / f".write_test_{os.getpid()}")
+        os.symlink(outside, run / f".lock.{os.getpid()}.tmp")
+    for name in ("log.jsonl", "ckpt_0000002.pt", "ckpt_0000004.pt"):
+        os.remove(run_d / name)
+        os.symlink(os.path.join("..", "run", name), run_d / name)
+    before = tree_hashes(run_a)
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_b, "--resume", steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
@@ -100,20 +102,7 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(run_c)) == ["branch_0000004", "ckpt_0000006.pt", "log.jsonl"]
     assert tree_hashes(run_a) == before
-    # runA can still resume: its log is as its checkpoints recorded it, and its own (runB and runC copied theirs)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
-
-
-def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(run_a, data_dir, tmp_path, outside):
-    """cp -as runA runD, its log and checkpoints relative links: a branch at step 2 writes files of its own, the
-    later checkpoint's link set aside still names runA's file; runA and the outside file keep every byte."""
-    run_d = tmp_path / "runD"
-    before = killed_mid_save_copied(run_a, run_d, "cp -as", outside)
-    for name in ("log.jsonl", "ckpt_0000002.pt", "ckpt_0000004.pt"):
-        os.remove(run_d / name)
-        os.symlink(os.path.join("..", "run", name), run_d / name)
+    # runD: the later checkpoint's link, set aside into the branch folder, still names runA's file
     resume = ["--resume", str(run_d / "ckpt_0000002.pt")]
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_d, *resume, steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -125,6 +114,10 @@ def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(r
     assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(6))
     assert not any(os.path.islink(run_d / f"ckpt_{step:07d}.pt") for step in (4, 6))
     assert os.path.samefile(run_d / "branch_0000004" / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
+    # runA can still resume: its log is as its checkpoints recorded it, and its own (the copies copied theirs)
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
 
 
 @pytest.mark.parametrize("writer", ["fineweb.py", "shard scan cache", "plot_log.py", "lm-eval samples"])
