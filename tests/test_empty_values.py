@@ -4,6 +4,7 @@ folder or the checkout, whatever names it. In-process (run_main): test_cli runs 
 programs."""
 
 import os
+import shlex
 
 import pytest
 
@@ -61,30 +62,30 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, f
     assert state() == before and tree_hashes(REPO / "trainkit") == checkout and os.listdir(home) == []
 
 
-@pytest.mark.parametrize(
-    "script, args, argument",
-    [
-        ("train_gpt2.py", ["--init-from", ""], "--init-from"),
-        ("train_gpt2.py", ["--out-dir", ""], "--out-dir"),
-        ("train_gpt2.py", ["--data-dir", ""], "--data-dir"),
-        ("train_gpt2.py", ["--resume", ""], "--resume"),
-        ("train_gpt2.py", ["--wandb", ""], "--wandb"),
-        ("train_gpt2.py", ["--hellaswag-file", " "], "--hellaswag-file"),
-        ("sample.py", ["--checkpoint", ""], "--checkpoint"),
-        ("sample.py", ["--hf-model", ""], "--hf-model"),
-        ("hellaswag.py", ["--checkpoint", ""], "--checkpoint"),
-        ("hellaswag.py", ["--checkpoint", "x", "--data-file", ""], "--data-file"),
-        ("fineweb.py", ["--out-dir", ""], "--out-dir"),
-        ("fineweb.py", ["--files", ""], "--files"),
-        ("plot_log.py", [""], "path"),
-        ("hf_interop.py", ["eval", "", "--tasks", "hellaswag"], "checkpoint"),
-        ("hf_interop.py", ["export", "{run}", ""], "out_dir"),  # (an export into the current folder: deletes nothing)
-    ],
-    ids=lambda v: v if isinstance(v, str) else " ".join(v),
-)
-def test_every_script_refuses_an_empty_value(project, finished_run, script, args, argument):
-    before = tree_hashes(project)
-    result = run_main(script, *(a.format(run=finished_run) for a in args), cwd=project)
+EMPTY = {  # the command line (shlex): the argument refused
+    "train_gpt2.py --init-from ''": "--init-from",
+    "train_gpt2.py --out-dir ''": "--out-dir",
+    "train_gpt2.py --data-dir ''": "--data-dir",
+    "train_gpt2.py --resume ''": "--resume",
+    "train_gpt2.py --wandb ''": "--wandb",
+    "train_gpt2.py --hellaswag-file ' '": "--hellaswag-file",
+    "sample.py --checkpoint ''": "--checkpoint",
+    "sample.py --hf-model ''": "--hf-model",
+    "hellaswag.py --checkpoint ''": "--checkpoint",
+    "hellaswag.py --checkpoint x --data-file ''": "--data-file",
+    "fineweb.py --out-dir ''": "--out-dir",
+    "fineweb.py --files ''": "--files",
+    "plot_log.py ''": "path",
+    "hf_interop.py eval '' --tasks hellaswag": "checkpoint",
+    "hf_interop.py export {run} ''": "out_dir",  # (an export into the current folder: deletes nothing)
+}
+
+
+@pytest.mark.parametrize("command", EMPTY)
+def test_every_script_refuses_an_empty_value(project, finished_run, command):
+    script, *args = shlex.split(command.format(run=finished_run))
+    argument, before = EMPTY[command], tree_hashes(project)
+    result = run_main(script, *args, cwd=project)
     value = args[args.index(argument) + 1] if argument in args else ""
     prog = script + (f" {args[0]}" if args[0] in ("eval", "export") else "")
     assert_refused(result, empty_value(argument, prog).replace("('':", f"({value!r}:"))
