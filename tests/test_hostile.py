@@ -257,12 +257,6 @@ def made_data(tmp_path_factory):
     return folder / "data"
 
 
-def llmc_bin(tokens) -> bytes:
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = 20240520, 1, len(tokens)
-    return header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes()
-
-
 MANIFEST_CASES = ["another data set's shard", "a .bin copy beside its .npy", "a listed shard missing"]
 
 
@@ -283,7 +277,9 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
         shutil.copy(shard, data / "other_train_000001.npy")
         message = stray.format(data / "other_train_000001.npy", manifest)
     elif case == "a .bin copy beside its .npy":
-        (data / "data_train_000002.bin").write_bytes(llmc_bin(np.load(shard)))
+        header = np.zeros(256, dtype=np.int32)  # llm.c's: magic, version, token count
+        header[:3] = 20240520, 1, len(np.load(shard))
+        (data / "data_train_000002.bin").write_bytes(header.tobytes() + np.load(shard).astype(np.uint16).tobytes())
         message = stray.format(data / "data_train_000002.bin", manifest)
     elif case == "a listed shard missing":
         shard.unlink()

@@ -310,7 +310,7 @@ def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, t
 # --- a refusal changes nothing ---------------------------------------------------------------------------
 
 
-def no_space(request):
+def no_space(monkeypatch):
     """statvfs reporting 100 bytes free, to the resume's branch folder."""
     real = os.statvfs
 
@@ -318,10 +318,10 @@ def no_space(request):
         st = real(path)
         return os.statvfs_result((st.f_bsize, 1, st.f_blocks, 100, 100, *tuple(st)[5:]))
 
-    request.getfixturevalue("monkeypatch").setattr(branch_folders.os, "statvfs", almost_full)
+    monkeypatch.setattr(branch_folders.os, "statvfs", almost_full)
 
 
-def no_thread(request):
+def no_thread(monkeypatch):
     """Threads past the launch's own refused, as under ulimit -v or ulimit -u."""
     start = threading.Thread.start
 
@@ -330,13 +330,10 @@ def no_thread(request):
             raise RuntimeError("can't start new thread")
         start(thread)
 
-    request.getfixturevalue("monkeypatch").setattr(threading.Thread, "start", only_the_launch_threads)
+    monkeypatch.setattr(threading.Thread, "start", only_the_launch_threads)
 
 
-def no_wandb_login(request):
-    """--wandb with a W&B that cannot start a run (conftest's fake_wandb, as without a login)."""
-    request.getfixturevalue("fake_wandb")
-    return ["--wandb", "no-such-entity"]
+no_wandb_login = lambda monkeypatch: ["--wandb", "no-such-entity"]  # (conftest's fake_wandb: as without a login)
 
 
 AT_2 = "cannot resume at step 2 in {run}: "
@@ -373,7 +370,7 @@ REFUSED = {  # what stands in the way (a file's chattr flag, or a patch), and th
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, request, capsys, case):
+def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, monkeypatch, fake_wandb, capsys, case):
     """A resume at step 2 (without checkpoints: a restart) that cannot go through is refused in one line before
     the later branch moves, the log is cut or a branch folder is made: the folder is left as it was."""
     blocker, message = REFUSED[case]
@@ -385,7 +382,7 @@ def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, request, c
     flags = [] if restart else ["--resume", str(run_a / "ckpt_0000002.pt")]
     before = tree_hashes(run_a, folders=True)
     with attribute(run_a / blocker[0], blocker[1]) if isinstance(blocker, tuple) else contextlib.nullcontext():
-        extra = blocker(request) if callable(blocker) else None
+        extra = blocker(monkeypatch) if callable(blocker) else None
         assert tg.main(tiny_run_args(data_dir, run_a, *flags, *(extra or []), steps=8, ckpt_every=2)) == 2
     err = capsys.readouterr().err
     if message.endswith("..."):
