@@ -1,12 +1,14 @@
 """An empty argument (an unset shell variable: `--out-dir "$OUT"`) is refused by every script in one line naming it,
 before anything is read or written; an export never replaces a folder that is or holds the current folder, the home
-folder or the checkout, whatever names it. In-process (run_main), but one export as a program, end to end."""
+folder or the checkout, whatever names it. In-process (run_main): test_cli runs every script's usage errors as
+programs."""
 
 import os
+import shlex
 
 import pytest
 
-from conftest import REPO, assert_refused, run_command, run_main, tree_hashes
+from conftest import REPO, assert_one_error_line, assert_refused, run_main, tree_hashes
 
 
 @pytest.fixture
@@ -23,93 +25,81 @@ def empty_value(argument, script):
     return f"argument {argument}: got an empty value ('': an unset shell variable?) (see {script} --help)"
 
 
-def test_an_empty_export_folder_deletes_nothing(project, finished_run):
-    before = tree_hashes(project)
-    result = run_command(REPO / "hf_interop.py", "export", finished_run, "", cwd=project)
-    assert_refused(result, empty_value("out_dir", "hf_interop.py export"))
-    assert result.stdout == ""
-    assert tree_hashes(project) == before
+EXPORT_INTO = {  # where: what the line says it is
+    ".": "is the current folder",
+    "..": "holds the current folder",
+    "src/..": "is the current folder",
+    "~": "is your home folder",
+    "REPO": "is this repository's checkout",
+    "REPO/..": "holds this repository's checkout",
+    "link": "is the current folder",  # a symbolic link to the current folder, beside it
+    "empty .": "is the current folder",  # an empty current folder
+}
 
 
-@pytest.mark.parametrize("where", [".", "..", "src/..", "~", "REPO", "REPO/..", "link", "empty ."])
+@pytest.mark.parametrize("where", EXPORT_INTO)
 def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, finished_run, tmp_path, where):
     """Not even when that folder is empty, or would pass as an earlier export: the folder a shell
     stands in, a home folder and the checkout are the user's, whatever they hold."""
     home = tmp_path / "home"
     home.mkdir()
     out = where.replace("REPO", str(REPO)).replace("~", str(home))
-    if where == "link":  # a symbolic link to the current folder, beside it
+    if where == "link":
         os.symlink(project, tmp_path / "link")
         out = str(tmp_path / "link")
-    elif where == "empty .":  # an empty current folder
+    elif where == "empty .":
         project, out = tmp_path / "empty", "."
         project.mkdir()
-    before, inode = (tree_hashes(project), sorted(project.rglob("*"))), os.stat(project).st_ino
-    repo_before = tree_hashes(REPO / "trainkit")
+    state = lambda: (tree_hashes(project), sorted(project.rglob("*")), os.stat(project).st_ino)
+    before, checkout = state(), tree_hashes(REPO / "trainkit")
     result = run_main("hf_interop.py", "export", finished_run, out, cwd=project, env={"HOME": str(home)})
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    what = {
-        ".": "is the current folder",
-        "..": "holds the current folder",
-        "src/..": "is the current folder",
-        "~": "is your home folder",
-        "REPO": "is this repository's checkout",
-        "REPO/..": "holds this repository's checkout",
-        "link": "is the current folder",
-        "empty .": "is the current folder",
-    }[where]
+    what = EXPORT_INTO[where]
     if where == "REPO/.." and project.resolve().is_relative_to(REPO.resolve().parent):  # (a clone in /tmp)
         what = "holds the current folder"  # the current folder is named first, where one folder holds both
-    assert lines[0].startswith(f"error: cannot export into {out}: it {what} (") and lines[0].endswith(
-        "which an export would replace; export into a new folder"
-    ), lines[0]
-    assert (tree_hashes(project), sorted(project.rglob("*"))) == before and tree_hashes(
-        REPO / "trainkit"
-    ) == repo_before
-    assert os.stat(project).st_ino == inode and os.listdir(home) == []
+    assert_one_error_line(result)
+    assert result.stderr.startswith(f"error: cannot export into {out}: it {what} (")
+    assert result.stderr.endswith("which an export would replace; export into a new folder\n")
+    assert state() == before and tree_hashes(REPO / "trainkit") == checkout and os.listdir(home) == []
 
 
-def test_an_export_into_a_new_folder_still_works(project, finished_run):
-    result = run_main("hf_interop.py", "export", finished_run, "hf", cwd=project)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
-    assert (project / "notes.txt").read_text() == "mine\n"
+EMPTY = {  # the command line (shlex): the argument refused
+    "train_gpt2.py --init-from ''": "--init-from",
+    "train_gpt2.py --out-dir ''": "--out-dir",
+    "train_gpt2.py --data-dir ''": "--data-dir",
+    "train_gpt2.py --resume ''": "--resume",
+    "train_gpt2.py --wandb ''": "--wandb",
+    "train_gpt2.py --hellaswag-file ' '": "--hellaswag-file",
+    "sample.py --checkpoint ''": "--checkpoint",
+    "sample.py --hf-model ''": "--hf-model",
+    "hellaswag.py --checkpoint ''": "--checkpoint",
+    "hellaswag.py --checkpoint x --data-file ''": "--data-file",
+    "fineweb.py --out-dir ''": "--out-dir",
+    "fineweb.py --files ''": "--files",
+    "plot_log.py ''": "path",
+    "hf_interop.py eval '' --tasks hellaswag": "checkpoint",
+    "hf_interop.py export {run} ''": "out_dir",  # (an export into the current folder: deletes nothing)
+}
 
 
-@pytest.mark.parametrize(
-    "script, args, argument",
-    [
-        ("train_gpt2.py", ["--init-from", ""], "--init-from"),
-        ("train_gpt2.py", ["--out-dir", ""], "--out-dir"),
-        ("train_gpt2.py", ["--data-dir", ""], "--data-dir"),
-        ("train_gpt2.py", ["--resume", ""], "--resume"),
-        ("train_gpt2.py", ["--wandb", ""], "--wandb"),
-        ("train_gpt2.py", ["--hellaswag-file", " "], "--hellaswag-file"),
-        ("sample.py", ["--checkpoint", ""], "--checkpoint"),
-        ("sample.py", ["--hf-model", ""], "--hf-model"),
-        ("hellaswag.py", ["--checkpoint", ""], "--checkpoint"),
-        ("hellaswag.py", ["--checkpoint", "x", "--data-file", ""], "--data-file"),
-        ("fineweb.py", ["--out-dir", ""], "--out-dir"),
-        ("fineweb.py", ["--files", ""], "--files"),
-        ("plot_log.py", [""], "path"),
-        ("hf_interop.py", ["eval", "", "--tasks", "hellaswag"], "checkpoint"),
-    ],
-    ids=lambda v: v if isinstance(v, str) else " ".join(v),
-)
-def test_every_script_refuses_an_empty_value(project, script, args, argument):
-    before = tree_hashes(project)
+@pytest.mark.parametrize("command", EMPTY)
+def test_every_script_refuses_an_empty_value(project, finished_run, command):
+    script, *args = shlex.split(command.format(run=finished_run))
+    argument, before = EMPTY[command], tree_hashes(project)
     result = run_main(script, *args, cwd=project)
     value = args[args.index(argument) + 1] if argument in args else ""
-    prog = script + (" eval" if args[0] == "eval" else "")
+    prog = script + (f" {args[0]}" if args[0] in ("eval", "export") else "")
     assert_refused(result, empty_value(argument, prog).replace("('':", f"({value!r}:"))
     assert result.stdout == ""
     assert tree_hashes(project) == before
 
 
-def test_an_empty_prompt_is_still_a_prompt(finished_run):
-    """--prompt '' starts a new document: the one argument that may be empty on purpose."""
-    result = run_main(
-        "sample.py", "--checkpoint", finished_run, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2
-    )
+def test_an_export_into_a_new_folder_and_an_empty_prompt_still_work(project, finished_run):
+    """The refusals' controls: an export into a new folder, and --prompt '' (it starts a new document: the one
+    argument that may be empty on purpose)."""
+    result = run_main("hf_interop.py", "export", finished_run, "hf", cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(project / "hf"))
+    assert (project / "notes.txt").read_text() == "mine\n"
+    args = ["--checkpoint", finished_run, "--prompt", "", "--num-samples", 1, "--max-new-tokens", 2]
+    result = run_main("sample.py", *args)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -23,64 +23,41 @@ from trainkit.runfiles import checkpoint_checks, checkpoints, resume
 from trainkit.runtime import recovery
 
 SHARDS = dict(n_docs=300, seed=3)
-
-
-# --- flags ----------------------------------------------------------------------------------
 FLOAT_FLAGS = ["--max-lr", "--grad-clip", "--weight-decay", "--dist-timeout", "--muon-lr"]
 
 
-@pytest.mark.parametrize(
-    "extra,message",
-    [
-        (["--max-lr", "inf"], "--max-lr must be a finite number, got inf"),
-        (
-            ["--val-every", "5", "--val-steps", "0"],
-            "--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or --val-every 0",
-        ),
-        (["--seed", "-1", "--shuffle"], "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)"),
-        (
-            ["--batch-size", str(10**20)],
-            f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py --help)",
-        ),
-        (
-            ["--optimizer", "muon", "--fsdp"],
-            "--optimizer muon does not run under --fsdp (Muon needs each whole weight "
-            "matrix, which FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw",
-        ),
-        (
-            ["--dist-timeout", "1"],
-            "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait this long for each other (rank 0 "
-            "writing a checkpoint or samples, the first step compiling), and a shorter wait reports them as dead",
-        ),
-        (
-            ["--n-layer", "100000", "--n-embd", "8192"],
-            "the model has 8.05e+04B parameters: its weights, gradients and AdamW state (16 bytes per parameter) need "
-            "1.2e+06 GiB, more than this machine's RAM (...",  # (its size, then the advice)
-        ),
-        (
-            ["--vocab-size", "100", "--sample-every", "5", "--hellaswag-every", "5"],
-            "--vocab-size 100 is smaller than GPT-2's 50257 tokens, which sampling and HellaSwag feed the model: "
-            "pass --sample-every 0 --hellaswag-every 0",
-        ),
-        # finite flags, yet the first update overflows the weights: the checkpoint after it is refused
-        (
-            ["--max-lr", "1e38", "--warmup-steps", "0", "--ckpt-every", "1"],
-            "step 1: not writing {out}/ckpt_0000001.pt: the model weights (transformer.wte.weight, ...) hold "
-            "non-finite values. Last good checkpoint: none",
-        ),
-        *[([flag, "nan"], f"{flag} must be a finite number, got nan") for flag in FLOAT_FLAGS],
-    ],
-    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
-)
-def test_bad_flag_is_one_line(data_dir, tmp_path, extra, message):
-    """The whole line (where it ends in ..., its start); every float flag must be finite."""
-    out = tmp_path / "out"
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=3))
+# --- flags ----------------------------------------------------------------------------------
+BAD_FLAGS = {  # the flags: the whole line (where it ends in ..., its start); every float flag must be finite
+    "--max-lr inf": "--max-lr must be a finite number, got inf",
+    "--val-every 5 --val-steps 0": "--val-steps 0 with --val-every > 0 evaluates nothing: pass --val-steps N or "
+    "--val-every 0",
+    "--seed -1 --shuffle": "argument --seed: must be in 0..2**64-1, got -1 (see train_gpt2.py --help)",
+    f"--batch-size {10**20}": f"argument --batch-size: must be in 1..2**62, got {10**20} (see train_gpt2.py --help)",
+    "--optimizer muon --fsdp": "--optimizer muon does not run under --fsdp (Muon needs each whole weight matrix, "
+    "which FSDP splits over the ranks): drop --fsdp (DDP) or use --optimizer adamw",
+    "--dist-timeout 1": "--dist-timeout must be in [30.0, 1e9] seconds, got 1.0: healthy ranks wait this long for "
+    "each other (rank 0 writing a checkpoint or samples, the first step compiling), and a shorter wait reports them "
+    "as dead",
+    "--n-layer 100000 --n-embd 8192": "the model has 8.05e+04B parameters: its weights, gradients and AdamW state "
+    "(16 bytes per parameter) need 1.2e+06 GiB, more than this machine's RAM (...",  # (its size, then the advice)
+    "--vocab-size 100 --sample-every 5 --hellaswag-every 5": "--vocab-size 100 is smaller than GPT-2's 50257 "
+    "tokens, which sampling and HellaSwag feed the model: pass --sample-every 0 --hellaswag-every 0",
+    # finite flags, yet the first update overflows the weights: the checkpoint after it is refused
+    "--max-lr 1e38 --warmup-steps 0 --ckpt-every 1": "step 1: not writing {out}/ckpt_0000001.pt: the model weights "
+    "(transformer.wte.weight, ...) hold non-finite values. Last good checkpoint: none",
+    **{f"{flag} nan": f"{flag} must be a finite number, got nan" for flag in FLOAT_FLAGS},
+}
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS)
+def test_bad_flag_is_one_line(data_dir, tmp_path, flags):
+    out, message = tmp_path / "out", BAD_FLAGS[flags]
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, *flags.split(), steps=3))
     if message.endswith("..."):
         assert_one_error_line(result, message[:-3])
     else:
         assert_refused(result, message.format(out=out))
-    assert not [f for f in os.listdir(out) if f.endswith(".pt")] if out.exists() else True
+    assert not out.exists() or not [f for f in os.listdir(out) if f.endswith(".pt")]
 
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -105,42 +82,35 @@ def spoil(path, what):
         torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), path)
 
 
-@pytest.mark.parametrize(
-    "command,what,message",
-    [
-        (
-            "resume",
-            "nanogpt",
-            "not a train_gpt2.py checkpoint (no model_config, checksum; its keys: model, model_args, iter_num)",
-        ),
-        ("resume", "tensor", "not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)"),
-        ("resume", "unknown-key", "not a train_gpt2.py checkpoint (unknown model_config rotary)"),
-        ("export", "flipped", "damaged checkpoint"),
-        ("hellaswag", "flipped", "damaged checkpoint"),
-        # the newest checkpoint of the run resumed: the line names the earlier one
-        ("resume the run", "empty", "cannot load checkpoint (empty file (0 bytes)); truncated or corrupt: " + EARLIER),
-        (
-            "resume the run",
-            "flipped",
-            "damaged checkpoint (its contents do not match the sha256 written with it): " + EARLIER,
-        ),
-    ],
-)
-def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, tmp_path, command, what, message):
-    path, run = tmp_path / "given.pt", tmp_path / "run"
+NOT_OURS = "not a train_gpt2.py checkpoint "
+FOREIGN_OR_DAMAGED = {  # "command what": the line after the checkpoint's path
+    "resume nanogpt": NOT_OURS + "(no model_config, checksum; its keys: model, model_args, iter_num)",
+    "resume tensor": NOT_OURS + "(it holds a Tensor, not a dict)",
+    "resume unknown-key": NOT_OURS + "(unknown model_config rotary)",
+    "export flipped": "damaged checkpoint",
+    "hellaswag flipped": "damaged checkpoint",
+    # the newest checkpoint of the run resumed: the line names the earlier one
+    "run empty": "cannot load checkpoint (empty file (0 bytes)); truncated or corrupt: " + EARLIER,
+    "run flipped": "damaged checkpoint (its contents do not match the sha256 written with it): " + EARLIER,
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN_OR_DAMAGED)
+def test_foreign_or_damaged_checkpoint_in_every_command(finished_run, data_dir, tmp_path, case):
+    """`run`: the newest checkpoint of the run resumed with --resume alone."""
+    (command, what), path, run = case.split(), tmp_path / "given.pt", tmp_path / "run"
     shutil.copy(finished_run / "ckpt_0000004.pt", path)
-    if command == "resume the run":
+    if command == "run":
         path = shutil.copytree(finished_run, run) / "ckpt_0000004.pt"
     spoil(path, what)
-    if command == "resume the run":
-        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2))
-    elif command == "resume":
-        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "out", "--resume", path, steps=6))
-    elif command == "export":
-        result = run_main("hf_interop.py", "export", path, tmp_path / "hf")
-    else:
-        result = run_main("hellaswag.py", "--checkpoint", path, "--data-file", HELLASWAG_FILE, "--limit", 2)
-    assert_one_error_line(result, f"{path}: {message.format(run=run)}")
+    commands = {
+        "run": ("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=6, ckpt_every=2)),
+        "resume": ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "out", "--resume", path, steps=6)),
+        "export": ("hf_interop.py", "export", path, tmp_path / "hf"),
+        "hellaswag": ("hellaswag.py", "--checkpoint", path, "--data-file", HELLASWAG_FILE, "--limit", 2),
+    }
+    result = run_main(*commands[command])
+    assert_one_error_line(result, f"{path}: {FOREIGN_OR_DAMAGED[case].format(run=run)}")
 
 
 @pytest.mark.parametrize("via", ["load_checkpoint", "sample.py"])
@@ -194,7 +164,7 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
     given = finished_run / "ckpt_0000004.pt"
     theirs, mine = (resume.read_run(str(p))["id"] for p in (other / "ckpt_0000002.pt", given))
     os.rename(other / "ckpt_0000002.pt", tmp_path / "moved_away.pt")  # the log alone still tells whose the folder is
-    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    before = tree_hashes(other)
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, other, "--resume", given, steps=6))
     assert_one_error_line(
         result,
@@ -202,24 +172,25 @@ def test_resume_from_another_runs_checkpoint_never_touches_this_log(finished_run
         f"of run {theirs}, the checkpoint of run {mine}): resuming would corrupt it; resume "
         "into the --out-dir of the checkpoint's own run, or a new one",
     )
-    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
-    # into a folder without a log, the resumed run starts a log of its own
+    assert tree_hashes(other) == before
+    # into a folder without a log, the resumed run starts a log of its own: a branch, its resume record naming the
+    # run it branched from (for plot_log.py to join it to that run's curve and no other)
     assert tg.main(tiny_run_args(data_dir, tmp_path / "new", "--resume", str(given), steps=6)) == 0
     assert trained_steps(tmp_path / "new") == [4, 5]
+    (record,) = [r for r in log_records(tmp_path / "new") if r.get("event")]
+    assert record["parent"] == mine == log_records(finished_run)[0]["run"] != record["run"] and record["step"] == 4
 
 
-@pytest.mark.parametrize("max_steps", [3, 4])
-def test_resume_at_or_past_max_steps_says_so(finished_copy, data_dir, tmp_path, max_steps):
-    run = finished_copy
-    before = {p.name: p.read_bytes() for p in run.iterdir()}
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=max_steps))
-    if max_steps < 4:  # a mistake: the run is already past the requested end
-        past = "is at step 4, past --max-steps 3: pass a larger --max-steps to train on"
-        assert_one_error_line(result, f"{run / 'ckpt_0000004.pt'} {past}")
-    else:  # a finished run started again (a requeued job): nothing to do
-        assert result.returncode == 0 and result.stderr == ""
-        assert f"{run / 'ckpt_0000004.pt'} is already at --max-steps 4: nothing to train" in result.stdout
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+def test_resume_at_or_past_max_steps_says_so(finished_copy, data_dir):
+    """Past it, a mistake: one line; at it, a finished run started again (a requeued job): nothing to do."""
+    run, ckpt, before = finished_copy, finished_copy / "ckpt_0000004.pt", tree_hashes(finished_copy)
+    past = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=3))
+    assert_one_error_line(past, f"{ckpt} is at step 4, past --max-steps 3: pass a larger --max-steps to train on")
+    assert tree_hashes(run) == before
+    at = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", steps=4))
+    assert (at.returncode, at.stderr) == (0, "")
+    assert f"{ckpt} is already at --max-steps 4: nothing to train" in at.stdout
+    assert tree_hashes(run) == before
 
 
 # --- skip-spikes ----------------------------------------------------------------------------
@@ -286,12 +257,6 @@ def made_data(tmp_path_factory):
     return folder / "data"
 
 
-def llmc_bin(tokens) -> bytes:
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = 20240520, 1, len(tokens)
-    return header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes()
-
-
 MANIFEST_CASES = ["another data set's shard", "a .bin copy beside its .npy", "a listed shard missing"]
 
 
@@ -312,7 +277,9 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
         shutil.copy(shard, data / "other_train_000001.npy")
         message = stray.format(data / "other_train_000001.npy", manifest)
     elif case == "a .bin copy beside its .npy":
-        (data / "data_train_000002.bin").write_bytes(llmc_bin(np.load(shard)))
+        header = np.zeros(256, dtype=np.int32)  # llm.c's: magic, version, token count
+        header[:3] = 20240520, 1, len(np.load(shard))
+        (data / "data_train_000002.bin").write_bytes(header.tobytes() + np.load(shard).astype(np.uint16).tobytes())
         message = stray.format(data / "data_train_000002.bin", manifest)
     elif case == "a listed shard missing":
         shard.unlink()
@@ -325,12 +292,9 @@ def test_a_manifest_is_the_list_of_shards(made_data, tmp_path, case):
         tokens = np.load(shard)
         tokens[int(np.flatnonzero(tokens < 50000)[100])] ^= 1  # another real token
         np.save(shard, tokens)
-        digests = (
-            hashlib.sha256(shard.read_bytes()).hexdigest(),
-            json.loads(manifest.read_text())["shards"][3]["sha256"],
-        )
+        now, listed = hashlib.sha256(shard.read_bytes()).hexdigest(), json.loads(manifest.read_text())["shards"][3]
         message = (
-            f"{shard} has sha256 {digests[0][:16]}..., not the {digests[1][:16]}... that {manifest} records: the file "
+            f"{shard} has sha256 {now[:16]}..., not the {listed['sha256'][:16]}... that {manifest} records: the file "
             f"changed since fineweb.py wrote it (a damaged copy?); {again}"
         )
     before = tree_hashes(data)
@@ -354,9 +318,8 @@ def test_resume_on_shards_made_again_byte_identical_says_nothing(made_data, tmp_
     shutil.rmtree(data)
     os.rename(tmp_path / "again", data)
     assert (data / "manifest.json").read_bytes() != (made_data / "manifest.json").read_bytes()
-    assert {k: v for k, v in tree_hashes(data).items() if k.endswith(".npy")} == {
-        k: v for k, v in tree_hashes(made_data).items() if k.endswith(".npy")
-    }
+    npy = lambda folder: {k: v for k, v in tree_hashes(folder).items() if k.endswith(".npy")}
+    assert npy(data) == npy(made_data)
     result = run_main("train_gpt2.py", *tiny_run_args(str(data), out, "--resume", steps=4, ckpt_every=2))
     assert (result.returncode, result.stderr) == (0, "")
     assert trained_steps(out) == [0, 1, 2, 3]
@@ -396,17 +359,7 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
     assert out.exists() == (case == "--eval-only")
 
 
-# --- full disk, signals ---------------------------------------------------------------------
-def test_full_disk_while_logging_is_one_line(data_dir, tmp_path):
-    tmp_path.joinpath("log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, tmp_path, steps=4))
-    assert_one_error_line(
-        result,
-        f"cannot write {tmp_path / 'log.jsonl'}: no space left on device (the log ends at "
-        "its last whole record). Last good checkpoint: none",
-    )
-
-
+# --- file-size limits, signals ---------------------------------------------------------------------
 def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path):
     limit = 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it after a few steps
     padding = (json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n").encode()
@@ -564,81 +517,85 @@ def test_gpt_state_shapes_are_the_models():
         assert checkpoint_checks.gpt_state_shapes(shape) == {k: tuple(v.shape) for k, v in state.items()}
 
 
-def re_summed(src, dst, edit):
-    """A copy of checkpoint src edited by edit(ckpt) and saved with a valid checksum (another program)."""
-    ckpt = torch.load(src, weights_only=True)
-    edit(ckpt)
-    checkpoints.save_checkpoint(str(dst), {k: v for k, v in ckpt.items() if k != "checksum"})
+CANNOT_USE = ["log cut short", "log not JSON", "log on a full disk", "out-dir a file", "NaN in the optimizer"]
+CANNOT_USE += ["init-from a file"]
+CANNOT_USE += ["export into a missing folder"] + [
+    f"{c} of a {what}" for c in ("resume", "export") for what in ("log", "shard")
+]
 
 
-CANNOT_USE = ["log cut short", "log not JSON", "out-dir a file", "NaN in the optimizer", "init-from a file", "export"]
-NO_CHECKPOINT = [f"{command} of a {what}" for command in ("resume", "export") for what in ("log", "shard")]
-
-
-@pytest.mark.parametrize("case", CANNOT_USE + NO_CHECKPOINT)
+@pytest.mark.parametrize("case", CANNOT_USE)
 def test_a_folder_or_file_a_command_cannot_use_is_one_line_and_left_as_it_was(finished_run, data_dir, tmp_path, case):
-    out, ckpt = tmp_path / "run", finished_run / "ckpt_0000004.pt"
-    shutil.copytree(finished_run, out)
-    command = ("train_gpt2.py", *tiny_run_args(data_dir, out, "--resume", steps=6))
-    if case in NO_CHECKPOINT:  # a --resume PATH (into a new --out-dir) or an export of a file that is no checkpoint
-        path, kind = out / "log.jsonl", "a JSON text file (a log.jsonl?)"
-        beside = f"the newest checkpoint beside it is {out / 'ckpt_0000004.pt'}"
-        if case.endswith("shard"):
-            path, kind = os.path.join(data_dir, min(p for p in os.listdir(data_dir) if "_train_" in p)), "a NumPy array"
-            kind, beside = kind + " (a token shard?)", "there is no checkpoint beside it"
-        command = ("train_gpt2.py", *tiny_run_args(data_dir, tmp_path / "new", "--resume", path, steps=6))
-        if case.startswith("export"):
-            command = ("hf_interop.py", "export", path, tmp_path / "hf")
-        line = (f"{path} is not a checkpoint but {kind}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({beside})",)
-    elif case == "log cut short":
-        lines = (out / "log.jsonl").read_bytes().splitlines(keepends=True)
-        (out / "log.jsonl").write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
-        line = (
-            f"{out}/log.jsonl is the log of run {json.loads(lines[0])['run']}, but not as it was when "
-            f"{out}/ckpt_0000004.pt was written (it holds ",
-            "it was cut short or edited since, and resuming would cut it in the wrong place; restore "
-            "it, or move it aside (the resume then starts a new log.jsonl)",
-        )
-    elif case == "log not JSON":
-        shutil.rmtree(out)
-        out.mkdir()
-        (out / "log.jsonl").write_bytes(bytes(range(256)))
-        command = ("train_gpt2.py", *tiny_run_args(data_dir, out, steps=2))
-        line = (
+    """The line's fragments, the first its start; "... of a log/shard": --resume PATH into a new --out-dir, or an
+    export, of a file that is no checkpoint."""
+    out, ckpt, new, hf = tmp_path / "run", finished_run / "ckpt_0000004.pt", tmp_path / "new", tmp_path / "hf"
+    log, shard = out / "log.jsonl", os.path.join(data_dir, min(p for p in os.listdir(data_dir) if "_train_" in p))
+    newest = shutil.copytree(finished_run, out) / "ckpt_0000004.pt"
+    train = lambda out, *extra, steps=6: ("train_gpt2.py", *tiny_run_args(data_dir, out, *extra, steps=steps))
+    init_from = train(new, "--init-from", ckpt, steps=2)
+    for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
+        init_from = init_from[: init_from.index(flag)] + init_from[init_from.index(flag) + 2 :]
+    no_ckpt = "{} is not a checkpoint but {}: pass a ckpt_NNNNNNN.pt or a run's --out-dir ({})".format
+    of_log = no_ckpt(log, "a JSON text file (a log.jsonl?)", f"the newest checkpoint beside it is {newest}")
+    of_shard = no_ckpt(shard, "a NumPy array (a token shard?)", "there is no checkpoint beside it")
+    commands_and_lines = {
+        "resume of a log": (train(new, "--resume", log), of_log),
+        "resume of a shard": (train(new, "--resume", shard), of_shard),
+        "export of a log": (("hf_interop.py", "export", log, hf), of_log),
+        "export of a shard": (("hf_interop.py", "export", shard, hf), of_shard),
+        "log cut short": (
+            train(out, "--resume"),
+            f"{log} is the log of run {log_records(finished_run)[0]['run']}, but not as it was when {newest} "
+            "was written (it holds ",
+            "it was cut short or edited since, and resuming would cut it in the wrong place; restore it, or move it "
+            "aside (the resume then starts a new log.jsonl)",
+        ),
+        "log not JSON": (
+            train(out, steps=2),
             f"--out-dir {out} holds a log.jsonl of no run (no line of it is a JSON record: not a log this trainer "
             "wrote) but no checkpoint to resume: move the log aside",
-        )
-    elif case == "out-dir a file":
-        command = ("train_gpt2.py", *tiny_run_args(data_dir, out / "log.jsonl", steps=2))
-        line = (
-            f"--out-dir {out}/log.jsonl is a file, not a folder: a run writes its checkpoints and log.jsonl into a "
-            "folder; choose another --out-dir",
-        )
-    elif case == "NaN in the optimizer":
-        plant_nan = lambda c: c["optimizer"]["state"][3]["exp_avg"].__setitem__(0, float("nan"))
-        re_summed(ckpt, out / "ckpt_0000004.pt", plant_nan)
-        line = (
-            f"{out}/ckpt_0000004.pt: the optimizer state holds NaN or inf (exp_avg of parameter 3): use the "
-            f"earlier checkpoint {out}/ckpt_0000002.pt",
-        )
-    elif case == "init-from a file":
-        args = tiny_run_args(data_dir, tmp_path / "new", "--init-from", ckpt, steps=2)
-        for flag in ("--n-layer", "--n-head", "--n-embd"):  # (the weights set the shape)
-            del args[args.index(flag) : args.index(flag) + 2]
-        command = ("train_gpt2.py", *args)
-        line = (
+        ),
+        "log on a full disk": (  # every write: ENOSPC
+            train(out, steps=4),
+            f"cannot write {log}: no space left on device (the log ends at its last whole record). Last good "
+            "checkpoint: none",
+        ),
+        "out-dir a file": (
+            train(log, steps=2),
+            f"--out-dir {log} is a file, not a folder: a run writes its checkpoints and log.jsonl into a folder; "
+            "choose another --out-dir",
+        ),
+        "NaN in the optimizer": (
+            train(out, "--resume"),
+            f"{newest}: the optimizer state holds NaN or inf (exp_avg of parameter 3): use the earlier "
+            f"checkpoint {out}/ckpt_0000002.pt",
+        ),
+        "init-from a file": (
+            init_from,
             f"--init-from {ckpt} is a file, and --init-from takes a Hugging Face GPT-2: a Hub name (gpt2, ...) or a "
             "folder written by save_pretrained; --resume PATH continues a train_gpt2.py checkpoint's run; to start "
             "a new run from its weights, export it (hf_interop.py export PATH DIR) and pass --init-from DIR",
-        )
-    else:  # an export into a missing folder
-        command = ("hf_interop.py", "export", out, tmp_path / "missing" / "hf")
-        line = (
+        ),
+        "export into a missing folder": (
+            ("hf_interop.py", "export", out, tmp_path / "missing" / "hf"),
             f"cannot write the Hugging Face model to {tmp_path}/missing/hf: the folder it goes into, "
             f"{tmp_path}/missing, does not exist; create it, or choose another output folder",
-        )
+        ),
+    }
+    if case == "log cut short":
+        lines = log.read_bytes().splitlines(keepends=True)
+        log.write_bytes(b"".join(lines[:1] + lines[2:]))  # one line deleted
+    elif case in ("log not JSON", "log on a full disk"):
+        shutil.rmtree(out)
+        out.mkdir()
+        log.write_bytes(bytes(range(256))) if case == "log not JSON" else log.symlink_to("/dev/full")
+    elif case == "NaN in the optimizer":  # saved with a valid checksum, as by another program
+        state = torch.load(ckpt, weights_only=True)
+        state["optimizer"]["state"][3]["exp_avg"][0] = float("nan")
+        checkpoints.save_checkpoint(str(newest), {k: v for k, v in state.items() if k != "checksum"})
+    command, line, *fragments = commands_and_lines[case]
     before = tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))  # (no folder made either)
     result = run_main(*command)
-    assert_one_error_line(result, f"error: {line[0]}", *line[1:])
+    assert_one_error_line(result, f"error: {line}", *fragments)
     assert "weights_only" not in result.stderr
     assert (tree_hashes(tmp_path), sorted(tmp_path.rglob("*"))) == before

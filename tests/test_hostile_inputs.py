@@ -15,27 +15,13 @@ import torch
 
 import train_gpt2 as tg
 from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main, tiny_run_args, tree_hashes
-from conftest import write_checkpoint
+from conftest import tiny_hf, write_checkpoint
 from trainkit.runfiles import checkpoints
 
 
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
 SHARDS = dict(n_docs=300, seed=3)
-
-
-def edited_run(finished_run, folder, edit, checksum=True):
-    """folder holding the finished run's log and its checkpoint edited by edit(ckpt), with the sha256 of
-    its new contents inside (another program wrote it so) or, where that would mean reading an expanded
-    tensor whole, a made-up one. Returns the checkpoint's path."""
-    folder.mkdir()
-    shutil.copy(finished_run / "log.jsonl", folder)
-    ckpt = torch.load(finished_run / "ckpt_0000002.pt", weights_only=True)
-    edit(ckpt)
-    state = {k: v for k, v in ckpt.items() if k != "checksum"}
-    path = folder / "ckpt_0000002.pt"
-    checkpoints.save_checkpoint(str(path), state) if checksum else torch.save(dict(state, checksum="0" * 64), path)
-    return path
 
 
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
@@ -46,19 +32,17 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
     export = tmp_path / "export"
     assert run_main("hf_interop.py", "export", finished_run, export).returncode == 0
     (export / "gpt2_trainer_export.json").write_text(DEEP)
-    data = tmp_path / "data"
-    shutil.copytree(data_dir, data)
-    (data / "manifest.json").write_text(DEEP)
-    (tmp_path / "fineweb_out").mkdir()
-    (tmp_path / "fineweb_out" / "manifest.json").write_text(DEEP)
-    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + DEEP + "\n")
-    (tmp_path / "hellaswag.jsonl").write_text(HELLASWAG_FILE.read_text().splitlines()[0] + "\n" + DEEP + "\n")
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(DEEP)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "log.jsonl").write_text(DEEP + "\n")
+    data, hf, run = shutil.copytree(data_dir, tmp_path / "data"), tmp_path / "hf", tmp_path / "run"
+    for path, text in [
+        (data / "manifest.json", DEEP),
+        (tmp_path / "fineweb_out" / "manifest.json", DEEP),
+        (tmp_path / "docs.jsonl", json.dumps({"text": "fine"}) + "\n" + DEEP + "\n"),
+        (tmp_path / "hellaswag.jsonl", HELLASWAG_FILE.read_text().splitlines()[0] + "\n" + DEEP + "\n"),
+        (hf / "config.json", DEEP),
+        (run / "log.jsonl", DEEP + "\n"),
+    ]:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
     before = tree_hashes(tmp_path)
     cases = [
         (
@@ -194,13 +178,17 @@ CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in 
 def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_contents_are_read(
     finished_run, data_dir, tmp_path, edit, checksum, problem, loaders
 ):
-    """A checkpoint whose structure costs more than its file or whose tensors have other shapes than its config
-    gives, or whose resume fields are not of the types the trainer writes (its sha256 right): every loader of it (--resume, sample.py, hellaswag.py, export) refuses it in one line
-    before reading a tensor's contents."""
+    """A checkpoint whose structure costs more than its file, whose tensors' shapes are not its config's or whose
+    resume fields' types are not the trainer's: each loader refuses it in one line before reading a tensor."""
+    (tmp_path / "run").mkdir()
+    shutil.copy(finished_run / "log.jsonl", tmp_path / "run")
+    state, ckpt = torch.load(finished_run / "ckpt_0000002.pt", weights_only=True), tmp_path / "run" / "ckpt_0000002.pt"
+    edit(state)
+    state.pop("checksum")
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # torch.save pickles recursively; the loader must not
-    try:
-        ckpt = edited_run(finished_run, tmp_path / "run", edit, checksum)
+    try:  # with its true sha256 (another program wrote it so) or, where that reads an expanded tensor whole, made up
+        checkpoints.save_checkpoint(str(ckpt), state) if checksum else torch.save(dict(state, checksum="0" * 64), ckpt)
     finally:
         sys.setrecursionlimit(limit)
     before = tree_hashes(tmp_path)
@@ -219,16 +207,10 @@ def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_content
 
 # --- Hugging Face folders: config and weights compared before a model is built ----------------
 def hf_folder(path, **config_edits):
-    """A save_pretrained folder of a tiny GPT-2 (2 layers, 100 ids, 32 positions), config.json then edited."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    GPT2LMHeadModel(
-        GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=None, eos_token_id=None)
-    ).save_pretrained(str(path))
-    if config_edits:
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **config_edits}))
+    """conftest's tiny_hf of 100 ids as a save_pretrained folder, config.json then edited."""
+    tiny_hf(vocab_size=100).save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **config_edits}))
     return path
 
 
@@ -264,6 +246,7 @@ outside = lambda where: (
 )
 
 
+NOT_SIZES = "its config.json gives {}: not the sizes of a GPT-2 (positive integers)"
 HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     "fewer layers than its weights": (
         dict(n_layer=1),
@@ -272,16 +255,8 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
         "(transformer.h.1.attn.c_attn.bias, transformer.h.1.attn.c_attn.weight, ...; 12 in all); config.json gives "
         "n_layer 1: is it the config of these weights?",
     ),
-    "negative n_layer": (
-        dict(n_layer=-1),
-        None,
-        "its config.json gives n_layer -1: not the sizes of a GPT-2 (positive integers)",
-    ),
-    "text n_embd": (
-        dict(n_embd="16"),
-        None,
-        "its config.json gives n_embd '16': not the sizes of a GPT-2 (positive integers)",
-    ),
+    "negative n_layer": (dict(n_layer=-1), None, NOT_SIZES.format("n_layer -1")),
+    "text n_embd": (dict(n_embd="16"), None, NOT_SIZES.format("n_embd '16'")),
     "absurd n_positions": (
         dict(n_positions=10**9),
         None,
@@ -294,8 +269,8 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     "unsafe pytorch_model.bin": (
         {},
         unsafe_bin,
-        "cannot load {folder}/pytorch_model.bin (it holds pickled objects other than tensors and "
-        "plain values, which are never loaded)",
+        "cannot load {folder}/pytorch_model.bin (it holds pickled objects "
+        "other than tensors and plain values, which are never loaded)",
     ),
 }
 
@@ -315,26 +290,38 @@ def test_a_hugging_face_folder_is_checked_before_a_model_is_built(data_dir, tmp_
         command, line = (*command, *flags.split(), "--hellaswag-every", "0"), line.replace("--hf-model", "--init-from")
     assert_refused(run_main(*command), line)
     if case == "fewer layers than its weights":  # also where the other commands take a Hugging Face GPT-2
-        assert_refused(
-            run_main("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1"), line
-        )
+        command = ("hellaswag.py", "--hf-model", folder, "--data-file", HELLASWAG_FILE, "--limit", "1")
+        assert_refused(run_main(*command), line)
     assert tree_hashes(tmp_path) == before
 
 
 # --- files that are not regular files ----------------------------------------------------------
+FIFO = "a named pipe (FIFO), not a regular file: it cannot be read as one"
+LOG_FIFO = (
+    "a named pipe (FIFO), not a regular file: a run would wait on it or write over it; remove it (the run makes "
+    "its own), or choose another --out-dir"
+)
+NOT_FILES = {  # {case: the line}
+    "shard fifo": "{path} is " + FIFO,
+    "shard /dev/zero": "{path} is a character device (a link to /dev/zero), not a regular file: it cannot be read as one",
+    "new log fifo": "{path} is " + LOG_FIFO,
+    "resumed log fifo": "{path} is " + LOG_FIFO,
+    "fineweb --files": "{path} is " + FIFO,
+    "hellaswag --data-file": "--data-file {path} is " + FIFO,
+}
+
+
 @pytest.fixture(scope="module")
 def not_files(finished_run, data_dir, tmp_path_factory):
-    """Shards, logs and inputs that are named pipes or a link to /dev/zero, given to the scripts run as programs in
-    one interpreter (run_as_programs), not in the test's process: a regression would block on the pipe, or read
-    /dev/zero without end, where a process's timeout ends it. {case: (CompletedProcess, its special file, the
-    folder's tree_hashes before it was made)}."""
+    """NOT_FILES' special files given to the scripts as programs in one interpreter (run_as_programs), not in the
+    test's process: a regression would block on the pipe or read /dev/zero without end, where a timeout ends a
+    process. {case: (CompletedProcess, its special file, whether it was still one)}, whether all else is unchanged."""
     tmp = tmp_path_factory.mktemp("not_files")
     fifo_data, zero_data = (Path(shutil.copytree(data_dir, tmp / name)) for name in ("fifo_data", "zero_data"))
-    new, resumed = tmp / "new", tmp / "resumed"
+    new, resumed, docs = tmp / "new", tmp / "resumed", tmp / "docs.jsonl"
     new.mkdir()
     shutil.copytree(finished_run, resumed)
     os.remove(resumed / "log.jsonl")
-    docs = tmp / "docs.jsonl"
     train = lambda data, out, *extra: ["train_gpt2.py", *tiny_run_args(data, out, *extra, steps=6)]
     cases = {
         "shard fifo": (fifo_data / "x_train_000009.npy", train(fifo_data, tmp / "o1")),
@@ -345,46 +332,23 @@ def not_files(finished_run, data_dir, tmp_path_factory):
         "hellaswag --data-file": (docs, ["hellaswag.py", "--data-file", docs, "--checkpoint", finished_run]),
     }
     before = tree_hashes(tmp)
-    os.mkfifo(docs)
-    for case, (path, _) in cases.items():
-        if case == "shard /dev/zero":
-            os.symlink("/dev/zero", path)
-        elif path != docs:
-            os.mkfifo(path)
+    for path in {path for path, _ in cases.values()}:
+        os.symlink("/dev/zero", path) if path.parent == zero_data else os.mkfifo(path)
     results = run_as_programs([dict(argv=[str(a) for a in argv]) for _, argv in cases.values()], timeout=300)
-    special = {case: path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for case, (path, _) in cases.items()}
+    special = [path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for path, _ in cases.values()]
     for path in {path for path, _ in cases.values()}:
         os.remove(path)
-    results = {case: (result, path) for (case, (path, _)), result in zip(cases.items(), results)}
-    return results, special, tree_hashes(tmp) == before
+    unchanged = tree_hashes(tmp) == before
+    return {
+        case: (result, path, still) for (case, (path, _)), result, still in zip(cases.items(), results, special)
+    }, unchanged
 
 
-FIFO = "a named pipe (FIFO), not a regular file: it cannot be read as one"
-LOG_FIFO = (
-    "a named pipe (FIFO), not a regular file: a run would wait on it or write over it; remove it (the run makes "
-    "its own), or choose another --out-dir"
-)
-
-
-@pytest.mark.parametrize(
-    "case, line",
-    [
-        ("shard fifo", "{path} is " + FIFO),
-        (
-            "shard /dev/zero",
-            "{path} is a character device (a link to /dev/zero), not a regular file: it cannot be read as one",
-        ),
-        ("new log fifo", "{path} is " + LOG_FIFO),
-        ("resumed log fifo", "{path} is " + LOG_FIFO),
-        ("fineweb --files", "{path} is " + FIFO),
-        ("hellaswag --data-file", "--data-file {path} is " + FIFO),
-    ],
-)
-def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case, line):
-    results, special, unchanged = not_files
-    result, path = results[case]
-    assert_refused(result, line.format(path=path))
-    assert special[case] and unchanged  # the pipe or link left as it was, and every other file
+@pytest.mark.parametrize("case", NOT_FILES)
+def test_a_file_that_is_not_a_regular_file_is_refused_not_read(not_files, case):
+    (result, path, still_special), unchanged = not_files[0][case], not_files[1]
+    assert_refused(result, NOT_FILES[case].format(path=path))
+    assert still_special and unchanged  # the pipe or link left as it was, and every other file
 
 
 # --- models HellaSwag cannot score --------------------------------------------------------------
@@ -392,31 +356,28 @@ BLOCK_1 = (
     "HellaSwag predicts each ending from its context, which a model of --block-size 1 cannot see (it needs "
     "at least 2 positions)"
 )
+CANNOT_SCORE = {  # {case: (the model's block_size and vocab_size, hellaswag.py's problem, the trainer's line)}
+    "block-size-1": ((1, 50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
+    "vocab-size-1000": (
+        (32, 1000),
+        "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this model's vocabulary of 1000 ids",
+        "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and HellaSwag feed the model: pass "
+        "--hellaswag-every 0",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "shape, problem, trainer_line",
-    [
-        (dict(block_size=1, vocab_size=50304), BLOCK_1, f"--hellaswag-every 1: {BLOCK_1}; pass --hellaswag-every 0"),
-        (
-            dict(block_size=32, vocab_size=1000),
-            "HellaSwag's examples are GPT-2's tokens (ids up to 50256), beyond this model's vocabulary of 1000 ids",
-            "--vocab-size 1000 is smaller than GPT-2's 50257 tokens, which sampling and "
-            "HellaSwag feed the model: pass --hellaswag-every 0",
-        ),
-    ],
-    ids=["block-size-1", "vocab-size-1000"],
-)
-def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, shape, problem, trainer_line):
+@pytest.mark.parametrize("case", CANNOT_SCORE)
+def test_a_model_hellaswag_cannot_score_is_one_line(data_dir, tmp_path, case):
     """hellaswag.py on its checkpoint, and the trainer asked to score it every N steps (refused before the
     first step, not after N steps of training): one line each, nothing written."""
-    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, **shape))
+    (block_size, vocab_size), problem, trainer_line = CANNOT_SCORE[case]
+    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=block_size, vocab_size=vocab_size))
     checkpoint = write_checkpoint(model, tmp_path / "ckpt_0000001.pt")
     result = run_main("hellaswag.py", "--checkpoint", checkpoint, "--limit", "4", "--data-file", HELLASWAG_FILE)
     assert_refused(result, f"cannot score this model on HellaSwag: {problem}")
     out = tmp_path / "out"
-    flags = ["--vocab-size", shape["vocab_size"], "--hellaswag-every", 1, "--hellaswag-file", HELLASWAG_FILE]
-    args = tiny_run_args(data_dir, out, *flags, steps=2, n_layer=1, block_size=shape["block_size"], seq_len=1, rows=4)
-    result = run_main("train_gpt2.py", *args)
-    assert_refused(result, trainer_line)
+    flags = ["--vocab-size", vocab_size, "--hellaswag-every", 1, "--hellaswag-file", HELLASWAG_FILE]
+    args = tiny_run_args(data_dir, out, *flags, steps=2, n_layer=1, block_size=block_size, seq_len=1, rows=4)
+    assert_refused(run_main("train_gpt2.py", *args), trainer_line)
     assert not out.exists()

@@ -1,7 +1,6 @@
-"""What a tool writes lands only where it means to, and what it refuses it leaves as it was: a link or a
-shared file planted where a writer makes its temporary file, or at the name it writes, is replaced and
-never written through; a --out-dir moved and replaced mid-run stops the writer, naming both folders, with
-nothing written into the other; a refused resume or restart leaves its folder byte for byte as it was."""
+"""What a tool writes lands only where it means to: a link or a shared file at a writer's temporary or target name
+is replaced, never written through; a --out-dir moved and replaced mid-run stops the writer, naming both folders,
+with nothing written into the other; a refused resume or restart leaves its folder byte for byte as it was."""
 
 import contextlib
 import json
@@ -67,24 +66,24 @@ def attribute(path, flag):
 # --- a planted link is replaced, never written through -------------------------------------------------
 
 
-def killed_mid_save_copied(run_a, run_b, copy, outside):
-    """runA given what a run killed mid-save leaves (ckpt_0000006.pt.tmp, a log copy's log.jsonl.tmp), copied to
-    runB by `copy`, and links to outside planted in runB where the trainer makes its write probe and lock note
-    (in-process: this pid's names)."""
+def test_copies_of_a_run_resumed_and_branched_leave_the_original_as_it_was(run_a, data_dir, tmp_path, outside):
+    """runA, with what a kill mid-save leaves (*.tmp), copied by cp -al to runB and runC and by cp -as to runD (its
+    log and checkpoints then relative links); links to outside planted in runB and runD at the trainer's write probe
+    and lock note (in-process: this pid's names). Resuming runB, and branching runC (with --keep-last) and runD at
+    step 2, write files of their own and move only their own names; runA and the outside file keep every byte, and
+    runA goes on."""
     (run_a / "ckpt_0000006.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
     (run_a / "log.jsonl.tmp").write_bytes(b'{"step": 0, "half a log')
-    subprocess.run([*copy.split(), str(run_a), str(run_b)], check=True)
-    for name in (f".write_test_{os.getpid()}", f".lock.{os.getpid()}.tmp"):
-        os.symlink(outside, run_b / name)
-    return tree_hashes(run_a)
-
-
-def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(run_a, data_dir, tmp_path, outside):
-    """cp -al runA runB (killed_mid_save_copied): resuming runB writes its checkpoint, its log, its probe and
-    its note as files of its own, and branching runC at an earlier checkpoint with --keep-last cuts and moves
-    only runC's names; runA and the outside file keep every byte, and runA goes on."""
-    run_b, run_c = tmp_path / "runB", tmp_path / "runC"
-    before = killed_mid_save_copied(run_a, run_b, "cp -al", outside)
+    run_b, run_c, run_d = tmp_path / "runB", tmp_path / "runC", tmp_path / "runD"
+    for copy, run in [("cp -al", run_b), ("cp -as", run_d)]:  # (runC after runB's resume: one other name)
+        subprocess.run([*copy.split(), str(run_a), str(run)], check=True)
+    for run in (run_b, run_d):
+        os.symlink(outside, run / f".write_test_{os.getpid()}")
+        os.symlink(outside, run / f".lock.{os.getpid()}.tmp")
+    for name in ("log.jsonl", "ckpt_0000002.pt", "ckpt_0000004.pt"):
+        os.remove(run_d / name)
+        os.symlink(os.path.join("..", "run", name), run_d / name)
+    before = tree_hashes(run_a)
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_b, "--resume", steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
@@ -103,21 +102,7 @@ def test_a_hard_linked_copy_resumed_and_branched_leaves_the_original_as_it_was(r
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(run_c)) == ["branch_0000004", "ckpt_0000006.pt", "log.jsonl"]
     assert tree_hashes(run_a) == before
-    # runA can still resume: its log is as its checkpoints recorded it, and its own (runB and runC copied theirs)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
-
-
-def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(run_a, data_dir, tmp_path, outside):
-    """cp -as runA runD (killed_mid_save_copied), its log and checkpoints then relative links: a branch at step 2
-    writes its own log, checkpoints, probe and note, and the later checkpoint's link, set aside into the branch
-    folder, still names runA's file; runA and the outside file keep every byte."""
-    run_d = tmp_path / "runD"
-    before = killed_mid_save_copied(run_a, run_d, "cp -as", outside)
-    for name in ("log.jsonl", "ckpt_0000002.pt", "ckpt_0000004.pt"):
-        os.remove(run_d / name)
-        os.symlink(os.path.join("..", "run", name), run_d / name)
+    # runD: the later checkpoint's link, set aside into the branch folder, still names runA's file
     resume = ["--resume", str(run_d / "ckpt_0000002.pt")]
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_d, *resume, steps=6, ckpt_every=2))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -129,52 +114,64 @@ def test_a_folder_of_symbolic_links_branched_leaves_their_targets_as_they_were(r
     assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(6))
     assert not any(os.path.islink(run_d / f"ckpt_{step:07d}.pt") for step in (4, 6))
     assert os.path.samefile(run_d / "branch_0000004" / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
+    # runA can still resume: its log is as its checkpoints recorded it, and its own (the copies copied theirs)
+    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
 
 
-def test_links_planted_at_fineweb_temporaries_are_replaced(tmp_path, outside, docs):
-    """fineweb.py's shard and manifest temporaries (NAME.tmp) planted as links to a file outside: the shards
-    and manifest are written as new files, the outside file keeps its bytes."""
-    out = tmp_path / "shards"
-    out.mkdir()
-    for name in ("data_val_000000.npy", "data_train_000001.npy", "manifest.json"):
-        os.symlink(outside, out / f"{name}.tmp")
-    assert fineweb.main(fineweb_args(docs, out)) == 0
-    assert outside.read_bytes() == OUTSIDE
-    assert sorted(os.listdir(out)) == ["data_train_000001.npy", "data_val_000000.npy", "manifest.json"]
-    assert not any(os.path.islink(path) for path in out.iterdir())
-    shards = json.loads((out / "manifest.json").read_text())["shards"]
-    assert [(s["file"], s["bytes"]) for s in shards] == [
-        (name, os.path.getsize(out / name)) for name in ("data_val_000000.npy", "data_train_000001.npy")
-    ]
+@pytest.mark.parametrize("writer", ["fineweb.py", "shard scan cache", "plot_log.py", "lm-eval samples"])
+def test_a_link_planted_where_a_writer_writes_is_replaced(run_a, tmp_path, outside, docs, monkeypatch, writer):
+    """A link to a file outside at fineweb.py's shard and manifest temporaries (NAME.tmp), ScanCache.store's
+    (ENTRY.PID.tmp), plot_log.py's loss.png or eval --samples-dir's TASK.jsonl: each written as a new file."""
+    if writer == "fineweb.py":
+        out = tmp_path / "shards"
+        out.mkdir()
+        for name in ("data_val_000000.npy", "data_train_000001.npy", "manifest.json"):
+            os.symlink(outside, out / f"{name}.tmp")
+        assert fineweb.main(fineweb_args(docs, out)) == 0
+        written = sorted(out.iterdir())
+        assert [p.name for p in written] == ["data_train_000001.npy", "data_val_000000.npy", "manifest.json"]
+        shards = json.loads((out / "manifest.json").read_text())["shards"]
+        assert [(s["file"], s["bytes"]) for s in shards] == [
+            (name, os.path.getsize(out / name)) for name in ("data_val_000000.npy", "data_train_000001.npy")
+        ]
+    elif writer == "shard scan cache":
+        shard = tmp_path / "shard.bin"
+        shard.write_bytes(b"\0" * 64)
+        cache = ScanCache(str(tmp_path / "cache"))
+        os.makedirs(cache.folder)
+        written = [cache._entry(str(shard))[1] + ".max_id"]
+        os.symlink(outside, f"{written[0]}.{os.getpid()}.tmp")
+        assert cache.store(str(shard), ".max_id", b"50256")
+        assert cache.max_id(str(shard)) == 50256 and os.listdir(cache.folder) == [os.path.basename(written[0])]
+    elif writer == "plot_log.py":
+        written = [run_a / "loss.png"]
+        os.symlink(outside, written[0])
+        assert plot_log.main([str(run_a)]) == 0
+        assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert sorted(os.listdir(run_a)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl", "loss.png"]
+    else:  # (lm-eval itself stands in: what it returns is what the samples are made of)
+        lm_eval_utils = pytest.importorskip("lm_eval.utils")
+        import hf_interop
 
-
-def test_a_link_planted_at_a_shard_scan_cache_temporary_is_replaced(tmp_path, outside):
-    """ScanCache.store's temporary (ENTRY.PID.tmp) planted as a link to a file outside: the entry is a new
-    file, read back as stored, and the outside file keeps its bytes."""
-    shard = tmp_path / "shard.bin"
-    shard.write_bytes(b"\0" * 64)
-    cache = ScanCache(str(tmp_path / "cache"))
-    os.makedirs(cache.folder)
-    target = cache._entry(str(shard))[1] + ".max_id"
-    os.symlink(outside, f"{target}.{os.getpid()}.tmp")
-    assert cache.store(str(shard), ".max_id", b"50256")
-    assert outside.read_bytes() == OUTSIDE and not os.path.islink(target)
-    assert cache.max_id(str(shard)) == 50256 and os.listdir(cache.folder) == [os.path.basename(target)]
-
-
-def test_a_plot_replaces_a_link_at_its_name(run_a, outside, capsys):
-    """loss.png a link to a file outside: plot_log.py writes a new loss.png in its place."""
-    os.symlink(outside, run_a / "loss.png")
-    assert plot_log.main([str(run_a)]) == 0
-    assert outside.read_bytes() == OUTSIDE and not os.path.islink(run_a / "loss.png")
-    assert (run_a / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(os.listdir(run_a)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl", "loss.png"]
+        sample = dict(doc_id=0, target=1, filtered_resps=[[-1.5, False], [-0.5, True]], metrics=["acc"], acc=1.0)
+        evaluated = dict(samples=dict(hellaswag=[sample]), results=dict(hellaswag={"acc,none": 1.0}))
+        monkeypatch.setattr(hf_interop, "lm_eval_results", lambda *args, **kwargs: evaluated)
+        monkeypatch.setattr(lm_eval_utils, "make_table", lambda out: "the table")
+        written = [tmp_path / "samples" / "hellaswag.jsonl"]
+        written[0].parent.mkdir()
+        os.symlink(outside, written[0])
+        args = ["eval", str(tmp_path / "ckpt.pt"), "--tasks", "hellaswag", "--samples-dir", str(written[0].parent)]
+        assert hf_interop.main(args) == 0
+        assert json.loads(written[0].read_text()) == dict(doc_id=0, target=1, loglikelihoods=[-1.5, -0.5], acc=1.0)
+    assert outside.read_bytes() == OUTSIDE and not any(os.path.islink(path) for path in written)
 
 
 @pytest.mark.parametrize("out", ["r2/", "r2", "r2/.png", "r2/..", "nofolder/.svg"])
 def test_a_plot_named_by_a_folder_or_an_extension_alone_is_refused(run_a, tmp_path, capsys, out):
-    """-o naming another run's folder (with or without its separator), or an extension alone: one line, and
-    nothing is written (no hidden r2/.png)."""
+    """-o naming another run's folder (with or without its separator) or an extension alone: one line, nothing
+    written (no hidden r2/.png)."""
     (tmp_path / "r2").mkdir()
     before = tree_hashes(tmp_path, folders=True)
     out = f"{tmp_path}/{out}"  # (as typed: pathlib would drop the trailing separator)
@@ -183,33 +180,12 @@ def test_a_plot_named_by_a_folder_or_an_extension_alone_is_refused(run_a, tmp_pa
     assert tree_hashes(tmp_path, folders=True) == before
 
 
-def test_lm_eval_samples_replace_a_link_at_their_name(tmp_path, outside, monkeypatch):
-    """hf_interop.py eval --samples-dir: a task's TASK.jsonl planted as a link to a file outside is replaced
-    by a new file. (lm-eval itself stands in: what it returns is what the samples are made of.)"""
-    lm_eval_utils = pytest.importorskip("lm_eval.utils")
-    import hf_interop
-
-    sample = dict(doc_id=0, target=1, filtered_resps=[[-1.5, False], [-0.5, True]], metrics=["acc"], acc=1.0)
-    evaluated = dict(samples=dict(hellaswag=[sample]), results=dict(hellaswag={"acc,none": 1.0}))
-    monkeypatch.setattr(hf_interop, "lm_eval_results", lambda *args, **kwargs: evaluated)
-    monkeypatch.setattr(lm_eval_utils, "make_table", lambda out: "the table")
-    samples = tmp_path / "samples"
-    samples.mkdir()
-    os.symlink(outside, samples / "hellaswag.jsonl")
-    args = ["eval", str(tmp_path / "ckpt.pt"), "--tasks", "hellaswag", "--samples-dir", str(samples)]
-    assert hf_interop.main(args) == 0
-    assert outside.read_bytes() == OUTSIDE and not os.path.islink(samples / "hellaswag.jsonl")
-    assert json.loads((samples / "hellaswag.jsonl").read_text()) == dict(
-        doc_id=0, target=1, loglikelihoods=[-1.5, -0.5], acc=1.0
-    )
-
-
 # --- a run folder moved and replaced mid-run ------------------------------------------------------------
 
 
 def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(data_dir, tmp_path, monkeypatch):
-    """`mv RUN RUN.moved; ln -s OTHER RUN` after the run's second checkpoint: its next save stops it with one
-    line naming RUN, RUN.moved and OTHER, exit 2; OTHER is as it was, RUN.moved holds the run."""
+    """`mv RUN RUN.moved; ln -s OTHER RUN` after the second checkpoint: the next save stops the run, one line
+    naming all three; OTHER is as it was, RUN.moved holds the run."""
     run, moved, other = tmp_path / "RUN", tmp_path / "RUN.moved", tmp_path / "OTHER"
     other.mkdir()
     (other / "notes.txt").write_text("another folder of the user's\n")
@@ -235,9 +211,8 @@ def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(da
 
 
 def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(tmp_path, monkeypatch, docs):
-    """fineweb.py's --out-dir moved and replaced by a link to another data set after its first shard: the
-    next shard stops it with one line naming both folders; the other data set keeps its files and its
-    manifest, the moved folder holds the first shard and a manifest listing it."""
+    """fineweb.py's --out-dir moved and replaced by a link to another data set after its first shard: the next
+    stops it, one line naming both; the other is as it was, the moved folder holds the first shard, listed."""
     out, moved, other = tmp_path / "fw", tmp_path / "fw.moved", tmp_path / "other"
     other.mkdir()
     (other / "manifest.json").write_text('{"another": "data set"}\n')
@@ -264,8 +239,8 @@ def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other
 
 
 def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_name(tmp_path, monkeypatch, docs):
-    """A run (OutDirLock) and fineweb.py that made their --out-dir and stop after it was moved and an empty
-    folder made at its name: the new folder stays, and the lock note goes from the moved one."""
+    """A run (OutDirLock) and fineweb.py that made their --out-dir and stop after it was moved and an empty one
+    made at its name: the new folder stays, the lock note goes from the moved one."""
     out, moved = tmp_path / "run", tmp_path / "run.moved"
     lock = OutDirLock(str(out))
     lock.made = prepare_out_dir(str(out))
@@ -289,9 +264,8 @@ def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_n
 
 
 def test_an_export_leaves_a_folder_that_only_looks_like_its_partial_folder(run_a, tmp_path):
-    """A folder of the user's named as an export's partial folder (.gpt2.export-20240101, a dated backup),
-    beside the target and inside it: it carries no mark of a partial export, so the export beside it
-    goes ahead and leaves it, and the target holding it is refused as one of the user's, with one line."""
+    """A user's folder named as an export's partial folder (.gpt2.export-DATE) but unmarked: beside the target,
+    the export goes ahead and leaves it; inside, the target is refused as the user's, one line."""
     out = tmp_path / "ex" / "gpt2"
     for backup in (out.parent / ".gpt2.export-20240101", out / ".gpt2.export-20240102"):
         backup.mkdir(parents=True)
@@ -322,8 +296,8 @@ AT_A_NAME = {  # a folder at a name the trainer writes: the line
 
 @pytest.mark.parametrize("name", AT_A_NAME)
 def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, tmp_path, name):
-    """A folder of the user's at a checkpoint's or the log copy's temporary name, or at a checkpoint's name
-    (--keep-last would fail to delete it): refused at start, not at the save after trained steps."""
+    """A user's folder at a checkpoint's or the log copy's temporary name, or a checkpoint's (--keep-last would
+    fail to delete it): refused at start, not at the save after trained steps."""
     out = tmp_path / "out"
     (out / name).mkdir(parents=True)
     (out / name / "notes.txt").write_text("mine")
@@ -336,7 +310,7 @@ def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, t
 # --- a refusal changes nothing ---------------------------------------------------------------------------
 
 
-def no_space(request):
+def no_space(monkeypatch):
     """statvfs reporting 100 bytes free, to the resume's branch folder."""
     real = os.statvfs
 
@@ -344,10 +318,10 @@ def no_space(request):
         st = real(path)
         return os.statvfs_result((st.f_bsize, 1, st.f_blocks, 100, 100, *tuple(st)[5:]))
 
-    request.getfixturevalue("monkeypatch").setattr(branch_folders.os, "statvfs", almost_full)
+    monkeypatch.setattr(branch_folders.os, "statvfs", almost_full)
 
 
-def no_thread(request):
+def no_thread(monkeypatch):
     """Threads past the launch's own refused, as under ulimit -v or ulimit -u."""
     start = threading.Thread.start
 
@@ -356,13 +330,10 @@ def no_thread(request):
             raise RuntimeError("can't start new thread")
         start(thread)
 
-    request.getfixturevalue("monkeypatch").setattr(threading.Thread, "start", only_the_launch_threads)
+    monkeypatch.setattr(threading.Thread, "start", only_the_launch_threads)
 
 
-def no_wandb_login(request):
-    """--wandb with a W&B that cannot start a run (conftest's fake_wandb, as without a login)."""
-    request.getfixturevalue("fake_wandb")
-    return ["--wandb", "no-such-entity"]
+no_wandb_login = lambda monkeypatch: ["--wandb", "no-such-entity"]  # (conftest's fake_wandb: as without a login)
 
 
 AT_2 = "cannot resume at step 2 in {run}: "
@@ -399,10 +370,9 @@ REFUSED = {  # what stands in the way (a file's chattr flag, or a patch), and th
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, request, capsys, case):
-    """A resume at step 2 (without checkpoints: the same command again) that cannot go through is refused
-    with one line before the later branch moves, the log is cut or a branch folder is made (not at the
-    prefetcher's first step, after those): the folder is left as it was."""
+def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, monkeypatch, fake_wandb, capsys, case):
+    """A resume at step 2 (without checkpoints: a restart) that cannot go through is refused in one line before
+    the later branch moves, the log is cut or a branch folder is made: the folder is left as it was."""
     blocker, message = REFUSED[case]
     log, restart = run_a / "log.jsonl", case.endswith("no checkpoint")
     for path in run_a.glob("ckpt_*.pt") if restart else ():
@@ -412,7 +382,7 @@ def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, request, c
     flags = [] if restart else ["--resume", str(run_a / "ckpt_0000002.pt")]
     before = tree_hashes(run_a, folders=True)
     with attribute(run_a / blocker[0], blocker[1]) if isinstance(blocker, tuple) else contextlib.nullcontext():
-        extra = blocker(request) if callable(blocker) else None
+        extra = blocker(monkeypatch) if callable(blocker) else None
         assert tg.main(tiny_run_args(data_dir, run_a, *flags, *(extra or []), steps=8, ckpt_every=2)) == 2
     err = capsys.readouterr().err
     if message.endswith("..."):
@@ -420,13 +390,3 @@ def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, request, c
     else:
         assert err == f"error: {message}\n"
     assert tree_hashes(run_a, folders=True) == before
-
-
-def test_a_branch_names_its_parent_run_in_its_resume_record(run_a, data_dir, tmp_path):
-    """A resume into another folder (a branch: a new run id) names the run it branched from in its resume
-    record, for plot_log.py to join it to that run's curve and no other."""
-    out = tmp_path / "branch"
-    assert tg.main(tiny_run_args(data_dir, out, "--resume", str(run_a / "ckpt_0000002.pt"), steps=3)) == 0
-    parent = json.loads((run_a / "log.jsonl").read_text().splitlines()[0])["run"]
-    (resume,) = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r.get("event")]
-    assert resume["parent"] == parent != resume["run"] and resume["step"] == 2
