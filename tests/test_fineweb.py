@@ -301,37 +301,28 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and
     trained = run_main("train_gpt2.py", *run, "--val-every", 1)
     assert trained.returncode == 0, trained.stderr
     assert "step     1 | val loss" in trained.stdout
-
-
-def test_all_val_shards_is_said(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", make_docs(10))
-    result = made("--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M")
-    tokens = reference_tokens(make_docs(10)).size
-    assert result.stdout == f"wrote 1 shard, {tokens:,} tokens, 10 documents to {tmp_path / 'out'}\n"
+    result = made("--files", tmp_path / "notes.txt", "--out-dir", tmp_path / "all_val", "--val-shards", "3")
+    assert (
+        result.stdout == f"wrote 1 shard, {expected.size:,} tokens, {len(lines)} documents to {tmp_path / 'all_val'}\n"
+    )
     assert result.stderr.splitlines()[-1] == (
         "fineweb.py: warning: the only shard is a val shard (--val-shards 3), so train_gpt2.py finds no train shards "
-        f"here: run again into an empty --out-dir with --shard-size {tokens // 10} (a tenth of the tokens)"
+        f"here: run again into an empty --out-dir with --shard-size {expected.size // 10} (a tenth of the tokens)"
     )
 
 
 # --- resume ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """90 documents and an uninterrupted run of them to compare against (read only): (docs, path, its folder)."""
-    docs, folder = make_docs(90, seed=2), tmp_path_factory.mktemp("corpus")
-    path = write_jsonl(folder / "docs.jsonl", docs)
-    made("--files", path, "--out-dir", folder / "uninterrupted", "--shard-size", "2500", "--workers", "2")
-    return docs, path, folder / "uninterrupted"
-
-
-def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path, corpus):
+def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
     """Parked once shard 2 is written and before the manifest records it (where a kill leaves the most to resume):
     a second run on the same --out-dir is refused in one line before it reads or writes anything there (unlocked,
     both wrote, one over the other's shards, and the trainer read the mix); once SIGKILL ends the first, what it
-    left blocks nothing, the trainer refuses the half-made folder, and the same command resumes it."""
-    docs, path, reference_out = corpus
+    left blocks nothing, the trainer refuses the half-made folder, and the same command resumes it. Run again once
+    complete, it does nothing; with other arguments, it is refused."""
+    docs, reference_out = make_docs(90, seed=2), tmp_path / "uninterrupted"
+    path = write_jsonl(tmp_path / "docs.jsonl", docs)
+    made("--files", path, "--out-dir", reference_out, "--shard-size", "2500", "--workers", "2")
     other = write_jsonl(tmp_path / "other.jsonl", make_docs(40, seed=5))
     out = tmp_path / "killed"
     args = ["--files", str(path), "--out-dir", str(out), "--shard-size", "2500", "--workers", "2"]
@@ -365,6 +356,17 @@ def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path, corpus
     assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
     assert_same_output(out, reference_out)
     check_output(out, docs, 2500)
+    stamps, total = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}, reference_tokens(docs).size
+    assert (
+        made(*args).stdout
+        == f"{out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    assert_refused(
+        fw(*args[:-4], "--shard-size", "3000"),
+        f"{out / 'manifest.json'} was written with other arguments (shard_size 2500 -> 3000); rerun with the same "
+        "arguments to resume, or use another --out-dir",
+    )
 
 
 def test_resume_at_a_document_boundary(tmp_path, small_chunks):
@@ -385,21 +387,6 @@ def test_resume_at_a_document_boundary(tmp_path, small_chunks):
     first.write_bytes(whole)
     made(*args, "--out-dir", tmp_path / "cut")
     assert_same_output(tmp_path / "cut", tmp_path / "full")
-
-
-def test_complete_run_is_not_redone_and_other_arguments_are_refused(corpus):
-    docs, path, reference_out = corpus
-    stamps = {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()}
-    total = reference_tokens(docs).size
-    assert made("--files", path, "--out-dir", reference_out, "--shard-size", "2500").stdout == (
-        f"{reference_out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
-    )
-    assert {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()} == stamps
-    assert_refused(
-        fw("--files", path, "--out-dir", reference_out, "--shard-size", "3000"),
-        f"{reference_out / 'manifest.json'} was written with other arguments (shard_size 2500 -> 3000); rerun with "
-        "the same arguments to resume, or use another --out-dir",
-    )
 
 
 def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):

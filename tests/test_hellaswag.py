@@ -152,18 +152,14 @@ def test_batched_scores_equal_one_row_at_a_time(model):
     assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=DATA_FILE) == expected
 
 
-def test_block_size_longer_than_the_model_is_refused(model):
-    examples = hellaswag_examples.load_examples(DATA_FILE, 2)
-    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
-        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
-
-
-def test_logits_in_chunks_score_the_same(model, monkeypatch):
+def test_logits_in_chunks_score_the_same_and_a_block_longer_than_the_model_is_refused(model, monkeypatch):
     examples = hellaswag_examples.load_examples(DATA_FILE, 12)
     whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
     chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
+        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
 
 
 def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
@@ -280,11 +276,18 @@ BAD_RECORDS = [  # (the record on line 2, why it is refused)
 
 
 @pytest.mark.parametrize("record, reason", BAD_RECORDS)
-def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, tmp_path, record, reason):
-    """Each named by file and line, before the model loads; through the trainer's --hellaswag-file as well (below)."""
+def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, data_dir, tmp_path, record, reason):
+    """Each named by file and line, before the model loads; the first through the trainer's --hellaswag-file too,
+    at its start (nothing trained)."""
     path = write_records(tmp_path / "bad.jsonl", record)
     proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert_refused_quietly(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
+    if record == BAD_RECORDS[0][0]:  # (another file: the rendered-examples cache keeps the flag of its first reader)
+        path = write_records(tmp_path / "bad_for_the_trainer.jsonl", record)
+        run = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=1)
+        proc = run_main("train_gpt2.py", *run, "--hellaswag-file", path)
+        assert_refused(proc, f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})")
+        assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
 
 
 def test_lm_eval_rendering_needs_its_fields(tmp_path):
@@ -332,15 +335,6 @@ def test_cli_sources_it_cannot_score_are_one_line(checkpoint, tmp_path, case):
         folder = not_gpt2_folder(tmp_path / "llama", "llama")
         model, message = ["--hf-model", folder], f"--hf-model {folder}: {NOT_GPT2['llama']}"
     assert_refused_quietly(run_hellaswag(*model, "--data-file", data, "--device", "cpu"), message)
-
-
-def test_trainer_checks_its_hellaswag_file_at_start(data_dir, tmp_path):
-    path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    flags = tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1)
-    reason = "'label' must be 0, 1, 2 or 3, not 1.9"
-    proc = run_main("train_gpt2.py", *flags)
-    assert_refused(proc, f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})")
-    assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
 
 
 # ---- Hugging Face GPT2LMHeadModel parity ----
