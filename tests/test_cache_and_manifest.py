@@ -313,10 +313,8 @@ def test_keep_last_meeting_a_checkpoint_it_may_not_delete_warns_once_and_trains_
     assert capsys.readouterr().err == (
         f"warning: --keep-last cannot delete {undeletable} (operation not permitted); it stays, and the run goes on\n"
     )
-    assert sorted(name for name in os.listdir(out) if name.startswith("ckpt_")) == [
-        "ckpt_0000002.pt",
-        "ckpt_0000008.pt",
-    ]
+    kept = sorted(name for name in os.listdir(out) if name.startswith("ckpt_"))
+    assert kept == ["ckpt_0000002.pt", "ckpt_0000008.pt"]
 
 
 def test_a_thread_that_cannot_start_is_one_error_line(data_dir, tmp_path):
@@ -390,11 +388,11 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
     records += run_records(b, list(range(4)), 9.0)  # run b's log appended: steps 0..3
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert [(name, len(rs)) for name, rs in plot_log.runs_of(records)] == [("run aaaaaaaa", 10), ("run bbbbbbbb", 4)]
-    unjoined = run_records(orphan, [2, 3, 4, 5], 4.0, resume_at=2, parent="2" * 32) + run_records(
-        old, [4, 5], 3.0, resume_at=4
-    )
-    assert [(name, len(rs)) for name, rs in plot_log.runs_of(run_records(a, list(range(6)), 5.0) + unjoined)] == [
+    runs = lambda records: [(name, len(rs)) for name, rs in plot_log.runs_of(records)]
+    assert runs(records) == [("run aaaaaaaa", 10), ("run bbbbbbbb", 4)]
+    unjoined = run_records(orphan, [2, 3, 4, 5], 4.0, resume_at=2, parent="2" * 32)
+    unjoined += run_records(old, [4, 5], 3.0, resume_at=4)
+    assert runs(run_records(a, list(range(6)), 5.0) + unjoined) == [
         ("run aaaaaaaa", 6),
         ("run 33333333", 5),
         ("run 44444444", 3),

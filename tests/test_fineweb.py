@@ -1,8 +1,6 @@
-"""fineweb.py: shards equal to tiktoken's own r50k_base encoding (read from a cache holding bpe/'s file, not
-fineweb's loader), exact resume, one-line errors. In-process through fineweb.main (run_main), the Hub, the shipped
-BPE and the tokenizer cache swapped in this process; as programs: a run killed (SIGKILL) with a second run refused
-its locked folder, a run stopped by SIGTERM, each resumed byte-identical, and the import staying light and offline
-on a machine that has never cached the BPE."""
+"""fineweb.py: shards equal to tiktoken's own r50k_base encoding (read from a cache holding bpe/'s file), exact
+resume, one-line errors, in-process through fineweb.main (run_main); as programs: a run killed (SIGKILL) with a
+second run refused its locked folder, and a run stopped by SIGTERM (its import light and offline), both resumed."""
 
 import argparse
 import gzip
@@ -28,8 +26,8 @@ import pytest
 import tiktoken
 
 import fineweb
-from conftest import REPO, TEXT_FILE, assert_refused, fineweb_parked_after, group_gone, kill_group, run_command
-from conftest import run_main, tiktoken_cache, tiny_run_args, tree_hashes, wait_for
+from conftest import REPO, TEXT_FILE, assert_refused, fineweb_parked_after, group_gone, kill_group
+from conftest import run_main, start, tiktoken_cache, tiny_run_args, tree_hashes, wait_for
 from trainkit import cli, fileio
 from trainkit.data import documents, tokenizer
 from trainkit.data.shards import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
@@ -256,7 +254,9 @@ def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
 def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and_resumed(tmp_path):
     """An input smaller than one default shard becomes two shards named data_*: its first tenth the val split, the
     rest train. A run stopped by SIGTERM between the two says so in one line, exit code 130, and the same command
-    resumes it byte-identical; train_gpt2.py trains on the folder."""
+    resumes it byte-identical; train_gpt2.py trains on the folder. That process, on a machine without internet that
+    has never cached the BPE (offline_env), first shows `import fineweb` loading none of torch, datasets, pyarrow,
+    tqdm and printing nothing, and the tokenizer round-tripping from bpe/'s copy; nothing gets cached."""
     lines = [line for line in make_docs(120, seed=5, newlines=False) if line.strip()]  # one document per line
     (tmp_path / "notes.txt").write_text("\n".join(lines))
     expected, out = reference_tokens(lines), tmp_path / "mine"
@@ -269,54 +269,60 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and
     assert np.array_equal(np.concatenate(arrays), expected)
     stopped = tmp_path / "stopped"  # parked once the train shard is in place, before the manifest records it
     args = ["--files", str(tmp_path / "notes.txt"), "--out-dir", str(stopped)]
-    with open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen([*fineweb_parked_after(1), *args], stderr=stderr, start_new_session=True)
+    python, _, parked = fineweb_parked_after(1)
+    imported = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); import fineweb; from trainkit.data import tokenizer\n"
+        "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); enc = tokenizer.get_encoding()\n"
+        f"tokens = enc.encode({ROUND_TRIP!r}, allowed_special={{'<|endoftext|>'}})\n"
+        f"print(sorted(heavy), fineweb.EOT, enc.name, tokens, enc.decode(tokens) == {ROUND_TRIP!r}, flush=True)\n"
+    )
+    with open(tmp_path / "stderr.txt", "w") as stderr, open(tmp_path / "stdout.txt", "w") as stdout:
+        process = start(
+            [python, "-c", imported + parked, *args],
+            env=offline_env(tmp_path),
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:
         wait_for((stopped / "data_train_000001.npy").exists, process, what="the park after shard 1")
         process.send_signal(signal.SIGTERM)  # the main process only
         assert process.wait(timeout=120) == 130
     finally:
         kill_group(process)  # (its workers too, whatever happened above)
+    tokens = ENC.encode(ROUND_TRIP, allowed_special="all")
+    assert (tmp_path / "stdout.txt").read_text() == f"[] 50256 r50k_base {tokens} True\n"
     said = (tmp_path / "stderr.txt").read_text()
     assert "fineweb.py: interrupted; run the same command again to resume" in said and "Traceback" not in said
-    assert len(json.loads((stopped / "manifest.json").read_text())["shards"]) == 1
+    assert len(json.loads((stopped / "manifest.json").read_text())["shards"]) == 1 and nothing_cached(tmp_path)
     made(*args)
     assert_same_output(stopped, out)
     run = tiny_run_args(out, tmp_path / "run", "--val-steps", 1, n_layer=1, block_size=16, B=2, rows=2, steps=1)
     trained = run_main("train_gpt2.py", *run, "--val-every", 1)
     assert trained.returncode == 0, trained.stderr
     assert "step     1 | val loss" in trained.stdout
-
-
-def test_all_val_shards_is_said(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", make_docs(10))
-    result = made("--files", path, "--out-dir", tmp_path / "out", "--val-shards", "3", "--shard-size", "1M")
-    tokens = reference_tokens(make_docs(10)).size
-    assert result.stdout == f"wrote 1 shard, {tokens:,} tokens, 10 documents to {tmp_path / 'out'}\n"
+    result = made("--files", tmp_path / "notes.txt", "--out-dir", tmp_path / "all_val", "--val-shards", "3")
+    assert (
+        result.stdout == f"wrote 1 shard, {expected.size:,} tokens, {len(lines)} documents to {tmp_path / 'all_val'}\n"
+    )
     assert result.stderr.splitlines()[-1] == (
         "fineweb.py: warning: the only shard is a val shard (--val-shards 3), so train_gpt2.py finds no train shards "
-        f"here: run again into an empty --out-dir with --shard-size {tokens // 10} (a tenth of the tokens)"
+        f"here: run again into an empty --out-dir with --shard-size {expected.size // 10} (a tenth of the tokens)"
     )
 
 
 # --- resume ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """90 documents and an uninterrupted run of them to compare against (read only): (docs, path, its folder)."""
-    docs, folder = make_docs(90, seed=2), tmp_path_factory.mktemp("corpus")
-    path = write_jsonl(folder / "docs.jsonl", docs)
-    made("--files", path, "--out-dir", folder / "uninterrupted", "--shard-size", "2500", "--workers", "2")
-    return docs, path, folder / "uninterrupted"
-
-
-def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path, corpus):
+def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
     """Parked once shard 2 is written and before the manifest records it (where a kill leaves the most to resume):
     a second run on the same --out-dir is refused in one line before it reads or writes anything there (unlocked,
     both wrote, one over the other's shards, and the trainer read the mix); once SIGKILL ends the first, what it
-    left blocks nothing, the trainer refuses the half-made folder, and the same command resumes it."""
-    docs, path, reference_out = corpus
+    left blocks nothing, the trainer refuses the half-made folder, and the same command resumes it. Run again once
+    complete, it does nothing; with other arguments, it is refused."""
+    docs, reference_out = make_docs(90, seed=2), tmp_path / "uninterrupted"
+    path = write_jsonl(tmp_path / "docs.jsonl", docs)
+    made("--files", path, "--out-dir", reference_out, "--shard-size", "2500", "--workers", "2")
     other = write_jsonl(tmp_path / "other.jsonl", make_docs(40, seed=5))
     out = tmp_path / "killed"
     args = ["--files", str(path), "--out-dir", str(out), "--shard-size", "2500", "--workers", "2"]
@@ -350,6 +356,17 @@ def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path, corpus
     assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
     assert_same_output(out, reference_out)
     check_output(out, docs, 2500)
+    stamps, total = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}, reference_tokens(docs).size
+    assert (
+        made(*args).stdout
+        == f"{out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    assert_refused(
+        fw(*args[:-4], "--shard-size", "3000"),
+        f"{out / 'manifest.json'} was written with other arguments (shard_size 2500 -> 3000); rerun with the same "
+        "arguments to resume, or use another --out-dir",
+    )
 
 
 def test_resume_at_a_document_boundary(tmp_path, small_chunks):
@@ -370,21 +387,6 @@ def test_resume_at_a_document_boundary(tmp_path, small_chunks):
     first.write_bytes(whole)
     made(*args, "--out-dir", tmp_path / "cut")
     assert_same_output(tmp_path / "cut", tmp_path / "full")
-
-
-def test_complete_run_is_not_redone_and_other_arguments_are_refused(corpus):
-    docs, path, reference_out = corpus
-    stamps = {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()}
-    total = reference_tokens(docs).size
-    assert made("--files", path, "--out-dir", reference_out, "--shard-size", "2500").stdout == (
-        f"{reference_out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
-    )
-    assert {p.name: p.stat().st_mtime_ns for p in reference_out.iterdir()} == stamps
-    assert_refused(
-        fw("--files", path, "--out-dir", reference_out, "--shard-size", "3000"),
-        f"{reference_out / 'manifest.json'} was written with other arguments (shard_size 2500 -> 3000); rerun with "
-        "the same arguments to resume, or use another --out-dir",
-    )
 
 
 def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):
@@ -737,22 +739,6 @@ def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
 
 
 ROUND_TRIP = "naïve <|endoftext|> 🙂"
-
-
-def test_import_is_light_and_silent_and_a_machine_without_a_tokenizer_cache_needs_no_network(tmp_path):
-    """`import fineweb` loads none of torch, datasets, pyarrow, tqdm and prints nothing; in a new process on a
-    machine without internet that has never cached the BPE, the tokenizer round-trips from bpe/'s copy and
-    caches nothing."""
-    code = (
-        "import sys, fineweb; from trainkit.data import tokenizer; "
-        "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); enc = tokenizer.get_encoding(); "
-        f"tokens = enc.encode({ROUND_TRIP!r}, allowed_special={{'<|endoftext|>'}}); "
-        f"print(sorted(heavy), fineweb.EOT, enc.name, tokens, enc.decode(tokens) == {ROUND_TRIP!r})"
-    )
-    result = run_command("-c", code, env=offline_env(tmp_path), timeout=60)
-    tokens = ENC.encode(ROUND_TRIP, allowed_special="all")
-    assert (result.stdout, result.stderr) == (f"[] 50256 r50k_base {tokens} True\n", "")
-    assert nothing_cached(tmp_path)
 
 
 SHIPPED_FAULTS = ["one rank changed", "cut short", "missing"]

@@ -6,15 +6,14 @@ import io
 import json
 import os
 import re
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, NOT_GPT2, REPO, assert_refused, assert_refused_quietly, free_port
-from conftest import not_gpt2_folder, run_main, tiny_hf, tiny_run_args, torchrun
+from conftest import HELLASWAG_FILE, NOT_GPT2, assert_refused, assert_refused_quietly
+from conftest import not_gpt2_folder, run_main, run_on_ranks, tiny_hf, tiny_run_args
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.data.tokenizer import EOT
@@ -153,18 +152,14 @@ def test_batched_scores_equal_one_row_at_a_time(model):
     assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=DATA_FILE) == expected
 
 
-def test_block_size_longer_than_the_model_is_refused(model):
-    examples = hellaswag_examples.load_examples(DATA_FILE, 2)
-    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
-        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
-
-
-def test_logits_in_chunks_score_the_same(model, monkeypatch):
+def test_logits_in_chunks_score_the_same_and_a_block_longer_than_the_model_is_refused(model, monkeypatch):
     examples = hellaswag_examples.load_examples(DATA_FILE, 12)
     whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
     chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
+        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
 
 
 def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
@@ -187,60 +182,28 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
 
 
 # ---- command line, one process and two ----
-# Each rank of one torchrun runs hellaswag.py's main once per command line, as `torchrun hellaswag.py` would run it
-# (argv: the repo, the command lines as JSON, a free port): one launch of two ranks serves both checks below. The
-# second run's process group has a store of its own, on that port (torchrun's store holds the first's keys).
-MAINS_ON_EVERY_RANK = r"""
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import hellaswag
-first, second = json.loads(sys.argv[2])
-code = hellaswag.main(first)
-os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=sys.argv[3])
-sys.exit(max(code, hellaswag.main(second)))
-"""
-
-
 def test_cli_two_processes_match_one(model, checkpoint, tmp_path):
     """31 examples split over 2 ranks, and --limit 1 on 2 ranks, where rank 1 scores no example and the all-reduce
-    still agrees: the totals are one process's; only rank 0 prints, what it scores, then the result."""
+    still agrees (one torchrun launch, run_on_ranks): the totals are one process's; only rank 0 prints."""
     one = write_records(tmp_path / "one.jsonl", {**GOOD, "label": 0})
     commands = [[DATA_FILE, "--limit", "31", "--batch-size", "4"], [one, "--limit", "1"]]
-    (tmp_path / "mains.py").write_text(MAINS_ON_EVERY_RANK)
-    argvs = json.dumps([["--checkpoint", checkpoint, "--device", "cpu", "--data-file", *c] for c in commands])
-    launch = [*torchrun("--standalone", "--nproc_per_node=2"), tmp_path / "mains.py", REPO, argvs, str(free_port())]
-    proc = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 6, proc.stdout
+    argvs = [["--checkpoint", checkpoint, "--device", "cpu", "--data-file", *c] for c in commands]
+    ranks = run_on_ranks([dict(script="hellaswag", argv=[argv, argv]) for argv in argvs])
     descriptions = [
         f"the first 31 of 446 examples in {DATA_FILE}{SUBSET_NAMED}",
         f"the first 1 of 2 examples in {one}; chance is 0.25",
     ]
-    for (path, _, limit, *_), said, described in zip(commands, (lines[:3], lines[3:]), descriptions):
+    for (path, _, limit, *_), (rank0, rank1), described in zip(commands, ranks, descriptions):
         expected = hellaswag_eval.evaluate(model, "cpu", limit=int(limit), data_file=path, lm_eval=True)
-        assert expected["n"] == int(limit)
-        assert said[:2] == [f"hellaswag: scoring {checkpoint} (it records no step)", f"hellaswag: {described}"]
-        assert json.loads(said[2]) == expected
+        assert expected["n"] == int(limit) and (rank1.returncode, rank1.stdout) == (0, "")
+        model_line = f"hellaswag: scoring {checkpoint} (it records no step)"
+        assert result_line(rank0, model_line, f"hellaswag: {described}") == expected
 
 
 def offline_env(cache) -> dict:
     """Variables of a machine without internet (a proxy nobody answers) and an empty HellaSwag cache folder."""
     proxy = "http://127.0.0.1:9"
     return dict(HELLASWAG_DIR=str(cache), https_proxy=proxy, HTTPS_PROXY=proxy, no_proxy="", NO_PROXY="")
-
-
-def test_cli_offline_without_data_names_data_file(checkpoint, tmp_path):
-    offline = offline_env(tmp_path / "cache")
-    proc = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert re.fullmatch(
-        rf"error: cannot download HellaSwag from {re.escape(hellaswag_examples.DATA_URL)} \(\[Errno \d+\] "
-        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --data-file PATH "
-        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\)\n",
-        proc.stderr,
-    ), proc.stderr
-    assert os.listdir(tmp_path / "cache") == []  # no partial download left behind
 
 
 def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
@@ -252,13 +215,6 @@ def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
         (HELLASWAG_FILE, 0, f"all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"),
     ]:
         assert hellaswag_examples.describe_data(str(path), limit) == f"hellaswag: {said}"
-
-
-def test_cli_missing_data_file(checkpoint, tmp_path):
-    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", tmp_path / "nope.jsonl")
-    assert_refused(proc, f"--data-file {tmp_path / 'nope.jsonl'} does not exist")
-    with pytest.raises(UserError):  # --debug shows the traceback
-        hs.main(["--checkpoint", checkpoint, "--data-file", str(tmp_path / "nope.jsonl"), "--debug"])
 
 
 def test_download_checks_the_file(monkeypatch, tmp_path):
@@ -320,11 +276,18 @@ BAD_RECORDS = [  # (the record on line 2, why it is refused)
 
 
 @pytest.mark.parametrize("record, reason", BAD_RECORDS)
-def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, tmp_path, record, reason):
-    """Each named by file and line, before the model loads; through the trainer's --hellaswag-file as well (below)."""
+def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, data_dir, tmp_path, record, reason):
+    """Each named by file and line, before the model loads; the first through the trainer's --hellaswag-file too,
+    at its start (no run folder made)."""
     path = write_records(tmp_path / "bad.jsonl", record)
     proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert_refused_quietly(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
+    if record == BAD_RECORDS[0][0]:  # (another file: the rendered-examples cache keeps the flag of its first reader)
+        path = write_records(tmp_path / "bad_for_the_trainer.jsonl", record)
+        run = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=1)
+        proc = run_main("train_gpt2.py", *run, "--hellaswag-file", path)
+        assert_refused(proc, f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})")
+        assert not (tmp_path / "out").exists()  # refused at start, before the run's folder is made
 
 
 def test_lm_eval_rendering_needs_its_fields(tmp_path):
@@ -339,20 +302,24 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     )
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_file_is_one_line(tmp_path):
-    path = write_records(tmp_path / "locked.jsonl")
-    os.chmod(path, 0)
-    with pytest.raises(UserError) as e:
-        hellaswag_examples.load_examples(path)
-    assert str(e.value) == f"--data-file {path}: cannot read it (Permission denied)"
+CANNOT_SCORE = ["data file missing", "data file unreadable", "data file a folder", "data file not UTF-8"]
 
 
-@pytest.mark.parametrize("case", ["data file a folder", "data file not UTF-8", "checkpoint not ours", "llama"])
+@pytest.mark.parametrize("case", [*CANNOT_SCORE, "checkpoint not ours", "llama"])
 def test_cli_sources_it_cannot_score_are_one_line(checkpoint, tmp_path, case):
-    """A --data-file that is a folder or not UTF-8, a --checkpoint not train_gpt2.py's, an --hf-model not GPT-2."""
+    """A --data-file missing, unreadable, a folder or not UTF-8, a --checkpoint not train_gpt2.py's, an --hf-model
+    not GPT-2 (--debug: the traceback instead)."""
     data, model = write_records(tmp_path / "ok.jsonl"), ["--checkpoint", checkpoint]
-    if case == "data file a folder":
+    if case == "data file missing":
+        data, message = tmp_path / "nope.jsonl", f"--data-file {tmp_path / 'nope.jsonl'} does not exist"
+        with pytest.raises(UserError):
+            hs.main(["--checkpoint", checkpoint, "--data-file", str(data), "--debug"])
+    elif case == "data file unreadable":
+        if os.geteuid() == 0:
+            pytest.skip("root reads any file")
+        os.chmod(data, 0)
+        message = f"--data-file {data}: cannot read it (Permission denied)"
+    elif case == "data file a folder":
         data = tmp_path
         message = f"--data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"
     elif case == "data file not UTF-8":
@@ -370,21 +337,10 @@ def test_cli_sources_it_cannot_score_are_one_line(checkpoint, tmp_path, case):
     assert_refused_quietly(run_hellaswag(*model, "--data-file", data, "--device", "cpu"), message)
 
 
-def test_trainer_checks_its_hellaswag_file_at_start(data_dir, tmp_path):
-    path = write_records(tmp_path / "bad.jsonl", {**GOOD, "label": 1.9})
-    flags = tiny_run_args(data_dir, tmp_path / "out", "--hellaswag-file", path, steps=1, B=2, rows=2, hellaswag_every=1)
-    reason = "'label' must be 0, 1, 2 or 3, not 1.9"
-    proc = run_main("train_gpt2.py", *flags)
-    assert_refused(proc, f"--hellaswag-file {path} line 2: not a HellaSwag example ({reason})")
-    assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
-
-
 # ---- Hugging Face GPT2LMHeadModel parity ----
 def test_hf_model_matches_ours(model, tmp_path, capsys):
     pytest.importorskip("transformers")
-    hf = tiny_hf(
-        n_positions=BLOCK
-    )  # our export's config (CONFIG's sizes, GELU and LayerNorm eps); ours are its weights
+    hf = tiny_hf(n_positions=BLOCK)  # our export's config (CONFIG's sizes, GELU and LayerNorm eps); ours its weights
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     ours = {
         k: v.t() if k.endswith(conv1d) else v[:50257] if k.endswith("wte.weight") or k == "lm_head.weight" else v
@@ -411,21 +367,26 @@ def test_hf_model_matches_ours(model, tmp_path, capsys):
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
 
 
-def test_an_offline_training_run_names_both_ways_past_hellaswag(data_dir, tmp_path):
-    """Offline, with the default --hellaswag-every and no --hellaswag-file, the trainer refuses to start in one line
-    that names both the flag giving a local copy and --hellaswag-every 0, and trains nothing."""
+@pytest.mark.parametrize("script", ["hellaswag.py", "train_gpt2.py"])
+def test_offline_without_data_is_one_line_naming_the_ways_past(checkpoint, data_dir, tmp_path, script):
+    """Offline without a local copy, hellaswag.py names --data-file; the trainer (default --hellaswag-every) names
+    --hellaswag-file and --hellaswag-every 0 and makes no run folder. No partial download is left behind."""
     offline = offline_env(tmp_path / "cache")
-    flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
-    proc = run_main("train_gpt2.py", *flags, env=offline)
+    if script == "hellaswag.py":
+        proc, flag, past = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline), "data-file", ""
+        assert proc.stdout == ""
+    else:
+        flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
+        proc, flag = run_main("train_gpt2.py", *flags, env=offline), "hellaswag-file"
+        past = r", or pass --hellaswag-every 0 to train without HellaSwag"
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_examples.DATA_URL)} \(\[Errno \d+\] "
-        r"Connection refused\); pass a local copy of hellaswag_val.jsonl with --hellaswag-file PATH "
-        r"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\), or pass "
-        r"--hellaswag-every 0 to train without HellaSwag\n",
+        rf"Connection refused\); pass a local copy of hellaswag_val.jsonl with --{flag} PATH "
+        rf"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\){past}\n",
         proc.stderr,
     ), proc.stderr
-    assert not os.path.exists(tmp_path / "out" / "ckpt_0000001.pt")  # nothing trained
+    assert os.listdir(tmp_path / "cache") == [] and not (tmp_path / "out").exists()  # (nor the run's folder)
 
 
 def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once(model, tmp_path):
