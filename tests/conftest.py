@@ -156,7 +156,7 @@ SIGNALS_KEPT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, si
 def kept_process_state():
     """What a script's main may change in this process restored: the current folder, the environment, sys.argv and
     sys.excepthook, the signal handlers, the umask, torch's threads, matmul precision and random state; no
-    torch.distributed process group left behind."""
+    torch.distributed process group or W&B set-up (which keeps the environment it first read) left behind."""
     cwd, env, argv, hook = os.getcwd(), dict(os.environ), list(sys.argv), sys.excepthook
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS_KEPT}
     umask = os.umask(0o022)
@@ -182,6 +182,8 @@ def kept_process_state():
         dist = getattr(sys.modules.get("torch"), "distributed", None)
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        if hasattr(sys.modules.get("wandb"), "teardown"):  # (the real one: fake_wandb's has none)
+            sys.modules["wandb"].teardown()
 
 
 @pytest.fixture(autouse=True)
