@@ -628,20 +628,17 @@ def run_as_programs(cases, watch=(), timeout=600) -> list:
 # would run each: each case its own process group (a store on a port rank 0 takes just before the case: torchrun's
 # store holds the first group's keys), its rank's argv and current folder, its output caught.
 MAINS_ON_RANKS = r"""
-import json, os, shutil, socket, sys, time, traceback
+import json, os, shutil, sys, time, traceback
 tests, cases, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 sys.path.insert(0, tests)
-from conftest import run_main
+from conftest import free_port, run_main
 rank, results = int(os.environ["RANK"]), []
 
 def port_of_case(i):  # rank 0 takes a free port just before the case and tells the others through a file
     path = f"{report}.port{i}"
     if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         with open(path + ".tmp", "w") as f:
-            f.write(str(port))
+            f.write(str(free_port()))
         os.rename(path + ".tmp", path)
     deadline = time.monotonic() + 600
     while not os.path.exists(path):
@@ -670,25 +667,13 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
     (one folder per rank; default the repo) and copy ([src, dst] files rank 0 copies first), run in turn on every
     rank of ONE torchrun launch of nproc processes (MAINS_ON_RANKS): per case, each rank's CompletedProcess."""
     with tempfile.TemporaryDirectory() as folder:
-        report = os.path.join(folder, "report")
-        cases = [{**case, "argv": [[str(a) for a in argv] for argv in case["argv"]]} for case in cases]
-        for case in cases:
-            case["cwd"] = [str(cwd) for cwd in case.get("cwd", [REPO] * nproc)]
-            case["copy"] = [[str(src), str(dst)] for src, dst in case.get("copy", [])]
-        launch = torchrun("--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable)[1:]
-        proc = run_command(*launch, "-c", MAINS_ON_RANKS, REPO / "tests", json.dumps(cases), report, timeout=timeout)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        per_rank = []
-        for rank in range(nproc):
-            with open(f"{report}.{rank}") as f:
-                per_rank.append(json.load(f))
-    return [
-        [
-            subprocess.CompletedProcess([case["script"], *case["argv"][rank]], *per_rank[rank][i])
-            for rank in range(nproc)
-        ]
-        for i, case in enumerate(cases)
-    ]
+        proc = start_on_ranks(cases, os.path.join(folder, "report"), nproc)
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        finally:
+            proc.kill()  # (gone already unless the timeout passed)
+        assert proc.returncode == 0, err[-3000:]
+        return ranks_report(os.path.join(folder, "report"), nproc)
 
 
 # --- s2ranks ---
@@ -783,7 +768,6 @@ def shared_rank_runs(request, tmp_path_factory) -> dict:
     }
 
 
-# --- s2faults ---
 def start_on_ranks(cases, report, nproc=2, **popen) -> subprocess.Popen:
     """run_on_ranks' launch of cases, started (start's Popen, popen passed on) rather than waited for: to signal
     its ranks while a case runs. Each rank writes its results to f"{report}.{rank}": read them with ranks_report."""

@@ -36,33 +36,20 @@ def trainkit_modules() -> dict:
     }
 
 
-def imports_of(path, ours: set, module_level_only: bool = False) -> set:
-    """The repository modules a file imports, inside functions too (module_level_only: those that run when the file
-    is imported, at its top level and in its top-level if/try)."""
-    tree = ast.parse(path.read_text(), str(path))
-    if module_level_only:
-        nodes, todo = [], list(tree.body)
-        while todo:
-            node = todo.pop()
-            nodes.append(node)
-            if isinstance(node, (ast.If, ast.Try)):
-                todo += node.body + node.orelse + getattr(node, "finalbody", [])
-                todo += [n for handler in getattr(node, "handlers", []) for n in handler.body]
-    else:
-        nodes = list(ast.walk(tree))
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}: a relative import"
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    return found & ours
-
-
-def import_graph(module_level_only: bool = False) -> dict:
+def import_graph() -> dict:
+    """{module: the repository modules it imports, inside functions too} of every repo_files() file."""
     files = repo_files()
-    return {name: imports_of(path, set(files), module_level_only) - {name} for name, path in files.items()}
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}: a relative import"
+                found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = found & set(files) - {name}
+    return graph
 
 
 def cycle_in(graph: dict) -> list | None:
@@ -72,14 +59,6 @@ def cycle_in(graph: dict) -> list | None:
     except graphlib.CycleError as cycle:
         return cycle.args[1][::-1]
     return None
-
-
-def floors(graph: dict) -> dict:
-    """Each module's floor in an acyclic graph: 1 + the highest floor among its imports (1 with none)."""
-    floor = {}
-    for module in graphlib.TopologicalSorter(graph).static_order():  # each module after its imports
-        floor[module] = 1 + max((floor[dep] for dep in graph.get(module, ())), default=0)
-    return floor
 
 
 layer = lambda name: name.split(".")[1]  # a trainkit module's layer
@@ -107,7 +86,9 @@ def test_no_import_cycle_and_trainkit_imports_one_way():
     layers = {layer(name) for name in modules}
     between = {a: {layer(d) for n in modules if layer(n) == a for d in graph[n] & set(modules)} - {a} for a in layers}
     assert cycle_in(between) is None, f"layers in a circle: {' -> '.join(cycle_in(between))}"
-    floor = floors({name: graph[name] & set(modules) for name in modules})
+    floor = {}  # a module's floor: 1 + the highest floor among its imports (1 with none)
+    for module in graphlib.TopologicalSorter({name: graph[name] & set(modules) for name in modules}).static_order():
+        floor[module] = 1 + max((floor[dep] for dep in graph[module] & set(modules)), default=0)
     assert max(floor.values()) <= MAX_FLOORS, sorted(floor.items(), key=lambda item: -item[1])
     # scripts -> the trainer's model -> trainkit: a script imports no script but the trainer, which imports none;
     # and every trainkit module is used, by a script or another module
@@ -117,13 +98,6 @@ def test_no_import_cycle_and_trainkit_imports_one_way():
     used = set().union(*(graph[name] for name in [*SCRIPTS, *modules]))
     assert set(modules) - used == set()
     assert graph["trainkit.cli"] == set()  # the floor: the error contract and the printer, standard library only
-
-
-def test_the_scripts_load_the_trainer_only_when_a_command_needs_it():
-    # at import (and so for --help) no script loads train_gpt2: hellaswag.py and sample.py import
-    # it inside the function that loads a checkpoint
-    graph = import_graph(module_level_only=True)
-    assert [name for name in graph if "train_gpt2" in graph[name] and name in SCRIPTS] == []
 
 
 HELPS = [[f"{script}.py"] for script in SCRIPTS] + [["hf_interop.py", command] for command in ("export", "eval")]
