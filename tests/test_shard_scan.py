@@ -6,36 +6,19 @@ it and an unwritable cache folder: a case of test_ranks' launch.)"""
 import re
 
 import numpy as np
-from conftest import SCAN_T as T, documents, kept_scans, run_main, scan_args
+from conftest import SCAN_T as T, documents, kept_scans
 
 import train_gpt2 as tg
 from trainkit.runtime import device
 from trainkit.data import shard_scan
-from trainkit.data.shards import no_output_for
 
 BIG = shard_scan.MIN_CACHED_TOKENS + 1000  # tokens of a shard whose scans are kept
 
 
-def test_a_shard_that_changed_since_its_scan_was_kept_is_scanned_again(tmp_path):
-    data, cache_home = tmp_path / "data", {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    data.mkdir()
-    np.save(data / "big_val_000000.npy", documents(20_000, seed=1))
-    np.save(data / "big_train_000001.npy", documents(BIG, seed=2))
-    first = run_main("train_gpt2.py", *scan_args(data, tmp_path / "a"), env=cache_home)
-    assert first.returncode == 0, first.stderr
-    assert kept_scans(tmp_path / "cache") == [".max_id", ".rows16.npy"]
-    shard = data / "big_train_000001.npy"
-    tokens = np.load(shard)
-    tokens[12345] = 50300  # an id GPT-2's softmax has no output for; same size
-    np.save(shard, tokens)
-    second = run_main("train_gpt2.py", *scan_args(data, tmp_path / "b"), env=cache_home)
-    assert second.returncode == 2
-    assert second.stderr.strip().splitlines()[-1] == "error: " + no_output_for(str(shard), 50300, 50304)
-
-
 def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp_path, monkeypatch, capsys):
-    """Each shard's scans are kept apart and redone for the one that changed only; a scan prints its progress (here
-    at once), a read-back nothing."""
+    """Each shard's scans are kept apart and redone for the one that changed only (its largest id too: an id the
+    model has no output for is not hidden by a kept scan); a scan prints its progress (here at once), a read-back
+    nothing."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(shard_scan, "PROGRESS_AFTER_S", 0.0)
     paths = [str(tmp_path / f"s_train_{i:06d}.npy") for i in range(2)]
@@ -59,10 +42,10 @@ def test_scans_are_kept_per_shard_and_redone_only_for_the_shard_that_changed(tmp
         isinstance(t, np.memmap) and np.array_equal(t, tg.aligned_rows(s, T)) for t, s in zip(tables_again, shards)
     )
     tokens = np.load(paths[1])
-    tokens[1:2000] = 5  # one long document: other rows
-    np.save(paths[1], tokens)
+    tokens[1:2000], tokens[12345] = 5, 50300  # one long document: other rows; an id past GPT-2's 50304 outputs
+    np.save(paths[1], tokens)  # (the same size)
     shards, (largest, tables) = scan()
-    assert len(built) == 3  # the changed shard only
+    assert len(built) == 3 and largest == [largest_again[0], 50300]  # the changed shard only
     assert np.array_equal(tables[1], tg.aligned_rows(shards[1], T)) and not np.array_equal(tables[1], tables_again[1])
     assert len(kept_scans(tmp_path / "cache")) == 4  # the changed shard's old entries are gone
     lines = [re.sub(r", \d+ s$", ", N s", line) for line in capsys.readouterr().err.splitlines()]
