@@ -7,6 +7,7 @@ import importlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -43,8 +45,7 @@ def shared_shards(tmp_path_factory, **sizes) -> str:
 
 @pytest.fixture(scope="module")
 def data_dir(request, tmp_path_factory) -> str:
-    """The module's shards, sized by its SHARDS (shard_dir's arguments); shared by the modules of the same SHARDS,
-    so read only (a test that changes data copies it)."""
+    """The module's shards, sized by its SHARDS (shard_dir's arguments), shared by the modules of the same SHARDS."""
     return shared_shards(tmp_path_factory, **request.module.SHARDS)
 
 
@@ -96,13 +97,11 @@ GPT2_VOCAB_RUN = dict(n_embd=32, block_size=64, seq_len=32, rows=4, warmup=2)
 
 
 def log_records(out_dir) -> list:
-    """Every record of a run's log.jsonl."""
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def train_records(out_dir) -> list:
-    """The records of a run's log that a trained step wrote (those with a loss)."""
+def train_records(out_dir) -> list:  # those a trained step wrote
     return [r for r in log_records(out_dir) if "loss" in r]
 
 
@@ -111,7 +110,6 @@ def trained_steps(out_dir) -> list:
 
 
 def losses(out_dir) -> list:
-    """(step, loss) of each trained step."""
     return [(r["step"], r["loss"]) for r in train_records(out_dir)]
 
 
@@ -232,8 +230,7 @@ def assert_one_error_line(result, *fragments):
     """result failed with exit code 2 and one `error:` line on stderr holding every fragment."""
     lines = result.stderr.splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[0]
+    assert all(fragment in lines[0] for fragment in fragments), lines[0]
 
 
 def assert_refused(result, message):
@@ -251,7 +248,6 @@ def assert_refused_quietly(result, message):
 def fake_wandb(monkeypatch):
     """A fresh stand-in for the wandb module: project "no-such-entity" cannot start a run, and the third log() call
     fails as a dead W&B service does."""
-    import types
 
     class Run:
         disabled, calls = False, 0
@@ -676,7 +672,6 @@ def run_on_ranks(cases, nproc=2, timeout=600) -> list:
         return ranks_report(os.path.join(folder, "report"), nproc)
 
 
-# --- s2ranks ---
 # The shard-scan cases' data (test_shard_scan, and test_ranks' two ranks splitting the first scan)
 SCAN_T = 16
 
@@ -700,15 +695,11 @@ def scan_args(data_dir, out_dir) -> list:
 
 
 def step_losses(stdout: str) -> list:
-    import re
-
     return re.findall(r"^step\s+\d+/\d+ \| loss (\S+)", stdout, re.MULTILINE)
 
 
 def kept_scans(cache_home) -> list:
     """The names of the scans kept under cache_home, each without its shard's key."""
-    import re
-
     folder = os.path.join(cache_home, "gpt2-trainer", "shards")
     return sorted(re.sub(r"^\w+-\w+", "", name) for name in os.listdir(folder)) if os.path.isdir(folder) else []
 
@@ -726,17 +717,12 @@ def checkpoint_hashes(out_dir) -> dict:
     return found
 
 
-# --- s2fsdp ---
-# The 2-rank cases of every collected module that defines rank_cases(folder, data_dir of its SHARDS or None) ->
-# run_on_ranks' cases, in ONE torchrun launch per suite run: the first pytest-xdist worker to ask launches it under
-# a lock in the folder the workers share; the others read what it wrote. A module's main(argv) can be a case's
-# script, for a check that needs its own code on the ranks.
-
-
 @pytest.fixture(scope="session")
 def shared_rank_runs(request, tmp_path_factory) -> dict:
-    """{module name: (its folder, run_on_ranks' results of its rank_cases)} for the collected modules; every rank
-    of every case exited 0."""
+    """{module name: (its folder, run_on_ranks' results of its rank_cases)} for each collected module that defines
+    rank_cases(folder, data_dir of its SHARDS or None) -> run_on_ranks' cases (a case's script may be the module, for
+    its own main on the ranks), all in ONE torchrun launch per suite run: the first xdist worker to ask launches it
+    under a lock in the folder the workers share, the others read what it wrote. Every rank of every case exits 0."""
     import fcntl
 
     modules = {item.module.__name__: item.module for item in request.session.items}

@@ -39,33 +39,27 @@ def test_readme_flags_table_matches_the_cli():
     assert documented == {option for option in options if option.startswith("--") and option != "--help"}
 
 
-def as_programs(command):
-    """A README command's argv, as a shell splits it (shlex), each `$(python -c 'CODE')` replaced by what CODE prints."""
-
-    def printed(match):
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            exec(match[1], {})
-        return out.getvalue().strip()
-
-    return shlex.split(re.sub(r"\$\(python -c '([^']*)'\)", printed, command))[1:]
-
-
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
-    """The quickstart's commands (smaller) as a user runs them in a folder of the scripts (linked), without
-    TIKTOKEN_CACHE_DIR (the BPE ships in bpe/), all in ONE interpreter (run_as_programs), the transcript's
-    training (test_the_transcript_...) second: the folder and {command: CompletedProcess}."""
+    """The quickstart's commands (smaller), the transcript's training second, in ONE interpreter (run_as_programs) in a
+    folder of links to the scripts, without TIKTOKEN_CACHE_DIR (bpe/ ships the BPE): the folder, {command: stdout}."""
     work = tmp_path_factory.mktemp("quickstart") / "repo"
     work.mkdir()
-    for name in "train_gpt2.py fineweb.py hellaswag.py hf_interop.py plot_log.py sample.py fixtures trainkit".split():
+    for name in [*(p.name for p in REPO.glob("*.py")), "fixtures", "trainkit", "bpe"]:  # the scripts, what they read
         (work / name).symlink_to(REPO / name)
-    (work / "bpe").symlink_to(REPO / "bpe")
     commands = {key: f"{command} {SMALLER.get(key, '')}" for key, command in quickstart_commands().items()}
     # steps 0 and 1 are in the warmup, whose learning rates do not depend on --max-steps
     transcript = f"{quickstart_commands()['train_gpt2.py']} --max-steps 2 --sample-every 0 --out-dir out/transcript"
     commands = {"fineweb.py": commands.pop("fineweb.py"), "transcript": transcript, **commands}
+    argvs = []  # each as a shell splits it, `$(python -c 'CODE')` replaced by what CODE prints
+    for command in commands.values():
+        for code in re.findall(r"\$\(python -c '([^']*)'\)", command):
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                exec(code, {})
+            command = command.replace(f"$(python -c '{code}')", out.getvalue().strip())
+        argvs.append(shlex.split(command)[1:])
     env = {"TIKTOKEN_CACHE_DIR": None}
-    results = run_as_programs([dict(argv=as_programs(c), cwd=str(work), env=env) for c in commands.values()])
+    results = run_as_programs([dict(argv=argv, cwd=str(work), env=env) for argv in argvs])
     for command, result in zip(commands.values(), results):
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     return work, {key: result.stdout for key, result in zip(commands, results)}
@@ -88,16 +82,13 @@ def test_quickstart_runs_as_written(quickstart):
     assert sorted(p.name for p in (work / "out" / "cpu").glob("ckpt_*.pt")) == [f"ckpt_000000{i}.pt" for i in (2, 3, 4)]
 
 
-def heading_anchor(heading):
-    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
 def test_links_between_readme_and_docs_resolve():
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     assert len(pages) > 10  # the reference lives in docs/
     texts = {page: re.sub(r"(?ms)^```.*?^```", "", page.read_text()) for page in pages}  # outside code blocks
-    anchors = {page.resolve(): {heading_anchor(h) for h in re.findall(r"(?m)^#+ (.+)$", texts[page])} for page in pages}
+    # GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens
+    anchor_of = lambda heading: re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    anchors = {page.resolve(): {anchor_of(h) for h in re.findall(r"(?m)^#+ (.+)$", texts[page])} for page in pages}
     broken, linked = [], set()
     for page, text in texts.items():
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
@@ -122,11 +113,6 @@ def test_fixtures_are_the_files_their_readme_describes():
         assert f"{len(data):,} bytes" in body, name
 
 
-def transcript_lines():
-    block = section("<!-- transcript-begin -->", "<!-- transcript-end -->")
-    return [line for line in block.splitlines() if line and not line.startswith(("<!--", "```"))]
-
-
 def shape(line):
     """A printed line with its durations and numbers masked: what stays the same from run to run."""
     line = re.sub(r"\b\d+h\d\dm\b|\b(\d+m)?\d+s\b", "T", line)
@@ -134,16 +120,16 @@ def shape(line):
 
 
 def test_the_transcript_holds_what_the_first_two_commands_print_today(quickstart):
-    """Every number of the README's transcript that is exactly reproducible (across runs and thread counts, on the
-    Python whose standard library it records) is what the quickstart's fineweb and training commands print today
-    under OMP_NUM_THREADS=1: fineweb's count, the model and batch lines, step 0's validation line, and the loss, lr
-    and norm of steps 0 and 1. The step and summary lines have the shape the trainer prints (timings differ)."""
+    """Its reproducible numbers (fineweb's count; the model, batch and step-0 validation lines; steps 0-1's loss, lr
+    and norm) are what the quickstart prints today under OMP_NUM_THREADS=1; other step and summary lines keep shape."""
     import platform
 
     recorded, this = re.search(r"recorded with Python (3\.\d+\.\d+)", README)[1], platform.python_version()
     if this != recorded:
         pytest.skip(f"the transcript tokenizes Python {recorded}'s standard library, this is {this}")
-    lines, (_, stdout) = transcript_lines(), quickstart
+    block = section("<!-- transcript-begin -->", "<!-- transcript-end -->")
+    lines = [line for line in block.splitlines() if line and not line.startswith(("<!--", "```"))]
+    stdout = quickstart[1]
     assert stdout["fineweb.py"].splitlines() == [lines[0]]
     printed = stdout["transcript"].splitlines()
     assert printed[:3] == lines[1:4]  # model, batch, step 0's validation

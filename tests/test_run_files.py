@@ -1,7 +1,6 @@
-"""What a run writes is its own: a run killed before its first checkpoint leaves a log that the same command
-sets aside and starts again; an evaluation that fails after trained steps saves them first; a resume applies
-its own optimizer hyperparameters; an export names the checkpoint it loaded. (Copied run folders and folders
-at a checkpoint's name: test_write_safety.)"""
+"""What a run writes is its own: a log left by a run killed before its first checkpoint is set aside; an evaluation
+that fails after trained steps saves them first; a resume applies its own optimizer hyperparameters; an export names
+the checkpoint it loaded. (Copied run folders, folders at a checkpoint's name: test_write_safety.)"""
 
 import functools
 import json
@@ -19,13 +18,12 @@ SHARDS = RUN_SHARDS  # the shared finished run's data
 run = functools.partial(run_main, "train_gpt2.py")
 
 
-def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(finished_copy, data_dir, tmp_path):
-    """A log of 3 trained steps and no checkpoint (an OOM kill, a preemption): the requeued command starts
-    again, keeps the old log beside (branch_0000003/log.jsonl, byte-identical), says so in one note line,
-    and its new log.jsonl is created 0o666 less the umask."""
+def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(finished_run, data_dir, tmp_path):
+    """A log of 3 trained steps and no checkpoint (an OOM kill): the old log kept byte-identical in branch_0000003/,
+    one note line; the new log.jsonl is created 0o666 less the umask."""
     out = tmp_path / "killed"
     out.mkdir()
-    killed = b"".join((finished_copy / "log.jsonl").read_bytes().splitlines(keepends=True)[:3])
+    killed = b"".join((finished_run / "log.jsonl").read_bytes().splitlines(keepends=True)[:3])
     (out / "log.jsonl").write_bytes(killed)
     whose = json.loads(killed.splitlines()[0])["run"]
     os.umask(0o022)  # (this test's: the process's own is restored after it)
@@ -41,9 +39,8 @@ def test_the_same_command_after_a_kill_before_the_first_checkpoint_starts_again(
 
 
 def test_an_evaluation_that_fails_after_trained_steps_saves_them_first(data_dir, tmp_path, monkeypatch):
-    """--hellaswag-every 20 with the file removed after step 1: the evaluation at step 20 fails, the 20
-    trained steps are saved first (one note line), the run stops with the evaluation's line; once the
-    file is back, --resume goes on from step 20."""
+    """The HellaSwag file removed after step 1: step 20's evaluation fails after its steps are saved (one note line),
+    the run stops with the evaluation's line; once the file is back, --resume goes on from step 20."""
     out, hellaswag = tmp_path / "out", tmp_path / "hellaswag.jsonl"
     shutil.copyfile(HELLASWAG_FILE, hellaswag)
     evaluation = ["--hellaswag-file", hellaswag, "--hellaswag-limit", "4"]
@@ -79,8 +76,7 @@ NEW_HYPERPARAMETERS = [  # optimizer, the resume's flags, the note
 
 @pytest.mark.parametrize("optimizer, flags, note", NEW_HYPERPARAMETERS)
 def test_a_resume_applies_its_own_optimizer_hyperparameters(data_dir, tmp_path, optimizer, flags, note):
-    """--resume --weight-decay 0.0 (--muon-momentum 0.5): the optimizer takes the new values, not the
-    checkpoint's, and one note line says so; a resume with the same flags says nothing."""
+    """The optimizer takes the resume's values, not the checkpoint's, in one note line; the same flags again: none."""
     out, flags = tmp_path / "out", flags.split()
     assert tg.main(tiny_run_args(data_dir, out, "--optimizer", optimizer, steps=2, ckpt_every=2)) == 0
     result = run(*tiny_run_args(data_dir, out, "--optimizer", optimizer, "--resume", *flags, steps=4, ckpt_every=2))
