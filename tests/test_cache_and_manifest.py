@@ -22,7 +22,6 @@ from trainkit.data import shards as shard_checks
 from trainkit.data.shard_writer import read_manifest
 
 # --- the shard-scan cache ------------------------------------------------------------------------------------------
-
 T = 256  # rows of up to 256 targets over documents of ~40 tokens: a table of ~19k rows, built in 0.1 s
 
 
@@ -57,15 +56,6 @@ def time_limit():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
-
-
-def scan(path: str, with_rows: bool = True):
-    """(tokens, largest id, row table or None) of the shard at path, as start-up gets them (the cache read first)."""
-    tokens = np.load(path, mmap_mode="r")
-    largest, tables = shard_scan.scan_shards(
-        [path], [tokens], [None], T if with_rows else None, tg.aligned_rows, "train shards", progress=False
-    )
-    return tokens, largest[0], tables[0] if with_rows else None
 
 
 def entry_of(cache: str, suffix: str) -> str:
@@ -129,17 +119,17 @@ FAULTS = {
 
 @pytest.mark.parametrize("kind,fault", FAULTS)
 def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, capsys, time_limit, kind, fault):
-    """Shifted rows would train on other rows than --align-docs makes, longer ones fail the first batch: edited in
-    place they break the seal, re-sealed the check against the shard refuses them. What another user owns or may
-    write could be re-sealed to pass every check short of a scan: not trusted, as ssh trusts files (docs/data.md)."""
+    """Forged rows break the seal, or re-sealed fail the check against the shard; what another user owns or may
+    write is not trusted, as ssh trusts files (docs/data.md)."""
     rows = kind == "rows"
     tokens = np.load(big_shard, mmap_mode="r")
     n, built = tokens.size, tg.aligned_rows(tokens, T)
 
-    def rescanned():
-        _, largest, table = scan(big_shard, rows)
-        assert largest == int(tokens.max()) and (not rows or np.array_equal(table, built))
-        return table
+    def rescanned():  # as start-up scans: the kept scan read first
+        args = [big_shard], [tokens], [None], T if rows else None, tg.aligned_rows, "train shards"
+        largest, tables = shard_scan.scan_shards(*args, progress=False)
+        assert largest == [int(tokens.max())] and (not rows or np.array_equal(tables[0], built))
+        return tables and tables[0]
 
     rescanned()
     entry = entry_of(cache, f".rows{T}.npy" if rows else ".max_id")
@@ -177,8 +167,6 @@ def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, ca
 
 
 # --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> str:
     """A data set fineweb.py made (its manifest lists data_val_000000.npy and train shards 1..): read, not changed."""
@@ -192,16 +180,15 @@ def made(tmp_path_factory) -> str:
 
 def with_field(manifest: dict, case: str) -> dict:
     shards = manifest["shards"]
-    if case == "not an object":
-        return [manifest]
-    if case == "shards an object":
-        return {**manifest, "shards": {s["file"]: s for s in shards}}
-    if case == "complete as text":
-        return {**manifest, "complete": "false"}
-    if case == "no complete":
-        return {k: v for k, v in manifest.items() if k != "complete"}
-    if case == "an entry a list":
-        return {**manifest, "shards": [shards[0], list(shards[1].values())]}
+    whole = {
+        "not an object": [manifest],
+        "shards an object": {**manifest, "shards": {s["file"]: s for s in shards}},
+        "complete as text": {**manifest, "complete": "false"},
+        "no complete": {k: v for k, v in manifest.items() if k != "complete"},
+        "an entry a list": {**manifest, "shards": [shards[0], list(shards[1].values())]},
+    }
+    if case in whole:
+        return whole[case]
     key, value = {
         "file a list": ("file", [shards[1]["file"]]),
         "file a path": ("file", "../" + shards[1]["file"]),
@@ -244,9 +231,8 @@ def copy_of(made, tmp_path):
 
 @pytest.mark.parametrize("case", MANIFEST_CASES)
 def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, case):
-    """Before, a manifest of other types was taken for another tool's file and its shards went unchecked (a
-    `complete: "false"` run trained on, a listed shard missing or an unlisted one went unnoticed), or was
-    misread; now the trainer and a resumed fineweb.py both refuse it in one line naming the field."""
+    """The trainer and a resumed fineweb.py (read_manifest) both refuse it in one line naming the field (before,
+    taken for another tool's file: its shards unchecked)."""
     data, manifest = copy_of(made, tmp_path)
     path = data / "manifest.json"
     assert read_manifest(str(path)) == manifest  # as fineweb.py wrote it: both readers take it
@@ -290,7 +276,6 @@ def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(mad
 
 
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
-
 SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)
 
 
@@ -364,8 +349,6 @@ def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tm
 
 
 # --- plot_log.py: a log of two runs ---------------------------------------------------------------------------------
-
-
 def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> list:
     records = [dict(step=s, loss=loss0 - 0.1 * s, lr=1e-3, run=run) for s in steps]
     if resume_at is not None:
@@ -374,10 +357,8 @@ def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> l
 
 
 def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path, capsys):
-    """`cat a/log.jsonl b/log.jsonl`: before, one curve that went back to step 0 midway (marked as a resume);
-    a branch (a new run id that starts with its resume record) stays its parent's curve. A branch of a run the
-    log does not hold (before: joined to the run before it, its steps drawn over that run's) and a resume record
-    that names no parent (an older trainer's) join nothing."""
+    """`cat a/log.jsonl b/log.jsonl`; a branch (a new run id starting with its resume record) stays its parent's
+    curve; a branch of a run not in the log, or a resume naming no parent (an older trainer's), joins nothing."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
     import plot_log

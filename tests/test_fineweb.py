@@ -33,18 +33,12 @@ from trainkit.data import documents, tokenizer
 from trainkit.data.shards import SAMPLE_BYTES, SAMPLES, differing_file, sampled_sha256, shard_files
 
 EOT = 50256
-
-
-def reference_encoding() -> tiktoken.Encoding:
-    """tiktoken's own r50k_base (tiktoken_ext.openai_public's split pattern, special token and sha256 check) from
-    a cache that holds bpe/'s file, not fineweb's loader; TIKTOKEN_CACHE_DIR left as it was."""
-    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache(cache)):
-        return tiktoken.get_encoding("r50k_base")
-
-
-ENC = reference_encoding()
-WORDS = "the|quick|brown|fox|naïve|café|日本語|🙂|x = 1;|don't|it's|123|4.56|def f():|    return|\t|  |!!|über|—"
-WORDS = WORDS.split("|")
+# tiktoken's own r50k_base (its split pattern, special token and sha256 check), not fineweb's loader
+with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache(cache)):
+    ENC = tiktoken.get_encoding("r50k_base")
+WORDS = "the|quick|brown|fox|naïve|café|日本語|🙂|x = 1;|don't|it's|123|4.56|def f():|    return|\t|  |!!|über|—".split(
+    "|"
+)
 
 
 def make_docs(count=60, seed=0, newlines=True):
@@ -127,13 +121,6 @@ def check_output(out_dir, docs, shard_size, val_shards=1, prefix="data"):
     return manifest, arrays
 
 
-def assert_same_output(out, reference_out):
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference_out.iterdir())
-    for path in reference_out.glob("*.npy"):
-        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
-    assert json.loads((out / "manifest.json").read_text()) == json.loads((reference_out / "manifest.json").read_text())
-
-
 def interrupted_copy(full, cut):
     """In cut, what a run of full's killed after its first shard leaves: that shard, a manifest listing it."""
     manifest = json.loads((full / "manifest.json").read_text())
@@ -150,8 +137,6 @@ def small_chunks(monkeypatch):
 
 
 # --- tokenization ----------------------------------------------------------------------------
-
-
 def test_encode_documents_matches_encode_ordinary_per_document():
     docs = make_docs(30) + ["", "a<|endoftext|>b", "<|endoftext|>", "tail   "]
     tokens = tokenizer.encode_documents(tokenizer.get_encoding(), docs)
@@ -201,8 +186,6 @@ def test_parse_size(text):
 
 
 # --- sources and shards ----------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("kind", ["jsonl", "json.gz", "parquet"])
 def test_rows_to_shards(tmp_path, small_chunks, kind):
     docs = make_docs() + ["text that quotes <|endoftext|> stays text", "last"]
@@ -213,8 +196,7 @@ def test_rows_to_shards(tmp_path, small_chunks, kind):
     else:
         write_jsonl(path, rows, gzip.open if kind.endswith(".gz") else open)
     made("--files", path, "--out-dir", tmp_path / "out", "--shard-size", "3000", "--workers", "2")
-    _, arrays = check_output(tmp_path / "out", docs, 3000)
-    assert len(arrays) == -(-reference_tokens(docs).size // 3000)
+    check_output(tmp_path / "out", docs, 3000)
 
 
 def test_text_lines_and_files_to_shards(tmp_path, small_chunks):
@@ -252,11 +234,8 @@ def test_max_tokens_cuts_exactly_and_bin_format(tmp_path, small_chunks):
 
 
 def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and_resumed(tmp_path):
-    """An input smaller than one default shard becomes two shards named data_*: its first tenth the val split, the
-    rest train. A run stopped by SIGTERM between the two says so in one line, exit code 130, and the same command
-    resumes it byte-identical; train_gpt2.py trains on the folder. That process, on a machine without internet that
-    has never cached the BPE (offline_env), first shows `import fineweb` loading none of torch, datasets, pyarrow,
-    tqdm and printing nothing, and the tokenizer round-tripping from bpe/'s copy; nothing gets cached."""
+    """Its first tenth the val shard; SIGTERM between the shards: one line, exit 130. That process, offline and never
+    having cached the BPE, first shows `import fineweb` light and silent and bpe/'s tokenizer round-tripping."""
     lines = [line for line in make_docs(120, seed=5, newlines=False) if line.strip()]  # one document per line
     (tmp_path / "notes.txt").write_text("\n".join(lines))
     expected, out = reference_tokens(lines), tmp_path / "mine"
@@ -267,44 +246,37 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and
     assert [shard["file"] for shard in manifest["shards"]] == ["data_val_000000.npy", "data_train_000001.npy"]
     assert [a.size for a in arrays] == [round(expected.size / 10), expected.size - round(expected.size / 10)]
     assert np.array_equal(np.concatenate(arrays), expected)
-    stopped = tmp_path / "stopped"  # parked once the train shard is in place, before the manifest records it
+    stopped, round_trip = tmp_path / "stopped", "naïve <|endoftext|> 🙂"  # stopped: parked after the train shard
     args = ["--files", str(tmp_path / "notes.txt"), "--out-dir", str(stopped)]
     python, _, parked = fineweb_parked_after(1)
     imported = (
         f"import sys; sys.path.insert(0, {str(REPO)!r}); import fineweb; from trainkit.data import tokenizer\n"
         "heavy = {'torch', 'datasets', 'pyarrow', 'tqdm'} & set(sys.modules); enc = tokenizer.get_encoding()\n"
-        f"tokens = enc.encode({ROUND_TRIP!r}, allowed_special={{'<|endoftext|>'}})\n"
-        f"print(sorted(heavy), fineweb.EOT, enc.name, tokens, enc.decode(tokens) == {ROUND_TRIP!r}, flush=True)\n"
+        f"tokens = enc.encode({round_trip!r}, allowed_special={{'<|endoftext|>'}})\n"
+        f"print(sorted(heavy), fineweb.EOT, enc.name, tokens, enc.decode(tokens) == {round_trip!r}, flush=True)\n"
     )
-    with open(tmp_path / "stderr.txt", "w") as stderr, open(tmp_path / "stdout.txt", "w") as stdout:
-        process = start(
-            [python, "-c", imported + parked, *args],
-            env=offline_env(tmp_path),
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
+    with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
+        streams = dict(stdout=stdout, stderr=stderr, start_new_session=True)
+        process = start([python, "-c", imported + parked, *args], env=offline_env(tmp_path), **streams)
     try:
         wait_for((stopped / "data_train_000001.npy").exists, process, what="the park after shard 1")
         process.send_signal(signal.SIGTERM)  # the main process only
         assert process.wait(timeout=120) == 130
     finally:
         kill_group(process)  # (its workers too, whatever happened above)
-    tokens = ENC.encode(ROUND_TRIP, allowed_special="all")
+    tokens = ENC.encode(round_trip, allowed_special="all")
     assert (tmp_path / "stdout.txt").read_text() == f"[] 50256 r50k_base {tokens} True\n"
     said = (tmp_path / "stderr.txt").read_text()
     assert "fineweb.py: interrupted; run the same command again to resume" in said and "Traceback" not in said
     assert len(json.loads((stopped / "manifest.json").read_text())["shards"]) == 1 and nothing_cached(tmp_path)
     made(*args)
-    assert_same_output(stopped, out)
+    assert tree_hashes(stopped) == tree_hashes(out)
     run = tiny_run_args(out, tmp_path / "run", "--val-steps", 1, n_layer=1, block_size=16, B=2, rows=2, steps=1)
     trained = run_main("train_gpt2.py", *run, "--val-every", 1)
     assert trained.returncode == 0, trained.stderr
     assert "step     1 | val loss" in trained.stdout
-    result = made("--files", tmp_path / "notes.txt", "--out-dir", tmp_path / "all_val", "--val-shards", "3")
-    assert (
-        result.stdout == f"wrote 1 shard, {expected.size:,} tokens, {len(lines)} documents to {tmp_path / 'all_val'}\n"
-    )
+    result = made("--files", tmp_path / "notes.txt", "--out-dir", (all_val := tmp_path / "all_val"), "--val-shards", 3)
+    assert result.stdout == f"wrote 1 shard, {expected.size:,} tokens, {len(lines)} documents to {all_val}\n"
     assert result.stderr.splitlines()[-1] == (
         "fineweb.py: warning: the only shard is a val shard (--val-shards 3), so train_gpt2.py finds no train shards "
         f"here: run again into an empty --out-dir with --shard-size {expected.size // 10} (a tenth of the tokens)"
@@ -312,14 +284,9 @@ def test_a_small_file_with_the_defaults_gets_a_val_and_a_train_shard_stopped_and
 
 
 # --- resume ----------------------------------------------------------------------------------
-
-
 def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
-    """Parked once shard 2 is written and before the manifest records it (where a kill leaves the most to resume):
-    a second run on the same --out-dir is refused in one line before it reads or writes anything there (unlocked,
-    both wrote, one over the other's shards, and the trainer read the mix); once SIGKILL ends the first, what it
-    left blocks nothing, the trainer refuses the half-made folder, and the same command resumes it. Run again once
-    complete, it does nothing; with other arguments, it is refused."""
+    """Parked after writing shard 2, before the manifest lists it: a second run is refused, touching nothing; once
+    SIGKILLed, the trainer refuses the folder, the command resumes it, then does nothing; other arguments: refused."""
     docs, reference_out = make_docs(90, seed=2), tmp_path / "uninterrupted"
     path = write_jsonl(tmp_path / "docs.jsonl", docs)
     made("--files", path, "--out-dir", reference_out, "--shard-size", "2500", "--workers", "2")
@@ -354,13 +321,10 @@ def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
     result = made(*args)
     skipped = manifest["shards"][-1]["documents_done"]
     assert f"resuming after 2 shards, 5,000 tokens (skipping the first {skipped} documents)" in result.stderr
-    assert_same_output(out, reference_out)
-    check_output(out, docs, 2500)
+    assert tree_hashes(out) == tree_hashes(reference_out)
     stamps, total = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}, reference_tokens(docs).size
-    assert (
-        made(*args).stdout
-        == f"{out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
-    )
+    complete = f"{out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
+    assert made(*args).stdout == complete
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
     assert_refused(
         fw(*args[:-4], "--shard-size", "3000"),
@@ -386,7 +350,7 @@ def test_resume_at_a_document_boundary(tmp_path, small_chunks):
     )
     first.write_bytes(whole)
     made(*args, "--out-dir", tmp_path / "cut")
-    assert_same_output(tmp_path / "cut", tmp_path / "full")
+    assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "full")
 
 
 def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):
@@ -409,7 +373,7 @@ def test_hub_resume_reads_the_commit_it_started_with(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "hub_revision", lambda dataset: asked.append(dataset) or "commit-2")
     assert fineweb.main(args + ["--out-dir", str(tmp_path / "cut")]) == 0
     assert read_at == ["commit-1", "commit-1"] and asked == []
-    assert_same_output(tmp_path / "cut", tmp_path / "full")
+    assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "full")
 
 
 @pytest.mark.parametrize("change", ["edited in place, same size", "touched", "new file", "file gone"])
@@ -443,8 +407,6 @@ def test_changed_input_is_not_resumed(tmp_path, change):
 
 
 # --- errors: one line, no traceback, exit code 2, nothing written ----------------------------
-
-
 def gzipped(damage: str) -> bytes:
     data = "".join(json.dumps({"text": doc}) + "\n" for doc in make_docs(40, seed=5)).encode()
     packed = gzip.compress(data, mtime=0)
@@ -524,15 +486,9 @@ REFUSED = {
     "out-dir a file": "--files {t}/d.jsonl --out-dir {t}/d.jsonl => --out-dir '{t}/d.jsonl' is not a folder",
     "out-dir holds the input": "--files {t}/*.jsonl --out-dir {t} => --files matches {t}/d.jsonl, inside --out-dir "
     "{t}: the output would be read as input",
-    **{  # (out/manifest.json written with the bytes after manifest.json=)
-        f"manifest {reason}": f"--files {{t}}/d.jsonl --out-dir {{t}}/out manifest.json={text} => {{t}}/out/"
-        f"manifest.json is not a manifest written by fineweb.py ({reason}); use an empty --out-dir"
-        for text, reason in [
-            ("[]", "it holds a list, not an object"),
-            ('{"config":{}}', "no field complete"),
-            ("\xff\xfe", "not UTF-8 text (byte 0xff), so not JSON"),
-        ]
-    },
+    # out/manifest.json written with the bytes after manifest.json= (its schema: test_cache_and_manifest's table)
+    "manifest not UTF-8": "--files {t}/d.jsonl --out-dir {t}/out manifest.json=\xff\xfe => {t}/out/manifest.json is "
+    "not a manifest written by fineweb.py (not UTF-8 text (byte 0xff), so not JSON); use an empty --out-dir",
 }
 # bad input met after the progress bar starts: the folder made for the run is removed
 MID_STREAM = {
@@ -662,8 +618,6 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
 
 
 # --- the Hub, the GPT-2 BPE shipped in bpe/, the tokenizer cache -------------------------------
-
-
 def offline_env(tmp_path, **more) -> dict:
     """A machine without internet that has never cached the BPE: no TIKTOKEN_CACHE_DIR, an empty home, XDG cache
     and temporary folder (tiktoken's default cache is TMPDIR/data-gym-cache), proxies that refuse every connection."""
@@ -724,11 +678,10 @@ def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
     assert shipped._mergeable_ranks == ENC._mergeable_ranks and shipped._pat_str == ENC._pat_str
     assert shipped._special_tokens == ENC._special_tokens == {"<|endoftext|>": EOT}
     text = TEXT_FILE.read_text(encoding="utf-8")
-    tokens = shipped.encode_ordinary(text)
-    assert len(tokens) == 31_195 and tokens == ENC.encode_ordinary(text) and shipped.decode(tokens) == text
-    for sample in UNICODE_SAMPLES:
-        assert shipped.encode_ordinary(sample) == ENC.encode_ordinary(sample), sample
-        assert shipped.encode(sample, allowed_special="all") == ENC.encode(sample, allowed_special="all"), sample
+    assert len(shipped.encode_ordinary(text)) == 31_195
+    for sample in [text, *UNICODE_SAMPLES]:
+        assert shipped.encode_ordinary(sample) == ENC.encode_ordinary(sample), sample[:80]
+        assert shipped.encode(sample, allowed_special="all") == ENC.encode(sample, allowed_special="all"), sample[:80]
         assert shipped.decode(shipped.encode_ordinary(sample)) == sample
     # <|endoftext|>: the special id when allowed, ordinary text otherwise, refused by default
     assert shipped.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"}) == [64, EOT, 65]
@@ -738,30 +691,22 @@ def test_shipped_bpe_tokenizes_exactly_as_tiktoken():
         shipped.encode("<|endoftext|>")
 
 
-ROUND_TRIP = "naïve <|endoftext|> 🙂"
-
-
-SHIPPED_FAULTS = ["one rank changed", "cut short", "missing"]
-CACHES = ["unset", "a folder without it", "a damaged file"]  # TIKTOKEN_CACHE_DIR
-
-
 @pytest.mark.parametrize(
     "shipped_bpe,cache",
-    [*(("intact", c) for c in CACHES), *((f, c) for f in SHIPPED_FAULTS for c in ("unset", "good"))],
+    [("intact", c) for c in ("unset", "a folder without it", "a damaged file")]  # cache: TIKTOKEN_CACHE_DIR
+    + [(f, c) for f in ("one rank changed", "cut short", "missing") for c in ("unset", "good")],
 )
 def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else_one_line(
     tmp_path, monkeypatch, request, shipped_bpe, cache
 ):
-    """TIKTOKEN_CACHE_DIR's r50k_base first, else bpe/'s copy (a damaged cached file kept, one note); neither: one
-    error line, nothing written; nothing cached. Loaded anew as in a new process: tiktoken's registry emptied, the
-    temporary folder offline_env's (tiktoken's default cache), bpe/'s file at `shipped`."""
+    """A damaged cached file is kept, with one note; nothing is cached. Loaded anew as in a new process: tiktoken's
+    registry emptied, the temporary folder offline_env's (tiktoken's default cache), bpe/'s file at `shipped`."""
     data = Path(tokenizer.SHIPPED_BPE).read_bytes()
     bad = {"one rank changed": data.replace(b" 1000\n", b" 1001\n"), "cut short": data[:-100], "missing": None}
     shipped = tmp_path / "repo" / "bpe" / "r50k_base.tiktoken"
     shipped.parent.mkdir(parents=True)
     if shipped_bpe != "missing":
         shipped.write_bytes(bad.get(shipped_bpe, data))
-    (tmp_path / "tmp").mkdir()
     tokenizer.get_encoding.cache_clear()  # loaded anew here, and again by the tests after this one
     request.addfinalizer(tokenizer.get_encoding.cache_clear)
     monkeypatch.setattr(documents, "_worker_encoding", None)
@@ -779,14 +724,12 @@ def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else
     env = offline_env(tmp_path, **({} if cache == "unset" else {"TIKTOKEN_CACHE_DIR": str(folder)}))
     result = fw("--files", write_jsonl(tmp_path / "d.jsonl", docs), "--out-dir", out, "--workers", "2", env=env)
     if shipped_bpe != "intact" and cache == "unset":
-        why = "is missing and tiktoken could not fetch 'r50k_base' (…); restore the file"
+        tail = ", or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
+        why = f"is missing and tiktoken could not fetch 'r50k_base' (…); restore the file (git checkout -- bpe){tail}"
         if shipped_bpe != "missing":
             sha = hashlib.sha256(bad[shipped_bpe]).hexdigest()[:16]
-            why = f"is damaged (sha256 {sha}..., expected 306cd27f03c1a714...); restore it"
-        message = (
-            f"could not load the GPT-2 tokenizer: {shipped} {why} (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR"
-        )
-        assert not refused_like(result, message + " to a folder that holds tiktoken's cached r50k_base file")
+            why = f"is damaged (sha256 {sha}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe){tail}"
+        assert not refused_like(result, f"could not load the GPT-2 tokenizer: {shipped} {why}")
         assert not out.exists() and nothing_cached(tmp_path)
         return
     assert result.returncode == 0, result.stderr
@@ -802,20 +745,16 @@ def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else
 
 
 # --- telling shards apart ----------------------------------------------------------------------
-
-
 def test_shard_files_tell_contents_apart(tmp_path):
     """The ranks' start-up check and a resume compare shards by content: the sha256 fineweb.py's
     manifest records and a sampled sha256 (the whole file when it is small), not only names and sizes."""
     write_jsonl(tmp_path / "d.jsonl", make_docs())
     made(f"--files {tmp_path}/d.jsonl --out-dir {tmp_path}/a --shard-size 4000 --workers 1")
-    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    paths = [str(tmp_path / "a" / shard["file"]) for shard in manifest["shards"]]
+    shards = json.loads((tmp_path / "a" / "manifest.json").read_text())["shards"]
+    paths = [str(tmp_path / "a" / shard["file"]) for shard in shards]
     a = shard_files(paths)
-    whole = [
-        hashlib.sha256(b"%d" % s["bytes"] + open(p, "rb").read()).hexdigest() for s, p in zip(manifest["shards"], paths)
-    ]
-    assert a == [(s["file"], s["bytes"], digest, s["sha256"]) for s, digest in zip(manifest["shards"], whole)]
+    whole = [hashlib.sha256(b"%d" % s["bytes"] + Path(p).read_bytes()).hexdigest() for s, p in zip(shards, paths)]
+    assert a == [(s["file"], s["bytes"], digest, s["sha256"]) for s, digest in zip(shards, whole)]
     (tmp_path / "b").mkdir()  # the same shards without the manifest, then one with other tokens of its size
     copies = [str(tmp_path / "b" / os.path.basename(p)) for p in paths]
     for p, copy in zip(paths, copies):
@@ -826,11 +765,8 @@ def test_shard_files_tell_contents_apart(tmp_path):
     name, n = a[1][0], a[1][1]
     np.save(copies[1], (np.load(copies[1]) + 1) % 50257)
     b = shard_files(copies)
-    assert differing_file(a, b) == (
-        name,
-        f"{n} bytes of sampled content {a[1][2][:12]}",
-        f"{n} bytes of sampled content {b[1][2][:12]}",
-    )
+    sampled = lambda entry: f"{n} bytes of sampled content {entry[2][:12]}"
+    assert differing_file(a, b) == (name, sampled(a[1]), sampled(b[1]))
     b[1] = (*b[1][:3], "f" * 64)  # both manifests list it: theirs is the sha256 compared first
     assert differing_file(a, b) == (name, f"{n} bytes of sha256 {a[1][3][:12]}", f"{n} bytes of sha256 ffffffffffff")
     assert differing_file(a, b[:1] + b[2:]) == (name, f"{n} bytes", "missing")
