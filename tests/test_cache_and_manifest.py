@@ -15,6 +15,7 @@ import pytest
 from conftest import TEXT_FILE, assert_refused, run_command, run_main, tiny_run_args
 from shards import EOT
 
+import fineweb
 import train_gpt2 as tg
 from trainkit.cli import UserError
 from trainkit.data import shard_scan
@@ -170,8 +171,6 @@ def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, ca
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> str:
     """A data set fineweb.py made (its manifest lists data_val_000000.npy and train shards 1..): read, not changed."""
-    import fineweb
-
     out = str(tmp_path_factory.mktemp("made") / "data")
     argv = ["--files", str(TEXT_FILE), "--doc-per-file", "--out-dir", out, "--shard-size", "4000", "--workers", "1"]
     assert fineweb.main(argv) == 0
@@ -180,27 +179,23 @@ def made(tmp_path_factory) -> str:
 
 def with_field(manifest: dict, case: str) -> dict:
     shards = manifest["shards"]
-    whole = {
+    second = lambda key, value: {**manifest, "shards": [shards[0], {**shards[1], key: value}, *shards[2:]]}
+    return {
         "not an object": [manifest],
         "shards an object": {**manifest, "shards": {s["file"]: s for s in shards}},
         "complete as text": {**manifest, "complete": "false"},
         "no complete": {k: v for k, v in manifest.items() if k != "complete"},
         "an entry a list": {**manifest, "shards": [shards[0], list(shards[1].values())]},
-    }
-    if case in whole:
-        return whole[case]
-    key, value = {
-        "file a list": ("file", [shards[1]["file"]]),
-        "file a path": ("file", "../" + shards[1]["file"]),
-        "bytes as text": ("bytes", str(shards[1]["bytes"])),
-        "bytes a fraction": ("bytes", shards[1]["bytes"] + 0.5),
-        "bytes true": ("bytes", True),
-        "sha256 not 64 hex digits": ("sha256", shards[1]["sha256"][:63] + "g"),
-        "max_id beyond uint16": ("max_id", 70000),
-        "max_id of 4,001 digits": ("max_id", 10**4000),
-        "file listed twice": ("file", shards[0]["file"]),
+        "file a list": second("file", [shards[1]["file"]]),
+        "file a path": second("file", "../" + shards[1]["file"]),
+        "bytes as text": second("bytes", str(shards[1]["bytes"])),
+        "bytes a fraction": second("bytes", shards[1]["bytes"] + 0.5),
+        "bytes true": second("bytes", True),
+        "sha256 not 64 hex digits": second("sha256", shards[1]["sha256"][:63] + "g"),
+        "max_id beyond uint16": second("max_id", 70000),
+        "max_id of 4,001 digits": second("max_id", 10**4000),
+        "file listed twice": second("file", shards[0]["file"]),
     }[case]
-    return {**manifest, "shards": [shards[0], {**shards[1], key: value}, *shards[2:]]}
 
 
 MANIFEST_CASES = {
@@ -223,17 +218,12 @@ MANIFEST_CASES = {
 }
 
 
-def copy_of(made, tmp_path):
-    """made's data set copied to tmp_path/"data", to change: (the folder, its manifest as fineweb.py wrote it)."""
-    data = shutil.copytree(made, tmp_path / "data")
-    return data, json.loads((data / "manifest.json").read_text())
-
-
 @pytest.mark.parametrize("case", MANIFEST_CASES)
 def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, case):
     """The trainer and a resumed fineweb.py (read_manifest) both refuse it in one line naming the field (before,
     taken for another tool's file: its shards unchecked)."""
-    data, manifest = copy_of(made, tmp_path)
+    data = shutil.copytree(made, tmp_path / "data")  # to change
+    manifest = json.loads((data / "manifest.json").read_text())
     path = data / "manifest.json"
     assert read_manifest(str(path)) == manifest  # as fineweb.py wrote it: both readers take it
     train = [s["file"] for s in manifest["shards"][1:]]
@@ -256,7 +246,8 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
 def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(made, tmp_path, monkeypatch, case):
     """Unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest", so an unfinished
     run's shards trained without a word (only a missing one means none). A huge number: before, all in the line."""
-    data, manifest = copy_of(made, tmp_path)
+    data = shutil.copytree(made, tmp_path / "data")  # to change
+    manifest = json.loads((data / "manifest.json").read_text())
     path, shard = data / "manifest.json", data / manifest["shards"][1]["file"]
     if case == "unreadable":
         error = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
@@ -331,8 +322,6 @@ def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tm
         resource, "getrlimit", lambda what: (700000 << 10,) * 2 if what == resource.RLIMIT_AS else real(what)
     )
     if script == "fineweb.py":
-        import fineweb
-
         monkeypatch.setattr(fineweb, "chunk_located", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
         docs = tmp_path / "docs.jsonl"
         docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
@@ -373,11 +362,8 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
     assert runs(records) == [("run aaaaaaaa", 10), ("run bbbbbbbb", 4)]
     unjoined = run_records(orphan, [2, 3, 4, 5], 4.0, resume_at=2, parent="2" * 32)
     unjoined += run_records(old, [4, 5], 3.0, resume_at=4)
-    assert runs(run_records(a, list(range(6)), 5.0) + unjoined) == [
-        ("run aaaaaaaa", 6),
-        ("run 33333333", 5),
-        ("run 44444444", 3),
-    ]
+    apart = [("run aaaaaaaa", 6), ("run 33333333", 5), ("run 44444444", 3)]
+    assert runs(run_records(a, list(range(6)), 5.0) + unjoined) == apart
     fig = plot_log.make_figure(records, smooth=0)
     try:
         lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
@@ -385,10 +371,8 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
         assert curve("a") == [(s, 5.0 - 0.1 * s) for s in (0, 1, 2)] + [(s, 4.0 - 0.1 * s) for s in (3, 4, 5)]
         assert curve("b") == [(s, 9.0 - 0.1 * s) for s in range(4)]
         assert [line.get_xdata()[0] for line in lines.values() if line.get_label() == "resumed"] == [3]
-        assert fig._suptitle.get_text().splitlines() == [
-            "run aaaaaaaa: train loss 3.5000 (step 5)",
-            "run bbbbbbbb: train loss 8.7000 (step 3)",
-        ]
+        title = ["run aaaaaaaa: train loss 3.5000 (step 5)", "run bbbbbbbb: train loss 8.7000 (step 3)"]
+        assert fig._suptitle.get_text().splitlines() == title
     finally:
         plt.close(fig)
     assert plot_log.main([str(log), "-o", str(tmp_path / "both.png")]) == 0
