@@ -82,7 +82,6 @@ def fw(*args, env=None):
 
 
 def made(*args, **kwargs):
-    """fineweb.py args run to completion in this process."""
     result = fw(*args, **kwargs)
     assert result.returncode == 0, result.stderr
     return result
@@ -294,12 +293,10 @@ def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
     try:
         wait_for((out / "data_train_000002.npy").exists, first, what="the park after shard 2")
         before = tree_hashes(out)
+        locked = f"--out-dir {out} is being written by another process (pid {first.pid} on {socket.gethostname()}; it "
+        locked += "holds a lock on the folder): wait for it to end, or choose another --out-dir"
         for second in (["--files", str(other), "--out-dir", str(out), "--max-tokens", "1M"], args):
-            assert_refused(
-                fw(*second),
-                f"--out-dir {out} is being written by another process (pid {first.pid} on {socket.gethostname()}; "
-                "it holds a lock on the folder): wait for it to end, or choose another --out-dir",
-            )
+            assert_refused(fw(*second), locked)
             assert tree_hashes(out) == before
         os.kill(first.pid, signal.SIGKILL)  # the main process: its workers end once their task pipe closes
         assert first.wait(timeout=120) == -signal.SIGKILL
@@ -323,11 +320,9 @@ def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
     complete = f"{out} is already complete ({-(-total // 2500)} shards, {total:,} tokens); nothing to do\n"
     assert made(*args).stdout == complete
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
-    assert_refused(
-        fw(*args[:-4], "--shard-size", "3000"),
-        f"{out / 'manifest.json'} was written with other arguments (shard_size 2500 -> 3000); rerun with the same "
-        "arguments to resume, or use another --out-dir",
-    )
+    changed = f"{out / 'manifest.json'} was written with other arguments (shard_size 2500 -> 3000); rerun with the "
+    changed += "same arguments to resume, or use another --out-dir"
+    assert_refused(fw(*args[:-4], "--shard-size", "3000"), changed)
 
 
 def test_hub_resume_at_a_document_boundary_reads_the_commit_it_started_with(tmp_path, monkeypatch, small_chunks):
@@ -353,10 +348,8 @@ def test_hub_resume_at_a_document_boundary_reads_the_commit_it_started_with(tmp_
     first = cut / manifest["shards"][0]["file"]
     whole = first.read_bytes()
     first.write_bytes(whole[:-2])  # a shard cut short is refused, not resumed
-    assert_refused(
-        fw(*args, "--out-dir", cut),
-        f"{first}, listed in {cut / 'manifest.json'}, is missing or truncated; delete the folder and start over",
-    )
+    truncated = f"{first}, listed in {cut / 'manifest.json'}, is missing or truncated; delete the folder and start over"
+    assert_refused(fw(*args, "--out-dir", cut), truncated)
     first.write_bytes(whole)
     made(*args, "--out-dir", cut)
     assert read_at == ["commit-1", "commit-1"] and asked == []
@@ -384,24 +377,14 @@ def test_changed_input_is_not_resumed(tmp_path, change):
         a.unlink()
         what = f"{a} is gone"
     for out in (tmp_path / "cut", tmp_path / "full"):  # interrupted, and complete: neither is up to date
-        before = sorted(p.name for p in out.iterdir())
-        assert_refused(
-            fw(*args, "--out-dir", out),
-            f"the --files input changed since {out / 'manifest.json'} was written: {what}, so new shards would not "
-            f"continue the old ones; restore it, or delete {out} and start over",
-        )
-        assert sorted(p.name for p in out.iterdir()) == before
+        why = f"the --files input changed since {out / 'manifest.json'} was written: {what}, so new shards would not "
+        why += f"continue the old ones; restore it, or delete {out} and start over"
+        before = tree_hashes(out)
+        assert_refused(fw(*args, "--out-dir", out), why)
+        assert tree_hashes(out) == before
 
 
 # --- errors: one line, no traceback, exit code 2, nothing written ----------------------------
-def gzipped(damage: str) -> bytes:
-    data = "".join(json.dumps({"text": doc}) + "\n" for doc in make_docs(40, seed=5)).encode()
-    packed = gzip.compress(data, mtime=0)
-    if damage == "truncated":
-        return packed[: len(packed) // 2]
-    return data if damage == "plain-text" else packed[:-8] + bytes([packed[-8] ^ 1]) + packed[-7:]  # (the CRC)
-
-
 def damaged_parquet(damage: str) -> bytes:
     data = parquet_bytes([{"text": doc} for doc in make_docs(200)])
     if damage == "truncated":
@@ -411,10 +394,12 @@ def damaged_parquet(damage: str) -> bytes:
     return data[:100] + bytes(b ^ 0x55 for b in data[100:2000]) + data[2000:]  # the footer intact, the data not
 
 
+JSONL = "".join(json.dumps({"text": doc}) + "\n" for doc in make_docs(40, seed=5)).encode()
+GZ = gzip.compress(JSONL, mtime=0)
 # the input files of the cases, by name (each case writes those its command names)
 INPUTS = {
     "d.jsonl": lambda: b'{"text": "hello"}\n',
-    "a.jsonl.gz": lambda: gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in make_docs(20)).encode()),
+    "a.jsonl.gz": lambda: GZ,
     "blank.txt": lambda: b"\n   \n\n",
     "rows.jsonl": lambda: b'{"id": 1, "content": "hello"}\n',
     "rows.parquet": lambda: parquet_bytes([{"id": 1, "content": "hello"}]),
@@ -423,9 +408,9 @@ INPUTS = {
     "web.jsonl": lambda: b'{"text": "hello"}\n\n{"text": "abc \\ud800 def"}\n{"text": "after"}\n',
     "quotes.jsonl": lambda: b'{"text": "<|endoftext|> \\udfff"}\n',  # encoded alone: encode_ordinary would replace it
     "padded.txt": lambda: b"first line\na" + b" " * 1_000_000 + b"b\nlast line\n",
-    **{
-        f"{damage}.jsonl.gz": lambda damage=damage: gzipped(damage) for damage in ("truncated", "plain-text", "flipped")
-    },
+    "truncated.jsonl.gz": lambda: GZ[: len(GZ) // 2],
+    "plain-text.jsonl.gz": lambda: JSONL,
+    "flipped.jsonl.gz": lambda: GZ[:-8] + bytes([GZ[-8] ^ 1]) + GZ[-7:],  # (its CRC)
     **{f"{d}.parquet": lambda d=d: damaged_parquet(d) for d in ("truncated", "not-parquet", "damaged-page")},
 }
 SURROGATE = (
@@ -595,11 +580,9 @@ def test_disk_full_names_the_file_and_keeps_what_was_written(tmp_path, file, mon
         return fd
 
     monkeypatch.setattr(fileio, "create_fresh", full_disk_for_file)
-    refused_like(
-        fw("--files", path, "--out-dir", out, "--workers", "1"),
-        f"cannot write {out / file}: no space left on device; the shards that manifest.json lists are complete: fix "
-        "this and run the same command again to resume",
-    )
+    full = f"cannot write {out / file}: no space left on device; the shards that manifest.json lists are complete: "
+    full += "fix this and run the same command again to resume"
+    refused_like(fw("--files", path, "--out-dir", out, "--workers", "1"), full)
     assert list(out.iterdir()) == []  # no temporary file, no shard that the manifest does not list
 
 
@@ -635,11 +618,8 @@ def test_hub_unreachable_fails_at_once_and_leaves_no_folder(tmp_path, monkeypatc
     finally:
         huggingface_hub.close_session()  # (made with the dead proxies)
     assert time.monotonic() - started < 15
-    assert not refused_like(
-        result,
-        "--dataset HuggingFaceFW/fineweb-edu: cannot reach the Hugging Face Hub (…); offline, tokenize local files "
-        "instead with --files 'dir/**/*.parquet'",
-    )
+    why = "--dataset HuggingFaceFW/fineweb-edu: cannot reach the Hugging Face Hub (…); offline, tokenize local files "
+    assert not refused_like(result, why + "instead with --files 'dir/**/*.parquet'")
     assert not (tmp_path / "new").exists()
 
 
