@@ -12,8 +12,7 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import TEXT_FILE, assert_refused, run_command, run_main, tiny_run_args
-from shards import EOT
+from conftest import TEXT_FILE, assert_refused, documents, run_command, run_main, tiny_run_args
 
 import fineweb
 import train_gpt2 as tg
@@ -29,13 +28,8 @@ T = 256  # rows of up to 256 targets over documents of ~40 tokens: a table of ~1
 @pytest.fixture(scope="module")
 def big_shard(tmp_path_factory) -> str:
     """A shard big enough for its scans to be kept: small ids, an <|endoftext|> opening a document every ~40 tokens."""
-    n = shard_scan.MIN_CACHED_TOKENS + 1000
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 64, n).astype(np.uint16)
-    tokens[rng.integers(0, n, n // 40)] = EOT
-    tokens[0] = EOT
     path = str(tmp_path_factory.mktemp("data") / "big_train_000001.npy")
-    np.save(path, tokens)
+    np.save(path, documents(shard_scan.MIN_CACHED_TOKENS + 1000, seed=0))
     return path
 
 
@@ -47,12 +41,9 @@ def cache(tmp_path, monkeypatch) -> str:
 
 @pytest.fixture
 def time_limit():
-    """A read that blocks (a named pipe) fails the test after 60 s instead of hanging it."""
-
-    def expire(signum, frame):
-        pytest.fail("the scan blocked (on a named pipe?)")  # not an OSError: no reader may take it for a failed read
-
-    previous = signal.signal(signal.SIGALRM, expire)
+    """A read that blocks (a named pipe) fails the test after 60 s instead of hanging it: pytest.fail, not an
+    OSError, which a reader could take for a failed read."""
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: pytest.fail("the scan blocked (on a named pipe?)"))
     signal.alarm(60)
     yield
     signal.alarm(0)
@@ -270,9 +261,7 @@ def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(mad
 SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)
 
 
-def test_keep_last_meeting_a_checkpoint_it_may_not_delete_warns_once_and_trains_on(
-    data_dir, tmp_path, monkeypatch, capsys
-):
+def test_keep_last_meeting_an_undeletable_checkpoint_warns_once_and_trains_on(data_dir, tmp_path, monkeypatch, capsys):
     """As an immutable file, another user's on NFS or a read-only mount refuse it: before, a PermissionError
     traceback ended the run at its next save."""
     out = tmp_path / "run"
@@ -348,8 +337,7 @@ def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> l
 def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path, capsys):
     """`cat a/log.jsonl b/log.jsonl`; a branch (a new run id starting with its resume record) stays its parent's
     curve; a branch of a run not in the log, or a resume naming no parent (an older trainer's), joins nothing."""
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
+    plt = pytest.importorskip("matplotlib.pyplot")
     import plot_log
 
     a, b, branch, orphan, old = "a" * 32, "b" * 32, "c" * 32, "3" * 32, "4" * 32

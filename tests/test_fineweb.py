@@ -144,14 +144,9 @@ def test_a_token_id_beyond_uint16_is_refused():
 
 def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
     pulled = []
-
-    def chunks():
-        for i in range(100):
-            pulled.append(i)
-            yield [f"document {i}"], [f"where {i}"]
-
+    chunks = (pulled.append(i) or ([f"document {i}"], [f"where {i}"]) for i in range(100))  # (pulled: i asked for)
     with multiprocessing.Pool(2, initializer=documents.init_worker) as pool:
-        results = documents.tokenize_in_order(chunks(), pool, max_in_flight=4)
+        results = documents.tokenize_in_order(chunks, pool, max_in_flight=4)
         first = next(results)
         assert len(pulled) == 4
         rest = list(results)
@@ -286,8 +281,7 @@ def test_a_killed_run_blocks_nothing_and_resumes_byte_identical(tmp_path):
     docs, reference_out = make_docs(90, seed=2), tmp_path / "uninterrupted"
     path = write_jsonl(tmp_path / "docs.jsonl", docs)
     made("--files", path, "--out-dir", reference_out, "--shard-size", "2500", "--workers", "2")
-    other = write_jsonl(tmp_path / "other.jsonl", make_docs(40, seed=5))
-    out = tmp_path / "killed"
+    other, out = write_jsonl(tmp_path / "other.jsonl", make_docs(40, seed=5)), tmp_path / "killed"
     args = ["--files", str(path), "--out-dir", str(out), "--shard-size", "2500", "--workers", "2"]
     first = subprocess.Popen([*fineweb_parked_after(2), *args], stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -339,8 +333,7 @@ def test_hub_resume_at_a_document_boundary_reads_the_commit_it_started_with(tmp_
     shard_size = sum(1 + len(ENC.encode_ordinary(doc)) for doc in docs[:7])  # shard 0 ends where document 7 starts
     args = ["--dataset", "me/corpus", "--shard-size", shard_size, "--workers", "2"]
     made(*args, "--out-dir", out)
-    manifest, _ = check_output(out, docs, shard_size, prefix="corpus")  # named for the dataset
-    assert manifest["hub_revision"] == "commit-1"
+    assert check_output(out, docs, shard_size, prefix="corpus")[0]["hub_revision"] == "commit-1"  # (its name: prefix)
     manifest = interrupted_copy(out, cut)
     assert (manifest["shards"][0]["documents_done"], manifest["shards"][0]["next_document_tokens_done"]) == (7, 0)
     asked = []  # the dataset changed since; the resume must neither read nor need to ask the Hub
@@ -529,9 +522,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case):
     assert files_of(tmp_path) == before
     if case in REPLACED:  # what --utf8-errors replace tokenizes instead
         made(*args, "--utf8-errors", "replace")
-        assert np.array_equal(
-            np.concatenate(load_shards(tmp_path / "new" / "out")[1]), reference_tokens(REPLACED[case])
-        )
+        tokens = np.concatenate(load_shards(tmp_path / "new" / "out")[1])
+        assert np.array_equal(tokens, reference_tokens(REPLACED[case]))
 
 
 def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch):
@@ -698,8 +690,7 @@ def test_offline_the_tokenizer_is_tiktoken_cache_dir_s_else_the_shipped_bpe_else
 def test_shard_files_tell_contents_apart(tmp_path):
     """The ranks' start-up check and a resume compare shards by content: the sha256 fineweb.py's
     manifest records and a sampled sha256 (the whole file when it is small), not only names and sizes."""
-    write_jsonl(tmp_path / "d.jsonl", make_docs())
-    made(f"--files {tmp_path}/d.jsonl --out-dir {tmp_path}/a --shard-size 4000 --workers 1")
+    made(f"--files {write_jsonl(tmp_path / 'd.jsonl', make_docs())} --out-dir {tmp_path}/a --shard-size 4K --workers 1")
     shards = json.loads((tmp_path / "a" / "manifest.json").read_text())["shards"]
     paths = [str(tmp_path / "a" / shard["file"]) for shard in shards]
     a = shard_files(paths)
