@@ -12,9 +12,9 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import TEXT_FILE, assert_refused, run_command, run_main, tiny_run_args
-from shards import EOT
+from conftest import TEXT_FILE, assert_refused, documents, run_command, run_main, tiny_run_args
 
+import fineweb
 import train_gpt2 as tg
 from trainkit.cli import UserError
 from trainkit.data import shard_scan
@@ -22,20 +22,14 @@ from trainkit.data import shards as shard_checks
 from trainkit.data.shard_writer import read_manifest
 
 # --- the shard-scan cache ------------------------------------------------------------------------------------------
-
 T = 256  # rows of up to 256 targets over documents of ~40 tokens: a table of ~19k rows, built in 0.1 s
 
 
 @pytest.fixture(scope="module")
 def big_shard(tmp_path_factory) -> str:
     """A shard big enough for its scans to be kept: small ids, an <|endoftext|> opening a document every ~40 tokens."""
-    n = shard_scan.MIN_CACHED_TOKENS + 1000
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 64, n).astype(np.uint16)
-    tokens[rng.integers(0, n, n // 40)] = EOT
-    tokens[0] = EOT
     path = str(tmp_path_factory.mktemp("data") / "big_train_000001.npy")
-    np.save(path, tokens)
+    np.save(path, documents(shard_scan.MIN_CACHED_TOKENS + 1000, seed=0))
     return path
 
 
@@ -47,25 +41,13 @@ def cache(tmp_path, monkeypatch) -> str:
 
 @pytest.fixture
 def time_limit():
-    """A read that blocks (a named pipe) fails the test after 60 s instead of hanging it."""
-
-    def expire(signum, frame):
-        pytest.fail("the scan blocked (on a named pipe?)")  # not an OSError: no reader may take it for a failed read
-
-    previous = signal.signal(signal.SIGALRM, expire)
+    """A read that blocks (a named pipe) fails the test after 60 s instead of hanging it: pytest.fail, not an
+    OSError, which a reader could take for a failed read."""
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: pytest.fail("the scan blocked (on a named pipe?)"))
     signal.alarm(60)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
-
-
-def scan(path: str, with_rows: bool = True):
-    """(tokens, largest id, row table or None) of the shard at path, as start-up gets them (the cache read first)."""
-    tokens = np.load(path, mmap_mode="r")
-    largest, tables = shard_scan.scan_shards(
-        [path], [tokens], [None], T if with_rows else None, tg.aligned_rows, "train shards", progress=False
-    )
-    return tokens, largest[0], tables[0] if with_rows else None
 
 
 def entry_of(cache: str, suffix: str) -> str:
@@ -129,17 +111,17 @@ FAULTS = {
 
 @pytest.mark.parametrize("kind,fault", FAULTS)
 def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, capsys, time_limit, kind, fault):
-    """Shifted rows would train on other rows than --align-docs makes, longer ones fail the first batch: edited in
-    place they break the seal, re-sealed the check against the shard refuses them. What another user owns or may
-    write could be re-sealed to pass every check short of a scan: not trusted, as ssh trusts files (docs/data.md)."""
+    """Forged rows break the seal, or re-sealed fail the check against the shard; what another user owns or may
+    write is not trusted, as ssh trusts files (docs/data.md)."""
     rows = kind == "rows"
     tokens = np.load(big_shard, mmap_mode="r")
     n, built = tokens.size, tg.aligned_rows(tokens, T)
 
-    def rescanned():
-        _, largest, table = scan(big_shard, rows)
-        assert largest == int(tokens.max()) and (not rows or np.array_equal(table, built))
-        return table
+    def rescanned():  # as start-up scans: the kept scan read first
+        args = [big_shard], [tokens], [None], T if rows else None, tg.aligned_rows, "train shards"
+        largest, tables = shard_scan.scan_shards(*args, progress=False)
+        assert largest == [int(tokens.max())] and (not rows or np.array_equal(tables[0], built))
+        return tables and tables[0]
 
     rescanned()
     entry = entry_of(cache, f".rows{T}.npy" if rows else ".max_id")
@@ -177,13 +159,9 @@ def test_a_faulty_kept_scan_is_noted_once_and_scanned_again(big_shard, cache, ca
 
 
 # --- manifest.json: one schema check, for the trainer and for a resumed fineweb.py -----------------------------------
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> str:
     """A data set fineweb.py made (its manifest lists data_val_000000.npy and train shards 1..): read, not changed."""
-    import fineweb
-
     out = str(tmp_path_factory.mktemp("made") / "data")
     argv = ["--files", str(TEXT_FILE), "--doc-per-file", "--out-dir", out, "--shard-size", "4000", "--workers", "1"]
     assert fineweb.main(argv) == 0
@@ -192,28 +170,23 @@ def made(tmp_path_factory) -> str:
 
 def with_field(manifest: dict, case: str) -> dict:
     shards = manifest["shards"]
-    if case == "not an object":
-        return [manifest]
-    if case == "shards an object":
-        return {**manifest, "shards": {s["file"]: s for s in shards}}
-    if case == "complete as text":
-        return {**manifest, "complete": "false"}
-    if case == "no complete":
-        return {k: v for k, v in manifest.items() if k != "complete"}
-    if case == "an entry a list":
-        return {**manifest, "shards": [shards[0], list(shards[1].values())]}
-    key, value = {
-        "file a list": ("file", [shards[1]["file"]]),
-        "file a path": ("file", "../" + shards[1]["file"]),
-        "bytes as text": ("bytes", str(shards[1]["bytes"])),
-        "bytes a fraction": ("bytes", shards[1]["bytes"] + 0.5),
-        "bytes true": ("bytes", True),
-        "sha256 not 64 hex digits": ("sha256", shards[1]["sha256"][:63] + "g"),
-        "max_id beyond uint16": ("max_id", 70000),
-        "max_id of 4,001 digits": ("max_id", 10**4000),
-        "file listed twice": ("file", shards[0]["file"]),
+    second = lambda key, value: {**manifest, "shards": [shards[0], {**shards[1], key: value}, *shards[2:]]}
+    return {
+        "not an object": [manifest],
+        "shards an object": {**manifest, "shards": {s["file"]: s for s in shards}},
+        "complete as text": {**manifest, "complete": "false"},
+        "no complete": {k: v for k, v in manifest.items() if k != "complete"},
+        "an entry a list": {**manifest, "shards": [shards[0], list(shards[1].values())]},
+        "file a list": second("file", [shards[1]["file"]]),
+        "file a path": second("file", "../" + shards[1]["file"]),
+        "bytes as text": second("bytes", str(shards[1]["bytes"])),
+        "bytes a fraction": second("bytes", shards[1]["bytes"] + 0.5),
+        "bytes true": second("bytes", True),
+        "sha256 not 64 hex digits": second("sha256", shards[1]["sha256"][:63] + "g"),
+        "max_id beyond uint16": second("max_id", 70000),
+        "max_id of 4,001 digits": second("max_id", 10**4000),
+        "file listed twice": second("file", shards[0]["file"]),
     }[case]
-    return {**manifest, "shards": [shards[0], {**shards[1], key: value}, *shards[2:]]}
 
 
 MANIFEST_CASES = {
@@ -236,18 +209,12 @@ MANIFEST_CASES = {
 }
 
 
-def copy_of(made, tmp_path):
-    """made's data set copied to tmp_path/"data", to change: (the folder, its manifest as fineweb.py wrote it)."""
-    data = shutil.copytree(made, tmp_path / "data")
-    return data, json.loads((data / "manifest.json").read_text())
-
-
 @pytest.mark.parametrize("case", MANIFEST_CASES)
 def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, case):
-    """Before, a manifest of other types was taken for another tool's file and its shards went unchecked (a
-    `complete: "false"` run trained on, a listed shard missing or an unlisted one went unnoticed), or was
-    misread; now the trainer and a resumed fineweb.py both refuse it in one line naming the field."""
-    data, manifest = copy_of(made, tmp_path)
+    """The trainer and a resumed fineweb.py (read_manifest) both refuse it in one line naming the field (before,
+    taken for another tool's file: its shards unchecked)."""
+    data = shutil.copytree(made, tmp_path / "data")  # to change
+    manifest = json.loads((data / "manifest.json").read_text())
     path = data / "manifest.json"
     assert read_manifest(str(path)) == manifest  # as fineweb.py wrote it: both readers take it
     train = [s["file"] for s in manifest["shards"][1:]]
@@ -270,7 +237,8 @@ def test_a_manifest_of_other_types_is_refused_naming_the_field(made, tmp_path, c
 def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(made, tmp_path, monkeypatch, case):
     """Unreadable (another user's, mode 600; NFS root squash): before, taken for "no manifest", so an unfinished
     run's shards trained without a word (only a missing one means none). A huge number: before, all in the line."""
-    data, manifest = copy_of(made, tmp_path)
+    data = shutil.copytree(made, tmp_path / "data")  # to change
+    manifest = json.loads((data / "manifest.json").read_text())
     path, shard = data / "manifest.json", data / manifest["shards"][1]["file"]
     if case == "unreadable":
         error = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
@@ -290,13 +258,10 @@ def test_a_manifest_unreadable_or_listing_a_huge_size_is_one_line_naming_why(mad
 
 
 # --- cleanups that fail, threads that cannot start ------------------------------------------------------------------
-
 SHARDS = dict(n_docs=300, seed=4)  # the trainer's data (conftest's data_dir)
 
 
-def test_keep_last_meeting_a_checkpoint_it_may_not_delete_warns_once_and_trains_on(
-    data_dir, tmp_path, monkeypatch, capsys
-):
+def test_keep_last_meeting_an_undeletable_checkpoint_warns_once_and_trains_on(data_dir, tmp_path, monkeypatch, capsys):
     """As an immutable file, another user's on NFS or a read-only mount refuse it: before, a PermissionError
     traceback ended the run at its next save."""
     out = tmp_path / "run"
@@ -346,8 +311,6 @@ def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tm
         resource, "getrlimit", lambda what: (700000 << 10,) * 2 if what == resource.RLIMIT_AS else real(what)
     )
     if script == "fineweb.py":
-        import fineweb
-
         monkeypatch.setattr(fineweb, "chunk_located", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
         docs = tmp_path / "docs.jsonl"
         docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
@@ -364,8 +327,6 @@ def test_a_memory_error_under_ulimit_v_is_one_line_naming_the_limit(data_dir, tm
 
 
 # --- plot_log.py: a log of two runs ---------------------------------------------------------------------------------
-
-
 def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> list:
     records = [dict(step=s, loss=loss0 - 0.1 * s, lr=1e-3, run=run) for s in steps]
     if resume_at is not None:
@@ -374,12 +335,9 @@ def run_records(run: str, steps, loss0: float, resume_at=None, parent=None) -> l
 
 
 def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path, capsys):
-    """`cat a/log.jsonl b/log.jsonl`: before, one curve that went back to step 0 midway (marked as a resume);
-    a branch (a new run id that starts with its resume record) stays its parent's curve. A branch of a run the
-    log does not hold (before: joined to the run before it, its steps drawn over that run's) and a resume record
-    that names no parent (an older trainer's) join nothing."""
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
+    """`cat a/log.jsonl b/log.jsonl`; a branch (a new run id starting with its resume record) stays its parent's
+    curve; a branch of a run not in the log, or a resume naming no parent (an older trainer's), joins nothing."""
+    plt = pytest.importorskip("matplotlib.pyplot")
     import plot_log
 
     a, b, branch, orphan, old = "a" * 32, "b" * 32, "c" * 32, "3" * 32, "4" * 32
@@ -392,11 +350,8 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
     assert runs(records) == [("run aaaaaaaa", 10), ("run bbbbbbbb", 4)]
     unjoined = run_records(orphan, [2, 3, 4, 5], 4.0, resume_at=2, parent="2" * 32)
     unjoined += run_records(old, [4, 5], 3.0, resume_at=4)
-    assert runs(run_records(a, list(range(6)), 5.0) + unjoined) == [
-        ("run aaaaaaaa", 6),
-        ("run 33333333", 5),
-        ("run 44444444", 3),
-    ]
+    apart = [("run aaaaaaaa", 6), ("run 33333333", 5), ("run 44444444", 3)]
+    assert runs(run_records(a, list(range(6)), 5.0) + unjoined) == apart
     fig = plot_log.make_figure(records, smooth=0)
     try:
         lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
@@ -404,10 +359,8 @@ def test_plot_log_draws_each_run_of_a_concatenated_log_as_its_own_curve(tmp_path
         assert curve("a") == [(s, 5.0 - 0.1 * s) for s in (0, 1, 2)] + [(s, 4.0 - 0.1 * s) for s in (3, 4, 5)]
         assert curve("b") == [(s, 9.0 - 0.1 * s) for s in range(4)]
         assert [line.get_xdata()[0] for line in lines.values() if line.get_label() == "resumed"] == [3]
-        assert fig._suptitle.get_text().splitlines() == [
-            "run aaaaaaaa: train loss 3.5000 (step 5)",
-            "run bbbbbbbb: train loss 8.7000 (step 3)",
-        ]
+        title = ["run aaaaaaaa: train loss 3.5000 (step 5)", "run bbbbbbbb: train loss 8.7000 (step 3)"]
+        assert fig._suptitle.get_text().splitlines() == title
     finally:
         plt.close(fig)
     assert plot_log.main([str(log), "-o", str(tmp_path / "both.png")]) == 0
