@@ -1,7 +1,6 @@
-"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run in-process through
-each script's main (export, run_main); as programs: an export under a file size limit and one under a folder whose name
-is not UTF-8 (in one interpreter), one killed mid-way, three into a mount point (one process in its mount namespace),
-and transformers 4 and 5 loading one export."""
+"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models, in-process through main; as programs
+only an export under a file size limit and one under a non-UTF-8 folder (one interpreter), one killed mid-way, three
+into a mount point (one namespace), and transformers 4 and 5 loading one export."""
 
 import dataclasses
 import errno
@@ -17,13 +16,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 import train_gpt2  # noqa: E402
 from conftest import NOT_GPT2, REPO, assert_one_error_line, assert_refused, assert_refused_quietly  # noqa: E402
 from conftest import log_records, not_gpt2_folder, run_as_programs, run_command, run_main, start  # noqa: E402
-from conftest import tiny_hf, tiny_run_args, write_checkpoint  # noqa: E402
+from conftest import tiny_hf, tiny_run_args, tree_hashes, write_checkpoint  # noqa: E402
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
@@ -118,20 +117,6 @@ def test_padded_rows_take_little_probability(tmp_path):
     assert logits_of(zero, idx).softmax(-1)[..., 100:].sum(-1).min() > 0.99  # padding takes it all
 
 
-def test_export_checkpoint_loads_in_transformers(tmp_path):
-    model = tiny_ours()
-    out = hf_interop.export_hf(save_ours(model, tmp_path / "ckpt_0000007.pt"), str(tmp_path / "hf"))
-    assert os.path.isfile(os.path.join(out, "model.safetensors"))
-    hf, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    cfg = hf.config
-    assert (cfg.vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head) == (50257, 32, 32, 2, 2)
-    assert cfg.n_ctx == 32 and cfg.tie_word_embeddings and cfg.activation_function == "gelu_new"
-    assert cfg.bos_token_id == cfg.eos_token_id == 50256
-    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
-    assert_same_logits(hf.eval(), model, 50257, (2, 32), seed=5)
-
-
 @pytest.mark.parametrize("loss_chunk", [0, 24])
 def test_our_loss_is_the_exported_models(tmp_path, loss_chunk):
     """The padded ids carry no probability: with full logits and in chunks, our loss equals that of
@@ -157,11 +142,20 @@ def test_our_loss_is_the_exported_models(tmp_path, loss_chunk):
 
 
 @pytest.mark.parametrize("vocab_size, kept", [(50304, 50257), (100, 100)])
-def test_round_trip_is_exact(tmp_path, vocab_size, kept):
+def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path, vocab_size, kept):
+    """Exported from a checkpoint file (GPT-2's vocabulary) and from a model wrapped as DDP wraps it (.module)."""
     model = tiny_ours(vocab_size=vocab_size)
-    wrapped = types.SimpleNamespace(module=model)  # like DDP's .module
-    out = hf_interop.export_hf(wrapped, str(tmp_path / "hf"))
-    assert GPT2Config.from_pretrained(out).vocab_size == kept
+    source = save_ours(model, tmp_path / "ckpt.pt") if kept == 50257 else types.SimpleNamespace(module=model)
+    out = hf_interop.export_hf(source, str(tmp_path / "hf"))
+    hf, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    cfg = hf.config
+    assert (cfg.vocab_size, cfg.n_positions, cfg.n_ctx, cfg.n_embd, cfg.n_layer, cfg.n_head) == (kept, 32, 32, 32, 2, 2)
+    assert (cfg.tie_word_embeddings, cfg.activation_function) == (True, "gelu_new")
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+    assert_same_logits(hf.eval(), model, kept, (2, 32), seed=5)
+    if kept == 50257:
+        assert cfg.bos_token_id == cfg.eos_token_id == 50256
     back = GPT.from_hf(out, vocab_size=vocab_size)
     assert back.config == model.config
     a, b = model.state_dict(), back.state_dict()
@@ -174,23 +168,11 @@ def test_round_trip_is_exact(tmp_path, vocab_size, kept):
 EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]  # the command line of an export run as a program
 
 
-def export(*args, cwd=None):
-    """hf_interop.py export args, in-process through its main (run_main)."""
-    return run_main("hf_interop.py", "export", *args, cwd=cwd)
+export = lambda *args, cwd=None: run_main("hf_interop.py", "export", *args, cwd=cwd)  # in-process, through main
 
 
-def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_full_disk(tmp_path, monkeypatch):
-    """load_checkpoint's checks seen through the export, a missing checkpoint, a full disk: one line each."""
-    model = tiny_ours(vocab_size=100)
-    state, config = model.state_dict(), dataclasses.asdict(model.config)
-    x, nanogpt = tmp_path / "x.pt", {"model": state, "model_args": config, "iter_num": 5}
-    for obj, reason in [
-        (nanogpt, "no model_config, checksum; its keys: model, model_args, iter_num"),
-        (torch.zeros(3), "it holds a Tensor, not a dict"),
-        ({"model": state, "model_config": {**config, "bias": True}, "checksum": ""}, "unknown model_config bias"),
-    ]:
-        torch.save(obj, x)
-        assert_refused(export(x, tmp_path / "out"), f"{x}: not a train_gpt2.py checkpoint ({reason})")
+def test_cli_export_refuses_a_missing_checkpoint_and_a_full_disk(tmp_path, monkeypatch):
+    """(A checkpoint not ours: test_hostile's test_foreign_or_damaged_checkpoint_in_every_command.)"""
     missing = str(tmp_path / "nope.pt")
     assert_one_error_line(export(missing, tmp_path / "out"), "does not exist")
     assert not (tmp_path / "out").exists()
@@ -201,7 +183,7 @@ def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_ful
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full_disk)
-    ckpt = save_ours(model, tmp_path / "ckpt.pt")
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
     out = tmp_path / "out"
     assert_refused(export(ckpt, out), f"cannot write the Hugging Face model to {out}: no space left on device")
 
@@ -237,14 +219,13 @@ def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, 
             GPT.from_hf(name)
         assert "--init-from" in str(e.value) and "local Hugging Face directory" in str(e.value)
         assert "\n" not in str(e.value)
-    for overrides, match in [
-        ({"activation_function": "relu"}, "activation_function"),
-        ({"tie_word_embeddings": False}, "not tied"),
+    untied = tiny_hf(vocab_size=100, tie_word_embeddings=False)
+    with torch.no_grad():
+        untied.lm_head.weight.normal_()
+    for hf, match in [
+        (tiny_hf(vocab_size=100, activation_function="relu"), "activation_function"),
+        (untied, "not tied"),
     ]:
-        hf = tiny_hf(vocab_size=100, **overrides)
-        if not overrides.get("tie_word_embeddings", True):
-            with torch.no_grad():
-                hf.lm_head.weight.normal_()
         with pytest.raises(UserError, match=match):
             GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
@@ -363,10 +344,8 @@ def exported_for_clients(tmp_path_factory):
 
 @pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
 def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(exported_for_clients, transformers_release):
-    """AutoTokenizer, AutoModelForCausalLM and pipeline('text-generation') on the export folder
-    alone, offline, as a user runs them: with the transformers installed (the newest 5.x in CI)
-    and with the oldest requirements-dev.txt allows, which .ci/run installs into the folder
-    OLDEST_TRANSFORMERS_DIR (put first on PYTHONPATH; torch and the rest are this environment's)."""
+    """AutoTokenizer, AutoModelForCausalLM and pipeline on the export alone, offline: with the transformers installed
+    and with the oldest requirements-dev.txt allows (.ci/run installs it in OLDEST_TRANSFORMERS_DIR, put on PYTHONPATH)."""
     import re
 
     import transformers
@@ -403,10 +382,6 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     assert r["long"] == enc.decode(greedy(ours, kept, 5)[len(kept) :])
 
 
-def folder_bytes(path):
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
-
-
 def two_checkpoints(folder, vocab_size):
     """tiny_ours of seeds 1 and 2 saved as folder/ckpt_0000001.pt and ckpt_0000002.pt: their paths."""
     return [save_ours(tiny_ours(vocab_size=vocab_size, seed=s), folder / f"ckpt_000000{s}.pt") for s in (1, 2)]
@@ -429,9 +404,8 @@ finally:
 
 @pytest.fixture(scope="module")
 def exports_as_programs(tmp_path_factory):
-    """Two exports over an earlier one, as programs in one interpreter (run_as_programs): under a folder whose name is
-    not UTF-8 (tmp/run\\xff, to tmp/hf), and under a file size limit (tmp/limited/hf). Returns tmp, the limited
-    folder's bytes before, and the two completed programs."""
+    """Two exports over an earlier one, as programs in one interpreter: under a non-UTF-8 folder (tmp/run\\xff, to
+    tmp/hf) and under a file size limit (to tmp/limited/hf). Returns tmp, the limited folder's bytes, the two programs."""
     tmp = tmp_path_factory.mktemp("programs")
     run, limited = os.path.join(os.fsencode(tmp), b"run\xff"), tmp / "limited"
     os.makedirs(run)
@@ -440,7 +414,7 @@ def exports_as_programs(tmp_path_factory):
     write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
     first, second = two_checkpoints(limited, 200)
     assert export(os.fsdecode(run), tmp / "hf").returncode == export(first, limited / "hf").returncode == 0
-    before = folder_bytes(limited / "hf")
+    before = tree_hashes(limited / "hf")
     cases = [
         ["hf_interop.py", "export", os.fsdecode(run), tmp / "hf"],
         ["-c", SIZE_LIMITED, *EXPORT, second, limited / "hf"],
@@ -451,36 +425,31 @@ def exports_as_programs(tmp_path_factory):
 def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
     tmp, before, _, proc = exports_as_programs
     out = tmp / "limited" / "hf"
-    first, second = (str(tmp / "limited" / f"ckpt_000000{s}.pt") for s in (1, 2))
+    first = str(tmp / "limited" / "ckpt_0000001.pt")
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert folder_bytes(out) == before  # the earlier export whole, no temporary folder left
+    assert tree_hashes(out) == before  # the earlier export whole, no temporary folder left
     assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
-    proc = export(second, out)  # a successful one replaces it whole
-    assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
-    assert_same_logits(out, tiny_ours(vocab_size=200, seed=2), 200)
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
-    before = folder_bytes(out)
+    before = tree_hashes(out)
     assert_one_error_line(export(first, out), "notes.txt")
-    assert folder_bytes(out) == before
+    assert tree_hashes(out) == before
 
 
 def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path):
-    """A save_pretrained folder of the user's own GPT-2 holds only file names an export writes: the
-    export leaves it byte for byte (it replaced it, exit 0); it replaces only a folder holding its
-    mark, and writes into an empty or missing one."""
+    """The user's own save_pretrained folder (only file names an export writes) is left byte for byte; an export
+    replaces only a folder holding its mark, and writes into an empty or missing one."""
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
-    before = folder_bytes(tmp_path / "mine")
+    before = tree_hashes(tmp_path / "mine")
     assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
     assert_refused_quietly(
         export(ckpt, mine),
         f"{mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
         "so it may hold a model of your own and is left as it is: export into a new or empty folder",
     )
-    assert folder_bytes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
+    assert tree_hashes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
     (tmp_path / "empty").mkdir()
     for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
         assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
@@ -489,35 +458,33 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path):
         checksum = checkpoints.load_checkpoint(ckpt)["checksum"]
         assert mark == dict(written, checksum=checksum, vocab_size=100, files=mark["files"])
     (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
-    before = folder_bytes(tmp_path / "missing")
+    before = tree_hashes(tmp_path / "missing")
     assert_one_error_line(export(ckpt, tmp_path / "missing"), "is not an export of hf_interop.py")
-    assert folder_bytes(tmp_path / "missing") == before
+    assert tree_hashes(tmp_path / "missing") == before
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch, exchange):
-    """Over an earlier export, the swap is one renameat2(RENAME_EXCHANGE): after every rename the
-    export's path names a whole export. Where the exchange is missing (macOS, some network file
-    systems) two renames leave the path missing for a moment: the fallback shows that this test sees it."""
+    """Over an earlier export, one renameat2(RENAME_EXCHANGE): the path always names a whole export. Without it
+    (macOS, some network file systems) two renames leave it missing a moment: the fallback shows this test sees it."""
     out = tmp_path / "hf"
     first, second = two_checkpoints(tmp_path, 100)
     assert hf_interop.main(["export", first, str(out)]) == 0
     whole = []  # after each rename or exchange: does out hold a whole export?
+    is_whole = lambda: (
+        out.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(out))
+    )
     for name in ("rename", "replace"):
         real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole(out)))[0])
+        monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole()))[0])
     real_exchange = export_folder._exchange
     monkeypatch.setattr(
-        export_folder, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole(out)))[0]
+        export_folder, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole()))[0]
     )
     assert hf_interop.main(["export", second, str(out)]) == 0
     assert whole == ([True] if exchange else [False, True])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
     assert_same_logits(out, tiny_ours(vocab_size=100, seed=2), 100, seed=4)
-
-
-def is_whole(folder) -> bool:
-    return folder.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(folder))
 
 
 def changed_since(out, changes):
@@ -542,9 +509,9 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path):
     }
     assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
     tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
-    before = folder_bytes(out)
+    before = tree_hashes(out)
     assert_refused_quietly(export(ckpt, out), changed_since(out, "config.json changed, model.safetensors changed"))
-    assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
+    assert tree_hashes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
     # the other ways a folder differs from its mark, in-process (the same code path)
     for change, expected in [
         ("missing", "generation_config.json missing"),
@@ -556,9 +523,9 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path):
             (out / "generation_config.json").unlink()
         else:
             (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
-        before = folder_bytes(out)
+        before = tree_hashes(out)
         assert_refused(export(ckpt, out), changed_since(out, expected))
-        assert folder_bytes(out) == before
+        assert tree_hashes(out) == before
 
 
 def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
@@ -570,7 +537,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
     first, second = two_checkpoints(tmp_path, 50304)
     out = tmp_path / "hf"
     assert export(first, out).returncode == 0
-    before = folder_bytes(out)
+    before = tree_hashes(out)
     killed = None
     for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
         proc = start([sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -584,7 +551,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
         if killed:
             break
     assert killed is not None and killed.is_dir()
-    assert folder_bytes(out) == before  # the earlier export, whole
+    assert tree_hashes(out) == before  # the earlier export, whole
     live = tmp_path / ".hf.export-live0000"  # a partial folder of an export still running
     live.mkdir()
     (live / "config.json").write_text("{}")
@@ -640,14 +607,8 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
     volume.mkdir()
     first, second = two_checkpoints(tmp_path, 100)
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")  # the user's own model, saved over the export
-    steps = [
-        first,
-        "",
-        second,
-        "",
-        first,
-        mine,
-    ]  # into the empty mount point, over the export there, over a changed one
+    # into the empty mount point, over the export there, over a changed one
+    steps = [first, "", second, "", first, mine]
     proc = in_mount_namespace(volume, sys.executable, "-c", EXPORTS_IN_VOLUME, REPO, volume, copies, *steps)
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -657,14 +618,13 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
         assert sorted(os.listdir(copies / f"{i}.after")) == names
         assert_same_logits(copies / f"{i}.after", tiny_ours(vocab_size=100, seed=seed), 100)
     assert results[2][1] == f"error: {changed_since(volume, 'config.json changed, model.safetensors changed')}\n"
-    assert folder_bytes(volume) == folder_bytes(copies / "2.before")
+    assert tree_hashes(volume) == tree_hashes(copies / "2.before")
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "copies", "mine", "volume"]
 
 
 def test_cli_export_of_a_run_folder_names_its_newest_checkpoint_and_step(tmp_path):
-    """An export of a run folder writes its newest checkpoint and says which, relative to where it was run, and its
-    step, into files of the mode the umask gives; --help says that the script exports and evaluates, export's --help
-    both sources it takes."""
+    """Named relative to where it was run, in files of the umask's mode; --help says that the script exports and
+    evaluates, export's --help both sources it takes."""
     umask = 0o027  # not the usual 022, so that the test tells honouring it from a fixed 0644
     (tmp_path / "run").mkdir()
     save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)
