@@ -1,5 +1,4 @@
-"""Sampling: the KV cache against full forward passes, sample.py as users run it, and the
-trainer's in-training samples as plain text."""
+"""Sampling: the KV cache against full forward passes, sample.py as users run it, the trainer's samples as plain text."""
 
 import sys
 
@@ -46,17 +45,6 @@ def sampled_run(tmp_path_factory):
     proc = run_main("train_gpt2.py", *tiny(root / "data", root / "out", "--sample-every", "2", steps=2))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "out", proc.stdout
-
-
-@pytest.fixture(scope="module")
-def small_vocab_run(tmp_path_factory):
-    """A run trained with --vocab-size 128 on shards of ids below 128 (no <|endoftext|>)."""
-    root = tmp_path_factory.mktemp("small_vocab")
-    rng = np.random.default_rng(0)
-    write_shards(root / "data", [rng.integers(0, 128, 3000)], shard_size=1000)
-    proc = run_main("train_gpt2.py", *tiny(root / "data", root / "out", "--vocab-size", "128", steps=1))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return root / "out"
 
 
 run_sample = lambda source, *flags, flag="--checkpoint": run_main("sample.py", flag, source, *flags)  # in-process
@@ -203,7 +191,12 @@ def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
     assert_refused_quietly(run_sample(sampled_run[0], *flags), message.format(prog="sample.py"))
 
 
-def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run, tmp_path):
+def test_prompt_beyond_a_small_vocabulary_is_refused(tmp_path):
+    """A run trained with --vocab-size 128 on ids below 128 (no <|endoftext|>), and its export of 100 ids."""
+    write_shards(tmp_path / "data", [np.random.default_rng(0).integers(0, 128, 3000)], shard_size=1000)
+    small_vocab_run = tmp_path / "out"
+    proc = run_main("train_gpt2.py", *tiny(tmp_path / "data", small_vocab_run, "--vocab-size", "128", steps=1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_sample(small_vocab_run, "--prompt", "Hello")
     assert_refused(proc, "the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids")
     empty = run_sample(small_vocab_run, "--prompt", "")
@@ -273,18 +266,17 @@ def test_bad_sources_and_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     with torch.no_grad():
         hf.transformer.h[0].attn.c_proj.weight[0, 0] = float("inf")
     hf.save_pretrained(str(tmp_path / "hf"))
-    ckpt_said = "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint"
-    hf_said = "the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)"
-    said = f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {ckpt_said} next to it"
-    assert_refused_quietly(run_sample(tmp_path / "run"), said)
-    said = f"{tmp_path / 'hf' / 'model.safetensors'}: {hf_said}"
+    said = (
+        "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it"
+    )
+    assert_refused_quietly(run_sample(tmp_path / "run"), f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {said}")
+    said = f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)"
     assert_refused_quietly(run_sample(tmp_path / "hf", flag="--hf-model"), said)
 
 
 def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
-    """--num-samples 10**12: printed a batch at a time (one tensor of all rows was a MemoryError
-    before anything was printed), the first ones those of --num-samples 3 with the same seed. A
-    reader that stops (`| head`) stops it quietly, with a shell's code for that (128 + SIGPIPE)."""
+    """--num-samples 10**12, printed a batch at a time (one tensor of all rows was a MemoryError), the first ones those
+    of --num-samples 3; a reader that stops (`| head`) stops it quietly, with 141 (128 + SIGPIPE)."""
     out, _ = sampled_run
     flags = f"--checkpoint {out} --num-samples {10**12} --max-new-tokens 4 --seed 5".split()
     proc = start([sys.executable, "sample.py", *flags])
