@@ -166,8 +166,6 @@ def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path, vocab_si
 
 
 EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]  # the command line of an export run as a program
-
-
 export = lambda *args, cwd=None: run_main("hf_interop.py", "export", *args, cwd=cwd)  # in-process, through main
 
 
@@ -425,7 +423,6 @@ def exports_as_programs(tmp_path_factory):
 def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
     tmp, before, _, proc = exports_as_programs
     out = tmp / "limited" / "hf"
-    first = str(tmp / "limited" / "ckpt_0000001.pt")
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert tree_hashes(out) == before  # the earlier export whole, no temporary folder left
@@ -433,7 +430,7 @@ def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
     before = tree_hashes(out)
-    assert_one_error_line(export(first, out), "notes.txt")
+    assert_one_error_line(export(out.parent / "ckpt_0000001.pt", out), "notes.txt")
     assert tree_hashes(out) == before
 
 

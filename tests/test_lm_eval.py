@@ -55,12 +55,8 @@ def test_our_text_is_lm_evals():
     theirs = process_docs(datasets.Dataset.from_list(records))
     assert len(records) == len(theirs) == 446
     assert sum("[title]" in record["ctx"] for record in records) > 0  # WikiHow's tags are covered
-    mismatched = [
-        i
-        for i, (record, doc) in enumerate(zip(records, theirs))
-        if hellaswag_examples.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])
-    ]
-    assert mismatched == []
+    ours = [hellaswag_examples.lm_eval_text(record) for record in records]
+    assert ours == [(doc["query"], doc["choices"], doc["gold"]) for doc in theirs]
 
 
 def test_lm_eval_scores_equal_ours_example_by_example(model, data_file, evals):
