@@ -169,6 +169,14 @@ EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]  # the command line of 
 export = lambda *args, cwd=None: run_main("hf_interop.py", "export", *args, cwd=cwd)  # in-process, through main
 
 
+def refused_leaving(ckpt, out, check, message):
+    """`export ckpt out` refused (check: assert_refused_quietly, or assert_one_error_line for a fragment), out left
+    byte for byte."""
+    before = tree_hashes(out)
+    check(export(ckpt, out), message)
+    assert tree_hashes(out) == before
+
+
 def test_cli_export_refuses_a_missing_checkpoint_and_a_full_disk(tmp_path, monkeypatch):
     """(A checkpoint not ours: test_hostile's test_foreign_or_damaged_checkpoint_in_every_command.)"""
     missing = str(tmp_path / "nope.pt")
@@ -429,24 +437,29 @@ def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
     assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
-    before = tree_hashes(out)
-    assert_one_error_line(export(out.parent / "ckpt_0000001.pt", out), "notes.txt")
-    assert tree_hashes(out) == before
+    refused_leaving(out.parent / "ckpt_0000001.pt", out, assert_one_error_line, "notes.txt")
 
 
-def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path):
-    """The user's own save_pretrained folder (only file names an export writes) is left byte for byte; an export
-    replaces only a folder holding its mark, and writes into an empty or missing one."""
+def changed_since(out, changes):
+    return (
+        f"{out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
+        f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
+        "into a new or empty folder"
+    )
+
+
+def test_cli_export_replaces_only_an_unchanged_export_of_its_own(tmp_path):
+    """Left byte for byte: the user's own save_pretrained folder (only file names an export writes), a folder of another
+    mark, and an export changed since (fine-tuned and saved over, the mark surviving; a file missing; an older mark)."""
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
-    before = tree_hashes(tmp_path / "mine")
-    assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert_refused_quietly(
-        export(ckpt, mine),
+    assert sorted(tree_hashes(mine)) == ["config.json", "generation_config.json", "model.safetensors"]
+    said = (
         f"{mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
-        "so it may hold a model of your own and is left as it is: export into a new or empty folder",
+        "so it may hold a model of your own and is left as it is: export into a new or empty folder"
     )
-    assert tree_hashes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
+    refused_leaving(ckpt, mine, assert_refused_quietly, said)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
     (tmp_path / "empty").mkdir()
     for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
         assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
@@ -455,9 +468,25 @@ def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path):
         checksum = checkpoints.load_checkpoint(ckpt)["checksum"]
         assert mark == dict(written, checksum=checksum, vocab_size=100, files=mark["files"])
     (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
-    before = tree_hashes(tmp_path / "missing")
-    assert_one_error_line(export(ckpt, tmp_path / "missing"), "is not an export of hf_interop.py")
-    assert tree_hashes(tmp_path / "missing") == before
+    refused_leaving(ckpt, tmp_path / "missing", assert_one_error_line, "is not an export of hf_interop.py")
+    out = tmp_path / "empty"  # an export of ckpt: its mark names each file's sha256
+    assert mark["files"] == {name: sha for name, sha in tree_hashes(out).items() if name != hf_interop.EXPORT_MARK}
+    assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
+    tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
+    said = changed_since(out, "config.json changed, model.safetensors changed")
+    refused_leaving(ckpt, out, assert_refused_quietly, said)
+    for change, expected in [
+        ("missing", "generation_config.json missing"),
+        ("older mark", "its mark lists no files: an older hf_interop.py wrote it"),
+    ]:
+        shutil.rmtree(out)
+        assert hf_interop.main(["export", ckpt, str(out)]) == 0
+        if change == "missing":
+            (out / "generation_config.json").unlink()
+        else:
+            (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
+        refused_leaving(ckpt, out, assert_refused_quietly, changed_since(out, expected))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "empty", "mine", "missing"]
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
@@ -482,47 +511,6 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
     assert whole == ([True] if exchange else [False, True])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
     assert_same_logits(out, tiny_ours(vocab_size=100, seed=2), 100, seed=4)
-
-
-def changed_since(out, changes):
-    return (
-        f"{out} has changed since hf_interop.py exported it ({changes}), so it may hold a model of your "
-        f"own and is left as it is: to replace it on purpose, delete what it holds first (rm -r {out}), or export "
-        "into a new or empty folder"
-    )
-
-
-def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path):
-    """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
-    user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
-    import hashlib
-
-    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
-    out = tmp_path / "hf"
-    assert export(ckpt, out).returncode == 0
-    mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
-    assert mark["files"] == {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != hf_interop.EXPORT_MARK
-    }
-    assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
-    tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
-    before = tree_hashes(out)
-    assert_refused_quietly(export(ckpt, out), changed_since(out, "config.json changed, model.safetensors changed"))
-    assert tree_hashes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
-    # the other ways a folder differs from its mark, in-process (the same code path)
-    for change, expected in [
-        ("missing", "generation_config.json missing"),
-        ("older mark", "its mark lists no files: an older hf_interop.py wrote it"),
-    ]:
-        shutil.rmtree(out)
-        assert hf_interop.main(["export", ckpt, str(out)]) == 0
-        if change == "missing":
-            (out / "generation_config.json").unlink()
-        else:
-            (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
-        before = tree_hashes(out)
-        assert_refused(export(ckpt, out), changed_since(out, expected))
-        assert tree_hashes(out) == before
 
 
 def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
