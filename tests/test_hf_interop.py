@@ -170,8 +170,7 @@ export = lambda *args, cwd=None: run_main("hf_interop.py", "export", *args, cwd=
 
 
 def refused_leaving(ckpt, out, check, message):
-    """`export ckpt out` refused (check: assert_refused_quietly, or assert_one_error_line for a fragment), out left
-    byte for byte."""
+    """`export ckpt out` refused (check: assert_refused_quietly, or assert_one_error_line of a fragment), out kept."""
     before = tree_hashes(out)
     check(export(ckpt, out), message)
     assert tree_hashes(out) == before

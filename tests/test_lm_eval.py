@@ -80,15 +80,12 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, data_file, evals):
     assert ours["acc_norm"] != ours["lm_eval_acc_norm"]  # two metrics, on this tiny set too
 
 
-def test_hub_unreachable_names_the_flag_to_set(evals):
+def test_eval_errors_are_one_line(evals, checkpoint, tmp_path, monkeypatch):
+    """The Hub unreachable as a program (its line names the flag to set, no traceback); the refusals in-process."""
     proc = evals[2]
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks hellaswag: cannot load its data (")
     assert "pass --hellaswag-file PATH" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch):
-    """The refusals in-process; the Hub unreachable above runs as a program (one line, no traceback)."""
     missing, samples, file = tmp_path / "missing.jsonl", tmp_path / "a_file" / "samples", "--hellaswag-file"
     bad = tmp_path / "bad.jsonl"
     bad.write_text("GARBAGE\n")

@@ -1,13 +1,10 @@
 """Sampling: the KV cache against full forward passes, sample.py as users run it, the trainer's samples as plain text."""
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, start
-from conftest import tiny_hf, tiny_run_args
+from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, tiny_hf, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit.runfiles import checkpoints
 from trainkit import cli
@@ -77,11 +74,7 @@ def test_cached_logits_equal_the_full_forward():
         model.hidden_states(seq[:, :1], kv_cache=cache)
 
 
-@pytest.mark.parametrize(
-    "prompt_len, new_tokens",
-    [(5, 20), (5, 60), (40, 10)],
-    ids=["within-block", "window-slides", "prompt-longer-than-block"],
-)
+@pytest.mark.parametrize("prompt_len, new_tokens", [(5, 20), (5, 60), (40, 10)])  # within the block, sliding, longer
 def test_cached_generation_draws_the_same_tokens(prompt_len, new_tokens):
     model = random_gpt()
     idx = torch.randint(0, 96, (4, prompt_len), generator=torch.Generator().manual_seed(2))
@@ -274,24 +267,16 @@ def test_bad_sources_and_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     assert_refused_quietly(run_sample(tmp_path / "hf", flag="--hf-model"), said)
 
 
-def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
+def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run, monkeypatch):
     """--num-samples 10**12, printed a batch at a time (one tensor of all rows was a MemoryError), the first ones those
-    of --num-samples 3; a reader that stops (`| head`) stops it quietly, with 141 (128 + SIGPIPE)."""
-    out, _ = sampled_run
-    flags = f"--checkpoint {out} --num-samples {10**12} --max-new-tokens 4 --seed 5".split()
-    proc = start([sys.executable, "sample.py", *flags])
-    try:
-        lines = []
-        while not lines or not lines[-1].startswith("--- sample 4/"):
-            lines.append(proc.stdout.readline())
-            assert lines[-1], proc.communicate()  # the output ended: print why
-        proc.stdout.close()
-        assert (proc.wait(timeout=120), proc.stderr.read()) == (141, "")
-    finally:
-        proc.kill()
-        proc.wait()
-    assert lines[0] == f"--- sample 1/{10**12} ---\n"
-    assert samples_of("".join(lines))[:3] == texts_of(out, n=3, length=4, seed=5)
+    of --num-samples 3; once stdout is gone no more are drawn (as a program under `| head`, 141: test_output)."""
+    out, (real, printed) = sampled_run[0], (sample.print_result, [])
+    gone_after_3 = lambda text, **kwargs: printed.append(text) or (len(printed) <= 6 and real(text, **kwargs))
+    monkeypatch.setattr(sample, "print_result", gone_after_3)  # a reader that leaves after 3 samples (6 lines)
+    proc = run_sample(out, "--num-samples", 10**12, "--max-new-tokens", 4, "--seed", 5)
+    assert (proc.returncode, proc.stderr, len(printed)) == (0, "", 7)
+    assert proc.stdout.startswith(f"--- sample 1/{10**12} ---\n")
+    assert samples_of(proc.stdout) == texts_of(out, n=3, length=4, seed=5)
 
 
 # ---- the trainer's samples ----
