@@ -240,13 +240,11 @@ def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, 
         hf_interop.export_hf(tiny_ours(vocab_size=100), str(tmp_path / "out"))
 
 
-def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tmp_path):
-    hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
-    args = init_from_args(
-        data_dir, tmp_path / "out", hf_dir, "--val-steps", "1", steps=2, seq_len=16, rows=4, val_every=2, ckpt_every=2
-    )
-    assert train_gpt2.main(args) == 0
-    records = log_records(tmp_path / "out")
+def test_train_init_from_hf_starts_at_the_pretrained_loss_and_exports_back(data_dir, tmp_path):
+    """Trained on with Muon (every block matrix moved), the run's export gives transformers our logits."""
+    hf_dir, out = save_hf(tiny_hf(), tmp_path / "hf"), tmp_path / "out"
+    flags = ("--val-steps", "1", "--optimizer", "muon")
+    assert train_gpt2.main(init_from_args(data_dir, out, hf_dir, *flags, steps=2, seq_len=16, rows=4, val_every=2)) == 0
     # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
     # 47 padded ids carry no probability), and its bits per byte come from that model's token losses
     rows = train_gpt2.TokenRows(data_dir, "val", 16)
@@ -256,24 +254,14 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tm
             GPT2LMHeadModel.from_pretrained(hf_dir)(x).logits.flatten(0, 1), y.flatten(), reduction="none"
         )
     n_bytes = torch.from_numpy(token_byte_lengths(50304))[y.flatten()]
-    ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
+    ckpt = checkpoints.load_checkpoint(str(out / "ckpt_0000002.pt"))
     loss, bpb = hf_losses.mean().item(), (hf_losses * (n_bytes > 0)).sum().item() / (math.log(2) * n_bytes.sum().item())
     approx = dict(val_loss=pytest.approx(loss, rel=1e-6), val_bpb=pytest.approx(bpb, rel=1e-6))
-    assert records[0] == {"step": 0, **approx, "run": ckpt["run"]["id"]}
+    assert log_records(out)[0] == {"step": 0, **approx, "run": ckpt["run"]["id"]}
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
-
-
-def test_export_of_a_muon_trained_run_has_our_logits(data_dir, tmp_path):
-    out = tmp_path / "out"
-    args = tiny_run_args(
-        data_dir, out, "--optimizer", "muon", steps=3, warmup=1, n_embd=32, seq_len=16, rows=4, ckpt_every=3
-    )
-    assert train_gpt2.main(args) == 0
-    ours = GPT.from_checkpoint(str(out))
-    torch.manual_seed(1337)  # the run's initial weights: Muon moved every block matrix away from them
-    initial = GPT(ours.config).state_dict()
+    ours, initial = GPT.from_checkpoint(str(out)), GPT.from_hf(hf_dir).state_dict()
     assert all(not torch.equal(initial[k], v) for k, v in ours.state_dict().items() if ".h." in k and v.dim() == 2)
-    assert_same_logits(hf_interop.export_hf(str(out), str(tmp_path / "hf")), ours, 50257, (2, 32), seed=5)
+    assert_same_logits(hf_interop.export_hf(str(out), str(tmp_path / "back")), ours, 50257, (2, 32), seed=5)
 
 
 TRANSFORMERS_CLIENT = r"""
