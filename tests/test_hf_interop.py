@@ -4,18 +4,27 @@ into a mount point (one namespace), and transformers 4 and 5 loading one export.
 
 import dataclasses
 import errno
+import fcntl
+import glob
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
+import tiktoken
 import torch
+from packaging.version import Version
+from tiktoken.load import load_tiktoken_bpe
+from tiktoken_ext.openai_public import r50k_pat_str
 
 pytest.importorskip("transformers")
+import transformers  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
@@ -26,15 +35,13 @@ from conftest import tiny_hf, tiny_run_args, tree_hashes, write_checkpoint  # no
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
-from trainkit.data.tokenizer import token_byte_lengths  # noqa: E402
+from trainkit.data.tokenizer import BPE_SHA256, token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 SHARDS = dict(n_docs=200, seed=0, vocab=500, shard_size=3000)  # the trainer's data
 
 
-def save_hf(model, path):
-    model.save_pretrained(str(path))
-    return str(path)
+save_hf = lambda model, path: model.save_pretrained(str(path)) or str(path)  # its folder
 
 
 def tiny_ours(vocab_size=50304, block_size=32, seed=0):
@@ -48,10 +55,8 @@ def tiny_ours(vocab_size=50304, block_size=32, seed=0):
 
 
 def save_ours(model, path, step=7):
-    checkpoints.save_checkpoint(
-        str(path), dict(model=model.state_dict(), model_config=dataclasses.asdict(model.config), step=step)
-    )
-    return str(path)
+    state = dict(model=model.state_dict(), model_config=dataclasses.asdict(model.config), step=step)
+    return checkpoints.save_checkpoint(str(path), state) or str(path)
 
 
 def logits_of(model, idx):
@@ -220,10 +225,9 @@ def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     for name in (str(tmp_path / "missing_dir"), "./missing", "empty"):
-        with pytest.raises(UserError) as e:
+        with pytest.raises(UserError, match="local Hugging Face directory") as e:
             GPT.from_hf(name)
-        assert "--init-from" in str(e.value) and "local Hugging Face directory" in str(e.value)
-        assert "\n" not in str(e.value)
+        assert "--init-from" in str(e.value) and "\n" not in str(e.value)
     untied = tiny_hf(vocab_size=100, tie_word_embeddings=False)
     with torch.no_grad():
         untied.lm_head.weight.normal_()
@@ -285,11 +289,6 @@ print(json.dumps(dict(version=transformers.__version__, ids=[tok.encode(t) for t
 def reference_encoding():
     """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not trainkit.data.tokenizer's
     parser of it), with tiktoken's r50k pattern and <|endoftext|> = 50256; never the network."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext.openai_public import r50k_pat_str
-    from trainkit.data.tokenizer import BPE_SHA256
-
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
     tables = dict(pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
     return tiktoken.Encoding("r50k_base_reference", explicit_n_vocab=50257, **tables)
@@ -298,8 +297,6 @@ def reference_encoding():
 def parity_texts():
     """Lines and whole files of the repository's sources and docs, with unicode, whitespace runs
     and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
-    import glob
-
     patterns = ("*.py", "trainkit/**/*.py", "tests/*.py", "benchmarks/*.py", "docs/*.md", "README.md")
     files = sorted(path for pattern in patterns for path in glob.glob(f"{REPO}/{pattern}", recursive=True))
     whole = [open(path, encoding="utf-8").read() for path in files]
@@ -339,11 +336,6 @@ def exported_for_clients(tmp_path_factory):
 def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(exported_for_clients, transformers_release):
     """AutoTokenizer, AutoModelForCausalLM and pipeline on the export alone, offline: with the transformers installed
     and with the oldest requirements-dev.txt allows (.ci/run installs it in OLDEST_TRANSFORMERS_DIR, put on PYTHONPATH)."""
-    import re
-
-    import transformers
-    from packaging.version import Version
-
     out, texts_file, texts = exported_for_clients
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if transformers_release == "oldest allowed":
@@ -355,7 +347,6 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     proc = run_command("-c", TRANSFORMERS_CLIENT, out, texts_file, long_prompt, env=env)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.splitlines()[-1])
-    # the oldest release requirements-dev.txt allows: its `transformers>=X`
     oldest = re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
     release = transformers.__version__ if transformers_release == "installed" else oldest
     assert Version(r["version"]) == Version(release)
@@ -403,8 +394,7 @@ def exports_as_programs(tmp_path_factory):
     run, limited = os.path.join(os.fsencode(tmp), b"run\xff"), tmp / "limited"
     os.makedirs(run)
     limited.mkdir()
-    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
+    write_checkpoint(tiny_ours(), os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))  # (it records no step)
     first, second = two_checkpoints(limited, 200)
     assert export(os.fsdecode(run), tmp / "hf").returncode == export(first, limited / "hf").returncode == 0
     before = tree_hashes(limited / "hf")
@@ -503,9 +493,6 @@ def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch
 def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
     """kill -9 while an export writes leaves its hidden partial folder (and the earlier export whole); the next export
     to the same folder removes it, as no live process holds its lock, and leaves one that a live process holds."""
-    import fcntl
-    import time
-
     first, second = two_checkpoints(tmp_path, 50304)
     out = tmp_path / "hf"
     assert export(first, out).returncode == 0

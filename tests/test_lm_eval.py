@@ -12,7 +12,9 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
+import datasets  # noqa: E402
 import hf_interop  # noqa: E402
+from lm_eval.tasks.hellaswag.utils import process_docs  # noqa: E402
 from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main  # noqa: E402
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
@@ -45,11 +47,7 @@ def evals(checkpoint, data_file, tmp_path_factory):
 
 
 def test_our_text_is_lm_evals():
-    """hellaswag.py's own rendering of lm-eval's text equals lm-eval's process_docs on every record of
-    the shipped subset (ActivityNet's and WikiHow's, whose bracketed tags lm-eval removes)."""
-    import datasets
-    from lm_eval.tasks.hellaswag.utils import process_docs
-
+    """Our rendering equals lm-eval's process_docs on every shipped record (WikiHow's bracketed tags removed too)."""
     with open(HELLASWAG_FILE) as f:
         records = [json.loads(line) for line in f]
     theirs = process_docs(datasets.Dataset.from_list(records))

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, tiny_hf, tiny_run_args
+from conftest import GPT2_VOCAB_RUN, assert_one_error_line, assert_refused, assert_refused_quietly, run_main
+from conftest import tiny_hf, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit.runfiles import checkpoints
 from trainkit import cli
@@ -15,13 +16,8 @@ from trainkit.data.tokenizer import EOT
 from train_gpt2 import GPT, GPTConfig
 
 
-def tiny(data_dir, out_dir, *extra, steps):
-    """A tiny run of GPT-2's vocabulary (tiny_run_args), 4 rows of 32 tokens a step, extra last."""
-    return tiny_run_args(
-        data_dir, out_dir, *extra, steps=steps, n_embd=32, block_size=64, seq_len=32, rows=4, warmup=1, ckpt_every=0
-    )
-
-
+SAMPLE_RUN = dict(GPT2_VOCAB_RUN, warmup=1, ckpt_every=0)  # tiny_run_args' sizes: GPT-2's vocabulary, 4 rows of 32
+tiny = lambda data_dir, out_dir, *extra, steps: tiny_run_args(data_dir, out_dir, *extra, steps=steps, **SAMPLE_RUN)
 PROMPT = "Hello, I'm a language model,"
 
 
@@ -106,8 +102,7 @@ def test_top_k_1_is_greedy_decoding():
 
 
 def test_temperature_scales_the_logits():
-    """Each draw comes from softmax(logits / T) over the top k: checked against that distribution by
-    counting many one-token draws of the same context."""
+    """Each draw comes from softmax(logits / T) over the top k: counted over many one-token draws of one context."""
     model = random_gpt(seed=5)
     idx = torch.zeros(20000, 3, dtype=torch.long)
     with torch.no_grad():
