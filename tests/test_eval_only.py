@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, assert_refused, log_records, run_main, tiny_run_args
+from conftest import GPT2_VOCAB_RUN, HELLASWAG_FILE, assert_refused, log_records, run_main, tiny_run_args, tree_hashes
 
 SHARDS = dict(n_docs=400, seed=5, max_len=60)
 
@@ -29,25 +29,30 @@ def logged_at(out, step):
     return {k: v for r in records for k, v in r.items() if k != "run"}
 
 
-@pytest.mark.parametrize(
-    "which, step, extra",
-    [("ckpt_0000002.pt", 2, []), (None, 4, []), (None, 4, ["--max-steps", "100"])],
-    ids=["path", "latest", "longer-schedule"],
-)
-def test_eval_only_equals_what_training_logged(evaluated_run, which, step, extra):
-    """Neither the checkpoints in --out-dir nor a changed --max-steps stop (or move) an evaluation."""
+EVALUATIONS = {  # train_gpt2.py --eval-only and these (FLAGS: the run's own, {out}: its folder): the step evaluated
+    "FLAGS --resume {out}/ckpt_0000002.pt": 2,
+    "FLAGS --resume": 4,
+    "FLAGS --resume --max-steps 100": 4,  # a longer schedule neither stops nor moves it
+    "--resume {out}": 4,  # alone: the model, batch, data and evaluation flags of the checkpoint's run
+    "--resume {out} --hellaswag-every 0": 4,  # a flag the command gives still wins
+}
+
+
+@pytest.mark.parametrize("command", EVALUATIONS)
+def test_eval_only_equals_what_training_logged(evaluated_run, command):
     flags, out = evaluated_run
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    resume = ["--resume", str(out / which)] if which else ["--resume"]
-    result = run_main("train_gpt2.py", *flags, "--eval-only", *resume, *extra)
+    step, before, words = EVALUATIONS[command], tree_hashes(out), command.format(out=out).split()
+    result = run_main("train_gpt2.py", "--eval-only", *([*flags, *words[1:]] if words[0] == "FLAGS" else words))
     assert result.returncode == 0, result.stderr
     assert "note:" not in result.stdout
     lines = result.stdout.strip().splitlines()
-    assert f"evaluating {out / (which or 'ckpt_0000004.pt')} at step {step}" in lines
-    assert json.loads(lines[-1]) == logged_at(out, step)  # exact: the same weights, rows and kernels
-    assert set(json.loads(lines[-1])) >= {"step", "val_loss"}
+    assert f"evaluating {out / f'ckpt_{step:07d}.pt'} at step {step}" in lines
+    evaluated, logged = json.loads(lines[-1]), logged_at(out, step)
+    dropped = "hellaswag" if "--hellaswag-every 0" in command else None  # (what the command turned off)
+    assert evaluated == {k: v for k, v in logged.items() if not (dropped and k.startswith(dropped))}  # exact
+    assert {"step", "val_loss"} <= set(evaluated)
     assert f"step {step:5d} | val loss " in result.stdout and "| loss " not in result.stdout  # no training step
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # log and checkpoints untouched
+    assert tree_hashes(out) == before  # log and checkpoints untouched
 
 
 REFUSALS = {  # the flags after --eval-only: the error ({empty}: an empty folder)
@@ -64,16 +69,3 @@ def test_eval_only_errors_are_one_line(evaluated_run, tmp_path, extra):
     extra, message = (text.replace("{empty}", str(tmp_path)) for text in (extra, REFUSALS[extra]))
     assert_refused(run_main("train_gpt2.py", *flags, "--eval-only", *extra.split()), message)
     assert os.listdir(tmp_path) == []
-
-
-def test_eval_only_takes_the_checkpoints_flags(evaluated_run):
-    """`--eval-only --resume PATH` alone: the model, batch, data and evaluation flags are the checkpoint's run's,
-    so the numbers equal what training logged; a flag the command gives still wins."""
-    _, out = evaluated_run
-    result = run_main("train_gpt2.py", "--eval-only", "--resume", str(out))
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == logged_at(out, 4)
-    result = run_main("train_gpt2.py", "--eval-only", "--resume", str(out), "--hellaswag-every", "0")
-    assert result.returncode == 0, result.stderr
-    evaluated = json.loads(result.stdout.strip().splitlines()[-1])
-    assert evaluated == {k: v for k, v in logged_at(out, 4).items() if not k.startswith("hellaswag")}

@@ -1,41 +1,47 @@
-"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models. The commands run in-process through
-each script's main (export, run_main); as programs: an export under a file size limit and one under a folder whose name
-is not UTF-8 (in one interpreter), one killed mid-way, three into a mount point (one process in its mount namespace),
-and transformers 4 and 5 loading one export."""
+"""hf_interop.py: Hugging Face GPT-2 <-> our GPT, offline, on tiny random models, in-process through main; as programs
+only an export under a file size limit and one under a non-UTF-8 folder (one interpreter), one killed mid-way, three
+into a mount point (one namespace), and transformers 4 and 5 loading one export."""
 
 import dataclasses
 import errno
+import fcntl
+import glob
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
+import tiktoken
 import torch
+from packaging.version import Version
+from tiktoken.load import load_tiktoken_bpe
+from tiktoken_ext.openai_public import r50k_pat_str
 
 pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 
 import hf_interop  # noqa: E402
 import train_gpt2  # noqa: E402
 from conftest import NOT_GPT2, REPO, assert_one_error_line, assert_refused, assert_refused_quietly  # noqa: E402
 from conftest import log_records, not_gpt2_folder, run_as_programs, run_command, run_main, start  # noqa: E402
-from conftest import tiny_hf, tiny_run_args, write_checkpoint  # noqa: E402
+from conftest import tiny_hf, tiny_run_args, tree_hashes, write_checkpoint  # noqa: E402
 from trainkit.runfiles import checkpoints  # noqa: E402
 from trainkit.hf import export as export_folder  # noqa: E402
 from trainkit.cli import UserError  # noqa: E402
-from trainkit.data.tokenizer import token_byte_lengths  # noqa: E402
+from trainkit.data.tokenizer import BPE_SHA256, token_byte_lengths  # noqa: E402
 from train_gpt2 import GPT, GPTConfig  # noqa: E402
 
 SHARDS = dict(n_docs=200, seed=0, vocab=500, shard_size=3000)  # the trainer's data
 
 
-def save_hf(model, path):
-    model.save_pretrained(str(path))
-    return str(path)
+save_hf = lambda model, path: model.save_pretrained(str(path)) or str(path)  # its folder
 
 
 def tiny_ours(vocab_size=50304, block_size=32, seed=0):
@@ -49,10 +55,8 @@ def tiny_ours(vocab_size=50304, block_size=32, seed=0):
 
 
 def save_ours(model, path, step=7):
-    checkpoints.save_checkpoint(
-        str(path), dict(model=model.state_dict(), model_config=dataclasses.asdict(model.config), step=step)
-    )
-    return str(path)
+    state = dict(model=model.state_dict(), model_config=dataclasses.asdict(model.config), step=step)
+    return checkpoints.save_checkpoint(str(path), state) or str(path)
 
 
 def logits_of(model, idx):
@@ -118,20 +122,6 @@ def test_padded_rows_take_little_probability(tmp_path):
     assert logits_of(zero, idx).softmax(-1)[..., 100:].sum(-1).min() > 0.99  # padding takes it all
 
 
-def test_export_checkpoint_loads_in_transformers(tmp_path):
-    model = tiny_ours()
-    out = hf_interop.export_hf(save_ours(model, tmp_path / "ckpt_0000007.pt"), str(tmp_path / "hf"))
-    assert os.path.isfile(os.path.join(out, "model.safetensors"))
-    hf, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    cfg = hf.config
-    assert (cfg.vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head) == (50257, 32, 32, 2, 2)
-    assert cfg.n_ctx == 32 and cfg.tie_word_embeddings and cfg.activation_function == "gelu_new"
-    assert cfg.bos_token_id == cfg.eos_token_id == 50256
-    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
-    assert_same_logits(hf.eval(), model, 50257, (2, 32), seed=5)
-
-
 @pytest.mark.parametrize("loss_chunk", [0, 24])
 def test_our_loss_is_the_exported_models(tmp_path, loss_chunk):
     """The padded ids carry no probability: with full logits and in chunks, our loss equals that of
@@ -157,11 +147,20 @@ def test_our_loss_is_the_exported_models(tmp_path, loss_chunk):
 
 
 @pytest.mark.parametrize("vocab_size, kept", [(50304, 50257), (100, 100)])
-def test_round_trip_is_exact(tmp_path, vocab_size, kept):
+def test_export_loads_in_transformers_and_round_trips_exactly(tmp_path, vocab_size, kept):
+    """Exported from a checkpoint file (GPT-2's vocabulary) and from a model wrapped as DDP wraps it (.module)."""
     model = tiny_ours(vocab_size=vocab_size)
-    wrapped = types.SimpleNamespace(module=model)  # like DDP's .module
-    out = hf_interop.export_hf(wrapped, str(tmp_path / "hf"))
-    assert GPT2Config.from_pretrained(out).vocab_size == kept
+    source = save_ours(model, tmp_path / "ckpt.pt") if kept == 50257 else types.SimpleNamespace(module=model)
+    out = hf_interop.export_hf(source, str(tmp_path / "hf"))
+    hf, info = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    cfg = hf.config
+    assert (cfg.vocab_size, cfg.n_positions, cfg.n_ctx, cfg.n_embd, cfg.n_layer, cfg.n_head) == (kept, 32, 32, 32, 2, 2)
+    assert (cfg.tie_word_embeddings, cfg.activation_function) == (True, "gelu_new")
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+    assert_same_logits(hf.eval(), model, kept, (2, 32), seed=5)
+    if kept == 50257:
+        assert cfg.bos_token_id == cfg.eos_token_id == 50256
     back = GPT.from_hf(out, vocab_size=vocab_size)
     assert back.config == model.config
     a, b = model.state_dict(), back.state_dict()
@@ -172,25 +171,18 @@ def test_round_trip_is_exact(tmp_path, vocab_size, kept):
 
 
 EXPORT = [os.path.join(REPO, "hf_interop.py"), "export"]  # the command line of an export run as a program
+export = lambda *args, cwd=None: run_main("hf_interop.py", "export", *args, cwd=cwd)  # in-process, through main
 
 
-def export(*args, cwd=None):
-    """hf_interop.py export args, in-process through its main (run_main)."""
-    return run_main("hf_interop.py", "export", *args, cwd=cwd)
+def refused_leaving(ckpt, out, check, message):
+    """`export ckpt out` refused (check: assert_refused_quietly, or assert_one_error_line of a fragment), out kept."""
+    before = tree_hashes(out)
+    check(export(ckpt, out), message)
+    assert tree_hashes(out) == before
 
 
-def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_full_disk(tmp_path, monkeypatch):
-    """load_checkpoint's checks seen through the export, a missing checkpoint, a full disk: one line each."""
-    model = tiny_ours(vocab_size=100)
-    state, config = model.state_dict(), dataclasses.asdict(model.config)
-    x, nanogpt = tmp_path / "x.pt", {"model": state, "model_args": config, "iter_num": 5}
-    for obj, reason in [
-        (nanogpt, "no model_config, checksum; its keys: model, model_args, iter_num"),
-        (torch.zeros(3), "it holds a Tensor, not a dict"),
-        ({"model": state, "model_config": {**config, "bias": True}, "checksum": ""}, "unknown model_config bias"),
-    ]:
-        torch.save(obj, x)
-        assert_refused(export(x, tmp_path / "out"), f"{x}: not a train_gpt2.py checkpoint ({reason})")
+def test_cli_export_refuses_a_missing_checkpoint_and_a_full_disk(tmp_path, monkeypatch):
+    """(A checkpoint not ours: test_hostile's test_foreign_or_damaged_checkpoint_in_every_command.)"""
     missing = str(tmp_path / "nope.pt")
     assert_one_error_line(export(missing, tmp_path / "out"), "does not exist")
     assert not (tmp_path / "out").exists()
@@ -201,7 +193,7 @@ def test_cli_export_refuses_torch_files_that_are_not_ours_missing_ones_and_a_ful
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", full_disk)
-    ckpt = save_ours(model, tmp_path / "ckpt.pt")
+    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt.pt")
     out = tmp_path / "out"
     assert_refused(export(ckpt, out), f"cannot write the Hugging Face model to {out}: no space left on device")
 
@@ -233,18 +225,16 @@ def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     for name in (str(tmp_path / "missing_dir"), "./missing", "empty"):
-        with pytest.raises(UserError) as e:
+        with pytest.raises(UserError, match="local Hugging Face directory") as e:
             GPT.from_hf(name)
-        assert "--init-from" in str(e.value) and "local Hugging Face directory" in str(e.value)
-        assert "\n" not in str(e.value)
-    for overrides, match in [
-        ({"activation_function": "relu"}, "activation_function"),
-        ({"tie_word_embeddings": False}, "not tied"),
+        assert "--init-from" in str(e.value) and "\n" not in str(e.value)
+    untied = tiny_hf(vocab_size=100, tie_word_embeddings=False)
+    with torch.no_grad():
+        untied.lm_head.weight.normal_()
+    for hf, match in [
+        (tiny_hf(vocab_size=100, activation_function="relu"), "activation_function"),
+        (untied, "not tied"),
     ]:
-        hf = tiny_hf(vocab_size=100, **overrides)
-        if not overrides.get("tie_word_embeddings", True):
-            with torch.no_grad():
-                hf.lm_head.weight.normal_()
         with pytest.raises(UserError, match=match):
             GPT.from_hf(save_hf(hf, tmp_path / "hf"))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
@@ -254,13 +244,11 @@ def test_import_refuses_a_missing_folder_and_what_we_cannot_reproduce(tmp_path, 
         hf_interop.export_hf(tiny_ours(vocab_size=100), str(tmp_path / "out"))
 
 
-def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tmp_path):
-    hf_dir = save_hf(tiny_hf(), tmp_path / "hf")
-    args = init_from_args(
-        data_dir, tmp_path / "out", hf_dir, "--val-steps", "1", steps=2, seq_len=16, rows=4, val_every=2, ckpt_every=2
-    )
-    assert train_gpt2.main(args) == 0
-    records = log_records(tmp_path / "out")
+def test_train_init_from_hf_starts_at_the_pretrained_loss_and_exports_back(data_dir, tmp_path):
+    """Trained on with Muon (every block matrix moved), the run's export gives transformers our logits."""
+    hf_dir, out = save_hf(tiny_hf(), tmp_path / "hf"), tmp_path / "out"
+    flags = ("--val-steps", "1", "--optimizer", "muon")
+    assert train_gpt2.main(init_from_args(data_dir, out, hf_dir, *flags, steps=2, seq_len=16, rows=4, val_every=2)) == 0
     # the step-0 validation loss is the Hugging Face model's own loss on the first val rows (our
     # 47 padded ids carry no probability), and its bits per byte come from that model's token losses
     rows = train_gpt2.TokenRows(data_dir, "val", 16)
@@ -270,24 +258,14 @@ def test_train_init_from_hf_directory_starts_at_the_pretrained_loss(data_dir, tm
             GPT2LMHeadModel.from_pretrained(hf_dir)(x).logits.flatten(0, 1), y.flatten(), reduction="none"
         )
     n_bytes = torch.from_numpy(token_byte_lengths(50304))[y.flatten()]
-    ckpt = checkpoints.load_checkpoint(str(tmp_path / "out" / "ckpt_0000002.pt"))
+    ckpt = checkpoints.load_checkpoint(str(out / "ckpt_0000002.pt"))
     loss, bpb = hf_losses.mean().item(), (hf_losses * (n_bytes > 0)).sum().item() / (math.log(2) * n_bytes.sum().item())
     approx = dict(val_loss=pytest.approx(loss, rel=1e-6), val_bpb=pytest.approx(bpb, rel=1e-6))
-    assert records[0] == {"step": 0, **approx, "run": ckpt["run"]["id"]}
+    assert log_records(out)[0] == {"step": 0, **approx, "run": ckpt["run"]["id"]}
     assert ckpt["model_config"] == dict(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
-
-
-def test_export_of_a_muon_trained_run_has_our_logits(data_dir, tmp_path):
-    out = tmp_path / "out"
-    args = tiny_run_args(
-        data_dir, out, "--optimizer", "muon", steps=3, warmup=1, n_embd=32, seq_len=16, rows=4, ckpt_every=3
-    )
-    assert train_gpt2.main(args) == 0
-    ours = GPT.from_checkpoint(str(out))
-    torch.manual_seed(1337)  # the run's initial weights: Muon moved every block matrix away from them
-    initial = GPT(ours.config).state_dict()
+    ours, initial = GPT.from_checkpoint(str(out)), GPT.from_hf(hf_dir).state_dict()
     assert all(not torch.equal(initial[k], v) for k, v in ours.state_dict().items() if ".h." in k and v.dim() == 2)
-    assert_same_logits(hf_interop.export_hf(str(out), str(tmp_path / "hf")), ours, 50257, (2, 32), seed=5)
+    assert_same_logits(hf_interop.export_hf(str(out), str(tmp_path / "back")), ours, 50257, (2, 32), seed=5)
 
 
 TRANSFORMERS_CLIENT = r"""
@@ -311,11 +289,6 @@ print(json.dumps(dict(version=transformers.__version__, ids=[tok.encode(t) for t
 def reference_encoding():
     """GPT-2's r50k_base built by tiktoken's own loader from the shipped bpe/ file (not trainkit.data.tokenizer's
     parser of it), with tiktoken's r50k pattern and <|endoftext|> = 50256; never the network."""
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext.openai_public import r50k_pat_str
-    from trainkit.data.tokenizer import BPE_SHA256
-
     ranks = load_tiktoken_bpe(os.path.join(REPO, "bpe", "r50k_base.tiktoken"), expected_hash=BPE_SHA256)
     tables = dict(pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
     return tiktoken.Encoding("r50k_base_reference", explicit_n_vocab=50257, **tables)
@@ -324,8 +297,6 @@ def reference_encoding():
 def parity_texts():
     """Lines and whole files of the repository's sources and docs, with unicode, whitespace runs
     and literal <|endoftext|>: the strings an export's tokenizer must encode as tiktoken does."""
-    import glob
-
     patterns = ("*.py", "trainkit/**/*.py", "tests/*.py", "benchmarks/*.py", "docs/*.md", "README.md")
     files = sorted(path for pattern in patterns for path in glob.glob(f"{REPO}/{pattern}", recursive=True))
     whole = [open(path, encoding="utf-8").read() for path in files]
@@ -363,15 +334,8 @@ def exported_for_clients(tmp_path_factory):
 
 @pytest.mark.parametrize("transformers_release", ["installed", "oldest allowed"])
 def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(exported_for_clients, transformers_release):
-    """AutoTokenizer, AutoModelForCausalLM and pipeline('text-generation') on the export folder
-    alone, offline, as a user runs them: with the transformers installed (the newest 5.x in CI)
-    and with the oldest requirements-dev.txt allows, which .ci/run installs into the folder
-    OLDEST_TRANSFORMERS_DIR (put first on PYTHONPATH; torch and the rest are this environment's)."""
-    import re
-
-    import transformers
-    from packaging.version import Version
-
+    """AutoTokenizer, AutoModelForCausalLM and pipeline on the export alone, offline: with the transformers installed
+    and with the oldest requirements-dev.txt allows (.ci/run installs it in OLDEST_TRANSFORMERS_DIR, put on PYTHONPATH)."""
     out, texts_file, texts = exported_for_clients
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if transformers_release == "oldest allowed":
@@ -383,7 +347,6 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     proc = run_command("-c", TRANSFORMERS_CLIENT, out, texts_file, long_prompt, env=env)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.splitlines()[-1])
-    # the oldest release requirements-dev.txt allows: its `transformers>=X`
     oldest = re.search(r"^transformers>=([\d.]+)", open(os.path.join(REPO, "requirements-dev.txt")).read(), re.M)[1]
     release = transformers.__version__ if transformers_release == "installed" else oldest
     assert Version(r["version"]) == Version(release)
@@ -401,10 +364,6 @@ def test_export_loads_and_tokenizes_like_tiktoken_in_transformers_clients(export
     assert len(prompt) > 32
     kept = prompt[-(32 - 5) :]  # the end of the prompt, with room for 5 new tokens in 32 positions
     assert r["long"] == enc.decode(greedy(ours, kept, 5)[len(kept) :])
-
-
-def folder_bytes(path):
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
 def two_checkpoints(folder, vocab_size):
@@ -429,18 +388,16 @@ finally:
 
 @pytest.fixture(scope="module")
 def exports_as_programs(tmp_path_factory):
-    """Two exports over an earlier one, as programs in one interpreter (run_as_programs): under a folder whose name is
-    not UTF-8 (tmp/run\\xff, to tmp/hf), and under a file size limit (tmp/limited/hf). Returns tmp, the limited
-    folder's bytes before, and the two completed programs."""
+    """Two exports over an earlier one, as programs in one interpreter: under a non-UTF-8 folder (tmp/run\\xff, to
+    tmp/hf) and under a file size limit (to tmp/limited/hf). Returns tmp, the limited folder's bytes, the two programs."""
     tmp = tmp_path_factory.mktemp("programs")
     run, limited = os.path.join(os.fsencode(tmp), b"run\xff"), tmp / "limited"
     os.makedirs(run)
     limited.mkdir()
-    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    write_checkpoint(model, os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))
+    write_checkpoint(tiny_ours(), os.fsdecode(os.path.join(run, b"ckpt_0000003.pt")))  # (it records no step)
     first, second = two_checkpoints(limited, 200)
     assert export(os.fsdecode(run), tmp / "hf").returncode == export(first, limited / "hf").returncode == 0
-    before = folder_bytes(limited / "hf")
+    before = tree_hashes(limited / "hf")
     cases = [
         ["hf_interop.py", "export", os.fsdecode(run), tmp / "hf"],
         ["-c", SIZE_LIMITED, *EXPORT, second, limited / "hf"],
@@ -451,73 +408,13 @@ def exports_as_programs(tmp_path_factory):
 def test_cli_export_over_an_earlier_one_is_atomic(exports_as_programs):
     tmp, before, _, proc = exports_as_programs
     out = tmp / "limited" / "hf"
-    first, second = (str(tmp / "limited" / f"ckpt_000000{s}.pt") for s in (1, 2))
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: cannot write the Hugging Face model to {out}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert folder_bytes(out) == before  # the earlier export whole, no temporary folder left
+    assert tree_hashes(out) == before  # the earlier export whole, no temporary folder left
     assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
     assert_same_logits(out, tiny_ours(vocab_size=200, seed=1), 200)
-    proc = export(second, out)  # a successful one replaces it whole
-    assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(out.parent)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]
-    assert_same_logits(out, tiny_ours(vocab_size=200, seed=2), 200)
     (out / "notes.txt").write_text("mine")  # a folder with the user's own files is refused, nothing lost
-    before = folder_bytes(out)
-    assert_one_error_line(export(first, out), "notes.txt")
-    assert folder_bytes(out) == before
-
-
-def test_cli_export_refuses_a_folder_it_did_not_mark(tmp_path):
-    """A save_pretrained folder of the user's own GPT-2 holds only file names an export writes: the
-    export leaves it byte for byte (it replaced it, exit 0); it replaces only a folder holding its
-    mark, and writes into an empty or missing one."""
-    ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
-    mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
-    before = folder_bytes(tmp_path / "mine")
-    assert sorted(before) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert_refused_quietly(
-        export(ckpt, mine),
-        f"{mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
-        "so it may hold a model of your own and is left as it is: export into a new or empty folder",
-    )
-    assert folder_bytes(tmp_path / "mine") == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
-    (tmp_path / "empty").mkdir()
-    for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
-        assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
-        mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
-        written = dict(written_by="gpt2-trainer hf_interop.py export", mark_version=2, checkpoint=ckpt, step=7)
-        checksum = checkpoints.load_checkpoint(ckpt)["checksum"]
-        assert mark == dict(written, checksum=checksum, vocab_size=100, files=mark["files"])
-    (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
-    before = folder_bytes(tmp_path / "missing")
-    assert_one_error_line(export(ckpt, tmp_path / "missing"), "is not an export of hf_interop.py")
-    assert folder_bytes(tmp_path / "missing") == before
-
-
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
-def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch, exchange):
-    """Over an earlier export, the swap is one renameat2(RENAME_EXCHANGE): after every rename the
-    export's path names a whole export. Where the exchange is missing (macOS, some network file
-    systems) two renames leave the path missing for a moment: the fallback shows that this test sees it."""
-    out = tmp_path / "hf"
-    first, second = two_checkpoints(tmp_path, 100)
-    assert hf_interop.main(["export", first, str(out)]) == 0
-    whole = []  # after each rename or exchange: does out hold a whole export?
-    for name in ("rename", "replace"):
-        real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole(out)))[0])
-    real_exchange = export_folder._exchange
-    monkeypatch.setattr(
-        export_folder, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole(out)))[0]
-    )
-    assert hf_interop.main(["export", second, str(out)]) == 0
-    assert whole == ([True] if exchange else [False, True])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
-    assert_same_logits(out, tiny_ours(vocab_size=100, seed=2), 100, seed=4)
-
-
-def is_whole(folder) -> bool:
-    return folder.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(folder))
+    refused_leaving(out.parent / "ckpt_0000001.pt", out, assert_one_error_line, "notes.txt")
 
 
 def changed_since(out, changes):
@@ -528,24 +425,33 @@ def changed_since(out, changes):
     )
 
 
-def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path):
-    """Export, fine-tune the export, save_pretrained over it (the mark survives), export again: the
-    user's model stays, byte for byte, as the mark's sha256s show it is no longer the export's."""
-    import hashlib
-
+def test_cli_export_replaces_only_an_unchanged_export_of_its_own(tmp_path):
+    """Left byte for byte: the user's own save_pretrained folder (only file names an export writes), a folder of another
+    mark, and an export changed since (fine-tuned and saved over, the mark surviving; a file missing; an older mark)."""
     ckpt = save_ours(tiny_ours(vocab_size=100), tmp_path / "ckpt_0000007.pt")
-    out = tmp_path / "hf"
-    assert export(ckpt, out).returncode == 0
-    mark = json.loads((out / hf_interop.EXPORT_MARK).read_text())
-    assert mark["files"] == {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != hf_interop.EXPORT_MARK
-    }
+    mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")
+    assert sorted(tree_hashes(mine)) == ["config.json", "generation_config.json", "model.safetensors"]
+    said = (
+        f"{mine} is not empty and is not an export of hf_interop.py (it has no gpt2_trainer_export.json), "
+        "so it may hold a model of your own and is left as it is: export into a new or empty folder"
+    )
+    refused_leaving(ckpt, mine, assert_refused_quietly, said)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "mine"]
+    (tmp_path / "empty").mkdir()
+    for folder in ("empty", "missing", "empty"):  # the second export into empty/ replaces the marked first
+        assert hf_interop.main(["export", ckpt, str(tmp_path / folder)]) == 0
+        mark = json.loads((tmp_path / folder / hf_interop.EXPORT_MARK).read_text())
+        written = dict(written_by="gpt2-trainer hf_interop.py export", mark_version=2, checkpoint=ckpt, step=7)
+        checksum = checkpoints.load_checkpoint(ckpt)["checksum"]
+        assert mark == dict(written, checksum=checksum, vocab_size=100, files=mark["files"])
+    (tmp_path / "missing" / hf_interop.EXPORT_MARK).write_text('{"written_by": "someone else"}')
+    refused_leaving(ckpt, tmp_path / "missing", assert_one_error_line, "is not an export of hf_interop.py")
+    out = tmp_path / "empty"  # an export of ckpt: its mark names each file's sha256
+    assert mark["files"] == {name: sha for name, sha in tree_hashes(out).items() if name != hf_interop.EXPORT_MARK}
     assert sorted(mark["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
     tiny_hf(vocab_size=100, seed=3).save_pretrained(out)  # the user's own model, saved over the export
-    before = folder_bytes(out)
-    assert_refused_quietly(export(ckpt, out), changed_since(out, "config.json changed, model.safetensors changed"))
-    assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "hf"]
-    # the other ways a folder differs from its mark, in-process (the same code path)
+    said = changed_since(out, "config.json changed, model.safetensors changed")
+    refused_leaving(ckpt, out, assert_refused_quietly, said)
     for change, expected in [
         ("missing", "generation_config.json missing"),
         ("older mark", "its mark lists no files: an older hf_interop.py wrote it"),
@@ -556,21 +462,41 @@ def test_cli_export_refuses_a_folder_changed_since_it_was_exported(tmp_path):
             (out / "generation_config.json").unlink()
         else:
             (out / hf_interop.EXPORT_MARK).write_text(json.dumps({**mark, "mark_version": 1, "files": None}))
-        before = folder_bytes(out)
-        assert_refused(export(ckpt, out), changed_since(out, expected))
-        assert folder_bytes(out) == before
+        refused_leaving(ckpt, out, assert_refused_quietly, changed_since(out, expected))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000007.pt", "empty", "mine", "missing"]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_export_swap_leaves_the_folder_whole_at_every_step(tmp_path, monkeypatch, exchange):
+    """Over an earlier export, one renameat2(RENAME_EXCHANGE): the path always names a whole export. Without it
+    (macOS, some network file systems) two renames leave it missing a moment: the fallback shows this test sees it."""
+    out = tmp_path / "hf"
+    first, second = two_checkpoints(tmp_path, 100)
+    assert hf_interop.main(["export", first, str(out)]) == 0
+    whole = []  # after each rename or exchange: does out hold a whole export?
+    is_whole = lambda: (
+        out.is_dir() and {"config.json", "model.safetensors", hf_interop.EXPORT_MARK} <= set(os.listdir(out))
+    )
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda a, b, real=real: (real(a, b), whole.append(is_whole()))[0])
+    real_exchange = export_folder._exchange
+    monkeypatch.setattr(
+        export_folder, "_exchange", lambda a, b: exchange and (real_exchange(a, b), whole.append(is_whole()))[0]
+    )
+    assert hf_interop.main(["export", second, str(out)]) == 0
+    assert whole == ([True] if exchange else [False, True])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "hf"]  # the old one deleted
+    assert_same_logits(out, tiny_ours(vocab_size=100, seed=2), 100, seed=4)
 
 
 def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(tmp_path):
     """kill -9 while an export writes leaves its hidden partial folder (and the earlier export whole); the next export
     to the same folder removes it, as no live process holds its lock, and leaves one that a live process holds."""
-    import fcntl
-    import time
-
     first, second = two_checkpoints(tmp_path, 50304)
     out = tmp_path / "hf"
     assert export(first, out).returncode == 0
-    before = folder_bytes(out)
+    before = tree_hashes(out)
     killed = None
     for _ in range(5):  # writing the weights and the tokenizer takes about a second: kill it then
         proc = start([sys.executable, *EXPORT, second, out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -584,7 +510,7 @@ def test_cli_export_killed_leaves_a_partial_folder_that_the_next_export_removes(
         if killed:
             break
     assert killed is not None and killed.is_dir()
-    assert folder_bytes(out) == before  # the earlier export, whole
+    assert tree_hashes(out) == before  # the earlier export, whole
     live = tmp_path / ".hf.export-live0000"  # a partial folder of an export still running
     live.mkdir()
     (live / "config.json").write_text("{}")
@@ -640,14 +566,8 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
     volume.mkdir()
     first, second = two_checkpoints(tmp_path, 100)
     mine = save_hf(tiny_hf(vocab_size=100), tmp_path / "mine")  # the user's own model, saved over the export
-    steps = [
-        first,
-        "",
-        second,
-        "",
-        first,
-        mine,
-    ]  # into the empty mount point, over the export there, over a changed one
+    # into the empty mount point, over the export there, over a changed one
+    steps = [first, "", second, "", first, mine]
     proc = in_mount_namespace(volume, sys.executable, "-c", EXPORTS_IN_VOLUME, REPO, volume, copies, *steps)
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -657,14 +577,13 @@ def test_cli_export_into_a_mount_point_moves_the_files_in(tmp_path):
         assert sorted(os.listdir(copies / f"{i}.after")) == names
         assert_same_logits(copies / f"{i}.after", tiny_ours(vocab_size=100, seed=seed), 100)
     assert results[2][1] == f"error: {changed_since(volume, 'config.json changed, model.safetensors changed')}\n"
-    assert folder_bytes(volume) == folder_bytes(copies / "2.before")
+    assert tree_hashes(volume) == tree_hashes(copies / "2.before")
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000002.pt", "copies", "mine", "volume"]
 
 
 def test_cli_export_of_a_run_folder_names_its_newest_checkpoint_and_step(tmp_path):
-    """An export of a run folder writes its newest checkpoint and says which, relative to where it was run, and its
-    step, into files of the mode the umask gives; --help says that the script exports and evaluates, export's --help
-    both sources it takes."""
+    """Named relative to where it was run, in files of the umask's mode; --help says that the script exports and
+    evaluates, export's --help both sources it takes."""
     umask = 0o027  # not the usual 022, so that the test tells honouring it from a fixed 0644
     (tmp_path / "run").mkdir()
     save_ours(tiny_ours(vocab_size=100, seed=1), tmp_path / "run" / "ckpt_0000003.pt", step=3)

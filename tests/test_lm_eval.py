@@ -12,7 +12,9 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
+import datasets  # noqa: E402
 import hf_interop  # noqa: E402
+from lm_eval.tasks.hellaswag.utils import process_docs  # noqa: E402
 from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main  # noqa: E402
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples  # noqa: E402
 from train_gpt2 import GPTConfig  # noqa: E402
@@ -45,22 +47,14 @@ def evals(checkpoint, data_file, tmp_path_factory):
 
 
 def test_our_text_is_lm_evals():
-    """hellaswag.py's own rendering of lm-eval's text equals lm-eval's process_docs on every record of
-    the shipped subset (ActivityNet's and WikiHow's, whose bracketed tags lm-eval removes)."""
-    import datasets
-    from lm_eval.tasks.hellaswag.utils import process_docs
-
+    """Our rendering equals lm-eval's process_docs on every shipped record (WikiHow's bracketed tags removed too)."""
     with open(HELLASWAG_FILE) as f:
         records = [json.loads(line) for line in f]
     theirs = process_docs(datasets.Dataset.from_list(records))
     assert len(records) == len(theirs) == 446
     assert sum("[title]" in record["ctx"] for record in records) > 0  # WikiHow's tags are covered
-    mismatched = [
-        i
-        for i, (record, doc) in enumerate(zip(records, theirs))
-        if hellaswag_examples.lm_eval_text(record) != (doc["query"], doc["choices"], doc["gold"])
-    ]
-    assert mismatched == []
+    ours = [hellaswag_examples.lm_eval_text(record) for record in records]
+    assert ours == [(doc["query"], doc["choices"], doc["gold"]) for doc in theirs]
 
 
 def test_lm_eval_scores_equal_ours_example_by_example(model, data_file, evals):
@@ -84,15 +78,12 @@ def test_lm_eval_scores_equal_ours_example_by_example(model, data_file, evals):
     assert ours["acc_norm"] != ours["lm_eval_acc_norm"]  # two metrics, on this tiny set too
 
 
-def test_hub_unreachable_names_the_flag_to_set(evals):
+def test_eval_errors_are_one_line(evals, checkpoint, tmp_path, monkeypatch):
+    """The Hub unreachable as a program (its line names the flag to set, no traceback); the refusals in-process."""
     proc = evals[2]
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks hellaswag: cannot load its data (")
     assert "pass --hellaswag-file PATH" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_eval_errors_are_one_line(checkpoint, tmp_path, monkeypatch):
-    """The refusals in-process; the Hub unreachable above runs as a program (one line, no traceback)."""
     missing, samples, file = tmp_path / "missing.jsonl", tmp_path / "a_file" / "samples", "--hellaswag-file"
     bad = tmp_path / "bad.jsonl"
     bad.write_text("GARBAGE\n")

@@ -1,13 +1,10 @@
-"""Sampling: the KV cache against full forward passes, sample.py as users run it, and the
-trainer's in-training samples as plain text."""
-
-import sys
+"""Sampling: the KV cache against full forward passes, sample.py as users run it, the trainer's samples as plain text."""
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_error_line, assert_refused, assert_refused_quietly, run_main, start
+from conftest import GPT2_VOCAB_RUN, assert_one_error_line, assert_refused, assert_refused_quietly, run_main
 from conftest import tiny_hf, tiny_run_args
 from shards import make_docs, write_shards
 from trainkit.runfiles import checkpoints
@@ -19,13 +16,8 @@ from trainkit.data.tokenizer import EOT
 from train_gpt2 import GPT, GPTConfig
 
 
-def tiny(data_dir, out_dir, *extra, steps):
-    """A tiny run of GPT-2's vocabulary (tiny_run_args), 4 rows of 32 tokens a step, extra last."""
-    return tiny_run_args(
-        data_dir, out_dir, *extra, steps=steps, n_embd=32, block_size=64, seq_len=32, rows=4, warmup=1, ckpt_every=0
-    )
-
-
+SAMPLE_RUN = dict(GPT2_VOCAB_RUN, warmup=1, ckpt_every=0)  # tiny_run_args' sizes: GPT-2's vocabulary, 4 rows of 32
+tiny = lambda data_dir, out_dir, *extra, steps: tiny_run_args(data_dir, out_dir, *extra, steps=steps, **SAMPLE_RUN)
 PROMPT = "Hello, I'm a language model,"
 
 
@@ -48,20 +40,7 @@ def sampled_run(tmp_path_factory):
     return root / "out", proc.stdout
 
 
-@pytest.fixture(scope="module")
-def small_vocab_run(tmp_path_factory):
-    """A run trained with --vocab-size 128 on shards of ids below 128 (no <|endoftext|>)."""
-    root = tmp_path_factory.mktemp("small_vocab")
-    rng = np.random.default_rng(0)
-    write_shards(root / "data", [rng.integers(0, 128, 3000)], shard_size=1000)
-    proc = run_main("train_gpt2.py", *tiny(root / "data", root / "out", "--vocab-size", "128", steps=1))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return root / "out"
-
-
-def run_sample(source, *flags, flag="--checkpoint"):
-    """sample.py --checkpoint source (or flag source) flags, in-process (run_main)."""
-    return run_main("sample.py", flag, source, *flags)
+run_sample = lambda source, *flags, flag="--checkpoint": run_main("sample.py", flag, source, *flags)  # in-process
 
 
 def texts_of(out, prompt=PROMPT, **kwargs) -> list:
@@ -91,11 +70,7 @@ def test_cached_logits_equal_the_full_forward():
         model.hidden_states(seq[:, :1], kv_cache=cache)
 
 
-@pytest.mark.parametrize(
-    "prompt_len, new_tokens",
-    [(5, 20), (5, 60), (40, 10)],
-    ids=["within-block", "window-slides", "prompt-longer-than-block"],
-)
+@pytest.mark.parametrize("prompt_len, new_tokens", [(5, 20), (5, 60), (40, 10)])  # within the block, sliding, longer
 def test_cached_generation_draws_the_same_tokens(prompt_len, new_tokens):
     model = random_gpt()
     idx = torch.randint(0, 96, (4, prompt_len), generator=torch.Generator().manual_seed(2))
@@ -127,8 +102,7 @@ def test_top_k_1_is_greedy_decoding():
 
 
 def test_temperature_scales_the_logits():
-    """Each draw comes from softmax(logits / T) over the top k: checked against that distribution by
-    counting many one-token draws of the same context."""
+    """Each draw comes from softmax(logits / T) over the top k: counted over many one-token draws of one context."""
     model = random_gpt(seed=5)
     idx = torch.zeros(20000, 3, dtype=torch.long)
     with torch.no_grad():
@@ -205,7 +179,12 @@ def test_bad_flags_are_one_line_errors(sampled_run, flags, message):
     assert_refused_quietly(run_sample(sampled_run[0], *flags), message.format(prog="sample.py"))
 
 
-def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run, tmp_path):
+def test_prompt_beyond_a_small_vocabulary_is_refused(tmp_path):
+    """A run trained with --vocab-size 128 on ids below 128 (no <|endoftext|>), and its export of 100 ids."""
+    write_shards(tmp_path / "data", [np.random.default_rng(0).integers(0, 128, 3000)], shard_size=1000)
+    small_vocab_run = tmp_path / "out"
+    proc = run_main("train_gpt2.py", *tiny(tmp_path / "data", small_vocab_run, "--vocab-size", "128", steps=1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_sample(small_vocab_run, "--prompt", "Hello")
     assert_refused(proc, "the prompt has token 15496 ('Hello'), beyond the model's vocabulary of 128 ids")
     empty = run_sample(small_vocab_run, "--prompt", "")
@@ -223,34 +202,10 @@ def test_prompt_beyond_a_small_vocabulary_is_refused(small_vocab_run, tmp_path):
     assert_refused(proc, "the prompt has token 126 ('\ufffd'), beyond the model's vocabulary of 100 ids")
 
 
-GREEDY_12 = ["--num-samples", "1", "--max-new-tokens", "12", "--top-k", "1"]  # one greedy text of 12 tokens
-
-
-def hf_gpt2():
-    """A Hugging Face GPT-2 of GPT-2's ids, 64 positions, 2 layers 32 wide, its config's eos <|endoftext|>."""
-    return tiny_hf(n_positions=64, bos_token_id=EOT, eos_token_id=EOT)
-
-
-def test_hf_model_greedy_equals_transformers(tmp_path):
-    pytest.importorskip("transformers")
-    hf = hf_gpt2()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(5.0)  # clear argmaxes
-    hf.save_pretrained(str(tmp_path / "hf"))
-    proc = run_sample(tmp_path / "hf", "--prompt", PROMPT, *GREEDY_12, flag="--hf-model")
-    assert proc.returncode == 0, proc.stderr
-    enc = tokenizer.get_encoding()
-    ids = torch.tensor([enc.encode(PROMPT)])
-    with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert samples_of(proc.stdout) == [enc.decode(ref[0].tolist())]
-
-
 def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
-    """A model trained on documents `<|endoftext|>!"#$` (ids 50256, 0, 1, 2, 3), exported to Hugging
-    Face: sample.py's greedy text ends at <|endoftext|> as GPT2LMHeadModel.generate stops at the eos
-    token of its generation_config, and with --continue-past-eot runs on as generate(eos_token_id=None)."""
+    """A model trained on documents `<|endoftext|>!"#$` (ids 50256, 0, 1, 2, 3) and its export: sample.py's greedy text
+    of either (--checkpoint, --hf-model) ends at <|endoftext|> as GPT2LMHeadModel.generate stops at its
+    generation_config's eos, and with --continue-past-eot runs on as generate(eos_token_id=None)."""
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
@@ -264,29 +219,19 @@ def test_greedy_ends_at_endoftext_as_transformers_generate(tmp_path):
     enc = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))  # the export's own tokenizer, as a user runs it
     ids = torch.tensor([enc.encode("!")])
     assert ids.tolist() == [[0]]
-    texts = {}
+    texts, greedy_12 = {}, ["--prompt", "!", "--num-samples", "1", "--max-new-tokens", "12", "--top-k", "1"]
     for flags, eos in [((), {}), (("--continue-past-eot",), {"eos_token_id": None})]:
         with torch.no_grad():
             ref = hf.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=EOT, **eos
             )
-        proc = run_sample(tmp_path / "out", "--prompt", "!", *GREEDY_12, *flags)
-        assert proc.returncode == 0, proc.stderr
+        proc = run_sample(tmp_path / "out", *greedy_12, *flags)
+        hf_proc = run_sample(tmp_path / "hf", *greedy_12, *flags, flag="--hf-model")
+        assert (proc.returncode, hf_proc.returncode) == (0, 0), proc.stderr + hf_proc.stderr
         texts[flags] = samples_of(proc.stdout)
-        assert texts[flags] == [enc.decode(ref[0].tolist())]
+        assert texts[flags] == samples_of(hf_proc.stdout) == [enc.decode(ref[0].tolist())]
     (stopped,), (went_on,) = texts.values()
     assert stopped.endswith("<|endoftext|>") and went_on.startswith(stopped) and len(went_on) > len(stopped)
-
-
-def test_tiny_temperature_is_greedy(sampled_run):
-    """--temperature 1e-40 divides the logits beyond float32's range: the draws are the limit, the
-    argmax, for every sample (it was a NaN traceback from torch.multinomial)."""
-    out, _ = sampled_run
-    proc = run_sample(out, *"--temperature 1e-40 --num-samples 2 --max-new-tokens 12 --continue-past-eot".split())
-    assert proc.returncode == 0, proc.stderr
-    greedy = texts_of(out, n=1, length=12, top_k=1, end_at_eot=False)
-    drawn = texts_of(out, n=2, length=12, end_at_eot=False)
-    assert samples_of(proc.stdout) == greedy * 2 and drawn[0] != greedy[0]
 
 
 def test_bad_sources_and_nan_weights_are_one_line_errors(sampled_run, tmp_path):
@@ -305,37 +250,28 @@ def test_bad_sources_and_nan_weights_are_one_line_errors(sampled_run, tmp_path):
     del ckpt["checksum"]
     (tmp_path / "run").mkdir()
     torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), tmp_path / "run" / "ckpt_0000002.pt")
-    hf = hf_gpt2()
+    hf = tiny_hf()
     with torch.no_grad():
         hf.transformer.h[0].attn.c_proj.weight[0, 0] = float("inf")
     hf.save_pretrained(str(tmp_path / "hf"))
-    ckpt_said = "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint"
-    hf_said = "the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)"
-    said = f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {ckpt_said} next to it"
-    assert_refused_quietly(run_sample(tmp_path / "run"), said)
-    said = f"{tmp_path / 'hf' / 'model.safetensors'}: {hf_said}"
+    said = (
+        "the model weights hold NaN or inf (transformer.h.1.mlp.c_fc.weight): there is no earlier checkpoint next to it"
+    )
+    assert_refused_quietly(run_sample(tmp_path / "run"), f"{tmp_path / 'run' / 'ckpt_0000002.pt'}: {said}")
+    said = f"{tmp_path / 'hf' / 'model.safetensors'}: the weights hold NaN or inf (transformer.h.0.attn.c_proj.weight)"
     assert_refused_quietly(run_sample(tmp_path / "hf", flag="--hf-model"), said)
 
 
-def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run):
-    """--num-samples 10**12: printed a batch at a time (one tensor of all rows was a MemoryError
-    before anything was printed), the first ones those of --num-samples 3 with the same seed. A
-    reader that stops (`| head`) stops it quietly, with a shell's code for that (128 + SIGPIPE)."""
-    out, _ = sampled_run
-    flags = f"--checkpoint {out} --num-samples {10**12} --max-new-tokens 4 --seed 5".split()
-    proc = start([sys.executable, "sample.py", *flags])
-    try:
-        lines = []
-        while not lines or not lines[-1].startswith("--- sample 4/"):
-            lines.append(proc.stdout.readline())
-            assert lines[-1], proc.communicate()  # the output ended: print why
-        proc.stdout.close()
-        assert (proc.wait(timeout=120), proc.stderr.read()) == (141, "")
-    finally:
-        proc.kill()
-        proc.wait()
-    assert lines[0] == f"--- sample 1/{10**12} ---\n"
-    assert samples_of("".join(lines))[:3] == texts_of(out, n=3, length=4, seed=5)
+def test_huge_num_samples_are_drawn_in_bounded_batches(sampled_run, monkeypatch):
+    """--num-samples 10**12, printed a batch at a time (one tensor of all rows was a MemoryError), the first ones those
+    of --num-samples 3; once stdout is gone no more are drawn (as a program under `| head`, 141: test_output)."""
+    out, (real, printed) = sampled_run[0], (sample.print_result, [])
+    gone_after_3 = lambda text, **kwargs: printed.append(text) or (len(printed) <= 6 and real(text, **kwargs))
+    monkeypatch.setattr(sample, "print_result", gone_after_3)  # a reader that leaves after 3 samples (6 lines)
+    proc = run_sample(out, "--num-samples", 10**12, "--max-new-tokens", 4, "--seed", 5)
+    assert (proc.returncode, proc.stderr, len(printed)) == (0, "", 7)
+    assert proc.stdout.startswith(f"--- sample 1/{10**12} ---\n")
+    assert samples_of(proc.stdout) == texts_of(out, n=3, length=4, seed=5)
 
 
 # ---- the trainer's samples ----
