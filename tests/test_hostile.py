@@ -334,37 +334,32 @@ def test_token_ids_the_model_has_no_output_for_are_refused_at_start_up(made_data
 
 
 # --- file-size limits, signals ---------------------------------------------------------------------
-def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(data_dir, tmp_path):
-    limit = 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it after a few steps
-    padding = (json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n").encode()
-    # a run whose log is that long at its step-2 checkpoint (a fresh run refuses a folder holding a log)
-    assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2, ckpt_every=2)) == 0
-    log = padding + tmp_path.joinpath("log.jsonl").read_bytes()
-    tmp_path.joinpath("log.jsonl").write_bytes(log)
-    ckpt = checkpoints.load_checkpoint(str(tmp_path / "ckpt_0000002.pt"))
+def test_log_cut_mid_record_is_left_whole_and_the_run_resumes(finished_copy, data_dir):
+    run, limit = finished_copy, 10_000_000  # bytes per file: a checkpoint (~9.8 MB) fits, the log reaches it soon
+    # the run's log that long at its step-4 checkpoint (a fresh run refuses a folder holding a log)
+    log = (json.dumps(dict(step=-1, note="x" * (limit - 2000))) + "\n").encode() + (run / "log.jsonl").read_bytes()
+    (run / "log.jsonl").write_bytes(log)
+    ckpt = checkpoints.load_checkpoint(str(run / "ckpt_0000004.pt"))
     ckpt.update(log_offset=len(log), log_sha256=hashlib.sha256(log).hexdigest())
-    torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), tmp_path / "ckpt_0000002.pt")
+    torch.save(dict(ckpt, checksum=checkpoints.state_digest(ckpt)), run / "ckpt_0000004.pt")
 
     def file_size_limit():  # what a full disk does to one file: a short write, then EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    result = run_command(
-        "train_gpt2.py",
-        *tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2),
-        preexec_fn=file_size_limit,
-    )
-    last = checkpoints.latest_checkpoint(str(tmp_path))
+    args = tiny_run_args(data_dir, run, "--resume", steps=20, ckpt_every=2)
+    result = run_command("train_gpt2.py", *args, preexec_fn=file_size_limit)
+    last = checkpoints.latest_checkpoint(str(run))
     assert_one_error_line(
         result,
-        f"cannot write {tmp_path / 'log.jsonl'}: file too large (the log ends at its last "
-        f"whole record). Last good checkpoint: {last}",
+        f"cannot write {run / 'log.jsonl'}: file too large (the log ends at its last whole record). Last good "
+        f"checkpoint: {last}",
     )
-    text = tmp_path.joinpath("log.jsonl").read_text()
+    text = (run / "log.jsonl").read_text()
     assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
-    assert checkpoints.load_checkpoint(last)["step"] >= 2
-    assert tg.main(tiny_run_args(data_dir, tmp_path, "--resume", steps=20, ckpt_every=2)) == 0  # space freed
-    assert trained_steps(tmp_path) == list(range(20))
+    assert checkpoints.load_checkpoint(last)["step"] >= 4
+    assert tg.main(args) == 0  # space freed
+    assert trained_steps(run) == list(range(20))
 
 
 def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
@@ -375,8 +370,7 @@ def test_ctrl_c_during_start_up_is_one_line(data_dir, tmp_path):
     code = f"""import runpy, sys
 sys.path.insert(0, {str(REPO)!r})
 import trainkit.data.shards as shards
-open_shard = shards.open_shard
-def held(path):
+def held(path, open_shard=shards.open_shard):
     with open({str(fifo)!r}, "rb") as f:
         f.read()
     return open_shard(path)
