@@ -34,8 +34,7 @@ EXPORT_INTO = {  # where: what the line says it is
 
 @pytest.mark.parametrize("where", EXPORT_INTO)
 def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, finished_run, tmp_path, where):
-    """Not even when that folder is empty, or would pass as an earlier export: the folder a shell
-    stands in, a home folder and the checkout are the user's, whatever they hold."""
+    """Not even when it is empty or would pass as an earlier export: those folders are the user's."""
     home = tmp_path / "home"
     home.mkdir()
     out = where.replace("REPO", str(REPO)).replace("~", str(home))
@@ -51,17 +50,15 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, f
     what = EXPORT_INTO[where]
     if where == "REPO/.." and project.resolve().is_relative_to(REPO.resolve().parent):  # (a clone in /tmp)
         what = "holds the current folder"  # the current folder is named first, where one folder holds both
-    assert_one_error_line(result)
-    assert result.stderr.startswith(f"error: cannot export into {out}: it {what} (")
+    assert_one_error_line(result, f"error: cannot export into {out}: it {what} (")
     assert result.stderr.endswith("which an export would replace; export into a new folder\n")
     assert state() == before and tree_hashes(REPO / "trainkit") == checkout and os.listdir(home) == []
 
 
-EMPTY = {  # the command line (shlex): the argument refused
+EMPTY = {  # the command line (shlex): the argument refused (--resume '': test_out_dir's test_resume_means_resume)
     "train_gpt2.py --init-from ''": "--init-from",
     "train_gpt2.py --out-dir ''": "--out-dir",
     "train_gpt2.py --data-dir ''": "--data-dir",
-    "train_gpt2.py --resume ''": "--resume",
     "train_gpt2.py --wandb ''": "--wandb",
     "train_gpt2.py --hellaswag-file ' '": "--hellaswag-file",
     "sample.py --checkpoint ''": "--checkpoint",
