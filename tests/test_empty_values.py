@@ -35,8 +35,7 @@ EXPORT_INTO = {  # where: what the line says it is
 @pytest.mark.parametrize("where", EXPORT_INTO)
 def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, finished_run, tmp_path, where):
     """Not even when it is empty or would pass as an earlier export: those folders are the user's."""
-    home = tmp_path / "home"
-    home.mkdir()
+    (home := tmp_path / "home").mkdir()
     out = where.replace("REPO", str(REPO)).replace("~", str(home))
     if where == "link":
         os.symlink(project, tmp_path / "link")
@@ -77,9 +76,8 @@ EMPTY = {  # the command line (shlex): the argument refused (--resume '': test_o
 def test_every_script_refuses_an_empty_value(project, finished_run, command):
     script, *args = shlex.split(command.format(run=finished_run))
     argument, before = EMPTY[command], tree_hashes(project)
-    result = run_main(script, *args, cwd=project)
     value = args[args.index(argument) + 1] if argument in args else ""
     prog = script + (f" {args[0]}" if args[0] in ("eval", "export") else "")
     line = f"argument {argument}: got an empty value ({value!r}: an unset shell variable?) (see {prog} --help)"
-    assert_refused_quietly(result, line)
+    assert_refused_quietly(run_main(script, *args, cwd=project), line)
     assert tree_hashes(project) == before

@@ -6,10 +6,11 @@ import os
 
 import pytest
 
-from trainkit import cli
-from trainkit import train_flags
+from trainkit import cli, train_flags
 import train_gpt2 as tg
 from conftest import GPT2_VOCAB_RUN, assert_one_error_line, run_main, tiny_run_args, train_records
+
+SHARDS = dict(n_docs=400, seed=3, max_len=60)
 
 
 def tiny(data_dir, out, *extra, steps, ckpt_every=0):
@@ -59,9 +60,6 @@ def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args):
     result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, *args.split(), steps=10))
     assert_one_error_line(result, BAD_FLAGS[args])
     assert os.listdir(tmp_path) == []
-
-
-SHARDS = dict(n_docs=400, seed=3, max_len=60)
 
 
 def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):
