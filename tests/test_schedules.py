@@ -1,15 +1,16 @@
-"""LR schedules (cosine, linear, wsd), the one-line notice when a resume moves the LR, and extending a finished
-WSD run from a checkpoint taken before its cooldown."""
+"""LR schedules (cosine, linear, wsd), the notice when a resume moves the LR, and a finished WSD run extended from
+a checkpoint before its cooldown."""
 
 import math
 import os
 
 import pytest
 
-from trainkit import cli
-from trainkit import train_flags
+from trainkit import cli, train_flags
 import train_gpt2 as tg
 from conftest import GPT2_VOCAB_RUN, assert_one_error_line, run_main, tiny_run_args, train_records
+
+SHARDS = dict(n_docs=400, seed=3, max_len=60)
 
 
 def tiny(data_dir, out, *extra, steps, ckpt_every=0):
@@ -61,33 +62,25 @@ def test_bad_schedule_flags_are_one_line(data_dir, tmp_path, args):
     assert os.listdir(tmp_path) == []
 
 
-SHARDS = dict(n_docs=400, seed=3, max_len=60)
-
-
 def test_resume_with_more_steps_says_the_lr_moves(data_dir, tmp_path):
-    out = str(tmp_path)
-    first = run_main("train_gpt2.py", *tiny(data_dir, out, steps=4))
-    assert first.returncode == 0, first.stderr
-    assert "note:" not in first.stdout
-    resumed = run_main("train_gpt2.py", *tiny(data_dir, out, "--resume", steps=8))
-    assert resumed.returncode == 0, resumed.stderr
+    first = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, steps=4))
+    assert (first.returncode, "note:" in first.stdout) == (0, False), first.stderr
+    resumed = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, "--resume", steps=8))
     new = tg.get_lr(4, tg.RunConfig(max_steps=8, warmup_steps=2, max_lr=1e-2))  # 3/4 of the way up the cosine
     assert new == pytest.approx(1e-3 + 0.75 * 9e-3, rel=1e-12)
     notices = [line for line in resumed.stdout.splitlines() if line.startswith("note:")]
-    assert notices == ["note: the LR at step 4 moves from 1.0000e-03 to 7.7500e-03 (--max-steps 4 -> 8)"]
-    assert train_records(out)[4]["lr"] == new
+    notice = "note: the LR at step 4 moves from 1.0000e-03 to 7.7500e-03 (--max-steps 4 -> 8)"
+    assert (resumed.returncode, notices) == (0, [notice]), resumed.stderr
+    assert train_records(tmp_path)[4]["lr"] == new
 
 
 def test_wsd_run_extended_from_before_its_cooldown_equals_a_longer_run(data_dir, tmp_path):
-    wsd = ["--lr-schedule", "wsd", "--cooldown-frac", "0.2"]
-    short, extended, longer = (str(tmp_path / name) for name in ("short", "extended", "longer"))
-    for out, steps in ((short, 10), (longer, 20)):  # cooldown from step 8 and from step 16
-        result = run_main("train_gpt2.py", *tiny(data_dir, out, *wsd, steps=steps, ckpt_every=4))
+    """README: continue from the last checkpoint before the cooldown (step 8 of 10), into a new --out-dir."""
+    short, extended, longer = (tmp_path / name for name in ("short", "extended", "longer"))
+    wsd, resume = ["--lr-schedule", "wsd", "--cooldown-frac", "0.2"], ["--resume", short / "ckpt_0000008.pt"]
+    for out, steps, extra in ((short, 10, []), (longer, 20, []), (extended, 20, resume)):
+        result = run_main("train_gpt2.py", *tiny(data_dir, out, *wsd, *extra, steps=steps, ckpt_every=4))
         assert result.returncode == 0, result.stderr
-    # README: continue from the last checkpoint before the cooldown, into a new --out-dir
-    resume = ["--resume", os.path.join(short, "ckpt_0000008.pt")]
-    result = run_main("train_gpt2.py", *tiny(data_dir, extended, *wsd, *resume, steps=20, ckpt_every=4))
-    assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout and "note:" not in result.stdout  # the LR does not move
     short_log, extended_log, longer_log = (train_records(d) for d in (short, extended, longer))
     assert [r["lr"] for r in short_log[6:]] == [1e-2, 1e-2, 1e-2, 1e-2 - 0.5 * (1e-2 - 1e-2 * 0.1)]  # then cooldown

@@ -12,23 +12,17 @@ import threading
 import pytest
 
 import fineweb
+import hf_interop
 import plot_log
 import train_gpt2 as tg
 from conftest import RUN_SHARDS, assert_one_error_line, assert_refused, run_main, tiny_run_args, trained_steps
-from conftest import tree_hashes
-from trainkit.runfiles import resume as branch_folders
-from trainkit.runfiles.resume import read_run
+from conftest import log_records, tree_hashes
+from trainkit.runfiles import resume
 from trainkit.runfiles.run_folder import OutDirLock, prepare_out_dir
 from trainkit.data.shard_scan import ScanCache
 
 SHARDS = RUN_SHARDS  # the shared finished run's data
 OUTSIDE = b"a file of someone else's, outside every folder a tool writes\n"
-
-
-@pytest.fixture
-def run_a(finished_copy):
-    """A copy of the shared finished run: 4 steps, checkpoints at 2 and 4."""
-    return finished_copy
 
 
 @pytest.fixture
@@ -63,18 +57,13 @@ def attribute(path, flag):
         subprocess.run(["chattr", f"-{flag}", str(path)], check=True)
 
 
-# --- a planted link is replaced, never written through -------------------------------------------------
-
-
-def test_copies_of_a_run_resumed_and_branched_leave_the_original_as_it_was(run_a, data_dir, tmp_path, outside):
-    """runA, with what a kill mid-save leaves (*.tmp), copied by cp -al to runB and runC and by cp -as to runD (its
-    log and checkpoints then relative links); links to outside planted in runB and runD at the trainer's write probe
-    and lock note (in-process: this pid's names). Resuming runB, and branching runC (with --keep-last) and runD at
-    step 2, write files of their own and move only their own names; runA and the outside file keep every byte, and
-    runA goes on."""
+def test_copies_of_a_run_resumed_and_branched_leave_the_original_as_it_was(finished_copy, data_dir, tmp_path, outside):
+    """runA (and what a kill mid-save leaves) copied by cp -al to runB, runC and by cp -as to runD, links to outside
+    at the write probe and lock note of runB, runD: resuming runB, branching runC (--keep-last) and runD at step 2
+    move only their own names; runA and outside keep every byte, and runA goes on."""
+    run_a, run_b, run_c, run_d = finished_copy, tmp_path / "runB", tmp_path / "runC", tmp_path / "runD"
     (run_a / "ckpt_0000006.pt.tmp").write_bytes(b"PK\x03\x04 half a checkpoint")
     (run_a / "log.jsonl.tmp").write_bytes(b'{"step": 0, "half a log')
-    run_b, run_c, run_d = tmp_path / "runB", tmp_path / "runC", tmp_path / "runD"
     for copy, run in [("cp -al", run_b), ("cp -as", run_d)]:  # (runC after runB's resume: one other name)
         subprocess.run([*copy.split(), str(run_a), str(run)], check=True)
     for run in (run_b, run_d):
@@ -84,44 +73,36 @@ def test_copies_of_a_run_resumed_and_branched_leave_the_original_as_it_was(run_a
         os.remove(run_d / name)
         os.symlink(os.path.join("..", "run", name), run_d / name)
     before = tree_hashes(run_a)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_b, "--resume", steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"note: {run_b}/log.jsonl was a hard link to a file with 1 other name (as `cp -al` makes): this run "
-        "writes to a copy of its own, and the file it shared stays as it was"
-    ) in result.stdout.splitlines()
+
+    def resumed(run, *flags):
+        result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run, "--resume", *flags, steps=6, ckpt_every=2))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout.splitlines()
+
+    note = "note: {}/log.jsonl was a {}: this run writes to a copy of its own, and the file it shared stays as it was"
+    assert note.format(run_b, "hard link to a file with 1 other name (as `cp -al` makes)") in resumed(run_b)
     assert tree_hashes(run_a) == before and outside.read_bytes() == OUTSIDE
     assert os.path.isfile(run_b / "ckpt_0000006.pt") and not os.path.islink(run_b / "ckpt_0000006.pt")
     assert trained_steps(run_b) == list(range(6)) and trained_steps(run_a) == list(range(4))
     # runB goes on as a branch of runA's run, at the step it was copied at
-    first, branch = (read_run(str(p)) for p in (run_a / "ckpt_0000004.pt", run_b / "ckpt_0000006.pt"))
+    first, branch = (resume.read_run(str(p)) for p in (run_a / "ckpt_0000004.pt", run_b / "ckpt_0000006.pt"))
     assert branch == dict(id=branch["id"], parent=dict(first, step=4)) and branch["id"] != first["id"]
     subprocess.run(["cp", "-al", str(run_a), str(run_c)], check=True)
-    resume = ["--resume", str(run_c / "ckpt_0000002.pt"), "--keep-last", "1"]
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_c, *resume, steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
+    resumed(run_c, run_c / "ckpt_0000002.pt", "--keep-last", "1")
     assert sorted(os.listdir(run_c)) == ["branch_0000004", "ckpt_0000006.pt", "log.jsonl"]
     assert tree_hashes(run_a) == before
     # runD: the later checkpoint's link, set aside into the branch folder, still names runA's file
-    resume = ["--resume", str(run_d / "ckpt_0000002.pt")]
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_d, *resume, steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"note: {run_d}/log.jsonl was a symbolic link to ../run/log.jsonl: this run writes to a copy of its "
-        "own, and the file it shared stays as it was"
-    ) in result.stdout.splitlines()
+    assert note.format(run_d, "symbolic link to ../run/log.jsonl") in resumed(run_d, run_d / "ckpt_0000002.pt")
     assert tree_hashes(run_a) == before and outside.read_bytes() == OUTSIDE
     assert not os.path.islink(run_d / "log.jsonl") and trained_steps(run_d) == list(range(6))
     assert not any(os.path.islink(run_d / f"ckpt_{step:07d}.pt") for step in (4, 6))
     assert os.path.samefile(run_d / "branch_0000004" / "ckpt_0000004.pt", run_a / "ckpt_0000004.pt")
     # runA can still resume: its log is as its checkpoints recorded it, and its own (the copies copied theirs)
-    result = run_main("train_gpt2.py", *tiny_run_args(data_dir, run_a, "--resume", steps=6, ckpt_every=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "hard link" not in result.stdout and trained_steps(run_a) == list(range(6))
+    assert not any("hard link" in line for line in resumed(run_a)) and trained_steps(run_a) == list(range(6))
 
 
 @pytest.mark.parametrize("writer", ["fineweb.py", "shard scan cache", "plot_log.py", "lm-eval samples"])
-def test_a_link_planted_where_a_writer_writes_is_replaced(run_a, tmp_path, outside, docs, monkeypatch, writer):
+def test_a_link_planted_where_a_writer_writes_is_replaced(finished_copy, tmp_path, outside, docs, monkeypatch, writer):
     """A link to a file outside at fineweb.py's shard and manifest temporaries (NAME.tmp), ScanCache.store's
     (ENTRY.PID.tmp), plot_log.py's loss.png or eval --samples-dir's TASK.jsonl: each written as a new file."""
     if writer == "fineweb.py":
@@ -132,10 +113,8 @@ def test_a_link_planted_where_a_writer_writes_is_replaced(run_a, tmp_path, outsi
         assert fineweb.main(fineweb_args(docs, out)) == 0
         written = sorted(out.iterdir())
         assert [p.name for p in written] == ["data_train_000001.npy", "data_val_000000.npy", "manifest.json"]
-        shards = json.loads((out / "manifest.json").read_text())["shards"]
-        assert [(s["file"], s["bytes"]) for s in shards] == [
-            (name, os.path.getsize(out / name)) for name in ("data_val_000000.npy", "data_train_000001.npy")
-        ]
+        listed = [(s["file"], s["bytes"]) for s in json.loads((out / "manifest.json").read_text())["shards"]]
+        assert listed == [(p.name, p.stat().st_size) for p in (written[1], written[0])]  # val, then train
     elif writer == "shard scan cache":
         shard = tmp_path / "shard.bin"
         shard.write_bytes(b"\0" * 64)
@@ -146,15 +125,13 @@ def test_a_link_planted_where_a_writer_writes_is_replaced(run_a, tmp_path, outsi
         assert cache.store(str(shard), ".max_id", b"50256")
         assert cache.max_id(str(shard)) == 50256 and os.listdir(cache.folder) == [os.path.basename(written[0])]
     elif writer == "plot_log.py":
-        written = [run_a / "loss.png"]
+        written = [finished_copy / "loss.png"]
         os.symlink(outside, written[0])
-        assert plot_log.main([str(run_a)]) == 0
+        assert plot_log.main([str(finished_copy)]) == 0
         assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert sorted(os.listdir(run_a)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl", "loss.png"]
+        assert sorted(os.listdir(finished_copy)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "log.jsonl", "loss.png"]
     else:  # (lm-eval itself stands in: what it returns is what the samples are made of)
         lm_eval_utils = pytest.importorskip("lm_eval.utils")
-        import hf_interop
-
         sample = dict(doc_id=0, target=1, filtered_resps=[[-1.5, False], [-0.5, True]], metrics=["acc"], acc=1.0)
         evaluated = dict(samples=dict(hellaswag=[sample]), results=dict(hellaswag={"acc,none": 1.0}))
         monkeypatch.setattr(hf_interop, "lm_eval_results", lambda *args, **kwargs: evaluated)
@@ -169,23 +146,18 @@ def test_a_link_planted_where_a_writer_writes_is_replaced(run_a, tmp_path, outsi
 
 
 @pytest.mark.parametrize("out", ["r2/", "r2", "r2/.png", "r2/..", "nofolder/.svg"])
-def test_a_plot_named_by_a_folder_or_an_extension_alone_is_refused(run_a, tmp_path, capsys, out):
-    """-o naming another run's folder (with or without its separator) or an extension alone: one line, nothing
-    written (no hidden r2/.png)."""
+def test_a_plot_named_by_a_folder_or_an_extension_alone_is_refused(finished_run, tmp_path, capsys, out):
+    """-o naming a folder (with or without its separator) or an extension alone: nothing written (no r2/.png)."""
     (tmp_path / "r2").mkdir()
     before = tree_hashes(tmp_path, folders=True)
     out = f"{tmp_path}/{out}"  # (as typed: pathlib would drop the trailing separator)
-    assert plot_log.main([str(run_a), "-o", out]) == 2
+    assert plot_log.main([str(finished_run), "-o", out]) == 2
     assert capsys.readouterr().err.startswith(f"error: -o {out} names a folder or an extension alone")
     assert tree_hashes(tmp_path, folders=True) == before
 
 
-# --- a run folder moved and replaced mid-run ------------------------------------------------------------
-
-
 def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(data_dir, tmp_path, monkeypatch):
-    """`mv RUN RUN.moved; ln -s OTHER RUN` after the second checkpoint: the next save stops the run, one line
-    naming all three; OTHER is as it was, RUN.moved holds the run."""
+    """`mv RUN RUN.moved; ln -s OTHER RUN` after the second checkpoint: the next save stops the run."""
     run, moved, other = tmp_path / "RUN", tmp_path / "RUN.moved", tmp_path / "OTHER"
     other.mkdir()
     (other / "notes.txt").write_text("another folder of the user's\n")
@@ -211,8 +183,7 @@ def test_a_run_folder_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(da
 
 
 def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other(tmp_path, monkeypatch, docs):
-    """fineweb.py's --out-dir moved and replaced by a link to another data set after its first shard: the next
-    stops it, one line naming both; the other is as it was, the moved folder holds the first shard, listed."""
+    """fineweb.py's --out-dir replaced by a link to another data set after its first shard: the next stops it."""
     out, moved, other = tmp_path / "fw", tmp_path / "fw.moved", tmp_path / "other"
     other.mkdir()
     (other / "manifest.json").write_text('{"another": "data set"}\n')
@@ -239,8 +210,7 @@ def test_fineweb_out_dir_swapped_mid_run_stops_it_and_nothing_lands_in_the_other
 
 
 def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_name(tmp_path, monkeypatch, docs):
-    """A run (OutDirLock) and fineweb.py that made their --out-dir and stop after it was moved and an empty one
-    made at its name: the new folder stays, the lock note goes from the moved one."""
+    """A run (OutDirLock) and fineweb.py, their --out-dir moved and an empty one made at its name."""
     out, moved = tmp_path / "run", tmp_path / "run.moved"
     lock = OutDirLock(str(out))
     lock.made = prepare_out_dir(str(out))
@@ -263,21 +233,20 @@ def test_a_stopped_writer_removes_only_the_folder_it_made_never_one_put_at_its_n
     assert os.listdir(fw_moved / "fw") == []
 
 
-def test_an_export_leaves_a_folder_that_only_looks_like_its_partial_folder(run_a, tmp_path):
-    """A user's folder named as an export's partial folder (.gpt2.export-DATE) but unmarked: beside the target,
-    the export goes ahead and leaves it; inside, the target is refused as the user's, one line."""
+def test_an_export_leaves_a_folder_that_only_looks_like_its_partial_folder(finished_copy, tmp_path):
+    """An unmarked .gpt2.export-DATE: beside the target, left; inside it, the target is refused as the user's."""
     out = tmp_path / "ex" / "gpt2"
     for backup in (out.parent / ".gpt2.export-20240101", out / ".gpt2.export-20240102"):
         backup.mkdir(parents=True)
         (backup / "important.txt").write_text("my notes\n")
     os.rename(out / ".gpt2.export-20240102", tmp_path / "aside")  # (first: beside only)
-    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000004.pt", out)
+    result = run_main("hf_interop.py", "export", finished_copy / "ckpt_0000004.pt", out)
     assert result.returncode == 0 and "removed" not in result.stderr, result.stderr
     assert (out.parent / ".gpt2.export-20240101" / "important.txt").read_text() == "my notes\n"
     shutil.rmtree(out)
     out.mkdir()
     os.rename(tmp_path / "aside", out / ".gpt2.export-20240102")
-    result = run_main("hf_interop.py", "export", run_a / "ckpt_0000004.pt", out)
+    result = run_main("hf_interop.py", "export", finished_copy / "ckpt_0000004.pt", out)
     assert_one_error_line(result, f"{out} is not empty and is not an export of hf_interop.py")
     assert (out / ".gpt2.export-20240102" / "important.txt").read_text() == "my notes\n"
 
@@ -296,8 +265,7 @@ AT_A_NAME = {  # a folder at a name the trainer writes: the line
 
 @pytest.mark.parametrize("name", AT_A_NAME)
 def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, tmp_path, name):
-    """A user's folder at a checkpoint's or the log copy's temporary name, or a checkpoint's (--keep-last would
-    fail to delete it): refused at start, not at the save after trained steps."""
+    """At a checkpoint's or the log copy's temporary name, or a checkpoint's (--keep-last would fail on it)."""
     out = tmp_path / "out"
     (out / name).mkdir(parents=True)
     (out / name / "notes.txt").write_text("mine")
@@ -305,9 +273,6 @@ def test_a_folder_at_a_name_a_run_writes_is_refused_before_it_trains(data_dir, t
     result = run_main("train_gpt2.py", *tiny_run_args(data_dir, out, "--keep-last", "2", steps=8, ckpt_every=1))
     assert_refused(result, f"--out-dir {out} " + AT_A_NAME[name].format(name=name, written=name.removesuffix(".tmp")))
     assert tree_hashes(out, folders=True) == before
-
-
-# --- a refusal changes nothing ---------------------------------------------------------------------------
 
 
 def no_space(monkeypatch):
@@ -318,7 +283,7 @@ def no_space(monkeypatch):
         st = real(path)
         return os.statvfs_result((st.f_bsize, 1, st.f_blocks, 100, 100, *tuple(st)[5:]))
 
-    monkeypatch.setattr(branch_folders.os, "statvfs", almost_full)
+    monkeypatch.setattr(resume.os, "statvfs", almost_full)
 
 
 def no_thread(monkeypatch):
@@ -331,9 +296,6 @@ def no_thread(monkeypatch):
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", only_the_launch_threads)
-
-
-no_wandb_login = lambda monkeypatch: ["--wandb", "no-such-entity"]  # (conftest's fake_wandb: as without a login)
 
 
 AT_2 = "cannot resume at step 2 in {run}: "
@@ -361,8 +323,8 @@ REFUSED = {  # what stands in the way (a file's chattr flag, or a patch), and th
         "(nothing was changed)",
     ),
     "no thread": (no_thread, "cannot start a thread (can't start new thread): each takes its stack..."),
-    "no W&B login": (
-        no_wandb_login,
+    "no W&B login": (  # (conftest's fake_wandb: as without a login)
+        lambda monkeypatch: ["--wandb", "no-such-entity"],
         "--wandb: could not start a W&B run (RuntimeError: permission denied for entity); run `wandb login` or "
         "set WANDB_MODE=offline",
     ),
@@ -370,23 +332,19 @@ REFUSED = {  # what stands in the way (a file's chattr flag, or a patch), and th
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_refused_resume_or_restart_changes_nothing(run_a, data_dir, monkeypatch, fake_wandb, capsys, case):
-    """A resume at step 2 (without checkpoints: a restart) that cannot go through is refused in one line before
-    the later branch moves, the log is cut or a branch folder is made: the folder is left as it was."""
+def test_a_refused_resume_or_restart_changes_nothing(finished_copy, data_dir, monkeypatch, fake_wandb, capsys, case):
+    """A resume at step 2 (no checkpoints: a restart), refused before the later branch moves or the log is cut."""
     blocker, message = REFUSED[case]
-    log, restart = run_a / "log.jsonl", case.endswith("no checkpoint")
-    for path in run_a.glob("ckpt_*.pt") if restart else ():
+    run, restart, log = finished_copy, case.endswith("no checkpoint"), finished_copy / "log.jsonl"
+    for path in run.glob("ckpt_*.pt") if restart else ():
         path.unlink()
-    whose = json.loads(log.read_text().splitlines()[-1])["run"]
-    message = message.format(run=run_a, log=log, size=log.stat().st_size, whose=whose)
-    flags = [] if restart else ["--resume", str(run_a / "ckpt_0000002.pt")]
-    before = tree_hashes(run_a, folders=True)
-    with attribute(run_a / blocker[0], blocker[1]) if isinstance(blocker, tuple) else contextlib.nullcontext():
+    message = message.format(run=run, log=log, size=log.stat().st_size, whose=log_records(run)[-1]["run"])
+    flags = [] if restart else ["--resume", str(run / "ckpt_0000002.pt")]
+    before = tree_hashes(run, folders=True)
+    with attribute(run / blocker[0], blocker[1]) if isinstance(blocker, tuple) else contextlib.nullcontext():
         extra = blocker(monkeypatch) if callable(blocker) else None
-        assert tg.main(tiny_run_args(data_dir, run_a, *flags, *(extra or []), steps=8, ckpt_every=2)) == 2
-    err = capsys.readouterr().err
-    if message.endswith("..."):
-        assert err.startswith(f"error: {message[:-3]}") and err.count("\n") == 1, err
-    else:
-        assert err == f"error: {message}\n"
-    assert tree_hashes(run_a, folders=True) == before
+        assert tg.main(tiny_run_args(data_dir, run, *flags, *(extra or []), steps=8, ckpt_every=2)) == 2
+    err = capsys.readouterr().err  # (a message ending in "...": the line's start)
+    assert (err.startswith(f"error: {message.removesuffix('...')}"), err.count("\n")) == (True, 1), err
+    assert message.endswith("...") or err == f"error: {message}\n"
+    assert tree_hashes(run, folders=True) == before
