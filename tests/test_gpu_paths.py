@@ -1,6 +1,6 @@
-"""The CUDA-side choices, tested on CPU: MFU per GPU, the peak table, one host sync
-per step, fp16 with a GradScaler, the chunked loss in evaluation and under compile, the compile
-fallback, activation checkpointing, device validation and benchmarks/gpu_check.py."""
+"""The CUDA-side choices, tested on CPU: MFU per GPU, the peak table, one host sync per step, fp16 with a
+GradScaler, the chunked loss in evaluation and under compile, the compile fallback, activation checkpointing,
+device validation and benchmarks/gpu_check.py."""
 
 import dataclasses
 import json
@@ -18,7 +18,7 @@ from trainkit.runtime import device as precision, kernels, launch, throughput
 import train_gpt2 as tg
 from conftest import REPO, assert_one_error_line, losses, resume_copy, run_command, run_main, tiny_run_args
 from conftest import train_records
-from shards import make_batch
+from shards import TINY, fresh_model, grads_of, loss_and_grads, make_batch, reference_grads
 
 T = 16
 SHARDS = dict(n_docs=400, seed=3, vocab=100)
@@ -38,8 +38,8 @@ def rank_cases(folder, data_dir):
 
 
 def test_two_fp16_ranks_log_mfu_per_gpu_and_the_losses_of_one_batch(data_dir, tmp_path, shared_rank_runs):
-    """rank_cases' run (a case of conftest's shared_rank_runs) logs MFU and tok/s per GPU and the losses of one
-    8-row batch on one process, which (on CPU, without --peak-tflops) logs no MFU."""
+    """rank_cases' run (through shared_rank_runs) against one process of 8-row micro-batches, which (on CPU,
+    without --peak-tflops) logs no MFU."""
     out_dir, [ranks] = shared_rank_runs[__name__]
     stdout = ranks[0].stdout  # rank 0's, the one that prints
     n_params = tg.GPT(tg.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=16)).num_params()
@@ -85,60 +85,45 @@ def test_peak_table_matches_names_carefully(name, tflops):
 def test_one_host_sync_per_step(data_dir, tmp_path, monkeypatch, dtype):
     """Steps after the first (which creates AdamW's state) read the device once (loss, norm and stop
     flag together) and copy no Python value to the device."""
-    counts, inside = [], [False]
+    counts, original_step = [[]], tg.Trainer.train_step  # the calls before a step, a step's, after it, ...
 
     def counting(name, original):
         def wrapper(*args, **kwargs):
-            if inside[0]:
-                counts[-1].append(name)
+            counts[-1].append(name)
             return original(*args, **kwargs)
 
         return wrapper
 
-    for name in ("item", "tolist"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
-    monkeypatch.setattr(torch, "tensor", counting("torch.tensor", torch.tensor))
-    monkeypatch.setattr(torch.cuda, "synchronize", counting("synchronize", torch.cuda.synchronize))
-    original_step = tg.Trainer.train_step
+    for owner, names in [(torch.Tensor, ["item", "tolist"]), (torch, ["tensor"]), (torch.cuda, ["synchronize"])]:
+        for name in names:
+            monkeypatch.setattr(owner, name, counting(name, getattr(owner, name)))
 
     def train_step(self, step):
         counts.append([])
-        inside[0] = True
         try:
             return original_step(self, step)
         finally:
-            inside[0] = False
+            counts.append([])
 
     monkeypatch.setattr(tg.Trainer, "train_step", train_step)
     assert tg.main(args_for(data_dir, tmp_path, "--grad-clip", "1.0", "--dtype", dtype, B=2)) == 0
-    assert len(counts) == 4
-    assert counts[1:] == [["tolist"]] * 3
+    steps = counts[1::2]
+    assert (len(steps), steps[1:]) == (4, [["tolist"]] * 3)
 
 
 # --- fp16 with a GradScaler ---------------------------------------------------------------------
 
-SMALL = tg.GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
-
 
 def fp16_grads(B, loss_chunk=0):
     """Unscaled gradients of the 8-row batch split into micro-batches of B rows, fp16 autocast + GradScaler."""
-    torch.manual_seed(1)
-    model = tg.GPT(SMALL)
+    model = fresh_model()
     optimizer = tg.build_optimizer(model, 0.0, 1e-3, "cpu")
     scaler = torch.amp.GradScaler("cpu")
     x, y = make_batch()
     batches, n_tokens = [(x[i : i + B], y[i : i + B]) for i in range(0, 8, B)], int((y != -1).sum())
     loss_sum = tg.accumulate_gradients(model, batches, n_tokens, 1, "cpu", torch.float16, loss_chunk, scaler)
     scaler.unscale_(optimizer)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss_sum.item() / n_tokens
-
-
-def fp32_reference():
-    torch.manual_seed(1)
-    model = tg.GPT(SMALL)
-    _, loss = model(*make_batch())
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item()
+    return grads_of(model), loss_sum.item() / n_tokens
 
 
 def worst_relative_error(grads, ref):
@@ -150,7 +135,7 @@ def worst_relative_error(grads, ref):
 def test_fp16_accumulation_equals_one_batch(B, loss_chunk):
     one, one_loss = fp16_grads(8)
     split, split_loss = fp16_grads(B, loss_chunk)
-    ref, ref_loss = fp32_reference()
+    ref, ref_loss = reference_grads(*make_batch())
     # fp16 keeps 11 bits (2^-11 = 4.9e-4): measured 3.5e-4 to 4.2e-4 from one fp16 batch, 1.4e-3 from fp32
     assert worst_relative_error(split, one) < 2e-3
     assert worst_relative_error(split, ref) < 5e-3
@@ -159,10 +144,8 @@ def test_fp16_accumulation_equals_one_batch(B, loss_chunk):
 
 def test_fp16_without_token_normalization_would_be_caught():
     """The tolerance above is tight enough to see an accumulation mistake: the per-micro-batch mean / 4."""
-    ref, _ = fp32_reference()
-    torch.manual_seed(1)
-    model = tg.GPT(SMALL)
-    x, y = make_batch()
+    ref, _ = reference_grads(*make_batch())
+    model, (x, y) = fresh_model(), make_batch()
     for i in range(0, 8, 2):
         with torch.autocast("cpu", dtype=torch.float16):
             _, loss = model(x[i : i + 2], y[i : i + 2])
@@ -171,30 +154,24 @@ def test_fp16_without_token_normalization_would_be_caught():
     assert worst_relative_error(wrong, ref) > 0.1  # measured 1.6
 
 
-def overflow_at(monkeypatch, at_call):
-    """Make accumulate_gradients call number at_call put an inf into a gradient (the loss stays finite)."""
-    original, calls = tg.accumulate_gradients, []
-
-    def patched(model, *args, **kwargs):
-        loss = original(model, *args, **kwargs)
-        calls.append(1)
-        if len(calls) - 1 == at_call:
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
-        return loss
-
-    monkeypatch.setattr(tg, "accumulate_gradients", patched)
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_fp16_overflow_is_skipped_and_a_resume_after_it_is_bit_exact(data_dir, tmp_path, monkeypatch, optimizer):
     """An inf in step 2's gradients (--skip-nonfinite 0): the step is skipped and logged, the scaler backs off
     once, the run goes on; a resume from its step-3 checkpoint trains what it trained, bit for bit."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    overflow_at(monkeypatch, 2)
+    original, calls = tg.accumulate_gradients, []
+
+    def overflowing(model, *args, **kwargs):  # step 2's gradients get an inf (its loss stays finite)
+        loss = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        return loss
+
+    monkeypatch.setattr(tg, "accumulate_gradients", overflowing)
     fp16 = ("--dtype", "float16", "--ckpt-every", "3", "--optimizer", optimizer)
     result = run_main("train_gpt2.py", *args_for(data_dir, straight, *fp16, steps=6))  # the flag, as users give it
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "dtype float16" in result.stdout
+    assert (result.returncode, "dtype float16" in result.stdout) == (0, True), result.stderr[-3000:]
     monkeypatch.undo()
     records = train_records(straight)
     assert [r.get("skipped") for r in records] == [None, None, "overflow", None, None, None]
@@ -221,9 +198,7 @@ def test_auto_dtype_is_fp16_below_ampere(capability, dtype):
 
 
 def test_chunked_loss_under_no_grad_does_no_gradient_work(monkeypatch):
-    torch.manual_seed(1)
-    model = tg.GPT(SMALL).eval()
-    x, y = make_batch()
+    model, (x, y) = fresh_model().eval(), make_batch()
     with torch.no_grad():
         _, full = model(x, y, reduction="sum")
         monkeypatch.setattr(kernels.ChunkedLinearCrossEntropy, "forward", None)  # the gradient path would fail
@@ -253,7 +228,7 @@ def compiled_graphs(n_layer, loss_chunk):
 
     torch._dynamo.reset()
     torch.manual_seed(1)
-    model = tg.compile_model(tg.GPT(dataclasses.replace(SMALL, n_layer=n_layer)), backend=counting_backend)
+    model = tg.compile_model(tg.GPT(dataclasses.replace(TINY, n_layer=n_layer)), backend=counting_backend)
     x, y = make_batch()
     _, loss = model(x, y, reduction="sum", loss_chunk=loss_chunk)
     loss.backward()
@@ -263,7 +238,7 @@ def compiled_graphs(n_layer, loss_chunk):
 
 def eager_loss(n_layer, loss_chunk):
     torch.manual_seed(1)
-    _, loss = tg.GPT(dataclasses.replace(SMALL, n_layer=n_layer))(*make_batch(), reduction="sum", loss_chunk=loss_chunk)
+    _, loss = tg.GPT(dataclasses.replace(TINY, n_layer=n_layer))(*make_batch(), reduction="sum", loss_chunk=loss_chunk)
     return loss.item()
 
 
@@ -341,15 +316,11 @@ def test_auto_device_picks_mps_when_there_is_no_cuda(monkeypatch):
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    x, y = make_batch()
     grads = []
     for checkpointing in (False, True):
-        torch.manual_seed(1)
-        model = tg.GPT(SMALL)
+        model = fresh_model()
         model.activation_checkpointing = checkpointing
-        _, loss = model(x, y)
-        loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
+        grads.append(loss_and_grads(model, lambda: model(*make_batch())[1])[1])
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
 
 
@@ -393,16 +364,15 @@ def test_gpu_check_runs_in_the_lease_order(gpu_check):
     assert on_two[: len(matrix)] == matrix and {v["nproc"] for v in on_two[len(matrix) :]} == {2}
 
 
-def in_process(cmd, env, timeout):
-    """gpu_check's run_command for its CPU subset: each trainer command through train_gpt2.main here."""
-    assert cmd[:2] == [sys.executable, "train_gpt2.py"], cmd
-    result = run_main("train_gpt2.py", *cmd[2:], env=env)
-    return result.returncode, result.stdout, result.stderr
-
-
 def test_gpu_check_runs_its_cpu_subset(gpu_check, tmp_path, monkeypatch, capsys):
     """The CPU subset, in the lease's order, without `datasets`; the report in $OUT. The trainer commands
     run in-process; the budget test below runs the script and its commands as processes."""
+
+    def in_process(cmd, env, timeout):  # gpu_check's run_command: each trainer command through main here
+        assert cmd[:2] == [sys.executable, "train_gpt2.py"], cmd
+        result = run_main("train_gpt2.py", *cmd[2:], env=env)
+        return result.returncode, result.stdout, result.stderr
+
     monkeypatch.setattr(gpu_check, "run_command", in_process)
     monkeypatch.setitem(sys.modules, "datasets", None)  # not on the lent GPU machine
     monkeypatch.setenv("OUT", str(tmp_path))

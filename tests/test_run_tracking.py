@@ -1,5 +1,5 @@
-"""--tensorboard and --wandb log exactly what log.jsonl logs: the offline files are read back
-and compared with the log, across a resume; a missing package is one line."""
+"""--tensorboard and --wandb log exactly what log.jsonl logs, across a resume (their offline files read back); a
+missing package is one line."""
 
 import json
 import os
@@ -20,30 +20,15 @@ def tiny(data_dir, out, *extra, steps=2):
     )
 
 
-def run_offline(*args):
-    """train_gpt2.py args in-process, with W&B offline and quiet."""
-    return run_main("train_gpt2.py", *args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-
-
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
 
 
 def by_step(records):
-    """{step: {key: value}}: the records of one step merged, as W&B stores them (without the log's run
-    id: a W&B run has its own)."""
+    """{step: {key: value}}: one step's records merged, as W&B stores them (less the log's run id)."""
     rows = defaultdict(dict)
     for r in records:
         rows[r["step"]].update({k: v for k, v in r.items() if k not in ("step", "run")})
     return dict(rows)
-
-
-def tensorboard_scalars(out_dir):
-    """{tag: [(step, value)]} of every event file in out_dir, after TensorBoard's purge of restarts."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def wandb_history(run_file):
@@ -75,16 +60,16 @@ def wandb_history(run_file):
 
 
 def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
-    pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
-    out = tmp_path / "run"
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    out, offline = tmp_path / "run", {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     flags = tiny(data_dir, out, "--tensorboard", "--wandb", "tracking-test")
-    first = run_offline(*flags, "--max-steps", "6")  # checkpoints at 4 and 6
+    first = run_main("train_gpt2.py", *flags, "--max-steps", "6", env=offline)  # checkpoints at 4 and 6
     assert first.returncode == 0, first.stderr
     first_log = log_records(out)
     # resume from step 4 (log.jsonl is cut back there) and go on to step 8
     os.remove(out / "ckpt_0000006.pt")
-    resumed = run_offline(*flags, "--max-steps", "8", "--resume")
+    resumed = run_main("train_gpt2.py", *flags, "--max-steps", "8", "--resume", env=offline)
     assert resumed.returncode == 0, resumed.stderr
     log = log_records(out)
     assert [r["step"] for r in log if "val_loss" in r] == [0, 2, 4, 6, 8]
@@ -98,25 +83,33 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
         for key, value in r.items():
             if key != "step" and not isinstance(value, str):  # (the run id is a string too)
                 expected[key].append((r["step"], float(np.float32(value))))
-    assert tensorboard_scalars(out) == dict(expected)
+    events = event_accumulator.EventAccumulator(str(out), size_guidance={"scalars": 0})  # (restarts purged)
+    events.Reload()
+    assert {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]} == expected
 
     # W&B: one run per launch, each holding the log's records from its first step on
     runs = sorted((wandb_history(p) for p in (out / "wandb").glob("offline-run-*/run-*.wandb")), key=min)
-    assert len(runs) == 2
-    assert runs[0] == by_step(first_log)
-    assert runs[1] == by_step(r for r in log if r["step"] >= 4)
+    assert runs == [by_step(first_log), by_step(r for r in log if r["step"] >= 4)]
 
 
-@pytest.mark.parametrize("flag,package", [(["--wandb", "p"], "wandb"), (["--tensorboard"], "tensorboard")])
-def test_missing_tracker_package_is_one_line(data_dir, tmp_path, monkeypatch, flag, package):
-    for name in [name for name in sys.modules if package in name.split(".")]:  # (loaded by an in-process run)
+@pytest.mark.parametrize(
+    "flags,missing,message",
+    [
+        ("--wandb p", "wandb", "--wandb needs the wandb package: pip install wandb"),
+        ("--tensorboard", "tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard"),
+        (
+            "--eval-only --resume --tensorboard",
+            None,
+            "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either",
+        ),
+    ],
+    ids=["no wandb", "no tensorboard", "eval-only"],
+)
+def test_tracker_refusals_are_one_line(data_dir, tmp_path, monkeypatch, flags, missing, message):
+    for name in [name for name in sys.modules if missing in name.split(".")]:  # (loaded by an in-process run)
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, package, None)  # its import fails, as when it is not installed
-    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flag))
-    assert_refused(result, f"{flag[0]} needs the {package} package: pip install {package}")
+    if missing:
+        monkeypatch.setitem(sys.modules, missing, None)  # its import fails, as when it is not installed
+    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flags.split()))
+    assert_refused(result, message)
     assert "| loss " not in result.stdout  # stopped before training
-
-
-def test_eval_only_refuses_trackers(data_dir, tmp_path):
-    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, "--eval-only", "--resume", "--tensorboard"))
-    assert_refused(result, "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")
