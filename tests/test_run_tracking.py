@@ -2,7 +2,6 @@
 missing package is one line."""
 
 import json
-import os
 import struct
 import sys
 from collections import defaultdict
@@ -13,11 +12,10 @@ import pytest
 from conftest import GPT2_VOCAB_RUN, assert_refused, log_records, run_main, tiny_run_args
 
 
-def tiny(data_dir, out, *extra, steps=2):
+def tiny(data_dir, out, *extra):
     """A tiny run of GPT-2's vocabulary validated every 2 steps, checkpoints every 4, extra last."""
-    return tiny_run_args(
-        data_dir, out, "--val-steps", "2", *extra, steps=steps, val_every=2, ckpt_every=4, **GPT2_VOCAB_RUN
-    )
+    sizes = dict(steps=2, val_every=2, ckpt_every=4, **GPT2_VOCAB_RUN)
+    return tiny_run_args(data_dir, out, "--val-steps", "2", *extra, **sizes)
 
 
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
@@ -68,7 +66,7 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
     assert first.returncode == 0, first.stderr
     first_log = log_records(out)
     # resume from step 4 (log.jsonl is cut back there) and go on to step 8
-    os.remove(out / "ckpt_0000006.pt")
+    (out / "ckpt_0000006.pt").unlink()
     resumed = run_main("train_gpt2.py", *flags, "--max-steps", "8", "--resume", env=offline)
     assert resumed.returncode == 0, resumed.stderr
     log = log_records(out)
@@ -92,24 +90,17 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
     assert runs == [by_step(first_log), by_step(r for r in log if r["step"] >= 4)]
 
 
-@pytest.mark.parametrize(
-    "flags,missing,message",
-    [
-        ("--wandb p", "wandb", "--wandb needs the wandb package: pip install wandb"),
-        ("--tensorboard", "tensorboard", "--tensorboard needs the tensorboard package: pip install tensorboard"),
-        (
-            "--eval-only --resume --tensorboard",
-            None,
-            "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either",
-        ),
-    ],
-    ids=["no wandb", "no tensorboard", "eval-only"],
-)
-def test_tracker_refusals_are_one_line(data_dir, tmp_path, monkeypatch, flags, missing, message):
-    for name in [name for name in sys.modules if missing in name.split(".")]:  # (loaded by an in-process run)
-        monkeypatch.delitem(sys.modules, name)
-    if missing:
-        monkeypatch.setitem(sys.modules, missing, None)  # its import fails, as when it is not installed
+@pytest.mark.parametrize("flags", ["--wandb p", "--tensorboard", "--eval-only --resume --tensorboard"])
+def test_tracker_refusals_are_one_line(data_dir, tmp_path, monkeypatch, flags):
+    """A tracker whose package is missing (None in sys.modules, the loaded modules set aside); --eval-only's."""
+    message = "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either"
+    if not flags.startswith("--eval-only"):
+        flag = flags.split()[0]
+        package = flag.removeprefix("--")
+        message = f"{flag} needs the {package} package: pip install {package}"
+        for name in [name for name in sys.modules if package in name.split(".")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, package, None)  # its import fails, as when it is not installed
     result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flags.split()))
     assert_refused(result, message)
     assert "| loss " not in result.stdout  # stopped before training
