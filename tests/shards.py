@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -61,18 +62,15 @@ def write_manifest(data_dir, **recorded) -> dict:
     as fineweb.py would write for them; recorded: {file: {key: value}} to add to or change an entry."""
     shards = []
     for name in sorted(name for name in os.listdir(data_dir) if name.endswith(".npy")):
-        with open(os.path.join(data_dir, name), "rb") as f:
-            data = f.read()
+        data = Path(data_dir, name).read_bytes()
         shards.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         shards[-1].update(recorded.get(name, {}))
     manifest = {"complete": True, "shards": shards}
-    with open(os.path.join(data_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
+    Path(data_dir, "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
 
 # --- the tiny models of the accumulation proofs ------------------------------------------------
-
 TINY = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
 DOC_TINY = dataclasses.replace(TINY, vocab_size=50304)  # GPT-2's ids, <|endoftext|> among them (--doc-mask)
 

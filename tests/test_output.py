@@ -1,7 +1,6 @@
-"""What the scripts print: control characters in text they did not write (samples, a checkpoint's keys, a log's run
-id, a manifest's file names) shown escaped; an output that goes away (a reader that left, a closed terminal, a full
-disk, an encoding without the characters) never ends a training run (it trains on, saves, exits 0), and a command
-whose only product is its output says so in its exit code."""
+"""What the scripts print: control characters in text they did not write shown escaped; an output that goes away (a
+reader that left, a closed terminal, a full disk, an encoding without the characters) never ends a training run, and
+a command whose only product is its output says so in its exit code."""
 
 import json
 import os
@@ -9,18 +8,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import HELLASWAG_FILE, run_as_programs, run_main, start, tiny_run_args, trained_steps
+from conftest import HELLASWAG_FILE, run_as_programs, run_main, start, tiny_run_args, trained_steps, wait_for_steps
 from trainkit.runfiles import checkpoints
 from trainkit.cli import reason_of, shown
 from shards import write_manifest
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J"  # sets the terminal's title, then clears the screen
 HOSTILE_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J"
+FULL = "error: cannot write the output to stdout: no space left on device\n"
 
 SHARDS = dict(n_docs=300, seed=5)
 
@@ -42,19 +41,13 @@ def test_shown_escapes_every_control_character_and_keeps_lines_only_when_asked()
     assert shown("café ☕ \\x1b 世界 \u00a0") == "café ☕ \\x1b 世界 \u00a0"  # printable text as it is
 
 
-def test_samples_show_their_control_characters_escaped(finished_run, data_dir, tmp_path):
-    """sample.py echoes the prompt at the head of each sample (with no new tokens, it is the sample): its escape
-    sequences come out as text, its tab and newline as they are; so do the trainer's samples."""
+def test_samples_show_their_control_characters_escaped(finished_run):
+    """sample.py's prompt (with no new tokens, the whole sample): escape sequences as text, tab and newline as they
+    are. (The trainer's samples: test_training_goes_on_when_its_output_goes_away[ascii].)"""
     flags = "--num-samples 2 --max-new-tokens 0 --device cpu".split()
     result = run_main("sample.py", "--checkpoint", finished_run, "--prompt", f"{HOSTILE}\tend\nnext", *flags)
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == "".join(f"--- sample {i}/2 ---\n{HOSTILE_SHOWN}\tend\nnext\n" for i in (1, 2))
-    flags = "--sample-every", "1", "--sample-prompt", HOSTILE
-    result = run_main("train_gpt2.py", *train_args(data_dir, tmp_path, 1, *flags))
-    assert result.returncode == 0, result.stderr[-2000:]
-    samples = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
-    assert len(samples) == 4 and all(line.startswith(f"sample: {HOSTILE_SHOWN}") for line in samples)
-    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
 
 
 @pytest.mark.parametrize("case", ["checkpoint keys", "log run id", "manifest file name", "flag value"])
@@ -77,8 +70,7 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
     elif case == "manifest file name":
         data = tmp_path / "data"
         shutil.copytree(data_dir, data)
-        write_manifest(data)
-        manifest = json.loads((data / "manifest.json").read_text())
+        manifest = write_manifest(data)
         manifest["shards"].append({"file": f"{HOSTILE}_train_000009.npy", "bytes": 8})
         (data / "manifest.json").write_text(json.dumps(manifest))
         result = run_main("train_gpt2.py", *train_args(data, tmp_path / "out", 2))
@@ -95,21 +87,19 @@ def test_error_lines_show_control_characters_escaped(case, data_dir, tmp_path):
 # ---- an output that goes away ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gone(data_dir, finished_run, tmp_path_factory):
-    """The scripts as programs, in one interpreter (run_as_programs), with a stdout that fails: a reader that left
-    ("left"), /dev/full ("full"), or an encoding without the characters: {name: (CompletedProcess, out_dir)}."""
+    """The scripts as programs in one interpreter, with a stdout that fails (run_as_programs' "left" and "full", or
+    an encoding without the characters): ({name: CompletedProcess}, the folder of their runs)."""
     tmp = tmp_path_factory.mktemp("gone")
     sample = ["sample.py", "--checkpoint", finished_run, "--num-samples", 3, "--max-new-tokens", 2, "--device", "cpu"]
     hellaswag = ["hellaswag.py", "--checkpoint", finished_run, "--data-file", HELLASWAG_FILE, "--limit", 2]
-    (tmp / "plot").mkdir()
-    log = "".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(3))
-    (tmp / "plot" / "log.jsonl").write_text(log)
+    shutil.copytree(finished_run, tmp / "plot")  # (plot_log.py writes its loss.png there)
     train = lambda out, steps, *extra: ["train_gpt2.py", *train_args(data_dir, tmp / out, steps, *extra)]
-    cases = {
-        "train left": (train("left", 4, "--ckpt-every", 2), "left", None),
-        "train left 2>&1": (train("both", 4, "--ckpt-every", 2), "left", "stdout"),
-        "train full": (train("full", 3), "full", None),
+    cases = {  # (a training run's out_dir: tmp / the case's first word)
+        "train left": (train("train", 4, "--ckpt-every", 2), "left", None),
+        "both left 2>&1": (train("both", 4, "--ckpt-every", 2), "left", "stdout"),
+        "full train": (train("full", 3), "full", None),
         "eval-only full": (train("full", 3, "--eval-only", "--resume", "--val-every", 1), "full", None),
-        "ascii": (train("ascii", 3, "--sample-every", 1, "--sample-prompt", "café ☕"), None, None),
+        "ascii": (train("ascii", 3, "--sample-every", 1, "--sample-prompt", HOSTILE + "café ☕"), None, None),
         "sample left": (sample, "left", None),
         "sample full": (sample, "full", None),
         "sample full 2>&1": (sample, "full", "full"),
@@ -122,28 +112,24 @@ def gone(data_dir, finished_run, tmp_path_factory):
     return dict(zip(cases, run_as_programs(runs))), tmp
 
 
-FULL = "error: cannot write the output to stdout: no space left on device\n"
-
-
-@pytest.mark.parametrize("case", ["train left", "train left 2>&1", "train full", "ascii"])
+@pytest.mark.parametrize("case", ["train left", "both left 2>&1", "full train", "ascii"])
 def test_training_goes_on_when_its_output_goes_away(gone, case):
-    """`train_gpt2.py ... | head -1` (and `2>&1 | head -1`), `> /dev/full`, a terminal without the samples' characters
-    (PYTHONIOENCODING=ascii: what it lacks is written backslash-escaped): every step trained and saved, exit 0."""
+    """`| head -1` (and `2>&1 | head -1`), `> /dev/full`, PYTHONIOENCODING=ascii (what it lacks written
+    backslash-escaped; the prompt's control characters shown escaped): every step trained and saved, exit 0."""
     results, tmp = gone
-    out = tmp / {"train left": "left", "train left 2>&1": "both", "train full": "full", "ascii": "ascii"}[case]
+    out, steps = tmp / case.split()[0], 4 if "left" in case else 3
     assert (results[case].returncode, results[case].stderr) == (0, "")
-    steps = 4 if "left" in case else 3
     assert trained_steps(out) == list(range(steps)) and saved_steps(out) == ([2, 4] if steps == 4 else [3])
     if case == "ascii":
-        samples = [line for line in results[case].stdout.splitlines() if line.startswith("sample: ")]
-        assert results[case].stdout.isascii() and len(samples) == 12
-        assert all(line.startswith("sample: caf\\xe9 \\u2615") for line in samples)
+        stdout = results[case].stdout
+        samples = [line for line in stdout.splitlines() if line.startswith("sample: ")]
+        assert (stdout.isascii(), "\x1b" in stdout or "\x07" in stdout, len(samples)) == (True, False, 12)
+        assert all(line.startswith(f"sample: {HOSTILE_SHOWN}caf\\xe9 \\u2615") for line in samples)
 
 
 def test_a_command_whose_output_is_its_product_says_when_stdout_failed(gone):
-    """--eval-only, sample.py and hellaswag.py: a reader that left ends them quietly with 141 (128 + SIGPIPE, as a
-    shell reports it); a full disk is one line and exit code 2, or the code alone when stderr is on that disk too.
-    plot_log.py's product is its plot: written, exit 0."""
+    """--eval-only, sample.py, hellaswag.py: a reader that left, 141 (128 + SIGPIPE, as a shell says); a full disk,
+    one line and 2 (the code alone when stderr is on that disk too). plot_log.py's product is its plot: exit 0."""
     results, tmp = gone
     outcome = {name: (r.returncode, r.stderr) for name, r in results.items()}
     assert outcome["eval-only full"] == outcome["sample full"] == (2, FULL)
@@ -166,10 +152,7 @@ def test_sighup_to_a_run_piped_through_tee_checkpoints_and_exits_0(data_dir, tmp
     trainer = start(command, stdout=tee.stdin, preexec_fn=hup(tee.pid))
     tee.stdin.close()
     try:
-        deadline = time.time() + 120
-        while not (out / "log.jsonl").exists() or len(trained_steps(out)) < 3:
-            assert trainer.poll() is None and time.time() < deadline, trainer.communicate()
-            time.sleep(0.05)
+        wait_for_steps(out, 3, trainer)
         os.killpg(tee.pid, signal.SIGHUP)
         _, err = trainer.communicate(timeout=120)
         assert (trainer.returncode, err, tee.wait(timeout=60)) == (0, "", -signal.SIGHUP)

@@ -1,8 +1,7 @@
-"""--tensorboard and --wandb log exactly what log.jsonl logs: the offline files are read back
-and compared with the log, across a resume; a missing package is one line."""
+"""--tensorboard and --wandb log exactly what log.jsonl logs, across a resume (their offline files read back); a
+missing package is one line."""
 
 import json
-import os
 import struct
 import sys
 from collections import defaultdict
@@ -13,37 +12,21 @@ import pytest
 from conftest import GPT2_VOCAB_RUN, assert_refused, log_records, run_main, tiny_run_args
 
 
-def tiny(data_dir, out, *extra, steps=2):
+def tiny(data_dir, out, *extra):
     """A tiny run of GPT-2's vocabulary validated every 2 steps, checkpoints every 4, extra last."""
-    return tiny_run_args(
-        data_dir, out, "--val-steps", "2", *extra, steps=steps, val_every=2, ckpt_every=4, **GPT2_VOCAB_RUN
-    )
-
-
-def run_offline(*args):
-    """train_gpt2.py args in-process, with W&B offline and quiet."""
-    return run_main("train_gpt2.py", *args, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    sizes = dict(steps=2, val_every=2, ckpt_every=4, **GPT2_VOCAB_RUN)
+    return tiny_run_args(data_dir, out, "--val-steps", "2", *extra, **sizes)
 
 
 SHARDS = dict(n_docs=400, seed=7, max_len=60)
 
 
 def by_step(records):
-    """{step: {key: value}}: the records of one step merged, as W&B stores them (without the log's run
-    id: a W&B run has its own)."""
+    """{step: {key: value}}: one step's records merged, as W&B stores them (less the log's run id)."""
     rows = defaultdict(dict)
     for r in records:
         rows[r["step"]].update({k: v for k, v in r.items() if k not in ("step", "run")})
     return dict(rows)
-
-
-def tensorboard_scalars(out_dir):
-    """{tag: [(step, value)]} of every event file in out_dir, after TensorBoard's purge of restarts."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def wandb_history(run_file):
@@ -75,16 +58,16 @@ def wandb_history(run_file):
 
 
 def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
-    pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
-    out = tmp_path / "run"
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    out, offline = tmp_path / "run", {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     flags = tiny(data_dir, out, "--tensorboard", "--wandb", "tracking-test")
-    first = run_offline(*flags, "--max-steps", "6")  # checkpoints at 4 and 6
+    first = run_main("train_gpt2.py", *flags, "--max-steps", "6", env=offline)  # checkpoints at 4 and 6
     assert first.returncode == 0, first.stderr
     first_log = log_records(out)
     # resume from step 4 (log.jsonl is cut back there) and go on to step 8
-    os.remove(out / "ckpt_0000006.pt")
-    resumed = run_offline(*flags, "--max-steps", "8", "--resume")
+    (out / "ckpt_0000006.pt").unlink()
+    resumed = run_main("train_gpt2.py", *flags, "--max-steps", "8", "--resume", env=offline)
     assert resumed.returncode == 0, resumed.stderr
     log = log_records(out)
     assert [r["step"] for r in log if "val_loss" in r] == [0, 2, 4, 6, 8]
@@ -98,25 +81,26 @@ def test_tensorboard_and_wandb_hold_what_log_jsonl_holds(data_dir, tmp_path):
         for key, value in r.items():
             if key != "step" and not isinstance(value, str):  # (the run id is a string too)
                 expected[key].append((r["step"], float(np.float32(value))))
-    assert tensorboard_scalars(out) == dict(expected)
+    events = event_accumulator.EventAccumulator(str(out), size_guidance={"scalars": 0})  # (restarts purged)
+    events.Reload()
+    assert {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]} == expected
 
     # W&B: one run per launch, each holding the log's records from its first step on
     runs = sorted((wandb_history(p) for p in (out / "wandb").glob("offline-run-*/run-*.wandb")), key=min)
-    assert len(runs) == 2
-    assert runs[0] == by_step(first_log)
-    assert runs[1] == by_step(r for r in log if r["step"] >= 4)
+    assert runs == [by_step(first_log), by_step(r for r in log if r["step"] >= 4)]
 
 
-@pytest.mark.parametrize("flag,package", [(["--wandb", "p"], "wandb"), (["--tensorboard"], "tensorboard")])
-def test_missing_tracker_package_is_one_line(data_dir, tmp_path, monkeypatch, flag, package):
-    for name in [name for name in sys.modules if package in name.split(".")]:  # (loaded by an in-process run)
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, package, None)  # its import fails, as when it is not installed
-    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flag))
-    assert_refused(result, f"{flag[0]} needs the {package} package: pip install {package}")
+@pytest.mark.parametrize("flags", ["--wandb p", "--tensorboard", "--eval-only --resume --tensorboard"])
+def test_tracker_refusals_are_one_line(data_dir, tmp_path, monkeypatch, flags):
+    """A tracker whose package is missing (None in sys.modules, the loaded modules set aside); --eval-only's."""
+    message = "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either"
+    if not flags.startswith("--eval-only"):
+        flag = flags.split()[0]
+        package = flag.removeprefix("--")
+        message = f"{flag} needs the {package} package: pip install {package}"
+        for name in [name for name in sys.modules if package in name.split(".")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, package, None)  # its import fails, as when it is not installed
+    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path / "out", *flags.split()))
+    assert_refused(result, message)
     assert "| loss " not in result.stdout  # stopped before training
-
-
-def test_eval_only_refuses_trackers(data_dir, tmp_path):
-    result = run_main("train_gpt2.py", *tiny(data_dir, tmp_path, "--eval-only", "--resume", "--tensorboard"))
-    assert_refused(result, "--eval-only writes nothing, so it does not log to --wandb or --tensorboard either")
