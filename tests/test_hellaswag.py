@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, NOT_GPT2, assert_refused, assert_refused_quietly
-from conftest import not_gpt2_folder, run_main, run_on_ranks, tiny_hf, tiny_run_args
+from conftest import HELLASWAG_FILE, assert_refused, assert_refused_quietly, run_main, run_on_ranks, tiny_hf
+from conftest import tiny_run_args
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.data.tokenizer import EOT
@@ -62,11 +62,6 @@ def reference_losses(model, ex, block_size):
     return torch.tensor(sums), torch.tensor(means)
 
 
-def run_hellaswag(*args, env=None):
-    """hellaswag.py args through its main in this process (run_main)."""
-    return run_main("hellaswag.py", *args, env=env)
-
-
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
 
 
@@ -93,11 +88,7 @@ def test_render_first_two_examples():
         assert tokens[i].tolist() == ctx + end + [EOT] * pad
         assert mask[i].tolist() == [False] * len(ctx) + [True] * len(end) + [False] * pad
     assert labels.tolist() == [3, 3]
-
-
-def test_collate_truncates_context_from_the_left():
-    ex1 = hellaswag_examples.load_examples(DATA_FILE, 2)[1]
-    tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)
+    tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)  # the context truncated from the left
     assert tokens.shape == (4, 12)
     # the longest endings (9 tokens) leave 3 context tokens, the same 3 for every ending
     for i, end in enumerate(ENDINGS1):
@@ -150,6 +141,22 @@ def test_batched_scores_equal_one_row_at_a_time(model):
         "n": 100,
     }
     assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=DATA_FILE) == expected
+    assert not model.training
+
+    class BareLogits(torch.nn.Module):  # a model without a config (so block_size given) returning bare logits
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx):
+            return self.gpt(idx)[0]
+
+    wrapped = BareLogits(model).train()  # evaluate puts it back in train mode
+    try:
+        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=100, data_file=DATA_FILE, block_size=BLOCK) == expected
+        assert wrapped.training and model.training
+    finally:
+        model.eval()
 
 
 def test_logits_in_chunks_score_the_same_and_a_block_longer_than_the_model_is_refused(model, monkeypatch):
@@ -160,25 +167,6 @@ def test_logits_in_chunks_score_the_same_and_a_block_longer_than_the_model_is_re
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
         hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
-
-
-def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
-    class BareLogits(torch.nn.Module):
-        def __init__(self, gpt):
-            super().__init__()
-            self.gpt = gpt
-
-        def forward(self, idx):
-            return self.gpt(idx)[0]
-
-    expected = hellaswag_eval.evaluate(model, "cpu", limit=12, data_file=DATA_FILE)
-    assert not model.training
-    wrapped = BareLogits(model).train()
-    try:
-        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=12, data_file=DATA_FILE, block_size=BLOCK) == expected
-        assert wrapped.training and model.training
-    finally:
-        model.eval()
 
 
 # ---- command line, one process and two ----
@@ -198,12 +186,6 @@ def test_cli_two_processes_match_one(model, checkpoint, tmp_path):
         assert expected["n"] == int(limit) and (rank1.returncode, rank1.stdout) == (0, "")
         model_line = f"hellaswag: scoring {checkpoint} (it records no step)"
         assert result_line(rank0, model_line, f"hellaswag: {described}") == expected
-
-
-def offline_env(cache) -> dict:
-    """Variables of a machine without internet (a proxy nobody answers) and an empty HellaSwag cache folder."""
-    proxy = "http://127.0.0.1:9"
-    return dict(HELLASWAG_DIR=str(cache), https_proxy=proxy, HTTPS_PROXY=proxy, no_proxy="", NO_PROXY="")
 
 
 def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
@@ -243,14 +225,8 @@ def test_download_checks_the_file(monkeypatch, tmp_path):
 
 
 # ---- hostile input: one line naming the flag, the file and the line ----
-GOOD = {
-    "ctx": "A man is sitting on a roof. he",
-    "endings": ["a", "b", "c", "d"],
-    "label": 3,
-    "activity_label": "Roof shingle removal",
-    "ctx_a": "A man is sitting on a roof.",
-    "ctx_b": "he",
-}
+GOOD = dict(ctx="A man is sitting on a roof. he", endings=["a", "b", "c", "d"], label=3, ctx_b="he")
+GOOD.update(activity_label="Roof shingle removal", ctx_a="A man is sitting on a roof.")  # (for lm-eval's rendering)
 
 
 def write_records(path, *records, raw=b""):
@@ -280,7 +256,7 @@ def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, data_d
     """Each named by file and line, before the model loads; the first through the trainer's --hellaswag-file too,
     at its start (no run folder made)."""
     path = write_records(tmp_path / "bad.jsonl", record)
-    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
+    proc = run_main("hellaswag.py", "--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert_refused_quietly(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
     if record == BAD_RECORDS[0][0]:  # (another file: the rendered-examples cache keeps the flag of its first reader)
         path = write_records(tmp_path / "bad_for_the_trainer.jsonl", record)
@@ -302,39 +278,25 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     )
 
 
-CANNOT_SCORE = ["data file missing", "data file unreadable", "data file a folder", "data file not UTF-8"]
-
-
-@pytest.mark.parametrize("case", [*CANNOT_SCORE, "checkpoint not ours", "llama"])
-def test_cli_sources_it_cannot_score_are_one_line(checkpoint, tmp_path, case):
-    """A --data-file missing, unreadable, a folder or not UTF-8, a --checkpoint not train_gpt2.py's, an --hf-model
-    not GPT-2 (--debug: the traceback instead)."""
-    data, model = write_records(tmp_path / "ok.jsonl"), ["--checkpoint", checkpoint]
-    if case == "data file missing":
+@pytest.mark.parametrize("case", ["missing", "unreadable", "not UTF-8"])
+def test_a_data_file_it_cannot_read_is_one_line(checkpoint, tmp_path, case):
+    """(--debug: the traceback instead.) A folder: test_lm_eval's test_eval_errors_are_one_line, the same check."""
+    data = write_records(tmp_path / "ok.jsonl")
+    if case == "missing":
         data, message = tmp_path / "nope.jsonl", f"--data-file {tmp_path / 'nope.jsonl'} does not exist"
         with pytest.raises(UserError):
             hs.main(["--checkpoint", checkpoint, "--data-file", str(data), "--debug"])
-    elif case == "data file unreadable":
+    elif case == "unreadable":
         if os.geteuid() == 0:
             pytest.skip("root reads any file")
         os.chmod(data, 0)
         message = f"--data-file {data}: cannot read it (Permission denied)"
-    elif case == "data file a folder":
-        data = tmp_path
-        message = f"--data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"
-    elif case == "data file not UTF-8":
+    else:
         latin1 = json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
         data = write_records(tmp_path / "latin1.jsonl", raw=b"\n" + latin1)
         message = f"--data-file {data} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl"
-    elif case == "checkpoint not ours":
-        torch.save(torch.zeros(3), tmp_path / "tensor.pt")
-        model = ["--checkpoint", tmp_path / "tensor.pt"]
-        message = f"{tmp_path / 'tensor.pt'}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)"
-    else:
-        pytest.importorskip("transformers")
-        folder = not_gpt2_folder(tmp_path / "llama", "llama")
-        model, message = ["--hf-model", folder], f"--hf-model {folder}: {NOT_GPT2['llama']}"
-    assert_refused_quietly(run_hellaswag(*model, "--data-file", data, "--device", "cpu"), message)
+    proc = run_main("hellaswag.py", "--checkpoint", checkpoint, "--data-file", data, "--device", "cpu")
+    assert_refused_quietly(proc, message)
 
 
 # ---- Hugging Face GPT2LMHeadModel parity ----
@@ -356,9 +318,8 @@ def test_hf_model_matches_ours(model, tmp_path, capsys):
     assert torch.equal(hf_sum.argmin(1), ours_sum.argmin(1))
     torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
     hf.save_pretrained(tmp_path / "hf")
-    assert (
-        hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", DATA_FILE, "--limit", "20", "--device", "cpu"]) == 0
-    )
+    argv = ["--hf-model", str(tmp_path / "hf"), "--data-file", DATA_FILE, "--limit", "20", "--device", "cpu"]
+    assert hs.main(argv) == 0
     model_line, data_line, result = capsys.readouterr().out.splitlines()
     assert model_line == f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
     assert data_line == f"hellaswag: the first 20 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
@@ -371,14 +332,16 @@ def test_hf_model_matches_ours(model, tmp_path, capsys):
 def test_offline_without_data_is_one_line_naming_the_ways_past(checkpoint, data_dir, tmp_path, script):
     """Offline without a local copy, hellaswag.py names --data-file; the trainer (default --hellaswag-every) names
     --hellaswag-file and --hellaswag-every 0 and makes no run folder. No partial download is left behind."""
-    offline = offline_env(tmp_path / "cache")
+    proxy = "http://127.0.0.1:9"  # no internet: a proxy nobody answers; tmp_path the (empty) HellaSwag cache folder
+    offline = dict(https_proxy=proxy, HTTPS_PROXY=proxy, no_proxy="", NO_PROXY="", HELLASWAG_DIR=str(tmp_path))
     if script == "hellaswag.py":
-        proc, flag, past = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline), "data-file", ""
+        proc = run_main("hellaswag.py", "--checkpoint", checkpoint, "--device", "cpu", env=offline)
+        flag, past = "data-file", ""
         assert proc.stdout == ""
     else:
         flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
-        proc, flag = run_main("train_gpt2.py", *flags, env=offline), "hellaswag-file"
-        past = r", or pass --hellaswag-every 0 to train without HellaSwag"
+        proc = run_main("train_gpt2.py", *flags, env=offline)
+        flag, past = "hellaswag-file", r", or pass --hellaswag-every 0 to train without HellaSwag"
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_examples.DATA_URL)} \(\[Errno \d+\] "
@@ -386,13 +349,12 @@ def test_offline_without_data_is_one_line_naming_the_ways_past(checkpoint, data_
         rf"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\){past}\n",
         proc.stderr,
     ), proc.stderr
-    assert os.listdir(tmp_path / "cache") == [] and not (tmp_path / "out").exists()  # (nor the run's folder)
+    assert os.listdir(tmp_path) == []  # no partial download, nor the run's folder
 
 
 def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once(model, tmp_path):
-    """The first line names the checkpoint scored (a run folder's newest) and its step; both renderings go under
-    one labelled progress bar of 2 x N examples, and --no-lm-eval scores each example once, giving acc and
-    acc_norm only, the same numbers."""
+    """Of a run folder: its newest. Both renderings go under one labelled progress bar of 2 x N examples;
+    --no-lm-eval scores each example once, giving acc and acc_norm only, the same numbers."""
     from trainkit.runfiles.checkpoints import save_checkpoint
 
     run = tmp_path / "run"
@@ -401,13 +363,13 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
     for step in (5, 12):
         save_checkpoint(str(run / f"ckpt_{step:07d}.pt"), {**ckpt, "step": step})
     flags = ["--data-file", DATA_FILE, "--limit", "6", "--device", "cpu"]
-    both = run_hellaswag("--checkpoint", run, *flags)
+    both = run_main("hellaswag.py", "--checkpoint", run, *flags)
     expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=DATA_FILE, lm_eval=True)
     data_line = f"hellaswag: the first 6 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
     assert result_line(both, f"hellaswag: scoring {run / 'ckpt_0000012.pt'}, step 12", data_line) == expected
     bars = both.stderr.replace("\r", "\n")
     assert "hellaswag, both texts: 100%" in bars and "12/12 [" in bars and "6/6 [" not in bars
-    once = run_hellaswag("--checkpoint", run / "ckpt_0000005.pt", *flags, "--no-lm-eval")
+    once = run_main("hellaswag.py", "--checkpoint", run / "ckpt_0000005.pt", *flags, "--no-lm-eval")
     got = result_line(once, f"hellaswag: scoring {run / 'ckpt_0000005.pt'}, step 5", data_line)
     assert got == {key: expected[key] for key in ("acc", "acc_norm", "n")}
     bars = once.stderr.replace("\r", "\n")
