@@ -188,26 +188,6 @@ def test_llmc_bin_shards_read_like_npy(tmp_path):
         open_shard(str(tmp_path / "z_val_000000.bin"))
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
-    torch.manual_seed(0)
-    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=300, block_size=32))
-    x = torch.randint(0, 300, (3, 32))
-    y = torch.randint(0, 300, (3, 32))
-    y[1, 7:] = -1
-    # an incoming gradient other than 1 (0.37) must be applied too
-    full_loss, full = loss_and_grads(model, lambda: model(x, y, reduction=reduction)[1], 0.37)
-    # 96 rows: 4 full chunks and one of 16
-    chunked_loss, chunked = loss_and_grads(model, lambda: model(x, y, reduction=reduction, loss_chunk=20)[1], 0.37)
-    assert chunked_loss == pytest.approx(full_loss, rel=1e-6)
-    for k in full:  # fp32 rounding, relative to each gradient's scale (sums reach ~5 here)
-        scale = full[k].abs().max().item()
-        torch.testing.assert_close(chunked[k], full[k], atol=1e-6 * scale, rtol=1e-5, msg=k)
-    with torch.no_grad():  # evaluation: no gradient work, same loss
-        logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
-    assert logits is None and loss.item() == pytest.approx(full_loss, rel=1e-6)
-
-
 def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
     """fp32 chunks share one logits buffer; under autocast the matmul returns bf16 logits, which
     each chunk copies to fp32 instead: the loss of those logits, the last chunk shorter (50 = 2 x 20 + 10)."""
@@ -221,10 +201,10 @@ def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
     assert loss.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("loss_chunk", [0, 20])
-def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
-    """Both losses multiply by all 50304 rows of lm_head, the softmax over GPT-2's 50257 ids only: a real-vocabulary
-    softmax's loss and gradients, and exactly 0 for the 47 padded rows of the tied wte / lm_head."""
+@pytest.mark.parametrize("loss_chunk,reduction", [(0, "sum"), (20, "sum"), (20, "mean")])
+def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk, reduction):
+    """Both losses (full logits, chunks of 20: one of 12 last) multiply by all 50304 rows of lm_head, the softmax over
+    GPT-2's 50257 ids only: a real-vocabulary softmax's loss and gradients, 0 for the 47 padded rows of wte / lm_head."""
     torch.manual_seed(0)
     model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=16))  # vocab 50304
     with torch.no_grad():  # padded logits far above the real ones: any probability they kept would show
@@ -236,8 +216,9 @@ def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
         logits = model.hidden_states(x) @ model.lm_head.weight[:50257].t()
         return F.cross_entropy(logits.view(-1, 50257), y.view(-1), ignore_index=-1, reduction=reduction)
 
-    ref_loss, ref = loss_and_grads(model, real_vocabulary_loss, 0.37)
-    loss, grads = loss_and_grads(model, lambda: model(x, y, reduction="sum", loss_chunk=loss_chunk)[1], 0.37)
+    # an incoming gradient other than 1 (0.37) must be applied too
+    ref_loss, ref = loss_and_grads(model, lambda: real_vocabulary_loss(reduction), 0.37)
+    loss, grads = loss_and_grads(model, lambda: model(x, y, reduction=reduction, loss_chunk=loss_chunk)[1], 0.37)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for k in ref:  # fp32 rounding: the chunked softmax's gradient reaches 1.2e-5 of the largest, as before padding
         torch.testing.assert_close(grads[k], ref[k], atol=2e-5 * ref[k].abs().max().item(), rtol=1e-5, msg=k)
@@ -245,8 +226,9 @@ def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
     with torch.no_grad():  # evaluation: each target's loss; the default mean is over the targets not -1
         _, token_losses = model(x, y, reduction="none", loss_chunk=loss_chunk)
         torch.testing.assert_close(token_losses, real_vocabulary_loss("none"), rtol=1e-5, atol=1e-6)
-        mean = model(x, y, loss_chunk=loss_chunk)[1].item()
-    assert mean == pytest.approx(real_vocabulary_loss("mean").item(), rel=1e-6)
+        logits, mean = model(x, y, loss_chunk=loss_chunk)
+    assert mean.item() == pytest.approx(real_vocabulary_loss("mean").item(), rel=1e-6)
+    assert (logits is None) == bool(loss_chunk)  # chunked: no logits tensor is returned
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 3])
