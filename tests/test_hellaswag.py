@@ -45,23 +45,6 @@ ENDINGS1 = [
 ]  # ' stands and lifts the weight over her head.'
 
 
-def reference_losses(model, ex, block_size):
-    """Summed and mean loss of each ending, one unpadded row per forward pass. Where a row would not fit, every ending
-    keeps the same newest context tokens, as many as the longest ending leaves."""
-    longest = max(len(end) for end in ex.endings)
-    keep = len(ex.ctx) if len(ex.ctx) + longest <= block_size else max(1, block_size - longest)
-    ctx = ex.ctx[len(ex.ctx) - keep :]
-    sums, means = [], []
-    for end in ex.endings:
-        end = end[: block_size - keep]
-        with torch.no_grad():
-            logits, _ = model(torch.tensor([ctx + end]))
-        nll = F.cross_entropy(logits[0, len(ctx) - 1 : -1], torch.tensor(end), reduction="none")
-        sums.append(nll.sum().item())
-        means.append(nll.mean().item())
-    return torch.tensor(sums), torch.tensor(means)
-
-
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
 
 
@@ -122,9 +105,18 @@ def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
 def test_batched_scores_equal_one_row_at_a_time(model):
     examples = hellaswag_examples.load_examples(DATA_FILE, 100)
     assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
-    ref = [reference_losses(model, ex, BLOCK) for ex in examples]
-    ref_sum = torch.stack([r[0] for r in ref])
-    ref_mean = torch.stack([r[1] for r in ref])
+    sums, means = [], []  # the summed and mean loss of each ending, one unpadded row per forward pass
+    for ex in examples:  # a row too long: every ending keeps the newest context tokens the longest ending leaves
+        longest = max(len(end) for end in ex.endings)
+        keep = len(ex.ctx) if len(ex.ctx) + longest <= BLOCK else max(1, BLOCK - longest)
+        ctx = ex.ctx[len(ex.ctx) - keep :]
+        for end in (end[: BLOCK - keep] for end in ex.endings):
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx + end]))[0]
+            nll = F.cross_entropy(logits[0, len(ctx) - 1 : -1], torch.tensor(end), reduction="none")
+            sums.append(nll.sum().item())
+            means.append(nll.mean().item())
+    ref_sum, ref_mean = torch.tensor(sums).view(-1, 4), torch.tensor(means).view(-1, 4)
     # the reference has no near-ties that rounding could flip
     gaps = ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values
     assert gaps.min() > 1e-4
@@ -200,8 +192,7 @@ def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
 
 
 def test_download_checks_the_file(monkeypatch, tmp_path):
-    with open(DATA_FILE, "rb") as f:
-        good = b"".join(next(f) for _ in range(3))
+    good = b"".join(HELLASWAG_FILE.read_bytes().splitlines(keepends=True)[:3])
     served = []
 
     def fake_urlopen(url, timeout):
@@ -271,11 +262,11 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     rendering (the other still reads it, and a label as a digit string)."""
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None, "label": "2"})
     assert [ex.label for ex in hellaswag_examples.load_examples(path)] == [3, 2]
-    with pytest.raises(UserError) as e:
-        hellaswag_examples.load_examples(path, style="lm_eval")
-    assert str(e.value) == (
+    line = (
         f"--data-file {path} line 2: not a HellaSwag example ('ctx_b' must be text for lm-eval's rendering, not None)"
     )
+    with pytest.raises(UserError, match=f"^{re.escape(line)}$"):
+        hellaswag_examples.load_examples(path, style="lm_eval")
 
 
 @pytest.mark.parametrize("case", ["missing", "unreadable", "not UTF-8"])
@@ -300,7 +291,7 @@ def test_a_data_file_it_cannot_read_is_one_line(checkpoint, tmp_path, case):
 
 
 # ---- Hugging Face GPT2LMHeadModel parity ----
-def test_hf_model_matches_ours(model, tmp_path, capsys):
+def test_hf_model_matches_ours(model, tmp_path):
     pytest.importorskip("transformers")
     hf = tiny_hf(n_positions=BLOCK)  # our export's config (CONFIG's sizes, GELU and LayerNorm eps); ours its weights
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -318,12 +309,9 @@ def test_hf_model_matches_ours(model, tmp_path, capsys):
     assert torch.equal(hf_sum.argmin(1), ours_sum.argmin(1))
     torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
     hf.save_pretrained(tmp_path / "hf")
-    argv = ["--hf-model", str(tmp_path / "hf"), "--data-file", DATA_FILE, "--limit", "20", "--device", "cpu"]
-    assert hs.main(argv) == 0
-    model_line, data_line, result = capsys.readouterr().out.splitlines()
-    assert model_line == f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
-    assert data_line == f"hellaswag: the first 20 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
-    got = json.loads(result)
+    proc = run_main("hellaswag.py", "--hf-model", tmp_path / "hf", "--data-file", DATA_FILE, "--limit", 20)
+    model_line = f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
+    got = result_line(proc, model_line, f"hellaswag: the first 20 of 446 examples in {DATA_FILE}{SUBSET_NAMED}")
     assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=DATA_FILE, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
 
