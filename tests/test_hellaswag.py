@@ -102,7 +102,8 @@ def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
 
 
 # ---- scoring ----
-def test_batched_scores_equal_one_row_at_a_time(model):
+def test_batched_scores_equal_one_row_at_a_time(model, monkeypatch):
+    """Also in logits chunks of 7 rows; a block longer than the model's is refused."""
     examples = hellaswag_examples.load_examples(DATA_FILE, 100)
     assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
     sums, means = [], []  # the summed and mean loss of each ending, one unpadded row per forward pass
@@ -117,21 +118,15 @@ def test_batched_scores_equal_one_row_at_a_time(model):
             sums.append(nll.sum().item())
             means.append(nll.mean().item())
     ref_sum, ref_mean = torch.tensor(sums).view(-1, 4), torch.tensor(means).view(-1, 4)
-    # the reference has no near-ties that rounding could flip
-    gaps = ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values
-    assert gaps.min() > 1e-4
+    assert (ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values).min() > 1e-4  # no near-tie rounding could flip
     loss_sum, loss_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=6)
-    assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1))
-    assert torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
+    assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1)) and torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
     # fp32 rounding differs by CPU kernel: 1.1e-5 (3.4e-7 relative) seen at loss ~34
     torch.testing.assert_close(loss_mean, ref_mean, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-6, atol=1e-5)
     labels = torch.tensor([ex.label for ex in examples])
-    expected = {
-        "acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
-        "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100,
-        "n": 100,
-    }
+    right = lambda ref: (ref.argmin(1) == labels).sum().item() / 100
+    expected = {"acc": right(ref_sum), "acc_norm": right(ref_mean), "n": 100}
     assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=DATA_FILE) == expected
     assert not model.training
 
@@ -149,13 +144,9 @@ def test_batched_scores_equal_one_row_at_a_time(model):
         assert wrapped.training and model.training
     finally:
         model.eval()
-
-
-def test_logits_in_chunks_score_the_same_and_a_block_longer_than_the_model_is_refused(model, monkeypatch):
-    examples = hellaswag_examples.load_examples(DATA_FILE, 12)
-    whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
+    whole = hellaswag_eval.score_examples(model, examples[:12], "cpu", batch_size=12)
     monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
-    chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
+    chunked = hellaswag_eval.score_examples(model, examples[:12], "cpu", batch_size=12)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
         hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
@@ -180,18 +171,7 @@ def test_cli_two_processes_match_one(model, checkpoint, tmp_path):
         assert result_line(rank0, model_line, f"hellaswag: {described}") == expected
 
 
-def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
-    copy = tmp_path / "hellaswag_val.jsonl"  # the first 3 records, elsewhere: not the subset
-    copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
-    for path, limit, said in [
-        *((copy, limit, f"all 3 examples in {copy}; chance is 0.25") for limit in (0, 3, 50)),
-        (copy, 2, f"the first 2 of 3 examples in {copy}; chance is 0.25"),
-        (HELLASWAG_FILE, 0, f"all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"),
-    ]:
-        assert hellaswag_examples.describe_data(str(path), limit) == f"hellaswag: {said}"
-
-
-def test_download_checks_the_file(monkeypatch, tmp_path):
+def test_download_checks_the_file_and_the_data_scored_is_named(monkeypatch, tmp_path):
     good = b"".join(HELLASWAG_FILE.read_bytes().splitlines(keepends=True)[:3])
     served = []
 
@@ -213,6 +193,10 @@ def test_download_checks_the_file(monkeypatch, tmp_path):
     assert served == [(hellaswag_examples.DATA_URL, hellaswag_examples.DOWNLOAD_TIMEOUT_S)] * 2
     first3 = hellaswag_examples.load_examples(DATA_FILE, 3)
     assert [ex.ctx for ex in hellaswag_examples.load_examples(path)] == [ex.ctx for ex in first3]
+    for limit, said in [*((n, "all 3 examples") for n in (0, 3, 50)), (2, "the first 2 of 3 examples")]:
+        assert hellaswag_examples.describe_data(path, limit) == f"hellaswag: {said} in {path}; chance is 0.25"
+    said = f"hellaswag: all 446 examples in {DATA_FILE}{SUBSET_NAMED}"  # the subset, named as such
+    assert hellaswag_examples.describe_data(DATA_FILE, 0) == said
 
 
 # ---- hostile input: one line naming the flag, the file and the line ----

@@ -18,7 +18,6 @@ from conftest import HELLASWAG_FILE, assert_one_error_line, assert_refused, run_
 from conftest import tiny_run_args, tree_hashes, write_checkpoint
 from trainkit.runfiles import checkpoints
 
-
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
 SHARDS = dict(n_docs=300, seed=3)
@@ -118,8 +117,6 @@ STRUCTURES = {  # {case: (edit, a true sha256 (False: made up, where computing i
         "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16",
     ),
 }
-
-
 WRONG_TYPES = {
     "no optimizer": (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only)"),
     "optimizer tensor shape": (
@@ -153,8 +150,6 @@ WRONG_TYPES = {
         "its data_files is not a list of shards (name, size, sha256)",
     ),
 }
-
-
 # the structures in every loader, the resume fields (the sha256 right) in the trainer's
 CHECKPOINTS = {case: (edit, checksum, problem, 4) for case, (edit, checksum, problem) in STRUCTURES.items()}
 CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in WRONG_TYPES.items()})
@@ -219,11 +214,9 @@ def unsafe_bin(folder):
     torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
 
 
-outside = lambda where: (
-    f"its model.safetensors.index.json names the weight file '{where}', outside the folder: only files inside it are read"
+OUTSIDE = (
+    "its model.safetensors.index.json names the weight file '{}', outside the folder: only files inside it are read"
 )
-
-
 NOT_SIZES = "its config.json gives {}: not the sizes of a GPT-2 (positive integers)"
 HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     "fewer layers than its weights": (
@@ -240,10 +233,10 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
         None,
         "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
     ),
-    "index up out": ({}, index_to("../elsewhere/x.safetensors"), outside("../elsewhere/x.safetensors")),
-    "index into a subfolder": ({}, index_to("sub/x.safetensors"), outside("sub/x.safetensors")),
+    "index up out": ({}, index_to("../elsewhere/x.safetensors"), OUTSIDE.format("../elsewhere/x.safetensors")),
+    "index into a subfolder": ({}, index_to("sub/x.safetensors"), OUTSIDE.format("sub/x.safetensors")),
     # (for --init-from: the trainer's own flags)
-    "absolute index": ({}, index_to("{tmp}/elsewhere/x.safetensors"), outside("{tmp}/elsewhere/x.safetensors")),
+    "absolute index": ({}, index_to("{tmp}/elsewhere/x.safetensors"), OUTSIDE.format("{tmp}/elsewhere/x.safetensors")),
     "unsafe pytorch_model.bin": (
         {},
         unsafe_bin,
