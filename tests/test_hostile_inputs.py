@@ -310,10 +310,8 @@ def not_files(finished_run, data_dir, tmp_path_factory):
     special = [path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for path, _ in cases.values()]
     for path in {path for path, _ in cases.values()}:
         os.remove(path)
-    unchanged = tree_hashes(tmp) == before
-    return {
-        case: (result, path, still) for (case, (path, _)), result, still in zip(cases.items(), results, special)
-    }, unchanged
+    paths = [path for path, _ in cases.values()]
+    return dict(zip(cases, zip(results, paths, special))), tree_hashes(tmp) == before
 
 
 @pytest.mark.parametrize("case", NOT_FILES)

@@ -124,8 +124,7 @@ def test_aligned_rows_hold_whole_documents_and_lose_no_token():
     assert targets == list(range(1, len(tokens)))  # every token after the first is a target once
     for (start, n), (next_start, _) in zip(table, table[1:]):
         assert next_start == start + n  # rows chain: the last target opens the next row
-        ends_on_doc = start + n in starts
-        assert ends_on_doc or n == T  # a row stops at a document boundary unless the document fills it
+        assert start + n in starts or n == T  # a row stops at a document boundary unless the document fills it
     assert table.tolist() == [[0, 8], [8, 8], [16, 8], [24, 4], [28, 7], [35, 2], [37, 8], [45, 4]]
 
 
@@ -139,23 +138,15 @@ def test_aligned_batch_pads_with_ignored_targets(tmp_path):
     assert rows.count_targets(0, 2) == 7 + 6
 
 
-def step_rows(loader, step):
-    """All rows of one step, as a sorted list of token tuples, gathered over every rank and micro-step."""
-    rows = []
-    for rank in range(loader.W):
-        per_rank = tg.StepLoader(loader.rows, loader.B, loader.accum, rank, loader.W)
-        for m in range(loader.accum):
-            x, y = per_rank.micro_batch(step, m)
-            rows += [tuple(r) + tuple(t) for r, t in zip(x.tolist(), y.tolist())]
-    return sorted(rows)
-
-
 @pytest.mark.parametrize("align_docs,shuffle", [(False, False), (True, False), (False, True), (True, True)])
 def test_every_split_reads_the_same_rows_each_step(data_dir, align_docs, shuffle):
     rows = tg.TokenRows(data_dir, "train", T=16, align_docs=align_docs, shuffle=shuffle, seed=7)
     splits = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2)]  # B, accumulation, world: 8 rows
     for step in (0, 1, 5, rows.rows_per_epoch // 8 + 1):  # the last one is in the second epoch
-        seen = [step_rows(tg.StepLoader(rows, B, a, 0, W), step) for B, a, W in splits]
+        seen = []
+        for B, accum, W in splits:  # the step's rows over every rank and micro-step, sorted
+            batches = [tg.StepLoader(rows, B, accum, r, W).micro_batch(step, m) for r in range(W) for m in range(accum)]
+            seen.append(sorted(tuple(row) + tuple(t) for x, y in batches for row, t in zip(x.tolist(), y.tolist())))
         assert all(s == seen[0] for s in seen[1:])
         n = tg.StepLoader(rows, 8, 1, 0, 1).step_tokens(step)
         assert n == sum(sum(t != -1 for t in r[16:]) for r in seen[0])
@@ -173,19 +164,14 @@ def test_shuffle_permutes_rows_and_epochs_differ(data_dir):
     assert order(again, 1) == order(shuffled, 1)  # seeded: reproducible
 
 
-def test_llmc_bin_shards_read_like_npy(tmp_path):
-    tokens = np.arange(1000, dtype=np.uint16)
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = [20240520, 1, len(tokens)]
-    (tmp_path / "x_train_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
-    assert np.array_equal(open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
-    (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
-    with pytest.raises(cli.UserError, match="truncated or corrupt"):
-        open_shard(str(tmp_path / "y_val_000000.bin"))
-    header[0] = 123
-    (tmp_path / "z_val_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
-    with pytest.raises(cli.UserError, match="HINT: are you passing the right file"):
-        open_shard(str(tmp_path / "z_val_000000.bin"))
+def test_a_truncated_or_foreign_llmc_bin_shard_is_refused(tmp_path):
+    """(A .bin reads as its .npy: test_train_cli's test_trains_identically_from_fineweb_npy_and_llmc_bin_shards.)"""
+    tokens, header = np.arange(1000, dtype=np.uint16), np.zeros(256, dtype=np.int32)
+    for magic, n, refused in [(20240520, 10, "truncated or corrupt"), (123, 1000, "HINT: are you passing the right")]:
+        header[:3] = [magic, 1, len(tokens)]  # llm.c's magic, version, token count
+        (tmp_path / "x_val_000000.bin").write_bytes(header.tobytes() + tokens[:n].tobytes())
+        with pytest.raises(cli.UserError, match=refused):
+            open_shard(str(tmp_path / "x_val_000000.bin"))
 
 
 def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
