@@ -20,9 +20,8 @@ SHARDS = dict(n_docs=300, seed=3, vocab=300, min_len=2, max_len=12, shard_size=1
 
 
 def packed_batch():
-    """Two rows of 24 tokens: row 0 continues a document from before its first <|endoftext|> and
-    holds three more; row 1 is two documents and the padding of an --align-docs row (inputs
-    <|endoftext|>, targets -1)."""
+    """Two rows of 24 tokens: row 0 continues a document from before its first <|endoftext|> and holds three more;
+    row 1 is two documents and the padding of an --align-docs row (inputs <|endoftext|>, targets -1)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 500, (2, 24), generator=g)
     y = torch.randint(0, 500, (2, 24), generator=g)
@@ -44,15 +43,25 @@ def documents(x, y):
     return spans
 
 
-def test_positions_and_documents_restart_at_each_endoftext():
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_positions_and_documents_restart_at_each_endoftext_and_flex_attention_agrees_with_sdpa():
+    """FlexAttention's fused kernel needs torch.compile on CUDA (benchmarks/gpu_check.py); on CPU its eager forward
+    (no backward) still checks that the BlockMask is SDPA's mask."""
     x, _ = packed_batch()
-    assert kernels.document_positions(x)[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, *range(14)]
-    assert kernels.document_positions(x)[1].tolist() == [*range(13), *range(7), 0, 0, 0, 0]
-    assert kernels.document_ids(x)[0].tolist() == [0] * 5 + [1] * 4 + [2] + [3] * 14
-    mask = kernels.sdpa_document_mask(kernels.document_ids(x))
+    docs, positions = kernels.document_ids(x), kernels.document_positions(x)
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, *range(14)]
+    assert positions[1].tolist() == [*range(13), *range(7), 0, 0, 0, 0]
+    assert docs[0].tolist() == [0] * 5 + [1] * 4 + [2] + [3] * 14
+    mask = kernels.sdpa_document_mask(docs)
     assert mask.shape == (2, 1, 24, 24)
     assert mask[0, 0, 8].tolist() == [False] * 5 + [True] * 4 + [False] * 15  # its own document, up to itself
     assert mask[1, 0, 22].tolist() == [False] * 22 + [True, False]  # padding attends to itself only
+    torch.manual_seed(0)
+    model = tg.GPT(CONFIG).eval()
+    with torch.no_grad():
+        sdpa = model.hidden_states(x, positions, mask)
+        flex = model.hidden_states(x, positions, kernels.flex_document_mask(docs))
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 16])
@@ -77,20 +86,6 @@ def test_packed_rows_equal_each_document_alone(loss_chunk):
             assert (packed[k] - separate[k]).norm() <= tolerance * scale, (dtype, k)
         plain_loss, _ = loss_and_grads(model, lambda: model(x, y, loss_chunk=loss_chunk)[1])
         assert abs(plain_loss - alone_loss) > 1e-4  # without the mask the rows compute something else
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_document_mask_agrees_with_sdpa():
-    # FlexAttention's fused kernel needs torch.compile on CUDA (benchmarks/gpu_check.py); on CPU
-    # its eager forward (no backward) still checks that the BlockMask is SDPA's mask
-    torch.manual_seed(0)
-    model = tg.GPT(CONFIG).eval()
-    x, _ = packed_batch()
-    docs, positions = kernels.document_ids(x), kernels.document_positions(x)
-    with torch.no_grad():
-        sdpa = model.hidden_states(x, positions, kernels.sdpa_document_mask(docs))
-        flex = model.hidden_states(x, positions, kernels.flex_document_mask(docs))
-    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
 def test_validation_and_eval_only_equal_each_document_alone_and_export_is_plain_gpt2(data_dir, tmp_path, capsys):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag as hs
-from conftest import HELLASWAG_FILE, NOT_GPT2, assert_refused, assert_refused_quietly
-from conftest import not_gpt2_folder, run_main, run_on_ranks, tiny_hf, tiny_run_args
+from conftest import HELLASWAG_FILE, assert_refused, assert_refused_quietly, run_main, run_on_ranks, tiny_hf
+from conftest import tiny_run_args
 from trainkit.evaluation import hellaswag_eval, hellaswag_examples
 from trainkit.cli import UserError
 from trainkit.data.tokenizer import EOT
@@ -45,28 +45,6 @@ ENDINGS1 = [
 ]  # ' stands and lifts the weight over her head.'
 
 
-def reference_losses(model, ex, block_size):
-    """Summed and mean loss of each ending, one unpadded row per forward pass. Where a row would not fit, every ending
-    keeps the same newest context tokens, as many as the longest ending leaves."""
-    longest = max(len(end) for end in ex.endings)
-    keep = len(ex.ctx) if len(ex.ctx) + longest <= block_size else max(1, block_size - longest)
-    ctx = ex.ctx[len(ex.ctx) - keep :]
-    sums, means = [], []
-    for end in ex.endings:
-        end = end[: block_size - keep]
-        with torch.no_grad():
-            logits, _ = model(torch.tensor([ctx + end]))
-        nll = F.cross_entropy(logits[0, len(ctx) - 1 : -1], torch.tensor(end), reduction="none")
-        sums.append(nll.sum().item())
-        means.append(nll.mean().item())
-    return torch.tensor(sums), torch.tensor(means)
-
-
-def run_hellaswag(*args, env=None):
-    """hellaswag.py args through its main in this process (run_main)."""
-    return run_main("hellaswag.py", *args, env=env)
-
-
 SUBSET_NAMED = " (the subset the repository ships, not the full 10042-example set); chance is 0.25"
 
 
@@ -93,11 +71,7 @@ def test_render_first_two_examples():
         assert tokens[i].tolist() == ctx + end + [EOT] * pad
         assert mask[i].tolist() == [False] * len(ctx) + [True] * len(end) + [False] * pad
     assert labels.tolist() == [3, 3]
-
-
-def test_collate_truncates_context_from_the_left():
-    ex1 = hellaswag_examples.load_examples(DATA_FILE, 2)[1]
-    tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)
+    tokens, mask, _ = hellaswag_eval.collate([ex1], block_size=12)  # the context truncated from the left
     assert tokens.shape == (4, 12)
     # the longest endings (9 tokens) leave 3 context tokens, the same 3 for every ending
     for i, end in enumerate(ENDINGS1):
@@ -128,42 +102,35 @@ def test_pack_runs_the_context_once_and_each_ending_in_its_own_segment():
 
 
 # ---- scoring ----
-def test_batched_scores_equal_one_row_at_a_time(model):
+def test_batched_scores_equal_one_row_at_a_time(model, monkeypatch):
+    """Also in logits chunks of 7 rows; a block longer than the model's is refused."""
     examples = hellaswag_examples.load_examples(DATA_FILE, 100)
     assert sum(len(ex.ctx) + max(map(len, ex.endings)) > BLOCK for ex in examples) == 6  # truncation is exercised
-    ref = [reference_losses(model, ex, BLOCK) for ex in examples]
-    ref_sum = torch.stack([r[0] for r in ref])
-    ref_mean = torch.stack([r[1] for r in ref])
-    # the reference has no near-ties that rounding could flip
-    gaps = ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values
-    assert gaps.min() > 1e-4
+    sums, means = [], []  # the summed and mean loss of each ending, one unpadded row per forward pass
+    for ex in examples:  # a row too long: every ending keeps the newest context tokens the longest ending leaves
+        longest = max(len(end) for end in ex.endings)
+        keep = len(ex.ctx) if len(ex.ctx) + longest <= BLOCK else max(1, BLOCK - longest)
+        ctx = ex.ctx[len(ex.ctx) - keep :]
+        for end in (end[: BLOCK - keep] for end in ex.endings):
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx + end]))[0]
+            nll = F.cross_entropy(logits[0, len(ctx) - 1 : -1], torch.tensor(end), reduction="none")
+            sums.append(nll.sum().item())
+            means.append(nll.mean().item())
+    ref_sum, ref_mean = torch.tensor(sums).view(-1, 4), torch.tensor(means).view(-1, 4)
+    assert (ref_mean.sort(1).values[:, 1] - ref_mean.min(1).values).min() > 1e-4  # no near-tie rounding could flip
     loss_sum, loss_mean = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=6)
-    assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1))
-    assert torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
+    assert torch.equal(loss_mean.argmin(1), ref_mean.argmin(1)) and torch.equal(loss_sum.argmin(1), ref_sum.argmin(1))
     # fp32 rounding differs by CPU kernel: 1.1e-5 (3.4e-7 relative) seen at loss ~34
     torch.testing.assert_close(loss_mean, ref_mean, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-6, atol=1e-5)
     labels = torch.tensor([ex.label for ex in examples])
-    expected = {
-        "acc": (ref_sum.argmin(1) == labels).sum().item() / 100,
-        "acc_norm": (ref_mean.argmin(1) == labels).sum().item() / 100,
-        "n": 100,
-    }
+    right = lambda ref: (ref.argmin(1) == labels).sum().item() / 100
+    expected = {"acc": right(ref_sum), "acc_norm": right(ref_mean), "n": 100}
     assert hellaswag_eval.evaluate(model, "cpu", limit=100, batch_size=3, data_file=DATA_FILE) == expected
+    assert not model.training
 
-
-def test_logits_in_chunks_score_the_same_and_a_block_longer_than_the_model_is_refused(model, monkeypatch):
-    examples = hellaswag_examples.load_examples(DATA_FILE, 12)
-    whole = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
-    monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
-    chunked = hellaswag_eval.score_examples(model, examples, "cpu", batch_size=12)
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
-        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
-
-
-def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
-    class BareLogits(torch.nn.Module):
+    class BareLogits(torch.nn.Module):  # a model without a config (so block_size given) returning bare logits
         def __init__(self, gpt):
             super().__init__()
             self.gpt = gpt
@@ -171,14 +138,18 @@ def test_evaluate_restores_train_mode_and_takes_bare_logits(model):
         def forward(self, idx):
             return self.gpt(idx)[0]
 
-    expected = hellaswag_eval.evaluate(model, "cpu", limit=12, data_file=DATA_FILE)
-    assert not model.training
-    wrapped = BareLogits(model).train()
+    wrapped = BareLogits(model).train()  # evaluate puts it back in train mode
     try:
-        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=12, data_file=DATA_FILE, block_size=BLOCK) == expected
+        assert hellaswag_eval.evaluate(wrapped, "cpu", limit=100, data_file=DATA_FILE, block_size=BLOCK) == expected
         assert wrapped.training and model.training
     finally:
         model.eval()
+    whole = hellaswag_eval.score_examples(model, examples[:12], "cpu", batch_size=12)
+    monkeypatch.setattr(hellaswag_eval, "LOGIT_ROWS", 7)  # chunk edges fall inside endings and on shared positions
+    chunked = hellaswag_eval.score_examples(model, examples[:12], "cpu", batch_size=12)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=f"block_size {BLOCK + 1} is longer than the model's {BLOCK}"):
+        hellaswag_eval.score_examples(model, examples, "cpu", block_size=BLOCK + 1)
 
 
 # ---- command line, one process and two ----
@@ -200,26 +171,8 @@ def test_cli_two_processes_match_one(model, checkpoint, tmp_path):
         assert result_line(rank0, model_line, f"hellaswag: {described}") == expected
 
 
-def offline_env(cache) -> dict:
-    """Variables of a machine without internet (a proxy nobody answers) and an empty HellaSwag cache folder."""
-    proxy = "http://127.0.0.1:9"
-    return dict(HELLASWAG_DIR=str(cache), https_proxy=proxy, HTTPS_PROXY=proxy, no_proxy="", NO_PROXY="")
-
-
-def test_the_scored_data_is_named_and_the_shipped_subset_as_such(tmp_path):
-    copy = tmp_path / "hellaswag_val.jsonl"  # the first 3 records, elsewhere: not the subset
-    copy.write_text("".join(HELLASWAG_FILE.read_text().splitlines(keepends=True)[:3]))
-    for path, limit, said in [
-        *((copy, limit, f"all 3 examples in {copy}; chance is 0.25") for limit in (0, 3, 50)),
-        (copy, 2, f"the first 2 of 3 examples in {copy}; chance is 0.25"),
-        (HELLASWAG_FILE, 0, f"all 446 examples in {HELLASWAG_FILE}{SUBSET_NAMED}"),
-    ]:
-        assert hellaswag_examples.describe_data(str(path), limit) == f"hellaswag: {said}"
-
-
-def test_download_checks_the_file(monkeypatch, tmp_path):
-    with open(DATA_FILE, "rb") as f:
-        good = b"".join(next(f) for _ in range(3))
+def test_download_checks_the_file_and_the_data_scored_is_named(monkeypatch, tmp_path):
+    good = b"".join(HELLASWAG_FILE.read_bytes().splitlines(keepends=True)[:3])
     served = []
 
     def fake_urlopen(url, timeout):
@@ -240,17 +193,15 @@ def test_download_checks_the_file(monkeypatch, tmp_path):
     assert served == [(hellaswag_examples.DATA_URL, hellaswag_examples.DOWNLOAD_TIMEOUT_S)] * 2
     first3 = hellaswag_examples.load_examples(DATA_FILE, 3)
     assert [ex.ctx for ex in hellaswag_examples.load_examples(path)] == [ex.ctx for ex in first3]
+    for limit, said in [*((n, "all 3 examples") for n in (0, 3, 50)), (2, "the first 2 of 3 examples")]:
+        assert hellaswag_examples.describe_data(path, limit) == f"hellaswag: {said} in {path}; chance is 0.25"
+    said = f"hellaswag: all 446 examples in {DATA_FILE}{SUBSET_NAMED}"  # the subset, named as such
+    assert hellaswag_examples.describe_data(DATA_FILE, 0) == said
 
 
 # ---- hostile input: one line naming the flag, the file and the line ----
-GOOD = {
-    "ctx": "A man is sitting on a roof. he",
-    "endings": ["a", "b", "c", "d"],
-    "label": 3,
-    "activity_label": "Roof shingle removal",
-    "ctx_a": "A man is sitting on a roof.",
-    "ctx_b": "he",
-}
+GOOD = dict(ctx="A man is sitting on a roof. he", endings=["a", "b", "c", "d"], label=3, ctx_b="he")
+GOOD.update(activity_label="Roof shingle removal", ctx_a="A man is sitting on a roof.")  # (for lm-eval's rendering)
 
 
 def write_records(path, *records, raw=b""):
@@ -280,7 +231,7 @@ def test_records_that_would_score_the_wrong_thing_are_refused(checkpoint, data_d
     """Each named by file and line, before the model loads; the first through the trainer's --hellaswag-file too,
     at its start (no run folder made)."""
     path = write_records(tmp_path / "bad.jsonl", record)
-    proc = run_hellaswag("--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
+    proc = run_main("hellaswag.py", "--checkpoint", checkpoint, "--data-file", path, "--device", "cpu")
     assert_refused_quietly(proc, f"--data-file {path} line 2: not a HellaSwag example ({reason})")
     if record == BAD_RECORDS[0][0]:  # (another file: the rendered-examples cache keeps the flag of its first reader)
         path = write_records(tmp_path / "bad_for_the_trainer.jsonl", record)
@@ -295,50 +246,36 @@ def test_lm_eval_rendering_needs_its_fields(tmp_path):
     rendering (the other still reads it, and a label as a digit string)."""
     path = write_records(tmp_path / "bad.jsonl", {**GOOD, "ctx_b": None, "label": "2"})
     assert [ex.label for ex in hellaswag_examples.load_examples(path)] == [3, 2]
-    with pytest.raises(UserError) as e:
-        hellaswag_examples.load_examples(path, style="lm_eval")
-    assert str(e.value) == (
+    line = (
         f"--data-file {path} line 2: not a HellaSwag example ('ctx_b' must be text for lm-eval's rendering, not None)"
     )
+    with pytest.raises(UserError, match=f"^{re.escape(line)}$"):
+        hellaswag_examples.load_examples(path, style="lm_eval")
 
 
-CANNOT_SCORE = ["data file missing", "data file unreadable", "data file a folder", "data file not UTF-8"]
-
-
-@pytest.mark.parametrize("case", [*CANNOT_SCORE, "checkpoint not ours", "llama"])
-def test_cli_sources_it_cannot_score_are_one_line(checkpoint, tmp_path, case):
-    """A --data-file missing, unreadable, a folder or not UTF-8, a --checkpoint not train_gpt2.py's, an --hf-model
-    not GPT-2 (--debug: the traceback instead)."""
-    data, model = write_records(tmp_path / "ok.jsonl"), ["--checkpoint", checkpoint]
-    if case == "data file missing":
+@pytest.mark.parametrize("case", ["missing", "unreadable", "not UTF-8"])
+def test_a_data_file_it_cannot_read_is_one_line(checkpoint, tmp_path, case):
+    """(--debug: the traceback instead.) A folder: test_lm_eval's test_eval_errors_are_one_line, the same check."""
+    data = write_records(tmp_path / "ok.jsonl")
+    if case == "missing":
         data, message = tmp_path / "nope.jsonl", f"--data-file {tmp_path / 'nope.jsonl'} does not exist"
         with pytest.raises(UserError):
             hs.main(["--checkpoint", checkpoint, "--data-file", str(data), "--debug"])
-    elif case == "data file unreadable":
+    elif case == "unreadable":
         if os.geteuid() == 0:
             pytest.skip("root reads any file")
         os.chmod(data, 0)
         message = f"--data-file {data}: cannot read it (Permission denied)"
-    elif case == "data file a folder":
-        data = tmp_path
-        message = f"--data-file {tmp_path} is a folder: pass the file, e.g. {tmp_path / 'hellaswag_val.jsonl'}"
-    elif case == "data file not UTF-8":
+    else:
         latin1 = json.dumps(GOOD).replace("roof", "r\u00f4of").encode("latin-1")
         data = write_records(tmp_path / "latin1.jsonl", raw=b"\n" + latin1)
         message = f"--data-file {data} line 3: not UTF-8 text (byte 0xf4), so not hellaswag_val.jsonl"
-    elif case == "checkpoint not ours":
-        torch.save(torch.zeros(3), tmp_path / "tensor.pt")
-        model = ["--checkpoint", tmp_path / "tensor.pt"]
-        message = f"{tmp_path / 'tensor.pt'}: not a train_gpt2.py checkpoint (it holds a Tensor, not a dict)"
-    else:
-        pytest.importorskip("transformers")
-        folder = not_gpt2_folder(tmp_path / "llama", "llama")
-        model, message = ["--hf-model", folder], f"--hf-model {folder}: {NOT_GPT2['llama']}"
-    assert_refused_quietly(run_hellaswag(*model, "--data-file", data, "--device", "cpu"), message)
+    proc = run_main("hellaswag.py", "--checkpoint", checkpoint, "--data-file", data, "--device", "cpu")
+    assert_refused_quietly(proc, message)
 
 
 # ---- Hugging Face GPT2LMHeadModel parity ----
-def test_hf_model_matches_ours(model, tmp_path, capsys):
+def test_hf_model_matches_ours(model, tmp_path):
     pytest.importorskip("transformers")
     hf = tiny_hf(n_positions=BLOCK)  # our export's config (CONFIG's sizes, GELU and LayerNorm eps); ours its weights
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -356,13 +293,9 @@ def test_hf_model_matches_ours(model, tmp_path, capsys):
     assert torch.equal(hf_sum.argmin(1), ours_sum.argmin(1))
     torch.testing.assert_close(hf_mean, ours_mean, rtol=0, atol=1e-4)
     hf.save_pretrained(tmp_path / "hf")
-    assert (
-        hs.main(["--hf-model", str(tmp_path / "hf"), "--data-file", DATA_FILE, "--limit", "20", "--device", "cpu"]) == 0
-    )
-    model_line, data_line, result = capsys.readouterr().out.splitlines()
-    assert model_line == f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
-    assert data_line == f"hellaswag: the first 20 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
-    got = json.loads(result)
+    proc = run_main("hellaswag.py", "--hf-model", tmp_path / "hf", "--data-file", DATA_FILE, "--limit", 20)
+    model_line = f"hellaswag: scoring the Hugging Face GPT-2 in {tmp_path / 'hf'}"
+    got = result_line(proc, model_line, f"hellaswag: the first 20 of 446 examples in {DATA_FILE}{SUBSET_NAMED}")
     assert got == hellaswag_eval.evaluate(model, "cpu", limit=20, data_file=DATA_FILE, lm_eval=True)
     assert list(got) == ["acc", "acc_norm", "lm_eval_acc", "lm_eval_acc_norm", "n"]
 
@@ -371,14 +304,16 @@ def test_hf_model_matches_ours(model, tmp_path, capsys):
 def test_offline_without_data_is_one_line_naming_the_ways_past(checkpoint, data_dir, tmp_path, script):
     """Offline without a local copy, hellaswag.py names --data-file; the trainer (default --hellaswag-every) names
     --hellaswag-file and --hellaswag-every 0 and makes no run folder. No partial download is left behind."""
-    offline = offline_env(tmp_path / "cache")
+    proxy = "http://127.0.0.1:9"  # no internet: a proxy nobody answers; tmp_path the (empty) HellaSwag cache folder
+    offline = dict(https_proxy=proxy, HTTPS_PROXY=proxy, no_proxy="", NO_PROXY="", HELLASWAG_DIR=str(tmp_path))
     if script == "hellaswag.py":
-        proc, flag, past = run_hellaswag("--checkpoint", checkpoint, "--device", "cpu", env=offline), "data-file", ""
+        proc = run_main("hellaswag.py", "--checkpoint", checkpoint, "--device", "cpu", env=offline)
+        flag, past = "data-file", ""
         assert proc.stdout == ""
     else:
         flags = tiny_run_args(data_dir, tmp_path / "out", steps=1, B=2, rows=2, hellaswag_every=None)
-        proc, flag = run_main("train_gpt2.py", *flags, env=offline), "hellaswag-file"
-        past = r", or pass --hellaswag-every 0 to train without HellaSwag"
+        proc = run_main("train_gpt2.py", *flags, env=offline)
+        flag, past = "hellaswag-file", r", or pass --hellaswag-every 0 to train without HellaSwag"
     assert proc.returncode == 2, proc.stderr
     assert re.fullmatch(
         rf"error: cannot download HellaSwag from {re.escape(hellaswag_examples.DATA_URL)} \(\[Errno \d+\] "
@@ -386,13 +321,12 @@ def test_offline_without_data_is_one_line_naming_the_ways_past(checkpoint, data_
         rf"\(the repository ships a subset: fixtures/hellaswag_val_subset.jsonl\){past}\n",
         proc.stderr,
     ), proc.stderr
-    assert os.listdir(tmp_path / "cache") == [] and not (tmp_path / "out").exists()  # (nor the run's folder)
+    assert os.listdir(tmp_path) == []  # no partial download, nor the run's folder
 
 
 def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once(model, tmp_path):
-    """The first line names the checkpoint scored (a run folder's newest) and its step; both renderings go under
-    one labelled progress bar of 2 x N examples, and --no-lm-eval scores each example once, giving acc and
-    acc_norm only, the same numbers."""
+    """Of a run folder: its newest. Both renderings go under one labelled progress bar of 2 x N examples;
+    --no-lm-eval scores each example once, giving acc and acc_norm only, the same numbers."""
     from trainkit.runfiles.checkpoints import save_checkpoint
 
     run = tmp_path / "run"
@@ -401,13 +335,13 @@ def test_the_first_line_names_the_checkpoint_and_step_and_no_lm_eval_scores_once
     for step in (5, 12):
         save_checkpoint(str(run / f"ckpt_{step:07d}.pt"), {**ckpt, "step": step})
     flags = ["--data-file", DATA_FILE, "--limit", "6", "--device", "cpu"]
-    both = run_hellaswag("--checkpoint", run, *flags)
+    both = run_main("hellaswag.py", "--checkpoint", run, *flags)
     expected = hellaswag_eval.evaluate(model, "cpu", limit=6, data_file=DATA_FILE, lm_eval=True)
     data_line = f"hellaswag: the first 6 of 446 examples in {DATA_FILE}{SUBSET_NAMED}"
     assert result_line(both, f"hellaswag: scoring {run / 'ckpt_0000012.pt'}, step 12", data_line) == expected
     bars = both.stderr.replace("\r", "\n")
     assert "hellaswag, both texts: 100%" in bars and "12/12 [" in bars and "6/6 [" not in bars
-    once = run_hellaswag("--checkpoint", run / "ckpt_0000005.pt", *flags, "--no-lm-eval")
+    once = run_main("hellaswag.py", "--checkpoint", run / "ckpt_0000005.pt", *flags, "--no-lm-eval")
     got = result_line(once, f"hellaswag: scoring {run / 'ckpt_0000005.pt'}, step 5", data_line)
     assert got == {key: expected[key] for key in ("acc", "acc_norm", "n")}
     bars = once.stderr.replace("\r", "\n")

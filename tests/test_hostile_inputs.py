@@ -1,8 +1,8 @@
-"""Files from elsewhere are checked before they cost anything: deep JSON in any reader, checkpoints whose structure
-or resume fields are not the trainer's, Hugging Face folders whose config and weights disagree or whose index points
-outside, files that are not regular files: exit code 2, one `error:` line, every file byte-identical. In-process
-(run_main), but the named pipes: as programs (a regression would block the test's own process)."""
+"""Files from elsewhere checked before they cost anything (deep JSON, checkpoints and Hugging Face folders not as
+written, files not regular files): exit code 2, one `error:` line, every file byte-identical. In-process (run_main),
+but the named pipes: as programs (a regression would block the test's own process)."""
 
+import functools
 import json
 import os
 import shutil
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from conftest import HELLASWAG_FILE, assert_refused, run_as_programs, run_main, tiny_run_args, tree_hashes
-from conftest import tiny_hf, write_checkpoint
+from conftest import HELLASWAG_FILE, assert_one_error_line, assert_refused, run_as_programs, run_main, tiny_hf
+from conftest import tiny_run_args, tree_hashes, write_checkpoint
 from trainkit.runfiles import checkpoints
-
 
 DEEP = "[" * 200_000  # a JSON document no reader may hand to the recursive decoder
 DEEP_REASON = "JSON nested 200000 levels deep, deeper than the 64 of any file read here"
@@ -26,9 +25,8 @@ SHARDS = dict(n_docs=300, seed=3)
 
 # --- JSON: one reader, nesting measured before the decoder -----------------------------------
 def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run, data_dir, tmp_path):
-    """A document nested 200,000 deep in a data folder's manifest.json, fineweb.py's own manifest, a
-    --files line, a HellaSwag line, a Hugging Face config.json, a run's log.jsonl and plot_log.py's log; and an
-    export folder whose mark is nested deep is not replaced: as a folder of the user's own files."""
+    """In a data folder's manifest.json, fineweb.py's own, a --files line, a HellaSwag line, a Hugging Face config.json,
+    a run's log.jsonl and plot_log.py's log; an export folder whose mark is deep is the user's (not replaced)."""
     export = tmp_path / "export"
     assert run_main("hf_interop.py", "export", finished_run, export).returncode == 0
     (export / "gpt2_trainer_export.json").write_text(DEEP)
@@ -77,31 +75,18 @@ def test_deep_json_in_every_reader_is_one_line_naming_file_and_line(finished_run
             "or its log.jsonl",
         ),
     ]
-    result = run_main("hf_interop.py", "export", finished_run, export)
-    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith(f"error: {export} ") and "Traceback" not in result.stderr
+    assert_one_error_line(run_main("hf_interop.py", "export", finished_run, export), f"error: {export} ")
     for command, line in cases:
         result = run_main(*command)
-        if command[0] == "fineweb.py" and "fineweb_new" in str(command[4]):  # its progress bar comes first
-            assert result.returncode == 2 and result.stderr.splitlines()[-1].split("\r")[-1] == f"error: {line}"
+        if tmp_path / "fineweb_new" in command:  # its progress bar first; what it keeps of a failed run removed
             assert "Traceback" not in result.stderr
-            shutil.rmtree(tmp_path / "fineweb_new", ignore_errors=True)  # (what fineweb.py keeps of a failed run)
-            continue
+            result.stderr = result.stderr.splitlines(keepends=True)[-1].split("\r")[-1]
+            shutil.rmtree(tmp_path / "fineweb_new", ignore_errors=True)
         assert_refused(result, line)
     assert tree_hashes(tmp_path) == before
 
 
 # --- checkpoints: structure before contents --------------------------------------------------
-def nested(depth):
-    def edit(ckpt):
-        value = 0
-        for _ in range(depth):
-            value = [value]
-        ckpt["extra"] = value
-
-    return edit
-
-
 STRUCTURES = {  # {case: (edit, a true sha256 (False: made up, where computing it reads a tensor whole), the problem)}
     "expanded embedding": (
         # the token embedding as one float broadcast to 50304 x 16: two bytes' worth of file
@@ -122,7 +107,7 @@ STRUCTURES = {  # {case: (edit, a true sha256 (False: made up, where computing i
         "a tensor's storage holds 4000 bytes, of which its tensors view 64",
     ),
     "nested 3000 deep": (
-        nested(3000),
+        lambda c: c.__setitem__("extra", functools.reduce(lambda inner, _: [inner], range(3000), 0)),
         False,
         "its structure nests deeper than 100 levels (at " + ("['extra']" + "[0]" * 30)[:80] + "...)",
     ),
@@ -132,8 +117,6 @@ STRUCTURES = {  # {case: (edit, a true sha256 (False: made up, where computing i
         "its transformer.h.0.attn.c_attn.weight is 48x15, where its model_config makes it 48x16",
     ),
 }
-
-
 WRONG_TYPES = {
     "no optimizer": (lambda c: c.pop("optimizer"), "it holds no optimizer to resume from (weights only)"),
     "optimizer tensor shape": (
@@ -167,8 +150,6 @@ WRONG_TYPES = {
         "its data_files is not a list of shards (name, size, sha256)",
     ),
 }
-
-
 # the structures in every loader, the resume fields (the sha256 right) in the trainer's
 CHECKPOINTS = {case: (edit, checksum, problem, 4) for case, (edit, checksum, problem) in STRUCTURES.items()}
 CHECKPOINTS.update({case: (edit, True, problem, 1) for case, (edit, problem) in WRONG_TYPES.items()})
@@ -206,14 +187,6 @@ def test_a_checkpoint_not_as_the_trainer_writes_it_is_refused_before_its_content
 
 
 # --- Hugging Face folders: config and weights compared before a model is built ----------------
-def hf_folder(path, **config_edits):
-    """conftest's tiny_hf of 100 ids as a save_pretrained folder, config.json then edited."""
-    tiny_hf(vocab_size=100).save_pretrained(str(path))
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **config_edits}))
-    return path
-
-
 def index_to(where):
     """The folder's weights moved to where (relative to it, or absolute: {tmp} its parent) and named there by an index."""
 
@@ -241,11 +214,9 @@ def unsafe_bin(folder):
     torch.save({**state, "extra": argparse.Namespace(code="run me")}, folder / "pytorch_model.bin")
 
 
-outside = lambda where: (
-    f"its model.safetensors.index.json names the weight file '{where}', outside the folder: only files inside it are read"
+OUTSIDE = (
+    "its model.safetensors.index.json names the weight file '{}', outside the folder: only files inside it are read"
 )
-
-
 NOT_SIZES = "its config.json gives {}: not the sizes of a GPT-2 (positive integers)"
 HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
     "fewer layers than its weights": (
@@ -262,10 +233,10 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
         None,
         "tensors of another shape than its config.json gives (transformer.wpe.weight; 1 in all)",
     ),
-    "index up out": ({}, index_to("../elsewhere/x.safetensors"), outside("../elsewhere/x.safetensors")),
-    "index into a subfolder": ({}, index_to("sub/x.safetensors"), outside("sub/x.safetensors")),
+    "index up out": ({}, index_to("../elsewhere/x.safetensors"), OUTSIDE.format("../elsewhere/x.safetensors")),
+    "index into a subfolder": ({}, index_to("sub/x.safetensors"), OUTSIDE.format("sub/x.safetensors")),
     # (for --init-from: the trainer's own flags)
-    "absolute index": ({}, index_to("{tmp}/elsewhere/x.safetensors"), outside("{tmp}/elsewhere/x.safetensors")),
+    "absolute index": ({}, index_to("{tmp}/elsewhere/x.safetensors"), OUTSIDE.format("{tmp}/elsewhere/x.safetensors")),
     "unsafe pytorch_model.bin": (
         {},
         unsafe_bin,
@@ -278,7 +249,9 @@ HF_FOLDERS = {  # {case: (config.json's edits, the folder's edit, the problem)}
 @pytest.mark.parametrize("case", HF_FOLDERS)
 def test_a_hugging_face_folder_is_checked_before_a_model_is_built(data_dir, tmp_path, case):
     config, edit, problem = HF_FOLDERS[case]
-    folder = hf_folder(tmp_path / "hf", **config)
+    folder = tmp_path / "hf"  # conftest's tiny_hf of 100 ids, its config.json then edited
+    tiny_hf(vocab_size=100).save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config}))
     if edit:
         edit(folder)
     before = tree_hashes(tmp_path)
@@ -313,9 +286,8 @@ NOT_FILES = {  # {case: the line}
 
 @pytest.fixture(scope="module")
 def not_files(finished_run, data_dir, tmp_path_factory):
-    """NOT_FILES' special files given to the scripts as programs in one interpreter (run_as_programs), not in the
-    test's process: a regression would block on the pipe or read /dev/zero without end, where a timeout ends a
-    process. {case: (CompletedProcess, its special file, whether it was still one)}, whether all else is unchanged."""
+    """NOT_FILES' special files given to the scripts as programs (run_as_programs: a timeout ends a blocked one).
+    {case: (CompletedProcess, its special file, whether it was still one)}, whether all else is unchanged."""
     tmp = tmp_path_factory.mktemp("not_files")
     fifo_data, zero_data = (Path(shutil.copytree(data_dir, tmp / name)) for name in ("fifo_data", "zero_data"))
     new, resumed, docs = tmp / "new", tmp / "resumed", tmp / "docs.jsonl"
@@ -338,10 +310,8 @@ def not_files(finished_run, data_dir, tmp_path_factory):
     special = [path.is_symlink() or stat.S_ISFIFO(os.lstat(path).st_mode) for path, _ in cases.values()]
     for path in {path for path, _ in cases.values()}:
         os.remove(path)
-    unchanged = tree_hashes(tmp) == before
-    return {
-        case: (result, path, still) for (case, (path, _)), result, still in zip(cases.items(), results, special)
-    }, unchanged
+    paths = [path for path, _ in cases.values()]
+    return dict(zip(cases, zip(results, paths, special))), tree_hashes(tmp) == before
 
 
 @pytest.mark.parametrize("case", NOT_FILES)

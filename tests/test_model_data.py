@@ -18,16 +18,12 @@ SHARDS = dict(n_docs=300, seed=3, vocab=1000, max_len=40, shard_size=1500)  # co
 
 
 # --- model --------------------------------------------------------------------------------
-
-
 def test_parameter_names_shapes_and_counts_of_gpt2_124m_and_the_cpu_preset():
     with torch.device("meta"):  # shapes, ties and counts without 500 MB of weights to initialize
         model = tg.GPT(tg.GPTConfig())
     sd = model.state_dict()
-    assert sd["transformer.wte.weight"].shape == (50304, 768)
-    assert sd["transformer.wpe.weight"].shape == (1024, 768)
-    assert sd["transformer.h.11.attn.c_attn.weight"].shape == (2304, 768)
-    assert sd["transformer.h.0.mlp.c_fc.weight"].shape == (3072, 768)
+    shapes = [sd[f"transformer.{k}.weight"].shape for k in ("wte", "wpe", "h.11.attn.c_attn", "h.0.mlp.c_fc")]
+    assert shapes == [(50304, 768), (1024, 768), (2304, 768), (3072, 768)]
     assert model.lm_head.weight is model.transformer.wte.weight  # tied
     # 124,475,904 with the 50304 vocab (GPT-2's 124,439,808 + 47 padded rows x 768)
     assert sum(p.numel() for p in model.parameters()) == 124_439_808 + 47 * 768
@@ -47,11 +43,10 @@ def test_parameter_names_shapes_and_counts_of_gpt2_124m_and_the_cpu_preset():
 def test_init_scales_residual_projections():
     torch.manual_seed(0)
     model = tg.GPT(tg.GPTConfig(n_layer=8, n_head=4, n_embd=256, vocab_size=512, block_size=64))
-    std = lambda t: t.std().item()
-    assert std(model.transformer.h[0].mlp.c_fc.weight) == pytest.approx(0.02, rel=0.05)
-    assert std(model.transformer.h[0].mlp.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert std(model.transformer.h[3].attn.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert std(model.transformer.wte.weight) == pytest.approx(0.02, rel=0.05)
+    h = model.transformer.h
+    weights = (model.transformer.wte, h[0].mlp.c_fc, h[0].mlp.c_proj, h[3].attn.c_proj)
+    residual = 0.02 / math.sqrt(2 * 8)  # the projections into the residual stream: 1 / sqrt(2 * n_layer)
+    assert [w.weight.std().item() for w in weights] == pytest.approx([0.02, 0.02, residual, residual], rel=0.05)
     assert model.transformer.h[0].attn.c_attn.bias.abs().max().item() == 0
 
 
@@ -69,23 +64,7 @@ def test_sdpa_attention_matches_explicit_masked_softmax():
     torch.testing.assert_close(attn(x), expected, atol=1e-6, rtol=1e-5)
 
 
-def test_loss_ignores_minus_one_targets_and_sum_reduction():
-    torch.manual_seed(0)
-    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64, block_size=8))
-    x = torch.randint(0, 64, (2, 8))
-    y = torch.randint(0, 64, (2, 8))
-    y[0, 5:] = -1
-    logits, loss = model(x, y)
-    valid = y != -1
-    expected = F.cross_entropy(logits[valid], y[valid])
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    _, loss_sum = model(x, y, reduction="sum")
-    assert loss_sum.item() == pytest.approx(expected.item() * valid.sum().item(), rel=1e-6)
-
-
 # --- optimizer and schedule ---------------------------------------------------------------
-
-
 def test_adamw_decays_matrices_only_and_muon_takes_the_blocks_matrices():
     cfg = tg.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=8)
     model = tg.GPT(cfg)
@@ -115,18 +94,12 @@ def test_adamw_decays_matrices_only_and_muon_takes_the_blocks_matrices():
     assert [g["lr"] for g in opt.param_groups] == [3e-4, 3e-4, 0.01]
 
 
-def test_lr_schedule_three_phases():
-    run = tg.RunConfig(max_lr=6e-4, warmup_steps=10, max_steps=110)
-    steps = (0, 9, 10, 60, 110, 500)  # the last one held after max_steps
-    assert [tg.get_lr(s, run) for s in steps] == pytest.approx(
-        [6e-5, 6e-4, 6e-4, 6e-5 + 0.5 * (6e-4 - 6e-5), 6e-5, 6e-5]
-    )
+def test_a_min_lr_of_zero_is_kept_not_the_default():
+    """(The cosine's phases: test_schedules.)"""
     assert tg.get_lr(500, tg.RunConfig(max_lr=1e-3, min_lr=0.0, warmup_steps=1, max_steps=10)) == 0.0
 
 
 # --- data ---------------------------------------------------------------------------------
-
-
 def test_plain_rows_use_every_token(tmp_path):
     tokens = np.arange(100, dtype=np.uint16)
     np.save(tmp_path / "t_train_000000.npy", tokens)
@@ -151,8 +124,7 @@ def test_aligned_rows_hold_whole_documents_and_lose_no_token():
     assert targets == list(range(1, len(tokens)))  # every token after the first is a target once
     for (start, n), (next_start, _) in zip(table, table[1:]):
         assert next_start == start + n  # rows chain: the last target opens the next row
-        ends_on_doc = start + n in starts
-        assert ends_on_doc or n == T  # a row stops at a document boundary unless the document fills it
+        assert start + n in starts or n == T  # a row stops at a document boundary unless the document fills it
     assert table.tolist() == [[0, 8], [8, 8], [16, 8], [24, 4], [28, 7], [35, 2], [37, 8], [45, 4]]
 
 
@@ -166,23 +138,15 @@ def test_aligned_batch_pads_with_ignored_targets(tmp_path):
     assert rows.count_targets(0, 2) == 7 + 6
 
 
-def step_rows(loader, step):
-    """All rows of one step, as a sorted list of token tuples, gathered over every rank and micro-step."""
-    rows = []
-    for rank in range(loader.W):
-        per_rank = tg.StepLoader(loader.rows, loader.B, loader.accum, rank, loader.W)
-        for m in range(loader.accum):
-            x, y = per_rank.micro_batch(step, m)
-            rows += [tuple(r) + tuple(t) for r, t in zip(x.tolist(), y.tolist())]
-    return sorted(rows)
-
-
 @pytest.mark.parametrize("align_docs,shuffle", [(False, False), (True, False), (False, True), (True, True)])
 def test_every_split_reads_the_same_rows_each_step(data_dir, align_docs, shuffle):
     rows = tg.TokenRows(data_dir, "train", T=16, align_docs=align_docs, shuffle=shuffle, seed=7)
     splits = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2)]  # B, accumulation, world: 8 rows
     for step in (0, 1, 5, rows.rows_per_epoch // 8 + 1):  # the last one is in the second epoch
-        seen = [step_rows(tg.StepLoader(rows, B, a, 0, W), step) for B, a, W in splits]
+        seen = []
+        for B, accum, W in splits:  # the step's rows over every rank and micro-step, sorted
+            batches = [tg.StepLoader(rows, B, accum, r, W).micro_batch(step, m) for r in range(W) for m in range(accum)]
+            seen.append(sorted(tuple(row) + tuple(t) for x, y in batches for row, t in zip(x.tolist(), y.tolist())))
         assert all(s == seen[0] for s in seen[1:])
         n = tg.StepLoader(rows, 8, 1, 0, 1).step_tokens(step)
         assert n == sum(sum(t != -1 for t in r[16:]) for r in seen[0])
@@ -200,39 +164,14 @@ def test_shuffle_permutes_rows_and_epochs_differ(data_dir):
     assert order(again, 1) == order(shuffled, 1)  # seeded: reproducible
 
 
-def test_llmc_bin_shards_read_like_npy(tmp_path):
-    tokens = np.arange(1000, dtype=np.uint16)
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = [20240520, 1, len(tokens)]
-    (tmp_path / "x_train_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
-    assert np.array_equal(open_shard(str(tmp_path / "x_train_000000.bin")), tokens)
-    (tmp_path / "y_val_000000.bin").write_bytes(header.tobytes() + tokens[:10].tobytes())
-    with pytest.raises(cli.UserError, match="truncated or corrupt"):
-        open_shard(str(tmp_path / "y_val_000000.bin"))
-    header[0] = 123
-    (tmp_path / "z_val_000000.bin").write_bytes(header.tobytes() + tokens.tobytes())
-    with pytest.raises(cli.UserError, match="HINT: are you passing the right file"):
-        open_shard(str(tmp_path / "z_val_000000.bin"))
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_chunked_linear_cross_entropy_matches_full_logits(reduction):
-    torch.manual_seed(0)
-    model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=300, block_size=32))
-    x = torch.randint(0, 300, (3, 32))
-    y = torch.randint(0, 300, (3, 32))
-    y[1, 7:] = -1
-    # an incoming gradient other than 1 (0.37) must be applied too
-    full_loss, full = loss_and_grads(model, lambda: model(x, y, reduction=reduction)[1], 0.37)
-    # 96 rows: 4 full chunks and one of 16
-    chunked_loss, chunked = loss_and_grads(model, lambda: model(x, y, reduction=reduction, loss_chunk=20)[1], 0.37)
-    assert chunked_loss == pytest.approx(full_loss, rel=1e-6)
-    for k in full:  # fp32 rounding, relative to each gradient's scale (sums reach ~5 here)
-        scale = full[k].abs().max().item()
-        torch.testing.assert_close(chunked[k], full[k], atol=1e-6 * scale, rtol=1e-5, msg=k)
-    with torch.no_grad():  # evaluation: no gradient work, same loss
-        logits, loss = model(x, y, reduction=reduction, loss_chunk=20)
-    assert logits is None and loss.item() == pytest.approx(full_loss, rel=1e-6)
+def test_a_truncated_or_foreign_llmc_bin_shard_is_refused(tmp_path):
+    """(A .bin reads as its .npy: test_train_cli's test_trains_identically_from_fineweb_npy_and_llmc_bin_shards.)"""
+    tokens, header = np.arange(1000, dtype=np.uint16), np.zeros(256, dtype=np.int32)
+    for magic, n, refused in [(20240520, 10, "truncated or corrupt"), (123, 1000, "HINT: are you passing the right")]:
+        header[:3] = [magic, 1, len(tokens)]  # llm.c's magic, version, token count
+        (tmp_path / "x_val_000000.bin").write_bytes(header.tobytes() + tokens[:n].tobytes())
+        with pytest.raises(cli.UserError, match=refused):
+            open_shard(str(tmp_path / "x_val_000000.bin"))
 
 
 def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
@@ -248,11 +187,10 @@ def test_chunked_loss_under_bf16_autocast_matches_its_bf16_logits():
     assert loss.item() == pytest.approx(F.cross_entropy(logits, targets, reduction="sum").item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("loss_chunk", [0, 20])
-def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
-    """Both losses multiply by all 50304 rows of lm_head (the padded shape, faster), the softmax
-    covering GPT-2's 50257 ids only: loss and gradients are a real-vocabulary softmax's, and the 47
-    padded rows of the tied wte / lm_head get exactly 0 (no embedding lookup reaches them either)."""
+@pytest.mark.parametrize("loss_chunk,reduction", [(0, "sum"), (20, "sum"), (20, "mean")])
+def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk, reduction):
+    """Both losses (full logits, chunks of 20: one of 12 last) multiply by all 50304 rows of lm_head, the softmax over
+    GPT-2's 50257 ids only: a real-vocabulary softmax's loss and gradients, 0 for the 47 padded rows of wte / lm_head."""
     torch.manual_seed(0)
     model = tg.GPT(tg.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=16))  # vocab 50304
     with torch.no_grad():  # padded logits far above the real ones: any probability they kept would show
@@ -264,21 +202,24 @@ def test_padded_ids_take_no_probability_and_get_no_gradient(loss_chunk):
         logits = model.hidden_states(x) @ model.lm_head.weight[:50257].t()
         return F.cross_entropy(logits.view(-1, 50257), y.view(-1), ignore_index=-1, reduction=reduction)
 
-    ref_loss, ref = loss_and_grads(model, real_vocabulary_loss, 0.37)
-    loss, grads = loss_and_grads(model, lambda: model(x, y, reduction="sum", loss_chunk=loss_chunk)[1], 0.37)
+    # an incoming gradient other than 1 (0.37) must be applied too
+    ref_loss, ref = loss_and_grads(model, lambda: real_vocabulary_loss(reduction), 0.37)
+    loss, grads = loss_and_grads(model, lambda: model(x, y, reduction=reduction, loss_chunk=loss_chunk)[1], 0.37)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for k in ref:  # fp32 rounding: the chunked softmax's gradient reaches 1.2e-5 of the largest, as before padding
         torch.testing.assert_close(grads[k], ref[k], atol=2e-5 * ref[k].abs().max().item(), rtol=1e-5, msg=k)
     assert torch.equal(grads["transformer.wte.weight"][50257:], torch.zeros(47, 8))
-    with torch.no_grad():  # evaluation: each target's loss
+    with torch.no_grad():  # evaluation: each target's loss; the default mean is over the targets not -1
         _, token_losses = model(x, y, reduction="none", loss_chunk=loss_chunk)
         torch.testing.assert_close(token_losses, real_vocabulary_loss("none"), rtol=1e-5, atol=1e-6)
+        logits, mean = model(x, y, loss_chunk=loss_chunk)
+    assert mean.item() == pytest.approx(real_vocabulary_loss("mean").item(), rel=1e-6)
+    assert (logits is None) == bool(loss_chunk)  # chunked: no logits tensor is returned
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 3])
 def test_validation_loss_and_bits_per_byte_of_a_uniform_model(tmp_path, loss_chunk):
-    """Logits all equal: every target costs ln(50257) nats, as the 47 padded ids take no probability.
-    Bits per byte counts the targets with text only (not <|endoftext|>) over their UTF-8 bytes."""
+    """Logits all equal; bits per byte counts the targets with text only (not <|endoftext|>) over their UTF-8 bytes."""
     from trainkit.data import tokenizer
 
     # <|endoftext|> "Hello" " world" "!" <|endoftext|> " café" " au" " l" "ait": 2 rows of 4 tokens
