@@ -1,16 +1,19 @@
 """Runs that survive: exact resume, preemption, bad numbers, bad files, multi-node."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from trainkit.data.shards import ShardDigestCheck
 from trainkit.runfiles import checkpoints
 from trainkit.runfiles import resume
 import train_gpt2 as tg
@@ -73,16 +76,15 @@ def test_rows_are_shuffled_by_default_and_a_resume_keeps_its_order_unless_told(d
         ("default", ["--no-shuffle"], True, False),
         ("no-shuffle", ["--shuffle"], False, True),
         ("default", ["--optimizer", "muon"], "adamw", "muon"),
+        ("default", ["--n-embd", "32"], 16, 32),
     ):
         assert tg.main(tiny_run_args(data_dir, tmp_path / name, *flags, "--resume", steps=3)) == 2
-        key = flags[0].strip("-").replace("no-", "")
+        key = flags[0].strip("-").replace("no-", "").replace("-", "_")
         err = capsys.readouterr().err
         assert f"{key}: checkpoint {saved} vs now {now}. Use the same model, batch and optimizer flags" in err
 
 
-def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_of_another_model(
-    data_dir, tmp_path, capsys
-):
+def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run(data_dir, tmp_path, capsys):
     assert tg.main(tiny_run_args(data_dir, tmp_path, "--keep-last", "2", steps=8, ckpt_every=2)) == 0
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000006.pt", "ckpt_0000008.pt"]
     run_id = resume.read_run(str(tmp_path / "ckpt_0000008.pt"))["id"]
@@ -90,20 +92,14 @@ def test_keep_last_and_a_folder_of_checkpoints_refuses_a_fresh_run_and_a_resume_
     assert tg.main(tiny_run_args(data_dir, tmp_path, steps=2)) == 2
     expected = f"error: --out-dir {tmp_path} already holds checkpoints of run {run_id}: pass --resume to continue that run, or choose another --out-dir\n"
     assert capsys.readouterr().err == expected
-    args = tiny_run_args(data_dir, tmp_path, "--resume", steps=10)
-    args[args.index("--n-embd") + 1] = "32"
-    assert tg.main(args) == 2
-    err = capsys.readouterr().err
-    assert "cannot resume from" in err and "n_embd: checkpoint 16 vs now 32" in err
 
 
 # --- preemption -----------------------------------------------------------------------------
 def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_resumes_as_if_never_stopped(
     data_dir, tmp_path, monkeypatch
 ):
-    """`nohup python train_gpt2.py ... &` starts the run with SIGHUP ignored, asking it to outlive its terminal:
-    a SIGHUP changes nothing (it trains on). SIGTERM (a preemption) stops it after its step with one checkpoint
-    and a line saying to --resume; resumed, the run has the losses and weights of one never stopped."""
+    """nohup starts the run with SIGHUP ignored: a SIGHUP changes nothing. SIGTERM stops it after its step with one
+    checkpoint and a line saying to --resume; resumed, it has the losses and weights of a run never stopped."""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     proc = start(
         [sys.executable, "train_gpt2.py", *tiny_run_args(data_dir, preempted, steps=100000, ckpt_every=0)],
@@ -121,9 +117,7 @@ def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_r
         if proc.poll() is None:
             proc.kill()
     assert (proc.returncode, err) == (0, "")
-    stop_line = [line for line in out.splitlines() if line.startswith("stopped by signal")]
-    assert len(stop_line) == 1 and "--resume" in stop_line[0]
-    stop_step = int(stop_line[0].split("at step ")[1].split(";")[0])
+    (stop_step,) = map(int, re.findall(r"^stopped by signal at step (\d+); .*--resume", out, re.MULTILINE))
     assert stop_step >= 13 and sorted(os.listdir(preempted)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     stop_after(monkeypatch, stop_step + 3)
     for out_dir, flags in ((preempted, ["--resume"]), (straight, [])):
@@ -170,9 +164,8 @@ def test_skip_flags_skip_that_update(data_dir, tmp_path, monkeypatch, optimizer,
     inject(monkeypatch, at, how)
     args = tiny_run_args(data_dir, tmp_path, *flag.split(), "--optimizer", optimizer, steps=steps, ckpt_every=0)
     assert tg.main(args) == 0
-    records = [r for r in log_records(tmp_path) if "loss" in r]
-    assert [r["step"] for r in log_records(tmp_path) if r.get("skipped")] == [at]
-    assert records[at]["skipped"] == {"nan": "nonfinite", "spike": "spike"}[how]
+    skipped = [(r["step"], r["skipped"]) for r in log_records(tmp_path) if r.get("skipped")]
+    assert skipped == [(at, {"nan": "nonfinite", "spike": "spike"}[how])]
     assert all_finite(tmp_path / f"ckpt_{steps:07d}.pt")
 
 
@@ -184,11 +177,6 @@ def test_skip_flags_skip_that_update(data_dir, tmp_path, monkeypatch, optimizer,
         ("garbage", b"not a numpy file at all", "not a .npy token shard (bad magic)"),
         ("int32", np.arange(1000, dtype=np.int32), "expected a 1-D uint16 token array, got int32"),
         ("short", np.arange(5, dtype=np.uint16), "5 tokens, fewer than one row of --seq-len 16 + 1"),
-        (
-            "big_ids",
-            np.full(1000, 60000, dtype=np.uint16),
-            " holds token id 60000, which the model has no output for: its softmax covers GPT-2's 50257 tokens",
-        ),
     ],
 )
 def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, message):
@@ -205,17 +193,15 @@ def test_bad_shard_is_one_line_naming_the_file(tmp_path, capsys, name, data, mes
     assert err.startswith(f"error: {bad}") and message in err and err.count("\n") == 1
 
 
-def test_unwritable_out_dir(data_dir, tmp_path, capsys):
+def test_unwritable_out_dir_and_corrupt_checkpoint(data_dir, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert tg.main(tiny_run_args(data_dir, tmp_path / "file" / "out", steps=1)) == 2
     assert f"cannot write to --out-dir {tmp_path / 'file' / 'out'}" in capsys.readouterr().err
-
-
-def test_corrupt_checkpoint(data_dir, tmp_path, capsys):
-    (tmp_path / "ckpt_0000005.pt").write_bytes(b"\x00" * 100)
-    assert tg.main(tiny_run_args(data_dir, tmp_path, "--resume", steps=10)) == 2
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt_0000005.pt").write_bytes(b"\x00" * 100)
+    assert tg.main(tiny_run_args(data_dir, tmp_path / "run", "--resume", steps=10)) == 2
     err = capsys.readouterr().err
-    assert f"{tmp_path / 'ckpt_0000005.pt'}: cannot load checkpoint" in err and err.count("\n") == 1
+    assert f"{tmp_path / 'run' / 'ckpt_0000005.pt'}: cannot load checkpoint" in err and err.count("\n") == 1
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, capsys):
@@ -240,11 +226,6 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
 
 
 # --- multi-node -------------------------------------------------------------------------------
-def start_two_nodes(args, port):
-    rdzv = f"--nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id=test"
-    return [start([*torchrun(*rdzv.split(), "--max-restarts=0"), "train_gpt2.py", *args]) for _ in range(2)]
-
-
 def test_two_nodes_on_loopback_train_as_one_process_and_a_dead_node_makes_the_other_exit(
     data_dir, tmp_path, monkeypatch
 ):
@@ -253,14 +234,15 @@ def test_two_nodes_on_loopback_train_as_one_process_and_a_dead_node_makes_the_ot
     stop_after(monkeypatch, 4)
     assert tg.main(tiny_run_args(data_dir, tmp_path / "single", steps=100000, ckpt_every=0)) == 0
     args = tiny_run_args(data_dir, tmp_path / "nodes", "--dist-timeout", "30", steps=100000, ckpt_every=0)
-    nodes = start_two_nodes(args, free_port())
+    rdzv = f"--nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{free_port()} --rdzv-id=t"
+    nodes = [start([*torchrun(*rdzv.split(), "--max-restarts=0"), "train_gpt2.py", *args]) for _ in range(2)]
     try:
         wait_for_steps(tmp_path / "nodes", 6, nodes[0])
         kill_pids(child_pids(nodes[1].pid))  # the second node's training process dies
-        start = time.time()
+        began = time.time()
         nodes[0].communicate(timeout=300)
         assert nodes[0].returncode != 0
-        assert time.time() - start < 200  # it does not hang (seconds on a quiet machine)
+        assert time.time() - began < 200  # it does not hang (seconds on a quiet machine)
     finally:
         for p in nodes:
             kill_pids(child_pids(p.pid) + [p.pid])
@@ -271,11 +253,8 @@ def test_two_nodes_on_loopback_train_as_one_process_and_a_dead_node_makes_the_ot
 
 
 def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypatch, capsys):
-    """A run stopped by a signal while the full sha256 check of its shards is still reading them: the check
-    ends with the run (stopped, its thread joined), not left hashing while the interpreter shuts down."""
-    import threading
-    from trainkit.data.shards import ShardDigestCheck
-
+    """Stopped while the full sha256 check of its shards still reads them, the check ends with the run (its thread
+    joined), not left hashing while the interpreter shuts down."""
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     np.save(data / "synth_train_000099.npy", np.random.default_rng(0).integers(0, 64, 2_000_000).astype(np.uint16))
@@ -292,13 +271,10 @@ def test_a_stop_ends_the_shard_check_still_running(data_dir, tmp_path, monkeypat
 def test_on_two_ranks_a_signal_stops_every_rank_at_one_step_and_a_resume_trains_on_the_same_rows(
     data_dir, tmp_path, monkeypatch
 ):
-    """One torchrun launch of three cases (start_on_ranks). DDP, then FSDP, with a checkpoint every step: SIGTERM to
-    rank 1 alone (as if only one node were preempted) stops both ranks at the step just saved, which they agree on,
-    and each exits 0. Then a one-process run's checkpoint (step 10; 4 rows x 2 micro-steps) resumed on the 2 ranks
-    (2 rows x 2 micro-steps each): the same rows, so the same losses. Ctrl-C in the terminal (SIGINT to its process
-    group; torchrun passes it on) ends it: the ranks checkpoint the step they agree on and exit 0, and rank 0's last
-    line names the checkpoint, says it is safe, how to resume, and that the traceback torchrun prints next (its
-    SignalException; torchrun exits 1) only reports the signal."""
+    """One launch of three cases (start_on_ranks). DDP, then FSDP, a checkpoint every step: SIGTERM to rank 1 alone
+    stops both ranks at the step just saved, each exiting 0. Then a one-process checkpoint (step 10; 4 rows x 2
+    micro-steps) resumed on 2 ranks (2 rows x 2 each): the same rows, so the same losses; Ctrl-C (SIGINT to the
+    group) ends it, rank 0's last line naming the checkpoint and torchrun's SignalException (exit 1) as harmless."""
     one, two = tmp_path / "one", tmp_path / "two"
     stop_after(monkeypatch, 18)
     assert tg.main(tiny_run_args(data_dir, one, "--align-docs", steps=100000, B=4)) == 0

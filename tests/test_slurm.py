@@ -1,7 +1,6 @@
-"""slurm/train_gpt2.sbatch under a real Slurm started here (munged, slurmctld, slurmd; one node, jobs of two CPU
-ranks): one job stopped every way a job stops, each attempt resuming, with the losses of an uninterrupted run.
-The tests marked slurm need Slurm (apt-get install slurm-wlm munge; .ci/run installs it as root) and root, else are
-skipped, saying so. About three minutes on a busy 2-core machine (`-m slurm` alone, `-m "not slurm"` left out)."""
+"""slurm/train_gpt2.sbatch under a real one-node Slurm started here (jobs of two CPU ranks): one job stopped every
+way a job stops, each attempt resuming, with the losses of an uninterrupted run. Tests marked slurm need Slurm
+(apt-get install slurm-wlm munge, as .ci/run does) and root, else are skipped. About three busy minutes."""
 
 import contextlib
 import json
@@ -27,20 +26,21 @@ SHARDS = dict(n_docs=500, seed=4)
 
 
 def args_for(data_dir, out_dir):
-    """The tests' tiny model, trained until stopped; every step's loss logged, a checkpoint only on a stop."""
-    tiny = dict(n_layer=1, block_size=16, seq_len=16, B=2, rows=4, warmup=1, ckpt_every=0)
-    return tiny_run_args(data_dir, out_dir, steps=100000, **tiny)
+    """A tiny model trained until stopped; every step's loss logged, a checkpoint only on a stop."""
+    return tiny_run_args(
+        data_dir, out_dir, steps=100000, n_layer=1, block_size=16, seq_len=16, B=2, rows=4, warmup=1, ckpt_every=0
+    )
 
 
 class Cluster:
     """A one-node Slurm cluster in folder: its daemons, and the commands of a user of it."""
 
     def __init__(self, folder):
-        self.folder, self.conf = folder, os.path.join(folder, "slurm.conf")
-        self.daemons = []
+        self.folder, self.conf, self.daemons = folder, folder / "slurm.conf", []  # (folder: a pathlib.Path)
         # the job runs the Python that runs the tests (PATH), two ranks on this CPU-only node
         path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-        self.env = {**os.environ, "SLURM_CONF": self.conf, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "PATH": path}
+        ours = dict(SLURM_CONF=str(self.conf), NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PATH=path)
+        self.env = {**os.environ, **ours}
 
     def run(self, *command, check=True, cwd=None) -> str:
         result = subprocess.run(command, check=False, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=60)
@@ -48,22 +48,18 @@ class Cluster:
         return result.stdout
 
     def start(self):
-        key = os.path.join(self.folder, "munge.key")
-        with open(key, "wb") as f:
-            f.write(os.urandom(1024))
-        os.chmod(key, 0o400)
-        socket_path = os.path.join(self.folder, "munge.socket")
+        key, socket_path = self.folder / "munge.key", self.folder / "munge.socket"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
         # --force: pytest's folders are private to root, and munged wants its socket's folder open to all
         files = [f"--{kind}-file={self.folder}/munged.{kind}" for kind in ("log", "pid", "seed")]
         self._daemon("munged", "--force", "--foreground", f"--socket={socket_path}", f"--key-file={key}", *files)
-        wait_for(lambda: os.path.exists(socket_path), 30, "munged's socket", self.logs)
+        wait_for(socket_path.exists, 30, "munged's socket", self.logs)
         node = subprocess.run(["slurmd", "-C"], check=True, capture_output=True, text=True, timeout=60).stdout
         node = node.splitlines()[0]  # NodeName=HOST CPUs=... RealMemory=...: this machine as slurmd sees it
         host = node.split()[0].removeprefix("NodeName=")
-        for name in ("state", "spool"):
-            os.makedirs(os.path.join(self.folder, name))
-        with open(self.conf, "w") as f:  # Slurm's defaults: root, munge, requeue, no MPI
-            f.write(f"""ClusterName=test
+        (self.folder / "state").mkdir(), (self.folder / "spool").mkdir()
+        self.conf.write_text(f"""ClusterName=test
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
@@ -84,19 +80,18 @@ KillWait={KILL_WAIT}
 ReturnToService=2
 {node} NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
-""")
+""")  # Slurm's defaults otherwise: root, munge, requeue, no MPI
         self._daemon("slurmctld", "-D", "-i")
         self._daemon("slurmd", "-D")
         idle = lambda: self.run("sinfo", "-h", "-o", "%T", check=False).strip() == "idle"
         wait_for(idle, 60, "the node to be idle", self.logs)
 
     def _daemon(self, name, *args):
-        with open(os.path.join(self.folder, f"{name}.out"), "w") as out:
+        with open(self.folder / f"{name}.out", "w") as out:
             self.daemons.append(subprocess.Popen([name, *args], env=self.env, stdout=out, stderr=subprocess.STDOUT))
 
     def stop(self):
-        """Cancel every job, stop the daemons, then kill what is left of this cluster: any process
-        whose environment names its slurm.conf (slurmstepd, a job's processes). Each may be gone already."""
+        """Cancel every job, stop the daemons, then kill any process whose environment names this slurm.conf."""
         if any(d.poll() is None for d in self.daemons[1:]):
             with contextlib.suppress(Exception):
                 jobs = self.run("squeue", "-h", "-o", "%i", check=False).split()
@@ -112,30 +107,27 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         kill_pids(processes_with_env(f"SLURM_CONF={self.conf}"))
 
     def logs(self) -> str:
-        """The daemons' logs, ends only: what a failed wait prints."""
+        """The ends of the daemons' logs: what a failed wait prints."""
         tails = []
         for name in ("slurmctld.log", "slurmd.log", "munged.log", *(f"{d}.out" for d in DAEMONS)):
-            with contextlib.suppress(OSError), open(os.path.join(self.folder, name), errors="replace") as f:
+            with contextlib.suppress(OSError), open(self.folder / name, errors="replace") as f:
                 tails.append(f"--- {name}\n" + "".join(f.readlines()[-15:]))
         return "\n".join(tails)
 
     def submit(self, out_file, trainer_args, *sbatch_args, cwd=REPO) -> str:
-        """The job id of sbatch SCRIPT, from the repository's root as a user submits it, with the
-        lines its comments say to change for this cluster overridden on the command line."""
+        """The job id of sbatch SCRIPT, from the repository's root, the lines its comments say to change overridden."""
         sbatch = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out_file}"]
         return self.run(*sbatch, *sbatch_args, f"{REPO}/{SCRIPT}", *trainer_args, cwd=cwd).strip().split(";")[0]
 
-    def details(self, output):
-        """What a failed wait for a job prints: the ends of its output and of the daemons' logs."""
+    def details(self, output):  # what a failed wait for a job prints
         return lambda: read(output)[-3000:] + "\n" + self.logs()
 
-    def job(self, job_id) -> dict:
-        """scontrol's fields of the job (JobState, Restarts, ...)."""
+    def job(self, job_id) -> dict:  # scontrol's fields of the job (JobState, Restarts, ...)
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
 
 
 def processes_with_env(entry: str) -> list:
-    """The processes (not this one) whose environment holds entry, as NAME=VALUE."""
+    """The processes (not this one) whose environment holds entry (NAME=VALUE)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
@@ -145,8 +137,7 @@ def processes_with_env(entry: str) -> list:
 
 
 def wait_for(condition, timeout, what=None, details=None) -> bool:
-    """Whether condition() became true within timeout seconds (asked every 0.25 s: each scontrol is a process);
-    with what, a failure after timeout saying what it waited for, and details()."""
+    """Whether condition() held within timeout s (asked every 0.25 s); with what, a failure saying so and details()."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -161,7 +152,7 @@ def wait_for(condition, timeout, what=None, details=None) -> bool:
 def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
     if missing := [name for name in DAEMONS + CLIENTS if not shutil.which(name)]:
         pytest.skip(
-            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, as .ci/run does when run as root"
+            f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurm-wlm munge, as .ci/run does"
         )
     if os.geteuid() != 0:
         pytest.skip("slurmd runs as root, and these tests run as another user")
@@ -169,7 +160,7 @@ def cluster(tmp_path_factory):  # (each test that uses it is marked slurm)
         socket.gethostbyname(socket.gethostname().split(".")[0])
     except OSError:
         pytest.skip(f"this machine's host name {socket.gethostname()} does not resolve to an address")
-    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")))
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.start()
         yield cluster
@@ -184,7 +175,7 @@ def read(path) -> str:
 
 
 def torchrun_started(cluster, job_id) -> bool:
-    """Whether the job's step runs torchrun (its task, as scontrol listpids names it, has exec'd it)."""
+    """Whether the job's step (scontrol listpids) has exec'd torchrun."""
     listed = cluster.run("scontrol", "listpids", f"{job_id}.0", check=False).splitlines()[1:]
     for pid in (line.split()[0] for line in listed if line.split()[0].isdigit()):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -194,8 +185,8 @@ def torchrun_started(cluster, job_id) -> bool:
 
 
 def logged_steps(out_dir) -> list:
-    """(step, loss) of every step record in out_dir's log.jsonl so far."""
-    records = [json.loads(line) for line in read(os.path.join(out_dir, "log.jsonl")).splitlines() if line.endswith("}")]
+    """(step, loss) of every whole step record in out_dir's log.jsonl so far."""
+    records = [json.loads(line) for line in read(out_dir / "log.jsonl").splitlines() if line.endswith("}")]
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
@@ -207,8 +198,7 @@ def stop_step(output: str) -> int:
 
 
 def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
-    """Run with bash instead of sbatch, the script starts nothing: one line, exit code 2."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # run with bash instead of sbatch
     result = subprocess.run(
         ["bash", SCRIPT, "--out-dir", tmp_path / "out"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
@@ -218,8 +208,7 @@ def test_the_script_outside_a_job_says_to_submit_it(tmp_path):
 
 @pytest.mark.slurm
 def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tmp_path):
-    """The job's folder is the one sbatch ran in: without train_gpt2.py there the job fails at once,
-    exit code 2, with one line in its output."""
+    """The job's folder is the one sbatch ran in: without train_gpt2.py there, the job fails at once (exit 2)."""
     output = tmp_path / "job.out"
     job = cluster.submit(output, [], cwd=tmp_path)
     wait_for(lambda: cluster.job(job)["JobState"] == "FAILED", 60, "the job to fail", cluster.details(output))
@@ -231,19 +220,17 @@ def test_a_job_submitted_from_another_folder_says_where_to_submit_it(cluster, tm
 def test_one_job_stopped_every_way_resumes_each_time_with_the_losses_of_an_uninterrupted_run(
     cluster, data_dir, tmp_path
 ):
-    """One job of five attempts, each ended another way: 1, the time limit's signal
-    (scancel --batch --signal=USR1, what Slurm sends) while the run still starts; 2, preempted: SIGTERM, the
-    trainer finishes its step and checkpoints, Slurm starts the job again and the script adds --resume; 3,
-    Slurm's own signal, 170 s before a limit cut to 3 minutes; 4, rank 0 killed outright (SIGKILL), its .lock
-    left; 5, resumed despite the lock, then the time limit of a job made one Slurm will not requeue (as
-    sbatch --no-requeue). Every step is logged once, with the losses of one uninterrupted torchrun of two
-    ranks, bit for bit. Prints the time from each stop to the resumed step."""
+    """One job of five attempts, each ended another way: 1, the time limit's USR1 while the run still starts; 2,
+    preempted (SIGTERM: a checkpoint, requeued, the script adds --resume); 3, Slurm's own signal 170 s before a
+    limit cut to 3 minutes; 4, rank 0 SIGKILLed, its .lock left; 5, resumed despite the lock, then the time limit
+    of a job Slurm will not requeue. Every step logged once, with the losses of one uninterrupted 2-rank torchrun,
+    bit for bit. Prints the time from each stop to the resumed step."""
     out_dir, output, straight_dir = tmp_path / "out", tmp_path / "job.out", tmp_path / "straight"
     job = cluster.submit(output, args_for(data_dir, out_dir), "--time=30", "--signal=B:USR1@170")
     details, seen, times = cluster.details(output), 0, []
 
     def attempt_ended(restarts, what, state=None) -> str:
-        """The output of the attempt that ended, once the job has restarted that often (and is in state)."""
+        """The ended attempt's output, once the job has restarted that often (and is in state)."""
         nonlocal seen
         ended = lambda: (lambda j: j["Restarts"] == str(restarts) and state in (None, j["JobState"]))(cluster.job(job))
         wait_for(ended, KILL_WAIT + 90, what, details)
