@@ -46,7 +46,11 @@ def lines_by_label(ax):
     return {line.get_label(): line for line in ax.get_lines()}
 
 
-def test_make_figure_panels_and_data_equal_the_log(mpl):
+def legend_labels(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_make_figure_panels_and_data_equal_the_log_and_without_hellaswag_two_panels(mpl):
     records = fake_records()
     fig = plot_log.make_figure(records, baseline=0.2955)
     loss_ax, hs_ax, lr_ax = fig.axes
@@ -68,15 +72,11 @@ def test_make_figure_panels_and_data_equal_the_log(mpl):
     assert list(baseline.get_ydata()) == [0.2955, 0.2955]
     (lr_line,) = lr_ax.get_lines()
     assert list(lr_line.get_ydata()) == [r["lr"] for r in train]
-
-
-def test_make_figure_without_hellaswag_has_two_panels_and_no_clip_and_smooth_0_no_ema_line(mpl):
-    records = fake_records(hellaswag=False)
+    # without HellaSwag two panels; --no-clip the whole range; smoothing 0 no EMA line
+    records = [r for r in records if "hellaswag_acc" not in r]
     fig = plot_log.make_figure(records, clip=False)
-    assert len(fig.axes) == 2
-    assert fig.axes[0].get_ylim()[1] >= max(r["loss"] for r in records if "loss" in r)
-    fig = plot_log.make_figure(records, smooth=0)
-    assert set(lines_by_label(fig.axes[0])) == {"train loss", "val loss"}
+    assert len(fig.axes) == 2 and fig.axes[0].get_ylim()[1] >= max(r["loss"] for r in train)
+    assert set(lines_by_label(plot_log.make_figure(records, smooth=0).axes[0])) == {"train loss", "val loss"}
 
 
 def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):
@@ -107,8 +107,7 @@ def test_resumes_are_marked_on_every_panel(mpl):
     for ax in fig.axes:
         marks = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
         assert [list(line.get_xdata()) for line in marks] == [[12, 12], [30, 30]]
-    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert labels.count("resumed") == 1
+    assert legend_labels(fig.axes[0]).count("resumed") == 1
 
 
 def test_trainer_logs_its_resumes_for_the_plot(data_dir, finished_copy):
@@ -196,11 +195,7 @@ def test_bad_logs_are_one_line_errors(tmp_path, name, content, message, mpl):
     assert os.listdir(tmp_path) == ([] if content is None else [name])
 
 
-def legend_labels(ax):
-    return [t.get_text() for t in ax.get_legend().get_texts()]
-
-
-def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve(mpl):
+def test_bits_per_byte_a_multiple_of_the_loss_on_its_right_hand_axis_else_a_line_of_their_own(mpl):
     records = fake_records(hellaswag=False)
     for r in records:
         if "val_loss" in r:
@@ -208,33 +203,29 @@ def test_bits_per_byte_read_on_a_right_hand_axis_of_the_one_validation_curve(mpl
     records.append(dict(step=60, val_loss=3.1, val_bpb=round(3.1 / (4 * math.log(2)), 4)))  # after train step 59
     fig = plot_log.make_figure(records)
     loss_ax, lr_ax = fig.axes  # no twin axis: a secondary axis of the loss panel
-    lines = lines_by_label(loss_ax)
-    assert set(lines) == {"train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"}
+    val_line = "val loss (right axis: bits per byte)"
+    assert (set(lines_by_label(loss_ax)), legend_labels(loss_ax)) == (
+        {"train loss", "train loss (EMA 0.9)", val_line},
+        ["train loss", "train loss (EMA 0.9)", val_line],
+    )
     (bpb_axis,) = loss_ax.child_axes
     assert bpb_axis.get_ylabel() == "val bits per byte"
     factor = 1 / (4 * math.log(2))
     assert bpb_axis.get_ylim() == pytest.approx(tuple(v * factor for v in loss_ax.get_ylim()), rel=1e-3)
-    assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss (right axis: bits per byte)"]
     assert len([a for a in fig.axes + loss_ax.child_axes if a.get_legend()]) == 1  # one legend on the panel
     assert fig._suptitle.get_text().endswith(  # each number with its own step
         f"train loss {records[-3]['loss']:.4f} (step 59) | val loss 3.1000, {records[-1]['val_bpb']:.4f} bits/byte "
         "(step 60)"
     )
 
-
-def test_bits_per_byte_not_a_multiple_of_the_loss_get_their_own_line(mpl):
-    records = fake_records(hellaswag=False)
-    for r in records:
-        if "val_loss" in r:
-            r["val_bpb"] = r["val_loss"] / (4 * math.log(2)) + 0.01 * r["step"]  # bytes per token drifting
-    fig = plot_log.make_figure(records)
-    loss_ax, lr_ax, bpb_ax = fig.axes  # the twin axis comes last
-    val = [r for r in records if "val_bpb" in r]
+    val = [r for r in records[:-1] if "val_bpb" in r]
+    for r in val:
+        r["val_bpb"] += 0.01 * r["step"]  # bytes per token drifting: not a multiple of the loss
+    loss_ax, lr_ax, bpb_ax = plot_log.make_figure(records[:-1]).axes  # the twin axis comes last
     assert "val loss" in lines_by_label(loss_ax) and not loss_ax.child_axes
     (line,) = bpb_ax.get_lines()
     assert (line.get_label(), list(line.get_ydata())) == ("val bits per byte", [r["val_bpb"] for r in val])
-    assert bpb_ax.get_ylabel() == "val bits per byte"
+    assert (bpb_ax.get_ylabel(), bpb_ax.get_legend()) == ("val bits per byte", None)
     lo, hi = bpb_ax.get_ylim()  # its own scale, around its own values
     assert lo <= min(r["val_bpb"] for r in val) and hi >= max(r["val_bpb"] for r in val)
     assert legend_labels(loss_ax) == ["train loss", "train loss (EMA 0.9)", "val loss", "val bits per byte"]
-    assert bpb_ax.get_legend() is None

@@ -1,11 +1,12 @@
-"""End to end through the command line: every split of a step logs the same loss,
-and bad input is one clear line with a non-zero exit."""
+"""End to end through the command line: every split of a step logs the same loss, and bad input is one clear line
+with a non-zero exit."""
 
 import os
 import re
 
 import numpy as np
 import pytest
+import torch
 
 from trainkit.runfiles import resume
 import train_gpt2 as tg
@@ -118,6 +119,11 @@ BAD_INPUT = [  # (flags after the tiny run's, the error line's message; {tmp}: t
     ),
     ("--data-dir /nonexistent/shards", "--data-dir /nonexistent/shards does not exist; create shards with fineweb.py"),
     ("--optimizer muon --muon-momentum 1", "need --muon-lr > 0 and 0 <= --muon-momentum < 1 (got 0.02, 1.0)"),
+    (  # on a torch without torch.optim.Muon (before 2.9)
+        "--optimizer muon",
+        "--optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is torch {torch}: pip install -U torch, or "
+        "use --optimizer adamw",
+    ),
     (
         "--data-dir {tmp}/empty",
         "no 'train' shards (*_train_*.npy or .bin) in --data-dir {tmp}/empty; create them with fineweb.py",
@@ -142,24 +148,17 @@ BAD_INPUT = [  # (flags after the tiny run's, the error line's message; {tmp}: t
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUT, ids=range(len(BAD_INPUT)))
-def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, flags, message):
+def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, monkeypatch, flags, message):
+    if flags == "--optimizer muon":
+        monkeypatch.delattr(torch.optim, "Muon")
     (tmp_path / "empty").mkdir()
     (tmp_path / "only_train").mkdir()
     np.save(tmp_path / "only_train" / "x_train_000000.npy", np.arange(500, dtype=np.uint16))
     args = train_args(data_dir, tmp_path / "o", 4, *flags.format(tmp=tmp_path).split(), steps=2)
-    assert_refused(run_main("train_gpt2.py", *args), message.format(tmp=tmp_path, data=data_dir))
-    assert not (tmp_path / "o").exists()
-
-
-def test_muon_on_a_torch_without_it_is_one_line(data_dir, tmp_path, capsys, monkeypatch):
-    import torch
-
-    monkeypatch.delattr(torch.optim, "Muon")  # torch before 2.9
-    assert tg.main(train_args(data_dir, tmp_path, 4, "--optimizer", "muon", steps=1)) == 2
-    assert capsys.readouterr().err == (
-        f"error: --optimizer muon needs torch 2.9 or newer (torch.optim.Muon); this is "
-        f"torch {torch.__version__}: pip install -U torch, or use --optimizer adamw\n"
+    assert_refused(
+        run_main("train_gpt2.py", *args), message.format(tmp=tmp_path, data=data_dir, torch=torch.__version__)
     )
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("align", [[], ["--align-docs"]], ids=["plain", "align-docs"])
