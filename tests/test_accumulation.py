@@ -92,8 +92,7 @@ def assert_same_updates(model, ref_grads):
 
 
 def batch(doc_mask=False):
-    """make_batch()'s rows; for --doc-mask with an <|endoftext|> input in every fifth place or so,
-    so that each row holds several documents."""
+    """make_batch()'s rows; for --doc-mask with <|endoftext|> in every fifth place or so: several documents a row."""
     x, y = make_batch()
     if doc_mask:
         x[x % 5 == 0] = EOT

@@ -190,8 +190,7 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path, script, args, blocked):
     ["sample.py --checkpoint {missing}", "fineweb.py --files {missing} --out-dir {out}", "plot_log.py {missing}"],
 )
 def test_debug_raises_the_refusal_with_its_traceback(tmp_path, command):
-    """--debug: the refusal's exception leaves main (the traceback), where it was one line and exit code 2
-    (the trainer's as a program above; test_hellaswag and test_hf_interop theirs)."""
+    """(The trainer's as a program above; test_hellaswag's and test_hf_interop's there.)"""
     script, *args = command.format(missing=tmp_path / "missing", out=tmp_path / "out").split()
     result = run_main(script, *args)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1

@@ -45,13 +45,6 @@ def rank_cases(folder, data_dir):
 # --- the gradient of a step and what one rank holds, in a 2-process gloo group ---------------
 
 
-def state_bytes(params, optimizer) -> dict:
-    """Bytes this rank holds (a DTensor's local shard) of the parameters, their gradients and optimizer state."""
-    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    kinds = dict(params=params, grads=[p.grad for p in params], optimizer=optimizer_state)
-    return {kind: sum(device.local_part(t).nbytes for t in tensors) for kind, tensors in kinds.items()}
-
-
 def failing_backend(graph, example_inputs):
     raise RuntimeError("no compiler here")
 
@@ -114,11 +107,13 @@ def main(argv):
                 for n, p in bare.named_parameters()
             }  # names without compile's wrapper
             optimizer.step()
+            state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+            held = dict(params=params, grads=[p.grad for p in params], optimizer=state)  # (a DTensor's local shard)
             results[mode] = dict(
                 grads=grads,
                 norm=norm,
                 loss=launch.all_reduce_sum(loss_sum).item() / n_tokens,
-                bytes=state_bytes(params, optimizer),
+                bytes={kind: sum(device.local_part(t).nbytes for t in tensors) for kind, tensors in held.items()},
                 state_keys=list(checkpoints.full_state(model, optimizer)[0]),
             )
         results["ddp_compiled"]["events"] = events
@@ -204,18 +199,6 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     (steps_a, a), (steps_b, b) = zip(*log_of(fsdp, "loss")), zip(*log_of(single_resumed, "loss"))
     assert steps_a == steps_b == tuple(range(20))
     np.testing.assert_allclose(b, a, rtol=2e-5)
-
-    # the Hugging Face export of an FSDP checkpoint gives transformers the same logits
-    pytest.importorskip("transformers")
-    import hf_interop
-    from transformers import GPT2LMHeadModel
-
-    path = os.path.join(fsdp, "ckpt_0000020.pt")
-    hf = GPT2LMHeadModel.from_pretrained(hf_interop.export_hf(path, str(tmp_path / "hf"))).eval()
-    ours = tg.GPT.from_checkpoint(path)
-    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, ours(idx)[0][..., :50257], atol=1e-5, rtol=0)
 
 
 def test_fsdp_without_torchrun_or_with_float16_is_refused_before_any_work(data_dir, tmp_path):
