@@ -2,7 +2,6 @@
 whole flag names; a usage error, refusal or deleted current folder one `error:` line, exit 2 (rank 0's alone); --help;
 both before torch, numpy, tiktoken, matplotlib are imported; Ctrl-C while importing `error: interrupted`, 130."""
 
-import json
 import os
 import signal
 import sys
@@ -88,9 +87,7 @@ def programs(tmp_path_factory):
     """Every command line of this module that needs no process of its own, run in ONE interpreter, in this
     order: {name: CompletedProcess}."""
     tmp = tmp_path_factory.mktemp("cli")
-    examples = tmp / "hellaswag_val.jsonl"
-    example = dict(ctx="A man is on a roof. he", ctx_a="A man is on a roof.", ctx_b="he", activity_label="Roofing")
-    examples.write_text(json.dumps(dict(example, endings=["a", "b", "c", "d"], label=3)))
+    examples = REPO / "fixtures" / "hellaswag_val_subset.jsonl"
     missing = tmp / "missing.pt"
     cases = {line: dict(argv=line.split()) for line in EARLY}
     cases["probe"] = dict(argv=["-c", PROBE, *LIBRARY])
