@@ -150,18 +150,12 @@ def test_fsdp_step_gradient_is_the_one_batch_gradient_and_a_rank_holds_half(shar
 # --- through the command line ----------------------------------------------------------------
 
 
-def log_of(out_dir, key):
-    return [(r["step"], r[key]) for r in log_records(out_dir) if key in r]
-
-
-def ckpt(out_dir, step):
-    return checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
-
-
 def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
     data_dir, tmp_path, capsys, shared_rank_runs
 ):
     folder, results = shared_rank_runs[__name__]
+    log_of = lambda out_dir, key: [(r["step"], r[key]) for r in log_records(out_dir) if key in r]
+    ckpt = lambda out_dir, step: checkpoints.load_checkpoint(os.path.join(out_dir, f"ckpt_{step:07d}.pt"))
     fsdp_out, resumed_out = (ranks[0].stdout for ranks in results[1:])  # rank 0's, the one that prints
     single, fsdp, fsdp_resumed, single_resumed = tmp_path / "single", folder / "fsdp", folder / "fsdp2", tmp_path / "s2"
     # 4 val rows either way: 2 rows x 2 batches on one process, 2 rows x 1 batch x 2 ranks

@@ -79,14 +79,6 @@ def test_make_figure_panels_and_data_equal_the_log_and_without_hellaswag_two_pan
     assert set(lines_by_label(plot_log.make_figure(records, smooth=0).axes[0])) == {"train loss", "val loss"}
 
 
-def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):
-    write_log(tmp_path, fake_records(n=3))
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    assert_refused(run_main("plot_log.py", tmp_path), "matplotlib is not installed: pip install matplotlib")
-
-
 def test_ema_reference_values_and_a_resumed_step_keeps_its_last_value():
     steps, values = plot_log.series([dict(step=2, loss=5.0), dict(step=1, loss=6.0), dict(step=2, loss=4.0)], "loss")
     assert (steps, values) == ([1, 2], [6.0, 4.0])
@@ -184,10 +176,15 @@ TWO_RECORDS = b'{"step": 0, "loss": 5.0}\n{"step": 0, "val_loss": 5.1}\n'
             "{log} line 1: loss is too large a number to plot",
         ),
         ("log.jsonl", b'{"step": Infinity, "loss": 3.0}\n', "{log} line 1: step is inf, not a step number"),
+        ("log.jsonl", TWO_RECORDS, "matplotlib is not installed: pip install matplotlib"),
     ],
-    ids=["missing", "empty", "no-curves", "str", "list", "bool-step", "checkpoint", "huge-integer", "infinite-step"],
+    ids="missing empty no-curves str list bool-step checkpoint huge-integer infinite-step no-matplotlib".split(),
 )
-def test_bad_logs_are_one_line_errors(tmp_path, name, content, message, mpl):
+def test_bad_logs_are_one_line_errors(tmp_path, monkeypatch, name, content, message, mpl):
+    if message.startswith("matplotlib"):  # import matplotlib -> ImportError
+        for module in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+            monkeypatch.delitem(sys.modules, module)
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
     log = tmp_path / name
     if content is not None:
         log.write_bytes(content)

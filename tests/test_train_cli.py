@@ -32,19 +32,15 @@ def read_log(out_dir, key="loss"):
 # 2 steps): together they cover both. The second also masks attention to each document of its rows
 # (--doc-mask), as modded-nanogpt pairs them.
 SPLITS = {"plain": ([], 4), "align-docs+doc-mask": (["--align-docs", "--doc-mask"], 2)}
-RUNS = [
-    (v, name, B) for v, (_, rows) in SPLITS.items() for name, B in (("ddp", 2), ("fsdp", rows))
-]  # (variant, run, B)
+# (variant, run, B) of each 2-rank run
+RUNS = [(v, name, B) for v, (_, rows) in SPLITS.items() for name, B in (("ddp", 2), ("fsdp", rows))]
 
 
 def rank_cases(folder, data_dir):
-    """RUNS, cases of conftest's shared_rank_runs launch: by variant of SPLITS, DDP and FSDP in B rows x 2 ranks."""
-    cases = []
-    for variant, name, B in RUNS:
-        mode = ["--fsdp"] if name == "fsdp" else []
-        args = train_args(data_dir, folder / variant / name, B, *SPLITS[variant][0], *mode)
-        cases.append(dict(script="train_gpt2", argv=[args, args]))
-    return cases
+    """RUNS as cases of conftest's shared_rank_runs launch: DDP and FSDP in B rows x 2 ranks."""
+    mode = {"ddp": [], "fsdp": ["--fsdp"]}
+    runs = [train_args(data_dir, folder / v / name, B, *SPLITS[v][0], *mode[name]) for v, name, B in RUNS]
+    return [dict(script="train_gpt2", argv=[args, args]) for args in runs]
 
 
 @pytest.mark.parametrize("variant", SPLITS)
