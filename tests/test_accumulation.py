@@ -117,16 +117,11 @@ def test_tiny_gpt_accumulation_matches_one_batch(B, doc_mask):
         assert all(torch.equal(g, ref[k]) for k, g in grads_of(model).items())
     assert loss_sum.item() / n_tokens == pytest.approx(ref_loss, rel=1e-6)
     assert_same_updates(model, ref)
-
-
-def test_naive_mean_over_steps_is_wrong_with_ignored_targets():
-    x, y = make_batch()
-    ref, _ = reference_grads(x, y)
-    model = fresh_model()
-    for xb, yb in split_rows(x, y, 2):  # the reference loop: mean per micro-batch / steps
-        _, loss = model(torch.from_numpy(xb), torch.from_numpy(yb))
-        (loss / 4).backward()
-    assert max((g - ref[k]).abs().max().item() for k, g in grads_of(model).items()) > 1e-4
+    if (B, doc_mask) == (2, False):  # the naive mean of micro-batch means is wrong with ignored targets
+        naive = fresh_model()
+        for xb, yb in split_rows(x, y, B):
+            (naive(torch.from_numpy(xb), torch.from_numpy(yb))[1] / 4).backward()
+        assert max((g - ref[k]).abs().max().item() for k, g in grads_of(naive).items()) > 1e-4
 
 
 # --- 2. DDP, 2 gloo ranks x 2 accumulation steps == one batch ----------------------------------
@@ -138,8 +133,7 @@ def rank_cases(folder, data_dir):
 
 
 def main(argv):
-    """On each rank of a 2-rank launch (rank_cases): DDP's gradients, loss and stepped weights, saved to
-    argv[0].RANK."""
+    """On each rank of a 2-rank launch: DDP's gradients, loss and stepped weights, saved to argv[0].RANK."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = {}
     with gloo_rank_of_one_batch(rank, world, os.environ["MASTER_PORT"]) as (_, n_tokens):

@@ -28,8 +28,7 @@ def run_args(data_dir, out_dir, *extra, B=2, val_steps=1):
 
 
 def rank_cases(folder, data_dir):
-    """The step of every mode on 2 ranks (main), FSDP's run, and one resuming a copy of its checkpoint 10 and
-    the log that ran past it (as resume_copy leaves it)."""
+    """The step of every mode (main), FSDP's run, and one resuming its checkpoint 10 and later log (resume_copy's)."""
     fsdp, resumed = folder / "fsdp", folder / "fsdp2"
     return [
         dict(script="test_fsdp", argv=[[folder / "step.pt"]] * 2),
