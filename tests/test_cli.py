@@ -103,8 +103,12 @@ def programs(tmp_path_factory):
     return dict(zip(cases, run_as_programs(list(cases.values()), watch=HEAVY))), tmp
 
 
-def test_help_and_usage_errors_answer_before_torch_numpy_tiktoken_and_matplotlib(programs):
+def test_help_and_usage_errors_answer_before_torch_and_flags_are_never_abbreviated(programs):
+    """Also as a rank of a torchrun launch (RANK set: rank 0 alone prints; torchrun's side: test_ranks) and started
+    in a folder deleted under the shell (where torch's native libraries would end in a fatal error)."""
     results, _ = programs
+    expected = {**USAGE_ERRORS, **ON_RANK, **{("deleted", script): DELETED for script in SCRIPTS}}
+    assert {key: (results[key].returncode, results[key].stderr, results[key].stdout) for key in expected} == expected
     for line in [*EARLY, LATE_HELP]:
         result, helps = results[line], line.endswith(("--help", "-h"))
         assert result.returncode == (0 if helps else 2) and result.own is None, line
@@ -128,17 +132,8 @@ def test_no_library_module_loads_the_trainer_nor_extras_and_no_script_a_second_c
         assert "missing.pt" in result.stderr and result.loaded == ["numpy", "tiktoken", "torch"]
 
 
-def test_usage_errors_are_one_line_and_flags_are_never_abbreviated(programs):
-    """Also as a rank of a torchrun launch (RANK set: rank 0 alone prints; torchrun's side: test_ranks) and started
-    in a folder deleted under the shell (where torch's native libraries would end in a fatal error)."""
-    results, _ = programs
-    expected = {**USAGE_ERRORS, **ON_RANK, **{("deleted", script): DELETED for script in SCRIPTS}}
-    assert {key: (results[key].returncode, results[key].stderr, results[key].stdout) for key in expected} == expected
-
-
 def test_a_refusal_is_one_line_as_a_program_and_debug_is_its_traceback(programs):
-    """A UserError as a program: one line and exit code 2; with --debug (a process of its own: the traceback is
-    the interpreter's), the error's traceback instead."""
+    """--debug is a process of its own: the traceback is the interpreter's."""
     results, tmp = programs
     line = f"--data-dir {tmp / 'missing'} does not exist; create shards with fineweb.py"
     assert_refused(results["trainer refusal"], line)

@@ -18,8 +18,7 @@ SHARDS = dict(n_docs=600, seed=1, max_len=60, shard_size=6000)
 
 
 def train_args(data_dir, out_dir, B, *extra, steps=10):
-    """A tiny run of 8 rows of T tokens a step in micro-batches of B, max LR 3e-2, nothing evaluated or saved
-    on the way; extra last."""
+    """A tiny run: 8 rows of T tokens a step in micro-batches of B, max LR 3e-2, nothing evaluated or saved."""
     sizes = dict(n_embd=32, block_size=64, seq_len=T, warmup=2, ckpt_every=0)
     return tiny_run_args(data_dir, out_dir, "--max-lr", "3e-2", *extra, steps=steps, B=B, **sizes)
 
