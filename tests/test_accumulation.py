@@ -33,8 +33,7 @@ OPTIMIZERS = {"adamw": {}, "muon": MUON}  # build_optimizer's extra arguments fo
 
 
 def stepped_weights(model, grads=None, extra=None) -> dict:
-    """{parameter name: weight} after one step of build_optimizer(**extra) on a copy of model, with grads
-    ({name: gradient}; None: model's own .grad) as its gradients; model stays as it is."""
+    """{name: weight} after one step of build_optimizer(**extra) on a copy of model from grads (None: its .grad)."""
     copied = copy.deepcopy(model)  # (a Parameter's deepcopy leaves its .grad behind)
     for (name, p), original in zip(copied.named_parameters(), model.parameters()):
         p.grad = (original.grad if grads is None else grads[name]).clone()
@@ -55,8 +54,7 @@ def adamw_bound(g, g_ref, w):
 
 
 def muon_input(g, momentum=MUON["muon_momentum"]):
-    """What torch.optim.Muon's first Nesterov step orthogonalizes in bfloat16: g.lerp(buffer, momentum), the
-    buffer being zeros.lerp(g, 1 - momentum)."""
+    """What torch.optim.Muon's first Nesterov step orthogonalizes in bfloat16 (its buffer: zeros.lerp(g, 1 - m))."""
     return g.lerp(torch.zeros_like(g).lerp(g, 1 - momentum), momentum).bfloat16()
 
 

@@ -84,15 +84,13 @@ PROBE += f"import train_gpt2\nprint(*[m for m in {EXTRAS!r} if m in sys.modules]
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
-    """Every command line of this module that needs no process of its own, run in ONE interpreter, in this
-    order: {name: CompletedProcess}."""
+    """Every command line here that needs no process of its own, run in ONE interpreter in order: {name: result}."""
     tmp = tmp_path_factory.mktemp("cli")
     examples = REPO / "fixtures" / "hellaswag_val_subset.jsonl"
     missing = tmp / "missing.pt"
     cases = {line: dict(argv=line.split()) for line in EARLY}
     cases["probe"] = dict(argv=["-c", PROBE, *LIBRARY])
-    # two commands that import the trainer: nothing imports it back, so no second copy of the script is loaded
-    # under its own name (the trainer imports trainkit, never a script)
+    # two commands that import the trainer (which imports trainkit, never a script)
     cases["sample run"] = dict(argv=["sample.py", "--checkpoint", str(missing)])
     cases["hellaswag run"] = dict(argv=["hellaswag.py", "--checkpoint", str(missing), "--data-file", str(examples)])
     cases.update({line: dict(argv=line.split()) for line in [*USAGE_ERRORS, LATE_HELP]})

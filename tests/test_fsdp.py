@@ -99,7 +99,6 @@ def main(argv):
             bare = checkpoints.unwrap_model(model)
             optimizer = tg.build_optimizer(bare, 0.1, 1e-3, "cpu")
             loss_sum = tg.accumulate_gradients(model, batches, n_tokens, world, "cpu", torch.float32)
-            params = list(bare.parameters())
             norm = tg.clip_gradients(bare, 0.0, optimizer)  # the norm, unclipped
             grads = {
                 n.replace("._orig_mod", ""): p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
@@ -107,7 +106,7 @@ def main(argv):
             }  # names without compile's wrapper
             optimizer.step()
             state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-            held = dict(params=params, grads=[p.grad for p in params], optimizer=state)  # (a DTensor's local shard)
+            held = dict(params=list(bare.parameters()), grads=[p.grad for p in bare.parameters()], optimizer=state)
             results[mode] = dict(
                 grads=grads,
                 norm=norm,
@@ -195,8 +194,7 @@ def test_fsdp_checkpoints_resume_in_any_mode_and_evaluation_matches_one_process(
 
 
 def test_fsdp_without_torchrun_or_with_float16_is_refused_before_any_work(data_dir, tmp_path):
-    """float16: each rank's GradScaler would see only its own shard's overflows (checked before the process
-    group is needed, so a world size of 2 is enough)."""
+    """float16: each rank's GradScaler would see only its own shard's overflows (checked before any process group)."""
     args = ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--model", "cpu", "--fsdp"]
     assert_refused(
         run_main("train_gpt2.py", *args),

@@ -89,7 +89,14 @@ def test_ema_reference_values_and_a_resumed_step_keeps_its_last_value():
     assert smoothed[1:] == pytest.approx([2.0, 2.0, (0.5 + 2.0) / 0.75], abs=1e-12)  # carried over inf
 
 
-def test_resumes_are_marked_on_every_panel(mpl):
+def test_resumes_the_trainer_logs_are_marked_on_every_panel(data_dir, finished_copy, mpl):
+    import train_gpt2 as tg
+
+    assert tg.main(tiny_run_args(data_dir, finished_copy, "--resume", steps=6, ckpt_every=2)) == 0  # from step 4
+    records = plot_log.load_records(str(finished_copy / "log.jsonl"))
+    assert [r for r in records if "event" in r] == [dict(event="resume", step=4, run=records[0]["run"])]
+    assert ([r["step"] for r in records if "loss" in r], plot_log.resume_steps(records)) == ([0, 1, 2, 3, 4, 5], [4])
+
     records = fake_records(n=40, hellaswag=False)
     records.insert(25, dict(event="resume", step=12))  # the trainer's record
     records += [dict(step=s, loss=3.0, lr=1e-4) for s in range(30, 45)]  # an older log: steps go back to 30
@@ -100,15 +107,6 @@ def test_resumes_are_marked_on_every_panel(mpl):
         marks = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
         assert [list(line.get_xdata()) for line in marks] == [[12, 12], [30, 30]]
     assert legend_labels(fig.axes[0]).count("resumed") == 1
-
-
-def test_trainer_logs_its_resumes_for_the_plot(data_dir, finished_copy):
-    import train_gpt2 as tg
-
-    assert tg.main(tiny_run_args(data_dir, finished_copy, "--resume", steps=6, ckpt_every=2)) == 0  # from step 4
-    records = plot_log.load_records(str(finished_copy / "log.jsonl"))
-    assert [r for r in records if "event" in r] == [dict(event="resume", step=4, run=records[0]["run"])]
-    assert ([r["step"] for r in records if "loss" in r], plot_log.resume_steps(records)) == ([0, 1, 2, 3, 4, 5], [4])
 
 
 def test_output_paths_by_extension_and_bad_output_type_or_smoothing_are_one_line_errors(tmp_path, mpl):
