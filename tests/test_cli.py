@@ -1,9 +1,7 @@
-"""The command-line contract of every script (trainkit/cli.py), as programs: whole flag names only; a usage error, a
-refusal and a deleted current folder one `error:` line and exit code 2 (under torchrun, rank 0's); -h/--help the full
-help; both answered before torch, numpy, tiktoken and matplotlib are imported; Ctrl-C while importing `error:
-interrupted`, 130. One interpreter runs the lines that need no process of their own (run_as_programs)."""
+"""Every script's command line as a program (one run_as_programs interpreter where no process of its own is needed):
+whole flag names; a usage error, refusal or deleted current folder one `error:` line, exit 2 (rank 0's alone); --help;
+both before torch, numpy, tiktoken, matplotlib are imported; Ctrl-C while importing `error: interrupted`, 130."""
 
-import json
 import os
 import signal
 import sys
@@ -86,17 +84,13 @@ PROBE += f"import train_gpt2\nprint(*[m for m in {EXTRAS!r} if m in sys.modules]
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
-    """Every command line of this module that needs no process of its own, run in ONE interpreter, in this
-    order: {name: CompletedProcess}."""
+    """Every command line here that needs no process of its own, run in ONE interpreter in order: {name: result}."""
     tmp = tmp_path_factory.mktemp("cli")
-    examples = tmp / "hellaswag_val.jsonl"
-    example = dict(ctx="A man is on a roof. he", ctx_a="A man is on a roof.", ctx_b="he", activity_label="Roofing")
-    examples.write_text(json.dumps(dict(example, endings=["a", "b", "c", "d"], label=3)))
+    examples = REPO / "fixtures" / "hellaswag_val_subset.jsonl"
     missing = tmp / "missing.pt"
     cases = {line: dict(argv=line.split()) for line in EARLY}
     cases["probe"] = dict(argv=["-c", PROBE, *LIBRARY])
-    # two commands that import the trainer: nothing imports it back, so no second copy of the script is loaded
-    # under its own name (the trainer imports trainkit, never a script)
+    # two commands that import the trainer (which imports trainkit, never a script)
     cases["sample run"] = dict(argv=["sample.py", "--checkpoint", str(missing)])
     cases["hellaswag run"] = dict(argv=["hellaswag.py", "--checkpoint", str(missing), "--data-file", str(examples)])
     cases.update({line: dict(argv=line.split()) for line in [*USAGE_ERRORS, LATE_HELP]})
@@ -107,8 +101,12 @@ def programs(tmp_path_factory):
     return dict(zip(cases, run_as_programs(list(cases.values()), watch=HEAVY))), tmp
 
 
-def test_help_and_usage_errors_answer_before_torch_numpy_tiktoken_and_matplotlib(programs):
+def test_help_and_usage_errors_answer_before_torch_and_flags_are_never_abbreviated(programs):
+    """Also as a rank of a torchrun launch (RANK set: rank 0 alone prints; torchrun's side: test_ranks) and started
+    in a folder deleted under the shell (where torch's native libraries would end in a fatal error)."""
     results, _ = programs
+    expected = {**USAGE_ERRORS, **ON_RANK, **{("deleted", script): DELETED for script in SCRIPTS}}
+    assert {key: (results[key].returncode, results[key].stderr, results[key].stdout) for key in expected} == expected
     for line in [*EARLY, LATE_HELP]:
         result, helps = results[line], line.endswith(("--help", "-h"))
         assert result.returncode == (0 if helps else 2) and result.own is None, line
@@ -132,17 +130,8 @@ def test_no_library_module_loads_the_trainer_nor_extras_and_no_script_a_second_c
         assert "missing.pt" in result.stderr and result.loaded == ["numpy", "tiktoken", "torch"]
 
 
-def test_usage_errors_are_one_line_and_flags_are_never_abbreviated(programs):
-    """Also under torchrun (rank 0 alone) and started in a folder deleted under the shell (where torch's native
-    libraries would end in a fatal error)."""
-    results, _ = programs
-    expected = {**USAGE_ERRORS, **ON_RANK, **{("deleted", script): DELETED for script in SCRIPTS}}
-    assert {key: (results[key].returncode, results[key].stderr, results[key].stdout) for key in expected} == expected
-
-
 def test_a_refusal_is_one_line_as_a_program_and_debug_is_its_traceback(programs):
-    """A UserError as a program: one line and exit code 2; with --debug (a process of its own: the traceback is
-    the interpreter's), the error's traceback instead."""
+    """--debug is a process of its own: the traceback is the interpreter's."""
     results, tmp = programs
     line = f"--data-dir {tmp / 'missing'} does not exist; create shards with fineweb.py"
     assert_refused(results["trainer refusal"], line)
@@ -150,16 +139,6 @@ def test_a_refusal_is_one_line_as_a_program_and_debug_is_its_traceback(programs)
     assert result.returncode == 1 and result.stderr.startswith("Traceback (most recent call last):\n")
     assert result.stderr.splitlines()[-1] == f"trainkit.cli.UserError: {line}"
     assert not (tmp / "o").exists()
-
-
-def test_a_bad_flag_under_torchrun_is_one_line(tmp_path):
-    result = run_cli(["--max-step", "5", "--out-dir", str(tmp_path)], nproc=2)
-    output = result.stdout + result.stderr
-    assert [line for line in output.splitlines() if "error:" in line] == [
-        "error: unrecognized arguments: --max-step 5 (see train_gpt2.py --help)"
-    ], output[-3000:]
-    assert result.returncode != 0 and "exitcode  : 2" in output  # the rank torchrun names first
-    assert not tmp_path.exists() or not os.listdir(tmp_path)
 
 
 BLOCKING_MODULE = """import os
@@ -201,8 +180,7 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path, script, args, blocked):
     ["sample.py --checkpoint {missing}", "fineweb.py --files {missing} --out-dir {out}", "plot_log.py {missing}"],
 )
 def test_debug_raises_the_refusal_with_its_traceback(tmp_path, command):
-    """--debug: the refusal's exception leaves main (the traceback), where it was one line and exit code 2
-    (the trainer's as a program above; test_hellaswag and test_hf_interop theirs)."""
+    """(The trainer's as a program above; test_hellaswag's and test_hf_interop's there.)"""
     script, *args = command.format(missing=tmp_path / "missing", out=tmp_path / "out").split()
     result = run_main(script, *args)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1

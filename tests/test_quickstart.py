@@ -1,6 +1,5 @@
-"""quickstart.sh in a fresh clone, as a user runs it (tiny overrides), then rerun: it resumes and
-reuses. It uses the test's own virtual environment (QUICKSTART_VENV) rather than building one, and
-runs as on a machine without internet and without TIKTOKEN_CACHE_DIR (quickstart_env)."""
+"""quickstart.sh in a fresh clone as a user runs it (tiny overrides, the test's own venv, offline, no
+TIKTOKEN_CACHE_DIR), then rerun: it resumes and reuses."""
 
 import hashlib
 import os
@@ -37,15 +36,13 @@ OFFLINE = dict.fromkeys(("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy
 
 
 def quickstart_env(clone, **env) -> dict:
-    """As on a machine without internet (the packages are installed already): no TIKTOKEN_CACHE_DIR,
-    so the GPT-2 BPE comes from the clone's bpe/, and OFFLINE's proxies; env on top (with_env's)."""
+    """Offline (OFFLINE's proxies), no TIKTOKEN_CACHE_DIR: the GPT-2 BPE from the clone's bpe/; env on top."""
     tiny = dict(QUICKSTART_FINEWEB_ARGS=TINY_DATA, QUICKSTART_HELLASWAG_ARGS=FEW_EXAMPLES, OMP_NUM_THREADS="1")
     cache = dict(TIKTOKEN_CACHE_DIR=None, DATA_GYM_CACHE_DIR=None, HELLASWAG_DIR=str(clone / "hellaswag"))
     return {**OFFLINE, **tiny, **cache, "QUICKSTART_VENV": sys.prefix, **env}
 
 
 def bash(*args, cwd=REPO, timeout=60, **env) -> subprocess.CompletedProcess:
-    """`bash args` in cwd, env set on top of this process's environment (with_env): the completed process, as text."""
     return subprocess.run(["bash", *args], cwd=cwd, env=with_env(env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -132,16 +129,14 @@ def test_damaged_bpe_is_one_line(clone, tmp_path):
         proc = quickstart(clone, TMPDIR=str(tmp_path))
     finally:
         bpe.write_bytes(good)
-    assert proc.returncode == 2
     expected = f"error: could not load the GPT-2 tokenizer: {bpe.resolve()} is damaged (sha256 {hashlib.sha256(bad).hexdigest()[:16]}..., expected 306cd27f03c1a714...); restore it (git checkout -- bpe), or set TIKTOKEN_CACHE_DIR to a folder that holds tiktoken's cached r50k_base file"
-    assert proc.stderr.splitlines()[-1] == expected
+    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (2, expected)
     assert "quickstart: tokenizing" not in proc.stdout
 
 
 def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it(tmp_path):
-    """`python sample.py` with quickstart's .venv beside the script but another python running it (one without
-    the libraries): one line names the environment and both ways to use it; without a .venv there, it says to
-    install the requirements. Neither blames a memory limit."""
+    """One line names the environment and both ways to use it; without a .venv there, it says to install the
+    requirements."""
     for name in ("sample.py", "trainkit"):
         (tmp_path / name).symlink_to(REPO / name)
     start = "error: cannot import the libraries this script needs (ModuleNotFoundError: No module named 'torch'): "
@@ -157,10 +152,8 @@ def test_a_script_run_by_a_python_without_the_libraries_names_the_venv_beside_it
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with an NVIDIA GPU, PyPI's CUDA build is the one")
 def test_torch_for_a_linux_machine_without_a_gpu_is_the_cpu_build(tmp_path):
-    """.ci/install_torch.sh, which quickstart.sh and .ci/run share: on Linux without a GPU, the pinned version's
-    "+cpu" build where pip's sources offer one (the newest +cpu without a pin); else, download.pytorch.org being
-    unreachable, PyPI's torch, said so. quickstart.sh with none of the libraries: torch so, then the requirements,
-    then its probe again (here still without them: one line)."""
+    """.ci/install_torch.sh (quickstart.sh's and .ci/run's): the pinned version's "+cpu" build where offered (the newest
+    without a pin), else PyPI's, said so. quickstart.sh without the libraries: torch, the requirements, one line."""
     if os.uname().sysname != "Linux":
         pytest.skip("the CPU build is looked for on Linux only (PyPI's is the CPU one elsewhere)")
     offered = tmp_path / "offered.txt"
