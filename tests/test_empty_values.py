@@ -54,7 +54,8 @@ def test_an_export_never_replaces_the_current_home_or_checkout_folder(project, f
     assert state() == before and tree_hashes(REPO / "trainkit") == checkout and os.listdir(home) == []
 
 
-EMPTY = {  # the command line (shlex): the argument refused (--resume '': test_out_dir's test_resume_means_resume)
+EMPTY = {  # the command line (shlex): the argument refused
+    "train_gpt2.py --resume ''": "--resume",
     "train_gpt2.py --init-from ''": "--init-from",
     "train_gpt2.py --out-dir ''": "--out-dir",
     "train_gpt2.py --data-dir ''": "--data-dir",
