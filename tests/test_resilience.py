@@ -117,7 +117,8 @@ def test_under_nohup_sighup_changes_nothing_and_sigterm_checkpoints_a_run_that_r
         if proc.poll() is None:
             proc.kill()
     assert (proc.returncode, err) == (0, "")
-    (stop_step,) = map(int, re.findall(r"^stopped by signal at step (\d+); .*--resume", out, re.MULTILINE))
+    (stop_line,) = [line for line in out.splitlines() if line.startswith("stopped by signal")]
+    stop_step = int(re.fullmatch(r"stopped by signal at step (\d+); .*--resume.*", stop_line)[1])
     assert stop_step >= 13 and sorted(os.listdir(preempted)) == [f"ckpt_{stop_step:07d}.pt", "log.jsonl"]
     stop_after(monkeypatch, stop_step + 3)
     for out_dir, flags in ((preempted, ["--resume"]), (straight, [])):
