@@ -86,7 +86,14 @@ def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, sourc
     with contextlib.ExitStack() as stack:
         pool = None
         if args.workers > 1:  # forked before the source starts any threads
-            pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=init_worker))
+            # Ctrl-C and SIGTERM held back from the workers until init_worker sets their own handlers: else one that
+            # came between a fork and then would raise this process's KeyboardInterrupt in the worker, which would
+            # go on to run this function's code (a second "interrupted" line; in-process, a worker that never ends)
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_HELD_SIGNALS)
+            try:
+                pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=init_worker))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         # read the first document now, so that source errors come before the progress bar
         first = next(documents, None)
         if first is None and not writer.manifest["shards"]:
@@ -218,7 +225,8 @@ if __name__ == "__main__":
 
 import numpy as np
 
-from trainkit.data.documents import CHUNK_CHARS, chunk_located, hub_revision, init_worker, iter_file_documents
+from trainkit.data.documents import CHUNK_CHARS, WORKER_HELD_SIGNALS, chunk_located, hub_revision, init_worker
+from trainkit.data.documents import iter_file_documents
 from trainkit.data.documents import iter_hub_documents, load_worker_encoding, resolve_files, tokenize_in_order
 from trainkit.data.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest
 from trainkit.data.tokenizer import ENCODING_NAME, EOT

@@ -184,10 +184,14 @@ CHUNK_CHARS = 1 << 20  # text per worker task: big enough that IPC is noise, sma
 _worker_encoding = None
 
 
+WORKER_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked from the fork until init_worker
+
+
 def init_worker():
     # the main process stops the pool: a worker ignores Ctrl-C and ends quietly on pool.terminate()'s SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_HELD_SIGNALS)  # (held by the main process while it forked)
     global _worker_encoding
     if _worker_encoding is None:  # forked workers inherit the main process's (loading takes ~0.3 s)
         _worker_encoding = get_encoding()
