@@ -492,7 +492,7 @@ NOT_GPT2 = {
 
 # The files of longest wall time (summed --durations, two workers on the 2-core machine) start first, so that the
 # two workers end together (xdist's loadfile hands out the files of most tests first); the rest follow as collected
-LONGEST_FILES = """test_slurm test_hf_interop test_resilience test_ranks test_train_faults test_readme test_fsdp
+LONGEST_FILES = """test_slurm test_fsdp test_hf_interop test_resilience test_ranks test_train_faults test_readme
 test_lm_eval test_quickstart test_gpu_paths test_train_cli test_hostile test_hellaswag test_shard_scan test_sample
 test_run_tracking test_out_dir test_output""".split()
 
