@@ -79,21 +79,13 @@ def write_data_set(args: argparse.Namespace, source: str, config: dict, inputs, 
 
 def write_shards(args: argparse.Namespace, writer: ShardWriter, documents, source: str) -> None:
     """Tokenize the documents (those the shards so far do not hold) into the writer's shards."""
-    import multiprocessing
     from tqdm import tqdm
 
     drop = writer.open_tokens
     with contextlib.ExitStack() as stack:
         pool = None
         if args.workers > 1:  # forked before the source starts any threads
-            # Ctrl-C and SIGTERM held back from the workers until init_worker sets their own handlers: else one that
-            # came between a fork and then would raise this process's KeyboardInterrupt in the worker, which would
-            # go on to run this function's code (a second "interrupted" line; in-process, a worker that never ends)
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_HELD_SIGNALS)
-            try:
-                pool = stack.enter_context(multiprocessing.Pool(args.workers, initializer=init_worker))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            pool = stack.enter_context(worker_pool(args.workers))
         # read the first document now, so that source errors come before the progress bar
         first = next(documents, None)
         if first is None and not writer.manifest["shards"]:
@@ -225,8 +217,7 @@ if __name__ == "__main__":
 
 import numpy as np
 
-from trainkit.data.documents import CHUNK_CHARS, WORKER_HELD_SIGNALS, chunk_located, hub_revision, init_worker
-from trainkit.data.documents import iter_file_documents
+from trainkit.data.documents import CHUNK_CHARS, chunk_located, hub_revision, iter_file_documents, worker_pool
 from trainkit.data.documents import iter_hub_documents, load_worker_encoding, resolve_files, tokenize_in_order
 from trainkit.data.shard_writer import ShardWriter, input_listing, open_manifest, save_manifest
 from trainkit.data.tokenizer import ENCODING_NAME, EOT

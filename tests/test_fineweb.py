@@ -7,7 +7,6 @@ import gzip
 import hashlib
 import io
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -145,7 +144,7 @@ def test_a_token_id_beyond_uint16_is_refused():
 def test_tokenize_in_order_keeps_a_bounded_number_of_tasks_in_flight():
     pulled = []
     chunks = (pulled.append(i) or ([f"document {i}"], [f"where {i}"]) for i in range(100))  # (pulled: i asked for)
-    with multiprocessing.Pool(2, initializer=documents.init_worker) as pool:
+    with documents.worker_pool(2) as pool:
         results = documents.tokenize_in_order(chunks, pool, max_in_flight=4)
         first = next(results)
         assert len(pulled) == 4
@@ -538,7 +537,7 @@ def test_other_failures_in_a_worker_are_one_line_naming_the_document(monkeypatch
 
     monkeypatch.setattr(documents, "_worker_encoding", Panicking())  # forked workers inherit it
     chunks = [(["ok"], ["x.jsonl:1"]), (["fine", "bad", "bad too"], ["x.jsonl:2", "x.jsonl:3", "x.jsonl:4"])]
-    with multiprocessing.Pool(1, initializer=documents.init_worker) as pool:  # the panic used to end the worker
+    with documents.worker_pool(1) as pool:  # the panic used to end the worker
         results = documents.tokenize_in_order(iter(chunks), pool, max_in_flight=2)
         assert next(results).tolist() == [1, 2]
         with pytest.raises(cli.UserError) as raised:

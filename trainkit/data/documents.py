@@ -184,14 +184,28 @@ CHUNK_CHARS = 1 << 20  # text per worker task: big enough that IPC is noise, sma
 _worker_encoding = None
 
 
-WORKER_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked from the fork until init_worker
+_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked in a worker from its fork until init_worker
+
+
+def worker_pool(workers: int):
+    """A multiprocessing Pool of init_worker's workers. Ctrl-C and SIGTERM are held back from each until its own
+    handlers are set: one that came between its fork and then would raise this process's KeyboardInterrupt in
+    the worker, which would go on to run the caller's code (a second "interrupted" line; in-process, a worker
+    that never ends)."""
+    import multiprocessing
+
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        return multiprocessing.Pool(workers, initializer=init_worker)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def init_worker():
     # the main process stops the pool: a worker ignores Ctrl-C and ends quietly on pool.terminate()'s SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_HELD_SIGNALS)  # (held by the main process while it forked)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)  # (held by worker_pool while it forked)
     global _worker_encoding
     if _worker_encoding is None:  # forked workers inherit the main process's (loading takes ~0.3 s)
         _worker_encoding = get_encoding()
